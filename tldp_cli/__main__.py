@@ -1,0 +1,3 @@
+from tldp_cli.cli import main
+
+main()

@@ -1,0 +1,91 @@
+"""Vectorised TLDP: perturb a block of records.
+
+A pure function of the block, its global position, the calibration and the random
+streams. Each stream unit (rng.records_per_unit records) draws its noise and its
+retain decisions from its own generator in a fixed order, always for the whole
+unit, so a block that covers part of a unit gets the same values as a block that
+covers all of it.
+
+Retain decisions are exact without a uniform per element when p is small: the
+number of candidates in a unit is Binomial(m, p_max), their positions uniform
+without replacement, and each candidate is then kept with probability (1 - w)
+(thinning), which gives every element probability (1 - w) p_max.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tldp_cli.mechanisms import Calibration
+from tldp_cli.rng import Streams, records_per_unit
+
+# At or above this p every element gets its own uniform; below it the
+# binomial-and-place method draws far fewer numbers.
+DENSE_RETAIN_P = 1e-3
+
+
+def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
+               dtype: np.dtype) -> np.ndarray:
+    if noise == "gaussian":
+        z = rng.standard_normal(size, dtype=dtype)
+    else:
+        z = rng.standard_exponential(size, dtype=dtype)
+        negative = np.unpackbits(np.frombuffer(rng.bytes((size + 7) // 8), np.uint8), count=size)
+        np.negative(z, out=z, where=negative.view(bool))
+    z *= dtype.type(scale)
+    return z
+
+
+def retain_candidates(rng: np.random.Generator, p_max: float, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions that may keep their raw value, and a uniform per position for thinning.
+
+    Each position is a candidate with probability p_max; a candidate is kept where its
+    uniform is below 1 - w.
+    """
+    if p_max <= 0.0:
+        return np.empty(0, np.int64), np.empty(0)
+    if p_max >= DENSE_RETAIN_P:
+        u = rng.random(size)
+        positions = np.flatnonzero(u < p_max)
+        return positions, u[positions] / p_max
+    count = int(rng.binomial(size, p_max))
+    positions = np.sort(rng.choice(size, count, replace=False)) if count else np.empty(0, np.int64)
+    return positions, rng.random(count)
+
+
+def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
+                    streams: Streams, weights: np.ndarray | None = None,
+                    dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
+
+    `weights`: None, one mask of I values for every record, or an (n, I) array with one
+    mask per record of the block; values in [0, 1] (validated by the caller).
+    """
+    dtype = np.dtype(dtype)
+    n = block.shape[0]
+    elements = calib.elements
+    out = block.reshape(n, elements).astype(dtype, copy=True)
+    if n == 0:
+        return out.reshape(block.shape)
+    per_unit = records_per_unit(elements)
+    p_max = calib.p
+    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
+        rng = streams.generator(array_name, unit)
+        unit_start = unit * per_unit
+        noise = draw_noise(rng, calib.noise, calib.scale, per_unit * elements, dtype)
+        noise = noise.reshape(per_unit, elements)
+        positions, thinning = retain_candidates(rng, p_max, per_unit * elements)
+
+        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
+        rows, cols = np.divmod(positions, elements)
+        inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
+        rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
+        if weights is None:
+            kept = np.ones(rows.shape, bool)
+        elif weights.ndim == 1:
+            kept = thinning < 1.0 - weights[cols]
+        else:
+            kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
+        noise[rows[kept], cols[kept]] = 0
+        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
+    return out.reshape(block.shape)

@@ -1,0 +1,22 @@
+"""Typed errors. The CLI turns a TldpError into one line on stderr and exit 1,
+a UsageError into one line and exit 2. Nothing below cli.py prints or exits."""
+
+
+class TldpError(Exception):
+    """A failure the user can act on; the message names the file and the problem."""
+
+
+class UsageError(TldpError):
+    """An option value that cannot work (exit code 2)."""
+
+
+class InputError(TldpError):
+    """The input cannot be read or is not what it must be."""
+
+
+class DataError(InputError):
+    """The input's values break the contract (NaN, Inf, out of the declared range)."""
+
+
+class OutputError(TldpError):
+    """The output cannot be written where asked."""

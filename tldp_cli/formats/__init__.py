@@ -1,0 +1,103 @@
+"""One module per on-disk format behind one small reader/writer interface.
+
+A format module provides:
+  NAME                      "npy", "hdf5", ...
+  can_open(path) -> bool    sniffs the input by content, not by its suffix
+  default_output(path)      the sibling the output goes to when --out is not given
+  open_reader(path, options) -> Reader
+  create_writer(reader, tmp_path, dtype, options) -> Writer
+
+The pipeline asks the reader for the arrays to perturb, streams blocks of records
+through the engine into the writer, and moves the finished output into place.
+The writer writes only under tmp_path (a file or a directory); the pipeline
+renames it to the destination once everything succeeded.
+
+A reader may also have `messages` (lines the CLI shows the user, e.g. which
+datasets it chose) and `manifest_extra` (fields added to the manifest, e.g. the
+files skipped); a writer may have `postprocessing` (steps applied after the
+noise, e.g. clip and round for 8-bit image output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from tldp_cli.errors import InputError
+
+
+@dataclass
+class ArrayJob:
+    """One array to perturb: records along axis 0."""
+
+    name: str  # unique within the input; keys the random streams
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[int, int], np.ndarray]  # records [start, stop) as an in-memory array
+    source: dict[str, Any]  # the manifest's inputs entry: path, format, dataset?, shape, dtype
+    chunk_records: int | None = None  # records per storage chunk along axis 0, if chunked
+
+    @property
+    def records(self) -> int:
+        return self.shape[0]
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[1:])
+
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.record_shape, dtype=np.int64)) if self.record_shape else 1
+
+
+class Reader(Protocol):
+    format: str
+    path: Path
+
+    def arrays(self) -> list[ArrayJob]: ...
+
+    def close(self) -> None: ...
+
+
+class Writer(Protocol):
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None: ...
+
+    def close(self) -> list[Path]:
+        """Finish writing; return the files written (under the temporary path)."""
+        ...
+
+
+@dataclass
+class FormatOptions:
+    datasets: list[str] = field(default_factory=list)  # HDF5/Zarr: which arrays to perturb
+    image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
+    copy_other: bool = False  # image folders: copy non-image files instead of skipping them
+    skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
+
+
+def _registry():
+    from tldp_cli.formats import npy
+
+    return [npy]
+
+
+def detect(path: Path):
+    """The format module that can open `path`."""
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    for module in _registry():
+        if module.can_open(path):
+            return module
+    names = ", ".join(m.NAME for m in _registry())
+    raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
+
+
+def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:
+    if dtype.kind not in "iuf":
+        kinds = {"O": "object (pickled)", "c": "complex", "b": "boolean", "U": "string",
+                 "S": "bytes", "V": "structured", "M": "datetime", "m": "timedelta"}
+        raise InputError(f"{path}: {what} has {kinds.get(dtype.kind, str(dtype))} dtype {dtype}; "
+                         "tldp perturbs integer and floating-point data only")

@@ -1,0 +1,83 @@
+"""The privacy manifest (DESIGN section 5): build, write, read.
+
+It travels with the perturbed data, so it holds no hash or statistic of the raw
+input, and never the seed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from tldp_cli import __version__, accounting
+from tldp_cli.mechanisms import Calibration
+
+SCHEMA = "tldp-manifest/1"
+
+
+def default_path(output: Path) -> Path:
+    return output.with_name(output.name + ".manifest.json")
+
+
+def build(*, calib: Calibration, value_range: tuple[float, float], records: int,
+          rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
+          outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
+          output_dtype: str, extra: dict | None = None) -> dict[str, Any]:
+    manifest: dict[str, Any] = {
+        "schema": SCHEMA,
+        "tool": {"name": "tldp", "version": __version__},
+        "mechanism": calib.mechanism,
+        "noise": calib.noise,
+        "budget": calib.budget,
+        "epsilon": calib.epsilon,
+        "value_range": [value_range[0], value_range[1]],
+        "range_width": calib.range_width,
+        "elements_per_record": calib.elements,
+        "records": records,
+        "noise_scale": calib.scale,
+        "noise_scale_kind": "b" if calib.noise == "laplace" else "sigma",
+        "calibration_epsilon": calib.element_epsilon,
+        "retain_probability": calib.p if weights is None else calib.p * (1 - weights["min"]),
+        "retain_probability_log10": _log10_retain(calib, weights),
+        "expected_l2_error_per_record": calib.expected_l2_error(),
+        "weights": weights,
+        "rng": rng,
+        "seeded": seeded,
+        "accounting": accounting.certify(calib),
+        "inputs": inputs,
+        "outputs": outputs,
+        "output_dtype": output_dtype,
+        "preprocessing": preprocessing,
+        "postprocessing": postprocessing,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+def _log10_retain(calib: Calibration, weights: dict | None) -> float | None:
+    """log10 of the largest retain probability, (1 - w_min) p."""
+    if calib.p_log10 is None:
+        return None
+    factor = 1.0 if weights is None else 1 - weights["min"]
+    return None if factor <= 0 else calib.p_log10 + math.log10(factor)
+
+
+def to_json(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=2, allow_nan=False) + "\n"
+
+
+def write_atomic(manifest: dict[str, Any], path: Path) -> Path:
+    """Write beside `path` and return the temporary file; the caller renames it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(to_json(manifest))
+    return tmp
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
