@@ -91,6 +91,11 @@ class RngKind(str, Enum):
     fast = "fast"
 
 
+class ImageFormat(str, Enum):
+    png = "png"
+    tiff = "tiff"
+
+
 class OutDtype(str, Enum):
     float32 = "float32"
     float64 = "float64"
@@ -136,7 +141,8 @@ def _progress_bar(quiet: bool, unit: str):
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
-    input: Annotated[Path, typer.Argument(help="A .npy file (axis 0 indexes records).",
+    input: Annotated[Path, typer.Argument(
+        help="A .npy file, an HDF5 file, a Zarr store or a folder of images (detected).",
                                           show_default=False)],
     eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).",
                                        show_default=False)],
@@ -167,6 +173,18 @@ def perturb_command(
     dtype: Annotated[OutDtype, typer.Option(help="Output dtype; noise is drawn in it.")] = OutDtype.float32,
     dp_delta: Annotated[float, typer.Option(
         help="delta at which (epsilon, delta) figures are reported.")] = 1e-5,
+    dataset: Annotated[Optional[list[str]], typer.Option(
+        "--dataset", metavar="PATH",
+        help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
+             "dataset whose first axis matches the others'.")] = None,
+    image_format: Annotated[ImageFormat, typer.Option(
+        help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
+             "(float32, unclipped).")] = ImageFormat.png,
+    copy_other: Annotated[bool, typer.Option(
+        help="Image folders: copy files that are not images (default: report and skip).")] = False,
+    skip_bad: Annotated[bool, typer.Option(
+        help="Image folders: skip unreadable images (listed in the manifest) instead of "
+             "stopping.")] = False,
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
@@ -193,7 +211,9 @@ def perturb_command(
             input=input, epsilon=eps, noise=noise.value, mechanism=mechanism.value,
             budget=budget.value, value_range=parse_range(value_range) if value_range else None,
             weights=weights, out=out, manifest=manifest, seed=seed, rng=rng.value,
-            dtype=dtype.value, dp_delta=dp_delta, overwrite=overwrite, clip_input=clip_input)
+            dtype=dtype.value, dp_delta=dp_delta, overwrite=overwrite, clip_input=clip_input,
+            datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
+            skip_bad=skip_bad)
         advance, close = _progress_bar(quiet, "rec")
         try:
             return perturb(options, progress=advance)
@@ -203,6 +223,8 @@ def perturb_command(
     result = _run(debug, action)
     m = result.manifest
     if not quiet:
+        for message in result.messages:
+            typer.echo(f"tldp: {message}", err=True)
         typer.echo(f"tldp: wrote {result.output} ({m['records']} records x "
                    f"{m['elements_per_record']} elements) and {result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)

@@ -70,17 +70,24 @@ def _logaddexp(x: float, y: float) -> float:
     return hi + math.log1p(math.exp(lo - hi))
 
 
-def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
-              range_width: float, elements: int, dp_delta: float = 1e-5) -> Calibration:
+def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
+                     dp_delta: float) -> None:
+    """Refuses option values no calibration can use (a usage error)."""
     _check("mechanism", mechanism, MECHANISMS)
     _check("noise", noise, NOISES)
     _check("budget", budget, BUDGETS)
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise UsageError(f"--eps must be a finite number > 0, not {epsilon}")
-    if not (math.isfinite(range_width) and range_width > 0):
-        raise UsageError(f"the value range must have a finite width > 0, not {range_width}")
     if not 0 < dp_delta < 1:
         raise UsageError(f"--dp-delta must lie in (0, 1), not {dp_delta}")
+
+
+def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
+              range_width: float, elements: int, dp_delta: float = 1e-5) -> Calibration:
+    check_parameters(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
+                     dp_delta=dp_delta)
+    if not (math.isfinite(range_width) and range_width > 0):
+        raise UsageError(f"the value range must have a finite width > 0, not {range_width}")
     if elements < 1:
         raise UsageError("a record must have at least one element")
     I, D = elements, range_width

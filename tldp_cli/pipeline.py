@@ -21,7 +21,7 @@ import numpy as np
 from tldp_cli import engine, formats, manifest as manifest_mod
 from tldp_cli.errors import DataError, OutputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.mechanisms import Calibration, calibrate
+from tldp_cli.mechanisms import Calibration, calibrate, check_parameters
 from tldp_cli.rng import Streams, records_per_unit
 from tldp_cli.weights import Mask, load_mask, sha256_file
 
@@ -151,6 +151,10 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 
 def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
     source = options.input
+    check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
+                     epsilon=options.epsilon, dp_delta=options.dp_delta)
+    if options.dtype not in ("float32", "float64"):
+        raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     module = formats.detect(source)
     format_options = FormatOptions(datasets=list(options.datasets), image_format=options.image_format,
                                    copy_other=options.copy_other, skip_bad=options.skip_bad)
@@ -167,8 +171,6 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     jobs = reader.arrays()
     lo, hi = resolve_range(options.value_range, jobs, source)
     out_dtype = np.dtype(options.dtype)
-    if out_dtype not in (np.float32, np.float64):
-        raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     calibrations: dict[int, Calibration] = {}
     for job in jobs:
         if job.elements not in calibrations:

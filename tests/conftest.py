@@ -1,0 +1,40 @@
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tldp_cli.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Cli:
+    def __init__(self):
+        self.runner = CliRunner()
+
+    def __call__(self, *args):
+        return self.runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def cli():
+    return Cli()
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under path (or of path itself): proves an input was not touched."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(f.relative_to(path) if f != path else f.name): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in files}
+
+
+def siblings(directory: Path) -> set[str]:
+    return {p.name for p in Path(directory).iterdir()}
+
+
+@pytest.fixture(scope="session")
+def digits() -> np.ndarray:
+    return np.load(REPO / "sample_data" / "digits.npy")

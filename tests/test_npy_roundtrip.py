@@ -1,0 +1,17 @@
+import numpy as np
+
+from tests.roundtrip import RoundTrip
+
+
+class TestNpyRoundTrip(RoundTrip):
+    def make_input(self, tmp_path):
+        path = tmp_path / "data.npy"
+        np.save(path, np.random.default_rng(0).integers(0, 256, (50, 6, 5), dtype=np.uint8))
+        return path
+
+    def read_arrays(self, path):
+        return {"array": np.load(path)}
+
+    def assert_same_structure(self, original, perturbed):
+        a, b = np.load(original), np.load(perturbed)
+        assert a.shape == b.shape and b.dtype == np.float32
