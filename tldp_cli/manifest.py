@@ -1,7 +1,8 @@
 """The privacy manifest (DESIGN section 5): build, write, read.
 
 It travels with the perturbed data, so it holds no hash or statistic of the raw
-input, and never the seed.
+input, and never the seed. `certified` is what accounting.certify returned for
+the calibration.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tldp_cli import __version__, accounting
+from tldp_cli import __version__
 from tldp_cli.mechanisms import Calibration
 
 SCHEMA = "tldp-manifest/1"
@@ -23,7 +24,7 @@ def default_path(output: Path) -> Path:
     return output.with_name(output.name + ".manifest.json")
 
 
-def build(*, calib: Calibration, value_range: tuple[float, float], records: int,
+def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[float, float], records: int,
           rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
           outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
           output_dtype: str, extra: dict | None = None) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def build(*, calib: Calibration, value_range: tuple[float, float], records: int,
         "weights": weights,
         "rng": rng,
         "seeded": seeded,
-        "accounting": accounting.certify(calib),
+        "accounting": certified,
         "inputs": inputs,
         "outputs": outputs,
         "output_dtype": output_dtype,

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import engine, formats, manifest as manifest_mod
+from tldp_cli import accounting, engine, formats, manifest as manifest_mod
 from tldp_cli.errors import DataError, OutputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.mechanisms import Calibration, calibrate, check_parameters
@@ -122,9 +122,16 @@ def _validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi:
     return int(np.count_nonzero((flat < lo) | (flat > hi)))
 
 
-def _block_starts(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
-    per_unit = records_per_unit(job.elements)
-    per_block = max(per_unit, (block_elements // job.elements) // per_unit * per_unit)
+def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
+    """Record ranges of about block_elements each.
+
+    Chunked storage: whole chunks (shards), so each block is one read and one write per
+    chunk. Otherwise: whole stream units, so no random draws are wasted. Either way the
+    values do not depend on the blocking (see engine).
+    """
+    target = max(1, block_elements // job.elements)
+    step = job.chunk_records or records_per_unit(job.elements)
+    per_block = max(1, target // step) * step
     return [(s, min(s + per_block, job.records)) for s in range(0, job.records, per_block)]
 
 
@@ -178,6 +185,10 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 mechanism=options.mechanism, noise=options.noise, budget=options.budget,
                 epsilon=options.epsilon, range_width=hi - lo, elements=job.elements,
                 dp_delta=options.dp_delta)
+    binding = calibrations[max(calibrations)]  # the largest record: the weakest guarantee
+    # Before the data: a failure costs nothing, and the accountant's peak memory does
+    # not stack on the streaming buffers.
+    certified = accounting.certify(binding)
     masks: dict[str, Mask] = {}
     if options.weights is not None:
         for job in jobs:
@@ -202,7 +213,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             for job in jobs:
                 calib = calibrations[job.elements]
                 mask = masks.get(job.name)
-                for start, stop in _block_starts(job, options.block_elements):
+                for start, stop in block_bounds(job, options.block_elements):
                     block = job.read(start, stop)
                     outside = _validate_block(block, job, start, lo, hi, source)
                     if outside and not options.clip_input:
@@ -227,13 +238,12 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
 
         outputs = [{"path": str(output / f.relative_to(tmp_output)) if f != tmp_output else str(output),
                     "sha256": sha256_file(f)} for f in written]
-        binding = calibrations[max(calibrations)]
         extra = dict(getattr(reader, "manifest_extra", {}))
         if len(calibrations) > 1:
             extra["elements_per_record_range"] = [min(calibrations), max(calibrations)]
         weights_info = next(iter(masks.values())).info if masks else None
         manifest = manifest_mod.build(
-            calib=binding, value_range=(lo, hi), records=total, rng=options.rng,
+            calib=binding, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
             seeded=streams.seeded, weights=weights_info,
             inputs=[job.source for job in jobs], outputs=outputs,
             preprocessing=["clip_input"] if options.clip_input else [],

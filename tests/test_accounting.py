@@ -1,0 +1,159 @@
+"""Calibration and certified figures against the closed forms of DESIGN section 2."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import norm
+
+from tldp_cli import accounting
+from tldp_cli.errors import UsageError
+from tldp_cli.mechanisms import calibrate
+
+
+def cal(**kw):
+    args = dict(mechanism="tldp", noise="laplace", budget="element", epsilon=1.0,
+                range_width=256.0, elements=784, dp_delta=1e-5)
+    args.update(kw)
+    return calibrate(**args)
+
+
+def analytic_gaussian_delta(eps, sigma, sensitivity):
+    """Balle and Wang (2018), Theorem 8: the exact delta of a Gaussian mechanism at eps."""
+    a = sensitivity / (2 * sigma)
+    b = eps * sigma / sensitivity
+    return norm.cdf(a - b) - math.exp(eps + norm.logcdf(-a - b))
+
+
+def test_laplace_retain_probability_is_one_third_for_unit_range():
+    c = cal(range_width=1.0, elements=1)
+    assert c.scale == 1.0
+    assert c.p == pytest.approx(1 / 3, rel=1e-12)
+
+
+def test_gaussian_retain_probability_matches_paper_formula_for_small_records():
+    for eps, delta_range, elements in [(1.0, 1.0, 1), (2.0, 3.0, 2), (0.5, 1.0, 4)]:
+        c = cal(noise="gaussian", epsilon=eps, range_width=delta_range, elements=elements)
+        sigma = math.sqrt(delta_range**2 / (2 * eps))
+        top = math.exp(eps - elements * delta_range**2 / (2 * sigma**2))
+        assert c.scale == pytest.approx(sigma)
+        assert c.p == pytest.approx(top / (sigma * math.sqrt(2 * math.pi) + top), rel=1e-12)
+
+
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+def test_retain_probability_underflows_but_its_log_is_recorded(noise):
+    c = cal(noise=noise)
+    assert c.p == 0.0
+    assert math.isfinite(c.log_p)
+    normaliser = 2 * c.scale if noise == "laplace" else c.scale * math.sqrt(2 * math.pi)
+    expected_log_p = -783.0 - math.log(normaliser)  # a = eps (1 - I) is far below log(normaliser)
+    assert c.log_p == pytest.approx(expected_log_p, rel=1e-12)
+    assert c.p_log10 == pytest.approx(expected_log_p / math.log(10))
+
+
+def test_no_overflow_for_huge_epsilon_on_one_element():
+    c = cal(epsilon=1e6, range_width=1.0, elements=1)
+    assert 0 < c.p < 1 and math.isfinite(c.log_p)
+
+
+def test_baseline_scales_are_the_papers():
+    lap = cal(mechanism="baseline", epsilon=2.0)
+    assert lap.scale == pytest.approx(784 * 256 / 2.0) and lap.p == 0.0
+    gau = cal(mechanism="baseline", noise="gaussian", epsilon=2.0)
+    assert gau.scale**2 == pytest.approx(784 * 256**2 / (2 * 2.0))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_bad_epsilon_is_a_usage_error(bad):
+    with pytest.raises(UsageError):
+        cal(epsilon=bad)
+
+
+def test_laplace_per_element_and_per_record_pure_figures():
+    c = cal(epsilon=0.5)
+    acc = accounting.certify(c)
+    assert acc["per_element"]["epsilon"] == pytest.approx(0.5)
+    assert acc["per_record"]["epsilon"] == pytest.approx(784 * 0.5)
+    assert acc["per_element"]["rho"] is None
+    # the point mass: delta underflows, its log10 is log10(p) and log10(I p) to first order
+    assert acc["per_element"]["delta_log10"] == pytest.approx(c.p_log10)
+    assert acc["per_record"]["delta_log10"] == pytest.approx(c.p_log10 + math.log10(784))
+
+
+def test_point_mass_delta_for_a_non_negligible_p():
+    c = cal(range_width=1.0, elements=3, epsilon=3.0)
+    acc = accounting.certify(c)
+    assert acc["per_element"]["delta"] == pytest.approx(c.p)
+    assert acc["per_record"]["delta"] == pytest.approx(1 - (1 - c.p) ** 3)
+    assert acc["per_record"]["approx"]["delta"] == pytest.approx(1e-5 + 1 - (1 - c.p) ** 3)
+
+
+def test_laplace_approx_matches_the_closed_form_for_one_element():
+    # One Laplace mechanism of pure eps0 is (eps0 + 2 ln(1 - delta), delta)-DP, tightly.
+    for eps in [0.1, 1.0, 4.0]:
+        acc = accounting.certify(cal(epsilon=eps, elements=1, range_width=1e6))
+        closed = eps + 2 * math.log(1 - 1e-5)
+        assert acc["per_element"]["approx"]["epsilon"] == pytest.approx(closed, abs=2e-3)
+
+
+def test_laplace_composed_approx_is_below_pure_and_near_rdp():
+    from dp_accounting import LaplaceDpEvent
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = accounting.certify(cal())
+    pld = acc["per_record"]["approx"]["epsilon"]
+    rdp = RdpAccountant()
+    rdp.compose(LaplaceDpEvent(noise_multiplier=1.0), 784)
+    assert pld < 784
+    assert 0.9 * rdp.get_epsilon(1e-5) < pld <= rdp.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("eps,elements", [(1.0, 784), (0.3, 64), (5.0, 1)])
+def test_gaussian_figures_against_analytic_gaussian_and_zcdp(eps, elements):
+    c = cal(noise="gaussian", epsilon=eps, elements=elements)
+    acc = accounting.certify(c)
+    rec, el = acc["per_record"], acc["per_element"]
+    assert el["rho"] == pytest.approx(eps)
+    assert rec["rho"] == pytest.approx(eps * elements)
+    for scope, count in [(el, 1), (rec, elements)]:
+        # the reported eps is exactly where the analytic Gaussian reaches dp_delta
+        got = analytic_gaussian_delta(scope["approx"]["epsilon"], c.scale, 256 * math.sqrt(count))
+        assert got == pytest.approx(1e-5, rel=1e-3)
+        rho = scope["rho"]
+        assert scope["epsilon"] <= rho + 2 * math.sqrt(rho * math.log(1e5))
+
+
+def test_mnist_gaussian_record_figure_is_about_952():
+    acc = accounting.certify(cal(noise="gaussian"))
+    assert acc["per_record"]["epsilon"] == pytest.approx(952, abs=1.0)
+
+
+def test_record_budget_laplace_gives_the_record_eps():
+    c = cal(budget="record", epsilon=2.0)
+    assert c.scale == pytest.approx(784 * 256 / 2.0)
+    assert accounting.certify(c)["per_record"]["epsilon"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
+def test_record_budget_gaussian_gives_the_record_eps(mechanism):
+    c = cal(noise="gaussian", budget="record", epsilon=3.0, mechanism=mechanism)
+    rec = accounting.certify(c)["per_record"]
+    assert rec["approx"]["epsilon"] == pytest.approx(3.0, rel=1e-6)
+    assert analytic_gaussian_delta(3.0, c.scale, 256 * math.sqrt(784)) == pytest.approx(1e-5, rel=1e-3)
+
+
+def test_baseline_has_no_point_mass_and_composes_to_the_record_eps():
+    acc = accounting.certify(cal(mechanism="baseline", epsilon=2.0))
+    assert acc["per_record"]["epsilon"] == pytest.approx(2.0)
+    assert acc["per_element"]["epsilon"] == pytest.approx(2.0 / 784)
+    assert acc["per_record"]["delta"] == 0.0 and acc["per_record"]["delta_log10"] is None
+
+
+def test_expected_error_table5():
+    c = cal()
+    assert c.expected_l2_error() == pytest.approx(256 * math.sqrt(2 * 784))
+    g = cal(noise="gaussian")
+    assert g.expected_l2_error() == pytest.approx(256 / math.sqrt(2) * math.sqrt(784))
+    b = cal(mechanism="baseline")
+    assert b.expected_l2_error() == pytest.approx(256 * 784 * math.sqrt(2 * 784))
+    assert np.isfinite(c.expected_l2_error())

@@ -1,0 +1,241 @@
+"""`tldp perturb` through the CLI: the success path and every bad input of issue 2."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.conftest import siblings, tree_digest
+from tldp_cli import accounting
+from tldp_cli.mechanisms import calibrate
+from tldp_cli.weights import sha256_file
+
+SEED = 987654321
+
+
+def assert_one_line_error(result, code, *fragments):
+    assert result.exit_code == code, (result.exit_code, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def digits_file(tmp_path, digits):
+    path = tmp_path / "digits.npy"
+    np.save(path, digits[:60])
+    return path
+
+
+def test_success_writes_output_manifest_and_summary(cli, digits_file, tmp_path):
+    result = cli("perturb", digits_file, "--eps", "1", "--noise", "gaussian", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "digits.tldp.npy"
+    manifest_path = tmp_path / "digits.tldp.npy.manifest.json"
+    assert np.load(out).shape == (60, 28, 28) and np.load(out).dtype == np.float32
+    manifest = json.loads(manifest_path.read_text())
+    assert "each element (eps=" in result.stderr and "each record (eps=951.9" in result.stderr
+    assert result.stdout == ""
+    assert manifest["outputs"] == [{"path": str(out), "sha256": sha256_file(out)}]
+    text = manifest_path.read_text()
+    assert str(SEED) not in text and manifest["seeded"] is True
+    assert all(str(SEED) not in name for name in siblings(tmp_path))
+
+
+MANIFEST_FIELDS = {"schema", "tool", "mechanism", "noise", "budget", "epsilon", "value_range",
+                   "range_width", "elements_per_record", "records", "noise_scale",
+                   "retain_probability", "retain_probability_log10", "weights", "rng", "seeded",
+                   "accounting", "inputs", "outputs", "postprocessing", "created"}
+
+
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+@pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
+@pytest.mark.parametrize("budget", ["element", "record"])
+def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, noise, mechanism, budget):
+    """An independent calculation from DESIGN section 2 reproduces every stated figure."""
+    result = cli("perturb", digits_file, "--eps", "2", "--noise", noise, "--mechanism", mechanism,
+                 "--budget", budget, "--json", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    m = json.loads(result.stdout)
+    assert MANIFEST_FIELDS <= set(m)
+    assert m["schema"] == "tldp-manifest/1" and m["seeded"] is False and m["rng"] == "secure"
+    assert m["value_range"] == [0.0, 256.0] and m["range_width"] == 256.0
+    assert m["elements_per_record"] == 784 and m["records"] == 60
+    I, D, eps = 784, 256.0, 2.0
+    rec, el = m["accounting"]["per_record"], m["accounting"]["per_element"]
+    if noise == "laplace":
+        b = {"tldp": {"element": D / eps, "record": I * D / eps},
+             "baseline": {"element": I * D / eps, "record": I * D / eps}}[mechanism][budget]
+        assert m["noise_scale"] == pytest.approx(b)
+        assert el["epsilon"] == pytest.approx(D / b) and rec["epsilon"] == pytest.approx(I * D / b)
+        assert rec["rho"] is None
+    else:
+        sigma = m["noise_scale"]
+        if budget == "element":
+            expected = D / math.sqrt(2 * eps) if mechanism == "tldp" else D * math.sqrt(I / (2 * eps))
+            assert sigma == pytest.approx(expected)
+        else:
+            assert rec["approx"]["epsilon"] == pytest.approx(eps, rel=1e-6)
+        assert el["rho"] == pytest.approx(D**2 / (2 * sigma**2))
+        assert rec["rho"] == pytest.approx(I * D**2 / (2 * sigma**2))
+    if mechanism == "tldp":
+        eps_e = m["calibration_epsilon"]
+        if noise == "laplace":
+            a = eps_e - I * D / b
+            log_p = a - math.log(2 * b + math.exp(a))
+        else:
+            a = eps_e - I * D**2 / (2 * sigma**2)
+            log_p = a - math.log(sigma * math.sqrt(2 * math.pi) + math.exp(a))
+        assert m["retain_probability_log10"] == pytest.approx(log_p / math.log(10), rel=1e-9)
+        p = math.exp(log_p)
+        delta_log10 = (math.log10(1 - (1 - p) ** I) if p > 1e-12
+                       else (log_p + math.log(I)) / math.log(10))  # I p to first order
+        assert rec["point_mass_delta_log10"] == pytest.approx(delta_log10, rel=1e-6)
+    else:
+        assert m["retain_probability"] == 0.0 and rec["point_mass_delta"] == 0.0
+
+
+def test_summary_line_comes_from_the_accounting_module(cli, digits_file):
+    result = cli("perturb", digits_file, "--eps", "1", "--json")
+    m = json.loads(result.stdout)
+    assert accounting.summary_line(m["accounting"], "laplace") in result.stderr
+
+
+def test_quiet_prints_nothing(cli, digits_file):
+    result = cli("perturb", digits_file, "--eps", "1", "--quiet")
+    assert result.exit_code == 0 and result.stdout == "" and result.stderr == ""
+
+
+def test_one_dimensional_array_is_scalar_records(cli, tmp_path):
+    src = tmp_path / "x.npy"
+    np.save(src, np.linspace(0, 1, 1000))
+    result = cli("perturb", src, "--eps", "1", "--range", "0:1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["elements_per_record"] == 1 and m["records"] == 1000
+    assert m["retain_probability"] == pytest.approx(calibrate(
+        mechanism="tldp", noise="laplace", budget="element", epsilon=1, range_width=1,
+        elements=1).p)
+
+
+def test_weights_mask_is_recorded(cli, digits_file, tmp_path):
+    mask = tmp_path / "mask.npy"
+    np.save(mask, np.full((28, 28), 0.5))
+    result = cli("perturb", digits_file, "--eps", "1", "--weights", mask, "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    w = json.loads(result.stdout)["weights"]
+    assert w["sha256"] == sha256_file(mask) and w["shape"] == [28, 28] and w["min"] == 0.5
+
+
+def test_clip_input_is_recorded(cli, tmp_path):
+    src = tmp_path / "f.npy"
+    np.save(src, np.array([[0.5, 1.5], [-0.2, 0.1]]))
+    result = cli("perturb", src, "--eps", "1", "--range", "0:1", "--clip-input", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["preprocessing"] == ["clip_input"]
+
+
+def run_and_check_nothing_written(cli, tmp_path, src, *args, code=1, fragments=()):
+    before_dir = siblings(tmp_path)
+    before = tree_digest(src) if src.exists() else None
+    result = cli("perturb", src, *args)
+    assert_one_line_error(result, code, *fragments)
+    assert siblings(tmp_path) == before_dir, "output left behind"
+    if before is not None:
+        assert tree_digest(src) == before
+    return result
+
+
+def test_missing_file(cli, tmp_path):
+    run_and_check_nothing_written(cli, tmp_path, tmp_path / "nope.npy", "--eps", "1",
+                                  fragments=("nope.npy", "no such file"))
+
+
+def test_not_an_array(cli, tmp_path):
+    src = tmp_path / "text.npy"
+    src.write_text("hello")
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", fragments=("text.npy",))
+
+
+def test_truncated_npy(cli, tmp_path):
+    src = tmp_path / "t.npy"
+    np.save(src, np.zeros((100, 10), np.uint8))
+    src.write_bytes(src.read_bytes()[:500])
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", fragments=("t.npy", "truncated"))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_say_where(cli, tmp_path, bad):
+    src = tmp_path / "f.npy"
+    data = np.zeros((10, 4))
+    data[7, 2] = bad
+    np.save(src, data)
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", "--range", "0:1",
+                                  fragments=("f.npy", "record 7", "element 2"))
+
+
+@pytest.mark.parametrize("eps", ["0", "-1", "inf", "nan"])
+def test_bad_eps_is_a_usage_error(cli, digits_file, tmp_path, eps):
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", eps, code=2, fragments=("--eps",))
+
+
+def test_float_data_needs_a_range(cli, tmp_path):
+    src = tmp_path / "f.npy"
+    np.save(src, np.zeros((3, 3)))
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", code=2, fragments=("--range",))
+
+
+@pytest.mark.parametrize("bad", ["1:1", "2:1", "a:b", "0", "0:inf"])
+def test_empty_inverted_or_malformed_range(cli, digits_file, tmp_path, bad):
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", f"--range={bad}", code=2,
+                                  fragments=("--range",))
+
+
+def test_values_outside_the_range_are_counted(cli, tmp_path):
+    src = tmp_path / "f.npy"
+    data = np.full((2000, 10), 0.5)
+    data[100:103, 0] = 2.0
+    data[1999, 9] = -1.0
+    np.save(src, data)
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", "--range", "0:1",
+                                  fragments=("4 values", "--clip-input"))
+
+
+@pytest.mark.parametrize("mask,fragment", [(np.zeros((5, 5)), "shape"), (np.full((28, 28), 1.5), "[0, 1]"),
+                                           (np.full((28, 28), np.nan), "NaN")])
+def test_bad_weight_masks(cli, digits_file, tmp_path, mask, fragment):
+    path = tmp_path / "mask.npy"
+    np.save(path, mask)
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--weights", path,
+                                  fragments=("mask.npy", fragment))
+
+
+def test_object_dtype_is_never_unpickled(cli, tmp_path):
+    src = tmp_path / "obj.npy"
+    np.save(src, np.array([[1, "a"], [2, None]], dtype=object), allow_pickle=True)
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", fragments=("obj.npy", "object"))
+
+
+def test_complex_dtype(cli, tmp_path):
+    src = tmp_path / "c.npy"
+    np.save(src, np.zeros((3, 3), np.complex64))
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", "--range", "0:1",
+                                  fragments=("c.npy", "complex"))
+
+
+def test_output_directory_must_exist(cli, digits_file, tmp_path):
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--out",
+                                  tmp_path / "missing" / "o.npy", fragments=("does not exist",))
+
+
+def test_unknown_option_is_a_one_line_usage_error(cli, digits_file, tmp_path):
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--noise", "uniform", code=2)
+
+
+def test_help_has_examples(cli):
+    result = cli("perturb", "--help")
+    assert result.exit_code == 0 and "Examples:" in result.stdout and "--eps" in result.stdout
