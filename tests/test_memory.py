@@ -31,11 +31,13 @@ def peak_rss_kib(tmp_path, records):
 
 
 def test_peak_memory_is_flat_in_input_size(tmp_path):
-    # 10 MB and 80 MB of uint8 input (40 MB and 320 MB of float32 output); blocks of 1 MB elements
+    # 10 MB and 120 MB of uint8 input (40 MB and 480 MB of float32 output), blocks of 0.25 M
+    # elements. Holding either array whole would add over 110 MiB; the allowance covers
+    # allocator fragmentation, which does not grow with the input.
     small = peak_rss_kib(tmp_path, 10_000)
-    large = peak_rss_kib(tmp_path, 80_000)
+    large = peak_rss_kib(tmp_path, 120_000)
     grown_mib = (large - small) / 1024
-    assert grown_mib < 20, f"peak RSS grew by {grown_mib:.0f} MiB for 8x the input"
+    assert grown_mib < 50, f"peak RSS grew by {grown_mib:.0f} MiB for 12x the input"
 
 
 def test_block_size_does_not_change_the_output(tmp_path):
