@@ -52,11 +52,18 @@ def laplace_composed_epsilon(noise_multiplier: float, count: int, delta: float) 
     from dp_accounting.rdp import RdpAccountant
 
     event = LaplaceDpEvent(noise_multiplier=noise_multiplier)
-    pld = PLDAccountant(value_discretization_interval=max(1e-4, math.sqrt(count) / noise_multiplier / 2000))
-    pld.compose(event, count)
+    bounds = [count / noise_multiplier]
     rdp = RdpAccountant()
     rdp.compose(event, count)
-    return float(min(count / noise_multiplier, pld.get_epsilon(delta), rdp.get_epsilon(delta)))
+    bounds.append(rdp.get_epsilon(delta))
+    try:
+        pld = PLDAccountant(
+            value_discretization_interval=max(1e-4, math.sqrt(count) / noise_multiplier / 2000))
+        pld.compose(event, count)
+        bounds.append(pld.get_epsilon(delta))
+    except OverflowError:  # the PLD overflows for enormous eps; the other bounds still hold
+        pass
+    return float(min(bounds))
 
 
 def point_mass_delta(log_p: float, elements: int) -> tuple[float, float | None]:

@@ -104,6 +104,8 @@ def _check_output_path(path: Path, input_path: Path, overwrite: bool, what: str)
         raise OutputError(f"{path}: {what} directory {path.parent} does not exist")
     if path.resolve() == input_path.resolve():
         raise OutputError(f"{path}: {what} would replace the input")
+    if input_path.is_dir() and input_path.resolve() in path.resolve().parents:
+        raise OutputError(f"{path}: {what} would be written inside the input folder {input_path}")
     if path.exists() and not overwrite:
         raise OutputError(f"{path}: {what} exists; pass --overwrite to replace it")
 
@@ -248,7 +250,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             inputs=[job.source for job in jobs], outputs=outputs,
             preprocessing=["clip_input"] if options.clip_input else [],
             postprocessing=getattr(writer, "postprocessing", []),
-            output_dtype=str(out_dtype), extra=extra)
+            output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
         tmp_manifest = manifest_mod.write_atomic(manifest, manifest_path)
         _move_into_place(tmp_output, output)
         os.replace(tmp_manifest, manifest_path)

@@ -79,9 +79,9 @@ class FormatOptions:
 
 
 def _registry():
-    from tldp_cli.formats import npy
+    from tldp_cli.formats import hdf5, images, npy, zarr_store
 
-    return [npy]
+    return [npy, hdf5, zarr_store, images]
 
 
 def detect(path: Path):
@@ -98,6 +98,6 @@ def detect(path: Path):
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:
     if dtype.kind not in "iuf":
         kinds = {"O": "object (pickled)", "c": "complex", "b": "boolean", "U": "string",
-                 "S": "bytes", "V": "structured", "M": "datetime", "m": "timedelta"}
+                 "S": "bytes", "T": "string", "V": "structured", "M": "datetime", "m": "timedelta"}
         raise InputError(f"{path}: {what} has {kinds.get(dtype.kind, str(dtype))} dtype {dtype}; "
                          "tldp perturbs integer and floating-point data only")

@@ -1,0 +1,296 @@
+"""HDF5 input: round trip, dataset selection, detection, layout independence, bad files.
+
+Every test works on real HDF5 files written with h5py in tmp_path.
+"""
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import siblings, tree_digest
+from tests.roundtrip import RoundTrip
+from tldp_cli.formats import FormatOptions, hdf5
+
+IMAGES = np.random.default_rng(1).integers(0, 256, (40, 8, 8), dtype=np.uint8)
+
+
+def write_sample(path: Path, **image_layout) -> Path:
+    """The round-trip input: a group tree with attributes, one perturbable dataset and
+    data that must come through untouched."""
+    layout = image_layout or {"chunks": (10, 8, 8), "compression": "gzip", "compression_opts": 4,
+                              "shuffle": True, "fillvalue": 255}
+    with h5py.File(path, "w") as f:
+        f.attrs["title"] = "sample"
+        f.attrs["version"] = np.int16(3)
+        train = f.create_group("train", track_order=True)
+        train.attrs["split"] = np.bytes_(b"train")
+        train.attrs["scale"] = np.array([0.5, 2.0])
+        train.create_dataset("labels", data=np.arange(40, dtype=np.int64) % 10)  # created first
+        images = train.create_dataset("images", data=IMAGES, **layout)
+        images.attrs["units"] = "intensity"
+        images.attrs["empty"] = h5py.Empty("f4")
+        f.create_dataset("names", data=[f"item {i}" for i in range(40)], dtype=h5py.string_dtype())
+        meta = f.create_group("meta")
+        meta.create_dataset("count", data=np.int32(40))
+        meta.attrs["source"] = "synthetic"
+        f["latest"] = h5py.SoftLink("/train/images")
+    return path
+
+
+def objects(path: Path) -> dict[str, str]:
+    """Every name in the file (links not followed) and what it is."""
+    found = {}
+    with h5py.File(path, "r") as f:
+        def visit(name):
+            found[name] = type(f.get(name, getlink=True)).__name__
+        f.visit_links(visit)
+    return found
+
+
+def assert_same_attrs(a, b):
+    assert list(a.attrs) == list(b.attrs), a.name
+    for key in a.attrs:
+        assert a.attrs.get_id(key).get_type() == b.attrs.get_id(key).get_type(), (a.name, key)
+        x, y = a.attrs[key], b.attrs[key]
+        if isinstance(x, h5py.Empty):
+            assert isinstance(y, h5py.Empty) and x.dtype == y.dtype
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
+def run(cli, src, *more):
+    return cli("perturb", src, "--eps", "1", "--seed", "7", *more)
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+class TestHdf5RoundTrip(RoundTrip):
+    def make_input(self, tmp_path):
+        return write_sample(tmp_path / "data.h5")
+
+    def read_arrays(self, path):
+        with h5py.File(path, "r") as f:
+            return {"/train/images": f["/train/images"][()]}
+
+    def assert_same_structure(self, original, perturbed):
+        assert objects(original) == objects(perturbed)
+        with h5py.File(original, "r") as a, h5py.File(perturbed, "r") as b:
+            assert list(a["train"]) == list(b["train"]) == ["labels", "images"]  # creation order kept
+            for name in ["/", "/train", "/meta", "/train/labels", "/train/images", "/names", "/meta/count"]:
+                assert_same_attrs(a[name], b[name])
+            for name in ["/train/labels", "/names", "/meta/count"]:
+                assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+                assert a[name].id.get_type() == b[name].id.get_type(), name
+                x, y = a[name][()], b[name][()]
+                assert (x.tolist() == y.tolist()) if x.dtype.kind == "O" else x.tobytes() == y.tobytes(), name
+            src, out = a["/train/images"], b["/train/images"]
+            assert out.dtype == np.float32 and out.shape == src.shape
+            assert out.chunks == src.chunks == (10, 8, 8)
+            assert (out.compression, out.compression_opts) == ("gzip", 4)
+            assert out.shuffle and not out.fletcher32 and out.scaleoffset is None
+            assert out.fillvalue == np.float32(255.0)
+            assert b["latest"].name == "/latest" and b.get("latest", getlink=True).path == "/train/images"
+
+
+def test_source_entry_and_chunking(tmp_path):
+    path = write_sample(tmp_path / "data.h5")
+    reader = hdf5.open_reader(path, FormatOptions())
+    try:
+        (job,) = reader.arrays()
+        assert job.name == "/train/images" and job.chunk_records == 10
+        assert job.source == {"path": str(path), "format": "hdf5", "dataset": "/train/images",
+                              "shape": [40, 8, 8], "dtype": "uint8"}
+        np.testing.assert_array_equal(job.read(5, 12), IMAGES[5:12])
+        assert "/train/images" in reader.messages[0]
+    finally:
+        reader.close()
+
+
+def test_blocks_in_any_order(tmp_path):
+    """Blocks that straddle chunks, written back to front, land where they belong."""
+    path = write_sample(tmp_path / "data.h5")
+    reader = hdf5.open_reader(path, FormatOptions())
+    out = tmp_path / "out.h5"
+    try:
+        (job,) = reader.arrays()
+        writer = hdf5.create_writer(reader, out, np.dtype("float32"), FormatOptions())
+        for start in reversed(range(0, 40, 7)):
+            writer.write(job, start, job.read(start, min(start + 7, 40)).astype(np.float32) + 0.5)
+        assert writer.close() == [out]
+    finally:
+        reader.close()
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["/train/images"][()], IMAGES + np.float32(0.5))
+
+
+def test_default_output_keeps_the_suffix():
+    assert hdf5.default_output(Path("d/data.h5")) == Path("d/data.tldp.h5")
+    assert hdf5.default_output(Path("scan.hdf5")) == Path("scan.tldp.hdf5")
+    assert hdf5.default_output(Path("raw.dat")) == Path("raw.tldp.dat")
+
+
+def two_candidates(path: Path, features_records: int = 30) -> Path:
+    rng = np.random.default_rng(2)
+    with h5py.File(path, "w") as f:
+        f["images"] = rng.integers(0, 256, (30, 4, 4), dtype=np.uint8)
+        f["features"] = rng.integers(0, 256, (features_records, 5), dtype=np.uint8)
+        f["labels"] = np.arange(30)
+    return path
+
+
+def test_candidates_with_one_record_count_are_all_perturbed(cli, tmp_path):
+    src = two_candidates(tmp_path / "data.h5")
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    assert any("/images" in line and "/features" in line and "--dataset" in line
+               for line in result.stderr.splitlines()), result.stderr
+    with h5py.File(src, "r") as a, h5py.File(tmp_path / "data.tldp.h5", "r") as b:
+        assert b["images"].dtype == b["features"].dtype == np.float32
+        assert b["labels"].dtype == a["labels"].dtype
+        np.testing.assert_array_equal(a["labels"][()], b["labels"][()])
+
+
+def test_different_record_counts_ask_for_dataset(cli, tmp_path):
+    src = two_candidates(tmp_path / "data.h5", features_records=20)
+    result = run(cli, src)
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert "--dataset" in line and "/images" in line and "/features" in line
+    assert siblings(tmp_path) == {"data.h5"}
+
+
+def test_dataset_option_chooses(cli, tmp_path):
+    src = two_candidates(tmp_path / "data.h5", features_records=20)
+    result = run(cli, src, "--dataset", "features", "--json")  # no leading slash
+    assert result.exit_code == 0, result.stderr
+    assert '"dataset": "/features"' in result.stdout
+    with h5py.File(src, "r") as a, h5py.File(tmp_path / "data.tldp.h5", "r") as b:
+        assert b["features"].dtype == np.float32
+        assert b["images"].dtype == np.uint8
+        np.testing.assert_array_equal(a["images"][()], b["images"][()])
+
+
+@pytest.mark.parametrize("dataset", ["/nope", "/train", "/names", "/meta/count", "latest"])
+def test_bad_dataset_option(cli, tmp_path, dataset):
+    src = write_sample(tmp_path / "data.h5")
+    before = siblings(tmp_path)
+    result = run(cli, src, "--dataset", dataset)
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert str(src) in line and dataset.lstrip("/") in line
+    assert siblings(tmp_path) == before
+
+
+def test_detected_by_content(cli, tmp_path):
+    src = write_sample(tmp_path / "data.dat")
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    with h5py.File(tmp_path / "data.tldp.dat", "r") as f:
+        assert f["/train/images"].dtype == np.float32
+
+
+def test_user_block_is_detected_and_kept(cli, tmp_path):
+    src = tmp_path / "ub.h5"
+    with h5py.File(src, "w", userblock_size=1024) as f:
+        f["x"] = IMAGES
+    with open(src, "r+b") as f:
+        f.write(b"a user block")
+    assert hdf5.can_open(src)
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "ub.tldp.h5"
+    assert out.read_bytes()[:1024] == src.read_bytes()[:1024]
+    with h5py.File(out, "r") as f:
+        assert f.userblock_size == 1024 and f["x"].dtype == np.float32
+
+
+@pytest.mark.parametrize("chunks", [(7, 8, 8), None], ids=["rechunked", "contiguous"])
+def test_layout_does_not_change_the_noise(cli, tmp_path, chunks):
+    write_sample(tmp_path / "a.h5")
+    write_sample(tmp_path / "b.h5", chunks=chunks)
+    for name in ("a", "b"):
+        assert run(cli, tmp_path / f"{name}.h5").exit_code == 0
+    with h5py.File(tmp_path / "a.tldp.h5", "r") as a, h5py.File(tmp_path / "b.tldp.h5", "r") as b:
+        assert a["/train/images"].chunks != b["/train/images"].chunks
+        assert a["/train/images"][()].tobytes() == b["/train/images"][()].tobytes()
+
+
+def test_hard_link_alias_gets_the_perturbed_data(cli, tmp_path):
+    src = write_sample(tmp_path / "data.h5")
+    with h5py.File(src, "a") as f:
+        f["alias"] = f["/train/images"]
+    result = run(cli, src, "--dataset", "/train/images", "--dataset", "alias", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count('"dataset"') == 1  # perturbed once
+    with h5py.File(tmp_path / "data.tldp.h5", "r") as f:
+        assert f["alias"] == f["/train/images"]  # one object, two names
+        assert f["alias"].dtype == np.float32
+
+
+def test_integer_scaleoffset_is_dropped_with_a_note(cli, tmp_path):
+    src = tmp_path / "so.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("x", data=IMAGES.astype(np.int16), chunks=(10, 8, 8), scaleoffset=0)
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    assert "scale-offset" in result.stderr
+    with h5py.File(tmp_path / "so.tldp.h5", "r") as f:
+        assert f["x"].scaleoffset is None and f["x"].chunks == (10, 8, 8)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_file(cli, tmp_path, damage):
+    whole = write_sample(tmp_path / "whole.h5").read_bytes()
+    src = tmp_path / "bad.h5"
+    if damage == "truncated":
+        src.write_bytes(whole[:2000])
+    else:
+        src.write_bytes(hdf5.SIGNATURE + bytes(range(256)) * 16)
+    (tmp_path / "whole.h5").unlink()
+    before = tree_digest(src)
+    result = run(cli, src)
+    assert result.exit_code == 1
+    assert str(src) in one_line(result) and "Traceback" not in result.output
+    assert siblings(tmp_path) == {"bad.h5"}
+    assert tree_digest(src) == before
+
+
+def test_float_dataset_needs_a_range(cli, tmp_path):
+    src = tmp_path / "f.h5"
+    with h5py.File(src, "w") as f:
+        f["features"] = np.random.default_rng(3).random((20, 6))
+    result = run(cli, src)
+    assert result.exit_code == 2 and "--range" in one_line(result)
+    assert siblings(tmp_path) == {"f.h5"}
+    result = run(cli, src, "--range", "0:1")
+    assert result.exit_code == 0, result.stderr
+    with h5py.File(tmp_path / "f.tldp.h5", "r") as f:
+        assert f["features"].dtype == np.float32 and f["features"].shape == (20, 6)
+
+
+def test_references_point_into_the_output(cli, tmp_path):
+    """Dimension scales and other references name objects by address; the output's
+    must lead to the output's objects."""
+    src = write_sample(tmp_path / "data.h5")
+    with h5py.File(src, "a") as f:
+        f["/train/index"] = np.arange(40)
+        f["/train/index"].make_scale("index")
+        f["/train/images"].dims[0].attach_scale(f["/train/index"])
+        f.attrs["meta"] = f["meta"].ref
+        f.attrs["corner"] = f["/train/images"].regionref[:2, :3, 0]
+        f.create_dataset("pointers", data=[f["/train/labels"].ref, f["names"].ref], dtype=h5py.ref_dtype)
+    assert run(cli, src).exit_code == 0
+    with h5py.File(tmp_path / "data.tldp.h5", "r") as f:
+        images = f["/train/images"]
+        assert images.dtype == np.float32 and images.dims[0].keys() == ["index"]
+        assert f[images.dims[0][0].attrs["REFERENCE_LIST"][0]["dataset"]] == images
+        assert f[f.attrs["meta"]].name == "/meta"
+        assert f[f.attrs["corner"]] == images
+        np.testing.assert_array_equal(images[f.attrs["corner"]], images[:2, :3, :1])
+        assert [f[r].name for r in f["pointers"][()]] == ["/train/labels", "/names"]

@@ -1,0 +1,299 @@
+"""Folders of images: the shared round trip, plus what only image folders have
+(modes, alpha, 16-bit, float TIFF output, non-image and unreadable files)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from tests.conftest import siblings, tree_digest
+from tests.roundtrip import RoundTrip
+from tldp_cli.formats import images
+
+RNG = np.random.default_rng(0)
+
+
+def pixels(h, w, channels=None, dtype=np.uint8):
+    shape = (h, w) if channels is None else (h, w, channels)
+    return RNG.integers(0, np.iinfo(dtype).max + 1, shape, dtype=dtype)
+
+
+def save(path: Path, array: np.ndarray, **kwargs) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path, **kwargs)
+    return path
+
+
+def image_files(root: Path) -> dict[str, Path]:
+    return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*"))
+            if p.suffix.lower() in images.IMAGE_SUFFIXES}
+
+
+def colour_channels(path: Path) -> np.ndarray:
+    if path.suffix == ".tiff":
+        array = tifffile.imread(path)
+        return array[..., :-1].squeeze(-1) if array.ndim == 3 and array.shape[-1] in (2, 4) else array
+    with Image.open(path) as im:
+        array = np.asarray(im)
+        if im.mode == "LA":
+            return array[..., 0]
+        return array[..., :3] if im.mode == "RGBA" else array
+
+
+def alpha_channel(path: Path) -> np.ndarray:
+    return tifffile.imread(path)[..., -1] if path.suffix == ".tiff" else np.asarray(Image.open(path))[..., -1]
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads(Path(str(out) + ".manifest.json").read_text())
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+class TestImagesRoundTrip(RoundTrip):
+    def make_input(self, tmp_path):
+        root = tmp_path / "photos"
+        save(root / "rgb.png", pixels(12, 10, 3))
+        save(root / "sub" / "gray.png", pixels(8, 9))
+        save(root / "sub" / "deeper" / "rgba.png", pixels(7, 6, 4))
+        save(root / "sub" / "deeper" / "la.png", pixels(5, 5, 2))
+        save(root / "sub" / "cam.jpg", pixels(16, 16, 3), quality=90)
+        save(root / "other" / "pic.bmp", pixels(6, 11, 3))
+        save(root / "other" / "web.webp", pixels(9, 7, 3), lossless=True)
+        save(root / "other" / "scan.tif", pixels(4, 13))
+        return root
+
+    def read_arrays(self, path):
+        return {str(Path(rel).with_suffix("")): colour_channels(file)
+                for rel, file in image_files(path).items()}
+
+    def assert_same_structure(self, original, perturbed):
+        sources = image_files(original)
+        outputs = image_files(perturbed)
+        assert set(outputs) == {str(Path(rel).with_suffix(".png")) for rel in sources}
+        for rel, source in sources.items():
+            output = outputs[str(Path(rel).with_suffix(".png"))]
+            with Image.open(source) as a, Image.open(output) as b:
+                assert b.format == "PNG" and (b.size, b.mode) == (a.size, a.mode), rel
+                if a.mode in ("RGBA", "LA"):
+                    assert np.asarray(b)[..., -1].tobytes() == np.asarray(a)[..., -1].tobytes(), rel
+
+
+def test_manifest_uses_largest_image(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "small.png", pixels(4, 5))  # 20 elements
+    save(src / "big" / "colour.png", pixels(6, 7, 3))  # 126 elements
+    save(src / "mid.png", pixels(5, 6, 4))  # 90 elements: the alpha channel is not a record's element
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert manifest["records"] == 3
+    assert manifest["elements_per_record"] == 126
+    assert manifest["elements_per_record_range"] == [20, 126]
+    assert manifest["value_range"] == [0, 256]
+    assert [Path(i["path"]).relative_to(src).as_posix() for i in manifest["inputs"]] == \
+        ["big/colour.png", "mid.png", "small.png"]
+    assert manifest["inputs"][0] == {"path": str(src / "big" / "colour.png"), "format": "images",
+                                     "shape": [1, 6, 7, 3], "dtype": "uint8"}
+    assert manifest["postprocessing"][:3] == ["round to nearest integer (ties to even)",
+                                              "clip to [0, 255]", "write 8-bit PNG"]
+    assert any("alpha" in step for step in manifest["postprocessing"])
+    assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
+        ["big/colour.png", "mid.png", "small.png"]
+
+
+def test_default_output_is_a_sibling_folder(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(4, 4))
+    assert images.default_output(src) == tmp_path / "photos.tldp"
+    result = cli("perturb", src, "--eps", "1")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "photos.tldp" / "a.png").is_file()
+    assert (tmp_path / "photos.tldp.manifest.json").is_file()
+
+
+def test_can_open_folders_but_not_zarr_stores(tmp_path):
+    assert images.can_open(tmp_path)
+    (tmp_path / "zarr.json").write_text("{}")
+    assert not images.can_open(tmp_path)
+    assert not images.can_open(tmp_path / "zarr.json")
+
+
+def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
+    src = tmp_path / "scans"
+    original = pixels(10, 12, dtype=np.uint16)
+    save(src / "deep.png", original)
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "100000", "--seed", "1", "--out", out).exit_code == 0
+    with Image.open(out / "deep.png") as im:
+        assert im.mode == "I;16"
+        result = np.asarray(im)
+    # Laplace noise of scale 65536/1e5 = 0.66 moves the values by a few units at most.
+    assert np.abs(result.astype(np.int64) - original).max() <= 10
+    manifest = manifest_of(out)
+    assert manifest["value_range"] == [0, 65536]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", "write 16-bit PNG"]
+
+
+def test_mixed_bit_depths_need_a_range(cli, tmp_path):
+    src = tmp_path / "mixed"
+    save(src / "deep.png", pixels(4, 4, dtype=np.uint16))
+    save(src / "shallow.png", pixels(4, 4))
+    assert cli("perturb", src, "--eps", "1", "--out", tmp_path / "a").exit_code == 2
+    result = cli("perturb", src, "--eps", "1", "--range", "0:65536", "--out", tmp_path / "b", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["postprocessing"][1:3] == [
+        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", "write 8-bit and 16-bit PNG"]
+    assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
+    assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
+
+
+def test_large_eps_gives_back_the_input(cli, tmp_path):
+    src = tmp_path / "photos"
+    original = pixels(20, 20, 3)
+    save(src / "a.png", original)
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "10000", "--out", out).exit_code == 0
+    # Laplace noise of scale 256/10000 rounds away.
+    np.testing.assert_array_equal(np.asarray(Image.open(out / "a.png")), original)
+
+
+def test_png_output_is_clipped_not_wrapped(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", np.full((30, 30), 128, np.uint8))
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "1", "--seed", "3", "--out", out).exit_code == 0
+    result = np.asarray(Image.open(out / "a.png"))
+    # Laplace noise of scale 256 saturates about 60% of the values at 0 or 255;
+    # wrapping modulo 256 would put only about 1% there.
+    saturated = np.mean((result == 0) | (result == 255))
+    assert 0.4 < saturated < 0.8
+
+
+def test_tiff_output_is_float_and_unclipped(cli, tmp_path):
+    src = tmp_path / "photos"
+    colour = pixels(16, 16, 4)
+    save(src / "a.jpg", pixels(16, 16, 3))
+    save(src / "b.png", colour)
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "0.5", "--image-format", "tiff", "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(image_files(out)) == ["a.tiff", "b.tiff"]
+    perturbed = tifffile.imread(out / "b.tiff")
+    assert perturbed.dtype == np.float32 and perturbed.shape == (16, 16, 4)
+    np.testing.assert_array_equal(perturbed[..., 3], colour[..., 3].astype(np.float32))
+    difference = perturbed[..., :3] - colour[..., :3]
+    assert np.any(difference != np.round(difference)), "values were rounded"
+    assert perturbed[..., :3].min() < 0 and perturbed[..., :3].max() > 255, "values were clipped"
+    assert json.loads(result.stdout)["postprocessing"][0] == "write float32 TIFF (unclipped)"
+
+
+def test_palette_is_converted_and_other_modes_refused(cli, tmp_path):
+    src = tmp_path / "photos"
+    src.mkdir()
+    Image.fromarray(pixels(6, 6, 3)).convert("P").save(src / "pal.png")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert Image.open(out / "pal.png").mode == "RGB"
+    assert json.loads(result.stdout)["image_conversions"] == {"pal.png": ["palette (P) -> RGB"]}
+
+    Image.new("CMYK", (5, 5)).save(src / "print.jpg")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out2")
+    assert result.exit_code == 1
+    assert "print.jpg" in one_line(result) and "CMYK" in result.stderr
+
+
+def test_16bit_colour_is_refused_not_truncated(cli, tmp_path):
+    src = tmp_path / "photos"
+    src.mkdir()
+    tifffile.imwrite(src / "deep.tif", pixels(4, 4, 3, dtype=np.uint16), photometric="rgb")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert "deep.tif" in one_line(result) and "16-bit" in result.stderr
+
+
+def test_name_collision_names_both(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.jpg", pixels(4, 4, 3))
+    save(src / "a.png", pixels(4, 4, 3))
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert "a.jpg" in line and "a.png" in line
+
+
+def test_non_images_are_skipped_or_copied(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(4, 4))
+    (src / "notes.txt").write_text("private notes")
+    (src / "sub").mkdir()
+    (src / "sub" / "data.csv").write_text("1,2\n")
+
+    out = tmp_path / "skipped"
+    result = cli("perturb", src, "--eps", "1", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "skipped 2 files that are not images: notes.txt, sub/data.csv" in result.stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == ["a.png"]
+    assert manifest_of(out)["not_images"] == ["notes.txt", "sub/data.csv"]
+    assert manifest_of(out)["not_images_action"] == "skipped"
+
+    out = tmp_path / "copied"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    assert "copied 2 files that are not images unchanged" in result.stderr
+    assert (out / "notes.txt").read_text() == "private notes"
+    assert (out / "sub" / "data.csv").read_text() == "1,2\n"
+    manifest = manifest_of(out)
+    assert manifest["not_images_action"] == "copied unchanged"
+    assert {str(out / "notes.txt"), str(out / "sub" / "data.csv")} <= {o["path"] for o in manifest["outputs"]}
+
+
+@pytest.mark.parametrize("broken", ["truncated", "garbage"])
+def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
+    src = tmp_path / "photos"
+    save(src / "good.png", pixels(8, 8, 3))
+    bad = src / "sub" / "bad.png"
+    if broken == "truncated":
+        data = save(bad, pixels(32, 32, 3)).read_bytes()
+        bad.write_bytes(data[: len(data) // 2])
+    else:
+        bad.parent.mkdir()
+        bad.write_bytes(b"this is not a PNG at all")
+    before = tree_digest(src)
+
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert str(bad) in one_line(result)
+    assert siblings(tmp_path) == {"photos"}, "something was written"
+
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--skip-bad")
+    assert result.exit_code == 0, result.stderr
+    assert "skipped 1 unreadable image: sub/bad.png" in result.stderr
+    assert manifest_of(tmp_path / "out")["skipped_bad_images"] == ["sub/bad.png"]
+    assert sorted(image_files(tmp_path / "out")) == ["good.png"]
+    assert tree_digest(src) == before
+
+
+def test_folder_without_images(cli, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = cli("perturb", empty, "--eps", "1")
+    assert result.exit_code == 1
+    assert f"no images in {empty}" in one_line(result)
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "readme.md").write_text("hello")
+    result = cli("perturb", texts, "--eps", "1")
+    assert result.exit_code == 1
+    assert f"no images in {texts} (found 1 file that is not an image)" in one_line(result)
+    assert siblings(tmp_path) == {"empty", "texts"}

@@ -1,0 +1,272 @@
+"""Zarr stores, formats 2 and 3: round trips, sharding, selection, damaged stores."""
+
+import json
+from pathlib import Path
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+
+from tests.conftest import siblings, tree_digest
+from tests.roundtrip import RoundTrip
+from tldp_cli.formats import FormatOptions, zarr_store
+from tldp_cli.pipeline import PerturbOptions, perturb
+
+# zarr warns that consolidated metadata is not part of the format 3 spec.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+IMAGES = np.random.default_rng(0).integers(0, 256, (40, 8, 8), dtype=np.uint8)
+
+
+def make_group(path: Path, zarr_format: int, consolidated: bool = True) -> Path:
+    """A group with attributes: images (perturbed), labels (1-D), sub/small (1-D)."""
+    group = zarr.open_group(path, mode="w", zarr_format=zarr_format,
+                            attributes={"title": "digits", "version": 3})
+    extra = {"dimension_names": ["n", "y", "x"]} if zarr_format == 3 else {}
+    images = group.create_array(
+        "images", shape=IMAGES.shape, dtype="uint8", chunks=(10, 8, 8), fill_value=7,
+        compressors=ZstdCodec(level=3) if zarr_format == 3 else numcodecs.Blosc(cname="zstd"),
+        attributes={"units": "intensity"}, **extra)
+    images[:] = IMAGES
+    labels = group.create_array("labels", shape=(40,), dtype="int64", chunks=(16,))
+    labels[:] = np.arange(40) % 10
+    sub = group.create_group("meta", attributes={"source": "test"})
+    small = sub.create_array("scale", shape=(3,), dtype="float64", attributes={"k": [1, 2]})
+    small[:] = [0.5, 1.5, 2.5]
+    if consolidated:
+        zarr.consolidate_metadata(path)
+    return path
+
+
+def nodes(path: Path) -> dict:
+    return dict(zarr.open_group(path, mode="r", use_consolidated=False).members(max_depth=None))
+
+
+def read_path(path: Path, name: str) -> np.ndarray:
+    return zarr.open_array(path, path=name, mode="r")[:]
+
+
+class ZarrGroupRoundTrip(RoundTrip):
+    zarr_format = 3
+
+    def make_input(self, tmp_path):
+        return make_group(tmp_path / "data.zarr", self.zarr_format)
+
+    def read_arrays(self, path):
+        return {"images": read_path(path, "images")}
+
+    def assert_same_structure(self, original, perturbed):
+        a_group = zarr.open_group(original, mode="r", use_consolidated=False)
+        b_group = zarr.open_group(perturbed, mode="r", use_consolidated=False)
+        assert b_group.metadata.zarr_format == self.zarr_format
+        assert dict(b_group.attrs) == dict(a_group.attrs)
+        a_nodes, b_nodes = nodes(original), nodes(perturbed)
+        assert a_nodes.keys() == b_nodes.keys()
+        for name, a in a_nodes.items():
+            b = b_nodes[name]
+            assert type(a) is type(b) and dict(a.attrs) == dict(b.attrs), name
+            if isinstance(a, zarr.Group):
+                continue
+            assert (a.shape, a.chunks, a.shards) == (b.shape, b.chunks, b.shards), name
+            assert a.compressors == b.compressors and a.filters == b.filters, name
+            if self.zarr_format == 3:
+                assert a.metadata.dimension_names == b.metadata.dimension_names, name
+            if name == "images":
+                assert b.dtype == np.float32 and b.fill_value == np.float32(a.fill_value)
+            else:
+                assert b.dtype == a.dtype and b.fill_value == a.fill_value, name
+                np.testing.assert_array_equal(b[:], a[:])
+        # The input was consolidated: the output is too, and describes the new dtype.
+        consolidated = zarr.open_consolidated(perturbed, mode="r", zarr_format=self.zarr_format)
+        assert consolidated["images"].dtype == np.float32
+
+
+class TestZarrV3RoundTrip(ZarrGroupRoundTrip):
+    zarr_format = 3
+
+
+class TestZarrV2RoundTrip(ZarrGroupRoundTrip):
+    zarr_format = 2
+
+
+def perturb_ok(cli, *args):
+    result = cli("perturb", *args, "--eps", "1", "--seed", "7")
+    assert result.exit_code == 0, result.stderr
+    return result
+
+
+def assert_one_line_failure(result, exit_code, *words):
+    assert result.exit_code == exit_code, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    for word in words:
+        assert word in result.stderr
+
+
+def test_sharded_output_keeps_shards_and_matches_any_chunking(tmp_path):
+    images = np.random.default_rng(1).integers(0, 256, (40, 64, 64), dtype=np.uint8)
+    layouts = {"sharded": {"chunks": (10, 64, 64), "shards": (20, 64, 64)},
+               "rechunked": {"chunks": (7, 32, 64)}}
+    outputs = {}
+    for name, layout in layouts.items():
+        src = tmp_path / f"{name}.zarr"
+        array = zarr.create_array(src, shape=images.shape, dtype="uint8", zarr_format=3,
+                                  compressors=BloscCodec(cname="zstd"), **layout)
+        array[:] = images
+        # Small blocks, so the pipeline splits the two layouts differently (20 vs 7 records).
+        perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, out=tmp_path / f"{name}.out.zarr",
+                               block_elements=8 * 64 * 64))
+        out = zarr.open_array(tmp_path / f"{name}.out.zarr", mode="r")
+        assert (out.chunks, out.shards) == (array.chunks, array.shards)
+        assert out.compressors == array.compressors and out.dtype == np.float32
+        outputs[name] = out[:]
+    assert not np.array_equal(outputs["sharded"], images)
+    np.testing.assert_array_equal(outputs["sharded"], outputs["rechunked"])
+
+
+def test_writer_handles_blocks_that_straddle_chunks_and_shards(tmp_path):
+    src = tmp_path / "sharded.zarr"
+    zarr.create_array(src, shape=(40, 4), dtype="int32", chunks=(5, 4), shards=(10, 4),
+                      zarr_format=3)[:] = np.arange(160).reshape(40, 4)
+    reader = zarr_store.open_reader(src, FormatOptions())
+    [job] = reader.arrays()
+    assert job.chunk_records == 10 and job.name == "/" and job.source["dataset"] == "/"
+    writer = zarr_store.create_writer(reader, tmp_path / "out", np.dtype("float64"), FormatOptions())
+    for start in range(0, 40, 3):
+        block = job.read(start, min(start + 3, 40))
+        writer.write(job, start, block.astype(np.float64) + 0.5)
+    files = writer.close()
+    reader.close()
+    assert {f.relative_to(tmp_path / "out").as_posix() for f in files} == {
+        "zarr.json", "c/0/0", "c/1/0", "c/2/0", "c/3/0"}
+    out = zarr.open_array(tmp_path / "out", mode="r")
+    np.testing.assert_array_equal(out[:], np.arange(160).reshape(40, 4) + 0.5)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_single_array_store(cli, tmp_path, zarr_format):
+    src = tmp_path / "features.zarr"
+    values = np.arange(90, dtype=np.int16).reshape(30, 3)
+    zarr.create_array(src, shape=values.shape, dtype="int16", chunks=(10, 3), fill_value=-1,
+                      attributes={"note": "x"}, zarr_format=zarr_format)[:] = values
+    before = tree_digest(src)
+    result = perturb_ok(cli, src, "--json")
+    assert tree_digest(src) == before
+    out = zarr.open_array(tmp_path / "features.tldp.zarr", mode="r")
+    assert out.metadata.zarr_format == zarr_format
+    assert out.dtype == np.float32 and out.fill_value == -1.0 and out.chunks == (10, 3)
+    assert dict(out.attrs) == {"note": "x"} and out.shape == values.shape
+    assert json.loads(result.stdout)["inputs"][0]["dataset"] == "/"
+
+
+def make_two(path: Path, rows_b: int) -> Path:
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("a", shape=(10, 4), dtype="uint8")[:] = 1
+    group.create_group("g").create_array("b", shape=(rows_b, 4), dtype="uint8")[:] = 2
+    return path
+
+
+def test_default_selection_takes_arrays_with_the_same_records(cli, tmp_path):
+    src = make_two(tmp_path / "two.zarr", rows_b=10)
+    result = perturb_ok(cli, src)
+    assert "perturbing arrays a, g/b of two.zarr (choose with --dataset)" in result.stderr
+    out = tmp_path / "two.tldp.zarr"
+    assert read_path(out, "a").dtype == np.float32 and read_path(out, "g/b").dtype == np.float32
+
+
+def test_ambiguous_selection_is_a_usage_error(cli, tmp_path):
+    src = make_two(tmp_path / "two.zarr", rows_b=12)
+    before = siblings(tmp_path)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_failure(result, 2, "--dataset", "a (10, 4)", "g/b (12, 4)")
+    assert siblings(tmp_path) == before
+
+
+@pytest.mark.parametrize("spelling", ["g/b", "/g/b"])
+def test_dataset_chooses_and_copies_the_rest(cli, tmp_path, spelling):
+    src = make_two(tmp_path / "two.zarr", rows_b=12)
+    perturb_ok(cli, src, "--dataset", spelling)
+    out = tmp_path / "two.tldp.zarr"
+    assert read_path(out, "g/b").dtype == np.float32
+    a = zarr.open_array(out, path="a", mode="r")
+    assert a.dtype == np.uint8 and (a[:] == 1).all()
+    assert tree_digest(out / "a") == tree_digest(src / "a")
+
+
+@pytest.mark.parametrize("dataset, words", [("nope", ["nope", "does not exist"]),
+                                            ("g", ["g is a group"])])
+def test_dataset_that_is_not_an_array(cli, tmp_path, dataset, words):
+    src = make_two(tmp_path / "two.zarr", rows_b=12)
+    before = siblings(tmp_path)
+    result = cli("perturb", src, "--eps", "1", "--dataset", dataset)
+    assert_one_line_failure(result, 1, str(src), *words)
+    assert siblings(tmp_path) == before
+
+
+def _corrupt_root(src):
+    (src / "zarr.json").write_text("{not json")
+
+
+def _drop_array_metadata(src):
+    (src / "images" / "zarr.json").unlink()
+
+
+def _bad_array_metadata(src):
+    (src / "images" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array"}')
+
+
+@pytest.mark.parametrize("damage", [_corrupt_root, _drop_array_metadata, _bad_array_metadata])
+def test_damaged_group_store(cli, tmp_path, damage):
+    src = make_group(tmp_path / "data.zarr", 3, consolidated=False)
+    damage(src)
+    before, files = siblings(tmp_path), tree_digest(src)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_failure(result, 1, str(src), "damaged Zarr store")
+    assert siblings(tmp_path) == before and tree_digest(src) == files
+
+
+@pytest.mark.parametrize("zarr_format, meta", [(2, ".zgroup"), (3, "zarr.json")])
+def test_group_without_root_metadata_is_refused(cli, tmp_path, zarr_format, meta):
+    src = make_group(tmp_path / "data.zarr", zarr_format, consolidated=False)
+    (src / meta).unlink()
+    # A format 2 group keeps its .zattrs and is reported as a damaged store. A format 3
+    # group keeps nothing at its root and looks like a folder of stores, so it is not
+    # claimed as Zarr; whichever module answers must still fail cleanly.
+    assert zarr_store.can_open(src) == (zarr_format == 2)
+    before, files = siblings(tmp_path), tree_digest(src)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_failure(result, 1, str(src))
+    assert siblings(tmp_path) == before and tree_digest(src) == files
+
+
+@pytest.mark.parametrize("zarr_format, meta", [(2, ".zarray"), (3, "zarr.json")])
+def test_array_store_without_metadata(cli, tmp_path, zarr_format, meta):
+    src = tmp_path / "lost.zarr"
+    zarr.create_array(src, shape=(20, 4), dtype="uint8", chunks=(5, 4),
+                      zarr_format=zarr_format)[:] = 3
+    (src / meta).unlink()
+    assert zarr_store.can_open(src)
+    before, files = siblings(tmp_path), tree_digest(src)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_failure(result, 1, str(src), "damaged Zarr store")
+    assert siblings(tmp_path) == before and tree_digest(src) == files
+
+
+def test_dtype_bound_filter_is_refused(cli, tmp_path):
+    src = tmp_path / "delta.zarr"
+    zarr.create_array(src, shape=(20, 4), dtype="uint8", chunks=(5, 4), zarr_format=2,
+                      filters=[numcodecs.Delta(dtype="u1")])[:] = 3
+    before = siblings(tmp_path)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_failure(result, 1, str(src), "delta")
+    assert siblings(tmp_path) == before
+
+
+def test_can_open_and_default_output(tmp_path):
+    assert not zarr_store.can_open(tmp_path)
+    (tmp_path / "photo.png").write_bytes(b"")
+    assert not zarr_store.can_open(tmp_path)
+    assert not zarr_store.can_open(tmp_path / "photo.png")
+    assert zarr_store.default_output(Path("x/data.zarr")) == Path("x/data.tldp.zarr")
+    assert zarr_store.default_output(Path("x/store")) == Path("x/store.tldp")

@@ -1,0 +1,300 @@
+"""Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record.
+
+Images are found recursively and keyed by their relative POSIX path, which also
+keys their random streams. Every image is decoded once when the folder is opened
+(so an unreadable one stops the run before anything is written) and again when
+its pixels are needed; no image is held in memory longer than that.
+
+Only colour channels are perturbed; an alpha channel is copied back unchanged.
+The output folder mirrors the input: lossless PNG rounded and clipped to the
+input's integer range (default), or float TIFF with the values as perturbed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tifffile
+from PIL import ExifTags, Image, ImageOps
+
+from tldp_cli.errors import InputError, UsageError
+from tldp_cli.formats import ArrayJob, FormatOptions
+
+NAME = "images"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
+OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
+LISTED = 5  # file names shown in a message before "... and N more"
+
+
+def can_open(path: Path) -> bool:
+    return path.is_dir() and not any((path / marker).exists() for marker in ZARR_MARKERS)
+
+
+def default_output(path: Path) -> Path:
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    return path.with_name(path.name + ".tldp")
+
+
+class _Unsupported(Exception):
+    """An image Pillow can decode but tldp cannot perturb faithfully."""
+
+
+@dataclass
+class _Decoded:
+    colour: np.ndarray  # (H, W) or (H, W, 3)
+    alpha: np.ndarray | None  # (H, W) or None
+    notes: list[str]  # conversions applied, e.g. "palette (P) -> RGB"
+
+
+def _source_bit_depth(path: Path, im: Image.Image) -> int:
+    """Bits per sample as stored; Pillow reads 16-bit colour PNG and TIFF as 8-bit."""
+    if im.format == "PNG":
+        with open(path, "rb") as f:
+            header = f.read(26)  # signature, IHDR length and type, width, height, bit depth
+        return header[24]
+    if im.format == "TIFF":
+        bits = im.tag_v2.get(258, (8,))
+        return max(bits) if isinstance(bits, tuple) else int(bits)
+    return 8
+
+
+def _decode(path: Path) -> _Decoded:
+    notes = []
+    with Image.open(path) as im:
+        frames = getattr(im, "n_frames", 1)
+        if frames > 1:
+            raise _Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
+        im.load()
+        depth = _source_bit_depth(path, im)
+        # Output carries no EXIF, so store the pixels the way viewers show them.
+        orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
+        if orientation != 1:
+            im = ImageOps.exif_transpose(im)
+            notes.append(f"EXIF orientation {orientation} applied")
+        if im.mode == "1":
+            im = im.convert("L")
+            notes.append("bilevel (1) -> L")
+        elif im.mode in ("P", "PA"):
+            target = "RGBA" if im.mode == "PA" or im.has_transparency_data else "RGB"
+            notes.append(f"palette ({im.mode}) -> {target}")
+            im = im.convert(target)
+        if im.mode not in SUPPORTED_MODES:
+            raise _Unsupported(f"colour mode {im.mode} is not supported "
+                               "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
+        if depth > 8 and im.mode not in SIXTEEN_BIT_MODES:
+            raise _Unsupported(f"has {depth}-bit {im.mode} samples, which Pillow reads as 8-bit; "
+                               "only grayscale may be 16-bit")
+        mode, pixels = im.mode, np.asarray(im)
+    if mode in SIXTEEN_BIT_MODES:
+        return _Decoded(pixels.astype(np.uint16), None, notes)  # native byte order
+    if mode in ("LA", "RGBA"):
+        colour = pixels[..., 0] if mode == "LA" else pixels[..., :3]
+        return _Decoded(np.ascontiguousarray(colour), np.ascontiguousarray(pixels[..., -1]), notes)
+    return _Decoded(pixels, None, notes)
+
+
+@dataclass
+class _Image:
+    rel: str  # relative POSIX path: the job name
+    path: Path
+    out_rel: str
+    shape: tuple[int, ...]  # (1, H, W) or (1, H, W, 3)
+    dtype: np.dtype
+    has_alpha: bool
+
+
+def _walk(root: Path) -> tuple[list[str], list[str]]:
+    """Relative POSIX paths of the image files and of the other files, sorted."""
+    images, others = [], []
+    for directory, _, files in os.walk(root):
+        for name in files:
+            rel = (Path(directory) / name).relative_to(root).as_posix()
+            (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
+    return sorted(images), sorted(others)
+
+
+def _output_name(rel: str, image_format: str) -> str:
+    suffixes = OUTPUT_SUFFIXES[image_format]
+    path = Path(rel)
+    return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:LISTED])
+    return shown if len(names) <= LISTED else f"{shown}, ... and {len(names) - LISTED} more"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _non_images(n: int) -> str:
+    return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
+
+
+def _check_collisions(root: Path, out_names: dict[str, str]) -> None:
+    claimed: dict[str, str] = {}
+    for rel, out in out_names.items():
+        if out in claimed:
+            raise InputError(f"{root}: {claimed[out]} and {rel} would both be written as {out}; "
+                             "rename one of them")
+        claimed[out] = rel
+
+
+class ImageFolderReader:
+    format = NAME
+
+    def __init__(self, path: Path, options: FormatOptions):
+        self.path = path
+        self.messages: list[str] = []
+        self.manifest_extra: dict = {}
+        if options.datasets:
+            raise InputError(f"{path}: --dataset applies to HDF5 and Zarr inputs, not image folders")
+        if options.image_format not in OUTPUT_SUFFIXES:
+            raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
+        candidates, self.others = _walk(path)
+        out_names = {rel: _output_name(rel, options.image_format) for rel in candidates}
+        _check_collisions(path, out_names)
+        self.images: list[_Image] = []
+        bad: list[str] = []
+        conversions: dict[str, list[str]] = {}
+        for rel in candidates:
+            file = path / rel
+            try:
+                decoded = _decode(file)
+            except _Unsupported as exc:
+                reason = str(exc)
+            except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
+                reason = f"cannot be decoded as an image ({exc})"
+            else:
+                self.images.append(_Image(rel, file, out_names[rel], (1, *decoded.colour.shape),
+                                          decoded.colour.dtype, decoded.alpha is not None))
+                if decoded.notes:
+                    conversions[rel] = decoded.notes
+                continue
+            if not options.skip_bad:
+                raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
+            bad.append(rel)
+        self._report(options, bad, conversions)
+
+    def _report(self, options: FormatOptions, bad: list[str], conversions: dict[str, list[str]]):
+        if self.others:
+            self.manifest_extra["not_images"] = self.others
+            self.manifest_extra["not_images_action"] = "copied unchanged" if options.copy_other else "skipped"
+            done = "copied" if options.copy_other else "skipped"
+            how = " unchanged (not perturbed)" if options.copy_other else ""
+            self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {_listing(self.others)}")
+        if bad:
+            self.manifest_extra["skipped_bad_images"] = bad
+            self.messages.append(f"skipped {_plural(len(bad), 'unreadable image')}: {_listing(bad)}")
+        if conversions:
+            self.manifest_extra["image_conversions"] = conversions
+        if not self.images:
+            found = [_non_images(len(self.others))] if self.others else []
+            found += [_plural(len(bad), "unreadable image")] if bad else []
+            detail = f" (found {' and '.join(found)})" if found else ""
+            raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+
+    def _read(self, image: _Image, start: int, stop: int) -> np.ndarray:
+        colour = _decode(image.path).colour
+        if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
+            raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
+        return colour[None]
+
+    def arrays(self) -> list[ArrayJob]:
+        return [ArrayJob(name=image.rel, shape=image.shape, dtype=image.dtype,
+                         read=functools.partial(self._read, image),
+                         source={"path": str(image.path), "format": NAME,
+                                 "shape": list(image.shape), "dtype": str(image.dtype)})
+                for image in self.images]
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(path: Path, options: FormatOptions) -> ImageFolderReader:
+    return ImageFolderReader(path, options)
+
+
+def _icc_profile(path: Path) -> bytes | None:
+    with Image.open(path) as im:  # header only, no decoding
+        return im.info.get("icc_profile")
+
+
+class ImageFolderWriter:
+    def __init__(self, reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
+                 options: FormatOptions):
+        self.root = tmp_path
+        self.image_format = options.image_format
+        self.dtype = np.dtype(dtype)
+        self.images = {image.rel: image for image in reader.images}
+        self.written: list[Path] = []
+        tmp_path.mkdir()
+        if options.copy_other:
+            for rel in reader.others:
+                self.written.append(self._copy(reader.path / rel, rel))
+        self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
+        png_dtypes = sorted({str(image.dtype) for image in reader.images})
+        self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
+
+    def _steps(self, any_alpha: bool) -> list[str]:
+        if self.image_format == "tiff":
+            steps = [f"write {self.dtype} TIFF (unclipped)"]
+        else:
+            depths = sorted({image.dtype.itemsize * 8 for image in self.images.values()})
+            ranges = [f"[0, {2**d - 1}]" + (f" ({d}-bit images)" if len(depths) > 1 else "")
+                      for d in depths]
+            steps = ["round to nearest integer (ties to even)", "clip to " + ", ".join(ranges),
+                     "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG"]
+        if any_alpha:
+            steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
+        steps.append("keep the ICC colour profile; drop EXIF and text metadata")
+        return steps
+
+    def _target(self, rel: str) -> Path:
+        target = self.root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def _copy(self, source: Path, rel: str) -> Path:
+        target = self._target(rel)
+        shutil.copyfile(source, target)
+        return target
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        image = self.images[job.name]
+        values = block[0]
+        alpha = _decode(image.path).alpha if image.has_alpha else None
+        icc = _icc_profile(image.path)
+        target = self._target(image.out_rel)
+        if self.image_format == "tiff":
+            pixels = values.astype(self.dtype)
+            if alpha is not None:
+                pixels = np.dstack([pixels, alpha.astype(self.dtype)])
+            tifffile.imwrite(target, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
+                             extrasamples=("unassalpha",) if alpha is not None else None,
+                             iccprofile=icc)
+        else:
+            info = np.iinfo(image.dtype)
+            pixels = np.clip(np.rint(values), info.min, info.max).astype(image.dtype)
+            if alpha is not None:
+                pixels = np.dstack([pixels, alpha])
+            Image.fromarray(pixels).save(target, format="PNG", icc_profile=icc)
+        self.written.append(target)
+
+    def close(self) -> list[Path]:
+        return sorted(self.written)
+
+
+def create_writer(reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> ImageFolderWriter:
+    return ImageFolderWriter(reader, tmp_path, dtype, options)

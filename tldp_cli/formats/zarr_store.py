@@ -1,0 +1,339 @@
+"""Zarr directory stores, Zarr format 2 and 3: a single array or a group tree.
+
+The output starts as a file-for-file copy of the input without the perturbed
+arrays' chunks. Their metadata is rewritten for the float output dtype (same
+chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
+records are written through zarr. Consolidated metadata is rebuilt at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
+
+NAME = "zarr"
+METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+_CHUNK_NAME = re.compile(r"^\d+(\.\d+)*$")
+
+
+def can_open(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    if any((path / name).is_file() for name in METADATA_FILES):  # even a corrupt one
+        return True
+    # An array that lost its metadata still has its chunks ("0.0.0", "0/0", "c/0/0").
+    # (A group that lost its root metadata is not claimed: its members look just like a
+    # folder holding several stores.)
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    return bool(entries) and all(_CHUNK_NAME.match(p.name) or (p.name == "c" and p.is_dir())
+                                 for p in entries)
+
+
+def default_output(path: Path) -> Path:
+    if path.name in ("", ".."):
+        path = path.resolve()
+    if path.name.endswith(".zarr"):
+        return path.with_name(path.name[:-5] + ".tldp.zarr")
+    return path.with_name(path.name + ".tldp")
+
+
+@dataclass
+class _Node:
+    path: str  # within the store, "" for the root
+    kind: str  # "array" or "group"
+    meta: dict[str, Any]  # the parsed zarr.json (format 3) or .zarray/.zgroup (format 2)
+    consolidated: bool = False
+
+
+def _display(name: str) -> str:
+    return name or "/"
+
+
+def _read_json(store: Path, file: Path) -> dict[str, Any]:
+    where = file.relative_to(store).as_posix()
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{store}: damaged Zarr store: {where} is not a JSON object")
+    return meta
+
+
+def _zarr_format(store: Path) -> int:
+    if (store / "zarr.json").is_file():
+        return 3
+    if (store / ".zarray").is_file() or (store / ".zgroup").is_file():
+        return 2
+    raise InputError(f"{store}: damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
+                     "(its metadata is missing)")
+
+
+def _node_at(store: Path, directory: Path, zarr_format: int) -> _Node | None:
+    rel = directory.relative_to(store).as_posix()
+    rel = "" if rel == "." else rel
+    if zarr_format == 3:
+        if not (directory / "zarr.json").is_file():
+            return None
+        meta = _read_json(store, directory / "zarr.json")
+        kind = meta.get("node_type")
+        if kind not in ("array", "group") or meta.get("zarr_format") != 3:
+            raise InputError(f"{store}: damaged Zarr store: {_display(rel)} has no valid "
+                             "node_type/zarr_format in its zarr.json")
+        return _Node(rel, kind, meta, meta.get("consolidated_metadata") is not None)
+    if (directory / ".zarray").is_file():
+        return _Node(rel, "array", _read_json(store, directory / ".zarray"))
+    if (directory / ".zgroup").is_file():
+        return _Node(rel, "group", _read_json(store, directory / ".zgroup"),
+                     (directory / ".zmetadata").is_file())
+    return None
+
+
+def _walk(store: Path, zarr_format: int) -> list[_Node]:
+    """Every node of the store, read from its own metadata file (never from consolidated
+    metadata, which may be stale)."""
+    nodes = [_node_at(store, store, zarr_format)]
+    pending = [nodes[0]]
+    while pending:
+        group = pending.pop()
+        if group.kind != "group":
+            continue
+        directory = store / group.path
+        for child in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            node = _node_at(store, child, zarr_format)
+            if node is None:
+                # Most likely an array that lost its metadata: copying it as is could
+                # publish raw data in the perturbed output.
+                expected = "zarr.json" if zarr_format == 3 else ".zarray or .zgroup"
+                raise InputError(f"{store}: damaged Zarr store: {child.relative_to(store).as_posix()}/ "
+                                 f"has no {expected}")
+            nodes.append(node)
+            pending.append(node)
+    return sorted(nodes, key=lambda n: n.path)
+
+
+def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int, mode: str = "r"):
+    try:
+        if kind == "group":
+            return zarr.open_group(store=store, path=node, mode=mode, zarr_format=zarr_format,
+                                   use_consolidated=False)
+        return zarr.open_array(store=store, path=node, mode=mode, zarr_format=zarr_format)
+    except Exception as exc:  # zarr raises many kinds on bad metadata
+        detail = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
+        raise InputError(f"{where}: damaged Zarr store: {kind} {_display(node)} has invalid "
+                         f"metadata ({detail})") from None
+
+
+class ZarrReader:
+    format = NAME
+
+    def __init__(self, path: Path, options: FormatOptions):
+        self.path = path
+        self.messages: list[str] = []
+        self.zarr_format = _zarr_format(path)
+        self.nodes = _walk(path, self.zarr_format)
+        self.store = LocalStore(path, read_only=True)
+        opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
+        self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
+        self.jobs = [self._job(name) for name in self._select(options.datasets)]
+
+    def _select(self, requested: list[str]) -> list[str]:
+        arrays = self.handles
+        listing = ", ".join(_display(n) for n in arrays) or "none"
+        if requested:
+            names: list[str] = []
+            groups = {n.path for n in self.nodes if n.kind == "group"}
+            for item in requested:
+                name = item.strip("/")
+                if name not in arrays:
+                    what = "is a group, not an array" if name in groups else "does not exist"
+                    raise InputError(f"{self.path}: Zarr array {item} {what} (arrays: {listing})")
+                self._check(name)
+                if name not in names:
+                    names.append(name)
+            return names
+        if "" in arrays:  # a single-array store
+            self._check("")
+            return [""]
+        candidates = {n: a for n, a in arrays.items() if a.dtype.kind in "iuf" and a.ndim >= 2}
+        if not candidates:
+            raise InputError(f"{self.path}: no numeric array with 2 or more dimensions to perturb; "
+                             f"choose arrays with --dataset (arrays: {listing})")
+        if len({a.shape[0] for a in candidates.values()}) > 1:
+            shapes = ", ".join(f"{n} {tuple(a.shape)}" for n, a in candidates.items())
+            raise UsageError(f"{self.path}: the arrays have different numbers of records (first axis); "
+                             f"choose with --dataset: {shapes}")
+        for name in candidates:
+            self._check(name)
+        plural = "s" if len(candidates) > 1 else ""
+        self.messages.append(f"perturbing array{plural} {', '.join(candidates)} of {self.path.name} "
+                             "(choose with --dataset)")
+        return list(candidates)
+
+    def _check(self, name: str) -> None:
+        array = self.handles[name]
+        check_numeric_dtype(self.path, array.dtype, f"array {_display(name)}")
+        if array.ndim == 0 or array.shape[0] == 0:
+            raise InputError(f"{self.path}: array {_display(name)} has no records "
+                             f"(shape {tuple(array.shape)}; axis 0 indexes records)")
+
+    def _job(self, name: str) -> ArrayJob:
+        array = self.handles[name]
+        shape = tuple(array.shape)
+
+        def read(start: int, stop: int) -> np.ndarray:
+            try:
+                return np.asarray(array[start:stop])
+            except Exception as exc:
+                raise InputError(f"{self.path}: cannot read records {start}-{stop} of array "
+                                 f"{_display(name)} ({exc}); a chunk may be damaged") from None
+
+        return ArrayJob(
+            name=_display(name), shape=shape, dtype=array.dtype, read=read,
+            source={"path": str(self.path), "format": NAME, "dataset": _display(name),
+                    "shape": list(shape), "dtype": str(array.dtype)},
+            chunk_records=(array.shards or array.chunks)[0],
+        )
+
+    def arrays(self) -> list[ArrayJob]:
+        return self.jobs
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def open_reader(path: Path, options: FormatOptions) -> ZarrReader:
+    return ZarrReader(path, options)
+
+
+def _json_float(value: float) -> float | str:
+    """A float fill value as Zarr writes it: NaN and the infinities as strings."""
+    if np.isnan(value):
+        return "NaN"
+    if np.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float(value)
+
+
+def _check_codec(codec: dict[str, Any], config: dict[str, Any], dtype: np.dtype, where: str) -> None:
+    """Filters bound to a dtype (delta, fixedscaleoffset, astype, ...) cannot be carried
+    over to float output; refuse rather than drop them or change what they mean."""
+    for key in ("dtype", "astype"):
+        if key not in config:
+            continue
+        try:
+            same = np.dtype(config[key]) == dtype
+        except TypeError:
+            same = False
+        if not same:
+            name = codec.get("name") or codec.get("id")
+            raise InputError(f"{where} uses the {name} filter for {config[key]} data, which "
+                             f"cannot apply to the {dtype} output; re-encode the array without it")
+
+
+def _float_codecs(codecs: list, dtype: np.dtype, where: str) -> list:
+    result = []
+    for codec in codecs:
+        codec = {"name": codec} if isinstance(codec, str) else copy.deepcopy(codec)
+        config = codec.get("configuration") or {}
+        _check_codec(codec, config, dtype, where)
+        if codec.get("name") == "bytes" and "endian" not in config:
+            codec["configuration"] = {**config, "endian": "little"}  # required for multi-byte types
+        if codec.get("name") == "sharding_indexed":
+            config["codecs"] = _float_codecs(config.get("codecs", []), dtype, where)
+        result.append(codec)
+    return result
+
+
+def _float_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.dtype,
+                    where: str) -> dict[str, Any]:
+    meta = copy.deepcopy(node.meta)
+    with np.errstate(over="ignore"):
+        fill = None if fill_value is None else _json_float(dtype.type(fill_value))
+    if zarr_format == 3:
+        meta["data_type"] = dtype.name
+        meta["fill_value"] = fill
+        meta["codecs"] = _float_codecs(meta.get("codecs", []), dtype, where)
+    else:
+        meta["dtype"] = dtype.str
+        meta["fill_value"] = fill
+        for codec in (meta.get("filters") or []) + [meta.get("compressor") or {}]:
+            _check_codec(codec, codec, dtype, where)
+    return meta
+
+
+class ZarrWriter:
+    def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype):
+        self.root = tmp_path
+        self.dtype = np.dtype(dtype)
+        if tmp_path.resolve().is_relative_to(reader.path.resolve()):
+            raise OutputError(f"{tmp_path.parent}: the output cannot go inside the input store "
+                              f"{reader.path}")
+        nodes = {n.path: n for n in reader.nodes}
+        names = {job.name: job.name.strip("/") for job in reader.jobs}
+        # Rewritten before anything is copied, so an impossible filter fails fast.
+        metadata = {
+            path: _float_metadata(nodes[path], reader.handles[path].fill_value, reader.zarr_format,
+                                  self.dtype, f"{reader.path}: array {_display(path)}")
+            for path in names.values()
+        }
+
+        def skip_chunks(directory: str, entries: list[str]) -> list[str]:
+            rel = Path(directory).relative_to(reader.path).as_posix()
+            if (rel if rel != "." else "") in metadata:
+                return [e for e in entries if e not in METADATA_FILES]
+            return []
+
+        shutil.copytree(reader.path, tmp_path, ignore=skip_chunks)
+        meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
+        for path, meta in metadata.items():
+            (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        store = LocalStore(tmp_path)
+        self.arrays = {job: _open(store, reader.path, path, "array", reader.zarr_format, mode="r+")
+                       for job, path in names.items()}
+        self.remaining = {job.name: job.records for job in reader.jobs}
+        self.lock = threading.Lock()
+        self.consolidate = [n.path for n in reader.nodes if n.consolidated]
+        self.zarr_format = reader.zarr_format
+        self.source = reader.path
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        try:
+            self.arrays[job.name][start:start + len(block)] = np.asarray(block, dtype=self.dtype)
+        except OSError:
+            raise
+        except Exception as exc:
+            raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
+                             f"its codecs ({exc})") from None
+        with self.lock:
+            self.remaining[job.name] -= len(block)
+
+    def close(self) -> list[Path]:
+        # Only a complete output is worth consolidating; a failed run is thrown away.
+        if self.consolidate and not any(self.remaining.values()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"
+                # Nested groups first, the root last.
+                for path in sorted(self.consolidate, key=lambda p: (p == "", -p.count("/"))):
+                    zarr.consolidate_metadata(LocalStore(self.root), path=path,
+                                              zarr_format=self.zarr_format)
+        return sorted(p for p in self.root.rglob("*") if p.is_file())
+
+
+def create_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> ZarrWriter:
+    return ZarrWriter(reader, tmp_path, dtype)
