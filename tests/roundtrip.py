@@ -65,6 +65,14 @@ class RoundTrip:
         for key in first:
             np.testing.assert_array_equal(first[key], second[key])
 
+    def test_workers_give_identical_output(self, cli, tmp_path):
+        src = self.make_input(tmp_path)
+        for name, workers in (("serial", "1"), ("threads", "3")):
+            assert self._run(cli, src, tmp_path / name, "--workers", workers).exit_code == 0
+        serial, threads = self.read_arrays(tmp_path / "serial"), self.read_arrays(tmp_path / "threads")
+        for key in serial:
+            np.testing.assert_array_equal(serial[key], threads[key])
+
     def test_refuses_to_overwrite(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         out = tmp_path / "out"

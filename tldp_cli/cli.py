@@ -188,6 +188,9 @@ def perturb_command(
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, help="Blocks perturbed in parallel threads. Default: the number of cores. "
+                    "The output is the same for any number.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
@@ -212,6 +215,7 @@ def perturb_command(
             budget=budget.value, value_range=parse_range(value_range) if value_range else None,
             weights=weights, out=out, manifest=manifest, seed=seed, rng=rng.value,
             dtype=dtype.value, dp_delta=dp_delta, overwrite=overwrite, clip_input=clip_input,
+            workers=workers or os.cpu_count() or 1,
             datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
             skip_bad=skip_bad)
         advance, close = _progress_bar(quiet, "rec")

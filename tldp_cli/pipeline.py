@@ -12,6 +12,8 @@ import math
 import os
 import secrets
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +54,7 @@ class PerturbOptions:
     image_format: str = "png"
     copy_other: bool = False
     skip_bad: bool = False
+    workers: int = 1
     block_elements: int = BLOCK_ELEMENTS
 
 
@@ -158,6 +161,36 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
+def _run_tasks(process, tasks: list[tuple], workers: int):
+    """Run process(*task) for every task, yielding each task when it is done.
+
+    Several workers run blocks in threads (NumPy's generators and the codecs release
+    the GIL); at most 2 * workers blocks are in memory at once. The output does not
+    depend on the order: each block's random streams come from its position.
+    """
+    if workers <= 1:
+        for task in tasks:
+            process(*task)
+            yield task
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        try:
+            for task in tasks:
+                if len(pending) >= 2 * workers:
+                    done_task, future = pending.popleft()
+                    future.result()
+                    yield done_task
+                pending.append((task, pool.submit(process, *task)))
+            while pending:
+                done_task, future = pending.popleft()
+                future.result()
+                yield done_task
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
 def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
     source = options.input
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
@@ -210,33 +243,36 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     try:
         writer = module.create_writer(reader, tmp_output, out_dtype, format_options)
         try:
-            out_of_range = 0
-            first_outside = None
-            for job in jobs:
-                calib = calibrations[job.elements]
+            tasks = [(job, start, stop) for job in jobs
+                     for start, stop in block_bounds(job, options.block_elements)]
+            outside_counts: list[tuple[int, int]] = []  # (values outside the range, first record)
+
+            def process(job: ArrayJob, start: int, stop: int) -> None:
+                block = job.read(start, stop)
+                outside = _validate_block(block, job, start, lo, hi, source)
+                if outside and not options.clip_input:
+                    outside_counts.append((outside, start))
+                if outside_counts:
+                    return  # the run will fail: only keep counting
+                if options.clip_input:
+                    block = np.clip(block, lo, hi)
                 mask = masks.get(job.name)
-                for start, stop in block_bounds(job, options.block_elements):
-                    block = job.read(start, stop)
-                    outside = _validate_block(block, job, start, lo, hi, source)
-                    if outside and not options.clip_input:
-                        out_of_range += outside
-                        first_outside = first_outside or (job, start)
-                    if out_of_range == 0:
-                        if options.clip_input:
-                            block = np.clip(block, lo, hi)
-                        weights = None if mask is None else mask.for_block(start, stop)
-                        noisy = engine.perturb_records(block, start, job.name, calib, streams,
-                                                       weights, out_dtype)
-                        writer.write(job, start, noisy)
-                    if progress:
-                        progress(stop - start, total)
+                weights = None if mask is None else mask.for_block(start, stop)
+                noisy = engine.perturb_records(block, start, job.name, calibrations[job.elements],
+                                               streams, weights, out_dtype)
+                writer.write(job, start, noisy)
+
+            for job, start, stop in _run_tasks(process, tasks, options.workers):
+                if progress:
+                    progress(stop - start, total)
         finally:
             written = writer.close()
-        if out_of_range:
+        if outside_counts:
             raise DataError(
-                f"{source}: {out_of_range} values lie outside the declared range [{lo:g}, {hi:g}] "
-                f"(the first in the block of records from {first_outside[1]}); "
-                "fix --range or pass --clip-input to clip them into range")
+                f"{source}: {sum(n for n, _ in outside_counts)} values lie outside the declared "
+                f"range [{lo:g}, {hi:g}] (the first in the block of records from "
+                f"{min(s for _, s in outside_counts)}); fix --range or pass --clip-input to clip "
+                "them into range")
 
         outputs = [{"path": str(output / f.relative_to(tmp_output)) if f != tmp_output else str(output),
                     "sha256": sha256_file(f)} for f in written]
