@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, UsageError
 
 
 @dataclass
@@ -101,3 +101,21 @@ def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> Non
                  "S": "bytes", "T": "string", "V": "structured", "M": "datetime", "m": "timedelta"}
         raise InputError(f"{path}: {what} has {kinds.get(dtype.kind, str(dtype))} dtype {dtype}; "
                          "tldp perturbs integer and floating-point data only")
+
+
+def default_selection(path: Path, shapes: dict[str, tuple[int, ...]], noun: str) -> tuple[list[str], str]:
+    """The arrays to perturb when --dataset is not given, and the message that says so.
+
+    `shapes` holds the numeric arrays by name. Candidates have two or more dimensions
+    and records; if they disagree on the number of records, the user must choose.
+    """
+    candidates = {name: shape for name, shape in shapes.items() if len(shape) >= 2 and 0 not in shape}
+    if not candidates:
+        raise InputError(f"{path}: no numeric {noun} with 2 or more dimensions to perturb; "
+                         "name one with --dataset PATH")
+    if len({shape[0] for shape in candidates.values()}) > 1:
+        listing = ", ".join(f"{name} {shape}" for name, shape in candidates.items())
+        raise UsageError(f"{path}: the numeric {noun}s differ in their number of records (first axis): "
+                         f"{listing}; choose which to perturb with --dataset PATH")
+    plural = "s" if len(candidates) > 1 else ""
+    return list(candidates), f"perturbing {noun}{plural} {', '.join(candidates)} of {path.name} (choose with --dataset)"

@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
+from tldp_cli.errors import InputError, OutputError, TldpError
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
 
 NAME = "hdf5"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -136,20 +136,11 @@ class Hdf5Reader:
                 chosen.setdefault(_object_key(ds), (name, ds))
             return list(chosen.values())
 
-        candidates = {name: ds for name, ds in found.items()
-                      if _is_numeric(ds.dtype) and ds.shape is not None and len(ds.shape) >= 2
-                      and 0 not in ds.shape}
-        if not candidates:
-            raise InputError(f"{self.path}: no numeric dataset with at least 2 dimensions to perturb; "
-                             "name one with --dataset PATH")
-        if len({ds.shape[0] for ds in candidates.values()}) > 1:
-            listing = ", ".join(f"{name} ({ds.shape[0]} records)" for name, ds in candidates.items())
-            raise UsageError(f"{self.path}: the numeric datasets differ in their number of records "
-                             f"({listing}); choose which to perturb with --dataset PATH")
-        noun = "datasets" if len(candidates) > 1 else "dataset"
-        self.messages.append(f"perturbing {noun} {', '.join(candidates)} of {self.path} "
-                             "(choose with --dataset)")
-        return list(candidates.items())
+        numeric = {name: tuple(ds.shape) for name, ds in found.items()
+                   if _is_numeric(ds.dtype) and ds.shape is not None}
+        names, message = default_selection(self.path, numeric, "dataset")
+        self.messages.append(message)
+        return [(name, found[name]) for name in names]
 
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"

@@ -22,8 +22,8 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
+from tldp_cli.errors import InputError, OutputError
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
 
 NAME = "zarr"
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
@@ -169,20 +169,12 @@ class ZarrReader:
         if "" in arrays:  # a single-array store
             self._check("")
             return [""]
-        candidates = {n: a for n, a in arrays.items() if a.dtype.kind in "iuf" and a.ndim >= 2}
-        if not candidates:
-            raise InputError(f"{self.path}: no numeric array with 2 or more dimensions to perturb; "
-                             f"choose arrays with --dataset (arrays: {listing})")
-        if len({a.shape[0] for a in candidates.values()}) > 1:
-            shapes = ", ".join(f"{n} {tuple(a.shape)}" for n, a in candidates.items())
-            raise UsageError(f"{self.path}: the arrays have different numbers of records (first axis); "
-                             f"choose with --dataset: {shapes}")
-        for name in candidates:
+        numeric = {n: tuple(a.shape) for n, a in arrays.items() if a.dtype.kind in "iuf"}
+        names, message = default_selection(self.path, numeric, "array")
+        for name in names:
             self._check(name)
-        plural = "s" if len(candidates) > 1 else ""
-        self.messages.append(f"perturbing array{plural} {', '.join(candidates)} of {self.path.name} "
-                             "(choose with --dataset)")
-        return list(candidates)
+        self.messages.append(message)
+        return names
 
     def _check(self, name: str) -> None:
         array = self.handles[name]
