@@ -4,7 +4,10 @@ import subprocess
 import sys
 import textwrap
 
+import h5py
 import numpy as np
+import pytest
+import zarr
 
 from tldp_cli.pipeline import PerturbOptions, perturb
 
@@ -13,31 +16,49 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from tldp_cli.pipeline import PerturbOptions, perturb
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, rng="fast", seed=1,
+    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, rng="fast", seed=1, workers=2,
                            block_elements=1 << 18))
     # VmHWM belongs to this process image; ru_maxrss would include the forking parent's.
     status = Path("/proc/self/status").read_text().splitlines()
     print(next(line.split()[1] for line in status if line.startswith("VmHWM:")))  # KiB
 """)
+SLAB = 10_000  # records written at a time while making the input
 
 
-def peak_rss_kib(tmp_path, records):
-    src = tmp_path / f"in{records}.npy"
-    data = np.lib.format.open_memmap(src, mode="w+", dtype=np.uint8, shape=(records, 1000))
-    for start in range(0, records, 10_000):
-        data[start:start + 10_000] = start % 251
+def make_input(tmp_path, fmt, records):
+    shape = (records, 1000)
+    if fmt == "npy":
+        path = tmp_path / f"in{records}.npy"
+        data = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=shape)
+    elif fmt == "hdf5":
+        path = tmp_path / f"in{records}.h5"
+        handle = h5py.File(path, "w")
+        data = handle.create_dataset("x", shape=shape, dtype=np.uint8, chunks=(1000, 1000))
+    else:
+        path = tmp_path / f"in{records}.zarr"
+        data = zarr.create_array(store=str(path), shape=shape, dtype=np.uint8, chunks=(1000, 1000))
+    for start in range(0, records, SLAB):
+        data[start:start + SLAB] = start % 251
+    if fmt == "hdf5":
+        handle.close()
     del data
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(tmp_path / f"out{records}.npy")],
+    return path
+
+
+def peak_rss_kib(tmp_path, fmt, records):
+    src = make_input(tmp_path, fmt, records)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(tmp_path / f"out-{src.name}")],
                             capture_output=True, text=True, check=True)
     return int(result.stdout.strip())
 
 
-def test_peak_memory_is_flat_in_input_size(tmp_path):
+@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
+def test_peak_memory_is_flat_in_input_size(tmp_path, fmt):
     # 10 MB and 120 MB of uint8 input (40 MB and 480 MB of float32 output), blocks of 0.25 M
     # elements. Holding either array whole would add over 110 MiB; the allowance covers
     # allocator fragmentation, which does not grow with the input.
-    small = peak_rss_kib(tmp_path, 10_000)
-    large = peak_rss_kib(tmp_path, 120_000)
+    small = peak_rss_kib(tmp_path, fmt, 10_000)
+    large = peak_rss_kib(tmp_path, fmt, 120_000)
     grown_mib = (large - small) / 1024
     assert grown_mib < 50, f"peak RSS grew by {grown_mib:.0f} MiB for 12x the input"
 
