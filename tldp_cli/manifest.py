@@ -42,7 +42,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "noise_scale": calib.scale,
         "noise_scale_kind": "b" if calib.noise == "laplace" else "sigma",
         "calibration_epsilon": calib.element_epsilon,
-        "retain_probability": calib.p if weights is None else calib.p * (1 - weights["min"]),
+        "retain_probability": calib.p * (1 - _min_weight(weights)),
         "retain_probability_log10": _log10_retain(calib, weights),
         "expected_l2_error_per_record": calib.expected_l2_error(),
         "weights": weights,
@@ -61,11 +61,16 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
     return manifest
 
 
+def _min_weight(weights: dict | None) -> float:
+    """The smallest weight; 0 when there are none or it is withheld (a data-derived mask)."""
+    return (weights or {}).get("min") or 0.0
+
+
 def _log10_retain(calib: Calibration, weights: dict | None) -> float | None:
     """log10 of the largest retain probability, (1 - w_min) p."""
     if calib.p_log10 is None:
         return None
-    factor = 1.0 if weights is None else 1 - weights["min"]
+    factor = 1 - _min_weight(weights)
     return None if factor <= 0 else calib.p_log10 + math.log10(factor)
 
 

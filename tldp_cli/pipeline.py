@@ -25,7 +25,7 @@ from tldp_cli.errors import DataError, OutputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.mechanisms import Calibration, calibrate, check_parameters
 from tldp_cli.rng import Streams, records_per_unit
-from tldp_cli.weights import Mask, load_mask, sha256_file
+from tldp_cli.weights import Mask, load_masks, sha256_file
 
 # Records per block are chosen so a block holds about this many elements.
 BLOCK_ELEMENTS = 1 << 22
@@ -102,7 +102,7 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     return defaults.pop()
 
 
-def _check_output_path(path: Path, input_path: Path, overwrite: bool, what: str) -> None:
+def check_output_path(path: Path, input_path: Path, overwrite: bool, what: str) -> None:
     if not path.parent.is_dir():
         raise OutputError(f"{path}: {what} directory {path.parent} does not exist")
     if path.resolve() == input_path.resolve():
@@ -140,20 +140,20 @@ def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_block, job.records)) for s in range(0, job.records, per_block)]
 
 
-def _temp_sibling(path: Path) -> Path:
+def temp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _remove(path: Path) -> None:
+def remove_output(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
+def move_into_place(tmp: Path, final: Path) -> None:
     if final.is_dir() and not final.is_symlink():
-        backup = _temp_sibling(final)
+        backup = temp_sibling(final)
         final.rename(backup)
         tmp.rename(final)
         shutil.rmtree(backup, ignore_errors=True)
@@ -225,20 +225,20 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     # not stack on the streaming buffers.
     certified = accounting.certify(binding)
     masks: dict[str, Mask] = {}
+    weights_info = None
     if options.weights is not None:
-        for job in jobs:
-            masks[job.name] = load_mask(options.weights, job.record_shape, job.records)
+        masks, weights_info = load_masks(options.weights, jobs)
 
     output = options.out or module.default_output(source)
     manifest_path = options.manifest or manifest_mod.default_path(output)
-    _check_output_path(output, source, options.overwrite, "output")
-    _check_output_path(manifest_path, source, options.overwrite, "manifest")
+    check_output_path(output, source, options.overwrite, "output")
+    check_output_path(manifest_path, source, options.overwrite, "manifest")
     if manifest_path.resolve() == output.resolve():
         raise UsageError(f"{manifest_path}: --manifest and --out name the same file")
 
     streams = Streams(options.rng, options.seed)
     total = sum(job.records for job in jobs)
-    tmp_output = _temp_sibling(output)
+    tmp_output = temp_sibling(output)
     tmp_manifest: Path | None = None
     try:
         writer = module.create_writer(reader, tmp_output, out_dtype, format_options)
@@ -279,7 +279,6 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         extra = dict(getattr(reader, "manifest_extra", {}))
         if len(calibrations) > 1:
             extra["elements_per_record_range"] = [min(calibrations), max(calibrations)]
-        weights_info = next(iter(masks.values())).info if masks else None
         manifest = manifest_mod.build(
             calib=binding, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
             seeded=streams.seeded, weights=weights_info,
@@ -288,11 +287,15 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             postprocessing=getattr(writer, "postprocessing", []),
             output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
         tmp_manifest = manifest_mod.write_atomic(manifest, manifest_path)
-        _move_into_place(tmp_output, output)
+        move_into_place(tmp_output, output)
         os.replace(tmp_manifest, manifest_path)
     except BaseException:
-        _remove(tmp_output)
+        remove_output(tmp_output)
         if tmp_manifest is not None:
-            _remove(tmp_manifest)
+            remove_output(tmp_manifest)
         raise
-    return PerturbResult(output, manifest_path, manifest, list(getattr(reader, "messages", [])))
+    messages = list(getattr(reader, "messages", []))
+    if weights_info and weights_info["data_derived"]:
+        messages.append(f"warning: the weights in {options.weights} were computed from the private "
+                        f"values (method {weights_info['method']}); the manifest says so")
+    return PerturbResult(output, manifest_path, manifest, messages)

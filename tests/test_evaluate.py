@@ -1,0 +1,252 @@
+"""tldp evaluate: integrity against the manifest, noise statistics, task utility, sweep."""
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import REPO
+from tldp_cli import evaluate as ev
+
+SAMPLE = REPO / "sample_data"
+LABELS = SAMPLE / "digits_labels.npy"
+TEST_X = SAMPLE / "digits_test.npy"
+TEST_Y = SAMPLE / "digits_test_labels.npy"
+TASK = ["--labels", LABELS, "--test", TEST_X, "--test-labels", TEST_Y]
+
+REPORT_KEYS = {"schema", "tool", "original", "perturbed", "manifest", "format", "mechanism", "noise",
+               "budget", "epsilon", "value_range", "records", "elements_per_record", "accounting",
+               "ok", "integrity_ok", "statistics_ok", "alpha", "checks", "error", "per_record",
+               "utility"}
+ERROR_KEYS = {"mse", "mae", "relative_l2", "l2", "psnr", "ssim", "image_metrics", "clipped_output"}
+CHECKS = {"parameters", "sha256", "shapes", "noise_norm", "retained_fraction", "noise_distribution"}
+UTILITY_KEYS = {"model", "metric", "f1_perturbed", "f1_clean", "f1_majority_class", "train_records",
+                "test_records", "classes", "seconds"}
+
+
+def perturb(cli, src, out, *args):
+    result = cli("perturb", src, "--out", out, "--seed", 7, "--quiet", *args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def checks(report):
+    return {c["check"]: c for c in report["checks"]}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, digits):
+    """60 digits perturbed with TLDP-L at eps 1."""
+    from typer.testing import CliRunner
+
+    from tldp_cli.cli import app
+
+    d = tmp_path_factory.mktemp("small")
+    np.save(d / "x.npy", digits[:60])
+    r = CliRunner().invoke(app, ["perturb", str(d / "x.npy"), "--eps", "1", "--out", str(d / "y.npy"),
+                                 "--seed", "3", "--quiet"])
+    assert r.exit_code == 0, r.output
+    return d
+
+
+def test_clean_run_passes_and_json_has_every_key(cli, small, tmp_path):
+    report_path = tmp_path / "report.json"
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--json", report_path)
+    assert r.exit_code == 0, r.output
+    assert "every check passed" in r.output and "noise_distribution" in r.output
+    report = json.loads(report_path.read_text())
+    assert REPORT_KEYS <= set(report)
+    assert ERROR_KEYS <= set(report["error"])
+    assert CHECKS <= set(checks(report))
+    assert all(checks(report)[c]["passed"] for c in CHECKS)
+    assert report["ok"] and report["records"] == 60
+    assert len(report["per_record"]["mse"]) == 60
+    norm = checks(report)["noise_norm"]
+    assert norm["expected_l2"] == pytest.approx(256 * np.sqrt(2 * 784))
+    assert 0.9 < norm["ratio"] < 1.1
+
+
+def test_tampered_output_fails_integrity(cli, small, tmp_path):
+    y = tmp_path / "y.npy"
+    y.write_bytes((small / "y.npy").read_bytes())
+    (tmp_path / "y.npy.manifest.json").write_text((small / "y.npy.manifest.json").read_text())
+    data = np.load(y)
+    data[5, 3, 3] += 1.0
+    np.save(y, data)
+    r = cli("evaluate", small / "x.npy", y)
+    assert r.exit_code == 1
+    assert "sha256" in r.output.splitlines()[-1]
+
+
+def test_edited_scale_fails_parameters(cli, small, tmp_path):
+    m = json.loads((small / "y.npy.manifest.json").read_text())
+    m["noise_scale"] *= 0.5
+    (tmp_path / "m.json").write_text(json.dumps(m))
+    report = tmp_path / "r.json"
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--manifest", tmp_path / "m.json",
+            "--json", report)
+    assert r.exit_code == 1
+    assert "parameters" in r.output.splitlines()[-1]
+    mismatch = checks(json.loads(report.read_text()))["parameters"]["mismatches"]
+    assert [x["field"] for x in mismatch] == ["noise_scale"]
+
+
+def test_consistent_manifest_for_other_noise_fails_statistics(cli, small, tmp_path):
+    """A manifest that is self-consistent and hash-correct but describes other noise."""
+    perturb(cli, small / "x.npy", tmp_path / "y2.npy", "--eps", "2")
+    m = json.loads((tmp_path / "y2.npy.manifest.json").read_text())
+    original = json.loads((small / "y.npy.manifest.json").read_text())
+    original["outputs"] = m["outputs"]  # eps=1 manifest, eps=2 data, right hash
+    (tmp_path / "y2.npy.manifest.json").write_text(json.dumps(original))
+    report = tmp_path / "r.json"
+    r = cli("evaluate", small / "x.npy", tmp_path / "y2.npy", "--json", report)
+    assert r.exit_code == 1
+    rep = json.loads(report.read_text())
+    assert rep["integrity_ok"] and not rep["statistics_ok"]
+    assert checks(rep)["noise_distribution"]["passed"] is False
+    assert checks(rep)["noise_norm"]["passed"] is False
+
+
+def test_huge_eps_scalar_records_keep_values(cli, tmp_path):
+    """I = 1 and eps = 1e5: p is nearly 1, and the values that are not kept move by ~1e-5."""
+    x = np.random.default_rng(0).random(4000)
+    np.save(tmp_path / "x.npy", x)
+    perturb(cli, tmp_path / "x.npy", tmp_path / "y.npy", "--eps", "1e5", "--range", "0:1",
+            "--dtype", "float64")
+    report = tmp_path / "r.json"
+    r = cli("evaluate", tmp_path / "x.npy", tmp_path / "y.npy", "--json", report)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(report.read_text())
+    kept = checks(rep)["retained_fraction"]
+    assert kept["passed"] and kept["fraction"] > 0.99
+    assert kept["retain_probability"] == pytest.approx(1 / (1 + 2e-5))
+    assert rep["error"]["mae"]["max"] < 1e-3
+
+
+def test_huge_eps_f1_matches_clean_and_small_eps_baseline_is_chance(cli, tmp_path):
+    hi = perturb(cli, SAMPLE / "digits.npy", tmp_path / "hi.npy", "--eps", "1e5")
+    lo = perturb(cli, SAMPLE / "digits.npy", tmp_path / "lo.npy", "--eps", "0.1",
+                 "--mechanism", "baseline")
+    for out, name in ((hi, "hi"), (lo, "lo")):
+        r = cli("evaluate", SAMPLE / "digits.npy", out, "--json", tmp_path / f"{name}.json", *TASK)
+        assert r.exit_code == 0, r.output
+    u_hi = json.loads((tmp_path / "hi.json").read_text())["utility"]
+    rep_lo = json.loads((tmp_path / "lo.json").read_text())
+    assert UTILITY_KEYS <= set(u_hi)
+    assert u_hi["f1_clean"] > 0.9
+    assert abs(u_hi["f1_perturbed"] - u_hi["f1_clean"]) < 0.03
+    assert json.loads((tmp_path / "hi.json").read_text())["error"]["ssim"]["mean"] > 0.99
+    assert rep_lo["utility"]["f1_perturbed"] < 0.45  # four balanced classes: chance ~0.25
+    assert rep_lo["error"]["ssim"]["mean"] < 0.05
+
+
+def test_mlp_model(tmp_path, digits):
+    y = np.load(LABELS)
+    f1 = ev.weighted_f1(digits[:200], y[:200], np.load(TEST_X), np.load(TEST_Y), "mlp", (0, 256))
+    assert f1 > 0.85
+
+
+def _png_folder(root: Path, n=6, size=16):
+    rng = np.random.default_rng(1)
+    for i in range(n):
+        sub = root / f"c{i % 2}"
+        sub.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (size, size), dtype=np.uint8)).save(sub / f"{i}.png")
+    return root
+
+
+def test_image_folders_png_skips_tests_tiff_tests_noise(cli, tmp_path):
+    src = _png_folder(tmp_path / "imgs")
+    for fmt in ("png", "tiff"):
+        out = perturb(cli, src, tmp_path / f"out_{fmt}", "--eps", "1", "--image-format", fmt)
+        report = tmp_path / f"{fmt}.json"
+        r = cli("evaluate", src, out, "--json", report)
+        assert r.exit_code == 0, r.output
+        rep = json.loads(report.read_text())
+        assert rep["records"] == 6 and rep["format"] == "images"
+        gof = checks(rep)["noise_distribution"]
+        if fmt == "png":
+            assert gof["status"] == "skipped" and "clipped" in gof["detail"]
+            assert rep["error"]["clipped_output"]
+        else:
+            assert gof["passed"] and gof["samples"] == 6 * 256
+    # a tampered image in the folder is caught
+    png = next((tmp_path / "out_png").rglob("*.png"))
+    Image.fromarray(np.zeros((16, 16), np.uint8)).save(png)
+    r = cli("evaluate", src, tmp_path / "out_png")
+    assert r.exit_code == 1 and "sha256" in r.output.splitlines()[-1]
+
+
+def test_hdf5_pairs_datasets(cli, tmp_path, digits):
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["images"] = digits[:20]
+    out = perturb(cli, tmp_path / "d.h5", tmp_path / "o.h5", "--eps", "1", "--noise", "gaussian")
+    r = cli("evaluate", tmp_path / "d.h5", out, "--json", "-")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["format"] == "hdf5" and checks(rep)["noise_distribution"]["passed"]
+
+
+def test_ssim_identity_and_noise():
+    x = np.random.default_rng(0).integers(0, 256, (3, 20, 20)).astype(float)
+    assert np.allclose(ev.ssim(x, x, 255), 1.0)
+    noisy = x + np.random.default_rng(1).normal(0, 50, x.shape)
+    assert (ev.ssim(x, noisy, 255) < 0.9).all()
+    rgb = np.repeat(x[..., None], 3, axis=-1)
+    assert np.allclose(ev.ssim(rgb, rgb, 255), 1.0)
+
+
+def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
+    np.save(tmp_path / "x.npy", digits[:100])
+    np.save(tmp_path / "y.npy", np.load(LABELS)[:100])
+    mask = np.zeros((28, 28))
+    mask[:4] = 1.0
+    np.save(tmp_path / "w.npy", mask)
+    out = tmp_path / "sweep"
+    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--seed", 0, "--weights",
+            tmp_path / "w.npy", "--labels", tmp_path / "y.npy", "--test", TEST_X, "--test-labels",
+            TEST_Y, "--out", out)
+    assert r.exit_code == 0, r.output
+    for name in ev.SWEEP_FILES:
+        assert (out / name).is_file()
+    for png in ("sweep_nominal_eps.png", "sweep_record_eps.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(out / png) as im:
+            im.verify()
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["methods"] == ["TLDP-L", "TLDP-G", "Laplace", "Gaussian", "TLDP-L-w", "TLDP-G-w"]
+    rows = {(row["method"], row["epsilon"]): row for row in result["rows"]}
+    assert len(rows) == 12
+    assert rows["TLDP-L", 1.0]["record_epsilon"] == pytest.approx(784)
+    assert rows["Laplace", 1.0]["record_epsilon"] == pytest.approx(1)
+    assert set(ev.SWEEP_COLUMNS) <= set(rows["TLDP-L", 1.0])
+    assert rows["TLDP-L", 10.0]["f1"] > rows["Laplace", 1.0]["f1"]
+    header = (out / "sweep.csv").read_text().splitlines()[0].split(",")
+    assert header == list(ev.SWEEP_COLUMNS)
+    # the same files again without --overwrite is refused
+    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1", "--out", out)
+    assert r.exit_code == 1 and "--overwrite" in r.output
+
+
+def test_sweep_reproducible_with_seed():
+    a = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5)
+    b = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5)
+    assert [r["mean_l2_error"] for r in a["rows"]] == [r["mean_l2_error"] for r in b["rows"]]
+
+
+def test_help_and_usage_errors(cli, small):
+    r = cli("evaluate", "--help")
+    assert r.exit_code == 0 and "Examples:" in r.output and "--sweep" in r.output
+    r = cli("evaluate", small / "x.npy")
+    assert r.exit_code == 2 and "PERTURBED" in r.output
+    r = cli("evaluate", small / "x.npy", "--sweep", "--eps", "1")
+    assert r.exit_code == 2 and "--out" in r.output
+    r = cli("evaluate", small / "x.npy", "--sweep", "--eps", "1,x", "--out", small / "s")
+    assert r.exit_code == 2
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--labels", LABELS)
+    assert r.exit_code == 2 and "--test" in r.output
+    r = cli("evaluate", small / "x.npy", small / "missing.npy")
+    assert r.exit_code == 1 and "missing.npy" in r.output

@@ -1,0 +1,898 @@
+"""`tldp evaluate`: what survived the noise, checked against the manifest, and the
+paper's privacy-utility comparison (Type I: train on perturbed records, test on
+clean ones, weighted F1).
+
+Plain functions returning dicts; the CLI only parses options and prints.
+
+- `evaluate(...)` pairs ORIGINAL with PERTURBED the way `perturb` wrote them,
+  checks integrity (sha256 of every output, shapes and record counts, the
+  manifest's parameters recomputed by mechanisms.calibrate and
+  accounting.certify), measures the noise (per-record MSE, MAE, relative L2,
+  PSNR and SSIM for image-shaped records, the empirical norm of the noise
+  against Table 5, the retained fraction against p, a Kolmogorov-Smirnov test
+  against the manifest's noise distribution) and, with labels, the task utility.
+- `sweep(...)` perturbs in memory over a grid of epsilons for TLDP-L, TLDP-G
+  and the paper's Laplace and Gaussian baselines (and weighted TLDP), and
+  `write_sweep(...)` writes a CSV, a JSON table and PNG plots.
+
+Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially
+never fails one while a wrong scale or distribution fails at once.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from tldp_cli import __version__, accounting, engine, formats, manifest as manifest_mod
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
+from tldp_cli.formats import FormatOptions
+from tldp_cli.mechanisms import Calibration, calibrate
+from tldp_cli.rng import Streams
+
+REPORT_SCHEMA = "tldp-evaluation/1"
+SWEEP_SCHEMA = "tldp-sweep/1"
+ALPHA = 1e-6  # significance level of every statistical check
+GOF_MAX_SAMPLES = 200_000  # noise values the KS test sees at most (evenly subsampled)
+GOF_MIN_SAMPLES = 20
+Z_LIMIT = 5.0  # |z| of the noise's squared norm against Table 5 (two-sided ALPHA ~ 6e-7)
+PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report
+SSIM_WINDOW = 7
+BLOCK_ELEMENTS = 1 << 22
+MODELS = ("logistic", "mlp")
+SWEEP_METHODS = (  # label, mechanism, noise, weighted
+    ("TLDP-L", "tldp", "laplace", False),
+    ("TLDP-G", "tldp", "gaussian", False),
+    ("Laplace", "baseline", "laplace", False),
+    ("Gaussian", "baseline", "gaussian", False),
+    ("TLDP-L-w", "tldp", "laplace", True),
+    ("TLDP-G-w", "tldp", "gaussian", True),
+)
+SWEEP_FILES = ("sweep.csv", "sweep.json", "sweep_nominal_eps.png", "sweep_record_eps.png")
+SWEEP_COLUMNS = ("method", "mechanism", "noise", "weighted", "epsilon", "budget",
+                 "element_epsilon", "record_epsilon", "record_delta", "noise_scale",
+                 "retain_probability_log10", "mean_l2_error", "rms_l2_error",
+                 "expected_l2_error", "mse", "f1", "seconds")
+
+Progress = Callable[[int, int], None]
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _close(a: Any, b: Any, rel: float = 1e-6) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = float(a), float(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-300)
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN/Inf: they become null."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _summary(values: np.ndarray) -> dict[str, float | None]:
+    values = np.asarray(values, np.float64)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return {"mean": None, "median": None, "min": None, "max": None}
+    return {"mean": float(finite.mean()), "median": float(np.median(finite)),
+            "min": float(finite.min()), "max": float(finite.max())}
+
+
+def is_image_shaped(record_shape: tuple[int, ...]) -> bool:
+    """(H, W) or (H, W, C) with C in 1, 3, 4 and both sides at least the SSIM window."""
+    if len(record_shape) == 2 or (len(record_shape) == 3 and record_shape[-1] in (1, 3, 4)):
+        return min(record_shape[:2]) >= SSIM_WINDOW
+    return False
+
+
+def _box_mean(a: np.ndarray, w: int) -> np.ndarray:
+    """Mean over every full w x w window of axes 1 and 2 (a 'valid' uniform filter)."""
+    c = np.cumsum(np.cumsum(a, axis=1), axis=2)
+    c = np.pad(c, [(0, 0), (1, 0), (1, 0)] + [(0, 0)] * (a.ndim - 3))
+    s = c[:, w:, w:] - c[:, :-w, w:] - c[:, w:, :-w] + c[:, :-w, :-w]
+    return s / (w * w)
+
+
+def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WINDOW) -> np.ndarray:
+    """Mean SSIM per record (Wang et al. 2004) with a uniform window, as scikit-image's
+    default: 7 x 7 window, K1 = 0.01, K2 = 0.03, sample covariance, the mean over the
+    windows that lie wholly inside the image, averaged over channels.
+
+    x, y: (n, H, W) or (n, H, W, C).
+    """
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    n_pix = window * window
+    cov_norm = n_pix / (n_pix - 1)
+    ux, uy = _box_mean(x, window), _box_mean(y, window)
+    vx = cov_norm * (_box_mean(x * x, window) - ux * ux)
+    vy = cov_norm * (_box_mean(y * y, window) - uy * uy)
+    vxy = cov_norm * (_box_mean(x * y, window) - ux * uy)
+    s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
+    return s.reshape(s.shape[0], -1).mean(axis=1)
+
+
+def _noise_moments(noise: str, scale: float) -> tuple[float, float, float]:
+    """E z^2, E z^4 and the density at 0 of one noise draw."""
+    if noise == "laplace":
+        return 2 * scale**2, 24 * scale**4, 1 / (2 * scale)
+    return scale**2, 3 * scale**4, 1 / (scale * math.sqrt(2 * math.pi))
+
+
+# --------------------------------------------------------------------------- pairing
+
+class _Pair:
+    """One array (or one image) of the original and its perturbed counterpart."""
+
+    def __init__(self, name, job, perturbed_shape, read_perturbed, calib):
+        self.name = name
+        self.job = job
+        self.perturbed_shape = tuple(perturbed_shape)
+        self.read_perturbed = read_perturbed
+        self.calib = calib
+
+
+def _image_format(m: dict) -> str:
+    steps = " ".join(m.get("postprocessing") or [])
+    return "tiff" if "TIFF" in steps else "png"
+
+
+def _is_clipped(m: dict) -> bool:
+    return any(str(s).startswith(("clip to", "round")) for s in (m.get("postprocessing") or []))
+
+
+def _open_original(original: Path, m: dict):
+    module = formats.detect(original)
+    datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
+    options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr") else [],
+                            image_format=_image_format(m) if module.NAME == "images" else "png",
+                            skip_bad=bool(m.get("skipped_bad_images")))
+    return module, module.open_reader(original, options)
+
+
+def _read_output_image(path: Path, has_alpha: bool) -> np.ndarray:
+    from tldp_cli.formats import images
+
+    if path.suffix.lower() in (".tif", ".tiff"):
+        import tifffile
+
+        pixels = tifffile.imread(path)
+        if has_alpha:
+            pixels = pixels[..., :-1]
+            if pixels.shape[-1] == 1:
+                pixels = pixels[..., 0]
+        return pixels
+    return images._decode(path).colour
+
+
+def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[int, Calibration],
+           issues: list[dict]) -> list[_Pair]:
+    jobs = reader.arrays()
+    if module.NAME == "images":
+        from tldp_cli.formats import images
+
+        fmt = _image_format(m)
+        if not perturbed.is_dir():
+            raise InputError(f"{perturbed}: the original is a folder of images, so the perturbed "
+                             "data must be a folder too")
+        pairs = []
+        for image in reader.images:
+            job = next(j for j in jobs if j.name == image.rel)
+            out_path = perturbed / images._output_name(image.rel, fmt)
+            if not out_path.is_file():
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})
+                continue
+            try:
+                shape = (1, *_read_output_image(out_path, image.has_alpha).shape)
+            except Exception as exc:
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{out_path}: cannot be read ({exc})"})
+                continue
+
+            def read(start, stop, p=out_path, a=image.has_alpha):
+                return _read_output_image(p, a)[None]
+
+            pairs.append(_Pair(image.rel, job, shape, read, calibs[job.elements]))
+        return pairs
+
+    out_module = formats.detect(perturbed)
+    if out_module.NAME != module.NAME:
+        raise InputError(f"{perturbed}: is {out_module.NAME} but the original is {module.NAME}")
+    datasets = [j.source["dataset"] for j in jobs if "dataset" in j.source]
+    out_reader = out_module.open_reader(perturbed, FormatOptions(datasets=datasets))
+    out_jobs = {j.name: j for j in out_reader.arrays()}
+    pairs = []
+    for job in jobs:
+        out = out_jobs.get(job.name)
+        if out is None:
+            issues.append({"check": "pairing", "passed": False,
+                           "detail": f"{perturbed}: has no array {job.name}"})
+            continue
+        pairs.append(_Pair(job.name, job, out.shape, out.read, calibs[job.elements]))
+    return pairs
+
+
+# --------------------------------------------------------------------------- integrity
+
+def _output_root(entries: list[str], perturbed: Path) -> Path | None:
+    """The output path the manifest recorded for a folder output (Zarr, images)."""
+    name = perturbed.resolve().name
+    common = Path(os.path.commonpath(entries)) if entries else None
+    if len(entries) == 1:
+        common = Path(entries[0]).parent
+    while common is not None and common.name and common.name != name:
+        common = common.parent if common != common.parent else None
+    return common if common is not None and common.name == name else None
+
+
+def _check_hashes(m: dict, perturbed: Path) -> list[dict]:
+    checks = []
+    entries = [o.get("path", "") for o in m.get("outputs", []) if isinstance(o, dict)]
+    if not entries:
+        return [{"check": "sha256", "passed": False, "detail": "the manifest lists no outputs"}]
+    if perturbed.is_file():
+        located = {Path(entries[0]): perturbed} if len(entries) == 1 else {}
+        if len(entries) != 1:
+            return [{"check": "sha256", "passed": False,
+                     "detail": f"the manifest lists {len(entries)} outputs but {perturbed} is one file"}]
+    else:
+        root = _output_root(entries, perturbed)
+        if root is None:
+            return [{"check": "sha256", "passed": False,
+                     "detail": f"the manifest's outputs do not lie under a folder named {perturbed.name}"}]
+        located = {Path(e): perturbed / Path(e).relative_to(root) for e in entries}
+    bad, missing = [], []
+    for entry in m["outputs"]:
+        actual = located[Path(entry["path"])]
+        if not actual.is_file():
+            missing.append(str(actual))
+        elif _sha256(actual) != entry.get("sha256"):
+            bad.append(str(actual))
+    checks.append({"check": "sha256", "passed": not bad and not missing, "files": len(entries),
+                   "mismatched": bad, "missing": missing,
+                   "detail": (f"{len(bad)} file(s) differ from the manifest's sha256"
+                              + (f", {len(missing)} missing" if missing else "")) if bad or missing
+                   else f"all {len(entries)} output file(s) match"})
+    if perturbed.is_dir():
+        listed = {a.resolve() for a in located.values()}
+        extra = sorted(str(p) for p in perturbed.rglob("*") if p.is_file() and p.resolve() not in listed)
+        checks.append({"check": "unlisted_files", "passed": not extra, "files": extra,
+                       "detail": f"{len(extra)} file(s) not in the manifest" if extra
+                       else "no file outside the manifest"})
+    return checks
+
+
+def _recomputed(m: dict) -> tuple[Calibration, dict]:
+    acc = m.get("accounting") or {}
+    calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+                      epsilon=float(m["epsilon"]), range_width=float(m["range_width"]),
+                      elements=int(m["elements_per_record"]),
+                      dp_delta=float(acc.get("dp_delta", 1e-5)))
+    return calib, accounting.certify(calib)
+
+
+def check_parameters(m: dict) -> dict:
+    """The manifest's figures against a fresh calibration and certification."""
+    mismatches = []
+
+    def compare(field: str, stated: Any, expected: Any):
+        if not _close(stated, expected):
+            mismatches.append({"field": field, "manifest": stated, "recomputed": expected})
+
+    try:
+        lo, hi = m["value_range"]
+        compare("range_width", m["range_width"], hi - lo)
+        calib, cert = _recomputed(m)
+    except (KeyError, TypeError, ValueError, UsageError) as exc:
+        return {"check": "parameters", "passed": False,
+                "detail": f"the manifest's mechanism cannot be recomputed ({exc})", "mismatches": []}
+    weights = m.get("weights")
+    factor = 1 - float((weights or {}).get("min") or 0.0)  # min may be withheld (data-derived mask)
+    compare("noise_scale", m.get("noise_scale"), calib.scale)
+    compare("calibration_epsilon", m.get("calibration_epsilon"), calib.element_epsilon)
+    compare("retain_probability", m.get("retain_probability"), calib.p * factor)
+    log10 = None if calib.p_log10 is None or factor <= 0 else calib.p_log10 + math.log10(factor)
+    compare("retain_probability_log10", m.get("retain_probability_log10"), log10)
+    compare("expected_l2_error_per_record", m.get("expected_l2_error_per_record"),
+            calib.expected_l2_error())
+    stated = m.get("accounting") or {}
+    for scope in ("per_element", "per_record"):
+        s, r = stated.get(scope) or {}, cert[scope]
+        for key in ("epsilon", "delta", "rho", "point_mass_delta"):
+            compare(f"accounting.{scope}.{key}", s.get(key), r[key])
+        for key in ("epsilon", "delta"):
+            compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    detail = ("scale, p, expected error and certified figures agree with the mechanism"
+              if not mismatches else
+              "inconsistent with its mechanism: " + ", ".join(
+                  f"{x['field']} {x['manifest']!r} (recomputed {x['recomputed']!r})" for x in mismatches[:4]))
+    return {"check": "parameters", "passed": not mismatches, "detail": detail, "mismatches": mismatches}
+
+
+# --------------------------------------------------------------------------- noise
+
+class _NoiseStats:
+    def __init__(self, total_elements: int):
+        self.step = max(1, total_elements // GOF_MAX_SAMPLES)
+        self.mse, self.mae, self.rel, self.l2, self.psnr, self.ssim = [], [], [], [], [], []
+        self.kept = 0
+        self.elements = 0
+        self.rounding = 0.0  # expected coincidental equalities from float rounding
+        self.sum_sq = 0.0
+        self.expected_sq = 0.0
+        self.var_sq = 0.0
+        self.gof: list[np.ndarray] = []
+        self.noise_name: str | None = None
+        self.noise_scale: float | None = None
+
+    def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None):
+        n = x.shape[0]
+        xf = x.reshape(n, -1).astype(np.float64)
+        yf = y.reshape(n, -1).astype(np.float64)
+        z = yf - xf
+        sq = (z * z).sum(axis=1)
+        elements = xf.shape[1]
+        self.mse.append(sq / elements)
+        self.mae.append(np.abs(z).mean(axis=1))
+        self.l2.append(np.sqrt(sq))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.rel.append(np.sqrt(sq) / np.sqrt((xf * xf).sum(axis=1)))
+        if data_range is not None:
+            with np.errstate(divide="ignore"):
+                self.psnr.append(10 * np.log10(data_range**2 / (sq / elements)))
+            self.ssim.append(ssim(x.astype(np.float64), y.astype(np.float64), data_range))
+        # retained: exact equality in the output dtype
+        equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
+        self.kept += int(equal.sum())
+        self.elements += equal.size
+        m2, m4, f0 = _noise_moments(calib.noise, calib.scale)
+        if y.dtype.kind == "f":
+            ulp = np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64)
+            self.rounding += float(np.minimum(ulp * f0, 1.0).sum())
+        q = 1 - calib.p
+        self.sum_sq += float(sq.sum())
+        self.expected_sq += n * elements * q * m2
+        self.var_sq += n * elements * (q * m4 - (q * m2) ** 2)
+        sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
+        self.gof.append(sample)
+        if self.noise_name is None:
+            self.noise_name, self.noise_scale = calib.noise, calib.scale
+
+
+def _retained_check(stats: _NoiseStats, p: float, weighted: bool, clipped: bool) -> dict:
+    from scipy import stats as st
+
+    n, k = stats.elements, stats.kept
+    allowance = stats.rounding / n if n else 0.0
+    p_eff = min(1.0, p + (1 - p) * allowance)
+    ci = st.binomtest(k, n, p_eff).proportion_ci(0.95) if n else None
+    out = {"check": "retained_fraction", "retained": k, "elements": n,
+           "fraction": k / n if n else None, "retain_probability": p,
+           "float_rounding_allowance": allowance, "expected_fraction": p_eff,
+           "ci95": [ci.low, ci.high] if ci else None}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped: equal values also come from rounding and "
+                          "clipping, so the retained fraction is not observable")
+        return out
+    if n == 0:
+        out.update(passed=None, status="skipped", detail="no elements")
+        return out
+    alternative = "greater" if weighted else "two-sided"  # weights only lower p
+    pvalue = float(st.binomtest(k, n, p_eff, alternative=alternative).pvalue)
+    passed = pvalue >= ALPHA
+    out.update(pvalue=pvalue, passed=passed, status="passed" if passed else "failed",
+               detail=f"{k} of {n} values kept unchanged; p = {p:.3g}"
+                      + (" (w = 0; weights lower it)" if weighted else ""))
+    return out
+
+
+def _error_check(stats: _NoiseStats, calibs: list[Calibration], weighted: bool, clipped: bool,
+                 records: int) -> dict:
+    records = max(records, 1)
+    rms = math.sqrt(stats.sum_sq / records)
+    expected_rms = math.sqrt(stats.expected_sq / records)
+    mean_l2 = float(np.concatenate(stats.l2).mean()) if stats.l2 else None
+    z = (stats.sum_sq - stats.expected_sq) / math.sqrt(stats.var_sq) if stats.var_sq > 0 else None
+    out = {"check": "noise_norm", "mean_l2": mean_l2, "rms_l2": rms,
+           "expected_l2": expected_rms, "expected_l2_per_record": sorted({c.expected_l2_error() for c in calibs}),
+           "ratio": rms / expected_rms if expected_rms > 0 else None, "z": _finite(z)}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped: clipping lowers the error below Table 5's "
+                          "figure, rounding adds up to 0.5 per value; reported, not tested")
+        return out
+    if z is None:
+        out.update(passed=None, status="skipped", detail="no noise expected")
+        return out
+    limit = Z_LIMIT
+    passed = z <= limit if weighted else abs(z) <= limit
+    out.update(passed=passed, status="passed" if passed else "failed",
+               detail=f"sqrt(mean ||Z||^2) = {rms:.4g} against Table 5's {expected_rms:.4g} "
+                      f"(z = {z:+.2f}" + ("; weights keep more values, so only an excess fails)"
+                                           if weighted else ")"))
+    return out
+
+
+def _gof_check(stats: _NoiseStats, clipped: bool) -> dict:
+    from scipy import stats as st
+
+    sample = np.concatenate(stats.gof) if stats.gof else np.empty(0)
+    out = {"check": "noise_distribution", "test": "Kolmogorov-Smirnov",
+           "distribution": stats.noise_name, "scale": stats.noise_scale, "samples": int(sample.size)}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped to integers: the noise is not observed "
+                          "exactly, so no goodness-of-fit test")
+        return out
+    if sample.size < GOF_MIN_SAMPLES:
+        out.update(passed=None, status="skipped",
+                   detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
+        return out
+    name = "laplace" if stats.noise_name == "laplace" else "norm"
+    result = st.kstest(sample, name, args=(0.0, stats.noise_scale))
+    passed = bool(result.pvalue >= ALPHA)
+    out.update(statistic=float(result.statistic), pvalue=float(result.pvalue), passed=passed,
+               status="passed" if passed else "failed",
+               detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} "
+                      f"against {stats.noise_name}(scale {stats.noise_scale:.4g})")
+    return out
+
+
+# --------------------------------------------------------------------------- utility
+
+def load_records(path: Path, dataset: str | None = None) -> np.ndarray:
+    """Every record of a dataset tldp can read, in memory (records along axis 0).
+
+    Image folders are stacked in the readers' order (sorted relative paths); they
+    must share one shape. HDF5/Zarr inputs with several arrays need `dataset`.
+    """
+    path = Path(path)
+    module = formats.detect(path)
+    reader = module.open_reader(path, FormatOptions(datasets=[dataset] if dataset else []))
+    try:
+        jobs = reader.arrays()
+        if module.NAME == "images":
+            shapes = {j.shape for j in jobs}
+            if len(shapes) > 1:
+                raise InputError(f"{path}: the images have different shapes; cannot stack them")
+            return np.concatenate([j.read(0, 1) for j in jobs])
+        if len(jobs) > 1:
+            names = ", ".join(j.name for j in jobs)
+            raise UsageError(f"{path}: holds several arrays ({names}); name one with --dataset")
+        return jobs[0].read(0, jobs[0].records)
+    finally:
+        reader.close()
+
+
+def load_labels(path: Path) -> np.ndarray:
+    """Class labels: a 1-D .npy array (or any single 1-D array tldp can read)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if path.suffix == ".npy":
+        try:
+            labels = np.load(path, allow_pickle=False)
+        except Exception as exc:
+            raise InputError(f"{path}: not a readable .npy array ({exc})") from None
+    else:
+        labels = load_records(path)
+    if labels.ndim != 1:
+        raise InputError(f"{path}: labels must be a 1-D array, not shape {labels.shape}")
+    return labels
+
+
+def _need(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise TldpError(f"this needs {module.split('.')[0]}; install the evaluation extra: "
+                        "pip install 'tldp[eval]'") from None
+
+
+def _classifier(model: str):
+    _need("sklearn")
+    if model == "logistic":
+        from sklearn.linear_model import LogisticRegression
+
+        return LogisticRegression(max_iter=300)
+    if model == "mlp":
+        from sklearn.neural_network import MLPClassifier
+
+        return MLPClassifier(hidden_layer_sizes=(128,), max_iter=200, random_state=0)
+    raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+
+
+def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
+                model: str, value_range: tuple[float, float]) -> float:
+    """Fit `model` on train, return the weighted F1 on test (the paper's formula).
+
+    Features are the flattened records scaled by the declared range, (x - lo) / width,
+    the same map for training and test: nothing is fitted on the test data.
+    """
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.metrics import f1_score
+
+    lo, hi = value_range
+
+    def features(x):
+        return (np.asarray(x, np.float64).reshape(len(x), -1) - lo) / (hi - lo)
+
+    clf = _classifier(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        clf.fit(features(train_x), train_y)
+        predicted = clf.predict(features(test_x))
+    return float(f1_score(test_y, predicted, average="weighted"))
+
+
+def _check_task(train_records: int, labels: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
+                record_shape: tuple[int, ...], labels_path, test_path) -> None:
+    if len(labels) != train_records:
+        raise UsageError(f"{labels_path}: {len(labels)} labels for {train_records} records")
+    if len(test_y) != len(test_x):
+        raise UsageError(f"{test_path}: {len(test_x)} test records but {len(test_y)} test labels")
+    if tuple(test_x.shape[1:]) != tuple(record_shape):
+        raise UsageError(f"{test_path}: test records have shape {tuple(test_x.shape[1:])}, "
+                         f"the training records {tuple(record_shape)}")
+
+
+def task_utility(clean: np.ndarray, perturbed: np.ndarray, labels: np.ndarray, test_x: np.ndarray,
+                 test_y: np.ndarray, model: str, value_range: tuple[float, float]) -> dict:
+    """The paper's Type I metric: train on perturbed records, test on clean ones."""
+    t0 = time.perf_counter()
+    f1_perturbed = weighted_f1(perturbed, labels, test_x, test_y, model, value_range)
+    f1_clean = weighted_f1(clean, labels, test_x, test_y, model, value_range)
+    classes = np.unique(test_y)
+    return {"model": model, "metric": "weighted F1 (sklearn f1_score, average='weighted')",
+            "f1_perturbed": f1_perturbed, "f1_clean": f1_clean,
+            "f1_majority_class": _majority_f1(test_y),
+            "train_records": int(len(labels)), "test_records": int(len(test_y)),
+            "classes": [c.item() for c in classes], "seconds": time.perf_counter() - t0}
+
+
+def _majority_f1(test_y: np.ndarray) -> float:
+    """Weighted F1 of always predicting the most frequent class: a chance reference."""
+    from sklearn.metrics import f1_score
+
+    classes, counts = np.unique(test_y, return_counts=True)
+    return float(f1_score(test_y, np.full_like(test_y, classes[counts.argmax()]), average="weighted",
+                          zero_division=0))
+
+
+# --------------------------------------------------------------------------- evaluate
+
+def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
+             labels: Path | None = None, test: Path | None = None, test_labels: Path | None = None,
+             model: str = "logistic", progress: Progress | None = None) -> dict[str, Any]:
+    original, perturbed = Path(original), Path(perturbed)
+    task = [labels, test, test_labels]
+    if any(task) and not all(task):
+        raise UsageError("task utility needs all of --labels, --test and --test-labels")
+    if model not in MODELS:
+        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    if not perturbed.exists():
+        raise InputError(f"{perturbed}: no such file or directory")
+    manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
+    if not manifest_path.is_file():
+        raise InputError(f"{manifest_path}: manifest not found (give it with --manifest)")
+    try:
+        m = manifest_mod.read(manifest_path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{manifest_path}: not a readable JSON manifest ({exc})") from None
+    if not isinstance(m, dict) or m.get("schema") != manifest_mod.SCHEMA:
+        raise InputError(f"{manifest_path}: not a {manifest_mod.SCHEMA} manifest")
+
+    checks: list[dict] = []
+    params = check_parameters(m)
+    checks.append(params)
+    checks.extend(_check_hashes(m, perturbed))
+
+    module, reader = _open_original(original, m)
+    try:
+        jobs = reader.arrays()
+        lo, hi = (float(v) for v in m["value_range"])
+        acc = m.get("accounting") or {}
+        calibs: dict[int, Calibration] = {}
+        try:
+            for job in jobs:
+                if job.elements not in calibs:
+                    calibs[job.elements] = calibrate(
+                        mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+                        epsilon=float(m["epsilon"]), range_width=hi - lo, elements=job.elements,
+                        dp_delta=float(acc.get("dp_delta", 1e-5)))
+        except UsageError as exc:
+            raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+        pairing_issues: list[dict] = []
+        pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues)
+        checks.extend(pairing_issues)
+        checks.append(_shape_check(m, jobs, pairs))
+
+        total_records = sum(p.job.records for p in pairs)
+        total_elements = sum(p.job.records * p.job.elements for p in pairs)
+        stats = _NoiseStats(total_elements)
+        image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
+        integer = all(p.job.dtype.kind in "iu" for p in pairs)
+        data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
+        keep_for_task = bool(labels)
+        clean_parts, noisy_parts = [], []
+        done = 0
+        for pair in pairs:
+            if pair.perturbed_shape != pair.job.shape:
+                continue
+            step = max(1, BLOCK_ELEMENTS // max(1, pair.job.elements))
+            for start in range(0, pair.job.records, step):
+                stop = min(start + step, pair.job.records)
+                x = pair.job.read(start, stop)
+                y = np.asarray(pair.read_perturbed(start, stop))
+                stats.add(x, y, pair.calib, data_range)
+                if keep_for_task:
+                    clean_parts.append(x)
+                    noisy_parts.append(y)
+                done += stop - start
+                if progress:
+                    progress(stop - start, total_records)
+    finally:
+        reader.close()
+
+    clipped = _is_clipped(m)
+    weighted = bool(m.get("weights"))
+    p = max((c.p for c in calibs.values()), default=0.0)
+    checks.append(_error_check(stats, list(calibs.values()), weighted, clipped, done))
+    checks.append(_retained_check(stats, p, weighted, clipped))
+    checks.append(_gof_check(stats, clipped))
+
+    def cat(parts):
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    per_record = {"mse": cat(stats.mse), "mae": cat(stats.mae), "relative_l2": cat(stats.rel),
+                  "l2": cat(stats.l2)}
+    if data_range is not None:
+        per_record.update(psnr=cat(stats.psnr), ssim=cat(stats.ssim))
+    noise = {name: _summary(values) for name, values in per_record.items()}
+    noise["image_metrics"] = (
+        {"data_range": data_range, "ssim": f"mean SSIM, {SSIM_WINDOW}x{SSIM_WINDOW} uniform window, "
+                                           "K1=0.01, K2=0.03"} if data_range is not None
+        else None)
+    noise["clipped_output"] = clipped
+
+    integrity_ok = all(c["passed"] for c in checks if c["check"] in
+                       ("parameters", "sha256", "unlisted_files", "pairing", "shapes"))
+    statistics_ok = all(c["passed"] is not False for c in checks if c["check"] in
+                        ("noise_norm", "retained_fraction", "noise_distribution"))
+    report: dict[str, Any] = {
+        "schema": REPORT_SCHEMA,
+        "tool": {"name": "tldp", "version": __version__},
+        "original": str(original), "perturbed": str(perturbed), "manifest": str(manifest_path),
+        "format": module.NAME,
+        "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
+        "epsilon": m.get("epsilon"), "value_range": [lo, hi],
+        "records": done, "elements_per_record": m.get("elements_per_record"),
+        "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
+                               "delta": (acc.get(scope) or {}).get("delta")}
+                       for scope in ("per_element", "per_record")},
+        "ok": integrity_ok and statistics_ok,
+        "integrity_ok": integrity_ok,
+        "statistics_ok": statistics_ok,
+        "alpha": ALPHA,
+        "checks": checks,
+        "error": noise,
+        "per_record": ({k: [_finite(v) for v in vals.tolist()] for k, vals in per_record.items()}
+                       if done <= PER_RECORD_LIMIT else None),
+        "utility": None,
+    }
+    if labels:
+        y = load_labels(labels)
+        test_x, test_y = load_records(test), load_labels(test_labels)
+        clean, noisy = cat(clean_parts), cat(noisy_parts)
+        if len(noisy) == 0 or len({p.job.record_shape for p in pairs}) > 1:
+            raise UsageError(f"{original}: task utility needs records of one shape")
+        _check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
+        report["utility"] = task_utility(clean, noisy, y, test_x, test_y, model, (lo, hi))
+    return report
+
+
+def _shape_check(m: dict, jobs, pairs: list[_Pair]) -> dict:
+    problems = []
+    for pair in pairs:
+        if pair.perturbed_shape != pair.job.shape:
+            problems.append(f"{pair.name}: perturbed shape {pair.perturbed_shape}, original {pair.job.shape}")
+    records = sum(j.records for j in jobs)
+    if m.get("records") != records:
+        problems.append(f"manifest says {m.get('records')} records, the original has {records}")
+    elements = max((j.elements for j in jobs), default=0)
+    if m.get("elements_per_record") != elements:
+        problems.append(f"manifest says {m.get('elements_per_record')} elements per record, "
+                        f"the original has {elements}")
+    stated = sorted(tuple(i.get("shape", [])) for i in m.get("inputs", []) if isinstance(i, dict))
+    actual = sorted(tuple(j.source["shape"]) for j in jobs)
+    if stated != actual:
+        problems.append("the manifest's input shapes differ from the original's")
+    return {"check": "shapes", "passed": not problems,
+            "detail": "; ".join(problems[:3]) if problems
+            else f"{len(pairs)} array(s), {records} records, shapes agree"}
+
+
+# --------------------------------------------------------------------------- sweep
+
+def parse_eps_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--eps must be a comma-separated list of numbers, not {text!r}") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise UsageError(f"--eps values must be finite numbers > 0, not {text!r}")
+    return sorted(set(values))
+
+
+def sweep(original: Path, epsilons: list[float], *, labels: Path | None = None,
+          test: Path | None = None, test_labels: Path | None = None, model: str = "logistic",
+          value_range: tuple[float, float] | None = None, weights: Path | None = None,
+          budget: str = "element", seed: int | None = None, rng: str = "secure",
+          dp_delta: float = 1e-5, dataset: str | None = None,
+          progress: Progress | None = None) -> dict[str, Any]:
+    """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
+    from tldp_cli.pipeline import resolve_range
+    from tldp_cli.weights import load_mask
+
+    original = Path(original)
+    task = [labels, test, test_labels]
+    if any(task) and not all(task):
+        raise UsageError("task utility needs all of --labels, --test and --test-labels")
+    if model not in MODELS:
+        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    if not epsilons:
+        raise UsageError("--sweep needs --eps with at least one value")
+    x = load_records(original, dataset)
+    if x.dtype.kind not in "iuf":
+        raise InputError(f"{original}: {x.dtype} data cannot be perturbed")
+    job = formats.ArrayJob("array", tuple(x.shape), x.dtype, lambda a, b: x[a:b], {})
+    lo, hi = resolve_range(value_range, [job], original)
+    if x.size and (x.min() < lo or x.max() > hi):
+        raise InputError(f"{original}: values lie outside the declared range [{lo:g}, {hi:g}]")
+    elements = job.elements
+    mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
+    methods = [mm for mm in SWEEP_METHODS if not mm[3] or mask is not None]
+    reference = None
+    if labels:
+        y = load_labels(labels)
+        test_x, test_y = load_records(test), load_labels(test_labels)
+        _check_task(len(x), y, test_x, test_y, job.record_shape, labels, test)
+        reference = {"f1_clean": weighted_f1(x, y, test_x, test_y, model, (lo, hi)),
+                     "f1_majority_class": _majority_f1(test_y), "model": model,
+                     "train_records": int(len(x)), "test_records": int(len(test_y))}
+    streams = Streams(rng, seed)
+    rows = []
+    total = len(methods) * len(epsilons)
+    xf = x.reshape(len(x), -1).astype(np.float64)
+    for label, mechanism, noise, weighted in methods:
+        for eps in epsilons:
+            t0 = time.perf_counter()
+            calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
+                              range_width=hi - lo, elements=elements, dp_delta=dp_delta)
+            cert = accounting.certify(calib)
+            noisy = engine.perturb_records(x, 0, f"sweep/{label}/{eps!r}", calib, streams,
+                                           mask.values if weighted else None, np.float32)
+            z = noisy.reshape(len(x), -1).astype(np.float64) - xf
+            norms = np.sqrt((z * z).sum(axis=1))
+            row = {"method": label, "mechanism": mechanism, "noise": noise, "weighted": weighted,
+                   "epsilon": eps, "budget": budget, "element_epsilon": cert["per_element"]["epsilon"],
+                   "record_epsilon": cert["per_record"]["epsilon"],
+                   "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
+                   "retain_probability_log10": calib.p_log10,
+                   "mean_l2_error": float(norms.mean()),
+                   "rms_l2_error": float(math.sqrt((norms**2).mean())),
+                   "expected_l2_error": calib.expected_l2_error(),
+                   "mse": float((z * z).mean()), "f1": None}
+            if labels:
+                row["f1"] = weighted_f1(noisy, y, test_x, test_y, model, (lo, hi))
+            row["seconds"] = time.perf_counter() - t0
+            rows.append(row)
+            if progress:
+                progress(1, total)
+    return {"schema": SWEEP_SCHEMA, "tool": {"name": "tldp", "version": __version__},
+            "original": str(original), "records": int(len(x)), "elements_per_record": elements,
+            "value_range": [lo, hi], "budget": budget, "dp_delta": dp_delta, "rng": rng,
+            "seeded": seed is not None, "weights": mask.info if mask is not None else None,
+            "epsilons": epsilons, "methods": [mm[0] for mm in methods],
+            "reference": reference, "rows": rows}
+
+
+def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) -> list[Path]:
+    """sweep.csv, sweep.json and two PNGs (against the nominal and the certified per-record eps)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: exists and is not a folder")
+    targets = [out_dir / name for name in SWEEP_FILES]
+    if not overwrite:
+        existing = [str(t) for t in targets if t.exists()]
+        if existing:
+            raise OutputError(f"{existing[0]}: exists; pass --overwrite to replace it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in result["rows"]:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in SWEEP_COLUMNS})
+    atomic_write(targets[0], buf.getvalue().encode())
+    atomic_write(targets[1], (json.dumps(result, indent=2, allow_nan=False) + "\n").encode())
+    atomic_write(targets[2], _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"))
+    atomic_write(targets[3], _plot(result, "record_epsilon", "certified per-record ε (log scale)"))
+    return targets
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
+    _need("matplotlib")  # Figure without pyplot renders with Agg; no global backend change
+
+    from matplotlib.figure import Figure
+
+    has_f1 = result["reference"] is not None
+    fig = Figure(figsize=(11 if has_f1 else 6, 4.2), dpi=100)
+    axes = fig.subplots(1, 2 if has_f1 else 1, squeeze=False)[0]
+    styles = {"TLDP-L": "o-", "TLDP-G": "s-", "Laplace": "^--", "Gaussian": "v--",
+              "TLDP-L-w": "o:", "TLDP-G-w": "s:"}
+    panels = ([("f1", "weighted F1 (train perturbed, test clean)")] if has_f1 else []) + \
+             [("mean_l2_error", "mean ‖Z‖₂ per record (log scale)")]
+    for ax, (key, title) in zip(axes, panels):
+        for method in result["methods"]:
+            rows = [r for r in result["rows"] if r["method"] == method]
+            ax.plot([r[x_key] for r in rows], [r[key] for r in rows], styles.get(method, "o-"),
+                    label=method)
+        if key == "f1":
+            ref = result["reference"]
+            ax.axhline(ref["f1_clean"], color="k", lw=1, label="clean training data")
+            ax.axhline(ref["f1_majority_class"], color="grey", lw=1, ls=":", label="majority class")
+            ax.set_ylim(0, 1.02)
+        else:
+            ax.set_yscale("log")
+        ax.set_xscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(result['original']).name}: {result['records']} records × "
+                 f"{result['elements_per_record']} elements", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
