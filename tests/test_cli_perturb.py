@@ -8,8 +8,8 @@ import pytest
 
 from tests.conftest import siblings, tree_digest
 from tldp_cli import accounting
+from tldp_cli.manifest import sha256_file
 from tldp_cli.mechanisms import calibrate
-from tldp_cli.weights import sha256_file
 
 SEED = 987654321
 

@@ -16,8 +16,9 @@ from PIL import Image
 
 from tests.conftest import siblings, tree_digest
 from tests.test_cli_perturb import assert_one_line_error
+from tldp_cli.manifest import sha256_file
 from tldp_cli.mechanisms import calibrate
-from tldp_cli.weights import feather, sha256_file
+from tldp_cli.weights import feather
 
 RNG = np.random.default_rng(4)
 

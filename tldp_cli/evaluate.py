@@ -22,7 +22,6 @@ never fails one while a wrong scale or distribution fails at once.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -34,7 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import __version__, accounting, engine, formats, manifest as manifest_mod
+from tldp_cli import __version__, accounting, engine, formats
+from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
 from tldp_cli.mechanisms import Calibration, calibrate
@@ -68,14 +68,6 @@ Progress = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------- helpers
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _close(a: Any, b: Any, rel: float = 1e-6) -> bool:
     if a is None or b is None:
@@ -273,7 +265,7 @@ def _check_hashes(m: dict, perturbed: Path) -> list[dict]:
         actual = located[Path(entry["path"])]
         if not actual.is_file():
             missing.append(str(actual))
-        elif _sha256(actual) != entry.get("sha256"):
+        elif manifest_mod.sha256_file(actual) != entry.get("sha256"):
             bad.append(str(actual))
     checks.append({"check": "sha256", "passed": not bad and not missing, "files": len(entries),
                    "mismatched": bad, "missing": missing,

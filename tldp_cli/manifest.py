@@ -8,6 +8,7 @@ the calibration.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -18,6 +19,14 @@ from tldp_cli import __version__
 from tldp_cli.mechanisms import Calibration
 
 SCHEMA = "tldp-manifest/1"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def default_path(output: Path) -> Path:

@@ -20,12 +20,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import accounting, engine, formats, manifest as manifest_mod
+from tldp_cli import accounting, engine, formats
+from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import DataError, OutputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.mechanisms import Calibration, calibrate, check_parameters
 from tldp_cli.rng import Streams, records_per_unit
-from tldp_cli.weights import Mask, load_masks, sha256_file
+from tldp_cli.weights import Mask, load_masks
 
 # Records per block are chosen so a block holds about this many elements.
 BLOCK_ELEMENTS = 1 << 22
@@ -275,7 +276,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 "them into range")
 
         outputs = [{"path": str(output / f.relative_to(tmp_output)) if f != tmp_output else str(output),
-                    "sha256": sha256_file(f)} for f in written]
+                    "sha256": manifest_mod.sha256_file(f)} for f in written]
         extra = dict(getattr(reader, "manifest_extra", {}))
         if len(calibrations) > 1:
             extra["elements_per_record_range"] = [min(calibrations), max(calibrations)]

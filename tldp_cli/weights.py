@@ -35,6 +35,7 @@ from PIL import Image
 from tldp_cli import __version__, formats
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
+from tldp_cli.manifest import sha256_file
 
 SIDECAR_SCHEMA = "tldp-weight-mask/1"
 METHODS = ("intensity", "box", "image", "constant", "faces")
@@ -46,14 +47,6 @@ FACE_DETECTOR = (f"OpenCV Haar cascade {FACE_CASCADE} on the histogram-equalised
                  "(scale factor 1.1, 5 neighbours, faces of 24 pixels or more)")
 PREVIEW_TINT = 0.6  # opacity of the red overlay where w = 1
 BLOCK_ELEMENTS = 1 << 22  # elements read at a time when a mask is made from the data
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def sidecar_path(mask: Path) -> Path:

@@ -21,7 +21,12 @@ import numpy as np
 from h5py import h5d, h5f, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
 from tldp_cli.errors import InputError, OutputError, TldpError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
+from tldp_cli.formats import (
+    ArrayJob,
+    FormatOptions,
+    check_numeric_dtype,
+    default_selection,
+)
 
 NAME = "hdf5"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"

@@ -23,7 +23,12 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
+from tldp_cli.formats import (
+    ArrayJob,
+    FormatOptions,
+    check_numeric_dtype,
+    default_selection,
+)
 
 NAME = "zarr"
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
