@@ -1,0 +1,14 @@
+"""CI installs and tests exactly as README's quick start says."""
+
+from tests.conftest import REPO
+
+
+def test_ci_runs_the_quick_start_commands():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    install, perturb, test = [line.strip() for line in quick_start.strip().splitlines()]
+    assert install.endswith('python -m pip install ".[dev]"')
+    assert 'python -m pip install ".[dev]"' in ci
+    assert perturb.split(" --out")[0] in ci
+    assert test in ci.splitlines()
