@@ -114,18 +114,22 @@ def check_output_path(path: Path, input_path: Path, overwrite: bool, what: str) 
         raise OutputError(f"{path}: {what} exists; pass --overwrite to replace it")
 
 
-def _validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
-                    input_path: Path) -> int:
-    """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
-    flat = block.reshape(block.shape[0], -1)
+def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path) -> None:
+    """Raises, naming the first record and element, if the block holds NaN or Inf."""
     if block.dtype.kind == "f":
-        bad = ~np.isfinite(flat)
+        bad = ~np.isfinite(block.reshape(block.shape[0], -1))
         if bad.any():
             record, element = np.argwhere(bad)[0]
             where = f" dataset {job.source['dataset']}," if "dataset" in job.source else ""
             raise DataError(f"{input_path}:{where} NaN or Inf at record {start + record}, "
-                            f"element {element}; tldp cannot perturb non-finite values")
-    return int(np.count_nonzero((flat < lo) | (flat > hi)))
+                            f"element {element}; tldp needs finite values")
+
+
+def _validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
+                    input_path: Path) -> int:
+    """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
+    check_finite(block, job, start, input_path)
+    return int(np.count_nonzero((block < lo) | (block > hi)))
 
 
 def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:

@@ -674,7 +674,7 @@ class _Maker:
     def _write_per_record(self, tmp: Path) -> tuple[str, list[int]]:
         """One mask per record, streamed: intensity per element, faces per pixel."""
         from tldp_cli.formats.npy import NpyWriter  # positional writes, flat memory
-        from tldp_cli.pipeline import block_bounds
+        from tldp_cli.pipeline import block_bounds, check_finite
 
         if len(self.jobs) > 1:
             names = ", ".join(job.name for job in self.jobs)
@@ -688,9 +688,7 @@ class _Maker:
         try:
             for start, stop in block_bounds(job, BLOCK_ELEMENTS):
                 block = job.read(start, stop)
-                if block.dtype.kind == "f" and not np.all(np.isfinite(block)):
-                    record = start + int(np.argwhere(~np.isfinite(block))[0][0])
-                    raise InputError(f"{self.o.input}: NaN or Inf in record {record}")
+                check_finite(block, job, start, self.o.input)
                 if self.o.method == "intensity":
                     mask = self._finish(intensity(block, lo, hi, self.gamma), axes=(1, 2))
                 else:
