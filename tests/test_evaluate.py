@@ -250,3 +250,63 @@ def test_help_and_usage_errors(cli, small):
     assert r.exit_code == 2 and "--test" in r.output
     r = cli("evaluate", small / "x.npy", small / "missing.npy")
     assert r.exit_code == 1 and "missing.npy" in r.output
+
+
+def test_zarr_with_labels_inside_the_stores(cli, tmp_path):
+    """Labels from an array of the same Zarr store, for training and for test. A huge eps
+    gives F1 near the clean reference only if every label sits with its record."""
+    import zarr
+
+    test_store = zarr.open_group(tmp_path / "test.zarr", mode="w")
+    test_store.create_array("images", data=np.load(TEST_X))
+    test_store.create_array("labels", data=np.load(TEST_Y))
+    out = perturb(cli, SAMPLE / "digits.zarr", tmp_path / "o.zarr", "--eps", "1e5",
+                  "--dataset", "images")
+    r = cli("evaluate", SAMPLE / "digits.zarr", out, "--json", "-", "--labels", "dataset=labels",
+            "--test", tmp_path / "test.zarr", "--test-labels", "dataset=labels")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["format"] == "zarr" and rep["ok"] and rep["records"] == 400
+    assert rep["utility"]["f1_clean"] > 0.9
+    assert abs(rep["utility"]["f1_perturbed"] - rep["utility"]["f1_clean"]) < 0.03
+
+
+def test_hdf5_labels_dataset_in_sweep(tmp_path):
+    result = ev.sweep(SAMPLE / "digits.h5", [1e4], labels="dataset=labels", test=TEST_X,
+                      test_labels=TEST_Y, dataset="images", seed=0)
+    assert result["reference"]["f1_clean"] > 0.9
+    assert all(abs(row["f1"] - result["reference"]["f1_clean"]) < 0.05
+               for row in result["rows"] if row["mechanism"] == "tldp")
+
+
+def test_image_folder_labels_from_subfolders(cli, tmp_path):
+    test_dir = tmp_path / "test_png"
+    for i, (image, label) in enumerate(zip(np.load(TEST_X)[:80], np.load(TEST_Y)[:80])):
+        (test_dir / f"digit_{label}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(test_dir / f"digit_{label}" / f"{i:03}.png")
+    out = perturb(cli, SAMPLE / "digits_png", tmp_path / "out", "--eps", "1e5")
+    r = cli("evaluate", SAMPLE / "digits_png", out, "--json", "-", "--labels", "subfolders",
+            "--test", test_dir, "--test-labels", "subfolders")
+    assert r.exit_code == 0, r.output
+    utility = json.loads(r.stdout)["utility"]
+    assert utility["classes"] == ["digit_0", "digit_1", "digit_6", "digit_9"]
+    assert utility["f1_clean"] > 0.85
+    assert abs(utility["f1_perturbed"] - utility["f1_clean"]) < 0.05
+    np.testing.assert_array_equal(
+        np.unique(ev.load_labels("subfolders", SAMPLE / "digits_png")),
+        ["digit_0", "digit_1", "digit_6", "digit_9"])
+
+
+def test_label_source_errors(cli, small, tmp_path):
+    base = ("evaluate", small / "x.npy", small / "y.npy", "--test", TEST_X, "--test-labels", TEST_Y)
+    r = cli(*base, "--labels", "subfolders")
+    assert r.exit_code == 2 and "not a folder of images" in r.output
+    r = cli(*base, "--labels", "dataset=labels")
+    assert r.exit_code == 2 and "not an HDF5 file or Zarr store" in r.output
+    with pytest.raises(ev.TldpError, match="nope"):
+        ev.load_labels("dataset=nope", SAMPLE / "digits.h5")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(flat / "a.png")
+    with pytest.raises(ev.InputError, match="not inside a subfolder"):
+        ev.load_labels("subfolders", flat)

@@ -394,11 +394,16 @@ def evaluate_command(
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_report: Annotated[Optional[Path], typer.Option(
         "--json", metavar="REPORT", help="Write every number as JSON to REPORT ('-': stdout).")] = None,
-    labels: Annotated[Optional[Path], typer.Option(
-        help="Class labels of ORIGINAL's records (.npy, 1-D): enables the task-utility score.")] = None,
+    labels: Annotated[Optional[str], typer.Option(
+        metavar="LABELS",
+        help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
+             "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
+             "folder's top-level subfolder names).")] = None,
     test: Annotated[Optional[Path], typer.Option(
         help="Clean test records (any format perturb reads) for the task-utility score.")] = None,
-    test_labels: Annotated[Optional[Path], typer.Option(help="Labels of --test (.npy, 1-D).")] = None,
+    test_labels: Annotated[Optional[str], typer.Option(
+        metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
+                               "subfolders refer to --test).")] = None,
     model: Annotated[Model, typer.Option(
         help="Classifier: logistic regression or a small MLP (scikit-learn).")] = Model.logistic,
     sweep: Annotated[bool, typer.Option(

@@ -484,21 +484,64 @@ def load_records(path: Path, dataset: str | None = None) -> np.ndarray:
         reader.close()
 
 
-def load_labels(path: Path) -> np.ndarray:
-    """Class labels: a 1-D .npy array (or any single 1-D array tldp can read)."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if path.suffix == ".npy":
-        try:
-            labels = np.load(path, allow_pickle=False)
-        except Exception as exc:
-            raise InputError(f"{path}: not a readable .npy array ({exc})") from None
+LABELS_FROM_FOLDERS = "subfolders"
+LABELS_DATASET_PREFIX = "dataset="
+
+
+def load_labels(spec: Path | str, data: Path | None = None, option: str = "--labels") -> np.ndarray:
+    """Class labels, one per record of `data`, in the order tldp reads the records.
+
+    `spec` is a 1-D array file (.npy, or an HDF5/Zarr file holding one array),
+    "dataset=NAME" for the array NAME inside `data` (HDF5/Zarr), or "subfolders"
+    for the name of the top-level subfolder each image of the folder `data` is in.
+    """
+    text = str(spec)
+    if text == LABELS_FROM_FOLDERS:
+        return _folder_labels(data, option)
+    if text.startswith(LABELS_DATASET_PREFIX):
+        name = text[len(LABELS_DATASET_PREFIX):]
+        if not name:
+            raise UsageError(f"{option} dataset=NAME needs the name of an array")
+        if data is None or formats.detect(Path(data)).NAME not in ("hdf5", "zarr"):
+            raise UsageError(f"{option} {text}: {data} is not an HDF5 file or Zarr store")
+        labels, where = load_records(Path(data), name), f"{data}: dataset {name}"
     else:
-        labels = load_records(path)
+        path = Path(spec)
+        if not path.exists():
+            raise InputError(f"{path}: no such file or directory")
+        where = str(path)
+        if path.suffix == ".npy":
+            try:
+                labels = np.load(path, allow_pickle=False)
+            except Exception as exc:
+                raise InputError(f"{path}: not a readable .npy array ({exc})") from None
+        else:
+            labels = load_records(path)
     if labels.ndim != 1:
-        raise InputError(f"{path}: labels must be a 1-D array, not shape {labels.shape}")
+        raise InputError(f"{where}: labels must be a 1-D array, not shape {labels.shape}")
     return labels
+
+
+def _folder_labels(data: Path | None, option: str) -> np.ndarray:
+    if data is None or formats.detect(Path(data)).NAME != "images":
+        raise UsageError(f"{option} subfolders: {data} is not a folder of images")
+    reader = formats.detect(Path(data)).open_reader(Path(data), FormatOptions())
+    try:
+        return folder_labels([job.name for job in reader.arrays()], Path(data))
+    finally:
+        reader.close()
+
+
+def folder_labels(names: list[str], folder: Path) -> np.ndarray:
+    """The top-level subfolder of each image path (relative to `folder`)."""
+    labels = []
+    for name in names:
+        parts = Path(name).parts
+        if len(parts) < 2:
+            raise InputError(f"{folder / name}: not inside a subfolder, so it has no label "
+                             "(labels from subfolders need every image in one)")
+        labels.append(parts[0])
+    return np.array(labels)
 
 
 def _need(module: str):
@@ -585,7 +628,8 @@ def _majority_f1(test_y: np.ndarray) -> float:
 # --------------------------------------------------------------------------- evaluate
 
 def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
-             labels: Path | None = None, test: Path | None = None, test_labels: Path | None = None,
+             labels: Path | str | None = None, test: Path | None = None,
+             test_labels: Path | str | None = None,
              model: str = "logistic", progress: Progress | None = None) -> dict[str, Any]:
     original, perturbed = Path(original), Path(perturbed)
     task = [labels, test, test_labels]
@@ -704,8 +748,11 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "utility": None,
     }
     if labels:
-        y = load_labels(labels)
-        test_x, test_y = load_records(test), load_labels(test_labels)
+        if str(labels) == LABELS_FROM_FOLDERS and module.NAME == "images":
+            y = folder_labels([p.job.name for p in pairs if p.perturbed_shape == p.job.shape], original)
+        else:
+            y = load_labels(labels, original)
+        test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
         clean, noisy = cat(clean_parts), cat(noisy_parts)
         if len(noisy) == 0 or len({p.job.record_shape for p in pairs}) > 1:
             raise UsageError(f"{original}: task utility needs records of one shape")
@@ -747,8 +794,8 @@ def parse_eps_list(text: str) -> list[float]:
     return sorted(set(values))
 
 
-def sweep(original: Path, epsilons: list[float], *, labels: Path | None = None,
-          test: Path | None = None, test_labels: Path | None = None, model: str = "logistic",
+def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = None,
+          test: Path | None = None, test_labels: Path | str | None = None, model: str = "logistic",
           value_range: tuple[float, float] | None = None, weights: Path | None = None,
           budget: str = "element", seed: int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
@@ -777,8 +824,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | None = None,
     methods = [mm for mm in SWEEP_METHODS if not mm[3] or mask is not None]
     reference = None
     if labels:
-        y = load_labels(labels)
-        test_x, test_y = load_records(test), load_labels(test_labels)
+        y = load_labels(labels, original)
+        test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
         _check_task(len(x), y, test_x, test_y, job.record_shape, labels, test)
         reference = {"f1_clean": weighted_f1(x, y, test_x, test_y, model, (lo, hi)),
                      "f1_majority_class": _majority_f1(test_y), "model": model,
