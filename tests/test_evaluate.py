@@ -217,9 +217,10 @@ def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
         with Image.open(out / png) as im:
             im.verify()
     result = json.loads((out / "sweep.json").read_text())
-    assert result["methods"] == ["TLDP-L", "TLDP-G", "Laplace", "Gaussian", "TLDP-L-w", "TLDP-G-w"]
+    assert result["methods"] == ["TLDP-L", "TLDP-G", "Laplace", "Gaussian", "MVG", "IDN",
+                                 "TLDP-L-w", "TLDP-G-w"]
     rows = {(row["method"], row["epsilon"]): row for row in result["rows"]}
-    assert len(rows) == 12
+    assert len(rows) == 16
     assert rows["TLDP-L", 1.0]["record_epsilon"] == pytest.approx(784)
     assert rows["Laplace", 1.0]["record_epsilon"] == pytest.approx(1)
     assert set(ev.SWEEP_COLUMNS) <= set(rows["TLDP-L", 1.0])

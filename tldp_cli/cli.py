@@ -5,8 +5,10 @@ Human-readable text goes to stderr; stdout carries only machine output (--json).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import traceback
 from enum import Enum
@@ -18,7 +20,8 @@ from typer.core import TyperGroup
 
 from tldp_cli import __version__, accounting
 from tldp_cli.errors import TldpError, UsageError
-from tldp_cli.pipeline import PerturbOptions, parse_range, perturb
+from tldp_cli.mechanisms import default_noise
+from tldp_cli.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
 
 DEBUG_ENV = "TLDP_DEBUG"
 
@@ -70,17 +73,22 @@ def _root(
       tldp perturb data.npy --eps 1 --range 0:1 --out noisy.npy --json
       tldp weight-mask photos/ --method box --boxes faces.csv --out masks --preview check.png
       tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy
+      tldp audit --eps 1 --elements 4 --range 0:1
     """
 
 
 class Noise(str, Enum):
     laplace = "laplace"
     gaussian = "gaussian"
+    discrete_laplace = "discrete-laplace"
+    discrete_gaussian = "discrete-gaussian"
 
 
 class Mechanism(str, Enum):
     tldp = "tldp"
     baseline = "baseline"
+    mvg = "mvg"
+    idn = "idn"
 
 
 class Budget(str, Enum):
@@ -96,6 +104,11 @@ class RngKind(str, Enum):
 class ImageFormat(str, Enum):
     png = "png"
     tiff = "tiff"
+
+
+class Scheduler(str, Enum):
+    threads = "threads"
+    dask = "dask"
 
 
 class OutDtype(str, Enum):
@@ -115,13 +128,31 @@ def _run(debug: bool, action):
         if debug:
             traceback.print_exc()
         _fail(str(exc), 1)
-    except KeyboardInterrupt:
-        _fail("interrupted; nothing was written", 130)
+    except KeyboardInterrupt as exc:  # an errors.Interrupted says what it kept
+        _fail(str(exc) or "interrupted; nothing was written", 130)
     except OSError as exc:
         if debug:
             traceback.print_exc()
         where = exc.filename or "I/O"
         _fail(f"{where}: {exc.strerror or exc}", 1)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM stops a run as Ctrl-C does, so its temporary output is cleaned up (or, when
+    resumable, kept for --resume) instead of the process just vanishing."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _progress_bar(quiet: bool, unit: str):
@@ -144,25 +175,34 @@ def _progress_bar(quiet: bool, unit: str):
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
     input: Annotated[Path, typer.Argument(
-        help="A .npy file, an HDF5 file, a Zarr store or a folder of images (detected).",
+        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
+             "file (.npz, .safetensors; each tensor is one record) (detected).",
                                           show_default=False)],
     eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).",
                                        show_default=False)],
-    noise: Annotated[Noise, typer.Option(help="Noise distribution.")] = Noise.laplace,
+    noise: Annotated[Optional[Noise], typer.Option(
+        help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
+             "other. discrete-laplace, discrete-gaussian (tldp, baseline): exact integer noise, "
+             "free of floating-point leaks; integer data stays integer, float data is snapped "
+             "to a grid (--granularity).", show_default=False)] = None,
     mechanism: Annotated[Mechanism, typer.Option(
         help="tldp: keep each value with probability p, else add noise (paper, Algorithm 1). "
-             "baseline: noise on every element calibrated to the whole record.")] = Mechanism.tldp,
+             "baseline: noise on every element calibrated to the whole record. mvg: the "
+             "Matrix-Variate Gaussian mechanism with identity covariances (records unfolded "
+             "along their first axis); idn: Independent Directional Noise with W = identity; "
+             "both (eps, delta) at --dp-delta for the whole record.")] = Mechanism.tldp,
     budget: Annotated[Budget, typer.Option(
         help="element: the paper's calibration, --eps is what each element gets (a record of I "
-             "elements then gets I*eps). record: --eps is what each whole record gets.")] = Budget.element,
+             "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
+             "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI",
         help="Declared value range. Required for float data; integer data defaults to its "
              "dtype's range (uint8 -> 0:256). Never inferred from the data.")] = None,
     weights: Annotated[Optional[Path], typer.Option(
-        help="Weight mask .npy in [0, 1] (weighted TLDP): the record's shape, its spatial "
-             "shape, or one mask per record; for a folder of images, a folder of mask PNGs "
-             "(see tldp weight-mask).")] = None,
+        help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
+             "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
+             "of mask PNGs (see tldp weight-mask).")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="Output path. Default: a sibling, digits.npy -> digits.tldp.npy.")] = None,
     manifest: Annotated[Optional[Path], typer.Option(
@@ -173,13 +213,23 @@ def perturb_command(
     rng: Annotated[RngKind, typer.Option(
         help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
              "from its output.")] = RngKind.secure,
-    dtype: Annotated[OutDtype, typer.Option(help="Output dtype; noise is drawn in it.")] = OutDtype.float32,
+    dtype: Annotated[OutDtype, typer.Option(
+        help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
+             "comes out as the smallest signed integer type that cannot wrap; float data on "
+             "the grid in this dtype.")] = OutDtype.float32,
+    granularity: Annotated[Optional[float], typer.Option(
+        metavar="G",
+        help="Discrete noise on float data: snap values to multiples of G and add the noise in "
+             "steps of G (the range gains one step of sensitivity). Default: the largest power "
+             "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)] = None,
     dp_delta: Annotated[float, typer.Option(
         help="delta at which (epsilon, delta) figures are reported.")] = 1e-5,
     dataset: Annotated[Optional[list[str]], typer.Option(
         "--dataset", metavar="PATH",
         help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
-             "dataset whose first axis matches the others'.")] = None,
+             "dataset whose first axis matches the others'. Model files (.npz, .safetensors): a "
+             "tensor by name; default: every floating-point tensor. Unselected ones are copied "
+             "unchanged.")] = None,
     image_format: Annotated[ImageFormat, typer.Option(
         help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
              "(float32, unclipped).")] = ImageFormat.png,
@@ -191,12 +241,37 @@ def perturb_command(
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
+    clip: Annotated[Optional[float], typer.Option(
+        "--clip", metavar="C",
+        help="Clip every value to [-C, C] (L-infinity clipping, e.g. model parameters) before "
+             "the noise and take (-C, C) as the range, so the range width is 2C. Not with "
+             "--range. Recorded in the manifest.", show_default=False)] = None,
     workers: Annotated[Optional[int], typer.Option(
-        min=1, help="Blocks perturbed in parallel threads. Default: the number of cores. "
+        min=1, help="Blocks perturbed in parallel threads (with --scheduler dask and no "
+                    "--dask-address: local worker processes). Default: the number of cores. "
                     "The output is the same for any number.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output.")] = False,
+    scheduler: Annotated[Scheduler, typer.Option(
+        help="threads: this process. dask: Dask workers (pip install 'tldp[dask]'): a local "
+             "cluster, or the one at --dask-address. The output is the same with either.")
+    ] = Scheduler.threads,
+    dask_address: Annotated[Optional[str], typer.Option(
+        metavar="HOST:PORT",
+        help="With --scheduler dask: the scheduler of an existing dask.distributed cluster "
+             "(tls://HOST:PORT for TLS). Its workers must see the input and output at the same "
+             "paths. The run's secret noise key travels to them: use TLS off this machine.",
+        show_default=False)] = None,
+    resume: Annotated[bool, typer.Option(
+        help="Zarr output: continue an interrupted run from the blocks it wrote (kept in "
+             ".OUT.tldp-partial). The options must match; with the same --seed the result "
+             "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
+             "for the remaining blocks).")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing output (and discard an interrupted run's partial output).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    block_elements: Annotated[int, typer.Option(min=1, hidden=True,
+                                                help="Elements per block (tests, benchmarks).")
+                              ] = BLOCK_ELEMENTS,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
 ):
     """Perturb every record of INPUT with TLDP and write a privacy manifest.
@@ -206,24 +281,33 @@ def perturb_command(
       tldp perturb sample_data/digits.npy --eps 1
       tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
       tldp perturb features.npy --eps 2 --range -1:1 --budget record --json > manifest.json
+      tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg
+      tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
+      tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
 
     The summary line states the certified guarantee per element and per record:
     TLDP's eps is a per-element budget, so a record of I elements gets I*eps.
+    In a model file (.npz, .safetensors) each tensor is a record, and the line
+    adds the whole file, all its tensors composed.
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     def action():
         options = PerturbOptions(
-            input=input, epsilon=eps, noise=noise.value, mechanism=mechanism.value,
+            input=input, epsilon=eps, mechanism=mechanism.value,
+            noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value, value_range=parse_range(value_range) if value_range else None,
             weights=weights, out=out, manifest=manifest, seed=seed, rng=rng.value,
-            dtype=dtype.value, dp_delta=dp_delta, overwrite=overwrite, clip_input=clip_input,
+            dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
             datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
-            skip_bad=skip_bad)
+            skip_bad=skip_bad, scheduler=scheduler.value, dask_address=dask_address, resume=resume,
+            block_elements=block_elements)
         advance, close = _progress_bar(quiet, "rec")
         try:
-            return perturb(options, progress=advance)
+            with _sigterm_interrupts():
+                return perturb(options, progress=advance)
         finally:
             close()
 
@@ -232,8 +316,10 @@ def perturb_command(
     if not quiet:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
-        typer.echo(f"tldp: wrote {result.output} ({m['records']} records x "
-                   f"{m['elements_per_record']} elements) and {result.manifest_path}", err=True)
+        shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
+                 if "per_tensor" in m["accounting"] else
+                 f"{m['records']} records x {m['elements_per_record']} elements")
+        typer.echo(f"tldp: wrote {result.output} ({shape}) and {result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))
@@ -381,6 +467,8 @@ def _print_sweep(result: dict, written: list) -> None:
     if ref:
         echo(f"  clean training data: F1 {ref['f1_clean']:.3f} ({ref['model']}); "
              f"majority class {ref['f1_majority_class']:.3f}")
+    for skipped in result.get("skipped_methods", []):
+        echo(f"  {skipped['method']} skipped: {skipped['reason']}")
     echo("tldp: wrote " + ", ".join(str(p) for p in written))
 
 
@@ -407,8 +495,9 @@ def evaluate_command(
     model: Annotated[Model, typer.Option(
         help="Classifier: logistic regression or a small MLP (scikit-learn).")] = Model.logistic,
     sweep: Annotated[bool, typer.Option(
-        "--sweep", help="Perturb ORIGINAL in memory for every --eps with TLDP-L, TLDP-G and the "
-                        "Laplace and Gaussian baselines; write a table and plots to --out.")] = False,
+        "--sweep", help="Perturb ORIGINAL in memory for every --eps with TLDP-L, TLDP-G, the "
+                        "Laplace and Gaussian baselines, MVG (matrix-shaped records) and IDN; "
+                        "write a table and plots to --out.")] = False,
     eps: Annotated[Optional[str], typer.Option(
         "--eps", metavar="E1,E2,...", help="--sweep: the epsilons (see --budget).")] = None,
     out: Annotated[Optional[Path], typer.Option(
@@ -510,6 +599,92 @@ def evaluate_command(
               + (f" and {json_report})" if json_report else ")"), 1)
     if not quiet:
         typer.echo("tldp: every check passed", err=True)
+
+
+class AuditScope(str, Enum):
+    both = "both"
+    element = "element"
+    record = "record"
+
+
+@app.command("audit", no_args_is_help=True)
+def audit_command(
+    eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon, as for perturb.",
+                                       show_default=False)],
+    noise: Annotated[Optional[Noise], typer.Option(
+        help="As for perturb. Default: laplace; gaussian for mvg and idn.", show_default=False)] = None,
+    mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
+    budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
+    value_range: Annotated[str, typer.Option(
+        "--range", metavar="LO:HI", help="The declared value range; the neighbours sit at its ends.")] = "0:256",
+    elements: Annotated[str, typer.Option(
+        "--elements", metavar="I", help="Elements per record, or the record's shape (28x28; "
+                                        "mvg needs it).")] = "1",
+    dp_delta: Annotated[float, typer.Option(
+        help="delta at which (epsilon, delta) figures are certified, as for perturb.")] = 1e-5,
+    granularity: Annotated[Optional[float], typer.Option(
+        metavar="G", help="Discrete noise on float data snapped to multiples of G, as for "
+                          "perturb. Default: integer data (an integer --range).",
+        show_default=False)] = None,
+    samples: Annotated[int, typer.Option(
+        help="Draws of each neighbour per scope, in elements (the record scope draws "
+             "SAMPLES // I records). About 100 bytes of memory each (at most 2e7).")] = 1_000_000,
+    confidence: Annotated[float, typer.Option(
+        help="Probability that every lower bound in the report holds.")] = 0.95,
+    scope: Annotated[AuditScope, typer.Option(
+        help="element: two records that differ in one element; record: two records at opposite "
+             "ends of the range.")] = AuditScope.both,
+    seed: Annotated[Optional[int], typer.Option(help="Make the audit reproducible.")] = None,
+    rng: Annotated[RngKind, typer.Option(help="As for perturb.")] = RngKind.secure,
+    dtype: Annotated[OutDtype, typer.Option(help="Output dtype, as for perturb.")] = OutDtype.float32,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON to stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+):
+    """Look for evidence that a mechanism leaks more than its certified figures.
+
+    Runs the mechanism on two neighbouring inputs, chooses the most telling event on
+    half the draws and bounds its probabilities on the other half (Clopper-Pearson):
+    the audited eps is a lower bound on the true privacy loss at the stated
+    confidence. Exit 1 when it exceeds a certified figure (VIOLATION). A lower
+    bound is never a certificate: "ok" means no violation was found, and figures
+    above the reach (about ln of the draws) cannot be contradicted at that size.
+
+    \b
+    Examples:
+      tldp audit --eps 1 --elements 4 --range 0:1
+      tldp audit --eps 1 --noise gaussian --elements 784 --samples 4000000 --json > audit.json
+      tldp audit --eps 2 --mechanism mvg --elements 28x28 --scope record --seed 7
+      tldp audit --eps 1 --noise discrete-laplace --elements 16 --range 0:256
+    """
+    from tldp_cli import audit as audit_mod
+
+    debug = debug or bool(os.environ.get(DEBUG_ENV))
+
+    def action():
+        return audit_mod.run(
+            mechanism=mechanism.value, budget=budget.value, epsilon=eps,
+            noise=noise.value if noise is not None else default_noise(mechanism.value),
+            value_range=parse_range(value_range), shape=audit_mod.parse_shape(elements),
+            dp_delta=dp_delta, granularity=granularity, samples=samples, confidence=confidence,
+            scopes=audit_mod.SCOPES if scope is AuditScope.both else (scope.value,),
+            seed=seed, rng=rng.value, dtype=dtype.value)
+
+    report = _run(debug, action)
+    if not quiet:
+        for line in audit_mod.format_report(report):
+            typer.echo(f"tldp: {line}" if not line.startswith(" ") else line, err=True)
+    if json_out:
+        typer.echo(json.dumps(report, indent=2, allow_nan=False))
+    if report["verdict"] == "VIOLATION":
+        worst = max((row for s in report["scopes"] for row in s["claims"]),
+                    key=lambda row: row["epsilon_lower_bound"] - row["certified_epsilon"])
+        _fail(f"audit found a privacy VIOLATION: eps >= {worst['epsilon_lower_bound']:.4g} at "
+              f"delta {worst['delta']:.3g}, certified {worst['certified_epsilon']:.4g} "
+              f"(confidence {report['confidence']:g})", 1)
+    if not quiet:
+        typer.echo(f"tldp: consistent: no audited lower bound exceeds its certified figure "
+                   f"(confidence {report['confidence']:g}); this is evidence, not a proof", err=True)
 
 
 def main():

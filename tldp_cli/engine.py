@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tldp_cli import discrete
+from tldp_cli.discrete import DISCRETE_NOISES
 from tldp_cli.mechanisms import Calibration
 from tldp_cli.rng import Streams, records_per_unit
 
@@ -31,7 +33,10 @@ def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
     else:
         z = rng.standard_exponential(size, dtype=dtype)
         negative = np.unpackbits(np.frombuffer(rng.bytes((size + 7) // 8), np.uint8), count=size)
-        np.negative(z, out=z, where=negative.view(bool))
+        # Negation flips the IEEE sign bit; XOR-ing it in is the same values as
+        # np.negative(where=...), several times faster.
+        bits = z.view(np.uint32 if dtype.itemsize == 4 else np.uint64)
+        np.bitwise_xor(bits, np.left_shift(negative, 8 * dtype.itemsize - 1, dtype=bits.dtype), out=bits)
     z *= dtype.type(scale)
     return z
 
@@ -60,11 +65,16 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
 
     `weights`: None, one mask of I values for every record, or an (n, I) array with one
     mask per record of the block; values in [0, 1] (validated by the caller).
+    Discrete noises go to discrete.perturb_records (exact integer samplers; an integer
+    dtype gets grid values, a float dtype G times them).
     """
+    if calib.noise in DISCRETE_NOISES:
+        return discrete.perturb_records(block, first_record, array_name, calib, streams, weights, dtype)
     dtype = np.dtype(dtype)
     n = block.shape[0]
     elements = calib.elements
-    out = block.reshape(n, elements).astype(dtype, copy=True)
+    records = block.reshape(n, elements)
+    out = np.empty((n, elements), dtype)
     if n == 0:
         return out.reshape(block.shape)
     per_unit = records_per_unit(elements)
@@ -77,15 +87,18 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         positions, thinning = retain_candidates(rng, p_max, per_unit * elements)
 
         lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
-        rows, cols = np.divmod(positions, elements)
-        inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
-        rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
-        if weights is None:
-            kept = np.ones(rows.shape, bool)
-        elif weights.ndim == 1:
-            kept = thinning < 1.0 - weights[cols]
-        else:
-            kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
-        noise[rows[kept], cols[kept]] = 0
-        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
+        if positions.size:  # usually none: p is astronomically small for real tensors
+            rows, cols = np.divmod(positions, elements)
+            inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
+            rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
+            if weights is None:
+                kept = np.ones(rows.shape, bool)
+            elif weights.ndim == 1:
+                kept = thinning < 1.0 - weights[cols]
+            else:
+                kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
+            noise[rows[kept], cols[kept]] = 0
+        # One pass: cast the raw values to dtype and add the noise (no astype copy first).
+        np.add(records[lo - first_record:hi - first_record], noise[lo - unit_start:hi - unit_start],
+               out=out[lo - first_record:hi - first_record], dtype=dtype)
     return out.reshape(block.shape)

@@ -20,3 +20,8 @@ class DataError(InputError):
 
 class OutputError(TldpError):
     """The output cannot be written where asked."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run; the message says what was kept (a KeyboardInterrupt
+    still, so callers that stop on one keep doing so)."""

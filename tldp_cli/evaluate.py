@@ -12,7 +12,7 @@ Plain functions returning dicts; the CLI only parses options and prints.
   against Table 5, the retained fraction against p, a Kolmogorov-Smirnov test
   against the manifest's noise distribution) and, with labels, the task utility.
 - `sweep(...)` perturbs in memory over a grid of epsilons for TLDP-L, TLDP-G
-  and the paper's Laplace and Gaussian baselines (and weighted TLDP), and
+  and the paper's Laplace, Gaussian, MVG and IDN baselines (and weighted TLDP), and
   `write_sweep(...)` writes a CSV, a JSON table and PNG plots.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially
@@ -37,7 +37,7 @@ from tldp_cli import __version__, accounting, engine, formats
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
-from tldp_cli.mechanisms import Calibration, calibrate
+from tldp_cli.mechanisms import Calibration, calibrate, matrix_rows
 from tldp_cli.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -55,6 +55,8 @@ SWEEP_METHODS = (  # label, mechanism, noise, weighted
     ("TLDP-G", "tldp", "gaussian", False),
     ("Laplace", "baseline", "laplace", False),
     ("Gaussian", "baseline", "gaussian", False),
+    ("MVG", "mvg", "gaussian", False),
+    ("IDN", "idn", "gaussian", False),
     ("TLDP-L-w", "tldp", "laplace", True),
     ("TLDP-G-w", "tldp", "gaussian", True),
 )
@@ -131,7 +133,12 @@ def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WIN
 
 
 def _noise_moments(noise: str, scale: float) -> tuple[float, float, float]:
-    """E z^2, E z^4 and the density at 0 of one noise draw."""
+    """E z^2, E z^4 and the density at 0 of one noise draw (discrete noises: P(z = 0),
+    moments from the exact pmf)."""
+    if noise.startswith("discrete-"):
+        from tldp_cli.discrete import moments, noise_pmf
+
+        return (*moments(noise, scale), float(noise_pmf(noise, scale, 0)))
     if noise == "laplace":
         return 2 * scale**2, 24 * scale**4, 1 / (2 * scale)
     return scale**2, 3 * scale**4, 1 / (scale * math.sqrt(2 * math.pi))
@@ -162,7 +169,7 @@ def _is_clipped(m: dict) -> bool:
 def _open_original(original: Path, m: dict):
     module = formats.detect(original)
     datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
-    options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr") else [],
+    options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr", "npz", "safetensors") else [],
                             image_format=_image_format(m) if module.NAME == "images" else "png",
                             skip_bad=bool(m.get("skipped_bad_images")))
     return module, module.open_reader(original, options)
@@ -183,7 +190,7 @@ def _read_output_image(path: Path, has_alpha: bool) -> np.ndarray:
     return images._decode(path).colour
 
 
-def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[int, Calibration],
+def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
            issues: list[dict]) -> list[_Pair]:
     jobs = reader.arrays()
     if module.NAME == "images":
@@ -211,7 +218,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[int, Calibrati
             def read(start, stop, p=out_path, a=image.has_alpha):
                 return _read_output_image(p, a)[None]
 
-            pairs.append(_Pair(image.rel, job, shape, read, calibs[job.elements]))
+            pairs.append(_Pair(image.rel, job, shape, read, calibs[job.name]))
         return pairs
 
     out_module = formats.detect(perturbed)
@@ -227,7 +234,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[int, Calibrati
             issues.append({"check": "pairing", "passed": False,
                            "detail": f"{perturbed}: has no array {job.name}"})
             continue
-        pairs.append(_Pair(job.name, job, out.shape, out.read, calibs[job.elements]))
+        pairs.append(_Pair(job.name, job, out.shape, out.read, calibs[job.name]))
     return pairs
 
 
@@ -286,7 +293,8 @@ def _recomputed(m: dict) -> tuple[Calibration, dict]:
     calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
                       epsilon=float(m["epsilon"]), range_width=float(m["range_width"]),
                       elements=int(m["elements_per_record"]),
-                      dp_delta=float(acc.get("dp_delta", 1e-5)))
+                      dp_delta=float(acc.get("dp_delta", 1e-5)),
+                      rows=(acc.get("designed") or {}).get("rows"), granularity=m.get("granularity"))
     return calib, accounting.certify(calib)
 
 
@@ -321,6 +329,10 @@ def check_parameters(m: dict) -> dict:
             compare(f"accounting.{scope}.{key}", s.get(key), r[key])
         for key in ("epsilon", "delta"):
             compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    if "designed" in stated or "designed" in cert:  # MVG, IDN
+        for key in ("epsilon", "delta"):
+            compare(f"accounting.designed.{key}", (stated.get("designed") or {}).get(key),
+                    (cert.get("designed") or {}).get(key))
     detail = ("scale, p, expected error and certified figures agree with the mechanism"
               if not mismatches else
               "inconsistent with its mechanism: " + ", ".join(
@@ -335,6 +347,7 @@ class _NoiseStats:
         self.step = max(1, total_elements // GOF_MAX_SAMPLES)
         self.mse, self.mae, self.rel, self.l2, self.psnr, self.ssim = [], [], [], [], [], []
         self.kept = 0
+        self.expected_kept = 0.0  # sum of p over the elements: records of several sizes differ in p
         self.elements = 0
         self.rounding = 0.0  # expected coincidental equalities from float rounding
         self.sum_sq = 0.0
@@ -346,6 +359,8 @@ class _NoiseStats:
 
     def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None):
         n = x.shape[0]
+        if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
+            x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
         xf = x.reshape(n, -1).astype(np.float64)
         yf = y.reshape(n, -1).astype(np.float64)
         z = yf - xf
@@ -365,17 +380,26 @@ class _NoiseStats:
         self.kept += int(equal.sum())
         self.elements += equal.size
         m2, m4, f0 = _noise_moments(calib.noise, calib.scale)
-        if y.dtype.kind == "f":
+        if calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
+            self.rounding += equal.size * f0
+        elif y.dtype.kind == "f":
             ulp = np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64)
             self.rounding += float(np.minimum(ulp * f0, 1.0).sum())
         q = 1 - calib.p
+        if calib.granularity:  # noise in grid steps
+            m2, m4 = m2 * calib.granularity**2, m4 * calib.granularity**4
         self.sum_sq += float(sq.sum())
         self.expected_sq += n * elements * q * m2
         self.var_sq += n * elements * (q * m4 - (q * m2) ** 2)
         sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
-        self.gof.append(sample)
         if self.noise_name is None:
             self.noise_name, self.noise_scale = calib.noise, calib.scale
+            self.granularity = calib.granularity
+        if calib.scale != self.noise_scale and not calib.noise.startswith("discrete-"):
+            # Records of another size (model tensors, --budget record): same family, rescaled.
+            sample = sample * (self.noise_scale / calib.scale)
+        self.gof.append(sample)
+        self.expected_kept += equal.size * calib.p
 
 
 def _retained_check(stats: _NoiseStats, p: float, weighted: bool, clipped: bool) -> dict:
@@ -447,6 +471,17 @@ def _gof_check(stats: _NoiseStats, clipped: bool) -> dict:
     if sample.size < GOF_MIN_SAMPLES:
         out.update(passed=None, status="skipped",
                    detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
+        return out
+    if stats.noise_name.startswith("discrete-"):
+        from tldp_cli.discrete import chi_square
+
+        steps = np.rint(sample / (getattr(stats, "granularity", None) or 1.0))
+        statistic, pvalue, dof = chi_square(steps, stats.noise_name, stats.noise_scale, exclude_zero=True)
+        passed = bool(pvalue >= ALPHA)
+        out.update(test="chi-square", statistic=statistic, pvalue=pvalue, passed=passed,
+                   status="passed" if passed else "failed",
+                   detail=f"chi-square = {statistic:.4g} ({dof} dof), p-value = {pvalue:.3g} against "
+                          f"{stats.noise_name}(scale {stats.noise_scale:.4g}) without 0")
         return out
     name = "laplace" if stats.noise_name == "laplace" else "norm"
     result = st.kstest(sample, name, args=(0.0, stats.noise_scale))
@@ -659,14 +694,19 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         jobs = reader.arrays()
         lo, hi = (float(v) for v in m["value_range"])
         acc = m.get("accounting") or {}
-        calibs: dict[int, Calibration] = {}
+        calibs: dict[str, Calibration] = {}  # by array (image) name
+        by_size: dict[tuple[int, int | None], Calibration] = {}
         try:
             for job in jobs:
-                if job.elements not in calibs:
-                    calibs[job.elements] = calibrate(
+                key = (job.elements, matrix_rows(m["mechanism"], job.record_shape, original))
+                if key not in by_size:
+                    by_size[key] = calibrate(
                         mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
-                        epsilon=float(m["epsilon"]), range_width=hi - lo, elements=job.elements,
-                        dp_delta=float(acc.get("dp_delta", 1e-5)))
+                        epsilon=float(m["epsilon"]), elements=job.elements,
+                        range_width=float(m["range_width"]) if m["noise"].startswith("discrete-") else hi - lo,
+                        dp_delta=float(acc.get("dp_delta", 1e-5)), rows=key[1],
+                        granularity=m.get("granularity"))
+                calibs[job.name] = by_size[key]
         except UsageError as exc:
             raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
         pairing_issues: list[dict] = []
@@ -681,6 +721,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         integer = all(p.job.dtype.kind in "iu" for p in pairs)
         data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
         keep_for_task = bool(labels)
+        clipped_input = any(step in ("clip", "clip_input") for step in m.get("preprocessing") or [])
         clean_parts, noisy_parts = [], []
         done = 0
         for pair in pairs:
@@ -690,6 +731,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
             for start in range(0, pair.job.records, step):
                 stop = min(start + step, pair.job.records)
                 x = pair.job.read(start, stop)
+                if clipped_input:  # the noise was added to the clipped values
+                    x = np.clip(x, lo, hi)
                 y = np.asarray(pair.read_perturbed(start, stop))
                 stats.add(x, y, pair.calib, data_range)
                 if keep_for_task:
@@ -703,8 +746,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
 
     clipped = _is_clipped(m)
     weighted = bool(m.get("weights"))
-    p = max((c.p for c in calibs.values()), default=0.0)
-    checks.append(_error_check(stats, list(calibs.values()), weighted, clipped, done))
+    p = stats.expected_kept / stats.elements if stats.elements else 0.0
+    checks.append(_error_check(stats, list(by_size.values()), weighted, clipped, done))
     checks.append(_retained_check(stats, p, weighted, clipped))
     checks.append(_gof_check(stats, clipped))
 
@@ -822,6 +865,12 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     elements = job.elements
     mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
     methods = [mm for mm in SWEEP_METHODS if not mm[3] or mask is not None]
+    skipped = []
+    if len(job.record_shape) < 2:  # MVG needs matrix-shaped records
+        methods = [mm for mm in methods if mm[1] != "mvg"]
+        skipped.append({"method": "MVG", "reason": f"records of shape {job.record_shape} are not "
+                                                   "matrices (MVG needs 2 or more axes)"})
+    rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
     if labels:
         y = load_labels(labels, original)
@@ -838,7 +887,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         for eps in epsilons:
             t0 = time.perf_counter()
             calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
-                              range_width=hi - lo, elements=elements, dp_delta=dp_delta)
+                              range_width=hi - lo, elements=elements, dp_delta=dp_delta,
+                              rows=rows_mvg if mechanism == "mvg" else None)
             cert = accounting.certify(calib)
             noisy = engine.perturb_records(x, 0, f"sweep/{label}/{eps!r}", calib, streams,
                                            mask.values if weighted else None, np.float32)
@@ -863,7 +913,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "original": str(original), "records": int(len(x)), "elements_per_record": elements,
             "value_range": [lo, hi], "budget": budget, "dp_delta": dp_delta, "rng": rng,
             "seeded": seed is not None, "weights": mask.info if mask is not None else None,
-            "epsilons": epsilons, "methods": [mm[0] for mm in methods],
+            "epsilons": epsilons, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
             "reference": reference, "rows": rows}
 
 
@@ -909,7 +959,7 @@ def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
     fig = Figure(figsize=(11 if has_f1 else 6, 4.2), dpi=100)
     axes = fig.subplots(1, 2 if has_f1 else 1, squeeze=False)[0]
     styles = {"TLDP-L": "o-", "TLDP-G": "s-", "Laplace": "^--", "Gaussian": "v--",
-              "TLDP-L-w": "o:", "TLDP-G-w": "s:"}
+              "MVG": "D-.", "IDN": "x-.", "TLDP-L-w": "o:", "TLDP-G-w": "s:"}
     panels = ([("f1", "weighted F1 (train perturbed, test clean)")] if has_f1 else []) + \
              [("mean_l2_error", "mean ‖Z‖₂ per record (log scale)")]
     for ax, (key, title) in zip(axes, panels):

@@ -49,7 +49,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "elements_per_record": calib.elements,
         "records": records,
         "noise_scale": calib.scale,
-        "noise_scale_kind": "b" if calib.noise == "laplace" else "sigma",
+        "noise_scale_kind": "b" if calib.noise.endswith("laplace") else "sigma",
         "calibration_epsilon": calib.element_epsilon,
         "retain_probability": calib.p * (1 - _min_weight(weights)),
         "retain_probability_log10": _log10_retain(calib, weights),

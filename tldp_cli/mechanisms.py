@@ -1,4 +1,5 @@
-"""Calibration of TLDP (paper, Algorithm 1 and 2) and of the paper's baselines.
+"""Calibration of TLDP (paper, Algorithm 1 and 2) and of the paper's baselines
+(Laplace and Gaussian, Theorem 2; MVG and IDN, see mvg_idn.py).
 
 One place turns (mechanism, noise, budget, epsilon, range width, elements per
 record) into a noise scale and a retain probability. The retain probability is
@@ -11,11 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tldp_cli import accounting
+from tldp_cli import accounting, mvg_idn
+from tldp_cli.discrete import DISCRETE_NOISES
 from tldp_cli.errors import UsageError
 
-MECHANISMS = ("tldp", "baseline")
-NOISES = ("laplace", "gaussian")
+MECHANISMS = ("tldp", "baseline", "mvg", "idn")
+GAUSSIAN_ONLY = ("mvg", "idn")  # (eps, delta) designs for Gaussian noise only
+NOISES = ("laplace", "gaussian", *DISCRETE_NOISES)
 BUDGETS = ("element", "record")
 
 
@@ -31,6 +34,17 @@ class Calibration:
     element_epsilon: float  # the eps that enters the paper's formulas
     scale: float  # Laplace b or Gaussian sigma
     log_p: float  # natural log of the retain probability; -inf when nothing is kept
+    rows: int | None = None  # MVG: rows of the record's mode-1 unfolding (its first axis)
+    granularity: float | None = None  # discrete noise on float data: the grid step G
+
+    @property
+    def grid_values(self) -> int | None:
+        """Discrete noises: W, the grid values in the range (see calibrate); None otherwise."""
+        if self.noise not in DISCRETE_NOISES:
+            return None
+        if self.granularity is None:
+            return round(self.range_width)
+        return round(self.range_width / self.granularity) + 1
 
     @property
     def p(self) -> float:
@@ -46,7 +60,13 @@ class Calibration:
         Laplace: b * sqrt(2 (1-p) I). Gaussian: sigma * sqrt((1-p) I), with the sigma
         of Algorithm 1 (Table 5's Gaussian line assumes a different sigma).
         """
-        variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
+        if self.noise == "discrete-laplace":  # two-sided geometric: 2a/(1-a)^2, grid steps
+            a = math.exp(-1 / self.scale)
+            variance = 2 * a / math.expm1(-1 / self.scale) ** 2 * (self.granularity or 1.0) ** 2
+        elif self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20)
+            variance = (self.scale * (self.granularity or 1.0)) ** 2
+        else:
+            variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
         return math.sqrt(variance * (1 - self.p) * self.elements)
 
 
@@ -70,12 +90,30 @@ def _logaddexp(x: float, y: float) -> float:
     return hi + math.log1p(math.exp(lo - hi))
 
 
+def default_noise(mechanism: str) -> str:
+    """The noise when none is asked for: gaussian for MVG and IDN, laplace otherwise."""
+    return "gaussian" if mechanism in GAUSSIAN_ONLY else "laplace"
+
+
+def matrix_rows(mechanism: str, record_shape: tuple[int, ...], where: object) -> int | None:
+    """MVG: the rows of the mode-1 unfolding of a record (its first axis); None otherwise."""
+    if mechanism != "mvg":
+        return None
+    if len(record_shape) < 2:
+        raise UsageError(f"{where}: --mechanism mvg needs matrix-shaped records (2 or more axes "
+                         f"after the record axis), not records of shape {tuple(record_shape)}")
+    return int(record_shape[0])
+
+
 def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
                      dp_delta: float) -> None:
     """Refuses option values no calibration can use (a usage error)."""
     _check("mechanism", mechanism, MECHANISMS)
     _check("noise", noise, NOISES)
     _check("budget", budget, BUDGETS)
+    if mechanism in GAUSSIAN_ONLY and noise != "gaussian":
+        raise UsageError(f"--mechanism {mechanism} adds Gaussian noise only; leave out --noise "
+                         f"or give --noise gaussian, not {noise}")
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise UsageError(f"--eps must be a finite number > 0, not {epsilon}")
     if not 0 < dp_delta < 1:
@@ -83,9 +121,24 @@ def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
 
 
 def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
-              range_width: float, elements: int, dp_delta: float = 1e-5) -> Calibration:
+              range_width: float, elements: int, dp_delta: float = 1e-5,
+              rows: int | None = None, granularity: float | None = None) -> Calibration:
+    """`rows`: MVG only, the record's first axis (see matrix_rows).
+
+    Discrete noises count in grid steps. Integer data (granularity None): range_width is
+    W, the number of integer values (hi - lo for [lo, hi)). Float data snapped to the grid
+    G*Z (granularity G): range_width is the grid-aligned width G (W - 1). Either way the
+    sensitivity is W - 1 steps and the paper's formulas take W as Delta.
+    """
     check_parameters(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
                      dp_delta=dp_delta)
+    if noise in DISCRETE_NOISES:
+        return _calibrate_discrete(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
+                                   range_width=range_width, elements=elements, dp_delta=dp_delta,
+                                   granularity=granularity)
+    if granularity is not None:
+        raise UsageError("--granularity applies to the discrete noises (discrete-laplace, "
+                         "discrete-gaussian)")
     if not (math.isfinite(range_width) and range_width > 0):
         raise UsageError(f"the value range must have a finite width > 0, not {range_width}")
     if elements < 1:
@@ -102,6 +155,21 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
             eps_e = D**2 / (2 * sigma**2)
         scale = D / eps_e if noise == "laplace" else D / math.sqrt(2 * eps_e)
         log_p = tldp_log_retain_probability(noise, eps_e, scale, D, I)
+    elif mechanism in GAUSSIAN_ONLY:
+        # Identity covariances: i.i.d. Gaussian noise on every element. element: the
+        # mechanism's own design, (--eps, --dp-delta) for the record; record: the tight
+        # analytic Gaussian, the same sigma as the Gaussian baseline.
+        if mechanism == "mvg" and (rows is None or rows < 1 or I % rows):
+            raise UsageError(f"--mechanism mvg needs the record's first axis, which must divide "
+                             f"its {I} elements (got {rows})")
+        if budget == "record":
+            scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
+        elif mechanism == "mvg":
+            scale = mvg_idn.mvg_sigma(rows, I, D, epsilon, dp_delta)
+        else:
+            scale = mvg_idn.idn_sigma(I, D, epsilon, dp_delta)
+        eps_e = D**2 / (2 * scale**2)
+        log_p = -math.inf
     else:
         # Paper, Theorem 2: noise on every element, calibrated to the whole record.
         if noise == "laplace":
@@ -113,4 +181,113 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
         eps_e = D / scale if noise == "laplace" else D**2 / (2 * scale**2)
         log_p = -math.inf
     return Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
-                       float(dp_delta), float(eps_e), float(scale), float(log_p))
+                       float(dp_delta), float(eps_e), float(scale), float(log_p),
+                       rows if mechanism == "mvg" else None)
+
+
+def _boundary(ok, good: float, bad: float, tolerance: float = 1e-13) -> float:
+    """Bisects between ok(good) and not ok(bad) (ok monotone between them); returns the
+    point nearest the boundary where ok holds."""
+    for _ in range(200):
+        mid = (good + bad) / 2
+        if not min(good, bad) < mid < max(good, bad) or abs(bad - good) <= tolerance * abs(mid):
+            break
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _argmin_convex(f, lo: float, hi: float) -> float:
+    """Golden-section search of a convex function of log x on [lo, hi]."""
+    a, b = math.log(lo), math.log(hi)
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(200):
+        if b - a <= 1e-12:
+            break
+        c, d = b - g * (b - a), a + g * (b - a)
+        if f(math.exp(c)) <= f(math.exp(d)):
+            b = d
+        else:
+            a = c
+    return math.exp((a + b) / 2)
+
+
+def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: float,
+                        range_width: float, elements: int, dp_delta: float,
+                        granularity: float | None) -> Calibration:
+    """Discrete Laplace and discrete Gaussian on W grid values (sensitivity d = W - 1).
+
+    element budget: the continuous calibration with Delta = W (b = W/eps, sigma^2 =
+    W^2/(2 eps); baselines b = I W/eps, sigma^2 = I W^2/(2 eps)). record budget: the
+    scale whose certified per-record figure (accounting.py) equals --eps, solved by
+    bisection where there is no closed form.
+    """
+    if mechanism not in ("tldp", "baseline"):
+        raise UsageError(f"--noise {noise} applies to --mechanism tldp and baseline, not {mechanism}")
+    if granularity is None:
+        W = round(range_width)
+        if W != range_width:
+            raise UsageError(f"discrete noise on integer data needs an integer range width, not {range_width}")
+    else:
+        if not (math.isfinite(granularity) and granularity > 0):
+            raise UsageError(f"--granularity must be a finite number > 0, not {granularity}")
+        steps = range_width / granularity
+        if not (math.isfinite(steps) and abs(steps - round(steps)) <= 1e-9 * max(1.0, steps)):
+            raise UsageError(f"the range width {range_width} is not a whole number of grid steps "
+                             f"of {granularity}")
+        W = round(steps) + 1
+    if not 2 <= W <= 2**52:
+        raise UsageError(f"discrete noise needs between 2 and 2^52 grid values in the range, not {W}")
+    if elements < 1:
+        raise UsageError("a record must have at least one element")
+    I, d = elements, W - 1
+    family = "laplace" if noise == "discrete-laplace" else "gaussian"
+
+    def sigma_for_record() -> float:
+        """The smallest sigma whose certified per-record epsilon at dp_delta is at most --eps."""
+        def ok(sigma: float) -> bool:
+            return accounting.discrete_gaussian_epsilon(sigma, d, I, dp_delta) <= epsilon
+        # The continuous Gaussian's sigma is close; each step runs the PLD accountant.
+        lo = d * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
+        hi = lo * 1.01
+        while ok(lo):
+            lo /= 1.25
+        while not ok(hi):
+            hi *= 1.25
+        return _boundary(ok, hi, lo, tolerance=1e-9)
+
+    log_p = -math.inf
+    if mechanism == "tldp":
+        if budget == "element":
+            eps_e = epsilon
+        elif noise == "discrete-laplace":
+            def record_eps(e: float) -> float:
+                b = W / e
+                return I * accounting.discrete_laplace_element_epsilon(
+                    d, b, tldp_log_retain_probability(family, e, b, W, I))
+            # Convex in log e: the noise term grows with e; the kept value's term, about
+            # ln(1 + e^(-e (I - 1))), falls. Solve on the rising side of the minimum.
+            hi = epsilon * W / (d * I)  # the noise term alone reaches --eps there
+            best = _argmin_convex(record_eps, hi * 1e-12, hi)
+            if record_eps(best) > epsilon:
+                raise UsageError(
+                    f"--budget record: TLDP with discrete-laplace noise certifies at least "
+                    f"{record_eps(best):.4g} per record of {I} elements (the paper's retain probability "
+                    f"alone costs that much), above --eps {epsilon:g}; use a larger --eps, "
+                    "--budget element or --mechanism baseline")
+            eps_e = _boundary(lambda e: record_eps(e) <= epsilon, best, hi)
+        else:
+            eps_e = W**2 / (2 * sigma_for_record() ** 2)
+        scale = W / eps_e if noise == "discrete-laplace" else W / math.sqrt(2 * eps_e)
+        log_p = tldp_log_retain_probability(family, eps_e, scale, W, I)
+    elif noise == "discrete-laplace":
+        scale = I * W / epsilon if budget == "element" else I * d / epsilon
+        eps_e = W / scale
+    else:
+        scale = W * math.sqrt(I / (2 * epsilon)) if budget == "element" else sigma_for_record()
+        eps_e = W**2 / (2 * scale**2)
+    return Calibration(mechanism, noise, budget, float(epsilon), float(range_width), int(I),
+                       float(dp_delta), float(eps_e), float(scale), float(log_p), None,
+                       None if granularity is None else float(granularity))

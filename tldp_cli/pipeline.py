@@ -3,11 +3,19 @@ then moves the finished output and its manifest into place.
 
 Output appears complete or not at all: everything is written to temporary
 siblings of the destination and renamed at the end; any failure, Ctrl-C
-included, removes them.
+included, removes them. The exception is a resumable output (Zarr, see
+resume.py): when a run is interrupted its finished blocks are kept in a hidden
+sibling for --resume.
+
+Blocks run serially, in threads (--workers) or on Dask (dask_runner.py); the same
+per-block function (BlockTask) runs everywhere, and the output does not depend
+on which.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import secrets
@@ -20,11 +28,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import accounting, engine, formats
+from tldp_cli import accounting, dask_runner, discrete, engine, formats, resume
 from tldp_cli import manifest as manifest_mod
-from tldp_cli.errors import DataError, OutputError, UsageError
+from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.mechanisms import Calibration, calibrate, check_parameters
+from tldp_cli.mechanisms import GAUSSIAN_ONLY, Calibration, calibrate, check_parameters, matrix_rows
 from tldp_cli.rng import Streams, records_per_unit
 from tldp_cli.weights import Mask, load_masks
 
@@ -49,14 +57,19 @@ class PerturbOptions:
     rng: str = "secure"
     dtype: str = "float32"
     dp_delta: float = 1e-5
+    granularity: float | None = None  # discrete noises on float data: the grid step (None: automatic)
     overwrite: bool = False
     clip_input: bool = False
+    clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
     image_format: str = "png"
     copy_other: bool = False
     skip_bad: bool = False
     workers: int = 1
     block_elements: int = BLOCK_ELEMENTS
+    scheduler: str = "threads"  # or "dask"
+    dask_address: str | None = None  # an existing cluster; None: a local one of `workers` processes
+    resume: bool = False  # continue an interrupted run's resumable (Zarr) output
 
 
 @dataclass
@@ -129,7 +142,47 @@ def _validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi:
                     input_path: Path) -> int:
     """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
     check_finite(block, job, start, input_path)
+    if block.dtype.kind in "iu" and lo <= np.iinfo(block.dtype).min and np.iinfo(block.dtype).max <= hi:
+        return 0  # no value of the dtype lies outside (uint8 in 0:256): skip a pass over the data
+    if block.size == 0 or (block.min() >= lo and block.max() <= hi):
+        return 0  # two fast reductions instead of comparisons, an OR and a count
     return int(np.count_nonzero((block < lo) | (block > hi)))
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """The per-block function: read, validate, perturb, write. A pure function of the
+    block's position (streams are keyed by it), so blocks may run anywhere and in any
+    order. Picklable for Dask; it carries the stream key, never shown by its repr."""
+
+    calibrations: dict[str, Calibration]  # by job name
+    streams: Streams
+    masks: dict[str, Mask]
+    lo: float
+    hi: float
+    clip_input: bool
+    dtype: np.dtype
+    source: Path
+    write: Callable[[ArrayJob, int, np.ndarray], None] | None  # None: return the block instead
+
+    def __call__(self, job: ArrayJob, start: int, stop: int,
+                 count_only: bool = False) -> tuple[int, np.ndarray | None]:
+        """(values outside the range, the noisy block if `write` is None). With values
+        outside the range, or `count_only` (the run is failing), nothing is perturbed."""
+        block = job.read(start, stop)
+        outside = _validate_block(block, job, start, self.lo, self.hi, self.source)
+        if (outside and not self.clip_input) or count_only:
+            return (0 if self.clip_input else outside), None
+        if self.clip_input:
+            block = np.clip(block, self.lo, self.hi)
+        mask = self.masks.get(job.name)
+        weights = None if mask is None else mask.for_block(start, stop)
+        noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
+                                       self.streams, weights, self.dtype)
+        if self.write is None:
+            return 0, noisy
+        self.write(job, start, noisy)
+        return 0, None
 
 
 def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
@@ -167,7 +220,7 @@ def move_into_place(tmp: Path, final: Path) -> None:
 
 
 def _run_tasks(process, tasks: list[tuple], workers: int):
-    """Run process(*task) for every task, yielding each task when it is done.
+    """Run process(*task) for every task, yielding (task, its result) when it is done.
 
     Several workers run blocks in threads (NumPy's generators and the codecs release
     the GIL); at most 2 * workers blocks are in memory at once. The output does not
@@ -175,8 +228,7 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
     """
     if workers <= 1:
         for task in tasks:
-            process(*task)
-            yield task
+            yield task, process(*task)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque = deque()
@@ -184,13 +236,11 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
             for task in tasks:
                 if len(pending) >= 2 * workers:
                     done_task, future = pending.popleft()
-                    future.result()
-                    yield done_task
+                    yield done_task, future.result()
                 pending.append((task, pool.submit(process, *task)))
             while pending:
                 done_task, future = pending.popleft()
-                future.result()
-                yield done_task
+                yield done_task, future.result()
         finally:
             for _, future in pending:
                 future.cancel()
@@ -202,7 +252,26 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
                      epsilon=options.epsilon, dp_delta=options.dp_delta)
     if options.dtype not in ("float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
+    if options.clip is not None:
+        if not (math.isfinite(options.clip) and options.clip > 0):
+            raise UsageError(f"--clip must be a finite number > 0, not {options.clip}")
+        if options.value_range is not None:
+            raise UsageError("--clip C sets the range to (-C, C); give --clip or --range, not both")
+    if options.weights is not None and options.mechanism in GAUSSIAN_ONLY:
+        raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} "
+                         "keeps no raw value, so it takes no weights")
+    if options.scheduler not in ("threads", "dask"):
+        raise UsageError(f"--scheduler must be threads or dask, not {options.scheduler}")
+    if options.dask_address is not None and options.scheduler != "dask":
+        raise UsageError("--dask-address applies to --scheduler dask")
+    if options.scheduler == "dask":
+        dask_runner.require()
+        if options.dask_address is not None:
+            dask_runner.parse_address(options.dask_address)
     module = formats.detect(source)
+    if options.resume and not hasattr(module, "reopen_writer"):
+        raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
+                         f"{module.NAME} run keeps nothing to resume from")
     format_options = FormatOptions(datasets=list(options.datasets), image_format=options.image_format,
                                    copy_other=options.copy_other, skip_bad=options.skip_bad)
     reader = module.open_reader(source, format_options)
@@ -212,23 +281,50 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         reader.close()
 
 
+def _where(job: ArrayJob, source: Path) -> str:
+    """The input, and the dataset or image inside it, for an error message."""
+    if "dataset" in job.source:
+        return f"{source}: dataset {job.source['dataset']}"
+    return str(job.source.get("path", source))
+
+
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
     source = options.input
     jobs = reader.arrays()
-    lo, hi = resolve_range(options.value_range, jobs, source)
+    if options.clip is not None:
+        lo, hi = -options.clip, options.clip
+    else:
+        lo, hi = resolve_range(options.value_range, jobs, source)
     out_dtype = np.dtype(options.dtype)
-    calibrations: dict[int, Calibration] = {}
-    for job in jobs:
-        if job.elements not in calibrations:
-            calibrations[job.elements] = calibrate(
+    grid = None  # discrete noises: the integers, or the grid G*Z that float data is snapped to
+    if discrete.is_discrete(options.noise):
+        grid = discrete.resolve_grid(lo, hi, [job.dtype for job in jobs], options.granularity,
+                                     options.epsilon, source)
+    elif options.granularity is not None:
+        raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
+    # Keyed by (I, MVG rows): one calibration per record size (and unfolding, for MVG).
+    keys = {job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
+            for job in jobs}
+    calibrations: dict[tuple[int, int | None], Calibration] = {}
+    for key in keys.values():
+        if key not in calibrations:
+            calibrations[key] = calibrate(
                 mechanism=options.mechanism, noise=options.noise, budget=options.budget,
-                epsilon=options.epsilon, range_width=hi - lo, elements=job.elements,
-                dp_delta=options.dp_delta)
-    binding = calibrations[max(calibrations)]  # the largest record: the weakest guarantee
+                epsilon=options.epsilon, range_width=hi - lo if grid is None else grid.range_width,
+                elements=key[0], dp_delta=options.dp_delta, rows=key[1],
+                granularity=grid and grid.granularity)
+    if grid is not None:  # integers stay integers, widened so they never wrap
+        out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations.values()),
+                                          options.dtype)
+    # The largest record (then the least noise): the weakest guarantee.
+    binding = max(calibrations.values(), key=lambda c: (c.elements, -c.scale))
     # Before the data: a failure costs nothing, and the accountant's peak memory does
     # not stack on the streaming buffers.
     certified = accounting.certify(binding)
+    certified.update(accounting.certify_file(
+        [(job.name, calibrations[keys[job.name]], job.records) for job in jobs],
+        per_tensor=getattr(reader, "records_are_tensors", False)))
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
@@ -243,64 +339,176 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
 
     streams = Streams(options.rng, options.seed)
     total = sum(job.records for job in jobs)
-    tmp_output = temp_sibling(output)
+    tasks = [(job, start, stop) for job in jobs
+             for start, stop in block_bounds(job, options.block_elements)]
+    notes: list[str] = []  # shown after the reader's and writer's messages
+    partial = None
+    if hasattr(module, "reopen_writer"):
+        partial = resume.Partial(output, _resume_record(options, module, jobs, (lo, hi), weights_info),
+                                 options.resume, options.overwrite)
+        notes += partial.messages
+        tmp_output = partial.store
+    else:
+        tmp_output = temp_sibling(output)
     tmp_manifest: Path | None = None
     try:
-        writer = module.create_writer(reader, tmp_output, out_dtype, format_options)
+        open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
+        writer = open_writer(reader, tmp_output, out_dtype, format_options)
         try:
-            tasks = [(job, start, stop) for job in jobs
-                     for start, stop in block_bounds(job, options.block_elements)]
+            if partial is not None:
+                partial.begin()
+                kept = [t for t in tasks if (t[0].name, t[1], t[2]) in partial.completed]
+                tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
+                if kept and progress:
+                    progress(sum(stop - start for _, start, stop in kept), total)
             outside_counts: list[tuple[int, int]] = []  # (values outside the range, first record)
-
-            def process(job: ArrayJob, start: int, stop: int) -> None:
-                block = job.read(start, stop)
-                outside = _validate_block(block, job, start, lo, hi, source)
-                if outside and not options.clip_input:
-                    outside_counts.append((outside, start))
-                if outside_counts:
-                    return  # the run will fail: only keep counting
-                if options.clip_input:
-                    block = np.clip(block, lo, hi)
-                mask = masks.get(job.name)
-                weights = None if mask is None else mask.for_block(start, stop)
-                noisy = engine.perturb_records(block, start, job.name, calibrations[job.elements],
-                                               streams, weights, out_dtype)
-                writer.write(job, start, noisy)
-
-            for job, start, stop in _run_tasks(process, tasks, options.workers):
-                if progress:
-                    progress(stop - start, total)
+            block_task = BlockTask(
+                calibrations={job.name: calibrations[keys[job.name]] for job in jobs}, streams=streams,
+                # integer data under discrete noise: [lo, hi) holds lo..hi-1
+                masks=masks, lo=lo, hi=hi if grid is None or grid.granularity else grid.high,
+                clip_input=options.clip_input or options.clip is not None,
+                dtype=out_dtype,
+                source=source, write=writer.write)
+            if options.scheduler == "dask":
+                needed = [source] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
+                results = _run_dask(block_task, tasks, writer, tmp_output, needed, options,
+                                    lambda: bool(outside_counts), notes)
+            else:
+                results = _run_tasks(
+                    lambda job, start, stop: block_task(job, start, stop, bool(outside_counts)),
+                    tasks, options.workers)
+            # Closed even when the loop stops early (an error, Ctrl-C in progress): blocks
+            # still running must end before their output is removed.
+            with contextlib.closing(results):
+                for (job, start, stop), (outside, noisy) in results:
+                    if outside:
+                        outside_counts.append((outside, start))
+                    if noisy is not None and not outside_counts:
+                        writer.write(job, start, noisy)
+                    if partial is not None and not outside_counts:
+                        partial.done(job.name, start, stop)
+                    if hasattr(writer, "block_written") and not outside_counts:
+                        writer.block_written(job, start, stop)  # e.g. hash it while blocks run
+                    if progress:
+                        progress(stop - start, total)
+            if not outside_counts and hasattr(writer, "finish"):
+                writer.finish()
         finally:
             written = writer.close()
         if outside_counts:
             raise DataError(
                 f"{source}: {sum(n for n, _ in outside_counts)} values lie outside the declared "
-                f"range [{lo:g}, {hi:g}] (the first in the block of records from "
+                f"range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the first "
+                f"in the block of records from "
                 f"{min(s for _, s in outside_counts)}); fix --range or pass --clip-input to clip "
                 "them into range")
 
+        digests = writer.digests() if hasattr(writer, "digests") else {}
         outputs = [{"path": str(output / f.relative_to(tmp_output)) if f != tmp_output else str(output),
-                    "sha256": manifest_mod.sha256_file(f)} for f in written]
+                    "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         extra = dict(getattr(reader, "manifest_extra", {}))
-        if len(calibrations) > 1:
-            extra["elements_per_record_range"] = [min(calibrations), max(calibrations)]
+        if options.clip is not None:
+            extra["clip"] = {"norm": "linf", "bound": options.clip}
+        if grid is not None:
+            extra.update(discrete.manifest_fields(grid, options.granularity is None, out_dtype))
+        sizes = {elements for elements, _ in calibrations}
+        if len(sizes) > 1:
+            extra["elements_per_record_range"] = [min(sizes), max(sizes)]
         manifest = manifest_mod.build(
             calib=binding, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
             seeded=streams.seeded, weights=weights_info,
             inputs=[job.source for job in jobs], outputs=outputs,
-            preprocessing=["clip_input"] if options.clip_input else [],
-            postprocessing=getattr(writer, "postprocessing", []),
+            preprocessing=(["clip"] if options.clip is not None else [])
+            + (["clip_input"] if options.clip_input else []),
+            postprocessing=([discrete.saturation_note(out_dtype)] if grid and out_dtype.kind == "i" else [])
+            + getattr(writer, "postprocessing", []),
             output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
         tmp_manifest = manifest_mod.write_atomic(manifest, manifest_path)
         move_into_place(tmp_output, output)
         os.replace(tmp_manifest, manifest_path)
-    except BaseException:
-        remove_output(tmp_output)
+    except BaseException as exc:
         if tmp_manifest is not None:
             remove_output(tmp_manifest)
+        if partial is None:
+            remove_output(tmp_output)
+            raise
+        _keep_or_remove(partial, exc)
         raise
-    messages = list(getattr(reader, "messages", []))
+    if partial is not None:
+        partial.remove()  # only its emptied folder and journal are left
+    messages = list(getattr(reader, "messages", [])) + notes
     if weights_info and weights_info["data_derived"]:
         messages.append(f"warning: the weights in {options.weights} were computed from the private "
                         f"values (method {weights_info['method']}); the manifest says so")
     return PerturbResult(output, manifest_path, manifest, messages)
+
+
+def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
+    """After a failed resumable run: keep the blocks written when a rerun can use them
+    (interrupted, cluster lost), raising the message that says so; remove them when the
+    run failed for a reason a rerun will not fix (bad input, options, output)."""
+    if isinstance(exc, TldpError) and not isinstance(exc, dask_runner.ClusterError):
+        partial.remove()
+        return
+    partial.release()
+    kept = (f"the blocks written so far are kept in {partial.root}: run the same command with "
+            "--resume (and the same --seed) to continue")
+    if isinstance(exc, KeyboardInterrupt):
+        raise Interrupted(f"interrupted; {kept}") from None
+    if isinstance(exc, dask_runner.ClusterError):
+        raise dask_runner.ClusterError(f"{exc}; {kept}") from None
+
+
+# PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
+_NOT_RECORDED = {"input", "out", "manifest", "seed", "overwrite", "workers", "scheduler", "dask_address",
+                 "resume"}
+_OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
+
+
+def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_range: tuple[float, float],
+                   weights_info: dict | None) -> dict[str, Any]:
+    """What a resumed run must share with the interrupted one, keyed by option name: every
+    option that can change the output, whether a seed was given (never the seed nor anything
+    derived from it), the input's arrays and the weights."""
+    record: dict[str, Any] = {
+        "input": str(options.input.resolve()), "format": module.NAME,
+        "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in jobs],
+        "--seed": options.seed is not None, "--weights": weights_info,
+    }
+    for f in dataclasses.fields(options):
+        if f.name not in _NOT_RECORDED and f.name != "weights":
+            value = getattr(options, f.name)
+            record[_OPTION_NAMES.get(f.name, "--" + f.name.replace("_", "-"))] = (
+                str(value) if isinstance(value, Path) else value)
+    record["--range"] = list(value_range)  # as resolved (integer data: its dtype's range)
+    return record
+
+
+def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Path, needed: list[Path],
+              options: PerturbOptions, count_only: Callable[[], bool], messages: list[str]):
+    """BlockTask on Dask. Blocks are written by the workers when the format has a block
+    writer, else sent back and written here (the caller does that)."""
+    from distributed.protocol.pickle import dumps
+
+    block_writer = writer.block_writer() if hasattr(writer, "block_writer") else None
+    task = dataclasses.replace(block_task, write=block_writer)
+    if tasks:
+        try:
+            dumps((task, tasks[0]))
+        except Exception as exc:
+            raise UsageError(f"{options.input}: the {tasks[0][0].source.get('format')} format cannot "
+                             f"run on Dask (its blocks do not pickle: {exc})") from None
+    address = dask_runner.parse_address(options.dask_address) if options.dask_address else None
+    if address and dask_runner.plain_remote(address):
+        messages.append(f"warning: {address} is unencrypted TCP: the run's secret noise key travels to "
+                        "the workers in the clear; use tls:// with Dask's TLS settings")
+    with dask_runner.connect(address, options.workers) as client:
+        if address is not None:
+            paths = [str(p) for p in needed] + ([str(tmp_output)] if block_writer is not None else [])
+            missing = dask_runner.check_visible(client, paths)
+            if missing:
+                path, worker = missing
+                error = OutputError if path == str(tmp_output) else InputError
+                raise error(f"{path}: Dask worker {worker} cannot see it; the input and output must be "
+                            "on a filesystem every worker shares, at the same path (give absolute paths)")
+        yield from dask_runner.run(client, task, tasks, count_only, local=address is None)

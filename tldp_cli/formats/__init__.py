@@ -16,6 +16,20 @@ A reader may also have `messages` (lines the CLI shows the user, e.g. which
 datasets it chose) and `manifest_extra` (fields added to the manifest, e.g. the
 files skipped); a writer may have `postprocessing` (steps applied after the
 noise, e.g. clip and round for 8-bit image output).
+
+Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
+picklable and open its file inside each call (never hold an open handle). Optional,
+for parallel and resumable output:
+  writer.block_writer() -> callable(job, start, block), picklable, that writes one
+      block from any process (opening the output itself). Without it, blocks
+      computed on Dask come back and `write` stores them in the calling process.
+  writer.finish()           called once every block is written, before close.
+  writer.block_written(job, start, stop), writer.digests() -> {path: sha256}
+      the pipeline reports each block once written (from one thread, in any
+      order); a writer that hashes its output meanwhile returns the digests,
+      and the manifest does not read those files again.
+  reopen_writer(reader, tmp_path, dtype, options) -> Writer
+      reopens an output an interrupted run began, keeping its blocks (--resume).
 """
 
 from __future__ import annotations
@@ -72,16 +86,16 @@ class Writer(Protocol):
 
 @dataclass
 class FormatOptions:
-    datasets: list[str] = field(default_factory=list)  # HDF5/Zarr: which arrays to perturb
+    datasets: list[str] = field(default_factory=list)  # HDF5/Zarr/npz/safetensors: which arrays to perturb
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
 
 
 def _registry():
-    from tldp_cli.formats import hdf5, images, npy, zarr_store
+    from tldp_cli.formats import hdf5, images, npy, npz, safetensors_file, zarr_store
 
-    return [npy, hdf5, zarr_store, images]
+    return [npy, hdf5, zarr_store, npz, safetensors_file, images]
 
 
 def detect(path: Path):

@@ -150,6 +150,14 @@ def _check_collisions(root: Path, out_names: dict[str, str]) -> None:
         claimed[out] = rel
 
 
+def _read(image: _Image, start: int, stop: int) -> np.ndarray:
+    """The image as one record (a module-level function: jobs must pickle for Dask)."""
+    colour = _decode(image.path).colour
+    if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
+        raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
+    return colour[None]
+
+
 class ImageFolderReader:
     format = NAME
 
@@ -158,7 +166,8 @@ class ImageFolderReader:
         self.messages: list[str] = []
         self.manifest_extra: dict = {}
         if options.datasets:
-            raise InputError(f"{path}: --dataset applies to HDF5 and Zarr inputs, not image folders")
+            raise InputError(f"{path}: --dataset applies to HDF5, Zarr and model files "
+                             "(.npz, .safetensors), not image folders")
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
         candidates, self.others = _walk(path)
@@ -204,15 +213,9 @@ class ImageFolderReader:
             detail = f" (found {' and '.join(found)})" if found else ""
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
 
-    def _read(self, image: _Image, start: int, stop: int) -> np.ndarray:
-        colour = _decode(image.path).colour
-        if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
-            raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
-        return colour[None]
-
     def arrays(self) -> list[ArrayJob]:
         return [ArrayJob(name=image.rel, shape=image.shape, dtype=image.dtype,
-                         read=functools.partial(self._read, image),
+                         read=functools.partial(_read, image),
                          source={"path": str(image.path), "format": NAME,
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
@@ -237,11 +240,10 @@ class ImageFolderWriter:
         self.image_format = options.image_format
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
-        self.written: list[Path] = []
         tmp_path.mkdir()
         if options.copy_other:
             for rel in reader.others:
-                self.written.append(self._copy(reader.path / rel, rel))
+                self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
@@ -289,10 +291,13 @@ class ImageFolderWriter:
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
             Image.fromarray(pixels).save(target, format="PNG", icc_profile=icc)
-        self.written.append(target)
+
+    def block_writer(self):
+        """write itself: it keeps no state between images, so Dask workers can run it."""
+        return self.write
 
     def close(self) -> list[Path]:
-        return sorted(self.written)
+        return sorted(p for p in self.root.rglob("*") if p.is_file())
 
 
 def create_writer(reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,

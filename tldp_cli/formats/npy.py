@@ -3,7 +3,10 @@ positional writes so blocks can land in any order."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,13 +42,29 @@ def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
     return tuple(shape), fortran, dtype
 
 
+@dataclass(frozen=True)
+class _Records:
+    """Reads records [start, stop). Picklable: maps the file inside each call."""
+
+    path: Path
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        # A fresh map per block keeps resident memory flat however large the file.
+        mm = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        try:
+            return np.array(mm[start:stop])
+        finally:
+            del mm
+
+
 class NpyReader:
     format = NAME
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         if options.datasets:
-            raise InputError(f"{path}: --dataset applies to HDF5 and Zarr inputs, not .npy")
+            raise InputError(f"{path}: --dataset applies to HDF5, Zarr and model files "
+                             "(.npz, .safetensors), not .npy")
         shape, _, dtype = _header(path)
         check_numeric_dtype(path, dtype)
         if len(shape) == 0:
@@ -58,17 +77,9 @@ class NpyReader:
         except Exception as exc:
             raise InputError(f"{path}: cannot read the array data ({exc}); the file may be truncated") from None
         self.job = ArrayJob(
-            name="array", shape=shape, dtype=dtype, read=self._read,
+            name="array", shape=shape, dtype=dtype, read=_Records(path),
             source={"path": str(path), "format": NAME, "shape": list(shape), "dtype": str(dtype)},
         )
-
-    def _read(self, start: int, stop: int) -> np.ndarray:
-        # A fresh map per block keeps resident memory flat however large the file.
-        mm = np.load(self.path, mmap_mode="r", allow_pickle=False)
-        try:
-            return np.array(mm[start:stop])
-        finally:
-            del mm
 
     def arrays(self) -> list[ArrayJob]:
         return [self.job]
@@ -81,28 +92,81 @@ def open_reader(path: Path, options: FormatOptions) -> NpyReader:
     return NpyReader(path, options)
 
 
+@dataclass(frozen=True)
+class _Blocks:
+    """Writes a block of records at its place in the output. Picklable: opens the file
+    inside each call, so blocks can be written from Dask worker processes."""
+
+    path: Path
+    offset: int  # where the data starts, after the header
+    row_bytes: int
+    dtype: np.dtype
+
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        data = np.ascontiguousarray(block, dtype=self.dtype)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data.data, self.offset + start * self.row_bytes)
+        finally:
+            os.close(fd)
+
+
 class NpyWriter:
     def __init__(self, job: ArrayJob, tmp_path: Path, dtype: np.dtype):
         self.path = tmp_path
-        self.dtype = np.dtype(dtype)
-        self.row_bytes = job.elements * self.dtype.itemsize
-        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
+        dtype = np.dtype(dtype)
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                   "shape": tuple(job.shape)}
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, header)
         with open(tmp_path, "wb") as f:
-            np.lib.format.write_array_header_2_0(f, header)
-            self.offset = f.tell()
-            f.truncate(self.offset + job.records * self.row_bytes)
-        self.fd = os.open(tmp_path, os.O_WRONLY)
+            f.write(head.getvalue())
+            f.truncate(len(head.getvalue()) + job.records * job.elements * dtype.itemsize)
+        self.write = _Blocks(tmp_path, len(head.getvalue()), job.elements * dtype.itemsize, dtype)
+        # The manifest's sha256, computed while the run goes on (block_written) rather
+        # than by reading the whole output again at the end.
+        self._sha256 = hashlib.sha256(head.getvalue())
+        self._records = job.records
+        self._hashed = 0  # records hashed: a prefix of the file
+        self._waiting: dict[int, int] = {}  # blocks written beyond that prefix: start -> stop
 
-    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        data = np.ascontiguousarray(block, dtype=self.dtype)
-        os.pwrite(self.fd, data.data, self.offset + start * self.row_bytes)
+    def block_writer(self) -> _Blocks:
+        return self.write
+
+    def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
+        """Records [start, stop) are in the file (the pipeline calls this from one thread,
+        in any order): extend the hash over the written prefix, from the page cache."""
+        self._waiting[start] = stop
+        if self._hashed not in self._waiting:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while self._hashed in self._waiting:
+                stop = self._waiting.pop(self._hashed)
+                position = self.write.offset + self._hashed * self.write.row_bytes
+                end = self.write.offset + stop * self.write.row_bytes
+                while position < end:
+                    chunk = os.pread(fd, min(1 << 22, end - position), position)
+                    if not chunk:
+                        raise OSError(f"{self.path}: shorter than the records written")
+                    self._sha256.update(chunk)
+                    position += len(chunk)
+                self._hashed = stop
+        finally:
+            os.close(fd)
+
+    def digests(self) -> dict[Path, str]:
+        """sha256 of the output if every record went through block_written, else nothing."""
+        return {self.path: self._sha256.hexdigest()} if self._hashed == self._records else {}
 
     def close(self) -> list[Path]:
-        if self.fd is not None:
-            os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = None
+        # Blocks may have been written by other processes: fsync flushes the file's pages
+        # whoever wrote them.
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return [self.path]
 
 

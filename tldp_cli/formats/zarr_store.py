@@ -12,7 +12,6 @@ import copy
 import json
 import re
 import shutil
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +142,25 @@ def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int
                          f"metadata ({detail})") from None
 
 
+@dataclass(frozen=True)
+class _Records:
+    """Reads records of one array. Picklable: opens the store inside each call, so it can
+    run in Dask worker processes."""
+
+    store: Path
+    name: str  # the array's path in the store, "" for a single-array store
+    zarr_format: int
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        array = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
+                      self.zarr_format)
+        try:
+            return np.asarray(array[start:stop])
+        except Exception as exc:
+            raise InputError(f"{self.store}: cannot read records {start}-{stop} of array "
+                             f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
+
+
 class ZarrReader:
     format = NAME
 
@@ -191,16 +209,9 @@ class ZarrReader:
     def _job(self, name: str) -> ArrayJob:
         array = self.handles[name]
         shape = tuple(array.shape)
-
-        def read(start: int, stop: int) -> np.ndarray:
-            try:
-                return np.asarray(array[start:stop])
-            except Exception as exc:
-                raise InputError(f"{self.path}: cannot read records {start}-{stop} of array "
-                                 f"{_display(name)} ({exc}); a chunk may be damaged") from None
-
         return ArrayJob(
-            name=_display(name), shape=shape, dtype=array.dtype, read=read,
+            name=_display(name), shape=shape, dtype=array.dtype,
+            read=_Records(self.path, name, self.zarr_format),
             source={"path": str(self.path), "format": NAME, "dataset": _display(name),
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
@@ -273,8 +284,51 @@ def _float_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.dt
     return meta
 
 
+@dataclass
+class _Blocks:
+    """Writes blocks of records through zarr. Picklable (the open arrays are not pickled:
+    each process opens its own), so Dask workers can write their blocks themselves.
+    Blocks must cover whole shards (pipeline.block_bounds): two writers filling
+    different chunks of one shard would lose one of them."""
+
+    root: Path
+    source: Path  # the input, named in messages
+    paths: dict[str, str]  # job name -> the array's path in the store
+    zarr_format: int
+    dtype: np.dtype
+
+    def __post_init__(self):
+        self._arrays: dict[str, Any] = {}
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_arrays"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _arrays={})
+
+    def array(self, job_name: str):
+        if job_name not in self._arrays:
+            self._arrays[job_name] = _open(LocalStore(self.root), self.source, self.paths[job_name],
+                                           "array", self.zarr_format, mode="r+")
+        return self._arrays[job_name]
+
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        array = self.array(job.name)
+        try:
+            array[start:start + len(block)] = np.asarray(block, dtype=self.dtype)
+        except OSError:
+            raise
+        except Exception as exc:
+            raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
+                             f"its codecs ({exc})") from None
+
+
+# Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
+_STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
+
+
 class ZarrWriter:
-    def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype):
+    def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype, reopen: bool = False):
         self.root = tmp_path
         self.dtype = np.dtype(dtype)
         if tmp_path.resolve().is_relative_to(reader.path.resolve()):
@@ -288,49 +342,57 @@ class ZarrWriter:
                                   self.dtype, f"{reader.path}: array {_display(path)}")
             for path in names.values()
         }
-
-        def skip_chunks(directory: str, entries: list[str]) -> list[str]:
-            rel = Path(directory).relative_to(reader.path).as_posix()
-            if (rel if rel != "." else "") in metadata:
-                return [e for e in entries if e not in METADATA_FILES]
-            return []
-
-        shutil.copytree(reader.path, tmp_path, ignore=skip_chunks)
         meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
-        for path, meta in metadata.items():
-            (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        store = LocalStore(tmp_path)
-        self.arrays = {job: _open(store, reader.path, path, "array", reader.zarr_format, mode="r+")
-                       for job, path in names.items()}
-        self.remaining = {job.name: job.records for job in reader.jobs}
-        self.lock = threading.Lock()
+        if reopen:
+            for path, meta in metadata.items():
+                try:
+                    same = json.loads((tmp_path / path / meta_file).read_text(encoding="utf-8")) == meta
+                except (OSError, UnicodeDecodeError, ValueError):
+                    same = False
+                if not same:
+                    raise OutputError(f"{tmp_path}: the partial output does not match this input "
+                                      f"(array {_display(path)}); remove it to start over")
+            for leftover in [p for p in tmp_path.rglob("*") if _STORE_TEMP.search(p.name)]:
+                leftover.unlink()
+        else:
+            def skip_chunks(directory: str, entries: list[str]) -> list[str]:
+                rel = Path(directory).relative_to(reader.path).as_posix()
+                if (rel if rel != "." else "") in metadata:
+                    return [e for e in entries if e not in METADATA_FILES]
+                return []
+
+            shutil.copytree(reader.path, tmp_path, ignore=skip_chunks)
+            for path, meta in metadata.items():
+                (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        self.write = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype)
+        for job in names:  # open now: a bad codec fails before any block runs
+            self.write.array(job)
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
-        self.source = reader.path
 
-    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        try:
-            self.arrays[job.name][start:start + len(block)] = np.asarray(block, dtype=self.dtype)
-        except OSError:
-            raise
-        except Exception as exc:
-            raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
-                             f"its codecs ({exc})") from None
-        with self.lock:
-            self.remaining[job.name] -= len(block)
+    def block_writer(self) -> _Blocks:
+        return self.write
 
-    def close(self) -> list[Path]:
-        # Only a complete output is worth consolidating; a failed run is thrown away.
-        if self.consolidate and not any(self.remaining.values()):
+    def finish(self) -> None:
+        """Rebuild consolidated metadata; only a complete output is worth it."""
+        if self.consolidate:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"
                 # Nested groups first, the root last.
                 for path in sorted(self.consolidate, key=lambda p: (p == "", -p.count("/"))):
                     zarr.consolidate_metadata(LocalStore(self.root), path=path,
                                               zarr_format=self.zarr_format)
+
+    def close(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*") if p.is_file())
 
 
 def create_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ZarrWriter:
     return ZarrWriter(reader, tmp_path, dtype)
+
+
+def reopen_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> ZarrWriter:
+    """The writer of an output an interrupted run began: its blocks are kept (--resume)."""
+    return ZarrWriter(reader, tmp_path, dtype, reopen=True)

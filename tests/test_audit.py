@@ -1,0 +1,231 @@
+"""The statistical privacy audit (tldp_cli/audit.py and `tldp audit`).
+
+Every mechanism and noise that mechanisms.calibrate accepts is audited through the
+real engine: the audited lower bound stays below the certified figure, and broken
+variants (half the noise scale; a retained branch far more likely) are caught. The
+statistical core is checked against exact binomial intervals and for its coverage:
+its bounds exceed the truth no more often than the stated confidence allows.
+"""
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from tldp_cli import accounting
+from tldp_cli import audit as audit_mod
+from tldp_cli import mechanisms
+from tldp_cli.errors import UsageError
+from tldp_cli.rng import Streams
+
+# Records of 2x2 elements in [0, 4] calibrated for eps = 8 per record: every mechanism
+# then certifies figures that 200k draws resolve (per element about 2), so halving the
+# noise or raising p shows, and the real mechanisms sit just below their figures.
+SHAPE = (2, 2)
+RANGE = (0.0, 4.0)
+EPSILON = 8.0
+SAMPLES = 200_000
+CONFIDENCE = 0.95
+
+
+def calibrated(mechanism: str, noise: str) -> mechanisms.Calibration:
+    return mechanisms.calibrate(
+        mechanism=mechanism, noise=noise, budget="record", epsilon=EPSILON,
+        range_width=RANGE[1] - RANGE[0], elements=math.prod(SHAPE),
+        rows=mechanisms.matrix_rows(mechanism, SHAPE, "test"))
+
+
+def _accepted(mechanism: str, noise: str) -> bool:
+    """MVG and IDN take Gaussian noise only; calibrate refuses the other pairs."""
+    try:
+        calibrated(mechanism, noise)
+    except UsageError:
+        return False
+    return True
+
+
+COMBINATIONS = [(m, n) for m in mechanisms.MECHANISMS for n in mechanisms.NOISES if _accepted(m, n)]
+
+
+def run(calib, claimed=None, seed=1, **kw):
+    kw.setdefault("samples", SAMPLES)
+    return audit_mod.audit(calib, claimed=claimed, value_range=RANGE, confidence=CONFIDENCE,
+                           streams=Streams("secure", seed), **kw)
+
+
+def rows(report):
+    return [(s["scope"], row) for s in report["scopes"] for row in s["claims"]]
+
+
+def test_clopper_pearson_matches_the_exact_binomial_interval():
+    n = 1000
+    for k in (0, 1, 37, 500, 999, 1000):
+        lower, upper = audit_mod.clopper_pearson(np.array([k]), n, 0.025)
+        ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+        assert lower[0] == pytest.approx(ci.low, abs=1e-12)
+        assert upper[0] == pytest.approx(ci.high, abs=1e-12)
+
+
+def test_bounds_exceed_the_truth_no_more_often_than_the_confidence_allows():
+    # Laplace(0, 1) against Laplace(1, 1) is exactly 1-DP, with the likelihood ratio e^1
+    # on a whole half-line: the bound's selection can overfit the tails, and must not
+    # pay for it in coverage.
+    confidence, trials = 0.8, 100
+    above_truth = above_understated = 0
+    for seed in range(trials):
+        rng = np.random.default_rng(seed)
+        s0, s1 = rng.laplace(0, 1, (20_000, 1)), rng.laplace(1, 1, (20_000, 1))
+        (row,) = audit_mod.lower_bounds(s0, s1, [(1.0, 0.0)], (1 - confidence) / 2, names=("y",))
+        above_truth += row["epsilon_lower_bound"] > 1.0
+        above_understated += row["epsilon_lower_bound"] > 0.8
+    # At most 1 - confidence of the trials may exceed the truth: more than 33 of 100 has
+    # probability < 1e-3 when the rate is 0.2 (point estimates would give about 50).
+    assert above_truth <= 33
+    assert stats.binom.sf(above_truth - 1, trials, 1 - confidence) > 1e-3
+    # An understated figure (0.8 for a 1-DP mechanism) is contradicted almost every time.
+    assert above_understated >= 90
+
+
+@pytest.mark.parametrize("mechanism,noise", COMBINATIONS)
+def test_real_mechanism_stays_below_its_certified_figures(mechanism, noise):
+    calib = calibrated(mechanism, noise)
+    report = run(calib)
+    assert report["verdict"] == "consistent"
+    for scope, row in rows(report):
+        assert row["epsilon_lower_bound"] <= row["certified_epsilon"], (scope, row)
+        assert row["reach"] > row["epsilon_lower_bound"]
+    # the audit sees the mechanism at all: every scope finds some privacy loss
+    assert all(row["epsilon_lower_bound"] > 0 for _, row in rows(report))
+
+
+@pytest.mark.parametrize("mechanism,noise", COMBINATIONS)
+def test_half_the_noise_scale_is_caught(mechanism, noise):
+    calib = calibrated(mechanism, noise)
+    report = run(replace(calib, scale=calib.scale / 2), claimed=calib, seed=2)
+    assert report["verdict"] == "VIOLATION"
+    # judged against the real figures, not the broken calibration's
+    certified = accounting.certify(calib)
+    for scope, row in rows(report):
+        figures = certified[f"per_{scope}"]
+        assert row["certified_epsilon"] in (figures["epsilon"], figures["approx"]["epsilon"])
+
+
+@pytest.mark.parametrize("mechanism,noise", COMBINATIONS)
+def test_a_far_more_likely_retained_branch_is_caught(mechanism, noise):
+    calib = calibrated(mechanism, noise)
+    # Most raw values come through: a far larger point mass than any figure covers, even
+    # where discrete noise of a large scale often lands on the raw value too.
+    broken = replace(calib, log_p=math.log(0.9))
+    assert broken.p >= 10 * calib.p
+    report = run(broken, claimed=calib, seed=3)
+    assert report["verdict"] == "VIOLATION"
+    # the point mass shows: the best event counts raw values that came through
+    element = [row for scope, row in rows(report) if scope == "element"]
+    assert any(row["violation"] and row["event"]["statistic"].startswith("raw kept") for row in element)
+
+
+def test_audit_is_sharp_on_pure_laplace():
+    # Laplace noise is tight for its pure figure: a sound but blunt audit would pass the
+    # tests above and fail this one.
+    calib = calibrated("baseline", "laplace")
+    report = run(calib, scopes=("element",), seed=4)
+    bounds = [row["epsilon_lower_bound"] for _, row in rows(report)]
+    certified = min(row["certified_epsilon"] for _, row in rows(report))
+    assert max(bounds) >= 0.9 * certified
+
+
+def test_same_seed_same_report_and_the_seed_is_nowhere():
+    calib = calibrated("tldp", "laplace")
+    a = run(calib, seed=8675309, samples=20_000)
+    b = run(calib, seed=8675309, samples=20_000)
+    assert a == b
+    assert a["seeded"] is True and "8675309" not in json.dumps(a)
+    assert run(calib, seed=1, samples=20_000) != a
+
+
+def test_bad_options_are_usage_errors():
+    calib = calibrated("tldp", "laplace")
+    with pytest.raises(UsageError, match="--samples"):
+        audit_mod.audit(calib, samples=10)
+    with pytest.raises(UsageError, match="--confidence"):
+        audit_mod.audit(calib, confidence=1.0)
+    with pytest.raises(UsageError, match="--scope"):
+        audit_mod.audit(calib, scopes=("tensor",))
+    with pytest.raises(UsageError, match="--elements"):
+        audit_mod.parse_shape("28y28")
+
+
+# ---------------------------------------------------------------------------- CLI
+def test_cli_prints_a_table_and_json(cli):
+    result = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "50000",
+                 "--seed", "8675309", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "consistent" and report["seeded"] is True
+    assert report["elements_per_record"] == 4 and report["value_range"] == [0.0, 1.0]
+    assert {s["scope"] for s in report["scopes"]} == {"element", "record"}
+    assert "audited eps >=" in result.stderr and "consistent" in result.stderr
+    assert "8675309" not in result.stdout + result.stderr
+
+
+def test_cli_scope_and_matrix_shape(cli):
+    result = cli("audit", "--eps", "2", "--mechanism", "mvg", "--elements", "2x2", "--range", "0:4",
+                 "--scope", "record", "--samples", "20000", "--seed", "1", "--json", "--quiet")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [s["scope"] for s in report["scopes"]] == ["record"] and report["noise"] == "gaussian"
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("args,neighbours,dtype", [
+    (["--noise", "discrete-gaussian", "--range", "0:4"], {"x": 0, "x_prime": 3}, "int64"),
+    (["--noise", "discrete-laplace", "--range", "0:1", "--granularity", "0.25"],
+     {"x": 0.0, "x_prime": 1.0}, "float32"),
+])
+def test_cli_discrete_noise_on_integers_and_on_a_grid(cli, args, neighbours, dtype):
+    result = cli("audit", "--eps", "1", "--elements", "4", "--samples", "20000", "--seed", "1",
+                 "--json", *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["neighbours"] == neighbours and report["dtype"] == dtype
+    assert report["verdict"] == "consistent"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--noise", "discrete-laplace", "--range", "0:1.5"], "integer --range"),
+    (["--granularity", "0.25"], "--granularity"),
+    (["--samples", "5"], "--samples"),
+    (["--confidence", "1.5"], "--confidence"),
+    (["--elements", "0"], "--elements"),
+    (["--range", "1:0"], "--range"),
+    (["--mechanism", "mvg", "--elements", "4"], "matrix-shaped"),
+])
+def test_cli_usage_errors_exit_2_on_one_line(cli, args, needle):
+    result = cli("audit", "--eps", "1", *args)
+    assert result.exit_code == 2
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_cli_exits_1_on_a_violation(cli, monkeypatch):
+    real_audit = audit_mod.audit
+
+    def halved(calib, **kw):  # the engine with half the noise, judged against the real figures
+        return real_audit(replace(calib, scale=calib.scale / 2), claimed=calib, **kw)
+
+    monkeypatch.setattr(audit_mod, "audit", halved)
+    result = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "50000",
+                 "--seed", "1", "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["verdict"] == "VIOLATION"
+    assert result.stderr.strip().splitlines()[-1].startswith("tldp: error: audit found a privacy VIOLATION")
+
+
+def test_cli_help_has_examples_and_says_what_a_lower_bound_is(cli):
+    result = cli("audit", "--help")
+    assert result.exit_code == 0
+    assert "Examples:" in result.stdout and "never a certificate" in result.stdout
+    assert "discrete-laplace" in result.stdout and "--granularity" in result.stdout

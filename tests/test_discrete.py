@@ -1,0 +1,481 @@
+"""Discrete Laplace and discrete Gaussian noise (issue 7): exact samplers, the integer
+engine, grid snapping, accounting against closed forms and dp-accounting, every format."""
+
+import json
+import math
+from decimal import Context, Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import tifffile
+import zarr
+from PIL import Image
+from scipy import stats
+
+from tests.conftest import siblings, tree_digest
+from tests.roundtrip import RoundTrip
+from tldp_cli import accounting, discrete, engine
+from tldp_cli.errors import DataError, UsageError
+from tldp_cli.mechanisms import calibrate
+from tldp_cli.rng import Streams
+
+ALPHA = 1e-4  # a correct sampler fails a test with this probability
+
+
+def draw(sampler, n: int, seed: int = 0) -> np.ndarray:
+    return sampler.sample(Streams("secure", seed).generator("test", 0), n)
+
+
+def cal(**kw):
+    args = dict(mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=1.0,
+                range_width=256, elements=784, dp_delta=1e-5)
+    args.update(kw)
+    return calibrate(**args)
+
+
+# --------------------------------------------------------------------------- samplers
+@pytest.mark.parametrize("scale", [0.4, 3.0, 256.0, 1e5, 3e9])  # 1e5, 3e9: two and three digit levels
+def test_discrete_laplace_matches_its_pmf_and_not_a_wrong_scale(scale):
+    sample = draw(discrete.DiscreteLaplace(scale), 200_000)
+    assert sample.dtype == np.int64
+    assert discrete.chi_square(sample, "discrete-laplace", scale)[1] > ALPHA
+    assert discrete.chi_square(sample, "discrete-laplace", scale * 1.03)[1] < 1e-6
+
+
+@pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0])
+def test_discrete_gaussian_matches_its_pmf_and_not_a_wrong_sigma(sigma):
+    sample = draw(discrete.DiscreteGaussian(sigma), 200_000, seed=1)
+    assert discrete.chi_square(sample, "discrete-gaussian", sigma)[1] > ALPHA
+    assert discrete.chi_square(sample, "discrete-gaussian", sigma * 1.03)[1] < 1e-6
+
+
+def test_small_values_one_by_one_against_the_pmf():
+    for noise, scale, top in (("discrete-laplace", 1.5, 8), ("discrete-gaussian", 1.2, 4)):
+        sampler = discrete.sampler(noise, scale)
+        sample = draw(sampler, 300_000, seed=2)
+        values = np.arange(-top, top + 1)
+        observed = np.array([(sample == v).sum() for v in values] + [(np.abs(sample) > top).sum()])
+        pmf = discrete.noise_pmf(noise, scale, values)
+        expected = np.append(pmf, 1 - pmf.sum()) * sample.size
+        assert stats.chisquare(observed, expected).pvalue > ALPHA
+
+
+def test_exact_paths_give_the_same_distribution():
+    """Ties with table entries (12-bit tables make them frequent) and acceptance decisions
+    inside the float margin (a margin of 0.3 sends most there) go to exact arithmetic."""
+    coarse = draw(discrete.DiscreteLaplace(2.5, bits=12), 100_000, seed=3)
+    assert discrete.chi_square(coarse, "discrete-laplace", 2.5)[1] > ALPHA
+    wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3), 30_000, seed=4)
+    assert discrete.chi_square(wide, "discrete-gaussian", 1.3)[1] > ALPHA
+    # the float and the exact decisions agree: same stream, same values
+    a = draw(discrete.DiscreteGaussian(4.0), 20_000, seed=5)
+    b = draw(discrete.DiscreteGaussian(4.0, margin=0.3), 20_000, seed=5)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_table_entries_are_proven_floors():
+    level = discrete.Geometric(Fraction(1, 7)).levels[0]
+    for m in (0, 1, 50, level.entries - 1):
+        ctx = Context(prec=80)
+        exact = ctx.subtract(1, ctx.exp(ctx.divide(-(m + 1), 7)))
+        assert int(level.c[m]) == int(ctx.multiply(exact, 2**63))
+
+
+def test_numpy_exp_is_well_within_the_acceptance_margin():
+    x = np.random.default_rng(0).uniform(0, 60, 20_000)
+    ctx = Context(prec=40)
+    exact = np.array([float(ctx.exp(Decimal(-v))) for v in x.tolist()])
+    assert np.max(np.abs(np.exp(-x) - exact)) < discrete.ACCEPT_MARGIN / 2**5
+
+
+def test_exp_interval_brackets_the_value():
+    for q in (Fraction(0), Fraction(1, 3), Fraction(123456789, 1000)):
+        lo, hi = discrete.exp_neg_interval(q, 100)
+        ctx = Context(prec=80)
+        exact = ctx.multiply(ctx.exp(ctx.divide(-Decimal(q.numerator), Decimal(q.denominator))), 2**100)
+        assert lo <= exact <= hi and hi - lo <= 4
+
+
+def test_retain_mask_keeps_exactly_p():
+    rng = Streams("secure", 3).generator("keep", 0)
+    for p in (0.3, 1e-3, 2.0**-70):
+        kept = discrete.retain_mask(rng, p, 400_000)
+        assert stats.binomtest(kept.size, 400_000, p).pvalue > ALPHA
+    assert discrete.retain_mask(rng, 0.0, 10).size == 0
+
+
+# --------------------------------------------------------------------------- engine
+def test_retained_fraction_matches_p():
+    """I = 1, W = 4: p is large. Unchanged values are the kept ones plus noise 0."""
+    calib = cal(range_width=4, elements=1)
+    assert 0.1 < calib.p < 0.12
+    block = np.full((200_000, 1), 2, np.uint8)
+    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 6), dtype=np.int16)
+    zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
+    unchanged = int((out == 2).sum())
+    assert stats.binomtest(unchanged, out.size, calib.p + (1 - calib.p) * zero).pvalue > ALPHA
+    assert stats.binomtest(unchanged, out.size, 0.9 * calib.p + (1 - 0.9 * calib.p) * zero).pvalue < 1e-6
+    # the values that moved follow the noise
+    moved = out[out != 2].astype(np.int64) - 2
+    assert discrete.chi_square(moved, "discrete-laplace", calib.scale, exclude_zero=True)[1] > ALPHA
+
+
+def test_weights_lower_the_retained_fraction():
+    calib = cal(range_width=4, elements=1)
+    block = np.full((100_000, 1), 1, np.uint8)
+    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 7), np.array([0.75]), np.int16)
+    zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
+    p = 0.25 * calib.p
+    assert stats.binomtest(int((out == 1).sum()), out.size, p + (1 - p) * zero).pvalue > ALPHA
+
+
+def test_blocks_do_not_change_the_values():
+    calib = cal(noise="discrete-gaussian", range_width=16, elements=12)
+    data = np.random.default_rng(1).integers(0, 16, (9000, 12)).astype(np.int32)
+    streams = Streams("secure", 8)
+    whole = engine.perturb_records(data, 0, "a", calib, streams, dtype=np.int16)
+    parts = np.concatenate([engine.perturb_records(data[s:s + 1234], s, "a", calib, streams, dtype=np.int16)
+                            for s in range(0, 9000, 1234)])
+    np.testing.assert_array_equal(whole, parts)
+
+
+def test_integer_output_never_wraps():
+    grid = discrete.Grid(None, 0, 255)
+    assert discrete.output_dtype(grid, "discrete-laplace", 256.0, "float32") == np.int16
+    assert discrete.output_dtype(grid, "discrete-laplace", 2560.0, "float32") == np.int32
+    assert discrete.output_dtype(discrete.Grid(None, 0, 1), "discrete-laplace", 0.5, "float32") == np.int8
+    assert discrete.output_dtype(discrete.Grid(None, 0, 65535), "discrete-gaussian", 46341.0, "float32") == np.int32
+    assert discrete.output_dtype(discrete.Grid(None, -2**40, 2**40), "discrete-laplace", 2.0**50, "f") == np.int64
+    with pytest.raises(UsageError, match="int64"):
+        discrete.output_dtype(discrete.Grid(None, -2**40, 2**40), "discrete-laplace", 2.0**60, "f")
+    # saturation, not wrap-around, should a value ever pass the tail bound
+    np.testing.assert_array_equal(discrete._to_output(np.array([40_000, -40_000, 7]), None, np.dtype(np.int16)),
+                                  [32767, -32768, 7])
+    # extreme inputs: the ends of uint8 and int8, noise of both signs around them
+    calib = cal(epsilon=0.5, elements=6)
+    for dtype, values in ((np.uint8, [0, 255]), (np.int8, [-128, 127])):
+        block = np.tile(np.array(values, dtype), (2000, 3))
+        out = engine.perturb_records(block, 0, "e", calib, Streams("secure", 9), dtype=np.int16)
+        noise = out.astype(np.int64) - block
+        assert out.dtype == np.int16 and noise.min() < -600 and noise.max() > 600
+        assert discrete.chi_square(noise.ravel(), "discrete-laplace", calib.scale)[1] > ALPHA
+
+
+def test_float_values_without_a_grid_must_be_integers():
+    calib = cal(range_width=4, elements=2)
+    ok = engine.perturb_records(np.array([[1.0, 3.0]]), 0, "f", calib, Streams("secure", 1))
+    assert ok.dtype == np.float32 and np.all(ok == np.round(ok))
+    with pytest.raises(DataError, match="integer values"):
+        engine.perturb_records(np.array([[1.5, 3.0]]), 0, "f", calib, Streams("secure", 1))
+
+
+# --------------------------------------------------------------------------- accounting
+@pytest.mark.parametrize("W, I, eps", [(256, 784, 1.0), (4, 1, 1.0), (4, 3, 2.0), (16, 2, 0.3)])
+def test_discrete_laplace_pure_bound_is_the_largest_privacy_loss(W, I, eps):
+    """DESIGN section 2's formula against the loss computed outcome by outcome, for the pair
+    of range ends; closer pairs lose less."""
+    c = cal(range_width=W, elements=I, epsilon=eps)
+    upper, lower = accounting.discrete_laplace_log_pmfs(W - 1, c.scale, c.log_p)
+    element = accounting.discrete_laplace_element_epsilon(W - 1, c.scale, c.log_p)
+    assert np.max(upper - lower) == pytest.approx(element, rel=1e-12)
+    a = math.exp(-1 / c.scale)
+    closed = (W - 1) / c.scale + math.log1p(c.p * (1 + a) / ((1 - c.p) * (1 - a)))
+    assert element == pytest.approx(closed, rel=1e-12)
+    acc = accounting.certify(c)
+    assert acc["per_element"]["epsilon"] == element and acc["per_element"]["delta"] == 0
+    assert acc["per_record"]["epsilon"] == pytest.approx(I * element, rel=1e-12)
+
+
+def test_closer_pairs_are_dominated():
+    """Hockey-stick divergence of the discrete Laplace mixture for inputs k apart, k < d."""
+    b, log_p, d = 3.0, math.log(0.2), 6
+    ends = accounting.discrete_laplace_log_pmfs(d, b, log_p)
+
+    def delta(pair, eps):
+        upper, lower = np.exp(pair[0]), np.exp(pair[1])
+        return float(np.maximum(upper - math.exp(eps) * lower, 0).sum())
+
+    for k in range(1, d):
+        # the pair (0, k) on the same outcomes: y < 0, 0..d, y > d
+        full_upper = np.exp(accounting.discrete_laplace_log_pmfs(k, b, log_p)[0])
+        full_lower = np.exp(accounting.discrete_laplace_log_pmfs(k, b, log_p)[1])
+        pair = (np.log(full_upper), np.log(full_lower))
+        for eps in (0.0, 0.5, 1.0, 2.0):
+            assert delta(pair, eps) <= delta(ends, eps) + 1e-15
+
+
+def test_discrete_laplace_approx_matches_dp_accounting():
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    for count in (1, 784):
+        ours = accounting.discrete_laplace_approx_epsilon(255, 256.0, -math.inf, count, 1e-5)
+        interval = accounting._interval(count, 255 / 256)
+        theirs = pld.from_discrete_laplace_mechanism(1 / 256, sensitivity=255, value_discretization_interval=interval)
+        if count > 1:
+            theirs = theirs.self_compose(count)
+        expected = min(count * 255 / 256, theirs.get_epsilon_for_delta(1e-5))
+        assert ours == pytest.approx(expected, rel=1e-6)
+    c = cal()
+    acc = accounting.certify(c)
+    assert acc["per_record"]["approx"]["epsilon"] < 0.6 * acc["per_record"]["epsilon"]
+
+
+def cks_delta(eps, sigma, d):
+    """Canonne, Kamath and Steinke (2020), Theorem 7: the exact delta of the discrete Gaussian."""
+    z = np.arange(-math.ceil(40 * sigma), math.ceil(40 * sigma) + 1)
+    pmf = np.exp(-z.astype(float) ** 2 / (2 * sigma**2))
+    pmf /= pmf.sum()
+    return float(pmf[z > eps * sigma**2 / d - d / 2].sum()
+                 - math.exp(eps) * pmf[z > eps * sigma**2 / d + d / 2].sum())
+
+
+def test_discrete_gaussian_element_against_closed_form_and_dp_accounting():
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    c = cal(noise="discrete-gaussian")
+    acc = accounting.certify(c)["per_element"]
+    assert acc["rho"] == pytest.approx(255**2 / (2 * c.scale**2), rel=1e-12)
+    eps = acc["epsilon"]
+    assert cks_delta(eps, c.scale, 255) <= 1e-5 < cks_delta(0.995 * eps, c.scale, 255)
+    theirs = pld.from_discrete_gaussian_mechanism(c.scale, sensitivity=255).get_epsilon_for_delta(1e-5)
+    assert eps == pytest.approx(theirs, rel=1e-3)
+
+
+def test_discrete_gaussian_record_against_dp_accounting_and_rdp():
+    from dp_accounting import GaussianDpEvent
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from dp_accounting.rdp import RdpAccountant
+
+    sigma, d, count = 12.0, 15, 20
+    ours = accounting.discrete_gaussian_epsilon(sigma, d, count, 1e-5)
+    theirs = pld.from_discrete_gaussian_mechanism(sigma, sensitivity=d).self_compose(count)
+    assert ours == pytest.approx(theirs.get_epsilon_for_delta(1e-5), rel=2e-3)
+    rdp = RdpAccountant()
+    rdp.compose(GaussianDpEvent(sigma / d), count)
+    assert ours <= rdp.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("mechanism, noise, eps", [
+    ("tldp", "discrete-laplace", 400.0), ("baseline", "discrete-laplace", 1.0),
+    ("tldp", "discrete-gaussian", 2.0), ("baseline", "discrete-gaussian", 2.0),
+])
+def test_record_budget_certifies_exactly_eps(mechanism, noise, eps):
+    c = cal(mechanism=mechanism, noise=noise, budget="record", epsilon=eps, range_width=256, elements=50)
+    record = accounting.certify(c)["per_record"]
+    assert record["epsilon"] <= eps and record["epsilon"] == pytest.approx(eps, rel=1e-6)
+
+
+def test_record_budget_tldp_discrete_laplace_refuses_what_p_alone_exceeds():
+    with pytest.raises(UsageError, match="retain probability"):
+        cal(budget="record", epsilon=1.0)
+
+
+def test_point_mass_of_the_discrete_gaussian_enters_delta():
+    c = cal(noise="discrete-gaussian", range_width=4, elements=1)
+    acc = accounting.certify(c)["per_element"]
+    assert c.p > 0.01 and acc["point_mass_delta"] == pytest.approx(c.p, rel=1e-12)
+    assert acc["delta"] == pytest.approx(1e-5 + c.p, rel=1e-12)
+
+
+def test_grid_calibration_uses_one_more_value():
+    """Snapping [0, 1] to 1/64: 65 grid values, sensitivity 64 steps; the same figures as
+    integer data of 65 values."""
+    grid = cal(range_width=1.0, granularity=1 / 64, elements=10)
+    ints = cal(range_width=65, elements=10)
+    assert grid.grid_values == 65 and grid.scale == ints.scale
+    assert accounting.certify(grid)["per_record"] == accounting.certify(ints)["per_record"]
+
+
+# --------------------------------------------------------------------------- every format
+class DiscreteRoundTrip(RoundTrip):
+    extra_args = ("--noise", "discrete-laplace")
+
+
+def _uint8(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+class TestNpyDiscrete(DiscreteRoundTrip):
+    def make_input(self, tmp_path):
+        np.save(tmp_path / "data.npy", _uint8((50, 6, 5)))
+        return tmp_path / "data.npy"
+
+    def read_arrays(self, path):
+        return {"array": np.load(path)}
+
+    def assert_same_structure(self, original, perturbed):
+        assert np.load(perturbed).dtype == np.int16
+
+
+class TestHdf5Discrete(DiscreteRoundTrip):
+    extra_args = ("--noise", "discrete-gaussian")
+
+    def make_input(self, tmp_path):
+        with h5py.File(tmp_path / "data.h5", "w") as f:
+            f.create_dataset("images", data=_uint8((40, 8, 8)), chunks=(10, 8, 8), compression="gzip")
+            f.create_dataset("labels", data=np.arange(40))
+        return tmp_path / "data.h5"
+
+    def read_arrays(self, path):
+        with h5py.File(path, "r") as f:
+            return {"images": f["images"][()]}
+
+    def assert_same_structure(self, original, perturbed):
+        with h5py.File(original, "r") as a, h5py.File(perturbed, "r") as b:
+            assert b["images"].dtype == np.int16 and b["images"].chunks == (10, 8, 8)
+            np.testing.assert_array_equal(a["labels"][()], b["labels"][()])
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+class TestZarrDiscrete(DiscreteRoundTrip):
+    @pytest.fixture(autouse=True)
+    def _format(self, zarr_format):
+        self.zarr_format = zarr_format
+
+    def make_input(self, tmp_path):
+        group = zarr.open_group(tmp_path / "data.zarr", mode="w", zarr_format=self.zarr_format)
+        group.create_array("images", data=_uint8((30, 4, 4)), chunks=(10, 4, 4))
+        return tmp_path / "data.zarr"
+
+    def read_arrays(self, path):
+        return {"images": zarr.open_group(path, mode="r")["images"][:]}
+
+    def assert_same_structure(self, original, perturbed):
+        array = zarr.open_group(perturbed, mode="r")["images"]
+        assert array.dtype == np.int16 and array.chunks == (10, 4, 4) and array.fill_value == 0
+
+
+class TestImagesDiscrete(DiscreteRoundTrip):
+    """8-bit PNG output: the integer result is clipped to [0, 255] and recorded, as for the
+    continuous noises; --image-format tiff keeps it whole (below)."""
+
+    def make_input(self, tmp_path):
+        folder = tmp_path / "photos"
+        folder.mkdir()
+        Image.fromarray(_uint8((6, 5))).save(folder / "gray.png")
+        Image.fromarray(_uint8((4, 4, 3), 1)).save(folder / "rgb.png")
+        return folder
+
+    def read_arrays(self, path):
+        return {p.name: np.asarray(Image.open(p)) for p in sorted(Path(path).glob("*.png"))}
+
+    def assert_same_structure(self, original, perturbed):
+        assert sorted(p.name for p in Path(perturbed).iterdir()) == ["gray.png", "rgb.png"]
+        assert np.asarray(Image.open(Path(perturbed) / "gray.png")).dtype == np.uint8
+
+
+class TestFloatGridDiscrete(DiscreteRoundTrip):
+    extra_args = ("--noise", "discrete-laplace", "--range", "0:1", "--granularity", "0.125")
+
+    def make_input(self, tmp_path):
+        np.save(tmp_path / "data.npy", np.random.default_rng(0).random((40, 5)))
+        return tmp_path / "data.npy"
+
+    def read_arrays(self, path):
+        return {"array": np.load(path)}
+
+    def assert_same_structure(self, original, perturbed):
+        out = np.load(perturbed)
+        assert out.dtype == np.float32 and np.all(out * 8 == np.round(out * 8))
+
+
+def test_png_tiff_output_keeps_integer_noise_unclipped(cli, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(np.full((8, 8), 250, np.uint8)).save(folder / "a.png")
+    result = cli("perturb", folder, "--eps", "1", "--noise", "discrete-laplace", "--seed", "1",
+                 "--image-format", "tiff", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    pixels = tifffile.imread(tmp_path / "out" / "a.tiff")
+    assert pixels.dtype == np.int16 and pixels.max() > 255 and pixels.min() < 0
+    manifest = json.loads(result.stdout)
+    assert manifest["output_dtype"] == "int16" and manifest["postprocessing"][0].startswith("saturate")
+
+
+# --------------------------------------------------------------------------- CLI: grid, manifest, errors
+def test_granularity_snaps_and_is_recorded(cli, tmp_path):
+    data = np.array([[0.1, 0.26, 0.5, 0.99]] * 300)
+    np.save(tmp_path / "x.npy", data)
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "2", "--range", "0:1", "--noise", "discrete-gaussian",
+                 "--granularity", "0.25", "--seed", "3", "--dtype", "float64", "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["granularity"] == 0.25 and m["grid"]["low"] == 0 and m["grid"]["high"] == 4
+    assert m["grid"]["values"] == 5 and m["output_dtype"] == "float64" and m["range_width"] == 1.0
+    out = np.load(tmp_path / "x.tldp.npy")
+    steps = out / 0.25
+    assert np.array_equal(steps, np.round(steps))
+    noise = np.round(steps - np.rint(data / 0.25)).astype(np.int64)  # snapped: 0, 1, 2, 4
+    assert discrete.chi_square(noise.ravel(), "discrete-gaussian", m["noise_scale"])[1] > ALPHA
+    assert m["accounting"]["per_element"]["rho"] == pytest.approx(4**2 / (2 * m["noise_scale"] ** 2))
+
+
+def test_automatic_granularity_is_a_power_of_two(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "4", "--range", "-1:1", "--noise", "discrete-laplace",
+                 "--json", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["granularity"] == 2.0**-11 and m["grid"]["rule"].startswith("automatic")  # 2 / (1024 * 4)
+    assert m["grid"]["values"] == 2**12 + 1
+
+
+def test_integer_run_manifest_and_summary(cli, tmp_path):
+    np.save(tmp_path / "x.npy", _uint8((10, 4)))
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["noise"] == "discrete-laplace" and m["noise_scale_kind"] == "b" and m["granularity"] is None
+    # I = 4: p = e^(1-4) / (2*256 + ...) is not negligible; the exact bound covers it
+    b, p = 256.0, 10 ** m["retain_probability_log10"]
+    a = math.exp(-1 / b)
+    element = 255 / b + math.log1p(p * (1 + a) / ((1 - p) * (1 - a)))
+    assert m["accounting"]["per_element"]["epsilon"] == pytest.approx(element, rel=1e-9)
+    assert element > 1.04 and m["accounting"]["per_record"]["delta"] == 0
+    assert f"each record (eps={4 * element:.4g}, delta=0)" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--range", "0:1"), None),  # float data needs --range: checked with the next one
+    ((), "needs --range"),
+    (("--range", "0:1", "--granularity", "0"), "--granularity must be"),
+    (("--range", "0:1", "--granularity", "4"), "single grid value"),
+    (("--range", "0:1", "--granularity", "1e-9"), "float32 cannot hold"),
+])
+def test_float_data_errors(cli, tmp_path, args, message):
+    np.save(tmp_path / "x.npy", np.full((3, 2), 0.5))
+    before = tree_digest(tmp_path)
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", *args)
+    if message is None:
+        assert result.exit_code == 0, result.stderr
+        return
+    assert result.exit_code == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--range", "0:10.5"), "integer --range"),
+    (("--granularity", "0.5"), "applies to float data"),
+    (("--noise", "laplace", "--granularity", "0.5"), "applies to the discrete noises"),
+    (("--mechanism", "mvg"), "mvg"),
+])
+def test_integer_data_usage_errors(cli, tmp_path, args, message):
+    np.save(tmp_path / "x.npy", np.zeros((3, 2, 2), np.uint8))
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", *args)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert siblings(tmp_path) == {"x.npy"}
+
+
+def test_integer_value_at_the_open_end_of_the_range_is_refused(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.array([[0, 5], [10, 3]], np.int32))
+    before = tree_digest(tmp_path)
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", "--range", "0:10")
+    assert result.exit_code == 1 and "x.npy" in result.stderr and "[0, 10)" in result.stderr
+    assert tree_digest(tmp_path) == before and siblings(tmp_path) == {"x.npy"}
+    clipped = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", "--range", "0:10",
+                  "--clip-input", "--seed", "1", "--json")
+    assert clipped.exit_code == 0, clipped.stderr

@@ -1,0 +1,45 @@
+"""The .npy writer hashes its output while the run goes on: the manifest's sha256 must
+be the file's, whatever the order the blocks land in."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from tldp_cli.formats import FormatOptions, npy
+from tldp_cli.pipeline import PerturbOptions, perturb
+
+
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_manifest_sha256_is_the_output_file(tmp_path, workers):
+    src = tmp_path / "x.npy"
+    np.save(src, np.random.default_rng(0).integers(0, 256, (1000, 7, 3), dtype=np.uint8))
+    out = tmp_path / "y.npy"
+    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=2, workers=workers,
+                                    block_elements=700))  # many blocks
+    [entry] = json.loads(result.manifest_path.read_text())["outputs"]
+    assert entry["sha256"] == sha256(out)
+
+
+def test_blocks_reported_out_of_order(tmp_path):
+    src = tmp_path / "x.npy"
+    data = np.arange(60, dtype=np.float64).reshape(20, 3)
+    np.save(src, data)
+    reader = npy.open_reader(src, FormatOptions())
+    writer = npy.create_writer(reader, tmp_path / "y.npy", np.dtype(np.float32), FormatOptions())
+    job = reader.job
+    blocks = [(12, 20), (0, 5), (5, 12)]
+    for start, stop in blocks:
+        writer.write(job, start, data[start:stop])
+    writer.block_written(job, 12, 20)
+    writer.block_written(job, 0, 5)
+    assert writer.digests() == {}  # records 5..12 not reported yet: no digest to trust
+    writer.block_written(job, 5, 12)
+    [path] = writer.close()
+    assert writer.digests() == {path: sha256(path)}
+    np.testing.assert_array_equal(np.load(path), data.astype(np.float32))

@@ -1,0 +1,283 @@
+"""Interrupted runs and --resume: nothing at the destination, and a resumed Zarr run
+equals an uninterrupted one with the same seed."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import zarr
+
+from tests.conftest import siblings
+from tests.test_parallel import DATA, make_hdf5, make_images, make_npy
+from tldp_cli.errors import Interrupted, OutputError, UsageError
+from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.resume import partial_path
+
+# zarr warns that consolidated metadata is not part of the format 3 spec.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+BLOCK = 640  # 10 records of 8 x 8: shard-aligned blocks of 20 records, 10 blocks
+
+
+def make_store(tmp_path, consolidated=False):
+    """A sharded array, or a consolidated group holding it and an untouched array."""
+    path = tmp_path / "in.zarr"
+    if consolidated:
+        group = zarr.open_group(str(path), mode="w", zarr_format=3)
+        group.create_array("x", shape=DATA.shape, dtype=DATA.dtype, chunks=(10, 8, 8),
+                           shards=(20, 8, 8))[:] = DATA
+        group.create_array("labels", shape=(200,), dtype="int8", chunks=(50,))[:] = np.arange(200) % 4
+        zarr.consolidate_metadata(str(path))
+    else:
+        zarr.create_array(store=str(path), shape=DATA.shape, dtype=DATA.dtype, chunks=(10, 8, 8),
+                          shards=(20, 8, 8), zarr_format=3)[:] = DATA
+    return path
+
+
+def read_store(path):
+    return zarr.open_array(str(path), path="x", mode="r")[...] if (path / "x").is_dir() \
+        else zarr.open_array(str(path), mode="r")[...]
+
+
+def stop_after(blocks):
+    """A progress callback that interrupts the run after `blocks` blocks, as Ctrl-C would."""
+    seen = []
+
+    def progress(done, total):
+        seen.append(done)
+        if len(seen) == blocks:
+            raise KeyboardInterrupt
+    return progress
+
+
+def options(src, out, **more):
+    return PerturbOptions(input=src, out=out, block_elements=BLOCK, **{"epsilon": 1.0, "seed": 4, **more})
+
+
+def journal_blocks(out):
+    lines = (partial_path(out) / "journal.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines[1:]]
+
+
+@pytest.mark.parametrize("consolidated", [False, True])
+@pytest.mark.parametrize("first, second", [
+    ({"workers": 1}, {"workers": 1}),
+    ({"workers": 3}, {"workers": 2}),
+    ({"scheduler": "dask", "workers": 1}, {"workers": 2}),
+], ids=["serial", "threads", "dask-then-threads"])
+def test_resume_equals_an_uninterrupted_run(tmp_path, consolidated, first, second):
+    if first.get("scheduler") == "dask":
+        distributed = pytest.importorskip("distributed")
+        cluster = distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                           dashboard_address="127.0.0.1:0")
+        first = {**first, "dask_address": cluster.scheduler_address}
+    else:
+        cluster = None
+    src = make_store(tmp_path, consolidated)
+    reference = tmp_path / "reference.zarr"
+    perturb(options(src, reference))
+    out = tmp_path / "out.zarr"
+    try:
+        with pytest.raises(Interrupted, match=r"--resume"):
+            perturb(options(src, out, **first), progress=stop_after(4))
+    finally:
+        if cluster is not None:
+            cluster.close()
+    assert not out.exists()
+    assert not (tmp_path / "out.zarr.manifest.json").exists()
+    written = journal_blocks(out)
+    assert 4 <= len(written) < 10  # finished blocks are journaled; the rest are not done
+
+    result = perturb(options(src, out, resume=True, **second))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+    assert not partial_path(out).exists()
+    assert {p.name for p in tmp_path.iterdir()} == {"in.zarr", "reference.zarr", "reference.zarr.manifest.json",
+                                                     "out.zarr", "out.zarr.manifest.json"}
+    if consolidated:  # rebuilt at the end, so readers that trust it see the perturbed array
+        assert zarr.open_consolidated(str(out), mode="r")["x"].dtype == np.float32
+    files = {entry["path"] for entry in result.manifest["outputs"]}
+    assert files == {str(p) for p in out.rglob("*") if p.is_file()}
+
+
+def test_killed_run_resumes(tmp_path):
+    """SIGKILL part way through (no cleanup at all, blocks in flight in two threads)."""
+    src = make_store(tmp_path)
+    out = tmp_path / "out.zarr"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from tldp_cli.pipeline import PerturbOptions, perturb
+        seen = []
+        def progress(done, total):
+            seen.append(done)
+            if len(seen) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        perturb(PerturbOptions(input=Path({str(src)!r}), epsilon=1.0, out=Path({str(out)!r}), seed=4,
+                               workers=2, block_elements={BLOCK}), progress=progress)
+    """)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not out.exists() and len(journal_blocks(out)) >= 3
+    perturb(options(src, out, resume=True, workers=2))
+    reference = tmp_path / "reference.zarr"
+    perturb(options(src, reference))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+
+
+def test_sigterm_through_the_cli_then_resume(cli, tmp_path):
+    """SIGTERM stops the CLI as Ctrl-C does: one line, exit 130, the partial kept."""
+    src = make_store(tmp_path)
+    out = tmp_path / "out.zarr"
+    args = ["perturb", str(src), "--eps", "1", "--seed", "4", "--out", str(out),
+            "--block-elements", str(BLOCK), "--workers", "1"]
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from tldp_cli import cli
+        calls = []
+        def advance(done, total):
+            calls.append(done)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+        cli._progress_bar = lambda quiet, unit: (advance, lambda: None)
+        sys.argv = ["tldp", *{args!r}]
+        cli.main()
+    """)
+    stopped = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr.strip() == (
+        f"tldp: error: interrupted; the blocks written so far are kept in {partial_path(out)}: run the "
+        "same command with --resume (and the same --seed) to continue")
+    assert not out.exists()
+    resumed = cli(*args, "--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    reference = tmp_path / "reference.zarr"
+    perturb(options(src, reference))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+
+
+def interrupted(tmp_path, **more):
+    src = make_store(tmp_path)
+    out = tmp_path / "out.zarr"
+    with pytest.raises(Interrupted):
+        perturb(options(src, out, **more), progress=stop_after(3))
+    return src, out
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"epsilon": 2.0}, "--eps 1.0 (now 2.0)"),
+    ({"noise": "gaussian"}, '--noise "laplace" (now "gaussian")'),
+    ({"dtype": "float64"}, '--dtype "float32" (now "float64")'),
+    ({"value_range": (0.0, 300.0)}, "--range [0.0, 256.0] (now [0.0, 300.0])"),
+    ({"seed": None}, "--seed given (now not given)"),
+])
+def test_resume_refuses_other_options(tmp_path, change, named):
+    src, out = interrupted(tmp_path, seed=987654321)
+    journal = (partial_path(out) / "journal.jsonl").read_text()
+    assert "987654321" not in journal  # the seed is never written
+    before = sorted(p.name for p in partial_path(out).rglob("*"))
+    with pytest.raises(UsageError, match="--resume: the interrupted run") as error:
+        perturb(PerturbOptions(**{**vars(options(src, out, seed=987654321, resume=True)), **change}))
+    assert named in str(error.value)
+    assert sorted(p.name for p in partial_path(out).rglob("*")) == before  # kept for a correct rerun
+
+
+def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):
+    src, out = interrupted(tmp_path)
+    result = cli("perturb", src, "--eps", "3", "--seed", "4", "--out", out, "--block-elements", BLOCK,
+                 "--resume")
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "--eps 1.0 (now 3.0)" in result.stderr
+
+
+def test_a_new_run_does_not_silently_discard_a_partial(cli, tmp_path):
+    src, out = interrupted(tmp_path)
+    again = cli("perturb", src, "--eps", "1", "--out", out, "--block-elements", BLOCK)
+    assert again.exit_code == 1 and "rerun with --resume" in again.stderr
+    assert partial_path(out).is_dir()
+    fresh = cli("perturb", src, "--eps", "1", "--out", out, "--block-elements", BLOCK, "--overwrite")
+    assert fresh.exit_code == 0, fresh.stderr
+    assert out.is_dir() and not partial_path(out).exists()
+
+
+def test_unseeded_resume_keeps_the_written_blocks_and_completes(tmp_path):
+    src, out = interrupted(tmp_path, seed=None)
+    kept = zarr.open_array(str(partial_path(out) / "store"), mode="r")
+    done = journal_blocks(out)
+    before = {(b["start"], b["stop"]): kept[b["start"]:b["stop"]] for b in done}
+    result = perturb(options(src, out, seed=None, resume=True))
+    final = read_store(out)
+    for (start, stop), values in before.items():
+        np.testing.assert_array_equal(final[start:stop], values)
+    assert not np.array_equal(final, DATA) and result.manifest["seeded"] is False
+
+
+def test_resume_with_nothing_to_resume_runs_from_the_start(tmp_path):
+    src = make_store(tmp_path)
+    out = tmp_path / "out.zarr"
+    result = perturb(options(src, out, resume=True))
+    assert any("no interrupted run" in m for m in result.messages)
+    reference = tmp_path / "reference.zarr"
+    perturb(options(src, reference))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+
+
+def test_a_partial_in_use_is_refused(tmp_path):
+    src, out = interrupted(tmp_path)
+    fd = os.open(partial_path(out), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running tldp holds it
+        with pytest.raises(OutputError, match="another tldp run is writing it"):
+            perturb(options(src, out, resume=True))
+    finally:
+        os.close(fd)
+
+
+def test_bad_data_removes_the_partial(tmp_path):
+    src = tmp_path / "in.zarr"
+    values = np.zeros((100, 4), np.float32)
+    values[60:] = 5.0  # outside --range 0:1 from the block at record 60
+    zarr.create_array(store=str(src), shape=values.shape, dtype=values.dtype, chunks=(20, 4))[:] = values
+    with pytest.raises(Exception, match="outside the declared range"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.zarr",
+                               block_elements=80))
+    assert siblings(tmp_path) == {"in.zarr"}
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5, make_images], ids=["npy", "hdf5", "images"])
+def test_interrupted_run_leaves_nothing(tmp_path, make):
+    src, _ = make(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", block_elements=BLOCK, workers=2),
+                progress=stop_after(1))
+    assert siblings(tmp_path) == {src.name}
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5, make_images], ids=["npy", "hdf5", "images"])
+def test_resume_is_for_zarr_output_only(cli, tmp_path, make):
+    src, _ = make(tmp_path)
+    result = cli("perturb", src, "--eps", "1", "--resume")
+    assert result.exit_code == 2 and "--resume applies to Zarr output" in result.stderr
+    assert siblings(tmp_path) == {src.name}
+
+
+def test_resume_with_weights_checks_the_mask(tmp_path):
+    src = make_store(tmp_path)
+    masks = {}
+    for name, seed in (("m1.npy", 1), ("m2.npy", 2)):
+        masks[name] = tmp_path / name
+        np.save(masks[name], np.random.default_rng(seed).random((200, 8, 8)))
+    out, reference = tmp_path / "out.zarr", tmp_path / "reference.zarr"
+    weighted = {"weights": masks["m1.npy"], "epsilon": 20.0}
+    with pytest.raises(Interrupted):
+        perturb(options(src, out, **weighted), progress=stop_after(3))
+    with pytest.raises(UsageError, match="--weights"):
+        perturb(options(src, out, resume=True, **{**weighted, "weights": masks["m2.npy"]}))
+    perturb(options(src, out, resume=True, **weighted))
+    perturb(options(src, reference, **weighted))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))

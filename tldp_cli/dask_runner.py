@@ -1,0 +1,143 @@
+"""Runs the per-block function on Dask (perturb --scheduler dask).
+
+The function and its arguments are pickled to the workers: the array jobs' readers
+open their files inside each call, and so do the writers' block writers (see
+formats/__init__.py). Blocks whose format has no block writer come back and are
+written in this process. At most two blocks per worker thread are in flight, so
+memory stays flat on both sides.
+
+The per-block function carries the run's random-stream root key (derived from the
+seed when there is one): it travels in the cluster's comms, never in a task key,
+log line or repr. Use TLS (tls:// addresses) for a cluster on other machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from tldp_cli.errors import TldpError, UsageError
+
+INSTALL_HINT = "pip install 'tldp[dask]'"
+# How long a failed run waits for the blocks a cluster is still running, so none writes
+# into an output that is being removed.
+DRAIN_SECONDS = 60
+_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+
+
+class ClusterError(TldpError):
+    """The Dask cluster could not be reached or lost the run's work."""
+
+
+def require() -> None:
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--scheduler dask needs Dask, an optional extra: {INSTALL_HINT}") from None
+
+
+def parse_address(text: str) -> str:
+    """HOST:PORT (TCP) or a Dask URI (tcp://, tls://, inproc://...) -> a Dask address."""
+    if "://" in text:
+        return text
+    if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", text):
+        raise UsageError(f"--dask-address must be HOST:PORT (or tls://HOST:PORT), not {text!r}")
+    return "tcp://" + text
+
+
+def plain_remote(address: str) -> bool:
+    """A TCP address on another machine: its comms are unencrypted."""
+    scheme, _, host = address.partition("://")
+    return scheme == "tcp" and not host.startswith(_LOOPBACK)
+
+
+@contextlib.contextmanager
+def connect(address: str | None, workers: int) -> Iterator[Any]:
+    """A client of the cluster at `address`, or of a local cluster of `workers` processes."""
+    from distributed import Client, LocalCluster
+
+    cluster = None
+    try:
+        if address is None:
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                   host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                                   silence_logs=logging.ERROR)
+            client = Client(cluster, set_as_default=False)
+        else:
+            client = Client(address, timeout="20s", set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        if cluster is not None:
+            cluster.close()
+        where = f"the Dask scheduler at {address}" if address else "a local Dask cluster"
+        raise ClusterError(f"cannot reach {where} ({exc})") from None
+    try:
+        yield client
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _missing(paths: list[str]) -> list[str]:
+    return [p for p in paths if not os.path.exists(p)]
+
+
+def check_visible(client, paths: Iterable[str]) -> tuple[str, str] | None:
+    """The first (path, worker) where a worker cannot see a path the run needs, or None."""
+    paths = list(paths)
+    for worker, missing in sorted(client.run(_missing, paths).items()):
+        if missing:
+            return missing[0], worker
+    return None
+
+
+def run(client, fn: Callable, tasks: list[tuple], count_only: Callable[[], bool],
+        local: bool) -> Iterator[tuple[tuple, Any]]:
+    """Run fn(*task, count_only()) for every task on the cluster, yielding (task, result)
+    as each finishes (in any order; the output does not depend on it)."""
+    from distributed import KilledWorker, as_completed, wait
+    from distributed.client import FutureCancelledError
+    from distributed.comm import CommClosedError
+
+    # Random keys: dask would otherwise name a task by a hash of its arguments, and
+    # those hold the stream key (a hash of the seed would confirm guesses).
+    run_id = secrets.token_hex(8)
+    limit = max(2, 2 * sum(client.nthreads().values()))
+    queue = iter(enumerate(tasks))
+    meta: dict[Any, tuple] = {}
+    finished = as_completed(loop=client.loop)
+
+    def submit() -> None:
+        for index, task in queue:
+            future = client.submit(fn, *task, count_only(), key=f"tldp-block-{run_id}-{index}",
+                                   pure=False)
+            meta[future] = task
+            finished.add(future)
+            return
+
+    ok = False
+    try:
+        for _ in range(limit):
+            submit()
+        for future in finished:
+            task = meta.pop(future)
+            result = future.result()
+            submit()
+            yield task, result
+        ok = True
+    except (KilledWorker, CommClosedError, FutureCancelledError) as exc:
+        raise ClusterError(f"the Dask cluster lost the run's work ({type(exc).__name__}: {exc})") from None
+    finally:
+        if not ok and meta:
+            pending = list(meta)
+            if not local:
+                # Blocks already running cannot be stopped; let them end before the
+                # output they write into is removed.
+                with contextlib.suppress(Exception):
+                    wait(pending, timeout=DRAIN_SECONDS)
+            client.cancel(pending)

@@ -1,0 +1,655 @@
+"""Discrete Laplace and discrete Gaussian noise: exact samplers vectorised over whole
+arrays, grid snapping for float data, and the integer engine behind --noise
+discrete-laplace|discrete-gaussian.
+
+Exactness. Continuous noise computed in floating point leaks the input through the
+low-order bits of the output (Mironov 2012). These samplers draw integers whose
+distribution is exactly the target probability mass function (total-variation
+distance 0, nothing added to delta), from 64-bit words of the per-unit generator:
+
+- Discrete Laplace, P(z) proportional to alpha^|z| with alpha = e^(-1/b): a sign bit and
+  a geometric magnitude, (sign -, 0) rejected (Canonne, Kamath and Steinke 2020,
+  Algorithm 2's construction). The magnitude is inverted from 63 uniform bits against
+  fixed-point tables of the cumulative distribution whose entries are proven by
+  interval arithmetic (Python integers and correctly rounded decimal exp), using
+  integer comparisons only; a float64 log gives the starting index, which the integer
+  comparisons then correct. A uniform that ties with a table entry draws further
+  words and compares against the exact value to as many bits as it takes. The tail
+  beyond a table is the same geometric again (memorylessness). For a large scale
+  the magnitude is split into base-2^16 digits, which are independent truncated
+  geometrics, so no table exceeds 2^16 entries.
+- Discrete Gaussian N_Z(0, sigma^2): CKS20 Algorithm 3, rejection from the discrete
+  Laplace of scale t = floor(sigma) + 1, accepting with probability
+  exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)). The acceptance compares a 64-bit uniform
+  with a float64 exp and decides only when the uniform lies more than 2^-40 away;
+  within the margin it compares against the exact value. This is exact as long as
+  NumPy's float64 exp errs by less than 2^-41 on [0, 1] (it errs by a few units in
+  2^-53; the test suite checks it against decimal arithmetic).
+- The keep-the-raw-value step of TLDP is an exact Bernoulli(p) per element against the
+  binary expansion of p (p rounded down to a float, so the realised p never exceeds
+  the one the accounting uses); it draws nothing when p underflows to 0.
+
+Grid. Integer data is perturbed on the integers: the declared range [lo, hi) holds the
+W = hi - lo values lo..hi-1. Float data is snapped to the grid G*Z (round to nearest,
+ties to even): values in [lo, hi] land on the grid points round(lo/G)..round(hi/G),
+W of them, and the noise is added in grid units. Output values are G * integer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
+from fractions import Fraction
+
+import numpy as np
+
+from tldp_cli.errors import DataError, UsageError
+from tldp_cli.rng import Streams, records_per_unit
+
+DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
+BITS = 63  # uniform bits inverted per 64-bit word (the lowest bit is the sign)
+TABLE_MAX = 1 << 16  # entries of one inversion table, and the base of the digit split
+TAIL_BITS = 16  # a top-level table covers all but 2^-16 of the mass
+ACCEPT_MARGIN = 2.0**-40  # discrete Gaussian acceptance: float decisions only outside it
+# Samplers work through an array in pieces of this many elements: their temporaries
+# stay small enough to be reused by the allocator instead of faulted in afresh.
+CHUNK = 1 << 14
+_FIXED = 192  # bits of the fixed-point arithmetic that proves the table entries
+_LN2 = math.log(2)
+
+
+def is_discrete(noise: str) -> bool:
+    return noise in DISCRETE_NOISES
+
+
+# --------------------------------------------------------------------------- exact reals
+# A real x in [0, 1] is given by a function bits -> (lo, hi), integers with
+# lo <= x * 2^bits <= hi and hi - lo small; more bits, a narrower interval.
+
+_EMAX = 999_999_999
+
+
+def _contexts(bits: int) -> tuple[Context, Context, Context]:
+    digits = bits * 30103 // 100000 + 30  # bits * log10(2) and a margin
+    return tuple(Context(prec=digits, rounding=r, Emin=-_EMAX, Emax=_EMAX)
+                 for r in (ROUND_FLOOR, ROUND_CEILING, None))
+
+
+def _decimal_bounds(q: Fraction, down: Context, up: Context) -> tuple[Decimal, Decimal]:
+    n, d = Decimal(q.numerator), Decimal(q.denominator)
+    return down.divide(n, d), up.divide(n, d)
+
+
+def exp_neg_interval(q: Fraction, bits: int) -> tuple[int, int]:
+    """lo <= exp(-q) * 2^bits <= hi for rational q >= 0.
+
+    decimal's exp is correctly rounded (within half a unit in the last digit), so one
+    digit of slack on each side makes the bounds rigorous.
+    """
+    down, up, near = _contexts(bits)
+    q_lo, q_hi = _decimal_bounds(q, down, up)
+    e_lo, e_hi = near.exp(q_hi.copy_negate()), near.exp(q_lo.copy_negate())
+    slack = Decimal(f"1e{1 - down.prec}")
+    scale = Decimal(1 << bits)
+    lo = down.multiply(down.multiply(e_lo, down.subtract(1, slack)), scale)
+    hi = up.multiply(up.multiply(e_hi, up.add(1, slack)), scale)
+    return int(lo.to_integral_value(ROUND_FLOOR)), int(hi.to_integral_value(ROUND_CEILING))
+
+
+def _floor_bits(interval, bits: int) -> int:
+    """floor(x * 2^bits), exactly: more precision until the interval decides it."""
+    extra = 32
+    while True:
+        lo, hi = interval(bits + extra)
+        if lo >> extra == hi >> extra:
+            return lo >> extra
+        extra *= 2
+
+
+class _Uniform:
+    """A uniform U in [0, 1) of which the first `bits` bits are known (`value`); further
+    bits are drawn from the generator when a comparison needs them, and kept, so several
+    comparisons see one U."""
+
+    def __init__(self, bits: int, value: int, rng: np.random.Generator):
+        self.bits, self.value, self.rng = bits, value, rng
+
+    def below(self, interval) -> bool:
+        """U < x. Each tie of the known prefix with x's costs 2^-64 and one more word."""
+        while True:
+            c = _floor_bits(interval, self.bits)
+            if self.value < c:
+                return True
+            if self.value > c:
+                return False
+            self.bits += 64
+            self.value = (self.value << 64) | int(self.rng.bit_generator.random_raw())
+
+
+def _geometric_cdf(s: Fraction, m: int, size: int | None):
+    """F(m) of Geom(e^-s) (P(M >= k) = e^(-ks)), truncated to {0..size-1} when size is given."""
+    def interval(bits: int) -> tuple[int, int]:
+        guard = bits + 16
+        one = 1 << guard
+        e_lo, e_hi = exp_neg_interval((m + 1) * s, guard)
+        num_lo, num_hi = one - e_hi, one - e_lo
+        if size is None:
+            return num_lo >> 16, -((-num_hi) >> 16)
+        n_lo, n_hi = exp_neg_interval(size * s, guard)
+        den_lo, den_hi = one - n_hi, one - n_lo
+        lo = (num_lo << bits) // den_hi
+        hi = -((-(num_hi << bits)) // den_lo)
+        return lo, hi
+    return interval
+
+
+# --------------------------------------------------------------------------- geometric
+class _Level:
+    """Inversion of one geometric variable Geom(beta), beta = e^-s: on {0..size-1}
+    (truncated) or on all of N (top level, size None) with the tail by recursion."""
+
+    def __init__(self, s: Fraction, size: int | None, bits: int):
+        self.s, self.size, self.bits = s, size, bits
+        sf = float(s)
+        if size is None:
+            self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / sf))))
+            self.d = 1.0  # guess: m + 1 = -ln(1 - u) / s
+        else:
+            self.entries = size
+            self.d = -math.expm1(-size * sf)  # guess: m + 1 = -ln(1 - u d) / s
+        self.inv_s = 1.0 / sf
+        table = self._table()
+        self.c = np.array(table, dtype=np.uint64)
+        # Padded for the common case: t[m] = c[m - 1] (t[0] = 0 for F(-1) = 0) and
+        # t[K + 1] = 0, so that a uniform beyond the table is never taken as settled.
+        self.t = np.array([0, *table, 0], dtype=np.uint64)
+
+    def _table(self) -> list[int]:
+        """floor(2^bits F(m)) for every entry, proven by fixed-point interval arithmetic."""
+        P = _FIXED
+        one = 1 << P
+        b_lo, b_hi = exp_neg_interval(self.s, P)
+        count = self.entries if self.size is None else self.size
+        powers = []
+        p_lo = p_hi = one
+        for _ in range(count):
+            p_lo = (p_lo * b_lo) >> P
+            p_hi = -((-p_hi * b_hi) >> P)
+            powers.append((p_lo, p_hi))
+        shift = P - self.bits
+        out = []
+        if self.size is None:
+            for m, (lo, hi) in enumerate(powers):
+                f_lo, f_hi = (one - hi) >> shift, (one - lo) >> shift
+                out.append(f_lo if f_lo == f_hi else
+                           _floor_bits(_geometric_cdf(self.s, m, None), self.bits))
+            return out
+        den_lo, den_hi = one - powers[-1][1], one - powers[-1][0]
+        for m, (lo, hi) in enumerate(powers[:-1]):
+            f_lo = ((one - hi) << P) // den_hi >> shift
+            f_hi = -((-((one - lo) << P)) // den_lo) >> shift
+            out.append(f_lo if f_lo == f_hi else
+                       _floor_bits(_geometric_cdf(self.s, m, self.size), self.bits))
+        out.append(1 << self.bits)  # F(size - 1) = 1 exactly: no uniform reaches it
+        return out
+
+    def invert(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The variable for uniforms u (integers < 2^bits, one per element): min{m : U < F(m)}."""
+        t, K = self.t, self.entries
+        # A float64 guess, floor(-ln(1 - u d) / s); integer comparisons decide.
+        guess = u.view(np.int64).astype(np.float64)
+        guess *= -self.d * 2.0**-self.bits
+        guess += 1.0
+        np.log(guess, out=guess)
+        guess *= -self.inv_s
+        np.clip(guess, 0, K, out=guess)
+        m = guess.astype(np.int64)
+        # Settled where c[m - 1] < u < c[m]: then F(m - 1) <= U < F(m).
+        settled = t[m] < u
+        settled &= u < t[m + 1]
+        rest = np.flatnonzero(~settled)
+        if rest.size:
+            m[rest] = self._settle(m[rest], u[rest], rng)
+        return m
+
+    def _settle(self, m: np.ndarray, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The few elements whose guess was off, that tie with an entry or lie in the tail."""
+        c, K = self.c, self.entries
+        while (up := (m < K) & (c[np.minimum(m, K - 1)] < u)).any():
+            m += up
+        while (down := (m > 0) & (c[np.maximum(m - 1, 0)] > u)).any():
+            m -= down
+        for i in range(m.size):
+            m[i] = self._resolve(int(m[i]), int(u[i]), rng)
+        if self.size is None:
+            tail = np.flatnonzero(m == K)
+            if tail.size:  # M >= K: by memorylessness M - K is the same geometric
+                m[tail] += self.draw(rng, tail.size)
+        return m
+
+    def _resolve(self, m: int, u: int, rng: np.random.Generator) -> int:
+        """min{j : U < F(j)} given c[m - 1] <= u <= c[m], when u ties with entries."""
+        c = self.c
+        while m > 0 and c[m - 1] == u:
+            m -= 1
+        uniform = _Uniform(self.bits, u, rng)
+        while m < self.entries and c[m] == u and not uniform.below(
+                _geometric_cdf(self.s, m, self.size)):
+            m += 1
+        return m
+
+    def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        words = rng.bit_generator.random_raw(size)
+        return self.invert(words >> np.uint64(64 - self.bits), rng)
+
+
+class Geometric:
+    """Exact Geom(e^-s) on {0, 1, ...}: base-2^16 digits, each an independent truncated
+    geometric, and a top digit with its tail; one 64-bit word per digit."""
+
+    def __init__(self, s: Fraction, bits: int = BITS):
+        if s <= 0:
+            raise ValueError("the geometric parameter s must be > 0")
+        self.levels: list[_Level] = []
+        while math.ceil(TAIL_BITS * _LN2 / float(s)) > TABLE_MAX:
+            self.levels.append(_Level(s, TABLE_MAX, bits))
+            s *= TABLE_MAX
+        self.levels.append(_Level(s, None, bits))
+
+    def from_words(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The variable, with the first digit inverted from the given uniforms."""
+        m = self.levels[0].invert(u, rng)
+        weight = 1
+        for level in self.levels[1:]:
+            weight *= TABLE_MAX
+            m += weight * level.draw(rng, m.size)
+        return m
+
+
+# --------------------------------------------------------------------------- samplers
+class DiscreteLaplace:
+    """Exact two-sided geometric noise, P(z) = (1 - a)/(1 + a) a^|z|, a = e^(-1/scale)."""
+
+    def __init__(self, scale: float, bits: int = BITS):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"the discrete Laplace scale must be finite and > 0, not {scale}")
+        self.scale = float(scale)
+        self.bits = bits
+        self.magnitude = Geometric(1 / Fraction(self.scale), bits)
+        self.accept = (1 + math.exp(-1 / self.scale)) / 2  # 1 - P(sign -, magnitude 0)
+
+    def _draw(self, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
+        words = rng.bit_generator.random_raw(size)
+        negative = (words & np.uint64(1)).view(np.int64)
+        z = self.magnitude.from_words(words >> np.uint64(64 - self.bits), rng)
+        reject = z - negative == -1  # sign - and magnitude 0: -0 would count zero twice
+        z ^= -negative  # two's complement: -z = (z ^ -1) + 1
+        z += negative
+        return z, reject
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        # Draws a few more than needed and keeps the first `size` not rejected, in order:
+        # still independent draws of the target.
+        out = np.empty(size, np.int64)
+        filled = 0
+        while filled < size:
+            need = size - filled
+            z, reject = self._draw(rng, min(CHUNK, math.ceil(need / self.accept) + 16))
+            if reject.any():
+                z = z[~reject]
+            z = z[:need]
+            out[filled:filled + z.size] = z
+            filled += z.size
+        return out
+
+
+class DiscreteGaussian:
+    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)) (CKS20, Algorithm 3)."""
+
+    def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN):
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"the discrete Gaussian sigma must be finite and > 0, not {sigma}")
+        self.sigma = float(sigma)
+        self.t = math.floor(self.sigma) + 1
+        self.base = DiscreteLaplace(self.t, bits)
+        self.margin = margin
+        s2 = Fraction(self.sigma) ** 2
+        self._s2, self._centre = s2, s2 / self.t
+        self.centre = float(self._centre)
+        self.inv_2s2 = 1.0 / (2.0 * self.sigma**2)
+        # Acceptance rate of one candidate (only sizes the rounds; never affects values).
+        a = math.exp(-1 / self.t)
+        self.accept = _gaussian_norm(self.sigma) / ((1 + a) / (1 - a) * math.exp(self.sigma**2 / (2 * self.t**2)))
+
+    def _accept_interval(self, y: int):
+        gamma = (abs(y) - self._centre) ** 2 / (2 * self._s2)
+        return lambda bits: exp_neg_interval(gamma, bits)
+
+    def _accept(self, y: np.ndarray, words: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        gap = np.abs(y).astype(np.float64) - self.centre
+        gap *= gap
+        gap *= -self.inv_2s2
+        threshold = np.exp(gap)
+        u = words.astype(np.float64) * 2.0**-64
+        accept = u < threshold - self.margin
+        unsure = np.flatnonzero(~accept & (u <= threshold + self.margin) | (np.abs(y) > 1 << 50))
+        for i in unsure:
+            accept[i] = _Uniform(64, int(words[i]), rng).below(self._accept_interval(int(y[i])))
+        return accept
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
+        out = np.empty(size, np.int64)
+        filled = 0
+        while filled < size:
+            need = size - filled
+            count = min(CHUNK, math.ceil(need / self.accept + 4 * math.sqrt(need)) + 16)
+            y = self.base.sample(rng, count)
+            y = y[self._accept(y, rng.bit_generator.random_raw(count), rng)][:need]
+            out[filled:filled + y.size] = y
+            filled += y.size
+        return out
+
+
+@functools.lru_cache(maxsize=32)
+def sampler(noise: str, scale: float) -> DiscreteLaplace | DiscreteGaussian:
+    if noise == "discrete-laplace":
+        return DiscreteLaplace(scale)
+    if noise == "discrete-gaussian":
+        return DiscreteGaussian(scale)
+    raise ValueError(f"not a discrete noise: {noise}")
+
+
+def retain_mask(rng: np.random.Generator, p: float, size: int) -> np.ndarray:
+    """Positions kept, each independently with probability exactly p (a float, so a
+    dyadic rational): 64-bit words against p's binary expansion."""
+    if p <= 0.0:
+        return np.empty(0, np.int64)
+    exact = Fraction(p)
+    threshold = math.floor(exact * 2**64)
+    words = rng.bit_generator.random_raw(size)
+    if threshold >= 1 << 64:
+        return np.arange(size)
+    kept = words < np.uint64(threshold)
+    if exact * 2**64 != threshold:
+        for i in np.flatnonzero(words == np.uint64(threshold)):
+            kept[i] = _Uniform(64, threshold, rng).below(_rational(exact))
+    return np.flatnonzero(kept)
+
+
+def _rational(x: Fraction):
+    def interval(bits: int) -> tuple[int, int]:
+        lo = (x.numerator << bits) // x.denominator
+        return lo, lo + 1
+    return interval
+
+
+# --------------------------------------------------------------------------- grid, dtype
+@dataclass(frozen=True)
+class Grid:
+    """Where the discrete noise is added: the integers (granularity None) or G*Z."""
+
+    granularity: float | None
+    low: int  # the smallest value, in grid units
+    high: int  # the largest value, in grid units
+
+    @property
+    def values(self) -> int:
+        """W: how many grid values the declared range holds."""
+        return self.high - self.low + 1
+
+    @property
+    def range_width(self) -> float:
+        """What calibrate takes as range_width (see mechanisms.calibrate)."""
+        return float(self.values) if self.granularity is None else self.granularity * (self.high - self.low)
+
+
+def auto_granularity(lo: float, hi: float, epsilon: float) -> float:
+    """The largest power of two at most (hi - lo) / (1024 max(1, eps)): rounding moves a
+    value by at most 1/2048 of the range (and of the noise scale Delta/eps)."""
+    return 2.0 ** math.floor(math.log2((hi - lo) / (1024 * max(1.0, epsilon))))
+
+
+def resolve_grid(lo: float, hi: float, dtypes: list[np.dtype], granularity: float | None,
+                 epsilon: float, where: object) -> Grid:
+    """The grid for data of these dtypes declared in [lo, hi) (integers) or [lo, hi] (floats)."""
+    if all(np.dtype(d).kind in "iu" for d in dtypes):
+        if granularity is not None:
+            raise UsageError(f"{where}: --granularity applies to float data; integer data is "
+                             "perturbed on the integers")
+        if lo != math.floor(lo) or hi != math.floor(hi):
+            raise UsageError(f"{where}: discrete noise on integer data needs an integer --range "
+                             f"(LO and HI whole numbers), not {lo:g}:{hi:g}")
+        grid = Grid(None, int(lo), int(hi) - 1)
+    else:
+        if granularity is None:
+            granularity = auto_granularity(lo, hi, epsilon)
+        elif not (math.isfinite(granularity) and granularity > 0):
+            raise UsageError(f"--granularity must be a finite number > 0, not {granularity}")
+        low, high = np.rint(np.array([lo, hi]) / granularity)
+        if not (abs(low) < 2**53 and abs(high) < 2**53):
+            raise UsageError(f"{where}: --granularity {granularity:g} is too fine for the range "
+                             f"{lo:g}:{hi:g} (more than 2^53 grid steps)")
+        grid = Grid(float(granularity), int(low), int(high))
+    if grid.values < 2:
+        raise UsageError(f"{where}: the range {lo:g}:{hi:g} holds a single grid value; "
+                         "there is nothing to protect" + ("" if grid.granularity is None
+                                                          else " (choose a finer --granularity)"))
+    if grid.values > 2**52:
+        raise UsageError(f"{where}: the range {lo:g}:{hi:g} holds {grid.values} grid values; "
+                         "discrete noise needs at most 2^52 (declare a narrower --range)")
+    return grid
+
+
+def tail_bound(noise: str, scale: float) -> int:
+    """T with P(|Z| > T) < 2^-64 for one draw of the noise (grid units).
+
+    Discrete Laplace: P(|Z| > T) <= 2 a^(T+1); discrete Gaussian: sub-Gaussian with
+    variance proxy sigma^2 (CKS20), P(|Z| > T) <= 2 exp(-T^2 / (2 sigma^2)).
+    """
+    if noise == "discrete-laplace":
+        return math.ceil(65 * _LN2 * scale)
+    return math.ceil(scale * math.sqrt(2 * 65 * _LN2))
+
+
+def output_dtype(grid: Grid, noise: str, scale: float, float_dtype: str) -> np.dtype:
+    """Integer data: the smallest of int8/16/32/64 holding every value within the tail bound
+    of the noise around the range. Grid data: float_dtype, if G * n stays exact for every
+    such grid value n."""
+    t = tail_bound(noise, scale)
+    low, high = grid.low - t, grid.high + t
+    if grid.granularity is None:
+        for dtype in (np.int8, np.int16, np.int32, np.int64):
+            info = np.iinfo(dtype)
+            if info.min <= low and high <= info.max:
+                return np.dtype(dtype)
+        raise UsageError(f"the range {grid.low}..{grid.high} and noise of scale {scale:.4g} do not fit "
+                         "int64; declare a narrower --range")
+    dtype = np.dtype(float_dtype)
+    exact = 2**24 if dtype == np.float32 else 2**53
+    if max(abs(low), abs(high)) > exact:
+        raise UsageError(f"--dtype {float_dtype} cannot hold the grid values exactly (up to "
+                         f"{max(abs(low), abs(high))} steps of {grid.granularity:g}); use --dtype float64 "
+                         "or a coarser --granularity")
+    return dtype
+
+
+def manifest_fields(grid: Grid, automatic: bool, dtype: np.dtype) -> dict:
+    """What the manifest records about the grid and the output dtype."""
+    if grid.granularity is None:
+        rule = "integer data: the integers, [lo, hi) holds lo..hi-1"
+    elif automatic:
+        rule = "automatic: the largest power of two at most (hi - lo) / (1024 max(1, eps))"
+    else:
+        rule = "--granularity"
+    dtype_rule = ("the smallest of int8, int16, int32, int64 holding every grid value within the "
+                  "noise's 2^-64 tail bound of the range" if dtype.kind == "i" else
+                  f"{dtype}: granularity times the grid value, exact on the grid")
+    return {"granularity": grid.granularity,
+            "grid": {"rule": rule, "low": grid.low, "high": grid.high, "values": grid.values,
+                     "sensitivity_steps": grid.values - 1, "output_dtype_rule": dtype_rule}}
+
+
+def saturation_note(dtype: np.dtype) -> str | None:
+    if dtype.kind != "i":
+        return None
+    info = np.iinfo(dtype)
+    return (f"saturate at the {dtype} limits [{info.min}, {info.max}] (reached with probability "
+            "below 2^-64 per element; never wraps)")
+
+
+# --------------------------------------------------------------------------- engine
+def snap(values: np.ndarray, granularity: float | None) -> np.ndarray:
+    """Grid units as int64: integers as they are; floats rounded to the nearest multiple
+    of G (ties to even). Float values must be integral when there is no granularity."""
+    if granularity is not None:
+        return np.rint(values / granularity).astype(np.int64)
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    grid = np.rint(values)
+    if not np.array_equal(grid, values):
+        raise DataError("discrete noise without a granularity needs integer values")
+    return grid.astype(np.int64)
+
+
+def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype) -> np.ndarray:
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(values, info.min, info.max).astype(dtype)
+    return (values * (1.0 if granularity is None else granularity)).astype(dtype)
+
+
+def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib, streams: Streams,
+                    weights: np.ndarray | None = None, dtype: np.dtype | type | None = None) -> np.ndarray:
+    """engine.perturb_records for the discrete noises: the same stream units, and in each the
+    noise of the whole unit first, then the retain decisions. The output is in `dtype`
+    (integer: saturating; float: G * grid value); None gives int64 (grid units)."""
+    dtype = np.dtype(np.int64 if dtype is None else dtype)
+    granularity = getattr(calib, "granularity", None)
+    n = block.shape[0]
+    elements = calib.elements
+    out = snap(block.reshape(n, elements), granularity)
+    if n == 0:
+        return _to_output(out, granularity, dtype).reshape(block.shape)
+    per_unit = records_per_unit(elements)
+    noise_sampler = sampler(calib.noise, calib.scale)
+    # Rounded down, so the realised retain probability never exceeds the certified one.
+    p_keep = math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0
+    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
+        rng = streams.generator(array_name, unit)
+        unit_start = unit * per_unit
+        noise = noise_sampler.sample(rng, per_unit * elements).reshape(per_unit, elements)
+        positions = retain_mask(rng, p_keep, per_unit * elements)
+        thinning = rng.random(positions.size)
+
+        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
+        rows, cols = np.divmod(positions, elements)
+        inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
+        rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
+        if weights is None:
+            kept = np.ones(rows.shape, bool)
+        elif weights.ndim == 1:
+            kept = thinning < 1.0 - weights[cols]
+        else:
+            kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
+        noise[rows[kept], cols[kept]] = 0
+        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
+    return _to_output(out, granularity, dtype).reshape(block.shape)
+
+
+# --------------------------------------------------------------------------- distributions
+_SUMMED_SIGMA = 1e5  # discrete Gaussian: sums term by term up to this sigma
+
+
+def _gaussian_norm(sigma: float) -> float:
+    """sum over all integers y of exp(-y^2 / (2 sigma^2)); beyond sigma = 4 it equals
+    sigma sqrt(2 pi) to within exp(-2 pi^2 sigma^2) (Poisson summation)."""
+    if sigma >= 4:
+        return sigma * math.sqrt(2 * math.pi)
+    span = np.arange(1, math.ceil(40 * sigma) + 2, dtype=np.float64)
+    return 1 + 2 * float(np.exp(-span**2 / (2 * sigma**2)).sum())
+
+
+def noise_pmf(noise: str, scale: float, z: np.ndarray) -> np.ndarray:
+    """The probability mass function (in float64) of the noise at integers z."""
+    z = np.abs(np.asarray(z, dtype=np.float64))
+    if noise == "discrete-laplace":
+        a = math.exp(-1 / scale)
+        return -math.expm1(-1 / scale) / (1 + a) * np.exp(-z / scale)
+    return np.exp(-z**2 / (2 * scale**2)) / _gaussian_norm(scale)
+
+
+def moments(noise: str, scale: float) -> tuple[float, float]:
+    """E z^2 and E z^4 of the noise."""
+    if noise == "discrete-laplace":
+        a = math.exp(-1 / scale)
+        q = -math.expm1(-1 / scale)  # 1 - a
+        return 2 * a / q**2, 2 * a * (1 + 11 * a + 11 * a**2 + a**3) / ((1 + a) * q**4)
+    if scale >= 4:  # Poisson summation again
+        return scale**2, 3 * scale**4
+    z = np.arange(-math.ceil(40 * scale) - 2, math.ceil(40 * scale) + 3, dtype=np.float64)
+    pmf = noise_pmf(noise, scale, z)
+    return float((pmf * z**2).sum()), float((pmf * z**4).sum())
+
+
+def abs_cdf(noise: str, scale: float, k: np.ndarray) -> np.ndarray:
+    """P(|Z| <= k) for integers k >= 0."""
+    k = np.asarray(k, dtype=np.float64)
+    if noise == "discrete-laplace":
+        a = math.exp(-1 / scale)
+        return 1 - 2 * np.exp(-(k + 1) / scale) / (1 + a)
+    if scale > _SUMMED_SIGMA:  # the normal with continuity correction: relative error ~ 1/sigma^2
+        from scipy.special import erf
+
+        return erf((k + 0.5) / (scale * math.sqrt(2)))
+    top = math.ceil(40 * scale) + 2
+    mass = noise_pmf(noise, scale, np.arange(top + 1)) * 2
+    mass[0] /= 2
+    cdf = np.minimum(np.cumsum(mass), 1.0)
+    return cdf[np.minimum(k, top).astype(np.int64)]
+
+
+def abs_quantile(noise: str, scale: float, q: np.ndarray) -> np.ndarray:
+    """The smallest integer k with P(|Z| <= k) >= q, for each q in (0, 1)."""
+    q = np.asarray(q, dtype=np.float64)
+    if noise == "discrete-laplace":
+        a = math.exp(-1 / scale)
+        k = np.ceil(-scale * np.log((1 - q) * (1 + a) / 2)) - 1
+        return np.maximum(k, 0).astype(np.int64)
+    if scale > _SUMMED_SIGMA:
+        from scipy.special import erfinv
+
+        return np.maximum(np.ceil(scale * math.sqrt(2) * erfinv(q) - 0.5), 0).astype(np.int64)
+    grid = np.arange(math.ceil(40 * scale) + 3)
+    return grid[np.minimum(np.searchsorted(abs_cdf(noise, scale, grid), q), grid.size - 1)]
+
+
+def chi_square(sample: np.ndarray, noise: str, scale: float, exclude_zero: bool = False,
+               bins: int = 40) -> tuple[float, float, int]:
+    """Chi-square test of integer noise against its exact distribution: |z| in bins of about
+    equal probability, and the sign. `exclude_zero`: the sample holds only nonzero values
+    (z = 0 is where TLDP's kept values hide). Returns (statistic, p-value, degrees of freedom)."""
+    from scipy import stats
+
+    sample = np.asarray(sample, dtype=np.int64)
+    bins = max(2, min(bins, sample.size // 20))  # about 20 or more expected per bin
+    magnitude = np.abs(sample)
+    start = 1 if exclude_zero else 0
+    below = float(abs_cdf(noise, scale, np.array([start - 1]))[0]) if start else 0.0
+    quantiles = below + (1 - below) * np.arange(1, bins) / bins
+    edges = np.unique(np.maximum(abs_quantile(noise, scale, quantiles), start))
+    upper = abs_cdf(noise, scale, edges)
+    probs = np.diff(np.concatenate([[below], upper, [1.0]])) / (1 - below)
+    observed = np.bincount(np.searchsorted(edges, magnitude, side="left"), minlength=edges.size + 1)
+    keep = probs > 0
+    expected = probs[keep] * sample.size
+    observed = observed[keep]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    # the sign: symmetric, each nonzero value negative with probability 1/2
+    nonzero = magnitude > 0
+    negative = int((sample < 0).sum())
+    statistic += (2 * negative - int(nonzero.sum())) ** 2 / max(int(nonzero.sum()), 1)
+    dof = int(keep.sum())  # bins - 1, and 1 for the sign
+    return statistic, float(stats.chi2.sf(statistic, dof)), dof

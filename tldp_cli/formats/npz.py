@@ -1,0 +1,193 @@
+"""NumPy .npz archives of named arrays (np.savez, np.savez_compressed), read as a
+model-parameter file: each member is one tensor, one record (see tensor_files).
+
+The output is the same archive: every member in its order, under its name, with
+its compression, date and attributes; perturbed members keep their dtype,
+shape and byte order, and the others (integer arrays, non-.npy members) are copied
+unchanged. A zip member is written in one piece, so perturbed tensors wait in
+memory until the members before them are written (at most a few blocks in flight).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tldp_cli.errors import InputError, OutputError
+from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats.tensor_files import Tensor
+
+NAME = "npz"
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def can_open(path: Path) -> bool:
+    """A zip archive whose first member is a .npy file (read from its local header)."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(30)
+            if len(head) < 30 or head[:4] != ZIP_MAGIC:
+                return False
+            name_length = struct.unpack("<H", head[26:28])[0]
+            return f.read(name_length).endswith(b".npy")
+    except OSError:
+        return False
+
+
+def default_output(path: Path) -> Path:
+    stem = path.name[:-4] if path.name.endswith(".npz") else path.name
+    return path.with_name(stem + ".tldp.npz")
+
+
+def _key(member: str) -> str:
+    return member[:-4] if member.endswith(".npy") else member
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name if dtype.kind in "iufbc" else str(dtype)
+
+
+def _corrupt(path: Path, exc: Exception) -> InputError:
+    return InputError(f"{path}: not a valid .npz file ({exc}); it may be truncated or corrupt")
+
+
+@dataclass(frozen=True)
+class _Member:
+    """Reads one member whole (one record). Picklable: opens the archive inside each call."""
+
+    path: Path
+    member: str
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        try:
+            with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
+                array = np.lib.format.read_array(f, allow_pickle=False)
+        except Exception as exc:  # bad CRC, truncated deflate stream, ...
+            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({exc}); "
+                             "the file may be corrupt") from None
+        return array[None][start:stop]
+
+
+class NpzReader:
+    format = NAME
+    records_are_tensors = True  # the manifest gets per-tensor figures
+
+    def __init__(self, path: Path, options: FormatOptions):
+        self.path = path
+        self.dtypes: dict[str, np.dtype] = {}  # each tensor's stored dtype, byte order included
+        try:
+            with zipfile.ZipFile(path) as zf:
+                self.members = zf.infolist()
+                self.comment = zf.comment
+                self.tensors = [self._tensor(zf, info) for info in self.members
+                                if info.filename.endswith(".npy")]
+        except InputError:
+            raise
+        except Exception as exc:
+            raise _corrupt(path, exc) from None
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise InputError(f"{path}: holds more than one array named {', '.join(twice)}")
+        chosen, self.messages = tensor_files.select(path, self.tensors, options.datasets)
+        self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy")) for t in chosen]
+
+    def _tensor(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Tensor:
+        try:
+            with zf.open(info) as f:
+                major, _ = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if major == 1
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(f)
+        except Exception as exc:
+            raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array ({exc})") from None
+        self.dtypes[_key(info.filename)] = dtype
+        return Tensor(_key(info.filename), tuple(shape), _dtype_name(dtype))
+
+    def arrays(self) -> list[ArrayJob]:
+        return self.jobs
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(path: Path, options: FormatOptions) -> NpzReader:
+    return NpzReader(path, options)
+
+
+class NpzWriter:
+    """Writes the archive member by member in the input's order."""
+
+    def __init__(self, reader: NpzReader, tmp_path: Path, dtype: np.dtype):
+        self.source = reader.path
+        self.path = tmp_path
+        self.members = reader.members
+        self.dtypes = reader.dtypes
+        self.to_write = {job.name for job in reader.jobs}
+        chosen = [t for t in reader.tensors if t.name in self.to_write]
+        self.postprocessing = tensor_files.postprocessing(chosen, dtype)
+        self.output_dtype = tensor_files.output_dtype(chosen)
+        self.pending: dict[str, np.ndarray] = {}  # perturbed, waiting for the members before them
+        self.received: set[str] = set()
+        self.next = 0  # index of the next member to write
+        self.lock = threading.Lock()
+        try:
+            self.out = zipfile.ZipFile(tmp_path, "x", allowZip64=True)
+        except OSError as exc:
+            raise OutputError(f"{tmp_path.parent}: cannot create the output file ({exc.strerror})") from None
+        self.out.comment = reader.comment
+        self.src = zipfile.ZipFile(reader.path)
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name])
+        with self.lock:
+            self.pending[job.name] = stored
+            self.received.add(job.name)
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.next < len(self.members):
+            info = self.members[self.next]
+            name = _key(info.filename)
+            perturbed = info.filename.endswith(".npy") and name in self.to_write
+            if perturbed and name not in self.pending:
+                return
+            target = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            target.compress_type, target.external_attr = info.compress_type, info.external_attr
+            target.comment, target.create_system = info.comment, info.create_system
+            with self.out.open(target, "w", force_zip64=True) as f:
+                if perturbed:
+                    np.lib.format.write_array(f, self.pending.pop(name), allow_pickle=False)
+                else:
+                    try:
+                        with self.src.open(info) as g:
+                            shutil.copyfileobj(g, f, 1 << 20)
+                    except Exception as exc:
+                        raise InputError(f"{self.source}: cannot copy member {info.filename} "
+                                         f"({exc}); the file may be corrupt") from None
+            self.next += 1
+
+    def close(self) -> list[Path]:
+        if self.out is not None:
+            with self.lock:
+                try:
+                    if self.received == self.to_write:  # else the run failed: the output is discarded
+                        self._flush()  # the members after the last perturbed one
+                finally:
+                    self.out.close()
+                    self.src.close()
+                    self.out = None
+        return [self.path]
+
+
+def create_writer(reader: NpzReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> NpzWriter:
+    return NpzWriter(reader, tmp_path, dtype)

@@ -1,0 +1,218 @@
+"""safetensors files (Hugging Face), read as a model-parameter file: each tensor is
+one record (see tensor_files).
+
+Tensors keep their dtype and shape, so the output reuses the input's header byte for
+byte: names, dtypes, shapes, order, data offsets and `__metadata__` all come through.
+Perturbed tensors are written at their offsets; the others are copied unchanged.
+
+Tensors are read with the `safetensors.numpy` API (safe_open, framework "np"), which
+also validates the header. NumPy has no bfloat16, so bfloat16 tensors are read from
+their offsets as float32 (exactly) and written back rounded to bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tldp_cli.errors import InputError, OutputError
+from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats.tensor_files import Tensor
+
+NAME = "safetensors"
+MAX_HEADER = 100_000_000  # the safetensors library's own limit
+DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+          "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+          "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
+
+
+def can_open(path: Path) -> bool:
+    """8 bytes of little-endian header length, then a JSON object."""
+    if not path.is_file():
+        return False
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    length = struct.unpack("<Q", head[:8])[0]
+    return 2 <= length <= min(size - 8, MAX_HEADER) and head[8:9] == b"{"
+
+
+def default_output(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.tldp{path.suffix}")
+
+
+def _invalid(path: Path, reason: str) -> InputError:
+    return InputError(f"{path}: not a valid safetensors file ({reason}); it may be truncated or corrupt")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    tensor: Tensor
+    begin: int  # data offsets, relative to the end of the header
+    end: int
+
+
+def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
+    """The raw header (length prefix included), its __metadata__ and the tensors in file order."""
+    try:
+        with open(path, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            raw = f.read(length)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _invalid(path, f"the header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _invalid(path, "the header is not a JSON object")
+    # The library checks offsets, sizes and coverage of the data; its message says what is wrong.
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            metadata = f.metadata()
+    except Exception as exc:
+        raise _invalid(path, str(exc)) from None
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(info["dtype"], info["dtype"].lower())
+        begin, end = info["data_offsets"]
+        entries.append(_Entry(Tensor(name, tuple(info["shape"]), dtype), begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    return struct.pack("<Q", length) + raw, metadata or {}, entries
+
+
+@dataclass(frozen=True)
+class _Read:
+    """Reads one tensor whole (one record). Picklable: opens the file inside each call."""
+
+    path: Path
+    entry: _Entry
+    data_start: int
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        tensor = self.entry.tensor
+        try:
+            if tensor.dtype == "bfloat16":
+                with open(self.path, "rb") as f:
+                    f.seek(self.data_start + self.entry.begin)
+                    raw = f.read(self.entry.end - self.entry.begin)
+                bits = np.frombuffer(raw, dtype="<u2")
+                values = tensor_files.bfloat16_to_float32(bits).reshape(tensor.shape)
+            else:
+                from safetensors import safe_open
+
+                with safe_open(str(self.path), framework="np") as f:
+                    values = f.get_tensor(tensor.name)
+        except Exception as exc:
+            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({exc})") from None
+        return np.asarray(values)[None][start:stop]
+
+
+class SafetensorsReader:
+    format = NAME
+    records_are_tensors = True  # the manifest gets per-tensor figures
+
+    def __init__(self, path: Path, options: FormatOptions):
+        self.path = path
+        self.header, self.metadata, self.entries = _parse(path)
+        self.data_start = len(self.header)
+        tensors = [e.tensor for e in self.entries]
+        chosen, self.messages = tensor_files.select(path, tensors, options.datasets)
+        names = {t.name for t in chosen}
+        self.jobs = [tensor_files.job(path, NAME, e.tensor, _Read(path, e, self.data_start))
+                     for e in self.entries if e.tensor.name in names]
+
+    def arrays(self) -> list[ArrayJob]:
+        return self.jobs
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(path: Path, options: FormatOptions) -> SafetensorsReader:
+    return SafetensorsReader(path, options)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Writes a perturbed tensor at its offset. Picklable: opens the file inside each call."""
+
+    path: Path
+    data_start: int
+    offsets: dict  # tensor name -> (begin, end)
+
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        begin, end = self.offsets[job.name]
+        data = tensor_files.to_stored(block[0], job.source["dtype"])
+        data = data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
+        if data.nbytes != end - begin:
+            raise OutputError(f"{self.path}: tensor {job.name} would take {data.nbytes} bytes, "
+                              f"not {end - begin}")
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, np.ascontiguousarray(data).data, self.data_start + begin)
+        finally:
+            os.close(fd)
+
+
+class SafetensorsWriter:
+    def __init__(self, reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype):
+        self.path = tmp_path
+        chosen = {job.name for job in reader.jobs}
+        tensors = [e.tensor for e in reader.entries if e.tensor.name in chosen]
+        self.postprocessing = tensor_files.postprocessing(tensors, dtype)
+        self.output_dtype = tensor_files.output_dtype(tensors)
+        end = max((e.end for e in reader.entries), default=0)
+        try:
+            with open(tmp_path, "xb") as out, open(reader.path, "rb") as src:
+                out.write(reader.header)
+                out.truncate(reader.data_start + end)
+                for e in reader.entries:  # the tensors that are not perturbed, unchanged
+                    if e.tensor.name not in chosen:
+                        src.seek(reader.data_start + e.begin)
+                        out.seek(reader.data_start + e.begin)
+                        _copy(src, out, e.end - e.begin)
+        except OSError as exc:
+            raise OutputError(f"{tmp_path.parent}: cannot write the output file ({exc.strerror})") from None
+        self.write = _Blocks(tmp_path, reader.data_start,
+                             {e.tensor.name: (e.begin, e.end) for e in reader.entries})
+
+    def block_writer(self) -> _Blocks:
+        return self.write
+
+    def close(self) -> list[Path]:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return [self.path]
+
+
+def _copy(src, dst, count: int) -> None:
+    while count > 0:
+        chunk = src.read(min(count, 1 << 20))
+        if not chunk:
+            raise OSError(0, "unexpected end of the input")
+        dst.write(chunk)
+        count -= len(chunk)
+
+
+def create_writer(reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> SafetensorsWriter:
+    return SafetensorsWriter(reader, tmp_path, dtype)

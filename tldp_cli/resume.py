@@ -1,0 +1,161 @@
+"""The partial output of a resumable run (--resume) and its journal of finished blocks.
+
+A format that can reopen an output it began (a module with `reopen_writer`, today
+Zarr) is written into a deterministic sibling of the destination,
+
+    .NAME.tldp-partial/
+        store/          the output being written
+        journal.jsonl   line 1: the run's options; then one line per finished block
+
+A block is journaled only after its write returned, so every journaled block is on
+disk; a block that was being written when the run died is simply written again.
+The directory is locked (flock) while a run uses it, so two runs never share one.
+
+The journal records the options that decide the output, never the seed nor anything
+derived from it (seeds are low-entropy: a hash would confirm guesses), and no hash
+or statistic of the input. With the same seed a resumed run equals an uninterrupted
+one; without it the remaining blocks get fresh, independent noise.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tldp_cli.errors import OutputError, UsageError
+
+JOURNAL_VERSION = 1
+
+
+def partial_path(output: Path) -> Path:
+    return output.with_name(f".{output.name}.tldp-partial")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    return json.dumps(value)
+
+
+class Partial:
+    """An exclusive hold on the partial output of `output`.
+
+    `resuming` says whether blocks of an earlier run are kept; `completed` holds
+    their (array name, start, stop); `messages` what the user should be told.
+    """
+
+    def __init__(self, output: Path, options: dict[str, Any], resume: bool, overwrite: bool):
+        self.output = output
+        self.root = partial_path(output)
+        self.store = self.root / "store"
+        self.journal = self.root / "journal.jsonl"
+        self.options = json.loads(json.dumps(options, default=str))  # as the journal holds them
+        self.resuming = False
+        self.completed: set[tuple[str, int, int]] = set()
+        self.messages: list[str] = []
+        self._lock: int | None = None
+        self._fd: int | None = None
+        if self.root.exists():
+            self._acquire()
+            try:
+                self._take_over(resume, overwrite)
+            except BaseException:
+                self.release()
+                raise
+        elif resume:
+            self.messages.append(f"no interrupted run of {output} to resume; starting from the beginning")
+        if not self.resuming:
+            self._start()
+
+    def _acquire(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"{self.output}: another tldp run is writing it (its partial output "
+                              f"{self.root} is in use)") from None
+        self._lock = fd
+
+    def _take_over(self, resume: bool, overwrite: bool) -> None:
+        if not resume:
+            if not overwrite:
+                raise OutputError(f"{self.root}: an interrupted run of {self.output} left its partial "
+                                  "output; rerun with --resume to continue it, or with --overwrite to "
+                                  "start over")
+            self._discard()
+            return
+        recorded, completed = self._read_journal()
+        if recorded is None:  # died before its first block: nothing worth keeping
+            self.messages.append(f"the interrupted run of {self.output} had written nothing; "
+                                 "starting from the beginning")
+            self._discard()
+            return
+        differ = [key for key in sorted(set(recorded) | set(self.options))
+                  if recorded.get(key) != self.options.get(key)]
+        if differ:
+            listing = ", ".join(f"{key} {_show(recorded.get(key))} (now {_show(self.options.get(key))})"
+                                for key in differ)
+            raise UsageError(f"--resume: the interrupted run of {self.output} used other options: "
+                             f"{listing}; rerun with the same options (and the same --seed), or "
+                             "without --resume and with --overwrite to start over")
+        self.resuming = True
+        self.completed = completed
+        self._fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+
+    def _read_journal(self) -> tuple[dict[str, Any] | None, set[tuple[str, int, int]]]:
+        try:
+            lines = self.journal.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            return None, set()
+        entries = []
+        for line in lines:
+            try:
+                entries.append(json.loads(line))
+            except ValueError:  # the last line of a run killed while writing it
+                break
+        if not entries or not isinstance(entries[0], dict) or entries[0].get("journal") != JOURNAL_VERSION:
+            return None, set()
+        options = entries[0].get("options")
+        if not isinstance(options, dict) or not self.store.is_dir():
+            return None, set()
+        try:
+            return options, {(e["array"], e["start"], e["stop"]) for e in entries[1:]}
+        except (KeyError, TypeError):
+            return None, set()
+
+    def _discard(self) -> None:
+        shutil.rmtree(self.root)
+        self.release()
+
+    def _start(self) -> None:
+        self.root.mkdir()
+        self._acquire()
+
+    def begin(self) -> None:
+        """Record the options, once the output's skeleton is complete under `store`."""
+        if self.resuming:
+            return
+        self._fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        self._append({"journal": JOURNAL_VERSION, "options": self.options})
+
+    def done(self, array: str, start: int, stop: int) -> None:
+        self._append({"array": array, "start": start, "stop": stop})
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        os.write(self._fd, (json.dumps(entry) + "\n").encode())  # one write: whole lines
+
+    def release(self) -> None:
+        for fd in (self._fd, self._lock):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._lock = None
+
+    def remove(self) -> None:
+        """Throw the partial output away (the run failed for a reason a rerun will not fix)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.release()
