@@ -239,3 +239,28 @@ def test_unknown_option_is_a_one_line_usage_error(cli, digits_file, tmp_path):
 def test_help_has_examples(cli):
     result = cli("perturb", "--help")
     assert result.exit_code == 0 and "Examples:" in result.stdout and "--eps" in result.stdout
+
+
+def test_seed_warns_that_it_fixes_the_noise(cli, digits_file, tmp_path):
+    """The noise depends on the seed and positions only: two inputs of one shape under one
+    seed get the same noise (documented, and warned about)."""
+    other = tmp_path / "other.npy"
+    np.save(other, np.load(digits_file)[::-1])
+    outs = []
+    for src in (digits_file, other):
+        out = tmp_path / f"{src.stem}.out.npy"
+        result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out)
+        assert result.exit_code == 0, result.stderr
+        assert "same seed on another input" in result.stderr and str(SEED) not in result.stderr
+        outs.append(np.load(out).astype(np.float64) - np.load(src))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-3)  # float32 rounding of x + z
+    result = cli("perturb", digits_file, "--eps", "1", "--out", tmp_path / "x.npy")
+    assert "same seed" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["perturb"], ["weight-mask"], ["evaluate"], ["audit"]])
+def test_no_arguments_prints_the_help_as_is(cli, command):
+    result = cli(*command)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Usage: ") and len(result.stderr.splitlines()) > 5
+    assert "error" not in result.stderr.splitlines()[0]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tldp_cli import engine
 from tldp_cli.engine import DENSE_RETAIN_P, perturb_records
 from tldp_cli.mechanisms import calibrate
 from tldp_cli.rng import Streams
@@ -154,3 +155,15 @@ def test_secure_streams_use_aes_counter():
     assert isinstance(Streams("secure", 1).generator("a", 0).bit_generator, AESCounter)
     assert isinstance(Streams("fast", 1).generator("a", 0).bit_generator, np.random.PCG64)
     assert "seed" not in repr(Streams("secure", 123456789)).replace("seeded", "")
+
+
+@pytest.mark.parametrize("noise,size", [("gaussian", 1 << 25), ("laplace", 1 << 26)])
+def test_float32_noise_is_never_exactly_zero(noise, size):
+    """The float32 ziggurat returns exactly 0.0 now and then (this stream: several times);
+    an element given zero noise would be a kept raw value p does not count."""
+    raw = np.random.Generator(np.random.PCG64(0))
+    draw = raw.standard_normal if noise == "gaussian" else raw.standard_exponential
+    assert np.count_nonzero(draw(size, dtype=np.float32) == 0) >= 5
+    z = engine.draw_noise(np.random.Generator(np.random.PCG64(0)), noise, 1.0, size, np.dtype(np.float32))
+    assert np.count_nonzero(z == 0) == 0
+    assert np.count_nonzero(z < 0) == pytest.approx(size / 2, abs=5 * np.sqrt(size))

@@ -287,7 +287,7 @@ def test_nan_in_a_tensor_names_it(cli, tmp_path):
     w[2, 1] = np.nan
     src = write_safetensors(tmp_path / "m.safetensors", {"ok": np.zeros(3, np.float32), "w": w})
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1"), 1)
-    assert "dataset w" in line and "NaN or Inf" in line and "element 9" in line
+    assert "tensor w" in line and "NaN or Inf" in line and "element 9" in line
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -343,7 +343,8 @@ def test_manifest_composes_the_tensors_of_the_file(cli, tmp_path):
         "a": np.zeros(1, np.float32), "b": np.zeros(2, np.float32), "c": np.zeros(3, np.float32)})
     result = cli("perturb", src, "--eps", "5", "--clip", "1", "--json", "-q")
     assert result.exit_code == 0, result.stderr
-    acc = json.loads(result.stdout)["accounting"]
+    m = json.loads(result.stdout)
+    acc = m["accounting"]
     ps = {n: laplace_p(5.0, 2.0, i) for n, i in (("a", 1), ("b", 2), ("c", 3))}
     for entry, (name, size) in zip(acc["per_tensor"], (("a", 1), ("b", 2), ("c", 3))):
         assert entry["name"] == name and entry["elements"] == size
@@ -357,7 +358,19 @@ def test_manifest_composes_the_tensors_of_the_file(cli, tmp_path):
     closed = 1 - (1 - ps["a"]) * (1 - ps["b"]) ** 2 * (1 - ps["c"]) ** 3
     assert f["point_mass_delta"] == pytest.approx(closed) and f["delta"] == pytest.approx(closed)
     assert f["approx"]["delta"] == pytest.approx(1e-5 + closed)
-    assert acc["per_record"]["epsilon"] == pytest.approx(15.0)  # the largest tensor
+    # Each element and each record: the worst case over the tensors. The largest tensor has
+    # the largest pure eps (15), the 1-element tensor keeps its raw value with p_a = 0.556.
+    assert acc["per_record"]["epsilon"] == pytest.approx(15.0)
+    assert acc["per_record"]["delta"] == pytest.approx(ps["a"]) and ps["a"] > 0.5
+    assert acc["per_element"]["epsilon"] == pytest.approx(5.0)
+    assert acc["per_element"]["delta"] == acc["per_element"]["point_mass_delta"] == pytest.approx(ps["a"])
+    assert acc["per_element"]["approx"]["delta"] == pytest.approx(1e-5 + ps["a"])
+    assert acc["worst_case_of"] == 3
+    assert m["retain_probability"] == pytest.approx(ps["a"])
+    assert m["retain_probability_log10"] == pytest.approx(math.log10(ps["a"]))
+    assert [c["elements_per_record"] for c in m["calibrations"]] == [1, 2, 3]
+    assert [c["retain_probability"] for c in m["calibrations"]] == pytest.approx([ps["a"], ps["b"], ps["c"]])
+    assert m["elements_per_record"] == 3 and m["noise_scale"] == pytest.approx(0.4)
 
 
 def test_record_budget_gives_each_tensor_eps_and_the_file_the_sum(cli, tmp_path):

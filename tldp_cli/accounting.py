@@ -1,6 +1,8 @@
 """Certified privacy figures (DESIGN section 2), per element and per record.
 
-Every number a manifest states about the guarantee comes from `certify`.
+Every number a manifest states about the guarantee comes from `certify` (one
+calibration), `certify_all` (records of several sizes: the worst case over them),
+`compose` and `certify_file` (everything a run released).
 
 - Laplace noise of scale b on values of range width Delta is pure (Delta/b)-DP per
   element and pure I*Delta/b per record (basic composition, tight for product
@@ -96,6 +98,19 @@ def point_mass_delta(log_p: float, elements: int) -> tuple[float, float | None]:
     return delta, (log_p + math.log(elements)) / LN10
 
 
+def scope_epsilon(calib: "Calibration", count: int) -> float:
+    """The `epsilon` of `count` elements' scope (certify's per_record for count = I), alone:
+    what --budget record calibrates to, without running the approx accountants."""
+    if calib.noise == "laplace":
+        return count * calib.range_width / calib.scale
+    if calib.noise == "gaussian":
+        return gaussian_epsilon(calib.scale / (calib.range_width * math.sqrt(count)), calib.dp_delta)
+    d = calib.grid_values - 1
+    if calib.noise == "discrete-laplace":
+        return count * discrete_laplace_element_epsilon(d, calib.scale, calib.log_p)
+    return discrete_gaussian_epsilon(calib.scale, d, count, calib.dp_delta)
+
+
 def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
     """Guarantee of `count` elements perturbed together (1: an element; I: a record)."""
     if calib.noise.startswith("discrete-"):
@@ -103,7 +118,7 @@ def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
     D, scale, target = calib.range_width, calib.scale, calib.dp_delta
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
     if calib.noise == "laplace":
-        pure = count * D / scale
+        pure = scope_epsilon(calib, count)
         approx_eps = laplace_composed_epsilon(scale / D, count, target)
         return {
             "epsilon": pure, "delta": pm_delta, "delta_log10": pm_log10, "rho": None,
@@ -111,7 +126,7 @@ def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
             "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
         }
     rho = count * D**2 / (2 * scale**2)
-    approx_eps = gaussian_epsilon(scale / (D * math.sqrt(count)), target)
+    approx_eps = scope_epsilon(calib, count)
     total = min(1.0, target + pm_delta)  # a union bound; 1 says nothing
     return {
         "epsilon": approx_eps, "delta": total,
@@ -177,6 +192,64 @@ def certify(calib: "Calibration") -> dict[str, Any]:
     return certified
 
 
+def _top(values: list[float | None]) -> float | None:
+    live = [v for v in values if v is not None]
+    return max(live) if live else None
+
+
+def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Field by field the weakest of several scopes' figures: the largest epsilon, delta,
+    rho, approx epsilon and delta, and point-mass delta. Each is a valid bound for every
+    one of them (an (eps_t, delta_t) guarantee implies (max eps, max delta)); rho is None
+    (no zCDP bound) when any scope has none."""
+    rhos = [s["rho"] for s in scopes]
+    return {
+        "epsilon": max(s["epsilon"] for s in scopes),
+        "delta": max(s["delta"] for s in scopes),
+        "delta_log10": _top([s["delta_log10"] for s in scopes]),
+        "rho": None if None in rhos else max(rhos),
+        "approx": {"delta": max(s["approx"]["delta"] for s in scopes),
+                   "epsilon": max(s["approx"]["epsilon"] for s in scopes)},
+        "point_mass_delta": max(s["point_mass_delta"] for s in scopes),
+        "point_mass_delta_log10": _top([s["point_mass_delta_log10"] for s in scopes]),
+    }
+
+
+def certify_all(calibrations: list["Calibration"]) -> dict[str, Any]:
+    """`certify` for a run whose records have several calibrations (records of different
+    sizes: images, the arrays of an HDF5 or Zarr group, the tensors of a model file).
+
+    A smaller record has a larger retain probability and, under --budget record, a larger
+    per-element epsilon, so no single calibration's figures hold for every record:
+    per_element and per_record are the worst case over all of them (worst_scope), and
+    `designed` (MVG, IDN) the one of the largest epsilon. One calibration: exactly
+    certify(calibration).
+    """
+    distinct = list(dict.fromkeys(calibrations))
+    if not distinct:
+        raise ValueError("certify_all needs at least one calibration")
+    if len(distinct) == 1:
+        return certify(distinct[0])
+    certs = [certify(c) for c in distinct]
+    notes = list(dict.fromkeys(note for cert in certs for note in cert["notes"]))
+    notes.append(f"The records have {len(distinct)} calibrations (record sizes): per_element and "
+                 "per_record are the worst case over them, field by field (the largest epsilon, "
+                 "delta, rho, approx and point_mass_delta of any), each a bound for every element "
+                 "and every record.")
+    result = {
+        "per_element": worst_scope([c["per_element"] for c in certs]),
+        "per_record": worst_scope([c["per_record"] for c in certs]),
+        "dp_delta": certs[0]["dp_delta"],
+        "accountant": certs[0]["accountant"],
+        "notes": notes,
+        "worst_case_of": len(distinct),
+    }
+    designed = [c["designed"] for c in certs if "designed" in c]
+    if designed:
+        result["designed"] = max(designed, key=lambda d: d["epsilon"])
+    return result
+
+
 def laplace_mixture_epsilon(events: list[tuple[float, int]], delta: float) -> float:
     """Epsilon at delta of Laplace mechanisms of several scales released together.
 
@@ -231,8 +304,12 @@ def compose(parts: list[tuple["Calibration", int]]) -> dict[str, Any]:
     `parts` holds (calibration, number of records) pairs, all at one dp_delta; every
     element of every record is one release. Laplace: pure eps sums, (eps, delta) from
     dp-accounting. Gaussian: rho sums and the composition is exactly a Gaussian of
-    noise multiplier 1/sqrt(2 rho) (analytic Gaussian). Other noises: basic composition
-    of the per-record (eps, delta). Point masses combine as 1 - prod (1 - p_t)^{n_t I_t}.
+    noise multiplier 1/sqrt(2 rho) (analytic Gaussian). Discrete Laplace: the exact pure
+    eps of the mixtures sums, and (eps, delta) is the composed privacy-loss distribution
+    of the mixtures (or the zCDP that pure eps implies). Discrete Gaussian: rho sums, and
+    eps at delta comes from the RDP bound of the continuous Gaussian of that rho (the
+    privacy-loss distribution too, for one noise scale). Point masses combine as
+    1 - prod (1 - p_t)^{n_t I_t} (a union term beside the Gaussians' delta).
     """
     parts = [(c, int(n)) for c, n in parts if n > 0]
     if not parts:
@@ -260,8 +337,33 @@ def compose(parts: list[tuple["Calibration", int]]) -> dict[str, Any]:
             "approx": {"delta": total, "epsilon": approx_eps},
             "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
         }
-    # Basic composition of each record's (eps, delta) as its own scope states them
-    # (e.g. a discrete noise whose pure eps already covers the kept values).
+    if noises == {"discrete-laplace"}:
+        # the pure bound covers the kept values: no point-mass delta
+        items = [(c.grid_values - 1, c.scale, c.log_p, m) for c, m in releases]
+        pure = sum(m * discrete_laplace_element_epsilon(d, b, log_p) for d, b, log_p, m in items)
+        return {
+            "epsilon": pure, "delta": 0.0, "delta_log10": None, "rho": None,
+            "approx": {"delta": target, "epsilon": discrete_laplace_composed_epsilon(items, target)},
+            "point_mass_delta": 0.0, "point_mass_delta_log10": None,
+        }
+    if noises == {"discrete-gaussian"}:
+        groups: dict[tuple[float, int], int] = {}
+        for c, m in releases:
+            key = (c.scale, c.grid_values - 1)
+            groups[key] = groups.get(key, 0) + m
+        rho = sum(m * d**2 / (2 * sigma**2) for (sigma, d), m in groups.items())
+        if len(groups) == 1:
+            ((sigma, d), m), = groups.items()
+            eps = discrete_gaussian_epsilon(sigma, d, m, target)
+        else:
+            eps = discrete_gaussian_rdp_epsilon(rho, target)
+        total = min(1.0, target + pm_delta)
+        return {
+            "epsilon": eps, "delta": total, "delta_log10": math.log10(total), "rho": rho,
+            "approx": {"delta": total, "epsilon": eps},
+            "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
+        }
+    # Basic composition of each record's (eps, delta) as its own scope states them.
     records = [(certify(c)["per_record"], n) for c, n in parts]
     delta, delta_log10 = _union_delta([(r["delta"], r["delta_log10"], n) for r, n in records])
     pm_delta, pm_log10 = _union_delta([(r["point_mass_delta"], r["point_mass_delta_log10"], n)
@@ -324,7 +426,9 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
         if scope.get("rho") is not None:
             text += f"; rho={scope['rho']:.4g} zCDP"
         return text
-    line = (f"guarantee: each element ({fmt(accounting['per_element'])}); "
+    worst = accounting.get("worst_case_of")
+    line = ("guarantee" + (f" (the worst of {worst} record sizes)" if worst else "")
+            + f": each element ({fmt(accounting['per_element'])}); "
             f"each record ({fmt(accounting['per_record'])})")
     designed = accounting.get("designed")
     if designed:
@@ -378,6 +482,18 @@ def discrete_laplace_log_pmfs(sensitivity: int, scale: float, log_p: float):
     return upper, lower
 
 
+def pessimistic_bins(log_upper, log_lower, interval: float):
+    """The privacy losses log_upper - log_lower rounded up to multiples of `interval` (as
+    integers k: the loss is at most k * interval). Each loss is first raised past its
+    floating-point error (a few ulps of the log-probabilities it is the difference of) and
+    the quotient by one ulp, so a loss on a bin edge goes to the bin above, never below."""
+    import numpy as np
+
+    loss = log_upper - log_lower
+    error = 8 * np.finfo(np.float64).eps * (np.abs(log_upper) + np.abs(log_lower))
+    return np.ceil(np.nextafter((loss + error) / interval, np.inf)).astype(np.int64)
+
+
 def _pld_from_log_pmfs(log_upper, log_lower, interval: float, infinity_mass: float = 0.0):
     """dp-accounting's pessimistic privacy-loss distribution of a pair of distributions on
     the same outcomes (both positive everywhere), built with NumPy: each loss is rounded
@@ -385,8 +501,7 @@ def _pld_from_log_pmfs(log_upper, log_lower, interval: float, infinity_mass: flo
     import numpy as np
     from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 
-    loss = log_upper - log_lower
-    bins = np.ceil(loss / interval).astype(np.int64)  # as dp-accounting rounds
+    bins = pessimistic_bins(log_upper, log_lower, interval)
     low = int(bins.min())
     masses = np.bincount(bins - low, weights=np.exp(log_upper))
     rounded = {low + int(i): float(masses[i]) for i in np.flatnonzero(masses)}
@@ -425,6 +540,49 @@ def discrete_laplace_approx_epsilon(sensitivity: int, scale: float, log_p: float
         except OverflowError:
             pass
     return float(min(bounds))
+
+
+def discrete_laplace_composed_epsilon(items: list[tuple[int, float, float, int]], delta: float) -> float:
+    """Epsilon at delta of discrete Laplace TLDP mixtures released together; `items` holds
+    (sensitivity, scale, log p, elements) per kind. The smallest of: the pure bound (sum of
+    the elements' exact pure eps), the zCDP that pure eps implies (eps-DP is eps^2/2-zCDP;
+    Bun and Steinke 2016, Propositions 1.3 and 1.4), and the composed privacy-loss
+    distributions (one per kind, self-composed, then composed together)."""
+    groups: dict[tuple[int, float, float], int] = {}
+    for d, b, log_p, count in items:
+        groups[(d, b, log_p)] = groups.get((d, b, log_p), 0) + int(count)
+    elements = {key: discrete_laplace_element_epsilon(*key) for key in groups}
+    pure = sum(n * elements[key] for key, n in groups.items())
+    rho = sum(n * elements[key] ** 2 / 2 for key, n in groups.items())
+    bounds = [pure, rho + 2 * math.sqrt(rho * math.log(1 / delta))]
+    if len(groups) == 1:
+        ((key, n),) = groups.items()
+        bounds.append(discrete_laplace_approx_epsilon(*key, n, delta))
+    elif (sum(groups.values()) <= PLD_MAX_RELEASES
+          and all(d + 3 <= DISCRETE_PLD_MAX_OUTCOMES for d, _, _ in groups)):
+        interval = max(1e-4, math.sqrt(2 * rho) / 2000)  # as _interval, for the composed spread
+        try:
+            pld = None
+            for (d, b, log_p), n in groups.items():
+                part = _pld_from_log_pmfs(*discrete_laplace_log_pmfs(d, b, log_p), interval)
+                part = part.self_compose(n) if n > 1 else part
+                pld = part if pld is None else pld.compose(part)
+            bounds.append(pld.get_epsilon_for_delta(delta))
+        except OverflowError:
+            pass
+    return float(min(bounds))
+
+
+def discrete_gaussian_rdp_epsilon(rho: float, delta: float) -> float:
+    """Epsilon at delta of discrete Gaussian mechanisms of total rho: the RDP bound of one
+    continuous Gaussian of noise multiplier 1/sqrt(2 rho), whose Renyi divergences bound
+    theirs (CKS20, Proposition 5) and compose additively."""
+    from dp_accounting import GaussianDpEvent
+    from dp_accounting.rdp import RdpAccountant
+
+    rdp = RdpAccountant()
+    rdp.compose(GaussianDpEvent(noise_multiplier=1 / math.sqrt(2 * rho)))
+    return float(rdp.get_epsilon(delta))
 
 
 def discrete_gaussian_log_pmfs(sigma: float, sensitivity: int):
@@ -471,15 +629,14 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
 def _discrete_scope(calib: "Calibration", count: int) -> dict[str, Any]:
     d, scale, target = calib.grid_values - 1, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
-        element = discrete_laplace_element_epsilon(d, scale, calib.log_p)
         approx = discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target)
         return {
-            "epsilon": count * element, "delta": 0.0, "delta_log10": None, "rho": None,
+            "epsilon": scope_epsilon(calib, count), "delta": 0.0, "delta_log10": None, "rho": None,
             "approx": {"delta": target, "epsilon": approx},
             "point_mass_delta": 0.0, "point_mass_delta_log10": None,
         }
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
-    eps = discrete_gaussian_epsilon(scale, d, count, target)
+    eps = scope_epsilon(calib, count)
     total = target + pm_delta
     return {
         "epsilon": eps, "delta": total, "delta_log10": math.log10(total),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer._click.exceptions import NoArgsIsHelpError
 from typer.core import TyperGroup
 
 from tldp_cli import __version__, accounting
@@ -33,17 +34,20 @@ class _OneLineErrors(TyperGroup):
         try:
             code = super().main(args=args, prog_name=prog_name or "tldp", complete_var=complete_var,
                                 standalone_mode=False, **extra)
+        except NoArgsIsHelpError as exc:  # a bare `tldp` or `tldp perturb`: the help, as is
+            typer.echo(exc.ctx.get_help(), err=True)
+            sys.exit(exc.exit_code)
         except typer.TyperException as exc:  # Typer's usage errors carry exit code 2
             ctx = getattr(exc, "ctx", None)
             hint = f" (see 'tldp {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
-            message = " ".join(exc.format_message().split())  # one line, even for choice lists
-            _fail(f"{message}{hint}", exc.exit_code)
+            _fail(f"{exc.format_message()}{hint}", exc.exit_code)
         except typer.Abort:
             _fail("interrupted; nothing was written", 130)
         sys.exit(code if isinstance(code, int) else 0)
 
 
 def _fail(message: str, code: int):
+    message = " ".join(message.split())  # one line, even when an embedded message has several
     typer.echo(f"tldp: error: {message}", err=True)
     sys.exit(code)
 
@@ -175,6 +179,7 @@ def _progress_bar(quiet: bool, unit: str):
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
     input: Annotated[Path, typer.Argument(
+        metavar="INPUT",
         help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
              "file (.npz, .safetensors; each tensor is one record) (detected).",
                                           show_default=False)],
@@ -209,7 +214,8 @@ def perturb_command(
         help="Manifest path. Default: OUTPUT.manifest.json.")] = None,
     seed: Annotated[Optional[int], typer.Option(
         help="Make the run reproducible. The seed is a secret: anyone who has it can remove "
-             "the noise. It is never written anywhere.")] = None,
+             "the noise. It is never written anywhere. The same seed on another input of the "
+             "same shape gives the same noise: use a seed for one release only.")] = None,
     rng: Annotated[RngKind, typer.Option(
         help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
              "from its output.")] = RngKind.secure,
@@ -258,7 +264,8 @@ def perturb_command(
         metavar="HOST:PORT",
         help="With --scheduler dask: the scheduler of an existing dask.distributed cluster "
              "(tls://HOST:PORT for TLS). Its workers must see the input and output at the same "
-             "paths. The run's secret noise key travels to them: use TLS off this machine.",
+             "paths; the run fails when no worker has joined within 30 s. The run's secret "
+             "noise key travels to them: use TLS off this machine.",
         show_default=False)] = None,
     resume: Annotated[bool, typer.Option(
         help="Zarr output: continue an interrupted run from the blocks it wrote (kept in "
@@ -302,7 +309,8 @@ def perturb_command(
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
             datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
-            skip_bad=skip_bad, scheduler=scheduler.value, dask_address=dask_address, resume=resume,
+            skip_bad=skip_bad, scheduler=scheduler.value, dask_address=dask_address,
+            dask_logs=debug, resume=resume,
             block_elements=block_elements)
         advance, close = _progress_bar(quiet, "rec")
         try:
@@ -336,6 +344,7 @@ class MaskMethod(str, Enum):
 @app.command("weight-mask", no_args_is_help=True)
 def weight_mask_command(
     input: Annotated[Path, typer.Argument(
+        metavar="INPUT",
         help="The data the mask is for: a .npy file, an HDF5 file, a Zarr store or a folder of "
              "images (detected).", show_default=False)],
     method: Annotated[MaskMethod, typer.Option(
@@ -438,8 +447,8 @@ def _print_report(report: dict) -> None:
     acc = report["accounting"]
     echo(f"tldp: {report['perturbed']} against {report['original']} ({report['format']}, "
          f"{report['records']} records x {report['elements_per_record']} elements; "
-         f"{report['mechanism']} {report['noise']}, eps={_fmt(report['epsilon'])} per "
-         f"{report['budget']}; certified per record eps={_fmt(acc['per_record']['epsilon'])})")
+         f"{report['mechanism']} {report['noise']}, {report['epsilon_scope']}; "
+         f"certified per record eps={_fmt(acc['per_record']['epsilon'])})")
     echo(f"  {'check':<20}{'result':<9}detail")
     for check in report["checks"]:
         result = {True: "ok", False: "FAILED", None: "skipped"}[check["passed"]]
@@ -474,10 +483,10 @@ def _print_sweep(result: dict, written: list) -> None:
 
 @app.command("evaluate", no_args_is_help=True)
 def evaluate_command(
-    original: Annotated[Path, typer.Argument(help="The data that was perturbed (any format perturb reads).",
+    original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
                                              show_default=False)],
     perturbed: Annotated[Optional[Path], typer.Argument(
-        help="perturb's output. Not with --sweep.", show_default=False)] = None,
+        metavar="PERTURBED", help="perturb's output. Not with --sweep.", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_report: Annotated[Optional[Path], typer.Option(

@@ -9,6 +9,10 @@ memory stays flat on both sides.
 The per-block function carries the run's random-stream root key (derived from the
 seed when there is one): it travels in the cluster's comms, never in a task key,
 log line or repr. Use TLS (tls:// addresses) for a cluster on other machines.
+
+distributed's own log output (worker errors, lost connections) is silenced for the
+run, in this process and in a local cluster's workers: tldp's errors say what went
+wrong in one line. `show_logs` (the CLI's --debug) keeps it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,6 +32,11 @@ INSTALL_HINT = "pip install 'tldp[dask]'"
 # How long a failed run waits for the blocks a cluster is still running, so none writes
 # into an output that is being removed.
 DRAIN_SECONDS = 60
+# How long a run on an existing cluster waits for its first worker before failing (a
+# scheduler with no workers would otherwise queue the blocks forever).
+WORKER_WAIT_SECONDS = 30
+# Loggers that print on stderr during a run (distributed installs its own handlers).
+_LOGGERS = ("distributed", "tornado", "bokeh")
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
@@ -57,30 +67,87 @@ def plain_remote(address: str) -> bool:
 
 
 @contextlib.contextmanager
-def connect(address: str | None, workers: int) -> Iterator[Any]:
-    """A client of the cluster at `address`, or of a local cluster of `workers` processes."""
+def quiet_logs(show: bool = False) -> Iterator[None]:
+    """Silence distributed's loggers (and tornado's, bokeh's) in this process while the
+    block runs, unless `show`; their levels are restored after."""
+    if show:
+        yield
+        return
+    names = [name for name in list(logging.root.manager.loggerDict)
+             if name.split(".")[0] in _LOGGERS] + list(_LOGGERS)
+    loggers = {name: logging.getLogger(name) for name in names}
+    levels = {name: logger.level for name, logger in loggers.items()}
+    for logger in loggers.values():
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for name, logger in loggers.items():
+            logger.setLevel(levels[name])
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C and SIGTERM wait for the block to end; the callable says whether one came.
+
+    An interruption inside LocalCluster's constructor leaves a half-built cluster that
+    distributed's exit hook then fails to close, with a traceback."""
+    received: list[int] = []
+    previous: dict[int, Any] = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    except ValueError:  # not the main thread: signals are not ours to handle
+        pass
+    try:
+        yield lambda: bool(received)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _close(client, cluster) -> None:
+    if client is not None:
+        client.close()
+    if cluster is not None:
+        cluster.close()
+
+
+@contextlib.contextmanager
+def connect(address: str | None, workers: int, show_logs: bool = False) -> Iterator[Any]:
+    """A client of the cluster at `address`, or of a local cluster of `workers` processes.
+
+    An existing cluster must have a worker within WORKER_WAIT_SECONDS."""
     from distributed import Client, LocalCluster
 
-    cluster = None
+    cluster = client = None
+    where = f"the Dask scheduler at {address}" if address else "a local Dask cluster"
     try:
         if address is None:
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                   host="127.0.0.1", dashboard_address="127.0.0.1:0",
-                                   silence_logs=logging.ERROR)
-            client = Client(cluster, set_as_default=False)
+            with _signals_deferred() as interrupted:
+                cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                       host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                                       silence_logs=False if show_logs else logging.CRITICAL + 1)
+                client = Client(cluster, set_as_default=False)
+            if interrupted():
+                raise KeyboardInterrupt
         else:
             client = Client(address, timeout="20s", set_as_default=False)
+            try:
+                client.wait_for_workers(1, timeout=WORKER_WAIT_SECONDS)
+            except TimeoutError:
+                raise ClusterError(f"{where} has no workers: none joined within "
+                                   f"{WORKER_WAIT_SECONDS:g} s") from None
     except (OSError, TimeoutError) as exc:
-        if cluster is not None:
-            cluster.close()
-        where = f"the Dask scheduler at {address}" if address else "a local Dask cluster"
+        _close(client, cluster)
         raise ClusterError(f"cannot reach {where} ({exc})") from None
+    except BaseException:
+        _close(client, cluster)
+        raise
     try:
         yield client
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        _close(client, cluster)
 
 
 def _missing(paths: list[str]) -> list[str]:

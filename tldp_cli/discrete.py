@@ -486,7 +486,8 @@ def manifest_fields(grid: Grid, automatic: bool, dtype: np.dtype) -> dict:
         rule = "--granularity"
     dtype_rule = ("the smallest of int8, int16, int32, int64 holding every grid value within the "
                   "noise's 2^-64 tail bound of the range" if dtype.kind == "i" else
-                  f"{dtype}: granularity times the grid value, exact on the grid")
+                  f"{dtype}: granularity times the grid value, rounded to {dtype} (exact for a "
+                  "power-of-two granularity)")
     return {"granularity": grid.granularity,
             "grid": {"rule": rule, "low": grid.low, "high": grid.high, "values": grid.values,
                      "sensitivity_steps": grid.values - 1, "output_dtype_rule": dtype_rule}}
@@ -501,11 +502,20 @@ def saturation_note(dtype: np.dtype) -> str | None:
 
 
 # --------------------------------------------------------------------------- engine
-def snap(values: np.ndarray, granularity: float | None) -> np.ndarray:
+def snap(values: np.ndarray, granularity: float | None, grid: Grid | None = None) -> np.ndarray:
     """Grid units as int64: integers as they are; floats rounded to the nearest multiple
-    of G (ties to even). Float values must be integral when there is no granularity."""
+    of G (ties to even). Float values must be integral when there is no granularity.
+
+    The division is done in float64 whatever the input dtype: in float32 or float16 a value
+    inside the range can round past the last grid point, or overflow to inf. With `grid`,
+    the grid units are also clipped into [grid.low, grid.high] (the range is validated in
+    the input dtype, whose rounding of hi can lie a little above it).
+    """
     if granularity is not None:
-        return np.rint(values / granularity).astype(np.int64)
+        units = np.rint(values.astype(np.float64) / granularity)
+        if grid is not None:
+            np.clip(units, grid.low, grid.high, out=units)
+        return units.astype(np.int64)
     if values.dtype.kind in "iu":
         return values.astype(np.int64)
     grid = np.rint(values)
@@ -522,15 +532,17 @@ def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype) -
 
 
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib, streams: Streams,
-                    weights: np.ndarray | None = None, dtype: np.dtype | type | None = None) -> np.ndarray:
+                    weights: np.ndarray | None = None, dtype: np.dtype | type | None = None,
+                    grid: Grid | None = None) -> np.ndarray:
     """engine.perturb_records for the discrete noises: the same stream units, and in each the
     noise of the whole unit first, then the retain decisions. The output is in `dtype`
-    (integer: saturating; float: G * grid value); None gives int64 (grid units)."""
+    (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
+    the run's grid, into which snapped float values are clipped (see snap)."""
     dtype = np.dtype(np.int64 if dtype is None else dtype)
     granularity = getattr(calib, "granularity", None)
     n = block.shape[0]
     elements = calib.elements
-    out = snap(block.reshape(n, elements), granularity)
+    out = snap(block.reshape(n, elements), granularity, grid)
     if n == 0:
         return _to_output(out, granularity, dtype).reshape(block.shape)
     per_unit = records_per_unit(elements)

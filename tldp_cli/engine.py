@@ -4,7 +4,8 @@ A pure function of the block, its global position, the calibration and the rando
 streams. Each stream unit (rng.records_per_unit records) draws its noise and its
 retain decisions from its own generator in a fixed order, always for the whole
 unit, so a block that covers part of a unit gets the same values as a block that
-covers all of it.
+covers all of it. Changing what a unit draws, or in which order, changes the output
+for a seed: bump rng.STREAM_LAYOUT (so --resume refuses to mix the two).
 
 Retain decisions are exact without a uniform per element when p is small: the
 number of candidates in a unit is Binomial(m, p_max), their positions uniform
@@ -38,6 +39,17 @@ def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
         bits = z.view(np.uint32 if dtype.itemsize == 4 else np.uint64)
         np.bitwise_xor(bits, np.left_shift(negative, 8 * dtype.itemsize - 1, dtype=bits.dtype), out=bits)
     z *= dtype.type(scale)
+    # The float32 ziggurat returns exactly 0.0 about once in 2^23 draws. Such an element
+    # would come out unchanged: a kept raw value that no retain probability accounts for.
+    # Redraw them (in place, from the same stream, so the output stays reproducible).
+    zeros = np.flatnonzero(z == 0)
+    while zeros.size:
+        if noise == "gaussian":
+            z[zeros] = rng.standard_normal(zeros.size, dtype=dtype) * dtype.type(scale)
+        else:
+            z[zeros] = np.copysign(rng.standard_exponential(zeros.size, dtype=dtype) * dtype.type(scale),
+                                   z[zeros])
+        zeros = zeros[z[zeros] == 0]
     return z
 
 
@@ -60,16 +72,18 @@ def retain_candidates(rng: np.random.Generator, p_max: float, size: int) -> tupl
 
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
-                    dtype: np.dtype | type = np.float32) -> np.ndarray:
+                    dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None) -> np.ndarray:
     """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
 
     `weights`: None, one mask of I values for every record, or an (n, I) array with one
     mask per record of the block; values in [0, 1] (validated by the caller).
     Discrete noises go to discrete.perturb_records (exact integer samplers; an integer
-    dtype gets grid values, a float dtype G times them).
+    dtype gets grid values, a float dtype G times them; `grid`, the run's grid, bounds the
+    snapped values).
     """
     if calib.noise in DISCRETE_NOISES:
-        return discrete.perturb_records(block, first_record, array_name, calib, streams, weights, dtype)
+        return discrete.perturb_records(block, first_record, array_name, calib, streams, weights, dtype,
+                                        grid)
     dtype = np.dtype(dtype)
     n = block.shape[0]
     elements = calib.elements

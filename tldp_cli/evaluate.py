@@ -7,7 +7,7 @@ Plain functions returning dicts; the CLI only parses options and prints.
 - `evaluate(...)` pairs ORIGINAL with PERTURBED the way `perturb` wrote them,
   checks integrity (sha256 of every output, shapes and record counts, the
   manifest's parameters recomputed by mechanisms.calibrate and
-  accounting.certify), measures the noise (per-record MSE, MAE, relative L2,
+  accounting.certify_all), measures the noise (per-record MSE, MAE, relative L2,
   PSNR and SSIM for image-shaped records, the empirical norm of the noise
   against Table 5, the retained fraction against p, a Kolmogorov-Smirnov test
   against the manifest's noise distribution) and, with labels, the task utility.
@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import __version__, accounting, engine, formats
+from tldp_cli import __version__, accounting, discrete, engine, formats
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
@@ -288,18 +288,56 @@ def _check_hashes(m: dict, perturbed: Path) -> list[dict]:
     return checks
 
 
-def _recomputed(m: dict) -> tuple[Calibration, dict]:
-    acc = m.get("accounting") or {}
-    calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
-                      epsilon=float(m["epsilon"]), range_width=float(m["range_width"]),
-                      elements=int(m["elements_per_record"]),
-                      dp_delta=float(acc.get("dp_delta", 1e-5)),
-                      rows=(acc.get("designed") or {}).get("rows"), granularity=m.get("granularity"))
-    return calib, accounting.certify(calib)
+def _dtype(name: Any) -> np.dtype:
+    """A manifest input's dtype; names NumPy lacks (bfloat16) are floating point."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(np.float32)
 
 
-def check_parameters(m: dict) -> dict:
-    """The manifest's figures against a fresh calibration and certification."""
+def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Grid | None:
+    """The discrete noises' grid, resolved as the pipeline does from the declared range, the
+    data's dtypes (None: the manifest's inputs) and --granularity (None when the manifest says
+    it was automatic); None for the continuous noises."""
+    if not discrete.is_discrete(m["noise"]):
+        return None
+    lo, hi = (float(v) for v in m["value_range"])
+    if dtypes is None:
+        dtypes = [_dtype(i.get("dtype")) for i in m.get("inputs") or [] if isinstance(i, dict)]
+    automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
+    return discrete.resolve_grid(lo, hi, dtypes, None if automatic else m.get("granularity"),
+                                 float(m["epsilon"]), where)
+
+
+def _range_width(m: dict, grid: discrete.Grid | None) -> float:
+    """What calibrate takes as range_width: hi - lo, or the grid's width (discrete noises)."""
+    lo, hi = (float(v) for v in m["value_range"])
+    return hi - lo if grid is None else grid.range_width
+
+
+def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None,
+                grid: discrete.Grid | None) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
+    """The largest record's calibration, every calibration with its records, and their
+    certification. `calibrations`: those of the original's arrays; None: one record size,
+    the manifest's elements_per_record."""
+    if not calibrations:
+        acc = m.get("accounting") or {}
+        calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+                          epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
+                          elements=int(m["elements_per_record"]),
+                          dp_delta=float(acc.get("dp_delta", 1e-5)),
+                          rows=(acc.get("designed") or {}).get("rows"), granularity=grid and grid.granularity)
+        calibrations = [(calib, int(m.get("records") or 0))]
+    largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
+    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations])
+
+
+def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None = None,
+                     dtypes: list[np.dtype] | None = None) -> dict:
+    """The manifest's figures against a fresh calibration and certification. `calibrations`:
+    each record size's calibration (from the original's arrays) and its number of records;
+    `dtypes`: the original's arrays' (None: the manifest's inputs')."""
     mismatches = []
 
     def compare(field: str, stated: Any, expected: Any):
@@ -307,9 +345,11 @@ def check_parameters(m: dict) -> dict:
             mismatches.append({"field": field, "manifest": stated, "recomputed": expected})
 
     try:
-        lo, hi = m["value_range"]
-        compare("range_width", m["range_width"], hi - lo)
-        calib, cert = _recomputed(m)
+        grid = _grid(m, dtypes, "the manifest")
+        compare("range_width", m["range_width"], _range_width(m, grid))
+        if grid is not None:
+            compare("granularity", m.get("granularity"), grid.granularity)
+        calib, calibrations, cert = _recomputed(m, calibrations, grid)
     except (KeyError, TypeError, ValueError, UsageError) as exc:
         return {"check": "parameters", "passed": False,
                 "detail": f"the manifest's mechanism cannot be recomputed ({exc})", "mismatches": []}
@@ -317,11 +357,20 @@ def check_parameters(m: dict) -> dict:
     factor = 1 - float((weights or {}).get("min") or 0.0)  # min may be withheld (data-derived mask)
     compare("noise_scale", m.get("noise_scale"), calib.scale)
     compare("calibration_epsilon", m.get("calibration_epsilon"), calib.element_epsilon)
-    compare("retain_probability", m.get("retain_probability"), calib.p * factor)
-    log10 = None if calib.p_log10 is None or factor <= 0 else calib.p_log10 + math.log10(factor)
+    compare("retain_probability", m.get("retain_probability"), max(c.p for c, _ in calibrations) * factor)
+    logs = [c.p_log10 for c, _ in calibrations if c.p_log10 is not None]
+    log10 = None if not logs or factor <= 0 else max(logs) + math.log10(factor)
     compare("retain_probability_log10", m.get("retain_probability_log10"), log10)
     compare("expected_l2_error_per_record", m.get("expected_l2_error_per_record"),
             calib.expected_l2_error())
+    if len(calibrations) > 1 or "calibrations" in m:
+        stated_list = m.get("calibrations") or []
+        expected_list = manifest_mod.calibration_entries(calibrations, weights)
+        if len(stated_list) != len(expected_list):
+            compare("calibrations", len(stated_list), len(expected_list))
+        for i, (s, r) in enumerate(zip(stated_list, expected_list)):
+            for key, value in r.items():
+                compare(f"calibrations[{i}].{key}", (s or {}).get(key), value)
     stated = m.get("accounting") or {}
     for scope in ("per_element", "per_record"):
         s, r = stated.get(scope) or {}, cert[scope]
@@ -353,7 +402,9 @@ class _NoiseStats:
         self.sum_sq = 0.0
         self.expected_sq = 0.0
         self.var_sq = 0.0
-        self.gof: list[np.ndarray] = []
+        # noise samples by scale: continuous noises pooled at the first scale (rescaled),
+        # discrete noises one group per scale (integer noise cannot be rescaled)
+        self.gof: dict[float, list[np.ndarray]] = {}
         self.noise_name: str | None = None
         self.noise_scale: float | None = None
 
@@ -395,10 +446,11 @@ class _NoiseStats:
         if self.noise_name is None:
             self.noise_name, self.noise_scale = calib.noise, calib.scale
             self.granularity = calib.granularity
-        if calib.scale != self.noise_scale and not calib.noise.startswith("discrete-"):
+        scale = calib.scale
+        if scale != self.noise_scale and not calib.noise.startswith("discrete-"):
             # Records of another size (model tensors, --budget record): same family, rescaled.
-            sample = sample * (self.noise_scale / calib.scale)
-        self.gof.append(sample)
+            sample, scale = sample * (self.noise_scale / scale), self.noise_scale
+        self.gof.setdefault(scale, []).append(sample)
         self.expected_kept += equal.size * calib.p
 
 
@@ -460,7 +512,8 @@ def _error_check(stats: _NoiseStats, calibs: list[Calibration], weighted: bool, 
 def _gof_check(stats: _NoiseStats, clipped: bool) -> dict:
     from scipy import stats as st
 
-    sample = np.concatenate(stats.gof) if stats.gof else np.empty(0)
+    groups = {scale: np.concatenate(parts) for scale, parts in stats.gof.items()}
+    sample = np.concatenate(list(groups.values())) if groups else np.empty(0)
     out = {"check": "noise_distribution", "test": "Kolmogorov-Smirnov",
            "distribution": stats.noise_name, "scale": stats.noise_scale, "samples": int(sample.size)}
     if clipped:
@@ -473,16 +526,7 @@ def _gof_check(stats: _NoiseStats, clipped: bool) -> dict:
                    detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
         return out
     if stats.noise_name.startswith("discrete-"):
-        from tldp_cli.discrete import chi_square
-
-        steps = np.rint(sample / (getattr(stats, "granularity", None) or 1.0))
-        statistic, pvalue, dof = chi_square(steps, stats.noise_name, stats.noise_scale, exclude_zero=True)
-        passed = bool(pvalue >= ALPHA)
-        out.update(test="chi-square", statistic=statistic, pvalue=pvalue, passed=passed,
-                   status="passed" if passed else "failed",
-                   detail=f"chi-square = {statistic:.4g} ({dof} dof), p-value = {pvalue:.3g} against "
-                          f"{stats.noise_name}(scale {stats.noise_scale:.4g}) without 0")
-        return out
+        return _chi_square_check(stats, groups, out)
     name = "laplace" if stats.noise_name == "laplace" else "norm"
     result = st.kstest(sample, name, args=(0.0, stats.noise_scale))
     passed = bool(result.pvalue >= ALPHA)
@@ -490,6 +534,43 @@ def _gof_check(stats: _NoiseStats, clipped: bool) -> dict:
                status="passed" if passed else "failed",
                detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} "
                       f"against {stats.noise_name}(scale {stats.noise_scale:.4g})")
+    return out
+
+
+def _chi_square_check(stats: _NoiseStats, groups: dict[float, np.ndarray], out: dict) -> dict:
+    """Discrete noises: a chi-square test per noise scale (records of several sizes under
+    --budget record or the baselines get different scales), each against its own exact pmf;
+    the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
+    is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
+    from tldp_cli.discrete import chi_square
+
+    granularity = getattr(stats, "granularity", None) or 1.0
+    results = []
+    for scale, sample in sorted(groups.items()):
+        entry = {"scale": scale, "samples": int(sample.size)}
+        if sample.size >= GOF_MIN_SAMPLES:
+            statistic, pvalue, dof = chi_square(np.rint(sample / granularity), stats.noise_name, scale,
+                                                exclude_zero=True)
+            entry.update(statistic=statistic, dof=dof, pvalue=pvalue)
+        results.append(entry)
+    tested = [r for r in results if "pvalue" in r]
+    out.update(test="chi-square", groups=results)
+    if not tested:
+        out.update(passed=None, status="skipped",
+                   detail=f"fewer than {GOF_MIN_SAMPLES} perturbed values at every noise scale")
+        return out
+    worst = min(tested, key=lambda r: r["pvalue"])
+    pvalue = min(1.0, worst["pvalue"] * len(tested))
+    passed = bool(pvalue >= ALPHA)
+    out.update(statistic=worst["statistic"], pvalue=pvalue, passed=passed,
+               status="passed" if passed else "failed")
+    if len(results) == 1:
+        out["detail"] = (f"chi-square = {worst['statistic']:.4g} ({worst['dof']} dof), p-value = "
+                         f"{pvalue:.3g} against {stats.noise_name}(scale {worst['scale']:.4g}) without 0")
+    else:
+        out["detail"] = (f"chi-square per noise scale ({len(tested)} of {len(results)} scales tested), "
+                         f"smallest p-value {worst['pvalue']:.3g} (scale {worst['scale']:.4g}; "
+                         f"Bonferroni {pvalue:.3g}) against {stats.noise_name} without 0")
     return out
 
 
@@ -685,8 +766,6 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         raise InputError(f"{manifest_path}: not a {manifest_mod.SCHEMA} manifest")
 
     checks: list[dict] = []
-    params = check_parameters(m)
-    checks.append(params)
     checks.extend(_check_hashes(m, perturbed))
 
     module, reader = _open_original(original, m)
@@ -696,19 +775,26 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         acc = m.get("accounting") or {}
         calibs: dict[str, Calibration] = {}  # by array (image) name
         by_size: dict[tuple[int, int | None], Calibration] = {}
+        records_of: dict[tuple[int, int | None], int] = {}
+        dtypes = [job.dtype for job in jobs]
         try:
+            grid = _grid(m, dtypes, original)
+            width = _range_width(m, grid)
             for job in jobs:
                 key = (job.elements, matrix_rows(m["mechanism"], job.record_shape, original))
+                records_of[key] = records_of.get(key, 0) + job.records
                 if key not in by_size:
                     by_size[key] = calibrate(
                         mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
                         epsilon=float(m["epsilon"]), elements=job.elements,
-                        range_width=float(m["range_width"]) if m["noise"].startswith("discrete-") else hi - lo,
+                        range_width=width,
                         dp_delta=float(acc.get("dp_delta", 1e-5)), rows=key[1],
-                        granularity=m.get("granularity"))
+                        granularity=grid and grid.granularity)
                 calibs[job.name] = by_size[key]
         except UsageError as exc:
             raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+        # first in the report: the manifest's figures against every record size of the original
+        checks.insert(0, check_parameters(m, [(by_size[k], n) for k, n in records_of.items()], dtypes))
         pairing_issues: list[dict] = []
         pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues)
         checks.extend(pairing_issues)
@@ -775,7 +861,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "original": str(original), "perturbed": str(perturbed), "manifest": str(manifest_path),
         "format": module.NAME,
         "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
-        "epsilon": m.get("epsilon"), "value_range": [lo, hi],
+        "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": [lo, hi],
         "records": done, "elements_per_record": m.get("elements_per_record"),
         "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
                                "delta": (acc.get(scope) or {}).get("delta")}
@@ -802,6 +888,25 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         _check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
         report["utility"] = task_utility(clean, noisy, y, test_x, test_y, model, (lo, hi))
     return report
+
+
+def epsilon_scope(m: dict) -> str:
+    """What the manifest's --eps covers, in words: each element only for TLDP under
+    --budget element; the whole record under --budget record and for the baselines, which
+    the paper calibrates to the record (MVG and IDN with --dp-delta, by their own design)."""
+    eps = f"eps={_g(m.get('epsilon'))}"
+    if m.get("budget") == "record":
+        return f"{eps} per record (--budget record)"
+    if m.get("mechanism") == "tldp":
+        return f"{eps} per element"
+    if m.get("mechanism") in ("mvg", "idn"):
+        delta = (m.get("accounting") or {}).get("dp_delta")
+        return f"{eps}, delta={_g(delta)} per record by the mechanism's own design"
+    return f"{eps} per record (the paper's calibration of the baseline)"
+
+
+def _g(value: Any) -> str:
+    return "?" if value is None else format(value, "g")
 
 
 def _shape_check(m: dict, jobs, pairs: list[_Pair]) -> dict:

@@ -1,8 +1,8 @@
 """The privacy manifest (DESIGN section 5): build, write, read.
 
 It travels with the perturbed data, so it holds no hash or statistic of the raw
-input, and never the seed. `certified` is what accounting.certify returned for
-the calibration.
+input, and never the seed. `certified` is what accounting.certify_all returned for
+the run's calibrations.
 """
 
 from __future__ import annotations
@@ -36,7 +36,14 @@ def default_path(output: Path) -> Path:
 def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[float, float], records: int,
           rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
           outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
-          output_dtype: str, extra: dict | None = None) -> dict[str, Any]:
+          output_dtype: str, extra: dict | None = None,
+          calibrations: list[tuple[Calibration, int]] | None = None) -> dict[str, Any]:
+    """`calib`: the calibration of the largest record, which the scalar fields
+    (elements_per_record, noise_scale, calibration_epsilon, expected error) describe.
+    `calibrations`: every calibration of the run with its number of records, when records
+    differ in size; the retain probability is the largest of any, and more than one are
+    listed under `calibrations`."""
+    every = [c for c, _ in calibrations] if calibrations else [calib]
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
         "tool": {"name": "tldp", "version": __version__},
@@ -51,8 +58,8 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "noise_scale": calib.scale,
         "noise_scale_kind": "b" if calib.noise.endswith("laplace") else "sigma",
         "calibration_epsilon": calib.element_epsilon,
-        "retain_probability": calib.p * (1 - _min_weight(weights)),
-        "retain_probability_log10": _log10_retain(calib, weights),
+        "retain_probability": max(c.p for c in every) * (1 - _min_weight(weights)),
+        "retain_probability_log10": _log10_retain(every, weights),
         "expected_l2_error_per_record": calib.expected_l2_error(),
         "weights": weights,
         "rng": rng,
@@ -65,9 +72,26 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "postprocessing": postprocessing,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if calibrations and len(dict.fromkeys(every)) > 1:
+        manifest["calibrations"] = calibration_entries(calibrations, weights)
     if extra:
         manifest.update(extra)
     return manifest
+
+
+def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: dict | None) -> list[dict]:
+    """One entry per calibration (record size), smallest records first."""
+    entries = []
+    for calib, records in sorted(calibrations, key=lambda cn: (cn[0].elements, cn[0].rows or 0)):
+        entry = {"elements_per_record": calib.elements, "records": records, "noise_scale": calib.scale,
+                 "calibration_epsilon": calib.element_epsilon,
+                 "retain_probability": calib.p * (1 - _min_weight(weights)),
+                 "retain_probability_log10": _log10_retain([calib], weights),
+                 "expected_l2_error_per_record": calib.expected_l2_error()}
+        if calib.rows is not None:
+            entry["rows"] = calib.rows
+        entries.append(entry)
+    return entries
 
 
 def _min_weight(weights: dict | None) -> float:
@@ -75,12 +99,13 @@ def _min_weight(weights: dict | None) -> float:
     return (weights or {}).get("min") or 0.0
 
 
-def _log10_retain(calib: Calibration, weights: dict | None) -> float | None:
-    """log10 of the largest retain probability, (1 - w_min) p."""
-    if calib.p_log10 is None:
+def _log10_retain(calibrations: list[Calibration], weights: dict | None) -> float | None:
+    """log10 of the largest retain probability, (1 - w_min) max p."""
+    logs = [c.p_log10 for c in calibrations if c.p_log10 is not None]
+    if not logs:
         return None
     factor = 1 - _min_weight(weights)
-    return None if factor <= 0 else calib.p_log10 + math.log10(factor)
+    return None if factor <= 0 else max(logs) + math.log10(factor)
 
 
 def to_json(manifest: dict[str, Any]) -> str:

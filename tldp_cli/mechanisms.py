@@ -10,7 +10,7 @@ log p ~ -789).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tldp_cli import accounting, mvg_idn
 from tldp_cli.discrete import DISCRETE_NOISES
@@ -180,9 +180,33 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
             scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
         eps_e = D / scale if noise == "laplace" else D**2 / (2 * scale**2)
         log_p = -math.inf
-    return Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
-                       float(dp_delta), float(eps_e), float(scale), float(log_p),
-                       rows if mechanism == "mvg" else None)
+    return _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
+                                      float(dp_delta), float(eps_e), float(scale), float(log_p),
+                                      rows if mechanism == "mvg" else None))
+
+
+def _rescaled(calib: Calibration, scale: float) -> Calibration:
+    """The calibration with another noise scale: its element epsilon and p follow from it."""
+    width = calib.grid_values if calib.noise in DISCRETE_NOISES else calib.range_width
+    family = "laplace" if calib.noise.endswith("laplace") else "gaussian"
+    eps_e = width / scale if family == "laplace" else width**2 / (2 * scale**2)
+    log_p = (tldp_log_retain_probability(family, eps_e, scale, width, calib.elements)
+             if calib.mechanism == "tldp" else -math.inf)
+    return replace(calib, scale=float(scale), element_epsilon=float(eps_e), log_p=float(log_p))
+
+
+def _within_budget(calib: Calibration) -> Calibration:
+    """--budget record: the certified per-record epsilon must not exceed --eps, and rounding
+    (I d / eps and back; a Gaussian's sigma and back) can put it a few ulps above. Then the
+    scale is raised by the least relative step, doubled until it holds."""
+    if calib.budget != "record":
+        return calib
+    adjusted = calib
+    for k in range(64):
+        if accounting.scope_epsilon(adjusted, adjusted.elements) <= calib.epsilon:
+            return adjusted
+        adjusted = _rescaled(calib, calib.scale * (1 + 2.0 ** (k - 52)))
+    raise ValueError(f"no scale near {calib.scale} certifies eps {calib.epsilon} per record")
 
 
 def _boundary(ok, good: float, bad: float, tolerance: float = 1e-13) -> float:
@@ -288,6 +312,6 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
     else:
         scale = W * math.sqrt(I / (2 * epsilon)) if budget == "element" else sigma_for_record()
         eps_e = W**2 / (2 * scale**2)
-    return Calibration(mechanism, noise, budget, float(epsilon), float(range_width), int(I),
-                       float(dp_delta), float(eps_e), float(scale), float(log_p), None,
-                       None if granularity is None else float(granularity))
+    return _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(range_width), int(I),
+                                      float(dp_delta), float(eps_e), float(scale), float(log_p), None,
+                                      None if granularity is None else float(granularity)))

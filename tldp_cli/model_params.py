@@ -69,12 +69,12 @@ def perturb_tensors(tensors: Mapping[str, np.ndarray], calibrations: Mapping[str
 
 
 def certify_tensors(calibrations: Mapping[str, Calibration], releases: int = 1) -> dict[str, Any]:
-    """Certified figures: per element, per record (the largest tensor), per tensor, and
-    per_file = all tensors released `releases` times (e.g. every round of a training run)."""
+    """Certified figures: per element and per record (the worst case over the tensors),
+    per tensor, and per_file = all tensors released `releases` times (e.g. every round of
+    a training run)."""
     if releases < 1:
         raise UsageError(f"releases must be at least 1, not {releases}")
-    binding = max(calibrations.values(), key=lambda c: (c.elements, -c.scale))
-    certified = accounting.certify(binding)
+    certified = accounting.certify_all(list(calibrations.values()))
     certified.update(accounting.certify_file(
         [(name, calib, releases) for name, calib in calibrations.items()], per_tensor=True))
     return certified

@@ -69,6 +69,7 @@ class PerturbOptions:
     block_elements: int = BLOCK_ELEMENTS
     scheduler: str = "threads"  # or "dask"
     dask_address: str | None = None  # an existing cluster; None: a local one of `workers` processes
+    dask_logs: bool = False  # show dask.distributed's own log output (the CLI's --debug)
     resume: bool = False  # continue an interrupted run's resumable (Zarr) output
 
 
@@ -133,7 +134,8 @@ def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path)
         bad = ~np.isfinite(block.reshape(block.shape[0], -1))
         if bad.any():
             record, element = np.argwhere(bad)[0]
-            where = f" dataset {job.source['dataset']}," if "dataset" in job.source else ""
+            member = formats.member_name(job.source)
+            where = f" {member}," if member else ""
             raise DataError(f"{input_path}:{where} NaN or Inf at record {start + record}, "
                             f"element {element}; tldp needs finite values")
 
@@ -164,6 +166,7 @@ class BlockTask:
     dtype: np.dtype
     source: Path
     write: Callable[[ArrayJob, int, np.ndarray], None] | None  # None: return the block instead
+    grid: discrete.Grid | None = None  # discrete noises: snapped values are clipped into it
 
     def __call__(self, job: ArrayJob, start: int, stop: int,
                  count_only: bool = False) -> tuple[int, np.ndarray | None]:
@@ -178,7 +181,7 @@ class BlockTask:
         mask = self.masks.get(job.name)
         weights = None if mask is None else mask.for_block(start, stop)
         noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
-                                       self.streams, weights, self.dtype)
+                                       self.streams, weights, self.dtype, self.grid)
         if self.write is None:
             return 0, noisy
         self.write(job, start, noisy)
@@ -282,9 +285,10 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
 
 
 def _where(job: ArrayJob, source: Path) -> str:
-    """The input, and the dataset or image inside it, for an error message."""
-    if "dataset" in job.source:
-        return f"{source}: dataset {job.source['dataset']}"
+    """The input, and the dataset, tensor or image inside it, for an error message."""
+    member = formats.member_name(job.source)
+    if member:
+        return f"{source}: {member}"
     return str(job.source.get("path", source))
 
 
@@ -317,11 +321,12 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if grid is not None:  # integers stay integers, widened so they never wrap
         out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations.values()),
                                           options.dtype)
-    # The largest record (then the least noise): the weakest guarantee.
-    binding = max(calibrations.values(), key=lambda c: (c.elements, -c.scale))
+    # The manifest's scalar fields (noise_scale, elements_per_record, ...) describe the
+    # largest record; the certified figures are the worst case over every calibration.
+    largest = max(calibrations.values(), key=lambda c: (c.elements, -c.scale))
     # Before the data: a failure costs nothing, and the accountant's peak memory does
     # not stack on the streaming buffers.
-    certified = accounting.certify(binding)
+    certified = accounting.certify_all(list(calibrations.values()))
     certified.update(accounting.certify_file(
         [(job.name, calibrations[keys[job.name]], job.records) for job in jobs],
         per_tensor=getattr(reader, "records_are_tensors", False)))
@@ -368,7 +373,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 masks=masks, lo=lo, hi=hi if grid is None or grid.granularity else grid.high,
                 clip_input=options.clip_input or options.clip is not None,
                 dtype=out_dtype,
-                source=source, write=writer.write)
+                source=source, write=writer.write, grid=grid)
             if options.scheduler == "dask":
                 needed = [source] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
                 results = _run_dask(block_task, tasks, writer, tmp_output, needed, options,
@@ -414,8 +419,12 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         sizes = {elements for elements, _ in calibrations}
         if len(sizes) > 1:
             extra["elements_per_record_range"] = [min(sizes), max(sizes)]
+        records_of: dict[tuple[int, int | None], int] = {}
+        for job in jobs:
+            records_of[keys[job.name]] = records_of.get(keys[job.name], 0) + job.records
         manifest = manifest_mod.build(
-            calib=binding, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
+            calib=largest, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
+            calibrations=[(calibrations[k], n) for k, n in records_of.items()],
             seeded=streams.seeded, weights=weights_info,
             inputs=[job.source for job in jobs], outputs=outputs,
             preprocessing=(["clip"] if options.clip is not None else [])
@@ -440,6 +449,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if weights_info and weights_info["data_derived"]:
         messages.append(f"warning: the weights in {options.weights} were computed from the private "
                         f"values (method {weights_info['method']}); the manifest says so")
+    if options.seed is not None:
+        messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
+                        "of the same shape gives the same noise, so use it for one release only")
     return PerturbResult(output, manifest_path, manifest, messages)
 
 
@@ -461,7 +473,7 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 
 # PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
 _NOT_RECORDED = {"input", "out", "manifest", "seed", "overwrite", "workers", "scheduler", "dask_address",
-                 "resume"}
+                 "dask_logs", "resume"}
 _OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
 
 
@@ -502,7 +514,8 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
     if address and dask_runner.plain_remote(address):
         messages.append(f"warning: {address} is unencrypted TCP: the run's secret noise key travels to "
                         "the workers in the clear; use tls:// with Dask's TLS settings")
-    with dask_runner.connect(address, options.workers) as client:
+    with dask_runner.quiet_logs(options.dask_logs), \
+            dask_runner.connect(address, options.workers, options.dask_logs) as client:
         if address is not None:
             paths = [str(p) for p in needed] + ([str(tmp_output)] if block_writer is not None else [])
             missing = dask_runner.check_visible(client, paths)

@@ -5,7 +5,8 @@ Zarr) is written into a deterministic sibling of the destination,
 
     .NAME.tldp-partial/
         store/          the output being written
-        journal.jsonl   line 1: the run's options; then one line per finished block
+        journal.jsonl   line 1: the run's options, the tldp version and the random-stream
+                        layout; then one line per finished block
 
 A block is journaled only after its write returned, so every journaled block is on
 disk; a block that was being written when the run died is simply written again.
@@ -14,7 +15,9 @@ The directory is locked (flock) while a run uses it, so two runs never share one
 The journal records the options that decide the output, never the seed nor anything
 derived from it (seeds are low-entropy: a hash would confirm guesses), and no hash
 or statistic of the input. With the same seed a resumed run equals an uninterrupted
-one; without it the remaining blocks get fresh, independent noise.
+one; without it the remaining blocks get fresh, independent noise. Another tldp
+version or stream layout (rng.STREAM_LAYOUT, STREAM_UNIT_ELEMENTS) may draw other
+noise for the same seed, or lay blocks out differently: such a run is not resumed.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tldp_cli import __version__, rng
 from tldp_cli.errors import OutputError, UsageError
 
 JOURNAL_VERSION = 1
+# What else a resumed run must share with the interrupted one, as the journal names it.
+_PROVENANCE = {"tldp": "tldp version", "stream_layout": "random-stream layout",
+               "stream_unit_elements": "stream unit elements"}
 
 
 def partial_path(output: Path) -> Path:
@@ -54,6 +61,8 @@ class Partial:
         self.store = self.root / "store"
         self.journal = self.root / "journal.jsonl"
         self.options = json.loads(json.dumps(options, default=str))  # as the journal holds them
+        self.provenance = {"tldp": __version__, "stream_layout": rng.STREAM_LAYOUT,
+                           "stream_unit_elements": rng.STREAM_UNIT_ELEMENTS}
         self.resuming = False
         self.completed: set[tuple[str, int, int]] = set()
         self.messages: list[str] = []
@@ -89,12 +98,21 @@ class Partial:
                                   "start over")
             self._discard()
             return
-        recorded, completed = self._read_journal()
-        if recorded is None:  # died before its first block: nothing worth keeping
+        header, completed = self._read_journal()
+        if header is None:  # died before its first block: nothing worth keeping
             self.messages.append(f"the interrupted run of {self.output} had written nothing; "
                                  "starting from the beginning")
             self._discard()
             return
+        other = [f"{label} {_show(header[key]) if key in header else 'unknown'} "
+                 f"(now {_show(self.provenance[key])})"
+                 for key, label in _PROVENANCE.items() if header.get(key) != self.provenance[key]]
+        if other:
+            raise UsageError(f"--resume: the interrupted run of {self.output} was written by another "
+                             f"tldp: {', '.join(other)}; its blocks cannot be mixed with this one's. "
+                             "Resume it with that tldp, or rerun without --resume and with --overwrite "
+                             "to start over")
+        recorded = header["options"]
         differ = [key for key in sorted(set(recorded) | set(self.options))
                   if recorded.get(key) != self.options.get(key)]
         if differ:
@@ -108,6 +126,7 @@ class Partial:
         self._fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
 
     def _read_journal(self) -> tuple[dict[str, Any] | None, set[tuple[str, int, int]]]:
+        """The journal's first line (options, version, layout) and the finished blocks."""
         try:
             lines = self.journal.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError):
@@ -120,11 +139,10 @@ class Partial:
                 break
         if not entries or not isinstance(entries[0], dict) or entries[0].get("journal") != JOURNAL_VERSION:
             return None, set()
-        options = entries[0].get("options")
-        if not isinstance(options, dict) or not self.store.is_dir():
+        if not isinstance(entries[0].get("options"), dict) or not self.store.is_dir():
             return None, set()
         try:
-            return options, {(e["array"], e["start"], e["stop"]) for e in entries[1:]}
+            return entries[0], {(e["array"], e["start"], e["stop"]) for e in entries[1:]}
         except (KeyError, TypeError):
             return None, set()
 
@@ -141,7 +159,7 @@ class Partial:
         if self.resuming:
             return
         self._fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        self._append({"journal": JOURNAL_VERSION, "options": self.options})
+        self._append({"journal": JOURNAL_VERSION, **self.provenance, "options": self.options})
 
     def done(self, array: str, start: int, stop: int) -> None:
         self._append({"array": array, "start": start, "stop": stop})

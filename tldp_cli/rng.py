@@ -16,12 +16,22 @@ import numpy as np
 
 RNG_KINDS = ("secure", "fast")
 
-# Records are grouped into stream units of about this many elements.
-STREAM_UNIT_ELEMENTS = 1 << 16
+# Records are grouped into stream units of at most this many elements (at least half
+# as many when records are small): large enough that creating a unit's generator is
+# cheap against its draws, small enough that its noise stays in a core's cache.
+STREAM_UNIT_ELEMENTS = 1 << 18
+
+# Names the layout of the random streams: which records a unit holds (records_per_unit),
+# how a unit's key is derived, and the order in which the engine draws from a unit.
+# Bump it with any change to those: a resumed run (--resume) refuses to mix blocks
+# drawn under another layout.
+STREAM_LAYOUT = 1
 
 
 def records_per_unit(elements_per_record: int) -> int:
-    return max(1, STREAM_UNIT_ELEMENTS // elements_per_record)
+    """A power of two, so units line up with the power-of-two chunks of stored arrays
+    and a block of whole chunks draws no noise it does not use."""
+    return 1 << max(0, (STREAM_UNIT_ELEMENTS // elements_per_record).bit_length() - 1)
 
 
 class Streams:

@@ -109,6 +109,15 @@ def detect(path: Path):
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
 
 
+def member_name(source: dict[str, Any]) -> str | None:
+    """How a message names the array inside a file (an ArrayJob's source): "tensor w" in a
+    model file, "dataset x" in HDF5/Zarr; None for a whole-file array or an image."""
+    if "dataset" not in source:
+        return None
+    noun = "tensor" if source.get("format") in ("npz", "safetensors") else "dataset"
+    return f"{noun} {source['dataset']}"
+
+
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:
     if dtype.kind not in "iuf":
         kinds = {"O": "object (pickled)", "c": "complex", "b": "boolean", "U": "string",

@@ -158,8 +158,11 @@ class Hdf5Reader:
                 link = None
             if link is None:
                 numeric = [n for n, ds in found.items() if _is_numeric(ds.dtype) and ds.shape]
-                hint = f" (numeric datasets: {', '.join(numeric[:8])})" if numeric else ""
-                raise InputError(f"{where}: no such dataset in the file{hint}")
+                shown = numeric or list(found)
+                listing = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
+                hint = (f"numeric datasets: {listing}" if numeric else
+                        f"no numeric dataset; datasets: {listing}" if found else "it holds no dataset")
+                raise InputError(f"{where}: no such dataset in the file ({hint})")
             what = "it" if prefix == name else prefix
             if isinstance(link, h5py.SoftLink):
                 raise InputError(f"{where}: {what} is a soft link to {link.path}; "

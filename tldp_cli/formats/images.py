@@ -166,7 +166,7 @@ class ImageFolderReader:
         self.messages: list[str] = []
         self.manifest_extra: dict = {}
         if options.datasets:
-            raise InputError(f"{path}: --dataset applies to HDF5, Zarr and model files "
+            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
                              "(.npz, .safetensors), not image folders")
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")

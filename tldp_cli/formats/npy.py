@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
 
 NAME = "npy"
@@ -63,7 +63,7 @@ class NpyReader:
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         if options.datasets:
-            raise InputError(f"{path}: --dataset applies to HDF5, Zarr and model files "
+            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
                              "(.npz, .safetensors), not .npy")
         shape, _, dtype = _header(path)
         check_numeric_dtype(path, dtype)

@@ -50,8 +50,11 @@ def select(path: Path, tensors: list[Tensor], requested: list[str]) -> tuple[lis
             where = f"{path}: tensor {name}"
             if tensor is None:
                 floats = [t.name for t in tensors if t.perturbable]
-                hint = f" (floating-point tensors: {', '.join(floats[:8])}{', ...' if len(floats) > 8 else ''})"
-                raise InputError(f"{where}: no such tensor in the file{hint if floats else ''}")
+                shown = floats or [f"{t.name} ({t.dtype})" for t in tensors]
+                listing = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
+                hint = (f"floating-point tensors: {listing}" if floats else
+                        f"no floating-point tensor; tensors: {listing}" if tensors else "it holds no tensor")
+                raise InputError(f"{where}: no such tensor in the file ({hint})")
             if tensor.dtype not in FLOAT_DTYPES:
                 raise InputError(f"{where}: has dtype {tensor.dtype}; tldp perturbs the floating-point "
                                  "tensors of a model file (each keeps its dtype); leave it out and it "

@@ -1,0 +1,216 @@
+"""tldp evaluate on discrete noise off the grid's ends and at several scales, its header
+wording, and the model-file and --dataset error messages."""
+
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import REPO, siblings
+from tldp_cli import evaluate as ev
+
+
+def perturb(cli, src, out, *args):
+    result = cli("perturb", src, "--out", out, "--seed", 11, "--quiet", *args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def evaluate(cli, original, perturbed, tmp_path, *args):
+    report = tmp_path / f"report{len(list(tmp_path.glob('report*')))}.json"
+    result = cli("evaluate", original, perturbed, "--json", report, *args)
+    return result, json.loads(report.read_text())
+
+
+def checks(report):
+    return {c["check"]: c for c in report["checks"]}
+
+
+def one_line(result, code: int) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- 1. grid width
+
+def test_readme_model_recipe_with_discrete_noise_passes(cli, tmp_path):
+    """--clip 0.1: the automatic grid 2^-13 Z holds -819..819, width 0.19995, not 0.2."""
+    src = tmp_path / "model.npz"
+    shutil.copy(REPO / "docs" / "type3" / "model.npz", src)
+    out = perturb(cli, src, tmp_path / "model.tldp.npz", "--eps", "1", "--clip", "0.1",
+                  "--noise", "discrete-laplace")
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert checks(report)["parameters"]["passed"]
+    m = json.loads((tmp_path / "model.tldp.npz.manifest.json").read_text())
+    assert m["range_width"] == 1638 * 2.0**-13 != 0.2
+
+
+def test_explicit_granularity_off_the_range_end(cli, tmp_path):
+    """--range 0:1 --granularity 0.3: the grid 0, 0.3, 0.6, 0.9 is 0.9 wide; a manifest that
+    says 1.0 (hi - lo) is refused."""
+    src = tmp_path / "x.npy"
+    np.save(src, np.random.default_rng(0).random((300, 8)).astype(np.float32))
+    out = perturb(cli, src, tmp_path / "y.npy", "--eps", "1", "--range", "0:1", "--granularity", "0.3",
+                  "--noise", "discrete-gaussian")
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    m_path = tmp_path / "y.npy.manifest.json"
+    m = json.loads(m_path.read_text())
+    assert m["range_width"] == pytest.approx(0.9)
+    m["range_width"] = 1.0
+    m_path.write_text(json.dumps(m))
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 1
+    assert [x["field"] for x in checks(report)["parameters"]["mismatches"]] == ["range_width"]
+
+
+def test_check_parameters_from_the_manifest_alone(cli, tmp_path):
+    """Without the original's dtypes the grid comes from the manifest's inputs; a granularity
+    that is not the automatic one is caught."""
+    src = tmp_path / "x.npy"
+    np.save(src, np.random.default_rng(1).random((50, 6)).astype(np.float32) * 3 - 1)
+    perturb(cli, src, tmp_path / "y.npy", "--eps", "2", "--range", "-1:2", "--noise", "discrete-laplace")
+    m = json.loads((tmp_path / "y.npy.manifest.json").read_text())
+    assert ev.check_parameters(m)["passed"]
+    m["granularity"] *= 2
+    assert "granularity" in [x["field"] for x in ev.check_parameters(m)["mismatches"]]
+
+
+# --------------------------------------------------------------------------- 2. several scales
+
+def _sized_pngs(root: Path) -> Path:
+    rng = np.random.default_rng(2)
+    root.mkdir()
+    for i, (h, w) in enumerate([(8, 8), (16, 16), (32, 24), (12, 40)]):
+        Image.fromarray(rng.integers(0, 256, (h, w), dtype=np.uint8)).save(root / f"im{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("noise", ["discrete-laplace", "discrete-gaussian"])
+@pytest.mark.parametrize("options,eps", [(("--mechanism", "baseline"), 1), (("--budget", "record"), 100)])
+def test_discrete_noise_at_several_scales(cli, tmp_path, noise, options, eps):
+    """Records of 64, 256, 768 and 480 pixels: four noise scales, each tested against its own."""
+    src = _sized_pngs(tmp_path / "imgs")
+    args = ("--noise", noise, "--image-format", "tiff", *options)
+    out = perturb(cli, src, tmp_path / "out", "--eps", eps, *args)
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    gof = checks(report)["noise_distribution"]
+    assert gof["passed"] and gof["test"] == "chi-square"
+    assert len(gof["groups"]) == 4 and all("pvalue" in g for g in gof["groups"])
+    kept = checks(report)["retained_fraction"]["retained"]
+    assert sum(g["samples"] for g in gof["groups"]) == gof["samples"] == 64 + 256 + 768 + 480 - kept
+
+    # noise of 4 eps behind the eps manifest (hashes updated): every scale is too small
+    wrong = perturb(cli, src, tmp_path / "wrong", "--eps", 4 * eps, *args)
+    m = json.loads((tmp_path / "out.manifest.json").read_text())
+    m["outputs"] = json.loads((tmp_path / "wrong.manifest.json").read_text())["outputs"]
+    (tmp_path / "wrong.manifest.json").write_text(json.dumps(m))
+    result, report = evaluate(cli, src, wrong, tmp_path)
+    assert result.exit_code == 1 and report["integrity_ok"]
+    assert checks(report)["noise_distribution"]["passed"] is False
+
+
+# --------------------------------------------------------------------------- 3. header
+
+@pytest.mark.parametrize("mechanism,budget,words", [
+    ("tldp", "element", "eps=1 per element"),
+    ("tldp", "record", "eps=1 per record (--budget record)"),
+    ("baseline", "element", "eps=1 per record (the paper's calibration of the baseline)"),
+    ("mvg", "element", "eps=1, delta=1e-05 per record by the mechanism's own design"),
+    ("idn", "record", "eps=1 per record (--budget record)")])
+def test_header_says_what_eps_covers(cli, tmp_path, mechanism, budget, words):
+    src = tmp_path / "x.npy"
+    np.save(src, np.random.default_rng(3).random((40, 4, 4)).astype(np.float32))
+    out = perturb(cli, src, tmp_path / "y.npy", "--eps", "1", "--range", "0:1",
+                  "--mechanism", mechanism, "--budget", budget)
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["epsilon_scope"] == words
+    header = result.stderr.splitlines()[0]
+    assert f"{mechanism} " in header and words + ";" in header
+    if mechanism != "tldp" or budget == "record":
+        assert "per element" not in header
+
+
+# --------------------------------------------------------------------------- 4. model files say tensor
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_model_file_errors_name_the_tensor(cli, tmp_path, suffix):
+    from safetensors.numpy import save_file
+
+    w = np.ones((3, 4), np.float32)
+    w[1, 2] = np.nan
+    tensors = {"w": w, "b": np.ones(4, np.float32)}
+    src = tmp_path / f"m{suffix}"
+    np.savez(src, **tensors) if suffix == ".npz" else save_file(tensors, str(src))
+    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1"), 1)
+    assert f"{src}: tensor w, NaN or Inf" in line and "dataset" not in line
+    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--mechanism", "mvg"), 2)
+    assert f"{src}: tensor b: --mechanism mvg" in line
+    assert siblings(tmp_path) == {src.name}
+
+
+def test_hdf5_errors_still_name_the_dataset(cli, tmp_path):
+    src = tmp_path / "d.h5"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.array([[0.0, np.inf]])
+    line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1"), 1)
+    assert f"{src}: dataset /x, NaN or Inf" in line
+
+
+# --------------------------------------------------------------------------- 5. --dataset
+
+def test_dataset_on_npy_or_images_is_a_usage_error(cli, tmp_path):
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros((4, 3), np.uint8))
+    line = one_line(cli("perturb", npy, "--eps", "1", "--dataset", "images"), 2)
+    assert str(npy) in line and "--dataset applies to" in line
+    folder = _sized_pngs(tmp_path / "imgs")
+    line = one_line(cli("perturb", folder, "--eps", "1", "--dataset", "images"), 2)
+    assert str(folder) in line and "--dataset applies to" in line
+    assert siblings(tmp_path) == {"x.npy", "imgs"}
+
+
+def test_missing_dataset_names_the_file_and_lists_what_it_holds(cli, tmp_path):
+    h5 = tmp_path / "d.h5"
+    with h5py.File(h5, "w") as f:
+        f["x"] = np.zeros((3, 4))
+        f["g/y"] = np.zeros((3, 2), np.uint8)
+    strings = tmp_path / "s.h5"
+    with h5py.File(strings, "w") as f:
+        f["names"] = np.array([b"a", b"b"])
+    ints = tmp_path / "i.npz"
+    np.savez(ints, step=np.arange(3))
+    for src, listing in ((h5, "(numeric datasets: /g/y, /x)"),
+                         (strings, "(no numeric dataset; datasets: /names)"),
+                         (ints, "(no floating-point tensor; tensors: step (int64))")):
+        line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1", "--dataset", "nope"), 1)
+        assert line.startswith(f"tldp: error: {src}: ") and "nope" in line and listing in line
+
+
+# --------------------------------------------------------------------------- 6. kept zeros
+
+def test_retained_check_catches_a_kept_zero(cli, tmp_path):
+    """At x = 0 the float-rounding allowance is ~1e-45: with p = 0 (eps 1, I = 784) a single
+    output value equal to its input is an unaccounted point mass and fails the check."""
+    src = tmp_path / "zeros.npy"
+    np.save(src, np.zeros((300, 28, 28), np.uint8))
+    for noise in ("laplace", "gaussian"):
+        out = perturb(cli, src, tmp_path / f"{noise}.npy", "--eps", "1", "--noise", noise)
+        result, report = evaluate(cli, src, out, tmp_path)
+        assert result.exit_code == 0, result.output
+        kept = checks(report)["retained_fraction"]
+        assert kept["passed"] and kept["retained"] == 0 and kept["float_rounding_allowance"] < 1e-40
+        y = np.load(out)
+        y[7, 3, 5] = 0.0
+        np.save(out, y)
+        result, report = evaluate(cli, src, out, tmp_path)
+        assert checks(report)["retained_fraction"]["passed"] is False
