@@ -26,20 +26,25 @@ def test_manifest_sha256_is_the_output_file(tmp_path, workers):
     assert entry["sha256"] == sha256(out)
 
 
-def test_blocks_reported_out_of_order(tmp_path):
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_blocks_written_out_of_order(tmp_path, elsewhere):
+    """Blocks written by the writer are hashed from memory; blocks written elsewhere
+    (Dask workers, through block_writer) are read back when the pipeline reports them."""
     src = tmp_path / "x.npy"
     data = np.arange(60, dtype=np.float64).reshape(20, 3)
     np.save(src, data)
     reader = npy.open_reader(src, FormatOptions())
     writer = npy.create_writer(reader, tmp_path / "y.npy", np.dtype(np.float32), FormatOptions())
     job = reader.job
-    blocks = [(12, 20), (0, 5), (5, 12)]
-    for start, stop in blocks:
-        writer.write(job, start, data[start:stop])
-    writer.block_written(job, 12, 20)
-    writer.block_written(job, 0, 5)
-    assert writer.digests() == {}  # records 5..12 not reported yet: no digest to trust
-    writer.block_written(job, 5, 12)
+    write = writer.block_writer() if elsewhere else writer.write
+    for start, stop in [(12, 20), (0, 5), (5, 12)]:
+        write(job, start, data[start:stop])
+        if elsewhere:
+            writer.block_written(job, start, stop)
+        if stop != 12:
+            assert writer.digests() == {}  # records 5..12 are missing: no digest to trust
+    for start, stop in [(0, 5), (12, 20)]:
+        writer.block_written(job, start, stop)  # reported again: no effect
     [path] = writer.close()
     assert writer.digests() == {path: sha256(path)}
     np.testing.assert_array_equal(np.load(path), data.astype(np.float32))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,41 +123,59 @@ class NpyWriter:
         with open(tmp_path, "wb") as f:
             f.write(head.getvalue())
             f.truncate(len(head.getvalue()) + job.records * job.elements * dtype.itemsize)
-        self.write = _Blocks(tmp_path, len(head.getvalue()), job.elements * dtype.itemsize, dtype)
-        # The manifest's sha256, computed while the run goes on (block_written) rather
-        # than by reading the whole output again at the end.
+        self._blocks = _Blocks(tmp_path, len(head.getvalue()), job.elements * dtype.itemsize, dtype)
+        # The manifest's sha256, computed as the blocks are written rather than by reading
+        # the whole output again at the end: the prefix written so far, in file order.
         self._sha256 = hashlib.sha256(head.getvalue())
         self._records = job.records
-        self._hashed = 0  # records hashed: a prefix of the file
-        self._waiting: dict[int, int] = {}  # blocks written beyond that prefix: start -> stop
+        self._hashed = 0  # records hashed
+        # Blocks written beyond that prefix: start -> (stop, the block, or None to read it
+        # back). At most the blocks in flight wait here.
+        self._waiting: dict[int, tuple[int, np.ndarray | None]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        """Writes a block (from any thread, in any order) and hashes it from memory."""
+        data = np.ascontiguousarray(block, dtype=self._blocks.dtype)
+        self._blocks(job, start, data)
+        self._hash(start, start + len(data), data)
 
     def block_writer(self) -> _Blocks:
-        return self.write
+        return self._blocks  # blocks it writes elsewhere are hashed by block_written
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
-        """Records [start, stop) are in the file (the pipeline calls this from one thread,
-        in any order): extend the hash over the written prefix, from the page cache."""
-        self._waiting[start] = stop
-        if self._hashed not in self._waiting:
-            return
+        """Records [start, stop) are in the file, whoever wrote them."""
+        self._hash(start, stop, None)
+
+    def _hash(self, start: int, stop: int, data: np.ndarray | None) -> None:
+        with self._lock:
+            if start < self._hashed or start in self._waiting:
+                return  # write() has it already
+            self._waiting[start] = (stop, data)
+            while self._hashed in self._waiting:
+                stop, data = self._waiting.pop(self._hashed)
+                if data is None:
+                    self._hash_from_file(self._hashed, stop)
+                else:
+                    self._sha256.update(data)
+                self._hashed = stop
+
+    def _hash_from_file(self, start: int, stop: int) -> None:
+        position = self._blocks.offset + start * self._blocks.row_bytes
+        end = self._blocks.offset + stop * self._blocks.row_bytes
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            while self._hashed in self._waiting:
-                stop = self._waiting.pop(self._hashed)
-                position = self.write.offset + self._hashed * self.write.row_bytes
-                end = self.write.offset + stop * self.write.row_bytes
-                while position < end:
-                    chunk = os.pread(fd, min(1 << 22, end - position), position)
-                    if not chunk:
-                        raise OSError(f"{self.path}: shorter than the records written")
-                    self._sha256.update(chunk)
-                    position += len(chunk)
-                self._hashed = stop
+            while position < end:
+                chunk = os.pread(fd, min(1 << 22, end - position), position)
+                if not chunk:
+                    raise OSError(f"{self.path}: shorter than the records written")
+                self._sha256.update(chunk)
+                position += len(chunk)
         finally:
             os.close(fd)
 
     def digests(self) -> dict[Path, str]:
-        """sha256 of the output if every record went through block_written, else nothing."""
+        """sha256 of the output once every record is written, else nothing."""
         return {self.path: self._sha256.hexdigest()} if self._hashed == self._records else {}
 
     def close(self) -> list[Path]:
