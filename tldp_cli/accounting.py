@@ -512,6 +512,19 @@ def _pld_from_log_pmfs(log_upper, log_lower, interval: float, infinity_mass: flo
 DISCRETE_PLD_MAX_OUTCOMES = 1 << 22  # beyond: the pure (Laplace) or RDP (Gaussian) bound alone
 
 
+def _composed_pld_epsilon(log_upper, log_lower, interval: float, count: int, delta: float,
+                          infinity_mass: float = 0.0) -> list[float]:
+    """[eps at delta of `count` releases of one mechanism given by its two log pmfs], or []
+    when the privacy-loss distribution overflows (the caller's other bounds still hold)."""
+    try:
+        pld = _pld_from_log_pmfs(log_upper, log_lower, interval, infinity_mass)
+        if count > 1:
+            pld = pld.self_compose(count)
+        return [pld.get_epsilon_for_delta(delta)]
+    except OverflowError:
+        return []
+
+
 def _interval(count: int, spread: float) -> float:
     """Discretisation of the PLD: fine for one element, coarser as the composed loss spreads."""
     return max(1e-4, math.sqrt(count) * spread / 2000)
@@ -532,13 +545,7 @@ def discrete_laplace_approx_epsilon(sensitivity: int, scale: float, log_p: float
     bounds = [count * element]
     if sensitivity + 3 <= DISCRETE_PLD_MAX_OUTCOMES and count <= PLD_MAX_RELEASES:
         upper, lower = discrete_laplace_log_pmfs(sensitivity, scale, log_p)
-        try:
-            pld = _pld_from_log_pmfs(upper, lower, _interval(count, element))
-            if count > 1:
-                pld = pld.self_compose(count)
-            bounds.append(pld.get_epsilon_for_delta(delta))
-        except OverflowError:
-            pass
+        bounds += _composed_pld_epsilon(upper, lower, _interval(count, element), count, delta)
     return float(min(bounds))
 
 
@@ -616,13 +623,8 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
     bounds = [rdp.get_epsilon(delta)]
     if 21 * sigma + sensitivity <= DISCRETE_PLD_MAX_OUTCOMES and count <= PLD_MAX_RELEASES:
         upper, lower, tail = discrete_gaussian_log_pmfs(sigma, sensitivity)
-        try:
-            pld = _pld_from_log_pmfs(upper, lower, _interval(count, sensitivity / sigma), tail)
-            if count > 1:
-                pld = pld.self_compose(count)
-            bounds.append(pld.get_epsilon_for_delta(delta))
-        except OverflowError:
-            pass
+        bounds += _composed_pld_epsilon(upper, lower, _interval(count, sensitivity / sigma), count,
+                                        delta, tail)
     return float(min(bounds))
 
 

@@ -538,6 +538,8 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     noise of the whole unit first, then the retain decisions. The output is in `dtype`
     (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
     the run's grid, into which snapped float values are clipped (see snap)."""
+    from tldp_cli.engine import zero_kept  # engine hands discrete noises to this module
+
     dtype = np.dtype(np.int64 if dtype is None else dtype)
     granularity = getattr(calib, "granularity", None)
     n = block.shape[0]
@@ -557,16 +559,8 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         thinning = rng.random(positions.size)
 
         lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
-        rows, cols = np.divmod(positions, elements)
-        inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
-        rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
-        if weights is None:
-            kept = np.ones(rows.shape, bool)
-        elif weights.ndim == 1:
-            kept = thinning < 1.0 - weights[cols]
-        else:
-            kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
-        noise[rows[kept], cols[kept]] = 0
+        zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
+                  unit_start - first_record)
         out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
     return _to_output(out, granularity, dtype).reshape(block.shape)
 

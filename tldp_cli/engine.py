@@ -70,6 +70,23 @@ def retain_candidates(rng: np.random.Generator, p_max: float, size: int) -> tupl
     return positions, rng.random(count)
 
 
+def zero_kept(noise: np.ndarray, positions: np.ndarray, thinning: np.ndarray,
+              weights: np.ndarray | None, first_row: int, stop_row: int, block_offset: int) -> None:
+    """Zero the noise of the candidate positions (flat, in a unit's (rows, I) noise) that keep
+    their raw value: those in rows [first_row, stop_row) whose thinning uniform is below
+    1 - w. `block_offset` turns a unit row into a row of the block's (n, I) weights."""
+    rows, cols = np.divmod(positions, noise.shape[1])
+    inside = (rows >= first_row) & (rows < stop_row)
+    rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
+    if weights is None:
+        kept = np.ones(rows.shape, bool)
+    elif weights.ndim == 1:
+        kept = thinning < 1.0 - weights[cols]
+    else:
+        kept = thinning < 1.0 - weights[rows + block_offset, cols]
+    noise[rows[kept], cols[kept]] = 0
+
+
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
                     dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None) -> np.ndarray:
@@ -102,16 +119,8 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
 
         lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
         if positions.size:  # usually none: p is astronomically small for real tensors
-            rows, cols = np.divmod(positions, elements)
-            inside = (rows >= lo - unit_start) & (rows < hi - unit_start)
-            rows, cols, thinning = rows[inside], cols[inside], thinning[inside]
-            if weights is None:
-                kept = np.ones(rows.shape, bool)
-            elif weights.ndim == 1:
-                kept = thinning < 1.0 - weights[cols]
-            else:
-                kept = thinning < 1.0 - weights[rows + unit_start - first_record, cols]
-            noise[rows[kept], cols[kept]] = 0
+            zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
+                      unit_start - first_record)
         # One pass: cast the raw values to dtype and add the noise (no astype copy first).
         np.add(records[lo - first_record:hi - first_record], noise[lo - unit_start:hi - unit_start],
                out=out[lo - first_record:hi - first_record], dtype=dtype)
