@@ -22,9 +22,22 @@ from tldp_cli.discrete import DISCRETE_NOISES
 from tldp_cli.mechanisms import Calibration
 from tldp_cli.rng import Streams, records_per_unit
 
+# Output blocks start at a page boundary, so a writer can hand whole pages of them to
+# the disk with direct I/O (formats/npy.py) without copying them first.
+PAGE = 4096
+
 # At or above this p every element gets its own uniform; below it the
 # binomial-and-place method draws far fewer numbers.
 DENSE_RETAIN_P = 1e-3
+
+
+def page_aligned_empty(shape, dtype) -> np.ndarray:
+    """np.empty whose data starts at a page boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + PAGE, np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
@@ -105,7 +118,7 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     n = block.shape[0]
     elements = calib.elements
     records = block.reshape(n, elements)
-    out = np.empty((n, elements), dtype)
+    out = page_aligned_empty((n, elements), dtype)
     if n == 0:
         return out.reshape(block.shape)
     per_unit = records_per_unit(elements)

@@ -36,8 +36,10 @@ from tldp_cli.mechanisms import GAUSSIAN_ONLY, Calibration, calibrate, check_par
 from tldp_cli.rng import Streams, records_per_unit
 from tldp_cli.weights import Mask, load_masks
 
-# Records per block are chosen so a block holds about this many elements.
-BLOCK_ELEMENTS = 1 << 22
+# Records per block are chosen so a block holds about this many elements: 8 MB of
+# float32 output, small enough that the blocks in flight and Zarr's encoding copies of
+# them stay well inside a few hundred MB, large enough that per-block costs vanish.
+BLOCK_ELEMENTS = 1 << 21
 
 Progress = Callable[[int, int], None]  # (records just finished, total records)
 

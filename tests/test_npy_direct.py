@@ -1,0 +1,125 @@
+"""The .npy writer sends whole pages to the disk with direct I/O (O_DIRECT) and the rest
+through the page cache; the file must be the same byte for byte whichever path each
+part took, and where the filesystem refuses direct I/O."""
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tldp_cli.engine import PAGE, page_aligned_empty
+from tldp_cli.formats import npy
+from tldp_cli.pipeline import PerturbOptions, perturb
+
+pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this OS")
+
+
+@pytest.fixture
+def direct_opens(monkeypatch):
+    """Counts the files opened with O_DIRECT (the real calls still run)."""
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            opened.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return opened
+
+
+def run(tmp_path, name, data, **options):
+    src = tmp_path / f"{name}-in.npy"
+    np.save(src, data)
+    out = tmp_path / f"{name}-out.npy"
+    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, **options))
+    return out, json.loads(result.manifest_path.read_text())
+
+
+def test_header_is_a_page_and_numpy_reads_it(tmp_path, direct_opens):
+    data = np.random.default_rng(0).integers(0, 256, (3000, 28, 28), dtype=np.uint8)
+    out, manifest = run(tmp_path, "a", data, block_elements=1 << 18)
+    raw = out.read_bytes()
+    assert int.from_bytes(raw[8:12], "little") + 12 == PAGE  # version 2.0 header length
+    assert len(raw) == PAGE + data.size * 4
+    loaded = np.load(out)
+    assert loaded.shape == data.shape and loaded.dtype == np.float32
+    np.testing.assert_array_equal(np.load(out, mmap_mode="r")[:, 0, 0], loaded[:, 0, 0])
+    assert manifest["outputs"][0]["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert direct_opens  # the whole-page blocks did go direct
+
+
+@pytest.mark.parametrize("records, elements, block_elements, workers, goes_direct", [
+    (2100, (28, 28), 1 << 18, 2, True),  # blocks of whole pages
+    (2100, (1025,), 5000, 3, True),      # 4100-byte records: blocks start and end inside pages
+    (300, (3,), 700, 1, False),          # less than a page of output: nothing goes direct
+])
+def test_direct_equals_page_cache_writes(tmp_path, monkeypatch, direct_opens, records, elements, block_elements,
+                                         workers, goes_direct):
+    data = np.random.default_rng(1).integers(0, 256, (records, *elements), dtype=np.uint8)
+    direct, manifest = run(tmp_path, "direct", data, block_elements=block_elements, workers=workers)
+    used_direct = bool(direct_opens)
+    monkeypatch.setattr(npy, "_O_DIRECT", 0)
+    cached, _ = run(tmp_path, "cached", data, block_elements=block_elements, workers=workers)
+    assert direct.read_bytes() == cached.read_bytes()
+    assert manifest["outputs"][0]["sha256"] == hashlib.sha256(direct.read_bytes()).hexdigest()
+    assert used_direct == goes_direct
+
+
+def test_filesystem_without_direct_io(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (EINVAL at open, or at the write) gets ordinary
+    writes and the same file."""
+    data = np.random.default_rng(2).integers(0, 256, (2000, 28, 28), dtype=np.uint8)
+    expected, _ = run(tmp_path, "expected", data)
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def refuse_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_open)
+    out, _ = run(tmp_path, "refused-open", data)
+    assert out.read_bytes() == expected.read_bytes()
+
+    refused = []
+
+    def refuse_write(fd, data, position):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(position)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "pwrite", refuse_write)
+    out, _ = run(tmp_path, "refused-write", data)
+    assert refused
+    assert out.read_bytes() == expected.read_bytes()
+
+
+def test_other_write_errors_are_not_swallowed(tmp_path, monkeypatch):
+    data = np.random.default_rng(3).integers(0, 256, (2000, 28, 28), dtype=np.uint8)
+    real_open = os.open
+
+    def disk_full(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        run(tmp_path, "full", data)
+    assert not list(tmp_path.glob("full-out*")) and not list(tmp_path.glob(".full-out*"))
+
+
+def test_page_aligned_empty():
+    for shape, dtype in [((3, 5), np.float32), ((0,), np.float64), ((4097,), np.uint8)]:
+        a = page_aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype
+        assert a.size == 0 or a.ctypes.data % PAGE == 0
+        assert a.flags.c_contiguous and a.flags.writeable
