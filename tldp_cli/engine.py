@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tldp_cli import discrete
+from tldp_cli import discrete, ziggurat
 from tldp_cli.discrete import DISCRETE_NOISES
 from tldp_cli.mechanisms import Calibration
 from tldp_cli.rng import Streams, records_per_unit
@@ -42,6 +42,8 @@ def page_aligned_empty(shape, dtype) -> np.ndarray:
 
 def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
                dtype: np.dtype) -> np.ndarray:
+    if noise == "gaussian" and dtype == np.float32:
+        return ziggurat.standard_normal(rng, size, scale)  # never 0.0; about twice NumPy's speed
     if noise == "gaussian":
         z = rng.standard_normal(size, dtype=dtype)
     else:
