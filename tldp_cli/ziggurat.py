@@ -23,6 +23,9 @@ algorithm (256 layers, r and v of NumPy's `random_standard_normal_f`) over array
   draws of the whole procedure, the sequential ziggurat's restart. Each element is
   therefore an independent draw from the ziggurat's distribution.
 
+The fast path runs compiled by Numba when it is installed (a dependency: one pass, no
+GIL, so threads scale), else as NumPy array operations; both give the same bits.
+
 The scale is folded into the float32 table of widths (x_k / 2^23 * scale, one
 rounding) and the sign into its index (a second half of negated widths), so the fast
 path is two table lookups, a multiply and a compare.
@@ -103,36 +106,77 @@ def _widths32(scale: float) -> np.ndarray:
 
 
 def _draw(gen: np.random.Generator, size: int, scale: float, width: np.ndarray) -> np.ndarray:
-    words = gen.bit_generator.random_raw((size + 1) // 2).view(np.uint32)
-    out = words.view(np.float32)  # written over the words, chunk by chunk
+    words = gen.bit_generator.random_raw((size + 1) // 2).view(np.uint32)[:size]
+    fast_path = _compiled_fast_path() or _fast_path
+    slow = np.empty(size, np.intp)
+    out = words.view(np.float32)  # written over the words
+    slow = slow[:fast_path(words, out, width, _K1, slow)]
+    if slow.size:
+        left = words[slow]
+        out[slow] = _slow(gen, (left & 0x1FF).astype(np.intp), left >> 9, scale, width)
+    return out
+
+
+def _fast_path_loop(words, out, width, bound, slow):
+    """The fast path, one element at a time (compiled by Numba): writes rabs * width over each
+    accepted word (`out` is `words` as float32), leaves the others as they are and lists them
+    in `slow`; returns how many."""
+    count = 0
+    for j in range(words.size):
+        word = words[j]
+        index = word & 0x1FF
+        rabs = word >> 9
+        if rabs - np.uint32(1) < bound[index]:
+            out[j] = np.float32(rabs) * width[index]
+        else:
+            slow[count] = j
+            count += 1
+    return count
+
+
+@functools.cache
+def _compiled_fast_path():
+    """_fast_path_loop compiled by Numba without the GIL (it scales over threads: the NumPy
+    version's many short array operations do not), cached on disk where it can be; None
+    where Numba is not installed, and _fast_path does the same work with NumPy."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    try:
+        return numba.njit(nogil=True, cache=True)(_fast_path_loop)
+    except RuntimeError:  # no writable cache directory: compile in memory for this process
+        return numba.njit(nogil=True)(_fast_path_loop)
+
+
+def _fast_path(words: np.ndarray, out: np.ndarray, width: np.ndarray, bound: np.ndarray,
+               slow: np.ndarray) -> int:
+    """_fast_path_loop in NumPy array operations, chunk by chunk; the same words out."""
+    size = words.size
     step = min(size, CHUNK)
     index = np.empty(step, np.intp)
-    rabs, below, bound = (np.empty(step, np.uint32) for _ in range(3))
+    rabs, below, bounds = (np.empty(step, np.uint32) for _ in range(3))
     w = np.empty(step, np.float32)
     rejected = np.empty(step, bool)
-    slow_at, slow_index, slow_rabs = [], [], []
+    count = 0
     for start in range(0, size, CHUNK):
         n = min(CHUNK, size - start)
         chunk = words[start:start + n]
-        i, ra, bl, bd, wd, rj = index[:n], rabs[:n], below[:n], bound[:n], w[:n], rejected[:n]
+        i, ra, bl, bd, wd, rj = index[:n], rabs[:n], below[:n], bounds[:n], w[:n], rejected[:n]
         np.bitwise_and(chunk, 0x1FF, out=i, casting="unsafe")
         np.right_shift(chunk, 9, out=ra)
         # mode="wrap" skips take's bounds check (the indices are < 512 by construction)
         np.take(width, i, out=wd, mode="wrap")
-        np.take(_K1, i, out=bd, mode="wrap")
+        np.take(bound, i, out=bd, mode="wrap")
         np.subtract(ra, 1, out=bl)
         np.greater_equal(bl, bd, out=rj)
         at = np.flatnonzero(rj)
-        if at.size:
-            slow_at.append(at + start)
-            slow_index.append(i[at])
-            slow_rabs.append(ra[at])
+        left = chunk[at]
         np.multiply(ra, wd, out=out[start:start + n], dtype=np.float32, casting="unsafe")
-    out = out[:size]
-    if slow_at:
-        at = np.concatenate(slow_at)
-        out[at] = _slow(gen, np.concatenate(slow_index), np.concatenate(slow_rabs), scale, width)
-    return out
+        chunk[at] = left
+        slow[count:count + at.size] = at + start
+        count += at.size
+    return count
 
 
 def _slow(gen: np.random.Generator, index: np.ndarray, rabs: np.ndarray, scale: float,

@@ -16,9 +16,11 @@ import errno
 import hashlib
 import io
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,17 +60,35 @@ def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 @dataclass(frozen=True)
 class _Records:
-    """Reads records [start, stop). Picklable: maps the file inside each call."""
+    """Reads records [start, stop). Picklable: opens the file inside each call."""
 
     path: Path
+    offset: int | None = None  # where a C-order array's data starts; None: Fortran order
+    dtype: np.dtype | None = None
+    record_shape: tuple[int, ...] = ()
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
-        # A fresh map per block keeps resident memory flat however large the file.
-        mm = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        if self.offset is None:
+            # A fresh map per block keeps resident memory flat however large the file.
+            mm = np.load(self.path, mmap_mode="r", allow_pickle=False)
+            try:
+                return np.array(mm[start:stop])
+            finally:
+                del mm
+        # Records are contiguous: one positional read into the block (no page faults).
+        block = np.empty((stop - start, *self.record_shape), self.dtype)
+        row_bytes = block[:1].nbytes
+        fd = os.open(self.path, os.O_RDONLY)
         try:
-            return np.array(mm[start:stop])
+            view, position = memoryview(block.reshape(-1).view(np.uint8)), self.offset + start * row_bytes
+            while view:
+                count = os.preadv(fd, [view], position)
+                if count == 0:
+                    raise InputError(f"{self.path}: the file ends before record {stop}; it may be truncated")
+                view, position = view[count:], position + count
         finally:
-            del mm
+            os.close(fd)
+        return block
 
 
 class NpyReader:
@@ -79,7 +99,7 @@ class NpyReader:
         if options.datasets:
             raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
                              "(.npz, .safetensors), not .npy")
-        shape, _, dtype = _header(path)
+        shape, fortran, dtype = _header(path)
         check_numeric_dtype(path, dtype)
         if len(shape) == 0:
             raise InputError(f"{path}: a 0-d array has no records (axis 0 indexes records)")
@@ -87,11 +107,12 @@ class NpyReader:
             raise InputError(f"{path}: the array has no records (shape {shape})")
         try:
             mm = np.load(path, mmap_mode="r", allow_pickle=False)
+            offset = None if fortran and len(shape) > 1 else mm.offset
             del mm
         except Exception as exc:
             raise InputError(f"{path}: cannot read the array data ({exc}); the file may be truncated") from None
         self.job = ArrayJob(
-            name="array", shape=shape, dtype=dtype, read=_Records(path),
+            name="array", shape=shape, dtype=dtype, read=_Records(path, offset, dtype, tuple(shape[1:])),
             source={"path": str(path), "format": NAME, "shape": list(shape), "dtype": str(dtype)},
         )
 
@@ -177,6 +198,40 @@ class _Blocks:
                 os.close(fd)
 
 
+class _Background:
+    """Runs work(item) on a thread of its own for each item put, in order; put() waits while
+    `depth` items are queued. The first failure is raised by the next put() and by close(),
+    and the items after it are dropped (the output is lost anyway)."""
+
+    def __init__(self, work: Callable[[Any], None], name: str, depth: int = 2):
+        self._work = work
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._failure is None:
+                try:
+                    self._work(item)
+                except BaseException as exc:
+                    self._failure = exc
+
+    def put(self, item: Any) -> None:
+        if self._failure is not None:
+            raise self._failure
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """Waits for the queued items; raises the failure, if any."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+
+
 def _page_header(fields: dict) -> bytes:
     """A version 2.0 .npy header padded with spaces to PAGE bytes (NumPy pads to 64; any
     length that keeps the data aligned is valid, and NumPy reads it)."""
@@ -207,18 +262,30 @@ class NpyWriter:
         # back). At most the blocks in flight wait here.
         self._waiting: dict[int, tuple[int, np.ndarray | None]] = {}
         self._lock = threading.Lock()
+        # write() hands each block to two threads, one writing it (mostly waiting for the
+        # disk) and one hashing it from memory, so the workers go on computing meanwhile.
+        self._submitted: set[int] = set()  # first records of the blocks write() took
+        self._disk = _Background(lambda item: self._blocks(*item), f"tldp write {tmp_path.name}")
+        self._hasher = _Background(lambda item: self._hash(*item), f"tldp hash {tmp_path.name}")
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        """Writes a block (from any thread, in any order) and hashes it from memory."""
+        """Queues a block (from any thread, in any order) to be written and hashed from memory.
+        A failure to write surfaces here, on a later call, or at close()."""
         data = np.ascontiguousarray(block, dtype=self._blocks.dtype)
-        self._blocks(job, start, data)
-        self._hash(start, start + len(data), data)
+        with self._lock:
+            self._submitted.add(start)
+        self._hasher.put((start, start + len(data), data))
+        self._disk.put((job, start, data))
 
     def block_writer(self) -> _Blocks:
         return self._blocks  # blocks it writes elsewhere are hashed by block_written
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
-        """Records [start, stop) are in the file, whoever wrote them."""
+        """Records [start, stop) are in the file, written elsewhere (a block that went through
+        write() is hashed by the writing thread, perhaps not yet written)."""
+        with self._lock:
+            if start in self._submitted:
+                return
         self._hash(start, stop, None)
 
     def _hash(self, start: int, stop: int, data: np.ndarray | None) -> None:
@@ -253,6 +320,9 @@ class NpyWriter:
         return {self.path: self._sha256.hexdigest()} if self._hashed == self._records else {}
 
     def close(self) -> list[Path]:
+        """Waits for the queued blocks, raises a failure to write them, and flushes the file."""
+        self._disk.close()
+        self._hasher.close()
         # Blocks may have been written by other processes: fsync flushes the file's pages
         # whoever wrote them.
         fd = os.open(self.path, os.O_RDONLY)
