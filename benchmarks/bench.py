@@ -393,7 +393,9 @@ def warm_page_cache(workdir: Path, nbytes: int) -> float:
     file into memory no process used recently cost about 2 CPU seconds per GiB here,
     four times the cost of the same write a moment later. Writing and freeing as
     much page cache just before a run makes every run start from the same, warm
-    state, so the figure measures tldp rather than the host's memory reclaim."""
+    state, so the figure measures tldp rather than the host's memory reclaim (the
+    `.npy` writer's direct I/O does not go through the page cache, but HDF5, Zarr
+    and image outputs do)."""
     scratch = workdir / "warm-up.bin"
     buf = np.zeros(1 << 24, np.uint8)
     start = time.perf_counter()
@@ -401,6 +403,7 @@ def warm_page_cache(workdir: Path, nbytes: int) -> float:
         for _ in range(0, nbytes, buf.nbytes):
             f.write(buf.data)
     scratch.unlink()
+    os.sync()  # and the disk idle: no writeback left to compete with the run's (direct) writes
     return time.perf_counter() - start
 
 
@@ -419,6 +422,7 @@ def end_to_end(workdir: Path, records: int, images: int, workers: int, which: li
         src = workdir / name
         start = time.perf_counter()
         make(src, units, rng, base)
+        os.sync()  # the input is on disk and in the page cache; no writeback during the runs
         made = time.perf_counter() - start
         elements = units * per_unit
         for kind in ["perturb", *extra]:

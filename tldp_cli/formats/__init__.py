@@ -34,6 +34,8 @@ for parallel and resumable output:
 
 from __future__ import annotations
 
+import importlib
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -92,10 +94,14 @@ class FormatOptions:
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
 
 
-def _registry():
-    from tldp_cli.formats import hdf5, images, npy, npz, safetensors_file, zarr_store
+# In the order detect() tries them; each is imported when its turn comes (h5py and zarr
+# take a quarter of a second to import, which a .npy run need not pay).
+_FORMAT_MODULES = ("npy", "hdf5", "zarr_store", "npz", "safetensors_file", "images")
 
-    return [npy, hdf5, zarr_store, npz, safetensors_file, images]
+
+def _registry():
+    for name in _FORMAT_MODULES:
+        yield importlib.import_module(f"tldp_cli.formats.{name}")
 
 
 def detect(path: Path):
