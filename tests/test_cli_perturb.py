@@ -266,16 +266,26 @@ def test_no_arguments_prints_the_help_as_is(cli, command):
     assert "error" not in result.stderr.splitlines()[0]
 
 
-@pytest.mark.parametrize("mechanism, value_range, message", [
-    ("baseline", "0:1e-37", "beyond what float32 output can hold"),  # noise below float32's resolution
-    ("tldp", "0:1e-25", "retain probability 1"),  # Algorithm 1's p rounds to 1: every value kept
+@pytest.mark.parametrize("mechanism, noise, shape, value_range, message", [
+    # noise below float32's resolution
+    ("baseline", "gaussian", (4, 3), "0:1e-37", "beyond what float32 output can hold"),
+    # Algorithm 1's p rounds to 1: every value kept
+    ("tldp", "gaussian", (4, 3), "0:1e-25", "retain probability 1"),
+    ("tldp", "laplace", (1000,), "0:1e-19", "retain probability 1"),  # one-element records
 ])
-def test_ranges_that_leave_no_privacy_or_no_float32_noise_are_refused(cli, tmp_path, mechanism, value_range,
-                                                                      message):
+def test_ranges_that_leave_no_privacy_or_no_float32_noise_are_refused(cli, tmp_path, mechanism, noise, shape,
+                                                                      value_range, message):
     src = tmp_path / "small.npy"
-    np.save(src, np.zeros((4, 3), np.float32))
-    result = cli("perturb", src, "--eps", "1", "--noise", "gaussian", "--range", value_range,
+    np.save(src, np.zeros(shape, np.float32))
+    result = cli("perturb", src, "--eps", "1", "--noise", noise, "--range", value_range,
                  "--mechanism", mechanism, "--out", tmp_path / "out.npy")
     assert result.exit_code == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.npy"]
+
+
+def test_audit_refuses_noise_float32_cannot_hold(cli):
+    result = cli("audit", "--eps", "1", "--noise", "gaussian", "--mechanism", "baseline", "--elements", "4",
+                 "--range", "0:1e-39", "--dtype", "float32")
+    assert result.exit_code == 2 and "beyond what float32 output can hold" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

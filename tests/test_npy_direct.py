@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -123,3 +124,28 @@ def test_page_aligned_empty():
         assert a.shape == shape and a.dtype == dtype
         assert a.size == 0 or a.ctypes.data % PAGE == 0
         assert a.flags.c_contiguous and a.flags.writeable
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli, tmp_path, monkeypatch, workers):
+    """ENOSPC from a write on the writer's own thread: exit 1, one line naming the file, no
+    output, no temporary file, and no writer or hasher thread left behind."""
+    src = tmp_path / "in.npy"
+    np.save(src, np.random.default_rng(4).integers(0, 256, (3000, 28, 28), dtype=np.uint8))
+    real_pwrite = os.pwrite
+    calls = []
+
+    def full_after_two(fd, data, position):
+        calls.append(position)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "pwrite", full_after_two)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out.npy", "--workers", workers,
+                 "--block-elements", 1 << 18)
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert "No space left on device" in line and "out.npy" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npy"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("tldp ")]

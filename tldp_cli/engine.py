@@ -19,6 +19,7 @@ import numpy as np
 
 from tldp_cli import discrete, ziggurat
 from tldp_cli.discrete import DISCRETE_NOISES
+from tldp_cli.errors import UsageError
 from tldp_cli.mechanisms import Calibration
 from tldp_cli.rng import Streams, records_per_unit
 
@@ -40,6 +41,15 @@ def page_aligned_empty(shape, dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def check_noise_scale(scale: float, dtype: np.dtype | type) -> None:
+    """Refuses float noise that `dtype` cannot carry (below its resolution near 0, or near
+    its largest value), before any is drawn."""
+    info = np.finfo(dtype)
+    if not (float(info.tiny) * 2**30 < scale < float(info.max) / 2**10):
+        raise UsageError(f"the noise scale {scale:g} is beyond what {np.dtype(dtype)} output can hold; "
+                         "rescale the data" + (" or use --dtype float64" if np.dtype(dtype) == np.float32 else ""))
+
+
 def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
                dtype: np.dtype) -> np.ndarray:
     if noise == "gaussian" and dtype == np.float32:
@@ -54,7 +64,7 @@ def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
         bits = z.view(np.uint32 if dtype.itemsize == 4 else np.uint64)
         np.bitwise_xor(bits, np.left_shift(negative, 8 * dtype.itemsize - 1, dtype=bits.dtype), out=bits)
     z *= dtype.type(scale)
-    # The float32 ziggurat returns exactly 0.0 about once in 2^23 draws. Such an element
+    # NumPy's float32 ziggurats return exactly 0.0 about once in 2^23 draws. Such an element
     # would come out unchanged: a kept raw value that no retain probability accounts for.
     # Redraw them (in place, from the same stream, so the output stays reproducible).
     zeros = np.flatnonzero(z == 0)
@@ -117,6 +127,7 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         return discrete.perturb_records(block, first_record, array_name, calib, streams, weights, dtype,
                                         grid)
     dtype = np.dtype(dtype)
+    check_noise_scale(calib.scale, dtype)
     n = block.shape[0]
     elements = calib.elements
     records = block.reshape(n, elements)

@@ -183,12 +183,12 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
     calib = _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
                                        float(dp_delta), float(eps_e), float(scale), float(log_p),
                                        rows if mechanism == "mvg" else None))
-    if calib.log_p >= 0.0:
+    if math.exp(calib.log_p) >= 1.0:
         # Algorithm 1's p weighs a density against a probability, so it depends on the units
         # of the values: a narrow enough range makes it round to 1, every value kept.
-        raise UsageError(f"with a value range of width {D:g}, TLDP would keep every value "
-                         "(retain probability 1): no privacy; express the values in larger units "
-                         "(a wider range)")
+        raise UsageError(f"with a value range of width {D:g} and --eps {epsilon:g}, TLDP would keep "
+                         "every value (retain probability 1): no privacy; express the values in "
+                         "larger units (a wider range)")
     return calib
 
 

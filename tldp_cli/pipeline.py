@@ -321,12 +321,11 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 elements=key[0], dp_delta=options.dp_delta, rows=key[1],
                 granularity=grid and grid.granularity)
     if grid is None:
-        info = np.finfo(out_dtype)
-        for calib in calibrations.values():  # float noise that the output dtype can hold
-            if not (float(info.tiny) * 2**30 < calib.scale < float(info.max) / 2**10):
-                raise UsageError(f"{source}: the noise scale {calib.scale:g} is beyond what {out_dtype} "
-                                 f"output can hold; rescale the data"
-                                 + (" or use --dtype float64" if out_dtype == np.float32 else ""))
+        for calib in calibrations.values():  # before any output: float noise the dtype can hold
+            try:
+                engine.check_noise_scale(calib.scale, out_dtype)
+            except UsageError as exc:
+                raise UsageError(f"{source}: {exc}") from None
     if grid is not None:  # integers stay integers, widened so they never wrap
         out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations.values()),
                                           options.dtype)

@@ -25,9 +25,11 @@ for parallel and resumable output:
       computed on Dask come back and `write` stores them in the calling process.
   writer.finish()           called once every block is written, before close.
   writer.block_written(job, start, stop), writer.digests() -> {path: sha256}
-      the pipeline reports each block once written (from one thread, in any
-      order); a writer that hashes its output meanwhile returns the digests,
-      and the manifest does not read those files again.
+      the pipeline reports each block once it is written or handed to `write`
+      (from one thread, in any order); a writer that hashes its output meanwhile
+      returns the digests, and the manifest does not read those files again.
+`write` may keep the block and write it later (the .npy writer does, on a thread of
+its own): a block must not be changed once handed over.
   reopen_writer(reader, tmp_path, dtype, options) -> Writer
       reopens an output an interrupted run began, keeping its blocks (--resume).
 """

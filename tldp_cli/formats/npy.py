@@ -1,5 +1,6 @@
-"""NumPy .npy files: memory-mapped input read block by block, output written with
-positional writes so blocks can land in any order.
+"""NumPy .npy files: input read block by block with positional reads (Fortran-order
+arrays memory-mapped), output written with positional writes so blocks can land in
+any order.
 
 The output's data starts at a page boundary (the header is padded to PAGE bytes,
 which the format allows) so that whole pages of a block go to the disk with
@@ -140,6 +141,8 @@ def _pwrite_all(fd: int, data, position: int) -> None:
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, position)
+        if written == 0:
+            raise OSError(errno.EIO, "the filesystem wrote nothing")
         view, position = view[written:], position + written
 
 
@@ -178,8 +181,13 @@ class _Blocks:
     dtype: np.dtype
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        data = np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8)
-        position = self.offset + start * self.row_bytes
+        try:
+            self._write(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8),
+                        self.offset + start * self.row_bytes)
+        except OSError as exc:  # pwrite's errors name no file
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
+
+    def _write(self, data: np.ndarray, position: int) -> None:
         # The whole pages inside the block go direct; the partial pages at its ends (shared
         # with the neighbouring blocks, or the end of the file) through the page cache.
         head = min(-position % PAGE, data.size)
@@ -265,6 +273,7 @@ class NpyWriter:
         # write() hands each block to two threads, one writing it (mostly waiting for the
         # disk) and one hashing it from memory, so the workers go on computing meanwhile.
         self._submitted: set[int] = set()  # first records of the blocks write() took
+        self._submitted_lock = threading.Lock()  # not _lock: the hasher holds that while it hashes
         self._disk = _Background(lambda item: self._blocks(*item), f"tldp write {tmp_path.name}")
         self._hasher = _Background(lambda item: self._hash(*item), f"tldp hash {tmp_path.name}")
 
@@ -272,7 +281,7 @@ class NpyWriter:
         """Queues a block (from any thread, in any order) to be written and hashed from memory.
         A failure to write surfaces here, on a later call, or at close()."""
         data = np.ascontiguousarray(block, dtype=self._blocks.dtype)
-        with self._lock:
+        with self._submitted_lock:
             self._submitted.add(start)
         self._hasher.put((start, start + len(data), data))
         self._disk.put((job, start, data))
@@ -283,7 +292,7 @@ class NpyWriter:
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
         """Records [start, stop) are in the file, written elsewhere (a block that went through
         write() is hashed by the writing thread, perhaps not yet written)."""
-        with self._lock:
+        with self._submitted_lock:
             if start in self._submitted:
                 return
         self._hash(start, stop, None)
@@ -321,13 +330,17 @@ class NpyWriter:
 
     def close(self) -> list[Path]:
         """Waits for the queued blocks, raises a failure to write them, and flushes the file."""
-        self._disk.close()
-        self._hasher.close()
+        try:
+            self._disk.close()
+        finally:
+            self._hasher.close()
         # Blocks may have been written by other processes: fsync flushes the file's pages
         # whoever wrote them.
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
         finally:
             os.close(fd)
         return [self.path]
