@@ -272,6 +272,8 @@ def test_no_arguments_prints_the_help_as_is(cli, command):
     # Algorithm 1's p rounds to 1: every value kept
     ("tldp", "gaussian", (4, 3), "0:1e-25", "retain probability 1"),
     ("tldp", "laplace", (1000,), "0:1e-19", "retain probability 1"),  # one-element records
+    ("tldp", "gaussian", (4, 3), "0:1e-200", "beyond float64 arithmetic"),
+    ("baseline", "laplace", (4, 3), "0:1e300", "beyond what float32 output can hold"),
 ])
 def test_ranges_that_leave_no_privacy_or_no_float32_noise_are_refused(cli, tmp_path, mechanism, noise, shape,
                                                                       value_range, message):
@@ -289,3 +291,11 @@ def test_audit_refuses_noise_float32_cannot_hold(cli):
                  "--range", "0:1e-39", "--dtype", "float32")
     assert result.exit_code == 2 and "beyond what float32 output can hold" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_discrete_noise_keeping_every_value_is_refused(cli, tmp_path):
+    src = tmp_path / "u8.npy"
+    np.save(src, np.zeros(100, np.uint8))
+    result = cli("perturb", src, "--eps", "1e18", "--noise", "discrete-laplace", "--out", tmp_path / "o.npy")
+    assert result.exit_code == 2 and "retain probability 1" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u8.npy"]

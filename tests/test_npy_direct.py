@@ -149,3 +149,19 @@ def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli
     assert "No space left on device" in line and "out.npy" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npy"]
     assert not [t for t in threading.enumerate() if t.name.startswith("tldp ")]
+
+
+def test_ctrl_c_while_closing_leaves_no_thread():
+    """A second Ctrl-C while close() waits for queued blocks: the rest are dropped and the
+    thread still ends."""
+    import _thread
+    import time
+
+    background = npy._Background(lambda item: time.sleep(0.2), "tldp test")
+    for item in range(3):
+        background.put(item)
+    threading.Timer(0.05, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        background.close()
+    background._thread.join(timeout=5)
+    assert not background._thread.is_alive()

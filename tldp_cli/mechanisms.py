@@ -123,6 +123,28 @@ def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
 def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
               range_width: float, elements: int, dp_delta: float = 1e-5,
               rows: int | None = None, granularity: float | None = None) -> Calibration:
+    """The noise scale and retain probability for the options (see _calibrate); refuses,
+    as usage errors, parameters whose arithmetic leaves float64 and calibrations that
+    keep every value."""
+    try:
+        calib = _calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
+                           range_width=range_width, elements=elements, dp_delta=dp_delta, rows=rows,
+                           granularity=granularity)
+    except (ZeroDivisionError, OverflowError) as exc:
+        raise UsageError(f"a value range of width {range_width:g} with --eps {epsilon:g} is beyond "
+                         f"float64 arithmetic ({exc}); express the values in other units") from None
+    if math.exp(calib.log_p) >= 1.0:
+        # Algorithm 1's p weighs a density against a probability, so it depends on the units
+        # of the values: a narrow enough range makes it round to 1, every value kept.
+        raise UsageError(f"with a value range of width {range_width:g} and --eps {epsilon:g}, TLDP "
+                         "would keep every value (retain probability 1): no privacy; express the "
+                         "values in larger units (a wider range) or lower --eps")
+    return calib
+
+
+def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
+               range_width: float, elements: int, dp_delta: float,
+               rows: int | None, granularity: float | None) -> Calibration:
     """`rows`: MVG only, the record's first axis (see matrix_rows).
 
     Discrete noises count in grid steps. Integer data (granularity None): range_width is
@@ -180,16 +202,9 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
             scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
         eps_e = D / scale if noise == "laplace" else D**2 / (2 * scale**2)
         log_p = -math.inf
-    calib = _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
-                                       float(dp_delta), float(eps_e), float(scale), float(log_p),
-                                       rows if mechanism == "mvg" else None))
-    if math.exp(calib.log_p) >= 1.0:
-        # Algorithm 1's p weighs a density against a probability, so it depends on the units
-        # of the values: a narrow enough range makes it round to 1, every value kept.
-        raise UsageError(f"with a value range of width {D:g} and --eps {epsilon:g}, TLDP would keep "
-                         "every value (retain probability 1): no privacy; express the values in "
-                         "larger units (a wider range)")
-    return calib
+    return _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(D), int(I),
+                                      float(dp_delta), float(eps_e), float(scale), float(log_p),
+                                      rows if mechanism == "mvg" else None))
 
 
 def _rescaled(calib: Calibration, scale: float) -> Calibration:

@@ -233,9 +233,19 @@ class _Background:
 
     def close(self) -> None:
         """Waits for the queued items; raises the failure, if any."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        try:
+            if self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join()
+        except BaseException as exc:  # Ctrl-C while waiting: drop the rest, let the thread end
+            self._failure = self._failure or exc
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._queue.put_nowait(None)
+            raise
         if self._failure is not None:
             raise self._failure
 
@@ -257,9 +267,12 @@ class NpyWriter:
         dtype = np.dtype(dtype)
         header = _page_header({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                                "shape": tuple(job.shape)})
-        with open(tmp_path, "wb") as f:
-            f.write(header)
-            f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
+        try:
+            with open(tmp_path, "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
+        except OSError as exc:  # a truncate past a size limit names no file
+            raise OSError(exc.errno, exc.strerror or str(exc), str(tmp_path)) from None
         self._blocks = _Blocks(tmp_path, len(header), job.elements * dtype.itemsize, dtype)
         # The manifest's sha256, computed as the blocks are written rather than by reading
         # the whole output again at the end: the prefix written so far, in file order.
