@@ -18,10 +18,8 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import secrets
 import shutil
-import socket
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -205,43 +203,8 @@ def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_block, job.records)) for s in range(0, job.records, per_block)]
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32] or "host"
-
-
 def temp_sibling(path: Path) -> Path:
-    """A hidden sibling named after this host and process, so a later run can tell one that
-    a killed run left behind (remove_stale_temps)."""
-    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Removes the temporary siblings of `path` that runs on this host left when they were
-    killed (SIGKILL: no cleanup ran), those whose process is gone; returns them."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.tmp-{re.escape(_host())}-(\d+)-[0-9a-f]{{8}}")
-    removed = []
-    try:
-        siblings = list(path.parent.iterdir())
-    except OSError:
-        return removed
-    for sibling in siblings:
-        match = pattern.fullmatch(sibling.name)
-        if match and not _running(int(match.group(1))):
-            remove_output(sibling)
-            removed.append(sibling)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    if os.name != "posix":  # no signal 0 to ask with: never remove
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process, say: alive
-        return True
-    return True
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def remove_output(path: Path) -> None:
@@ -399,8 +362,6 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         notes += partial.messages
         tmp_output = partial.store
     else:
-        for stale in remove_stale_temps(output):
-            notes.append(f"removed {stale}, the temporary output of a run that was killed")
         tmp_output = temp_sibling(output)
     tmp_manifest: Path | None = None
     try:
