@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,7 @@ def to_json(manifest: dict[str, Any]) -> str:
 
 def write_atomic(manifest: dict[str, Any], path: Path) -> Path:
     """Write beside `path` and return the temporary file; the caller renames it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.write_text(to_json(manifest))
     return tmp
 

@@ -331,7 +331,7 @@ class NpyWriter:
             while position < end:
                 chunk = os.pread(fd, min(1 << 22, end - position), position)
                 if not chunk:
-                    raise OSError(f"{self.path}: shorter than the records written")
+                    raise OSError(errno.EIO, "shorter than the records written", str(self.path))
                 self._sha256.update(chunk)
                 position += len(chunk)
         finally:
