@@ -228,7 +228,8 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
     """Run process(*task) for every task, yielding (task, its result) when it is done.
 
     Several workers run blocks in threads (NumPy's generators and the codecs release
-    the GIL); at most 2 * workers blocks are in memory at once. The output does not
+    the GIL); at most 2 * workers blocks are in memory at once, besides the few a
+    writer may hold while its own threads write them (formats/npy.py). The output does not
     depend on the order: each block's random streams come from its position.
     """
     if workers <= 1:
