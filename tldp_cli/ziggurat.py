@@ -108,26 +108,25 @@ def _widths32(scale: float) -> np.ndarray:
 
 def _draw(gen: np.random.Generator, size: int, scale: float, width: np.ndarray) -> np.ndarray:
     words = gen.bit_generator.random_raw((size + 1) // 2).view(np.uint32)[:size]
-    slow = np.empty(size, np.intp)
-    out = words.view(np.float32)  # written over the words
-    slow = slow[:_fast_path(words, out, width, _K1, slow)]
+    slow = _fast_path(words, width)
+    out = words.view(np.float32)  # the fast path wrote over the words it accepted
     if slow.size:
         left = words[slow]
         out[slow] = _slow(gen, (left & 0x1FF).astype(np.intp), left >> 9, scale, width)
     return out
 
 
-def _fast_path(words: np.ndarray, out: np.ndarray, width: np.ndarray, bound: np.ndarray,
-               slow: np.ndarray) -> int:
-    """Writes rabs * width over each word the fast path accepts (`out` is `words` as float32),
-    leaves the others as they are and lists them in `slow`; returns how many."""
+def _fast_path(words: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """Writes rabs * width (float32) over each word the fast path accepts and leaves the
+    others as they are; returns the positions of those others."""
+    out = words.view(np.float32)
     size = words.size
     step = min(size, CHUNK)
     index = np.empty(step, np.intp)
     rabs, below, bounds = (np.empty(step, np.uint32) for _ in range(3))
     w = np.empty(step, np.float32)
     rejected = np.empty(step, bool)
-    count = 0
+    slow = []
     for start in range(0, size, CHUNK):
         n = min(CHUNK, size - start)
         chunk = words[start:start + n]
@@ -136,16 +135,15 @@ def _fast_path(words: np.ndarray, out: np.ndarray, width: np.ndarray, bound: np.
         np.right_shift(chunk, 9, out=ra)
         # mode="wrap" skips take's bounds check (the indices are < 512 by construction)
         np.take(width, i, out=wd, mode="wrap")
-        np.take(bound, i, out=bd, mode="wrap")
+        np.take(_K1, i, out=bd, mode="wrap")
         np.subtract(ra, 1, out=bl)
         np.greater_equal(bl, bd, out=rj)
         at = np.flatnonzero(rj)
         left = chunk[at]
         np.multiply(ra, wd, out=out[start:start + n], dtype=np.float32, casting="unsafe")
         chunk[at] = left
-        slow[count:count + at.size] = at + start
-        count += at.size
-    return count
+        slow.append(at + start)
+    return np.concatenate(slow) if slow else np.empty(0, np.intp)
 
 
 def _slow(gen: np.random.Generator, index: np.ndarray, rabs: np.ndarray, scale: float,

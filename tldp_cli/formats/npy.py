@@ -13,6 +13,7 @@ that. Filesystems without direct I/O get ordinary writes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -128,6 +129,18 @@ def open_reader(path: Path, options: FormatOptions) -> NpyReader:
     return NpyReader(path, options)
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raises an OSError with `path` as its file name: pwrite, truncate and fsync errors
+    name none, and the user would read only "I/O"."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
+
+
 def _aligned_copy(data: np.ndarray) -> np.ndarray:
     """`data` (bytes) in this thread's reused page-aligned buffer."""
     buffer = getattr(_thread_buffers, "buffer", None)
@@ -181,11 +194,9 @@ class _Blocks:
     dtype: np.dtype
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        try:
+        with _naming(self.path):
             self._write(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8),
                         self.offset + start * self.row_bytes)
-        except OSError as exc:  # pwrite's errors name no file
-            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
 
     def _write(self, data: np.ndarray, position: int) -> None:
         # The whole pages inside the block go direct; the partial pages at its ends (shared
@@ -267,12 +278,9 @@ class NpyWriter:
         dtype = np.dtype(dtype)
         header = _page_header({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                                "shape": tuple(job.shape)})
-        try:
-            with open(tmp_path, "wb") as f:
-                f.write(header)
-                f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
-        except OSError as exc:  # a truncate past a size limit names no file
-            raise OSError(exc.errno, exc.strerror or str(exc), str(tmp_path)) from None
+        with _naming(tmp_path), open(tmp_path, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
         self._blocks = _Blocks(tmp_path, len(header), job.elements * dtype.itemsize, dtype)
         # The manifest's sha256, computed as the blocks are written rather than by reading
         # the whole output again at the end: the prefix written so far, in file order.
@@ -351,9 +359,8 @@ class NpyWriter:
         # whoever wrote them.
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
+            with _naming(self.path):
+                os.fsync(fd)
         finally:
             os.close(fd)
         return [self.path]
