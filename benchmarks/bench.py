@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmark this checkout, installed or not
 
-from tldp_cli import engine, pipeline  # noqa: E402
+from tldp_cli import engine, output, pipeline  # noqa: E402
 from tldp_cli.formats import ArrayJob  # noqa: E402
 from tldp_cli.mechanisms import calibrate  # noqa: E402
 from tldp_cli.rng import Streams  # noqa: E402
@@ -441,8 +441,8 @@ def end_to_end(workdir: Path, records: int, images: int, workers: int, which: li
             print(f"  e2e {fmt:6} {kind:7} {elements / 1e6:8.0f} M elements {row['seconds']:7.1f} s "
                   f"{row['melem_s']:7.1f} M/s peak RSS {row['peak_rss_mb']:.0f} MB", file=sys.stderr)
             for written in workdir.glob(f"*out-{kind}-{name}*"):  # output and manifest
-                pipeline.remove_output(written)
-        pipeline.remove_output(src)
+                output.remove(written)
+        output.remove(src)
     return rows
 
 

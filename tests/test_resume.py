@@ -195,13 +195,11 @@ def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and "--eps 1.0 (now 3.0)" in result.stderr
 
 
-def test_a_new_run_does_not_silently_discard_a_partial(cli, tmp_path):
+def test_a_new_run_removes_a_dead_partial_and_says_so(cli, tmp_path):
     src, out = interrupted(tmp_path)
     again = cli("perturb", src, "--eps", "1", "--out", out, "--block-elements", BLOCK)
-    assert again.exit_code == 1 and "rerun with --resume" in again.stderr
-    assert partial_path(out).is_dir()
-    fresh = cli("perturb", src, "--eps", "1", "--out", out, "--block-elements", BLOCK, "--overwrite")
-    assert fresh.exit_code == 0, fresh.stderr
+    assert again.exit_code == 0, again.stderr
+    assert "partial output of an interrupted run" in again.stderr and "--resume" in again.stderr
     assert out.is_dir() and not partial_path(out).exists()
 
 

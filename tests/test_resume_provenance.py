@@ -69,8 +69,8 @@ def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):
     result = cli(*args, "--resume")
     assert result.exit_code == 2
     assert len(result.stderr.strip().splitlines()) == 1
-    assert 'tldp version "0.0.1"' in result.stderr and "--overwrite" in result.stderr
-    started_over = cli(*args, "--overwrite")  # what the message offers
+    assert 'tldp version "0.0.1"' in result.stderr and "without --resume" in result.stderr
+    started_over = cli(*args)  # what the message offers
     assert started_over.exit_code == 0, started_over.stderr
     reference = tmp_path / "reference.zarr"
     perturb(options(src, reference))

@@ -1,3 +1,3 @@
-from tldp_cli.cli import main
+from tldp_cli.entry import main
 
 main()

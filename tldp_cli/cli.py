@@ -208,8 +208,12 @@ def perturb_command(
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
              "of mask PNGs (see tldp weight-mask).")] = None,
-    out: Annotated[Optional[Path], typer.Option(
-        help="Output path. Default: a sibling, digits.npy -> digits.tldp.npy.")] = None,
+    out: Annotated[Optional[str], typer.Option(
+        metavar="PATH",
+        help="The output, in the input's format. Default: a sibling, digits.npy -> "
+             "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
+             "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
+             "under the default name.", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(
         help="Manifest path. Default: OUTPUT.manifest.json.")] = None,
     seed: Annotated[Optional[int], typer.Option(
@@ -271,9 +275,10 @@ def perturb_command(
         help="Zarr output: continue an interrupted run from the blocks it wrote (kept in "
              ".OUT.tldp-partial). The options must match; with the same --seed the result "
              "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
-             "for the remaining blocks).")] = False,
+             "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
     overwrite: Annotated[bool, typer.Option(
-        help="Replace an existing output (and discard an interrupted run's partial output).")] = False,
+        help="Replace an existing output and manifest, once the new ones are complete (a folder "
+             "only if it is an earlier output of the same kind).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
     block_elements: Annotated[int, typer.Option(min=1, hidden=True,

@@ -8,7 +8,10 @@ memory stays flat on both sides.
 
 The per-block function carries the run's random-stream root key (derived from the
 seed when there is one): it travels in the cluster's comms, never in a task key,
-log line or repr. Use TLS (tls:// addresses) for a cluster on other machines.
+log line or repr. The local cluster (no --dask-address) talks TLS with credentials made
+for the run and held in memory only, so no other client can join it: another local
+user could otherwise run code in its workers or read the key from the tasks. Use TLS
+(tls:// addresses, Dask's own TLS settings) for a cluster on other machines.
 
 distributed's own log output (worker errors, lost connections) is silenced for the
 run, in this process and in a local cluster's workers: tldp's errors say what went
@@ -113,22 +116,42 @@ def _close(client, cluster) -> None:
         cluster.close()
 
 
+def _run_credentials():
+    """Temporary TLS credentials (a self-signed key and certificate, in memory) that the
+    local cluster's scheduler, workers and tldp's client share, and nobody else has."""
+    from distributed.security import Security
+
+    try:
+        return Security.temporary()
+    except ImportError:
+        raise UsageError("--scheduler dask without --dask-address needs the cryptography package "
+                         "for its local cluster's TLS credentials: pip install cryptography") from None
+
+
 @contextlib.contextmanager
 def connect(address: str | None, workers: int, show_logs: bool = False) -> Iterator[Any]:
-    """A client of the cluster at `address`, or of a local cluster of `workers` processes.
+    """A client of the cluster at `address`, or of a local cluster of `workers` processes
+    that only holders of the run's TLS credentials can join.
 
     An existing cluster must have a worker within WORKER_WAIT_SECONDS."""
+    import dask
     from distributed import Client, LocalCluster
 
     cluster = client = None
     where = f"the Dask scheduler at {address}" if address else "a local Dask cluster"
+    security = _run_credentials() if address is None else None
     try:
         if address is None:
-            with _signals_deferred() as interrupted:
+            # The scheduler's HTTP server is plain HTTP that anyone on the machine can read:
+            # no dashboard and no status pages (workers, logs, call stacks), only /health.
+            private_http = {"distributed.scheduler.http.routes": ["distributed.http.health"]}
+            with _signals_deferred() as interrupted, dask.config.set(private_http):
                 cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                       host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                                       host="127.0.0.1", protocol="tls://", security=security,
+                                       dashboard_address="127.0.0.1:0",
+                                       scheduler_kwargs={"dashboard": False},
                                        silence_logs=False if show_logs else logging.CRITICAL + 1)
-                client = Client(cluster, set_as_default=False)
+                client = Client(cluster, security=security, set_as_default=False)
             if interrupted():
                 raise KeyboardInterrupt
         else:

@@ -762,8 +762,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         m = manifest_mod.read(manifest_path)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{manifest_path}: not a readable JSON manifest ({exc})") from None
-    if not isinstance(m, dict) or m.get("schema") != manifest_mod.SCHEMA:
-        raise InputError(f"{manifest_path}: not a {manifest_mod.SCHEMA} manifest")
+    manifest_mod.check(m, manifest_path)
 
     checks: list[dict] = []
     checks.extend(_check_hashes(m, perturbed))

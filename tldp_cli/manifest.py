@@ -1,4 +1,4 @@
-"""The privacy manifest (DESIGN section 5): build, write, read.
+"""The privacy manifest: build, write, read.
 
 It travels with the perturbed data, so it holds no hash or statistic of the raw
 input, and never the seed. `certified` is what accounting.certify_all returned for
@@ -12,11 +12,11 @@ import hashlib
 import json
 import math
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 from tldp_cli import __version__
+from tldp_cli.errors import InputError, OutputError
 from tldp_cli.mechanisms import Calibration
 
 SCHEMA = "tldp-manifest/1"
@@ -113,12 +113,45 @@ def to_json(manifest: dict[str, Any]) -> str:
     return json.dumps(manifest, indent=2, allow_nan=False) + "\n"
 
 
-def write_atomic(manifest: dict[str, Any], path: Path) -> Path:
-    """Write beside `path` and return the temporary file; the caller renames it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.write_text(to_json(manifest))
-    return tmp
+def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) -> None:
+    """Writes the manifest to `path` (a temporary; `shown_as` is what errors name)."""
+    try:
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(to_json(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputError(f"{shown_as or path}: cannot write the manifest ({exc.strerror or exc})") from None
 
 
 def read(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+_NUMBER = (int, float)
+# The fields a reader of a manifest (tldp evaluate) relies on, with their JSON types.
+_REQUIRED = {"mechanism": str, "noise": str, "budget": str, "epsilon": _NUMBER,
+             "value_range": list, "range_width": _NUMBER, "elements_per_record": int,
+             "records": int, "noise_scale": _NUMBER, "accounting": dict, "inputs": list,
+             "outputs": list}
+
+
+def check(m: Any, path: Path) -> None:
+    """Refuses, naming the first bad field, a manifest that is not one tldp wrote."""
+    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
+        raise InputError(f"{path}: not a {SCHEMA} manifest")
+    for key, kind in _REQUIRED.items():
+        value = m.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InputError(f"{path}: damaged manifest: {key!r} is missing or not a "
+                             f"{getattr(kind, '__name__', 'number')}")
+    lo_hi = m["value_range"]
+    if len(lo_hi) != 2 or not all(isinstance(v, _NUMBER) for v in lo_hi):
+        raise InputError(f"{path}: damaged manifest: 'value_range' is not [lo, hi]")
+    for entry in m["outputs"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+                and isinstance(entry.get("sha256"), str)):
+            raise InputError(f"{path}: damaged manifest: an 'outputs' entry lacks its path or sha256")
+    for entry in m["inputs"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
+            raise InputError(f"{path}: damaged manifest: an 'inputs' entry lacks its path")

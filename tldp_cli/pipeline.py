@@ -1,11 +1,11 @@
 """Streams blocks of records: format reader -> validation -> engine -> format writer,
 then moves the finished output and its manifest into place.
 
-Output appears complete or not at all: everything is written to temporary
-siblings of the destination and renamed at the end; any failure, Ctrl-C
-included, removes them. The exception is a resumable output (Zarr, see
-resume.py): when a run is interrupted its finished blocks are kept in a hidden
-sibling for --resume.
+Output appears complete or not at all: everything is written under locked work
+folders beside the destinations and moved into place together at the end
+(output.py); any failure, Ctrl-C included, removes them. The exception is a
+resumable output (Zarr, see resume.py): when a run is interrupted its finished
+blocks are kept in a hidden sibling for --resume.
 
 Blocks run serially, in threads (--workers) or on Dask (dask_runner.py); the same
 per-block function (BlockTask) runs everywhere, and the output does not depend
@@ -18,8 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
-import secrets
-import shutil
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import accounting, dask_runner, discrete, engine, formats, resume
+from tldp_cli import accounting, dask_runner, discrete, engine, formats, output, resume
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
@@ -53,7 +52,7 @@ class PerturbOptions:
     budget: str = "element"
     value_range: tuple[float, float] | None = None
     weights: Path | None = None
-    out: Path | None = None
+    out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
     manifest: Path | None = None
     seed: int | None = None
     rng: str = "secure"
@@ -117,17 +116,6 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     if len(defaults) > 1:
         raise UsageError(f"{input_path}: the arrays have different integer dtypes; give --range LO:HI")
     return defaults.pop()
-
-
-def check_output_path(path: Path, input_path: Path, overwrite: bool, what: str) -> None:
-    if not path.parent.is_dir():
-        raise OutputError(f"{path}: {what} directory {path.parent} does not exist")
-    if path.resolve() == input_path.resolve():
-        raise OutputError(f"{path}: {what} would replace the input")
-    if input_path.is_dir() and input_path.resolve() in path.resolve().parents:
-        raise OutputError(f"{path}: {what} would be written inside the input folder {input_path}")
-    if path.exists() and not overwrite:
-        raise OutputError(f"{path}: {what} exists; pass --overwrite to replace it")
 
 
 def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path) -> None:
@@ -201,27 +189,6 @@ def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
     step = job.chunk_records or records_per_unit(job.elements)
     per_block = max(1, target // step) * step
     return [(s, min(s + per_block, job.records)) for s in range(0, job.records, per_block)]
-
-
-def temp_sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def remove_output(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def move_into_place(tmp: Path, final: Path) -> None:
-    if final.is_dir() and not final.is_symlink():
-        backup = temp_sibling(final)
-        final.rename(backup)
-        tmp.rename(final)
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
 
 
 def _run_tasks(process, tasks: list[tuple], workers: int):
@@ -344,27 +311,32 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
 
-    output = options.out or module.default_output(source)
-    manifest_path = options.manifest or manifest_mod.default_path(output)
-    check_output_path(output, source, options.overwrite, "output")
-    check_output_path(manifest_path, source, options.overwrite, "manifest")
-    if manifest_path.resolve() == output.resolve():
-        raise UsageError(f"{manifest_path}: --manifest and --out name the same file")
+    destination, manifest_path = _destinations(options, module, reader)
+    output.check_free_space(destination.parent, _output_bytes(jobs, out_dtype, module.NAME,
+                                                             options.image_format), destination)
 
     streams = Streams(options.rng, options.seed)
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
     notes: list[str] = []  # shown after the reader's and writer's messages
+    staging = output.Staging()
     partial = None
-    if hasattr(module, "reopen_writer"):
-        partial = resume.Partial(output, _resume_record(options, module, jobs, (lo, hi), weights_info),
-                                 options.resume, options.overwrite)
-        notes += partial.messages
-        tmp_output = partial.store
-    else:
-        tmp_output = temp_sibling(output)
-    tmp_manifest: Path | None = None
+    try:
+        if hasattr(module, "reopen_writer"):
+            partial = resume.Partial(destination,
+                                     _resume_record(options, module, jobs, (lo, hi), weights_info),
+                                     options.resume)
+            notes += partial.messages
+            tmp_output = partial.store
+            staging.adopt(tmp_output, destination)
+        else:
+            tmp_output = staging.temporary(destination)
+        tmp_manifest = staging.temporary(manifest_path)
+    except BaseException:
+        staging.discard()
+        raise
+    notes = staging.notes + notes
     try:
         open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
         writer = open_writer(reader, tmp_output, out_dtype, format_options)
@@ -418,7 +390,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 "them into range")
 
         digests = writer.digests() if hasattr(writer, "digests") else {}
-        outputs = [{"path": str(output / f.relative_to(tmp_output)) if f != tmp_output else str(output),
+        outputs = [{"path": str(destination / f.relative_to(tmp_output)) if f != tmp_output
+                    else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         extra = dict(getattr(reader, "manifest_extra", {}))
         if options.clip is not None:
@@ -441,17 +414,15 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             postprocessing=([discrete.saturation_note(out_dtype)] if grid and out_dtype.kind == "i" else [])
             + getattr(writer, "postprocessing", []),
             output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
-        tmp_manifest = manifest_mod.write_atomic(manifest, manifest_path)
-        move_into_place(tmp_output, output)
-        os.replace(tmp_manifest, manifest_path)
+        manifest_mod.write(manifest, tmp_manifest, shown_as=manifest_path)
+        staging.commit(options.overwrite)
     except BaseException as exc:
-        if tmp_manifest is not None:
-            remove_output(tmp_manifest)
+        staging.discard()
         if partial is None:
-            remove_output(tmp_output)
             raise
         _keep_or_remove(partial, exc)
         raise
+    staging.close()
     if partial is not None:
         partial.remove()  # only its emptied folder and journal are left
     messages = list(getattr(reader, "messages", [])) + notes
@@ -461,7 +432,47 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.seed is not None:
         messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
-    return PerturbResult(output, manifest_path, manifest, messages)
+    return PerturbResult(destination, manifest_path, manifest, messages)
+
+
+def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
+    """The output and manifest paths, checked to touch nothing but this run's own files
+    (see output.py for the rules)."""
+    source = options.input
+    default = output.default_beside_store(source, module.default_output(source))
+    out_text = None if options.out is None else str(options.out)
+    destination = output.destination(None if options.out is None else Path(options.out), out_text,
+                                      default, module.NAME)
+    if options.manifest is not None and str(options.manifest) == "-":
+        raise UsageError("--manifest -: the manifest is a file; use --json to print it to stdout")
+    manifest_path = Path(options.manifest) if options.manifest else manifest_mod.default_path(destination)
+    output.check_destination(destination, source, options.overwrite, "output",
+                             folder=module.NAME in output.FOLDER_FORMATS,
+                             earlier_output=lambda path: _is_earlier_output(module, path, reader))
+    output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
+    output.check_distinct({"output": destination, "manifest": manifest_path})
+    return destination, manifest_path
+
+
+def _is_earlier_output(module, path: Path, reader) -> bool:
+    """Whether an existing folder is what a run of this input could have written: a Zarr
+    store, or a folder of images (and of the files --copy-other copies from this input)."""
+    if module.NAME == "zarr":
+        return any((path / name).is_file() for name in module.METADATA_FILES)
+    copied = set(getattr(reader, "others", []))
+    for directory, _, files in os.walk(path):
+        for name in files:
+            rel = (Path(directory) / name).relative_to(path).as_posix()
+            if Path(name).suffix.lower() not in module.IMAGE_SUFFIXES and rel not in copied:
+                return False
+    return True
+
+
+def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image_format: str) -> int:
+    """The least the output needs on disk: the perturbed values in their output type (PNG
+    images: 8 bits a value; noise does not compress)."""
+    itemsize = 1 if format_name == "images" and image_format == "png" else dtype.itemsize
+    return sum(job.records * job.elements for job in jobs) * itemsize
 
 
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:

@@ -55,7 +55,7 @@ class Partial:
     their (array name, start, stop); `messages` what the user should be told.
     """
 
-    def __init__(self, output: Path, options: dict[str, Any], resume: bool, overwrite: bool):
+    def __init__(self, output: Path, options: dict[str, Any], resume: bool):
         self.output = output
         self.root = partial_path(output)
         self.store = self.root / "store"
@@ -71,7 +71,7 @@ class Partial:
         if self.root.exists():
             self._acquire()
             try:
-                self._take_over(resume, overwrite)
+                self._take_over(resume)
             except BaseException:
                 self.release()
                 raise
@@ -90,12 +90,10 @@ class Partial:
                               f"{self.root} is in use)") from None
         self._lock = fd
 
-    def _take_over(self, resume: bool, overwrite: bool) -> None:
-        if not resume:
-            if not overwrite:
-                raise OutputError(f"{self.root}: an interrupted run of {self.output} left its partial "
-                                  "output; rerun with --resume to continue it, or with --overwrite to "
-                                  "start over")
+    def _take_over(self, resume: bool) -> None:
+        if not resume:  # a run that starts over needs no leftover to be cleaned by hand
+            self.messages.append(f"removed {self.root}, the partial output of an interrupted run "
+                                 "(pass --resume to continue one instead)")
             self._discard()
             return
         header, completed = self._read_journal()
@@ -110,7 +108,7 @@ class Partial:
         if other:
             raise UsageError(f"--resume: the interrupted run of {self.output} was written by another "
                              f"tldp: {', '.join(other)}; its blocks cannot be mixed with this one's. "
-                             "Resume it with that tldp, or rerun without --resume and with --overwrite "
+                             "Resume it with that tldp, or rerun without --resume "
                              "to start over")
         recorded = header["options"]
         differ = [key for key in sorted(set(recorded) | set(self.options))
@@ -120,7 +118,7 @@ class Partial:
                                 for key in differ)
             raise UsageError(f"--resume: the interrupted run of {self.output} used other options: "
                              f"{listing}; rerun with the same options (and the same --seed), or "
-                             "without --resume and with --overwrite to start over")
+                             "without --resume to start over")
         self.resuming = True
         self.completed = completed
         self._fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)

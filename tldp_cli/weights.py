@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tldp_cli import __version__, formats
+from tldp_cli import __version__, formats, output
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.manifest import sha256_file
@@ -722,8 +722,6 @@ class _Maker:
 
 def make_mask(o: MaskOptions) -> MaskResult:
     """Make a weight mask for INPUT and write it (and its sidecar, and the preview) atomically."""
-    from tldp_cli import pipeline  # pipeline imports this module
-
     check_options(o)
     module = formats.detect(o.input)
     if module.NAME == "images" and o.out.suffix.lower() == ".npy":
@@ -737,12 +735,13 @@ def make_mask(o: MaskOptions) -> MaskResult:
         targets = [(o.out, "mask"), (sidecar, "mask sidecar")]
         targets += [(o.preview, "preview")] if o.preview else []
         for path, what in targets:
-            pipeline.check_output_path(path, o.input, o.overwrite, what)
-        if len({p.resolve() for p, _ in targets}) < len(targets):
-            raise UsageError(f"{o.out}: --out, its sidecar {sidecar.name} and --preview must differ")
+            output.check_destination(path, o.input, o.overwrite, what,
+                                     folder=path == o.out and module.NAME == "images")
+        output.check_distinct({what: path for path, what in targets})
 
-        temps = {path: pipeline.temp_sibling(path) for path, _ in targets}
+        staging = output.Staging()
         try:
+            temps = {path: staging.temporary(path) for path, _ in targets}
             description, shape = maker.write(temps[o.out])
             data_derived = o.method in DATA_DERIVED_METHODS or o.data_derived
             meta = {"schema": SIDECAR_SCHEMA, "tool": {"name": "tldp", "version": __version__},
@@ -753,12 +752,11 @@ def make_mask(o: MaskOptions) -> MaskResult:
             temps[sidecar].write_text(json.dumps(meta, indent=2) + "\n")
             if o.preview:
                 maker.preview.save(temps[o.preview], format="PNG")
-            for path, _ in targets:
-                pipeline.move_into_place(temps[path], path)
+            staging.commit(o.overwrite)
         except BaseException:
-            for tmp in temps.values():
-                pipeline.remove_output(tmp)
+            staging.discard()
             raise
+        staging.close()
     finally:
         reader.close()
     messages = []

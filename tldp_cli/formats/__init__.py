@@ -44,6 +44,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from tldp_cli import output
 from tldp_cli.errors import InputError, UsageError
 
 
@@ -108,8 +109,7 @@ def _registry():
 
 def detect(path: Path):
     """The format module that can open `path`."""
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
+    output.check_input(path)
     for module in _registry():
         if module.can_open(path):
             return module

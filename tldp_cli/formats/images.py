@@ -8,6 +8,11 @@ its pixels are needed; no image is held in memory longer than that.
 Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
 input's integer range (default), or float TIFF with the values as perturbed.
+
+Symbolic links inside the folder (to images, other files or directories, dangling
+or not) are never followed: they are skipped, named in a message and listed in
+the manifest (skipped_symbolic_links), with or without --copy-other, so nothing
+outside the folder is read or copied. The folder's own path may be a link.
 """
 
 from __future__ import annotations
@@ -112,14 +117,20 @@ class _Image:
     has_alpha: bool
 
 
-def _walk(root: Path) -> tuple[list[str], list[str]]:
-    """Relative POSIX paths of the image files and of the other files, sorted."""
-    images, others = [], []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            rel = (Path(directory) / name).relative_to(root).as_posix()
-            (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
-    return sorted(images), sorted(others)
+def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
+    """Relative POSIX paths of the image files, of the other files and of the symbolic
+    links, sorted. os.walk lists a linked directory among the directories without
+    entering it."""
+    images, others, links = [], [], []
+    for directory, dirs, files in os.walk(root):
+        for name in files + dirs:
+            path = Path(directory) / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                links.append(rel)
+            elif name in files:
+                (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
+    return sorted(images), sorted(others), sorted(links)
 
 
 def _output_name(rel: str, image_format: str) -> str:
@@ -170,7 +181,7 @@ class ImageFolderReader:
                              "(.npz, .safetensors), not image folders")
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
-        candidates, self.others = _walk(path)
+        candidates, self.others, self.links = _walk(path)
         out_names = {rel: _output_name(rel, options.image_format) for rel in candidates}
         _check_collisions(path, out_names)
         self.images: list[_Image] = []
@@ -196,6 +207,9 @@ class ImageFolderReader:
         self._report(options, bad, conversions)
 
     def _report(self, options: FormatOptions, bad: list[str], conversions: dict[str, list[str]]):
+        if self.links:
+            self.manifest_extra["skipped_symbolic_links"] = self.links
+            self.messages.append(f"skipped {_plural(len(self.links), 'symbolic link')}: {_listing(self.links)}")
         if self.others:
             self.manifest_extra["not_images"] = self.others
             self.manifest_extra["not_images_action"] = "copied unchanged" if options.copy_other else "skipped"
@@ -210,6 +224,7 @@ class ImageFolderReader:
         if not self.images:
             found = [_non_images(len(self.others))] if self.others else []
             found += [_plural(len(bad), "unreadable image")] if bad else []
+            found += [_plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
 

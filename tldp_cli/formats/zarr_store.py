@@ -4,14 +4,27 @@ The output starts as a file-for-file copy of the input without the perturbed
 arrays' chunks. Their metadata is rewritten for the float output dtype (same
 chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
 records are written through zarr. Consolidated metadata is rebuilt at the end.
+
+Nothing outside the store is read or copied. A symbolic link anywhere inside it
+(to a file or a directory, dangling or not), or any other entry that is neither a
+regular file nor a directory, is refused before anything is written; only the
+store's own path may be a link. Every directory below a group must be a node (hold
+zarr.json, or .zarray/.zgroup): one without is refused as a damaged store, since it
+may be an array that lost its metadata. Node names starting with "." are nodes like
+any other. Files that are neither metadata nor chunks of an array (.DS_Store, a
+README) are copied unchanged, named in a message and listed in the manifest
+(not_zarr_files); those inside the directory of an array being perturbed are
+left out with its chunks.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +41,13 @@ from tldp_cli.formats import (
     check_numeric_dtype,
     default_selection,
 )
+from tldp_cli.formats.images import _listing, _plural
 
 NAME = "zarr"
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 _CHUNK_NAME = re.compile(r"^\d+(\.\d+)*$")
+# A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".
+_CHUNK_KEY = re.compile(r"^(c|\d+)([./]\d+)*$")
 
 
 def can_open(path: Path) -> bool:
@@ -107,6 +123,30 @@ def _node_at(store: Path, directory: Path, zarr_format: int) -> _Node | None:
     return None
 
 
+def _files(store: Path) -> list[str]:
+    """Relative POSIX paths of the files in the store, found without following links.
+    A link is refused rather than skipped: zarr would follow it when reading, and the
+    copy of the unperturbed files would publish whatever it points to."""
+    def unreadable(exc: OSError):
+        raise InputError(f"{store}: cannot list {exc.filename} ({exc.strerror})")
+
+    files = []
+    for directory, dirs, names in os.walk(store, onerror=unreadable):
+        dirs.sort()
+        for name in sorted(dirs + names):
+            entry = Path(directory, name)
+            rel = entry.relative_to(store).as_posix()
+            mode = entry.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise InputError(f"{store}: {rel} is a symbolic link; tldp does not follow links "
+                                 "inside a Zarr store (replace it with a copy of what it points to)")
+            if stat.S_ISREG(mode):
+                files.append(rel)
+            elif not stat.S_ISDIR(mode):
+                raise InputError(f"{store}: {rel} is neither a regular file nor a directory")
+    return sorted(files)
+
+
 def _walk(store: Path, zarr_format: int) -> list[_Node]:
     """Every node of the store, read from its own metadata file (never from consolidated
     metadata, which may be stale)."""
@@ -117,7 +157,7 @@ def _walk(store: Path, zarr_format: int) -> list[_Node]:
         if group.kind != "group":
             continue
         directory = store / group.path
-        for child in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for child in sorted(p for p in directory.iterdir() if p.is_dir()):
             node = _node_at(store, child, zarr_format)
             if node is None:
                 # Most likely an array that lost its metadata: copying it as is could
@@ -128,6 +168,24 @@ def _walk(store: Path, zarr_format: int) -> list[_Node]:
             nodes.append(node)
             pending.append(node)
     return sorted(nodes, key=lambda n: n.path)
+
+
+def _not_zarr(files: list[str], nodes: list[_Node]) -> dict[str, str | None]:
+    """The files that are neither a node's metadata nor chunks of an array, each with
+    the array whose directory holds it (None if it lies in a group's)."""
+    node_paths = {n.path for n in nodes}
+    arrays = [n.path for n in nodes if n.kind == "array"]
+    others: dict[str, str | None] = {}
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        if parent in node_paths and name in METADATA_FILES:
+            continue
+        # Arrays have no children, so at most one holds the file.
+        owner = next((a for a in arrays if a == "" or rel.startswith(a + "/")), None)
+        if owner is not None and _CHUNK_KEY.match(rel[len(owner) + 1:] if owner else rel):
+            continue
+        others[rel] = owner
+    return others
 
 
 def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int, mode: str = "r"):
@@ -167,12 +225,22 @@ class ZarrReader:
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         self.messages: list[str] = []
+        self.manifest_extra: dict = {}
+        files = _files(path)  # first: it refuses links before any file is read
         self.zarr_format = _zarr_format(path)
         self.nodes = _walk(path, self.zarr_format)
         self.store = LocalStore(path, read_only=True)
         opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
-        self.jobs = [self._job(name) for name in self._select(options.datasets)]
+        selected = self._select(options.datasets)
+        self.jobs = [self._job(name) for name in selected]
+        # The writer leaves out everything in a perturbed array's directory but its metadata.
+        copied = [rel for rel, owner in _not_zarr(files, self.nodes).items() if owner not in selected]
+        if copied:
+            self.manifest_extra["not_zarr_files"] = copied
+            self.manifest_extra["not_zarr_files_action"] = "copied unchanged"
+            self.messages.append(f"copied {_plural(len(copied), 'file')} unchanged (not perturbed), "
+                                 f"neither Zarr metadata nor chunks: {_listing(copied)}")
 
     def _select(self, requested: list[str]) -> list[str]:
         arrays = self.handles
@@ -361,7 +429,8 @@ class ZarrWriter:
                     return [e for e in entries if e not in METADATA_FILES]
                 return []
 
-            shutil.copytree(reader.path, tmp_path, ignore=skip_chunks)
+            # The reader refused links; one made since is copied as a link, not followed.
+            shutil.copytree(reader.path, tmp_path, ignore=skip_chunks, symlinks=True)
             for path, meta in metadata.items():
                 (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         self.write = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype)

@@ -1,0 +1,222 @@
+"""Nothing outside the input is read or copied, and nothing is copied raw in silence:
+symbolic links, hidden Zarr nodes and stray files in Zarr stores and image folders."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from PIL import Image
+
+from tests.conftest import siblings, tree_digest
+
+# zarr warns that consolidated metadata is not part of the format 3 spec.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SECRET = b"TOP-SECRET-4f1c9e do not publish"
+VALUES = np.random.default_rng(0).integers(0, 256, (20, 4, 4), dtype=np.uint8)
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 1, (result.exit_code, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "secret.txt"
+    path.write_bytes(SECRET)
+    return path
+
+
+def make_store(path: Path, zarr_format: int, hidden: bool = False) -> Path:
+    """A group holding images (20, 4, 4) and labels (20,); with hidden, also .h (20, 4, 4)."""
+    group = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    group.create_array("images", shape=VALUES.shape, dtype="uint8", chunks=(5, 4, 4))[:] = VALUES
+    group.create_array("labels", shape=(20,), dtype="int64", chunks=(10,))[:] = np.arange(20)
+    if hidden:
+        group.create_array(".h", shape=VALUES.shape, dtype="uint8", chunks=(5, 4, 4))[:] = VALUES
+    return path
+
+
+def output_files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads(Path(f"{out}.manifest.json").read_text())
+
+
+def perturb_ok(cli, *args):
+    result = cli("perturb", *args, "--eps", "1", "--seed", "7")
+    assert result.exit_code == 0, result.stderr
+    return result
+
+
+# --- Zarr stores -----------------------------------------------------------------------
+
+def _link_to_secret_at_root(store, secret):
+    os.symlink(secret, store / "notes.txt")
+    return "notes.txt"
+
+
+def _link_named_like_a_chunk(store, secret):
+    # Inside an array that is not perturbed, so copied as one of its chunks before.
+    chunk = next(p for p in sorted((store / "labels").rglob("*")) if p.is_file() and p.name[0].isdigit())
+    chunk.unlink()
+    os.symlink(secret, chunk)
+    return chunk.relative_to(store).as_posix()
+
+
+def _link_to_a_directory(store, secret):
+    os.symlink(secret.parent, store / "everything")
+    return "everything"
+
+
+def _dangling_link(store, secret):
+    os.symlink(store.parent / "gone", store / "labels" / "gone")
+    return "labels/gone"
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("plant", [_link_to_secret_at_root, _link_named_like_a_chunk,
+                                   _link_to_a_directory, _dangling_link])
+def test_link_inside_a_store_is_refused_before_anything_is_written(cli, tmp_path, zarr_format, plant):
+    secret = secret_file(tmp_path)
+    store = make_store(tmp_path / "store.zarr", zarr_format)
+    link = plant(store, secret)
+    before, files = siblings(tmp_path), tree_digest(secret)
+    result = cli("perturb", store, "--eps", "1", "--out", tmp_path / "out.zarr")
+    line = one_line_error(result)
+    assert str(store) in line and f"{link} is a symbolic link" in line
+    assert not (tmp_path / "out.zarr").exists()
+    assert siblings(tmp_path) == before, "something was written next to the output"
+    assert tree_digest(secret) == files
+
+
+def test_the_store_itself_may_be_a_link(cli, tmp_path):
+    store = make_store(tmp_path / "store.zarr", 3)
+    (tmp_path / "link.zarr").symlink_to(store, target_is_directory=True)
+    perturb_ok(cli, tmp_path / "link.zarr", "--dataset", "images", "--out", tmp_path / "out.zarr")
+    assert zarr.open_array(tmp_path / "out.zarr", path="images", mode="r").dtype == np.float32
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_hidden_array_is_perturbed_like_any_other(cli, tmp_path, zarr_format):
+    store = make_store(tmp_path / "store.zarr", zarr_format, hidden=True)
+    out = tmp_path / "out.zarr"
+    result = perturb_ok(cli, store, "--out", out)
+    assert "perturbing arrays .h, images of store.zarr" in result.stderr
+    group = zarr.open_group(out, mode="r", use_consolidated=False)
+    assert set(dict(group.members())) == {".h", "images", "labels"}
+    for name in (".h", "images"):
+        perturbed = zarr.open_array(out, path=name, mode="r")
+        assert perturbed.dtype == np.float32
+        assert not np.array_equal(perturbed[:], VALUES), f"{name} was copied raw"
+    assert {i["dataset"] for i in manifest_of(out)["inputs"]} == {".h", "images"}
+
+    out = tmp_path / "chosen.zarr"
+    perturb_ok(cli, store, "--dataset", ".h", "--out", out)
+    assert not np.array_equal(zarr.open_array(out, path=".h", mode="r")[:], VALUES)
+    np.testing.assert_array_equal(zarr.open_array(out, path="images", mode="r")[:], VALUES)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_hidden_directory_without_metadata_is_a_damaged_store(cli, tmp_path, zarr_format):
+    store = make_store(tmp_path / "store.zarr", zarr_format)
+    (store / ".h").mkdir()
+    (store / ".h" / "0.0.0").write_bytes(VALUES.tobytes())  # an array that lost its metadata
+    before = siblings(tmp_path)
+    line = one_line_error(cli("perturb", store, "--eps", "1", "--out", tmp_path / "out.zarr"))
+    assert str(store) in line and "damaged Zarr store" in line and ".h/" in line
+    assert siblings(tmp_path) == before
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_stray_files_are_copied_and_reported(cli, tmp_path, zarr_format):
+    store = make_store(tmp_path / "store.zarr", zarr_format)
+    (store / ".DS_Store").write_bytes(b"finder")
+    (store / "labels" / "README.txt").write_text("labels 0-19")
+    (store / "images" / "notes.txt").write_text("raw notes")  # goes with the perturbed chunks
+    out = tmp_path / "out.zarr"
+    result = perturb_ok(cli, store, "--dataset", "images", "--out", out)
+    assert ("copied 2 files unchanged (not perturbed), neither Zarr metadata nor chunks: "
+            ".DS_Store, labels/README.txt") in result.stderr
+    manifest = manifest_of(out)
+    assert manifest["not_zarr_files"] == [".DS_Store", "labels/README.txt"]
+    assert manifest["not_zarr_files_action"] == "copied unchanged"
+    assert (out / ".DS_Store").read_bytes() == b"finder"
+    assert (out / "labels" / "README.txt").read_text() == "labels 0-19"
+    assert not (out / "images" / "notes.txt").exists()
+    assert zarr.open_array(out, path="images", mode="r").dtype == np.float32
+
+
+def test_store_without_strays_reports_nothing(cli, tmp_path):
+    out = tmp_path / "out.zarr"
+    result = perturb_ok(cli, make_store(tmp_path / "store.zarr", 3), "--dataset", "images", "--out", out)
+    assert "copied" not in result.stderr and "not_zarr_files" not in manifest_of(out)
+
+
+# --- image folders ---------------------------------------------------------------------
+
+def save_png(path: Path, seed: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("copy_other", [False, True])
+def test_links_in_an_image_folder_are_skipped_and_reported(cli, tmp_path, copy_other):
+    secret = secret_file(tmp_path)
+    outside_png = save_png(tmp_path / "private" / "face.png", seed=1)
+    secret_dir = tmp_path / "private"
+    src = tmp_path / "photos"
+    save_png(src / "a.png", seed=2)
+    (src / "notes.txt").write_text("kept")
+    os.symlink(outside_png, src / "b.png")
+    os.symlink(secret, src / "secret.txt")
+    os.symlink(secret_dir, src / "more")
+    out = tmp_path / "out"
+    result = perturb_ok(cli, src, "--out", out, *(["--copy-other"] if copy_other else []))
+
+    links = ["b.png", "more", "secret.txt"]
+    assert f"skipped 3 symbolic links: {', '.join(links)}" in result.stderr
+    manifest = manifest_of(out)
+    assert manifest["skipped_symbolic_links"] == links
+    assert manifest["not_images"] == ["notes.txt"]
+    assert [i["path"] for i in manifest["inputs"]] == [str(src / "a.png")]
+    written = output_files(out)
+    assert set(written) == ({"a.png", "notes.txt"} if copy_other else {"a.png"})
+    outside_bytes = [SECRET, outside_png.read_bytes()]
+    for name, data in written.items():
+        assert not any(secret_bytes in data for secret_bytes in outside_bytes), name
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+
+
+def test_dangling_link_is_skipped_not_an_unreadable_image(cli, tmp_path):
+    src = tmp_path / "photos"
+    save_png(src / "sub" / "a.png", seed=2)
+    os.symlink(tmp_path / "gone.png", src / "sub" / "gone.png")
+    result = perturb_ok(cli, src, "--out", tmp_path / "out")
+    assert "skipped 1 symbolic link: sub/gone.png" in result.stderr
+    assert manifest_of(tmp_path / "out")["skipped_symbolic_links"] == ["sub/gone.png"]
+
+
+def test_folder_of_links_only_has_no_images(cli, tmp_path):
+    src = tmp_path / "photos"
+    src.mkdir()
+    os.symlink(save_png(tmp_path / "private" / "face.png", seed=1), src / "face.png")
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "out"))
+    assert f"no images in {src} (found 1 symbolic link)" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_image_folder_itself_may_be_a_link(cli, tmp_path):
+    save_png(tmp_path / "photos" / "a.png", seed=2)
+    (tmp_path / "link").symlink_to(tmp_path / "photos", target_is_directory=True)
+    result = perturb_ok(cli, tmp_path / "link", "--out", tmp_path / "out")
+    assert "symbolic link" not in result.stderr
+    assert set(output_files(tmp_path / "out")) == {"a.png"}

@@ -1,0 +1,278 @@
+"""A run touches nothing but its own output: destinations, races, killed runs, odd paths."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from tests.conftest import siblings, tree_digest
+from tldp_cli import output
+from tldp_cli.errors import OutputError
+
+DATA = np.random.default_rng(0).integers(0, 256, (50, 8, 8), dtype=np.uint8)
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def proj(tmp_path) -> Path:
+    """proj/x.npy and another file the user keeps there."""
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    np.save(folder / "x.npy", DATA)
+    (folder / "notes.txt").write_text("keep me")
+    return folder
+
+
+def make_store(path: Path) -> Path:
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("t2m", shape=DATA.shape, dtype="uint8", chunks=(10, 8, 8))[:] = DATA
+    return path
+
+
+# --- where --out points ----------------------------------------------------------------
+
+def test_out_naming_the_folder_that_holds_the_input_writes_inside_it(cli, proj):
+    before = tree_digest(proj)
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", proj, "--overwrite", "-q")
+    assert result.exit_code == 0, result.stderr
+    after = tree_digest(proj)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing replaced
+    assert set(after) == set(before) | {"x.tldp.npy", "x.tldp.npy.manifest.json"}
+
+
+def test_trailing_slash_means_inside_an_unrelated_folder(cli, proj, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "old.csv").write_text("1,2")
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", f"{results}/", "--overwrite", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert siblings(results) == {"old.csv", "x.tldp.npy", "x.tldp.npy.manifest.json"}
+    missing = cli("perturb", proj / "x.npy", "--eps", "1", "--out", f"{tmp_path}/nowhere/")
+    assert missing.exit_code == 1 and "does not exist" in one_line(missing)
+
+
+def test_a_folder_output_never_replaces_the_folder_holding_its_input(cli, proj):
+    store = make_store(proj / "s.zarr")
+    before = tree_digest(proj)
+    result = cli("perturb", store, "--eps", "1", "--out", proj, "--overwrite")
+    assert result.exit_code == 2 and "holds the input" in one_line(result)
+    assert tree_digest(proj) == before
+
+
+def test_a_folder_output_replaces_only_an_earlier_output_of_its_kind(cli, proj, tmp_path):
+    store = make_store(tmp_path / "s.zarr")
+    unrelated = tmp_path / "photos"
+    unrelated.mkdir()
+    (unrelated / "me.jpg").write_bytes(b"not really")
+    result = cli("perturb", store, "--eps", "1", "--out", unrelated, "--overwrite")
+    assert result.exit_code == 2 and "not an earlier output" in one_line(result)
+    assert (unrelated / "me.jpg").read_bytes() == b"not really"
+    first = cli("perturb", store, "--eps", "1", "--out", tmp_path / "o.zarr", "-q")
+    again = cli("perturb", store, "--eps", "1", "--out", tmp_path / "o.zarr", "--overwrite", "-q")
+    assert first.exit_code == 0 and again.exit_code == 0, again.stderr
+    assert zarr.open_group(tmp_path / "o.zarr", mode="r")["t2m"].shape == DATA.shape
+
+
+def test_never_a_folder_for_a_file_nor_a_file_for_a_folder(cli, proj, tmp_path):
+    store = make_store(tmp_path / "s.zarr")
+    (tmp_path / "f.zarr").write_text("a file")
+    result = cli("perturb", store, "--eps", "1", "--out", tmp_path / "f.zarr", "--overwrite")
+    assert result.exit_code == 2 and "not a folder" in one_line(result)
+    (tmp_path / "d.npy").mkdir()  # a file output into an existing folder goes inside it ...
+    (tmp_path / "d.npy" / "x.tldp.npy").mkdir()  # ... where a folder of that name is in the way
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", tmp_path / "d.npy", "--overwrite")
+    assert result.exit_code == 2 and "is a folder" in one_line(result)
+
+
+def test_an_array_inside_a_store_is_written_beside_the_store(cli, tmp_path):
+    store = make_store(tmp_path / "era.zarr")
+    before = tree_digest(store)
+    result = cli("perturb", store / "t2m", "--eps", "1", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(store) == before
+    assert (tmp_path / "era.t2m.tldp.zarr").is_dir()
+    assert (tmp_path / "era.t2m.tldp.zarr.manifest.json").is_file()
+    inside = cli("perturb", store / "t2m", "--eps", "1", "--out", store / "noisy")
+    assert inside.exit_code == 2 and "inside the Zarr store" in one_line(inside)
+    manifest_inside = cli("perturb", store / "t2m", "--eps", "1", "--out", tmp_path / "n.zarr",
+                          "--manifest", store / "m.json")
+    assert manifest_inside.exit_code == 2 and tree_digest(store) == before
+
+
+def test_the_output_keeps_the_input_format(cli, proj):
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", proj / "conv.h5")
+    assert result.exit_code == 2 and "HDF5" in one_line(result)
+    assert not (proj / "conv.h5").exists()
+
+
+def test_dash_is_refused_and_creates_no_file(cli, proj, monkeypatch):
+    monkeypatch.chdir(proj)
+    result = cli("perturb", "x.npy", "--eps", "1", "--out", "-")
+    assert result.exit_code == 2 and "standard output" in one_line(result)
+    result = cli("perturb", "x.npy", "--eps", "1", "--manifest", "-")
+    assert result.exit_code == 2 and "--json" in one_line(result)
+    assert not (proj / "-").exists()
+
+
+def test_special_files_are_refused_as_input(tmp_path):
+    fifo = tmp_path / "pipe.npy"
+    os.mkfifo(fifo)
+    for source in (str(fifo), "/dev/stdin"):
+        run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", source, "--eps", "1"],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert source in run.stderr
+    assert not Path("/dev/stdin.tldp.npy").exists()
+    assert siblings(tmp_path) == {"pipe.npy"}
+
+
+def test_symlink_loops_and_dot_are_one_line(cli, proj, monkeypatch):
+    monkeypatch.chdir(proj)
+    os.symlink("loop", proj / "loop")
+    for args in (("--out", "loop"), ("--manifest", "loop"), ("--out", "loop/y.npy")):
+        result = cli("perturb", "x.npy", "--eps", "1", *args)
+        assert result.exit_code == 1, result.stderr
+        one_line(result)
+    result = cli("perturb", "x.npy", "--eps", "1", "--out", ".", "-q")
+    assert result.exit_code == 0 and (proj / "x.tldp.npy").is_file()
+
+
+# --- a failed run replaces nothing ---------------------------------------------------------
+
+def test_a_failed_run_keeps_the_existing_output(cli, proj, tmp_path):
+    out = tmp_path / "o.npy"
+    assert cli("perturb", proj / "x.npy", "--eps", "1", "--out", out, "-q").exit_code == 0
+    before = tree_digest(tmp_path)
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", out, "--overwrite",
+                 "--manifest", tmp_path / "missing" / "m.json")
+    assert result.exit_code == 1 and "does not exist" in one_line(result)
+    out_of_range = cli("perturb", proj / "x.npy", "--eps", "1", "--out", out, "--overwrite",
+                       "--range", "0:10")
+    assert out_of_range.exit_code == 1
+    assert tree_digest(tmp_path) == before and siblings(tmp_path) == {"proj", "o.npy",
+                                                                     "o.npy.manifest.json"}
+
+
+def test_a_failed_commit_puts_the_old_files_back(tmp_path, monkeypatch):
+    out, manifest = tmp_path / "o.bin", tmp_path / "o.json"
+    out.write_text("old output")
+    manifest.write_text("old manifest")
+    staging = output.Staging()
+    staging.temporary(out).write_text("new output")
+    staging.temporary(manifest).write_text("new manifest")
+    real_swap = output.swap
+    calls = []
+
+    def failing_swap(src, dst):
+        calls.append(dst)
+        if dst == manifest:
+            raise OSError(5, "Input/output error", str(dst))
+        real_swap(src, dst)
+
+    monkeypatch.setattr(output, "swap", failing_swap)
+    with pytest.raises(OSError):
+        staging.commit(overwrite=True)
+    staging.discard()
+    assert out.read_text() == "old output" and manifest.read_text() == "old manifest"
+    assert siblings(tmp_path) == {"o.bin", "o.json"}
+
+
+# --- races -------------------------------------------------------------------------------
+
+def test_place_new_never_replaces(tmp_path):
+    for make in (lambda p: p.write_text("x"), lambda p: p.mkdir()):
+        src, dst = tmp_path / "src", tmp_path / "dst"
+        make(src)
+        dst.write_text("theirs")
+        with pytest.raises(FileExistsError):
+            output.place_new(src, dst)
+        assert dst.read_text() == "theirs"
+        output.remove(src)
+        dst.unlink()
+
+
+def test_an_output_that_appears_during_the_run_is_not_replaced(tmp_path):
+    out = tmp_path / "o.npy"
+    staging = output.Staging()
+    staging.temporary(out).write_text("mine")
+    out.write_text("another run's")
+    with pytest.raises(OutputError, match="appeared while tldp was writing"):
+        staging.commit(overwrite=False)
+    staging.discard()
+    assert out.read_text() == "another run's" and siblings(tmp_path) == {"o.npy"}
+
+
+def test_of_concurrent_runs_exactly_one_wins(tmp_path):
+    np.save(tmp_path / "x.npy", np.random.default_rng(1).random((400, 32, 32), dtype=np.float32))
+    runs = [subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", tmp_path / "x.npy", "--eps", "1",
+                              "--range", "0:1", "--out", tmp_path / "o.npy", "--workers", "1"],
+                             stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+    assert sorted(code for code, _ in results) == [0, 1, 1, 1], results
+    for code, err in results:
+        assert "Traceback" not in err
+    assert siblings(tmp_path) == {"x.npy", "o.npy", "o.npy.manifest.json"}
+    assert np.load(tmp_path / "o.npy").shape == (400, 32, 32)
+
+
+# --- killed runs --------------------------------------------------------------------------
+
+KILLED_RUN = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from tldp_cli import output
+    staging = output.Staging()
+    staging.temporary(Path(sys.argv[1])).write_text("half written")
+    os._exit(0)  # as SIGKILL would: no clean-up
+""")
+
+
+def test_a_killed_runs_leftover_is_removed_by_the_next_run(cli, proj, tmp_path):
+    out = tmp_path / "o.npy"
+    subprocess.run([sys.executable, "-c", KILLED_RUN, str(out)], check=True, timeout=60)
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".o.npy.tldp-tmp-")]
+    assert len(leftovers) == 1
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "left by a tldp run that was killed" in result.stderr
+    assert siblings(tmp_path) == {"proj", "o.npy", "o.npy.manifest.json"}
+
+
+def test_a_live_runs_work_folder_is_left_alone(tmp_path):
+    out = tmp_path / "o.npy"
+    live = output.Staging()
+    live.temporary(out).write_text("being written")
+    assert output.remove_dead_work(out) == []
+    assert len([p for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name]) == 1
+    live.discard()
+    assert siblings(tmp_path) == set()
+
+
+def test_a_killed_process_really_releases_its_lock(tmp_path):
+    """SIGKILL mid-run, with a real perturb: the next run cleans up after it."""
+    np.save(tmp_path / "x.npy", np.zeros((3000, 64, 64), np.float32))
+    run = subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", tmp_path / "x.npy", "--eps", "1",
+                            "--range", "0:1", "--out", tmp_path / "o.npy", "--workers", "1"],
+                           stderr=subprocess.DEVNULL)
+    for _ in range(1000):  # until the run is writing its output
+        if any((p / "o.npy").exists() for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name):
+            break
+        if run.poll() is not None:
+            pytest.skip("the run finished before it could be killed")
+        time.sleep(0.01)
+    run.kill()
+    run.wait()
+    assert [p for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name]
+    assert output.remove_dead_work(tmp_path / "o.npy")
+    assert siblings(tmp_path) == {"x.npy"}

@@ -1,0 +1,428 @@
+"""Where a run's files go, and how they get there without touching anything else.
+
+The rules (docs/output.md says the same for users):
+
+- `--out PATH` names the output itself. When PATH ends in `/` (or is `.` or `..`),
+  or is an existing folder and the output is a single file, the output goes inside
+  that folder under its default name, as `cp` does.
+- The output keeps the input's format: a suffix that names another format is refused.
+- A run never writes into its input, into the store the input lies in, or over a
+  folder that holds the input; it never replaces a folder with a file or a file
+  with a folder; an existing folder is replaced (`--overwrite`) only when it is an
+  earlier output of the same kind.
+- Everything is written into a hidden work folder beside each destination,
+  `.NAME.tldp-tmp-XXXXXXXX/`, that the run holds an exclusive lock on (flock on
+  the `lock` file inside). At the end every file is moved into place in one step
+  each, without replacing anything that appeared meanwhile (renameat2
+  RENAME_NOREPLACE, or link/mkdir where the filesystem lacks it); with
+  `--overwrite`, swapped with what was there (RENAME_EXCHANGE) so that a failure
+  puts the old files back. Of several runs racing for one destination without
+  `--overwrite`, exactly one wins.
+- A killed run's work folder is unlocked: the next run into the same destination
+  removes it and says so. A live run's is locked and left alone. On a filesystem
+  whose locks do not reach other machines (NFS mounted with `nolock`), a run on
+  another machine writing to the same destination at the same moment can lose its
+  work folder; it then fails, it never leaves a wrong output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import stat
+import time
+from pathlib import Path
+
+from tldp_cli.errors import InputError, OutputError, UsageError
+
+WORK_MARK = ".tldp-tmp-"
+_NEW_MARK = ".tldp-new-"  # a work folder before its lock is taken
+_NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run starting up
+LOCK_FILE = "lock"
+
+# Suffixes that name a format, so that `--out x.h5` on a .npy input is refused, not
+# written as a .npy file with the wrong name.
+FORMAT_SUFFIXES = {
+    "npy": (".npy",),
+    "hdf5": (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
+    "npz": (".npz",),
+    "safetensors": (".safetensors",),
+    "zarr": (".zarr",),
+    "images": (),
+}
+FORMAT_TITLES = {"npy": ".npy array", "hdf5": "HDF5 file", "npz": ".npz file",
+                 "safetensors": ".safetensors file", "zarr": "Zarr store", "images": "folder of images"}
+FOLDER_FORMATS = ("zarr", "images")
+# Pseudo-filesystems whose paths name no data: an input there is refused and no output
+# is ever derived from one (`perturb /dev/stdin` must not write into /dev).
+_SPECIAL_ROOTS = (Path("/dev"), Path("/proc"), Path("/sys"))
+
+
+def _resolve(path: Path, what: str) -> Path:
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise OutputError(f"{path}: {what} path cannot be resolved ({exc})") from None
+
+
+def check_input(path: Path) -> None:
+    """Refuses inputs that are not a regular file or folder (FIFOs, devices, /dev/stdin)."""
+    absolute = Path(os.path.abspath(path))
+    if any(absolute == root or root in absolute.parents for root in _SPECIAL_ROOTS):
+        raise InputError(f"{path}: tldp reads regular files and folders, not {absolute.parts[1]}/ "
+                         "entries; save the data to a file first")
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file or directory") from None
+    except (RuntimeError, OSError) as exc:
+        raise InputError(f"{path}: cannot be opened ({getattr(exc, 'strerror', None) or exc})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise InputError(f"{path}: not a regular file or folder (a pipe or device); tldp reads "
+                         "files and folders: save the data to a file first")
+
+
+def _names_folder(text: str) -> bool:
+    return text.endswith(os.sep) or text.endswith("/") or Path(text).name in ("", ".", "..") \
+        or text in (".", "..")
+
+
+def destination(out: Path | None, out_text: str | None, default: Path, format_name: str) -> Path:
+    """The output path: `default` without --out, else --out by the rules above.
+
+    `out_text` is --out as typed (a trailing slash survives there, not in a Path)."""
+    if out is None:
+        return default
+    text = out_text if out_text is not None else str(out)
+    if text == "-":
+        raise UsageError("--out -: tldp writes files, not standard output; give a file or folder path")
+    is_file_output = format_name not in FOLDER_FORMATS
+    if _names_folder(text) or (is_file_output and out.is_dir()):
+        if not out.is_dir():
+            raise OutputError(f"{text}: --out names a folder that does not exist")
+        return _resolve(out, "output") / default.name
+    _check_suffix(out, format_name)
+    return out
+
+
+def _check_suffix(out: Path, format_name: str) -> None:
+    suffix = out.suffix.lower()
+    for other, suffixes in FORMAT_SUFFIXES.items():
+        if other != format_name and suffix in suffixes and suffix not in FORMAT_SUFFIXES[format_name]:
+            raise UsageError(f"{out}: the name says {FORMAT_TITLES[other]}, but the input is a "
+                             f"{FORMAT_TITLES[format_name]} and tldp writes the input's format; "
+                             f"name the output accordingly")
+
+
+def store_root(path: Path) -> Path | None:
+    """The outermost Zarr store that `path` lies inside (not `path` itself), if any."""
+    root = None
+    for parent in _resolve(path, "input").parents:
+        if any((parent / name).is_file() for name in ("zarr.json", ".zgroup", ".zarray")):
+            root = parent
+    return root
+
+
+def default_beside_store(path: Path, default: Path) -> Path:
+    """An array inside a store (`era.zarr/t2m`): its default output goes beside the store
+    (`era.t2m.tldp.zarr`), never into it."""
+    root = store_root(path)
+    if root is None:
+        return default
+    member = _resolve(path, "input").relative_to(root).as_posix().replace("/", ".")
+    stem = root.name[:-5] if root.name.endswith(".zarr") else root.name
+    return root.with_name(f"{stem}.{member}.tldp.zarr")
+
+
+def check_destination(path: Path, source: Path, overwrite: bool, what: str, folder: bool,
+                      earlier_output=None) -> None:
+    """Refuses a destination that would touch anything but this run's own output.
+
+    `folder`: the output is a folder. `earlier_output(path) -> bool`: whether an existing
+    folder is an earlier output of this kind, which --overwrite may replace."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise OutputError(f"{path}: {what} folder {parent} does not exist")
+    final = _resolve(path, what)
+    source_real = _resolve(source, "input")
+    if final == source_real:
+        raise UsageError(f"{path}: the {what} would replace the input")
+    if final in source_real.parents:
+        raise UsageError(f"{path}: the {what} would replace the folder {path} that holds the input")
+    if source_real.is_dir() and source_real in final.parents:
+        raise UsageError(f"{path}: the {what} would be written inside the input {source}")
+    store = store_root(source)
+    if store is not None and store in final.parents:
+        raise UsageError(f"{path}: the {what} would be written inside the Zarr store {store} that "
+                         "holds the input")
+    if store is not None and final == store:
+        raise UsageError(f"{path}: the {what} would replace the Zarr store that holds the input")
+    if not os.path.lexists(path):
+        return
+    is_folder = path.is_dir() and not path.is_symlink()
+    if folder and not is_folder:
+        raise UsageError(f"{path}: exists and is not a folder; the {what} is a folder and tldp does "
+                         "not replace a file with a folder")
+    if not folder and is_folder:
+        raise UsageError(f"{path}: is a folder; the {what} is a file and tldp does not replace a "
+                         "folder with a file")
+    if not overwrite:
+        raise OutputError(f"{path}: {what} exists; pass --overwrite to replace it")
+    if is_folder and earlier_output is not None and not earlier_output(path):
+        raise UsageError(f"{path}: exists and is not an earlier output of this kind; tldp replaces "
+                         "only its own outputs, so remove it yourself or choose another --out")
+
+
+def check_distinct(paths: dict[str, Path]) -> None:
+    """Refuses two destinations that are the same file, or one inside another."""
+    resolved = {what: _resolve(p, what) for what, p in paths.items()}
+    names = list(resolved)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if resolved[a] == resolved[b]:
+                raise UsageError(f"{paths[b]}: the {b} and the {a} name the same file")
+            for inner, outer in ((a, b), (b, a)):
+                if resolved[outer] in resolved[inner].parents:
+                    raise UsageError(f"{paths[inner]}: the {inner} would be written inside the {outer}")
+
+
+def check_free_space(folder: Path, needed: int, what: Path) -> None:
+    """Refuses an output that cannot fit: before any memory or disk is committed."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if needed > free:
+        raise OutputError(f"{what}: needs about {_size(needed)} but {folder} has {_size(free)} free")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} EB"
+
+
+# --- Work folders and their locks --------------------------------------------------------
+
+def _lock(fd: int) -> bool:
+    """Takes an exclusive lock without waiting: True if taken, False if someone holds it;
+    True also where the filesystem has no locks (nothing better can be known)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
+            return True
+        raise
+    return True
+
+
+def _is_dead(folder: Path, new: bool) -> bool:
+    """Whether a work folder belongs to no live run (its lock is free)."""
+    if new:
+        try:
+            if time.time() - folder.lstat().st_mtime < _NEW_GRACE_SECONDS:
+                return False
+        except OSError:
+            return False
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return new  # a tmp folder always has its lock file; a new one may not yet
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held (or locks do not work here: never guess that a run is dead)
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_dead_work(final: Path) -> list[str]:
+    """Removes the work folders that killed runs left beside `final`; returns notes."""
+    notes = []
+    try:
+        entries = list(final.parent.iterdir())
+    except OSError:
+        return notes
+    prefix = f".{final.name}"
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        new = rest.startswith(_NEW_MARK)
+        if not (new or rest.startswith(WORK_MARK)) or not entry.is_dir() or entry.is_symlink():
+            continue
+        if _is_dead(entry, new):
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                notes.append(f"removed {entry}, left by a tldp run that was killed")
+    return notes
+
+
+class WorkFolder:
+    """A locked, hidden folder beside a destination that holds the files being written."""
+
+    def __init__(self, final: Path):
+        token = secrets.token_hex(4)
+        new = final.with_name(f".{final.name}{_NEW_MARK}{token}")
+        try:
+            new.mkdir(mode=0o700)
+        except OSError as exc:
+            raise OutputError(f"{final.parent}: cannot create a temporary folder there "
+                              f"({exc.strerror or exc})") from None
+        self._lock_fd: int | None = None
+        try:
+            self._lock_fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            _lock(self._lock_fd)
+            self.path = final.with_name(f".{final.name}{WORK_MARK}{token}")
+            os.rename(new, self.path)
+        except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+# --- Moving into place -------------------------------------------------------------------
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+try:
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+except (AttributeError, OSError):
+    _renameat2 = None
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> None:
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(dst))
+
+
+def place_new(src: Path, dst: Path) -> None:
+    """Renames src to dst; fails with FileExistsError if dst exists, atomically."""
+    try:
+        _rename2(src, dst, _RENAME_NOREPLACE)
+        return
+    except OSError as exc:
+        if exc.errno not in _UNSUPPORTED:
+            raise
+    if src.is_dir() and not src.is_symlink():
+        os.mkdir(dst)  # the claim: fails if anything is there
+        try:
+            os.rename(src, dst)  # replaces the empty folder just made
+        except BaseException:
+            os.rmdir(dst)
+            raise
+    else:
+        os.link(src, dst, follow_symlinks=False)
+        os.unlink(src)
+
+
+def swap(src: Path, dst: Path) -> None:
+    """Exchanges src and dst (both exist): afterwards src holds the old dst."""
+    try:
+        _rename2(src, dst, _RENAME_EXCHANGE)
+        return
+    except OSError as exc:
+        if exc.errno not in _UNSUPPORTED:
+            raise
+    aside = src.with_name(src.name + ".old")
+    os.rename(dst, aside)
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        os.rename(aside, dst)
+        raise
+    os.rename(aside, src)
+
+
+class Staging:
+    """The files of one run, written under work folders and moved into place together:
+    all of them or none (a failure puts back whatever was replaced)."""
+
+    def __init__(self):
+        self._folders: dict[Path, WorkFolder] = {}  # by destination folder
+        self._targets: list[tuple[Path, Path]] = []  # (temporary, final)
+        self.notes: list[str] = []
+
+    def temporary(self, final: Path) -> Path:
+        """Where to write the file or folder that becomes `final`."""
+        self.notes += remove_dead_work(final)
+        parent = _resolve(final.parent, "output")
+        if parent not in self._folders:
+            self._folders[parent] = WorkFolder(final)
+        tmp = self._folders[parent].path / final.name
+        self._targets.append((tmp, final))
+        return tmp
+
+    def adopt(self, tmp: Path, final: Path) -> None:
+        """A temporary kept elsewhere (a resumable run's partial store)."""
+        self._targets.append((tmp, final))
+
+    def commit(self, overwrite: bool) -> None:
+        done: list[tuple[str, Path, Path]] = []
+        try:
+            for tmp, final in self._targets:
+                if os.path.lexists(final):
+                    if not overwrite:
+                        raise OutputError(f"{final}: appeared while tldp was writing (another run?); "
+                                          "nothing was replaced")
+                    swap(tmp, final)
+                    done.append(("swapped", tmp, final))
+                else:
+                    try:
+                        place_new(tmp, final)
+                    except FileExistsError:
+                        raise OutputError(f"{final}: appeared while tldp was writing (another run?); "
+                                          "nothing was replaced") from None
+                    done.append(("placed", tmp, final))
+        except BaseException:
+            for how, tmp, final in reversed(done):
+                try:
+                    swap(tmp, final) if how == "swapped" else os.rename(final, tmp)
+                except OSError:
+                    pass
+            raise
+        for _, tmp, _ in done:  # the replaced outputs, now in the work folders
+            if os.path.lexists(tmp):
+                remove(tmp)
+
+    def discard(self) -> None:
+        for folder in self._folders.values():
+            folder.remove()
+        self._folders.clear()
+
+    def close(self) -> None:
+        """After commit: the emptied work folders go."""
+        self.discard()
+
+
+def remove(path: Path) -> None:
+    """Removes a file, a link or a folder tree (never what a link points at)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
