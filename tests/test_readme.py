@@ -1,5 +1,8 @@
 """CI installs and tests exactly as README's quick start says."""
 
+import re
+import tomllib
+
 from tests.conftest import REPO
 
 
@@ -12,3 +15,14 @@ def test_ci_runs_the_quick_start_commands():
     assert 'python -m pip install ".[dev]"' in ci
     assert perturb.split(" --out")[0] in ci
     assert test in ci.splitlines()
+
+
+def test_install_hints_name_our_distribution():
+    """'tldp' on the package index is another project: every hint names ours."""
+    name = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["name"]
+    assert name == "tldp-tensors"
+    texts = [p.read_text() for p in [REPO / "README.md", REPO / "CHANGELOG.md",
+                                     *(REPO / "tldp_cli").rglob("*.py"), *(REPO / "docs").rglob("*.md")]]
+    for text in texts:
+        for extra in re.findall(r"pip install '([\w-]+)\[", text):
+            assert extra == name

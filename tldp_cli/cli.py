@@ -261,7 +261,7 @@ def perturb_command(
                     "--dask-address: local worker processes). Default: the number of cores. "
                     "The output is the same for any number.")] = None,
     scheduler: Annotated[Scheduler, typer.Option(
-        help="threads: this process. dask: Dask workers (pip install 'tldp[dask]'): a local "
+        help="threads: this process. dask: Dask workers (pip install 'tldp-tensors[dask]'): a local "
              "cluster, or the one at --dask-address. The output is the same with either.")
     ] = Scheduler.threads,
     dask_address: Annotated[Optional[str], typer.Option(
@@ -358,7 +358,7 @@ def weight_mask_command(
              "intensity: the paper's MNIST rule, w = ((x - lo) / (hi - lo)) ** gamma, one mask "
              "per record, computed from the private values (so it depends on the data). "
              "faces: face regions found by OpenCV's bundled Haar cascade (pip install "
-             "'tldp[faces]'), also data-derived.",
+             "'tldp-tensors[faces]'), also data-derived.",
         show_default=False)],
     out: Annotated[Path, typer.Option(
         help="The mask: a .npy file, or for a folder of images a folder of mask PNGs (8-bit "

@@ -31,7 +31,7 @@ from typing import Any
 
 from tldp_cli.errors import TldpError, UsageError
 
-INSTALL_HINT = "pip install 'tldp[dask]'"
+INSTALL_HINT = "pip install 'tldp-tensors[dask]'"
 # How long a failed run waits for the blocks a cluster is still running, so none writes
 # into an output that is being removed.
 DRAIN_SECONDS = 60
@@ -125,7 +125,7 @@ def _run_credentials():
         return Security.temporary()
     except ImportError:
         raise UsageError("--scheduler dask without --dask-address needs the cryptography package "
-                         "for its local cluster's TLS credentials: pip install cryptography") from None
+                         "for its local cluster's TLS credentials: pip install 'tldp-tensors[dask]'") from None
 
 
 @contextlib.contextmanager

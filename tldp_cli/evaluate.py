@@ -667,7 +667,7 @@ def _need(module: str):
         return importlib.import_module(module)
     except ImportError:
         raise TldpError(f"this needs {module.split('.')[0]}; install the evaluation extra: "
-                        "pip install 'tldp[eval]'") from None
+                        "pip install 'tldp-tensors[eval]'") from None
 
 
 def _classifier(model: str):

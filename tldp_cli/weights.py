@@ -501,14 +501,14 @@ class FaceDetector:
         try:
             import cv2
         except ImportError:
-            raise InputError("--method faces needs OpenCV: pip install 'tldp[faces]' "
+            raise InputError("--method faces needs OpenCV: pip install 'tldp-tensors[faces]' "
                              "(opencv-python-headless 4)") from None
         path = Path(getattr(getattr(cv2, "data", None), "haarcascades", "")) / FACE_CASCADE
         self.cv2 = cv2
         self.cascade = cv2.CascadeClassifier(str(path)) if path.is_file() else None
         if self.cascade is None or self.cascade.empty():
             raise InputError(f"OpenCV {cv2.__version__} does not ship the face model {FACE_CASCADE}; "
-                             "install opencv-python-headless 4 (pip install 'tldp[faces]')")
+                             "install opencv-python-headless 4 (pip install 'tldp-tensors[faces]')")
 
     def __call__(self, gray: np.ndarray) -> list[tuple[int, int, int, int]]:
         equalised = self.cv2.equalizeHist(np.ascontiguousarray(gray, dtype=np.uint8))
