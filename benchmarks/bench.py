@@ -39,11 +39,13 @@ RECORD_SHAPE = (28, 28)  # MNIST-like records: 784 uint8 elements
 ELEMENTS = 784
 IMAGE_SHAPE = (224, 224, 3)  # the image folder: ImageNet-sized RGB photos
 EPSILON = 1.0
-MECHANISMS = [  # label, --mechanism, --noise
-    ("TLDP-L", "tldp", "laplace"),
-    ("TLDP-G", "tldp", "gaussian"),
-    ("Baseline Laplace", "baseline", "laplace"),
-    ("Baseline Gaussian", "baseline", "gaussian"),
+MECHANISMS = [  # label, --mechanism, --noise (laplace, gaussian: the float sampler)
+    ("TLDP-L exact", "tldp", "discrete-laplace"),
+    ("TLDP-G exact", "tldp", "discrete-gaussian"),
+    ("TLDP-L float", "tldp", "laplace"),
+    ("TLDP-G float", "tldp", "gaussian"),
+    ("Baseline Laplace float", "baseline", "laplace"),
+    ("Baseline Gaussian float", "baseline", "gaussian"),
 ]
 RNG_CHUNK = 1 << 20  # reference draws go into one reused buffer of this many values
 SLAB_RECORDS = 1 << 16  # records generated and written at a time (about 51 MB)
@@ -233,12 +235,14 @@ def engine_cases(data: np.ndarray) -> list[tuple[dict, object]]:
     cases = []
     for label, mechanism, noise in MECHANISMS:
         calib = calibrate(mechanism=mechanism, noise=noise, budget="element", epsilon=EPSILON,
-                          range_width=256.0, elements=ELEMENTS)
+                          range_width=256, elements=ELEMENTS)
+        # uint8 data: exact noise gives integers (int16, as perturb writes), float noise float32
+        dtype = np.int16 if noise.startswith("discrete") else np.float32
         for kind in ("secure", "fast"):
             streams = Streams(kind)  # keyed from OS entropy, as without --seed
 
-            def process(start, stop, calib=calib, streams=streams):
-                engine.perturb_records(data[start:stop], start, "bench", calib, streams, None, np.float32)
+            def process(start, stop, calib=calib, streams=streams, dtype=dtype):
+                engine.perturb_records(data[start:stop], start, "bench", calib, streams, None, dtype)
 
             for workers in (1, 2):
                 cases.append(({"mechanism": label, "rng": kind, "workers": workers},
@@ -465,9 +469,9 @@ def targets(results: dict) -> list[dict]:
                     "required": f">= {1.5 * normal:.1f} M/s", "pass": row["melem_s"] >= 1.5 * normal})
     npy = find(e2e, format="npy", run="perturb")
     if npy:
-        eng = find(engine_rows, mechanism="TLDP-L", rng="secure", workers=2)["melem_s"]
+        eng = find(engine_rows, mechanism="TLDP-L exact", rng="secure", workers=2)["melem_s"]
         floor = find(e2e, format="npy", run="cast")
-        out.append({"target": "end-to-end .npy -> .npy (TLDP-L, secure) >= half the engine rate",
+        out.append({"target": "end-to-end .npy -> .npy (TLDP-L exact, secure) >= half the engine rate",
                     "measured": f"{npy['melem_s']:.1f} M/s = {npy['melem_s'] / eng:.2f}x engine"
                                 + (f" (I/O only: {floor['melem_s']:.0f} M/s)" if floor else ""),
                     "required": f">= {eng / 2:.1f} M/s", "pass": npy["melem_s"] >= eng / 2})
@@ -491,7 +495,7 @@ def markdown(results: dict) -> str:
              + f"; {m['date']}", ""]
     eng = results["engine"]
     lines += [f"Engine (`engine.perturb_records`, {results['engine_elements'] / 1e6:.0f} M uint8 elements in "
-              f"784-element records, float32 output, blocks of {pipeline.BLOCK_ELEMENTS >> 20} Mi elements, "
+              f"784-element records, int16 output (exact) or float32 (float), blocks of {pipeline.BLOCK_ELEMENTS >> 20} Mi elements, "
               "million elements/s, best of "
               f"{results['reps']}):", "",
               "| mechanism | secure, 1 worker | secure, 2 workers | fast, 1 worker | fast, 2 workers |",
@@ -505,8 +509,8 @@ def markdown(results: dict) -> str:
     for name, r in results["references"].items():
         lines.append(f"| {name} | {r['melem_s']:.1f} | {r['note']} |")
     if results["end_to_end"]:
-        lines += ["", f"End to end (`pipeline.perturb`, TLDP-L, secure RNG, {results['workers']} workers, "
-                  "output float32 or PNG, input in the page cache, output fsynced and hashed for the manifest"
+        lines += ["", f"End to end (`pipeline.perturb`, TLDP-L with the default exact sampler, secure RNG, "
+                  f"{results['workers']} workers, output int16 or PNG, input in the page cache, output fsynced and hashed for the manifest"
                   + ("; page cache warmed before each run" if results.get("warm_up") else "") + "):",
                   "", "| format | run | records x I | input | output | seconds | CPU seconds | M elements/s "
                   "| peak RSS |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -579,7 +583,7 @@ def main(argv=None) -> int:
     results["peers"] = peer_rates(data, args.quick, reps)
     for peer in results["peers"]:
         if "melem_s" in peer:
-            label = "TLDP-L" if peer["noise"] == "laplace" else "TLDP-G"
+            label = "TLDP-L float" if peer["noise"] == "laplace" else "TLDP-G float"
             ours = find(results["engine"], mechanism=label, rng="secure", workers=1)["melem_s"]
             peer["ratio"] = ours / peer["melem_s"]
             peer["scaled_hours"] = size_gb * GB / (peer["melem_s"] * 1e6) / 3600

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import Cli, siblings, tree_digest
+from tests.conftest import SEED, Cli, siblings, tree_digest
 from tldp_cli.manifest import sha256_file
 
 
@@ -34,7 +34,7 @@ class RoundTrip:
 
     # --- the shared contract ----------------------------------------------------------
     def _run(self, cli: Cli, src: Path, out: Path, *more):
-        return cli("perturb", src, "--eps", "1", "--seed", "7", "--out", out, *self.extra_args, *more)
+        return cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *self.extra_args, *more)
 
     def test_round_trip(self, cli, tmp_path):
         src = self.make_input(tmp_path)
@@ -50,7 +50,9 @@ class RoundTrip:
         for name, array in original.items():
             assert perturbed[name].shape == array.shape, name
             assert not np.array_equal(perturbed[name].astype(np.float64), array.astype(np.float64)), name
-        assert manifest["seeded"] is True and "seed" not in json.dumps(manifest).replace('"seeded"', "")
+        text = json.dumps(manifest)
+        assert manifest["seeded"] is True and manifest["weak_seed"] is False and SEED not in text
+        assert "seed" not in text.replace('"seeded"', "").replace('"weak_seed"', "")
         assert manifest["inputs"] and all({"path", "format", "shape", "dtype"} <= set(i) for i in manifest["inputs"])
         for entry in manifest["outputs"]:
             assert sha256_file(Path(entry["path"])) == entry["sha256"]

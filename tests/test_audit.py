@@ -53,7 +53,7 @@ COMBINATIONS = [(m, n) for m in mechanisms.MECHANISMS for n in mechanisms.NOISES
 def run(calib, claimed=None, seed=1, **kw):
     kw.setdefault("samples", SAMPLES)
     return audit_mod.audit(calib, claimed=claimed, value_range=RANGE, confidence=CONFIDENCE,
-                           streams=Streams("secure", seed), **kw)
+                           streams=Streams("secure", seed, allow_weak_seed=True), **kw)
 
 
 def rows(report):
@@ -161,7 +161,7 @@ def test_bad_options_are_usage_errors():
 # ---------------------------------------------------------------------------- CLI
 def test_cli_prints_a_table_and_json(cli):
     result = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "50000",
-                 "--seed", "8675309", "--json")
+                 "--seed", "8675309", "--allow-weak-seed", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["verdict"] == "consistent" and report["seeded"] is True
@@ -173,7 +173,8 @@ def test_cli_prints_a_table_and_json(cli):
 
 def test_cli_scope_and_matrix_shape(cli):
     result = cli("audit", "--eps", "2", "--mechanism", "mvg", "--elements", "2x2", "--range", "0:4",
-                 "--scope", "record", "--samples", "20000", "--seed", "1", "--json", "--quiet")
+                 "--scope", "record", "--samples", "20000", "--seed", "1", "--allow-weak-seed", "--json",
+                 "--quiet")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [s["scope"] for s in report["scopes"]] == ["record"] and report["noise"] == "gaussian"
@@ -187,7 +188,7 @@ def test_cli_scope_and_matrix_shape(cli):
 ])
 def test_cli_discrete_noise_on_integers_and_on_a_grid(cli, args, neighbours, dtype):
     result = cli("audit", "--eps", "1", "--elements", "4", "--samples", "20000", "--seed", "1",
-                 "--json", *args)
+                 "--allow-weak-seed", "--json", *args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["neighbours"] == neighbours and report["dtype"] == dtype
@@ -218,7 +219,7 @@ def test_cli_exits_1_on_a_violation(cli, monkeypatch):
 
     monkeypatch.setattr(audit_mod, "audit", halved)
     result = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "50000",
-                 "--seed", "1", "--json")
+                 "--seed", "1", "--allow-weak-seed", "--json")
     assert result.exit_code == 1
     assert json.loads(result.stdout)["verdict"] == "VIOLATION"
     assert result.stderr.strip().splitlines()[-1].startswith("tldp: error: audit found a privacy VIOLATION")

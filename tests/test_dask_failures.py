@@ -20,6 +20,11 @@ distributed = pytest.importorskip("distributed")
 psutil = pytest.importorskip("psutil")  # a dependency of distributed
 
 
+# Records of 4 floats in 0:1 keep raw values with probability above dp_delta, which needs consent
+# (tests/test_raw_release.py); these tests are about Dask's failures, so every run gives it.
+CONSENT = "--allow-raw-release"
+
+
 def nan_input(tmp_path):
     src = tmp_path / "f.npy"
     values = np.zeros((100, 4), np.float32)
@@ -43,7 +48,7 @@ def test_a_cluster_without_workers_fails_naming_it(tmp_path):
             import sys
             from tldp_cli import cli, dask_runner
             dask_runner.WORKER_WAIT_SECONDS = 0.5
-            sys.argv = ["tldp", "perturb", {str(src)!r}, "--eps", "1", "--range", "0:1",
+            sys.argv = ["tldp", "perturb", {str(src)!r}, "--eps", "1", "--range", "0:1", {CONSENT!r},
                         "--scheduler", "dask", "--dask-address", {address!r}]
             cli.main()
         """)
@@ -58,7 +63,8 @@ def test_a_cluster_without_workers_fails_naming_it(tmp_path):
 def test_worker_errors_print_one_line_and_no_worker_log(tmp_path):
     """A NaN raised in a worker process: tldp's line only, not distributed's "Compute Failed"."""
     src = nan_input(tmp_path)
-    result = tldp("perturb", src, "--eps", "1", "--range", "0:1", "--scheduler", "dask", "--workers", "1")
+    result = tldp("perturb", src, "--eps", "1", "--range", "0:1", CONSENT, "--scheduler", "dask",
+                  "--workers", "1")
     assert result.returncode == 1
     assert result.stderr == (f"tldp: error: {src}: NaN or Inf at record 77, element 2; tldp needs "
                              "finite values\n")
@@ -72,7 +78,7 @@ def test_interrupt_while_the_local_cluster_starts(tmp_path, signum):
     src = tmp_path / "d.npy"
     np.save(src, np.zeros((64, 4), np.float32))
     run = subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", str(src), "--eps", "1",
-                            "--range", "0:1", "--scheduler", "dask", "--workers", "1"],
+                            "--range", "0:1", CONSENT, "--scheduler", "dask", "--workers", "1"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process = psutil.Process(run.pid)
     while not process.children() and run.poll() is None:  # the cluster is being built
@@ -121,7 +127,7 @@ def test_distributed_logs_only_with_dask_logs(tmp_path, cluster, show):
         with pytest.raises(InputError, match="NaN or Inf at record 77"):
             perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.npy",
                                    scheduler="dask", dask_address=cluster.scheduler_address,
-                                   dask_logs=show))
+                                   dask_logs=show, allow_raw_release=True))
     finally:
         logger.removeHandler(seen)
     failed = [r for r in seen.records if "Compute Failed" in r.getMessage()]

@@ -26,7 +26,7 @@ ALPHA = 1e-4  # a correct sampler fails a test with this probability
 
 
 def draw(sampler, n: int, seed: int = 0) -> np.ndarray:
-    return sampler.sample(Streams("secure", seed).generator("test", 0), n)
+    return sampler.sample(Streams("secure", seed, allow_weak_seed=True).generator("test", 0), n)
 
 
 def cal(**kw):
@@ -100,7 +100,7 @@ def test_exp_interval_brackets_the_value():
 
 
 def test_retain_mask_keeps_exactly_p():
-    rng = Streams("secure", 3).generator("keep", 0)
+    rng = Streams("secure", 3, allow_weak_seed=True).generator("keep", 0)
     for p in (0.3, 1e-3, 2.0**-70):
         kept = discrete.retain_mask(rng, p, 400_000)
         assert stats.binomtest(kept.size, 400_000, p).pvalue > ALPHA
@@ -114,12 +114,12 @@ def test_retain_mask_breaks_ties_with_further_bits():
     word is below f 2^64."""
     decided = {True: 0, False: 0}
     for seed in range(24):
-        words = Streams("secure", seed).generator("tie", 0).bit_generator.random_raw(1 << 17)
+        words = Streams("secure", seed, allow_weak_seed=True).generator("tie", 0).bit_generator.random_raw(1 << 17)
         i = int(np.flatnonzero(words < np.uint64(1 << 51))[0])
         fraction = (0.25, 0.5, 0.75)[seed % 3]
         p = (int(words[i]) + fraction) * 2.0**-64
         assert Fraction(p) * 2**64 == int(words[i]) + Fraction(fraction)  # exact: a tie, not a floor
-        kept = discrete.retain_mask(Streams("secure", seed).generator("tie", 0), p, i + 1)
+        kept = discrete.retain_mask(Streams("secure", seed, allow_weak_seed=True).generator("tie", 0), p, i + 1)
         expected = int(words[i + 1]) < fraction * 2**64
         assert (i in kept) == expected, seed
         decided[expected] += 1
@@ -132,7 +132,7 @@ def test_retained_fraction_matches_p():
     calib = cal(range_width=4, elements=1)
     assert 0.1 < calib.p < 0.12
     block = np.full((200_000, 1), 2, np.uint8)
-    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 6), dtype=np.int16)
+    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 6, allow_weak_seed=True), dtype=np.int16)
     zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
     unchanged = int((out == 2).sum())
     assert stats.binomtest(unchanged, out.size, calib.p + (1 - calib.p) * zero).pvalue > ALPHA
@@ -145,7 +145,8 @@ def test_retained_fraction_matches_p():
 def test_weights_lower_the_retained_fraction():
     calib = cal(range_width=4, elements=1)
     block = np.full((100_000, 1), 1, np.uint8)
-    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 7), np.array([0.75]), np.int16)
+    out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 7, allow_weak_seed=True),
+                                 np.array([0.75]), np.int16)
     zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
     p = 0.25 * calib.p
     assert stats.binomtest(int((out == 1).sum()), out.size, p + (1 - p) * zero).pvalue > ALPHA
@@ -154,7 +155,7 @@ def test_weights_lower_the_retained_fraction():
 def test_blocks_do_not_change_the_values():
     calib = cal(noise="discrete-gaussian", range_width=16, elements=12)
     data = np.random.default_rng(1).integers(0, 16, (9000, 12)).astype(np.int32)
-    streams = Streams("secure", 8)
+    streams = Streams("secure", 8, allow_weak_seed=True)
     whole = engine.perturb_records(data, 0, "a", calib, streams, dtype=np.int16)
     parts = np.concatenate([engine.perturb_records(data[s:s + 1234], s, "a", calib, streams, dtype=np.int16)
                             for s in range(0, 9000, 1234)])
@@ -177,7 +178,8 @@ def test_integer_output_never_wraps():
     calib = cal(epsilon=0.5, elements=6)
     for dtype, values in ((np.uint8, [0, 255]), (np.int8, [-128, 127])):
         block = np.tile(np.array(values, dtype), (2000, 3))
-        out = engine.perturb_records(block, 0, "e", calib, Streams("secure", 9), dtype=np.int16)
+        out = engine.perturb_records(block, 0, "e", calib, Streams("secure", 9, allow_weak_seed=True),
+                                     dtype=np.int16)
         noise = out.astype(np.int64) - block
         assert out.dtype == np.int16 and noise.min() < -600 and noise.max() > 600
         assert discrete.chi_square(noise.ravel(), "discrete-laplace", calib.scale)[1] > ALPHA
@@ -185,10 +187,10 @@ def test_integer_output_never_wraps():
 
 def test_float_values_without_a_grid_must_be_integers():
     calib = cal(range_width=4, elements=2)
-    ok = engine.perturb_records(np.array([[1.0, 3.0]]), 0, "f", calib, Streams("secure", 1))
+    ok = engine.perturb_records(np.array([[1.0, 3.0]]), 0, "f", calib, Streams("secure", 1, allow_weak_seed=True))
     assert ok.dtype == np.float32 and np.all(ok == np.round(ok))
     with pytest.raises(DataError, match="integer values"):
-        engine.perturb_records(np.array([[1.5, 3.0]]), 0, "f", calib, Streams("secure", 1))
+        engine.perturb_records(np.array([[1.5, 3.0]]), 0, "f", calib, Streams("secure", 1, allow_weak_seed=True))
 
 
 # --------------------------------------------------------------------------- accounting
@@ -491,7 +493,7 @@ def test_png_tiff_output_keeps_integer_noise_unclipped(cli, tmp_path):
     folder.mkdir()
     Image.fromarray(np.full((8, 8), 250, np.uint8)).save(folder / "a.png")
     result = cli("perturb", folder, "--eps", "1", "--noise", "discrete-laplace", "--seed", "1",
-                 "--image-format", "tiff", "--out", tmp_path / "out", "--json")
+                 "--allow-weak-seed", "--image-format", "tiff", "--out", tmp_path / "out", "--json")
     assert result.exit_code == 0, result.stderr
     pixels = tifffile.imread(tmp_path / "out" / "a.tiff")
     assert pixels.dtype == np.int16 and pixels.max() > 255 and pixels.min() < 0
@@ -503,8 +505,11 @@ def test_png_tiff_output_keeps_integer_noise_unclipped(cli, tmp_path):
 def test_granularity_snaps_and_is_recorded(cli, tmp_path):
     data = np.array([[0.1, 0.26, 0.5, 0.99]] * 300)
     np.save(tmp_path / "x.npy", data)
+    # A 5-value grid on records of 4 keeps raw values with probability above dp_delta, which needs
+    # consent (tests/test_raw_release.py); this test is about the grid.
     result = cli("perturb", tmp_path / "x.npy", "--eps", "2", "--range", "0:1", "--noise", "discrete-gaussian",
-                 "--granularity", "0.25", "--seed", "3", "--dtype", "float64", "--json")
+                 "--granularity", "0.25", "--seed", "3", "--allow-weak-seed", "--dtype", "float64", "--json",
+                 "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     assert m["granularity"] == 0.25 and m["grid"]["low"] == 0 and m["grid"]["high"] == 4
@@ -581,5 +586,5 @@ def test_integer_value_at_the_open_end_of_the_range_is_refused(cli, tmp_path):
     assert result.exit_code == 1 and "x.npy" in result.stderr and "[0, 10)" in result.stderr
     assert tree_digest(tmp_path) == before and siblings(tmp_path) == {"x.npy"}
     clipped = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", "--range", "0:10",
-                  "--clip-input", "--seed", "1", "--json")
+                  "--clip-input", "--seed", "1", "--allow-weak-seed", "--json")
     assert clipped.exit_code == 0, clipped.stderr

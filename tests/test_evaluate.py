@@ -28,7 +28,7 @@ UTILITY_KEYS = {"model", "metric", "f1_perturbed", "f1_clean", "f1_majority_clas
 
 
 def perturb(cli, src, out, *args):
-    result = cli("perturb", src, "--out", out, "--seed", 7, "--quiet", *args)
+    result = cli("perturb", src, "--out", out, "--seed", 7, "--allow-weak-seed", "--quiet", *args)
     assert result.exit_code == 0, result.output
     return out
 
@@ -47,14 +47,14 @@ def small(tmp_path_factory, digits):
     d = tmp_path_factory.mktemp("small")
     np.save(d / "x.npy", digits[:60])
     r = CliRunner().invoke(app, ["perturb", str(d / "x.npy"), "--eps", "1", "--out", str(d / "y.npy"),
-                                 "--seed", "3", "--quiet"])
+                                 "--seed", "3", "--allow-weak-seed", "--quiet"])
     assert r.exit_code == 0, r.output
     return d
 
 
 def test_clean_run_passes_and_json_has_every_key(cli, small, tmp_path):
     report_path = tmp_path / "report.json"
-    r = cli("evaluate", small / "x.npy", small / "y.npy", "--json", report_path)
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--json", report_path, "--per-record")
     assert r.exit_code == 0, r.output
     assert "every check passed" in r.output and "noise_distribution" in r.output
     report = json.loads(report_path.read_text())
@@ -114,8 +114,10 @@ def test_huge_eps_scalar_records_keep_values(cli, tmp_path):
     """I = 1 and eps = 1e5: p is nearly 1, and the values that are not kept move by ~1e-5."""
     x = np.random.default_rng(0).random(4000)
     np.save(tmp_path / "x.npy", x)
+    # Keeping nearly every raw value is this test's point: a raw release, which needs consent
+    # (tests/test_raw_release.py).
     perturb(cli, tmp_path / "x.npy", tmp_path / "y.npy", "--eps", "1e5", "--range", "0:1",
-            "--dtype", "float64")
+            "--dtype", "float64", "--allow-raw-release")
     report = tmp_path / "r.json"
     r = cli("evaluate", tmp_path / "x.npy", tmp_path / "y.npy", "--json", report)
     assert r.exit_code == 0, r.output
@@ -206,8 +208,8 @@ def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
     mask[:4] = 1.0
     np.save(tmp_path / "w.npy", mask)
     out = tmp_path / "sweep"
-    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--seed", 0, "--weights",
-            tmp_path / "w.npy", "--labels", tmp_path / "y.npy", "--test", TEST_X, "--test-labels",
+    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--seed", 0, "--allow-weak-seed",
+            "--weights", tmp_path / "w.npy", "--labels", tmp_path / "y.npy", "--test", TEST_X, "--test-labels",
             TEST_Y, "--out", out)
     assert r.exit_code == 0, r.output
     for name in ev.SWEEP_FILES:
@@ -233,8 +235,8 @@ def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
 
 
 def test_sweep_reproducible_with_seed():
-    a = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5)
-    b = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5)
+    a = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5, allow_weak_seed=True)
+    b = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5, allow_weak_seed=True)
     assert [r["mean_l2_error"] for r in a["rows"]] == [r["mean_l2_error"] for r in b["rows"]]
 
 
@@ -274,7 +276,7 @@ def test_zarr_with_labels_inside_the_stores(cli, tmp_path):
 
 def test_hdf5_labels_dataset_in_sweep(tmp_path):
     result = ev.sweep(SAMPLE / "digits.h5", [1e4], labels="dataset=labels", test=TEST_X,
-                      test_labels=TEST_Y, dataset="images", seed=0)
+                      test_labels=TEST_Y, dataset="images", seed=0, allow_weak_seed=True)
     assert result["reference"]["f1_clean"] > 0.9
     assert all(abs(row["f1"] - result["reference"]["f1_clean"]) < 0.05
                for row in result["rows"] if row["mechanism"] == "tldp")

@@ -15,7 +15,10 @@ from tldp_cli import evaluate as ev
 
 
 def perturb(cli, src, out, *args):
-    result = cli("perturb", src, "--out", out, "--seed", 11, "--quiet", *args)
+    # Small records in 0:1 keep raw values with probability above dp_delta, which needs consent
+    # (tests/test_raw_release.py); these tests are about evaluate, so every run gives it.
+    result = cli("perturb", src, "--out", out, "--seed", 11, "--allow-weak-seed", "--allow-raw-release",
+                 "--quiet", *args)
     assert result.exit_code == 0, result.output
     return out
 
@@ -151,7 +154,9 @@ def test_model_file_errors_name_the_tensor(cli, tmp_path, suffix):
     tensors = {"w": w, "b": np.ones(4, np.float32)}
     src = tmp_path / f"m{suffix}"
     np.savez(src, **tensors) if suffix == ".npz" else save_file(tensors, str(src))
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1"), 1)
+    # Tensors of 12 and 4 values keep raw values with probability above dp_delta: consent
+    # (tests/test_raw_release.py), so the run reaches the data and its NaN.
+    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
     assert f"{src}: tensor w, NaN or Inf" in line and "dataset" not in line
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--mechanism", "mvg"), 2)
     assert f"{src}: tensor b: --mechanism mvg" in line
@@ -162,7 +167,9 @@ def test_hdf5_errors_still_name_the_dataset(cli, tmp_path):
     src = tmp_path / "d.h5"
     with h5py.File(src, "w") as f:
         f["x"] = np.array([[0.0, np.inf]])
-    line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1"), 1)
+    # A record of 2 values in 0:1 needs consent to keep raw values (tests/test_raw_release.py),
+    # so the run reaches the data and its Inf.
+    line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1", "--allow-raw-release"), 1)
     assert f"{src}: dataset /x, NaN or Inf" in line
 
 

@@ -6,6 +6,7 @@ import pytest
 import zarr
 from PIL import Image
 
+from tests.conftest import SEED
 from tldp_cli.pipeline import PerturbOptions, perturb
 
 DATA = np.random.default_rng(5).integers(0, 256, (200, 8, 8), dtype=np.uint8)
@@ -46,7 +47,7 @@ def test_threads_equal_serial(tmp_path, make):
     results = []
     for workers in (1, 3):
         out = tmp_path / f"out{workers}{src.suffix}"
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=3, workers=workers,
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=SEED, workers=workers,
                                block_elements=640))  # 10 records a block: many blocks
         results.append(read(out))
     np.testing.assert_array_equal(results[0], results[1])

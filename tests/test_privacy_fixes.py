@@ -19,7 +19,7 @@ from tldp_cli.mechanisms import calibrate
 
 
 def _run(cli, *args):
-    result = cli("perturb", *args, "--seed", "1", "--json", "--quiet")
+    result = cli("perturb", *args, "--seed", "1", "--allow-weak-seed", "--json", "--quiet")
     assert result.exit_code == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -152,23 +152,26 @@ def test_every_scope_field_is_the_worst_over_the_calibrations(noise, budget):
 
 def test_record_budget_per_element_is_that_of_the_smallest_record(cli, tmp_path):
     """--budget record, Laplace: b = I Delta / eps, so an element of a 3-element record is
-    eps/3-DP and one of a 12-element record eps/12-DP; each element gets the former."""
+    eps/3-DP and one of a 12-element record eps/12-DP; each element gets the former.
+    (Unrelated first axes: each dataset's rows are records of their own.)"""
     import h5py
 
     rng = np.random.default_rng(2)
     with h5py.File(tmp_path / "g.h5", "w") as f:
         f.create_dataset("small", data=rng.uniform(0, 1, (20, 3)))
-        f.create_dataset("large", data=rng.uniform(0, 1, (20, 3, 4)))
+        f.create_dataset("large", data=rng.uniform(0, 1, (30, 3, 4)))
     result = cli("perturb", tmp_path / "g.h5", "--eps", "6", "--range", "0:1", "--budget", "record",
-                 "--seed", "1", "--json")
+                 "--dataset", "small", "--dataset", "large",
+                 "--seed", "1", "--allow-weak-seed", "--allow-raw-release", "--json")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     acc = m["accounting"]
     assert acc["per_element"]["epsilon"] == pytest.approx(2.0)  # 6 / 3, not 6 / 12
     assert acc["per_record"]["epsilon"] == pytest.approx(6.0)
+    assert "row_datasets" not in m
     assert m["elements_per_record"] == 12 and m["noise_scale"] == pytest.approx(2.0)
     assert [(c["elements_per_record"], c["records"], c["noise_scale"]) for c in m["calibrations"]] == [
-        (3, 20, pytest.approx(0.5)), (12, 20, pytest.approx(2.0))]
+        (3, 20, pytest.approx(0.5)), (12, 30, pytest.approx(2.0))]
     assert "guarantee (the worst of 2 record sizes): each element (eps=2," in result.stderr
     ev = cli("evaluate", tmp_path / "g.h5", tmp_path / "g.tldp.h5", "--json", "-")
     assert ev.exit_code == 0, ev.output
@@ -190,7 +193,10 @@ def test_images_of_several_sizes_state_the_largest_p_and_evaluate(cli, tmp_path)
     rng = np.random.default_rng(3)
     for name, shape in (("tiny.png", (1, 1)), ("pair.png", (1, 2)), ("big.png", (6, 5))):
         Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(folder / name)
-    result = cli("perturb", folder, "--eps", "300", "--seed", "2", "--image-format", "tiff", "--json")
+    # The 1-pixel image's visible p is the point: a raw release, which needs consent
+    # (tests/test_raw_release.py).
+    result = cli("perturb", folder, "--eps", "300", "--seed", "2", "--allow-weak-seed", "--image-format", "tiff",
+                 "--json", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     p_tiny = laplace_p(300.0, 256.0, 1)
@@ -214,8 +220,10 @@ def test_model_file_with_several_tensor_sizes_passes_evaluate(cli, tmp_path, noi
     rng = np.random.default_rng(4)
     np.savez(tmp_path / "m.npz", w=rng.uniform(-1, 1, (16, 8)).astype(np.float32),
              b=rng.uniform(-1, 1, 8).astype(np.float32), s=np.array([0.25], np.float32))
+    # Tensors of 1 and 8 values keep raw values with probability above dp_delta, which needs
+    # consent (tests/test_raw_release.py); this test is about the several sizes' figures.
     result = cli("perturb", tmp_path / "m.npz", "--eps", "2", "--clip", "1", "--noise", noise,
-                 "--seed", "5", "--dtype", "float64", "--json")
+                 "--seed", "5", "--allow-weak-seed", "--dtype", "float64", "--json", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     per_tensor = m["accounting"]["per_tensor"]
@@ -230,7 +238,8 @@ def test_model_file_with_several_tensor_sizes_passes_evaluate(cli, tmp_path, noi
 def test_single_size_manifest_is_unchanged(cli, tmp_path):
     """One calibration: no calibrations list, no worst_case_of, the figures of certify."""
     np.save(tmp_path / "x.npy", np.random.default_rng(5).uniform(0, 1, (30, 4)))
-    result = cli("perturb", tmp_path / "x.npy", "--eps", "2", "--range", "0:1", "--json")
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "2", "--range", "0:1", "--json",
+                 "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     c = _cal(epsilon=2.0, range_width=1.0, elements=4)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.conftest import siblings
+from tests.conftest import SEED, siblings
 from tests.test_parallel import DATA, make_hdf5, make_images, make_npy
 from tldp_cli.errors import Interrupted, OutputError, UsageError
 from tldp_cli.pipeline import PerturbOptions, perturb
@@ -57,7 +57,7 @@ def stop_after(blocks):
 
 
 def options(src, out, **more):
-    return PerturbOptions(input=src, out=out, block_elements=BLOCK, **{"epsilon": 1.0, "seed": 4, **more})
+    return PerturbOptions(input=src, out=out, block_elements=BLOCK, **{"epsilon": 1.0, "seed": SEED, **more})
 
 
 def journal_blocks(out):
@@ -118,7 +118,7 @@ def test_killed_run_resumes(tmp_path):
             seen.append(done)
             if len(seen) == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
-        perturb(PerturbOptions(input=Path({str(src)!r}), epsilon=1.0, out=Path({str(out)!r}), seed=4,
+        perturb(PerturbOptions(input=Path({str(src)!r}), epsilon=1.0, out=Path({str(out)!r}), seed={SEED!r},
                                workers=2, block_elements={BLOCK}), progress=progress)
     """)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -134,7 +134,7 @@ def test_sigterm_through_the_cli_then_resume(cli, tmp_path):
     """SIGTERM stops the CLI as Ctrl-C does: one line, exit 130, the partial kept."""
     src = make_store(tmp_path)
     out = tmp_path / "out.zarr"
-    args = ["perturb", str(src), "--eps", "1", "--seed", "4", "--out", str(out),
+    args = ["perturb", str(src), "--eps", "1", "--seed", SEED, "--out", str(out),
             "--block-elements", str(BLOCK), "--workers", "1"]
     script = textwrap.dedent(f"""
         import os, signal, sys
@@ -177,19 +177,19 @@ def interrupted(tmp_path, **more):
     ({"seed": None}, "--seed given (now not given)"),
 ])
 def test_resume_refuses_other_options(tmp_path, change, named):
-    src, out = interrupted(tmp_path, seed=987654321)
+    src, out = interrupted(tmp_path)
     journal = (partial_path(out) / "journal.jsonl").read_text()
-    assert "987654321" not in journal  # the seed is never written
+    assert SEED not in journal  # the seed is never written
     before = sorted(p.name for p in partial_path(out).rglob("*"))
     with pytest.raises(UsageError, match="--resume: the interrupted run") as error:
-        perturb(PerturbOptions(**{**vars(options(src, out, seed=987654321, resume=True)), **change}))
+        perturb(PerturbOptions(**{**vars(options(src, out, resume=True)), **change}))
     assert named in str(error.value)
     assert sorted(p.name for p in partial_path(out).rglob("*")) == before  # kept for a correct rerun
 
 
 def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):
     src, out = interrupted(tmp_path)
-    result = cli("perturb", src, "--eps", "3", "--seed", "4", "--out", out, "--block-elements", BLOCK,
+    result = cli("perturb", src, "--eps", "3", "--seed", SEED, "--out", out, "--block-elements", BLOCK,
                  "--resume")
     assert result.exit_code == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "--eps 1.0 (now 3.0)" in result.stderr
@@ -241,9 +241,11 @@ def test_bad_data_removes_the_partial(tmp_path):
     values = np.zeros((100, 4), np.float32)
     values[60:] = 5.0  # outside --range 0:1 from the block at record 60
     zarr.create_array(store=str(src), shape=values.shape, dtype=values.dtype, chunks=(20, 4))[:] = values
+    # Records of 4 floats in 0:1 keep raw values with probability above dp_delta: consent
+    # (tests/test_raw_release.py), so the run reaches the bad block.
     with pytest.raises(Exception, match="outside the declared range"):
         perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.zarr",
-                               block_elements=80))
+                               block_elements=80, allow_raw_release=True))
     assert siblings(tmp_path) == {"in.zarr"}
 
 

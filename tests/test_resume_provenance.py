@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.conftest import SEED
 from tests.test_resume import BLOCK, interrupted, options, read_store
 from tldp_cli import __version__, rng
 from tldp_cli.errors import UsageError
@@ -28,12 +29,12 @@ def rewrite_header(out, **fields):
 
 
 def test_the_journal_records_version_and_layout_never_the_seed(tmp_path):
-    _, out = interrupted(tmp_path, seed=987654321)
+    _, out = interrupted(tmp_path)
     first = header(out)
     assert first["tldp"] == __version__
     assert first["stream_layout"] == rng.STREAM_LAYOUT
     assert first["stream_unit_elements"] == rng.STREAM_UNIT_ELEMENTS
-    assert "987654321" not in (partial_path(out) / "journal.jsonl").read_text()
+    assert SEED not in (partial_path(out) / "journal.jsonl").read_text()
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -65,7 +66,7 @@ def test_a_layout_bump_in_this_tldp_is_refused(tmp_path, monkeypatch):
 def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):
     src, out = interrupted(tmp_path)
     rewrite_header(out, tldp="0.0.1")
-    args = ("perturb", src, "--eps", "1", "--seed", "4", "--out", out, "--block-elements", BLOCK)
+    args = ("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--block-elements", BLOCK)
     result = cli(*args, "--resume")
     assert result.exit_code == 2
     assert len(result.stderr.strip().splitlines()) == 1

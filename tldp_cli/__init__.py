@@ -1,3 +1,38 @@
-"""tldp: local differential privacy (TLDP) for tensor datasets on disk."""
+"""tldp: local differential privacy (TLDP) for tensor datasets on disk.
+
+The public API, imported on first use (so that `import tldp_cli` and the command stay
+quick):
+
+    perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
+    perturb(PerturbOptions(...)) -> PerturbResult                 files, as `tldp perturb`
+    calibrate(...), certify(calibration), compose([(calibration, records)])
+    TldpError, UsageError, InputError, DataError, OutputError     the errors raised
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DataError", "InputError", "OutputError", "PerturbOptions", "PerturbResult", "Perturbed",
+    "TldpError", "UsageError", "calibrate", "certify", "compose", "perturb", "perturb_array",
+]
+
+_WHERE = {
+    "perturb_array": "tldp_cli.arrays", "Perturbed": "tldp_cli.arrays",
+    "perturb": "tldp_cli.pipeline", "PerturbOptions": "tldp_cli.pipeline",
+    "PerturbResult": "tldp_cli.pipeline",
+    "calibrate": "tldp_cli.mechanisms", "certify": "tldp_cli.accounting", "compose": "tldp_cli.accounting",
+    "TldpError": "tldp_cli.errors", "UsageError": "tldp_cli.errors", "InputError": "tldp_cli.errors",
+    "DataError": "tldp_cli.errors", "OutputError": "tldp_cli.errors",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'tldp_cli' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from tldp_cli.mechanisms import Calibration
 
 LN10 = math.log(10)
+# What a manifest says of figures computed for float-sampled (continuous) noise.
+FLOAT_SAMPLER_NOTE = ("float sampler: the noise is computed in floating point, whose low-order bits "
+                      "depend on the input (Mironov 2012), so these figures hold for the real-valued "
+                      "mechanism only, not for the bytes written")
 
 
 def gaussian_sigma_for(epsilon: float, delta: float) -> float:
@@ -51,6 +55,41 @@ def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
 # Above this many Laplace releases the PLD accountant is slower and looser than RDP
 # (measured: 3e6 releases, PLD 6% above RDP and 2 s; 1e6, PLD 6% below and 0.9 s).
 PLD_MAX_RELEASES = 2_000_000
+# Beyond this privacy loss per release the loss distribution's probabilities (e^-eps)
+# underflow float64: dp-accounting's discretisation degenerates (an empty array after
+# its tail truncation), and the pure and RDP bounds are as tight anyway.
+PLD_MAX_ELEMENT_EPSILON = 500.0
+# What dp-accounting raises when its discretised distribution over- or underflows.
+_PLD_FAILURES = (OverflowError, IndexError, ValueError, FloatingPointError, ZeroDivisionError)
+
+
+def rdp_orders() -> list[float]:
+    """Renyi orders for the RDP accountant: dp-accounting's defaults stop at 1024, but a
+    small rho (a record budget of 0.001) is tightest at orders in the millions, where the
+    defaults overstate epsilon 40-fold. Every order gives a valid bound."""
+    import numpy as np
+
+    return sorted(set(np.geomspace(1.001, 1e10, 300).tolist()) | {1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0,
+                                                                     32.0, 64.0, 128.0, 256.0})
+
+
+def pld_bound(compute) -> list[float]:
+    """[compute()], the privacy-loss-distribution bound, or [] where the accountant's
+    numerics fail: it is one of several valid bounds, and every caller keeps the others
+    (pure epsilon, RDP), so a failure can only make the stated figure more pessimistic."""
+    try:
+        with _quiet_numpy():
+            return [float(compute())]
+    except _PLD_FAILURES:
+        return []
+
+
+def _quiet_numpy():
+    """NumPy's overflow warnings from inside dp-accounting (exp of large losses, which it
+    then handles): not the user's business, and they would break --quiet."""
+    import numpy as np
+
+    return np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore")
 
 
 def laplace_composed_epsilon(noise_multiplier: float, count: int, delta: float) -> float:
@@ -69,17 +108,17 @@ def laplace_composed_epsilon(noise_multiplier: float, count: int, delta: float) 
 
     event = LaplaceDpEvent(noise_multiplier=noise_multiplier)
     bounds = [count / noise_multiplier]
-    rdp = RdpAccountant()
+    rdp = RdpAccountant(rdp_orders())
     rdp.compose(event, count)
     bounds.append(rdp.get_epsilon(delta))
-    if count <= PLD_MAX_RELEASES:
-        try:
+    if count <= PLD_MAX_RELEASES and 1 / noise_multiplier <= PLD_MAX_ELEMENT_EPSILON:
+        def composed() -> float:
             pld = PLDAccountant(
                 value_discretization_interval=max(1e-4, math.sqrt(count) / noise_multiplier / 2000))
             pld.compose(event, count)
-            bounds.append(pld.get_epsilon(delta))
-        except OverflowError:  # the PLD overflows for enormous eps; the other bounds still hold
-            pass
+            return pld.get_epsilon(delta)
+
+        bounds += pld_bound(composed)
     return float(min(bounds))
 
 
@@ -98,17 +137,40 @@ def point_mass_delta(log_p: float, elements: int) -> tuple[float, float | None]:
     return delta, (log_p + math.log(elements)) / LN10
 
 
+def noise_delta(target: float, pm_delta: float) -> tuple[float, float]:
+    """(delta the noise's epsilon is taken at, the scope's total delta).
+
+    The kept raw values cost pm_delta outright (the event that one is kept), so the noise
+    gets what is left of the target and the total is the target itself. A point mass at
+    or above the target leaves nothing: the noise keeps the target and the total exceeds
+    it (a raw release, which perturb refuses without --allow-raw-release)."""
+    if pm_delta < target:
+        return target - pm_delta, target
+    return target, min(1.0, target + pm_delta)
+
+
 def scope_epsilon(calib: "Calibration", count: int) -> float:
     """The `epsilon` of `count` elements' scope (certify's per_record for count = I), alone:
     what --budget record calibrates to, without running the approx accountants."""
     if calib.noise == "laplace":
         return count * calib.range_width / calib.scale
+    at_delta, _ = noise_delta(calib.dp_delta, point_mass_delta(calib.log_p, count)[0])
     if calib.noise == "gaussian":
-        return gaussian_epsilon(calib.scale / (calib.range_width * math.sqrt(count)), calib.dp_delta)
+        return gaussian_epsilon(calib.scale / (calib.range_width * math.sqrt(count)), at_delta)
     d = calib.grid_values - 1
     if calib.noise == "discrete-laplace":
         return count * discrete_laplace_element_epsilon(d, calib.scale, calib.log_p)
-    return discrete_gaussian_epsilon(calib.scale, d, count, calib.dp_delta)
+    return discrete_gaussian_epsilon(calib.scale, d, count, at_delta)
+
+
+def raw_release_scopes(certified: dict[str, Any]) -> list[tuple[str, float]]:
+    """The scopes whose kept raw values alone cost more than --dp-delta: (name, their delta).
+
+    The scopes of one subject: an element and a record, and in a model file (one client's
+    tensors) the whole file; not the file of a dataset, which holds many subjects."""
+    names = ["per_element", "per_record"] + (["per_file"] if "per_tensor" in certified else [])
+    return [(name, certified[name]["point_mass_delta"]) for name in names
+            if certified[name]["point_mass_delta"] > certified["dp_delta"]]
 
 
 def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
@@ -117,17 +179,17 @@ def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
         return _discrete_scope(calib, count)
     D, scale, target = calib.range_width, calib.scale, calib.dp_delta
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
+    at_delta, total = noise_delta(target, pm_delta)  # a union bound; a total of 1 says nothing
     if calib.noise == "laplace":
         pure = scope_epsilon(calib, count)
-        approx_eps = laplace_composed_epsilon(scale / D, count, target)
+        approx_eps = laplace_composed_epsilon(scale / D, count, at_delta)
         return {
             "epsilon": pure, "delta": pm_delta, "delta_log10": pm_log10, "rho": None,
-            "approx": {"delta": min(1.0, target + pm_delta), "epsilon": approx_eps},
+            "approx": {"delta": total, "epsilon": approx_eps},
             "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
         }
     rho = count * D**2 / (2 * scale**2)
     approx_eps = scope_epsilon(calib, count)
-    total = min(1.0, target + pm_delta)  # a union bound; 1 says nothing
     return {
         "epsilon": approx_eps, "delta": total,
         "delta_log10": math.log10(total), "rho": rho,
@@ -175,6 +237,8 @@ def certify(calib: "Calibration") -> dict[str, Any]:
     if calib.noise == "gaussian":
         notes.append("Gaussian noise has no pure epsilon; epsilon/delta is the analytic Gaussian "
                      "bound at dp_delta plus the point-mass delta.")
+    if calib.noise in ("laplace", "gaussian"):
+        notes.append("The " + FLOAT_SAMPLER_NOTE + ".")
     designed = designed_guarantee(calib)
     if designed is not None:
         notes.append(f"{calib.mechanism.upper()} adds i.i.d. Gaussian noise to every element; "
@@ -215,7 +279,8 @@ def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def certify_all(calibrations: list["Calibration"]) -> dict[str, Any]:
+def certify_all(calibrations: list["Calibration"],
+                records: list[list["Calibration"]] | None = None) -> dict[str, Any]:
     """`certify` for a run whose records have several calibrations (records of different
     sizes: images, the arrays of an HDF5 or Zarr group, the tensors of a model file).
 
@@ -224,7 +289,22 @@ def certify_all(calibrations: list["Calibration"]) -> dict[str, Any]:
     per_element and per_record are the worst case over all of them (worst_scope), and
     `designed` (MVG, IDN) the one of the largest epsilon. One calibration: exactly
     certify(calibration).
+
+    `records`: when a subject's record spans several arrays (row i of every array that
+    shares axis 0), the calibrations each kind of record spans, one entry per array;
+    per_record is then the worst of their compositions.
     """
+    result = _certify_each(calibrations)
+    if records:
+        result["per_record"] = worst_scope([compose([(c, 1) for c in row]) if len(row) > 1
+                                            else certify(row[0])["per_record"] for row in records])
+        result["notes"] = result["notes"] + [
+            "A record spans row i of every array that shares the first axis (one subject): "
+            "per_record composes one row of each (row_datasets lists them)."]
+    return result
+
+
+def _certify_each(calibrations: list["Calibration"]) -> dict[str, Any]:
     distinct = list(dict.fromkeys(calibrations))
     if not distinct:
         raise ValueError("certify_all needs at least one calibration")
@@ -269,17 +349,17 @@ def laplace_mixture_epsilon(events: list[tuple[float, int]], delta: float) -> fl
     event = ComposedDpEvent([SelfComposedDpEvent(LaplaceDpEvent(noise_multiplier=m), c)
                              for m, c in groups.items()])
     bounds = [sum(c / m for m, c in groups.items())]
-    rdp = RdpAccountant()
+    rdp = RdpAccountant(rdp_orders())
     rdp.compose(event)
     bounds.append(rdp.get_epsilon(delta))
     spread = math.sqrt(sum(c / m**2 for m, c in groups.items()))
-    if sum(groups.values()) <= PLD_MAX_RELEASES:
-        try:
+    if sum(groups.values()) <= PLD_MAX_RELEASES and max(1 / m for m in groups) <= PLD_MAX_ELEMENT_EPSILON:
+        def composed() -> float:
             pld = PLDAccountant(value_discretization_interval=max(1e-4, spread / 2000))
             pld.compose(event)
-            bounds.append(pld.get_epsilon(delta))
-        except OverflowError:
-            pass
+            return pld.get_epsilon(delta)
+
+        bounds += pld_bound(composed)
     return float(min(bounds))
 
 
@@ -320,18 +400,18 @@ def compose(parts: list[tuple["Calibration", int]]) -> dict[str, Any]:
     releases = [(c, n * c.elements) for c, n in parts]
     pm_delta, pm_log10 = composed_point_mass_delta([(c.log_p, m) for c, m in releases])
     noises = {c.noise for c, _ in parts}
+    at_delta, total = noise_delta(target, pm_delta)
     if noises == {"laplace"}:
         pure = sum(m * c.range_width / c.scale for c, m in releases)
-        approx_eps = laplace_mixture_epsilon([(c.scale / c.range_width, m) for c, m in releases], target)
+        approx_eps = laplace_mixture_epsilon([(c.scale / c.range_width, m) for c, m in releases], at_delta)
         return {
             "epsilon": pure, "delta": pm_delta, "delta_log10": pm_log10, "rho": None,
-            "approx": {"delta": min(1.0, target + pm_delta), "epsilon": approx_eps},
+            "approx": {"delta": total, "epsilon": approx_eps},
             "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
         }
     if noises == {"gaussian"}:
         rho = sum(m * c.range_width**2 / (2 * c.scale**2) for c, m in releases)
-        approx_eps = gaussian_epsilon(1 / math.sqrt(2 * rho), target)
-        total = min(1.0, target + pm_delta)
+        approx_eps = gaussian_epsilon(1 / math.sqrt(2 * rho), at_delta)
         return {
             "epsilon": approx_eps, "delta": total, "delta_log10": math.log10(total), "rho": rho,
             "approx": {"delta": total, "epsilon": approx_eps},
@@ -354,10 +434,9 @@ def compose(parts: list[tuple["Calibration", int]]) -> dict[str, Any]:
         rho = sum(m * d**2 / (2 * sigma**2) for (sigma, d), m in groups.items())
         if len(groups) == 1:
             ((sigma, d), m), = groups.items()
-            eps = discrete_gaussian_epsilon(sigma, d, m, target)
+            eps = discrete_gaussian_epsilon(sigma, d, m, at_delta)
         else:
-            eps = discrete_gaussian_rdp_epsilon(rho, target)
-        total = min(1.0, target + pm_delta)
+            eps = discrete_gaussian_rdp_epsilon(rho, at_delta)
         return {
             "epsilon": eps, "delta": total, "delta_log10": math.log10(total), "rho": rho,
             "approx": {"delta": total, "epsilon": eps},
@@ -435,6 +514,8 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
         line += f"; as designed, each record (eps={designed['epsilon']:.4g}, delta={designed['delta']:.3g})"
     if "per_tensor" in accounting:  # model files: a record is a tensor; the file is one release
         line += f"; whole file, {len(accounting['per_tensor'])} tensors ({fmt(accounting['per_file'])})"
+    if noise in ("laplace", "gaussian"):
+        line += "; float sampler: these figures hold for the real-valued mechanism only"
     return line
 
 
@@ -515,19 +596,19 @@ DISCRETE_PLD_MAX_OUTCOMES = 1 << 22  # beyond: the pure (Laplace) or RDP (Gaussi
 def _composed_pld_epsilon(log_upper, log_lower, interval: float, count: int, delta: float,
                           infinity_mass: float = 0.0) -> list[float]:
     """[eps at delta of `count` releases of one mechanism given by its two log pmfs], or []
-    when the privacy-loss distribution overflows (the caller's other bounds still hold)."""
-    try:
+    where the privacy-loss distribution's numerics fail (pld_bound)."""
+    def composed() -> float:
         pld = _pld_from_log_pmfs(log_upper, log_lower, interval, infinity_mass)
         if count > 1:
             pld = pld.self_compose(count)
-        return [pld.get_epsilon_for_delta(delta)]
-    except OverflowError:
-        return []
+        return pld.get_epsilon_for_delta(delta)
+
+    return pld_bound(composed)
 
 
 def _interval(count: int, spread: float) -> float:
     """Discretisation of the PLD: fine for one element, coarser as the composed loss spreads."""
-    return max(1e-4, math.sqrt(count) * spread / 2000)
+    return max(1e-12, math.sqrt(count) * spread / 2000)
 
 
 def _lru(function):
@@ -568,15 +649,16 @@ def discrete_laplace_composed_epsilon(items: list[tuple[int, float, float, int]]
     elif (sum(groups.values()) <= PLD_MAX_RELEASES
           and all(d + 3 <= DISCRETE_PLD_MAX_OUTCOMES for d, _, _ in groups)):
         interval = max(1e-4, math.sqrt(2 * rho) / 2000)  # as _interval, for the composed spread
-        try:
+
+        def composed() -> float:
             pld = None
             for (d, b, log_p), n in groups.items():
                 part = _pld_from_log_pmfs(*discrete_laplace_log_pmfs(d, b, log_p), interval)
                 part = part.self_compose(n) if n > 1 else part
                 pld = part if pld is None else pld.compose(part)
-            bounds.append(pld.get_epsilon_for_delta(delta))
-        except OverflowError:
-            pass
+            return pld.get_epsilon_for_delta(delta)
+
+        bounds += pld_bound(composed)
     return float(min(bounds))
 
 
@@ -587,7 +669,7 @@ def discrete_gaussian_rdp_epsilon(rho: float, delta: float) -> float:
     from dp_accounting import GaussianDpEvent
     from dp_accounting.rdp import RdpAccountant
 
-    rdp = RdpAccountant()
+    rdp = RdpAccountant(rdp_orders())
     rdp.compose(GaussianDpEvent(noise_multiplier=1 / math.sqrt(2 * rho)))
     return float(rdp.get_epsilon(delta))
 
@@ -618,7 +700,7 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
     from dp_accounting import GaussianDpEvent
     from dp_accounting.rdp import RdpAccountant
 
-    rdp = RdpAccountant()
+    rdp = RdpAccountant(rdp_orders())
     rdp.compose(GaussianDpEvent(noise_multiplier=sigma / sensitivity), count)
     bounds = [rdp.get_epsilon(delta)]
     if 21 * sigma + sensitivity <= DISCRETE_PLD_MAX_OUTCOMES and count <= PLD_MAX_RELEASES:
@@ -639,7 +721,7 @@ def _discrete_scope(calib: "Calibration", count: int) -> dict[str, Any]:
         }
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
     eps = scope_epsilon(calib, count)
-    total = target + pm_delta
+    _, total = noise_delta(target, pm_delta)
     return {
         "epsilon": eps, "delta": total, "delta_log10": math.log10(total),
         "rho": count * d**2 / (2 * scale**2),

@@ -18,11 +18,15 @@ at once. Like DP-Auditorium's hockey-stick tester (a classifier trained on half 
 samples, its accuracy bounded on the other half), only with threshold events
 instead of a trained classifier.
 
-Events are thresholds on four statistics of an output record y (I elements) of the
+Events are thresholds on five statistics of an output record y (I elements) of the
 neighbours x = (a, ..., a) and x' = (b, ..., b), a and b the ends of the range:
-the sum of y, the sum of y clipped to [a, b], and both again ordered first by
+the sum of y, the sum of y clipped to [a, b], both again ordered first by
 #(y == b) - #(y == a), the count of raw values that came through unchanged (that is
-where a retained raw value, the point mass of TLDP, shows up).
+where a retained raw value, the point mass of TLDP, shows up), and the sum ordered
+first by #(y in F_b) - #(y in F_a), where F_v = {fl(v + z): z a float} is the set of
+floating-point values noise added to v can give. With exact noise on a grid both
+sets hold every output; with float noise they differ (Mironov 2012: 0 + z takes
+values 1 + z cannot), and this statistic shows the leak.
 
 Scopes:
 - element: every element of the all-a and all-b records is one draw of the pair
@@ -47,7 +51,7 @@ import numpy as np
 from tldp_cli import accounting, engine
 from tldp_cli.discrete import is_discrete
 from tldp_cli.errors import UsageError
-from tldp_cli.mechanisms import Calibration
+from tldp_cli.mechanisms import Calibration, calibrate, matrix_rows, sampled_noise
 from tldp_cli.rng import Streams, records_per_unit
 
 SCOPES = ("element", "record")
@@ -60,7 +64,10 @@ BLOCK_ELEMENTS = 1 << 20
 # Candidate thresholds per statistic: order statistics spaced geometrically from
 # both ends, so the tails (where the privacy loss is largest) are finely covered.
 THRESHOLDS_PER_SIDE = 200
-STATISTICS = ("sum", "clipped sum", "raw kept, then sum", "raw kept, then clipped sum")
+STATISTICS = ("sum", "clipped sum", "raw kept, then sum", "raw kept, then clipped sum",
+              "float grid, then sum")
+# Statistics ordered first by a count (levels 2k, thresholds 2k +- 1 between them).
+LEVELLED = ("raw kept, then sum", "raw kept, then clipped sum", "float grid, then sum")
 
 
 def neighbours(calib: Calibration, value_range: tuple[float, float]) -> tuple[float, float]:
@@ -83,8 +90,21 @@ def _spread(calib: Calibration, elements: int, a: float, b: float) -> float:
     return math.sqrt(elements) * (b - a + calib.scale)
 
 
+def _float_grid_level(y: np.ndarray, a: float, b: float) -> np.ndarray:
+    """Per record, #(y in F_b) - #(y in F_a) in y's own dtype: y is in F_v when v plus the
+    nearest float to y - v gives y back (always for integers)."""
+    if y.dtype.kind != "f":
+        return np.zeros(y.shape[0])
+    level = np.zeros(y.shape[0])
+    for value, sign in ((b, 1.0), (a, -1.0)):
+        v = y.dtype.type(value)
+        level += sign * np.count_nonzero((y - v) + v == y, axis=1)
+    return level
+
+
 def _statistics(y: np.ndarray, a: float, b: float, spread: float) -> np.ndarray:
-    """(n, 4) statistics of n output records y (n, I); see STATISTICS."""
+    """(n, 5) statistics of n output records y (n, I); see STATISTICS."""
+    float_level = 2.0 * _float_grid_level(y, a, b)
     y = y.astype(np.float64, copy=False)
     elements = y.shape[1]
     mid, width = (a + b) / 2, b - a
@@ -96,13 +116,15 @@ def _statistics(y: np.ndarray, a: float, b: float, spread: float) -> np.ndarray:
         total = y.sum(axis=1)
         clipped = np.clip(y, a, b).sum(axis=1)
         level = 2.0 * (np.count_nonzero(y == b, axis=1) - np.count_nonzero(y == a, axis=1))
-    out = np.empty((y.shape[0], 4))
+    out = np.empty((y.shape[0], 5))
     out[:, 0] = total
     out[:, 1] = clipped
     # Within a level the squashed values stay inside (-0.9, 0.9) and (-0.5, 0.5), so
     # the thresholds 2k +- 1 separate the levels exactly.
-    out[:, 2] = level + 0.9 * np.arctan((total - elements * mid) / spread) / (math.pi / 2)
+    squashed = 0.9 * np.arctan((total - elements * mid) / spread) / (math.pi / 2)
+    out[:, 2] = level + squashed
     out[:, 3] = level + (clipped - elements * mid) / (elements * width)
+    out[:, 4] = float_level + squashed
     return out
 
 
@@ -172,7 +194,7 @@ def _selection_table(s0: np.ndarray, s1: np.ndarray, alpha: float,
         pooled = np.concatenate([x0, x1])
         pooled.sort(kind="stable")  # merges the two sorted runs in linear time
         thresholds = _thresholds(pooled)
-        if statistic.startswith("raw kept"):
+        if statistic in LEVELLED:
             thresholds = np.unique(np.concatenate([thresholds, _level_thresholds(pooled)]))
         le0, ge0 = _counts(x0, thresholds)
         le1, ge1 = _counts(x1, thresholds)
@@ -254,13 +276,16 @@ def _describe(event: dict[str, Any], a: float, b: float, scope: str, spread: flo
     if column < 2:
         return f"{y if column == 0 else yc} {op} {t:.6g}"
     count = f"#(y=={b:g}) - #(y=={a:g})" if scope == "record" else f"[y=={b:g}] - [y=={a:g}]"
+    if column == 4:
+        count = (f"#(y in F_{b:g}) - #(y in F_{a:g})" if scope == "record"
+                 else f"[y in F_{b:g}] - [y in F_{a:g}]") + " (F_v: the floats v + noise can give)"
     if abs(t - round(t)) < 1e-12 and round(t) % 2:  # a level boundary 2k +- 1
         k = (round(t) - 1) // 2 if op == "<=" else (round(t) + 1) // 2
         return f"{count} {op} {k}"
     level = round(t / 2)
     frac = t - 2 * level
     mid = elements * (a + b) / 2
-    if column == 2:
+    if column in (2, 4):
         inner = mid + spread * math.tan(min(max(frac / 0.9, -1.0), 1.0) * math.pi / 2)
         return f"({count}, {y}) {op} ({level}, {inner:.6g}) in lexicographic order"
     inner = mid + frac * elements * (b - a)
@@ -297,7 +322,9 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
 
     `samples`: draws of each neighbour per scope, counted in elements (the record scope
     draws samples // I records, at least 2). `streams`: fresh secure streams by default.
-    Returns a JSON-ready report; report["verdict"] is "consistent" or "VIOLATION".
+    Returns a JSON-ready report; report["verdict"] is "consistent", "VIOLATION" (a sampled
+    lower bound above a certified figure) or "MISCALIBRATED" (certified figures above what
+    the request implies: see check_request).
     """
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     claimed = claimed or calib
@@ -341,6 +368,7 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
         del s0, s1
 
     violation = any(row["violation"] for r in results for row in r["claims"])
+    request = check_request(claimed, certified)
     return {
         "schema": "tldp-audit/1",
         "mechanism": calib.mechanism, "noise": calib.noise, "budget": calib.budget,
@@ -350,13 +378,33 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
         "retain_probability": calib.p, "retain_probability_log10": calib.p_log10,
         "neighbours": {"x": a, "x_prime": b},
         "samples": samples, "confidence": confidence, "dtype": str(dtype),
-        "rng": streams.kind, "seeded": streams.seeded,
+        "rng": streams.kind, "seeded": streams.seeded, "weak_seed": streams.weak_seed,
         "scopes": results,
-        "verdict": "VIOLATION" if violation else "consistent",
+        "request": request,
+        "verdict": ("VIOLATION" if violation else "MISCALIBRATED" if not request["consistent"]
+                    else "consistent"),
         "method": ("events chosen on one half of the draws, eps >= ln((P_lo(E) - delta) / Q_hi(E)) "
                    "with Clopper-Pearson bounds on the other half; confidence split over "
                    f"{pairs} certified pairs"),
     }
+
+
+def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, Any]:
+    """The figures the request itself implies (its mechanism, noise, budget, --eps, range
+    and record size, calibrated afresh) against the ones certified for the audited
+    calibration: a calibration with too little noise certifies its own, larger, figures,
+    which the sampled bounds alone would call consistent."""
+    requested = accounting.certify(calibrate(
+        mechanism=calib.mechanism, noise=calib.noise, budget=calib.budget, epsilon=calib.epsilon,
+        range_width=calib.range_width, elements=calib.elements, dp_delta=calib.dp_delta,
+        rows=calib.rows, granularity=calib.granularity))
+    rows = []
+    for scope in ("per_element", "per_record"):
+        stated, implied = certified[scope]["epsilon"], requested[scope]["epsilon"]
+        rows.append({"scope": scope, "certified_epsilon": stated, "requested_epsilon": implied,
+                     "consistent": stated <= implied * (1 + 1e-9)})
+    return {"epsilon": calib.epsilon, "budget": calib.budget, "scopes": rows,
+            "consistent": all(row["consistent"] for row in rows)}
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -374,14 +422,16 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
         value_range: tuple[float, float], shape: tuple[int, ...], dp_delta: float = 1e-5,
         granularity: float | None = None, samples: int = DEFAULT_SAMPLES,
         confidence: float = DEFAULT_CONFIDENCE, scopes: tuple[str, ...] | list[str] = SCOPES,
-        seed: int | None = None, rng: str = "secure", dtype: str = "float32") -> dict[str, Any]:
+        seed: str | int | None = None, rng: str = "secure", dtype: str = "float32",
+        allow_weak_seed: bool = False, sampler: str = "exact") -> dict[str, Any]:
     """Calibrate as `tldp perturb` would for records of `shape` in `value_range`, then audit.
 
-    Discrete noises: integer data (an integer range) unless `granularity` G, float data
-    snapped to multiples of G.
+    `sampler` exact (perturb's default): laplace and gaussian as perturb draws them for
+    float data, discrete noise on the automatic grid (or multiples of `granularity`).
+    --noise discrete-*: integer data (an integer range) unless `granularity` G, float data
+    snapped to multiples of G. `sampler` float: the continuous samplers.
     """
     from tldp_cli import discrete
-    from tldp_cli.mechanisms import calibrate, matrix_rows
 
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     if dtype not in ("float32", "float64"):
@@ -389,15 +439,17 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
     rows = matrix_rows(mechanism, shape, "--elements")
     lo, hi = value_range
     width = hi - lo
+    float_data = not discrete.is_discrete(noise) or granularity is not None
+    noise = sampled_noise(noise, sampler, mechanism)
     if discrete.is_discrete(noise):
-        data = np.dtype(np.int64) if granularity is None else np.dtype(dtype)
+        data = np.dtype(dtype) if float_data else np.dtype(np.int64)
         grid = discrete.resolve_grid(lo, hi, [data], granularity, epsilon, f"--range {lo:g}:{hi:g}")
         width, granularity = grid.range_width, grid.granularity
     calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
                       range_width=width, elements=math.prod(shape), dp_delta=dp_delta, rows=rows,
                       granularity=granularity)
     return audit(calib, value_range=value_range, samples=samples, confidence=confidence,
-                 scopes=scopes, streams=Streams(rng, seed), dtype=dtype)
+                 scopes=scopes, streams=Streams(rng, seed, allow_weak_seed), dtype=dtype)
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
@@ -418,4 +470,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                 f"  {scope['scope']:<9}{row['delta']:>10.4g}{row['certified_epsilon']:>15.4g}"
                 f"{row['epsilon_lower_bound']:>16.4g}{row['reach']:>8.3g}  "
                 f"{'VIOLATION' if row['violation'] else 'ok':<11}{event}")
+    for row in report["request"]["scopes"]:
+        lines.append(f"  request  {row['scope']:<12} --eps {report['epsilon']:g} ({report['budget']} budget) "
+                     f"implies eps {row['requested_epsilon']:.4g}, certified {row['certified_epsilon']:.4g}: "
+                     f"{'ok' if row['consistent'] else 'MISCALIBRATED'}")
     return lines

@@ -8,9 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
+import stat
 import sys
 import traceback
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -25,6 +28,7 @@ from tldp_cli.mechanisms import default_noise
 from tldp_cli.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
 
 DEBUG_ENV = "TLDP_DEBUG"
+SEED_ENV = "TLDP_SEED"
 
 
 class _OneLineErrors(TyperGroup):
@@ -88,6 +92,11 @@ class Noise(str, Enum):
     discrete_gaussian = "discrete-gaussian"
 
 
+class Sampler(str, Enum):
+    exact = "exact"
+    float = "float"
+
+
 class Mechanism(str, Enum):
     tldp = "tldp"
     baseline = "baseline"
@@ -121,9 +130,20 @@ class OutDtype(str, Enum):
 
 
 def _run(debug: bool, action):
-    """Run a library call; a TldpError becomes one line and exit 1 (2 for usage)."""
+    """Run a library call; a TldpError becomes one line and exit 1 (2 for usage), and so
+    does any other exception (a bug: the traceback with --debug). Warnings from the
+    libraries underneath (NumPy, dp-accounting, zarr) are the tool's internals: shown with
+    --debug only; what the user needs to know the library says in its own messages."""
     try:
-        return action()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                return action()
+            finally:
+                if debug:
+                    for warning in caught:
+                        typer.echo(f"tldp: debug: {warning.category.__name__}: {warning.message} "
+                                   f"({warning.filename}:{warning.lineno})", err=True)
     except UsageError as exc:
         if debug:
             traceback.print_exc()
@@ -139,6 +159,53 @@ def _run(debug: bool, action):
             traceback.print_exc()
         where = exc.filename or "I/O"
         _fail(f"{where}: {exc.strerror or exc}", 1)
+    except Exception as exc:  # a bug, not the user's doing: still one line without --debug
+        if debug:
+            traceback.print_exc()
+        _fail(f"unexpected error ({type(exc).__name__}: {exc}); please report it, and rerun with "
+              "--debug for the traceback", 1)
+
+
+# --seed-file and --allow-weak-seed, the same for every command that takes a seed.
+SeedFile = Annotated[Optional[Path], typer.Option(
+    metavar="PATH", help=f"Read the seed from PATH (whitespace around it stripped) instead of "
+                         f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
+                         f"when other users may read or write PATH.", show_default=False)]
+AllowWeakSeed = Annotated[bool, typer.Option(
+    help="Accept a seed shorter than 32 hex digits (128 bits), for tests and demos: it can be "
+         "guessed. Recorded as weak_seed.")]
+_SEED_FILE_LIMIT = 4096  # bytes; a seed is a few dozen, more is the wrong file
+
+
+def _resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) -> Optional[str]:
+    """The seed from whichever of --seed, --seed-file and $TLDP_SEED is given (None: none;
+    an empty TLDP_SEED counts as unset). Two at once is a usage error, not a precedence
+    rule: a forgotten exported TLDP_SEED must not silently win or lose."""
+    from_env = os.environ.get(SEED_ENV) or None
+    given = [name for name, value in (("--seed", seed), ("--seed-file", seed_file), (f"${SEED_ENV}", from_env))
+             if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"a seed is given by both {given[0]} and {given[1]}; give it one way "
+                         f"(--seed-file or ${SEED_ENV} keep it out of the command line)")
+    if seed_file is None:
+        return seed if seed is not None else from_env
+    with open(seed_file, "rb") as f:  # an OSError names the file (see _run)
+        mode = os.fstat(f.fileno()).st_mode
+        content = f.read(_SEED_FILE_LIMIT + 1)
+    try:
+        text = content.decode("ascii")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or len(content) > _SEED_FILE_LIMIT:
+        raise UsageError(f"{seed_file}: not a seed file (a seed is one line of hex digits, e.g. "
+                         f"from `tldp seed`)")
+    # Only warned about: the mode alone does not prove exposure (a private folder, a
+    # container's secret mount), and a refusal would push the seed back into argv.
+    if stat.S_ISREG(mode) and mode & 0o077 and not quiet:
+        typer.echo(f"tldp: warning: other users may read or write the seed file {seed_file} "
+                   f"(mode {stat.S_IMODE(mode):04o}); it holds a secret key: chmod 600 {seed_file}",
+                   err=True)
+    return text
 
 
 @contextlib.contextmanager
@@ -187,9 +254,15 @@ def perturb_command(
                                        show_default=False)],
     noise: Annotated[Optional[Noise], typer.Option(
         help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
-             "other. discrete-laplace, discrete-gaussian (tldp, baseline): exact integer noise, "
-             "free of floating-point leaks; integer data stays integer, float data is snapped "
-             "to a grid (--granularity).", show_default=False)] = None,
+             "other. With the default --sampler exact, laplace and gaussian are drawn as "
+             "discrete-laplace and discrete-gaussian: exact integer noise, free of "
+             "floating-point leaks; integer data stays integer, float data is snapped to a grid "
+             "(--granularity).", show_default=False)] = None,
+    sampler: Annotated[Sampler, typer.Option(
+        help="exact: noise whose figures hold for the bytes written (see --noise). float: "
+             "continuous noise computed in floating point, whose low-order bits leak the input; "
+             "its figures hold for the real-valued mechanism only (the manifest and summary "
+             "say so). mvg and idn need float.")] = Sampler.exact,
     mechanism: Annotated[Mechanism, typer.Option(
         help="tldp: keep each value with probability p, else add noise (paper, Algorithm 1). "
              "baseline: noise on every element calibrated to the whole record. mvg: the "
@@ -202,8 +275,9 @@ def perturb_command(
              "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI",
-        help="Declared value range. Required for float data; integer data defaults to its "
-             "dtype's range (uint8 -> 0:256). Never inferred from the data.")] = None,
+        help="Declared value range. Required for float data and integers wider than 16 bits; "
+             "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
+             "inferred from the data.")] = None,
     weights: Annotated[Optional[Path], typer.Option(
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
@@ -216,10 +290,15 @@ def perturb_command(
              "under the default name.", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(
         help="Manifest path. Default: OUTPUT.manifest.json.")] = None,
-    seed: Annotated[Optional[int], typer.Option(
-        help="Make the run reproducible. The seed is a secret: anyone who has it can remove "
-             "the noise. It is never written anywhere. The same seed on another input of the "
-             "same shape gives the same noise: use a seed for one release only.")] = None,
+    seed: Annotated[Optional[str], typer.Option(
+        metavar="HEX",
+        help="Make the run reproducible with this seed: a secret key of at least 32 hex digits "
+             "(tldp seed makes one). Anyone who has it can remove the noise. It is never "
+             "written anywhere, but other users can read a command line: prefer --seed-file or "
+             "$TLDP_SEED (give one of the three). The same seed on another input of the same shape "
+             "gives the same noise: use a seed for one release only.", show_default=False)] = None,
+    seed_file: SeedFile = None,
+    allow_weak_seed: AllowWeakSeed = False,
     rng: Annotated[RngKind, typer.Option(
         help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
              "from its output.")] = RngKind.secure,
@@ -248,6 +327,16 @@ def perturb_command(
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,
+    anonymize_names: Annotated[bool, typer.Option(
+        help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
+             "in one flat folder, and keep every input file and folder name out of the manifest "
+             "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
+             "evaluate needs it. Not with --copy-other.")] = False,
+    name_map: Annotated[Optional[Path], typer.Option(
+        metavar="PATH",
+        help="With --anonymize-names: where to write the name map (original -> new names, skipped "
+             "files). Keep it with the raw data; never inside the output. Default: "
+             "INPUT.name-map.json beside the input folder.", show_default=False)] = None,
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
@@ -276,6 +365,9 @@ def perturb_command(
              ".OUT.tldp-partial). The options must match; with the same --seed the result "
              "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
+    allow_raw_release: Annotated[bool, typer.Option(
+        help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
+             "otherwise; the manifest records the consent under raw_release_allowed).")] = False,
     overwrite: Annotated[bool, typer.Option(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
@@ -295,6 +387,7 @@ def perturb_command(
       tldp perturb features.npy --eps 2 --range -1:1 --budget record --json > manifest.json
       tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
+      tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
       tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
 
     The summary line states the certified guarantee per element and per record:
@@ -309,13 +402,16 @@ def perturb_command(
             input=input, epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value, value_range=parse_range(value_range) if value_range else None,
-            weights=weights, out=out, manifest=manifest, seed=seed, rng=rng.value,
+            weights=weights, out=out, manifest=manifest, seed=_resolve_seed(seed, seed_file, quiet),
+            allow_weak_seed=allow_weak_seed, rng=rng.value,
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
             datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
-            skip_bad=skip_bad, scheduler=scheduler.value, dask_address=dask_address,
-            dask_logs=debug, resume=resume,
+            skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
+            scheduler=scheduler.value, dask_address=dask_address,
+            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
+            sampler=sampler.value,
             block_elements=block_elements)
         advance, close = _progress_bar(quiet, "rec")
         try:
@@ -380,8 +476,8 @@ def weight_mask_command(
              "refusing a different size.")] = False,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI",
-        help="intensity, faces: the declared value range (as for perturb; integer data "
-             "defaults to its dtype's range). Also scales the preview.")] = None,
+        help="intensity, faces: the declared value range (as for perturb; 8- and 16-bit "
+             "integer data defaults to its dtype's range). Also scales the preview.")] = None,
     gamma: Annotated[Optional[float], typer.Option(
         help="intensity: exponent of the rule (default 1).", show_default=False)] = None,
     margin: Annotated[Optional[float], typer.Option(
@@ -454,6 +550,7 @@ def _print_report(report: dict) -> None:
          f"{report['records']} records x {report['elements_per_record']} elements; "
          f"{report['mechanism']} {report['noise']}, {report['epsilon_scope']}; "
          f"certified per record eps={_fmt(acc['per_record']['epsilon'])})")
+    echo(f"tldp: this report is {report['sensitive']}")
     echo(f"  {'check':<20}{'result':<9}detail")
     for check in report["checks"]:
         result = {True: "ok", False: "FAILED", None: "skipped"}[check["passed"]]
@@ -484,6 +581,7 @@ def _print_sweep(result: dict, written: list) -> None:
     for skipped in result.get("skipped_methods", []):
         echo(f"  {skipped['method']} skipped: {skipped['reason']}")
     echo("tldp: wrote " + ", ".join(str(p) for p in written))
+    echo(f"tldp: these files are {result['sensitive'].replace('keep it', 'keep them')}")
 
 
 @app.command("evaluate", no_args_is_help=True)
@@ -495,7 +593,17 @@ def evaluate_command(
     manifest: Annotated[Optional[Path], typer.Option(
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_report: Annotated[Optional[Path], typer.Option(
-        "--json", metavar="REPORT", help="Write every number as JSON to REPORT ('-': stdout).")] = None,
+        "--json", metavar="REPORT", help="Write every number as JSON to REPORT ('-': stdout). "
+                                         "Computed from the raw data: keep it with them, never "
+                                         "with the release.")] = None,
+    per_record: Annotated[bool, typer.Option(
+        "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
+                             "the --json report; together they give each record's exact norm. "
+                             "Default: only their mean, median, min and max.")] = False,
+    name_map: Annotated[Optional[Path], typer.Option(
+        metavar="PATH", help="The name map of a perturb --anonymize-names run, which pairs each "
+                             "image with its perturbed copy. Default: ORIGINAL.name-map.json.",
+        show_default=False)] = None,
     labels: Annotated[Optional[str], typer.Option(
         metavar="LABELS",
         help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
@@ -521,7 +629,11 @@ def evaluate_command(
     weights: Annotated[Optional[Path], typer.Option(
         help="--sweep: weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="--sweep: as for perturb.")] = Budget.element,
-    seed: Annotated[Optional[int], typer.Option(help="--sweep: make the noise reproducible.")] = None,
+    seed: Annotated[Optional[str], typer.Option(
+        metavar="HEX", help="--sweep: make the noise reproducible with this secret key, as for "
+                            "perturb (or --seed-file, $TLDP_SEED).", show_default=False)] = None,
+    seed_file: SeedFile = None,
+    allow_weak_seed: AllowWeakSeed = False,
     rng: Annotated[RngKind, typer.Option(help="--sweep: as for perturb.")] = RngKind.secure,
     dp_delta: Annotated[float, typer.Option(help="--sweep: delta of the (eps, delta) figures.")] = 1e-5,
     dataset: Annotated[Optional[str], typer.Option(
@@ -538,7 +650,7 @@ def evaluate_command(
       tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy --json report.json \\
           --labels sample_data/digits_labels.npy --test sample_data/digits_test.npy \\
           --test-labels sample_data/digits_test_labels.npy
-      tldp evaluate sample_data/digits.npy --sweep --eps 0.1,0.5,1,2,5,10 --seed 0 \\
+      tldp evaluate sample_data/digits.npy --sweep --eps 0.1,0.5,1,2,5,10 --seed 0 --allow-weak-seed \\
           --labels sample_data/digits_labels.npy --test sample_data/digits_test.npy \\
           --test-labels sample_data/digits_test_labels.npy --out sweep/
 
@@ -557,8 +669,10 @@ def evaluate_command(
                 raise UsageError("--sweep perturbs ORIGINAL in memory; give no PERTURBED")
             if eps is None or out is None:
                 raise UsageError("--sweep needs --eps E1,E2,... and --out DIR")
-            if manifest is not None:
-                raise UsageError("--manifest applies to ORIGINAL PERTURBED, not --sweep")
+            for name, given in (("--manifest", manifest), ("--per-record", per_record or None),
+                                ("--name-map", name_map)):
+                if given is not None:
+                    raise UsageError(f"{name} applies to ORIGINAL PERTURBED, not --sweep")
             epsilons = ev.parse_eps_list(eps)
             rng_range = parse_range(value_range) if value_range else None
             if not 0 < dp_delta < 1:
@@ -567,7 +681,8 @@ def evaluate_command(
             try:
                 result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
                                   model=model.value, value_range=rng_range, weights=weights,
-                                  budget=budget.value, seed=seed, rng=rng.value, dp_delta=dp_delta,
+                                  budget=budget.value, seed=_resolve_seed(seed, seed_file, quiet),
+                                  allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                                   dataset=dataset, progress=advance)
             finally:
                 close()
@@ -575,15 +690,19 @@ def evaluate_command(
         if perturbed is None:
             raise UsageError("give ORIGINAL PERTURBED, or ORIGINAL --sweep")
         for name, given in (("--eps", eps), ("--out", out), ("--range", value_range),
-                            ("--weights", weights), ("--seed", seed), ("--dataset", dataset)):
+                            ("--weights", weights), ("--seed", seed), ("--seed-file", seed_file),
+                            ("--dataset", dataset)):
             if given is not None:
                 raise UsageError(f"{name} applies to --sweep only")
+        if per_record and json_report is None:
+            raise UsageError("--per-record adds per-record lists to the --json report; give --json REPORT")
         if json_report is not None and json_report != Path("-") and json_report.exists() and not overwrite:
             raise ev.OutputError(f"{json_report}: exists; pass --overwrite to replace it")
         advance, close = _progress_bar(quiet, "rec")
         try:
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
-                                 test_labels=test_labels, model=model.value, progress=advance)
+                                 test_labels=test_labels, model=model.value, progress=advance,
+                                 per_record=per_record, name_map=name_map)
         finally:
             close()
         if json_report is not None:
@@ -627,6 +746,11 @@ def audit_command(
                                        show_default=False)],
     noise: Annotated[Optional[Noise], typer.Option(
         help="As for perturb. Default: laplace; gaussian for mvg and idn.", show_default=False)] = None,
+    sampler: Annotated[Sampler, typer.Option(
+        help="As for perturb: exact audits laplace and gaussian as perturb draws them for float "
+             "data (discrete noise on its automatic grid); float audits the continuous samplers, "
+             "whose floating-point leak the audit detects. --noise discrete-* audits integer "
+             "data.")] = Sampler.exact,
     mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
     budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
     value_range: Annotated[str, typer.Option(
@@ -648,7 +772,11 @@ def audit_command(
     scope: Annotated[AuditScope, typer.Option(
         help="element: two records that differ in one element; record: two records at opposite "
              "ends of the range.")] = AuditScope.both,
-    seed: Annotated[Optional[int], typer.Option(help="Make the audit reproducible.")] = None,
+    seed: Annotated[Optional[str], typer.Option(
+        metavar="HEX", help="Make the audit reproducible with this secret key, as for perturb "
+                            "(or --seed-file, $TLDP_SEED).", show_default=False)] = None,
+    seed_file: SeedFile = None,
+    allow_weak_seed: AllowWeakSeed = False,
     rng: Annotated[RngKind, typer.Option(help="As for perturb.")] = RngKind.secure,
     dtype: Annotated[OutDtype, typer.Option(help="Output dtype, as for perturb.")] = OutDtype.float32,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON to stdout.")] = False,
@@ -668,7 +796,7 @@ def audit_command(
     Examples:
       tldp audit --eps 1 --elements 4 --range 0:1
       tldp audit --eps 1 --noise gaussian --elements 784 --samples 4000000 --json > audit.json
-      tldp audit --eps 2 --mechanism mvg --elements 28x28 --scope record --seed 7
+      tldp audit --eps 2 --mechanism mvg --elements 28x28 --scope record --seed-file audit.seed
       tldp audit --eps 1 --noise discrete-laplace --elements 16 --range 0:256
     """
     from tldp_cli import audit as audit_mod
@@ -682,7 +810,8 @@ def audit_command(
             value_range=parse_range(value_range), shape=audit_mod.parse_shape(elements),
             dp_delta=dp_delta, granularity=granularity, samples=samples, confidence=confidence,
             scopes=audit_mod.SCOPES if scope is AuditScope.both else (scope.value,),
-            seed=seed, rng=rng.value, dtype=dtype.value)
+            seed=_resolve_seed(seed, seed_file, quiet), allow_weak_seed=allow_weak_seed,
+            rng=rng.value, dtype=dtype.value, sampler=sampler.value)
 
     report = _run(debug, action)
     if not quiet:
@@ -696,9 +825,33 @@ def audit_command(
         _fail(f"audit found a privacy VIOLATION: eps >= {worst['epsilon_lower_bound']:.4g} at "
               f"delta {worst['delta']:.3g}, certified {worst['certified_epsilon']:.4g} "
               f"(confidence {report['confidence']:g})", 1)
+    if report["verdict"] == "MISCALIBRATED":
+        worst = next(row for row in report["request"]["scopes"] if not row["consistent"])
+        _fail(f"the audited calibration is not the request's: it certifies eps "
+              f"{worst['certified_epsilon']:.4g} {worst['scope'].replace('_', ' ')} where --eps "
+              f"{report['epsilon']:g} implies {worst['requested_epsilon']:.4g}", 1)
     if not quiet:
         typer.echo(f"tldp: consistent: no audited lower bound exceeds its certified figure "
                    f"(confidence {report['confidence']:g}); this is evidence, not a proof", err=True)
+
+
+@app.command("seed")
+def seed_command():
+    """Print a fresh random seed: 32 hex digits (128 bits) from the OS's secure source.
+
+    A seed is a secret key: whoever has it can regenerate the noise and subtract
+    it. Keep it off command lines (other users see them in ps; shells keep them
+    in their history): pass it with --seed-file or the TLDP_SEED variable. Use a
+    seed for one release only.
+
+    \b
+    Examples:
+      (umask 077; tldp seed > release-1.seed)
+      tldp perturb data.npy --eps 1 --range 0:1 --seed-file release-1.seed
+      TLDP_SEED=$(cat release-1.seed) tldp perturb data.npy --eps 1 --range 0:1
+      python -c "import secrets; print(secrets.token_hex(16))"    # the same, without tldp
+    """
+    typer.echo(secrets.token_hex(16))
 
 
 def main():

@@ -136,6 +136,11 @@ def _geometric_cdf(s: Fraction, m: int, size: int | None):
         e_lo, e_hi = exp_neg_interval((m + 1) * s, guard)
         num_lo, num_hi = one - e_hi, one - e_lo
         if size is None:
+            if e_hi <= 1:
+                # 0 < e^-(m+1)s <= 2^-guard: F(m) 2^bits lies strictly between 2^bits - 1
+                # and 2^bits, so its floor is known without resolving e^-(m+1)s, which for
+                # tiny scales (s in the thousands) would take tens of thousands of bits.
+                return (1 << bits) - 1, (1 << bits) - 1
             return num_lo >> 16, -((-num_hi) >> 16)
         n_lo, n_hi = exp_neg_interval(size * s, guard)
         den_lo, den_hi = one - n_hi, one - n_lo

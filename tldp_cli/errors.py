@@ -22,6 +22,11 @@ class OutputError(TldpError):
     """The output cannot be written where asked."""
 
 
+class WriteError(OutputError, OSError):
+    """Writing the output failed: one line naming the file for the user (an OutputError),
+    and still an OSError, with its errno, for code that handles those."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped a run; the message says what was kept (a KeyboardInterrupt
     still, so callers that stop on one keep doing so)."""

@@ -17,6 +17,9 @@ Plain functions returning dicts; the CLI only parses options and prints.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially
 never fails one while a wrong scale or distribution fails at once.
+
+Reports and sweeps are computed from the raw data and say so (`sensitive`); the
+per-record lists, which give each record's exact norm, are left out unless asked for.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from tldp_cli import __version__, accounting, discrete, engine, formats
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
-from tldp_cli.mechanisms import Calibration, calibrate, matrix_rows
+from tldp_cli.mechanisms import Calibration, calibrate, calibrate_arrays, matrix_rows
 from tldp_cli.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -47,6 +50,9 @@ GOF_MAX_SAMPLES = 200_000  # noise values the KS test sees at most (evenly subsa
 GOF_MIN_SAMPLES = 20
 Z_LIMIT = 5.0  # |z| of the noise's squared norm against Table 5 (two-sided ALPHA ~ 6e-7)
 PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report
+# Every report and sweep is computed from the raw data (a record's error and relative
+# error give its exact norm), so it says so in its first field.
+SENSITIVE = "computed from the raw data: keep it with the raw data, never with the release"
 SSIM_WINDOW = 7
 BLOCK_ELEMENTS = 1 << 22
 MODELS = ("logistic", "mlp")
@@ -169,9 +175,11 @@ def _is_clipped(m: dict) -> bool:
 def _open_original(original: Path, m: dict):
     module = formats.detect(original)
     datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
+    images = module.NAME == "images"
     options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr", "npz", "safetensors") else [],
-                            image_format=_image_format(m) if module.NAME == "images" else "png",
-                            skip_bad=bool(m.get("skipped_bad_images")))
+                            image_format=_image_format(m) if images else "png",
+                            skip_bad=bool(m.get("skipped_bad_images")),
+                            anonymize_names=images and bool(m.get("anonymized_names")))
     return module, module.open_reader(original, options)
 
 
@@ -191,7 +199,8 @@ def _read_output_image(path: Path, has_alpha: bool) -> np.ndarray:
 
 
 def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
-           issues: list[dict]) -> list[_Pair]:
+           issues: list[dict], renamed: dict[str, str] | None = None) -> list[_Pair]:
+    """`renamed`: an --anonymize-names run's name map, original name -> output name."""
     jobs = reader.arrays()
     if module.NAME == "images":
         from tldp_cli.formats import images
@@ -203,7 +212,12 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
         pairs = []
         for image in reader.images:
             job = next(j for j in jobs if j.name == image.rel)
-            out_path = perturbed / images._output_name(image.rel, fmt)
+            if renamed is not None and image.rel not in renamed:
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{image.rel}: not in the name map"})
+                continue
+            out_path = perturbed / (renamed[image.rel] if renamed is not None
+                                    else images._output_name(image.rel, fmt))
             if not out_path.is_file():
                 issues.append({"check": "pairing", "passed": False,
                                "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})
@@ -316,8 +330,9 @@ def _range_width(m: dict, grid: discrete.Grid | None) -> float:
     return hi - lo if grid is None else grid.range_width
 
 
-def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None,
-                grid: discrete.Grid | None) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
+def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, grid: discrete.Grid | None,
+                records: list[list[Calibration]] | None = None
+                ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
     """The largest record's calibration, every calibration with its records, and their
     certification. `calibrations`: those of the original's arrays; None: one record size,
     the manifest's elements_per_record."""
@@ -330,14 +345,26 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None,
                           rows=(acc.get("designed") or {}).get("rows"), granularity=grid and grid.granularity)
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
-    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations])
+    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
+
+
+def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
+    """The arrays each subject's record spans, as the manifest states them; refuses names
+    the original does not have."""
+    rows = m.get("row_datasets") or []
+    names = {job.name for job in jobs}
+    if not (isinstance(rows, list) and all(isinstance(row, list) and set(row) <= names for row in rows)):
+        raise InputError(f"the manifest's row_datasets {rows!r} do not name arrays of the original")
+    return rows
 
 
 def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None = None,
-                     dtypes: list[np.dtype] | None = None) -> dict:
+                     dtypes: list[np.dtype] | None = None,
+                     records: list[list[Calibration]] | None = None) -> dict:
     """The manifest's figures against a fresh calibration and certification. `calibrations`:
     each record size's calibration (from the original's arrays) and its number of records;
-    `dtypes`: the original's arrays' (None: the manifest's inputs')."""
+    `dtypes`: the original's arrays' (None: the manifest's inputs'); `records`: the
+    calibrations of the arrays each subject's record spans (accounting.certify_all)."""
     mismatches = []
 
     def compare(field: str, stated: Any, expected: Any):
@@ -349,7 +376,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
         compare("range_width", m["range_width"], _range_width(m, grid))
         if grid is not None:
             compare("granularity", m.get("granularity"), grid.granularity)
-        calib, calibrations, cert = _recomputed(m, calibrations, grid)
+        calib, calibrations, cert = _recomputed(m, calibrations, grid, records)
     except (KeyError, TypeError, ValueError, UsageError) as exc:
         return {"check": "parameters", "passed": False,
                 "detail": f"the manifest's mechanism cannot be recomputed ({exc})", "mismatches": []}
@@ -746,7 +773,11 @@ def _majority_f1(test_y: np.ndarray) -> float:
 def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
              labels: Path | str | None = None, test: Path | None = None,
              test_labels: Path | str | None = None,
-             model: str = "logistic", progress: Progress | None = None) -> dict[str, Any]:
+             model: str = "logistic", progress: Progress | None = None,
+             per_record: bool = False, name_map: Path | None = None) -> dict[str, Any]:
+    """`per_record`: add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to the
+    report (at most PER_RECORD_LIMIT records); by default only their summaries. `name_map`:
+    that of a perturb --anonymize-names run (default: beside ORIGINAL)."""
     original, perturbed = Path(original), Path(perturbed)
     task = [labels, test, test_labels]
     if any(task) and not all(task):
@@ -763,6 +794,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{manifest_path}: not a readable JSON manifest ({exc})") from None
     manifest_mod.check(m, manifest_path)
+    renamed = _renamed(m, original, name_map, manifest_path)
 
     checks: list[dict] = []
     checks.extend(_check_hashes(m, perturbed))
@@ -772,30 +804,26 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         jobs = reader.arrays()
         lo, hi = (float(v) for v in m["value_range"])
         acc = m.get("accounting") or {}
-        calibs: dict[str, Calibration] = {}  # by array (image) name
-        by_size: dict[tuple[int, int | None], Calibration] = {}
-        records_of: dict[tuple[int, int | None], int] = {}
         dtypes = [job.dtype for job in jobs]
+        rows = _row_datasets(m, jobs)
         try:
             grid = _grid(m, dtypes, original)
-            width = _range_width(m, grid)
-            for job in jobs:
-                key = (job.elements, matrix_rows(m["mechanism"], job.record_shape, original))
-                records_of[key] = records_of.get(key, 0) + job.records
-                if key not in by_size:
-                    by_size[key] = calibrate(
-                        mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
-                        epsilon=float(m["epsilon"]), elements=job.elements,
-                        range_width=width,
-                        dp_delta=float(acc.get("dp_delta", 1e-5)), rows=key[1],
-                        granularity=grid and grid.granularity)
-                calibs[job.name] = by_size[key]
+            calibs = calibrate_arrays(  # by array (image) name
+                mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+                epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
+                dp_delta=float(acc.get("dp_delta", 1e-5)), granularity=grid and grid.granularity,
+                rows=rows, arrays={job.name: (job.elements, matrix_rows(m["mechanism"], job.record_shape,
+                                                                        original)) for job in jobs})
         except UsageError as exc:
             raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+        records_of: dict[Calibration, int] = {}
+        for job in jobs:
+            records_of[calibs[job.name]] = records_of.get(calibs[job.name], 0) + job.records
         # first in the report: the manifest's figures against every record size of the original
-        checks.insert(0, check_parameters(m, [(by_size[k], n) for k, n in records_of.items()], dtypes))
+        checks.insert(0, check_parameters(m, list(records_of.items()), dtypes,
+                                          [[calibs[name] for name in row] for row in rows]))
         pairing_issues: list[dict] = []
-        pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues)
+        pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues, renamed)
         checks.extend(pairing_issues)
         checks.append(_shape_check(m, jobs, pairs))
 
@@ -832,18 +860,18 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     clipped = _is_clipped(m)
     weighted = bool(m.get("weights"))
     p = stats.expected_kept / stats.elements if stats.elements else 0.0
-    checks.append(_error_check(stats, list(by_size.values()), weighted, clipped, done))
+    checks.append(_error_check(stats, list(records_of), weighted, clipped, done))
     checks.append(_retained_check(stats, p, weighted, clipped))
     checks.append(_gof_check(stats, clipped))
 
     def cat(parts):
         return np.concatenate(parts) if parts else np.empty(0)
 
-    per_record = {"mse": cat(stats.mse), "mae": cat(stats.mae), "relative_l2": cat(stats.rel),
-                  "l2": cat(stats.l2)}
+    by_record = {"mse": cat(stats.mse), "mae": cat(stats.mae), "relative_l2": cat(stats.rel),
+                 "l2": cat(stats.l2)}
     if data_range is not None:
-        per_record.update(psnr=cat(stats.psnr), ssim=cat(stats.ssim))
-    noise = {name: _summary(values) for name, values in per_record.items()}
+        by_record.update(psnr=cat(stats.psnr), ssim=cat(stats.ssim))
+    noise = {name: _summary(values) for name, values in by_record.items()}
     noise["image_metrics"] = (
         {"data_range": data_range, "ssim": f"mean SSIM, {SSIM_WINDOW}x{SSIM_WINDOW} uniform window, "
                                            "K1=0.01, K2=0.03"} if data_range is not None
@@ -856,6 +884,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
                         ("noise_norm", "retained_fraction", "noise_distribution"))
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
+        "sensitive": SENSITIVE,
         "tool": {"name": "tldp", "version": __version__},
         "original": str(original), "perturbed": str(perturbed), "manifest": str(manifest_path),
         "format": module.NAME,
@@ -871,8 +900,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "alpha": ALPHA,
         "checks": checks,
         "error": noise,
-        "per_record": ({k: [_finite(v) for v in vals.tolist()] for k, vals in per_record.items()}
-                       if done <= PER_RECORD_LIMIT else None),
+        "per_record": ({k: [_finite(v) for v in vals.tolist()] for k, vals in by_record.items()}
+                       if per_record and done <= PER_RECORD_LIMIT else None),
         "utility": None,
     }
     if labels:
@@ -887,6 +916,21 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         _check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
         report["utility"] = task_utility(clean, noisy, y, test_x, test_y, model, (lo, hi))
     return report
+
+
+def _renamed(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:
+    """An --anonymize-names run's name map (original name -> output name); None otherwise."""
+    from tldp_cli.formats import images
+
+    anonymized = m.get("anonymized_names")
+    if not anonymized:
+        if name_map is not None:
+            raise UsageError(f"--name-map applies to outputs of perturb --anonymize-names; "
+                             f"{manifest_path} says the names were kept")
+        return None
+    if not isinstance(anonymized, dict) or not isinstance(anonymized.get("name_map_id"), str):
+        raise InputError(f"{manifest_path}: damaged manifest: 'anonymized_names' lacks its name_map_id")
+    return images.read_name_map(name_map or images.default_name_map(original), anonymized["name_map_id"])
 
 
 def epsilon_scope(m: dict) -> str:
@@ -944,9 +988,9 @@ def parse_eps_list(text: str) -> list[float]:
 def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = None,
           test: Path | None = None, test_labels: Path | str | None = None, model: str = "logistic",
           value_range: tuple[float, float] | None = None, weights: Path | None = None,
-          budget: str = "element", seed: int | None = None, rng: str = "secure",
+          budget: str = "element", seed: str | int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
-          progress: Progress | None = None) -> dict[str, Any]:
+          progress: Progress | None = None, allow_weak_seed: bool = False) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
     from tldp_cli.pipeline import resolve_range
     from tldp_cli.weights import load_mask
@@ -959,6 +1003,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
     if not epsilons:
         raise UsageError("--sweep needs --eps with at least one value")
+    streams = Streams(rng, seed, allow_weak_seed)  # a bad seed fails before the data are read
     x = load_records(original, dataset)
     if x.dtype.kind not in "iuf":
         raise InputError(f"{original}: {x.dtype} data cannot be perturbed")
@@ -983,7 +1028,6 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         reference = {"f1_clean": weighted_f1(x, y, test_x, test_y, model, (lo, hi)),
                      "f1_majority_class": _majority_f1(test_y), "model": model,
                      "train_records": int(len(x)), "test_records": int(len(test_y))}
-    streams = Streams(rng, seed)
     rows = []
     total = len(methods) * len(epsilons)
     xf = x.reshape(len(x), -1).astype(np.float64)
@@ -1013,10 +1057,11 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             rows.append(row)
             if progress:
                 progress(1, total)
-    return {"schema": SWEEP_SCHEMA, "tool": {"name": "tldp", "version": __version__},
+    return {"schema": SWEEP_SCHEMA, "sensitive": SENSITIVE, "tool": {"name": "tldp", "version": __version__},
             "original": str(original), "records": int(len(x)), "elements_per_record": elements,
             "value_range": [lo, hi], "budget": budget, "dp_delta": dp_delta, "rng": rng,
-            "seeded": seed is not None, "weights": mask.info if mask is not None else None,
+            "seeded": streams.seeded,
+            "weak_seed": streams.weak_seed, "weights": mask.info if mask is not None else None,
             "epsilons": epsilons, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
             "reference": reference, "rows": rows}
 

@@ -38,12 +38,14 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
           rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
           outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
           output_dtype: str, extra: dict | None = None,
-          calibrations: list[tuple[Calibration, int]] | None = None) -> dict[str, Any]:
+          calibrations: list[tuple[Calibration, int]] | None = None,
+          weak_seed: bool = False) -> dict[str, Any]:
     """`calib`: the calibration of the largest record, which the scalar fields
     (elements_per_record, noise_scale, calibration_epsilon, expected error) describe.
     `calibrations`: every calibration of the run with its number of records, when records
     differ in size; the retain probability is the largest of any, and more than one are
-    listed under `calibrations`."""
+    listed under `calibrations`. `weak_seed`: the seed held fewer than rng.MIN_SEED_BITS
+    bits and was accepted by request (--allow-weak-seed)."""
     every = [c for c, _ in calibrations] if calibrations else [calib]
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
@@ -65,6 +67,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "weights": weights,
         "rng": rng,
         "seeded": seeded,
+        "weak_seed": weak_seed,
         "accounting": certified,
         "inputs": inputs,
         "outputs": outputs,

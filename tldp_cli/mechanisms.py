@@ -20,6 +20,10 @@ MECHANISMS = ("tldp", "baseline", "mvg", "idn")
 GAUSSIAN_ONLY = ("mvg", "idn")  # (eps, delta) designs for Gaussian noise only
 NOISES = ("laplace", "gaussian", *DISCRETE_NOISES)
 BUDGETS = ("element", "record")
+# What to do when TLDP's retain probability, which depends on the data's units, is too large.
+RAW_RELEASE_ADVICE = ("Use --noise discrete-laplace (its bound covers kept values), --mechanism "
+                      "baseline (keeps none), or a wider --range in smaller units (0:255 rather "
+                      "than 0:1)")
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,26 @@ def _logaddexp(x: float, y: float) -> float:
 def default_noise(mechanism: str) -> str:
     """The noise when none is asked for: gaussian for MVG and IDN, laplace otherwise."""
     return "gaussian" if mechanism in GAUSSIAN_ONLY else "laplace"
+
+
+SAMPLERS = ("exact", "float")
+
+
+def sampled_noise(noise: str, sampler: str, mechanism: str) -> str:
+    """The noise a run draws. exact (the default): Laplace and Gaussian noise realised as their
+    discrete counterparts on a grid (integers, or a power-of-two step for float data), whose
+    figures hold for the bytes written. float: the continuous samplers, by request."""
+    _check("sampler", sampler, SAMPLERS)
+    if sampler == "float":
+        if noise in DISCRETE_NOISES:
+            raise UsageError(f"--noise {noise} is exact noise; --sampler float applies to laplace "
+                             "and gaussian")
+        return noise
+    if mechanism in GAUSSIAN_ONLY:
+        raise UsageError(f"--mechanism {mechanism} adds real-valued Gaussian noise, which has no "
+                         "exact sampler here: pass --sampler float (its figures then hold for the "
+                         "real-valued mechanism only)")
+    return {"laplace": "discrete-laplace", "gaussian": "discrete-gaussian"}.get(noise, noise)
 
 
 def matrix_rows(mechanism: str, record_shape: tuple[int, ...], where: object) -> int | None:
@@ -207,6 +231,65 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
                                       rows if mechanism == "mvg" else None))
 
 
+def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float, range_width: float,
+                     dp_delta: float, granularity: float | None,
+                     arrays: dict[str, tuple[int, int | None]],
+                     rows: list[list[str]] | None = None) -> dict[str, Calibration]:
+    """The calibration of each array of a run, by name. `arrays`: each array's elements per
+    record and, for MVG, the rows of its unfolding (matrix_rows). Arrays of one record size
+    share one calibration.
+
+    `rows`: the arrays each subject's record spans (row i of each). Under --budget record
+    such a row is one record of all their elements: every array in it gets the noise scale
+    of that record, so the composed per-record figure is --eps (raised by the least step
+    where the arrays' own retain probabilities would push it above)."""
+    def one(elements: int, unfolding: int | None) -> Calibration:
+        return calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
+                         range_width=range_width, elements=elements, dp_delta=dp_delta,
+                         rows=unfolding, granularity=granularity)
+
+    by_shape: dict[tuple[int, int | None], Calibration] = {}
+    result = {}
+    for name, shape in arrays.items():
+        if shape not in by_shape:
+            by_shape[shape] = one(*shape)
+        result[name] = by_shape[shape]
+    if budget != "record":
+        return result
+    for row in rows or []:
+        if len(row) < 2:
+            continue
+        whole = one(sum(arrays[name][0] for name in row), 1 if mechanism == "mvg" else None)
+        shared = {name: replace(whole, elements=arrays[name][0], rows=arrays[name][1]) for name in row}
+
+        def row_at(scale: float) -> dict[str, Calibration]:
+            return {name: _rescaled(c, scale) for name, c in shared.items()}
+
+        # The least step up from the whole record's scale, then coarser ones: the arrays'
+        # own retain probabilities (smaller records keep more) can cost more than it.
+        steps = [1 + 2.0 ** (k - 52) for k in range(53)] + [1.1**k for k in range(1, 300)]
+        for factor in steps:
+            calibs = row_at(whole.scale * factor)
+            if _row_epsilon(list(calibs.values())) <= epsilon:
+                break
+        else:
+            least = min(_row_epsilon(list(row_at(whole.scale * f).values())) for f in steps[::10])
+            raise UsageError(f"--budget record: a record spans {', '.join(row)} (one row of each); "
+                             f"TLDP certifies no less than about {least:.4g} for it, above --eps "
+                             f"{epsilon:g}; use a larger --eps, --budget element or --mechanism "
+                             "baseline")
+        result.update(calibs)
+    return result
+
+
+def _row_epsilon(calibs: list[Calibration]) -> float:
+    """The per-record epsilon of one row of each of several arrays (what --budget record
+    calibrates to): pure epsilons add; Gaussians compose."""
+    if calibs[0].noise in ("laplace", "discrete-laplace"):
+        return sum(accounting.scope_epsilon(c, c.elements) for c in calibs)
+    return accounting.compose([(c, 1) for c in calibs])["epsilon"]
+
+
 def _rescaled(calib: Calibration, scale: float) -> Calibration:
     """The calibration with another noise scale: its element epsilon and p follow from it."""
     width = calib.grid_values if calib.noise in DISCRETE_NOISES else calib.range_width
@@ -316,7 +399,13 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
             # Convex in log e: the noise term grows with e; the kept value's term, about
             # ln(1 + e^(-e (I - 1))), falls. Solve on the rising side of the minimum.
             hi = epsilon * W / (d * I)  # the noise term alone reaches --eps there
-            best = _argmin_convex(record_eps, hi * 1e-12, hi)
+            # The least figure may lie above hi (then --eps is out of reach, and the message
+            # must state the true least): widen until the function rises, as it does past
+            # its minimum (convex in log e).
+            top = hi
+            while record_eps(2 * top) < record_eps(top):
+                top *= 2
+            best = _argmin_convex(record_eps, hi * 1e-12, 2 * top)
             if record_eps(best) > epsilon:
                 raise UsageError(
                     f"--budget record: TLDP with discrete-laplace noise certifies at least "

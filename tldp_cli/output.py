@@ -208,6 +208,16 @@ def _size(n: float) -> str:
     return f"{n:.3g} EB"
 
 
+def shown(path: Path) -> Path:
+    """`path` by the name the user will find it under: a file in a run's work folder
+    (.NAME.tldp-tmp-XXXXXXXX/NAME/...) by its destination (NAME/...)."""
+    parts = path.parts
+    for i in range(len(parts) - 1):
+        if parts[i].startswith(f".{parts[i + 1]}{WORK_MARK}"):
+            return Path(*parts[:i], *parts[i + 1:])
+    return path
+
+
 # --- Work folders and their locks --------------------------------------------------------
 
 def _lock(fd: int) -> bool:

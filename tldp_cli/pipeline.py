@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,9 +30,17 @@ from tldp_cli import accounting, dask_runner, discrete, engine, formats, output,
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.mechanisms import GAUSSIAN_ONLY, Calibration, calibrate, check_parameters, matrix_rows
-from tldp_cli.rng import Streams, records_per_unit
-from tldp_cli.weights import Mask, load_masks
+from tldp_cli.mechanisms import (
+    GAUSSIAN_ONLY,
+    RAW_RELEASE_ADVICE,
+    Calibration,
+    calibrate_arrays,
+    check_parameters,
+    matrix_rows,
+    sampled_noise,
+)
+from tldp_cli.rng import Streams, check_seed, records_per_unit
+from tldp_cli.weights import DEFAULT_RANGE_BITS, Mask, load_masks, weights_warning
 
 # Records per block are chosen so a block holds about this many elements: 8 MB of
 # float32 output, small enough that the blocks in flight and Zarr's encoding copies of
@@ -54,7 +61,8 @@ class PerturbOptions:
     weights: Path | None = None
     out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
     manifest: Path | None = None
-    seed: int | None = None
+    seed: str | int | None = None  # a secret key: hex digits (see rng.py)
+    allow_weak_seed: bool = False  # accept a seed of fewer than rng.MIN_SEED_BITS bits (tests, demos)
     rng: str = "secure"
     dtype: str = "float32"
     dp_delta: float = 1e-5
@@ -72,6 +80,10 @@ class PerturbOptions:
     dask_address: str | None = None  # an existing cluster; None: a local one of `workers` processes
     dask_logs: bool = False  # show dask.distributed's own log output (the CLI's --debug)
     resume: bool = False  # continue an interrupted run's resumable (Zarr) output
+    allow_raw_release: bool = False  # consent to kept raw values costing more than dp_delta
+    sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
+    anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
+    name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
 
 
 @dataclass
@@ -100,7 +112,9 @@ def parse_range(text: str) -> tuple[float, float]:
 
 def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
                   input_path: Path) -> tuple[float, float]:
-    """The declared range; integer data defaults to its dtype's range (uint8 -> 0:256).
+    """The declared range; 8- and 16-bit integer data defaults to its dtype's range
+    (uint8 -> 0:256). Wider integers need one: counts stored as int64 would otherwise get
+    noise scaled to 2^64.
 
     Never inferred from the values: a data-dependent range leaks the data.
     """
@@ -111,6 +125,10 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
         if job.dtype.kind == "f":
             raise UsageError(f"{input_path}: {job.dtype} data needs --range LO:HI "
                              "(the range is never inferred from the values)")
+        if job.dtype.itemsize * 8 > DEFAULT_RANGE_BITS:
+            raise UsageError(f"{input_path}: {job.dtype} data needs --range LO:HI (only 8- and "
+                             "16-bit integers default to their dtype's range; the range is never "
+                             "inferred from the values)")
         info = np.iinfo(job.dtype)
         defaults.add((float(info.min), float(info.max) + 1.0))
     if len(defaults) > 1:
@@ -130,7 +148,7 @@ def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path)
                             f"element {element}; tldp needs finite values")
 
 
-def _validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
+def validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
                     input_path: Path) -> int:
     """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
     check_finite(block, job, start, input_path)
@@ -163,7 +181,7 @@ class BlockTask:
         """(values outside the range, the noisy block if `write` is None). With values
         outside the range, or `count_only` (the run is failing), nothing is perturbed."""
         block = job.read(start, stop)
-        outside = _validate_block(block, job, start, self.lo, self.hi, self.source)
+        outside = validate_block(block, job, start, self.lo, self.hi, self.source)
         if (outside and not self.clip_input) or count_only:
             return (0 if self.clip_input else outside), None
         if self.clip_input:
@@ -223,6 +241,10 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
     source = options.input
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
                      epsilon=options.epsilon, dp_delta=options.dp_delta)
+    options = dataclasses.replace(options, noise=sampled_noise(options.noise, options.sampler,
+                                                               options.mechanism))
+    if options.seed is not None:
+        check_seed(options.seed, options.allow_weak_seed)
     if options.dtype not in ("float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     if options.clip is not None:
@@ -245,8 +267,13 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
     if options.resume and not hasattr(module, "reopen_writer"):
         raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
                          f"{module.NAME} run keeps nothing to resume from")
+    if options.name_map is not None and not options.anonymize_names:
+        raise UsageError("--name-map applies to --anonymize-names")
+    if options.anonymize_names and module.NAME != "images":
+        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.NAME}")
     format_options = FormatOptions(datasets=list(options.datasets), image_format=options.image_format,
-                                   copy_other=options.copy_other, skip_bad=options.skip_bad)
+                                   copy_other=options.copy_other, skip_bad=options.skip_bad,
+                                   anonymize_names=options.anonymize_names)
     reader = module.open_reader(source, format_options)
     try:
         return _perturb(options, module, reader, format_options, progress)
@@ -262,10 +289,36 @@ def _where(job: ArrayJob, source: Path) -> str:
     return str(job.source.get("path", source))
 
 
-def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
-             progress: Progress | None) -> PerturbResult:
+@dataclass
+class Plan:
+    """What a run will do, decided from the options and the arrays' shapes and dtypes
+    alone (no data values): the range, the grid, each array's calibration, the output
+    dtype and the certified figures."""
+
+    lo: float
+    hi: float
+    grid: discrete.Grid | None
+    calib_of: dict[str, Calibration]  # by array name
+    calibrations: list[Calibration]  # the distinct ones
+    largest: Calibration  # the largest record's: the manifest's scalar fields describe it
+    out_dtype: np.dtype
+    certified: dict[str, Any]
+    rows: list[list[str]]
+    raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
+
+    @property
+    def top(self) -> float:
+        """The largest valid value: hi, or for integer data under discrete noise (range
+        [lo, hi), the values lo..hi-1) the grid's last value."""
+        return self.hi if self.grid is None or self.grid.granularity else self.grid.high
+
+
+def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
+         per_tensor: bool = False) -> Plan:
+    """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
+    sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
     source = options.input
-    jobs = reader.arrays()
+    rows = rows or []
     if options.clip is not None:
         lo, hi = -options.clip, options.clip
     else:
@@ -277,45 +330,65 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                      options.epsilon, source)
     elif options.granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
-    # Keyed by (I, MVG rows): one calibration per record size (and unfolding, for MVG).
-    keys = {job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
-            for job in jobs}
-    calibrations: dict[tuple[int, int | None], Calibration] = {}
-    for key in keys.values():
-        if key not in calibrations:
-            calibrations[key] = calibrate(
-                mechanism=options.mechanism, noise=options.noise, budget=options.budget,
-                epsilon=options.epsilon, range_width=hi - lo if grid is None else grid.range_width,
-                elements=key[0], dp_delta=options.dp_delta, rows=key[1],
-                granularity=grid and grid.granularity)
+    calib_of = calibrate_arrays(
+        mechanism=options.mechanism, noise=options.noise, budget=options.budget, epsilon=options.epsilon,
+        range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
+        granularity=grid and grid.granularity, rows=rows,
+        arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
+                for job in jobs})
+    calibrations = list(dict.fromkeys(calib_of.values()))
     if grid is None:
-        for calib in calibrations.values():  # before any output: float noise the dtype can hold
+        for calib in calibrations:  # before any output: float noise the dtype can hold
             try:
                 engine.check_noise_scale(calib.scale, out_dtype)
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
-    if grid is not None:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations.values()),
+    else:  # integers stay integers, widened so they never wrap
+        out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations),
                                           options.dtype)
-    # The manifest's scalar fields (noise_scale, elements_per_record, ...) describe the
-    # largest record; the certified figures are the worst case over every calibration.
-    largest = max(calibrations.values(), key=lambda c: (c.elements, -c.scale))
-    # Before the data: a failure costs nothing, and the accountant's peak memory does
-    # not stack on the streaming buffers.
-    certified = accounting.certify_all(list(calibrations.values()))
+    # The certified figures are the worst case over every calibration. Computed before the
+    # data: a failure costs nothing, and the accountant's peak memory does not stack on the
+    # streaming buffers.
+    certified = accounting.certify_all(calibrations, [[calib_of[name] for name in row] for row in rows])
     certified.update(accounting.certify_file(
-        [(job.name, calibrations[keys[job.name]], job.records) for job in jobs],
-        per_tensor=getattr(reader, "records_are_tensors", False)))
+        [(job.name, calib_of[job.name], job.records) for job in jobs], per_tensor=per_tensor))
+    raw_release = accounting.raw_release_scopes(certified)
+    if raw_release and not options.allow_raw_release:
+        scope, delta = next(((s, d) for s, d in raw_release if s == "per_record"), raw_release[0])
+        unmet = (f"--eps {options.epsilon:g} per record cannot be met at --dp-delta {options.dp_delta:g}"
+                 if options.budget == "record" else f"above --dp-delta {options.dp_delta:g}")
+        raise UsageError(
+            f"{source}: TLDP would keep each raw value with probability "
+            f"{max(c.p for c in calibrations):.3g}, so the {scope.replace('_', ' ')} delta "
+            f"is {delta:.3g}, {unmet} (the retain probability depends on the data's units). "
+            f"{RAW_RELEASE_ADVICE}; or pass --allow-raw-release to accept it (the manifest records it)")
+    largest = max(calibrations, key=lambda c: (c.elements, -c.scale))
+    return Plan(lo, hi, grid, calib_of, calibrations, largest, out_dtype, certified, rows, raw_release)
+
+
+def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
+             progress: Progress | None) -> PerturbResult:
+    source = options.input
+    jobs = reader.arrays()
+    run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
+               per_tensor=getattr(reader, "records_are_tensors", False))
+    lo, hi, grid, out_dtype = run.lo, run.hi, run.grid, run.out_dtype
+    calib_of, calibrations, largest, certified = run.calib_of, run.calibrations, run.largest, run.certified
+    rows, raw_release = run.rows, run.raw_release
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
 
     destination, manifest_path = _destinations(options, module, reader)
+    name_map = None  # --anonymize-names: the name map, written with the output
+    if options.anonymize_names:
+        name_map = module.name_map_destination(options.name_map, source, destination, manifest_path,
+                                               options.overwrite)
     output.check_free_space(destination.parent, _output_bytes(jobs, out_dtype, module.NAME,
                                                              options.image_format), destination)
 
-    streams = Streams(options.rng, options.seed)
+    streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
@@ -333,6 +406,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         else:
             tmp_output = staging.temporary(destination)
         tmp_manifest = staging.temporary(manifest_path)
+        tmp_name_map = staging.temporary(name_map) if name_map else None
     except BaseException:
         staging.discard()
         raise
@@ -349,9 +423,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                     progress(sum(stop - start for _, start, stop in kept), total)
             outside_counts: list[tuple[int, int]] = []  # (values outside the range, first record)
             block_task = BlockTask(
-                calibrations={job.name: calibrations[keys[job.name]] for job in jobs}, streams=streams,
+                calibrations=calib_of, streams=streams,
                 # integer data under discrete noise: [lo, hi) holds lo..hi-1
-                masks=masks, lo=lo, hi=hi if grid is None or grid.granularity else grid.high,
+                masks=masks, lo=lo, hi=run.top,
                 clip_input=options.clip_input or options.clip is not None,
                 dtype=out_dtype,
                 source=source, write=writer.write, grid=grid)
@@ -394,27 +468,36 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         extra = dict(getattr(reader, "manifest_extra", {}))
+        extra.update(getattr(writer, "manifest_extra", {}))  # e.g. dropped_filters
+        extra["sampler"] = options.sampler
         if options.clip is not None:
             extra["clip"] = {"norm": "linf", "bound": options.clip}
+        if raw_release:
+            extra["raw_release_allowed"] = {scope: delta for scope, delta in raw_release}
+        if any(len(row) > 1 for row in rows):
+            extra["row_datasets"] = [row for row in rows if len(row) > 1]
         if grid is not None:
             extra.update(discrete.manifest_fields(grid, options.granularity is None, out_dtype))
-        sizes = {elements for elements, _ in calibrations}
+        sizes = {c.elements for c in calibrations}
         if len(sizes) > 1:
             extra["elements_per_record_range"] = [min(sizes), max(sizes)]
-        records_of: dict[tuple[int, int | None], int] = {}
+        records_of: dict[Calibration, int] = {}
         for job in jobs:
-            records_of[keys[job.name]] = records_of.get(keys[job.name], 0) + job.records
+            records_of[calib_of[job.name]] = records_of.get(calib_of[job.name], 0) + job.records
         manifest = manifest_mod.build(
             calib=largest, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
-            calibrations=[(calibrations[k], n) for k, n in records_of.items()],
-            seeded=streams.seeded, weights=weights_info,
-            inputs=[job.source for job in jobs], outputs=outputs,
+            calibrations=list(records_of.items()),
+            seeded=streams.seeded, weak_seed=streams.weak_seed, weights=weights_info,
+            inputs=reader.manifest_inputs() if hasattr(reader, "manifest_inputs") else
+            [job.source for job in jobs], outputs=outputs,
             preprocessing=(["clip"] if options.clip is not None else [])
             + (["clip_input"] if options.clip_input else []),
             postprocessing=([discrete.saturation_note(out_dtype)] if grid and out_dtype.kind == "i" else [])
             + getattr(writer, "postprocessing", []),
             output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
         manifest_mod.write(manifest, tmp_manifest, shown_as=manifest_path)
+        if name_map:
+            module.write_name_map(reader.name_map(destination, manifest_path), tmp_name_map, name_map)
         staging.commit(options.overwrite)
     except BaseException as exc:
         staging.discard()
@@ -426,13 +509,29 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if partial is not None:
         partial.remove()  # only its emptied folder and journal are left
     messages = list(getattr(reader, "messages", [])) + notes
-    if weights_info and weights_info["data_derived"]:
-        messages.append(f"warning: the weights in {options.weights} were computed from the private "
-                        f"values (method {weights_info['method']}); the manifest says so")
+    if name_map:
+        messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
+                        "output's, so keep it with the raw data, never with the release")
+    if weights_warning(options.weights, weights_info):
+        messages.append(weights_warning(options.weights, weights_info))
     if options.seed is not None:
         messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
     return PerturbResult(destination, manifest_path, manifest, messages)
+
+
+def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
+    """The datasets each subject's record spans: in an HDF5 file or Zarr store, the
+    arrays perturbed together that share their first axis (row i of each is subject i);
+    every other array is a record scope of its own. [] when no two arrays share rows."""
+    if format_name not in ("hdf5", "zarr") or getattr(reader, "records_are_tensors", False):
+        return []
+    by_length: dict[int, list[str]] = {}
+    for job in jobs:
+        by_length.setdefault(job.records, []).append(job.name)
+    if all(len(names) == 1 for names in by_length.values()):
+        return []
+    return list(by_length.values())
 
 
 def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
@@ -492,8 +591,8 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 
 
 # PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
-_NOT_RECORDED = {"input", "out", "manifest", "seed", "overwrite", "workers", "scheduler", "dask_address",
-                 "dask_logs", "resume"}
+_NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
+                 "dask_address", "dask_logs", "resume"}
 _OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
 
 

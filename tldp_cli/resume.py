@@ -13,7 +13,7 @@ disk; a block that was being written when the run died is simply written again.
 The directory is locked (flock) while a run uses it, so two runs never share one.
 
 The journal records the options that decide the output, never the seed nor anything
-derived from it (seeds are low-entropy: a hash would confirm guesses), and no hash
+derived from it (a hash would confirm guesses of a weak seed), and no hash
 or statistic of the input. With the same seed a resumed run equals an uninterrupted
 one; without it the remaining blocks get fresh, independent noise. Another tldp
 version or stream layout (rng.STREAM_LAYOUT, STREAM_UNIT_ELEMENTS) may draw other

@@ -5,14 +5,23 @@ entropy otherwise. Each stream unit (a fixed group of consecutive records of one
 array) gets a generator keyed by SHA-256(root, array name, unit index), so the
 output does not depend on how the reader blocks the data, nor on the order or
 the thread in which units run. The seed and the root key never leave this module.
+
+A seed is a secret key: whoever has it regenerates the noise and subtracts it. It
+is a string of hex digits (`tldp seed`, secrets.token_hex(16)), or, from Python, a
+non-negative integer, which keys the streams as its decimal digits (so 42, "42" and
+`--seed 42` agree, and integer seeds give the noise they gave before seeds were
+keys). Seeds of fewer than MIN_SEED_BITS bits are refused unless allowed (tests, demos).
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import secrets
 
 import numpy as np
+
+from tldp_cli.errors import UsageError
 
 RNG_KINDS = ("secure", "fast")
 
@@ -28,6 +37,44 @@ STREAM_UNIT_ELEMENTS = 1 << 18
 STREAM_LAYOUT = 2  # 2: float32 Gaussian noise from ziggurat.py instead of NumPy's sampler
 
 
+# The bits a seed holds cannot be measured, only the length of its key material: 4
+# bits per hex digit of a string, the binary length of an integer. 32 random hex
+# digits hold 128 bits; "000...0" or digits typed by hand hold far fewer, and pass
+# all the same. 128 bits puts guessing out of reach; trying the seeds 0..99 takes seconds.
+MIN_SEED_BITS = 128
+MAKE_SEED = "make one with `tldp seed` (or python -c \"import secrets; print(secrets.token_hex(16))\")"
+
+
+def seed_text(seed: str | int) -> tuple[str, int]:
+    """The text the seed's key is derived from, and how many bits of key material it
+    holds (its length, see MIN_SEED_BITS). Error messages never show the seed."""
+    if isinstance(seed, str):
+        text = seed.strip().lower()
+        if not text or not all(c in "0123456789abcdef" for c in text):
+            raise UsageError(f"a seed is a string of hex digits (0-9, a-f); {MAKE_SEED}")
+        return text, 4 * len(text)
+    try:
+        number = operator.index(seed)
+    except TypeError:
+        raise UsageError(f"a seed is a string of hex digits, not a {type(seed).__name__}; "
+                         f"{MAKE_SEED}") from None
+    if number < 0:
+        raise UsageError(f"an integer seed must be >= 0; {MAKE_SEED}")
+    return str(number), number.bit_length()
+
+
+def check_seed(seed: str | int, allow_weak_seed: bool = False) -> bool:
+    """Whether the seed is weak (under MIN_SEED_BITS bits of key material); raises
+    UsageError for something that is not a seed, and for a weak seed unless allowed."""
+    _, bits = seed_text(seed)
+    if bits < MIN_SEED_BITS and not allow_weak_seed:
+        raise UsageError(f"the seed is a secret key and holds only {bits} bits of key material, "
+                         f"few enough to guess; use at least {MIN_SEED_BITS} bits "
+                         f"({MIN_SEED_BITS // 4} random hex digits): {MAKE_SEED}, or pass "
+                         "--allow-weak-seed for tests and demos")
+    return bits < MIN_SEED_BITS
+
+
 def records_per_unit(elements_per_record: int) -> int:
     """A power of two, so units line up with the power-of-two chunks of stored arrays
     and a block of whole chunks draws no noise it does not use."""
@@ -36,24 +83,33 @@ def records_per_unit(elements_per_record: int) -> int:
 
 class Streams:
     """Factory of per-unit generators. `kind`: "secure" (AES-128 in counter mode,
-    randomgen's AESCounter) or "fast" (PCG64, predictable from its output)."""
+    randomgen's AESCounter) or "fast" (PCG64, predictable from its output).
 
-    def __init__(self, kind: str = "secure", seed: int | None = None):
+    Seeded, generator(name, unit) is a pure function of the seed, the array name and the
+    unit: the output is reproducible whatever the blocking, the workers or the scheduler.
+    Unseeded, every call draws fresh key material as well, so no two calls ever repeat
+    noise: a library caller perturbing batch after batch with one Streams (or the same
+    batch twice) gets independent noise each time, never a difference that cancels it."""
+
+    def __init__(self, kind: str = "secure", seed: str | int | None = None,
+                 allow_weak_seed: bool = False):
         if kind not in RNG_KINDS:
             raise ValueError(f"rng must be one of {RNG_KINDS}")
         self.kind = kind
         self.seeded = seed is not None
+        self.weak_seed = seed is not None and check_seed(seed, allow_weak_seed)
         if seed is None:
             self._root = secrets.token_bytes(32)
         else:
-            self._root = hashlib.sha256(b"tldp-seed/1\0" + str(int(seed)).encode()).digest()
+            self._root = hashlib.sha256(b"tldp-seed/1\0" + seed_text(seed)[0].encode()).digest()
 
     def __repr__(self) -> str:  # never show the key
         return f"Streams(kind={self.kind!r}, seeded={self.seeded})"
 
     def generator(self, array_name: str, unit: int) -> np.random.Generator:
+        fresh = b"" if self.seeded else secrets.token_bytes(16)
         key = hashlib.sha256(
-            self._root + b"\0" + array_name.encode() + b"\0" + unit.to_bytes(8, "little")
+            self._root + b"\0" + array_name.encode() + b"\0" + unit.to_bytes(8, "little") + fresh
         ).digest()
         if self.kind == "secure":
             from randomgen import AESCounter

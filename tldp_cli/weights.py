@@ -14,7 +14,9 @@ Making (`tldp weight-mask`): `constant`, `box`, `image`, `intensity` and `faces`
 masks, with optional feathering and a preview PNG. A small JSON sidecar beside the mask
 (`MASK.npy.json`, `MASKS.json` for a folder) records how it was made, so that the
 manifest of a run that uses it can say whether the weights depend on the data.
-The sidecar holds no statistic of the data.
+The sidecar holds no statistic of the data. A mask without a readable sidecar is of
+unknown origin and is treated as data-derived (its hash and extremes stay out of the
+manifest).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ FACE_DETECTOR = (f"OpenCV Haar cascade {FACE_CASCADE} on the histogram-equalised
                  "(scale factor 1.1, 5 neighbours, faces of 24 pixels or more)")
 PREVIEW_TINT = 0.6  # opacity of the red overlay where w = 1
 BLOCK_ELEMENTS = 1 << 22  # elements read at a time when a mask is made from the data
+DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
 
 def sidecar_path(mask: Path) -> Path:
@@ -208,18 +211,18 @@ def _load_mask_folder(folder: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mas
     return masks, info
 
 
-def read_sidecar(mask: Path) -> dict[str, Any] | None:
-    """The weight-mask sidecar beside `mask`, if tldp wrote one."""
+def read_sidecar(mask: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The weight-mask sidecar beside `mask` if tldp wrote one, else (None, why not)."""
     path = sidecar_path(mask)
     if not path.is_file():
-        return None
+        return None, "no sidecar"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{path}: weight-mask sidecar is not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None, "unreadable sidecar"
     if not isinstance(meta, dict) or meta.get("schema") != SIDECAR_SCHEMA:
-        return None  # some other file of that name: the method stays unknown
-    return meta
+        return None, "sidecar not written by tldp weight-mask"  # some other file of that name
+    return meta, None
 
 
 def load_masks(path: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[str, Any]]:
@@ -232,20 +235,39 @@ def load_masks(path: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[
     else:
         masks = {job.name: load_mask(path, job.record_shape, job.records) for job in jobs}
         info = dict(next(iter(masks.values())).info)
-    meta = read_sidecar(path)
+    meta, missing = read_sidecar(path)
     if meta is not None and path.is_file() and meta.get("shape") not in (None, info["shape"]):
         raise InputError(f"{sidecar_path(path)}: describes a mask of shape {meta['shape']}, but "
                          f"{path} has shape {info['shape']}; make the mask again")
     info["method"] = meta.get("method") if meta else None
-    info["data_derived"] = meta.get("data_derived") if meta else None
+    # Only a sidecar that says so clears a mask: one of unknown origin may be a function
+    # of the private values (an intensity mask's max is the brightest pixel / 255).
+    info["data_derived"] = meta is None or meta.get("data_derived") is not False
+    if missing:
+        info["origin"] = f"unknown ({missing}): treated as data-derived"
     if info["data_derived"]:
-        # The mask is a function of the private values: its hash and extremes would
+        # The mask may be a function of the private values: its hash and extremes would
         # confirm guesses about them, so they stay out of the manifest.
+        made = ("nothing says how the weights were made, so they may have been computed from the "
+                "private values" if missing else "the weights were computed from the private values "
+                "themselves")
         info.update(sha256=None, min=None, max=None,
-                    note="the weights were computed from the private values themselves, so the "
-                         "chance that a value is kept depends on the data; the certified figures "
-                         "assume w = 0 and do not use the weights; sha256, min and max are withheld")
+                    note=f"{made}, so the chance that a value is kept may depend on the data; the "
+                         "certified figures assume w = 0 and do not use the weights; sha256, min "
+                         "and max are withheld")
     return masks, info
+
+
+def weights_warning(path: Path, info: dict[str, Any] | None) -> str | None:
+    """The line perturb shows about a data-derived (or unknown) mask, if any."""
+    if not info or not info["data_derived"]:
+        return None
+    if "origin" in info:
+        return (f"warning: {path} has no readable sidecar {sidecar_path(path).name} from tldp "
+                "weight-mask, so its weights are treated as data-derived: the manifest withholds "
+                "their sha256, min and max, and the certified figures assume w = 0")
+    return (f"warning: the weights in {path} were computed from the private values (method "
+            f"{info['method']}); the manifest says so")
 
 
 # --------------------------------------------------------------------------------------
@@ -543,12 +565,13 @@ def _spatial(record_shape: tuple[int, ...], where: Path, method: str) -> tuple[i
 
 def _display(record: np.ndarray, lo: float | None, hi: float | None) -> np.ndarray:
     """One record as 8-bit RGB for the preview, scaled by the range: the declared one, else
-    the integer dtype's, else the record's own extremes (the preview stays private)."""
+    the dtype's for 8- and 16-bit integers (as pipeline.resolve_range), else the record's own
+    extremes (the preview stays private)."""
     values = record.astype(np.float64)
     if values.ndim == 3:
         values = values[..., :3] if values.shape[-1] >= 3 else values[..., 0]
     if lo is None or hi is None:
-        if record.dtype.kind in "iu":
+        if record.dtype.kind in "iu" and record.dtype.itemsize * 8 <= DEFAULT_RANGE_BITS:
             lo, hi = float(np.iinfo(record.dtype).min), float(np.iinfo(record.dtype).max) + 1
         else:
             lo, hi = float(values.min()), float(values.max())

@@ -15,7 +15,9 @@ renames it to the destination once everything succeeded.
 A reader may also have `messages` (lines the CLI shows the user, e.g. which
 datasets it chose) and `manifest_extra` (fields added to the manifest, e.g. the
 files skipped); a writer may have `postprocessing` (steps applied after the
-noise, e.g. clip and round for 8-bit image output).
+noise, e.g. clip and round for 8-bit image output) and `manifest_extra` (e.g. the
+lossy filters it left off, dropped_filters). A reader with `manifest_inputs()` gives
+the manifest's `inputs` entries itself (otherwise they are the jobs' sources).
 
 Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
 picklable and open its file inside each call (never hold an open handle). Optional,
@@ -95,6 +97,7 @@ class FormatOptions:
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
+    anonymize_names: bool = False  # image folders: neutral output names, no input names in the manifest
 
 
 # In the order detect() tries them; each is imported when its turn comes (h5py and zarr
@@ -117,6 +120,18 @@ def detect(path: Path):
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
 
 
+LISTED = 5  # names shown in a message before "... and N more"
+
+
+def listing(names: list[str]) -> str:
+    shown = ", ".join(names[:LISTED])
+    return shown if len(names) <= LISTED else f"{shown}, ... and {len(names) - LISTED} more"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def member_name(source: dict[str, Any]) -> str | None:
     """How a message names the array inside a file (an ArrayJob's source): "tensor w" in a
     model file, "dataset x" in HDF5/Zarr; None for a whole-file array or an image."""
@@ -124,6 +139,15 @@ def member_name(source: dict[str, Any]) -> str | None:
         return None
     noun = "tensor" if source.get("format") in ("npz", "safetensors") else "dataset"
     return f"{noun} {source['dataset']}"
+
+
+def dropped_filters(dropped: dict[str, list[str]]) -> tuple[list[str], dict[str, Any]]:
+    """What the manifest says about the lossy filters (HDF5) or codecs (Zarr) left off the
+    perturbed arrays, {array: [names]}: a postprocessing step and `dropped_filters`."""
+    if not dropped:
+        return [], {}
+    return (["store the noisy values exactly: the input's lossy filters are not applied to the "
+             "perturbed arrays (dropped_filters)"], {"dropped_filters": dropped})
 
 
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:

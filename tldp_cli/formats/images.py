@@ -13,13 +13,22 @@ Symbolic links inside the folder (to images, other files or directories, danglin
 or not) are never followed: they are skipped, named in a message and listed in
 the manifest (skipped_symbolic_links), with or without --copy-other, so nothing
 outside the folder is read or copied. The folder's own path may be a link.
+
+With --anonymize-names the output is flat, the images numbered in a random order
+(000000.png, 000001.png, ...), and the manifest names no input file or folder: its
+inputs entries and lists of skipped files give the new names or counts only. The
+name map, written beside the raw data, pairs the original names with the new ones
+and names the skipped files; evaluate pairs the images through it.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import functools
+import io
+import json
 import os
-import shutil
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +36,10 @@ import numpy as np
 import tifffile
 from PIL import ExifTags, Image, ImageOps
 
+from tldp_cli import __version__, output
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions
+from tldp_cli.formats import ArrayJob, FormatOptions, listing, plural
+from tldp_cli.formats.checked_io import copy_bytes, writing
 
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -36,7 +47,9 @@ ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
-LISTED = 5  # file names shown in a message before "... and N more"
+NAME_MAP_SCHEMA = "tldp-name-map/1"
+WITHHELD = "withheld (--anonymize-names)"
+ANONYMOUS_DIGITS = 6  # 000000.png: at least this many digits
 
 
 def can_open(path: Path) -> bool:
@@ -47,6 +60,13 @@ def default_output(path: Path) -> Path:
     if path.name in ("", ".", ".."):
         path = path.resolve()
     return path.with_name(path.name + ".tldp")
+
+
+def default_name_map(path: Path) -> Path:
+    """photos/ -> photos.name-map.json beside it: with the raw data, outside the output."""
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    return path.with_name(path.name + ".name-map.json")
 
 
 class _Unsupported(Exception):
@@ -139,15 +159,6 @@ def _output_name(rel: str, image_format: str) -> str:
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
 
 
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:LISTED])
-    return shown if len(names) <= LISTED else f"{shown}, ... and {len(names) - LISTED} more"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _non_images(n: int) -> str:
     return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
 
@@ -181,11 +192,17 @@ class ImageFolderReader:
                              "(.npz, .safetensors), not image folders")
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
+        self.anonymized = options.anonymize_names
+        if self.anonymized and options.copy_other:
+            raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
+                             "go with --anonymize-names")
         candidates, self.others, self.links = _walk(path)
         out_names = {rel: _output_name(rel, options.image_format) for rel in candidates}
-        _check_collisions(path, out_names)
+        if not self.anonymized:
+            _check_collisions(path, out_names)
         self.images: list[_Image] = []
-        bad: list[str] = []
+        self.bad: list[str] = []
+        bad = self.bad
         conversions: dict[str, list[str]] = {}
         for rel in candidates:
             file = path / rel
@@ -204,27 +221,68 @@ class ImageFolderReader:
             if not options.skip_bad:
                 raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
             bad.append(rel)
-        self._report(options, bad, conversions)
+        if self.anonymized:
+            self._anonymize(options.image_format)
+            conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
+            self._report_anonymized(bad, conversions)
+        else:
+            self._report(options, bad, conversions)
+
+    @property
+    def out_names(self) -> dict[str, str]:
+        return {image.rel: image.out_rel for image in self.images}
+
+    def _anonymize(self, image_format: str) -> None:
+        """Flat output names numbered in a random order: the sorted order of the names
+        would tell who is who to anyone who knows the names."""
+        numbers = list(range(len(self.images)))
+        secrets.SystemRandom().shuffle(numbers)
+        digits = max(ANONYMOUS_DIGITS, len(str(len(self.images) - 1)))
+        suffix = OUTPUT_SUFFIXES[image_format][0]
+        for image, number in zip(self.images, numbers):
+            image.out_rel = f"{number:0{digits}d}{suffix}"
+        self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
+
+    def _report_anonymized(self, bad: list[str], conversions: dict[str, list[str]]) -> None:
+        """Counts instead of names: the name map lists the files."""
+        skipped = (("skipped_symbolic_links", self.links, "symbolic link"),
+                   ("not_images", self.others, "non-image file"),
+                   ("skipped_bad_images", bad, "unreadable image"))
+        for key, names, word in skipped:
+            if names:
+                self.manifest_extra[key] = len(names)
+                self.messages.append(f"skipped {plural(len(names), word)} (named in the name map)")
+        if self.others:
+            self.manifest_extra["not_images_action"] = "skipped"
+        if conversions:
+            self.manifest_extra["image_conversions"] = conversions
+        if not self.images:
+            raise InputError(f"no images in {self.path}; looking for {', '.join(IMAGE_SUFFIXES)}")
+        self.manifest_extra["anonymized_names"] = {
+            "name_map_id": self.name_map_id,
+            "rule": "images renamed to numbers in a random order in one flat folder; the input's "
+                    "file and folder names and paths are withheld (lists of skipped files are "
+                    "counts); the name map kept with the raw data pairs them"}
 
     def _report(self, options: FormatOptions, bad: list[str], conversions: dict[str, list[str]]):
         if self.links:
             self.manifest_extra["skipped_symbolic_links"] = self.links
-            self.messages.append(f"skipped {_plural(len(self.links), 'symbolic link')}: {_listing(self.links)}")
+            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
         if self.others:
             self.manifest_extra["not_images"] = self.others
             self.manifest_extra["not_images_action"] = "copied unchanged" if options.copy_other else "skipped"
             done = "copied" if options.copy_other else "skipped"
             how = " unchanged (not perturbed)" if options.copy_other else ""
-            self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {_listing(self.others)}")
+            self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {listing(self.others)}")
         if bad:
             self.manifest_extra["skipped_bad_images"] = bad
-            self.messages.append(f"skipped {_plural(len(bad), 'unreadable image')}: {_listing(bad)}")
+            self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
         if conversions:
             self.manifest_extra["image_conversions"] = conversions
         if not self.images:
             found = [_non_images(len(self.others))] if self.others else []
-            found += [_plural(len(bad), "unreadable image")] if bad else []
-            found += [_plural(len(self.links), "symbolic link")] if self.links else []
+            found += [plural(len(bad), "unreadable image")] if bad else []
+            found += [plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
 
@@ -235,12 +293,74 @@ class ImageFolderReader:
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
 
+    def manifest_inputs(self) -> list[dict]:
+        """The manifest's inputs entries; anonymized: by output name, no input path."""
+        if not self.anonymized:
+            return [job.source for job in self.arrays()]
+        return [{"path": WITHHELD, "image": image.out_rel, "format": NAME, "shape": list(image.shape),
+                 "dtype": str(image.dtype)} for image in sorted(self.images, key=lambda i: i.out_rel)]
+
+    def name_map(self, output_path: Path, manifest_path: Path) -> dict:
+        """The name map: what the manifest withholds. It names the people in the data."""
+        return {"schema": NAME_MAP_SCHEMA, "sensitive": "names the images of the raw data: keep it "
+                                                        "with the raw data, never with the release",
+                "tool": {"name": "tldp", "version": __version__}, "name_map_id": self.name_map_id,
+                "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
+                "images": self.out_names, "skipped_bad_images": self.bad, "not_images": self.others,
+                "skipped_symbolic_links": self.links,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
     def close(self) -> None:
         pass
 
 
 def open_reader(path: Path, options: FormatOptions) -> ImageFolderReader:
     return ImageFolderReader(path, options)
+
+
+def name_map_destination(name_map: Path | None, source: Path, destination: Path, manifest: Path,
+                         overwrite: bool) -> Path:
+    """Where the name map goes (default: beside the input), checked as the output is: never
+    inside the input or the output, never the output or manifest itself."""
+    path = Path(name_map) if name_map is not None else default_name_map(source)
+    output.check_destination(path, source, overwrite, "name map", folder=False)
+    output.check_distinct({"output": destination, "manifest": manifest, "name map": path})
+    return path
+
+
+def write_name_map(document: dict, tmp: Path, shown_as: Path) -> None:
+    """Writes the name map to `tmp` (a temporary that becomes `shown_as`), readable by its
+    owner only: it names the people in the data."""
+    data = (json.dumps(document, indent=2) + "\n").encode()
+    with writing(shown_as):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
+    """original relative path -> output name, from the name map of the run whose manifest
+    holds `name_map_id`."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: name map not found; the images were renamed by perturb "
+                         "--anonymize-names: give its name map with --name-map") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable name map ({exc})") from None
+    if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
+        raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
+    if document.get("name_map_id") != name_map_id:
+        raise InputError(f"{path}: is the name map of another run (its name_map_id differs from "
+                         "the manifest's)")
+    images = document.get("images")
+    if not (isinstance(images, dict) and all(
+            isinstance(k, str) and isinstance(v, str) and v and "/" not in v and v not in (".", "..")
+            for k, v in images.items())):
+        raise InputError(f"{path}: damaged name map: 'images' is not a map of names to file names")
+    return images
 
 
 def _icc_profile(path: Path) -> bytes | None:
@@ -255,7 +375,8 @@ class ImageFolderWriter:
         self.image_format = options.image_format
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
-        tmp_path.mkdir()
+        with writing(tmp_path):
+            tmp_path.mkdir()
         if options.copy_other:
             for rel in reader.others:
                 self._copy(reader.path / rel, rel)
@@ -279,12 +400,18 @@ class ImageFolderWriter:
 
     def _target(self, rel: str) -> Path:
         target = self.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        with writing(target.parent):
+            target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
     def _copy(self, source: Path, rel: str) -> Path:
         target = self._target(rel)
-        shutil.copyfile(source, target)
+        try:
+            src = open(source, "rb")
+        except OSError as exc:
+            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+        with src, writing(target), open(target, "wb") as dst:
+            copy_bytes(src, source, dst, target)
         return target
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
@@ -293,11 +420,14 @@ class ImageFolderWriter:
         alpha = _decode(image.path).alpha if image.has_alpha else None
         icc = _icc_profile(image.path)
         target = self._target(image.out_rel)
+        # Encoded in memory, then written with one checked write: Pillow writes a PNG to a
+        # file descriptor without checking for short writes.
+        encoded = io.BytesIO()
         if self.image_format == "tiff":
             pixels = values.astype(self.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha.astype(self.dtype)])
-            tifffile.imwrite(target, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
+            tifffile.imwrite(encoded, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
                              extrasamples=("unassalpha",) if alpha is not None else None,
                              iccprofile=icc)
         else:
@@ -305,7 +435,9 @@ class ImageFolderWriter:
             pixels = np.clip(np.rint(values), info.min, info.max).astype(image.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
-            Image.fromarray(pixels).save(target, format="PNG", icc_profile=icc)
+            Image.fromarray(pixels).save(encoded, format="PNG", icc_profile=icc)
+        with writing(target), open(target, "wb") as f:
+            f.write(encoded.getbuffer())
 
     def block_writer(self):
         """write itself: it keeps no state between images, so Dask workers can run it."""

@@ -13,7 +13,6 @@ that. Filesystems without direct I/O get ordinary writes.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import io
@@ -29,6 +28,7 @@ import numpy as np
 from tldp_cli.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
+from tldp_cli.formats.checked_io import pwrite_all, writing
 
 NAME = "npy"
 MAGIC = b"\x93NUMPY"
@@ -129,18 +129,6 @@ def open_reader(path: Path, options: FormatOptions) -> NpyReader:
     return NpyReader(path, options)
 
 
-@contextlib.contextmanager
-def _naming(path: Path):
-    """Re-raises an OSError with `path` as its file name: pwrite, truncate and fsync errors
-    name none, and the user would read only "I/O"."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is not None:
-            raise
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
-
-
 def _aligned_copy(data: np.ndarray) -> np.ndarray:
     """`data` (bytes) in this thread's reused page-aligned buffer."""
     buffer = getattr(_thread_buffers, "buffer", None)
@@ -148,15 +136,6 @@ def _aligned_copy(data: np.ndarray) -> np.ndarray:
         buffer = _thread_buffers.buffer = page_aligned_empty(data.size, np.uint8)
     buffer[:data.size] = data
     return buffer[:data.size]
-
-
-def _pwrite_all(fd: int, data, position: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, position)
-        if written == 0:
-            raise OSError(errno.EIO, "the filesystem wrote nothing")
-        view, position = view[written:], position + written
 
 
 def _write_direct(path: Path, data: np.ndarray, position: int) -> bool:
@@ -173,7 +152,7 @@ def _write_direct(path: Path, data: np.ndarray, position: int) -> bool:
             return False
         raise
     try:
-        _pwrite_all(fd, data, position)
+        pwrite_all(fd, data, position)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False  # refused before writing: alignment the device does not take
@@ -194,7 +173,7 @@ class _Blocks:
     dtype: np.dtype
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        with _naming(self.path):
+        with writing(self.path):
             self._write(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8),
                         self.offset + start * self.row_bytes)
 
@@ -212,7 +191,7 @@ class _Blocks:
             fd = os.open(self.path, os.O_WRONLY)
             try:
                 for part, at in rest:
-                    _pwrite_all(fd, part, at)
+                    pwrite_all(fd, part, at)
             finally:
                 os.close(fd)
 
@@ -278,7 +257,7 @@ class NpyWriter:
         dtype = np.dtype(dtype)
         header = _page_header({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
                                "shape": tuple(job.shape)})
-        with _naming(tmp_path), open(tmp_path, "wb") as f:
+        with writing(tmp_path), open(tmp_path, "wb") as f:
             f.write(header)
             f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
         self._blocks = _Blocks(tmp_path, len(header), job.elements * dtype.itemsize, dtype)
@@ -334,16 +313,17 @@ class NpyWriter:
     def _hash_from_file(self, start: int, stop: int) -> None:
         position = self._blocks.offset + start * self._blocks.row_bytes
         end = self._blocks.offset + stop * self._blocks.row_bytes
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            while position < end:
-                chunk = os.pread(fd, min(1 << 22, end - position), position)
-                if not chunk:
-                    raise OSError(errno.EIO, "shorter than the records written", str(self.path))
-                self._sha256.update(chunk)
-                position += len(chunk)
-        finally:
-            os.close(fd)
+        with writing(self.path):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                while position < end:
+                    chunk = os.pread(fd, min(1 << 22, end - position), position)
+                    if not chunk:
+                        raise OSError(errno.EIO, "it is shorter than the records written")
+                    self._sha256.update(chunk)
+                    position += len(chunk)
+            finally:
+                os.close(fd)
 
     def digests(self) -> dict[Path, str]:
         """sha256 of the output once every record is written, else nothing."""
@@ -357,12 +337,12 @@ class NpyWriter:
             self._hasher.close()
         # Blocks may have been written by other processes: fsync flushes the file's pages
         # whoever wrote them.
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            with _naming(self.path):
+        with writing(self.path):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
                 os.fsync(fd)
-        finally:
-            os.close(fd)
+            finally:
+                os.close(fd)
         return [self.path]
 
 

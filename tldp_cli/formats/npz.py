@@ -10,7 +10,8 @@ memory until the members before them are written (at most a few blocks in flight
 
 from __future__ import annotations
 
-import shutil
+import contextlib
+import os
 import struct
 import threading
 import zipfile
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError, OutputError
+from tldp_cli.errors import InputError
 from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
@@ -139,12 +141,16 @@ class NpzWriter:
         self.received: set[str] = set()
         self.next = 0  # index of the next member to write
         self.lock = threading.Lock()
-        try:
-            self.out = zipfile.ZipFile(tmp_path, "x", allowZip64=True)
-        except OSError as exc:
-            raise OutputError(f"{tmp_path.parent}: cannot create the output file ({exc.strerror})") from None
-        self.out.comment = reader.comment
+        self.failed = False  # a member could not be written: close() only releases the files
         self.src = zipfile.ZipFile(reader.path)
+        try:
+            with writing(tmp_path):
+                self.file = open(tmp_path, "x+b")
+        except BaseException:
+            self.src.close()
+            raise
+        self.out = zipfile.ZipFile(self.file, "w", allowZip64=True)
+        self.out.comment = reader.comment
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name])
@@ -154,6 +160,14 @@ class NpzWriter:
             self._flush()
 
     def _flush(self) -> None:
+        try:
+            with writing(self.path):
+                self._write_members()
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _write_members(self) -> None:
         while self.next < len(self.members):
             info = self.members[self.next]
             name = _key(info.filename)
@@ -168,23 +182,34 @@ class NpzWriter:
                     np.lib.format.write_array(f, self.pending.pop(name), allow_pickle=False)
                 else:
                     try:
-                        with self.src.open(info) as g:
-                            shutil.copyfileobj(g, f, 1 << 20)
+                        member = self.src.open(info)
                     except Exception as exc:
                         raise InputError(f"{self.source}: cannot copy member {info.filename} "
                                          f"({exc}); the file may be corrupt") from None
+                    with member:
+                        copy_bytes(member, f"{self.source} (member {info.filename})", f, self.path)
             self.next += 1
 
     def close(self) -> list[Path]:
-        if self.out is not None:
-            with self.lock:
-                try:
-                    if self.received == self.to_write:  # else the run failed: the output is discarded
-                        self._flush()  # the members after the last perturbed one
-                finally:
+        if self.out is None:
+            return [self.path]
+        with self.lock:
+            try:
+                if self.received == self.to_write and not self.failed:  # else the output is discarded
+                    self._flush()  # the members after the last perturbed one
+                    with writing(self.path):
+                        self.out.close()
+                        self.file.flush()
+                        os.fsync(self.file.fileno())
+                        self.file.close()
+            finally:
+                # After a failure: release the files whatever happens writing to them.
+                with contextlib.suppress(OSError, ValueError):
                     self.out.close()
-                    self.src.close()
-                    self.out = None
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                self.src.close()
+                self.out = None
         return [self.path]
 
 

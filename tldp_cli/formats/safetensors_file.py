@@ -22,6 +22,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats.checked_io import copy_bytes, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
@@ -163,11 +164,12 @@ class _Blocks:
         if data.nbytes != end - begin:
             raise OutputError(f"{self.path}: tensor {job.name} would take {data.nbytes} bytes, "
                               f"not {end - begin}")
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, np.ascontiguousarray(data).data, self.data_start + begin)
-        finally:
-            os.close(fd)
+        with writing(self.path):
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                pwrite_all(fd, np.ascontiguousarray(data).reshape(-1).view(np.uint8), self.data_start + begin)
+            finally:
+                os.close(fd)
 
 
 class SafetensorsWriter:
@@ -178,17 +180,14 @@ class SafetensorsWriter:
         self.postprocessing = tensor_files.postprocessing(tensors, dtype)
         self.output_dtype = tensor_files.output_dtype(tensors)
         end = max((e.end for e in reader.entries), default=0)
-        try:
-            with open(tmp_path, "xb") as out, open(reader.path, "rb") as src:
-                out.write(reader.header)
-                out.truncate(reader.data_start + end)
-                for e in reader.entries:  # the tensors that are not perturbed, unchanged
-                    if e.tensor.name not in chosen:
-                        src.seek(reader.data_start + e.begin)
-                        out.seek(reader.data_start + e.begin)
-                        _copy(src, out, e.end - e.begin)
-        except OSError as exc:
-            raise OutputError(f"{tmp_path.parent}: cannot write the output file ({exc.strerror})") from None
+        with open(reader.path, "rb") as src, writing(tmp_path), open(tmp_path, "xb") as out:
+            out.write(reader.header)
+            out.truncate(reader.data_start + end)
+            for e in reader.entries:  # the tensors that are not perturbed, unchanged
+                if e.tensor.name not in chosen:
+                    src.seek(reader.data_start + e.begin)
+                    out.seek(reader.data_start + e.begin)
+                    copy_bytes(src, reader.path, out, tmp_path, e.end - e.begin)
         self.write = _Blocks(tmp_path, reader.data_start,
                              {e.tensor.name: (e.begin, e.end) for e in reader.entries})
 
@@ -196,21 +195,13 @@ class SafetensorsWriter:
         return self.write
 
     def close(self) -> list[Path]:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with writing(self.path):
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return [self.path]
-
-
-def _copy(src, dst, count: int) -> None:
-    while count > 0:
-        chunk = src.read(min(count, 1 << 20))
-        if not chunk:
-            raise OSError(0, "unexpected end of the input")
-        dst.write(chunk)
-        count -= len(chunk)
 
 
 def create_writer(reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype,

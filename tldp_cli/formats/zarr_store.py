@@ -40,8 +40,10 @@ from tldp_cli.formats import (
     FormatOptions,
     check_numeric_dtype,
     default_selection,
+    dropped_filters,
+    listing,
+    plural,
 )
-from tldp_cli.formats.images import _listing, _plural
 
 NAME = "zarr"
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
@@ -239,8 +241,8 @@ class ZarrReader:
         if copied:
             self.manifest_extra["not_zarr_files"] = copied
             self.manifest_extra["not_zarr_files_action"] = "copied unchanged"
-            self.messages.append(f"copied {_plural(len(copied), 'file')} unchanged (not perturbed), "
-                                 f"neither Zarr metadata nor chunks: {_listing(copied)}")
+            self.messages.append(f"copied {plural(len(copied), 'file')} unchanged (not perturbed), "
+                                 f"neither Zarr metadata nor chunks: {listing(copied)}")
 
     def _select(self, requested: list[str]) -> list[str]:
         arrays = self.handles
@@ -305,9 +307,28 @@ def _json_float(value: float) -> float | str:
     return float(value)
 
 
+# Codecs that store other values than those written (quantize, round bits, scale to a
+# fixed precision, change the stored type, lossy compression), by their numcodecs id,
+# without a "numcodecs." or "imagecodecs_" prefix. Dropped from perturbed arrays, so
+# the noisy values are stored exactly; the rest (compressors, shuffle, delta,
+# checksums) are kept. ZFP and the image codecs are lossless only at some settings.
+LOSSY_CODECS = ("quantize", "bitround", "fixedscaleoffset", "astype", "zfpy", "zfp", "sz3", "sperr",
+                "lerc", "jpeg", "jpeg8", "jpeg2k", "jpegls", "jpegxl", "jpegxr", "webp", "avif", "heif")
+# Of those, the ones that turn the array into bytes (Zarr 3): replaced by "bytes".
+_LOSSY_SERIALIZERS = ("zfpy", "zfp", "sz3", "sperr", "lerc", "jpeg", "jpeg8", "jpeg2k", "jpegls",
+                      "jpegxl", "jpegxr", "webp", "avif", "heif")
+
+
+def _codec_id(codec: dict[str, Any]) -> str:
+    name = str(codec.get("name") or codec.get("id") or "")
+    for prefix in ("numcodecs.", "imagecodecs_"):
+        name = name.removeprefix(prefix)
+    return name.lower()
+
+
 def _check_codec(codec: dict[str, Any], config: dict[str, Any], dtype: np.dtype, where: str) -> None:
-    """Filters bound to a dtype (delta, fixedscaleoffset, astype, ...) cannot be carried
-    over to float output; refuse rather than drop them or change what they mean."""
+    """Filters bound to a dtype (delta, ...) cannot be carried over to another output
+    dtype; refuse rather than drop them or change what they mean."""
     for key in ("dtype", "astype"):
         if key not in config:
             continue
@@ -321,35 +342,56 @@ def _check_codec(codec: dict[str, Any], config: dict[str, Any], dtype: np.dtype,
                              f"cannot apply to the {dtype} output; re-encode the array without it")
 
 
-def _float_codecs(codecs: list, dtype: np.dtype, where: str) -> list:
+def _output_codecs(codecs: list, dtype: np.dtype, where: str, dropped: list[str]) -> list:
+    """Zarr 3 codecs for the output: lossy ones dropped (named in `dropped`), the rest
+    checked against the output dtype."""
     result = []
     for codec in codecs:
         codec = {"name": codec} if isinstance(codec, str) else copy.deepcopy(codec)
         config = codec.get("configuration") or {}
+        if _codec_id(codec) in LOSSY_CODECS:
+            dropped.append(codec.get("name"))
+            if _codec_id(codec) in _LOSSY_SERIALIZERS:
+                result.append({"name": "bytes", "configuration": {"endian": "little"}})
+            continue
         _check_codec(codec, config, dtype, where)
         if codec.get("name") == "bytes" and "endian" not in config:
             codec["configuration"] = {**config, "endian": "little"}  # required for multi-byte types
         if codec.get("name") == "sharding_indexed":
-            config["codecs"] = _float_codecs(config.get("codecs", []), dtype, where)
+            config["codecs"] = _output_codecs(config.get("codecs", []), dtype, where, dropped)
         result.append(codec)
     return result
 
 
-def _float_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.dtype,
-                    where: str) -> dict[str, Any]:
+def _output_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.dtype,
+                     where: str) -> tuple[dict[str, Any], list[str]]:
+    """A perturbed array's metadata for the output dtype, and the lossy codecs dropped."""
     meta = copy.deepcopy(node.meta)
+    dropped: list[str] = []
     with np.errstate(over="ignore"):
         fill = None if fill_value is None else _json_float(dtype.type(fill_value))
     if zarr_format == 3:
         meta["data_type"] = dtype.name
         meta["fill_value"] = fill
-        meta["codecs"] = _float_codecs(meta.get("codecs", []), dtype, where)
+        meta["codecs"] = _output_codecs(meta.get("codecs", []), dtype, where, dropped)
     else:
         meta["dtype"] = dtype.str
         meta["fill_value"] = fill
-        for codec in (meta.get("filters") or []) + [meta.get("compressor") or {}]:
-            _check_codec(codec, codec, dtype, where)
-    return meta
+        filters = []
+        for codec in meta.get("filters") or []:
+            if _codec_id(codec) in LOSSY_CODECS:
+                dropped.append(codec.get("id"))
+            else:
+                _check_codec(codec, codec, dtype, where)
+                filters.append(codec)
+        meta["filters"] = filters or None
+        compressor = meta.get("compressor")
+        if compressor and _codec_id(compressor) in LOSSY_CODECS:
+            dropped.append(compressor.get("id"))
+            meta["compressor"] = None
+        elif compressor:
+            _check_codec(compressor, compressor, dtype, where)
+    return meta, dropped
 
 
 @dataclass
@@ -405,11 +447,17 @@ class ZarrWriter:
         nodes = {n.path: n for n in reader.nodes}
         names = {job.name: job.name.strip("/") for job in reader.jobs}
         # Rewritten before anything is copied, so an impossible filter fails fast.
-        metadata = {
-            path: _float_metadata(nodes[path], reader.handles[path].fill_value, reader.zarr_format,
-                                  self.dtype, f"{reader.path}: array {_display(path)}")
-            for path in names.values()
-        }
+        metadata, dropped = {}, {}
+        for job_name, path in names.items():
+            metadata[path], lossy = _output_metadata(nodes[path], reader.handles[path].fill_value,
+                                                     reader.zarr_format, self.dtype,
+                                                     f"{reader.path}: array {_display(path)}")
+            if lossy:
+                dropped[job_name] = lossy
+        self.postprocessing, self.manifest_extra = dropped_filters(dropped)
+        reader.messages += [f"array {name}: written without the input's lossy "
+                            f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
+                            "values are stored exactly" for name, lossy in dropped.items()]
         meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
         if reopen:
             for path, meta in metadata.items():

@@ -1,0 +1,128 @@
+"""Perturbing an array in memory: the library's entry point for data that is not in a file.
+
+The same plan, engine and accounting as `tldp perturb`, on one array whose axis 0
+indexes records. Safe to call in a loop: without a seed every call draws fresh
+noise (rng.Streams), so two calls on the same batch, or on two batches at the same
+position, never share noise. With a seed the same call repeats exactly.
+
+NumPy arrays in, NumPy out. A torch tensor (CPU, any float dtype, bfloat16 included)
+comes back as a torch tensor of its dtype and device; torch is never imported unless
+the caller passes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tldp_cli import engine
+from tldp_cli.errors import DataError, UsageError
+from tldp_cli.formats import ArrayJob
+from tldp_cli.mechanisms import Calibration, check_parameters, sampled_noise
+from tldp_cli.pipeline import PerturbOptions, plan, validate_block
+from tldp_cli.rng import Streams
+
+__all__ = ["Perturbed", "perturb_array"]
+
+ARRAY_NAME = "array"  # the array's name in messages and in its random streams
+
+
+@dataclass(frozen=True)
+class Perturbed:
+    """The perturbed array and the guarantee it carries."""
+
+    array: Any  # the input's type: a NumPy array, or a torch tensor
+    accounting: dict[str, Any]  # per_element, per_record, per_file: as a manifest's accounting
+    calibration: Calibration  # noise scale, retain probability, element epsilon
+    noise: str  # the distribution drawn (discrete-laplace, ..., or laplace/gaussian: float sampler)
+    sampler: str
+    value_range: tuple[float, float]
+    dtype: np.dtype  # of the perturbed values before any conversion back to torch
+
+
+def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | None = None,
+                  noise: str = "laplace", mechanism: str = "tldp", budget: str = "element",
+                  sampler: str = "exact", weights: Any = None, seed: str | int | None = None,
+                  allow_weak_seed: bool = False, allow_raw_release: bool = False,
+                  dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
+                  dtype: str = "float32", clip: float | None = None,
+                  clip_input: bool = False) -> Perturbed:
+    """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
+
+    The options mean what `tldp perturb`'s do. `value_range` (lo, hi) is required for
+    float data; `weights` (values in [0, 1]) has the record's shape or one mask per record.
+    Raises UsageError for options that cannot work (a TldpError), DataError for values
+    that are not finite or lie outside the range (unless clip_input).
+    """
+    torch_dtype, torch_device = None, None
+    if type(array).__module__.split(".")[0] == "torch":
+        torch_dtype, torch_device = array.dtype, array.device
+        array = _torch_to_numpy(array)
+    values = np.asarray(array)
+    if values.ndim == 0 or values.shape[0] == 0:
+        raise UsageError(f"perturb_array needs records along axis 0, not an array of shape {values.shape}")
+    if values.dtype.kind not in "iuf":
+        raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
+    check_parameters(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps, dp_delta=dp_delta)
+    options = PerturbOptions(
+        input=Path(ARRAY_NAME), epsilon=eps, noise=sampled_noise(noise, sampler, mechanism),
+        mechanism=mechanism, budget=budget, sampler=sampler,
+        value_range=None if value_range is None else (float(value_range[0]), float(value_range[1])),
+        seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
+        granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release)
+    job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
+                   read=lambda start, stop: values[start:stop],
+                   source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})
+    run = plan(options, [job])
+    streams = Streams(rng, seed, allow_weak_seed)  # checks the seed before any work
+    outside = validate_block(values, job, 0, run.lo, run.top, options.input)  # NaN, Inf: DataError
+    if options.clip is not None or clip_input:
+        values = np.clip(values, run.lo, run.top)
+    elif outside:
+        raise DataError(f"{ARRAY_NAME}: {outside} values lie outside the declared range "
+                        f"[{run.lo:g}, {run.top:g}]; fix value_range or pass clip_input=True")
+    calib = run.calib_of[ARRAY_NAME]
+    noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,
+                                   _weights(weights, values.shape), run.out_dtype, run.grid)
+    result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
+    return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
+
+
+def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The engine's weights: one mask of I values, or one per record (n, I)."""
+    if weights is None:
+        return None
+    w = np.asarray(weights, dtype=np.float64)
+    records, record_shape = shape[0], shape[1:]
+    elements = int(np.prod(record_shape, dtype=np.int64))
+    if w.shape == record_shape or w.size == elements and w.ndim <= 1:
+        w = w.reshape(elements)
+    elif w.shape == (records, *record_shape):
+        w = w.reshape(records, elements)
+    else:
+        raise UsageError(f"weights of shape {w.shape} fit neither a record {record_shape} nor every "
+                         f"record {shape}")
+    if not np.all((w >= 0) & (w <= 1)):
+        raise UsageError("weights must lie in [0, 1]")
+    return w
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.float()  # NumPy has no bfloat16; float32 holds its values exactly
+    return tensor.numpy()
+
+
+def _numpy_to_torch(values: np.ndarray, dtype: Any, device: Any) -> Any:
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(values))
+    if dtype.is_floating_point:
+        tensor = tensor.to(dtype)
+    return tensor.to(device)
