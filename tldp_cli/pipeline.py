@@ -237,8 +237,9 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
                 future.cancel()
 
 
-def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
-    source = options.input
+def checked_options(options: PerturbOptions) -> PerturbOptions:
+    """Refuses option values that cannot work (usage errors), before any file is read;
+    returns the options with the noise as drawn (sampled_noise)."""
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
                      epsilon=options.epsilon, dp_delta=options.dp_delta)
     options = dataclasses.replace(options, noise=sampled_noise(options.noise, options.sampler,
@@ -263,6 +264,12 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         dask_runner.require()
         if options.dask_address is not None:
             dask_runner.parse_address(options.dask_address)
+    return options
+
+
+def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
+    source = options.input
+    options = checked_options(options)
     module = formats.detect(source)
     if options.resume and not hasattr(module, "reopen_writer"):
         raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
@@ -373,8 +380,6 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
                per_tensor=getattr(reader, "records_are_tensors", False))
     lo, hi, grid, out_dtype = run.lo, run.hi, run.grid, run.out_dtype
-    calib_of, calibrations, largest, certified = run.calib_of, run.calibrations, run.largest, run.certified
-    rows, raw_release = run.rows, run.raw_release
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
@@ -423,7 +428,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                     progress(sum(stop - start for _, start, stop in kept), total)
             outside_counts: list[tuple[int, int]] = []  # (values outside the range, first record)
             block_task = BlockTask(
-                calibrations=calib_of, streams=streams,
+                calibrations=run.calib_of, streams=streams,
                 # integer data under discrete noise: [lo, hi) holds lo..hi-1
                 masks=masks, lo=lo, hi=run.top,
                 clip_input=options.clip_input or options.clip is not None,
@@ -467,34 +472,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         outputs = [{"path": str(destination / f.relative_to(tmp_output)) if f != tmp_output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
-        extra = dict(getattr(reader, "manifest_extra", {}))
-        extra.update(getattr(writer, "manifest_extra", {}))  # e.g. dropped_filters
-        extra["sampler"] = options.sampler
-        if options.clip is not None:
-            extra["clip"] = {"norm": "linf", "bound": options.clip}
-        if raw_release:
-            extra["raw_release_allowed"] = {scope: delta for scope, delta in raw_release}
-        if any(len(row) > 1 for row in rows):
-            extra["row_datasets"] = [row for row in rows if len(row) > 1]
-        if grid is not None:
-            extra.update(discrete.manifest_fields(grid, options.granularity is None, out_dtype))
-        sizes = {c.elements for c in calibrations}
-        if len(sizes) > 1:
-            extra["elements_per_record_range"] = [min(sizes), max(sizes)]
-        records_of: dict[Calibration, int] = {}
-        for job in jobs:
-            records_of[calib_of[job.name]] = records_of.get(calib_of[job.name], 0) + job.records
-        manifest = manifest_mod.build(
-            calib=largest, certified=certified, value_range=(lo, hi), records=total, rng=options.rng,
-            calibrations=list(records_of.items()),
-            seeded=streams.seeded, weak_seed=streams.weak_seed, weights=weights_info,
-            inputs=reader.manifest_inputs() if hasattr(reader, "manifest_inputs") else
-            [job.source for job in jobs], outputs=outputs,
-            preprocessing=(["clip"] if options.clip is not None else [])
-            + (["clip_input"] if options.clip_input else []),
-            postprocessing=([discrete.saturation_note(out_dtype)] if grid and out_dtype.kind == "i" else [])
-            + getattr(writer, "postprocessing", []),
-            output_dtype=getattr(writer, "output_dtype", str(out_dtype)), extra=extra)
+        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs)
         manifest_mod.write(manifest, tmp_manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), tmp_name_map, name_map)
@@ -572,6 +550,41 @@ def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image
     images: 8 bits a value; noise does not compress)."""
     itemsize = 1 if format_name == "images" and image_format == "png" else dtype.itemsize
     return sum(job.records * job.elements for job in jobs) * itemsize
+
+
+def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
+                   streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
+    """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
+    comes from the plan, the reader and the writer, never from the data."""
+    extra = dict(getattr(reader, "manifest_extra", {}))
+    extra.update(getattr(writer, "manifest_extra", {}))  # e.g. dropped_filters
+    extra["sampler"] = options.sampler
+    if options.clip is not None:
+        extra["clip"] = {"norm": "linf", "bound": options.clip}
+    if run.raw_release:
+        extra["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
+    if any(len(row) > 1 for row in run.rows):
+        extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
+    if run.grid is not None:
+        extra.update(discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype))
+    sizes = {c.elements for c in run.calibrations}
+    if len(sizes) > 1:
+        extra["elements_per_record_range"] = [min(sizes), max(sizes)]
+    records_of: dict[Calibration, int] = {}
+    for job in jobs:
+        records_of[run.calib_of[job.name]] = records_of.get(run.calib_of[job.name], 0) + job.records
+    return manifest_mod.build(
+        calib=run.largest, certified=run.certified, value_range=(run.lo, run.hi),
+        records=sum(job.records for job in jobs), rng=options.rng,
+        calibrations=list(records_of.items()),
+        seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=weights_info,
+        inputs=reader.manifest_inputs() if hasattr(reader, "manifest_inputs") else
+        [job.source for job in jobs], outputs=outputs,
+        preprocessing=(["clip"] if options.clip is not None else [])
+        + (["clip_input"] if options.clip_input else []),
+        postprocessing=([discrete.saturation_note(run.out_dtype)] if run.grid and run.out_dtype.kind == "i"
+                        else []) + getattr(writer, "postprocessing", []),
+        output_dtype=getattr(writer, "output_dtype", str(run.out_dtype)), extra=extra)
 
 
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:

@@ -1,0 +1,94 @@
+"""tldp plan: the manifest's figures before the data, from headers alone, writing nothing."""
+
+import json
+import shutil
+import time
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+from safetensors.numpy import save_file
+
+from tests.conftest import REPO, siblings
+
+DIGITS = np.load(REPO / "sample_data" / "digits.npy")[:30]
+
+
+def make_input(kind, tmp_path):
+    if kind == "npy":
+        np.save(tmp_path / "x.npy", DIGITS)
+        return tmp_path / "x.npy"
+    if kind == "hdf5":
+        with h5py.File(tmp_path / "x.h5", "w") as f:
+            f["images"] = DIGITS
+            f["masks"] = DIGITS[:, :4, :4]
+        return tmp_path / "x.h5"
+    if kind == "zarr":
+        zarr.create_array(tmp_path / "x.zarr", shape=DIGITS.shape, dtype="uint8", chunks=(10, 28, 28),
+                          zarr_format=3)[:] = DIGITS
+        return tmp_path / "x.zarr"
+    if kind == "images":
+        shutil.copytree(REPO / "sample_data" / "digits_png", tmp_path / "png")
+        return tmp_path / "png"
+    weights = np.random.default_rng(0).normal(0, 0.05, (32, 16)).astype(np.float32)
+    save_file({"w": weights, "b": np.zeros(16, np.float32)}, str(tmp_path / "m.safetensors"))
+    return tmp_path / "m.safetensors"
+
+
+def json_of(result):
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("kind", ["npy", "hdf5", "zarr", "images", "safetensors"])
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+def test_plan_states_what_the_run_certifies(cli, tmp_path, kind, noise):
+    src = make_input(kind, tmp_path)
+    extra = ["--clip", "0.2"] if kind == "safetensors" else []
+    before = siblings(tmp_path)
+    planned = json_of(cli("plan", src, "--eps", "2", "--noise", noise, "--json", "-q", *extra))
+    assert siblings(tmp_path) == before  # a plan writes nothing
+    ran = json_of(cli("perturb", src, "--eps", "2", "--noise", noise, "--json", "-q", *extra,
+                      "--out", tmp_path / "out" if kind in ("zarr", "images") else tmp_path / f"o{src.suffix}"))
+    assert planned["accounting"] == ran["accounting"]
+    for field in ("noise", "noise_scale", "retain_probability", "sampler", "records",
+                  "elements_per_record", "inputs", "value_range", "preprocessing"):
+        assert planned[field] == ran[field], field
+    assert planned.get("row_datasets") == ran.get("row_datasets")
+
+
+def test_a_described_record_needs_no_file(cli):
+    planned = json_of(cli("plan", "--elements", "28x28", "--records", "60000", "--range", "0:256",
+                          "--eps", "8", "--budget", "record", "--noise", "discrete-laplace", "--json"))
+    assert planned["accounting"]["per_record"]["epsilon"] <= 8
+    assert planned["calibration"]["records"] == 60000
+    assert planned["calibration"]["calibration_epsilon"] < 8 / 784 * 1.1
+
+
+def test_the_least_reachable_target_is_stated(cli):
+    result = cli("plan", "--elements", "784", "--range", "0:256", "--eps", "1", "--budget", "record",
+                 "--noise", "discrete-laplace")
+    assert result.exit_code == 2 and "at least 7.646" in result.stderr
+
+
+def test_a_sparse_50_gb_input_is_planned_in_seconds(cli, tmp_path):
+    records = 50 * 10**9 // 784
+    path = tmp_path / "big.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(
+            f, {"descr": "|u1", "fortran_order": False, "shape": (records, 28, 28)})
+        f.truncate(f.tell() + records * 784)  # sparse: no block of it is on disk
+    started = time.monotonic()
+    planned = json_of(cli("plan", path, "--eps", "1", "--json", "-q"))
+    assert time.monotonic() - started < 30  # it reads the header only (about a second)
+    assert planned["calibration"]["elements"] == records * 784
+    assert path.stat().st_blocks * 512 < 10**6  # still sparse: nothing was read into it
+
+
+def test_plan_refuses_what_perturb_refuses(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).random((100, 1), np.float32))
+    planned = cli("plan", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--sampler", "float")
+    ran = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--sampler", "float")
+    assert planned.exit_code == ran.exit_code == 2
+    assert planned.stderr == ran.stderr

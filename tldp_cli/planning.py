@@ -1,0 +1,85 @@
+"""`tldp plan`: the guarantee a run would carry, before any data is read.
+
+The same option checks, calibration, accounting and refusals as `tldp perturb`
+(pipeline.checked_options, pipeline.plan, pipeline.build_manifest), from the
+input's headers alone, or from a description of its records (elements per record,
+number of records, range). Nothing is read beyond the headers (image folders open
+each image's header) and nothing is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tldp_cli import formats
+from tldp_cli.errors import UsageError
+from tldp_cli.formats import ArrayJob, FormatOptions
+from tldp_cli.pipeline import PerturbOptions, build_manifest, checked_options, plan, row_groups
+
+SCHEMA = "tldp-plan/1"
+DESCRIBED = "records"  # the name of a described (not read) array
+
+
+def plan_input(options: PerturbOptions) -> dict[str, Any]:
+    """The plan of `tldp perturb` with these options on options.input."""
+    options = checked_options(options)
+    module = formats.detect(options.input)
+    reader = module.open_reader(options.input, FormatOptions(
+        datasets=list(options.datasets), image_format=options.image_format,
+        copy_other=options.copy_other, skip_bad=options.skip_bad))
+    try:
+        jobs = reader.arrays()
+        run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
+                   per_tensor=getattr(reader, "records_are_tensors", False))
+        return _report(options, run, jobs, reader, list(getattr(reader, "messages", [])))
+    finally:
+        reader.close()
+
+
+def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
+                 input_dtype: str | None = None) -> dict[str, Any]:
+    """The plan for `records` records of `shape` (no file). `input_dtype`: the data's dtype;
+    default: integers when --range has integer ends (LO..HI-1), else float64."""
+    if records < 1 or not shape or min(shape) < 1:
+        raise UsageError("--records and --elements/--shape must be positive")
+    options = checked_options(options)
+    if input_dtype is None:
+        lo_hi = options.value_range or (0.0, 0.0)
+        whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
+        input_dtype = "int64" if whole and options.value_range else "float64"
+    try:
+        dtype = np.dtype(input_dtype)
+    except TypeError:
+        raise UsageError(f"--input-dtype must be a NumPy dtype (uint8, int16, float32, ...), "
+                         f"not {input_dtype!r}") from None
+    formats.check_numeric_dtype(Path(DESCRIBED), dtype, "the described data")
+    full = (records, *shape)
+    job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
+                   source={"format": "described", "shape": list(full), "dtype": str(dtype)})
+    return _report(options, plan(options, [job]), [job], None, [])
+
+
+def _never_read(start: int, stop: int) -> np.ndarray:
+    raise AssertionError("a plan reads no data")
+
+
+def _report(options: PerturbOptions, run, jobs: list[ArrayJob], reader, messages: list[str]) -> dict[str, Any]:
+    manifest = build_manifest(options, run, jobs, reader, None, None, None, outputs=[])
+    # What the writer does (PNG's 8 bits, a model file's tensor dtypes, its postprocessing)
+    # is known only to the writer: the plan states the perturbed values' dtype instead.
+    for field in ("outputs", "created", "seeded", "weak_seed", "output_dtype", "postprocessing"):
+        manifest.pop(field, None)
+    calib = run.largest
+    manifest["schema"] = SCHEMA
+    manifest["calibration"] = {
+        "noise_scale": calib.scale, "calibration_epsilon": calib.element_epsilon,
+        "retain_probability": calib.p, "retain_probability_log10": calib.p_log10,
+        "values_dtype": str(run.out_dtype),
+        "records": sum(job.records for job in jobs),
+        "elements": sum(job.records * job.elements for job in jobs),
+    }
+    manifest["messages"] = messages
+    return manifest
