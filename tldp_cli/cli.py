@@ -660,6 +660,9 @@ def evaluate_command(
     Noise: per-record MSE, MAE, relative L2 (PSNR and SSIM for images), the noise norm
     against Table 5, the retained fraction against p and a KS test of the noise; these
     fail only at p < 1e-6 and are skipped for rounded and clipped (8-bit) output.
+
+    Reports and sweeps are computed from the raw data: keep them with it, never with
+    the release. Per-record figures go into --json only with --per-record.
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     from tldp_cli import evaluate as ev

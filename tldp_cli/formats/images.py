@@ -201,8 +201,7 @@ class ImageFolderReader:
         if not self.anonymized:
             _check_collisions(path, out_names)
         self.images: list[_Image] = []
-        self.bad: list[str] = []
-        bad = self.bad
+        bad: list[str] = []
         conversions: dict[str, list[str]] = {}
         for rel in candidates:
             file = path / rel
@@ -221,6 +220,13 @@ class ImageFolderReader:
             if not options.skip_bad:
                 raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
             bad.append(rel)
+        self.bad = bad
+        if not self.images:
+            found = [_non_images(len(self.others))] if self.others else []
+            found += [plural(len(bad), "unreadable image")] if bad else []
+            found += [plural(len(self.links), "symbolic link")] if self.links else []
+            detail = f" (found {' and '.join(found)})" if found else ""
+            raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
@@ -256,8 +262,6 @@ class ImageFolderReader:
             self.manifest_extra["not_images_action"] = "skipped"
         if conversions:
             self.manifest_extra["image_conversions"] = conversions
-        if not self.images:
-            raise InputError(f"no images in {self.path}; looking for {', '.join(IMAGE_SUFFIXES)}")
         self.manifest_extra["anonymized_names"] = {
             "name_map_id": self.name_map_id,
             "rule": "images renamed to numbers in a random order in one flat folder; the input's "
@@ -279,12 +283,6 @@ class ImageFolderReader:
             self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
         if conversions:
             self.manifest_extra["image_conversions"] = conversions
-        if not self.images:
-            found = [_non_images(len(self.others))] if self.others else []
-            found += [plural(len(bad), "unreadable image")] if bad else []
-            found += [plural(len(self.links), "symbolic link")] if self.links else []
-            detail = f" (found {' and '.join(found)})" if found else ""
-            raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
 
     def arrays(self) -> list[ArrayJob]:
         return [ArrayJob(name=image.rel, shape=image.shape, dtype=image.dtype,
