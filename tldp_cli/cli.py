@@ -369,6 +369,17 @@ def perturb_command(
     allow_raw_release: Annotated[bool, typer.Option(
         help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
              "otherwise; the manifest records the consent under raw_release_allowed).")] = False,
+    ledger: Annotated[Optional[Path], typer.Option(
+        metavar="PATH", envvar="TLDP_LEDGER",
+        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
+             "release of the input's content and states what all its releases spend together. "
+             "Keep it with the raw data, never with the release.", show_default=False)] = None,
+    max_record_eps: Annotated[Optional[float], typer.Option(
+        metavar="E", help="With --ledger: refuse (exit 1, nothing written or recorded) a release "
+                          "that would take this data's releases past E per record.",
+        show_default=False)] = None,
+    max_record_delta: Annotated[Optional[float], typer.Option(
+        metavar="D", help="With --ledger: the same cap for delta per record.", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
@@ -412,6 +423,7 @@ def perturb_command(
             skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
+            ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
             sampler=sampler.value,
             block_elements=block_elements)
         advance, close = _progress_bar(quiet, "rec")
@@ -820,6 +832,47 @@ def plan_command(
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
+
+
+@app.command("ledger", no_args_is_help=True)
+def ledger_command(
+    path: Annotated[Path, typer.Argument(metavar="LEDGER", help="A ledger written by perturb --ledger.",
+                                         show_default=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the ledger as JSON to stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+):
+    """List the datasets of a release ledger, their releases and what they spend together.
+
+    A dataset is identified by a keyed fingerprint of its content (the key lives in the
+    ledger): a copy at another path is the same data. Pending releases are runs that were
+    killed after recording their release; they count as spent.
+
+    \b
+    Examples:
+      tldp ledger ledger.db
+      tldp ledger ledger.db --json > releases.json
+    """
+    from tldp_cli import ledger as ledger_mod
+
+    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    report = _run(debug, lambda: ledger_mod.listing(path))
+    if json_out:
+        typer.echo(json.dumps(report, indent=2, allow_nan=False))
+        return
+    if quiet:
+        return
+    for dataset in report["datasets"]:
+        total = dataset["cumulative_per_record"]
+        typer.echo(f"data {dataset['fingerprint'][:16]}: {total['releases']} release(s)"
+                   + (f", {total['pending']} pending" if total["pending"] else "")
+                   + f"; together, each record (eps={total['epsilon']:.4g}, delta={total['delta']:.3g})")
+        for r in dataset["releases"]:
+            record = r["per_record"]
+            typer.echo(f"  #{r['id']} {r['created']} {r['status']:8} {r['input']} -> {r['output']}: "
+                       f"each record (eps={record['epsilon']:.4g}, delta={record['delta']:.3g})")
+    if not report["datasets"]:
+        typer.echo("no releases recorded", err=True)
 
 
 class AuditScope(str, Enum):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import accounting, dask_runner, discrete, engine, formats, output, resume
+from tldp_cli import accounting, dask_runner, discrete, engine, formats, ledger, output, resume
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
@@ -81,6 +81,9 @@ class PerturbOptions:
     dask_logs: bool = False  # show dask.distributed's own log output (the CLI's --debug)
     resume: bool = False  # continue an interrupted run's resumable (Zarr) output
     allow_raw_release: bool = False  # consent to kept raw values costing more than dp_delta
+    ledger: Path | None = None  # the release ledger (ledger.py) that counts releases of this data
+    max_record_eps: float | None = None  # caps on what the data's releases spend together, per record
+    max_record_delta: float | None = None
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
@@ -264,6 +267,8 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         dask_runner.require()
         if options.dask_address is not None:
             dask_runner.parse_address(options.dask_address)
+    if options.ledger is None and (options.max_record_eps is not None or options.max_record_delta is not None):
+        raise UsageError("--max-record-eps and --max-record-delta cap what a ledger counts: give --ledger PATH")
     return options
 
 
@@ -392,6 +397,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                                options.overwrite)
     output.check_free_space(destination.parent, _output_bytes(jobs, out_dtype, module.NAME,
                                                              options.image_format), destination)
+    # Before anything is written: the ledger's cap, and the pending record that keeps a
+    # concurrent run from passing it too.
+    release = _begin_release(options, module, run, jobs, weights_info, destination, manifest_path)
 
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     total = sum(job.records for job in jobs)
@@ -479,11 +487,18 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         staging.commit(options.overwrite)
     except BaseException as exc:
         staging.discard()
+        if release:
+            ledger.abandon(release.db, release.id)
+            release.db.close()
         if partial is None:
             raise
         _keep_or_remove(partial, exc)
         raise
     staging.close()
+    if release:
+        ledger.complete(release.db, release.id)
+        release.db.close()
+        notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
     if partial is not None:
         partial.remove()  # only its emptied folder and journal are left
     messages = list(getattr(reader, "messages", [])) + notes
@@ -552,6 +567,41 @@ def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image
     return sum(job.records * job.elements for job in jobs) * itemsize
 
 
+@dataclass
+class _Release:
+    db: Any  # the ledger's sqlite3 connection
+    id: int
+    spent: ledger.Spent
+
+
+def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJob],
+                   weights_info: dict | None, destination: Path, manifest_path: Path) -> _Release | None:
+    """With --ledger: fingerprint the input (one pass over its data), check the caps and
+    record the release as pending (ledger.begin); None without a ledger."""
+    if options.ledger is None:
+        return None
+    path = Path(options.ledger)
+    output.check_distinct({"output": destination, "manifest": manifest_path, "ledger": path})
+    if Path(options.input).is_dir() and Path(options.input).resolve() in path.resolve().parents:
+        raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
+    db = ledger.open_ledger(path)
+    try:
+        data = ledger.fingerprint(db, ((job.shape, str(job.dtype),
+                                        (job.read(start, stop).tobytes()
+                                         for start, stop in block_bounds(job, options.block_elements)))
+                                       for job in jobs))
+        figures = {scope: run.certified[scope] for scope in ("per_element", "per_record", "per_file")}
+        record = _resume_record(options, module, jobs, (run.lo, run.hi), weights_info)
+        release_id, total = ledger.begin(
+            db, data, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
+            options={**record, "--dp-delta": options.dp_delta}, max_epsilon=options.max_record_eps,
+            max_delta=options.max_record_delta, dp_delta=options.dp_delta)
+    except BaseException:
+        db.close()
+        raise
+    return _Release(db, release_id, total)
+
+
 def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
                    streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
@@ -605,7 +655,8 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 
 # PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
 _NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
-                 "dask_address", "dask_logs", "resume"}
+                 "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
+                 "name_map"}
 _OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
 
 

@@ -1,0 +1,137 @@
+"""The release ledger: releases of the same content compose, a cap refuses, races and
+kills leave it consistent, and it holds nothing of the raw data."""
+
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import siblings
+
+DATA = np.random.default_rng(7).integers(0, 256, (50, 8, 8), dtype=np.uint8)
+PER_RECORD = 63.75  # discrete Laplace, eps 1 per element, 64 elements of 0..255
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "raw" / "x.npy"
+    path.parent.mkdir()
+    np.save(path, DATA)
+    return path
+
+
+def perturb(cli, src, out, *args):
+    return cli("perturb", src, "--eps", "1", "--out", out, "--ledger", src.parent / "ledger.db", "-q", *args)
+
+
+def listing(cli, ledger):
+    result = cli("ledger", ledger, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_releases_of_a_copy_compose(cli, data, tmp_path):
+    copy = tmp_path / "raw" / "copy.npy"
+    copy.write_bytes(data.read_bytes())
+    assert perturb(cli, data, tmp_path / "a.npy").exit_code == 0
+    second = cli("perturb", copy, "--eps", "1", "--out", tmp_path / "b.npy",
+                 "--ledger", tmp_path / "raw" / "ledger.db")
+    assert second.exit_code == 0, second.stderr
+    assert "2 releases: each record (eps=127.5" in second.stderr
+    report = listing(cli, tmp_path / "raw" / "ledger.db")
+    [dataset] = report["datasets"]
+    assert [r["status"] for r in dataset["releases"]] == ["complete", "complete"]
+    assert dataset["cumulative_per_record"]["epsilon"] == pytest.approx(2 * PER_RECORD)
+
+
+def test_other_data_is_another_dataset(cli, data, tmp_path):
+    other = tmp_path / "raw" / "other.npy"
+    np.save(other, DATA[::-1])
+    perturb(cli, data, tmp_path / "a.npy")
+    perturb(cli, other, tmp_path / "b.npy")
+    assert len(listing(cli, tmp_path / "raw" / "ledger.db")["datasets"]) == 2
+
+
+def test_the_cap_refuses_writes_nothing_and_records_nothing(cli, data, tmp_path):
+    assert perturb(cli, data, tmp_path / "a.npy", "--max-record-eps", "100").exit_code == 0
+    before = siblings(tmp_path)
+    refused = perturb(cli, data, tmp_path / "b.npy", "--max-record-eps", "100")
+    assert refused.exit_code == 1
+    line = refused.stderr.strip()
+    assert len(line.splitlines()) == 1 and "refuses" in line and "eps left under the cap: 36.25" in line
+    assert siblings(tmp_path) == before
+    assert len(listing(cli, tmp_path / "raw" / "ledger.db")["datasets"][0]["releases"]) == 1
+
+
+def test_a_cap_without_a_ledger_is_a_usage_error(cli, data, tmp_path):
+    result = cli("perturb", data, "--eps", "1", "--max-record-eps", "5")
+    assert result.exit_code == 2 and "--ledger" in result.stderr
+
+
+def test_concurrent_releases_against_one_cap_let_exactly_one_through(data, tmp_path):
+    ledger = tmp_path / "raw" / "ledger.db"
+    runs = [subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", data, "--eps", "1", "--out",
+                              tmp_path / f"o{i}.npy", "--ledger", ledger, "--max-record-eps", "100", "-q"],
+                             stderr=subprocess.PIPE, text=True) for i in range(4)]
+    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+    assert sorted(code for code, _ in results) == [0, 1, 1, 1], results
+    assert sum((tmp_path / f"o{i}.npy").exists() for i in range(4)) == 1
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("SELECT status FROM releases").fetchall() == [("complete",)]
+
+
+def test_a_killed_run_stays_counted_and_the_ledger_consistent(data, tmp_path, cli):
+    big = tmp_path / "raw" / "big.npy"
+    np.save(big, np.random.default_rng(1).integers(0, 256, (20000, 28, 28), dtype=np.uint8))
+    ledger = tmp_path / "raw" / "ledger.db"
+    run = subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", big, "--eps", "1", "--out",
+                            tmp_path / "o.npy", "--ledger", ledger, "--workers", "1"],
+                           stderr=subprocess.DEVNULL)
+    for _ in range(2000):  # until the release is recorded (pending) and the output is being written
+        if any(".tldp-tmp-" in p.name for p in tmp_path.iterdir()) and ledger.exists():
+            with sqlite3.connect(ledger) as db:
+                if db.execute("SELECT count(*) FROM releases").fetchone()[0]:
+                    break
+        if run.poll() is not None:
+            pytest.skip("the run finished before it could be killed")
+        time.sleep(0.01)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    [dataset] = listing(cli, ledger)["datasets"]
+    assert dataset["cumulative_per_record"]["pending"] == 1  # counted: its output might be in place
+
+
+def test_the_ledger_holds_no_raw_values_and_no_plain_hash(cli, data, tmp_path):
+    perturb(cli, data, tmp_path / "a.npy")
+    ledger = tmp_path / "raw" / "ledger.db"
+    with sqlite3.connect(ledger) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    content = b"".join(p.read_bytes() for p in ledger.parent.iterdir() if p.name.startswith("ledger.db"))
+    raw = DATA.tobytes()
+    assert raw[:32] not in content and raw[1000:1032] not in content
+    for digest in (hashlib.sha256(raw).hexdigest(), hashlib.sha256(data.read_bytes()).hexdigest()):
+        assert digest.encode() not in content
+
+
+def test_a_ledger_of_a_newer_schema_is_refused(cli, data, tmp_path):
+    perturb(cli, data, tmp_path / "a.npy")
+    ledger = tmp_path / "raw" / "ledger.db"
+    with sqlite3.connect(ledger) as db:
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    result = perturb(cli, data, tmp_path / "b.npy")
+    assert result.exit_code == 2 and "newer tldp" in result.stderr
+
+
+def test_the_ledger_never_travels_with_the_output(cli, data, tmp_path):
+    result = cli("perturb", data, "--eps", "1", "--out", tmp_path / "o.npy", "--ledger",
+                 tmp_path / "o.npy.manifest.json")
+    assert result.exit_code == 2 and not (tmp_path / "o.npy").exists()
