@@ -47,3 +47,32 @@ def siblings(directory: Path) -> set[str]:
 @pytest.fixture(scope="session")
 def digits() -> np.ndarray:
     return np.load(REPO / "sample_data" / "digits.npy")
+
+
+MANIFEST_SCHEMA = REPO / "docs" / "manifest.schema.json"
+
+
+@pytest.fixture(autouse=True)
+def _manifests_follow_the_published_schema(request):
+    """Every manifest a test leaves in its tmp_path validates against docs/manifest.schema.json
+    (tests that write broken manifests on purpose are marked damaged_manifests)."""
+    yield
+    tmp_path = request.node.funcargs.get("tmp_path")
+    if tmp_path is None or request.node.get_closest_marker("damaged_manifests"):
+        return
+    import json
+
+    import jsonschema
+
+    schema = json.loads(MANIFEST_SCHEMA.read_text())
+    for path in tmp_path.rglob("*.json"):
+        try:
+            manifest = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, OSError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("schema") == "tldp-manifest/1":
+            jsonschema.validate(manifest, schema)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "damaged_manifests: the test writes invalid manifests on purpose")
