@@ -331,14 +331,21 @@ def _rename2(src: Path, dst: Path, flags: int) -> None:
         raise OSError(code, os.strerror(code), str(dst))
 
 
-def place_new(src: Path, dst: Path) -> None:
-    """Renames src to dst; fails with FileExistsError if dst exists, atomically."""
+def _renamed(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2 with `flags`; False where the system or filesystem lacks it."""
     try:
-        _rename2(src, dst, _RENAME_NOREPLACE)
-        return
+        _rename2(src, dst, flags)
+        return True
     except OSError as exc:
         if exc.errno not in _UNSUPPORTED:
             raise
+        return False
+
+
+def place_new(src: Path, dst: Path) -> None:
+    """Renames src to dst; fails with FileExistsError if dst exists, atomically."""
+    if _renamed(src, dst, _RENAME_NOREPLACE):
+        return
     if src.is_dir() and not src.is_symlink():
         os.mkdir(dst)  # the claim: fails if anything is there
         try:
@@ -353,12 +360,8 @@ def place_new(src: Path, dst: Path) -> None:
 
 def swap(src: Path, dst: Path) -> None:
     """Exchanges src and dst (both exist): afterwards src holds the old dst."""
-    try:
-        _rename2(src, dst, _RENAME_EXCHANGE)
+    if _renamed(src, dst, _RENAME_EXCHANGE):
         return
-    except OSError as exc:
-        if exc.errno not in _UNSUPPORTED:
-            raise
     aside = src.with_name(src.name + ".old")
     os.rename(dst, aside)
     try:

@@ -34,6 +34,17 @@ def writing(path: Path):
         raise write_error(path, exc) from None
 
 
+def fsync_file(path: Path) -> None:
+    """Flushes a written file to disk, whoever wrote it (other processes too); a failure
+    names the file."""
+    with writing(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def pwrite_all(fd: int, data, position: int) -> None:
     """Writes all of `data` at `position`: one pwrite may write less than asked (Linux
     stops at 0x7ffff000 bytes, a filling disk at its last free block)."""

@@ -28,7 +28,7 @@ import numpy as np
 from tldp_cli.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
-from tldp_cli.formats.checked_io import pwrite_all, writing
+from tldp_cli.formats.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
 MAGIC = b"\x93NUMPY"
@@ -337,12 +337,7 @@ class NpyWriter:
             self._hasher.close()
         # Blocks may have been written by other processes: fsync flushes the file's pages
         # whoever wrote them.
-        with writing(self.path):
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_file(self.path)
         return [self.path]
 
 

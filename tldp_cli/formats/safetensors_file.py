@@ -22,7 +22,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
-from tldp_cli.formats.checked_io import copy_bytes, pwrite_all, writing
+from tldp_cli.formats.checked_io import copy_bytes, fsync_file, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
@@ -195,12 +195,7 @@ class SafetensorsWriter:
         return self.write
 
     def close(self) -> list[Path]:
-        with writing(self.path):
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_file(self.path)
         return [self.path]
 
 
