@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer._click.exceptions import NoArgsIsHelpError
 from typer.core import TyperGroup
 
 from tldp_cli import __version__, accounting
@@ -35,12 +34,13 @@ class _OneLineErrors(TyperGroup):
     """Every failure is one line on stderr: exit 2 for usage errors, 1 otherwise."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        prog_name = prog_name or "tldp"
+        words = list(sys.argv[1:] if args is None else args)
+        if not os.environ.get(f"_{prog_name.upper()}_COMPLETE") and self._bare(words):
+            self._help(prog_name, words)  # a bare `tldp` or `tldp perturb`: the help, as is
         try:
-            code = super().main(args=args, prog_name=prog_name or "tldp", complete_var=complete_var,
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
-        except NoArgsIsHelpError as exc:  # a bare `tldp` or `tldp perturb`: the help, as is
-            typer.echo(exc.ctx.get_help(), err=True)
-            sys.exit(exc.exit_code)
         except typer.TyperException as exc:  # Typer's usage errors carry exit code 2
             ctx = getattr(exc, "ctx", None)
             hint = f" (see 'tldp {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
@@ -48,6 +48,23 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             _fail("interrupted; nothing was written", 130)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _bare(self, words: list[str]) -> bool:
+        """No words, or only a command that needs arguments (no_args_is_help)."""
+        if not words:
+            return True
+        command = self.commands.get(words[0]) if len(words) == 1 else None
+        return bool(command is not None and getattr(command, "no_args_is_help", False))
+
+    def _help(self, prog_name: str, words: list[str]) -> None:
+        with self.make_context(prog_name, [], resilient_parsing=True) as ctx:
+            if words:
+                command = self.commands[words[0]]
+                with command.make_context(words[0], [], parent=ctx, resilient_parsing=True) as sub:
+                    typer.echo(command.get_help(sub), err=True)
+            else:
+                typer.echo(self.get_help(ctx), err=True)
+        sys.exit(2)
 
 
 def _fail(message: str, code: int):
@@ -57,7 +74,7 @@ def _fail(message: str, code: int):
 
 
 app = typer.Typer(
-    cls=_OneLineErrors, rich_markup_mode=None, add_completion=False, no_args_is_help=True,
+    cls=_OneLineErrors, rich_markup_mode=None, add_completion=True, no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
