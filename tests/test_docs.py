@@ -1,0 +1,123 @@
+"""The documentation stays true to itself: the CLI reference is current, every
+relative link (and anchor) resolves, and README.md stays a front page."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+README_MAX_LINES = 220
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _reference_script():
+    spec = importlib.util.spec_from_file_location("make_cli_reference", REPO / "docs" / "make_cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_is_current():
+    script = _reference_script()
+    assert (REPO / "docs" / "cli.md").read_text(encoding="utf-8") == script.generate(), (
+        "docs/cli.md is stale: run python docs/make_cli_reference.py")
+
+
+def test_cli_reference_covers_every_command():
+    script = _reference_script()
+    from tldp_cli.cli import app
+
+    names = script.commands(app)
+    assert set(names) >= {"perturb", "plan", "ledger", "weight-mask", "evaluate", "audit", "seed"}
+    page = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name in names:
+        assert f"## `tldp {name}`" in page
+        assert f"Usage: tldp {name} " in page
+
+
+def test_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
+    script = _reference_script()
+    page = tmp_path / "cli.md"
+    monkeypatch.setattr(script, "PAGE", page)
+    monkeypatch.setattr(script, "REPO", tmp_path)
+    assert script.main(["--check"]) == 1  # missing
+    page.write_text("# out of date\n")
+    assert script.main(["--check"]) == 1
+    assert script.main([]) == 0
+    assert script.main(["--check"]) == 0
+
+
+def _without_code(text: str) -> str:
+    """The text outside fenced code blocks, with inline code spans blanked (lines kept)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*(```|~~~)", line):
+            fenced = not fenced
+            lines.append("")
+            continue
+        lines.append("" if fenced else re.sub(r"`[^`]*`", "``", line))
+    return "\n".join(lines)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link: its text
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    anchors, seen = set(), {}
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if re.match(r"^\s*(```|~~~)", line):
+            fenced = not fenced
+            continue
+        match = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = _slug(match.group(1))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _links(path: Path) -> list[str]:
+    text = _without_code(path.read_text(encoding="utf-8"))
+    return re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+
+
+def test_slugs_follow_github():
+    assert _slug("Interrupted runs and `--resume`") == "interrupted-runs-and---resume"
+    assert _slug("Discrete noise: exact, integer-valued") == "discrete-noise-exact-integer-valued"
+    assert _slug("Model files (`.npz`, `.safetensors`)") == "model-files-npz-safetensors"
+    assert _slug("`tldp perturb`") == "tldp-perturb"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    broken = []
+    for target in _links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:, ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (page.parent / file_part).resolve() if file_part else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+def test_readme_is_a_front_page():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move the detail into docs/"
+
+
+def test_readme_links_every_docs_page():
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in _links(REPO / "README.md")}
+    missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"README.md does not link {missing}"
