@@ -2,14 +2,19 @@
 
 Every mechanism and noise that mechanisms.calibrate accepts is audited through the
 real engine: the audited lower bound stays below the certified figure, and broken
-variants (half the noise scale; a retained branch far more likely) are caught. The
+variants (half the noise scale; a retained branch far more likely) are caught.
+Continuous noise (the float sampler) is audited there as the real-valued mechanism its
+figures are for, blind to the float grid; with the float grid its float32 output is a
+VIOLATION, and the exact sampler (the default) is consistent. The
 statistical core is checked against exact binomial intervals and for its coverage:
 its bounds exceed the truth no more often than the stated confidence allows.
 """
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,6 +23,7 @@ from scipy import stats
 from tldp_cli import accounting
 from tldp_cli import audit as audit_mod
 from tldp_cli import mechanisms
+from tldp_cli.discrete import is_discrete
 from tldp_cli.errors import UsageError
 from tldp_cli.rng import Streams
 
@@ -50,10 +56,24 @@ def _accepted(mechanism: str, noise: str) -> bool:
 COMBINATIONS = [(m, n) for m in mechanisms.MECHANISMS for n in mechanisms.NOISES if _accepted(m, n)]
 
 
-def run(calib, claimed=None, seed=1, **kw):
+def _blind_to_the_float_grid():
+    """The audit without its fifth statistic's level (#(y in F_b) - #(y in F_a) always 0):
+    that column is then the plain sum again, so the audit sees what the four others see."""
+    return mock.patch.object(audit_mod, "_float_grid_level", lambda y, a, b: np.zeros(y.shape[0]))
+
+
+def run(calib, claimed=None, seed=1, *, float_grid=None, **kw):
+    """Audit calib through the real engine. Continuous noise (laplace, gaussian: the float
+    sampler) is audited as the real-valued mechanism its figures are certified for, blind to
+    the float grid, unless float_grid=True: its float output leaks through the grid (the
+    fifth statistic finds that at any setting, test_float_sampler_leak_is_caught...), which
+    would make every verdict below VIOLATION whatever the calibration. Discrete noise is
+    always audited with every statistic."""
     kw.setdefault("samples", SAMPLES)
-    return audit_mod.audit(calib, claimed=claimed, value_range=RANGE, confidence=CONFIDENCE,
-                           streams=Streams("secure", seed, allow_weak_seed=True), **kw)
+    blind = not is_discrete(calib.noise) if float_grid is None else not float_grid
+    with _blind_to_the_float_grid() if blind else nullcontext():
+        return audit_mod.audit(calib, claimed=claimed, value_range=RANGE, confidence=CONFIDENCE,
+                               streams=Streams("secure", seed, allow_weak_seed=True), **kw)
 
 
 def rows(report):
@@ -98,6 +118,34 @@ def test_real_mechanism_stays_below_its_certified_figures(mechanism, noise):
         assert row["epsilon_lower_bound"] <= row["certified_epsilon"], (scope, row)
         assert row["reach"] > row["epsilon_lower_bound"]
     # the audit sees the mechanism at all: every scope finds some privacy loss
+    assert all(row["epsilon_lower_bound"] > 0 for _, row in rows(report))
+
+
+@pytest.mark.parametrize("mechanism,noise", [(m, n) for m, n in COMBINATIONS if not is_discrete(n)])
+def test_float_sampler_output_is_caught_by_the_float_grid(mechanism, noise):
+    # The calibrations the test above finds consistent as real-valued mechanisms, audited on
+    # the float32 values the float sampler writes: the floats 0 + z can give are not those
+    # 4 + z can give, and the fifth statistic turns that into a violation.
+    report = run(calibrated(mechanism, noise), float_grid=True)
+    assert report["verdict"] == "VIOLATION"
+    violations = [row for _, row in rows(report) if row["violation"]]
+    assert violations and all(row["event"]["statistic"] == "float grid, then sum" for row in violations)
+
+
+@pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+def test_exact_sampler_on_float_data_stays_below_its_certified_figures(mechanism, noise):
+    # What perturb draws by default for float data in RANGE: discrete noise on the automatic
+    # grid, audited with all five statistics (the float grid holds every output here).
+    report = audit_mod.run(mechanism=mechanism, noise=noise, budget="record", epsilon=EPSILON,
+                           value_range=RANGE, shape=SHAPE, samples=SAMPLES, confidence=CONFIDENCE,
+                           seed=1, allow_weak_seed=True)
+    assert report["noise"] == f"discrete-{noise}" and report["dtype"] == "float32"
+    assert report["neighbours"] == {"x": RANGE[0], "x_prime": RANGE[1]}
+    assert report["verdict"] == "consistent" and report["request"]["consistent"]
+    for scope, row in rows(report):
+        assert row["epsilon_lower_bound"] <= row["certified_epsilon"], (scope, row)
+        assert row["reach"] > row["epsilon_lower_bound"]
     assert all(row["epsilon_lower_bound"] > 0 for _, row in rows(report))
 
 
@@ -172,13 +220,39 @@ def test_cli_prints_a_table_and_json(cli):
 
 
 def test_cli_scope_and_matrix_shape(cli):
-    result = cli("audit", "--eps", "2", "--mechanism", "mvg", "--elements", "2x2", "--range", "0:4",
-                 "--scope", "record", "--samples", "20000", "--seed", "1", "--allow-weak-seed", "--json",
-                 "--quiet")
-    assert result.exit_code == 0, result.output
+    # MVG has no exact sampler (--sampler float is required), and its float32 output leaks
+    # through the float grid: exit 1, with the report on stdout and one error line on stderr.
+    result = cli("audit", "--eps", "2", "--mechanism", "mvg", "--sampler", "float", "--elements", "2x2",
+                 "--range", "0:4", "--scope", "record", "--samples", "20000", "--seed", "1",
+                 "--allow-weak-seed", "--json", "--quiet")
+    assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert [s["scope"] for s in report["scopes"]] == ["record"] and report["noise"] == "gaussian"
-    assert result.stderr == ""
+    assert report["mechanism"] == "mvg" and report["elements_per_record"] == 4
+    assert report["verdict"] == "VIOLATION"
+    assert all(row["event"]["statistic"] == "float grid, then sum"
+               for _, row in rows(report) if row["violation"])
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("tldp: error: audit found a privacy VIOLATION")
+
+
+def test_cli_float_sampler_is_a_violation_and_the_default_exact_sampler_is_not(cli):
+    args = ("audit", "--eps", "1", "--elements", "1", "--range", "0:1", "--samples", "200000",
+            "--seed", "1", "--allow-weak-seed", "--json")
+    exact = cli(*args)
+    assert exact.exit_code == 0, exact.output
+    report = json.loads(exact.stdout)
+    assert report["noise"] == "discrete-laplace" and report["verdict"] == "consistent"
+    assert all(row["epsilon_lower_bound"] > 0 for _, row in rows(report))  # the audit saw noise
+
+    floating = cli(*args, "--sampler", "float")
+    assert floating.exit_code == 1, floating.output
+    report = json.loads(floating.stdout)
+    assert report["noise"] == "laplace" and report["verdict"] == "VIOLATION"
+    assert report["request"]["consistent"]  # the calibration is right: the floats leak
+    violations = [row for _, row in rows(report) if row["violation"]]
+    assert violations and all(row["event"]["statistic"] == "float grid, then sum" for row in violations)
+    assert "audit found a privacy VIOLATION" in floating.stderr
 
 
 @pytest.mark.parametrize("args,neighbours,dtype", [
@@ -197,7 +271,9 @@ def test_cli_discrete_noise_on_integers_and_on_a_grid(cli, args, neighbours, dty
 
 @pytest.mark.parametrize("args,needle", [
     (["--noise", "discrete-laplace", "--range", "0:1.5"], "integer --range"),
-    (["--granularity", "0.25"], "--granularity"),
+    (["--granularity", "0.25", "--sampler", "float"], "--granularity"),
+    (["--noise", "discrete-laplace", "--sampler", "float"], "exact noise"),
+    (["--mechanism", "mvg", "--elements", "2x2"], "--sampler float"),
     (["--samples", "5"], "--samples"),
     (["--confidence", "1.5"], "--confidence"),
     (["--elements", "0"], "--elements"),

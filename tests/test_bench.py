@@ -28,7 +28,8 @@ def test_engine_and_reference_sections_run_on_a_tiny_input():
     results["targets"] = bench.targets(results)
     assert len(results["targets"]) == len(bench.MECHANISMS)  # no end-to-end or peer rows without data
     table = bench.markdown(results)
-    assert "| TLDP-G |" in table and "not installed" in table
+    # both engines: the exact sampler (the default) and the float one
+    assert "| TLDP-G exact |" in table and "| TLDP-G float |" in table and "not installed" in table
 
 
 def test_generated_records_are_real_digits_varied_in_their_low_bits():

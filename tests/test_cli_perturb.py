@@ -33,9 +33,11 @@ def test_success_writes_output_manifest_and_summary(cli, digits_file, tmp_path):
     assert result.exit_code == 0, result.stderr
     out = tmp_path / "digits.tldp.npy"
     manifest_path = tmp_path / "digits.tldp.npy.manifest.json"
-    assert np.load(out).shape == (60, 28, 28) and np.load(out).dtype == np.float32
+    # the exact sampler (the default) keeps uint8 data integer: discrete Gaussian noise, int16
+    assert np.load(out).shape == (60, 28, 28) and np.load(out).dtype == np.int16
     manifest = json.loads(manifest_path.read_text())
-    assert "each element (eps=" in result.stderr and "each record (eps=951.9" in result.stderr
+    assert manifest["noise"] == "discrete-gaussian" and manifest["sampler"] == "exact"
+    assert "each element (eps=" in result.stderr and "each record (eps=953.9" in result.stderr
     assert result.stdout == ""
     assert manifest["outputs"] == [{"path": str(out), "sha256": sha256_file(out)}]
     text = manifest_path.read_text()
@@ -53,15 +55,17 @@ MANIFEST_FIELDS = {"schema", "tool", "mechanism", "noise", "budget", "epsilon", 
 @pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
 @pytest.mark.parametrize("budget", ["element", "record"])
 def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, noise, mechanism, budget):
-    """An independent calculation from DESIGN section 2 reproduces every stated figure."""
+    """An independent calculation from DESIGN section 2 reproduces every stated figure
+    (of the continuous mechanisms: --sampler float; tests/test_discrete.py has the exact ones)."""
     # TLDP under the record budget keeps raw values with probability ~ eps e^-eps / (2 Delta)
     # per record, above dp_delta: a release that needs consent (tests/test_raw_release.py).
     consent = ["--allow-raw-release"] if (mechanism, budget) == ("tldp", "record") else []
     result = cli("perturb", digits_file, "--eps", "2", "--noise", noise, "--mechanism", mechanism,
-                 "--budget", budget, "--json", "--quiet", *consent)
+                 "--budget", budget, "--sampler", "float", "--json", "--quiet", *consent)
     assert result.exit_code == 0, result.stderr
     assert result.stderr == ""
     m = json.loads(result.stdout)
+    assert m["noise"] == noise and m["sampler"] == "float"
     assert MANIFEST_FIELDS <= set(m)
     assert m["schema"] == "tldp-manifest/1" and m["seeded"] is False and m["rng"] == "secure"
     assert m["value_range"] == [0.0, 256.0] and m["range_width"] == 256.0
@@ -100,10 +104,14 @@ def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, nois
         assert m["retain_probability"] == 0.0 and rec["point_mass_delta"] == 0.0
 
 
-def test_summary_line_comes_from_the_accounting_module(cli, digits_file):
-    result = cli("perturb", digits_file, "--eps", "1", "--json")
+@pytest.mark.parametrize("sampler,noise", [([], "discrete-laplace"), (["--sampler", "float"], "laplace")])
+def test_summary_line_comes_from_the_accounting_module(cli, digits_file, sampler, noise):
+    result = cli("perturb", digits_file, "--eps", "1", "--json", *sampler)
     m = json.loads(result.stdout)
-    assert accounting.summary_line(m["accounting"], "laplace") in result.stderr
+    assert m["noise"] == noise
+    assert accounting.summary_line(m["accounting"], noise) in result.stderr
+    # only the float sampler's figures are limited to the real-valued mechanism
+    assert ("real-valued mechanism only" in result.stderr) == (noise == "laplace")
 
 
 def test_quiet_prints_nothing(cli, digits_file):
@@ -118,9 +126,11 @@ def test_one_dimensional_array_is_scalar_records(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     assert m["elements_per_record"] == 1 and m["records"] == 1000
+    # the default exact sampler: discrete Laplace on the automatic grid of the float data
+    assert m["noise"] == "discrete-laplace" and m["range_width"] == 1
     assert m["retain_probability"] == pytest.approx(calibrate(
-        mechanism="tldp", noise="laplace", budget="element", epsilon=1, range_width=1,
-        elements=1).p)
+        mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=1, range_width=1,
+        elements=1, granularity=m["granularity"]).p)
 
 
 def test_weights_mask_is_recorded(cli, digits_file, tmp_path):
@@ -286,16 +296,19 @@ def test_ranges_that_leave_no_privacy_or_no_float32_noise_are_refused(cli, tmp_p
                                                                       value_range, message):
     src = tmp_path / "small.npy"
     np.save(src, np.zeros(shape, np.float32))
+    # continuous noise (--sampler float): its scale must be a float32 and leave p below 1;
+    # the exact sampler's noise lives on a grid scaled to the range
     result = cli("perturb", src, "--eps", "1", "--noise", noise, "--range", value_range,
-                 "--mechanism", mechanism, "--out", tmp_path / "out.npy")
+                 "--mechanism", mechanism, "--sampler", "float", "--out", tmp_path / "out.npy")
     assert result.exit_code == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.npy"]
 
 
 def test_audit_refuses_noise_float32_cannot_hold(cli):
+    # continuous noise (the exact sampler's is on a grid scaled to the range)
     result = cli("audit", "--eps", "1", "--noise", "gaussian", "--mechanism", "baseline", "--elements", "4",
-                 "--range", "0:1e-39", "--dtype", "float32")
+                 "--range", "0:1e-39", "--dtype", "float32", "--sampler", "float")
     assert result.exit_code == 2 and "beyond what float32 output can hold" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 

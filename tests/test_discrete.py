@@ -569,7 +569,8 @@ def test_float_data_errors(cli, tmp_path, args, message):
 @pytest.mark.parametrize("args, message", [
     (("--range", "0:10.5"), "integer --range"),
     (("--granularity", "0.5"), "applies to float data"),
-    (("--noise", "laplace", "--granularity", "0.5"), "applies to the discrete noises"),
+    # continuous noise has no grid (the default exact sampler would draw laplace on the integers)
+    (("--noise", "laplace", "--sampler", "float", "--granularity", "0.5"), "applies to the discrete noises"),
     (("--mechanism", "mvg"), "mvg"),
 ])
 def test_integer_data_usage_errors(cli, tmp_path, args, message):

@@ -14,6 +14,8 @@ from tests.roundtrip import RoundTrip
 from tldp_cli.formats import FormatOptions, hdf5
 
 IMAGES = np.random.default_rng(1).integers(0, 256, (40, 8, 8), dtype=np.uint8)
+# What perturb writes for uint8 data: the default exact sampler keeps integers integer (widened).
+PERTURBED = np.int16
 
 
 def write_sample(path: Path, **image_layout) -> Path:
@@ -92,11 +94,11 @@ class TestHdf5RoundTrip(RoundTrip):
                 x, y = a[name][()], b[name][()]
                 assert (x.tolist() == y.tolist()) if x.dtype.kind == "O" else x.tobytes() == y.tobytes(), name
             src, out = a["/train/images"], b["/train/images"]
-            assert out.dtype == np.float32 and out.shape == src.shape
+            assert out.dtype == PERTURBED and out.shape == src.shape
             assert out.chunks == src.chunks == (10, 8, 8)
             assert (out.compression, out.compression_opts) == ("gzip", 4)
             assert out.shuffle and not out.fletcher32 and out.scaleoffset is None
-            assert out.fillvalue == np.float32(255.0)
+            assert out.fillvalue == PERTURBED(255)
             assert b["latest"].name == "/latest" and b.get("latest", getlink=True).path == "/train/images"
 
 
@@ -153,7 +155,7 @@ def test_candidates_with_one_record_count_are_all_perturbed(cli, tmp_path):
     assert any("/images" in line and "/features" in line and "--dataset" in line
                for line in result.stderr.splitlines()), result.stderr
     with h5py.File(src, "r") as a, h5py.File(tmp_path / "data.tldp.h5", "r") as b:
-        assert b["images"].dtype == b["features"].dtype == np.float32
+        assert b["images"].dtype == b["features"].dtype == PERTURBED
         assert b["labels"].dtype == a["labels"].dtype
         np.testing.assert_array_equal(a["labels"][()], b["labels"][()])
 
@@ -173,7 +175,7 @@ def test_dataset_option_chooses(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert '"dataset": "/features"' in result.stdout
     with h5py.File(src, "r") as a, h5py.File(tmp_path / "data.tldp.h5", "r") as b:
-        assert b["features"].dtype == np.float32
+        assert b["features"].dtype == PERTURBED
         assert b["images"].dtype == np.uint8
         np.testing.assert_array_equal(a["images"][()], b["images"][()])
 
@@ -194,7 +196,7 @@ def test_detected_by_content(cli, tmp_path):
     result = run(cli, src)
     assert result.exit_code == 0, result.stderr
     with h5py.File(tmp_path / "data.tldp.dat", "r") as f:
-        assert f["/train/images"].dtype == np.float32
+        assert f["/train/images"].dtype == PERTURBED
 
 
 def test_user_block_is_detected_and_kept(cli, tmp_path):
@@ -209,7 +211,7 @@ def test_user_block_is_detected_and_kept(cli, tmp_path):
     out = tmp_path / "ub.tldp.h5"
     assert out.read_bytes()[:1024] == src.read_bytes()[:1024]
     with h5py.File(out, "r") as f:
-        assert f.userblock_size == 1024 and f["x"].dtype == np.float32
+        assert f.userblock_size == 1024 and f["x"].dtype == PERTURBED
 
 
 @pytest.mark.parametrize("chunks", [(7, 8, 8), None], ids=["rechunked", "contiguous"])
@@ -232,7 +234,7 @@ def test_hard_link_alias_gets_the_perturbed_data(cli, tmp_path):
     assert result.stdout.count('"dataset"') == 1  # perturbed once
     with h5py.File(tmp_path / "data.tldp.h5", "r") as f:
         assert f["alias"] == f["/train/images"]  # one object, two names
-        assert f["alias"].dtype == np.float32
+        assert f["alias"].dtype == PERTURBED
 
 
 def test_integer_scaleoffset_is_dropped_with_a_note(cli, tmp_path):
@@ -290,7 +292,7 @@ def test_references_point_into_the_output(cli, tmp_path):
     assert run(cli, src).exit_code == 0
     with h5py.File(tmp_path / "data.tldp.h5", "r") as f:
         images = f["/train/images"]
-        assert images.dtype == np.float32 and images.dims[0].keys() == ["index"]
+        assert images.dtype == PERTURBED and images.dims[0].keys() == ["index"]
         assert f[images.dims[0][0].attrs["REFERENCE_LIST"][0]["dataset"]] == images
         assert f[f.attrs["meta"]].name == "/meta"
         assert f[f.attrs["corner"]] == images

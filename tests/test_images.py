@@ -103,8 +103,11 @@ def test_manifest_uses_largest_image(cli, tmp_path):
         ["big/colour.png", "mid.png", "small.png"]
     assert manifest["inputs"][0] == {"path": str(src / "big" / "colour.png"), "format": "images",
                                      "shape": [1, 6, 7, 3], "dtype": "uint8"}
-    assert manifest["postprocessing"][:3] == ["round to nearest integer (ties to even)",
-                                              "clip to [0, 255]", "write 8-bit PNG"]
+    # the default exact sampler: integer noise in int16 (saturating, never wrapping), then the PNG steps
+    assert manifest["noise"] == "discrete-laplace"
+    assert manifest["postprocessing"][0].startswith("saturate at the int16 limits")
+    assert manifest["postprocessing"][1:4] == ["round to nearest integer (ties to even)",
+                                               "clip to [0, 255]", "write 8-bit PNG"]
     assert any("alpha" in step for step in manifest["postprocessing"])
     assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
         ["big/colour.png", "mid.png", "small.png"]
@@ -136,11 +139,13 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     with Image.open(out / "deep.png") as im:
         assert im.mode == "I;16"
         result = np.asarray(im)
-    # Laplace noise of scale 65536/1e5 = 0.66 moves the values by a few units at most.
+    # Discrete Laplace noise of scale 65536/1e5 = 0.66 moves the values by a few units at most.
     assert np.abs(result.astype(np.int64) - original).max() <= 10
     manifest = manifest_of(out)
     assert manifest["value_range"] == [0, 65536]
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", "write 16-bit PNG"]
+    # integer noise in int32 (the default exact sampler), saturating, then the PNG steps
+    assert manifest["postprocessing"][0].startswith("saturate at the int32 limits")
+    assert manifest["postprocessing"][2:4] == ["clip to [0, 65535]", "write 16-bit PNG"]
 
 
 def test_mixed_bit_depths_need_a_range(cli, tmp_path):
@@ -150,7 +155,8 @@ def test_mixed_bit_depths_need_a_range(cli, tmp_path):
     assert cli("perturb", src, "--eps", "1", "--out", tmp_path / "a").exit_code == 2
     result = cli("perturb", src, "--eps", "1", "--range", "0:65536", "--out", tmp_path / "b", "--json")
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["postprocessing"][1:3] == [
+    # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
+    assert json.loads(result.stdout)["postprocessing"][2:4] == [
         "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", "write 8-bit and 16-bit PNG"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
@@ -184,7 +190,9 @@ def test_tiff_output_is_float_and_unclipped(cli, tmp_path):
     save(src / "a.jpg", pixels(16, 16, 3))
     save(src / "b.png", colour)
     out = tmp_path / "out"
-    result = cli("perturb", src, "--eps", "0.5", "--image-format", "tiff", "--out", out, "--json")
+    # float output needs the float sampler (the default exact one keeps 8-bit images integer)
+    result = cli("perturb", src, "--eps", "0.5", "--image-format", "tiff", "--sampler", "float",
+                 "--out", out, "--json")
     assert result.exit_code == 0, result.stderr
     assert sorted(image_files(out)) == ["a.tiff", "b.tiff"]
     perturbed = tifffile.imread(out / "b.tiff")

@@ -178,17 +178,20 @@ def test_summary_names_tensors_and_the_whole_file(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "copied unchanged: step (int64), mask (bool)" in result.stderr
     assert "4 tensors, the largest of 128 elements" in result.stderr
-    assert "whole file, 4 tensors (eps=284," in result.stderr  # 128 + 16 + 128 + 12 elements
+    # 128 + 16 + 128 + 12 elements of eps 0.999 each (the exact sampler's discrete Laplace)
+    assert "whole file, 4 tensors (eps=283.7," in result.stderr
 
 
 @pytest.mark.parametrize("noise", ["laplace", "gaussian"])
 def test_noise_on_a_large_tensor_has_the_declared_distribution(cli, tmp_path, noise):
     x = np.random.default_rng(5).uniform(-3, 3, (200, 250)).astype(np.float32)  # most beyond C
     src = write_safetensors(tmp_path / "big.safetensors", {"w": x})
+    # the continuous distributions: --sampler float
     result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--noise", noise, "--seed", "3",
-                 "--allow-weak-seed", "--json", "-q")
+                 "--allow-weak-seed", "--sampler", "float", "--json", "-q")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
+    assert m["noise"] == noise
     scale = m["accounting"]["per_tensor"][0]["noise_scale"]
     # Range width 2C = 1 at eps 1: Laplace b = 1/eps, Gaussian sigma = 1/sqrt(2 eps).
     assert scale == pytest.approx(1.0 if noise == "laplace" else 1 / math.sqrt(2))
@@ -200,11 +203,14 @@ def test_noise_on_a_large_tensor_has_the_declared_distribution(cli, tmp_path, no
     assert stats.kstest((y - x).ravel(), dist(scale=scale).cdf).pvalue < 1e-6  # as if not clipped
 
 
-@pytest.mark.parametrize("args", [(), ("--budget", "record"), ("--mechanism", "baseline")])
+# The continuous mechanisms (--sampler float) keep raw values visibly (p = 1/2 for one element);
+# the default exact sampler's element budget is evaluated too.
+@pytest.mark.parametrize("args", [("--sampler", "float"), ("--sampler", "float", "--budget", "record"),
+                                  ("--sampler", "float", "--mechanism", "baseline"), ()])
 def test_evaluate_accepts_a_clipped_model_file(cli, tmp_path, args):
     """Half the values are clipped; the tensors differ in size, so in retain probability
-    (the 1-element one keeps its value with p = 1/2) and, but for the element budget, in
-    noise scale."""
+    (with continuous noise the 1-element one keeps its value with p = 1/2) and, but for the
+    element budget, in noise scale."""
     x = np.random.default_rng(6).uniform(-1, 1, (100, 100)).astype(np.float32)
     src = write_safetensors(tmp_path / "m.safetensors", {"w": x, "b": x[0].copy(), "s": x[1, :1].copy()})
     # The 1- and 100-element tensors' visible p is the point: a raw release, which needs consent
@@ -325,7 +331,11 @@ def test_clip_works_for_every_format_npy(cli, tmp_path):
     m = json.loads(result.stdout)
     assert m["value_range"] == [-1.0, 1.0] and m["range_width"] == 2.0
     assert m["preprocessing"] == ["clip"] and m["clip"] == {"norm": "linf", "bound": 1.0}
-    assert m["noise_scale"] == pytest.approx(2 / 1000)
+    # the default exact sampler: discrete Laplace on the automatic grid over the clipped range,
+    # b = W / eps in grid steps (W grid values)
+    assert m["noise"] == "discrete-laplace"
+    assert m["granularity"] * m["grid"]["sensitivity_steps"] == 2.0
+    assert m["noise_scale"] == pytest.approx(m["grid"]["values"] / 1000)
     y = np.load(tmp_path / "x.tldp.npy")
     np.testing.assert_allclose(y, np.clip(x, -1, 1), atol=0.2)
 
@@ -355,9 +365,12 @@ def test_manifest_composes_the_tensors_of_the_file(cli, tmp_path):
     masses are visible, and every figure has a closed form."""
     src = write_safetensors(tmp_path / "tiny.safetensors", {
         "a": np.zeros(1, np.float32), "b": np.zeros(2, np.float32), "c": np.zeros(3, np.float32)})
-    result = cli("perturb", src, "--eps", "5", "--clip", "1", "--json", "-q", "--allow-raw-release")
+    # the closed forms are those of continuous Laplace noise: --sampler float
+    result = cli("perturb", src, "--eps", "5", "--clip", "1", "--sampler", "float", "--json", "-q",
+                 "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
+    assert m["noise"] == "laplace"
     acc = m["accounting"]
     ps = {n: laplace_p(5.0, 2.0, i) for n, i in (("a", 1), ("b", 2), ("c", 3))}
     for entry, (name, size) in zip(acc["per_tensor"], (("a", 1), ("b", 2), ("c", 3))):
@@ -387,14 +400,17 @@ def test_manifest_composes_the_tensors_of_the_file(cli, tmp_path):
     assert m["elements_per_record"] == 3 and m["noise_scale"] == pytest.approx(0.4)
 
 
-def test_record_budget_gives_each_tensor_eps_and_the_file_the_sum(cli, tmp_path):
+# Exact TLDP-L certifies at least 5.9 per record of 128 elements: --eps 8 for the default
+# sampler, --eps 2 for the continuous one.
+@pytest.mark.parametrize("eps,sampler", [(8.0, "exact"), (2.0, "float")])
+def test_record_budget_gives_each_tensor_eps_and_the_file_the_sum(cli, tmp_path, eps, sampler):
     src = write_model_safetensors(tmp_path / "m.safetensors")
-    result = cli("perturb", src, "--eps", "2", "--clip", "0.5", "--budget", "record", "--json", "-q",
-                 "--allow-raw-release")
+    result = cli("perturb", src, "--eps", eps, "--clip", "0.5", "--budget", "record", "--sampler", sampler,
+                 "--json", "-q", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     acc = json.loads(result.stdout)["accounting"]
-    assert [t["epsilon"] for t in acc["per_tensor"]] == pytest.approx([2.0] * 4)
-    assert acc["per_file"]["epsilon"] == pytest.approx(8.0)
+    assert [t["epsilon"] for t in acc["per_tensor"]] == pytest.approx([eps] * 4)
+    assert acc["per_file"]["epsilon"] == pytest.approx(4 * eps)
 
 
 def test_compose_one_record_is_the_per_record_figure():

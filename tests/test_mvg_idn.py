@@ -206,6 +206,10 @@ def test_library_refusals():
 
 # --------------------------------------------------------------------------- CLI
 
+# MVG and IDN add real-valued Gaussian noise, which has no exact sampler: perturb needs this.
+FLOAT = ("--sampler", "float")
+
+
 @pytest.fixture
 def matrices(tmp_path):
     path = tmp_path / "m.npy"
@@ -216,13 +220,14 @@ def matrices(tmp_path):
 @pytest.mark.parametrize("mechanism", ["mvg", "idn"])
 def test_perturb_round_trip_and_evaluate(cli, matrices, tmp_path, mechanism):
     before = tree_digest(matrices)
-    r = cli("perturb", matrices, "--eps", "2", "--range", "-1:1", "--mechanism", mechanism,
+    r = cli("perturb", matrices, "--eps", "2", "--range", "-1:1", "--mechanism", mechanism, *FLOAT,
             "--seed", 424242, "--allow-weak-seed", "--json")
     assert r.exit_code == 0, r.stderr
     m = json.loads(r.stdout)
     out = tmp_path / "m.tldp.npy"
     assert np.load(out).shape == (200, 2, 3, 4) and tree_digest(matrices) == before
     assert m["mechanism"] == mechanism and m["noise"] == "gaussian" and m["budget"] == "element"
+    assert m["sampler"] == "float" and np.load(out).dtype == np.float32
     rows = 2 if mechanism == "mvg" else None  # mode-1: the record's first axis
     c = cal(mechanism, 24, rows=rows, epsilon=2.0)
     assert m["noise_scale"] == pytest.approx(c.scale, rel=1e-12)
@@ -254,15 +259,19 @@ def test_refusals_write_nothing(cli, matrices, tmp_path):
     mask = tmp_path / "w.npy"
     np.save(mask, np.zeros((2, 3, 4)))
     before, digest = siblings(tmp_path), tree_digest(matrices)
-    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg",
+    for mechanism in ("mvg", "idn"):  # the default exact sampler has no real-valued Gaussian noise
+        assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", mechanism),
+                       2, f"--mechanism {mechanism}", "--sampler float")
+    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT,
                        "--noise", "laplace"), 2, "--mechanism mvg adds Gaussian noise only")
-    assert_refused(cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg"),
+    assert_refused(cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT),
                    2, str(vectors), "matrix-shaped records", "(5,)")
-    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "idn",
+    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", *FLOAT,
                        "--weights", mask), 2, "--weights", "idn")
     assert siblings(tmp_path) == before and tree_digest(matrices) == digest
     # IDN takes any record shape
-    assert cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", "-q").exit_code == 0
+    assert cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", *FLOAT,
+               "-q").exit_code == 0
 
 
 def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):

@@ -160,8 +160,9 @@ def test_record_budget_per_element_is_that_of_the_smallest_record(cli, tmp_path)
     with h5py.File(tmp_path / "g.h5", "w") as f:
         f.create_dataset("small", data=rng.uniform(0, 1, (20, 3)))
         f.create_dataset("large", data=rng.uniform(0, 1, (30, 3, 4)))
+    # continuous Laplace (--sampler float), whose b = I Delta / eps gives these closed forms
     result = cli("perturb", tmp_path / "g.h5", "--eps", "6", "--range", "0:1", "--budget", "record",
-                 "--dataset", "small", "--dataset", "large",
+                 "--dataset", "small", "--dataset", "large", "--sampler", "float",
                  "--seed", "1", "--allow-weak-seed", "--allow-raw-release", "--json")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
@@ -194,9 +195,9 @@ def test_images_of_several_sizes_state_the_largest_p_and_evaluate(cli, tmp_path)
     for name, shape in (("tiny.png", (1, 1)), ("pair.png", (1, 2)), ("big.png", (6, 5))):
         Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(folder / name)
     # The 1-pixel image's visible p is the point: a raw release, which needs consent
-    # (tests/test_raw_release.py).
+    # (tests/test_raw_release.py). Continuous Laplace (--sampler float): p in closed form.
     result = cli("perturb", folder, "--eps", "300", "--seed", "2", "--allow-weak-seed", "--image-format", "tiff",
-                 "--json", "--allow-raw-release")
+                 "--sampler", "float", "--json", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     p_tiny = laplace_p(300.0, 256.0, 1)
@@ -242,12 +243,16 @@ def test_single_size_manifest_is_unchanged(cli, tmp_path):
                  "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
-    c = _cal(epsilon=2.0, range_width=1.0, elements=4)
+    # the default exact sampler: discrete Laplace on the automatic grid of the range 0:1
+    assert m["noise"] == "discrete-laplace" and m["range_width"] == 1.0
+    c = _cal(noise="discrete-laplace", epsilon=2.0, range_width=1.0, elements=4,
+             granularity=m["granularity"])
     assert "calibrations" not in m and "worst_case_of" not in m["accounting"]
     m["accounting"].pop("per_file")
     assert m["accounting"] == json.loads(json.dumps(accounting.certify(c)))
     assert m["retain_probability"] == c.p and m["retain_probability_log10"] == c.p_log10
-    assert "guarantee: each element (eps=2, " in result.stderr
+    element_epsilon = accounting.certify(c)["per_element"]["epsilon"]  # 2.0015: W - 1 steps
+    assert f"guarantee: each element (eps={element_epsilon:.4g}, " in result.stderr
 
 
 # --------------------------------------------------------------------------- 3. PLD rounding

@@ -20,20 +20,29 @@ def scaled_digits(tmp_path, digits):
 
 
 def test_scalar_records_in_unit_range_are_refused(cli, tmp_path):
-    """1000 x 1 float records at --eps 1 --range 0:1 kept a third of the values raw."""
+    """1000 x 1 float records at --eps 1 --range 0:1 kept a third of the values raw (the
+    continuous Laplace of --sampler float)."""
     np.save(tmp_path / "x.npy", np.random.default_rng(0).random((1000, 1), np.float32))
-    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1")
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--sampler", "float")
     assert result.exit_code == 2, result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1
     assert "probability 0.333" in line and "--allow-raw-release" in line and "discrete-laplace" in line
     assert siblings(tmp_path) == {"x.npy"}
+    # the advised discrete Laplace is the default (exact) sampler's: its pure bound covers the
+    # kept values, so no consent is needed
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["noise"] == "discrete-laplace" and "raw_release_allowed" not in m
+    assert m["accounting"]["per_element"]["delta"] == 0 and m["retain_probability"] > 0
 
 
 def test_consent_is_recorded_and_the_figure_stays_honest(cli, tmp_path):
     np.save(tmp_path / "x.npy", np.random.default_rng(0).random((1000, 1), np.float32))
+    # continuous Laplace (--sampler float): p in closed form, outputs equal to inputs only if kept
     result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--allow-raw-release",
-                 "--json", "-q")
+                 "--sampler", "float", "--json", "-q")
     assert result.exit_code == 0, result.stderr
     m = json.loads(result.stdout)
     p = m["retain_probability"]
@@ -45,9 +54,9 @@ def test_consent_is_recorded_and_the_figure_stays_honest(cli, tmp_path):
 
 
 def test_record_budget_on_scaled_digits_is_refused(cli, scaled_digits):
-    """Was: 'each record (eps=1, delta=0.944)', exit 0."""
+    """Was: 'each record (eps=1, delta=0.944)', exit 0 (continuous Gaussian: --sampler float)."""
     result = cli("perturb", scaled_digits, "--eps", "1", "--range", "0:1", "--budget", "record",
-                 "--noise", "gaussian")
+                 "--noise", "gaussian", "--sampler", "float")
     assert result.exit_code == 2
     assert "--eps 1 per record cannot be met at --dp-delta 1e-05" in result.stderr
     assert "0.944" in result.stderr

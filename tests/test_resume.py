@@ -100,7 +100,8 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, consolidated, first, secon
     assert {p.name for p in tmp_path.iterdir()} == {"in.zarr", "reference.zarr", "reference.zarr.manifest.json",
                                                      "out.zarr", "out.zarr.manifest.json"}
     if consolidated:  # rebuilt at the end, so readers that trust it see the perturbed array
-        assert zarr.open_consolidated(str(out), mode="r")["x"].dtype == np.float32
+        # uint8 data, the default exact sampler: integer noise in int16
+        assert zarr.open_consolidated(str(out), mode="r")["x"].dtype == np.int16
     files = {entry["path"] for entry in result.manifest["outputs"]}
     assert files == {str(p) for p in out.rglob("*") if p.is_file()}
 
@@ -171,7 +172,9 @@ def interrupted(tmp_path, **more):
 
 @pytest.mark.parametrize("change, named", [
     ({"epsilon": 2.0}, "--eps 1.0 (now 2.0)"),
-    ({"noise": "gaussian"}, '--noise "laplace" (now "gaussian")'),
+    # the noise drawn (the default exact sampler's)
+    ({"noise": "gaussian"}, '--noise "discrete-laplace" (now "discrete-gaussian")'),
+    ({"sampler": "float"}, '--noise "discrete-laplace" (now "laplace")'),
     ({"dtype": "float64"}, '--dtype "float32" (now "float64")'),
     ({"value_range": (0.0, 300.0)}, "--range [0.0, 256.0] (now [0.0, 300.0])"),
     ({"seed": None}, "--seed given (now not given)"),

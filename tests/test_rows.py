@@ -32,8 +32,11 @@ def test_a_row_across_two_datasets_is_one_record(cli, tmp_path):
     """Two 8x8 datasets at --eps 1 reported 64 per record where row i loses 128."""
     m = run(cli, two_datasets(tmp_path / "two.h5"), "--eps", "1")
     assert m["row_datasets"] == [["/a", "/b"]]
-    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(128.0)
-    assert m["accounting"]["per_element"]["epsilon"] == pytest.approx(1.0)
+    # the default exact sampler on uint8: discrete Laplace of b = 256 / eps over a sensitivity of
+    # 255 steps, so each element costs 255/256 and the row 128 of them
+    assert m["noise"] == "discrete-laplace"
+    assert m["accounting"]["per_element"]["epsilon"] == pytest.approx(255 / 256)
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(128 * 255 / 256)
     evaluated = cli("evaluate", tmp_path / "two.h5", tmp_path / "two.tldp.h5")
     assert evaluated.exit_code == 0, evaluated.stderr
 
@@ -42,8 +45,11 @@ def test_a_row_across_two_datasets_is_one_record(cli, tmp_path):
                                               ("discrete-gaussian", "baseline"), ("gaussian", "tldp"),
                                               ("discrete-laplace", "tldp")])
 def test_record_budget_is_met_by_the_row_not_each_dataset(cli, tmp_path, noise, mechanism):
+    # laplace and gaussian: the continuous noises (--sampler float), against their calibration
+    sampler = () if noise.startswith("discrete") else ("--sampler", "float")
     m = run(cli, two_datasets(tmp_path / "two.h5"), "--eps", "20", "--budget", "record",
-            "--noise", noise, "--mechanism", mechanism, "--allow-raw-release")
+            "--noise", noise, "--mechanism", mechanism, "--allow-raw-release", *sampler)
+    assert m["noise"] == noise
     record = m["accounting"]["per_record"]
     assert record["epsilon"] <= 20
     assert record["epsilon"] == pytest.approx(20, rel=1e-3)  # tight: the noise of one 128-element record
@@ -54,10 +60,13 @@ def test_record_budget_is_met_by_the_row_not_each_dataset(cli, tmp_path, noise, 
     assert evaluated.exit_code == 0, evaluated.stderr
 
 
-def test_laplace_record_budget_splits_by_elements_exactly(cli, tmp_path):
+# b = I Delta / eps over the row's 128 elements: Delta = 255 grid steps for the default exact
+# sampler's discrete Laplace on uint8, the range width 256 for continuous Laplace.
+@pytest.mark.parametrize("sampler, delta", [("exact", 255), ("float", 256)])
+def test_laplace_record_budget_splits_by_elements_exactly(cli, tmp_path, sampler, delta):
     m = run(cli, two_datasets(tmp_path / "two.h5"), "--eps", "20", "--budget", "record",
-            "--mechanism", "baseline")
-    assert m["noise_scale"] == pytest.approx(128 * 256 / 20)
+            "--mechanism", "baseline", "--sampler", sampler)
+    assert m["noise_scale"] == pytest.approx(128 * delta / 20)
     assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(20)
 
 
@@ -65,7 +74,8 @@ def test_unrelated_first_axes_stay_separate_scopes(cli, tmp_path):
     src = two_datasets(tmp_path / "two.h5", second_records=12)
     m = run(cli, src, "--eps", "1", "--dataset", "a", "--dataset", "b")
     assert "row_datasets" not in m
-    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(64.0)
+    # 64 elements of 255/256 each (discrete Laplace on uint8, the default exact sampler), not 128
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(64 * 255 / 256)
 
 
 def test_zarr_arrays_sharing_rows_compose_too(cli, tmp_path):
@@ -74,10 +84,13 @@ def test_zarr_arrays_sharing_rows_compose_too(cli, tmp_path):
     group.create_array("y", shape=(20, 4), dtype="uint8", chunks=(5, 4))[:] = MASKS[:, 0, :4]
     m = run(cli, tmp_path / "s.zarr", "--eps", "1", "--noise", "gaussian", "--allow-raw-release")
     assert m["row_datasets"] == [["x", "y"]]
-    x = calibrate(mechanism="tldp", noise="gaussian", budget="element", epsilon=1.0, range_width=256.0,
-                  elements=64)
-    y = calibrate(mechanism="tldp", noise="gaussian", budget="element", epsilon=1.0, range_width=256.0,
-                  elements=4)
+    # the default exact sampler: discrete Gaussian on the integers (W = 256 values, 255 steps)
+    assert m["noise"] == "discrete-gaussian"
+    x = calibrate(mechanism="tldp", noise="discrete-gaussian", budget="element", epsilon=1.0,
+                  range_width=256, elements=64)
+    y = calibrate(mechanism="tldp", noise="discrete-gaussian", budget="element", epsilon=1.0,
+                  range_width=256, elements=4)
     expected = accounting.compose([(x, 1), (y, 1)])
-    assert m["accounting"]["per_record"]["rho"] == pytest.approx(68 * 1.0)
+    # rho = 255^2 / (2 sigma^2) per element, sigma = 256 / sqrt(2 eps): 68 elements of (255/256)^2
+    assert m["accounting"]["per_record"]["rho"] == pytest.approx(68 * (255 / 256) ** 2)
     assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(expected["epsilon"])

@@ -70,6 +70,11 @@ def retained(original: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
     return perturbed == original.astype(np.float32)
 
 
+# Counting raw values by equality, against p in closed form, needs continuous noise: the float
+# sampler (the default exact one snaps float data to a grid, so no output equals its input).
+FLOAT = ("--sampler", "float")
+
+
 def binomial_ok(kept: int, n: int, p: float) -> bool:
     return abs(kept - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1
 
@@ -91,7 +96,8 @@ def test_constant_mask_scales_the_retain_probability(cli, tmp_path, weight):
     ok(cli("weight-mask", src, "--method", "constant", "--weight", weight, "--out", mask))
     out = tmp_path / "out.npy"
     m = json.loads(ok(cli("perturb", src, "--eps", "10", "--range", "0:1", "--weights", mask,
-                          "--seed", 11, "--allow-weak-seed", "--out", out, "--json", "-q", CONSENT)).stdout)
+                          "--seed", 11, "--allow-weak-seed", "--out", out, "--json", "-q", CONSENT,
+                          *FLOAT)).stdout)
     p = calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=10, range_width=1,
                   elements=1).p
     assert p > 0.8
@@ -141,7 +147,8 @@ def test_box_mask_weights_each_position(cli, tmp_path, fmt):
     np.testing.assert_array_equal(np.load(mask), [[0.25, 0.5], [1.0, 0.0]])
     out = tmp_path / f"out.{fmt}"
     m = json.loads(ok(cli("perturb", src, "--eps", "0.3", "--range", "0:1", "--weights", mask,
-                          "--seed", 5, "--allow-weak-seed", "--out", out, "--json", "-q", CONSENT)).stdout)
+                          "--seed", 5, "--allow-weak-seed", "--out", out, "--json", "-q", CONSENT,
+                          *FLOAT)).stdout)
     p = calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=0.3, range_width=1,
                   elements=4).p
     assert p > 0.05
@@ -153,7 +160,7 @@ def test_box_mask_weights_each_position(cli, tmp_path, fmt):
     assert m["weights"]["min"] == 0.0 and m["weights"]["max"] == 1.0
     assert m["accounting"] == json.loads(ok(cli(
         "perturb", src, "--eps", "0.3", "--range", "0:1", "--out", tmp_path / f"plain.{fmt}",
-        "--json", "-q", CONSENT)).stdout)["accounting"], "weights changed the certified accounting"
+        "--json", "-q", CONSENT, *FLOAT)).stdout)["accounting"], "weights changed the certified accounting"
 
 
 def test_per_record_mask_through_the_pipeline(cli, tmp_path):
@@ -167,7 +174,7 @@ def test_per_record_mask_through_the_pipeline(cli, tmp_path):
     assert np.load(mask).shape == (n, 2)
     out = tmp_path / "out.npy"
     ok(cli("perturb", src, "--eps", "0.5", "--range", "0:1", "--weights", mask, "--seed", 2, "--allow-weak-seed",
-           "--out", out, "-q", CONSENT))
+           "--out", out, "-q", CONSENT, *FLOAT))
     kept = retained(data, np.load(out))
     p = calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=0.5, range_width=1,
                   elements=2).p

@@ -18,6 +18,8 @@ from tldp_cli.pipeline import PerturbOptions, perturb
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 IMAGES = np.random.default_rng(0).integers(0, 256, (40, 8, 8), dtype=np.uint8)
+# What perturb writes for uint8 data: the default exact sampler keeps integers integer (widened).
+PERTURBED = np.int16
 
 
 def make_group(path: Path, zarr_format: int, consolidated: bool = True) -> Path:
@@ -74,13 +76,13 @@ class ZarrGroupRoundTrip(RoundTrip):
             if self.zarr_format == 3:
                 assert a.metadata.dimension_names == b.metadata.dimension_names, name
             if name == "images":
-                assert b.dtype == np.float32 and b.fill_value == np.float32(a.fill_value)
+                assert b.dtype == PERTURBED and b.fill_value == PERTURBED(a.fill_value)
             else:
                 assert b.dtype == a.dtype and b.fill_value == a.fill_value, name
                 np.testing.assert_array_equal(b[:], a[:])
         # The input was consolidated: the output is too, and describes the new dtype.
         consolidated = zarr.open_consolidated(perturbed, mode="r", zarr_format=self.zarr_format)
-        assert consolidated["images"].dtype == np.float32
+        assert consolidated["images"].dtype == PERTURBED
 
 
 class TestZarrV3RoundTrip(ZarrGroupRoundTrip):
@@ -121,7 +123,7 @@ def test_sharded_output_keeps_shards_and_matches_any_chunking(tmp_path):
                                out=tmp_path / f"{name}.out.zarr", block_elements=8 * 64 * 64))
         out = zarr.open_array(tmp_path / f"{name}.out.zarr", mode="r")
         assert (out.chunks, out.shards) == (array.chunks, array.shards)
-        assert out.compressors == array.compressors and out.dtype == np.float32
+        assert out.compressors == array.compressors and out.dtype == PERTURBED
         outputs[name] = out[:]
     assert not np.array_equal(outputs["sharded"], images)
     np.testing.assert_array_equal(outputs["sharded"], outputs["rechunked"])
@@ -157,7 +159,8 @@ def test_single_array_store(cli, tmp_path, zarr_format):
     assert tree_digest(src) == before
     out = zarr.open_array(tmp_path / "features.tldp.zarr", mode="r")
     assert out.metadata.zarr_format == zarr_format
-    assert out.dtype == np.float32 and out.fill_value == -1.0 and out.chunks == (10, 3)
+    # int16 data: integer noise, widened to int32 (the default exact sampler)
+    assert out.dtype == np.int32 and out.fill_value == -1 and out.chunks == (10, 3)
     assert dict(out.attrs) == {"note": "x"} and out.shape == values.shape
     assert json.loads(result.stdout)["inputs"][0]["dataset"] == "/"
 
@@ -174,7 +177,7 @@ def test_default_selection_takes_arrays_with_the_same_records(cli, tmp_path):
     result = perturb_ok(cli, src)
     assert "perturbing arrays a, g/b of two.zarr (choose with --dataset)" in result.stderr
     out = tmp_path / "two.tldp.zarr"
-    assert read_path(out, "a").dtype == np.float32 and read_path(out, "g/b").dtype == np.float32
+    assert read_path(out, "a").dtype == PERTURBED and read_path(out, "g/b").dtype == PERTURBED
 
 
 def test_ambiguous_selection_is_a_usage_error(cli, tmp_path):
@@ -190,7 +193,7 @@ def test_dataset_chooses_and_copies_the_rest(cli, tmp_path, spelling):
     src = make_two(tmp_path / "two.zarr", rows_b=12)
     perturb_ok(cli, src, "--dataset", spelling)
     out = tmp_path / "two.tldp.zarr"
-    assert read_path(out, "g/b").dtype == np.float32
+    assert read_path(out, "g/b").dtype == PERTURBED
     a = zarr.open_array(out, path="a", mode="r")
     assert a.dtype == np.uint8 and (a[:] == 1).all()
     assert tree_digest(out / "a") == tree_digest(src / "a")

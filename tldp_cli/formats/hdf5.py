@@ -32,6 +32,21 @@ The input is checked before anything is written:
   its size, so no ratio is implausible for real data.
 And while it is read: HDF5 reads the part of a file cut off after it was opened as
 zeros, so each read checks that the file is not shorter than it was at open.
+
+netCDF-4 files are HDF5 files, and the copy keeps what netCDF readers rely on:
+- attributes are copied byte for byte in their stored type and shape (converting
+  netCDF-C's fixed-length null-terminated strings drops their last character);
+- the root group keeps its creation-order tracking, which the file creation list
+  the input reports leaves out: netCDF-C opens a file for writing only with it, and
+  lists variables and attributes in that order.
+Of a perturbed dataset, the CF attributes about its values are honoured (_Encoding):
+values equal to its _FillValue or missing_value are missing data, copied rather than
+perturbed (the writer puts them back, so which values are missing is released as
+is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
+physical units and written unpacked; valid_range, valid_min, valid_max and
+actual_range are dropped, since noisy values pass them and readers would mask them.
+Coordinate variables (dimension scales, and the variables named in a coordinates,
+bounds, climatology or cell_measures attribute) are not perturbed unless named.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5d, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
+from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
 from tldp_cli.errors import InputError, OutputError, TldpError
 from tldp_cli.formats import (
@@ -57,6 +72,7 @@ from tldp_cli.formats import (
     check_numeric_dtype,
     default_selection,
     dropped_filters,
+    listing,
 )
 from tldp_cli.formats.checked_io import pwrite_all, write_error, writing
 from tldp_cli.output import shown
@@ -74,6 +90,14 @@ LOSSY_FILTERS = {h5z.FILTER_SCALEOFFSET: "scale-offset", 258: "fpzip", 32005: "A
                  32007: "JPEG-XR", 32012: "JPEG-LS", 32013: "zfp", 32014: "fpzip", 32016: "B3D",
                  32017: "SZ", 32019: "JPEG", 32022: "BitGroom", 32023: "Granular BitRound",
                  32024: "SZ3", 32028: "SPERR", 32030: "FFmpeg"}
+# CF attributes bounding a variable's values: noisy values fall outside them, and readers
+# (netCDF4-python) would mask those as invalid. Dropped from perturbed datasets.
+VALUE_BOUNDS = ("valid_range", "valid_min", "valid_max", "actual_range")
+MISSING = ("_FillValue", "missing_value")  # CF: values that mark missing data
+PACKING = ("scale_factor", "add_offset", "_Unsigned")
+# CF attributes naming the variables that locate or delimit the data (coordinates,
+# cell bounds, cell areas): never perturbed unless named with --dataset.
+COORDINATE_REFERENCES = ("coordinates", "bounds", "climatology", "cell_measures")
 
 
 def can_open(path: Path) -> bool:
@@ -137,16 +161,136 @@ def _check_not_shrunk(path: Path, size: int) -> None:
                          "reading it")
 
 
+def _attr_text(obj, key: str) -> str | None:
+    """A string attribute (or an array of strings, joined by spaces); None if absent or not text."""
+    if key not in obj.attrs:
+        return None
+    try:
+        value = obj.attrs[key]
+    except Exception:
+        return None
+    parts = value.ravel().tolist() if isinstance(value, np.ndarray) else [value]
+    if not all(isinstance(part, (str, bytes)) for part in parts):
+        return None
+    return " ".join(part.decode("utf-8", "replace") if isinstance(part, bytes) else part
+                    for part in parts)
+
+
+def _attr_numbers(path: Path, name: str, obj, key: str) -> np.ndarray | None:
+    """A numeric attribute's values, flat; None if absent."""
+    if key not in obj.attrs:
+        return None
+    try:
+        value = np.asarray(obj.attrs[key])
+    except Exception as exc:
+        raise InputError(f"{path}: dataset {name}: cannot read its {key} attribute "
+                         f"({_reason(exc)})") from None
+    if value.dtype.kind not in "iuf":
+        raise InputError(f"{path}: dataset {name}: its {key} attribute is {value.dtype}, "
+                         "not a number")
+    return value.ravel()
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """How the values stored in a dataset become the values perturbed (CF conventions):
+    which stored values mark missing data, and how packed integers unpack
+    (unsigned = _Unsigned, then * scale_factor + add_offset)."""
+
+    markers: tuple  # stored values meaning "missing" (_FillValue, missing_value), NaN included
+    unsigned: bool
+    scale: np.generic | None
+    offset: np.generic | None
+    dtype: np.dtype  # of the values perturbed
+
+    @property
+    def packed(self) -> bool:
+        return self.scale is not None or self.offset is not None
+
+    def missing(self, raw: np.ndarray) -> np.ndarray | None:
+        """Where `raw` (stored values) holds a marker; None if nowhere."""
+        mask = None
+        for marker in self.markers:
+            found = np.isnan(raw) if marker != marker else raw == marker
+            mask = found if mask is None else mask | found
+        return mask if mask is not None and mask.any() else None
+
+    def decode(self, raw: np.ndarray) -> np.ndarray:
+        values = raw.view(raw.dtype.str.replace("i", "u")) if self.unsigned else raw
+        if not self.packed:
+            return values
+        values = values.astype(self.dtype)
+        if self.scale is not None:
+            values *= self.scale
+        if self.offset is not None:
+            values += self.offset
+        return values
+
+
+def _encoding(path: Path, name: str, ds: h5py.Dataset) -> _Encoding | None:
+    """The dataset's _Encoding; None when its stored values are the values."""
+    stored = ds.dtype
+    markers = []
+    for key in MISSING:
+        values = _attr_numbers(path, name, ds, key)
+        for value in () if values is None else values:
+            if stored.kind != "f" and not np.isfinite(value):
+                continue  # no integer is NaN: such a marker marks nothing
+            with np.errstate(invalid="ignore", over="ignore"):
+                marker = np.asarray(value).astype(stored)
+                # A marker the dtype cannot hold (missing_value 0.5 on integers) occurs nowhere.
+                if np.array_equal(marker.astype(value.dtype), value, equal_nan=stored.kind == "f"):
+                    markers.append(marker[()])
+    unsigned = stored.kind == "i" and (_attr_text(ds, "_Unsigned") or "").strip().lower() == "true"
+    packing = {}
+    for key in ("scale_factor", "add_offset"):
+        value = _attr_numbers(path, name, ds, key)
+        if value is not None:
+            if value.size != 1:
+                raise InputError(f"{path}: dataset {name}: its {key} attribute holds {value.size} "
+                                 "values; packed data has one scale_factor and one add_offset")
+            packing[key] = value
+    dtype = np.dtype(stored.str.replace("i", "u")) if unsigned else stored
+    if packing:
+        # CF: the unpacked values have the type of scale_factor and add_offset.
+        kinds = [value.dtype for value in packing.values()]
+        dtype = (np.result_type(*kinds) if all(k.kind == "f" for k in kinds) else np.dtype("float64")
+                 ).newbyteorder("=")
+    if not (markers or unsigned or packing):
+        return None
+    scale, offset = (packing[key].astype(dtype)[0] if key in packing else None
+                     for key in ("scale_factor", "add_offset"))
+    return _Encoding(tuple(markers), unsigned, scale, offset, dtype)
+
+
+_PRESENT: dict[tuple, np.generic] = {}  # (path, dataset, size) -> a value the dataset holds
+
+
 @dataclass(frozen=True)
 class _Records:
-    """Reads records of one dataset. Opens the file on each call: h5py handles do not
-    pickle, so this callable can go to worker processes."""
+    """Reads records of one dataset, decoded by `encoding`. Opens the file on each call:
+    h5py handles do not pickle, so this callable can go to worker processes."""
 
     path: Path
     dataset: str
     size: int  # the file's size at open
+    encoding: _Encoding | None = None
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
+        raw = self.stored(start, stop)
+        if self.encoding is None:
+            return raw
+        values = self.encoding.decode(raw)
+        missing = self.encoding.missing(raw)
+        if missing is not None:
+            # Missing positions get a value the data holds, so that they pass the range
+            # check; the writer puts the markers back, so their noisy values are never written.
+            present = values[~missing]
+            values[missing] = present[0] if present.size else self._present_value()
+        return values
+
+    def stored(self, start: int, stop: int) -> np.ndarray:
+        """Records start:stop as stored."""
         try:
             with h5py.File(self.path, "r") as f:
                 block = f[self.dataset][start:stop]
@@ -156,6 +300,26 @@ class _Records:
                              f"{self.dataset} ({_reason(exc)})") from None
         _check_not_shrunk(self.path, self.size)  # a part cut off during the read came back as zeros
         return block
+
+    def _present_value(self) -> np.generic:
+        """The first value of the dataset that is not missing."""
+        key = (self.path, self.dataset, self.size)
+        if key not in _PRESENT:
+            with h5py.File(self.path, "r") as f:
+                shape = f[self.dataset].shape
+            step = max(1, (1 << 20) // max(1, math.prod(shape[1:])))
+            for start in range(0, shape[0], step):
+                raw = self.stored(start, start + step)
+                missing = self.encoding.missing(raw)
+                if missing is None or not missing.all():
+                    values = self.encoding.decode(raw)
+                    _PRESENT[key] = values.flat[0] if missing is None else values[~missing][0]
+                    break
+            else:
+                raise InputError(f"{self.path}: dataset {self.dataset} holds only missing values "
+                                 "(its _FillValue or missing_value); there is nothing to perturb, "
+                                 "so leave it out (choose the datasets with --dataset)")
+        return _PRESENT[key]
 
 
 def _check_storage(path: Path, size: int, name: str, ds: h5py.Dataset, perturbed: bool) -> None:
@@ -190,6 +354,7 @@ class Hdf5Reader:
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         self.messages: list[str] = []
+        self.encodings: dict[str, _Encoding] = {}  # job name -> its encoding, where it has one
         try:
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")
@@ -233,9 +398,35 @@ class Hdf5Reader:
 
         numeric = {name: tuple(ds.shape) for name, ds in found.items()
                    if _is_numeric(ds.dtype) and ds.shape is not None}
+        coordinates = self._coordinates(found)
+        left_out = [name for name, shape in numeric.items()
+                    if _object_key(found[name]) in coordinates and len(shape) >= 2]
+        numeric = {name: shape for name, shape in numeric.items()
+                   if _object_key(found[name]) not in coordinates}
         names, message = default_selection(self.path, numeric, "dataset")
         self.messages.append(message)
+        if left_out:
+            self.messages.append(f"left out the coordinate datasets {listing(left_out)} "
+                                 "(name them with --dataset to perturb them)")
         return [(name, found[name]) for name in names]
+
+    def _coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
+        """The datasets that locate or delimit the data rather than hold it: dimension
+        scales (netCDF dimensions and coordinate variables) and the variables named in
+        a dataset's coordinates, bounds, climatology or cell_measures attribute."""
+        keys = set()
+        for name, ds in found.items():
+            with suppress(Exception):  # a malformed CLASS attribute: not a scale
+                if h5ds.is_scale(ds.id):
+                    keys.add(_object_key(ds))
+            for attr in COORDINATE_REFERENCES:
+                for word in (_attr_text(ds, attr) or "").split():
+                    if word.endswith(":"):
+                        continue  # cell_measures: "area: cell_area"
+                    target = _variable(word, posixpath.dirname(name), found)
+                    if target is not None:
+                        keys.add(_object_key(target))
+        return keys
 
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"
@@ -281,8 +472,20 @@ class Hdf5Reader:
     def _job(self, name: str, ds: h5py.Dataset) -> ArrayJob:
         _check_storage(self.path, self.size, name, ds, perturbed=True)
         shape = tuple(ds.shape)
+        encoding = _encoding(self.path, name, ds)
+        if encoding is not None:
+            self.encodings[name] = encoding
+            if encoding.packed:
+                self.messages.append(
+                    f"{name}: unpacking its {ds.dtype} codes (scale_factor, add_offset) to "
+                    f"{encoding.dtype} values before the noise; --range is in these units")
+            if encoding.markers:
+                self.messages.append(
+                    f"{name}: values equal to its _FillValue or missing_value are missing data, "
+                    "copied, not perturbed: which values are missing is released as is")
         return ArrayJob(
-            name=name, shape=shape, dtype=ds.dtype, read=_Records(self.path, name, self.size),
+            name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
+            read=_Records(self.path, name, self.size, encoding),
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
@@ -299,12 +502,89 @@ def open_reader(path: Path, options: FormatOptions) -> Hdf5Reader:
     return Hdf5Reader(path, options)
 
 
-def _copy_attrs(src, dst) -> None:
-    for key in src.attrs:
-        # The stored type, not the one numpy would infer: keeps string lengths and
-        # encodings, byte order and integer widths exactly.
-        stored = h5py.Datatype(src.attrs.get_id(key).get_type())
-        dst.attrs.create(key, src.attrs[key], dtype=stored)
+def _variable(word: str, group: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset | None:
+    """The dataset a CF attribute names: an absolute path, or a name looked up in the
+    referring variable's group, then in each enclosing group (CF 1.8 groups)."""
+    if word.startswith("/"):
+        return found.get(posixpath.normpath(word))
+    while True:
+        ds = found.get(posixpath.normpath(posixpath.join(group, word)))
+        if ds is not None or group == "/":
+            return ds
+        group = posixpath.dirname(group)
+
+
+def _has_vlen(tid: h5t.TypeID) -> bool:
+    kind = tid.get_class()
+    if kind == h5t.VLEN or (kind == h5t.STRING and tid.is_variable_str()):
+        return True
+    if kind == h5t.ARRAY:
+        return _has_vlen(tid.get_super())
+    if kind == h5t.COMPOUND:
+        return any(_has_vlen(tid.get_member_type(i)) for i in range(tid.get_nmembers()))
+    return False
+
+
+def _attr_names(obj) -> list[bytes]:
+    """In creation order where the object tracks it (as netCDF-C lists them), else by name."""
+    order = obj.id.get_create_plist().get_attr_creation_order()
+    index = h5.INDEX_CRT_ORDER if order & h5p.CRT_ORDER_TRACKED else h5.INDEX_NAME
+    names: list[bytes] = []
+    h5a.iterate(obj.id, names.append, index_type=index)
+    return names
+
+
+def _copy_attrs(src, dst, replaced: dict[bytes, np.ndarray | None] | None = None) -> None:
+    """Copies every attribute in its stored type and shape; `replaced` gives new values
+    for some (None: left out)."""
+    src, dst = (obj["/"] if isinstance(obj, h5py.File) else obj for obj in (src, dst))
+    replaced = replaced or {}
+    for name in _attr_names(src):
+        if name in replaced:
+            if replaced[name] is not None:
+                dst.attrs.create(name.decode(), replaced[name])
+            continue
+        attr = h5a.open(src.id, name)
+        stored, space = attr.get_type(), attr.get_space()
+        if stored.committed():
+            stored = stored.copy()  # a named type lives in the input; the output gets its own
+        copy = h5a.create(dst.id, name, stored, space)
+        if space.get_simple_extent_type() == h5s.NULL:
+            continue
+        if _has_vlen(stored) or _has_refs(stored):
+            # Pointers in memory: read and written through h5py's conversions, as attrs[...]
+            # does (references are pointed into the output later, _fix_references).
+            dtype, shape = attr.dtype, attr.shape
+            if dtype.subdtype is not None:
+                dtype, shape = dtype.subdtype[0], shape + dtype.subdtype[1]
+            value = np.zeros(shape, dtype=dtype)
+            mtype = h5t.py_create(attr.dtype)
+        else:
+            # The bytes as stored: a conversion would re-pad strings (netCDF-C's null-
+            # terminated ones lose their last character) or change byte order.
+            value = np.empty(attr.shape, dtype=np.dtype((np.void, stored.get_size())))
+            mtype = stored
+        attr.read(value, mtype=mtype)
+        copy.write(value, mtype=mtype)
+
+
+def _output_marker(marker, dtype: np.dtype):
+    """A missing-data marker in the output dtype: its own value where the dtype holds it,
+    else NaN (floats) or the dtype's least value (integers, which noisy values reach only
+    by saturating beyond the noise's tail bound)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.asarray(marker).astype(dtype)
+        if np.array_equal(out.astype(np.asarray(marker).dtype), marker, equal_nan=dtype.kind == "f"):
+            return out[()]
+    return dtype.type(np.nan) if dtype.kind == "f" else dtype.type(np.iinfo(dtype).min)
+
+
+def _json_number(value):
+    """A NumPy number for JSON: NaN and infinities as strings ("nan", "inf"); None stays None."""
+    if value is None:
+        return None
+    value = value.item() if isinstance(value, np.generic) else value
+    return value if isinstance(value, int) or math.isfinite(value) else str(value)
 
 
 class _Output:
@@ -416,9 +696,18 @@ class Hdf5Writer:
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
+        self.size = reader.size
+        self.encodings = reader.encodings
+        self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
+        self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
-        fcpl = src.id.get_create_plist()  # user block size, creation-order tracking, ...
+        fcpl = src.id.get_create_plist()  # user block size, ...
+        # ... but not the root group's creation-order tracking (netCDF-C opens a file for
+        # writing only with it, and lists variables and attributes in that order).
+        root = src["/"].id.get_create_plist()
+        fcpl.set_link_creation_order(root.get_link_creation_order())
+        fcpl.set_attr_creation_order(root.get_attr_creation_order())
         try:
             with open(reader.path, "rb") as f:
                 self.userblock = f.read(fcpl.get_userblock())  # HDF5 leaves it to its owner to write
@@ -437,6 +726,7 @@ class Hdf5Writer:
                 self._copy_group(src, self.file)
                 self._fix_references()
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
+            self._describe_cf()
             _check_not_shrunk(reader.path, reader.size)  # what was copied came from the whole file
         except BaseException:
             with suppress(Exception):
@@ -558,9 +848,64 @@ class Hdf5Writer:
             fresh.set_attr_creation_order(plist.get_attr_creation_order())
             plist = fresh
             space = h5s.create_simple(src.shape)
+        replaced = self._cf_attrs(src, job_name)
+        fill = replaced.get(b"_FillValue")
+        if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
+            plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
         out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=plist))
-        _copy_attrs(src, out)
+        _copy_attrs(src, out, replaced)
         self.datasets[job_name] = out
+
+    def _cf_attrs(self, src: h5py.Dataset, job_name: str) -> dict[bytes, np.ndarray | None]:
+        """The CF attributes a perturbed dataset gets instead of its own (None: left out):
+        the missing-data markers in the output dtype; no value bounds; no packing."""
+        encoding = self.encodings.get(job_name)
+        replaced: dict[bytes, np.ndarray | None] = {}
+        dropped = [key for key in VALUE_BOUNDS if key in src.attrs]
+        if encoding is not None and (encoding.packed or encoding.unsigned):
+            dropped += [key for key in PACKING if key in src.attrs]
+        for key in dropped:
+            replaced[key.encode()] = None
+        if dropped:
+            self.dropped_attrs[job_name] = dropped
+        if encoding is None:
+            return replaced
+        self.missing[job_name] = [(marker, _output_marker(marker, self.dtype))
+                                  for marker in encoding.markers]
+        for key in MISSING:
+            if key in src.attrs:
+                values = _attr_numbers(self.source, job_name, src, key)
+                shape = src.attrs.get_id(key).shape
+                replaced[key.encode()] = np.array([_output_marker(v, self.dtype) for v in values],
+                                                  dtype=self.dtype).reshape(shape)
+        return replaced
+
+    def _describe_cf(self) -> None:
+        """The manifest's account of the CF attributes the perturbed datasets honour."""
+        decoded = {name: enc for name, enc in self.encodings.items() if enc.packed or enc.unsigned}
+        if decoded:
+            self.postprocessing.append(
+                "write packed datasets unpacked: their stored codes were unpacked (_Unsigned, "
+                f"scale_factor, add_offset) before the noise, and are written as {self.dtype} "
+                "without those attributes (unpacked)")
+            self.manifest_extra["unpacked"] = {
+                name: {"stored_dtype": str(self.src[name].dtype), "unsigned": enc.unsigned,
+                       "scale_factor": _json_number(enc.scale), "add_offset": _json_number(enc.offset)}
+                for name, enc in decoded.items()}
+        if self.dropped_attrs:
+            self.postprocessing.append(
+                "drop the attributes bounding the perturbed datasets' values (valid_range, valid_min, "
+                "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
+            self.manifest_extra["dropped_attributes"] = self.dropped_attrs
+        kept = {name: pairs for name, pairs in self.missing.items() if pairs}
+        if kept:
+            self.postprocessing.append(
+                "keep missing data: the positions holding a dataset's _FillValue or missing_value are "
+                "copied, not perturbed, so which values are missing is released as is (missing_values)")
+            self.manifest_extra["missing_values"] = {
+                name: {"input": [_json_number(m) for m, _ in pairs],
+                       "output": [_json_number(out) for _, out in pairs], "action": "copied, not perturbed"}
+                for name, pairs in kept.items()}
 
     def _drop_lossy_filters(self, plist: h5p.PropDCID, job_name: str) -> None:
         """Removes the filters that may not store the noisy values exactly."""
@@ -579,6 +924,13 @@ class Hdf5Writer:
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         if self.output.failure is not None:
             raise self.output.error()
+        markers = self.missing.get(job.name)
+        if markers:
+            # The block holds noise where the input is missing: read which positions those are.
+            stored = _Records(self.source, job.name, self.size).stored(start, start + len(block))
+            block = block.copy()  # the caller's block is not ours to change
+            for marker, out in markers:
+                block[np.isnan(stored) if marker != marker else stored == marker] = out
         with self._hdf5():
             self.datasets[job.name][start:start + len(block)] = block
 

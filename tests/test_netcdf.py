@@ -1,0 +1,362 @@
+"""netCDF-4 files made by real tools (xarray with either engine, netCDF4 itself) come out
+valid: attributes byte for byte, creation order kept (netCDF-C can open the output for
+writing), coordinates left alone, CF value attributes (valid_range, _FillValue,
+missing_value, packing) honoured.
+
+Every test writes its input with the tool named and reads the output back with netCDF4
+and with xarray on both engines.
+"""
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tldp_cli.errors import InputError
+from tldp_cli.formats import FormatOptions, hdf5
+from tldp_cli.pipeline import PerturbOptions, perturb
+
+netCDF4 = pytest.importorskip("netCDF4")
+xr = pytest.importorskip("xarray")
+pytest.importorskip("h5netcdf")
+
+ENGINES = ["netcdf4", "h5netcdf"]
+RNG = np.random.default_rng(5)
+TEMPERATURES = RNG.uniform(255, 305, (12, 4, 5)).astype(np.float32)
+
+
+def run(cli, src, out, *more):
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--seed", "7", "--allow-weak-seed",
+                 "--allow-raw-release", *more)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(Path(f"{out}.manifest.json").read_text())
+
+
+def plain(value):
+    """An attribute value as something == compares, NaN included."""
+    array = np.asarray(value)
+    if array.dtype.kind in "US":
+        return (type(value).__name__, array.tolist())
+    return (array.dtype.str, repr(array.tolist()))
+
+
+def nc_attributes(path) -> dict[str, list]:
+    """Every group's and variable's attributes as netCDF4 reads them, in its order."""
+    found = {}
+
+    def walk(group, prefix):
+        found[prefix or "/"] = [(k, plain(group.getncattr(k))) for k in group.ncattrs()]
+        for name, var in group.variables.items():
+            found[f"{prefix}/{name}"] = [(k, plain(var.getncattr(k))) for k in var.ncattrs()]
+        for name, sub in group.groups.items():
+            walk(sub, f"{prefix}/{name}")
+
+    with netCDF4.Dataset(path) as ds:
+        walk(ds, "")
+    return found
+
+
+def xr_attributes(path, engine) -> dict[str, dict]:
+    with xr.open_dataset(path, engine=engine, mask_and_scale=False) as ds:
+        found = {"/": {k: plain(v) for k, v in ds.attrs.items()}}
+        for name, var in ds.variables.items():
+            found[name] = {k: plain(v) for k, v in var.attrs.items()}
+    return found
+
+
+def without(attributes, dropped: dict[str, tuple[str, ...]]):
+    """`attributes` (either reader's) less the attributes `dropped` names per variable."""
+    out = {}
+    for where, attrs in attributes.items():
+        gone = dropped.get(where.lstrip("/"), ())
+        out[where] = ([(k, v) for k, v in attrs if k not in gone] if isinstance(attrs, list)
+                      else {k: v for k, v in attrs.items() if k not in gone})
+    return out
+
+
+def cf_dataset():
+    """Text attributes of every kind netCDF writers make: one character, trailing blanks,
+    UTF-8, empty, long; numbers; a coordinate with a CF bounds variable."""
+    time = np.arange(12.0)
+    return xr.Dataset(
+        {"T2": (("time", "y", "x"), TEMPERATURES,
+                {"units": "K", "long_name": "temperature at 2 m", "MemoryOrder": "XY ",
+                 "comment": "température, °C ↔ K", "stagger": "", "FieldType": np.int32(104),
+                 "description": "x" * 300}),
+         "time_bnds": (("time", "nv"), np.stack([time - 0.5, time + 0.5], axis=1))},
+        coords={"time": ("time", time, {"units": "hours since 2000-01-01", "bounds": "time_bnds"})},
+        attrs={"Conventions": "CF-1.8", "title": "T", "history": "made by a test ü", "version": 3})
+
+
+@pytest.fixture(params=ENGINES)
+def xarray_file(request, tmp_path):
+    path = tmp_path / f"in.{request.param}.nc"
+    cf_dataset().to_netcdf(path, engine=request.param)
+    return path
+
+
+def test_text_attributes_come_through_byte_for_byte(cli, tmp_path, xarray_file):
+    out = tmp_path / "out.nc"
+    manifest = run(cli, xarray_file, out, "--range", "250:310")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
+    assert nc_attributes(out) == nc_attributes(xarray_file)
+    with netCDF4.Dataset(out) as ds:
+        assert ds.Conventions == "CF-1.8" and ds["T2"].units == "K" and ds["T2"].MemoryOrder == "XY "
+        assert ds["T2"].comment == "température, °C ↔ K"
+    for engine in ENGINES:
+        assert xr_attributes(out, engine) == xr_attributes(xarray_file, engine), engine
+    with h5py.File(xarray_file, "r") as a, h5py.File(out, "r") as b:
+        for name in ["/", "/T2", "/time", "/time_bnds"]:
+            assert list(a[name].attrs) == list(b[name].attrs), name
+            for key in a[name].attrs:
+                assert a[name].attrs.get_id(key).get_type() == b[name].attrs.get_id(key).get_type(), key
+                assert a[name].attrs.get_id(key).shape == b[name].attrs.get_id(key).shape, key
+
+
+def netcdf4_file(path: Path) -> Path:
+    """Written by netCDF4 directly: NC_CHAR and NC_STRING attributes, groups, variables and
+    attributes in an order that is not alphabetical."""
+    with netCDF4.Dataset(path, "w") as ds:
+        ds.title = "made with netCDF4"
+        ds.Conventions = "CF-1.8"
+        ds.setncattr_string("institution", "Institut für Tests")
+        ds.author = "A"
+        ds.createDimension("time", None)
+        ds.createDimension("station", 6)
+        zeta = ds.createVariable("zeta", "f4", ("time", "station"))
+        zeta.units = "m"
+        zeta.long_name = "sea surface height"
+        zeta.axis = "Z"
+        zeta.setncattr_string("flags", ["a", "bc"])
+        zeta[:] = RNG.uniform(0, 1, (10, 6))
+        alpha = ds.createVariable("alpha", "i2", ("station",))
+        alpha.units = "1"
+        alpha[:] = np.arange(6)
+        obs = ds.createGroup("obs")
+        obs.source = "buoy"
+        obs.createDimension("n", 3)
+        w = obs.createVariable("w", "f8", ("n",))
+        w.units = "m s-1"
+        w.comment = "z"
+        w[:] = [1.0, 2.0, 3.0]
+        b = obs.createVariable("b", "f8", ("n",))
+        b[:] = [4.0, 5.0, 6.0]
+    return path
+
+
+def test_netcdf4_opens_the_output_for_writing_and_keeps_the_order(cli, tmp_path):
+    src = netcdf4_file(tmp_path / "in.nc")
+    out = tmp_path / "out.nc"
+    run(cli, src, out, "--range", "0:1", "--dataset", "zeta")
+    assert nc_attributes(out) == nc_attributes(src)
+    with netCDF4.Dataset(out) as ds:
+        assert list(ds.variables) == ["zeta", "alpha"]
+        assert ds.ncattrs() == ["title", "Conventions", "institution", "author"]
+        assert ds["zeta"].ncattrs() == ["units", "long_name", "axis", "flags"]
+        assert list(ds["obs"].variables) == ["w", "b"] and ds["obs"]["w"].ncattrs() == ["units", "comment"]
+        assert ds.institution == "Institut für Tests" and list(ds["zeta"].flags) == ["a", "bc"]
+    with netCDF4.Dataset(out, "a") as ds:  # netCDF-C refuses a root without creation order
+        ds.added = "yes"
+        ds.createVariable("new", "f4", ("station",))[:] = np.ones(6)
+    with netCDF4.Dataset(out) as ds:
+        assert ds.added == "yes" and list(ds.variables) == ["zeta", "alpha", "new"]
+    for engine in ENGINES:
+        with xr.open_dataset(out, engine=engine) as ds:
+            assert list(ds.data_vars) == ["zeta", "alpha", "new"]
+
+
+def wrf_file(path: Path) -> Path:
+    """WRF's layout: 2-D coordinates with a Time axis, named by the data's coordinates."""
+    with netCDF4.Dataset(path, "w") as ds:
+        ds.TITLE = " OUTPUT FROM WRF V4.5 MODEL"
+        ds.createDimension("Time", None)
+        ds.createDimension("DateStrLen", 19)
+        ds.createDimension("south_north", 4)
+        ds.createDimension("west_east", 5)
+        times = ds.createVariable("Times", "S1", ("Time", "DateStrLen"))
+        times[:] = netCDF4.stringtochar(np.array([f"2000-01-01_{h:02d}:00:00" for h in range(12)], "S19"))
+        for name, low, units in [("XLAT", 30, "degree_north"), ("XLONG", -100, "degree_east")]:
+            var = ds.createVariable(name, "f4", ("Time", "south_north", "west_east"))
+            var.FieldType = np.int32(104)
+            var.MemoryOrder = "XY "
+            var.units = units
+            var.stagger = ""
+            var[:] = low + RNG.uniform(0, 10, (12, 4, 5))
+        t2 = ds.createVariable("T2", "f4", ("Time", "south_north", "west_east"))
+        t2.MemoryOrder = "XY "
+        t2.units = "K"
+        t2.coordinates = "XLONG XLAT"
+        t2[:] = TEMPERATURES
+    return path
+
+
+def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path):
+    src = wrf_file(tmp_path / "wrfout.nc")
+    out = tmp_path / "out.nc"
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "250:310", "--seed", "7",
+                 "--allow-weak-seed", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    assert "left out the coordinate datasets /XLAT, /XLONG" in result.stderr
+    manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
+    assert nc_attributes(out) == nc_attributes(src)
+    with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+        for name in ["XLAT", "XLONG", "Times"]:
+            assert a[name][()].tobytes() == b[name][()].tobytes(), name
+        assert not np.array_equal(a["T2"][()], b["T2"][()])
+    for engine in ENGINES:
+        with xr.open_dataset(out, engine=engine) as ds:
+            assert {"XLAT", "XLONG"} <= set(ds["T2"].coords)  # from its coordinates attribute
+            np.testing.assert_array_equal(ds["XLAT"].values, netCDF4.Dataset(src)["XLAT"][:])
+
+
+def test_coordinates_can_still_be_named(cli, tmp_path):
+    src = wrf_file(tmp_path / "wrfout.nc")
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "-100:40", "--dataset", "XLAT")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/XLAT"]
+
+
+def test_valid_range_no_longer_masks_noisy_values(cli, tmp_path):
+    src = tmp_path / "in.nc"
+    with netCDF4.Dataset(src, "w") as ds:
+        ds.createDimension("time", 12)
+        ds.createDimension("cell", 20)
+        t = ds.createVariable("t", "f4", ("time", "cell"))
+        t.valid_range = np.array([250, 310], np.float32)
+        t.actual_range = np.array([TEMPERATURES.min(), TEMPERATURES.max()], np.float32)
+        t.units = "K"
+        t[:] = TEMPERATURES.reshape(12, 20)
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--range", "250:310", "--sampler", "float")
+    assert manifest["dropped_attributes"] == {"/t": ["valid_range", "actual_range"]}
+    assert any("dropped_attributes" in step for step in manifest["postprocessing"])
+    with netCDF4.Dataset(out) as ds:
+        assert ds["t"].ncattrs() == ["units"]
+        values = ds["t"][:]
+        assert np.ma.count_masked(values) == 0
+        assert values.min() < 250 or values.max() > 310  # noise at --eps 1 leaves the range
+
+
+def test_missing_values_stay_missing(cli, tmp_path):
+    """xarray writes NaN as the _FillValue of float data; netCDF4 an integer _FillValue and a
+    missing_value; the first records are all missing (their block has no value to stand in)."""
+    data = TEMPERATURES.copy()
+    data[:2] = np.nan
+    data[5, 1, 2] = data[9, 3, 0] = np.nan
+    src = tmp_path / "in.nc"
+    xr.Dataset({"T2": (("time", "y", "x"), data, {"units": "K"})}).to_netcdf(src, engine="h5netcdf")
+    with netCDF4.Dataset(src, "a") as ds:
+        counts = ds.createVariable("counts", "i2", ("time", "y", "x"), fill_value=np.int16(-999))
+        counts.missing_value = np.int16(-1)
+        codes = RNG.integers(0, 50, (12, 4, 5)).astype(np.int16)
+        codes[3, 0, 0], codes[4, 0, 0] = -999, -1
+        counts.set_auto_mask(False)
+        counts[:] = codes
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--range", "0:310", "--dp-delta", "1e-3")
+    assert manifest["missing_values"]["/T2"] == {"input": ["nan"], "output": ["nan"],
+                                                 "action": "copied, not perturbed"}
+    counts_out = manifest["missing_values"]["/counts"]
+    assert counts_out["input"] == [-999, -1]
+    assert any("missing_values" in step for step in manifest["postprocessing"])
+    with netCDF4.Dataset(out) as ds:
+        t2 = ds["T2"][:]
+        np.testing.assert_array_equal(np.ma.getmaskarray(t2), np.isnan(data))
+        counts = ds["counts"]
+        assert counts._FillValue.dtype == counts.dtype and counts.missing_value.dtype == counts.dtype
+        assert [counts._FillValue.item(), counts.missing_value.item()] == counts_out["output"]
+        mask = np.ma.getmaskarray(counts[:])
+        assert mask.sum() == 2 and mask[3, 0, 0] and mask[4, 0, 0]
+    for engine in ENGINES:
+        with xr.open_dataset(out, engine=engine) as ds:
+            np.testing.assert_array_equal(np.isnan(ds["T2"].values), np.isnan(data))
+            assert np.isnan(ds["counts"].values).sum() == 2
+
+
+def test_a_dataset_of_missing_values_only_is_refused(tmp_path):
+    src = tmp_path / "in.nc"
+    xr.Dataset({"T2": (("time", "y"), np.full((4, 3), np.nan, np.float32))}).to_netcdf(src)
+    reader = hdf5.open_reader(src, FormatOptions(datasets=["T2"]))
+    try:
+        (job,) = reader.arrays()
+        with pytest.raises(InputError, match=r"in\.nc: dataset /T2 holds only missing values"):
+            job.read(0, 2)
+    finally:
+        reader.close()
+
+
+def packed_file(path: Path) -> tuple[Path, np.ndarray]:
+    """int16 codes of temperatures (K = code * 0.01 + 280), a fill code and a valid_range in codes."""
+    physical = np.round(TEMPERATURES.astype(np.float64) * 100) / 100
+    physical[0, 0, 0] = np.nan
+    xr.Dataset({"t": (("time", "y", "x"), physical, {"units": "K"})}).to_netcdf(
+        path, encoding={"t": {"dtype": "int16", "scale_factor": np.float32(0.01),
+                              "add_offset": np.float32(280.0), "_FillValue": np.int16(-32767)}})
+    with netCDF4.Dataset(path, "a") as ds:
+        ds["t"].valid_range = np.array([-3000, 3000], np.int16)
+    return path, physical
+
+
+def test_packed_data_is_perturbed_in_physical_units(cli, tmp_path):
+    src, physical = packed_file(tmp_path / "in.nc")
+    out = tmp_path / "out.nc"
+    result = cli("perturb", src, "--out", out, "--eps", "8", "--range", "250:310", "--seed", "7",
+                 "--allow-weak-seed", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    assert "/t: unpacking its int16 codes" in result.stderr
+    manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+    assert manifest["value_range"] == [250, 310]
+    assert manifest["unpacked"]["/t"]["stored_dtype"] == "int16"
+    assert manifest["unpacked"]["/t"]["scale_factor"] == pytest.approx(0.01)
+    assert manifest["dropped_attributes"] == {"/t": ["valid_range", "scale_factor", "add_offset"]}
+    with netCDF4.Dataset(out) as ds:
+        t = ds["t"]
+        assert t.dtype == np.float32
+        assert set(t.ncattrs()) == {"_FillValue", "units"}
+        assert t._FillValue.dtype == np.float32 and t._FillValue == -32767
+        noisy = t[:]
+    mask = np.ma.getmaskarray(noisy)
+    np.testing.assert_array_equal(mask, np.isnan(physical))
+    error = noisy.compressed() - physical[~np.isnan(physical)]
+    scale = manifest["noise_scale"] * manifest["granularity"]  # in K (noise_scale counts grid steps)
+    assert scale == pytest.approx(60 / 8, rel=0.01)  # the physical range / eps, not the codes' (6000 / 8)
+    assert np.median(np.abs(error)) < 3 * scale
+    assert abs(np.mean(error)) < 3 * scale
+    assert 250 - 40 * scale < noisy.min() and noisy.max() < 310 + 40 * scale
+    for engine in ENGINES:
+        with xr.open_dataset(out, engine=engine) as ds:
+            values = ds["t"].values
+            assert values.dtype == np.float32
+            np.testing.assert_array_equal(np.isnan(values), np.isnan(physical))
+            np.testing.assert_array_equal(values[~np.isnan(values)], noisy.compressed())
+
+
+def test_unsigned_bytes_are_read_as_unsigned(cli, tmp_path):
+    src = tmp_path / "in.nc"
+    with netCDF4.Dataset(src, "w") as ds:
+        ds.createDimension("n", 10)
+        ds.createDimension("k", 4)
+        var = ds.createVariable("v", "i1", ("n", "k"))
+        var.set_auto_maskandscale(False)
+        var._Unsigned = "true"
+        var[:] = np.full((10, 4), 200, np.uint8).view(np.int8)
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--range", "0:256", "--eps", "8")
+    assert manifest["unpacked"]["/v"]["unsigned"] is True
+    with netCDF4.Dataset(out) as ds:
+        assert "_Unsigned" not in ds["v"].ncattrs()
+        assert abs(np.median(np.asarray(ds["v"][:])) - 200) < 30
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_output_opens_in_xarray(cli, tmp_path, engine):
+    inputs = [netcdf4_file(tmp_path / "a.nc"), wrf_file(tmp_path / "b.nc"), packed_file(tmp_path / "c.nc")[0]]
+    for i, src in enumerate(inputs):
+        out = tmp_path / f"out{i}.nc"
+        run(cli, src, out, "--range", "-100:400")
+        with xr.open_dataset(src, engine=engine) as before, xr.open_dataset(out, engine=engine) as after:
+            assert list(after.variables) == list(before.variables)
+            assert after.attrs == before.attrs
+            after.load()
