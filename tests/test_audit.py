@@ -66,9 +66,10 @@ def run(calib, claimed=None, seed=1, *, float_grid=None, **kw):
     """Audit calib through the real engine. Continuous noise (laplace, gaussian: the float
     sampler) is audited as the real-valued mechanism its figures are certified for, blind to
     the float grid, unless float_grid=True: its float output leaks through the grid (the
-    fifth statistic finds that at any setting, test_float_sampler_leak_is_caught...), which
-    would make every verdict below VIOLATION whatever the calibration. Discrete noise is
-    always audited with every statistic."""
+    fifth statistic finds that at these settings whatever the calibration, see
+    test_float_sampler_output_is_caught_by_the_float_grid), which would make the verdicts of
+    the tests below VIOLATION for reasons other than theirs. Discrete noise is always audited
+    with every statistic."""
     kw.setdefault("samples", SAMPLES)
     blind = not is_discrete(calib.noise) if float_grid is None else not float_grid
     with _blind_to_the_float_grid() if blind else nullcontext():

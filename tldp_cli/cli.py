@@ -432,6 +432,7 @@ def perturb_command(
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value, value_range=parse_range(value_range) if value_range else None,
             weights=weights, out=out, manifest=manifest, seed=_resolve_seed(seed, seed_file, quiet),
+            seed_file=seed_file,
             allow_weak_seed=allow_weak_seed, rng=rng.value,
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,

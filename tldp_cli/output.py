@@ -27,9 +27,11 @@ The rules (docs/output.md says the same for users):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -161,8 +163,15 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
                          "holds the input")
     if store is not None and final == store:
         raise UsageError(f"{path}: the {what} would replace the Zarr store that holds the input")
+    absolute = Path(os.path.abspath(path))
+    if any(absolute == root or root in absolute.parents for root in _SPECIAL_ROOTS):
+        raise UsageError(f"{path}: tldp writes regular files and folders, not {absolute.parts[1]}/ entries")
     if not os.path.lexists(path):
         return
+    mode = path.lstat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+        raise UsageError(f"{path}: exists and is not a regular file or folder (a device, pipe or "
+                         f"socket); tldp never replaces one")
     is_folder = path.is_dir() and not path.is_symlink()
     if folder and not is_folder:
         raise UsageError(f"{path}: exists and is not a folder; the {what} is a folder and tldp does "
@@ -234,32 +243,33 @@ def _lock(fd: int) -> bool:
     return True
 
 
-def _is_dead(folder: Path, new: bool) -> bool:
-    """Whether a work folder belongs to no live run (its lock is free)."""
+def _take_dead(folder: Path, new: bool) -> int | None:
+    """The lock of a work folder that belongs to no live run, held (an open fd), or None
+    while a run holds it."""
     if new:
         try:
             if time.time() - folder.lstat().st_mtime < _NEW_GRACE_SECONDS:
-                return False
+                return None
         except OSError:
-            return False
+            return None
     try:
         fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return new  # a tmp folder always has its lock file; a new one may not yet
+        # a tmp folder always has its lock file; a new one may not yet: lock the folder
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY) if new else None
     except OSError:
-        return False
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # held (or locks do not work here: never guess that a run is dead)
-        return True
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         os.close(fd)
+        return None  # held (or locks do not work here: never guess that a run is dead)
+    return fd
 
 
 def remove_dead_work(final: Path) -> list[str]:
-    """Removes the work folders that killed runs left beside `final`; returns notes."""
+    """Removes the work folders that killed runs left beside `final`, first finishing a
+    move into place that a run was killed in the middle of; returns notes."""
     notes = []
     try:
         entries = list(final.parent.iterdir())
@@ -274,11 +284,68 @@ def remove_dead_work(final: Path) -> list[str]:
         new = rest.startswith(_NEW_MARK)
         if not (new or rest.startswith(WORK_MARK)) or not entry.is_dir() or entry.is_symlink():
             continue
-        if _is_dead(entry, new):
+        lock = _take_dead(entry, new)
+        if lock is None:
+            continue
+        try:
+            notes += _finish_commit(entry / COMMIT_JOURNAL)
             shutil.rmtree(entry, ignore_errors=True)
             if not entry.exists():
                 notes.append(f"removed {entry}, left by a tldp run that was killed")
+        finally:
+            os.close(lock)
     return notes
+
+
+COMMIT_JOURNAL = "commit.json"  # what a run is moving into place: written before the first move
+
+
+def _finish_commit(journal: Path) -> list[str]:
+    """A run killed while moving its files into place left output and manifest out of
+    step (one new, one old): complete its moves, since all its files were complete."""
+    try:
+        moves = json.loads(journal.read_text())
+    except (OSError, ValueError):
+        return []
+    finished = []
+    with _parents_locked([Path(m["final"]) for m in moves]):
+        for move in moves:
+            tmp, final = Path(move["tmp"]), Path(move["final"])
+            try:
+                pending = tmp.lstat().st_ino == move["inode"]
+            except OSError:
+                pending = False
+            if not pending:
+                continue  # moved already (or gone)
+            if os.path.lexists(final):
+                swap(tmp, final)
+                remove(tmp)
+            else:
+                place_new(tmp, final)
+            finished.append(str(final))
+    return [f"finished moving {', '.join(finished)} into place for a tldp run killed while doing "
+            "it"] if finished else []
+
+
+@contextlib.contextmanager
+def _parents_locked(finals: list[Path]):
+    """Holds an exclusive lock on the folders of `finals` (in one order: no deadlock), so
+    that two runs move their output and manifest into place one after the other, never
+    interleaved (an output under another run's manifest)."""
+    fds = []
+    try:
+        for folder in sorted({_resolve(final.parent, "output") for final in finals}):
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
+                    raise
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class WorkFolder:
@@ -396,6 +463,24 @@ class Staging:
         self._targets.append((tmp, final))
 
     def commit(self, overwrite: bool) -> None:
+        with _parents_locked([final for _, final in self._targets]):
+            self._journal()
+            self._move(overwrite)
+
+    def _journal(self) -> None:
+        """Writes down the moves before the first, so that the next run can finish them if
+        this one is killed in between (see _finish_commit)."""
+        if not self._folders:
+            return
+        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": tmp.lstat().st_ino}
+                 for tmp, final in self._targets]
+        journal = next(iter(self._folders.values())).path / COMMIT_JOURNAL
+        with open(journal, "x", encoding="utf-8") as f:
+            f.write(json.dumps(moves))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _move(self, overwrite: bool) -> None:
         done: list[tuple[str, Path, Path]] = []
         try:
             for tmp, final in self._targets:

@@ -82,6 +82,7 @@ class PerturbOptions:
     resume: bool = False  # continue an interrupted run's resumable (Zarr) output
     allow_raw_release: bool = False  # consent to kept raw values costing more than dp_delta
     ledger: Path | None = None  # the release ledger (ledger.py) that counts releases of this data
+    seed_file: Path | None = None  # where the seed came from (--seed-file): never to be overwritten
     max_record_eps: float | None = None  # caps on what the data's releases spend together, per record
     max_record_delta: float | None = None
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
@@ -537,18 +538,34 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
                                       default, module.NAME)
     if options.manifest is not None and str(options.manifest) == "-":
         raise UsageError("--manifest -: the manifest is a file; use --json to print it to stdout")
+    if options.manifest is not None and str(options.manifest).endswith(("/", os.sep)):
+        raise UsageError(f"--manifest {options.manifest}: the manifest is a file; give its path")
     manifest_path = Path(options.manifest) if options.manifest else manifest_mod.default_path(destination)
     output.check_destination(destination, source, options.overwrite, "output",
                              folder=module.NAME in output.FOLDER_FORMATS,
-                             earlier_output=lambda path: _is_earlier_output(module, path, reader))
+                             earlier_output=lambda path: _is_earlier_output(module, path, reader,
+                                                                            manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
-    output.check_distinct({"output": destination, "manifest": manifest_path})
+    # Neither may replace a file the run reads: the weights, the seed file, the ledger.
+    protected = {"weights": options.weights, "seed file": options.seed_file, "ledger": options.ledger}
+    output.check_distinct({"output": destination, "manifest": manifest_path,
+                           **{what: Path(p) for what, p in protected.items() if p is not None}})
     return destination, manifest_path
 
 
-def _is_earlier_output(module, path: Path, reader) -> bool:
-    """Whether an existing folder is what a run of this input could have written: a Zarr
-    store, or a folder of images (and of the files --copy-other copies from this input)."""
+def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
+    """Whether an existing folder is an earlier output of this kind: its tldp manifest is
+    where this run's goes and names files inside it, and it is a Zarr store, or a folder of
+    images (and of the files --copy-other copies from this input)."""
+    try:
+        earlier = manifest_mod.read(manifest_path)
+        named = [Path(entry["path"]) for entry in earlier["outputs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    folder = Path(os.path.abspath(path))
+    if earlier.get("schema") != manifest_mod.SCHEMA or not named or not all(
+            folder == Path(os.path.abspath(p)) or folder in Path(os.path.abspath(p)).parents for p in named):
+        return False
     if module.NAME == "zarr":
         return any((path / name).is_file() for name in module.METADATA_FILES)
     copied = set(getattr(reader, "others", []))
@@ -581,7 +598,6 @@ def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJ
     if options.ledger is None:
         return None
     path = Path(options.ledger)
-    output.check_distinct({"output": destination, "manifest": manifest_path, "ledger": path})
     if Path(options.input).is_dir() and Path(options.input).resolve() in path.resolve().parents:
         raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
     db = ledger.open_ledger(path)
@@ -656,6 +672,7 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 # PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
 _NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
                  "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
+                 "seed_file",
                  "name_map"}
 _OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
 

@@ -892,10 +892,11 @@ class Hdf5Writer:
                 name: {"stored_dtype": str(self.src[name].dtype), "unsigned": enc.unsigned,
                        "scale_factor": _json_number(enc.scale), "add_offset": _json_number(enc.offset)}
                 for name, enc in decoded.items()}
-        if self.dropped_attrs:
+        if any(key in VALUE_BOUNDS for keys in self.dropped_attrs.values() for key in keys):
             self.postprocessing.append(
                 "drop the attributes bounding the perturbed datasets' values (valid_range, valid_min, "
                 "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
+        if self.dropped_attrs:
             self.manifest_extra["dropped_attributes"] = self.dropped_attrs
         kept = {name: pairs for name, pairs in self.missing.items() if pairs}
         if kept:
