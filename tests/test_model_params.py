@@ -347,7 +347,9 @@ def test_clip_on_integer_images(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1000", "--clip", "2", "--seed", "1", "--allow-weak-seed", "--json",
                  "-q")
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["range_width"] == 4.0
+    # integer data under the exact default: the 5 values -2..2 ([-2, 3) holds them), W = 5
+    assert json.loads(result.stdout)["range_width"] == 5.0
+    assert json.loads(result.stdout)["value_range"] == [-2, 3]
     np.testing.assert_allclose(np.load(tmp_path / "u8.tldp.npy"), 2.0, atol=0.5)
 
 

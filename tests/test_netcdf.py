@@ -16,7 +16,6 @@ import pytest
 
 from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, hdf5
-from tldp_cli.pipeline import PerturbOptions, perturb
 
 netCDF4 = pytest.importorskip("netCDF4")
 xr = pytest.importorskip("xarray")

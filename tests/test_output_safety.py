@@ -276,3 +276,91 @@ def test_a_killed_process_really_releases_its_lock(tmp_path):
     assert [p for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name]
     assert output.remove_dead_work(tmp_path / "o.npy")
     assert siblings(tmp_path) == {"x.npy"}
+
+
+# --- review fixes: half-done commits, concurrent --overwrite, protected files -------------
+
+HALF_COMMITTED = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from tldp_cli import output
+    out, manifest = Path(sys.argv[1]), Path(sys.argv[2])
+    staging = output.Staging()
+    staging.temporary(out).write_text("new output")
+    staging.temporary(manifest).write_text("new manifest")
+    real_swap = output.swap
+    calls = []
+    def swap_then_die(src, dst):
+        real_swap(src, dst)
+        if dst == manifest:
+            return
+        os._exit(0)  # killed between the output's move and the manifest's
+    output.swap = swap_then_die
+    staging.commit(overwrite=True)
+""")
+
+
+def test_a_commit_killed_half_way_is_finished_by_the_next_run(tmp_path):
+    out, manifest = tmp_path / "o.npy", tmp_path / "o.npy.manifest.json"
+    out.write_text("old output")
+    manifest.write_text("old manifest")
+    subprocess.run([sys.executable, "-c", HALF_COMMITTED, str(out), str(manifest)], check=True, timeout=60)
+    assert out.read_text() == "new output" and manifest.read_text() == "old manifest"  # out of step
+    notes = output.remove_dead_work(out)
+    assert any("finished moving" in note for note in notes), notes
+    assert out.read_text() == "new output" and manifest.read_text() == "new manifest"
+    assert siblings(tmp_path) == {"o.npy", "o.npy.manifest.json"}
+
+
+def test_concurrent_commits_to_one_folder_take_turns(tmp_path):
+    import threading
+
+    out = tmp_path / "o.npy"
+    staging = output.Staging()
+    staging.temporary(out).write_text("mine")
+    done = threading.Event()
+    with output._parents_locked([out]):  # another run moving its output and manifest into place
+        thread = threading.Thread(target=lambda: (staging.commit(overwrite=True), done.set()))
+        thread.start()
+        assert not done.wait(0.5)  # waits for the other run's moves to finish
+    thread.join(10)
+    assert done.is_set() and out.read_text() == "mine"
+    staging.close()
+
+
+def test_devices_pipes_and_dev_are_never_replaced(cli, proj, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    for target in (tmp_path / "fifo", Path("/dev/null")):
+        result = cli("perturb", proj / "x.npy", "--eps", "1", "--out", target, "--overwrite")
+        assert result.exit_code == 2, result.stderr
+        one_line(result)
+    assert Path("/dev/null").is_char_device() and not Path("/dev/null.manifest.json").exists()
+
+
+def test_the_files_a_run_reads_are_never_overwritten(cli, proj, tmp_path):
+    seed = tmp_path / "k.seed"
+    seed.write_text("ab" * 16)
+    seed.chmod(0o600)
+    mask = tmp_path / "w.npy"
+    np.save(mask, np.full((8, 8), 0.5))
+    cases = [("--seed-file", seed, "--manifest", seed), ("--seed-file", seed, "--out", seed),
+             ("--weights", mask, "--out", mask), ("--weights", mask, "--manifest", mask)]
+    for case in cases:
+        before = tree_digest(tmp_path)
+        result = cli("perturb", proj / "x.npy", "--eps", "1", "--overwrite", *case)
+        assert result.exit_code == 2 and "same file" in one_line(result), case
+        assert tree_digest(tmp_path) == before
+
+
+def test_a_folder_is_replaced_only_when_its_manifest_names_it(cli, tmp_path):
+    store = make_store(tmp_path / "s.zarr")
+    raw = make_store(tmp_path / "raw.zarr")  # a Zarr store, but no tldp output
+    before = tree_digest(raw)
+    refused = cli("perturb", store, "--eps", "1", "--out", raw, "--overwrite")
+    assert refused.exit_code == 2 and "not an earlier output" in one_line(refused)
+    assert tree_digest(raw) == before
+
+
+def test_a_manifest_path_ending_in_a_slash_is_refused(cli, proj):
+    result = cli("perturb", proj / "x.npy", "--eps", "1", "--manifest", f"{proj}/x.npy/", "--overwrite")
+    assert result.exit_code == 2 and (proj / "x.npy").is_file()

@@ -414,7 +414,7 @@ def perturb_command(
       tldp perturb sample_data/digits.npy --eps 1
       tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
       tldp perturb features.npy --eps 2 --range -1:1 --budget record --json > manifest.json
-      tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg
+      tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg --sampler float
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
       tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
       tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
@@ -955,7 +955,7 @@ def audit_command(
     Examples:
       tldp audit --eps 1 --elements 4 --range 0:1
       tldp audit --eps 1 --noise gaussian --elements 784 --samples 4000000 --json > audit.json
-      tldp audit --eps 2 --mechanism mvg --elements 28x28 --scope record --seed-file audit.seed
+      tldp audit --eps 2 --mechanism mvg --sampler float --elements 28x28 --scope record --seed-file audit.seed
       tldp audit --eps 1 --noise discrete-laplace --elements 16 --range 0:256
     """
     from tldp_cli import audit as audit_mod

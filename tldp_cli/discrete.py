@@ -478,6 +478,10 @@ def output_dtype(grid: Grid, noise: str, scale: float, float_dtype: str) -> np.d
         raise UsageError(f"--dtype {float_dtype} cannot hold the grid values exactly (up to "
                          f"{max(abs(low), abs(high))} steps of {grid.granularity:g}); use --dtype float64 "
                          "or a coarser --granularity")
+    largest = grid.granularity * max(abs(low), abs(high))
+    if not largest < np.finfo(dtype).max:  # G times the steps: a value past it would be inf
+        raise UsageError(f"--dtype {float_dtype} cannot hold values up to {largest:.3g} (the range and "
+                         "the noise's tail); express the values in larger units or use --dtype float64")
     return dtype
 
 

@@ -63,7 +63,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "calibration_epsilon": calib.element_epsilon,
         "retain_probability": max(c.p for c in every) * (1 - _min_weight(weights)),
         "retain_probability_log10": _log10_retain(every, weights),
-        "expected_l2_error_per_record": calib.expected_l2_error(),
+        "expected_l2_error_per_record": _finite(calib.expected_l2_error()),
         "weights": weights,
         "rng": rng,
         "seeded": seeded,
@@ -91,7 +91,7 @@ def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: di
                  "calibration_epsilon": calib.element_epsilon,
                  "retain_probability": calib.p * (1 - _min_weight(weights)),
                  "retain_probability_log10": _log10_retain([calib], weights),
-                 "expected_l2_error_per_record": calib.expected_l2_error()}
+                 "expected_l2_error_per_record": _finite(calib.expected_l2_error())}
         if calib.rows is not None:
             entry["rows"] = calib.rows
         entries.append(entry)
@@ -114,6 +114,11 @@ def _log10_retain(calibrations: list[Calibration], weights: dict | None) -> floa
 
 def to_json(manifest: dict[str, Any]) -> str:
     return json.dumps(manifest, indent=2, allow_nan=False) + "\n"
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: a figure beyond float64 is stated as null."""
+    return value if math.isfinite(value) else None
 
 
 def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) -> None:

@@ -21,9 +21,13 @@ GAUSSIAN_ONLY = ("mvg", "idn")  # (eps, delta) designs for Gaussian noise only
 NOISES = ("laplace", "gaussian", *DISCRETE_NOISES)
 BUDGETS = ("element", "record")
 # What to do when TLDP's retain probability, which depends on the data's units, is too large.
-RAW_RELEASE_ADVICE = ("Use --noise discrete-laplace (its bound covers kept values), --mechanism "
-                      "baseline (keeps none), or a wider --range in smaller units (0:255 rather "
-                      "than 0:1)")
+def raw_release_advice(noise: str) -> str:
+    """What to do when TLDP's retain probability, which depends on the data's units, makes
+    the kept raw values cost too much (`noise`: the one drawn)."""
+    instead = ("--noise laplace with the default --sampler exact" if noise in ("laplace", "gaussian")
+               else "--noise laplace (exact discrete Laplace)")
+    return (f"Use {instead}, whose pure bound covers kept values, --mechanism baseline (keeps "
+            "none), or a wider --range in smaller units (0:255 rather than 0:1)")
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,17 @@ class Calibration:
         Laplace: b * sqrt(2 (1-p) I). Gaussian: sigma * sqrt((1-p) I), with the sigma
         of Algorithm 1 (Table 5's Gaussian line assumes a different sigma).
         """
-        if self.noise == "discrete-laplace":  # two-sided geometric: 2a/(1-a)^2, grid steps
-            a = math.exp(-1 / self.scale)
-            variance = 2 * a / math.expm1(-1 / self.scale) ** 2 * (self.granularity or 1.0) ** 2
-        elif self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20)
-            variance = (self.scale * (self.granularity or 1.0)) ** 2
-        else:
-            variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
-        return math.sqrt(variance * (1 - self.p) * self.elements)
+        try:
+            if self.noise == "discrete-laplace":  # two-sided geometric: 2a/(1-a)^2, grid steps
+                a = math.exp(-1 / self.scale)
+                variance = 2 * a / math.expm1(-1 / self.scale) ** 2 * (self.granularity or 1.0) ** 2
+            elif self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20)
+                variance = (self.scale * (self.granularity or 1.0)) ** 2
+            else:
+                variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
+            return math.sqrt(variance * (1 - self.p) * self.elements)
+        except OverflowError:  # a scale near float64's limit: the error is beyond it too
+            return math.inf
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:

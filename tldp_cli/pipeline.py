@@ -32,11 +32,11 @@ from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, Tld
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.mechanisms import (
     GAUSSIAN_ONLY,
-    RAW_RELEASE_ADVICE,
     Calibration,
     calibrate_arrays,
     check_parameters,
     matrix_rows,
+    raw_release_advice,
     sampled_noise,
 )
 from tldp_cli.rng import Streams, check_seed, records_per_unit
@@ -334,6 +334,10 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     rows = rows or []
     if options.clip is not None:
         lo, hi = -options.clip, options.clip
+        if discrete.is_discrete(options.noise) and all(job.dtype.kind in "iu" for job in jobs):
+            # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
+            # [-C, C] declares [-floor C, floor C + 1).
+            lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
     else:
         lo, hi = resolve_range(options.value_range, jobs, source)
     out_dtype = np.dtype(options.dtype)
@@ -374,7 +378,7 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
             f"{source}: TLDP would keep each raw value with probability "
             f"{max(c.p for c in calibrations):.3g}, so the {scope.replace('_', ' ')} delta "
             f"is {delta:.3g}, {unmet} (the retain probability depends on the data's units). "
-            f"{RAW_RELEASE_ADVICE}; or pass --allow-raw-release to accept it (the manifest records it)")
+            f"{raw_release_advice(options.noise)}; or pass --allow-raw-release to accept it (the manifest records it)")
     largest = max(calibrations, key=lambda c: (c.elements, -c.scale))
     return Plan(lo, hi, grid, calib_of, calibrations, largest, out_dtype, certified, rows, raw_release)
 
@@ -435,7 +439,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
                 if kept and progress:
                     progress(sum(stop - start for _, start, stop in kept), total)
-            outside_counts: list[tuple[int, int]] = []  # (values outside the range, first record)
+            # (values outside the range, first record of their block, the array)
+            outside_counts: list[tuple[int, int, ArrayJob]] = []
             block_task = BlockTask(
                 calibrations=run.calib_of, streams=streams,
                 # integer data under discrete noise: [lo, hi) holds lo..hi-1
@@ -456,7 +461,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             with contextlib.closing(results):
                 for (job, start, stop), (outside, noisy) in results:
                     if outside:
-                        outside_counts.append((outside, start))
+                        outside_counts.append((outside, start, job))
                     if noisy is not None and not outside_counts:
                         writer.write(job, start, noisy)
                     if partial is not None and not outside_counts:
@@ -470,12 +475,12 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         finally:
             written = writer.close()
         if outside_counts:
+            _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
             raise DataError(
-                f"{source}: {sum(n for n, _ in outside_counts)} values lie outside the declared "
-                f"range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the first "
-                f"in the block of records from "
-                f"{min(s for _, s in outside_counts)}); fix --range or pass --clip-input to clip "
-                "them into range")
+                f"{_where(job, source)}: {sum(n for n, _, _ in outside_counts)} values lie outside the "
+                f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
+                f"first in the block of records from {first}); fix --range or pass --clip-input to "
+                "clip them into range")
 
         digests = writer.digests() if hasattr(writer, "digests") else {}
         outputs = [{"path": str(destination / f.relative_to(tmp_output)) if f != tmp_output

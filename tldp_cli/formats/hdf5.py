@@ -211,7 +211,7 @@ class _Encoding:
         """Where `raw` (stored values) holds a marker; None if nowhere."""
         mask = None
         for marker in self.markers:
-            found = np.isnan(raw) if marker != marker else raw == marker
+            found = np.isnan(raw) if np.isnan(marker) else raw == marker
             mask = found if mask is None else mask | found
         return mask if mask is not None and mask.any() else None
 
@@ -931,7 +931,7 @@ class Hdf5Writer:
             stored = _Records(self.source, job.name, self.size).stored(start, start + len(block))
             block = block.copy()  # the caller's block is not ours to change
             for marker, out in markers:
-                block[np.isnan(stored) if marker != marker else stored == marker] = out
+                block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
         with self._hdf5():
             self.datasets[job.name][start:start + len(block)] = block
 
