@@ -222,3 +222,27 @@ def test_the_image_folder_itself_may_be_a_link(cli, tmp_path):
     result = perturb_ok(cli, tmp_path / "link", "--out", tmp_path / "out")
     assert "symbolic link" not in result.stderr
     assert set(output_files(tmp_path / "out")) == {"a.png"}
+
+
+def test_hdf5_data_kept_in_other_files_is_never_copied_raw(cli, tmp_path):
+    import h5py
+
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["secret"] = np.arange(10.0) + 0.123456789
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = np.zeros((10, 4, 4), np.uint8)
+        f["lnk"] = h5py.ExternalLink("other.h5", "/secret")
+        layout = h5py.VirtualLayout(shape=(10,), dtype="f8")
+        layout[:] = h5py.VirtualSource("other.h5", "secret", shape=(10,))
+        f.create_virtual_dataset("v", layout)
+    refused = cli("perturb", tmp_path / "in.h5", "--eps", "1", "--dataset", "x", "--out", tmp_path / "o.h5")
+    assert refused.exit_code == 1 and "/v keeps its values in other files" in refused.stderr
+    assert not (tmp_path / "o.h5").exists()
+    with h5py.File(tmp_path / "in.h5", "a") as f:
+        del f["v"]
+    result = cli("perturb", tmp_path / "in.h5", "--eps", "1", "--dataset", "x", "--out", tmp_path / "o.h5",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["external_links"] == ["/lnk -> other.h5:/secret"]
+    secret = (np.arange(10.0) + 0.123456789).tobytes()
+    assert secret not in (tmp_path / "o.h5").read_bytes()  # the link is copied, its target is not

@@ -363,9 +363,39 @@ class Hdf5Reader:
                              "it may be truncated or corrupt") from None
         try:
             self.jobs = [self._job(name, ds) for name, ds in self._select(options.datasets)]
+            self._check_outside_references()
         except BaseException:
             self.file.close()
             raise
+
+    def _check_outside_references(self) -> None:
+        """Nothing outside the file is read into the output: a dataset that is not perturbed
+        and keeps its values in other files (virtual or external storage) would be copied
+        raw, so it is refused; links into other files are copied as links (their targets
+        are not read) and reported."""
+        perturbed = {job.name for job in self.jobs}
+        outside, links = [], []
+
+        def visit(name, link):
+            path = "/" + name
+            if isinstance(link, h5py.ExternalLink):
+                links.append(f"{path} -> {link.filename}:{link.path}")
+            elif isinstance(link, h5py.HardLink) and path not in perturbed:
+                obj = self.file.get(path)
+                if isinstance(obj, h5py.Dataset):
+                    plist = obj.id.get_create_plist()
+                    if plist.get_layout() == h5d.VIRTUAL or plist.get_external_count() > 0:
+                        outside.append(path)
+
+        self.file.visititems_links(visit)
+        if outside:
+            raise InputError(f"{self.path}: dataset {outside[0]} keeps its values in other files "
+                             "(virtual or external storage), which tldp would copy raw; perturb it "
+                             "with --dataset, or remove it from the file")
+        if links:
+            self.manifest_extra = {**getattr(self, "manifest_extra", {}), "external_links": links}
+            self.messages.append(f"copied {len(links)} link(s) into other files as links (their "
+                                 f"targets are not read): {', '.join(links[:5])}")
 
     def _all_datasets(self) -> dict[str, h5py.Dataset]:
         found = {}
