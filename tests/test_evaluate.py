@@ -54,7 +54,7 @@ def small(tmp_path_factory, digits):
 
 def test_clean_run_passes_and_json_has_every_key(cli, small, tmp_path):
     report_path = tmp_path / "report.json"
-    r = cli("evaluate", small / "x.npy", small / "y.npy", "--json", report_path, "--per-record")
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--report", report_path, "--per-record")
     assert r.exit_code == 0, r.output
     assert "every check passed" in r.output and "noise_distribution" in r.output
     report = json.loads(report_path.read_text())
@@ -87,7 +87,7 @@ def test_edited_scale_fails_parameters(cli, small, tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(m))
     report = tmp_path / "r.json"
     r = cli("evaluate", small / "x.npy", small / "y.npy", "--manifest", tmp_path / "m.json",
-            "--json", report)
+            "--report", report)
     assert r.exit_code == 1
     assert "parameters" in r.output.splitlines()[-1]
     mismatch = checks(json.loads(report.read_text()))["parameters"]["mismatches"]
@@ -102,7 +102,7 @@ def test_consistent_manifest_for_other_noise_fails_statistics(cli, small, tmp_pa
     original["outputs"] = m["outputs"]  # eps=1 manifest, eps=2 data, right hash
     (tmp_path / "y2.npy.manifest.json").write_text(json.dumps(original))
     report = tmp_path / "r.json"
-    r = cli("evaluate", small / "x.npy", tmp_path / "y2.npy", "--json", report)
+    r = cli("evaluate", small / "x.npy", tmp_path / "y2.npy", "--report", report)
     assert r.exit_code == 1
     rep = json.loads(report.read_text())
     assert rep["integrity_ok"] and not rep["statistics_ok"]
@@ -119,7 +119,7 @@ def test_huge_eps_scalar_records_keep_values(cli, tmp_path):
     perturb(cli, tmp_path / "x.npy", tmp_path / "y.npy", "--eps", "1e5", "--range", "0:1",
             "--dtype", "float64", "--allow-raw-release", "--sampler", "float")
     report = tmp_path / "r.json"
-    r = cli("evaluate", tmp_path / "x.npy", tmp_path / "y.npy", "--json", report)
+    r = cli("evaluate", tmp_path / "x.npy", tmp_path / "y.npy", "--report", report)
     assert r.exit_code == 0, r.output
     rep = json.loads(report.read_text())
     kept = checks(rep)["retained_fraction"]
@@ -133,7 +133,7 @@ def test_huge_eps_f1_matches_clean_and_small_eps_baseline_is_chance(cli, tmp_pat
     lo = perturb(cli, SAMPLE / "digits.npy", tmp_path / "lo.npy", "--eps", "0.1",
                  "--mechanism", "baseline")
     for out, name in ((hi, "hi"), (lo, "lo")):
-        r = cli("evaluate", SAMPLE / "digits.npy", out, "--json", tmp_path / f"{name}.json", *TASK)
+        r = cli("evaluate", SAMPLE / "digits.npy", out, "--report", tmp_path / f"{name}.json", *TASK)
         assert r.exit_code == 0, r.output
     u_hi = json.loads((tmp_path / "hi.json").read_text())["utility"]
     rep_lo = json.loads((tmp_path / "lo.json").read_text())
@@ -165,7 +165,7 @@ def test_image_folders_png_skips_tests_tiff_tests_noise(cli, tmp_path):
     for fmt in ("png", "tiff"):
         out = perturb(cli, src, tmp_path / f"out_{fmt}", "--eps", "1", "--image-format", fmt)
         report = tmp_path / f"{fmt}.json"
-        r = cli("evaluate", src, out, "--json", report)
+        r = cli("evaluate", src, out, "--report", report)
         assert r.exit_code == 0, r.output
         rep = json.loads(report.read_text())
         assert rep["records"] == 6 and rep["format"] == "images"
@@ -186,7 +186,7 @@ def test_hdf5_pairs_datasets(cli, tmp_path, digits):
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["images"] = digits[:20]
     out = perturb(cli, tmp_path / "d.h5", tmp_path / "o.h5", "--eps", "1", "--noise", "gaussian")
-    r = cli("evaluate", tmp_path / "d.h5", out, "--json", "-")
+    r = cli("evaluate", tmp_path / "d.h5", out, "--json")
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["format"] == "hdf5" and checks(rep)["noise_distribution"]["passed"]
@@ -265,7 +265,7 @@ def test_zarr_with_labels_inside_the_stores(cli, tmp_path):
     test_store.create_array("labels", data=np.load(TEST_Y))
     out = perturb(cli, SAMPLE / "digits.zarr", tmp_path / "o.zarr", "--eps", "1e5",
                   "--dataset", "images")
-    r = cli("evaluate", SAMPLE / "digits.zarr", out, "--json", "-", "--labels", "dataset=labels",
+    r = cli("evaluate", SAMPLE / "digits.zarr", out, "--json", "--labels", "dataset=labels",
             "--test", tmp_path / "test.zarr", "--test-labels", "dataset=labels")
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
@@ -288,7 +288,7 @@ def test_image_folder_labels_from_subfolders(cli, tmp_path):
         (test_dir / f"digit_{label}").mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(test_dir / f"digit_{label}" / f"{i:03}.png")
     out = perturb(cli, SAMPLE / "digits_png", tmp_path / "out", "--eps", "1e5")
-    r = cli("evaluate", SAMPLE / "digits_png", out, "--json", "-", "--labels", "subfolders",
+    r = cli("evaluate", SAMPLE / "digits_png", out, "--json", "--labels", "subfolders",
             "--test", test_dir, "--test-labels", "subfolders")
     assert r.exit_code == 0, r.output
     utility = json.loads(r.stdout)["utility"]

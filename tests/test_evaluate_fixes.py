@@ -25,7 +25,7 @@ def perturb(cli, src, out, *args):
 
 def evaluate(cli, original, perturbed, tmp_path, *args):
     report = tmp_path / f"report{len(list(tmp_path.glob('report*')))}.json"
-    result = cli("evaluate", original, perturbed, "--json", report, *args)
+    result = cli("evaluate", original, perturbed, "--report", report, *args)
     return result, json.loads(report.read_text())
 
 

@@ -217,7 +217,7 @@ def test_evaluate_accepts_a_clipped_model_file(cli, tmp_path, args):
     # (tests/test_raw_release.py).
     assert cli("perturb", src, "--eps", "2", "--clip", "0.5", "--seed", "1", "--allow-weak-seed", "-q",
                "--allow-raw-release", *args).exit_code == 0
-    result = cli("evaluate", src, tmp_path / "m.tldp.safetensors", "--json", "-")
+    result = cli("evaluate", src, tmp_path / "m.tldp.safetensors", "--json")
     assert result.exit_code == 0, result.stderr
     checks = {c["check"]: c["passed"] for c in json.loads(result.stdout)["checks"]}
     assert checks["noise_distribution"] and checks["retained_fraction"] is not False

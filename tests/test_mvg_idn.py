@@ -278,7 +278,7 @@ def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
     x = np.random.default_rng(1).uniform(-1, 1, (300, 4, 4))
     np.save(tmp_path / "x.npy", x)
     r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--range", "-1:1",
-            "--seed", 0, "--allow-weak-seed", "--out", tmp_path / "s", "--json", "-")
+            "--seed", 0, "--allow-weak-seed", "--out", tmp_path / "s", "--json")
     assert r.exit_code == 0, r.stderr
     result = json.loads(r.stdout)
     rows = {(row["method"], row["epsilon"]): row for row in result["rows"]}
@@ -293,7 +293,7 @@ def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
     assert result["skipped_methods"] == []
     np.save(tmp_path / "v.npy", x.reshape(300, 16))
     r = cli("evaluate", tmp_path / "v.npy", "--sweep", "--eps", "1", "--range", "-1:1",
-            "--out", tmp_path / "s2", "--json", "-")
+            "--out", tmp_path / "s2", "--json")
     assert r.exit_code == 0, r.stderr
     result = json.loads(r.stdout)
     assert "MVG" not in result["methods"] and "IDN" in result["methods"]

@@ -174,14 +174,14 @@ def test_record_budget_per_element_is_that_of_the_smallest_record(cli, tmp_path)
     assert [(c["elements_per_record"], c["records"], c["noise_scale"]) for c in m["calibrations"]] == [
         (3, 20, pytest.approx(0.5)), (12, 30, pytest.approx(2.0))]
     assert "guarantee (the worst of 2 record sizes): each element (eps=2," in result.stderr
-    ev = cli("evaluate", tmp_path / "g.h5", tmp_path / "g.tldp.h5", "--json", "-")
+    ev = cli("evaluate", tmp_path / "g.h5", tmp_path / "g.tldp.h5", "--json")
     assert ev.exit_code == 0, ev.output
     assert json.loads(ev.stdout)["integrity_ok"]
 
 
 def _evaluate_checks(cli, original, perturbed, manifest=None):
     args = ["--manifest", manifest] if manifest else []
-    result = cli("evaluate", original, perturbed, "--json", "-", *args)
+    result = cli("evaluate", original, perturbed, "--json", *args)
     report = json.loads(result.stdout)
     return result.exit_code, {c["check"]: c for c in report["checks"]}
 

@@ -144,7 +144,7 @@ def test_the_seed_is_nowhere(cli, src, tmp_path, monkeypatch):
     monkeypatch.setenv("TLDP_SEED", SEED)
     audit = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "20000", "--json")
     sweep = cli("evaluate", src, "--sweep", "--eps", "1", "--range", "0:1", "--out", tmp_path / "sweep",
-                "--json", "-")
+                "--json")
     for result in (audit, sweep):
         assert result.exit_code == 0, result.stderr
         assert_nowhere(SEED, result.stdout, result.stderr)
@@ -215,7 +215,7 @@ def test_env_and_file_keep_the_seed_out_of_argv(src, tmp_path):
 def test_audit_and_sweep_take_seeds_the_same_way(cli, src, tmp_path, monkeypatch):
     audit = ("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "20000", "--json", "-q")
     assert_one_line_usage_error(cli(*audit, "--seed", "7"), "128 bits")
-    sweep = ("evaluate", src, "--sweep", "--eps", "1", "--range", "0:1", "--json", "-", "-q", "--overwrite")
+    sweep = ("evaluate", src, "--sweep", "--eps", "1", "--range", "0:1", "--json", "-q", "--overwrite")
     assert_one_line_usage_error(cli(*sweep, "--seed", "7", "--out", tmp_path / "s"), "128 bits")
     weak = json.loads(cli(*audit, "--seed", "7", "--allow-weak-seed").stdout)
     assert weak["seeded"] is True and weak["weak_seed"] is True

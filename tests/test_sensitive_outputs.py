@@ -89,7 +89,7 @@ def test_mask_without_sidecar_is_treated_as_data_derived(cli, digits_file, digit
     assert sha256_file(mask) not in text and brightest not in numbers(m)
     # The certified figures assume w = 0, and evaluate accepts the withheld minimum.
     report = tmp_path / "r.json"
-    ok(cli("evaluate", digits_file, out, "--json", report, "-q"))
+    ok(cli("evaluate", digits_file, out, "--report", report, "-q"))
     checks = {c["check"]: c for c in json.loads(report.read_text())["checks"]}
     assert checks["parameters"]["passed"] is True
 
@@ -157,7 +157,7 @@ def perturbed(cli, digits_file, tmp_path):
 
 def test_report_is_marked_sensitive_and_holds_no_per_record_lists(cli, digits_file, perturbed, tmp_path):
     report_path = tmp_path / "report.json"
-    result = ok(cli("evaluate", digits_file, perturbed, "--json", report_path))
+    result = ok(cli("evaluate", digits_file, perturbed, "--report", report_path))
     assert f"this report is {SENSITIVE}" in result.stderr
     report = json.loads(report_path.read_text())
     assert list(report)[:2] == ["schema", "sensitive"] and report["sensitive"] == SENSITIVE
@@ -168,7 +168,7 @@ def test_report_is_marked_sensitive_and_holds_no_per_record_lists(cli, digits_fi
 
 
 def test_per_record_lists_when_asked(cli, digits_file, perturbed, tmp_path, digits):
-    result = ok(cli("evaluate", digits_file, perturbed, "--json", "-", "--per-record", "-q"))
+    result = ok(cli("evaluate", digits_file, perturbed, "--json", "--per-record", "-q"))
     report = json.loads(result.stdout)
     assert report["sensitive"] == SENSITIVE
     rows = report["per_record"]
@@ -278,7 +278,7 @@ def test_evaluate_pairs_through_the_name_map(cli, family, tmp_path):
     moved = tmp_path / "elsewhere.json"
     (tmp_path / "family_photos.name-map.json").rename(moved)
     one_line_error(cli("evaluate", family, out), 1, "family_photos.name-map.json", "--name-map")
-    report = json.loads(ok(cli("evaluate", family, out, "--name-map", moved, "--json", "-", "-q")).stdout)
+    report = json.loads(ok(cli("evaluate", family, out, "--name-map", moved, "--json", "-q")).stdout)
     assert report["ok"] and report["records"] == len(NAMES)
 
 

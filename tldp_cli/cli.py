@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from tldp_cli import __version__, accounting
+from tldp_cli import __version__, accounting, output
 from tldp_cli.errors import TldpError, UsageError
 from tldp_cli.mechanisms import default_noise
 from tldp_cli.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
@@ -224,6 +224,15 @@ def _resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) -
                    f"(mode {stat.S_IMODE(mode):04o}); it holds a secret key: chmod 600 {seed_file}",
                    err=True)
     return text
+
+
+def _emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -> None:
+    """--json prints the report to stdout; --report PATH writes it (complete or not at all)."""
+    text = json.dumps(data, indent=2, allow_nan=False)
+    if path is not None:
+        output.write_files({Path(path): (text + "\n").encode()}, overwrite)
+    if to_stdout:
+        typer.echo(text)
 
 
 @contextlib.contextmanager
@@ -526,6 +535,9 @@ def weight_mask_command(
         help="box/image: record that the regions were found in the private data themselves "
              "(e.g. by a detector run on each image).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing mask, sidecar or preview.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print the sidecar (how the mask was made) and the files written as JSON "
+                       "to stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
 ):
@@ -563,6 +575,11 @@ def weight_mask_command(
         also = f"; preview {result.preview}" if result.preview else ""
         typer.echo(f"tldp: wrote {result.output} ({result.description}, method {method.value}) "
                    f"and {result.sidecar}{also}", err=True)
+    if json_out:
+        sidecar = json.loads(Path(result.sidecar).read_text())
+        typer.echo(json.dumps({"mask": str(result.output), "sidecar": str(result.sidecar),
+                               "preview": str(result.preview) if result.preview else None,
+                               **sidecar}, indent=2))
 
 
 class Model(str, Enum):
@@ -623,13 +640,15 @@ def evaluate_command(
         metavar="PERTURBED", help="perturb's output. Not with --sweep.", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
-    json_report: Annotated[Optional[Path], typer.Option(
-        "--json", metavar="REPORT", help="Write every number as JSON to REPORT ('-': stdout). "
-                                         "Computed from the raw data: keep it with them, never "
-                                         "with the release.")] = None,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
+                       "with them, never with the release.")] = False,
+    report_path: Annotated[Optional[Path], typer.Option(
+        "--report", metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
-                             "the --json report; together they give each record's exact norm. "
+                             "the JSON report; together they give each record's exact norm. "
                              "Default: only their mean, median, min and max.")] = False,
     name_map: Annotated[Optional[Path], typer.Option(
         metavar="PATH", help="The name map of a perturb --anonymize-names run, which pairs each "
@@ -678,7 +697,7 @@ def evaluate_command(
     \b
     Examples:
       tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy
-      tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy --json report.json \\
+      tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy --report report.json \\
           --labels sample_data/digits_labels.npy --test sample_data/digits_test.npy \\
           --test-labels sample_data/digits_test_labels.npy
       tldp evaluate sample_data/digits.npy --sweep --eps 0.1,0.5,1,2,5,10 --seed 0 --allow-weak-seed \\
@@ -728,10 +747,11 @@ def evaluate_command(
                             ("--dataset", dataset)):
             if given is not None:
                 raise UsageError(f"{name} applies to --sweep only")
-        if per_record and json_report is None:
-            raise UsageError("--per-record adds per-record lists to the --json report; give --json REPORT")
-        if json_report is not None and json_report != Path("-") and json_report.exists() and not overwrite:
-            raise ev.OutputError(f"{json_report}: exists; pass --overwrite to replace it")
+        if per_record and not (json_out or report_path):
+            raise UsageError("--per-record adds per-record lists to the JSON report; give --json or "
+                             "--report PATH")
+        if report_path is not None and os.path.lexists(report_path) and not overwrite:
+            raise ev.OutputError(f"{report_path}: exists; pass --overwrite to replace it")
         advance, close = _progress_bar(quiet, "rec")
         try:
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
@@ -739,31 +759,21 @@ def evaluate_command(
                                  per_record=per_record, name_map=name_map)
         finally:
             close()
-        if json_report is not None:
-            text = json.dumps(report, indent=2, allow_nan=False)
-            if json_report == Path("-"):
-                typer.echo(text)
-            else:
-                ev.atomic_write(json_report, (text + "\n").encode())
+        _emit_json(report, json_out, report_path, overwrite)
         return report, None
 
     result, written = _run(debug, action)
     if sweep:
         if not quiet:
             _print_sweep(result, written)
-        if json_report is not None:
-            text = json.dumps(result, indent=2, allow_nan=False)
-            if json_report == Path("-"):
-                typer.echo(text)
-            else:
-                ev.atomic_write(json_report, (text + "\n").encode())
+        _run(debug, lambda: _emit_json(result, json_out, report_path, overwrite))
         return
     if not quiet:
         _print_report(result)
     failed = [c["check"] for c in result["checks"] if c["passed"] is False]
     if failed:
         _fail(f"{result['perturbed']}: failed {', '.join(failed)} (see the table"
-              + (f" and {json_report})" if json_report else ")"), 1)
+              + (f" and {report_path})" if report_path else ")"), 1)
     if not quiet:
         typer.echo("tldp: every check passed", err=True)
 
@@ -995,7 +1005,9 @@ def audit_command(
 
 
 @app.command("seed")
-def seed_command():
+def seed_command(
+    json_out: Annotated[bool, typer.Option("--json", help='Print {"seed": ...} as JSON.')] = False,
+):
     """Print a fresh random seed: 32 hex digits (128 bits) from the OS's secure source.
 
     A seed is a secret key: whoever has it can regenerate the noise and subtract
@@ -1010,7 +1022,8 @@ def seed_command():
       TLDP_SEED=$(cat release-1.seed) tldp perturb data.npy --eps 1 --range 0:1
       python -c "import secrets; print(secrets.token_hex(16))"    # the same, without tldp
     """
-    typer.echo(secrets.token_hex(16))
+    seed = secrets.token_hex(16)
+    typer.echo(json.dumps({"seed": seed}) if json_out else seed)
 
 
 def main():

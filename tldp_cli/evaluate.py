@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import __version__, accounting, discrete, engine, formats
+from tldp_cli import __version__, accounting, discrete, engine, formats, output
 from tldp_cli import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
@@ -1082,21 +1082,13 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
     writer.writeheader()
     for row in result["rows"]:
         writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in SWEEP_COLUMNS})
-    atomic_write(targets[0], buf.getvalue().encode())
-    atomic_write(targets[1], (json.dumps(result, indent=2, allow_nan=False) + "\n").encode())
-    atomic_write(targets[2], _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"))
-    atomic_write(targets[3], _plot(result, "record_epsilon", "certified per-record ε (log scale)"))
+    output.write_files({
+        targets[0]: buf.getvalue().encode(),
+        targets[1]: (json.dumps(result, indent=2, allow_nan=False) + "\n").encode(),
+        targets[2]: _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"),
+        targets[3]: _plot(result, "record_epsilon", "certified per-record ε (log scale)"),
+    }, overwrite)
     return targets
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:

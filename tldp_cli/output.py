@@ -518,6 +518,32 @@ class Staging:
         self.discard()
 
 
+def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
+    """Writes small files (reports, sweep tables) as a run writes its output: complete or
+    not at all, together, never replacing anything without `overwrite`."""
+    for path in contents:
+        if not path.parent.is_dir():
+            raise OutputError(f"{path}: folder {path.parent} does not exist")
+        if path.is_dir() or (os.path.lexists(path) and not overwrite):
+            raise OutputError(f"{path}: exists; pass --overwrite to replace it")
+    staging = Staging()
+    try:
+        for path, data in contents.items():
+            tmp = staging.temporary(path)
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        staging.commit(overwrite)
+    except BaseException:
+        staging.discard()
+        raise
+    staging.close()
+
+
 def remove(path: Path) -> None:
     """Removes a file, a link or a folder tree (never what a link points at)."""
     if path.is_dir() and not path.is_symlink():
