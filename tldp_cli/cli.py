@@ -373,7 +373,7 @@ def perturb_command(
              "the noise and take (-C, C) as the range, so the range width is 2C. Not with "
              "--range. Recorded in the manifest.", show_default=False)] = None,
     workers: Annotated[Optional[int], typer.Option(
-        min=1, help="Blocks perturbed in parallel threads (with --scheduler dask and no "
+        min=1, envvar="TLDP_WORKERS", help="Blocks perturbed in parallel threads (with --scheduler dask and no "
                     "--dask-address: local worker processes). Default: the number of cores. "
                     "The output is the same for any number.")] = None,
     scheduler: Annotated[Scheduler, typer.Option(
