@@ -72,7 +72,3 @@ def _manifests_follow_the_published_schema(request):
             continue
         if isinstance(manifest, dict) and manifest.get("schema") == "tldp-manifest/1":
             jsonschema.validate(manifest, schema)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "damaged_manifests: the test writes invalid manifests on purpose")

@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
-from scipy.stats import norm
 
 from tldp_cli import accounting
 from tldp_cli.errors import UsageError
 from tldp_cli.mechanisms import calibrate
+from tests.builders import analytic_gaussian_delta
 
 
 def cal(**kw):
@@ -16,13 +16,6 @@ def cal(**kw):
                 range_width=256.0, elements=784, dp_delta=1e-5)
     args.update(kw)
     return calibrate(**args)
-
-
-def analytic_gaussian_delta(eps, sigma, sensitivity):
-    """Balle and Wang (2018), Theorem 8: the exact delta of a Gaussian mechanism at eps."""
-    a = sensitivity / (2 * sigma)
-    b = eps * sigma / sensitivity
-    return norm.cdf(a - b) - math.exp(eps + norm.logcdf(-a - b))
 
 
 def test_laplace_retain_probability_is_one_third_for_unit_range():

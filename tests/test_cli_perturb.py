@@ -10,15 +10,7 @@ from tests.conftest import SEED, siblings, tree_digest
 from tldp_cli import accounting
 from tldp_cli.manifest import sha256_file
 from tldp_cli.mechanisms import calibrate
-
-
-def assert_one_line_error(result, code, *fragments):
-    assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr and result.stdout == ""
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+from tests.builders import assert_one_line_error
 
 
 @pytest.fixture

@@ -12,9 +12,11 @@ import pytest
 import zarr
 
 from tests.conftest import SEED
-from tests.test_parallel import DATA, make_hdf5, make_images, make_npy, make_zarr
+from tests.builders import DATA, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli.errors import InputError
 from tldp_cli.pipeline import PerturbOptions, perturb
+
+pytestmark = pytest.mark.dask
 
 distributed = pytest.importorskip("distributed")
 

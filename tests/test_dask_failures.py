@@ -16,6 +16,8 @@ from tldp_cli import dask_runner
 from tldp_cli.errors import InputError
 from tldp_cli.pipeline import PerturbOptions, perturb
 
+pytestmark = pytest.mark.dask
+
 distributed = pytest.importorskip("distributed")
 psutil = pytest.importorskip("psutil")  # a dependency of distributed
 

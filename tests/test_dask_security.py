@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests.test_parallel import make_npy
+from tests.builders import make_npy
 from tldp_cli import dask_runner
 from tldp_cli.errors import UsageError
 
@@ -23,6 +23,8 @@ pytest.importorskip("cryptography")
 
 from distributed.comm import connect as comm_connect  # noqa: E402
 from distributed.security import Security  # noqa: E402
+
+pytestmark = pytest.mark.dask
 
 TIMEOUT_SECONDS = 3
 # A refused client fails within its own timeout, not after a hang (with room for a loaded machine).

@@ -21,6 +21,7 @@ from tldp_cli import accounting, discrete, engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.mechanisms import calibrate
 from tldp_cli.rng import Streams
+from tests.builders import composed_losses, exact_delta, exact_epsilon, mixture_loss_atoms
 
 ALPHA = 1e-4  # a correct sampler fails a test with this probability
 
@@ -243,54 +244,6 @@ def test_discrete_laplace_approx_matches_dp_accounting():
     c = cal()
     acc = accounting.certify(c)
     assert acc["per_record"]["approx"]["epsilon"] < 0.6 * acc["per_record"]["epsilon"]
-
-
-def mixture_loss_atoms(d: int, b: float, p: float) -> dict[float, float]:
-    """Privacy loss of one element of the discrete Laplace TLDP mixture for the inputs 0 and
-    d, outcome by outcome on -T..d+T (no lumping): {loss: mass under input 0}, equal losses
-    merged and rounded up by 1e-9; the mass beyond T (< 1e-18) as an infinite loss."""
-    from collections import defaultdict
-
-    a = math.exp(-1 / b)
-    T = math.ceil(45 * b) + 1
-    y = np.arange(-T, d + T + 1)
-    c = (1 - p) * (1 - a) / (1 + a)
-    upper, lower = c * a ** np.abs(y).astype(float), c * a ** np.abs(y - d).astype(float)
-    upper[y == 0] += p
-    lower[y == d] += p
-    atoms = defaultdict(float)
-    for loss, mass in zip(np.log(upper) - np.log(lower), upper):
-        atoms[round(float(loss), 9) + 1e-9] += float(mass)
-    atoms[math.inf] += max(0.0, 1 - float(upper.sum()))
-    return atoms
-
-
-def composed_losses(atoms_list) -> dict[float, float]:
-    """The loss distribution of independent elements: every combination of their atoms."""
-    from collections import defaultdict
-
-    dist = {0.0: 1.0}
-    for atoms in atoms_list:
-        combined = defaultdict(float)
-        for l0, p0 in dist.items():
-            for l1, p1 in atoms.items():
-                combined[round(l0 + l1, 9)] += p0 * p1
-        dist = combined
-    return dist
-
-
-def exact_delta(dist: dict[float, float], eps: float) -> float:
-    """Hockey-stick divergence E[(1 - e^(eps - L))+] of a loss distribution."""
-    return sum(m * (1.0 if loss == math.inf else -math.expm1(eps - loss)) for loss, m in dist.items()
-               if loss > eps)
-
-
-def exact_epsilon(dist: dict[float, float], delta: float) -> float:
-    lo, hi = 0.0, max(loss for loss in dist if loss != math.inf) + 1
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if exact_delta(dist, mid) > delta else (lo, mid)
-    return hi
 
 
 @pytest.mark.parametrize("W, I, eps, budget", [

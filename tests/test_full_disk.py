@@ -28,6 +28,8 @@ from tests.conftest import REPO, SEED, tree_digest
 from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, checked_io, hdf5, safetensors_file
 
+pytestmark = pytest.mark.slow
+
 LEAVE = 64 << 10  # bytes the filler leaves free: enough to start the output, not to finish it
 
 # Runs `tldp ARGS...` with the format module's create_writer first filling the disk: the

@@ -11,6 +11,8 @@ import zarr
 
 from tldp_cli.pipeline import PerturbOptions, perturb
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path

@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
-from safetensors.numpy import save_file
 from scipy import stats
 
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
-from tests.test_accounting import analytic_gaussian_delta
+from tests.builders import analytic_gaussian_delta
 from tldp_cli import accounting, model_params
 from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, detect, npz, safetensors_file, tensor_files
 from tldp_cli.mechanisms import calibrate
 from tldp_cli.rng import Streams
+from tests.builders import read_safetensors, write_safetensors
 
 RNG = np.random.default_rng(11)
 WEIGHT = RNG.normal(0, 0.3, (16, 8)).astype(np.float32)  # some beyond the clip bound 0.5
@@ -34,54 +34,6 @@ HEAD = RNG.normal(0, 0.2, (3, 2, 2))  # float64
 STEP = np.array([1234], np.int64)
 MASK = np.array([True, False, True, True])
 METADATA = {"format": "pt", "source": "tldp tests"}
-
-
-def bf16_bits(values: np.ndarray) -> np.ndarray:
-    bits = values.astype("<f4").view("<u4")
-    assert not (bits & 0xFFFF).any(), "not exactly representable in bfloat16"
-    return (bits >> 16).astype("<u2")
-
-
-def write_safetensors(path: Path, tensors: dict, bf16: dict | None = None, metadata=None) -> Path:
-    """With the safetensors library; bfloat16 tensors (given as float32, which NumPy's API
-    cannot hold) by the format's specification, then checked by the library."""
-    if not bf16:
-        save_file(tensors, str(path), metadata=metadata)
-        return path
-    codes = {"float32": "F32", "float16": "F16", "float64": "F64", "int64": "I64", "bool": "BOOL"}
-    parts = [(n, codes[v.dtype.name], v.shape, np.ascontiguousarray(v, v.dtype.newbyteorder("<")).tobytes())
-             for n, v in tensors.items()]
-    parts += [(n, "BF16", v.shape, bf16_bits(v).tobytes()) for n, v in bf16.items()]
-    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
-    for name, code, shape, data in parts:
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(p[3] for p in parts))
-    with safe_open(str(path), framework="np") as f:
-        assert sorted(f.keys()) == sorted(header.keys() - {"__metadata__"})
-    return path
-
-
-def read_safetensors(path: Path) -> tuple[bytes, dict, dict[str, np.ndarray]]:
-    """The header bytes, __metadata__ and every tensor (bfloat16 as float32), parsed here
-    without tldp's reader."""
-    raw = Path(path).read_bytes()
-    length = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + length])
-    data = raw[8 + length:]
-    codes = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "BOOL": "?", "BF16": "<u2"}
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        array = np.frombuffer(data[begin:end], codes[info["dtype"]]).reshape(info["shape"])
-        if info["dtype"] == "BF16":
-            array = (array.astype("<u4") << 16).view("<f4")
-        tensors[name] = array
-    return raw[:8 + length], header.get("__metadata__", {}), tensors
 
 
 def write_model_safetensors(path: Path) -> Path:

@@ -12,7 +12,7 @@ from scipy import stats
 from scipy.special import gammaln
 
 from tests.conftest import siblings, tree_digest
-from tests.test_accounting import analytic_gaussian_delta
+from tests.builders import analytic_gaussian_delta
 from tldp_cli import accounting, mvg_idn
 from tldp_cli.engine import perturb_records
 from tldp_cli.errors import UsageError

@@ -15,7 +15,7 @@ import zarr
 from PIL import Image
 
 from tests.conftest import siblings, tree_digest
-from tests.test_cli_perturb import assert_one_line_error
+from tests.builders import assert_one_line_error
 from tldp_cli.manifest import sha256_file
 from tldp_cli.mechanisms import calibrate
 from tldp_cli.weights import feather

@@ -1,4 +1,4 @@
-"""Review fixes: grid snapping in narrow float dtypes, worst-case accounting over the
+"""Certified figures: grid snapping in narrow float dtypes, worst-case accounting over the
 calibrations of one run, pessimistic PLD rounding, record budgets that never exceed
 --eps, and composition of discrete noises."""
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.test_discrete import (
+from tests.builders import (
     composed_losses,
     exact_delta,
     exact_epsilon,
@@ -84,7 +84,7 @@ def test_float16_with_a_fine_automatic_grid_stays_finite(cli, tmp_path, noise):
 
 
 def test_bfloat16_safetensors_stay_finite_and_on_the_grid(cli, tmp_path):
-    from tests.test_model_params import read_safetensors, write_safetensors
+    from tests.builders import read_safetensors, write_safetensors
 
     w = np.array([[1.0, -1.0, 0.5, 0.75], [-0.5, 0.0, 0.25, 0.9375]], np.float32)  # bfloat16-exact
     write_safetensors(tmp_path / "m.safetensors", {"h": np.full(3, 0.5, np.float16)}, bf16={"w": w})
