@@ -466,11 +466,11 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                         writer.write(job, start, noisy)
                     if partial is not None and not outside_counts:
                         partial.done(job.name, start, stop)
-                    if hasattr(writer, "block_written") and not outside_counts:
+                    if not outside_counts:
                         writer.block_written(job, start, stop)  # e.g. hash it while blocks run
                     if progress:
                         progress(stop - start, total)
-            if not outside_counts and hasattr(writer, "finish"):
+            if not outside_counts:
                 writer.finish()
         finally:
             written = writer.close()
@@ -482,7 +482,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 f"first in the block of records from {first}); fix --range or pass --clip-input to "
                 "clip them into range")
 
-        digests = writer.digests() if hasattr(writer, "digests") else {}
+        digests = writer.digests()
         outputs = [{"path": str(destination / f.relative_to(tmp_output)) if f != tmp_output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
@@ -628,7 +628,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
     comes from the plan, the reader and the writer, never from the data."""
     extra = dict(getattr(reader, "manifest_extra", {}))
-    extra.update(getattr(writer, "manifest_extra", {}))  # e.g. dropped_filters
+    extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
     extra["sampler"] = options.sampler
     if options.clip is not None:
         extra["clip"] = {"norm": "linf", "bound": options.clip}
@@ -654,8 +654,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
         postprocessing=([discrete.saturation_note(run.out_dtype)] if run.grid and run.out_dtype.kind == "i"
-                        else []) + getattr(writer, "postprocessing", []),
-        output_dtype=getattr(writer, "output_dtype", str(run.out_dtype)), extra=extra)
+                        else []) + (list(writer.postprocessing) if writer else []),
+        output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
 
 
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
@@ -707,7 +707,7 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
     writer, else sent back and written here (the caller does that)."""
     from distributed.protocol.pickle import dumps
 
-    block_writer = writer.block_writer() if hasattr(writer, "block_writer") else None
+    block_writer = writer.block_writer()
     task = dataclasses.replace(block_task, write=block_writer)
     if tasks:
         try:

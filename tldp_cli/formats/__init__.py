@@ -14,24 +14,20 @@ renames it to the destination once everything succeeded.
 
 A reader may also have `messages` (lines the CLI shows the user, e.g. which
 datasets it chose) and `manifest_extra` (fields added to the manifest, e.g. the
-files skipped); a writer may have `postprocessing` (steps applied after the
-noise, e.g. clip and round for 8-bit image output) and `manifest_extra` (e.g. the
-lossy filters it left off, dropped_filters). A reader with `manifest_inputs()` gives
-the manifest's `inputs` entries itself (otherwise they are the jobs' sources).
+files skipped). A reader with `manifest_inputs()` gives the manifest's `inputs`
+entries itself (otherwise they are the jobs' sources).
 
+Every writer subclasses `Writer`, which declares what the pipeline may use and the
+defaults of a writer that needs none of it: `postprocessing` and `manifest_extra`
+for the manifest, `output_dtype`, `block_writer()` (a picklable function that writes
+a block from any process; None: blocks computed on Dask come back and `write` stores
+them), `block_written()` and `digests()` (hashing while writing), `finish()`.
 Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
-picklable and open its file inside each call (never hold an open handle). Optional,
-for parallel and resumable output:
-  writer.block_writer() -> callable(job, start, block), picklable, that writes one
-      block from any process (opening the output itself). Without it, blocks
-      computed on Dask come back and `write` stores them in the calling process.
-  writer.finish()           called once every block is written, before close.
-  writer.block_written(job, start, stop), writer.digests() -> {path: sha256}
-      the pipeline reports each block once it is written or handed to `write`
-      (from one thread, in any order); a writer that hashes its output meanwhile
-      returns the digests, and the manifest does not read those files again.
+picklable and open its file inside each call (never hold an open handle).
 `write` may keep the block and write it later (the .npy writer does, on a thread of
 its own): a block must not be changed once handed over.
+
+A resumable format (Zarr) also provides
   reopen_writer(reader, tmp_path, dtype, options) -> Writer
       reopens an output an interrupted run began, keeping its blocks (--resume).
 """
@@ -42,7 +38,8 @@ import importlib
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -83,12 +80,36 @@ class Reader(Protocol):
     def close(self) -> None: ...
 
 
-class Writer(Protocol):
-    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None: ...
+class Writer:
+    """What every format's writer offers the pipeline. The defaults are those of a writer
+    that needs none of it; a format overrides what it does (its capabilities)."""
+
+    # Class-level defaults are immutable: a writer that adds to them assigns its own.
+    postprocessing: Sequence[str] = ()  # steps after the noise (e.g. clip and round), for the manifest
+    manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds (e.g. dropped_filters)
+    output_dtype: str | None = None  # what it writes, when not the engine's dtype (e.g. 8-bit PNG)
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], None] | None:
+        """A picklable function that writes a block from any process (Dask workers), or
+        None: blocks come back and `write` stores them."""
+        return None
+
+    def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
+        """Told once a block is written or handed to `write` (e.g. to hash it meanwhile)."""
+
+    def finish(self) -> None:
+        """Called once every block is written, before close."""
+
+    def digests(self) -> dict[Path, str]:
+        """sha256 of the files it hashed as it wrote them; the others are read again."""
+        return {}
 
     def close(self) -> list[Path]:
         """Finish writing; return the files written (under the temporary path)."""
-        ...
+        raise NotImplementedError
 
 
 @dataclass

@@ -69,6 +69,7 @@ from tldp_cli.errors import InputError, OutputError, TldpError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
+    Writer,
     check_numeric_dtype,
     default_selection,
     dropped_filters,
@@ -716,7 +717,7 @@ def _signals_held():
             signal.raise_signal(held[0])
 
 
-class Hdf5Writer:
+class Hdf5Writer(Writer):
     def __init__(self, reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype):
         self.path = tmp_path
         self.source = reader.path

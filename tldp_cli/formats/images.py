@@ -38,7 +38,7 @@ from PIL import ExifTags, Image, ImageOps
 
 from tldp_cli import __version__, output
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, listing, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, Writer, listing, plural
 from tldp_cli.formats.checked_io import copy_bytes, writing
 
 NAME = "images"
@@ -366,7 +366,7 @@ def _icc_profile(path: Path) -> bytes | None:
         return im.info.get("icc_profile")
 
 
-class ImageFolderWriter:
+class ImageFolderWriter(Writer):
     def __init__(self, reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
                  options: FormatOptions):
         self.root = tmp_path

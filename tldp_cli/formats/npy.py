@@ -27,7 +27,7 @@ import numpy as np
 
 from tldp_cli.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype
+from tldp_cli.formats import ArrayJob, FormatOptions, Writer, check_numeric_dtype
 from tldp_cli.formats.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
@@ -251,7 +251,7 @@ def _page_header(fields: dict) -> bytes:
     return natural[:8] + (size - 12).to_bytes(4, "little") + text.ljust(size - 13) + b"\n"
 
 
-class NpyWriter:
+class NpyWriter(Writer):
     def __init__(self, job: ArrayJob, tmp_path: Path, dtype: np.dtype):
         self.path = tmp_path
         dtype = np.dtype(dtype)

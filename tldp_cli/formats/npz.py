@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Writer, tensor_files
 from tldp_cli.formats.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -125,7 +125,7 @@ def open_reader(path: Path, options: FormatOptions) -> NpzReader:
     return NpzReader(path, options)
 
 
-class NpzWriter:
+class NpzWriter(Writer):
     """Writes the archive member by member in the input's order."""
 
     def __init__(self, reader: NpzReader, tmp_path: Path, dtype: np.dtype):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Writer, tensor_files
 from tldp_cli.formats.checked_io import copy_bytes, fsync_file, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -172,7 +172,7 @@ class _Blocks:
                 os.close(fd)
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(Writer):
     def __init__(self, reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype):
         self.path = tmp_path
         chosen = {job.name for job in reader.jobs}

@@ -38,6 +38,7 @@ from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
+    Writer,
     check_numeric_dtype,
     default_selection,
     dropped_filters,
@@ -437,7 +438,7 @@ class _Blocks:
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
 
-class ZarrWriter:
+class ZarrWriter(Writer):
     def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype, reopen: bool = False):
         self.root = tmp_path
         self.dtype = np.dtype(dtype)
