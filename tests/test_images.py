@@ -106,8 +106,7 @@ def test_manifest_uses_largest_image(cli, tmp_path):
     # the default exact sampler: integer noise in int16 (saturating, never wrapping), then the PNG steps
     assert manifest["noise"] == "discrete-laplace"
     assert manifest["postprocessing"][0].startswith("saturate at the int16 limits")
-    assert manifest["postprocessing"][1:4] == ["round to nearest integer (ties to even)",
-                                               "clip to [0, 255]", "write 8-bit PNG"]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 255]", "write 8-bit PNG"]  # integers: no rounding
     assert any("alpha" in step for step in manifest["postprocessing"])
     assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
         ["big/colour.png", "mid.png", "small.png"]
@@ -145,7 +144,7 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["value_range"] == [0, 65536]
     # integer noise in int32 (the default exact sampler), saturating, then the PNG steps
     assert manifest["postprocessing"][0].startswith("saturate at the int32 limits")
-    assert manifest["postprocessing"][2:4] == ["clip to [0, 65535]", "write 16-bit PNG"]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", "write 16-bit PNG"]
 
 
 def test_mixed_bit_depths_need_a_range(cli, tmp_path):
@@ -156,7 +155,7 @@ def test_mixed_bit_depths_need_a_range(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1", "--range", "0:65536", "--out", tmp_path / "b", "--json")
     assert result.exit_code == 0, result.stderr
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
-    assert json.loads(result.stdout)["postprocessing"][2:4] == [
+    assert json.loads(result.stdout)["postprocessing"][1:3] == [
         "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", "write 8-bit and 16-bit PNG"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"

@@ -214,7 +214,7 @@ def _resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) -
         text = content.decode("ascii")
     except UnicodeDecodeError:
         text = None
-    if text is None or len(content) > _SEED_FILE_LIMIT:
+    if text is None or len(content) > _SEED_FILE_LIMIT or not text.strip():
         raise UsageError(f"{seed_file}: not a seed file (a seed is one line of hex digits, e.g. "
                          f"from `tldp seed`)")
     # Only warned about: the mode alone does not prove exposure (a private folder, a

@@ -389,8 +389,10 @@ class ImageFolderWriter(Writer):
             depths = sorted({image.dtype.itemsize * 8 for image in self.images.values()})
             ranges = [f"[0, {2**d - 1}]" + (f" ({d}-bit images)" if len(depths) > 1 else "")
                       for d in depths]
-            steps = ["round to nearest integer (ties to even)", "clip to " + ", ".join(ranges),
-                     "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG"]
+            # exact (integer) noise needs no rounding; float noise does
+            rounding = [] if self.dtype.kind in "iu" else ["round to nearest integer (ties to even)"]
+            steps = rounding + ["clip to " + ", ".join(ranges),
+                                "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG"]
         if any_alpha:
             steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
         steps.append("keep the ICC colour profile; drop EXIF and text metadata")
