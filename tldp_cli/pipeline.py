@@ -388,7 +388,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     source = options.input
     jobs = reader.arrays()
     run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
-               per_tensor=getattr(reader, "records_are_tensors", False))
+               per_tensor=reader.records_are_tensors)
     lo, hi, grid, out_dtype = run.lo, run.hi, run.grid, run.out_dtype
     masks: dict[str, Mask] = {}
     weights_info = None
@@ -507,7 +507,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
     if partial is not None:
         partial.remove()  # only its emptied folder and journal are left
-    messages = list(getattr(reader, "messages", [])) + notes
+    messages = list(reader.messages) + notes
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
@@ -523,7 +523,7 @@ def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]
     """The datasets each subject's record spans: in an HDF5 file or Zarr store, the
     arrays perturbed together that share their first axis (row i of each is subject i);
     every other array is a record scope of its own. [] when no two arrays share rows."""
-    if format_name not in ("hdf5", "zarr") or getattr(reader, "records_are_tensors", False):
+    if format_name not in ("hdf5", "zarr") or reader.records_are_tensors:
         return []
     by_length: dict[int, list[str]] = {}
     for job in jobs:
@@ -573,7 +573,7 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
         return False
     if module.NAME == "zarr":
         return any((path / name).is_file() for name in module.METADATA_FILES)
-    copied = set(getattr(reader, "others", []))
+    copied = set(reader.others)
     for directory, _, files in os.walk(path):
         for name in files:
             rel = (Path(directory) / name).relative_to(path).as_posix()
@@ -627,7 +627,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
                    streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
     comes from the plan, the reader and the writer, never from the data."""
-    extra = dict(getattr(reader, "manifest_extra", {}))
+    extra = dict(reader.manifest_extra if reader else {})
     extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
     extra["sampler"] = options.sampler
     if options.clip is not None:
@@ -649,8 +649,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         records=sum(job.records for job in jobs), rng=options.rng,
         calibrations=list(records_of.items()),
         seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=weights_info,
-        inputs=reader.manifest_inputs() if hasattr(reader, "manifest_inputs") else
-        [job.source for job in jobs], outputs=outputs,
+        inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
         postprocessing=([discrete.saturation_note(run.out_dtype)] if run.grid and run.out_dtype.kind == "i"

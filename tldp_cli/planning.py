@@ -33,8 +33,8 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
     try:
         jobs = reader.arrays()
         run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
-                   per_tensor=getattr(reader, "records_are_tensors", False))
-        return _report(options, run, jobs, reader, list(getattr(reader, "messages", [])))
+                   per_tensor=reader.records_are_tensors)
+        return _report(options, run, jobs, reader, list(reader.messages))
     finally:
         reader.close()
 

@@ -12,10 +12,9 @@ through the engine into the writer, and moves the finished output into place.
 The writer writes only under tmp_path (a file or a directory); the pipeline
 renames it to the destination once everything succeeded.
 
-A reader may also have `messages` (lines the CLI shows the user, e.g. which
-datasets it chose) and `manifest_extra` (fields added to the manifest, e.g. the
-files skipped). A reader with `manifest_inputs()` gives the manifest's `inputs`
-entries itself (otherwise they are the jobs' sources).
+Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
+e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
+the files skipped), `records_are_tensors` and `manifest_inputs()` with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
 defaults of a writer that needs none of it: `postprocessing` and `manifest_extra`
@@ -39,7 +38,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -71,13 +70,27 @@ class ArrayJob:
         return int(np.prod(self.record_shape, dtype=np.int64)) if self.record_shape else 1
 
 
-class Reader(Protocol):
+class Reader:
+    """What every format's reader offers the pipeline, with the defaults of a reader that
+    has nothing to add (class-level defaults are immutable: a reader that adds to them
+    assigns its own)."""
+
     format: str
     path: Path
+    records_are_tensors = False  # model files: each tensor is one record of its own
+    messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
+    manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
+    others: Sequence[str] = ()  # image folders: the files that are not images
 
-    def arrays(self) -> list[ArrayJob]: ...
+    def arrays(self) -> list[ArrayJob]:
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def manifest_inputs(self) -> list[dict[str, Any]]:
+        """The manifest's `inputs` entries: the arrays' sources."""
+        return [job.source for job in self.arrays()]
+
+    def close(self) -> None:
+        """Releases what it holds open."""
 
 
 class Writer:

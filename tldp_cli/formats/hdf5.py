@@ -69,6 +69,7 @@ from tldp_cli.errors import InputError, OutputError, TldpError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
+    Reader,
     Writer,
     check_numeric_dtype,
     default_selection,
@@ -349,7 +350,7 @@ def _check_storage(path: Path, size: int, name: str, ds: h5py.Dataset, perturbed
                          "the file may be damaged")
 
 
-class Hdf5Reader:
+class Hdf5Reader(Reader):
     format = NAME
 
     def __init__(self, path: Path, options: FormatOptions):
@@ -394,7 +395,7 @@ class Hdf5Reader:
                              "(virtual or external storage), which tldp would copy raw; perturb it "
                              "with --dataset, or remove it from the file")
         if links:
-            self.manifest_extra = {**getattr(self, "manifest_extra", {}), "external_links": links}
+            self.manifest_extra = {**self.manifest_extra, "external_links": links}
             self.messages.append(f"copied {len(links)} link(s) into other files as links (their "
                                  f"targets are not read): {', '.join(links[:5])}")
 

@@ -38,7 +38,7 @@ from PIL import ExifTags, Image, ImageOps
 
 from tldp_cli import __version__, output
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Writer, listing, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
 from tldp_cli.formats.checked_io import copy_bytes, writing
 
 NAME = "images"
@@ -180,7 +180,7 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     return colour[None]
 
 
-class ImageFolderReader:
+class ImageFolderReader(Reader):
     format = NAME
 
     def __init__(self, path: Path, options: FormatOptions):

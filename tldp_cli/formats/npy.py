@@ -27,7 +27,7 @@ import numpy as np
 
 from tldp_cli.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Writer, check_numeric_dtype
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype
 from tldp_cli.formats.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
@@ -93,7 +93,7 @@ class _Records:
         return block
 
 
-class NpyReader:
+class NpyReader(Reader):
     format = NAME
 
     def __init__(self, path: Path, options: FormatOptions):

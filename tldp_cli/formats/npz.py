@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Writer, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files
 from tldp_cli.formats.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -78,7 +78,7 @@ class _Member:
         return array[None][start:stop]
 
 
-class NpzReader:
+class NpzReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Writer, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files
 from tldp_cli.formats.checked_io import copy_bytes, fsync_file, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -124,7 +124,7 @@ class _Read:
         return np.asarray(values)[None][start:stop]
 
 
-class SafetensorsReader:
+class SafetensorsReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures
 

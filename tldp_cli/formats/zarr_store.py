@@ -38,6 +38,7 @@ from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
+    Reader,
     Writer,
     check_numeric_dtype,
     default_selection,
@@ -222,7 +223,7 @@ class _Records:
                              f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
 
 
-class ZarrReader:
+class ZarrReader(Reader):
     format = NAME
 
     def __init__(self, path: Path, options: FormatOptions):
