@@ -364,3 +364,17 @@ def test_a_folder_is_replaced_only_when_its_manifest_names_it(cli, tmp_path):
 def test_a_manifest_path_ending_in_a_slash_is_refused(cli, proj):
     result = cli("perturb", proj / "x.npy", "--eps", "1", "--manifest", f"{proj}/x.npy/", "--overwrite")
     assert result.exit_code == 2 and (proj / "x.npy").is_file()
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("model.weights.h5", "model.tldp.weights.h5"),  # Keras loads only *.weights.h5
+    ("image.ome.zarr", "image.tldp.ome.zarr"),      # OME-Zarr readers look for .ome.zarr
+    ("data.h5", "data.tldp.h5"), ("run.nc", "run.tldp.nc"), ("digits.zarr", "digits.tldp.zarr"),
+    ("store", "store.tldp"), ("x.npy", "x.tldp.npy"), ("m.safetensors", "m.tldp.safetensors"),
+])
+def test_default_names_keep_compound_suffixes(name, expected):
+    from tldp_cli.formats import hdf5, npy, safetensors_file, zarr_store
+
+    module = {".h5": hdf5, ".nc": hdf5, ".zarr": zarr_store, ".npy": npy,
+              ".safetensors": safetensors_file}.get(Path(name).suffix, zarr_store)
+    assert module.default_output(Path("d") / name) == Path("d") / expected

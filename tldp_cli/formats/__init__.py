@@ -166,6 +166,22 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+# Suffixes of two parts that the tools reading them match whole (Keras loads only
+# *.weights.h5, OME-Zarr readers look for .ome.zarr): ".tldp" goes before them.
+COMPOUND_SUFFIXES = (".weights.h5", ".ome.zarr", ".ome.tif", ".ome.tiff", ".nii.gz")
+
+
+def tldp_name(path: Path, suffix: str) -> Path:
+    """The default output's name: ".tldp" before the format's suffix, or before a compound
+    one (data.h5 -> data.tldp.h5, model.weights.h5 -> model.tldp.weights.h5,
+    image.ome.zarr -> image.tldp.ome.zarr); a name without it gets ".tldp" at the end."""
+    name = path.name
+    for known in (*COMPOUND_SUFFIXES, suffix):
+        if known and name.lower().endswith(known.lower()) and len(name) > len(known):
+            return path.with_name(f"{name[:-len(known)]}.tldp{name[-len(known):]}")
+    return path.with_name(name + ".tldp")
+
+
 def member_name(source: dict[str, Any]) -> str | None:
     """How a message names the array inside a file (an ArrayJob's source): "tensor w" in a
     model file, "dataset x" in HDF5/Zarr; None for a whole-file array or an image."""

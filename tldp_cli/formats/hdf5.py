@@ -75,6 +75,7 @@ from tldp_cli.formats import (
     default_selection,
     dropped_filters,
     listing,
+    tldp_name,
 )
 from tldp_cli.formats.checked_io import pwrite_all, write_error, writing
 from tldp_cli.output import shown
@@ -121,7 +122,7 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.tldp{path.suffix}")
+    return tldp_name(path, path.suffix)
 
 
 def _reason(exc: Exception) -> str:

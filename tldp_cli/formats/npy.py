@@ -27,7 +27,7 @@ import numpy as np
 
 from tldp_cli.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, tldp_name
 from tldp_cli.formats.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
@@ -44,8 +44,8 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    stem = path.name[:-4] if path.name.endswith(".npy") else path.name
-    return path.with_name(stem + ".tldp.npy")
+    named = tldp_name(path, ".npy")
+    return named if named.name.endswith(".npy") else path.with_name(path.name + ".tldp.npy")
 
 
 def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
 from tldp_cli.formats.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -45,8 +45,8 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    stem = path.name[:-4] if path.name.endswith(".npz") else path.name
-    return path.with_name(stem + ".tldp.npz")
+    named = tldp_name(path, ".npz")
+    return named if named.name.endswith(".npz") else path.with_name(path.name + ".tldp.npz")
 
 
 def _key(member: str) -> str:

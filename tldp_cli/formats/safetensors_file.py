@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
 from tldp_cli.formats.checked_io import copy_bytes, fsync_file, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -50,7 +50,7 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.tldp{path.suffix}")
+    return tldp_name(path, path.suffix)
 
 
 def _invalid(path: Path, reason: str) -> InputError:

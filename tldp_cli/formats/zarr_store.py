@@ -45,6 +45,7 @@ from tldp_cli.formats import (
     dropped_filters,
     listing,
     plural,
+    tldp_name,
 )
 
 NAME = "zarr"
@@ -70,9 +71,7 @@ def can_open(path: Path) -> bool:
 def default_output(path: Path) -> Path:
     if path.name in ("", ".."):
         path = path.resolve()
-    if path.name.endswith(".zarr"):
-        return path.with_name(path.name[:-5] + ".tldp.zarr")
-    return path.with_name(path.name + ".tldp")
+    return tldp_name(path, ".zarr")
 
 
 @dataclass
