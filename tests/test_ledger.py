@@ -135,3 +135,23 @@ def test_the_ledger_never_travels_with_the_output(cli, data, tmp_path):
     result = cli("perturb", data, "--eps", "1", "--out", tmp_path / "o.npy", "--ledger",
                  tmp_path / "o.npy.manifest.json")
     assert result.exit_code == 2 and not (tmp_path / "o.npy").exists()
+
+
+def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
+    """The release is recorded as pending before the output's folders are set up; a run
+    refused there (a live run holds the Zarr output) must take its record back."""
+    import zarr
+
+    from tldp_cli.resume import Partial
+
+    store = tmp_path / "raw" / "s.zarr"
+    store.parent.mkdir()
+    zarr.create_array(store, shape=DATA.shape, dtype="uint8", chunks=(10, 8, 8), zarr_format=3)[:] = DATA
+    out = tmp_path / "o.zarr"
+    live = Partial(out, {}, resume=False)  # another run writing the same output
+    try:
+        result = cli("perturb", store, "--eps", "1", "--out", out, "--ledger", tmp_path / "raw" / "ledger.db")
+        assert result.exit_code == 1 and "another tldp run is writing it" in result.stderr
+    finally:
+        live.remove()
+    assert listing(cli, tmp_path / "raw" / "ledger.db")["datasets"] == []

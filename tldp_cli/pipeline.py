@@ -427,6 +427,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         tmp_name_map = staging.temporary(name_map) if name_map else None
     except BaseException:
         staging.discard()
+        _abandon(release)
         raise
     notes = staging.notes + notes
     try:
@@ -493,9 +494,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         staging.commit(options.overwrite)
     except BaseException as exc:
         staging.discard()
-        if release:
-            ledger.abandon(release.db, release.id)
-            release.db.close()
+        _abandon(release)
         if partial is None:
             raise
         _keep_or_remove(partial, exc)
@@ -511,8 +510,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
-    if weights_warning(options.weights, weights_info):
-        messages.append(weights_warning(options.weights, weights_info))
+    warning = weights_warning(options.weights, weights_info)
+    if warning:
+        messages.append(warning)
     if options.seed is not None:
         messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
@@ -623,6 +623,13 @@ def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJ
     return _Release(db, release_id, total)
 
 
+def _abandon(release: _Release | None) -> None:
+    """The run failed before its output was in place: its pending release goes."""
+    if release:
+        ledger.abandon(release.db, release.id)
+        release.db.close()
+
+
 def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
                    streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
@@ -676,8 +683,7 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 # PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
 _NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
                  "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
-                 "seed_file",
-                 "name_map"}
+                 "seed_file", "name_map"}
 _OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
 
 
