@@ -21,8 +21,8 @@ import numpy as np
 from tldp_cli import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob
-from tldp_cli.mechanisms import Calibration, check_parameters, sampled_noise
-from tldp_cli.pipeline import PerturbOptions, plan, validate_block
+from tldp_cli.mechanisms import Calibration
+from tldp_cli.pipeline import PerturbOptions, checked_options, plan, validate_block
 from tldp_cli.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]
@@ -66,13 +66,12 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         raise UsageError(f"perturb_array needs records along axis 0, not an array of shape {values.shape}")
     if values.dtype.kind not in "iuf":
         raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
-    check_parameters(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps, dp_delta=dp_delta)
-    options = PerturbOptions(
-        input=Path(ARRAY_NAME), epsilon=eps, noise=sampled_noise(noise, sampler, mechanism),
+    options = checked_options(PerturbOptions(
+        input=Path(ARRAY_NAME), epsilon=eps, noise=noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=None if value_range is None else (float(value_range[0]), float(value_range[1])),
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
-        granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release)
+        granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release))
     job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
                    read=lambda start, stop: values[start:stop],
                    source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})

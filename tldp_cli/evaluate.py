@@ -1072,11 +1072,7 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir}: exists and is not a folder")
     targets = [out_dir / name for name in SWEEP_FILES]
-    if not overwrite:
-        existing = [str(t) for t in targets if t.exists()]
-        if existing:
-            raise OutputError(f"{existing[0]}: exists; pass --overwrite to replace it")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)  # output.write_files refuses existing files
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, lineterminator="\n")
     writer.writeheader()

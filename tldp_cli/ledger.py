@@ -123,7 +123,7 @@ def compose_records(scopes: list[dict[str, Any]], dp_delta: float) -> tuple[floa
     rho = sum(s["rho"] for s in scopes)
     kept = sum(s.get("point_mass_delta") or 0.0 for s in scopes)
     by_rho = (accounting.discrete_gaussian_rdp_epsilon(rho, dp_delta), min(1.0, dp_delta + kept))
-    return by_rho if by_rho[0] < basic[0] and by_rho[1] <= max(basic[1], by_rho[1]) else basic
+    return by_rho if by_rho[0] < basic[0] else basic
 
 
 def begin(db: sqlite3.Connection, data: str, figures: dict[str, Any], *, input: str, output: str,

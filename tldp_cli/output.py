@@ -71,11 +71,19 @@ def _resolve(path: Path, what: str) -> Path:
         raise OutputError(f"{path}: {what} path cannot be resolved ({exc})") from None
 
 
-def check_input(path: Path) -> None:
-    """Refuses inputs that are not a regular file or folder (FIFOs, devices, /dev/stdin)."""
+def _special_root(path: Path) -> str | None:
+    """"dev", "proc" or "sys" for a path under one of them; None otherwise."""
     absolute = Path(os.path.abspath(path))
     if any(absolute == root or root in absolute.parents for root in _SPECIAL_ROOTS):
-        raise InputError(f"{path}: tldp reads regular files and folders, not {absolute.parts[1]}/ "
+        return absolute.parts[1]
+    return None
+
+
+def check_input(path: Path) -> None:
+    """Refuses inputs that are not a regular file or folder (FIFOs, devices, /dev/stdin)."""
+    special = _special_root(path)
+    if special:
+        raise InputError(f"{path}: tldp reads regular files and folders, not {special}/ "
                          "entries; save the data to a file first")
     try:
         mode = path.stat().st_mode
@@ -89,8 +97,8 @@ def check_input(path: Path) -> None:
 
 
 def _names_folder(text: str) -> bool:
-    return text.endswith(os.sep) or text.endswith("/") or Path(text).name in ("", ".", "..") \
-        or text in (".", "..")
+    """`dir/`, `.`, `..`: a folder to write into, whatever exists."""
+    return text.endswith((os.sep, "/")) or Path(text).name in ("", "..")
 
 
 def destination(out: Path | None, out_text: str | None, default: Path, format_name: str) -> Path:
@@ -163,9 +171,9 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
                          "holds the input")
     if store is not None and final == store:
         raise UsageError(f"{path}: the {what} would replace the Zarr store that holds the input")
-    absolute = Path(os.path.abspath(path))
-    if any(absolute == root or root in absolute.parents for root in _SPECIAL_ROOTS):
-        raise UsageError(f"{path}: tldp writes regular files and folders, not {absolute.parts[1]}/ entries")
+    special = _special_root(path)
+    if special:
+        raise UsageError(f"{path}: tldp writes regular files and folders, not {special}/ entries")
     if not os.path.lexists(path):
         return
     mode = path.lstat().st_mode
@@ -229,18 +237,18 @@ def shown(path: Path) -> Path:
 
 # --- Work folders and their locks --------------------------------------------------------
 
-def _lock(fd: int) -> bool:
-    """Takes an exclusive lock without waiting: True if taken, False if someone holds it;
-    True also where the filesystem has no locks (nothing better can be known)."""
+# What flock raises on a filesystem without locks: such a lock is taken as held, since
+# nothing better can be known.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
+
+
+def _lock(fd: int, wait: bool) -> None:
+    """Takes an exclusive lock on `fd` (BlockingIOError if someone holds it and not `wait`)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
-            return True
-        raise
-    return True
+        if isinstance(exc, BlockingIOError) or exc.errno not in _NO_LOCKS:
+            raise
 
 
 def _take_dead(folder: Path, new: bool) -> int | None:
@@ -337,11 +345,7 @@ def _parents_locked(finals: list[Path]):
         for folder in sorted({_resolve(final.parent, "output") for final in finals}):
             fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             fds.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
-                    raise
+            _lock(fd, wait=True)
         yield
     finally:
         for fd in fds:
@@ -362,7 +366,7 @@ class WorkFolder:
         self._lock_fd: int | None = None
         try:
             self._lock_fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            _lock(self._lock_fd)
+            _lock(self._lock_fd, wait=False)  # a new file: nobody else holds it
             self.path = final.with_name(f".{final.name}{WORK_MARK}{token}")
             os.rename(new, self.path)
         except BaseException:
