@@ -30,10 +30,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # benchmark this checkout, installed or not
 
-from tldp_cli import engine, output, pipeline  # noqa: E402
+from tldp_cli.sampling import engine
+from tldp_cli.files import output
+from tldp_cli.run import pipeline  # noqa: E402
 from tldp_cli.formats import ArrayJob  # noqa: E402
-from tldp_cli.mechanisms import calibrate  # noqa: E402
-from tldp_cli.rng import Streams  # noqa: E402
+from tldp_cli.privacy.mechanisms import calibrate  # noqa: E402
+from tldp_cli.sampling.rng import Streams  # noqa: E402
 
 RECORD_SHAPE = (28, 28)  # MNIST-like records: 784 uint8 elements
 ELEMENTS = 784
@@ -59,7 +61,8 @@ import json, os, resource, sys, time
 from pathlib import Path
 args = json.loads(sys.argv[1])
 import numpy as np
-from tldp_cli import formats, pipeline
+from tldp_cli import formats
+from tldp_cli.run import pipeline
 from tldp_cli.formats import FormatOptions
 
 def status_kib(field):
@@ -80,7 +83,7 @@ if args["kind"] == "perturb":
     pipeline.perturb(pipeline.PerturbOptions(input=src, epsilon=args["epsilon"], out=out,
                                              workers=args["workers"], rng=args["rng"]))
 else:  # the pipeline's reader, blocks, threads, writer and output hashes, a cast for the noise
-    from tldp_cli.manifest import sha256_file
+    from tldp_cli.run.manifest import sha256_file
     module = formats.detect(src)
     options = FormatOptions()
     reader = module.open_reader(src, options)

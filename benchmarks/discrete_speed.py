@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from tldp_cli.discrete import DiscreteGaussian, DiscreteLaplace
-from tldp_cli.rng import STREAM_UNIT_ELEMENTS, Streams
+from tldp_cli.sampling.discrete import DiscreteGaussian, DiscreteLaplace
+from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS, Streams
 
 
 def rate(sampler, streams: Streams, units: int) -> float:

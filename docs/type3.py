@@ -27,9 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tldp_cli import mechanisms  # noqa: E402
-from tldp_cli.model_params import calibrate_tensors, certify_tensors, perturb_tensors  # noqa: E402
-from tldp_cli.rng import Streams  # noqa: E402
+from tldp_cli.privacy import mechanisms  # noqa: E402
+from tldp_cli.run.model_params import calibrate_tensors, certify_tensors, perturb_tensors  # noqa: E402
+from tldp_cli.sampling.rng import Streams  # noqa: E402
 
 CLIENTS = 3
 ROUNDS = 10

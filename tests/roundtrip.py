@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import SEED, Cli, siblings, tree_digest
-from tldp_cli.manifest import sha256_file
+from tldp_cli.run.manifest import sha256_file
 
 
 class RoundTrip:

@@ -14,8 +14,9 @@ from tests.builders import (
     exact_epsilon,
     mixture_loss_atoms,
 )
-from tldp_cli import accounting, discrete
-from tldp_cli.mechanisms import calibrate
+from tldp_cli.privacy import accounting
+from tldp_cli.sampling import discrete
+from tldp_cli.privacy.mechanisms import calibrate
 
 
 def _run(cli, *args):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import SEED, siblings, tree_digest
-from tldp_cli import accounting
-from tldp_cli.manifest import sha256_file
-from tldp_cli.mechanisms import calibrate
+from tldp_cli.privacy import accounting
+from tldp_cli.run.manifest import sha256_file
+from tldp_cli.privacy.mechanisms import calibrate
 from tests.builders import assert_one_line_error
 
 

@@ -14,7 +14,7 @@ import zarr
 from tests.conftest import SEED
 from tests.builders import DATA, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli.errors import InputError
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 pytestmark = pytest.mark.dask
 
@@ -144,7 +144,7 @@ def test_address_usage_errors(cli, tmp_path, args, words):
 
 
 def test_paths_the_workers_cannot_see_are_named(tmp_path, cluster):
-    from tldp_cli import dask_runner
+    from tldp_cli.run import dask_runner
 
     with distributed.Client(cluster.scheduler_address, set_as_default=False) as client:
         assert dask_runner.check_visible(client, [str(tmp_path)]) is None
@@ -153,8 +153,8 @@ def test_paths_the_workers_cannot_see_are_named(tmp_path, cluster):
 
 
 def test_the_task_shows_neither_seed_nor_key():
-    from tldp_cli.pipeline import BlockTask
-    from tldp_cli.rng import Streams
+    from tldp_cli.run.pipeline import BlockTask
+    from tldp_cli.sampling.rng import Streams
 
     streams = Streams("secure", SEED)
     task = BlockTask(calibrations={}, streams=streams, masks={}, lo=0.0, hi=1.0, clip_input=False,

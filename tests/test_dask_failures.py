@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import siblings
-from tldp_cli import dask_runner
+from tldp_cli.run import dask_runner
 from tldp_cli.errors import InputError
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 pytestmark = pytest.mark.dask
 
@@ -48,7 +48,8 @@ def test_a_cluster_without_workers_fails_naming_it(tmp_path):
         address = empty.scheduler_address
         script = textwrap.dedent(f"""
             import sys
-            from tldp_cli import cli, dask_runner
+            from tldp_cli import cli
+            from tldp_cli.run import dask_runner
             dask_runner.WORKER_WAIT_SECONDS = 0.5
             sys.argv = ["tldp", "perturb", {str(src)!r}, "--eps", "1", "--range", "0:1", {CONSENT!r},
                         "--scheduler", "dask", "--dask-address", {address!r}]

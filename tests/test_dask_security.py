@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.builders import make_npy
-from tldp_cli import dask_runner
+from tldp_cli.run import dask_runner
 from tldp_cli.errors import UsageError
 
 distributed = pytest.importorskip("distributed")

@@ -17,10 +17,11 @@ from scipy import stats
 
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
-from tldp_cli import accounting, discrete, engine
+from tldp_cli.privacy import accounting
+from tldp_cli.sampling import discrete, engine
 from tldp_cli.errors import DataError, UsageError
-from tldp_cli.mechanisms import calibrate
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.rng import Streams
 from tests.builders import composed_losses, exact_delta, exact_epsilon, mixture_loss_atoms
 
 ALPHA = 1e-4  # a correct sampler fails a test with this probability
@@ -173,7 +174,7 @@ def test_integer_output_never_wraps():
     with pytest.raises(UsageError, match="int64"):
         discrete.output_dtype(discrete.Grid(None, -2**40, 2**40), "discrete-laplace", 2.0**60, "f")
     # saturation, not wrap-around, should a value ever pass the tail bound
-    np.testing.assert_array_equal(discrete._to_output(np.array([40_000, -40_000, 7]), None, np.dtype(np.int16)),
+    np.testing.assert_array_equal(engine._to_output(np.array([40_000, -40_000, 7]), None, np.dtype(np.int16)),
                                   [32767, -32768, 7])
     # extreme inputs: the ends of uint8 and int8, noise of both signs around them
     calib = cal(epsilon=0.5, elements=6)

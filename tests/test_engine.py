@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tldp_cli import engine
-from tldp_cli.engine import DENSE_RETAIN_P, perturb_records
-from tldp_cli.mechanisms import calibrate
-from tldp_cli.rng import Streams
+from tldp_cli.sampling import engine
+from tldp_cli.sampling.engine import DENSE_RETAIN_P, perturb_records
+from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.rng import Streams
 
 
 def cal(**kw):

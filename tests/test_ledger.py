@@ -142,7 +142,7 @@ def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
     refused there (a live run holds the Zarr output) must take its record back."""
     import zarr
 
-    from tldp_cli.resume import Partial
+    from tldp_cli.run.resume import Partial
 
     store = tmp_path / "raw" / "s.zarr"
     store.parent.mkdir()

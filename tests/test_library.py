@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import tldp_cli
-from tldp_cli import engine
-from tldp_cli.mechanisms import calibrate
-from tldp_cli.rng import Streams
+from tldp_cli.sampling import engine
+from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.rng import Streams
 
 SEED = "5eed" * 8
 BATCH = np.random.default_rng(3).integers(0, 256, (40, 8, 8), dtype=np.uint8)

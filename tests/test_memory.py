@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import zarr
 
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tldp_cli.pipeline import PerturbOptions, perturb
+    from tldp_cli.run.pipeline import PerturbOptions, perturb
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     perturb(PerturbOptions(input=src, epsilon=1.0, out=out, rng="fast", seed=1, allow_weak_seed=True, workers=2,
                            block_elements=1 << 18))

@@ -19,11 +19,12 @@ from scipy import stats
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
 from tests.builders import analytic_gaussian_delta
-from tldp_cli import accounting, model_params
+from tldp_cli.privacy import accounting
+from tldp_cli.run import model_params
 from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, detect, npz, safetensors_file, tensor_files
-from tldp_cli.mechanisms import calibrate
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.rng import Streams
 from tests.builders import read_safetensors, write_safetensors
 
 RNG = np.random.default_rng(11)

@@ -13,11 +13,11 @@ from scipy.special import gammaln
 
 from tests.conftest import siblings, tree_digest
 from tests.builders import analytic_gaussian_delta
-from tldp_cli import accounting, mvg_idn
-from tldp_cli.engine import perturb_records
+from tldp_cli.privacy import accounting, mvg_idn
+from tldp_cli.sampling.engine import perturb_records
 from tldp_cli.errors import UsageError
-from tldp_cli.mechanisms import calibrate
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.rng import Streams
 
 DELTA = 1e-5
 Z_TOL = 5.0  # standard errors: a correct sigma fails with probability ~6e-7

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tldp_cli.formats import FormatOptions, npy
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 
 def sha256(path):

@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 from tests.conftest import siblings, tree_digest
-from tldp_cli import output
+from tldp_cli.files import output
 from tldp_cli.errors import OutputError
 
 DATA = np.random.default_rng(0).integers(0, 256, (50, 8, 8), dtype=np.uint8)
@@ -231,7 +231,7 @@ def test_of_concurrent_runs_exactly_one_wins(tmp_path):
 KILLED_RUN = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from tldp_cli import output
+    from tldp_cli.files import output
     staging = output.Staging()
     staging.temporary(Path(sys.argv[1])).write_text("half written")
     os._exit(0)  # as SIGKILL would: no clean-up
@@ -283,7 +283,7 @@ def test_a_killed_process_really_releases_its_lock(tmp_path):
 HALF_COMMITTED = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from tldp_cli import output
+    from tldp_cli.files import output
     out, manifest = Path(sys.argv[1]), Path(sys.argv[2])
     staging = output.Staging()
     staging.temporary(out).write_text("new output")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SEED
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tests.builders import DATA, make_hdf5, make_images, make_npy, make_zarr
 
 

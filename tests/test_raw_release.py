@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import siblings
-from tldp_cli import accounting
-from tldp_cli.mechanisms import calibrate
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import calibrate
 
 
 @pytest.fixture

@@ -15,10 +15,11 @@ import zarr
 
 from tests.conftest import SEED, siblings
 from tests.builders import DATA, make_hdf5, make_images, make_npy
-from tldp_cli import __version__, rng
+from tldp_cli import __version__
+from tldp_cli.sampling import rng
 from tldp_cli.errors import Interrupted, OutputError, UsageError
-from tldp_cli.pipeline import PerturbOptions, perturb
-from tldp_cli.resume import partial_path
+from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.run.resume import partial_path
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -114,7 +115,7 @@ def test_killed_run_resumes(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from tldp_cli.pipeline import PerturbOptions, perturb
+        from tldp_cli.run.pipeline import PerturbOptions, perturb
         seen = []
         def progress(done, total):
             seen.append(done)
@@ -140,13 +141,13 @@ def test_sigterm_through_the_cli_then_resume(cli, tmp_path):
             "--block-elements", str(BLOCK), "--workers", "1"]
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from tldp_cli import cli
+        import tldp_cli.cli as cli
         calls = []
         def advance(done, total):
             calls.append(done)
             if len(calls) == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
-        cli._progress_bar = lambda quiet, unit: (advance, lambda: None)
+        cli.perturb.progress_bar = lambda quiet, unit: (advance, lambda: None)
         sys.argv = ["tldp", *{args!r}]
         cli.main()
     """)

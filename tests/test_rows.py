@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import zarr
 
-from tldp_cli import accounting
-from tldp_cli.mechanisms import calibrate
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import calibrate
 
 RNG = np.random.default_rng(4)
 IMAGES = RNG.integers(0, 256, (20, 8, 8), dtype=np.uint8)

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import SEED, siblings
 from tldp_cli.errors import UsageError
-from tldp_cli.pipeline import PerturbOptions, perturb
-from tldp_cli.rng import Streams
+from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.sampling.rng import Streams
 
 # --mechanism baseline keeps no raw value: these tests are about the seed alone.
 PERTURB = ("--eps", "1", "--range", "0:1", "--mechanism", "baseline")

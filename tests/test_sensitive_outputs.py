@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import SEED, siblings, tree_digest
-from tldp_cli.manifest import sha256_file
+from tldp_cli.run.manifest import sha256_file
 
 RNG = np.random.default_rng(6)
 SENSITIVE = "computed from the raw data: keep it with the raw data, never with the release"

@@ -12,7 +12,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
 from tldp_cli.formats import FormatOptions, zarr_store
-from tldp_cli.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

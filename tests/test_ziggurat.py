@@ -10,8 +10,8 @@ import pytest
 from randomgen import AESCounter
 from scipy import special, stats
 
-from tldp_cli import ziggurat
-from tldp_cli.ziggurat import LAYERS, R, V, K, X
+from tldp_cli.sampling import ziggurat
+from tldp_cli.sampling.ziggurat import LAYERS, R, V, K, X
 
 ALPHA = 1e-3  # a correct sampler fails a test with about this probability
 N = 1 << 22

@@ -48,11 +48,12 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli import accounting, engine
-from tldp_cli.discrete import is_discrete
+from tldp_cli.privacy import accounting
+from tldp_cli.sampling import engine
+from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.errors import UsageError
-from tldp_cli.mechanisms import Calibration, calibrate, matrix_rows, sampled_noise
-from tldp_cli.rng import Streams, records_per_unit
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, matrix_rows, sampled_noise
+from tldp_cli.sampling.rng import Streams, records_per_unit
 
 SCOPES = ("element", "record")
 DEFAULT_SAMPLES = 1_000_000
@@ -431,7 +432,7 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
     --noise discrete-*: integer data (an integer range) unless `granularity` G, float data
     snapped to multiples of G. `sampler` float: the continuous samplers.
     """
-    from tldp_cli import discrete
+    from tldp_cli.sampling import discrete
 
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     if dtype not in ("float32", "float64"):

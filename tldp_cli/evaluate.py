@@ -36,12 +36,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import __version__, accounting, discrete, engine, formats, output
-from tldp_cli import manifest as manifest_mod
+from tldp_cli import __version__, formats
+from tldp_cli.privacy import accounting
+from tldp_cli.sampling import discrete, engine
+from tldp_cli.files import output
+from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
-from tldp_cli.mechanisms import Calibration, calibrate, calibrate_arrays, matrix_rows
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_arrays, matrix_rows
+from tldp_cli.sampling.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
 SWEEP_SCHEMA = "tldp-sweep/1"
@@ -142,7 +145,7 @@ def _noise_moments(noise: str, scale: float) -> tuple[float, float, float]:
     """E z^2, E z^4 and the density at 0 of one noise draw (discrete noises: P(z = 0),
     moments from the exact pmf)."""
     if noise.startswith("discrete-"):
-        from tldp_cli.discrete import moments, noise_pmf
+        from tldp_cli.sampling.discrete import moments, noise_pmf
 
         return (*moments(noise, scale), float(noise_pmf(noise, scale, 0)))
     if noise == "laplace":
@@ -569,7 +572,7 @@ def _chi_square_check(stats: _NoiseStats, groups: dict[float, np.ndarray], out: 
     --budget record or the baselines get different scales), each against its own exact pmf;
     the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
     is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
-    from tldp_cli.discrete import chi_square
+    from tldp_cli.sampling.discrete import chi_square
 
     granularity = getattr(stats, "granularity", None) or 1.0
     results = []
@@ -992,8 +995,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
-    from tldp_cli.pipeline import resolve_range
-    from tldp_cli.weights import load_mask
+    from tldp_cli.run.pipeline import resolve_range
+    from tldp_cli.run.masks import load_mask
 
     original = Path(original)
     task = [labels, test, test_labels]

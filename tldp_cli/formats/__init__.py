@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tldp_cli import output
+from tldp_cli.files import output
 from tldp_cli.errors import InputError, UsageError
 
 

@@ -77,8 +77,8 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
-from tldp_cli.formats.checked_io import pwrite_all, write_error, writing
-from tldp_cli.output import shown
+from tldp_cli.files.checked_io import pwrite_all, write_error, writing
+from tldp_cli.files.output import shown
 
 NAME = "hdf5"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"

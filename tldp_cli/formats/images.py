@@ -36,10 +36,11 @@ import numpy as np
 import tifffile
 from PIL import ExifTags, Image, ImageOps
 
-from tldp_cli import __version__, output
+from tldp_cli import __version__
+from tldp_cli.files import output
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
-from tldp_cli.formats.checked_io import copy_bytes, writing
+from tldp_cli.files.checked_io import copy_bytes, writing
 
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")

@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.engine import PAGE, page_aligned_empty
+from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, tldp_name
-from tldp_cli.formats.checked_io import fsync_file, pwrite_all, writing
+from tldp_cli.files.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
 MAGIC = b"\x93NUMPY"

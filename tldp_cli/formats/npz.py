@@ -22,7 +22,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
-from tldp_cli.formats.checked_io import copy_bytes, writing
+from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"

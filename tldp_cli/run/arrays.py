@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli import engine
+from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob
-from tldp_cli.mechanisms import Calibration
-from tldp_cli.pipeline import PerturbOptions, checked_options, plan, validate_block
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
+from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]
 

@@ -26,11 +26,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli import accounting, dask_runner, discrete, engine, formats, ledger, output, resume
-from tldp_cli import manifest as manifest_mod
+from tldp_cli.privacy import accounting
+from tldp_cli.run import dask_runner, ledger, resume
+from tldp_cli.sampling import discrete, engine
+from tldp_cli import formats
+from tldp_cli.files import output
+from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.mechanisms import (
+from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     Calibration,
     calibrate_arrays,
@@ -39,13 +43,14 @@ from tldp_cli.mechanisms import (
     raw_release_advice,
     sampled_noise,
 )
-from tldp_cli.rng import Streams, check_seed, records_per_unit
-from tldp_cli.weights import DEFAULT_RANGE_BITS, Mask, load_masks, weights_warning
+from tldp_cli.sampling.rng import Streams, check_seed, records_per_unit
+from tldp_cli.run.masks import Mask, load_masks, weights_warning
 
 # Records per block are chosen so a block holds about this many elements: 8 MB of
 # float32 output, small enough that the blocks in flight and Zarr's encoding copies of
 # them stay well inside a few hundred MB, large enough that per-block costs vanish.
 BLOCK_ELEMENTS = 1 << 21
+DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
 Progress = Callable[[int, int], None]  # (records just finished, total records)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from tldp_cli import accounting
+from tldp_cli.privacy import accounting
 from tldp_cli.errors import InputError, TldpError, UsageError
 
 SCHEMA_VERSION = 1

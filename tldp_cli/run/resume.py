@@ -29,7 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tldp_cli import __version__, rng
+from tldp_cli import __version__
+from tldp_cli.sampling import rng
 from tldp_cli.errors import OutputError, UsageError
 
 JOURNAL_VERSION = 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.mechanisms import Calibration
+from tldp_cli.privacy.mechanisms import Calibration
 
 SCHEMA = "tldp-manifest/1"
 

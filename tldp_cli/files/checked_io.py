@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from tldp_cli.errors import InputError, WriteError
-from tldp_cli.output import shown
+from tldp_cli.files.output import shown
 
 
 def write_error(path: Path, cause: OSError) -> WriteError:

@@ -46,9 +46,8 @@ from fractions import Fraction
 import numpy as np
 
 from tldp_cli.errors import DataError, UsageError
-from tldp_cli.rng import Streams, records_per_unit
+from tldp_cli.privacy.types import DISCRETE_NOISES, is_discrete  # noqa: F401 (discrete.is_discrete)
 
-DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
 BITS = 63  # uniform bits inverted per 64-bit word (the lowest bit is the sign)
 TABLE_MAX = 1 << 16  # entries of one inversion table, and the base of the digit split
 TAIL_BITS = 16  # a top-level table covers all but 2^-16 of the mass
@@ -58,10 +57,6 @@ ACCEPT_MARGIN = 2.0**-40  # discrete Gaussian acceptance: float decisions only o
 CHUNK = 1 << 14
 _FIXED = 192  # bits of the fixed-point arithmetic that proves the table entries
 _LN2 = math.log(2)
-
-
-def is_discrete(noise: str) -> bool:
-    return noise in DISCRETE_NOISES
 
 
 # --------------------------------------------------------------------------- exact reals
@@ -531,47 +526,6 @@ def snap(values: np.ndarray, granularity: float | None, grid: Grid | None = None
     if not np.array_equal(grid, values):
         raise DataError("discrete noise without a granularity needs integer values")
     return grid.astype(np.int64)
-
-
-def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype) -> np.ndarray:
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return np.clip(values, info.min, info.max).astype(dtype)
-    return (values * (1.0 if granularity is None else granularity)).astype(dtype)
-
-
-def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib, streams: Streams,
-                    weights: np.ndarray | None = None, dtype: np.dtype | type | None = None,
-                    grid: Grid | None = None) -> np.ndarray:
-    """engine.perturb_records for the discrete noises: the same stream units, and in each the
-    noise of the whole unit first, then the retain decisions. The output is in `dtype`
-    (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
-    the run's grid, into which snapped float values are clipped (see snap)."""
-    from tldp_cli.engine import zero_kept  # engine hands discrete noises to this module
-
-    dtype = np.dtype(np.int64 if dtype is None else dtype)
-    granularity = getattr(calib, "granularity", None)
-    n = block.shape[0]
-    elements = calib.elements
-    out = snap(block.reshape(n, elements), granularity, grid)
-    if n == 0:
-        return _to_output(out, granularity, dtype).reshape(block.shape)
-    per_unit = records_per_unit(elements)
-    noise_sampler = sampler(calib.noise, calib.scale)
-    # Rounded down, so the realised retain probability never exceeds the certified one.
-    p_keep = math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0
-    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
-        rng = streams.generator(array_name, unit)
-        unit_start = unit * per_unit
-        noise = noise_sampler.sample(rng, per_unit * elements).reshape(per_unit, elements)
-        positions = retain_mask(rng, p_keep, per_unit * elements)
-        thinning = rng.random(positions.size)
-
-        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
-        zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
-                  unit_start - first_record)
-        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
-    return _to_output(out, granularity, dtype).reshape(block.shape)
 
 
 # --------------------------------------------------------------------------- distributions

@@ -22,10 +22,10 @@ calibration), `certify_all` (records of several sizes: the worst case over them)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from tldp_cli.mechanisms import Calibration
+from tldp_cli.privacy import mvg_idn
+from tldp_cli.privacy.types import Calibration
 
 LN10 = math.log(10)
 # What a manifest says of figures computed for float-sampled (continuous) noise.
@@ -149,7 +149,7 @@ def noise_delta(target: float, pm_delta: float) -> tuple[float, float]:
     return target, min(1.0, target + pm_delta)
 
 
-def scope_epsilon(calib: "Calibration", count: int) -> float:
+def scope_epsilon(calib: Calibration, count: int) -> float:
     """The `epsilon` of `count` elements' scope (certify's per_record for count = I), alone:
     what --budget record calibrates to, without running the approx accountants."""
     if calib.noise == "laplace":
@@ -173,7 +173,7 @@ def raw_release_scopes(certified: dict[str, Any]) -> list[tuple[str, float]]:
             if certified[name]["point_mass_delta"] > certified["dp_delta"]]
 
 
-def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
+def _scope(calib: Calibration, count: int) -> dict[str, Any]:
     """Guarantee of `count` elements perturbed together (1: an element; I: a record)."""
     if calib.noise.startswith("discrete-"):
         return _discrete_scope(calib, count)
@@ -198,14 +198,13 @@ def _scope(calib: "Calibration", count: int) -> dict[str, Any]:
     }
 
 
-def designed_guarantee(calib: "Calibration") -> dict[str, Any] | None:
+def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
     """MVG, IDN: the (eps, delta) per record that the mechanism's design gives its sigma.
 
     The calibration formulas of mvg_idn solved for eps (--eps itself under the element
     budget): MVG, P = sqrt(I)/sigma^2 and eps = (alpha P + beta sqrt(P))/2; IDN,
     u = s2/sigma and eps = u^2/2 + zeta u. Both hold at delta = dp_delta.
     """
-    from tldp_cli import mvg_idn
 
     I, D, sigma, delta = calib.elements, calib.range_width, calib.scale, calib.dp_delta
     if calib.mechanism == "mvg":
@@ -225,7 +224,7 @@ def designed_guarantee(calib: "Calibration") -> dict[str, Any] | None:
     return None
 
 
-def certify(calib: "Calibration") -> dict[str, Any]:
+def certify(calib: Calibration) -> dict[str, Any]:
     notes = discrete_notes(calib) if calib.noise.startswith("discrete-") else []
     if calib.log_p != -math.inf and calib.noise != "discrete-laplace":
         notes.append(
@@ -279,8 +278,8 @@ def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def certify_all(calibrations: list["Calibration"],
-                records: list[list["Calibration"]] | None = None) -> dict[str, Any]:
+def certify_all(calibrations: list[Calibration],
+                records: list[list[Calibration]] | None = None) -> dict[str, Any]:
     """`certify` for a run whose records have several calibrations (records of different
     sizes: images, the arrays of an HDF5 or Zarr group, the tensors of a model file).
 
@@ -304,7 +303,7 @@ def certify_all(calibrations: list["Calibration"],
     return result
 
 
-def _certify_each(calibrations: list["Calibration"]) -> dict[str, Any]:
+def _certify_each(calibrations: list[Calibration]) -> dict[str, Any]:
     distinct = list(dict.fromkeys(calibrations))
     if not distinct:
         raise ValueError("certify_all needs at least one calibration")
@@ -377,7 +376,7 @@ def composed_point_mass_delta(items: list[tuple[float, int]]) -> tuple[float, fl
     return delta, (top + math.log(sum(math.exp(t - top) for t in terms))) / LN10
 
 
-def compose(parts: list[tuple["Calibration", int]]) -> dict[str, Any]:
+def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
     """Guarantee of several records released together: all the tensors of a model file,
     all the records of a file, every round of a training run.
 
@@ -470,7 +469,7 @@ def _union_delta(items: list[tuple[float, float | None, int]]) -> tuple[float, f
     return delta, top + math.log10(sum(10 ** (lg - top) for lg in logs))
 
 
-def certify_file(arrays: list[tuple[str, "Calibration", int]], *, per_tensor: bool = False) -> dict[str, Any]:
+def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool = False) -> dict[str, Any]:
     """Figures for everything one run released: `arrays` holds (name, calibration,
     records) per array. Returns {"per_file": ...} (compose over every record) and, with
     per_tensor (model files: each tensor is one record), {"per_tensor": [...]} with
@@ -480,7 +479,7 @@ def certify_file(arrays: list[tuple[str, "Calibration", int]], *, per_tensor: bo
                     elements=sum(n * c.elements for _, c, n in arrays))
     result: dict[str, Any] = {"per_file": per_file}
     if per_tensor:
-        scopes: dict["Calibration", dict[str, Any]] = {}
+        scopes: dict[Calibration, dict[str, Any]] = {}
         entries = []
         for name, calib, _ in arrays:
             if calib not in scopes:
@@ -710,7 +709,7 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
     return float(min(bounds))
 
 
-def _discrete_scope(calib: "Calibration", count: int) -> dict[str, Any]:
+def _discrete_scope(calib: Calibration, count: int) -> dict[str, Any]:
     d, scale, target = calib.grid_values - 1, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
         approx = discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target)
@@ -730,7 +729,7 @@ def _discrete_scope(calib: "Calibration", count: int) -> dict[str, Any]:
     }
 
 
-def discrete_notes(calib: "Calibration") -> list[str]:
+def discrete_notes(calib: Calibration) -> list[str]:
     grid = ("the integers" if calib.granularity is None
             else f"the grid {calib.granularity:g}*Z (input rounded to it; one more grid value in the range)")
     notes = [f"Discrete noise on {grid}: W = {calib.grid_values} values, sensitivity W-1 = "

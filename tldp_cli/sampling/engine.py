@@ -15,13 +15,14 @@ without replacement, and each candidate is then kept with probability (1 - w)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from tldp_cli import discrete, ziggurat
-from tldp_cli.discrete import DISCRETE_NOISES
+from tldp_cli.sampling import discrete, ziggurat
 from tldp_cli.errors import UsageError
-from tldp_cli.mechanisms import Calibration
-from tldp_cli.rng import Streams, records_per_unit
+from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
+from tldp_cli.sampling.rng import Streams, records_per_unit
 
 # Output blocks start at a page boundary, so a writer can hand whole pages of them to
 # the disk with direct I/O (formats/npy.py) without copying them first.
@@ -119,13 +120,12 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
 
     `weights`: None, one mask of I values for every record, or an (n, I) array with one
     mask per record of the block; values in [0, 1] (validated by the caller).
-    Discrete noises go to discrete.perturb_records (exact integer samplers; an integer
+    Discrete noises go to perturb_discrete (exact integer samplers; an integer
     dtype gets grid values, a float dtype G times them; `grid`, the run's grid, bounds the
     snapped values).
     """
     if calib.noise in DISCRETE_NOISES:
-        return discrete.perturb_records(block, first_record, array_name, calib, streams, weights, dtype,
-                                        grid)
+        return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid)
     dtype = np.dtype(dtype)
     check_noise_scale(calib.scale, dtype)
     n = block.shape[0]
@@ -151,3 +151,42 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         np.add(records[lo - first_record:hi - first_record], noise[lo - unit_start:hi - unit_start],
                out=out[lo - first_record:hi - first_record], dtype=dtype)
     return out.reshape(block.shape)
+
+
+def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype) -> np.ndarray:
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(values, info.min, info.max).astype(dtype)
+    return (values * (1.0 if granularity is None else granularity)).astype(dtype)
+
+
+def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
+                     streams: Streams, weights: np.ndarray | None = None,
+                     dtype: np.dtype | type | None = None, grid: discrete.Grid | None = None) -> np.ndarray:
+    """perturb_records for the discrete noises (exact integer samplers): the same stream units, and in each the
+    noise of the whole unit first, then the retain decisions. The output is in `dtype`
+    (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
+    the run's grid, into which snapped float values are clipped (see snap)."""
+    dtype = np.dtype(np.int64 if dtype is None else dtype)
+    granularity = getattr(calib, "granularity", None)
+    n = block.shape[0]
+    elements = calib.elements
+    out = discrete.snap(block.reshape(n, elements), granularity, grid)
+    if n == 0:
+        return _to_output(out, granularity, dtype).reshape(block.shape)
+    per_unit = records_per_unit(elements)
+    noise_sampler = discrete.sampler(calib.noise, calib.scale)
+    # Rounded down, so the realised retain probability never exceeds the certified one.
+    p_keep = math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0
+    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
+        rng = streams.generator(array_name, unit)
+        unit_start = unit * per_unit
+        noise = noise_sampler.sample(rng, per_unit * elements).reshape(per_unit, elements)
+        positions = discrete.retain_mask(rng, p_keep, per_unit * elements)
+        thinning = rng.random(positions.size)
+
+        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
+        zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
+                  unit_start - first_record)
+        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
+    return _to_output(out, granularity, dtype).reshape(block.shape)

@@ -17,7 +17,7 @@ import numpy as np
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.pipeline import PerturbOptions, build_manifest, checked_options, plan, row_groups
+from tldp_cli.run.pipeline import PerturbOptions, build_manifest, checked_options, plan, row_groups
 
 SCHEMA = "tldp-plan/1"
 DESCRIBED = "records"  # the name of a described (not read) array

@@ -19,10 +19,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from tldp_cli import accounting, engine
+from tldp_cli.privacy import accounting
+from tldp_cli.sampling import engine
 from tldp_cli.errors import UsageError
-from tldp_cli.mechanisms import Calibration, calibrate, matrix_rows
-from tldp_cli.rng import Streams
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, matrix_rows
+from tldp_cli.sampling.rng import Streams
 
 
 def calibrate_tensors(shapes: Mapping[str, tuple[int, ...]], *, epsilon: float, clip: float,

@@ -1,0 +1,222 @@
+"""`tldp perturb`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tldp_cli.cli.options import AllowWeakSeed, Budget, ImageFormat, Mechanism, Noise, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import default_noise
+from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
+from tldp_cli.cli.app import DEBUG_ENV, app, progress_bar, run, sigterm_interrupts
+
+
+@app.command("perturb", no_args_is_help=True)
+def perturb_command(
+    input: Annotated[Path, typer.Argument(
+        metavar="INPUT",
+        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
+             "file (.npz, .safetensors; each tensor is one record) (detected).",
+                                          show_default=False)],
+    eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).",
+                                       show_default=False)],
+    noise: Annotated[Optional[Noise], typer.Option(
+        help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
+             "other. With the default --sampler exact, laplace and gaussian are drawn as "
+             "discrete-laplace and discrete-gaussian: exact integer noise, free of "
+             "floating-point leaks; integer data stays integer, float data is snapped to a grid "
+             "(--granularity).", show_default=False)] = None,
+    sampler: Annotated[Sampler, typer.Option(
+        help="exact: noise whose figures hold for the bytes written (see --noise). float: "
+             "continuous noise computed in floating point, whose low-order bits leak the input; "
+             "its figures hold for the real-valued mechanism only (the manifest and summary "
+             "say so). mvg and idn need float.")] = Sampler.exact,
+    mechanism: Annotated[Mechanism, typer.Option(
+        help="tldp: keep each value with probability p, else add noise (paper, Algorithm 1). "
+             "baseline: noise on every element calibrated to the whole record. mvg: the "
+             "Matrix-Variate Gaussian mechanism with identity covariances (records unfolded "
+             "along their first axis); idn: Independent Directional Noise with W = identity; "
+             "both (eps, delta) at --dp-delta for the whole record.")] = Mechanism.tldp,
+    budget: Annotated[Budget, typer.Option(
+        help="element: the paper's calibration, --eps is what each element gets (a record of I "
+             "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
+             "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
+    value_range: Annotated[Optional[str], typer.Option(
+        "--range", metavar="LO:HI",
+        help="Declared value range. Required for float data and integers wider than 16 bits; "
+             "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
+             "inferred from the data.")] = None,
+    weights: Annotated[Optional[Path], typer.Option(
+        help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
+             "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
+             "of mask PNGs (see tldp weight-mask).")] = None,
+    out: Annotated[Optional[str], typer.Option(
+        metavar="PATH",
+        help="The output, in the input's format. Default: a sibling, digits.npy -> "
+             "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
+             "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
+             "under the default name.", show_default=False)] = None,
+    manifest: Annotated[Optional[Path], typer.Option(
+        help="Manifest path. Default: OUTPUT.manifest.json.")] = None,
+    seed: Annotated[Optional[str], typer.Option(
+        metavar="HEX",
+        help="Make the run reproducible with this seed: a secret key of at least 32 hex digits "
+             "(tldp seed makes one). Anyone who has it can remove the noise. It is never "
+             "written anywhere, but other users can read a command line: prefer --seed-file or "
+             "$TLDP_SEED (give one of the three). The same seed on another input of the same shape "
+             "gives the same noise: use a seed for one release only.", show_default=False)] = None,
+    seed_file: SeedFile = None,
+    allow_weak_seed: AllowWeakSeed = False,
+    rng: Annotated[RngKind, typer.Option(
+        help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
+             "from its output.")] = RngKind.secure,
+    dtype: Annotated[OutDtype, typer.Option(
+        help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
+             "comes out as the smallest signed integer type that cannot wrap; float data on "
+             "the grid in this dtype.")] = OutDtype.float32,
+    granularity: Annotated[Optional[float], typer.Option(
+        metavar="G",
+        help="Discrete noise on float data: snap values to multiples of G and add the noise in "
+             "steps of G (the range gains one step of sensitivity). Default: the largest power "
+             "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)] = None,
+    dp_delta: Annotated[float, typer.Option(
+        help="delta at which (epsilon, delta) figures are reported.")] = 1e-5,
+    dataset: Annotated[Optional[list[str]], typer.Option(
+        "--dataset", metavar="PATH",
+        help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
+             "dataset whose first axis matches the others'. Model files (.npz, .safetensors): a "
+             "tensor by name; default: every floating-point tensor. Unselected ones are copied "
+             "unchanged.")] = None,
+    image_format: Annotated[ImageFormat, typer.Option(
+        help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
+             "(float32, unclipped).")] = ImageFormat.png,
+    copy_other: Annotated[bool, typer.Option(
+        help="Image folders: copy files that are not images (default: report and skip).")] = False,
+    skip_bad: Annotated[bool, typer.Option(
+        help="Image folders: skip unreadable images (listed in the manifest) instead of "
+             "stopping.")] = False,
+    anonymize_names: Annotated[bool, typer.Option(
+        help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
+             "in one flat folder, and keep every input file and folder name out of the manifest "
+             "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
+             "evaluate needs it. Not with --copy-other.")] = False,
+    name_map: Annotated[Optional[Path], typer.Option(
+        metavar="PATH",
+        help="With --anonymize-names: where to write the name map (original -> new names, skipped "
+             "files). Keep it with the raw data; never inside the output. Default: "
+             "INPUT.name-map.json beside the input folder.", show_default=False)] = None,
+    clip_input: Annotated[bool, typer.Option(
+        help="Clip input values outside --range into it (recorded in the manifest) "
+             "instead of refusing.")] = False,
+    clip: Annotated[Optional[float], typer.Option(
+        "--clip", metavar="C",
+        help="Clip every value to [-C, C] (L-infinity clipping, e.g. model parameters) before "
+             "the noise and take (-C, C) as the range, so the range width is 2C. Not with "
+             "--range. Recorded in the manifest.", show_default=False)] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, envvar="TLDP_WORKERS", help="Blocks perturbed in parallel threads (with --scheduler dask and no "
+                    "--dask-address: local worker processes). Default: the number of cores. "
+                    "The output is the same for any number.")] = None,
+    scheduler: Annotated[Scheduler, typer.Option(
+        help="threads: this process. dask: Dask workers (pip install 'tldp-tensors[dask]'): a local "
+             "cluster, or the one at --dask-address. The output is the same with either.")
+    ] = Scheduler.threads,
+    dask_address: Annotated[Optional[str], typer.Option(
+        metavar="HOST:PORT",
+        help="With --scheduler dask: the scheduler of an existing dask.distributed cluster "
+             "(tls://HOST:PORT for TLS). Its workers must see the input and output at the same "
+             "paths; the run fails when no worker has joined within 30 s. The run's secret "
+             "noise key travels to them: use TLS off this machine.",
+        show_default=False)] = None,
+    resume: Annotated[bool, typer.Option(
+        help="Zarr output: continue an interrupted run from the blocks it wrote (kept in "
+             ".OUT.tldp-partial). The options must match; with the same --seed the result "
+             "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
+             "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
+    allow_raw_release: Annotated[bool, typer.Option(
+        help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
+             "otherwise; the manifest records the consent under raw_release_allowed).")] = False,
+    ledger: Annotated[Optional[Path], typer.Option(
+        metavar="PATH", envvar="TLDP_LEDGER",
+        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
+             "release of the input's content and states what all its releases spend together. "
+             "Keep it with the raw data, never with the release.", show_default=False)] = None,
+    max_record_eps: Annotated[Optional[float], typer.Option(
+        metavar="E", help="With --ledger: refuse (exit 1, nothing written or recorded) a release "
+                          "that would take this data's releases past E per record.",
+        show_default=False)] = None,
+    max_record_delta: Annotated[Optional[float], typer.Option(
+        metavar="D", help="With --ledger: the same cap for delta per record.", show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing output and manifest, once the new ones are complete (a folder "
+             "only if it is an earlier output of the same kind).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    block_elements: Annotated[int, typer.Option(min=1, hidden=True,
+                                                help="Elements per block (tests, benchmarks).")
+                              ] = BLOCK_ELEMENTS,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+):
+    """Perturb every record of INPUT with TLDP and write a privacy manifest.
+
+    \b
+    Examples:
+      tldp perturb sample_data/digits.npy --eps 1
+      tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
+      tldp perturb features.npy --eps 2 --range -1:1 --budget record --json > manifest.json
+      tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg --sampler float
+      tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
+      tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
+      tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
+
+    The summary line states the certified guarantee per element and per record:
+    TLDP's eps is a per-element budget, so a record of I elements gets I*eps.
+    In a model file (.npz, .safetensors) each tensor is a record, and the line
+    adds the whole file, all its tensors composed.
+    """
+    debug = debug or bool(os.environ.get(DEBUG_ENV))
+
+    def action():
+        options = PerturbOptions(
+            input=input, epsilon=eps, mechanism=mechanism.value,
+            noise=noise.value if noise is not None else default_noise(mechanism.value),
+            budget=budget.value, value_range=parse_range(value_range) if value_range else None,
+            weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
+            seed_file=seed_file,
+            allow_weak_seed=allow_weak_seed, rng=rng.value,
+            dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            clip_input=clip_input, clip=clip,
+            workers=workers or os.cpu_count() or 1,
+            datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
+            skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
+            scheduler=scheduler.value, dask_address=dask_address,
+            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
+            ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
+            sampler=sampler.value,
+            block_elements=block_elements)
+        advance, close = progress_bar(quiet, "rec")
+        try:
+            with sigterm_interrupts():
+                return perturb(options, progress=advance)
+        finally:
+            close()
+
+    result = run(debug, action)
+    m = result.manifest
+    if not quiet:
+        for message in result.messages:
+            typer.echo(f"tldp: {message}", err=True)
+        shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
+                 if "per_tensor" in m["accounting"] else
+                 f"{m['records']} records x {m['elements_per_record']} elements")
+        typer.echo(f"tldp: wrote {result.output} ({shape}) and {result.manifest_path}", err=True)
+        typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
+    if json_out:
+        typer.echo(json.dumps(m, indent=2))
+
+

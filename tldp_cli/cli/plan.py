@@ -1,0 +1,103 @@
+"""`tldp plan`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tldp_cli.cli.options import Budget, ImageFormat, Mechanism, Noise, OutDtype, Sampler
+from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import default_noise
+from tldp_cli.run.pipeline import PerturbOptions, parse_range
+from tldp_cli.cli.app import DEBUG_ENV, app, run
+
+
+@app.command("plan", no_args_is_help=True)
+def plan_command(
+    input: Annotated[Optional[Path], typer.Argument(
+        metavar="[INPUT]", help="The input perturb would read (headers only); or describe the "
+                                "records with --elements instead.", show_default=False)] = None,
+    eps: Annotated[float, typer.Option("--eps", help="As for perturb.", show_default=False)] = None,
+    noise: Annotated[Optional[Noise], typer.Option(help="As for perturb.", show_default=False)] = None,
+    sampler: Annotated[Sampler, typer.Option(help="As for perturb.")] = Sampler.exact,
+    mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
+    budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
+    value_range: Annotated[Optional[str], typer.Option(
+        "--range", metavar="LO:HI", help="As for perturb.", show_default=False)] = None,
+    dp_delta: Annotated[float, typer.Option(help="As for perturb.")] = 1e-5,
+    granularity: Annotated[Optional[float], typer.Option(metavar="G", help="As for perturb.",
+                                                         show_default=False)] = None,
+    dataset: Annotated[Optional[list[str]], typer.Option(
+        "--dataset", metavar="PATH", help="As for perturb.", show_default=False)] = None,
+    clip: Annotated[Optional[float], typer.Option("--clip", metavar="C", help="As for perturb.",
+                                                  show_default=False)] = None,
+    dtype: Annotated[OutDtype, typer.Option(help="As for perturb.")] = OutDtype.float32,
+    image_format: Annotated[ImageFormat, typer.Option(help="As for perturb.")] = ImageFormat.png,
+    allow_raw_release: Annotated[bool, typer.Option(help="As for perturb.")] = False,
+    elements: Annotated[Optional[str], typer.Option(
+        "--elements", "--shape", metavar="I", help="Without INPUT: elements per record, or the "
+                                                   "record's shape (28x28).", show_default=False)] = None,
+    records: Annotated[int, typer.Option(help="Without INPUT: the number of records.")] = 1,
+    input_dtype: Annotated[Optional[str], typer.Option(
+        metavar="DTYPE", help="Without INPUT: the data's dtype (uint8, float32, ...). Default: "
+                              "integers when --range has integer ends, else float64.",
+        show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON to stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+):
+    """State the guarantee perturb would give, before any data is read; write nothing.
+
+    Reads the input's headers only (or a description of its records) and prints the
+    summary line perturb would print; --json prints the manifest's accounting and
+    calibration (noise scale, retain probability, the perturbed values' dtype, the arrays
+    a row spans).
+    With --budget record it gives the per-element epsilon and the noise scale that meet
+    the per-record target, or, where the target cannot be met, the refusal perturb gives.
+
+    \b
+    Examples:
+      tldp plan sample_data/digits.npy --eps 1 --noise gaussian
+      tldp plan --elements 28x28 --records 60000 --range 0:256 --eps 8 --budget record --json
+      tldp plan big.h5 --eps 1 --dataset images --json > plan.json
+    """
+    from tldp_cli.run import planning
+    from tldp_cli.audit import parse_shape
+
+    debug = debug or bool(os.environ.get(DEBUG_ENV))
+
+    def action():
+        if eps is None:
+            raise UsageError("--eps is required")
+        if (input is None) == (elements is None):
+            raise UsageError("give INPUT or --elements (a description of the records), not both")
+        options = PerturbOptions(
+            input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
+            noise=noise.value if noise is not None else default_noise(mechanism.value),
+            sampler=sampler.value, budget=budget.value,
+            value_range=parse_range(value_range) if value_range else None, dtype=dtype.value,
+            granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
+            image_format=image_format.value, allow_raw_release=allow_raw_release)
+        if input is not None:
+            return planning.plan_input(options)
+        return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+
+    report = run(debug, action)
+    if not quiet:
+        for message in report["messages"]:
+            typer.echo(f"tldp: {message}", err=True)
+        c = report["calibration"]
+        typer.echo(f"tldp: plan: {c['records']} records, the largest of {report['elements_per_record']} "
+                   f"elements; {report['noise']} noise of scale {c['noise_scale']:.4g}, element eps "
+                   f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
+                   f"values {c['values_dtype']}", err=True)
+        typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
+    if json_out:
+        typer.echo(json.dumps(report, indent=2, allow_nan=False))
+
+

@@ -1,0 +1,67 @@
+"""The types every layer shares: a calibrated mechanism and the names of the noises.
+
+A leaf module: it imports nothing from tldp, so calibration (mechanisms.py), accounting
+and the engine can all use `Calibration` without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
+
+
+def is_discrete(noise: str) -> bool:
+    return noise in DISCRETE_NOISES
+
+
+@dataclass(frozen=True)
+class Calibration:
+    mechanism: str
+    noise: str
+    budget: str
+    epsilon: float  # the --eps the user gave
+    range_width: float  # Delta
+    elements: int  # I, elements per record
+    dp_delta: float  # delta at which (eps, delta) conversions are reported
+    element_epsilon: float  # the eps that enters the paper's formulas
+    scale: float  # Laplace b or Gaussian sigma
+    log_p: float  # natural log of the retain probability; -inf when nothing is kept
+    rows: int | None = None  # MVG: rows of the record's mode-1 unfolding (its first axis)
+    granularity: float | None = None  # discrete noise on float data: the grid step G
+
+    @property
+    def grid_values(self) -> int | None:
+        """Discrete noises: W, the grid values in the range (see calibrate); None otherwise."""
+        if self.noise not in DISCRETE_NOISES:
+            return None
+        if self.granularity is None:
+            return round(self.range_width)
+        return round(self.range_width / self.granularity) + 1
+
+    @property
+    def p(self) -> float:
+        return math.exp(self.log_p)
+
+    @property
+    def p_log10(self) -> float | None:
+        return None if self.log_p == -math.inf else self.log_p / math.log(10)
+
+    def expected_l2_error(self) -> float:
+        """Paper Table 5 bound sqrt(E||Z||^2) for one record (w = 0).
+
+        Laplace: b * sqrt(2 (1-p) I). Gaussian: sigma * sqrt((1-p) I), with the sigma
+        of Algorithm 1 (Table 5's Gaussian line assumes a different sigma).
+        """
+        try:
+            if self.noise == "discrete-laplace":  # two-sided geometric: 2a/(1-a)^2, grid steps
+                a = math.exp(-1 / self.scale)
+                variance = 2 * a / math.expm1(-1 / self.scale) ** 2 * (self.granularity or 1.0) ** 2
+            elif self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20)
+                variance = (self.scale * (self.granularity or 1.0)) ** 2
+            else:
+                variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
+            return math.sqrt(variance * (1 - self.p) * self.elements)
+        except OverflowError:  # a scale near float64's limit: the error is beyond it too
+            return math.inf
