@@ -284,7 +284,9 @@ def _scale(dataset: dict[str, Any]) -> list[float] | None:
 def _level_factors(where: str, above: tuple[tuple[int, ...], list | None], level: tuple[tuple[int, ...], list | None],
                    name: str) -> tuple[int, ...]:
     """How many elements of the level above make one of this level, per axis: the ratio of
-    their scales (of their shapes when no scale is declared), which the shapes must fit."""
+    their scales (of their shapes when no scale is declared), which the shapes must fit. A
+    scale ratio that is the ratio of the shapes (ome-zarr-py's, for odd sizes: 45 -> 22 is
+    2.045) is read as the nearest whole factor."""
     (shape_above, scale_above), (shape, scale) = above, level
     if len(shape) != len(shape_above):
         raise InputError(f"{where}: level {name} has {len(shape)} dimensions, the level above {len(shape_above)}")
@@ -295,7 +297,8 @@ def _level_factors(where: str, above: tuple[tuple[int, ...], list | None], level
         else:
             ratio = n_above / max(n, 1)
         factor = max(1, round(ratio))
-        if abs(ratio - factor) > 1e-6 * ratio or n not in (n_above // factor, -(-n_above // factor)):
+        whole = abs(ratio - factor) <= 1e-6 * ratio or abs(ratio - n_above / max(n, 1)) <= 1e-6 * ratio
+        if not whole or n not in (n_above // factor, -(-n_above // factor)):
             raise InputError(f"{where}: level {name} (shape {shape}) is not a downsampling of the level above "
                              f"(shape {shape_above}) by a whole factor on axis {axis} (ratio {ratio:g}); "
                              "tldp cannot regenerate it")
