@@ -16,8 +16,12 @@ from ome_zarr.writer import write_image, write_labels, write_multiscale
 from skimage.transform import downscale_local_mean
 
 from tests.builders import assert_one_line_error
-from tests.conftest import tree_digest
+from tests.conftest import SEED, tree_digest
+from tldp_cli.errors import Interrupted
 from tldp_cli.formats import zarr_store
+from tldp_cli.pipeline import PerturbOptions
+from tldp_cli.pipeline import perturb as run_perturb
+from tldp_cli.resume import partial_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -192,3 +196,33 @@ def test_downsampling_memory_is_one_tile(tmp_path):
     s0 = zarr.open_array(tmp_path / "big.zarr", path="s0")[:512, :512]
     np.testing.assert_allclose(zarr.open_array(tmp_path / "big.zarr", path="s2")[:128, :128],
                                s0.reshape(128, 4, 128, 4).mean(axis=(1, 3)), rtol=1e-6)
+
+
+def test_resume_regenerates_the_levels(tmp_path):
+    """An interrupted run resumed (its partial holding a stale chunk in a lower level)
+    equals an uninterrupted one with the same seed."""
+    group = zarr.open_group(tmp_path / "a.ome.zarr", mode="w", zarr_format=3)
+    write_image(IMAGE, group, axes="cyx", fmt=FormatV05(), scale_factors=(2, 4),
+                storage_options={"chunks": (1, 64, 48)})
+
+    def run(out, progress=None, **more):
+        return run_perturb(PerturbOptions(input=tmp_path / "a.ome.zarr", out=out, epsilon=1.0, seed=SEED,
+                                          block_elements=64 * 48, **more), progress=progress)
+
+    def stop_after_one_block(done, total):
+        raise KeyboardInterrupt
+
+    run(tmp_path / "reference.ome.zarr")
+    out = tmp_path / "out.ome.zarr"
+    with pytest.raises(Interrupted):
+        run(out, progress=stop_after_one_block)
+    stale = partial_path(out) / "store" / "s1" / "c" / "5" / "0" / "0"  # no such chunk in the output
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes((partial_path(out) / "store" / "s0" / "c" / "0" / "0" / "0").read_bytes()[:64])
+    run(out, resume=True)
+    reference = tmp_path / "reference.ome.zarr"
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == \
+        sorted(p.relative_to(reference) for p in reference.rglob("*"))
+    for level in ("s0", "s1", "s2"):
+        np.testing.assert_array_equal(zarr.open_array(out, path=level, mode="r")[:],
+                                      zarr.open_array(reference, path=level, mode="r")[:])

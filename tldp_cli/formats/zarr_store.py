@@ -236,7 +236,8 @@ class _Pyramid:
     index: int  # its entry in the group's multiscales list
     in_ome: bool  # NGFF 0.5: the list is under the "ome" attribute
     levels: tuple[str, ...]  # the arrays' paths in the store, full resolution first
-    factors: tuple[tuple[int, ...], ...]  # each lower level: per axis, how many elements of the level above make one
+    # each lower level: per axis, how many elements of the level above make one of it
+    factors: tuple[tuple[int, ...], ...]
     method: str  # MEAN or NEAREST
     declared: str | None  # the downsampling the metadata declares (type, metadata.method)
 
@@ -281,15 +282,18 @@ def _scale(dataset: dict[str, Any]) -> list[float] | None:
     return None
 
 
-def _level_factors(where: str, above: tuple[tuple[int, ...], list | None], level: tuple[tuple[int, ...], list | None],
-                   name: str) -> tuple[int, ...]:
+_Size = tuple[tuple[int, ...], list[float] | None]  # a level's shape and scale
+
+
+def _level_factors(where: str, above: _Size, level: _Size, name: str) -> tuple[int, ...]:
     """How many elements of the level above make one of this level, per axis: the ratio of
     their scales (of their shapes when no scale is declared), which the shapes must fit. A
     scale ratio that is the ratio of the shapes (ome-zarr-py's, for odd sizes: 45 -> 22 is
     2.045) is read as the nearest whole factor."""
     (shape_above, scale_above), (shape, scale) = above, level
     if len(shape) != len(shape_above):
-        raise InputError(f"{where}: level {name} has {len(shape)} dimensions, the level above {len(shape_above)}")
+        raise InputError(f"{where}: level {name} has {len(shape)} dimensions, the level above "
+                         f"{len(shape_above)}")
     factors = []
     for axis, (n_above, n) in enumerate(zip(shape_above, shape)):
         if scale and scale_above and len(scale) == len(shape) == len(scale_above) and scale_above[axis] > 0:
@@ -299,9 +303,9 @@ def _level_factors(where: str, above: tuple[tuple[int, ...], list | None], level
         factor = max(1, round(ratio))
         whole = abs(ratio - factor) <= 1e-6 * ratio or abs(ratio - n_above / max(n, 1)) <= 1e-6 * ratio
         if not whole or n not in (n_above // factor, -(-n_above // factor)):
-            raise InputError(f"{where}: level {name} (shape {shape}) is not a downsampling of the level above "
-                             f"(shape {shape_above}) by a whole factor on axis {axis} (ratio {ratio:g}); "
-                             "tldp cannot regenerate it")
+            raise InputError(f"{where}: level {name} (shape {shape}) is not a downsampling of the level "
+                             f"above (shape {shape_above}) by a whole factor on axis {axis} (ratio "
+                             f"{ratio:g}); tldp cannot regenerate it")
         factors.append(factor)
     return tuple(factors)
 
@@ -320,13 +324,16 @@ def _pyramids(path: Path, nodes: list[_Node], opened: dict[str, Any]) -> list[_P
             datasets = entry.get("datasets") if isinstance(entry, dict) else None
             if not isinstance(datasets, list) or not datasets or \
                     not all(isinstance(d, dict) and isinstance(d.get("path"), str) for d in datasets):
-                raise InputError(f"{where}: damaged metadata (multiscales[{index}] has no datasets with a path)")
+                raise InputError(f"{where}: damaged metadata (multiscales[{index}] has no datasets with "
+                                 "a path)")
             levels = tuple(f"{node.path}/{d['path']}".strip("/") for d in datasets)
             missing = [lvl for lvl in levels if not isinstance(opened.get(lvl), zarr.Array)]
             if missing:
-                raise InputError(f"{where}: its multiscales list {missing[0]}, which is not an array of the store")
+                raise InputError(f"{where}: its multiscales list {missing[0]}, which is not an array of "
+                                 "the store")
             sizes = [(tuple(opened[lvl].shape), _scale(d)) for lvl, d in zip(levels, datasets)]
-            factors = tuple(_level_factors(where, sizes[k - 1], sizes[k], levels[k]) for k in range(1, len(levels)))
+            factors = tuple(_level_factors(where, sizes[k - 1], sizes[k], levels[k])
+                            for k in range(1, len(levels)))
             method, declared = _declared_method(entry, label)
             found.append(_Pyramid(node.path, index, in_ome, levels, factors, method, declared))
     return found
@@ -448,8 +455,8 @@ def _regeneration_message(pyramid: _Pyramid) -> str:
     note = ""
     if pyramid.declared and pyramid.method not in pyramid.declared.lower():
         note = f" (its metadata declares {pyramid.declared}, which tldp does not reproduce)"
-    return (f"multiscale image {pyramid.name}: levels {', '.join(pyramid.levels[1:]) or 'none'} are regenerated "
-            f"from the perturbed {pyramid.levels[0]} ({how} of each block of the scale factors{note})")
+    return (f"multiscale image {pyramid.name}: levels {', '.join(pyramid.levels[1:])} are regenerated from "
+            f"the perturbed {pyramid.levels[0]} ({how} of each block of the scale factors{note})")
 
 
 def open_reader(path: Path, options: FormatOptions) -> ZarrReader:
@@ -600,7 +607,8 @@ def _downsample(block: np.ndarray, factors: tuple[int, ...], shape: tuple[int, .
     if method == NEAREST:
         return np.asarray(block[tuple(slice(0, n * f, f) for n, f in zip(shape, factors))], dtype=dtype)
     block = block[tuple(slice(0, n * f) for n, f in zip(shape, factors))]
-    padded = np.pad(block.astype(np.float64), [(0, n * f - s) for n, f, s in zip(shape, factors, block.shape)])
+    padding = [(0, n * f - s) for n, f, s in zip(shape, factors, block.shape)]
+    padded = np.pad(block.astype(np.float64), padding)
     sums = padded.reshape([d for n, f in zip(shape, factors) for d in (n, f)]).sum(
         axis=tuple(range(1, 2 * len(shape), 2)))
     counts = np.ones(shape)
@@ -634,7 +642,10 @@ def _regenerate(root: Path, source: Path, pyramid: _Pyramid, zarr_format: int, d
     for path, factors in zip(pyramid.levels[1:], pyramid.factors):
         for leftover in (p for p in (root / path).iterdir() if p.name not in METADATA_FILES):
             # An interrupted run's chunks: one that is now all fill value would not be rewritten.
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
         level = _open(store, source, path, "array", zarr_format, mode="r+")
         for region in _regions(tuple(level.shape), level.shards or level.chunks):
             covering = tuple(slice(r.start * f, min(r.stop * f, n))
