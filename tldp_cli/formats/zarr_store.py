@@ -20,6 +20,7 @@ left out with its chunks.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from tldp_cli.errors import InputError, OutputError
+from tldp_cli.errors import InputError, OutputError, UsageError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -222,6 +223,122 @@ class _Records:
                              f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
 
 
+# Multiscale images (OME-Zarr / NGFF 0.4 and 0.5). A multiscale group lists its levels,
+# full resolution first. Only the full resolution is perturbed: the lower levels are
+# regenerated from it (post-processing), never copied, so none is raw and the records
+# are released once.
+MEAN, NEAREST = "mean", "nearest"
+
+
+@dataclass(frozen=True)
+class _Pyramid:
+    group: str  # the image's group in the store, "" for the root
+    index: int  # its entry in the group's multiscales list
+    in_ome: bool  # NGFF 0.5: the list is under the "ome" attribute
+    levels: tuple[str, ...]  # the arrays' paths in the store, full resolution first
+    # each lower level: per axis, how many elements of the level above make one of it
+    factors: tuple[tuple[int, ...], ...]
+    method: str  # MEAN or NEAREST
+    declared: str | None  # the downsampling the metadata declares (type, metadata.method)
+
+    @property
+    def name(self) -> str:
+        return _display(self.group)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's entry (multiscale_images)."""
+        return {"image": self.name, "perturbed": self.levels[0], "regenerated": list(self.levels[1:]),
+                "downsampling": self.method, "factors": [list(f) for f in self.factors],
+                "declared_downsampling": self.declared}
+
+
+def _multiscales(attrs: dict[str, Any]) -> tuple[list | None, bool, bool]:
+    """A group's multiscales list (None if it has none), whether it sits under "ome"
+    (NGFF 0.5), and whether the group is a label image."""
+    ome = attrs.get("ome")
+    if isinstance(ome, dict) and "multiscales" in ome:
+        return ome["multiscales"], True, "image-label" in ome
+    return attrs.get("multiscales"), False, "image-label" in attrs
+
+
+def _declared_method(entry: dict[str, Any], label: bool) -> tuple[str, str | None]:
+    """The downsampling tldp applies (nearest for labels and where declared, else the mean)
+    and the one the metadata declares, as text."""
+    metadata = entry.get("metadata") if isinstance(entry.get("metadata"), dict) else {}
+    parts = [str(p) for p in (entry.get("type"), metadata.get("method")) if p]
+    declared = " / ".join(parts) or None
+    kwargs = metadata.get("kwargs") if isinstance(metadata.get("kwargs"), dict) else {}
+    text = (declared or "").lower()
+    if label or any(word in text for word in (NEAREST, "subsample", "pick")) or kwargs.get("order") == 0:
+        return NEAREST, declared
+    return MEAN, declared
+
+
+def _scale(dataset: dict[str, Any]) -> list[float] | None:
+    for transform in dataset.get("coordinateTransformations") or []:
+        if isinstance(transform, dict) and transform.get("type") == "scale" \
+                and isinstance(transform.get("scale"), list):
+            return [float(s) for s in transform["scale"]]
+    return None
+
+
+_Size = tuple[tuple[int, ...], list[float] | None]  # a level's shape and scale
+
+
+def _level_factors(where: str, above: _Size, level: _Size, name: str) -> tuple[int, ...]:
+    """How many elements of the level above make one of this level, per axis: the ratio of
+    their scales (of their shapes when no scale is declared), which the shapes must fit. A
+    scale ratio that is the ratio of the shapes (ome-zarr-py's, for odd sizes: 45 -> 22 is
+    2.045) is read as the nearest whole factor."""
+    (shape_above, scale_above), (shape, scale) = above, level
+    if len(shape) != len(shape_above):
+        raise InputError(f"{where}: level {name} has {len(shape)} dimensions, the level above "
+                         f"{len(shape_above)}")
+    factors = []
+    for axis, (n_above, n) in enumerate(zip(shape_above, shape)):
+        if scale and scale_above and len(scale) == len(shape) == len(scale_above) and scale_above[axis] > 0:
+            ratio = scale[axis] / scale_above[axis]
+        else:
+            ratio = n_above / max(n, 1)
+        factor = max(1, round(ratio))
+        whole = abs(ratio - factor) <= 1e-6 * ratio or abs(ratio - n_above / max(n, 1)) <= 1e-6 * ratio
+        if not whole or n not in (n_above // factor, -(-n_above // factor)):
+            raise InputError(f"{where}: level {name} (shape {shape}) is not a downsampling of the level "
+                             f"above (shape {shape_above}) by a whole factor on axis {axis} (ratio "
+                             f"{ratio:g}); tldp cannot regenerate it")
+        factors.append(factor)
+    return tuple(factors)
+
+
+def _pyramids(path: Path, nodes: list[_Node], opened: dict[str, Any]) -> list[_Pyramid]:
+    """The multiscale images of the store, from their groups' attributes."""
+    found = []
+    for node in (n for n in nodes if n.kind == "group"):
+        entries, in_ome, label = _multiscales(opened[node.path].attrs.asdict())
+        if entries is None:
+            continue
+        where = f"{path}: OME-Zarr image {_display(node.path)}"
+        if not isinstance(entries, list):
+            raise InputError(f"{where}: damaged metadata (multiscales is not a list)")
+        for index, entry in enumerate(entries):
+            datasets = entry.get("datasets") if isinstance(entry, dict) else None
+            if not isinstance(datasets, list) or not datasets or \
+                    not all(isinstance(d, dict) and isinstance(d.get("path"), str) for d in datasets):
+                raise InputError(f"{where}: damaged metadata (multiscales[{index}] has no datasets with "
+                                 "a path)")
+            levels = tuple(f"{node.path}/{d['path']}".strip("/") for d in datasets)
+            missing = [lvl for lvl in levels if not isinstance(opened.get(lvl), zarr.Array)]
+            if missing:
+                raise InputError(f"{where}: its multiscales list {missing[0]}, which is not an array of "
+                                 "the store")
+            sizes = [(tuple(opened[lvl].shape), _scale(d)) for lvl, d in zip(levels, datasets)]
+            factors = tuple(_level_factors(where, sizes[k - 1], sizes[k], levels[k])
+                            for k in range(1, len(levels)))
+            method, declared = _declared_method(entry, label)
+            found.append(_Pyramid(node.path, index, in_ome, levels, factors, method, declared))
+    return found
+
+
 class ZarrReader(Reader):
     format = NAME
 
@@ -235,10 +352,15 @@ class ZarrReader(Reader):
         self.store = LocalStore(path, read_only=True)
         opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
+        self.pyramids = _pyramids(path, self.nodes, opened)
         selected = self._select(options.datasets)
         self.jobs = [self._job(name) for name in selected]
-        # The writer leaves out everything in a perturbed array's directory but its metadata.
-        copied = [rel for rel, owner in _not_zarr(files, self.nodes).items() if owner not in selected]
+        # The multiscale images whose lower levels the writer regenerates (all of them).
+        self.regenerated = [p for p in self.pyramids if p.levels[0] in selected and len(p.levels) > 1]
+        self.messages += [_regeneration_message(p) for p in self.regenerated]
+        written = set(selected).union(*(p.levels[1:] for p in self.regenerated))
+        # The writer leaves out everything in a written array's directory but its metadata.
+        copied = [rel for rel, owner in _not_zarr(files, self.nodes).items() if owner not in written]
         if copied:
             self.manifest_extra["not_zarr_files"] = copied
             self.manifest_extra["not_zarr_files_action"] = "copied unchanged"
@@ -252,22 +374,55 @@ class ZarrReader(Reader):
             names: list[str] = []
             groups = {n.path for n in self.nodes if n.kind == "group"}
             for item in requested:
-                name = item.strip("/")
+                name = self._full_resolution(item.strip("/"))
                 if name not in arrays:
                     what = "is a group, not an array" if name in groups else "does not exist"
                     raise InputError(f"{self.path}: Zarr array {item} {what} (arrays: {listing})")
                 self._check(name)
                 if name not in names:
                     names.append(name)
+            left_raw = [p.name for p in self.pyramids if p.levels[0] not in names]
+            if left_raw:
+                raise UsageError(
+                    f"{self.path}: --dataset leaves multiscale image{'s' if len(left_raw) > 1 else ''} "
+                    f"{', '.join(left_raw)} unperturbed, and an image of the store (labels included) is data "
+                    f"of the same subject; add --dataset {' --dataset '.join(left_raw)}, or leave out "
+                    "--dataset to perturb them all")
             return names
         if "" in arrays:  # a single-array store
             self._check("")
             return [""]
+        if self.pyramids:
+            return self._all_images()
         numeric = {n: tuple(a.shape) for n, a in arrays.items() if a.dtype.kind in "iuf"}
         names, message = default_selection(self.path, numeric, "array")
         for name in names:
             self._check(name)
         self.messages.append(message)
+        return names
+
+    def _full_resolution(self, name: str) -> str:
+        """A multiscale image's group or any of its levels stands for its full resolution
+        (the lower levels are regenerated from it)."""
+        for pyramid in self.pyramids:
+            if name == pyramid.group or (name in pyramid.levels[1:]):
+                if name != pyramid.group:
+                    self.messages.append(f"{name} is a lower level of multiscale image {pyramid.name}: "
+                                         f"perturbing its full resolution {pyramid.levels[0]} instead")
+                return pyramid.levels[0]
+        return name
+
+    def _all_images(self) -> list[str]:
+        """Without --dataset, in a store with multiscale images: the full resolution of every
+        image (labels included) and every other numeric array of two or more dimensions."""
+        lower = {level for p in self.pyramids for level in p.levels[1:]}
+        names = [p.levels[0] for p in self.pyramids]
+        names += [n for n, a in self.handles.items() if n not in lower and n not in names
+                  and a.dtype.kind in "iuf" and a.ndim >= 2 and 0 not in a.shape]
+        for name in names:
+            self._check(name)
+        self.messages.append(f"perturbing {', '.join(names)} of {self.path.name}: every multiscale image's "
+                             "full resolution (choose with --dataset)")
         return names
 
     def _check(self, name: str) -> None:
@@ -293,6 +448,15 @@ class ZarrReader(Reader):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _regeneration_message(pyramid: _Pyramid) -> str:
+    how = "the first element" if pyramid.method == NEAREST else "the mean"
+    note = ""
+    if pyramid.declared and pyramid.method not in pyramid.declared.lower():
+        note = f" (its metadata declares {pyramid.declared}, which tldp does not reproduce)"
+    return (f"multiscale image {pyramid.name}: levels {', '.join(pyramid.levels[1:])} are regenerated from "
+            f"the perturbed {pyramid.levels[0]} ({how} of each block of the scale factors{note})")
 
 
 def open_reader(path: Path, options: FormatOptions) -> ZarrReader:
@@ -434,6 +598,79 @@ class _Blocks:
                              f"its codecs ({exc})") from None
 
 
+def _downsample(block: np.ndarray, factors: tuple[int, ...], shape: tuple[int, ...], method: str,
+                dtype: np.dtype) -> np.ndarray:
+    """One region of a lower level from the block of the level above that covers it (which
+    starts on a multiple of the factors): the first element of each block of factors
+    (NEAREST), or their mean (MEAN; a block cut by the array's edge averages the elements
+    it has), rounded to the nearest integer for integer output."""
+    if method == NEAREST:
+        return np.asarray(block[tuple(slice(0, n * f, f) for n, f in zip(shape, factors))], dtype=dtype)
+    block = block[tuple(slice(0, n * f) for n, f in zip(shape, factors))]
+    padding = [(0, n * f - s) for n, f, s in zip(shape, factors, block.shape)]
+    padded = np.pad(block.astype(np.float64), padding)
+    sums = padded.reshape([d for n, f in zip(shape, factors) for d in (n, f)]).sum(
+        axis=tuple(range(1, 2 * len(shape), 2)))
+    counts = np.ones(shape)
+    for axis, (n, f, s) in enumerate(zip(shape, factors, block.shape)):
+        per_axis = np.minimum(f, s - np.arange(n) * f)
+        counts = counts * per_axis.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+    mean = sums / counts
+    return (np.rint(mean) if dtype.kind in "iu" else mean).astype(dtype)
+
+
+def _regions(shape: tuple[int, ...], tile: tuple[int, ...]):
+    """The regions of an array, one per tile (chunk or shard) of its grid."""
+    starts = [range(0, n, t) for n, t in zip(shape, tile)]
+    for corner in itertools.product(*starts):
+        yield tuple(slice(c, min(c + t, n)) for c, t, n in zip(corner, tile, shape))
+
+
+def _regeneration_step(pyramid: _Pyramid) -> str:
+    """The manifest's postprocessing entry for one multiscale image."""
+    how = "the first element" if pyramid.method == NEAREST else "the mean"
+    return (f"regenerate the lower levels {', '.join(pyramid.levels[1:])} of multiscale image {pyramid.name} "
+            f"from the perturbed full resolution {pyramid.levels[0]}: {how} of each block of the scale "
+            "factors of the level above (multiscale_images; post-processing, no privacy cost)")
+
+
+def _regenerate(root: Path, source: Path, pyramid: _Pyramid, zarr_format: int, dtype: np.dtype) -> None:
+    """Writes every lower level of `pyramid` in the output from the level above it, one
+    tile (shard, or chunk) at a time: memory holds one tile and the block above it."""
+    store = LocalStore(root)
+    above = _open(store, source, pyramid.levels[0], "array", zarr_format)
+    for path, factors in zip(pyramid.levels[1:], pyramid.factors):
+        for leftover in (p for p in (root / path).iterdir() if p.name not in METADATA_FILES):
+            # An interrupted run's chunks: one that is now all fill value would not be rewritten.
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
+        level = _open(store, source, path, "array", zarr_format, mode="r+")
+        for region in _regions(tuple(level.shape), level.shards or level.chunks):
+            covering = tuple(slice(r.start * f, min(r.stop * f, n))
+                             for r, f, n in zip(region, factors, above.shape))
+            shape = tuple(r.stop - r.start for r in region)
+            level[region] = _downsample(np.asarray(above[covering]), factors, shape, pyramid.method, dtype)
+        above = level
+
+
+def _describe_multiscale(root: Path, pyramid: _Pyramid, zarr_format: int) -> None:
+    """The output's multiscales entry says how its lower levels were made (NGFF's
+    type and metadata fields)."""
+    group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
+                            use_consolidated=False)
+    attrs = copy.deepcopy(group.attrs.asdict())
+    entries = attrs["ome"]["multiscales"] if pyramid.in_ome else attrs["multiscales"]
+    entries[pyramid.index]["type"] = pyramid.method
+    entries[pyramid.index]["metadata"] = {
+        "method": "tldp_cli", "description": (
+            f"levels {', '.join(pyramid.levels[1:])} regenerated from the perturbed {pyramid.levels[0]}: "
+            + ("the first element" if pyramid.method == NEAREST else "the mean")
+            + " of each block of the scale factors of the level above")}
+    group.attrs.put(attrs)
+
+
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
@@ -455,7 +692,18 @@ class ZarrWriter(Writer):
                                                      f"{reader.path}: array {_display(path)}")
             if lossy:
                 dropped[job_name] = lossy
+        for path in (level for p in reader.regenerated for level in p.levels[1:]):
+            metadata[path], lossy = _output_metadata(nodes[path], reader.handles[path].fill_value,
+                                                     reader.zarr_format, self.dtype,
+                                                     f"{reader.path}: array {_display(path)}")
+            if lossy:
+                dropped[path] = lossy
         self.postprocessing, self.manifest_extra = dropped_filters(dropped)
+        self.pyramids = reader.regenerated
+        if self.pyramids:
+            self.postprocessing = [*self.postprocessing, *(_regeneration_step(p) for p in self.pyramids)]
+            self.manifest_extra = {**self.manifest_extra,
+                                   "multiscale_images": [p.describe() for p in self.pyramids]}
         reader.messages += [f"array {name}: written without the input's lossy "
                             f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
                             "values are stored exactly" for name, lossy in dropped.items()]
@@ -482,6 +730,8 @@ class ZarrWriter(Writer):
             shutil.copytree(reader.path, tmp_path, ignore=skip_chunks, symlinks=True)
             for path, meta in metadata.items():
                 (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            for pyramid in self.pyramids:
+                _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
         self.write = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype)
         for job in names:  # open now: a bad codec fails before any block runs
             self.write.array(job)
@@ -492,7 +742,10 @@ class ZarrWriter(Writer):
         return self.write
 
     def finish(self) -> None:
-        """Rebuild consolidated metadata; only a complete output is worth it."""
+        """Regenerate the lower levels of multiscale images from the perturbed full
+        resolution, then rebuild consolidated metadata; only a complete output is worth it."""
+        for pyramid in self.pyramids:
+            _regenerate(self.root, self.write.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"

@@ -1,0 +1,228 @@
+"""OME-Zarr multiscale images (NGFF 0.4 on Zarr 2, 0.5 on Zarr 3), written by ome-zarr-py:
+only the full resolution is perturbed, the lower levels are regenerated from it, and the
+output opens with ome-zarr-py's reader."""
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from ome_zarr.format import FormatV04, FormatV05
+from ome_zarr.io import parse_url
+from ome_zarr.reader import Label, Multiscales, Reader
+from ome_zarr.writer import write_image, write_labels, write_multiscale
+from skimage.transform import downscale_local_mean
+
+from tests.builders import assert_one_line_error
+from tests.conftest import SEED, tree_digest
+from tldp_cli.errors import Interrupted
+from tldp_cli.formats import zarr_store
+from tldp_cli.pipeline import PerturbOptions
+from tldp_cli.pipeline import perturb as run_perturb
+from tldp_cli.resume import partial_path
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+FORMATS = [pytest.param(FormatV04(), id="ngff-0.4"), pytest.param(FormatV05(), id="ngff-0.5")]
+# Two channels of 64 x 48: every level of the default pyramid (factors 2, 4, 8, 16) divides it.
+IMAGE = np.random.default_rng(3).integers(0, 256, (2, 64, 48), dtype=np.uint8)
+CELLS = (np.arange(64 * 48).reshape(64, 48) // 97 % 5).astype(np.uint8)
+
+
+def make_ome(path: Path, fmt, labels: bool = True, **options) -> Path:
+    """An OME-Zarr image as ome-zarr-py writes it (its default downsampling, resize,
+    unless options say otherwise), with a label image."""
+    group = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
+    write_image(IMAGE, group, axes="cyx", fmt=fmt, **options)
+    if labels:
+        write_labels(CELLS, group, name="cells", axes="yx", fmt=fmt)
+    return path
+
+
+def ome_levels(path: Path) -> dict[type, list[np.ndarray]]:
+    """Every level of the image and of its label, read with ome-zarr-py's reader."""
+    nodes = list(Reader(parse_url(path))())
+    found = {}
+    for node in nodes:
+        kinds = {type(spec) for spec in node.specs}
+        if kinds & {Multiscales, Label}:  # a label image has both specs
+            found[Label if Label in kinds else Multiscales] = [np.asarray(level) for level in node.data]
+    return found
+
+
+def perturb(cli, src: Path, *args):
+    return cli("perturb", src, "--eps", "1", "--range", "0:256", "--seed", "7", "--allow-weak-seed", *args)
+
+
+def mean_2x2(level: np.ndarray) -> np.ndarray:
+    """The block mean the output's lower levels are documented to hold, rounded for integers."""
+    return np.rint(downscale_local_mean(level.astype(np.float64), (1, 2, 2))).astype(level.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_levels_are_regenerated_from_the_perturbed_full_resolution(tmp_path, cli, fmt):
+    src = make_ome(tmp_path / "a.ome.zarr", fmt)
+    before = tree_digest(src)
+    result = perturb(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "a.tldp.ome.zarr"
+    assert tree_digest(src) == before
+    raw, noisy = ome_levels(src), ome_levels(out)
+    for kind in (Multiscales, Label):
+        assert [level.shape for level in noisy[kind]] == [level.shape for level in raw[kind]]
+        assert all(level.dtype == np.int16 for level in noisy[kind])
+        # no level is raw: each differs from the input's
+        assert all(not np.array_equal(n, r) for n, r in zip(noisy[kind], raw[kind]))
+    image, cells = noisy[Multiscales], noisy[Label]
+    assert len(image) == 5 and len(cells) == 5
+    for above, level in zip(image, image[1:]):
+        np.testing.assert_array_equal(level, mean_2x2(above))
+    for k, level in enumerate(cells):  # labels: nearest, the first element of each block
+        np.testing.assert_array_equal(level, cells[0][::2 ** k, ::2 ** k])
+    assert "regenerated from the perturbed s0" in result.stderr
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_manifest_counts_one_release_of_the_full_resolution(tmp_path, cli, fmt):
+    src = make_ome(tmp_path / "a.ome.zarr", fmt)
+    assert perturb(cli, src).exit_code == 0
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert sorted(i["dataset"] for i in manifest["inputs"]) == ["labels/cells/s0", "s0"]
+    # 2 channels of the image and 64 rows of the label: the lower levels add no record
+    assert manifest["records"] == manifest["accounting"]["per_file"]["records"] == 2 + 64
+    image, cells = manifest["multiscale_images"]
+    assert image == {"image": "/", "perturbed": "s0", "regenerated": ["s1", "s2", "s3", "s4"],
+                     "downsampling": "mean", "factors": [[1, 2, 2]] * 4, "declared_downsampling": None}
+    assert cells["downsampling"] == "nearest" and cells["regenerated"][0] == "labels/cells/s1"
+    assert any("multiscale image labels/cells" in step for step in manifest["postprocessing"])
+    # the same noise on the plain full-resolution array gives the same figures
+    alone = zarr.open_group(tmp_path / "alone.zarr", mode="w")
+    alone.create_array("s0", data=IMAGE, chunks=(1, 64, 48))
+    alone.create_array("cells", data=CELLS, chunks=(64, 48))
+    assert perturb(cli, tmp_path / "alone.zarr", "--dataset", "s0", "--dataset", "cells").exit_code == 0
+    plain = json.loads((tmp_path / "alone.tldp.zarr.manifest.json").read_text())
+    assert manifest["accounting"] == plain["accounting"]
+
+
+def test_metadata_says_how_the_levels_were_made(tmp_path, cli):
+    src = make_ome(tmp_path / "a.ome.zarr", FormatV05(), labels=False)
+    assert perturb(cli, src).exit_code == 0
+    entry = zarr.open_group(tmp_path / "a.tldp.ome.zarr", mode="r").attrs["ome"]["multiscales"][0]
+    assert entry["type"] == "mean" and "regenerated from the perturbed s0" in entry["metadata"]["description"]
+    original = zarr.open_group(src, mode="r").attrs["ome"]["multiscales"][0]
+    assert entry["datasets"] == original["datasets"] and entry["axes"] == original["axes"]
+
+
+def test_a_declared_nearest_downsampling_is_followed(tmp_path, cli):
+    """write_multiscale stores the method the caller declares (write_image declares none)."""
+    group = zarr.open_group(tmp_path / "a.ome.zarr", mode="w", zarr_format=2)
+    write_multiscale([IMAGE[:, ::2 ** k, ::2 ** k] for k in range(3)], group, axes="cyx", fmt=FormatV04(),
+                     metadata={"method": "skimage.transform.resize", "kwargs": {"order": 0}})
+    result = perturb(cli, tmp_path / "a.ome.zarr")
+    assert result.exit_code == 0, result.stderr
+    image = ome_levels(tmp_path / "a.tldp.ome.zarr")[Multiscales]
+    assert len(image) == 3
+    for k, level in enumerate(image):
+        np.testing.assert_array_equal(level, image[0][:, ::2 ** k, ::2 ** k])
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert manifest["multiscale_images"][0]["declared_downsampling"] == "skimage.transform.resize"
+    assert manifest["multiscale_images"][0]["downsampling"] == "nearest"
+
+
+def test_odd_sizes_keep_the_input_shapes(tmp_path, cli):
+    """ome-zarr-py rounds odd sizes down (45 -> 22 -> 11): the blocks past the last whole one are
+    left out, as the declared factor 2 says."""
+    group = zarr.open_group(tmp_path / "odd.ome.zarr", mode="w", zarr_format=2)
+    write_image(IMAGE[:, :45, :45], group, axes="cyx", fmt=FormatV04(), scale_factors=(2, 4))
+    assert perturb(cli, tmp_path / "odd.ome.zarr").exit_code == 0
+    image = ome_levels(tmp_path / "odd.tldp.ome.zarr")[Multiscales]
+    assert [level.shape for level in image] == [(2, 45, 45), (2, 22, 22), (2, 11, 11)]
+    np.testing.assert_array_equal(image[1], mean_2x2(image[0][:, :44, :44]))
+
+
+def test_an_edge_block_averages_the_elements_it_has():
+    level = np.arange(25, dtype=np.float32).reshape(5, 5)
+    down = zarr_store._downsample(level, (2, 2), (3, 3), zarr_store.MEAN, np.dtype(np.float32))
+    assert down[0, 0] == level[:2, :2].mean() and down[2, 2] == 24 and down[0, 2] == (4 + 9) / 2
+    assert down[2, 0] == (20 + 21) / 2
+
+
+def test_a_lower_level_stands_for_the_full_resolution(tmp_path, cli):
+    src = make_ome(tmp_path / "a.ome.zarr", FormatV05())
+    result = perturb(cli, src, "--dataset", "s2", "--dataset", "labels/cells")
+    assert result.exit_code == 0, result.stderr
+    assert "s2 is a lower level of multiscale image /: perturbing its full resolution s0" in result.stderr
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert sorted(i["dataset"] for i in manifest["inputs"]) == ["labels/cells/s0", "s0"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_image_left_unperturbed_is_refused(tmp_path, cli, fmt):
+    src = make_ome(tmp_path / "a.ome.zarr", fmt)
+    result = perturb(cli, src, "--dataset", "s0")
+    assert_one_line_error(result, 2, "a.ome.zarr", "multiscale image labels/cells unperturbed",
+                          "--dataset labels/cells")
+    assert not (tmp_path / "a.tldp.ome.zarr").exists()
+
+
+def test_a_level_that_is_no_whole_downsampling_is_refused(tmp_path, cli):
+    src = make_ome(tmp_path / "a.ome.zarr", FormatV04(), labels=False)
+    group = zarr.open_group(src, mode="r+")
+    attrs = group.attrs.asdict()
+    attrs["multiscales"][0]["datasets"][1]["coordinateTransformations"][0]["scale"] = [1.0, 1.5, 1.5]
+    group.attrs.put(attrs)
+    result = perturb(cli, src)
+    assert_one_line_error(result, 1, "a.ome.zarr", "level s1", "not a downsampling", "ratio 1.5")
+
+
+def test_downsampling_memory_is_one_tile(tmp_path):
+    """A 2048 x 2048 level in 256 x 256 chunks: regenerating its levels holds a few chunks,
+    never the level (32 MiB as float64)."""
+    root = zarr.open_group(tmp_path / "big.zarr", mode="w", zarr_format=3)
+    for k in range(3):
+        size = 2048 >> k
+        level = root.create_array(f"s{k}", shape=(size, size), dtype="float32", chunks=(256, 256))
+        if k == 0:
+            for row in range(0, size, 256):
+                level[row:row + 256] = np.random.default_rng(row).random((256, size), dtype=np.float32)
+    pyramid = zarr_store._Pyramid("", 0, True, ("s0", "s1", "s2"), ((2, 2), (2, 2)), zarr_store.MEAN, None)
+    tracemalloc.start()
+    zarr_store._regenerate(tmp_path / "big.zarr", tmp_path / "big.zarr", pyramid, 3, np.dtype(np.float32))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    s0 = zarr.open_array(tmp_path / "big.zarr", path="s0")[:512, :512]
+    np.testing.assert_allclose(zarr.open_array(tmp_path / "big.zarr", path="s2")[:128, :128],
+                               s0.reshape(128, 4, 128, 4).mean(axis=(1, 3)), rtol=1e-6)
+
+
+def test_resume_regenerates_the_levels(tmp_path):
+    """An interrupted run resumed (its partial holding a stale chunk in a lower level)
+    equals an uninterrupted one with the same seed."""
+    group = zarr.open_group(tmp_path / "a.ome.zarr", mode="w", zarr_format=3)
+    write_image(IMAGE, group, axes="cyx", fmt=FormatV05(), scale_factors=(2, 4),
+                storage_options={"chunks": (1, 64, 48)})
+
+    def run(out, progress=None, **more):
+        return run_perturb(PerturbOptions(input=tmp_path / "a.ome.zarr", out=out, epsilon=1.0, seed=SEED,
+                                          block_elements=64 * 48, **more), progress=progress)
+
+    def stop_after_one_block(done, total):
+        raise KeyboardInterrupt
+
+    run(tmp_path / "reference.ome.zarr")
+    out = tmp_path / "out.ome.zarr"
+    with pytest.raises(Interrupted):
+        run(out, progress=stop_after_one_block)
+    stale = partial_path(out) / "store" / "s1" / "c" / "5" / "0" / "0"  # no such chunk in the output
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes((partial_path(out) / "store" / "s0" / "c" / "0" / "0" / "0").read_bytes()[:64])
+    run(out, resume=True)
+    reference = tmp_path / "reference.ome.zarr"
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == \
+        sorted(p.relative_to(reference) for p in reference.rglob("*"))
+    for level in ("s0", "s1", "s2"):
+        np.testing.assert_array_equal(zarr.open_array(out, path=level, mode="r")[:],
+                                      zarr.open_array(reference, path=level, mode="r")[:])
