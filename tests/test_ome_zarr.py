@@ -19,9 +19,9 @@ from tests.builders import assert_one_line_error
 from tests.conftest import SEED, tree_digest
 from tldp_cli.errors import Interrupted
 from tldp_cli.formats import zarr_store
-from tldp_cli.pipeline import PerturbOptions
-from tldp_cli.pipeline import perturb as run_perturb
-from tldp_cli.resume import partial_path
+from tldp_cli.run.pipeline import PerturbOptions
+from tldp_cli.run.pipeline import perturb as run_perturb
+from tldp_cli.run.resume import partial_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
