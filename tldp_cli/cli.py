@@ -270,6 +270,17 @@ def _progress_bar(quiet: bool, unit: str):
     return advance, lambda: bar is not None and bar.close()
 
 
+def _unperturbed_note(manifest: dict) -> str:
+    """Every tensor a model file's run copies unchanged (the manifest's `unperturbed`), by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for entry in manifest.get("unperturbed", []):
+        by_reason.setdefault(entry["reason"], []).append(entry["name"])
+    if not by_reason:
+        return ""
+    return "; copied unchanged: " + "; ".join(f"{', '.join(names)} ({reason})"
+                                               for reason, names in by_reason.items())
+
+
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
     input: Annotated[Path, typer.Argument(
@@ -343,9 +354,15 @@ def perturb_command(
     dataset: Annotated[Optional[list[str]], typer.Option(
         "--dataset", metavar="PATH",
         help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
-             "dataset whose first axis matches the others'. Model files (.npz, .safetensors): a "
-             "tensor by name; default: every floating-point tensor. Unselected ones are copied "
-             "unchanged.")] = None,
+             "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
+             "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+             "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
+             "Unselected ones are copied unchanged and listed.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", metavar="PATTERN",
+        help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
+             "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
+        show_default=False)] = None,
     image_format: Annotated[ImageFormat, typer.Option(
         help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
              "(float32, unclipped).")] = ImageFormat.png,
@@ -446,8 +463,8 @@ def perturb_command(
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
-            skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
+            datasets=dataset or [], exclude=exclude or [], image_format=image_format.value,
+            copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
@@ -468,7 +485,8 @@ def perturb_command(
         shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
                  if "per_tensor" in m["accounting"] else
                  f"{m['records']} records x {m['elements_per_record']} elements")
-        typer.echo(f"tldp: wrote {result.output} ({shape}) and {result.manifest_path}", err=True)
+        typer.echo(f"tldp: wrote {result.output} ({shape}{_unperturbed_note(m)}) and "
+                   f"{result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))
@@ -795,6 +813,8 @@ def plan_command(
                                                          show_default=False)] = None,
     dataset: Annotated[Optional[list[str]], typer.Option(
         "--dataset", metavar="PATH", help="As for perturb.", show_default=False)] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", metavar="PATTERN", help="As for perturb.", show_default=False)] = None,
     clip: Annotated[Optional[float], typer.Option("--clip", metavar="C", help="As for perturb.",
                                                   show_default=False)] = None,
     dtype: Annotated[OutDtype, typer.Option(help="As for perturb.")] = OutDtype.float32,
@@ -843,7 +863,7 @@ def plan_command(
             sampler=sampler.value, budget=budget.value,
             value_range=parse_range(value_range) if value_range else None, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            image_format=image_format.value, allow_raw_release=allow_raw_release)
+            exclude=exclude or [], image_format=image_format.value, allow_raw_release=allow_raw_release)
         if input is not None:
             return planning.plan_input(options)
         return planning.plan_records(options, parse_shape(elements), records, input_dtype)
@@ -856,7 +876,7 @@ def plan_command(
         typer.echo(f"tldp: plan: {c['records']} records, the largest of {report['elements_per_record']} "
                    f"elements; {report['noise']} noise of scale {c['noise_scale']:.4g}, element eps "
                    f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
-                   f"values {c['values_dtype']}", err=True)
+                   f"values {c['values_dtype']}{_unperturbed_note(report)}", err=True)
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))

@@ -71,6 +71,7 @@ class PerturbOptions:
     clip_input: bool = False
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
     image_format: str = "png"
     copy_other: bool = False
     skip_bad: bool = False
@@ -284,14 +285,26 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         raise UsageError("--name-map applies to --anonymize-names")
     if options.anonymize_names and module.NAME != "images":
         raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.NAME}")
-    format_options = FormatOptions(datasets=list(options.datasets), image_format=options.image_format,
-                                   copy_other=options.copy_other, skip_bad=options.skip_bad,
-                                   anonymize_names=options.anonymize_names)
+    format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
         return _perturb(options, module, reader, format_options, progress)
     finally:
         reader.close()
+
+
+# The formats whose readers honour --exclude.
+EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+
+
+def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
+    """What the format's reader is told; refuses --exclude where no reader would honour it."""
+    if options.exclude and module.NAME not in EXCLUDE_FORMATS:
+        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
+                         f"HDF5 files, not {module.NAME}")
+    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
+                         image_format=options.image_format, copy_other=options.copy_other,
+                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
 
 
 def _where(job: ArrayJob, source: Path) -> str:

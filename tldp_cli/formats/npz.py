@@ -99,7 +99,9 @@ class NpzReader(Reader):
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise InputError(f"{path}: holds more than one array named {', '.join(twice)}")
-        chosen, self.messages = tensor_files.select(path, self.tensors, options.datasets)
+        chosen, self.messages, unperturbed = tensor_files.select(path, self.tensors, options.datasets,
+                                                                 options.exclude)
+        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
         self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy")) for t in chosen]
 
     def _tensor(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Tensor:
@@ -135,7 +137,8 @@ class NpzWriter(Writer):
         self.dtypes = reader.dtypes
         self.to_write = {job.name for job in reader.jobs}
         chosen = [t for t in reader.tensors if t.name in self.to_write]
-        self.postprocessing = tensor_files.postprocessing(chosen, dtype)
+        self.variances = tensor_files.variances(chosen)
+        self.postprocessing = tensor_files.postprocessing(chosen, dtype, self.variances)
         self.output_dtype = tensor_files.output_dtype(chosen)
         self.pending: dict[str, np.ndarray] = {}  # perturbed, waiting for the members before them
         self.received: set[str] = set()
@@ -153,7 +156,8 @@ class NpzWriter(Writer):
         self.out.comment = reader.comment
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name])
+        stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name],
+                                        positive=job.name in self.variances)
         with self.lock:
             self.pending[job.name] = stored
             self.received.add(job.name)
