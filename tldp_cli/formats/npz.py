@@ -29,19 +29,31 @@ NAME = "npz"
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def can_open(path: Path) -> bool:
-    """A zip archive whose first member is a .npy file (read from its local header)."""
+def _first_member(path: Path) -> bytes | None:
+    """The name of a zip archive's first member (from its local header); None if not a zip."""
     if not path.is_file():
-        return False
+        return None
     try:
         with open(path, "rb") as f:
             head = f.read(30)
             if len(head) < 30 or head[:4] != ZIP_MAGIC:
-                return False
+                return None
             name_length = struct.unpack("<H", head[26:28])[0]
-            return f.read(name_length).endswith(b".npy")
+            return f.read(name_length)
     except OSError:
-        return False
+        return None
+
+
+def _is_torch_checkpoint(first: bytes) -> bool:
+    """torch.save's zip format: ARCHIVE/data.pkl first (a pickle, never read here)."""
+    return first.endswith(b"/data.pkl")
+
+
+def can_open(path: Path) -> bool:
+    """A zip archive whose first member is a .npy file; or a PyTorch checkpoint, which the
+    reader refuses with the way to convert it."""
+    first = _first_member(path)
+    return first is not None and (first.endswith(b".npy") or _is_torch_checkpoint(first))
 
 
 def default_output(path: Path) -> Path:
@@ -84,6 +96,11 @@ class NpzReader(Reader):
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
+        if _is_torch_checkpoint(_first_member(path) or b""):
+            raise InputError(f"{path}: a PyTorch checkpoint (torch.save), which holds pickled code "
+                             "tldp does not load; save the state dict with "
+                             "safetensors.torch.save_file(model.state_dict(), 'model.safetensors') "
+                             "and perturb that")
         self.dtypes: dict[str, np.dtype] = {}  # each tensor's stored dtype, byte order included
         try:
             with zipfile.ZipFile(path) as zf:

@@ -86,11 +86,11 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: lis
     reasons = {}
     for t in tensors:
         pattern = matching(t.name, list(exclude))
-        if not t.perturbable:
+        if t.name in norm_stats:
+            reasons[t.name] = NORM_REASON
+        elif not t.perturbable:
             reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
                                f"{t.dtype}: only floating-point tensors are perturbed")
-        elif t.name in norm_stats:
-            reasons[t.name] = NORM_REASON
         elif pattern is not None:
             reasons[t.name] = f"--exclude {pattern}"
     chosen = [t for t in tensors if t.name not in reasons]
