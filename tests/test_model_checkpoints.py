@@ -83,6 +83,8 @@ def test_opted_in_variance_is_perturbed_and_stays_positive(cli, tmp_path):
     assert any("variances (bn.running_var)" in step for step in m["postprocessing"])
     after = load_file(str(tmp_path / "net.tldp.safetensors"))
     assert (after["bn.running_var"] > 0).all()
+    # the noise took some below 0: raised to float32's smallest positive normal value
+    assert (after["bn.running_var"] == np.finfo(np.float32).tiny).any()
     assert not after["bn.running_mean"].equal(net.state_dict()["bn.running_mean"])
     assert np.isfinite(run_forward(net, after)).all()
 
@@ -113,7 +115,7 @@ def test_numpy_batchnorm_stays_finite(cli, tmp_path, opt_in):
     before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
     assert after["bn.num_batches_tracked"] == 7 and after["bn.num_batches_tracked"].dtype == np.int64
     if opt_in:
-        assert (after["bn.running_var"] > 0).all()
+        assert (after["bn.running_var"] > 0).all() and (after["bn.running_var"] == np.finfo(np.float32).tiny).any()
         assert (after["bn.running_var"] != before["bn.running_var"]).any()
         assert "bn.running_mean" in [u["name"] for u in m["unperturbed"]]
     else:
@@ -171,3 +173,87 @@ def test_torch_save_checkpoint_is_refused_clearly(cli, tmp_path):
     assert_one_line_error(cli("perturb", src, *ARGS), 1, str(src), "PyTorch checkpoint",
                           "safetensors.torch.save_file")
     assert tree_digest(src) == digest and siblings(tmp_path) == {"net.pt"}
+
+
+# --------------------------------------------------------------------------- Keras weights
+
+def write_keras_weights(path: Path) -> Path:
+    """The layout Keras 3's Model.save_weights writes (saving_lib.H5IOStore): the model's own
+    /vars, each layer's variables at /layers/<snake_case class name>[_N]/vars/<i>.
+    BatchNormalization: gamma, beta, moving_mean, moving_variance."""
+    import h5py
+
+    rng = np.random.default_rng(7)
+    layers = {"conv2d": [rng.normal(0, 0.1, (3, 3, 3, 8)), np.zeros(8)],
+              "batch_normalization": [np.ones(8), np.zeros(8), rng.normal(0, 0.1, 8),
+                                      rng.uniform(1e-4, 1e-3, 8)],
+              "dense": [rng.normal(0, 0.1, (128, 10)), np.zeros(10)]}
+    with h5py.File(path, "w") as f:
+        f.create_group("vars")
+        for layer, weights in layers.items():
+            group = f.create_group(f"layers/{layer}").create_group("vars")
+            for i, w in enumerate(weights):
+                group[str(i)] = w.astype(np.float32)
+        f.create_group("optimizer").create_group("vars")["0"] = np.int64(12)  # iterations, a scalar
+    return path
+
+
+def h5_layout(path: Path) -> dict:
+    import h5py
+
+    layout = {}
+    with h5py.File(path, "r") as f:
+        layout["/"] = dict(f.attrs)
+        f.visititems(lambda name, obj: layout.__setitem__(name, (
+            type(obj).__name__, dict(obj.attrs),
+            (obj.shape, obj.dtype.str, obj.chunks) if hasattr(obj, "dtype") else None)))
+    return layout
+
+
+def test_keras_weights_are_tensors_and_keep_the_layout(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    result = cli("perturb", src, *ARGS, "--json")
+    m = manifest_of(result)
+    out = tmp_path / "model.tldp.weights.h5"
+    assert h5_layout(out) == h5_layout(src)
+    bn = "/layers/batch_normalization/vars/"
+    assert {u["name"]: u["reason"] for u in m["unperturbed"]} == {
+        bn + "2": NORM_REASON, bn + "3": NORM_REASON,
+        "/optimizer/vars/0": "int64: only floating-point tensors are perturbed"}
+    # each weight is one record: a bias of 8 values is one record of 8 elements
+    per_tensor = {t["name"]: t["elements"] for t in m["accounting"]["per_tensor"]}
+    assert per_tensor["/layers/conv2d/vars/1"] == 8 and per_tensor["/layers/dense/vars/0"] == 1280
+    assert m["records"] == 6 and "keras weights" in result.stderr.lower()
+    with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+        for name in (bn + "2", bn + "3", "optimizer/vars/0"):
+            np.testing.assert_array_equal(b[name][()], a[name][()])
+        assert not np.array_equal(b["layers/dense/vars/0"][()], a["layers/dense/vars/0"][()])
+        assert np.isfinite(b["layers/dense/vars/0"][()]).all()
+
+
+def test_keras_opted_in_moving_variance_stays_positive(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    variance = "layers/batch_normalization/vars/3"
+    m = manifest_of(cli("perturb", src, "--eps", "0.1", *ARGS[2:], "--json", "--dataset", variance,
+                        "--dataset", "/layers/dense/vars/0"))
+    assert any(f"variances (/{variance})" in step for step in m["postprocessing"])
+    with h5py.File(tmp_path / "model.tldp.weights.h5", "r") as f:
+        assert (f[variance][()] > 0).all() and f[variance].dtype == np.float32
+
+
+def test_keras_exclude_and_a_plain_hdf5_file_is_not_a_model(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    m = manifest_of(cli("plan", src, *ARGS, "--json", "--exclude", "/layers/dense/*"))
+    assert {u["name"] for u in m["unperturbed"]} >= {"/layers/dense/vars/0", "/layers/dense/vars/1"}
+    plain = tmp_path / "data.h5"
+    with h5py.File(plain, "w") as f:
+        f["vars/0"] = np.zeros((5, 3), np.float32)
+        f["x"] = np.zeros((5, 3), np.float32)  # not a variable: a dataset file
+    m = manifest_of(cli("plan", plain, "--eps", "1", "--range", "0:1", "--json", "--exclude", "x"))
+    assert "per_tensor" not in m["accounting"] and m["records"] == 5
