@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 from tldp_cli import __version__, accounting, output
 from tldp_cli.errors import TldpError, UsageError
 from tldp_cli.mechanisms import default_noise
-from tldp_cli.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
+from tldp_cli.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, parse_ranges, perturb
 
 DEBUG_ENV = "TLDP_DEBUG"
 SEED_ENV = "TLDP_SEED"
@@ -311,11 +311,13 @@ def perturb_command(
         help="element: the paper's calibration, --eps is what each element gets (a record of I "
              "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
              "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
-    value_range: Annotated[Optional[str], typer.Option(
-        "--range", metavar="LO:HI",
+    value_range: Annotated[Optional[list[str]], typer.Option(
+        "--range", metavar="[NAME=]LO:HI",
         help="Declared value range. Required for float data and integers wider than 16 bits; "
              "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
-             "inferred from the data.")] = None,
+             "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
+             "own range (--range t2m=200:330 --range tp=0:0.5); LO:HI is then the range of the "
+             "others.", show_default=False)] = None,
     weights: Annotated[Optional[Path], typer.Option(
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
@@ -453,10 +455,11 @@ def perturb_command(
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     def action():
+        default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input, epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
-            budget=budget.value, value_range=parse_range(value_range) if value_range else None,
+            budget=budget.value, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=_resolve_seed(seed, seed_file, quiet),
             seed_file=seed_file,
             allow_weak_seed=allow_weak_seed, rng=rng.value,
@@ -806,8 +809,8 @@ def plan_command(
     sampler: Annotated[Sampler, typer.Option(help="As for perturb.")] = Sampler.exact,
     mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
     budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
-    value_range: Annotated[Optional[str], typer.Option(
-        "--range", metavar="LO:HI", help="As for perturb.", show_default=False)] = None,
+    value_range: Annotated[Optional[list[str]], typer.Option(
+        "--range", metavar="[NAME=]LO:HI", help="As for perturb.", show_default=False)] = None,
     dp_delta: Annotated[float, typer.Option(help="As for perturb.")] = 1e-5,
     granularity: Annotated[Optional[float], typer.Option(metavar="G", help="As for perturb.",
                                                          show_default=False)] = None,
@@ -857,11 +860,12 @@ def plan_command(
             raise UsageError("--eps is required")
         if (input is None) == (elements is None):
             raise UsageError("give INPUT or --elements (a description of the records), not both")
+        default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value,
-            value_range=parse_range(value_range) if value_range else None, dtype=dtype.value,
+            value_range=default_range, ranges=ranges, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
             exclude=exclude or [], image_format=image_format.value, allow_raw_release=allow_raw_release)
         if input is not None:
