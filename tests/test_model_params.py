@@ -129,7 +129,11 @@ def test_summary_names_tensors_and_the_whole_file(cli, tmp_path):
     src = write_model_safetensors(tmp_path / "m.safetensors")
     result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
-    assert "copied unchanged: step (int64), mask (bool)" in result.stderr
+    assert ("4 tensors, the largest of 128 elements; copied unchanged: step (int64: only floating-point "
+            "tensors are perturbed); mask (bool: only floating-point tensors are perturbed)") in result.stderr
+    manifest = json.loads((tmp_path / "m.tldp.safetensors.manifest.json").read_text())
+    assert [(u["name"], u["dtype"], u["shape"]) for u in manifest["unperturbed"]] == [
+        ("step", "int64", [1]), ("mask", "bool", [4])]
     assert "4 tensors, the largest of 128 elements" in result.stderr
     # 128 + 16 + 128 + 12 elements of eps 0.999 each (the exact sampler's discrete Laplace)
     assert "whole file, 4 tensors (eps=283.7," in result.stderr

@@ -183,5 +183,16 @@ def progress_bar(quiet: bool, unit: str):
 
 
 
+def unperturbed_note(manifest: dict) -> str:
+    """Every tensor a model file's run copies unchanged (the manifest's `unperturbed`), by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for entry in manifest.get("unperturbed", []):
+        by_reason.setdefault(entry["reason"], []).append(entry["name"])
+    if not by_reason:
+        return ""
+    return "; copied unchanged: " + "; ".join(f"{', '.join(names)} ({reason})"
+                                               for reason, names in by_reason.items())
+
+
 def main():
     app()

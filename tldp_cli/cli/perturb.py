@@ -12,8 +12,8 @@ import typer
 from tldp_cli.cli.options import AllowWeakSeed, Budget, ImageFormat, Mechanism, Noise, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_range, perturb
-from tldp_cli.cli.app import DEBUG_ENV, app, progress_bar, run, sigterm_interrupts
+from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+from tldp_cli.cli.app import DEBUG_ENV, app, progress_bar, run, sigterm_interrupts, unperturbed_note
 
 
 @app.command("perturb", no_args_is_help=True)
@@ -46,11 +46,13 @@ def perturb_command(
         help="element: the paper's calibration, --eps is what each element gets (a record of I "
              "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
              "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
-    value_range: Annotated[Optional[str], typer.Option(
-        "--range", metavar="LO:HI",
+    value_range: Annotated[Optional[list[str]], typer.Option(
+        "--range", metavar="[NAME=]LO:HI",
         help="Declared value range. Required for float data and integers wider than 16 bits; "
              "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
-             "inferred from the data.")] = None,
+             "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
+             "own range (--range t2m=200:330 --range tp=0:0.5); LO:HI is then the range of the "
+             "others.", show_default=False)] = None,
     weights: Annotated[Optional[Path], typer.Option(
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
@@ -89,9 +91,15 @@ def perturb_command(
     dataset: Annotated[Optional[list[str]], typer.Option(
         "--dataset", metavar="PATH",
         help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
-             "dataset whose first axis matches the others'. Model files (.npz, .safetensors): a "
-             "tensor by name; default: every floating-point tensor. Unselected ones are copied "
-             "unchanged.")] = None,
+             "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
+             "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+             "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
+             "Unselected ones are copied unchanged and listed.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", metavar="PATTERN",
+        help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
+             "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
+        show_default=False)] = None,
     image_format: Annotated[ImageFormat, typer.Option(
         help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
              "(float32, unclipped).")] = ImageFormat.png,
@@ -182,18 +190,19 @@ def perturb_command(
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     def action():
+        default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input, epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
-            budget=budget.value, value_range=parse_range(value_range) if value_range else None,
+            budget=budget.value, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
             seed_file=seed_file,
             allow_weak_seed=allow_weak_seed, rng=rng.value,
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
-            skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
+            datasets=dataset or [], exclude=exclude or [], image_format=image_format.value,
+            copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
@@ -214,7 +223,8 @@ def perturb_command(
         shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
                  if "per_tensor" in m["accounting"] else
                  f"{m['records']} records x {m['elements_per_record']} elements")
-        typer.echo(f"tldp: wrote {result.output} ({shape}) and {result.manifest_path}", err=True)
+        typer.echo(f"tldp: wrote {result.output} ({shape}{unperturbed_note(m)}) and "
+                   f"{result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))

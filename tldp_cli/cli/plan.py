@@ -13,8 +13,8 @@ from tldp_cli.cli.options import Budget, ImageFormat, Mechanism, Noise, OutDtype
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import PerturbOptions, parse_range
-from tldp_cli.cli.app import DEBUG_ENV, app, run
+from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
+from tldp_cli.cli.app import DEBUG_ENV, app, run, unperturbed_note
 
 
 @app.command("plan", no_args_is_help=True)
@@ -27,13 +27,15 @@ def plan_command(
     sampler: Annotated[Sampler, typer.Option(help="As for perturb.")] = Sampler.exact,
     mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
     budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
-    value_range: Annotated[Optional[str], typer.Option(
-        "--range", metavar="LO:HI", help="As for perturb.", show_default=False)] = None,
+    value_range: Annotated[Optional[list[str]], typer.Option(
+        "--range", metavar="[NAME=]LO:HI", help="As for perturb.", show_default=False)] = None,
     dp_delta: Annotated[float, typer.Option(help="As for perturb.")] = 1e-5,
     granularity: Annotated[Optional[float], typer.Option(metavar="G", help="As for perturb.",
                                                          show_default=False)] = None,
     dataset: Annotated[Optional[list[str]], typer.Option(
         "--dataset", metavar="PATH", help="As for perturb.", show_default=False)] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", metavar="PATTERN", help="As for perturb.", show_default=False)] = None,
     clip: Annotated[Optional[float], typer.Option("--clip", metavar="C", help="As for perturb.",
                                                   show_default=False)] = None,
     dtype: Annotated[OutDtype, typer.Option(help="As for perturb.")] = OutDtype.float32,
@@ -76,13 +78,14 @@ def plan_command(
             raise UsageError("--eps is required")
         if (input is None) == (elements is None):
             raise UsageError("give INPUT or --elements (a description of the records), not both")
+        default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value,
-            value_range=parse_range(value_range) if value_range else None, dtype=dtype.value,
+            value_range=default_range, ranges=ranges, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            image_format=image_format.value, allow_raw_release=allow_raw_release)
+            exclude=exclude or [], image_format=image_format.value, allow_raw_release=allow_raw_release)
         if input is not None:
             return planning.plan_input(options)
         return planning.plan_records(options, parse_shape(elements), records, input_dtype)
@@ -95,7 +98,7 @@ def plan_command(
         typer.echo(f"tldp: plan: {c['records']} records, the largest of {report['elements_per_record']} "
                    f"elements; {report['noise']} noise of scale {c['noise_scale']:.4g}, element eps "
                    f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
-                   f"values {c['values_dtype']}", err=True)
+                   f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))

@@ -65,7 +65,7 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -77,6 +77,7 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
+from tldp_cli.formats import tensor_files
 from tldp_cli.files.checked_io import pwrite_all, write_error, writing
 from tldp_cli.files.output import shown
 
@@ -357,6 +358,8 @@ class Hdf5Reader(Reader):
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         self.messages: list[str] = []
+        self.tensors: list[tensor_files.Tensor] = []  # Keras weights: the chosen ones
+        self.variances: set[str] = set()  # Keras weights: the chosen moving variances
         self.encodings: dict[str, _Encoding] = {}  # job name -> its encoding, where it has one
         try:
             self.size = os.stat(path).st_size
@@ -365,7 +368,12 @@ class Hdf5Reader(Reader):
             raise InputError(f"{path}: cannot read the HDF5 file ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
         try:
-            self.jobs = [self._job(name, ds) for name, ds in self._select(options.datasets)]
+            found = self._all_datasets()
+            self.keras = _keras_weights(self.file, found)
+            if self.keras:
+                self.jobs = self._select_tensors(found, options)
+            else:
+                self.jobs = [self._job(name, ds) for name, ds in self._select(found, options)]
             self._check_outside_references()
         except BaseException:
             self.file.close()
@@ -419,8 +427,34 @@ class Hdf5Reader(Reader):
                              "it may be truncated or corrupt") from None
         return found
 
-    def _select(self, requested: list[str]) -> list[tuple[str, h5py.Dataset]]:
-        found = self._all_datasets()
+    def _select_tensors(self, found: dict[str, h5py.Dataset], options: FormatOptions) -> list[ArrayJob]:
+        """A Keras weights file: each weight one record, chosen as in any model file."""
+        self.records_are_tensors = True
+        tensors = [tensor_files.Tensor(name, tuple(ds.shape or ()), ds.dtype.name if ds.dtype.kind in "iufb"
+                                       else str(ds.dtype)) for name, ds in found.items()]
+        requested = [posixpath.normpath("/" + name.strip("/")) for name in options.datasets]
+        chosen, self.messages, unperturbed = tensor_files.select(
+            self.path, tensors, requested, options.exclude, norm_stats=_keras_norm_stats(found))
+        self.messages.insert(0, f"{self.path.name} has the layout of a Keras weights file: each "
+                                "weight is one record")
+        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
+        self.tensors = chosen
+        self.variances = {name for name in _keras_norm_stats(found, variances_only=True)
+                          if name in {t.name for t in chosen}}
+        for tensor in chosen:
+            _check_storage(self.path, self.size, tensor.name, found[tensor.name], perturbed=True)
+        return [tensor_files.job(self.path, NAME, t, _Whole(self.path, t.name, self.size)) for t in chosen]
+
+    def _select(self, found: dict[str, h5py.Dataset], options: FormatOptions) -> list[tuple[str, h5py.Dataset]]:
+        requested = options.datasets
+        unmatched = [p for p in options.exclude
+                     if not any(tensor_files.matching(name, [p]) for name in found)]
+        if unmatched:
+            raise UsageError(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file")
+        excluded = {name for name in found if tensor_files.matching(name, options.exclude)}
+        both = sorted(excluded & {posixpath.normpath("/" + n.strip("/")) for n in requested})
+        if both:
+            raise UsageError(f"{self.path}: dataset {both[0]} is named by --dataset and matched by --exclude")
         if requested:
             chosen = {}  # object -> (name, dataset): two names of one dataset perturb it once
             for name in requested:
@@ -430,7 +464,9 @@ class Hdf5Reader(Reader):
             return list(chosen.values())
 
         numeric = {name: tuple(ds.shape) for name, ds in found.items()
-                   if _is_numeric(ds.dtype) and ds.shape is not None}
+                   if _is_numeric(ds.dtype) and ds.shape is not None and name not in excluded}
+        if excluded:
+            self.messages.append(f"left out the datasets {listing(sorted(excluded))} (--exclude)")
         coordinates = self._coordinates(found)
         left_out = [name for name, shape in numeric.items()
                     if _object_key(found[name]) in coordinates and len(shape) >= 2]
@@ -533,6 +569,55 @@ class Hdf5Reader(Reader):
 
 def open_reader(path: Path, options: FormatOptions) -> Hdf5Reader:
     return Hdf5Reader(path, options)
+
+
+# Keras 3 (Model.save_weights, the model.weights.h5 inside a .keras archive): every object's
+# variables are datasets "0", "1", ... in a "vars" group, the model's own at /vars, a layer's
+# at /layers/<snake_case class name>[_N]/vars. BatchNormalization's are gamma, beta (each
+# when enabled), moving_mean, moving_variance: its statistics are the last two.
+_KERAS_VARIABLE = re.compile(r"/(?:.*/)?vars/\d+")
+_KERAS_BATCHNORM = re.compile(r"batch_normalization(?:_\d+)?")
+
+
+def _keras_weights(file: h5py.File, found: dict[str, h5py.Dataset]) -> bool:
+    """Whether the file has the layout of Keras 3 weights: a /vars group and every dataset
+    a variable in a vars group."""
+    return (file.get("vars", getclass=True) is h5py.Group and bool(found)
+            and all(_KERAS_VARIABLE.fullmatch(name) for name in found))
+
+
+def _keras_norm_stats(found: dict[str, h5py.Dataset], variances_only: bool = False) -> set[str]:
+    """The moving_mean and moving_variance of each BatchNormalization layer (the variances
+    only, with `variances_only`)."""
+    by_layer: dict[str, list[str]] = {}
+    for name in found:
+        group = posixpath.dirname(posixpath.dirname(name))
+        if _KERAS_BATCHNORM.fullmatch(posixpath.basename(group)):
+            by_layer.setdefault(group, []).append(name)
+    stats = set()
+    for names in by_layer.values():
+        names.sort(key=lambda n: int(posixpath.basename(n)))
+        stats.update(names[-1:] if variances_only else names[-2:])
+    return stats
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """Reads one dataset whole, as one record (a model weight). Picklable."""
+
+    path: Path
+    dataset: str
+    size: int  # the file's size at open
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        try:
+            with h5py.File(self.path, "r") as f:
+                values = np.asarray(f[self.dataset][()])
+        except Exception as exc:
+            _check_not_shrunk(self.path, self.size)
+            raise InputError(f"{self.path}: cannot read dataset {self.dataset} ({_reason(exc)})") from None
+        _check_not_shrunk(self.path, self.size)
+        return values[None][start:stop]
 
 
 def _variable(word: str, group: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset | None:
@@ -727,6 +812,9 @@ class Hdf5Writer(Writer):
         self.messages = reader.messages
         src = self.src = reader.file
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
+        # Keras weights: each keeps its dtype and shape (one record each), variances stay > 0
+        self.tensors = {t.name: t for t in reader.tensors} if reader.records_are_tensors else {}
+        self.variances = reader.variances
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
@@ -759,6 +847,10 @@ class Hdf5Writer(Writer):
                 self._copy_group(src, self.file)
                 self._fix_references()
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
+            if self.tensors:
+                chosen = list(self.tensors.values())
+                self.postprocessing += tensor_files.postprocessing(chosen, self.dtype, self.variances)
+                self.output_dtype = tensor_files.output_dtype(chosen)
             self._describe_cf()
             _check_not_shrunk(reader.path, reader.size)  # what was copied came from the whole file
         except BaseException:
@@ -863,6 +955,7 @@ class Hdf5Writer(Writer):
     def _create_perturbed(self, src: h5py.Dataset, dst: h5py.Group, name: str, job_name: str) -> None:
         plist = src.id.get_create_plist()
         space = src.id.get_space()
+        dtype = src.dtype if job_name in self.tensors else self.dtype
         if plist.get_layout() == h5d.CHUNKED:
             # Keeps chunking, lossless filters, fill value (HDF5 converts it) and object flags;
             # the chunk layout records the element size, so set it again for the new dtype.
@@ -874,18 +967,18 @@ class Hdf5Writer(Writer):
             # would write into other files, the input's included.
             fresh = h5p.create(h5p.DATASET_CREATE)
             if plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
-                fill = np.zeros((), dtype=self.dtype)
+                fill = np.zeros((), dtype=dtype)
                 plist.get_fill_value(fill)
                 fresh.set_fill_value(fill)
             fresh.set_obj_track_times(plist.get_obj_track_times())
             fresh.set_attr_creation_order(plist.get_attr_creation_order())
             plist = fresh
-            space = h5s.create_simple(src.shape)
+            space = h5s.create_simple(src.shape) if src.shape else h5s.create(h5s.SCALAR)
         replaced = self._cf_attrs(src, job_name)
         fill = replaced.get(b"_FillValue")
         if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
             plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
-        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=plist))
+        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=plist))
         _copy_attrs(src, out, replaced)
         self.datasets[job_name] = out
 
@@ -965,8 +1058,13 @@ class Hdf5Writer(Writer):
             block = block.copy()  # the caller's block is not ours to change
             for marker, out in markers:
                 block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
+        tensor = self.tensors.get(job.name)
         with self._hdf5():
-            self.datasets[job.name][start:start + len(block)] = block
+            if tensor is not None:
+                self.datasets[job.name][()] = tensor_files.to_stored(
+                    block[0], tensor.dtype, self.datasets[job.name].dtype, positive=job.name in self.variances)
+            else:
+                self.datasets[job.name][start:start + len(block)] = block
 
     def close(self) -> list[Path]:
         try:

@@ -29,19 +29,31 @@ NAME = "npz"
 ZIP_MAGIC = b"PK\x03\x04"
 
 
-def can_open(path: Path) -> bool:
-    """A zip archive whose first member is a .npy file (read from its local header)."""
+def _first_member(path: Path) -> bytes | None:
+    """The name of a zip archive's first member (from its local header); None if not a zip."""
     if not path.is_file():
-        return False
+        return None
     try:
         with open(path, "rb") as f:
             head = f.read(30)
             if len(head) < 30 or head[:4] != ZIP_MAGIC:
-                return False
+                return None
             name_length = struct.unpack("<H", head[26:28])[0]
-            return f.read(name_length).endswith(b".npy")
+            return f.read(name_length)
     except OSError:
-        return False
+        return None
+
+
+def _is_torch_checkpoint(first: bytes) -> bool:
+    """torch.save's zip format: ARCHIVE/data.pkl first (a pickle, never read here)."""
+    return first.endswith(b"/data.pkl")
+
+
+def can_open(path: Path) -> bool:
+    """A zip archive whose first member is a .npy file; or a PyTorch checkpoint, which the
+    reader refuses with the way to convert it."""
+    first = _first_member(path)
+    return first is not None and (first.endswith(b".npy") or _is_torch_checkpoint(first))
 
 
 def default_output(path: Path) -> Path:
@@ -84,6 +96,11 @@ class NpzReader(Reader):
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
+        if _is_torch_checkpoint(_first_member(path) or b""):
+            raise InputError(f"{path}: a PyTorch checkpoint (torch.save), which holds pickled code "
+                             "tldp does not load; save the state dict with "
+                             "safetensors.torch.save_file(model.state_dict(), 'model.safetensors') "
+                             "and perturb that")
         self.dtypes: dict[str, np.dtype] = {}  # each tensor's stored dtype, byte order included
         try:
             with zipfile.ZipFile(path) as zf:
@@ -99,7 +116,9 @@ class NpzReader(Reader):
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise InputError(f"{path}: holds more than one array named {', '.join(twice)}")
-        chosen, self.messages = tensor_files.select(path, self.tensors, options.datasets)
+        chosen, self.messages, unperturbed = tensor_files.select(path, self.tensors, options.datasets,
+                                                                 options.exclude)
+        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
         self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy")) for t in chosen]
 
     def _tensor(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Tensor:
@@ -135,7 +154,8 @@ class NpzWriter(Writer):
         self.dtypes = reader.dtypes
         self.to_write = {job.name for job in reader.jobs}
         chosen = [t for t in reader.tensors if t.name in self.to_write]
-        self.postprocessing = tensor_files.postprocessing(chosen, dtype)
+        self.variances = tensor_files.variances(chosen)
+        self.postprocessing = tensor_files.postprocessing(chosen, dtype, self.variances)
         self.output_dtype = tensor_files.output_dtype(chosen)
         self.pending: dict[str, np.ndarray] = {}  # perturbed, waiting for the members before them
         self.received: set[str] = set()
@@ -153,7 +173,8 @@ class NpzWriter(Writer):
         self.out.comment = reader.comment
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name])
+        stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name],
+                                        positive=job.name in self.variances)
         with self.lock:
             self.pending[job.name] = stored
             self.received.add(job.name)

@@ -133,7 +133,9 @@ class SafetensorsReader(Reader):
         self.header, self.metadata, self.entries = _parse(path)
         self.data_start = len(self.header)
         tensors = [e.tensor for e in self.entries]
-        chosen, self.messages = tensor_files.select(path, tensors, options.datasets)
+        chosen, self.messages, unperturbed = tensor_files.select(path, tensors, options.datasets,
+                                                                 options.exclude)
+        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
         names = {t.name for t in chosen}
         self.jobs = [tensor_files.job(path, NAME, e.tensor, _Read(path, e, self.data_start))
                      for e in self.entries if e.tensor.name in names]
@@ -156,10 +158,11 @@ class _Blocks:
     path: Path
     data_start: int
     offsets: dict  # tensor name -> (begin, end)
+    variances: frozenset[str]  # kept > 0 (tensor_files.to_stored)
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         begin, end = self.offsets[job.name]
-        data = tensor_files.to_stored(block[0], job.source["dtype"])
+        data = tensor_files.to_stored(block[0], job.source["dtype"], positive=job.name in self.variances)
         data = data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
         if data.nbytes != end - begin:
             raise OutputError(f"{self.path}: tensor {job.name} would take {data.nbytes} bytes, "
@@ -177,7 +180,8 @@ class SafetensorsWriter(Writer):
         self.path = tmp_path
         chosen = {job.name for job in reader.jobs}
         tensors = [e.tensor for e in reader.entries if e.tensor.name in chosen]
-        self.postprocessing = tensor_files.postprocessing(tensors, dtype)
+        variances = tensor_files.variances(tensors)
+        self.postprocessing = tensor_files.postprocessing(tensors, dtype, variances)
         self.output_dtype = tensor_files.output_dtype(tensors)
         end = max((e.end for e in reader.entries), default=0)
         with open(reader.path, "rb") as src, writing(tmp_path), open(tmp_path, "xb") as out:
@@ -189,7 +193,7 @@ class SafetensorsWriter(Writer):
                     out.seek(reader.data_start + e.begin)
                     copy_bytes(src, reader.path, out, tmp_path, e.end - e.begin)
         self.write = _Blocks(tmp_path, reader.data_start,
-                             {e.tensor.name: (e.begin, e.end) for e in reader.entries})
+                             {e.tensor.name: (e.begin, e.end) for e in reader.entries}, frozenset(variances))
 
     def block_writer(self) -> _Blocks:
         return self.write

@@ -13,12 +13,14 @@ selected: noise would have to be rounded into their codes.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -40,39 +42,95 @@ class Tensor:
         return self.dtype in FLOAT_DTYPES and self.size > 0
 
 
-def select(path: Path, tensors: list[Tensor], requested: list[str]) -> tuple[list[Tensor], list[str]]:
-    """The tensors to perturb (in file order) and the messages that say what was chosen."""
-    by_name = {t.name: t for t in tensors}
+# Normalisation statistics (PyTorch BatchNorm buffers, Keras moving averages) by the last
+# part of their name: perturbed, a variance can go negative and the model outputs NaN.
+NORM_STATS = ("running_mean", "running_var", "num_batches_tracked", "moving_mean", "moving_variance")
+VARIANCES = ("running_var", "moving_variance")
+NORM_REASON = "normalisation statistics: perturbing can make the variance negative"
+
+
+def leaf(name: str) -> str:
+    """The last part of a tensor's name: bn1.running_var -> running_var."""
+    return re.split(r"[./]", name)[-1]
+
+
+def matching(name: str, patterns: list[str]) -> str | None:
+    """The first --exclude glob that matches the name (with or without a leading "/")."""
+    return next((p for p in patterns
+                 if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name.lstrip("/"), p.lstrip("/"))),
+                None)
+
+
+def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: list[str] = (),
+           norm_stats: set[str] | None = None) -> tuple[list[Tensor], list[str], list[dict]]:
+    """The tensors to perturb (in file order), the messages that say what was chosen, and
+    the tensors copied unchanged, each with the reason (the manifest's `unperturbed`).
+
+    Default: every floating-point tensor but the normalisation statistics (`norm_stats`,
+    by default found by name) and those an --exclude glob matches. Named with --dataset,
+    a floating-point tensor is perturbed whatever it is."""
+    if norm_stats is None:
+        norm_stats = {t.name for t in tensors if leaf(t.name) in NORM_STATS}
+    unmatched = [p for p in exclude if not any(matching(t.name, [p]) for t in tensors)]
+    if unmatched:
+        raise UsageError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
     if requested:
-        wanted = set()
-        for name in requested:
-            tensor = by_name.get(name)
-            where = f"{path}: tensor {name}"
-            if tensor is None:
-                floats = [t.name for t in tensors if t.perturbable]
-                shown = floats or [f"{t.name} ({t.dtype})" for t in tensors]
-                listing = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
-                hint = (f"floating-point tensors: {listing}" if floats else
-                        f"no floating-point tensor; tensors: {listing}" if tensors else "it holds no tensor")
-                raise InputError(f"{where}: no such tensor in the file ({hint})")
-            if tensor.dtype not in FLOAT_DTYPES:
-                raise InputError(f"{where}: has dtype {tensor.dtype}; tldp perturbs the floating-point "
-                                 "tensors of a model file (each keeps its dtype); leave it out and it "
-                                 "is copied unchanged")
-            if tensor.size == 0:
-                raise InputError(f"{where}: is empty (shape {tensor.shape}); nothing to perturb")
-            wanted.add(name)
-        return [t for t in tensors if t.name in wanted], []
-    chosen = [t for t in tensors if t.perturbable]
+        wanted = {_requested(path, tensors, name).name for name in requested}
+        both = [(n, matching(n, list(exclude))) for n in wanted if matching(n, list(exclude))]
+        if both:
+            raise UsageError(f"{path}: tensor {both[0][0]} is named by --dataset and matched by "
+                             f"--exclude {both[0][1]}; give one")
+        chosen = [t for t in tensors if t.name in wanted]
+        reasons = {t.name: "not named by --dataset" for t in tensors if t.name not in wanted}
+        return chosen, [], _unperturbed(tensors, reasons)
+    reasons = {}
+    for t in tensors:
+        pattern = matching(t.name, list(exclude))
+        if t.name in norm_stats:
+            reasons[t.name] = NORM_REASON
+        elif not t.perturbable:
+            reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
+                               f"{t.dtype}: only floating-point tensors are perturbed")
+        elif pattern is not None:
+            reasons[t.name] = f"--exclude {pattern}"
+    chosen = [t for t in tensors if t.name not in reasons]
     if not chosen:
-        raise InputError(f"{path}: no floating-point tensor to perturb (tensors: "
-                         f"{', '.join(f'{t.name} {t.dtype}' for t in tensors[:8]) or 'none'})")
-    kept = [t for t in tensors if not t.perturbable]
-    message = f"perturbing {len(chosen)} floating-point tensor{'s' if len(chosen) > 1 else ''} of {path.name}"
-    if kept:
-        listing = ", ".join(f"{t.name} ({t.dtype})" for t in kept[:8]) + (", ..." if len(kept) > 8 else "")
-        message += f"; copied unchanged: {listing}"
-    return chosen, [message + " (choose with --dataset NAME)"]
+        listing = ", ".join(f"{t.name} ({t.dtype})" for t in tensors[:8]) or "none"
+        raise InputError(f"{path}: no floating-point tensor to perturb (tensors: {listing}"
+                         + ("; see --exclude and the normalisation statistics" if reasons and any(
+                             t.perturbable for t in tensors) else "") + ")")
+    message = (f"perturbing {len(chosen)} floating-point tensor{'s' if len(chosen) > 1 else ''} "
+               f"of {path.name} (choose with --dataset NAME, leave out with --exclude PATTERN)")
+    return chosen, [message], _unperturbed(tensors, reasons)
+
+
+def _requested(path: Path, tensors: list[Tensor], name: str) -> Tensor:
+    """The tensor --dataset names, refused unless it can be perturbed."""
+    tensor = next((t for t in tensors if t.name == name), None)
+    where = f"{path}: tensor {name}"
+    if tensor is None:
+        floats = [t.name for t in tensors if t.perturbable]
+        shown = floats or [f"{t.name} ({t.dtype})" for t in tensors]
+        listing = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
+        hint = (f"floating-point tensors: {listing}" if floats else
+                f"no floating-point tensor; tensors: {listing}" if tensors else "it holds no tensor")
+        raise InputError(f"{where}: no such tensor in the file ({hint})")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise InputError(f"{where}: has dtype {tensor.dtype}; tldp perturbs the floating-point "
+                         "tensors of a model file (each keeps its dtype); leave it out and it "
+                         "is copied unchanged")
+    if tensor.size == 0:
+        raise InputError(f"{where}: is empty (shape {tensor.shape}); nothing to perturb")
+    return tensor
+
+
+def _unperturbed(tensors: list[Tensor], reasons: dict[str, str]) -> list[dict]:
+    return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "reason": reasons[t.name]}
+            for t in tensors if t.name in reasons]
+
+
+def manifest_extra(unperturbed: list[dict]) -> dict:
+    return {"unperturbed": unperturbed} if unperturbed else {}
 
 
 def job(path: Path, format_name: str, tensor: Tensor, read) -> ArrayJob:
@@ -93,12 +151,22 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
 
 
-def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None = None) -> np.ndarray:
+def smallest_positive(dtype: str) -> float:
+    """The smallest positive normal value of a float dtype (bfloat16 shares float32's)."""
+    return float(np.finfo(np.float32 if dtype == "bfloat16" else np.dtype(dtype)).tiny)
+
+
+def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None = None,
+              positive: bool = False) -> np.ndarray:
     """Perturbed values in the tensor's own dtype: bfloat16 as its uint16 bit patterns.
 
     Values beyond a narrow dtype's largest finite value saturate there instead of
-    becoming infinite (a noisy float16 parameter near 65504 stays finite).
+    becoming infinite (a noisy float16 parameter near 65504 stays finite). `positive`
+    (a perturbed variance): values <= 0 are raised to the dtype's smallest positive
+    normal value, so the variance stays in its domain.
     """
+    if positive:
+        values = np.maximum(values, smallest_positive(dtype))
     if dtype in NARROW_MAX:
         limit = NARROW_MAX[dtype]
         values = np.clip(values, -limit, limit)
@@ -107,9 +175,13 @@ def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None =
     return np.asarray(values).astype(byteorder_dtype or np.dtype(dtype))
 
 
-def postprocessing(tensors: list[Tensor], noise_dtype: np.dtype) -> list[str]:
-    """The steps after the noise, for the manifest."""
+def postprocessing(tensors: list[Tensor], noise_dtype: np.dtype, variances: set[str] = frozenset()
+                   ) -> list[str]:
+    """The steps after the noise, for the manifest; `variances`: the perturbed variances."""
     steps = []
+    if variances:
+        steps.append(f"variances ({', '.join(sorted(variances))}): values <= 0 raised to the smallest "
+                     "positive normal value of their dtype, so each stays > 0")
     noise_dtype = np.dtype(noise_dtype)
     for dtype in sorted({t.dtype for t in tensors}):
         size = 2 if dtype in NARROW_MAX else np.dtype(dtype).itemsize
@@ -121,6 +193,11 @@ def postprocessing(tensors: list[Tensor], noise_dtype: np.dtype) -> list[str]:
             steps.append(f"{dtype} tensors perturbed in {noise_dtype} precision (--dtype float64 keeps "
                          "double precision)")
     return steps
+
+
+def variances(tensors: list[Tensor]) -> set[str]:
+    """The variances among these tensors, by name (running_var, moving_variance)."""
+    return {t.name for t in tensors if leaf(t.name) in VARIANCES}
 
 
 def output_dtype(tensors: list[Tensor]) -> str:

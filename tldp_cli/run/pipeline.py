@@ -62,7 +62,8 @@ class PerturbOptions:
     noise: str = "laplace"
     mechanism: str = "tldp"
     budget: str = "element"
-    value_range: tuple[float, float] | None = None
+    value_range: tuple[float, float] | None = None  # --range LO:HI: every array without its own
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # --range NAME=LO:HI
     weights: Path | None = None
     out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
     manifest: Path | None = None
@@ -76,6 +77,7 @@ class PerturbOptions:
     clip_input: bool = False
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
     image_format: str = "png"
     copy_other: bool = False
     skip_bad: bool = False
@@ -117,6 +119,25 @@ def parse_range(text: str) -> tuple[float, float]:
     if hi <= lo:
         raise UsageError(f"--range {text} is empty or inverted: HI must be greater than LO")
     return lo, hi
+
+
+def parse_ranges(texts: list[str]) -> tuple[tuple[float, float] | None, dict[str, tuple[float, float]]]:
+    """--range values: at most one LO:HI (the default), and NAME=LO:HI for single arrays."""
+    default, own = None, {}
+    for text in texts:
+        name, sep, bounds = text.rpartition("=")
+        if not sep:
+            if default is not None:
+                raise UsageError(f"--range {text}: a second LO:HI; give one default range, and "
+                                 "NAME=LO:HI for single datasets or tensors")
+            default = parse_range(text)
+        elif not name:
+            raise UsageError(f"--range {text}: NAME=LO:HI needs the dataset's or tensor's name")
+        elif name in own:
+            raise UsageError(f"--range {name}=...: given twice")
+        else:
+            own[name] = parse_range(bounds)
+    return default, own
 
 
 def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
@@ -184,21 +205,23 @@ class BlockTask:
     source: Path
     write: Callable[[ArrayJob, int, np.ndarray], None] | None  # None: return the block instead
     grid: discrete.Grid | None = None  # discrete noises: snapped values are clipped into it
+    bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)  # (lo, top, grid)
 
     def __call__(self, job: ArrayJob, start: int, stop: int,
                  count_only: bool = False) -> tuple[int, np.ndarray | None]:
         """(values outside the range, the noisy block if `write` is None). With values
         outside the range, or `count_only` (the run is failing), nothing is perturbed."""
+        lo, hi, grid = self.bounds.get(job.name, (self.lo, self.hi, self.grid))
         block = job.read(start, stop)
-        outside = validate_block(block, job, start, self.lo, self.hi, self.source)
+        outside = validate_block(block, job, start, lo, hi, self.source)
         if (outside and not self.clip_input) or count_only:
             return (0 if self.clip_input else outside), None
         if self.clip_input:
-            block = np.clip(block, self.lo, self.hi)
+            block = np.clip(block, lo, hi)
         mask = self.masks.get(job.name)
         weights = None if mask is None else mask.for_block(start, stop)
         noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
-                                       self.streams, weights, self.dtype, self.grid)
+                                       self.streams, weights, self.dtype, grid)
         if self.write is None:
             return 0, noisy
         self.write(job, start, noisy)
@@ -260,7 +283,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     if options.clip is not None:
         if not (math.isfinite(options.clip) and options.clip > 0):
             raise UsageError(f"--clip must be a finite number > 0, not {options.clip}")
-        if options.value_range is not None:
+        if options.value_range is not None or options.ranges:
             raise UsageError("--clip C sets the range to (-C, C); give --clip or --range, not both")
     if options.weights is not None and options.mechanism in GAUSSIAN_ONLY:
         raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} "
@@ -289,14 +312,26 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         raise UsageError("--name-map applies to --anonymize-names")
     if options.anonymize_names and module.NAME != "images":
         raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.NAME}")
-    format_options = FormatOptions(datasets=list(options.datasets), image_format=options.image_format,
-                                   copy_other=options.copy_other, skip_bad=options.skip_bad,
-                                   anonymize_names=options.anonymize_names)
+    format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
         return _perturb(options, module, reader, format_options, progress)
     finally:
         reader.close()
+
+
+# The formats whose readers honour --exclude.
+EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+
+
+def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
+    """What the format's reader is told; refuses --exclude where no reader would honour it."""
+    if options.exclude and module.NAME not in EXCLUDE_FORMATS:
+        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
+                         f"HDF5 files, not {module.NAME}")
+    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
+                         image_format=options.image_format, copy_other=options.copy_other,
+                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
 
 
 def _where(job: ArrayJob, source: Path) -> str:
@@ -323,29 +358,62 @@ class Plan:
     certified: dict[str, Any]
     rows: list[list[str]]
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
+    # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
+    bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)
 
     @property
     def top(self) -> float:
         """The largest valid value: hi, or for integer data under discrete noise (range
         [lo, hi), the values lo..hi-1) the grid's last value."""
-        return self.hi if self.grid is None or self.grid.granularity else self.grid.high
+        return _top(self.hi, self.grid)
+
+    def checked_bounds(self) -> dict[str, tuple[float, float, discrete.Grid | None]]:
+        """Each array's (lo, top, grid) where arrays have different ranges (see BlockTask)."""
+        return {name: (lo, _top(hi, grid), grid) for name, (lo, hi, grid) in self.bounds.items()}
 
 
-def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
-         per_tensor: bool = False) -> Plan:
-    """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
-    sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
+def _top(hi: float, grid: discrete.Grid | None) -> float:
+    return hi if grid is None or grid.granularity else grid.high
+
+
+def ranges_by_array(options: PerturbOptions, jobs: list[ArrayJob]) -> dict[str, tuple[float, float]]:
+    """Each array's declared range: from --clip, its own --range NAME=LO:HI, or the default
+    --range LO:HI (integer data of 8 and 16 bits: its dtype's)."""
     source = options.input
-    rows = rows or []
     if options.clip is not None:
         lo, hi = -options.clip, options.clip
         if discrete.is_discrete(options.noise) and all(job.dtype.kind in "iu" for job in jobs):
             # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
-    else:
-        lo, hi = resolve_range(options.value_range, jobs, source)
-    out_dtype = np.dtype(options.dtype)
+        return {job.name: (lo, hi) for job in jobs}
+    by_shown = {job.name.lstrip("/"): job.name for job in jobs}  # HDF5 names with or without "/"
+    own = {}
+    for given, bounds in options.ranges.items():
+        name = by_shown.get(given.lstrip("/"))
+        if name is None:
+            raise UsageError(f"{source}: --range {given}={bounds[0]:g}:{bounds[1]:g} names no array this "
+                             f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})")
+        own[name] = bounds
+    rest = [job for job in jobs if job.name not in own]
+    default = resolve_range(options.value_range, rest, source) if rest else None
+    return {job.name: own.get(job.name, default) for job in jobs}
+
+
+@dataclass
+class _RangeGroup:
+    """The arrays of one declared range, their grid and calibrations."""
+
+    lo: float
+    hi: float
+    grid: discrete.Grid | None
+    calib_of: dict[str, Calibration]
+    out_dtype: np.dtype
+
+
+def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
+                     rows: list[list[str]]) -> _RangeGroup:
+    source = options.input
     grid = None  # discrete noises: the integers, or the grid G*Z that float data is snapped to
     if discrete.is_discrete(options.noise):
         grid = discrete.resolve_grid(lo, hi, [job.dtype for job in jobs], options.granularity,
@@ -358,16 +426,40 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
         granularity=grid and grid.granularity, rows=rows,
         arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
                 for job in jobs})
-    calibrations = list(dict.fromkeys(calib_of.values()))
+    out_dtype = np.dtype(options.dtype)
+    scales = [c.scale for c in calib_of.values()]
     if grid is None:
-        for calib in calibrations:  # before any output: float noise the dtype can hold
+        for scale in set(scales):  # before any output: float noise the dtype can hold
             try:
-                engine.check_noise_scale(calib.scale, out_dtype)
+                engine.check_noise_scale(scale, out_dtype)
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, options.noise, max(c.scale for c in calibrations),
-                                          options.dtype)
+        out_dtype = discrete.output_dtype(grid, options.noise, max(scales), options.dtype)
+    return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
+
+
+def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
+         per_tensor: bool = False) -> Plan:
+    """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
+    sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
+    source = options.input
+    rows = rows or []
+    range_of = ranges_by_array(options, jobs)
+    members: dict[tuple[float, float], list[ArrayJob]] = {}
+    for job in jobs:
+        members.setdefault(range_of[job.name], []).append(job)
+    split = [row for row in rows if len({range_of[name] for name in row}) > 1]
+    if split and options.budget == "record":
+        raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
+                         "each), which have different --range values; give them one range, or use "
+                         "--budget element")
+    groups = [_calibrate_group(options, lo, hi, group,
+                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)])
+              for (lo, hi), group in members.items()]
+    calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
+    calibrations = list(dict.fromkeys(calib_of.values()))
+    out_dtype = np.result_type(*(group.out_dtype for group in groups))
     # The certified figures are the worst case over every calibration. Computed before the
     # data: a failure costs nothing, and the accountant's peak memory does not stack on the
     # streaming buffers.
@@ -385,7 +477,11 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
             f"is {delta:.3g}, {unmet} (the retain probability depends on the data's units). "
             f"{raw_release_advice(options.noise)}; or pass --allow-raw-release to accept it (the manifest records it)")
     largest = max(calibrations, key=lambda c: (c.elements, -c.scale))
-    return Plan(lo, hi, grid, calib_of, calibrations, largest, out_dtype, certified, rows, raw_release)
+    # The scalar fields (value_range, grid) describe the largest record's range, as its calibration
+    main = next(group for group in groups if largest in group.calib_of.values())
+    bounds = {name: (group.lo, group.hi, group.grid) for group in groups for name in group.calib_of}
+    return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
+                raw_release, bounds if len(groups) > 1 or options.ranges else {})
 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
@@ -453,7 +549,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                 masks=masks, lo=lo, hi=run.top,
                 clip_input=options.clip_input or options.clip is not None,
                 dtype=out_dtype,
-                source=source, write=writer.write, grid=grid)
+                source=source, write=writer.write, grid=grid, bounds=run.checked_bounds())
             if options.scheduler == "dask":
                 needed = [source] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
                 results = _run_dask(block_task, tasks, writer, tmp_output, needed, options,
@@ -482,6 +578,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             written = writer.close()
         if outside_counts:
             _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
+            lo, hi, grid = run.bounds.get(job.name, (lo, hi, grid))
             raise DataError(
                 f"{_where(job, source)}: {sum(n for n, _, _ in outside_counts)} values lie outside the "
                 f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
@@ -650,6 +747,10 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
     if run.grid is not None:
         extra.update(discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype))
+    if run.bounds:  # --range NAME=LO:HI: each array's range (and grid step)
+        extra["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
+        if run.grid is not None:
+            extra["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
     sizes = {c.elements for c in run.calibrations}
     if len(sizes) > 1:
         extra["elements_per_record_range"] = [min(sizes), max(sizes)]
@@ -708,6 +809,7 @@ def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_
             record[_OPTION_NAMES.get(f.name, "--" + f.name.replace("_", "-"))] = (
                 str(value) if isinstance(value, Path) else value)
     record["--range"] = list(value_range)  # as resolved (integer data: its dtype's range)
+    record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
     return record
 
 

@@ -16,8 +16,15 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions
-from tldp_cli.run.pipeline import PerturbOptions, build_manifest, checked_options, plan, row_groups
+from tldp_cli.formats import ArrayJob
+from tldp_cli.run.pipeline import (
+    PerturbOptions,
+    build_manifest,
+    checked_format_options,
+    checked_options,
+    plan,
+    row_groups,
+)
 
 SCHEMA = "tldp-plan/1"
 DESCRIBED = "records"  # the name of a described (not read) array
@@ -27,9 +34,7 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
     """The plan of `tldp perturb` with these options on options.input."""
     options = checked_options(options)
     module = formats.detect(options.input)
-    reader = module.open_reader(options.input, FormatOptions(
-        datasets=list(options.datasets), image_format=options.image_format,
-        copy_other=options.copy_other, skip_bad=options.skip_bad))
+    reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
         jobs = reader.arrays()
         run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),

@@ -1,0 +1,94 @@
+"""--range NAME=LO:HI: one declared range per dataset or tensor (issue 17), for variables in
+different units in one run. Inputs are written with netCDF4 and safetensors, outputs read
+back with them."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.builders import assert_one_line_error, write_safetensors
+from tests.conftest import siblings
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import calibrate
+
+netCDF4 = pytest.importorskip("netCDF4")
+
+RNG = np.random.default_rng(17)
+T2M = RNG.uniform(230, 310, (40, 3, 4)).astype(np.float32)  # kelvin
+TP = RNG.uniform(0, 0.3, (40, 3, 4)).astype(np.float32)  # metres of rain
+
+
+def write_weather(path):
+    with netCDF4.Dataset(path, "w") as nc:
+        for dim, size in zip(("time", "lat", "lon"), T2M.shape):
+            nc.createDimension(dim, size)
+        for name, values in (("t2m", T2M), ("tp", TP)):
+            nc.createVariable(name, "f4", ("time", "lat", "lon"))[:] = values
+    return path
+
+
+def test_each_variable_gets_its_own_range(cli, tmp_path):
+    src = write_weather(tmp_path / "era.nc")
+    result = cli("perturb", src, "--eps", "2", "--sampler", "float", "--range", "t2m=200:330",
+                 "--range", "tp=0:0.5", "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["value_ranges"] == {"/t2m": [200.0, 330.0], "/tp": [0.0, 0.5]}
+    # each variable calibrated to its own width: Laplace b = W / eps, one calibration per range
+    expected = {calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=2.0, range_width=w,
+                          elements=12).scale for w in (130.0, 0.5)}
+    assert sorted(c["noise_scale"] for c in m["calibrations"]) == pytest.approx(sorted(expected))
+    calibs = [calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=2.0, range_width=w,
+                        elements=12) for w in (130.0, 0.5)]
+    # row i of t2m and of tp is one subject's record: the two compose
+    certified = accounting.certify_all(calibs, [calibs])
+    assert m["row_datasets"] == [["/t2m", "/tp"]]
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(certified["per_record"]["epsilon"])
+    with netCDF4.Dataset(tmp_path / "era.tldp.nc") as nc:
+        t2m, tp = nc["t2m"][:].filled(np.nan), nc["tp"][:].filled(np.nan)
+    # kept values are the raw ones; the noise on tp is on the scale of 0.5, not of 130
+    assert np.isfinite(t2m).all() and np.isfinite(tp).all()
+    assert np.median(np.abs(tp - TP)) < 1 and np.median(np.abs(t2m - T2M)) > 5
+
+
+def test_a_bare_range_is_the_default_for_the_others(cli, tmp_path):
+    src = write_weather(tmp_path / "era.nc")
+    result = cli("plan", src, "--eps", "1", "--range", "t2m=200:330", "--range", "0:0.5", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["value_ranges"] == {"/t2m": [200.0, 330.0], "/tp": [0.0, 0.5]}
+
+
+def test_values_outside_a_variables_range_name_it(cli, tmp_path):
+    src = write_weather(tmp_path / "era.nc")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--range", "t2m=200:330", "--range", "tp=0:0.1"),
+                          1, "dataset /tp", "outside the declared range [0, 0.1]")
+    assert siblings(tmp_path) == before
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("--range", "nope=0:1", "--range", "0:1"), "--range nope=0:1 names no array this run perturbs"),
+    (("--range", "t2m=200:330"), "float32 data needs --range"),
+    (("--range", "0:1", "--range", "0:2"), "a second LO:HI"),
+    (("--range", "t2m=1:0", "--range", "0:1"), "empty or inverted"),
+    (("--range", "t2m=200:330", "--range", "tp=0:1", "--budget", "record"), "different --range values"),
+    (("--range", "t2m=200:330", "--clip", "1"), "not both")])
+def test_usage_errors(cli, tmp_path, args, fragment):
+    src = write_weather(tmp_path / "era.nc")
+    for command in ("perturb", "plan"):
+        assert_one_line_error(cli(command, src, "--eps", "1", *args), 2, fragment)
+
+
+def test_tensor_ranges_in_a_model_file(cli, tmp_path):
+    from safetensors.numpy import load_file
+
+    src = write_safetensors(tmp_path / "m.safetensors", {"w": np.full((8, 8), 0.5, np.float32),
+                                                         "b": np.full(64, 50.0, np.float32)})
+    result = cli("perturb", src, "--eps", "4", "--range", "w=-1:1", "--range", "b=0:100", "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["value_ranges"] == {"w": [-1.0, 1.0], "b": [0.0, 100.0]}
+    assert len({t["noise_scale"] for t in m["accounting"]["per_tensor"]}) == 2
+    out = load_file(str(tmp_path / "m.tldp.safetensors"))
+    assert out["w"].dtype == np.float32 and np.isfinite(out["b"]).all()

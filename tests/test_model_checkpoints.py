@@ -1,0 +1,259 @@
+"""Model checkpoints that must still load and run after perturbation (issue 17): BatchNorm
+statistics, --exclude, the tensors copied unchanged, and what is not a model file.
+
+Files are written by the libraries people use (safetensors.torch / safetensors.numpy,
+torch.save) and the outputs are reopened with them.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
+
+from tests.builders import assert_one_line_error
+from tests.conftest import siblings, tree_digest
+from tldp_cli.formats.tensor_files import NORM_REASON
+
+ARGS = ("--eps", "1", "--clip", "0.5", "--allow-raw-release")
+STATS = ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
+
+
+def small_net():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    net.add_module("conv", torch.nn.Conv2d(3, 8, 3))
+    net.add_module("bn", torch.nn.BatchNorm2d(8))
+    net.add_module("relu", torch.nn.ReLU())
+    net.add_module("flat", torch.nn.Flatten())
+    net.add_module("fc", torch.nn.Linear(8 * 4 * 4, 10))
+    net.train()
+    for _ in range(3):  # running statistics of real batches, num_batches_tracked = 3
+        net(torch.randn(16, 3, 6, 6) * 2 + 1)
+    return net.eval()
+
+
+def run_forward(net, state) -> "np.ndarray":
+    import torch
+
+    net.load_state_dict(state)
+    with torch.no_grad():
+        return net(torch.randn(4, 3, 6, 6)).numpy()
+
+
+def manifest_of(result) -> dict:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_torch_batchnorm_model_loads_and_runs(cli, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    net = small_net()
+    src = tmp_path / "net.safetensors"
+    save_file(net.state_dict(), str(src))
+    result = cli("perturb", src, *ARGS, "--json")
+    m = manifest_of(result)
+    assert {u["name"]: u["reason"] for u in m["unperturbed"]} == {name: NORM_REASON for name in STATS}
+    assert sorted(t["name"] for t in m["accounting"]["per_tensor"]) == [
+        "bn.bias", "bn.weight", "conv.bias", "conv.weight", "fc.bias", "fc.weight"]
+    copied = ", ".join(u["name"] for u in m["unperturbed"])
+    assert f"copied unchanged: {copied} ({NORM_REASON})" in result.stderr
+    before, after = load_file(str(src)), load_file(str(tmp_path / "net.tldp.safetensors"))
+    for name in STATS:
+        assert after[name].dtype == before[name].dtype and after[name].equal(before[name])
+    assert not after["conv.weight"].equal(before["conv.weight"])
+    assert np.isfinite(run_forward(net, after)).all()
+
+
+def test_opted_in_variance_is_perturbed_and_stays_positive(cli, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    net = small_net()
+    src = tmp_path / "net.safetensors"
+    save_file(net.state_dict(), str(src))
+    floats = [n for n, t in net.state_dict().items() if t.is_floating_point()]
+    # Running variances near 0 after clipping to 0.5: at eps 0.1 most noisy values are negative.
+    result = cli("perturb", src, "--eps", "0.1", "--clip", "0.5", "--allow-raw-release", "--json",
+                 *[arg for name in floats for arg in ("--dataset", name)])
+    m = manifest_of(result)
+    assert [u["name"] for u in m["unperturbed"]] == ["bn.num_batches_tracked"]
+    assert any("variances (bn.running_var)" in step for step in m["postprocessing"])
+    after = load_file(str(tmp_path / "net.tldp.safetensors"))
+    assert (after["bn.running_var"] > 0).all()
+    # the noise took some below 0: raised to float32's smallest positive normal value
+    assert (after["bn.running_var"] == np.finfo(np.float32).tiny).any()
+    assert not after["bn.running_mean"].equal(net.state_dict()["bn.running_mean"])
+    assert np.isfinite(run_forward(net, after)).all()
+
+
+def batchnorm_forward(tensors: dict, x: np.ndarray) -> np.ndarray:
+    """A BatchNorm layer in inference mode, then a linear layer, in NumPy."""
+    normed = (x - tensors["bn.running_mean"]) / np.sqrt(tensors["bn.running_var"] + 1e-5)
+    return (normed * tensors["bn.weight"] + tensors["bn.bias"]) @ tensors["fc.weight"].T + tensors["fc.bias"]
+
+
+def write_numpy_model(path: Path) -> Path:
+    rng = np.random.default_rng(3)
+    save_numpy({"bn.weight": np.ones(32, np.float32), "bn.bias": np.zeros(32, np.float32),
+                "bn.running_mean": rng.normal(0, 0.1, 32).astype(np.float32),
+                "bn.running_var": rng.uniform(1e-4, 1e-3, 32).astype(np.float32),
+                "bn.num_batches_tracked": np.array(7, np.int64),
+                "fc.weight": rng.normal(0, 0.1, (4, 32)).astype(np.float32),
+                "fc.bias": np.zeros(4, np.float32)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_numpy_batchnorm_stays_finite(cli, tmp_path, opt_in):
+    """Without torch: safetensors.numpy files, the layer computed in NumPy."""
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    named = ("--dataset", "bn.running_var", "--dataset", "fc.weight") if opt_in else ()
+    m = manifest_of(cli("perturb", src, "--eps", "0.1", *ARGS[2:], "--json", *named))
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    assert after["bn.num_batches_tracked"] == 7 and after["bn.num_batches_tracked"].dtype == np.int64
+    if opt_in:
+        assert (after["bn.running_var"] > 0).all() and (after["bn.running_var"] == np.finfo(np.float32).tiny).any()
+        assert (after["bn.running_var"] != before["bn.running_var"]).any()
+        assert "bn.running_mean" in [u["name"] for u in m["unperturbed"]]
+    else:
+        np.testing.assert_array_equal(after["bn.running_var"], before["bn.running_var"])
+    out = batchnorm_forward(after, np.random.default_rng(0).normal(size=(5, 32)).astype(np.float32))
+    assert np.isfinite(out).all()
+
+
+def test_exclude_leaves_out_matching_tensors(cli, tmp_path):
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    result = cli("perturb", src, *ARGS, "--exclude", "*.bias", "--exclude", "fc.*", "--json")
+    m = manifest_of(result)
+    reasons = {u["name"]: u["reason"] for u in m["unperturbed"]}
+    assert reasons["bn.bias"] == reasons["fc.bias"] == "--exclude *.bias"
+    assert reasons["fc.weight"] == "--exclude fc.*"
+    assert [t["name"] for t in m["accounting"]["per_tensor"]] == ["bn.weight"]
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    for name in reasons:
+        np.testing.assert_array_equal(after[name], before[name])
+    assert "fc.weight (--exclude fc.*)" in result.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("--exclude", "conv*"), "--exclude conv* matches no tensor in the file"),
+    (("--dataset", "fc.bias", "--exclude", "*.bias"), "named by --dataset and matched by --exclude *.bias")])
+def test_exclude_usage_errors(cli, tmp_path, args, fragment):
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS, *args), 2, str(src), fragment)
+    assert_one_line_error(cli("plan", src, *ARGS, *args), 2, str(src), fragment)
+    assert siblings(tmp_path) == before
+
+
+def test_exclude_on_a_format_without_names(cli, tmp_path):
+    src = tmp_path / "x.npy"
+    np.save(src, np.zeros((4, 3), np.float32))
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--range", "0:1", "--exclude", "a"), 2,
+                          str(src), "--exclude applies to model files")
+
+
+def test_plan_lists_what_would_be_copied(cli, tmp_path):
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    result = cli("plan", src, *ARGS, "--json")
+    assert result.exit_code == 0, result.stderr
+    unperturbed = [u["name"] for u in json.loads(result.stdout)["unperturbed"]]
+    assert sorted(unperturbed) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    assert f"copied unchanged: {', '.join(unperturbed)} ({NORM_REASON})" in result.stderr
+
+
+def test_torch_save_checkpoint_is_refused_clearly(cli, tmp_path):
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "net.pt"
+    torch.save(small_net().state_dict(), src)
+    digest = tree_digest(src)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, str(src), "PyTorch checkpoint",
+                          "safetensors.torch.save_file")
+    assert tree_digest(src) == digest and siblings(tmp_path) == {"net.pt"}
+
+
+# --------------------------------------------------------------------------- Keras weights
+
+def write_keras_weights(path: Path) -> Path:
+    """The layout Keras 3's Model.save_weights writes (saving_lib.H5IOStore): the model's own
+    /vars, each layer's variables at /layers/<snake_case class name>[_N]/vars/<i>.
+    BatchNormalization: gamma, beta, moving_mean, moving_variance."""
+    import h5py
+
+    rng = np.random.default_rng(7)
+    layers = {"conv2d": [rng.normal(0, 0.1, (3, 3, 3, 8)), np.zeros(8)],
+              "batch_normalization": [np.ones(8), np.zeros(8), rng.normal(0, 0.1, 8),
+                                      rng.uniform(1e-4, 1e-3, 8)],
+              "dense": [rng.normal(0, 0.1, (128, 10)), np.zeros(10)]}
+    with h5py.File(path, "w") as f:
+        f.create_group("vars")
+        for layer, weights in layers.items():
+            group = f.create_group(f"layers/{layer}").create_group("vars")
+            for i, w in enumerate(weights):
+                group[str(i)] = w.astype(np.float32)
+        f.create_group("optimizer").create_group("vars")["0"] = np.int64(12)  # iterations, a scalar
+    return path
+
+
+def h5_layout(path: Path) -> dict:
+    import h5py
+
+    layout = {}
+    with h5py.File(path, "r") as f:
+        layout["/"] = dict(f.attrs)
+        f.visititems(lambda name, obj: layout.__setitem__(name, (
+            type(obj).__name__, dict(obj.attrs),
+            (obj.shape, obj.dtype.str, obj.chunks) if hasattr(obj, "dtype") else None)))
+    return layout
+
+
+def test_keras_weights_are_tensors_and_keep_the_layout(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    result = cli("perturb", src, *ARGS, "--json")
+    m = manifest_of(result)
+    out = tmp_path / "model.tldp.weights.h5"
+    assert h5_layout(out) == h5_layout(src)
+    bn = "/layers/batch_normalization/vars/"
+    assert {u["name"]: u["reason"] for u in m["unperturbed"]} == {
+        bn + "2": NORM_REASON, bn + "3": NORM_REASON,
+        "/optimizer/vars/0": "int64: only floating-point tensors are perturbed"}
+    # each weight is one record: a bias of 8 values is one record of 8 elements
+    per_tensor = {t["name"]: t["elements"] for t in m["accounting"]["per_tensor"]}
+    assert per_tensor["/layers/conv2d/vars/1"] == 8 and per_tensor["/layers/dense/vars/0"] == 1280
+    assert m["records"] == 6 and "keras weights" in result.stderr.lower()
+    with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+        for name in (bn + "2", bn + "3", "optimizer/vars/0"):
+            np.testing.assert_array_equal(b[name][()], a[name][()])
+        assert not np.array_equal(b["layers/dense/vars/0"][()], a["layers/dense/vars/0"][()])
+        assert np.isfinite(b["layers/dense/vars/0"][()]).all()
+
+
+def test_keras_opted_in_moving_variance_stays_positive(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    variance = "layers/batch_normalization/vars/3"
+    m = manifest_of(cli("perturb", src, "--eps", "0.1", *ARGS[2:], "--json", "--dataset", variance,
+                        "--dataset", "/layers/dense/vars/0"))
+    assert any(f"variances (/{variance})" in step for step in m["postprocessing"])
+    with h5py.File(tmp_path / "model.tldp.weights.h5", "r") as f:
+        assert (f[variance][()] > 0).all() and f[variance].dtype == np.float32
+
+
+def test_keras_exclude_and_a_plain_hdf5_file_is_not_a_model(cli, tmp_path):
+    import h5py
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    m = manifest_of(cli("plan", src, *ARGS, "--json", "--exclude", "/layers/dense/*"))
+    assert {u["name"] for u in m["unperturbed"]} >= {"/layers/dense/vars/0", "/layers/dense/vars/1"}
+    plain = tmp_path / "data.h5"
+    with h5py.File(plain, "w") as f:
+        f["vars/0"] = np.zeros((5, 3), np.float32)
+        f["x"] = np.zeros((5, 3), np.float32)  # not a variable: a dataset file
+    m = manifest_of(cli("plan", plain, "--eps", "1", "--range", "0:1", "--json", "--exclude", "x"))
+    assert "per_tensor" not in m["accounting"] and m["records"] == 5
