@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AllowWeakSeed, Budget, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
+from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Budget, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, fail, run
@@ -23,8 +23,7 @@ class AuditScope(str, Enum):
 
 @app.command("audit", no_args_is_help=True)
 def audit_command(
-    eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon, as for perturb.",
-                                       show_default=False)],
+    eps: Eps,
     noise: Annotated[Optional[Noise], typer.Option(
         help="As for perturb. Default: laplace; gaussian for mvg and idn.", show_default=False)] = None,
     sampler: Annotated[Sampler, typer.Option(
@@ -32,8 +31,8 @@ def audit_command(
              "data (discrete noise on its automatic grid); float audits the continuous samplers, "
              "whose floating-point leak the audit detects. --noise discrete-* audits integer "
              "data.")] = Sampler.exact,
-    mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
-    budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
+    mechanism: MechanismOption = Mechanism.tldp,
+    budget: BudgetOption = Budget.element,
     value_range: Annotated[str, typer.Option(
         "--range", metavar="LO:HI", help="The declared value range; the neighbours sit at its ends.")] = "0:256",
     elements: Annotated[str, typer.Option(
@@ -58,11 +57,11 @@ def audit_command(
                             "(or --seed-file, $TLDP_SEED).", show_default=False)] = None,
     seed_file: SeedFile = None,
     allow_weak_seed: AllowWeakSeed = False,
-    rng: Annotated[RngKind, typer.Option(help="As for perturb.")] = RngKind.secure,
-    dtype: Annotated[OutDtype, typer.Option(help="Output dtype, as for perturb.")] = OutDtype.float32,
+    rng: RngOption = RngKind.secure,
+    dtype: DtypeOption = OutDtype.float32,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON to stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
 ):
     """Look for evidence that a mechanism leaks more than its certified figures.
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
+from tldp_cli.cli.options import Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run
@@ -122,8 +122,8 @@ def evaluate_command(
     dataset: Annotated[Optional[str], typer.Option(
         metavar="PATH", help="--sweep: the HDF5/Zarr array to use when there are several.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing report or sweep files.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
 ):
     """Check perturbed data against its manifest and measure what survived the noise.
 

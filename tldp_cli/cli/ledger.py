@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from tldp_cli.cli.options import Quiet, Debug
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
 
@@ -17,8 +18,8 @@ def ledger_command(
     path: Annotated[Path, typer.Argument(metavar="LEDGER", help="A ledger written by perturb --ledger.",
                                          show_default=False)],
     json_out: Annotated[bool, typer.Option("--json", help="Print the ledger as JSON to stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
 ):
     """List the datasets of a release ledger, their releases and what they spend together.
 

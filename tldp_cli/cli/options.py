@@ -101,3 +101,72 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
     return text
 
 
+# The options several commands take, defined once.
+Eps = Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).", show_default=False)]
+NoiseOption = Annotated[Optional[Noise], typer.Option(
+    help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
+         "other. With the default --sampler exact, laplace and gaussian are drawn as "
+         "discrete-laplace and discrete-gaussian: exact integer noise, free of "
+         "floating-point leaks; integer data stays integer, float data is snapped to a grid "
+         "(--granularity).", show_default=False)]
+SamplerOption = Annotated[Sampler, typer.Option(
+    help="exact: noise whose figures hold for the bytes written (see --noise). float: "
+         "continuous noise computed in floating point, whose low-order bits leak the input; "
+         "its figures hold for the real-valued mechanism only (the manifest and summary "
+         "say so). mvg and idn need float.")]
+MechanismOption = Annotated[Mechanism, typer.Option(
+    help="tldp: keep each value with probability p, else add noise (paper, Algorithm 1). "
+         "baseline: noise on every element calibrated to the whole record. mvg: the "
+         "Matrix-Variate Gaussian mechanism with identity covariances (records unfolded "
+         "along their first axis); idn: Independent Directional Noise with W = identity; "
+         "both (eps, delta) at --dp-delta for the whole record.")]
+BudgetOption = Annotated[Budget, typer.Option(
+    help="element: the paper's calibration, --eps is what each element gets (a record of I "
+         "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
+         "whole record). record: --eps is what each whole record gets (certified).")]
+Ranges = Annotated[Optional[list[str]], typer.Option(
+    "--range", metavar="[NAME=]LO:HI",
+    help="Declared value range. Required for float data and integers wider than 16 bits; "
+         "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
+         "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
+         "own range (--range t2m=200:330 --range tp=0:0.5); LO:HI is then the range of the "
+         "others.", show_default=False)]
+DpDelta = Annotated[float, typer.Option(
+    help="delta at which (epsilon, delta) figures are reported.")]
+Granularity = Annotated[Optional[float], typer.Option(
+    metavar="G",
+    help="Discrete noise on float data: snap values to multiples of G and add the noise in "
+         "steps of G (the range gains one step of sensitivity). Default: the largest power "
+         "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)]
+Datasets = Annotated[Optional[list[str]], typer.Option(
+    "--dataset", metavar="PATH",
+    help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
+         "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
+         "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+         "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
+         "Unselected ones are copied unchanged and listed.")]
+Exclude = Annotated[Optional[list[str]], typer.Option(
+    "--exclude", metavar="PATTERN",
+    help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
+         "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
+    show_default=False)]
+Clip = Annotated[Optional[float], typer.Option(
+    "--clip", metavar="C",
+    help="Clip every value to [-C, C] (L-infinity clipping, e.g. model parameters) before "
+         "the noise and take (-C, C) as the range, so the range width is 2C. Not with "
+         "--range. Recorded in the manifest.", show_default=False)]
+DtypeOption = Annotated[OutDtype, typer.Option(
+    help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
+         "comes out as the smallest signed integer type that cannot wrap; float data on "
+         "the grid in this dtype.")]
+ImageFormatOption = Annotated[ImageFormat, typer.Option(
+    help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
+         "(float32, unclipped).")]
+AllowRawRelease = Annotated[bool, typer.Option(
+    help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
+         "otherwise; the manifest records the consent under raw_release_allowed).")]
+RngOption = Annotated[RngKind, typer.Option(
+    help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
+         "from its output.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Debug = Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)]

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AllowWeakSeed, Budget, ImageFormat, Mechanism, Noise, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.cli.options import Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
@@ -23,36 +23,12 @@ def perturb_command(
         help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
              "file (.npz, .safetensors; each tensor is one record) (detected).",
                                           show_default=False)],
-    eps: Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).",
-                                       show_default=False)],
-    noise: Annotated[Optional[Noise], typer.Option(
-        help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
-             "other. With the default --sampler exact, laplace and gaussian are drawn as "
-             "discrete-laplace and discrete-gaussian: exact integer noise, free of "
-             "floating-point leaks; integer data stays integer, float data is snapped to a grid "
-             "(--granularity).", show_default=False)] = None,
-    sampler: Annotated[Sampler, typer.Option(
-        help="exact: noise whose figures hold for the bytes written (see --noise). float: "
-             "continuous noise computed in floating point, whose low-order bits leak the input; "
-             "its figures hold for the real-valued mechanism only (the manifest and summary "
-             "say so). mvg and idn need float.")] = Sampler.exact,
-    mechanism: Annotated[Mechanism, typer.Option(
-        help="tldp: keep each value with probability p, else add noise (paper, Algorithm 1). "
-             "baseline: noise on every element calibrated to the whole record. mvg: the "
-             "Matrix-Variate Gaussian mechanism with identity covariances (records unfolded "
-             "along their first axis); idn: Independent Directional Noise with W = identity; "
-             "both (eps, delta) at --dp-delta for the whole record.")] = Mechanism.tldp,
-    budget: Annotated[Budget, typer.Option(
-        help="element: the paper's calibration, --eps is what each element gets (a record of I "
-             "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
-             "whole record). record: --eps is what each whole record gets (certified).")] = Budget.element,
-    value_range: Annotated[Optional[list[str]], typer.Option(
-        "--range", metavar="[NAME=]LO:HI",
-        help="Declared value range. Required for float data and integers wider than 16 bits; "
-             "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
-             "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
-             "own range (--range t2m=200:330 --range tp=0:0.5); LO:HI is then the range of the "
-             "others.", show_default=False)] = None,
+    eps: Eps,
+    noise: NoiseOption = None,
+    sampler: SamplerOption = Sampler.exact,
+    mechanism: MechanismOption = Mechanism.tldp,
+    budget: BudgetOption = Budget.element,
+    value_range: Ranges = None,
     weights: Annotated[Optional[Path], typer.Option(
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
@@ -74,35 +50,13 @@ def perturb_command(
              "gives the same noise: use a seed for one release only.", show_default=False)] = None,
     seed_file: SeedFile = None,
     allow_weak_seed: AllowWeakSeed = False,
-    rng: Annotated[RngKind, typer.Option(
-        help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
-             "from its output.")] = RngKind.secure,
-    dtype: Annotated[OutDtype, typer.Option(
-        help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
-             "comes out as the smallest signed integer type that cannot wrap; float data on "
-             "the grid in this dtype.")] = OutDtype.float32,
-    granularity: Annotated[Optional[float], typer.Option(
-        metavar="G",
-        help="Discrete noise on float data: snap values to multiples of G and add the noise in "
-             "steps of G (the range gains one step of sensitivity). Default: the largest power "
-             "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)] = None,
-    dp_delta: Annotated[float, typer.Option(
-        help="delta at which (epsilon, delta) figures are reported.")] = 1e-5,
-    dataset: Annotated[Optional[list[str]], typer.Option(
-        "--dataset", metavar="PATH",
-        help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
-             "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
-             "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
-             "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
-             "Unselected ones are copied unchanged and listed.")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option(
-        "--exclude", metavar="PATTERN",
-        help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
-             "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
-        show_default=False)] = None,
-    image_format: Annotated[ImageFormat, typer.Option(
-        help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
-             "(float32, unclipped).")] = ImageFormat.png,
+    rng: RngOption = RngKind.secure,
+    dtype: DtypeOption = OutDtype.float32,
+    granularity: Granularity = None,
+    dp_delta: DpDelta = 1e-5,
+    dataset: Datasets = None,
+    exclude: Exclude = None,
+    image_format: ImageFormatOption = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
         help="Image folders: copy files that are not images (default: report and skip).")] = False,
     skip_bad: Annotated[bool, typer.Option(
@@ -121,11 +75,7 @@ def perturb_command(
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
-    clip: Annotated[Optional[float], typer.Option(
-        "--clip", metavar="C",
-        help="Clip every value to [-C, C] (L-infinity clipping, e.g. model parameters) before "
-             "the noise and take (-C, C) as the range, so the range width is 2C. Not with "
-             "--range. Recorded in the manifest.", show_default=False)] = None,
+    clip: Clip = None,
     workers: Annotated[Optional[int], typer.Option(
         min=1, envvar="TLDP_WORKERS", help="Blocks perturbed in parallel threads (with --scheduler dask and no "
                     "--dask-address: local worker processes). Default: the number of cores. "
@@ -146,9 +96,7 @@ def perturb_command(
              ".OUT.tldp-partial). The options must match; with the same --seed the result "
              "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
-    allow_raw_release: Annotated[bool, typer.Option(
-        help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
-             "otherwise; the manifest records the consent under raw_release_allowed).")] = False,
+    allow_raw_release: AllowRawRelease = False,
     ledger: Annotated[Optional[Path], typer.Option(
         metavar="PATH", envvar="TLDP_LEDGER",
         help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
@@ -164,11 +112,11 @@ def perturb_command(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    quiet: Quiet = False,
     block_elements: Annotated[int, typer.Option(min=1, hidden=True,
                                                 help="Elements per block (tests, benchmarks).")
                               ] = BLOCK_ELEMENTS,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    debug: Debug = False,
 ):
     """Perturb every record of INPUT with TLDP and write a privacy manifest.
 

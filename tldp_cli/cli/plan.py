@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import Budget, ImageFormat, Mechanism, Noise, OutDtype, Sampler
+from tldp_cli.cli.options import Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -22,25 +22,20 @@ def plan_command(
     input: Annotated[Optional[Path], typer.Argument(
         metavar="[INPUT]", help="The input perturb would read (headers only); or describe the "
                                 "records with --elements instead.", show_default=False)] = None,
-    eps: Annotated[float, typer.Option("--eps", help="As for perturb.", show_default=False)] = None,
-    noise: Annotated[Optional[Noise], typer.Option(help="As for perturb.", show_default=False)] = None,
-    sampler: Annotated[Sampler, typer.Option(help="As for perturb.")] = Sampler.exact,
-    mechanism: Annotated[Mechanism, typer.Option(help="As for perturb.")] = Mechanism.tldp,
-    budget: Annotated[Budget, typer.Option(help="As for perturb.")] = Budget.element,
-    value_range: Annotated[Optional[list[str]], typer.Option(
-        "--range", metavar="[NAME=]LO:HI", help="As for perturb.", show_default=False)] = None,
-    dp_delta: Annotated[float, typer.Option(help="As for perturb.")] = 1e-5,
-    granularity: Annotated[Optional[float], typer.Option(metavar="G", help="As for perturb.",
-                                                         show_default=False)] = None,
-    dataset: Annotated[Optional[list[str]], typer.Option(
-        "--dataset", metavar="PATH", help="As for perturb.", show_default=False)] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option(
-        "--exclude", metavar="PATTERN", help="As for perturb.", show_default=False)] = None,
-    clip: Annotated[Optional[float], typer.Option("--clip", metavar="C", help="As for perturb.",
-                                                  show_default=False)] = None,
-    dtype: Annotated[OutDtype, typer.Option(help="As for perturb.")] = OutDtype.float32,
-    image_format: Annotated[ImageFormat, typer.Option(help="As for perturb.")] = ImageFormat.png,
-    allow_raw_release: Annotated[bool, typer.Option(help="As for perturb.")] = False,
+    eps: Eps = None,
+    noise: NoiseOption = None,
+    sampler: SamplerOption = Sampler.exact,
+    mechanism: MechanismOption = Mechanism.tldp,
+    budget: BudgetOption = Budget.element,
+    value_range: Ranges = None,
+    dp_delta: DpDelta = 1e-5,
+    granularity: Granularity = None,
+    dataset: Datasets = None,
+    exclude: Exclude = None,
+    clip: Clip = None,
+    dtype: DtypeOption = OutDtype.float32,
+    image_format: ImageFormatOption = ImageFormat.png,
+    allow_raw_release: AllowRawRelease = False,
     elements: Annotated[Optional[str], typer.Option(
         "--elements", "--shape", metavar="I", help="Without INPUT: elements per record, or the "
                                                    "record's shape (28x28).", show_default=False)] = None,
@@ -50,8 +45,8 @@ def plan_command(
                               "integers when --range has integer ends, else float64.",
         show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON to stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
 ):
     """State the guarantee perturb would give, before any data is read; write nothing.
 

@@ -9,11 +9,14 @@ from typing import Annotated
 import typer
 
 from tldp_cli.cli.app import app
+from tldp_cli.cli.options import Debug, Quiet
 
 
 @app.command("seed")
 def seed_command(
     json_out: Annotated[bool, typer.Option("--json", help='Print {"seed": ...} as JSON.')] = False,
+    quiet: Quiet = False,  # the seed is the only output, on stdout: accepted like every command's
+    debug: Debug = False,
 ):
     """Print a fresh random seed: 32 hex digits (128 bits) from the OS's secure source.
 

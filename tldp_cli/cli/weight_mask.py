@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.run.pipeline import parse_range
+from tldp_cli.cli.options import Quiet, Debug
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
 
@@ -78,8 +79,8 @@ def weight_mask_command(
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print the sidecar (how the mask was made) and the files written as JSON "
                        "to stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)] = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
 ):
     """Make a weight mask for weighted TLDP (perturb --weights).
 
