@@ -28,6 +28,7 @@ import csv
 import io
 import json
 import math
+from dataclasses import dataclass
 import os
 import time
 import warnings
@@ -789,102 +790,37 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
     if not perturbed.exists():
         raise InputError(f"{perturbed}: no such file or directory")
-    manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
-    if not manifest_path.is_file():
-        raise InputError(f"{manifest_path}: manifest not found (give it with --manifest)")
-    try:
-        m = manifest_mod.read(manifest_path)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InputError(f"{manifest_path}: not a readable JSON manifest ({exc})") from None
-    manifest_mod.check(m, manifest_path)
+    m, manifest_path = _read_manifest(perturbed, manifest_path)
     renamed = _renamed(m, original, name_map, manifest_path)
+    lo, hi = (float(v) for v in m["value_range"])
 
-    checks: list[dict] = []
-    checks.extend(_check_hashes(m, perturbed))
-
+    checks: list[dict] = list(_check_hashes(m, perturbed))
     module, reader = _open_original(original, m)
     try:
         jobs = reader.arrays()
-        lo, hi = (float(v) for v in m["value_range"])
-        acc = m.get("accounting") or {}
-        dtypes = [job.dtype for job in jobs]
-        rows = _row_datasets(m, jobs)
-        try:
-            grid = _grid(m, dtypes, original)
-            calibs = calibrate_arrays(  # by array (image) name
-                mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
-                epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
-                dp_delta=float(acc.get("dp_delta", 1e-5)), granularity=grid and grid.granularity,
-                rows=rows, arrays={job.name: (job.elements, matrix_rows(m["mechanism"], job.record_shape,
-                                                                        original)) for job in jobs})
-        except UsageError as exc:
-            raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
-        records_of: dict[Calibration, int] = {}
-        for job in jobs:
-            records_of[calibs[job.name]] = records_of.get(calibs[job.name], 0) + job.records
-        # first in the report: the manifest's figures against every record size of the original
-        checks.insert(0, check_parameters(m, list(records_of.items()), dtypes,
-                                          [[calibs[name] for name in row] for row in rows]))
+        calibs, records_of = _calibrations(m, jobs, original, manifest_path, checks)
         pairing_issues: list[dict] = []
         pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues, renamed)
         checks.extend(pairing_issues)
         checks.append(_shape_check(m, jobs, pairs))
-
-        total_records = sum(p.job.records for p in pairs)
-        total_elements = sum(p.job.records * p.job.elements for p in pairs)
-        stats = _NoiseStats(total_elements)
-        image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
-        integer = all(p.job.dtype.kind in "iu" for p in pairs)
-        data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
-        keep_for_task = bool(labels)
-        clipped_input = any(step in ("clip", "clip_input") for step in m.get("preprocessing") or [])
-        clean_parts, noisy_parts = [], []
-        done = 0
-        for pair in pairs:
-            if pair.perturbed_shape != pair.job.shape:
-                continue
-            step = max(1, BLOCK_ELEMENTS // max(1, pair.job.elements))
-            for start in range(0, pair.job.records, step):
-                stop = min(start + step, pair.job.records)
-                x = pair.job.read(start, stop)
-                if clipped_input:  # the noise was added to the clipped values
-                    x = np.clip(x, lo, hi)
-                y = np.asarray(pair.read_perturbed(start, stop))
-                stats.add(x, y, pair.calib, data_range)
-                if keep_for_task:
-                    clean_parts.append(x)
-                    noisy_parts.append(y)
-                done += stop - start
-                if progress:
-                    progress(stop - start, total_records)
+        measured = _measure(pairs, m, (lo, hi), bool(labels), progress)
     finally:
         reader.close()
 
+    stats, done = measured.stats, measured.records
     clipped = _is_clipped(m)
     weighted = bool(m.get("weights"))
     p = stats.expected_kept / stats.elements if stats.elements else 0.0
     checks.append(_error_check(stats, list(records_of), weighted, clipped, done))
     checks.append(_retained_check(stats, p, weighted, clipped))
     checks.append(_gof_check(stats, clipped))
-
-    def cat(parts):
-        return np.concatenate(parts) if parts else np.empty(0)
-
-    by_record = {"mse": cat(stats.mse), "mae": cat(stats.mae), "relative_l2": cat(stats.rel),
-                 "l2": cat(stats.l2)}
-    if data_range is not None:
-        by_record.update(psnr=cat(stats.psnr), ssim=cat(stats.ssim))
-    noise = {name: _summary(values) for name, values in by_record.items()}
-    noise["image_metrics"] = (
-        {"data_range": data_range, "ssim": f"mean SSIM, {SSIM_WINDOW}x{SSIM_WINDOW} uniform window, "
-                                           "K1=0.01, K2=0.03"} if data_range is not None
-        else None)
-    noise["clipped_output"] = clipped
+    by_record, noise = _noise_summary(stats, measured.data_range, clipped)
 
     integrity_ok = all(c["passed"] for c in checks if c["check"] in
                        ("parameters", "sha256", "unlisted_files", "pairing", "shapes"))
     statistics_ok = all(c["passed"] is not False for c in checks if c["check"] in
                         ("noise_norm", "retained_fraction", "noise_distribution"))
+    acc = m.get("accounting") or {}
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "sensitive": SENSITIVE,
@@ -908,17 +844,120 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "utility": None,
     }
     if labels:
-        if str(labels) == LABELS_FROM_FOLDERS and module.NAME == "images":
-            y = folder_labels([p.job.name for p in pairs if p.perturbed_shape == p.job.shape], original)
-        else:
-            y = load_labels(labels, original)
-        test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
-        clean, noisy = cat(clean_parts), cat(noisy_parts)
-        if len(noisy) == 0 or len({p.job.record_shape for p in pairs}) > 1:
-            raise UsageError(f"{original}: task utility needs records of one shape")
-        _check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
-        report["utility"] = task_utility(clean, noisy, y, test_x, test_y, model, (lo, hi))
+        report["utility"] = _utility(module, original, pairs, measured, labels, test, test_labels,
+                                     model, (lo, hi))
     return report
+
+
+def _read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Path]:
+    manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
+    if not manifest_path.is_file():
+        raise InputError(f"{manifest_path}: manifest not found (give it with --manifest)")
+    try:
+        m = manifest_mod.read(manifest_path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{manifest_path}: not a readable JSON manifest ({exc})") from None
+    manifest_mod.check(m, manifest_path)
+    return m, manifest_path
+
+
+def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path,
+                  checks: list[dict]) -> tuple[dict[str, Calibration], dict[Calibration, int]]:
+    """The manifest's calibration of each array of the original (by name), the records of
+    each calibration, and, first among `checks`, whether the manifest's figures hold for them."""
+    acc = m.get("accounting") or {}
+    dtypes = [job.dtype for job in jobs]
+    rows = _row_datasets(m, jobs)
+    try:
+        grid = _grid(m, dtypes, original)
+        calibs = calibrate_arrays(  # by array (image) name
+            mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+            epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
+            dp_delta=float(acc.get("dp_delta", 1e-5)), granularity=grid and grid.granularity,
+            rows=rows, arrays={job.name: (job.elements, matrix_rows(m["mechanism"], job.record_shape,
+                                                                    original)) for job in jobs})
+    except UsageError as exc:
+        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+    records_of: dict[Calibration, int] = {}
+    for job in jobs:
+        records_of[calibs[job.name]] = records_of.get(calibs[job.name], 0) + job.records
+    checks.insert(0, check_parameters(m, list(records_of.items()), dtypes,
+                                      [[calibs[name] for name in row] for row in rows]))
+    return calibs, records_of
+
+
+@dataclass
+class _Measured:
+    stats: _NoiseStats
+    records: int  # records compared
+    data_range: float | None  # image metrics' data range; None: not images
+    clean: list[np.ndarray]  # with labels: the records, for the task
+    noisy: list[np.ndarray]
+
+
+def _measure(pairs: list, m: dict, value_range: tuple[float, float], keep_for_task: bool,
+             progress: Progress | None) -> _Measured:
+    """Read every pair of records block by block and gather the noise statistics."""
+    lo, hi = value_range
+    total_records = sum(p.job.records for p in pairs)
+    stats = _NoiseStats(sum(p.job.records * p.job.elements for p in pairs))
+    image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
+    integer = all(p.job.dtype.kind in "iu" for p in pairs)
+    data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
+    clipped_input = any(step in ("clip", "clip_input") for step in m.get("preprocessing") or [])
+    measured = _Measured(stats, 0, data_range, [], [])
+    for pair in pairs:
+        if pair.perturbed_shape != pair.job.shape:
+            continue
+        step = max(1, BLOCK_ELEMENTS // max(1, pair.job.elements))
+        for start in range(0, pair.job.records, step):
+            stop = min(start + step, pair.job.records)
+            x = pair.job.read(start, stop)
+            if clipped_input:  # the noise was added to the clipped values
+                x = np.clip(x, lo, hi)
+            y = np.asarray(pair.read_perturbed(start, stop))
+            stats.add(x, y, pair.calib, data_range)
+            if keep_for_task:
+                measured.clean.append(x)
+                measured.noisy.append(y)
+            measured.records += stop - start
+            if progress:
+                progress(stop - start, total_records)
+    return measured
+
+
+def _concatenated(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def _noise_summary(stats: _NoiseStats, data_range: float | None,
+                   clipped: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Each record's error measures, and the report's summary of them."""
+    by_record = {"mse": _concatenated(stats.mse), "mae": _concatenated(stats.mae),
+                 "relative_l2": _concatenated(stats.rel), "l2": _concatenated(stats.l2)}
+    if data_range is not None:
+        by_record.update(psnr=_concatenated(stats.psnr), ssim=_concatenated(stats.ssim))
+    noise: dict[str, Any] = {name: _summary(values) for name, values in by_record.items()}
+    noise["image_metrics"] = (
+        {"data_range": data_range, "ssim": f"mean SSIM, {SSIM_WINDOW}x{SSIM_WINDOW} uniform window, "
+                                           "K1=0.01, K2=0.03"} if data_range is not None
+        else None)
+    noise["clipped_output"] = clipped
+    return by_record, noise
+
+
+def _utility(module, original: Path, pairs: list, measured: _Measured, labels, test, test_labels,
+             model: str, value_range: tuple[float, float]) -> dict[str, Any]:
+    if str(labels) == LABELS_FROM_FOLDERS and module.NAME == "images":
+        y = folder_labels([p.job.name for p in pairs if p.perturbed_shape == p.job.shape], original)
+    else:
+        y = load_labels(labels, original)
+    test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
+    clean, noisy = _concatenated(measured.clean), _concatenated(measured.noisy)
+    if len(noisy) == 0 or len({p.job.record_shape for p in pairs}) > 1:
+        raise UsageError(f"{original}: task utility needs records of one shape")
+    _check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
+    return task_utility(clean, noisy, y, test_x, test_y, model, value_range)
 
 
 def _renamed(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:

@@ -2,6 +2,7 @@
 
 A format module provides:
   NAME                      "npy", "hdf5", ...
+  RESUMABLE                 True when it also provides reopen_writer (below)
   can_open(path) -> bool    sniffs the input by content, not by its suffix
   default_output(path)      the sibling the output goes to when --out is not given
   open_reader(path, options) -> Reader
@@ -26,7 +27,7 @@ picklable and open its file inside each call (never hold an open handle).
 `write` may keep the block and write it later (the .npy writer does, on a thread of
 its own): a block must not be changed once handed over.
 
-A resumable format (Zarr) also provides
+A resumable format (Zarr, RESUMABLE = True) also provides
   reopen_writer(reader, tmp_path, dtype, options) -> Writer
       reopens an output an interrupted run began, keeping its blocks (--resume).
 """
@@ -140,7 +141,8 @@ class FormatOptions:
 _FORMAT_MODULES = ("npy", "hdf5", "zarr_store", "npz", "safetensors_file", "images")
 
 
-def _registry():
+def modules():
+    """Every format module, in the order detect() tries them."""
     for name in _FORMAT_MODULES:
         yield importlib.import_module(f"tldp_cli.formats.{name}")
 
@@ -148,10 +150,10 @@ def _registry():
 def detect(path: Path):
     """The format module that can open `path`."""
     output.check_input(path)
-    for module in _registry():
+    for module in modules():
         if module.can_open(path):
             return module
-    names = ", ".join(m.NAME for m in _registry())
+    names = ", ".join(m.NAME for m in modules())
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
 
 

@@ -82,6 +82,7 @@ from tldp_cli.files.checked_io import pwrite_all, write_error, writing
 from tldp_cli.files.output import shown
 
 NAME = "hdf5"
+RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 FILL_LIMIT = 1 << 30  # bytes of a perturbed dataset read as fill value, allowed whatever the file's size
 FILL_RATIO = 16  # ... or this many times the file's size

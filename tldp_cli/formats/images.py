@@ -43,6 +43,7 @@ from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, p
 from tldp_cli.files.checked_io import copy_bytes, writing
 
 NAME = "images"
+RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given

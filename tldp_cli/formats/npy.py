@@ -31,6 +31,7 @@ from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_nume
 from tldp_cli.files.checked_io import fsync_file, pwrite_all, writing
 
 NAME = "npy"
+RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAGIC = b"\x93NUMPY"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
 _thread_buffers = threading.local()

@@ -26,6 +26,7 @@ from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
+RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 ZIP_MAGIC = b"PK\x03\x04"
 
 

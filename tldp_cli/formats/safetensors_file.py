@@ -26,6 +26,7 @@ from tldp_cli.files.checked_io import copy_bytes, fsync_file, pwrite_all, writin
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
+RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",

@@ -50,6 +50,7 @@ from tldp_cli.formats import (
 )
 
 NAME = "zarr"
+RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 _CHUNK_NAME = re.compile(r"^\d+(\.\d+)*$")
 # A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".

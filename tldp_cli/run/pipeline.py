@@ -305,7 +305,7 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
     source = options.input
     options = checked_options(options)
     module = formats.detect(source)
-    if options.resume and not hasattr(module, "reopen_writer"):
+    if options.resume and not module.RESUMABLE:
         raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
                          f"{module.NAME} run keeps nothing to resume from")
     if options.name_map is not None and not options.anonymize_names:
@@ -486,11 +486,9 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
-    source = options.input
     jobs = reader.arrays()
     run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
                per_tensor=reader.records_are_tensors)
-    lo, hi, grid, out_dtype = run.lo, run.hi, run.grid, run.out_dtype
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
@@ -499,100 +497,35 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     destination, manifest_path = _destinations(options, module, reader)
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
-        name_map = module.name_map_destination(options.name_map, source, destination, manifest_path,
-                                               options.overwrite)
-    output.check_free_space(destination.parent, _output_bytes(jobs, out_dtype, module.NAME,
+        name_map = module.name_map_destination(options.name_map, options.input, destination,
+                                               manifest_path, options.overwrite)
+    output.check_free_space(destination.parent, _output_bytes(jobs, run.out_dtype, module.NAME,
                                                              options.image_format), destination)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
     release = _begin_release(options, module, run, jobs, weights_info, destination, manifest_path)
-
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
-    total = sum(job.records for job in jobs)
-    tasks = [(job, start, stop) for job in jobs
-             for start, stop in block_bounds(job, options.block_elements)]
-    notes: list[str] = []  # shown after the reader's and writer's messages
     staging = output.Staging()
-    partial = None
     try:
-        if hasattr(module, "reopen_writer"):
-            partial = resume.Partial(destination,
-                                     _resume_record(options, module, jobs, (lo, hi), weights_info),
-                                     options.resume)
-            notes += partial.messages
-            tmp_output = partial.store
-            staging.adopt(tmp_output, destination)
-        else:
-            tmp_output = staging.temporary(destination)
-        tmp_manifest = staging.temporary(manifest_path)
-        tmp_name_map = staging.temporary(name_map) if name_map else None
+        staged = _stage(staging, options, module, jobs, run, weights_info, destination, manifest_path,
+                        name_map)
     except BaseException:
         staging.discard()
         _abandon(release)
         raise
-    notes = staging.notes + notes
+    notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
+    partial = staged.partial
     try:
-        open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-        writer = open_writer(reader, tmp_output, out_dtype, format_options)
-        try:
-            if partial is not None:
-                partial.begin()
-                kept = [t for t in tasks if (t[0].name, t[1], t[2]) in partial.completed]
-                tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
-                if kept and progress:
-                    progress(sum(stop - start for _, start, stop in kept), total)
-            # (values outside the range, first record of their block, the array)
-            outside_counts: list[tuple[int, int, ArrayJob]] = []
-            block_task = BlockTask(
-                calibrations=run.calib_of, streams=streams,
-                # integer data under discrete noise: [lo, hi) holds lo..hi-1
-                masks=masks, lo=lo, hi=run.top,
-                clip_input=options.clip_input or options.clip is not None,
-                dtype=out_dtype,
-                source=source, write=writer.write, grid=grid, bounds=run.checked_bounds())
-            if options.scheduler == "dask":
-                needed = [source] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
-                results = _run_dask(block_task, tasks, writer, tmp_output, needed, options,
-                                    lambda: bool(outside_counts), notes)
-            else:
-                results = _run_tasks(
-                    lambda job, start, stop: block_task(job, start, stop, bool(outside_counts)),
-                    tasks, options.workers)
-            # Closed even when the loop stops early (an error, Ctrl-C in progress): blocks
-            # still running must end before their output is removed.
-            with contextlib.closing(results):
-                for (job, start, stop), (outside, noisy) in results:
-                    if outside:
-                        outside_counts.append((outside, start, job))
-                    if noisy is not None and not outside_counts:
-                        writer.write(job, start, noisy)
-                    if partial is not None and not outside_counts:
-                        partial.done(job.name, start, stop)
-                    if not outside_counts:
-                        writer.block_written(job, start, stop)  # e.g. hash it while blocks run
-                    if progress:
-                        progress(stop - start, total)
-            if not outside_counts:
-                writer.finish()
-        finally:
-            written = writer.close()
-        if outside_counts:
-            _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
-            lo, hi, grid = run.bounds.get(job.name, (lo, hi, grid))
-            raise DataError(
-                f"{_where(job, source)}: {sum(n for n, _, _ in outside_counts)} values lie outside the "
-                f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
-                f"first in the block of records from {first}); fix --range or pass --clip-input to "
-                "clip them into range")
-
+        writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
+                                        streams, staged, notes, progress)
         digests = writer.digests()
-        outputs = [{"path": str(destination / f.relative_to(tmp_output)) if f != tmp_output
+        outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs)
-        manifest_mod.write(manifest, tmp_manifest, shown_as=manifest_path)
+        manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
-            module.write_name_map(reader.name_map(destination, manifest_path), tmp_name_map, name_map)
+            module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
         staging.commit(options.overwrite)
     except BaseException as exc:
         staging.discard()
@@ -608,6 +541,109 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
     if partial is not None:
         partial.remove()  # only its emptied folder and journal are left
+    return PerturbResult(destination, manifest_path, manifest,
+                         _messages(options, reader, notes, name_map, weights_info))
+
+
+@dataclass
+class _Staged:
+    """Where a run writes before its commit: the output (a resumable format's partial
+    store, or a work folder's file), the manifest and the name map."""
+
+    output: Path
+    manifest: Path
+    name_map: Path | None
+    partial: resume.Partial | None
+    notes: list[str]
+
+
+def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[ArrayJob], run: Plan,
+           weights_info, destination: Path, manifest_path: Path, name_map: Path | None) -> _Staged:
+    partial = None
+    notes: list[str] = []
+    if module.RESUMABLE:
+        partial = resume.Partial(destination,
+                                 _resume_record(options, module, jobs, (run.lo, run.hi), weights_info),
+                                 options.resume)
+        notes += partial.messages
+        tmp_output = partial.store
+        staging.adopt(tmp_output, destination)
+    else:
+        tmp_output = staging.temporary(destination)
+    return _Staged(tmp_output, staging.temporary(manifest_path),
+                   staging.temporary(name_map) if name_map else None, partial, notes)
+
+
+def _write_blocks(options: PerturbOptions, module, reader, format_options: FormatOptions,
+                  jobs: list[ArrayJob], run: Plan, masks: dict[str, Mask], streams: Streams,
+                  staged: _Staged, notes: list[str], progress: Progress | None):
+    """Perturb every block into a writer on the staged output; (writer, files written).
+    Values outside the declared range stop the run once the blocks in flight are done."""
+    partial = staged.partial
+    total = sum(job.records for job in jobs)
+    tasks = [(job, start, stop) for job in jobs
+             for start, stop in block_bounds(job, options.block_elements)]
+    open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
+    writer = open_writer(reader, staged.output, run.out_dtype, format_options)
+    try:
+        if partial is not None:
+            partial.begin()
+            kept = [t for t in tasks if (t[0].name, t[1], t[2]) in partial.completed]
+            tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
+            if kept and progress:
+                progress(sum(stop - start for _, start, stop in kept), total)
+        # (values outside the range, first record of their block, the array)
+        outside_counts: list[tuple[int, int, ArrayJob]] = []
+        block_task = BlockTask(
+            calibrations=run.calib_of, streams=streams,
+            # integer data under discrete noise: [lo, hi) holds lo..hi-1
+            masks=masks, lo=run.lo, hi=run.top,
+            clip_input=options.clip_input or options.clip is not None,
+            dtype=run.out_dtype,
+            source=options.input, write=writer.write, grid=run.grid, bounds=run.checked_bounds())
+        if options.scheduler == "dask":
+            needed = [options.input] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
+            results = _run_dask(block_task, tasks, writer, staged.output, needed, options,
+                                lambda: bool(outside_counts), notes)
+        else:
+            results = _run_tasks(
+                lambda job, start, stop: block_task(job, start, stop, bool(outside_counts)),
+                tasks, options.workers)
+        # Closed even when the loop stops early (an error, Ctrl-C in progress): blocks
+        # still running must end before their output is removed.
+        with contextlib.closing(results):
+            for (job, start, stop), (outside, noisy) in results:
+                if outside:
+                    outside_counts.append((outside, start, job))
+                if not outside_counts:
+                    if noisy is not None:
+                        writer.write(job, start, noisy)
+                    if partial is not None:
+                        partial.done(job.name, start, stop)
+                    writer.block_written(job, start, stop)  # e.g. hash it while blocks run
+                if progress:
+                    progress(stop - start, total)
+        if not outside_counts:
+            writer.finish()
+    finally:
+        written = writer.close()
+    if outside_counts:
+        raise _outside_error(outside_counts, run, options.input)
+    return writer, written
+
+
+def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, source: Path) -> DataError:
+    _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
+    lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
+    return DataError(
+        f"{_where(job, source)}: {sum(n for n, _, _ in outside_counts)} values lie outside the "
+        f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
+        f"first in the block of records from {first}); fix --range or pass --clip-input to "
+        "clip them into range")
+
+
+def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path | None,
+              weights_info) -> list[str]:
     messages = list(reader.messages) + notes
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
@@ -618,7 +654,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.seed is not None:
         messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
-    return PerturbResult(destination, manifest_path, manifest, messages)
+    return messages
 
 
 def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:

@@ -1,0 +1,80 @@
+"""The structure docs/architecture.md describes: layers that only look down, no import
+cycle (imports inside functions count), format modules that declare their interface,
+and no long function without a stated reason."""
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+from tldp_cli import formats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Functions whose body is over LONG_FUNCTION lines, with the reason they stay whole.
+LONG_FUNCTION = 80
+ALLOWED_LONG: dict[str, str] = {}
+
+
+def test_import_contracts_hold():
+    """The import-linter contracts in pyproject.toml (layers, independent formats and commands)."""
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert lint, "import-linter is in the dev extra"
+    result = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_import_cycle():
+    graph = grimp.build_graph("tldp_cli")
+    cycles = []
+    for importer in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(importer):
+            if importer.startswith(imported + "."):  # a module and its own package's __init__
+                continue
+            if graph.chain_exists(importer=imported, imported=importer):
+                cycles.append(" -> ".join(graph.find_shortest_chain(importer=imported, imported=importer))
+                              + f" -> {imported}")
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_import_cycle_detector_finds_one(tmp_path, monkeypatch):
+    """The check above would see a cycle made by an import inside a function."""
+    package = tmp_path / "cyclic"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from cyclic import b\n")
+    (package / "b.py").write_text("def f():\n    from cyclic import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("cyclic", cache_dir=None)
+    assert graph.chain_exists(importer="cyclic.b", imported="cyclic.a")
+
+
+@pytest.mark.parametrize("module", list(formats.modules()), ids=lambda m: m.NAME)
+def test_format_modules_declare_their_interface(module):
+    for name in ("NAME", "RESUMABLE", "can_open", "default_output", "open_reader", "create_writer"):
+        assert hasattr(module, name), f"{module.__name__} lacks {name}"
+    assert hasattr(module, "reopen_writer") == module.RESUMABLE
+
+
+def _long_functions() -> dict[str, int]:
+    found = {}
+    for path in sorted((ROOT / "tldp_cli").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    body = body[1:]  # the docstring does not count
+                lines = node.end_lineno - body[0].lineno + 1
+                if lines > LONG_FUNCTION:
+                    found[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = lines
+    return found
+
+
+def test_no_long_function_without_a_reason():
+    unexplained = {name: lines for name, lines in _long_functions().items() if name not in ALLOWED_LONG}
+    assert not unexplained, f"functions over {LONG_FUNCTION} lines: {unexplained}"
