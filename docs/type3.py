@@ -3,7 +3,7 @@
 Three clients each hold a third of the shipped MNIST digits (sample_data/digits.npy,
 400 digits of classes 0, 1, 6, 9). Every round each client starts from the global
 model, trains a NumPy multinomial logistic regression on its own digits, clips its
-parameters to [-C, C] and perturbs them with tldp's library API (tldp_cli.model_params:
+parameters to [-C, C] and perturbs them with tldp's library API (tldp_cli.run.model_params:
 the calibration, engine and accounting of `tldp perturb --clip`); the server averages
 the perturbed parameters. The global model after the last round is scored on the 200
 clean test digits (weighted F1, as the paper).
