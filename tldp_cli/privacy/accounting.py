@@ -22,6 +22,7 @@ calibration), `certify_all` (records of several sizes: the worst case over them)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from tldp_cli.privacy import mvg_idn
@@ -32,6 +33,43 @@ LN10 = math.log(10)
 FLOAT_SAMPLER_NOTE = ("float sampler: the noise is computed in floating point, whose low-order bits "
                       "depend on the input (Mironov 2012), so these figures hold for the real-valued "
                       "mechanism only, not for the bytes written")
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What one scope (an element, a record, a file) is certified; the manifest's scope
+    object is `as_dict()`. `epsilon`/`delta` is the headline: pure epsilon with the
+    point-mass delta for Laplace noise, (epsilon, delta) at dp_delta for Gaussian noise;
+    `approx_*` an (epsilon, delta) pair at dp_delta for every noise; `rho` the zCDP of
+    the Gaussian noise (None otherwise); `point_mass_*` what kept raw values cost."""
+
+    epsilon: float
+    delta: float
+    delta_log10: float | None
+    rho: float | None
+    approx_delta: float
+    approx_epsilon: float
+    point_mass_delta: float
+    point_mass_delta_log10: float | None
+
+    @classmethod
+    def pure(cls, epsilon: float, approx_epsilon: float, approx_delta: float,
+             point_mass: tuple[float, float | None] = (0.0, None)) -> "Guarantee":
+        """Laplace noise: pure epsilon, whose delta is the point mass of kept values."""
+        pm_delta, pm_log10 = point_mass
+        return cls(epsilon, pm_delta, pm_log10, None, approx_delta, approx_epsilon, pm_delta, pm_log10)
+
+    @classmethod
+    def approximate(cls, epsilon: float, delta: float, rho: float | None,
+                    point_mass: tuple[float, float | None]) -> "Guarantee":
+        """Gaussian noise: (epsilon, delta), delta including the point mass of kept values."""
+        return cls(epsilon, delta, math.log10(delta), rho, delta, epsilon, *point_mass)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"epsilon": self.epsilon, "delta": self.delta, "delta_log10": self.delta_log10,
+                "rho": self.rho, "approx": {"delta": self.approx_delta, "epsilon": self.approx_epsilon},
+                "point_mass_delta": self.point_mass_delta,
+                "point_mass_delta_log10": self.point_mass_delta_log10}
 
 
 def gaussian_sigma_for(epsilon: float, delta: float) -> float:
@@ -183,19 +221,9 @@ def _scope(calib: Calibration, count: int) -> dict[str, Any]:
     if calib.noise == "laplace":
         pure = scope_epsilon(calib, count)
         approx_eps = laplace_composed_epsilon(scale / D, count, at_delta)
-        return {
-            "epsilon": pure, "delta": pm_delta, "delta_log10": pm_log10, "rho": None,
-            "approx": {"delta": total, "epsilon": approx_eps},
-            "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-        }
+        return Guarantee.pure(pure, approx_eps, total, (pm_delta, pm_log10)).as_dict()
     rho = count * D**2 / (2 * scale**2)
-    approx_eps = scope_epsilon(calib, count)
-    return {
-        "epsilon": approx_eps, "delta": total,
-        "delta_log10": math.log10(total), "rho": rho,
-        "approx": {"delta": total, "epsilon": approx_eps},
-        "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-    }
+    return Guarantee.approximate(scope_epsilon(calib, count), total, rho, (pm_delta, pm_log10)).as_dict()
 
 
 def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
@@ -266,16 +294,16 @@ def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
     one of them (an (eps_t, delta_t) guarantee implies (max eps, max delta)); rho is None
     (no zCDP bound) when any scope has none."""
     rhos = [s["rho"] for s in scopes]
-    return {
-        "epsilon": max(s["epsilon"] for s in scopes),
-        "delta": max(s["delta"] for s in scopes),
-        "delta_log10": _top([s["delta_log10"] for s in scopes]),
-        "rho": None if None in rhos else max(rhos),
-        "approx": {"delta": max(s["approx"]["delta"] for s in scopes),
-                   "epsilon": max(s["approx"]["epsilon"] for s in scopes)},
-        "point_mass_delta": max(s["point_mass_delta"] for s in scopes),
-        "point_mass_delta_log10": _top([s["point_mass_delta_log10"] for s in scopes]),
-    }
+    return Guarantee(
+        epsilon=max(s["epsilon"] for s in scopes),
+        delta=max(s["delta"] for s in scopes),
+        delta_log10=_top([s["delta_log10"] for s in scopes]),
+        rho=None if None in rhos else max(rhos),
+        approx_delta=max(s["approx"]["delta"] for s in scopes),
+        approx_epsilon=max(s["approx"]["epsilon"] for s in scopes),
+        point_mass_delta=max(s["point_mass_delta"] for s in scopes),
+        point_mass_delta_log10=_top([s["point_mass_delta_log10"] for s in scopes]),
+    ).as_dict()
 
 
 def certify_all(calibrations: list[Calibration],
@@ -403,28 +431,16 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
     if noises == {"laplace"}:
         pure = sum(m * c.range_width / c.scale for c, m in releases)
         approx_eps = laplace_mixture_epsilon([(c.scale / c.range_width, m) for c, m in releases], at_delta)
-        return {
-            "epsilon": pure, "delta": pm_delta, "delta_log10": pm_log10, "rho": None,
-            "approx": {"delta": total, "epsilon": approx_eps},
-            "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-        }
+        return Guarantee.pure(pure, approx_eps, total, (pm_delta, pm_log10)).as_dict()
     if noises == {"gaussian"}:
         rho = sum(m * c.range_width**2 / (2 * c.scale**2) for c, m in releases)
         approx_eps = gaussian_epsilon(1 / math.sqrt(2 * rho), at_delta)
-        return {
-            "epsilon": approx_eps, "delta": total, "delta_log10": math.log10(total), "rho": rho,
-            "approx": {"delta": total, "epsilon": approx_eps},
-            "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-        }
+        return Guarantee.approximate(approx_eps, total, rho, (pm_delta, pm_log10)).as_dict()
     if noises == {"discrete-laplace"}:
         # the pure bound covers the kept values: no point-mass delta
         items = [(c.grid_values - 1, c.scale, c.log_p, m) for c, m in releases]
         pure = sum(m * discrete_laplace_element_epsilon(d, b, log_p) for d, b, log_p, m in items)
-        return {
-            "epsilon": pure, "delta": 0.0, "delta_log10": None, "rho": None,
-            "approx": {"delta": target, "epsilon": discrete_laplace_composed_epsilon(items, target)},
-            "point_mass_delta": 0.0, "point_mass_delta_log10": None,
-        }
+        return Guarantee.pure(pure, discrete_laplace_composed_epsilon(items, target), target).as_dict()
     if noises == {"discrete-gaussian"}:
         groups: dict[tuple[float, int], int] = {}
         for c, m in releases:
@@ -436,24 +452,20 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
             eps = discrete_gaussian_epsilon(sigma, d, m, at_delta)
         else:
             eps = discrete_gaussian_rdp_epsilon(rho, at_delta)
-        return {
-            "epsilon": eps, "delta": total, "delta_log10": math.log10(total), "rho": rho,
-            "approx": {"delta": total, "epsilon": eps},
-            "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-        }
+        return Guarantee.approximate(eps, total, rho, (pm_delta, pm_log10)).as_dict()
     # Basic composition of each record's (eps, delta) as its own scope states them.
     records = [(certify(c)["per_record"], n) for c, n in parts]
     delta, delta_log10 = _union_delta([(r["delta"], r["delta_log10"], n) for r, n in records])
     pm_delta, pm_log10 = _union_delta([(r["point_mass_delta"], r["point_mass_delta_log10"], n)
                                        for r, n in records])
     rhos = [r["rho"] for r, _ in records]
-    return {
-        "epsilon": sum(n * r["epsilon"] for r, n in records), "delta": delta, "delta_log10": delta_log10,
-        "rho": None if None in rhos else sum(n * r["rho"] for r, n in records),
-        "approx": {"delta": _union_delta([(r["approx"]["delta"], None, n) for r, n in records])[0],
-                   "epsilon": sum(n * r["approx"]["epsilon"] for r, n in records)},
-        "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-    }
+    return Guarantee(
+        epsilon=sum(n * r["epsilon"] for r, n in records), delta=delta, delta_log10=delta_log10,
+        rho=None if None in rhos else sum(n * r["rho"] for r, n in records),
+        approx_delta=_union_delta([(r["approx"]["delta"], None, n) for r, n in records])[0],
+        approx_epsilon=sum(n * r["approx"]["epsilon"] for r, n in records),
+        point_mass_delta=pm_delta, point_mass_delta_log10=pm_log10,
+    ).as_dict()
 
 
 def _union_delta(items: list[tuple[float, float | None, int]]) -> tuple[float, float | None]:
@@ -713,20 +725,11 @@ def _discrete_scope(calib: Calibration, count: int) -> dict[str, Any]:
     d, scale, target = calib.grid_values - 1, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
         approx = discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target)
-        return {
-            "epsilon": scope_epsilon(calib, count), "delta": 0.0, "delta_log10": None, "rho": None,
-            "approx": {"delta": target, "epsilon": approx},
-            "point_mass_delta": 0.0, "point_mass_delta_log10": None,
-        }
+        return Guarantee.pure(scope_epsilon(calib, count), approx, target).as_dict()
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
-    eps = scope_epsilon(calib, count)
     _, total = noise_delta(target, pm_delta)
-    return {
-        "epsilon": eps, "delta": total, "delta_log10": math.log10(total),
-        "rho": count * d**2 / (2 * scale**2),
-        "approx": {"delta": total, "epsilon": eps},
-        "point_mass_delta": pm_delta, "point_mass_delta_log10": pm_log10,
-    }
+    return Guarantee.approximate(scope_epsilon(calib, count), total, count * d**2 / (2 * scale**2),
+                                 (pm_delta, pm_log10)).as_dict()
 
 
 def discrete_notes(calib: Calibration) -> list[str]:
