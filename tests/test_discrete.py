@@ -18,6 +18,7 @@ from scipy import stats
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
 from tldp_cli.privacy import accounting
+from tldp_cli.privacy import distributions
 from tldp_cli.sampling import discrete, engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.privacy.mechanisms import calibrate
@@ -43,15 +44,15 @@ def cal(**kw):
 def test_discrete_laplace_matches_its_pmf_and_not_a_wrong_scale(scale):
     sample = draw(discrete.DiscreteLaplace(scale), 200_000)
     assert sample.dtype == np.int64
-    assert discrete.chi_square(sample, "discrete-laplace", scale)[1] > ALPHA
-    assert discrete.chi_square(sample, "discrete-laplace", scale * 1.03)[1] < 1e-6
+    assert distributions.chi_square(sample, "discrete-laplace", scale)[1] > ALPHA
+    assert distributions.chi_square(sample, "discrete-laplace", scale * 1.03)[1] < 1e-6
 
 
 @pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0])
 def test_discrete_gaussian_matches_its_pmf_and_not_a_wrong_sigma(sigma):
     sample = draw(discrete.DiscreteGaussian(sigma), 200_000, seed=1)
-    assert discrete.chi_square(sample, "discrete-gaussian", sigma)[1] > ALPHA
-    assert discrete.chi_square(sample, "discrete-gaussian", sigma * 1.03)[1] < 1e-6
+    assert distributions.chi_square(sample, "discrete-gaussian", sigma)[1] > ALPHA
+    assert distributions.chi_square(sample, "discrete-gaussian", sigma * 1.03)[1] < 1e-6
 
 
 def test_small_values_one_by_one_against_the_pmf():
@@ -60,7 +61,7 @@ def test_small_values_one_by_one_against_the_pmf():
         sample = draw(sampler, 300_000, seed=2)
         values = np.arange(-top, top + 1)
         observed = np.array([(sample == v).sum() for v in values] + [(np.abs(sample) > top).sum()])
-        pmf = discrete.noise_pmf(noise, scale, values)
+        pmf = distributions.noise_pmf(noise, scale, values)
         expected = np.append(pmf, 1 - pmf.sum()) * sample.size
         assert stats.chisquare(observed, expected).pvalue > ALPHA
 
@@ -69,9 +70,9 @@ def test_exact_paths_give_the_same_distribution():
     """Ties with table entries (12-bit tables make them frequent) and acceptance decisions
     inside the float margin (a margin of 0.3 sends most there) go to exact arithmetic."""
     coarse = draw(discrete.DiscreteLaplace(2.5, bits=12), 100_000, seed=3)
-    assert discrete.chi_square(coarse, "discrete-laplace", 2.5)[1] > ALPHA
+    assert distributions.chi_square(coarse, "discrete-laplace", 2.5)[1] > ALPHA
     wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3), 30_000, seed=4)
-    assert discrete.chi_square(wide, "discrete-gaussian", 1.3)[1] > ALPHA
+    assert distributions.chi_square(wide, "discrete-gaussian", 1.3)[1] > ALPHA
     # the float and the exact decisions agree: same stream, same values
     a = draw(discrete.DiscreteGaussian(4.0), 20_000, seed=5)
     b = draw(discrete.DiscreteGaussian(4.0, margin=0.3), 20_000, seed=5)
@@ -135,13 +136,13 @@ def test_retained_fraction_matches_p():
     assert 0.1 < calib.p < 0.12
     block = np.full((200_000, 1), 2, np.uint8)
     out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 6, allow_weak_seed=True), dtype=np.int16)
-    zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
+    zero = distributions.noise_pmf("discrete-laplace", calib.scale, 0)
     unchanged = int((out == 2).sum())
     assert stats.binomtest(unchanged, out.size, calib.p + (1 - calib.p) * zero).pvalue > ALPHA
     assert stats.binomtest(unchanged, out.size, 0.9 * calib.p + (1 - 0.9 * calib.p) * zero).pvalue < 1e-6
     # the values that moved follow the noise
     moved = out[out != 2].astype(np.int64) - 2
-    assert discrete.chi_square(moved, "discrete-laplace", calib.scale, exclude_zero=True)[1] > ALPHA
+    assert distributions.chi_square(moved, "discrete-laplace", calib.scale, exclude_zero=True)[1] > ALPHA
 
 
 def test_weights_lower_the_retained_fraction():
@@ -149,7 +150,7 @@ def test_weights_lower_the_retained_fraction():
     block = np.full((100_000, 1), 1, np.uint8)
     out = engine.perturb_records(block, 0, "x", calib, Streams("secure", 7, allow_weak_seed=True),
                                  np.array([0.75]), np.int16)
-    zero = discrete.noise_pmf("discrete-laplace", calib.scale, 0)
+    zero = distributions.noise_pmf("discrete-laplace", calib.scale, 0)
     p = 0.25 * calib.p
     assert stats.binomtest(int((out == 1).sum()), out.size, p + (1 - p) * zero).pvalue > ALPHA
 
@@ -184,7 +185,7 @@ def test_integer_output_never_wraps():
                                      dtype=np.int16)
         noise = out.astype(np.int64) - block
         assert out.dtype == np.int16 and noise.min() < -600 and noise.max() > 600
-        assert discrete.chi_square(noise.ravel(), "discrete-laplace", calib.scale)[1] > ALPHA
+        assert distributions.chi_square(noise.ravel(), "discrete-laplace", calib.scale)[1] > ALPHA
 
 
 def test_float_values_without_a_grid_must_be_integers():
@@ -472,7 +473,7 @@ def test_granularity_snaps_and_is_recorded(cli, tmp_path):
     steps = out / 0.25
     assert np.array_equal(steps, np.round(steps))
     noise = np.round(steps - np.rint(data / 0.25)).astype(np.int64)  # snapped: 0, 1, 2, 4
-    assert discrete.chi_square(noise.ravel(), "discrete-gaussian", m["noise_scale"])[1] > ALPHA
+    assert distributions.chi_square(noise.ravel(), "discrete-gaussian", m["noise_scale"])[1] > ALPHA
     assert m["accounting"]["per_element"]["rho"] == pytest.approx(4**2 / (2 * m["noise_scale"] ** 2))
 
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from tldp_cli import __version__, formats
 from tldp_cli.privacy import accounting
+from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
 from tldp_cli.sampling import discrete, engine
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
@@ -140,18 +141,6 @@ def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WIN
     vxy = cov_norm * (_box_mean(x * y, window) - ux * uy)
     s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
     return s.reshape(s.shape[0], -1).mean(axis=1)
-
-
-def _noise_moments(noise: str, scale: float) -> tuple[float, float, float]:
-    """E z^2, E z^4 and the density at 0 of one noise draw (discrete noises: P(z = 0),
-    moments from the exact pmf)."""
-    if noise.startswith("discrete-"):
-        from tldp_cli.sampling.discrete import moments, noise_pmf
-
-        return (*moments(noise, scale), float(noise_pmf(noise, scale, 0)))
-    if noise == "laplace":
-        return 2 * scale**2, 24 * scale**4, 1 / (2 * scale)
-    return scale**2, 3 * scale**4, 1 / (scale * math.sqrt(2 * math.pi))
 
 
 # --------------------------------------------------------------------------- pairing
@@ -461,7 +450,7 @@ class _NoiseStats:
         equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
         self.kept += int(equal.sum())
         self.elements += equal.size
-        m2, m4, f0 = _noise_moments(calib.noise, calib.scale)
+        (m2, m4), f0 = moments(calib.noise, calib.scale), density_at_zero(calib.noise, calib.scale)
         if calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
             self.rounding += equal.size * f0
         elif y.dtype.kind == "f":
@@ -573,7 +562,6 @@ def _chi_square_check(stats: _NoiseStats, groups: dict[float, np.ndarray], out: 
     --budget record or the baselines get different scales), each against its own exact pmf;
     the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
     is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
-    from tldp_cli.sampling.discrete import chi_square
 
     granularity = getattr(stats, "granularity", None) or 1.0
     results = []

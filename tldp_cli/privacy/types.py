@@ -1,6 +1,6 @@
 """The types every layer shares: a calibrated mechanism and the names of the noises.
 
-A leaf module: it imports nothing from tldp, so calibration (mechanisms.py), accounting
+It imports only the noise distributions, so calibration (mechanisms.py), accounting
 and the engine can all use `Calibration` without importing each other.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from tldp_cli.privacy.distributions import moments
 
 DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
 
@@ -55,13 +57,11 @@ class Calibration:
         of Algorithm 1 (Table 5's Gaussian line assumes a different sigma).
         """
         try:
-            if self.noise == "discrete-laplace":  # two-sided geometric: 2a/(1-a)^2, grid steps
-                a = math.exp(-1 / self.scale)
-                variance = 2 * a / math.expm1(-1 / self.scale) ** 2 * (self.granularity or 1.0) ** 2
-            elif self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20)
+            if self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20), in grid steps
                 variance = (self.scale * (self.granularity or 1.0)) ** 2
-            else:
-                variance = 2 * self.scale**2 if self.noise == "laplace" else self.scale**2
+            else:  # discrete Laplace: in grid steps
+                variance = moments(self.noise, self.scale)[0] * (
+                    (self.granularity or 1.0) ** 2 if self.noise == "discrete-laplace" else 1.0)
             return math.sqrt(variance * (1 - self.p) * self.elements)
         except OverflowError:  # a scale near float64's limit: the error is beyond it too
             return math.inf
