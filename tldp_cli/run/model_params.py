@@ -22,7 +22,7 @@ import numpy as np
 from tldp_cli.privacy import accounting
 from tldp_cli.sampling import engine
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy.mechanisms import Calibration, calibrate, matrix_rows
+from tldp_cli.privacy.mechanisms import Calibration, calibrate_arrays, matrix_rows
 from tldp_cli.sampling.rng import Streams
 
 
@@ -33,15 +33,10 @@ def calibrate_tensors(shapes: Mapping[str, tuple[int, ...]], *, epsilon: float, 
     MVG unfolds a tensor along its first axis, as `tldp perturb` does."""
     if not (math.isfinite(clip) and clip > 0):
         raise UsageError(f"clip must be a finite number > 0, not {clip}")
-    by_key: dict[tuple[int, int | None], Calibration] = {}
-    calibrations = {}
-    for name, shape in shapes.items():
-        key = (int(np.prod(shape, dtype=np.int64)), matrix_rows(mechanism, tuple(shape), f"tensor {name}"))
-        if key not in by_key:
-            by_key[key] = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
-                                    range_width=2 * clip, elements=key[0], dp_delta=dp_delta, rows=key[1])
-        calibrations[name] = by_key[key]
-    return calibrations
+    arrays = {name: (int(np.prod(shape, dtype=np.int64)), matrix_rows(mechanism, tuple(shape), f"tensor {name}"))
+              for name, shape in shapes.items()}
+    return calibrate_arrays(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
+                            range_width=2 * clip, dp_delta=dp_delta, granularity=None, arrays=arrays)
 
 
 def perturb_tensors(tensors: Mapping[str, np.ndarray], calibrations: Mapping[str, Calibration], *,
