@@ -226,3 +226,35 @@ def test_resume_regenerates_the_levels(tmp_path):
     for level in ("s0", "s1", "s2"):
         np.testing.assert_array_equal(zarr.open_array(out, path=level, mode="r")[:],
                                       zarr.open_array(reference, path=level, mode="r")[:])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_metadata_computed_from_the_raw_values_is_left_out(tmp_path, cli, fmt):
+    """omero channel windows (the raw min and max) and label properties are statistics of
+    the raw image: the output drops them and the manifest says so."""
+    src = tmp_path / "w.ome.zarr"
+    group = zarr.open_group(src, mode="w", zarr_format=fmt.zarr_format)
+    window = {"min": int(IMAGE.min()), "max": int(IMAGE.max()), "start": 3, "end": 250}
+    write_image(IMAGE, group, axes="cyx", fmt=fmt,
+                omero={"channels": [{"label": "DNA", "window": window, "color": "0000FF"},
+                                    {"label": "actin", "window": window, "color": "FF0000"}]})
+    write_labels(CELLS, group, name="cells", axes="yx", fmt=fmt,
+                 label_metadata={"properties": [{"label-value": int(v), "area": int((CELLS == v).sum())}
+                                                for v in np.unique(CELLS)]})
+
+    def ngff(path: Path, sub: str = "") -> dict:
+        attrs = zarr.open_group(path / sub if sub else path, mode="r").attrs.asdict()
+        return attrs.get("ome", attrs)
+
+    assert "window" in ngff(src)["omero"]["channels"][0]
+    assert "properties" in ngff(src, "labels/cells")["image-label"]
+    result = perturb(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "w.tldp.ome.zarr"
+    channels = ngff(out)["omero"]["channels"]
+    assert [c["label"] for c in channels] == ["DNA", "actin"] and all("window" not in c for c in channels)
+    assert "properties" not in ngff(out, "labels/cells")["image-label"]
+    steps = json.loads(Path(str(out) + ".manifest.json").read_text())["postprocessing"]
+    assert any("omero channel windows" in s for s in steps)
+    assert any("image-label properties" in s for s in steps)
+    assert set(ome_levels(out)) == {Multiscales, Label}  # ome-zarr-py still reads both

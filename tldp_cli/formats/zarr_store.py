@@ -358,6 +358,9 @@ class ZarrReader(Reader):
         self.jobs = [self._job(name) for name in selected]
         # The multiscale images whose lower levels the writer regenerates (all of them).
         self.regenerated = [p for p in self.pyramids if p.levels[0] in selected and len(p.levels) > 1]
+        # Metadata computed from the raw values, which the writer leaves out, by image.
+        self.raw_statistics = {p: _raw_statistics(opened[p.group].attrs.asdict())
+                               for p in self.pyramids if p.levels[0] in selected}
         self.messages += [_regeneration_message(p) for p in self.regenerated]
         written = set(selected).union(*(p.levels[1:] for p in self.regenerated))
         # The writer leaves out everything in a written array's directory but its metadata.
@@ -672,6 +675,40 @@ def _describe_multiscale(root: Path, pyramid: _Pyramid, zarr_format: int) -> Non
     group.attrs.put(attrs)
 
 
+def _raw_statistics(attrs: dict[str, Any]) -> list[str]:
+    """The fields of an image group's NGFF metadata that other tools compute from the raw
+    values: the display windows of its omero channels (min, max, start, end) and the
+    per-label properties of a label image (areas, intensities, ...)."""
+    ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
+    found = []
+    omero = ngff.get("omero")
+    if isinstance(omero, dict) and any(isinstance(c, dict) and "window" in c
+                                       for c in omero.get("channels") or []):
+        found.append("omero channel windows")
+    label = ngff.get("image-label")
+    if isinstance(label, dict) and "properties" in label:
+        found.append("image-label properties")
+    return found
+
+
+def _drop_raw_statistics(root: Path, pyramid: _Pyramid, zarr_format: int) -> None:
+    group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
+                            use_consolidated=False)
+    attrs = copy.deepcopy(group.attrs.asdict())
+    ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
+    for channel in (ngff.get("omero") or {}).get("channels") or []:
+        if isinstance(channel, dict):
+            channel.pop("window", None)
+    if isinstance(ngff.get("image-label"), dict):
+        ngff["image-label"].pop("properties", None)
+    group.attrs.put(attrs)
+
+
+def _statistics_step(pyramid: _Pyramid, fields: list[str]) -> str:
+    return (f"drop the {' and the '.join(fields)} of multiscale image {pyramid.name}: they are "
+            "computed from the raw values")
+
+
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
@@ -705,6 +742,8 @@ class ZarrWriter(Writer):
             self.postprocessing = [*self.postprocessing, *(_regeneration_step(p) for p in self.pyramids)]
             self.manifest_extra = {**self.manifest_extra,
                                    "multiscale_images": [p.describe() for p in self.pyramids]}
+        self.postprocessing += [_statistics_step(p, fields) for p, fields in reader.raw_statistics.items()
+                                if fields]
         reader.messages += [f"array {name}: written without the input's lossy "
                             f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
                             "values are stored exactly" for name, lossy in dropped.items()]
@@ -733,6 +772,9 @@ class ZarrWriter(Writer):
                 (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
             for pyramid in self.pyramids:
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
+            for pyramid, fields in reader.raw_statistics.items():
+                if fields:
+                    _drop_raw_statistics(tmp_path, pyramid, reader.zarr_format)
         self.write = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype)
         for job in names:  # open now: a bad codec fails before any block runs
             self.write.array(job)
