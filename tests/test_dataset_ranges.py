@@ -92,3 +92,26 @@ def test_tensor_ranges_in_a_model_file(cli, tmp_path):
     assert len({t["noise_scale"] for t in m["accounting"]["per_tensor"]}) == 2
     out = load_file(str(tmp_path / "m.tldp.safetensors"))
     assert out["w"].dtype == np.float32 and np.isfinite(out["b"]).all()
+
+
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("sampler", ["exact", "float"])
+def test_evaluate_checks_each_variable_against_its_own_range(cli, tmp_path, sampler):
+    """evaluate recomputes the run's plan with each variable's range and grid: every check
+    passes on a true manifest, and the parameters check fails when a range is changed."""
+    src = write_weather(tmp_path / "era.nc")
+    result = cli("perturb", src, "--eps", "2", "--sampler", sampler, "--range", "t2m=200:330",
+                 "--range", "tp=0:0.5", "--seed", "5", "--allow-weak-seed")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "era.tldp.nc"
+    report = cli("evaluate", src, out, "--json")
+    assert report.exit_code == 0, report.stderr
+    checks = {c["check"]: c["passed"] for c in json.loads(report.stdout)["checks"]}
+    assert checks["parameters"] and checks["noise_norm"] and checks["noise_distribution"] is not False
+    manifest = tmp_path / "era.tldp.nc.manifest.json"
+    m = json.loads(manifest.read_text())
+    m["value_ranges"]["/tp"] = [0.0, 5.0]
+    manifest.write_text(json.dumps(m))
+    tampered = cli("evaluate", src, out, "--json")
+    assert tampered.exit_code == 1
+    assert not {c["check"]: c["passed"] for c in json.loads(tampered.stdout)["checks"]}["parameters"]

@@ -43,9 +43,10 @@ from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
 from tldp_cli.sampling import discrete, engine
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
+from tldp_cli.run.pipeline import Plan, PerturbOptions, plan, resolve_range
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
-from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_arrays, matrix_rows
+from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.sampling.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -463,9 +464,10 @@ class _NoiseStats:
         self.expected_sq += n * elements * q * m2
         self.var_sq += n * elements * (q * m4 - (q * m2) ** 2)
         sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
+        if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
+            sample = np.rint(sample / calib.granularity)
         if self.noise_name is None:
             self.noise_name, self.noise_scale = calib.noise, calib.scale
-            self.granularity = calib.granularity
         scale = calib.scale
         if scale != self.noise_scale and not calib.noise.startswith("discrete-"):
             # Records of another size (model tensors, --budget record): same family, rescaled.
@@ -562,13 +564,11 @@ def _chi_square_check(stats: _NoiseStats, groups: dict[float, np.ndarray], out: 
     --budget record or the baselines get different scales), each against its own exact pmf;
     the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
     is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
-
-    granularity = getattr(stats, "granularity", None) or 1.0
     results = []
     for scale, sample in sorted(groups.items()):
         entry = {"scale": scale, "samples": int(sample.size)}
         if sample.size >= GOF_MIN_SAMPLES:
-            statistic, pvalue, dof = chi_square(np.rint(sample / granularity), stats.noise_name, scale,
+            statistic, pvalue, dof = chi_square(sample, stats.noise_name, scale,
                                                 exclude_zero=True)
             entry.update(statistic=statistic, dof=dof, pvalue=pvalue)
         results.append(entry)
@@ -786,12 +786,13 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     module, reader = _open_original(original, m)
     try:
         jobs = reader.arrays()
-        calibs, records_of = _calibrations(m, jobs, original, manifest_path, checks)
+        run, records_of = _calibrations(m, jobs, original, manifest_path, reader.records_are_tensors,
+                                        checks)
         pairing_issues: list[dict] = []
-        pairs = _pairs(module, reader, perturbed, m, calibs, pairing_issues, renamed)
+        pairs = _pairs(module, reader, perturbed, m, run.calib_of, pairing_issues, renamed)
         checks.extend(pairing_issues)
         checks.append(_shape_check(m, jobs, pairs))
-        measured = _measure(pairs, m, (lo, hi), bool(labels), progress)
+        measured = _measure(pairs, m, run, bool(labels), progress)
     finally:
         reader.close()
 
@@ -849,29 +850,34 @@ def _read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, P
     return m, manifest_path
 
 
-def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path,
-                  checks: list[dict]) -> tuple[dict[str, Calibration], dict[Calibration, int]]:
-    """The manifest's calibration of each array of the original (by name), the records of
-    each calibration, and, first among `checks`, whether the manifest's figures hold for them."""
+def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
+                  checks: list[dict]) -> tuple[Plan, dict[Calibration, int]]:
+    """The plan perturb made for the original's arrays, recomputed from the manifest's
+    options (pipeline.plan: one calibration per record size and declared range), the
+    records of each calibration, and, first among `checks`, whether the manifest's figures
+    hold for them."""
     acc = m.get("accounting") or {}
-    dtypes = [job.dtype for job in jobs]
     rows = _row_datasets(m, jobs)
+    automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
+    float_dtype = m.get("output_dtype") if m.get("output_dtype") in ("float32", "float64") else "float32"
+    options = PerturbOptions(
+        input=original, epsilon=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
+        budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
+        ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
+        granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
+        dp_delta=float(acc.get("dp_delta", 1e-5)),
+        allow_raw_release=True)  # an evaluation judges a release, whatever consent it took
     try:
-        grid = _grid(m, dtypes, original)
-        calibs = calibrate_arrays(  # by array (image) name
-            mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
-            epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
-            dp_delta=float(acc.get("dp_delta", 1e-5)), granularity=grid and grid.granularity,
-            rows=rows, arrays={job.name: (job.elements, matrix_rows(m["mechanism"], job.record_shape,
-                                                                    original)) for job in jobs})
+        run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
     except UsageError as exc:
         raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
     records_of: dict[Calibration, int] = {}
     for job in jobs:
-        records_of[calibs[job.name]] = records_of.get(calibs[job.name], 0) + job.records
-    checks.insert(0, check_parameters(m, list(records_of.items()), dtypes,
-                                      [[calibs[name] for name in row] for row in rows]))
-    return calibs, records_of
+        calib = run.calib_of[job.name]
+        records_of[calib] = records_of.get(calib, 0) + job.records
+    checks.insert(0, check_parameters(m, list(records_of.items()), [job.dtype for job in jobs],
+                                      [[run.calib_of[name] for name in row] for row in rows]))
+    return run, records_of
 
 
 @dataclass
@@ -883,10 +889,9 @@ class _Measured:
     noisy: list[np.ndarray]
 
 
-def _measure(pairs: list, m: dict, value_range: tuple[float, float], keep_for_task: bool,
-             progress: Progress | None) -> _Measured:
+def _measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Progress | None) -> _Measured:
     """Read every pair of records block by block and gather the noise statistics."""
-    lo, hi = value_range
+    lo, hi = run.lo, run.hi
     total_records = sum(p.job.records for p in pairs)
     stats = _NoiseStats(sum(p.job.records * p.job.elements for p in pairs))
     image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
@@ -901,8 +906,8 @@ def _measure(pairs: list, m: dict, value_range: tuple[float, float], keep_for_ta
         for start in range(0, pair.job.records, step):
             stop = min(start + step, pair.job.records)
             x = pair.job.read(start, stop)
-            if clipped_input:  # the noise was added to the clipped values
-                x = np.clip(x, lo, hi)
+            if clipped_input:  # the noise was added to the clipped values (in the array's range)
+                x = np.clip(x, *run.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
             stats.add(x, y, pair.calib, data_range)
             if keep_for_task:
@@ -1022,7 +1027,6 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
-    from tldp_cli.run.pipeline import resolve_range
     from tldp_cli.run.masks import load_mask
 
     original = Path(original)
