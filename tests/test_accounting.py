@@ -1,4 +1,4 @@
-"""Calibration and certified figures against the closed forms of DESIGN section 2."""
+"""Calibration and certified figures against the closed forms of docs/guarantee.md."""
 
 import math
 

@@ -47,7 +47,7 @@ MANIFEST_FIELDS = {"schema", "tool", "mechanism", "noise", "budget", "epsilon", 
 @pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
 @pytest.mark.parametrize("budget", ["element", "record"])
 def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, noise, mechanism, budget):
-    """An independent calculation from DESIGN section 2 reproduces every stated figure
+    """An independent calculation from docs/guarantee.md's formulas reproduces every stated figure
     (of the continuous mechanisms: --sampler float; tests/test_discrete.py has the exact ones)."""
     # TLDP under the record budget keeps raw values with probability ~ eps e^-eps / (2 Delta)
     # per record, above dp_delta: a release that needs consent (tests/test_raw_release.py).

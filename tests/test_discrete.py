@@ -199,7 +199,7 @@ def test_float_values_without_a_grid_must_be_integers():
 # --------------------------------------------------------------------------- accounting
 @pytest.mark.parametrize("W, I, eps", [(256, 784, 1.0), (4, 1, 1.0), (4, 3, 2.0), (16, 2, 0.3)])
 def test_discrete_laplace_pure_bound_is_the_largest_privacy_loss(W, I, eps):
-    """DESIGN section 2's formula against the loss computed outcome by outcome, for the pair
+    """docs/guarantee.md's formula against the loss computed outcome by outcome, for the pair
     of range ends; closer pairs lose less."""
     c = cal(range_width=W, elements=I, epsilon=eps)
     upper, lower = accounting.discrete_laplace_log_pmfs(W - 1, c.scale, c.log_p)

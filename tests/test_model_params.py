@@ -313,7 +313,7 @@ def test_clip_on_integer_images(cli, tmp_path):
 # --------------------------------------------------------------------------- accounting
 
 def laplace_p(eps: float, width: float, elements: int) -> float:
-    """DESIGN section 1: p = e^{eps - I Delta/b} / (2b + e^{eps - I Delta/b}), b = Delta/eps."""
+    """The paper's retain probability (docs/guarantee.md): p = e^{eps - I Delta/b} / (2b + e^{eps - I Delta/b}), b = Delta/eps."""
     b = width / eps
     a = math.exp(eps - elements * width / b)
     return a / (2 * b + a)

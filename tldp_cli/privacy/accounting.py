@@ -1,4 +1,4 @@
-"""Certified privacy figures (DESIGN section 2), per element and per record.
+"""Certified privacy figures (docs/guarantee.md), per element and per record.
 
 Every number a manifest states about the guarantee comes from `certify` (one
 calibration), `certify_all` (records of several sizes: the worst case over them),
@@ -537,7 +537,7 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
 
 def discrete_laplace_element_epsilon(sensitivity: int, scale: float, log_p: float) -> float:
     """Exact pure epsilon of one element: keep the value with probability p, else add
-    two-sided geometric noise with a = e^(-1/b), on inputs {0..d} (DESIGN section 2):
+    two-sided geometric noise with a = e^(-1/b), on inputs {0..d} (docs/guarantee.md, "Discrete noise"):
     d/b + ln(1 + p (1 + a) / ((1 - p)(1 - a))). The worst output is the kept value."""
     t = 1.0 / scale
     pure = sensitivity * t
