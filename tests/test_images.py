@@ -9,8 +9,10 @@ import pytest
 import tifffile
 from PIL import Image
 
+from tests.builders import assert_one_line_error
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
+from tldp_cli import formats
 from tldp_cli.formats import images
 
 RNG = np.random.default_rng(0)
@@ -127,6 +129,53 @@ def test_can_open_folders_but_not_zarr_stores(tmp_path):
     (tmp_path / "zarr.json").write_text("{}")
     assert not images.can_open(tmp_path)
     assert not images.can_open(tmp_path / "zarr.json")
+
+
+def class_folders(root: Path, classes: int = 10) -> Path:
+    """The MNIST-as-PNG layout: train/0 ... train/9, one folder of images per class."""
+    for label in range(classes):
+        save(root / str(label) / f"{label}.png", pixels(6, 5))
+    return root
+
+
+def test_folders_named_by_numbers_are_images_for_every_command(cli, tmp_path):
+    train = class_folders(tmp_path / "train")
+    assert formats.detect(train) is images
+    files = tree_digest(train)
+    result = cli("perturb", train, "--eps", "1")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "train.tldp" / "9" / "9.png").is_file()
+    result = cli("weight-mask", train, "--method", "constant", "--weight", "0.5", "--out", tmp_path / "masks")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "masks" / "3" / "3.png").is_file()
+    result = cli("evaluate", train, tmp_path / "train.tldp")
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(train) == files
+
+
+def test_zarr_chunks_without_metadata_are_named_as_a_damaged_store(cli, tmp_path):
+    store = tmp_path / "lost.zarr"
+    for chunk in ("0.0", "1.0", "2.0"):
+        store.mkdir(exist_ok=True)
+        (store / chunk).write_bytes(b"\0" * 16)
+    assert_one_line_error(cli("perturb", store, "--eps", "1"), 1, str(store), "damaged Zarr store")
+
+
+def test_format_overrides_detection(cli, tmp_path):
+    train = class_folders(tmp_path / "train", classes=2)
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", train, "--eps", "1", "--format", "zarr"), 1,
+                          str(train), "damaged Zarr store")
+    assert_one_line_error(cli("perturb", train / "0" / "0.png", "--eps", "1", "--format", "images"),
+                          2, "0.png", "is a file", "--format images")
+    assert siblings(tmp_path) == before
+    result = cli("perturb", train, "--eps", "1", "--format", "images")
+    assert result.exit_code == 0, result.stderr
+    assert manifest_of(tmp_path / "train.tldp")["inputs"][0]["format"] == "images"
+    assert_one_line_error(cli("evaluate", train, tmp_path / "train.tldp", "--format", "zarr"), 1,
+                          str(train), "damaged Zarr store")
+    result = cli("evaluate", train, tmp_path / "train.tldp", "--format", "images")
+    assert result.exit_code == 0, result.stderr
 
 
 def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):

@@ -137,6 +137,21 @@ class ImageFormat(str, Enum):
     tiff = "tiff"
 
 
+class InputFormat(str, Enum):
+    npy = "npy"
+    hdf5 = "hdf5"
+    zarr = "zarr"
+    npz = "npz"
+    safetensors = "safetensors"
+    images = "images"
+
+
+InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
+    "--format", help="Read INPUT as this format instead of detecting it from its content (a "
+                     "folder with Zarr metadata is Zarr, any other folder a folder of images).",
+    show_default=False)]
+
+
 class Scheduler(str, Enum):
     threads = "threads"
     dask = "dask"
@@ -346,6 +361,7 @@ def perturb_command(
              "dataset whose first axis matches the others'. Model files (.npz, .safetensors): a "
              "tensor by name; default: every floating-point tensor. Unselected ones are copied "
              "unchanged.")] = None,
+    input_format: InputFormatOption = None,
     image_format: Annotated[ImageFormat, typer.Option(
         help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
              "(float32, unclipped).")] = ImageFormat.png,
@@ -446,7 +462,8 @@ def perturb_command(
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], image_format=image_format.value, copy_other=copy_other,
+            datasets=dataset or [], input_format=input_format and input_format.value,
+            image_format=image_format.value, copy_other=copy_other,
             skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
@@ -531,6 +548,7 @@ def weight_mask_command(
              "eye. It shows the private data: keep it private.", show_default=False)] = None,
     dataset: Annotated[Optional[str], typer.Option(
         metavar="PATH", help="HDF5/Zarr: the array the mask is for.", show_default=False)] = None,
+    input_format: InputFormatOption = None,
     data_derived: Annotated[bool, typer.Option(
         help="box/image: record that the regions were found in the private data themselves "
              "(e.g. by a detector run on each image).")] = False,
@@ -566,7 +584,7 @@ def weight_mask_command(
             mask_image=mask_image, resize=resize,
             value_range=parse_range(value_range) if value_range else None, gamma=gamma,
             margin=margin, feather=feather, preview=preview, dataset=dataset, data_derived=data_derived,
-            overwrite=overwrite))
+            overwrite=overwrite, input_format=input_format and input_format.value))
 
     result = _run(debug, action)
     if not quiet:
@@ -661,6 +679,9 @@ def evaluate_command(
              "folder's top-level subfolder names).")] = None,
     test: Annotated[Optional[Path], typer.Option(
         help="Clean test records (any format perturb reads) for the task-utility score.")] = None,
+    input_format: Annotated[Optional[InputFormat], typer.Option(
+        "--format", help="Read ORIGINAL (and PERTURBED) as this format instead of detecting it "
+                         "from its content.", show_default=False)] = None,
     test_labels: Annotated[Optional[str], typer.Option(
         metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
                                "subfolders refer to --test).")] = None,
@@ -736,7 +757,8 @@ def evaluate_command(
                                   model=model.value, value_range=rng_range, weights=weights,
                                   budget=budget.value, seed=_resolve_seed(seed, seed_file, quiet),
                                   allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
-                                  dataset=dataset, progress=advance)
+                                  dataset=dataset, progress=advance,
+                                  input_format=input_format and input_format.value)
             finally:
                 close()
             return result, ev.write_sweep(result, out, overwrite)
@@ -756,7 +778,8 @@ def evaluate_command(
         try:
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
                                  test_labels=test_labels, model=model.value, progress=advance,
-                                 per_record=per_record, name_map=name_map)
+                                 per_record=per_record, name_map=name_map,
+                                 input_format=input_format and input_format.value)
         finally:
             close()
         _emit_json(report, json_out, report_path, overwrite)
@@ -798,6 +821,8 @@ def plan_command(
     clip: Annotated[Optional[float], typer.Option("--clip", metavar="C", help="As for perturb.",
                                                   show_default=False)] = None,
     dtype: Annotated[OutDtype, typer.Option(help="As for perturb.")] = OutDtype.float32,
+    input_format: Annotated[Optional[InputFormat], typer.Option(
+        "--format", help="As for perturb.", show_default=False)] = None,
     image_format: Annotated[ImageFormat, typer.Option(help="As for perturb.")] = ImageFormat.png,
     allow_raw_release: Annotated[bool, typer.Option(help="As for perturb.")] = False,
     elements: Annotated[Optional[str], typer.Option(
@@ -843,7 +868,8 @@ def plan_command(
             sampler=sampler.value, budget=budget.value,
             value_range=parse_range(value_range) if value_range else None, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            image_format=image_format.value, allow_raw_release=allow_raw_release)
+            image_format=image_format.value, allow_raw_release=allow_raw_release,
+            input_format=input_format and input_format.value)
         if input is not None:
             return planning.plan_input(options)
         return planning.plan_records(options, parse_shape(elements), records, input_dtype)

@@ -144,9 +144,21 @@ def _registry():
         yield importlib.import_module(f"tldp_cli.formats.{name}")
 
 
-def detect(path: Path):
-    """The format module that can open `path`."""
+FORMAT_NAMES = ("npy", "hdf5", "zarr", "npz", "safetensors", "images")  # --format's choices
+
+
+def detect(path: Path, format_name: str | None = None):
+    """The format module that can open `path`; `format_name` (--format) skips the sniffing
+    for inputs it cannot settle, and the chosen reader says what it finds wrong."""
     output.check_input(path)
+    if format_name is not None:
+        chosen = next((m for m in _registry() if m.NAME == format_name), None)
+        if chosen is None:
+            raise UsageError(f"--format must be one of {', '.join(FORMAT_NAMES)}, not {format_name}")
+        if path.is_dir() != (format_name in ("zarr", "images")):
+            kind = "a folder" if path.is_dir() else "a file"
+            raise UsageError(f"{path}: is {kind}, which --format {format_name} does not read")
+        return chosen
     for module in _registry():
         if module.can_open(path):
             return module

@@ -28,6 +28,7 @@ import functools
 import io
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,9 @@ from tldp_cli.formats.checked_io import copy_bytes, writing
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
+# Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
+# files and no image is most likely a store that lost its metadata.
+_ZARR_CHUNK_PATH = re.compile(r"^(c/)?\d+([./]\d+)*$")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
@@ -226,6 +230,10 @@ class ImageFolderReader(Reader):
             found += [plural(len(bad), "unreadable image")] if bad else []
             found += [plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
+            if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
+                raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
+                                 "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
+                                 "(its metadata is missing)")
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
         if self.anonymized:
             self._anonymize(options.image_format)
