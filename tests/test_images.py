@@ -108,7 +108,8 @@ def test_manifest_uses_largest_image(cli, tmp_path):
     # the default exact sampler: integer noise in int16 (saturating, never wrapping), then the PNG steps
     assert manifest["noise"] == "discrete-laplace"
     assert manifest["postprocessing"][0].startswith("saturate at the int16 limits")
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 255]", "write 8-bit PNG"]  # integers: no rounding
+    assert manifest["postprocessing"][1:3] == [  # integers: no rounding
+        "clip to [0, 255]", f"write 8-bit PNG {images.PNG_ENCODING}"]
     assert any("alpha" in step for step in manifest["postprocessing"])
     assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
         ["big/colour.png", "mid.png", "small.png"]
@@ -193,7 +194,7 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["value_range"] == [0, 65536]
     # integer noise in int32 (the default exact sampler), saturating, then the PNG steps
     assert manifest["postprocessing"][0].startswith("saturate at the int32 limits")
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", "write 16-bit PNG"]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {images.PNG_ENCODING}"]
 
 
 def test_mixed_bit_depths_need_a_range(cli, tmp_path):
@@ -205,7 +206,7 @@ def test_mixed_bit_depths_need_a_range(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
     assert json.loads(result.stdout)["postprocessing"][1:3] == [
-        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", "write 8-bit and 16-bit PNG"]
+        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {images.PNG_ENCODING}"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
 
@@ -353,3 +354,44 @@ def test_folder_without_images(cli, tmp_path):
     assert result.exit_code == 1
     assert f"no images in {texts} (found 1 file that is not an image)" in one_line(result)
     assert siblings(tmp_path) == {"empty", "texts"}
+
+
+def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):
+    """The PNG writer is tldp's own (noise-suited encoding): OpenCV's libpng must read what
+    Pillow reads, for every mode written, with the ICC profile kept."""
+    cv2 = pytest.importorskip("cv2")
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "photos"
+    save(src / "gray.png", pixels(9, 7))
+    save(src / "la.png", pixels(6, 8, 2))
+    save(src / "rgb.png", pixels(10, 12, 3), icc_profile=icc)
+    save(src / "rgba.png", pixels(5, 9, 4))
+    save(src / "deep.png", pixels(7, 6, dtype=np.uint16))
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "0:65536")
+    assert result.exit_code == 0, result.stderr
+    for name in ("gray", "la", "rgb", "rgba", "deep"):
+        path = out / f"{name}.png"
+        with Image.open(path) as im:
+            ours = np.asarray(im)
+            assert im.info.get("icc_profile") == (icc if name == "rgb" else None)
+            assert np.asarray(im.convert("RGB")).shape == (*ours.shape[:2], 3)  # as loaders do
+        theirs = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        if theirs.ndim == 3:  # libpng via OpenCV: BGR(A), gray+alpha expanded to BGRA
+            theirs = cv2.cvtColor(theirs, cv2.COLOR_BGRA2RGBA if theirs.shape[2] == 4 else cv2.COLOR_BGR2RGB)
+            if name == "la":
+                theirs = np.dstack([theirs[..., 0], theirs[..., 3]])
+        assert theirs.dtype == ours.dtype and np.array_equal(theirs, ours), name
+
+
+def test_png_output_loads_in_torchvision(cli, tmp_path):
+    torchvision = pytest.importorskip("torchvision")
+    src = tmp_path / "photos"
+    save(src / "rgb.png", pixels(10, 12, 3))
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    tensor = torchvision.io.decode_image(str(tmp_path / "out" / "rgb.png"))
+    assert tuple(tensor.shape) == (3, 10, 12)
+    assert np.array_equal(tensor.permute(1, 2, 0).numpy(), np.asarray(Image.open(tmp_path / "out" / "rgb.png")))
