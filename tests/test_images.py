@@ -395,3 +395,64 @@ def test_png_output_loads_in_torchvision(cli, tmp_path):
     tensor = torchvision.io.decode_image(str(tmp_path / "out" / "rgb.png"))
     assert tuple(tensor.shape) == (3, 10, 12)
     assert np.array_equal(tensor.permute(1, 2, 0).numpy(), np.asarray(Image.open(tmp_path / "out" / "rgb.png")))
+
+
+def write_index(folder: Path, name: str, rows: list[dict]) -> None:
+    if name.endswith(".jsonl"):
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+    else:
+        text = "file_name,caption\n" + "".join(f"{r['file_name']},\"{r['caption']}\"\n" for r in rows)
+    (folder / name).write_text(text)
+
+
+def imagefolder(data_dir: Path, cache: Path) -> list[tuple[str, tuple[int, int]]]:
+    """(caption, size) of each example, as Hugging Face's imagefolder loads the folder."""
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=str(cache),
+                                   split="train")
+    return sorted((example["caption"], example["image"].size) for example in loaded)
+
+
+@pytest.mark.parametrize("index", images.INDEX_FILES)
+def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkeypatch, index):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing to download
+    src = tmp_path / "photos"
+    save(src / "cat" / "a.jpg", pixels(16, 12, 3), quality=90)
+    save(src / "dog" / "b.jpeg", pixels(8, 8, 3), quality=90)
+    save(src / "dog" / "c.png", pixels(9, 7, 3))
+    rows = [{"file_name": "cat/a.jpg", "caption": "a cat"}, {"file_name": "./dog/b.jpeg", "caption": "a dog"},
+            {"file_name": "dog/c.png", "caption": "a dog, again"}]
+    write_index(src, index, rows)
+    before = tree_digest(src)
+    expected = imagefolder(src, tmp_path / "cache-in")
+
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    assert imagefolder(out, tmp_path / "cache-out") == expected
+    assert f"rewrote the image file names in {index}" in result.stderr
+    assert manifest_of(out)["index_files_rewritten"] == [index]
+    written = (out / index).read_text()
+    assert "cat/a.png" in written and "./dog/b.png" in written and "dog/c.png" in written
+    assert ".jpg" not in written and ".jpeg" not in written
+    assert tree_digest(src) == before
+
+
+def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
+    (src / "metadata.jsonl").write_text('{"file_name":  "a.png", "label": 1}\n')
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "metadata.jsonl").read_bytes() == (src / "metadata.jsonl").read_bytes()
+    assert "index_files_rewritten" not in manifest_of(tmp_path / "out")
+
+
+def test_unreadable_index_file_stops_the_run(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.jpg", pixels(6, 6, 3))
+    (src / "metadata.jsonl").write_text('{"file_name": "a.jpg"}\nnot json\n')
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--copy-other"), 1,
+                          str(src / "metadata.jsonl"), "line 2")
+    assert siblings(tmp_path) == before

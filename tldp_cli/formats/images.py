@@ -24,10 +24,12 @@ and names the skipped files; evaluate pairs the images through it.
 from __future__ import annotations
 
 import datetime as _dt
+import csv
 import functools
 import io
 import json
 import os
+import posixpath
 import re
 import secrets
 import struct
@@ -53,6 +55,9 @@ _ZARR_CHUNK_PATH = re.compile(r"^(c/)?\d+([./]\d+)*$")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
+# Index files that name the images, as Hugging Face's imagefolder reads them: a file_name
+# column (or any *_file_name one) of paths relative to the index's own folder.
+INDEX_FILES = ("metadata.jsonl", "metadata.csv")
 NAME_MAP_SCHEMA = "tldp-name-map/1"
 WITHHELD = "withheld (--anonymize-names)"
 PNG_ENCODING = "(no row filter, Huffman-only deflate: noise does not compress)"  # see _png
@@ -298,6 +303,9 @@ class ImageFolderReader(Reader):
                                  "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
                                  "(its metadata is missing)")
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+        renamed = any(image.out_rel != image.rel for image in self.images)
+        self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
+                            and renamed and options.copy_other]
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
@@ -349,6 +357,12 @@ class ImageFolderReader(Reader):
             done = "copied" if options.copy_other else "skipped"
             how = " unchanged (not perturbed)" if options.copy_other else ""
             self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {listing(self.others)}")
+        if self.index_files:
+            self.manifest_extra["not_images_action"] = ("copied unchanged, but for the image file "
+                                                        "names in index files (index_files_rewritten)")
+            self.manifest_extra["index_files_rewritten"] = self.index_files
+            self.messages.append(f"rewrote the image file names in {listing(self.index_files)} to the "
+                                 "output's (the images' suffix changed)")
         if bad:
             self.manifest_extra["skipped_bad_images"] = bad
             self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
@@ -464,6 +478,57 @@ def _icc_profile(path: Path) -> bytes | None:
         return im.info.get("icc_profile")
 
 
+def _is_name_column(key: object) -> bool:
+    return isinstance(key, str) and (key == "file_name" or key.endswith("_file_name"))
+
+
+def _renamer(index_rel: str, out_names: dict[str, str]):
+    """Maps a file_name value of the index at `index_rel` to the output's name for it; names
+    of anything but a renamed image are kept. Only the suffix changes, so the value keeps
+    its own spelling ("./a.jpg" -> "./a.png")."""
+    folder = posixpath.dirname(index_rel)
+
+    def rename(value: str) -> str:
+        out = out_names.get(posixpath.normpath(posixpath.join(folder, value)))
+        suffix = posixpath.splitext(value)[1]
+        return value if out is None or not suffix else value[:-len(suffix)] + posixpath.splitext(out)[1]
+
+    return rename
+
+
+def _rewrite_jsonl(text: str, rename, where: Path) -> str:
+    lines = text.splitlines(keepends=True)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: line {number} is not a JSON object, so the image names in "
+                             "it cannot be rewritten to the output's; fix it or leave out --copy-other")
+        renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
+                   for k, v in row.items()}
+        if renamed != row:
+            end = line[len(line.rstrip("\r\n")):]
+            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + end
+    return "".join(lines)
+
+
+def _rewrite_csv(text: str, rename) -> str:
+    rows = list(csv.reader(io.StringIO(text, newline="")))
+    if not rows:
+        return text
+    columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
+    changed = [[rename(v) if i in columns else v for i, v in enumerate(row)] for row in rows[1:]]
+    if changed == rows[1:]:
+        return text
+    written = io.StringIO(newline="")
+    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *changed])
+    return written.getvalue()
+
+
 class ImageFolderWriter(Writer):
     def __init__(self, reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
                  options: FormatOptions):
@@ -475,7 +540,10 @@ class ImageFolderWriter(Writer):
             tmp_path.mkdir()
         if options.copy_other:
             for rel in reader.others:
-                self._copy(reader.path / rel, rel)
+                if rel in reader.index_files:
+                    self._write_index(reader.path / rel, rel, reader.out_names)
+                else:
+                    self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
@@ -511,6 +579,21 @@ class ImageFolderWriter(Writer):
         with src, writing(target), open(target, "wb") as dst:
             copy_bytes(src, source, dst, target)
         return target
+
+    def _write_index(self, source: Path, rel: str, out_names: dict[str, str]) -> None:
+        """An index file with the renamed images' names rewritten to their output names."""
+        try:
+            text = source.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+        except UnicodeDecodeError:
+            raise InputError(f"{source}: not UTF-8 text, so the image names in it cannot be "
+                             "rewritten to the output's; fix it or leave out --copy-other") from None
+        rename = _renamer(rel, out_names)
+        text = _rewrite_csv(text, rename) if rel.endswith(".csv") else _rewrite_jsonl(text, rename, source)
+        target = self._target(rel)
+        with writing(target), open(target, "wb") as f:
+            f.write(text.encode("utf-8"))
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         image = self.images[job.name]
