@@ -456,3 +456,22 @@ def test_unreadable_index_file_stops_the_run(cli, tmp_path):
     assert_one_line_error(cli("perturb", src, "--eps", "1", "--copy-other"), 1,
                           str(src / "metadata.jsonl"), "line 2")
     assert siblings(tmp_path) == before
+
+
+def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "gray.png", pixels(6, 6))
+    save(src / "rgb.png", pixels(6, 6, 3))
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--image-format", "tiff", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "warning: 1 colour or alpha image will be TIFF" in result.stderr
+    assert "Pillow cannot open" in result.stderr
+    with Image.open(out / "gray.tiff") as im:  # what the warning leaves out, Pillow reads
+        im.convert("RGB")
+    with pytest.raises(Exception):  # what it names, Pillow does not
+        Image.open(out / "rgb.tiff").convert("RGB")
+    assert tifffile.imread(out / "rgb.tiff").shape == (6, 6, 3)
+
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "png")
+    assert "warning" not in result.stderr

@@ -364,7 +364,8 @@ def perturb_command(
     input_format: InputFormatOption = None,
     image_format: Annotated[ImageFormat, typer.Option(
         help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
-             "(float32, unclipped).")] = ImageFormat.png,
+             "(float32, unclipped; Pillow, and the loaders built on it, cannot open such TIFF "
+             "in colour: tldp warns).")] = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
         help="Image folders: copy files that are not images (default: report and skip).")] = False,
     skip_bad: Annotated[bool, typer.Option(

@@ -306,12 +306,25 @@ class ImageFolderReader(Reader):
         renamed = any(image.out_rel != image.rel for image in self.images)
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and renamed and options.copy_other]
+        if options.image_format == "tiff":
+            self._warn_tiff_readers()
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+
+    def _warn_tiff_readers(self) -> None:
+        # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
+        # with Pillow 13); torchvision's and Hugging Face's image loaders go through it.
+        several = [i for i in self.images if len(i.shape) == 4 or i.has_alpha]
+        if several:
+            self.messages.append(
+                f"warning: {plural(len(several), 'colour or alpha image')} will be TIFF with several "
+                "channels of 16/32-bit integer or float samples, which Pillow cannot open (nor "
+                "torchvision's and Hugging Face datasets' image loaders, which use it); tifffile "
+                "reads them. For those loaders use the default --image-format png")
 
     @property
     def out_names(self) -> dict[str, str]:
