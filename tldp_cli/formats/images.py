@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import csv
 import functools
+import hashlib
 import io
 import json
 import os
@@ -94,6 +95,7 @@ class _Header:
     notes: list[str]  # conversions applied, e.g. "palette (P) -> RGB"
     orientation: int  # EXIF orientation, 1 = as stored
     convert_to: str | None  # the mode it is converted to after decoding, if any
+    has_icc: bool  # carries an ICC colour profile (kept in the output)
 
 
 @dataclass
@@ -158,7 +160,8 @@ def _header(path: Path, im: Image.Image) -> _Header:
         width, height = height, width
     shape = (height, width, 3) if mode in ("RGB", "RGBA") else (height, width)
     dtype = np.dtype(np.uint16 if mode in SIXTEEN_BIT_MODES else np.uint8)
-    return _Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to)
+    return _Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to,
+                   bool(im.info.get("icc_profile")))
 
 
 def _probe(path: Path) -> _Header:
@@ -199,6 +202,7 @@ class _Image:
     shape: tuple[int, ...]  # (1, H, W) or (1, H, W, 3)
     dtype: np.dtype
     has_alpha: bool
+    has_icc: bool
 
 
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
@@ -285,7 +289,7 @@ class ImageFolderReader(Reader):
                 reason = f"cannot be decoded as an image ({exc})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
-                                          header.dtype, header.has_alpha))
+                                          header.dtype, header.has_alpha, header.has_icc))
                 if header.notes:
                     conversions[rel] = header.notes
                 continue
@@ -549,6 +553,7 @@ class ImageFolderWriter(Writer):
         self.image_format = options.image_format
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
+        self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         with writing(tmp_path):
             tmp_path.mkdir()
         if options.copy_other:
@@ -612,7 +617,7 @@ class ImageFolderWriter(Writer):
         image = self.images[job.name]
         values = block[0]
         alpha = _decode(image.path).alpha if image.has_alpha else None
-        icc = _icc_profile(image.path)
+        icc = _icc_profile(image.path) if image.has_icc else None
         target = self._target(image.out_rel)
         if self.image_format == "tiff":
             pixels = values.astype(self.dtype)
@@ -634,6 +639,10 @@ class ImageFolderWriter(Writer):
         # to a file descriptor without checking for short writes).
         with writing(target), open(target, "wb") as f:
             f.write(encoded)
+        self._digests[target] = hashlib.sha256(encoded).hexdigest()  # not read back for the manifest
+
+    def digests(self) -> dict[Path, str]:
+        return dict(self._digests)
 
     def block_writer(self):
         """write itself: it keeps no state between images, so Dask workers can run it."""
