@@ -475,3 +475,22 @@ def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
 
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "png")
     assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_is_applied_as_pillow_applies_it(cli, tmp_path, orientation):
+    from PIL import ImageOps
+
+    src = tmp_path / "photos"
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    save(src / "cam.jpg", pixels(12, 20, 3), quality=95, exif=exif.tobytes())
+    save(src / "tagged.png", pixels(6, 10), exif=exif.tobytes())  # eXIf before the pixel data
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "10000", "--out", out).exit_code == 0
+    for name in ("cam", "tagged"):
+        with Image.open(src / f"{name}.{'jpg' if name == 'cam' else 'png'}") as im:
+            upright = np.asarray(ImageOps.exif_transpose(im))
+        np.testing.assert_array_equal(np.asarray(Image.open(out / f"{name}.png")), upright)
+    notes = manifest_of(out).get("image_conversions", {})
+    assert (notes.get("cam.jpg") == [f"EXIF orientation {orientation} applied"]) == (orientation != 1)
