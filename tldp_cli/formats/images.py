@@ -1,13 +1,17 @@
 """Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record.
 
 Images are found recursively and keyed by their relative POSIX path, which also
-keys their random streams. Every image is decoded once when the folder is opened
-(so an unreadable one stops the run before anything is written) and again when
-its pixels are needed; no image is held in memory longer than that.
+keys their random streams. Opening the folder reads each image's header (shape,
+mode, bit depth, orientation); its pixels are decoded once, when they are
+perturbed, and a damaged one stops the run then (the output is never committed).
+--skip-bad decodes every image up front instead, to skip the bad ones before the
+run. No image is held in memory longer than its own perturbation.
 
 Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
-input's integer range (default), or float TIFF with the values as perturbed.
+input's integer range (default; written by _png, encoded for noise), or float
+TIFF with the values as perturbed. With --copy-other, index files
+(metadata.jsonl, metadata.csv) get the output names of renamed images.
 
 Symbolic links inside the folder (to images, other files or directories, dangling
 or not) are never followed: they are skipped, named in a message and listed in
