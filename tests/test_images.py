@@ -169,6 +169,8 @@ def test_format_overrides_detection(cli, tmp_path):
                           str(train), "damaged Zarr store")
     assert_one_line_error(cli("perturb", train / "0" / "0.png", "--eps", "1", "--format", "images"),
                           2, "0.png", "is a file", "--format images")
+    assert_one_line_error(cli("plan", train, "--eps", "1", "--format", "zarr"), 1, "damaged Zarr store")
+    assert cli("plan", train, "--eps", "1", "--format", "images").exit_code == 0
     assert siblings(tmp_path) == before
     result = cli("perturb", train, "--eps", "1", "--format", "images")
     assert result.exit_code == 0, result.stderr
@@ -416,6 +418,7 @@ def imagefolder(data_dir: Path, cache: Path) -> list[tuple[str, tuple[int, int]]
 @pytest.mark.parametrize("index", images.INDEX_FILES)
 def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkeypatch, index):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing to download
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # nor anything left in the home folder
     src = tmp_path / "photos"
     save(src / "cat" / "a.jpg", pixels(16, 12, 3), quality=90)
     save(src / "dog" / "b.jpeg", pixels(8, 8, 3), quality=90)
