@@ -144,9 +144,6 @@ def _registry():
         yield importlib.import_module(f"tldp_cli.formats.{name}")
 
 
-FORMAT_NAMES = ("npy", "hdf5", "zarr", "npz", "safetensors", "images")  # --format's choices
-
-
 def detect(path: Path, format_name: str | None = None):
     """The format module that can open `path`; `format_name` (--format) skips the sniffing
     for inputs it cannot settle, and the chosen reader says what it finds wrong."""
@@ -154,7 +151,8 @@ def detect(path: Path, format_name: str | None = None):
     if format_name is not None:
         chosen = next((m for m in _registry() if m.NAME == format_name), None)
         if chosen is None:
-            raise UsageError(f"--format must be one of {', '.join(FORMAT_NAMES)}, not {format_name}")
+            names = ", ".join(m.NAME for m in _registry())
+            raise UsageError(f"--format must be one of {names}, not {format_name}")
         if path.is_dir() != (format_name in ("zarr", "images")):
             kind = "a folder" if path.is_dir() else "a file"
             raise UsageError(f"{path}: is {kind}, which --format {format_name} does not read")
