@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from tests.builders import assert_one_line_error
 from tests.conftest import siblings, tree_digest
@@ -472,7 +472,7 @@ def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
     assert "Pillow cannot open" in result.stderr
     with Image.open(out / "gray.tiff") as im:  # what the warning leaves out, Pillow reads
         im.convert("RGB")
-    with pytest.raises(Exception):  # what it names, Pillow does not
+    with pytest.raises(UnidentifiedImageError):  # what it names, Pillow does not
         Image.open(out / "rgb.tiff").convert("RGB")
     assert tifffile.imread(out / "rgb.tiff").shape == (6, 6, 3)
 

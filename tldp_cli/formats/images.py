@@ -27,8 +27,8 @@ and names the skipped files; evaluate pairs the images through it.
 
 from __future__ import annotations
 
-import datetime as _dt
 import csv
+import datetime as _dt
 import functools
 import hashlib
 import io
