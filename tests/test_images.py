@@ -497,3 +497,24 @@ def test_exif_orientation_is_applied_as_pillow_applies_it(cli, tmp_path, orienta
         np.testing.assert_array_equal(np.asarray(Image.open(out / f"{name}.png")), upright)
     notes = manifest_of(out).get("image_conversions", {})
     assert (notes.get("cam.jpg") == [f"EXIF orientation {orientation} applied"]) == (orientation != 1)
+
+
+def test_png_output_of_smooth_images_stays_small_and_exact(cli, tmp_path):
+    """A large epsilon leaves an image as it was: its PNG is filtered and deflated for
+    structure, not encoded as if it were noise (which would keep about its raw size)."""
+    cv2 = pytest.importorskip("cv2")
+    ramp = np.add.outer(np.arange(64), np.arange(48))
+    images_in = {"rgb": np.dstack([ramp, ramp * 2, 255 - ramp]).clip(0, 255).astype(np.uint8),
+                 "rgba": np.dstack([ramp, ramp, ramp, np.full_like(ramp, 200)]).astype(np.uint8),
+                 "deep": (ramp * 300).astype(np.uint16)}
+    for name, array in images_in.items():  # one folder each: 8- and 16-bit ranges differ
+        save(tmp_path / name / f"{name}.png", array)
+        result = cli("perturb", tmp_path / name, "--eps", "1e8", "--out", tmp_path / f"{name}.out")
+        assert result.exit_code == 0, result.stderr
+    for name, array in images_in.items():
+        path = tmp_path / f"{name}.out" / f"{name}.png"
+        theirs = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        if theirs.ndim == 3:
+            theirs = cv2.cvtColor(theirs, cv2.COLOR_BGRA2RGBA if theirs.shape[2] == 4 else cv2.COLOR_BGR2RGB)
+        assert np.array_equal(theirs, array) and np.array_equal(np.asarray(Image.open(path)), array), name
+        assert path.stat().st_size < array.nbytes / 8, name
