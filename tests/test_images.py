@@ -451,14 +451,30 @@ def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
     assert "index_files_rewritten" not in manifest_of(tmp_path / "out")
 
 
-def test_unreadable_index_file_stops_the_run(cli, tmp_path):
+@pytest.mark.parametrize("index, content, problem", [
+    ("metadata.jsonl", '{"file_name": "a.jpg"}\nnot json\n', "line 2"),
+    ("metadata.csv", 'file_name,label\n"a.jpg,1\n', "not readable as CSV"),
+    ("metadata.jsonl", b'{"file_name": "a.jpg", "caption": "\xff"}\n', "not UTF-8"),
+])
+def test_unreadable_index_file_stops_the_run(cli, tmp_path, index, content, problem):
     src = tmp_path / "photos"
     save(src / "a.jpg", pixels(6, 6, 3))
-    (src / "metadata.jsonl").write_text('{"file_name": "a.jpg"}\nnot json\n')
+    (src / index).write_bytes(content if isinstance(content, bytes) else content.encode())
     before = siblings(tmp_path)
-    assert_one_line_error(cli("perturb", src, "--eps", "1", "--copy-other"), 1,
-                          str(src / "metadata.jsonl"), "line 2")
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--copy-other"), 1, str(src / index), problem)
     assert siblings(tmp_path) == before
+
+
+def test_jsonl_index_lines_are_split_as_json_lines_readers_split_them(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.jpg", pixels(6, 6, 3))
+    lines = ['{"file_name": "a.jpg", "caption": "one\u2028line"}', '{"file_name": "gone.jpg"}']
+    (src / "metadata.jsonl").write_text("\ufeff" + "\r\n".join(lines) + "\r\n", encoding="utf-8")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    rows = (tmp_path / "out" / "metadata.jsonl").read_bytes().decode().split("\r\n")
+    assert json.loads(rows[0]) == {"file_name": "a.png", "caption": "one\u2028line"}
+    assert rows[1:] == ['{"file_name": "gone.jpg"}', ""]  # names no image here: kept as it was
 
 
 def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):

@@ -540,8 +540,13 @@ def _renamer(index_rel: str, out_names: dict[str, str]):
     return rename
 
 
+def _unreadable_index(where: Path, problem: str) -> InputError:
+    return InputError(f"{where}: {problem}, so the image names in it cannot be rewritten to the "
+                      "output's; fix it or leave out --copy-other")
+
+
 def _rewrite_jsonl(text: str, rename, where: Path) -> str:
-    lines = text.splitlines(keepends=True)
+    lines = text.split("\n")  # as JSON Lines readers split: not at U+2028 inside a string
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -550,18 +555,19 @@ def _rewrite_jsonl(text: str, rename, where: Path) -> str:
         except ValueError:
             row = None
         if not isinstance(row, dict):
-            raise InputError(f"{where}: line {number} is not a JSON object, so the image names in "
-                             "it cannot be rewritten to the output's; fix it or leave out --copy-other")
+            raise _unreadable_index(where, f"line {number} is not a JSON object")
         renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
                    for k, v in row.items()}
         if renamed != row:
-            end = line[len(line.rstrip("\r\n")):]
-            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + end
-    return "".join(lines)
+            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
+    return "\n".join(lines)
 
 
-def _rewrite_csv(text: str, rename) -> str:
-    rows = list(csv.reader(io.StringIO(text, newline="")))
+def _rewrite_csv(text: str, rename, where: Path) -> str:
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+    except csv.Error as exc:
+        raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
     if not rows:
         return text
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
@@ -628,14 +634,14 @@ class ImageFolderWriter(Writer):
     def _write_index(self, source: Path, rel: str, out_names: dict[str, str]) -> None:
         """An index file with the renamed images' names rewritten to their output names."""
         try:
-            text = source.read_bytes().decode("utf-8")
+            text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
         except OSError as exc:
             raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
         except UnicodeDecodeError:
-            raise InputError(f"{source}: not UTF-8 text, so the image names in it cannot be "
-                             "rewritten to the output's; fix it or leave out --copy-other") from None
+            raise _unreadable_index(source, "not UTF-8 text") from None
         rename = _renamer(rel, out_names)
-        text = _rewrite_csv(text, rename) if rel.endswith(".csv") else _rewrite_jsonl(text, rename, source)
+        rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
+        text = rewrite(text, rename, source)
         target = self._target(rel)
         with writing(target), open(target, "wb") as f:
             f.write(text.encode("utf-8"))
