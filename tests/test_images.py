@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
+from tests.builders import assert_one_line_error
 from tests.conftest import siblings, tree_digest
 from tests.roundtrip import RoundTrip
+from tldp_cli import formats
 from tldp_cli.formats import images
 
 RNG = np.random.default_rng(0)
@@ -106,7 +108,8 @@ def test_manifest_uses_largest_image(cli, tmp_path):
     # the default exact sampler: integer noise in int16 (saturating, never wrapping), then the PNG steps
     assert manifest["noise"] == "discrete-laplace"
     assert manifest["postprocessing"][0].startswith("saturate at the int16 limits")
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 255]", "write 8-bit PNG"]  # integers: no rounding
+    assert manifest["postprocessing"][1:3] == [  # integers: no rounding
+        "clip to [0, 255]", f"write 8-bit PNG {images.PNG_ENCODING}"]
     assert any("alpha" in step for step in manifest["postprocessing"])
     assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
         ["big/colour.png", "mid.png", "small.png"]
@@ -129,6 +132,55 @@ def test_can_open_folders_but_not_zarr_stores(tmp_path):
     assert not images.can_open(tmp_path / "zarr.json")
 
 
+def class_folders(root: Path, classes: int = 10) -> Path:
+    """The MNIST-as-PNG layout: train/0 ... train/9, one folder of images per class."""
+    for label in range(classes):
+        save(root / str(label) / f"{label}.png", pixels(6, 5))
+    return root
+
+
+def test_folders_named_by_numbers_are_images_for_every_command(cli, tmp_path):
+    train = class_folders(tmp_path / "train")
+    assert formats.detect(train) is images
+    files = tree_digest(train)
+    result = cli("perturb", train, "--eps", "1")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "train.tldp" / "9" / "9.png").is_file()
+    result = cli("weight-mask", train, "--method", "constant", "--weight", "0.5", "--out", tmp_path / "masks")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "masks" / "3" / "3.png").is_file()
+    result = cli("evaluate", train, tmp_path / "train.tldp")
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(train) == files
+
+
+def test_zarr_chunks_without_metadata_are_named_as_a_damaged_store(cli, tmp_path):
+    store = tmp_path / "lost.zarr"
+    for chunk in ("0.0", "1.0", "2.0"):
+        store.mkdir(exist_ok=True)
+        (store / chunk).write_bytes(b"\0" * 16)
+    assert_one_line_error(cli("perturb", store, "--eps", "1"), 1, str(store), "damaged Zarr store")
+
+
+def test_format_overrides_detection(cli, tmp_path):
+    train = class_folders(tmp_path / "train", classes=2)
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", train, "--eps", "1", "--format", "zarr"), 1,
+                          str(train), "damaged Zarr store")
+    assert_one_line_error(cli("perturb", train / "0" / "0.png", "--eps", "1", "--format", "images"),
+                          2, "0.png", "is a file", "--format images")
+    assert_one_line_error(cli("plan", train, "--eps", "1", "--format", "zarr"), 1, "damaged Zarr store")
+    assert cli("plan", train, "--eps", "1", "--format", "images").exit_code == 0
+    assert siblings(tmp_path) == before
+    result = cli("perturb", train, "--eps", "1", "--format", "images")
+    assert result.exit_code == 0, result.stderr
+    assert manifest_of(tmp_path / "train.tldp")["inputs"][0]["format"] == "images"
+    assert_one_line_error(cli("evaluate", train, tmp_path / "train.tldp", "--format", "zarr"), 1,
+                          str(train), "damaged Zarr store")
+    result = cli("evaluate", train, tmp_path / "train.tldp", "--format", "images")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     src = tmp_path / "scans"
     original = pixels(10, 12, dtype=np.uint16)
@@ -144,7 +196,7 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["value_range"] == [0, 65536]
     # integer noise in int32 (the default exact sampler), saturating, then the PNG steps
     assert manifest["postprocessing"][0].startswith("saturate at the int32 limits")
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", "write 16-bit PNG"]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {images.PNG_ENCODING}"]
 
 
 def test_mixed_bit_depths_need_a_range(cli, tmp_path):
@@ -156,7 +208,7 @@ def test_mixed_bit_depths_need_a_range(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
     assert json.loads(result.stdout)["postprocessing"][1:3] == [
-        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", "write 8-bit and 16-bit PNG"]
+        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {images.PNG_ENCODING}"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
 
@@ -304,3 +356,181 @@ def test_folder_without_images(cli, tmp_path):
     assert result.exit_code == 1
     assert f"no images in {texts} (found 1 file that is not an image)" in one_line(result)
     assert siblings(tmp_path) == {"empty", "texts"}
+
+
+def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):
+    """The PNG writer is tldp's own (noise-suited encoding): OpenCV's libpng must read what
+    Pillow reads, for every mode written, with the ICC profile kept."""
+    cv2 = pytest.importorskip("cv2")
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "photos"
+    save(src / "gray.png", pixels(9, 7))
+    save(src / "la.png", pixels(6, 8, 2))
+    save(src / "rgb.png", pixels(10, 12, 3), icc_profile=icc)
+    save(src / "rgba.png", pixels(5, 9, 4))
+    save(src / "deep.png", pixels(7, 6, dtype=np.uint16))
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "0:65536")
+    assert result.exit_code == 0, result.stderr
+    for name in ("gray", "la", "rgb", "rgba", "deep"):
+        path = out / f"{name}.png"
+        with Image.open(path) as im:
+            ours = np.asarray(im)
+            assert im.info.get("icc_profile") == (icc if name == "rgb" else None)
+            assert np.asarray(im.convert("RGB")).shape == (*ours.shape[:2], 3)  # as loaders do
+        theirs = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        if theirs.ndim == 3:  # libpng via OpenCV: BGR(A), gray+alpha expanded to BGRA
+            theirs = cv2.cvtColor(theirs, cv2.COLOR_BGRA2RGBA if theirs.shape[2] == 4 else cv2.COLOR_BGR2RGB)
+            if name == "la":
+                theirs = np.dstack([theirs[..., 0], theirs[..., 3]])
+        assert theirs.dtype == ours.dtype and np.array_equal(theirs, ours), name
+
+
+def test_png_output_loads_in_torchvision(cli, tmp_path):
+    torchvision = pytest.importorskip("torchvision")
+    src = tmp_path / "photos"
+    save(src / "rgb.png", pixels(10, 12, 3))
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    tensor = torchvision.io.decode_image(str(tmp_path / "out" / "rgb.png"))
+    assert tuple(tensor.shape) == (3, 10, 12)
+    assert np.array_equal(tensor.permute(1, 2, 0).numpy(), np.asarray(Image.open(tmp_path / "out" / "rgb.png")))
+
+
+def write_index(folder: Path, name: str, rows: list[dict]) -> None:
+    if name.endswith(".jsonl"):
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+    else:
+        text = "file_name,caption\n" + "".join(f"{r['file_name']},\"{r['caption']}\"\n" for r in rows)
+    (folder / name).write_text(text)
+
+
+def imagefolder(data_dir: Path, cache: Path) -> list[tuple[str, tuple[int, int]]]:
+    """(caption, size) of each example, as Hugging Face's imagefolder loads the folder."""
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(data_dir), cache_dir=str(cache),
+                                   split="train")
+    return sorted((example["caption"], example["image"].size) for example in loaded)
+
+
+@pytest.mark.parametrize("index", images.INDEX_FILES)
+def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkeypatch, index):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing to download
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # nor anything left in the home folder
+    src = tmp_path / "photos"
+    save(src / "cat" / "a.jpg", pixels(16, 12, 3), quality=90)
+    save(src / "dog" / "b.jpeg", pixels(8, 8, 3), quality=90)
+    save(src / "dog" / "c.png", pixels(9, 7, 3))
+    rows = [{"file_name": "cat/a.jpg", "caption": "a cat"}, {"file_name": "./dog/b.jpeg", "caption": "a dog"},
+            {"file_name": "dog/c.png", "caption": "a dog, again"}]
+    write_index(src, index, rows)
+    before = tree_digest(src)
+    expected = imagefolder(src, tmp_path / "cache-in")
+
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    assert imagefolder(out, tmp_path / "cache-out") == expected
+    assert f"rewrote the image file names in {index}" in result.stderr
+    assert manifest_of(out)["index_files_rewritten"] == [index]
+    written = (out / index).read_text()
+    assert "cat/a.png" in written and "./dog/b.png" in written and "dog/c.png" in written
+    assert ".jpg" not in written and ".jpeg" not in written
+    assert tree_digest(src) == before
+
+
+def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
+    (src / "metadata.jsonl").write_text('{"file_name":  "a.png", "label": 1}\n')
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "metadata.jsonl").read_bytes() == (src / "metadata.jsonl").read_bytes()
+    assert "index_files_rewritten" not in manifest_of(tmp_path / "out")
+
+
+@pytest.mark.parametrize("index, content, problem", [
+    ("metadata.jsonl", '{"file_name": "a.jpg"}\nnot json\n', "line 2"),
+    ("metadata.csv", 'file_name,label\n"a.jpg,1\n', "not readable as CSV"),
+    ("metadata.jsonl", b'{"file_name": "a.jpg", "caption": "\xff"}\n', "not UTF-8"),
+])
+def test_unreadable_index_file_stops_the_run(cli, tmp_path, index, content, problem):
+    src = tmp_path / "photos"
+    save(src / "a.jpg", pixels(6, 6, 3))
+    (src / index).write_bytes(content if isinstance(content, bytes) else content.encode())
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--copy-other"), 1, str(src / index), problem)
+    assert siblings(tmp_path) == before
+
+
+def test_jsonl_index_lines_are_split_as_json_lines_readers_split_them(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.jpg", pixels(6, 6, 3))
+    lines = ['{"file_name": "a.jpg", "caption": "one\u2028line"}', '{"file_name": "gone.jpg"}']
+    (src / "metadata.jsonl").write_text("\ufeff" + "\r\n".join(lines) + "\r\n", encoding="utf-8")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    rows = (tmp_path / "out" / "metadata.jsonl").read_bytes().decode().split("\r\n")
+    assert json.loads(rows[0]) == {"file_name": "a.png", "caption": "one\u2028line"}
+    assert rows[1:] == ['{"file_name": "gone.jpg"}', ""]  # names no image here: kept as it was
+
+
+def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "gray.png", pixels(6, 6))
+    save(src / "rgb.png", pixels(6, 6, 3))
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--image-format", "tiff", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "warning: 1 colour or alpha image will be TIFF" in result.stderr
+    assert "Pillow cannot open" in result.stderr
+    with Image.open(out / "gray.tiff") as im:  # what the warning leaves out, Pillow reads
+        im.convert("RGB")
+    with pytest.raises(UnidentifiedImageError):  # what it names, Pillow does not
+        Image.open(out / "rgb.tiff").convert("RGB")
+    assert tifffile.imread(out / "rgb.tiff").shape == (6, 6, 3)
+
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "png")
+    assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_is_applied_as_pillow_applies_it(cli, tmp_path, orientation):
+    from PIL import ImageOps
+
+    src = tmp_path / "photos"
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    save(src / "cam.jpg", pixels(12, 20, 3), quality=95, exif=exif.tobytes())
+    save(src / "tagged.png", pixels(6, 10), exif=exif.tobytes())  # eXIf before the pixel data
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "10000", "--out", out).exit_code == 0
+    for name in ("cam", "tagged"):
+        with Image.open(src / f"{name}.{'jpg' if name == 'cam' else 'png'}") as im:
+            upright = np.asarray(ImageOps.exif_transpose(im))
+        np.testing.assert_array_equal(np.asarray(Image.open(out / f"{name}.png")), upright)
+    notes = manifest_of(out).get("image_conversions", {})
+    assert (notes.get("cam.jpg") == [f"EXIF orientation {orientation} applied"]) == (orientation != 1)
+
+
+def test_png_output_of_smooth_images_stays_small_and_exact(cli, tmp_path):
+    """A large epsilon leaves an image as it was: its PNG is filtered and deflated for
+    structure, not encoded as if it were noise (which would keep about its raw size)."""
+    cv2 = pytest.importorskip("cv2")
+    ramp = np.add.outer(np.arange(64), np.arange(48))
+    images_in = {"rgb": np.dstack([ramp, ramp * 2, 255 - ramp]).clip(0, 255).astype(np.uint8),
+                 "rgba": np.dstack([ramp, ramp, ramp, np.full_like(ramp, 200)]).astype(np.uint8),
+                 "deep": (ramp * 300).astype(np.uint16)}
+    for name, array in images_in.items():  # one folder each: 8- and 16-bit ranges differ
+        save(tmp_path / name / f"{name}.png", array)
+        result = cli("perturb", tmp_path / name, "--eps", "1e8", "--out", tmp_path / f"{name}.out")
+        assert result.exit_code == 0, result.stderr
+    for name, array in images_in.items():
+        path = tmp_path / f"{name}.out" / f"{name}.png"
+        theirs = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        if theirs.ndim == 3:
+            theirs = cv2.cvtColor(theirs, cv2.COLOR_BGRA2RGBA if theirs.shape[2] == 4 else cv2.COLOR_BGR2RGB)
+        assert np.array_equal(theirs, array) and np.array_equal(np.asarray(Image.open(path)), array), name
+        assert path.stat().st_size < array.nbytes / 8, name

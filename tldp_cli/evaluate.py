@@ -166,8 +166,8 @@ def _is_clipped(m: dict) -> bool:
     return any(str(s).startswith(("clip to", "round")) for s in (m.get("postprocessing") or []))
 
 
-def _open_original(original: Path, m: dict):
-    module = formats.detect(original)
+def _open_original(original: Path, m: dict, input_format: str | None):
+    module = formats.detect(original, input_format)
     datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
     images = module.NAME == "images"
     options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr", "npz", "safetensors") else [],
@@ -193,8 +193,10 @@ def _read_output_image(path: Path, has_alpha: bool) -> np.ndarray:
 
 
 def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
-           issues: list[dict], renamed: dict[str, str] | None = None) -> list[_Pair]:
-    """`renamed`: an --anonymize-names run's name map, original name -> output name."""
+           issues: list[dict], renamed: dict[str, str] | None = None,
+           input_format: str | None = None) -> list[_Pair]:
+    """`renamed`: an --anonymize-names run's name map, original name -> output name;
+    `input_format`: --format, which the perturbed data shares with the original."""
     jobs = reader.arrays()
     if module.NAME == "images":
         from tldp_cli.formats import images
@@ -229,7 +231,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
             pairs.append(_Pair(image.rel, job, shape, read, calibs[job.name]))
         return pairs
 
-    out_module = formats.detect(perturbed)
+    out_module = formats.detect(perturbed, input_format)
     if out_module.NAME != module.NAME:
         raise InputError(f"{perturbed}: is {out_module.NAME} but the original is {module.NAME}")
     datasets = [j.source["dataset"] for j in jobs if "dataset" in j.source]
@@ -595,14 +597,14 @@ def _chi_square_check(stats: _NoiseStats, groups: dict[float, np.ndarray], out: 
 
 # --------------------------------------------------------------------------- utility
 
-def load_records(path: Path, dataset: str | None = None) -> np.ndarray:
+def load_records(path: Path, dataset: str | None = None, input_format: str | None = None) -> np.ndarray:
     """Every record of a dataset tldp can read, in memory (records along axis 0).
 
     Image folders are stacked in the readers' order (sorted relative paths); they
     must share one shape. HDF5/Zarr inputs with several arrays need `dataset`.
     """
     path = Path(path)
-    module = formats.detect(path)
+    module = formats.detect(path, input_format)
     reader = module.open_reader(path, FormatOptions(datasets=[dataset] if dataset else []))
     try:
         jobs = reader.arrays()
@@ -766,10 +768,12 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
              labels: Path | str | None = None, test: Path | None = None,
              test_labels: Path | str | None = None,
              model: str = "logistic", progress: Progress | None = None,
-             per_record: bool = False, name_map: Path | None = None) -> dict[str, Any]:
+             per_record: bool = False, name_map: Path | None = None,
+             input_format: str | None = None) -> dict[str, Any]:
     """`per_record`: add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to the
     report (at most PER_RECORD_LIMIT records); by default only their summaries. `name_map`:
-    that of a perturb --anonymize-names run (default: beside ORIGINAL)."""
+    that of a perturb --anonymize-names run (default: beside ORIGINAL). `input_format`: the
+    format NAME of ORIGINAL and PERTURBED (--format), None: detected."""
     original, perturbed = Path(original), Path(perturbed)
     task = [labels, test, test_labels]
     if any(task) and not all(task):
@@ -783,13 +787,13 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     lo, hi = (float(v) for v in m["value_range"])
 
     checks: list[dict] = list(_check_hashes(m, perturbed))
-    module, reader = _open_original(original, m)
+    module, reader = _open_original(original, m, input_format)
     try:
         jobs = reader.arrays()
         run, records_of = _calibrations(m, jobs, original, manifest_path, reader.records_are_tensors,
                                         checks)
         pairing_issues: list[dict] = []
-        pairs = _pairs(module, reader, perturbed, m, run.calib_of, pairing_issues, renamed)
+        pairs = _pairs(module, reader, perturbed, m, run.calib_of, pairing_issues, renamed, input_format)
         checks.extend(pairing_issues)
         checks.append(_shape_check(m, jobs, pairs))
         measured = _measure(pairs, m, run, bool(labels), progress)
@@ -1025,7 +1029,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
           value_range: tuple[float, float] | None = None, weights: Path | None = None,
           budget: str = "element", seed: str | int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
-          progress: Progress | None = None, allow_weak_seed: bool = False) -> dict[str, Any]:
+          progress: Progress | None = None, allow_weak_seed: bool = False,
+          input_format: str | None = None) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
     from tldp_cli.run.masks import load_mask
 
@@ -1038,7 +1043,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     if not epsilons:
         raise UsageError("--sweep needs --eps with at least one value")
     streams = Streams(rng, seed, allow_weak_seed)  # a bad seed fails before the data are read
-    x = load_records(original, dataset)
+    x = load_records(original, dataset, input_format)
     if x.dtype.kind not in "iuf":
         raise InputError(f"{original}: {x.dtype} data cannot be perturbed")
     job = formats.ArrayJob("array", tuple(x.shape), x.dtype, lambda a, b: x[a:b], {})

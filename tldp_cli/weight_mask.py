@@ -55,6 +55,7 @@ class MaskOptions:
     dataset: str | None = None  # HDF5/Zarr: the array the mask is for
     data_derived: bool = False  # box/image: the regions were found in the private data
     overwrite: bool = False
+    input_format: str | None = None  # --format: the input's format NAME, None: detected
 
 
 @dataclass
@@ -505,7 +506,7 @@ class _Maker:
 def make_mask(o: MaskOptions) -> MaskResult:
     """Make a weight mask for INPUT and write it (and its sidecar, and the preview) atomically."""
     check_options(o)
-    module = formats.detect(o.input)
+    module = formats.detect(o.input, o.input_format)
     if module.NAME == "images" and o.out.suffix.lower() == ".npy":
         raise UsageError(f"{o.out}: for a folder of images the mask is a folder of PNGs; "
                          "give --out a folder name")

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
+from tldp_cli.cli.options import InputFormat, Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run
@@ -94,6 +94,9 @@ def evaluate_command(
              "folder's top-level subfolder names).")] = None,
     test: Annotated[Optional[Path], typer.Option(
         help="Clean test records (any format perturb reads) for the task-utility score.")] = None,
+    input_format: Annotated[Optional[InputFormat], typer.Option(
+        "--format", help="Read ORIGINAL (and PERTURBED) as this format instead of detecting it "
+                         "from its content.", show_default=False)] = None,
     test_labels: Annotated[Optional[str], typer.Option(
         metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
                                "subfolders refer to --test).")] = None,
@@ -169,7 +172,8 @@ def evaluate_command(
                                   model=model.value, value_range=rng_range, weights=weights,
                                   budget=budget.value, seed=resolve_seed(seed, seed_file, quiet),
                                   allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
-                                  dataset=dataset, progress=advance)
+                                  dataset=dataset, progress=advance,
+                                  input_format=input_format and input_format.value)
             finally:
                 close()
             return result, ev.write_sweep(result, out, overwrite)
@@ -189,7 +193,8 @@ def evaluate_command(
         try:
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
                                  test_labels=test_labels, model=model.value, progress=advance,
-                                 per_record=per_record, name_map=name_map)
+                                 per_record=per_record, name_map=name_map,
+                                 input_format=input_format and input_format.value)
         finally:
             close()
         emit_json(report, json_out, report_path, overwrite)

@@ -49,6 +49,15 @@ class ImageFormat(str, Enum):
     tiff = "tiff"
 
 
+class InputFormat(str, Enum):
+    npy = "npy"
+    hdf5 = "hdf5"
+    zarr = "zarr"
+    npz = "npz"
+    safetensors = "safetensors"
+    images = "images"
+
+
 class Scheduler(str, Enum):
     threads = "threads"
     dask = "dask"
@@ -161,7 +170,12 @@ DtypeOption = Annotated[OutDtype, typer.Option(
          "the grid in this dtype.")]
 ImageFormatOption = Annotated[ImageFormat, typer.Option(
     help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
-         "(float32, unclipped).")]
+         "(float32, unclipped; Pillow, and the loaders built on it, cannot open such TIFF "
+         "in colour: tldp warns).")]
+InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
+    "--format", help="Read INPUT as this format instead of detecting it from its content (a "
+                     "folder with Zarr metadata is Zarr, any other folder a folder of images).",
+    show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.run.pipeline import parse_range
-from tldp_cli.cli.options import Quiet, Debug
+from tldp_cli.cli.options import InputFormatOption, Quiet, Debug
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
 
@@ -72,6 +72,7 @@ def weight_mask_command(
              "eye. It shows the private data: keep it private.", show_default=False)] = None,
     dataset: Annotated[Optional[str], typer.Option(
         metavar="PATH", help="HDF5/Zarr: the array the mask is for.", show_default=False)] = None,
+    input_format: InputFormatOption = None,
     data_derived: Annotated[bool, typer.Option(
         help="box/image: record that the regions were found in the private data themselves "
              "(e.g. by a detector run on each image).")] = False,
@@ -107,7 +108,7 @@ def weight_mask_command(
             mask_image=mask_image, resize=resize,
             value_range=parse_range(value_range) if value_range else None, gamma=gamma,
             margin=margin, feather=feather, preview=preview, dataset=dataset, data_derived=data_derived,
-            overwrite=overwrite))
+            overwrite=overwrite, input_format=input_format and input_format.value))
 
     result = run(debug, action)
     if not quiet:

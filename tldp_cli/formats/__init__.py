@@ -147,9 +147,19 @@ def modules():
         yield importlib.import_module(f"tldp_cli.formats.{name}")
 
 
-def detect(path: Path):
-    """The format module that can open `path`."""
+def detect(path: Path, format_name: str | None = None):
+    """The format module that can open `path`; `format_name` (--format) skips the sniffing
+    for inputs it cannot settle, and the chosen reader says what it finds wrong."""
     output.check_input(path)
+    if format_name is not None:
+        chosen = next((m for m in modules() if m.NAME == format_name), None)
+        if chosen is None:
+            names = ", ".join(m.NAME for m in modules())
+            raise UsageError(f"--format must be one of {names}, not {format_name}")
+        if path.is_dir() != (format_name in ("zarr", "images")):
+            kind = "a folder" if path.is_dir() else "a file"
+            raise UsageError(f"{path}: is {kind}, which --format {format_name} does not read")
+        return chosen
     for module in modules():
         if module.can_open(path):
             return module

@@ -1,13 +1,17 @@
 """Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record.
 
 Images are found recursively and keyed by their relative POSIX path, which also
-keys their random streams. Every image is decoded once when the folder is opened
-(so an unreadable one stops the run before anything is written) and again when
-its pixels are needed; no image is held in memory longer than that.
+keys their random streams. Opening the folder reads each image's header (shape,
+mode, bit depth, orientation); its pixels are decoded once, when they are
+perturbed, and a damaged one stops the run then (the output is never committed).
+--skip-bad decodes every image up front instead, to skip the bad ones before the
+run. No image is held in memory longer than its own perturbation.
 
 Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
-input's integer range (default), or float TIFF with the values as perturbed.
+input's integer range (default; written by _png, encoded for noise), or float
+TIFF with the values as perturbed. With --copy-other, index files
+(metadata.jsonl, metadata.csv) get the output names of renamed images.
 
 Symbolic links inside the folder (to images, other files or directories, dangling
 or not) are never followed: they are skipped, named in a message and listed in
@@ -23,18 +27,25 @@ and names the skipped files; evaluate pairs the images through it.
 
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import functools
+import hashlib
 import io
 import json
 import os
+import posixpath
+import re
 import secrets
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tifffile
-from PIL import ExifTags, Image, ImageOps
+from PIL import ExifTags, Image
+from zlib_ng import zlib_ng
 
 from tldp_cli import __version__
 from tldp_cli.files import output
@@ -46,11 +57,20 @@ NAME = "images"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
+# Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
+# files and no image is most likely a store that lost its metadata.
+_ZARR_CHUNK_PATH = re.compile(r"^(c/)?\d+([./]\d+)*$")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
+# Index files that name the images, as Hugging Face's imagefolder reads them: a file_name
+# column (or any *_file_name one) of paths relative to the index's own folder.
+INDEX_FILES = ("metadata.jsonl", "metadata.csv")
 NAME_MAP_SCHEMA = "tldp-name-map/1"
 WITHHELD = "withheld (--anonymize-names)"
+PNG_ENCODING = ("(noisy images: no row filter, Huffman-only deflate, since noise does not "
+                "compress; smooth ones: Sub filter, deflate level 6)")  # see _deflated_rows
+SMOOTH_STEP = 12  # mean |difference| of neighbouring 8-bit samples below which filters pay
 ANONYMOUS_DIGITS = 6  # 000000.png: at least this many digits
 
 
@@ -76,10 +96,29 @@ class _Unsupported(Exception):
 
 
 @dataclass
+class _Header:
+    """What an image will decode to, learnt from its header without decoding it."""
+    shape: tuple[int, ...]  # of the colour channels: (H, W) or (H, W, 3)
+    dtype: np.dtype
+    has_alpha: bool
+    notes: list[str]  # conversions applied, e.g. "palette (P) -> RGB"
+    orientation: int  # EXIF orientation, 1 = as stored
+    convert_to: str | None  # the mode it is converted to after decoding, if any
+    has_icc: bool  # carries an ICC colour profile (kept in the output)
+
+
+@dataclass
 class _Decoded:
     colour: np.ndarray  # (H, W) or (H, W, 3)
     alpha: np.ndarray | None  # (H, W) or None
-    notes: list[str]  # conversions applied, e.g. "palette (P) -> RGB"
+    notes: list[str]
+
+
+# EXIF orientation -> the transposition that shows the pixels the way viewers do
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
 
 
 def _source_bit_depth(path: Path, im: Image.Image) -> int:
@@ -94,39 +133,74 @@ def _source_bit_depth(path: Path, im: Image.Image) -> int:
     return 8
 
 
-def _decode(path: Path) -> _Decoded:
-    notes = []
+def _orientation(im: Image.Image) -> int:
+    # Pillow's PNG getexif decodes the whole image to look for an eXIf chunk after the
+    # pixel data; only the header's (before IDAT, where writers put it) is read here.
+    if im.format == "PNG" and "exif" not in im.info:
+        return 1
+    return im.getexif().get(ExifTags.Base.Orientation, 1)
+
+
+def _header(path: Path, im: Image.Image) -> _Header:
+    """The shape, dtype and conversions of an opened, not yet decoded image."""
+    frames = getattr(im, "n_frames", 1)
+    if frames > 1:
+        raise _Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
+    notes, convert_to = [], None
+    orientation = _orientation(im)
+    if orientation in _TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
+        notes.append(f"EXIF orientation {orientation} applied")
+    if im.mode == "1":
+        convert_to = "L"
+        notes.append("bilevel (1) -> L")
+    elif im.mode in ("P", "PA"):
+        convert_to = "RGBA" if im.mode == "PA" or im.has_transparency_data else "RGB"
+        notes.append(f"palette ({im.mode}) -> {convert_to}")
+    mode = convert_to or im.mode
+    if mode not in SUPPORTED_MODES:
+        raise _Unsupported(f"colour mode {mode} is not supported "
+                           "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
+    depth = _source_bit_depth(path, im)
+    if depth > 8 and mode not in SIXTEEN_BIT_MODES:
+        raise _Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
+                           "only grayscale may be 16-bit")
+    width, height = im.size
+    if orientation in (5, 6, 7, 8):
+        width, height = height, width
+    shape = (height, width, 3) if mode in ("RGB", "RGBA") else (height, width)
+    dtype = np.dtype(np.uint16 if mode in SIXTEEN_BIT_MODES else np.uint8)
+    return _Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to,
+                   bool(im.info.get("icc_profile")))
+
+
+def _probe(path: Path) -> _Header:
+    """The image's header only: its pixels are decoded once, when they are perturbed."""
     with Image.open(path) as im:
-        frames = getattr(im, "n_frames", 1)
-        if frames > 1:
-            raise _Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
+        return _header(path, im)
+
+
+def _decoded_header(path: Path) -> _Header:
+    """The header of an image that decodes in full (--skip-bad: bad ones are found up front)."""
+    _decode(path)
+    return _probe(path)
+
+
+def _decode(path: Path) -> _Decoded:
+    with Image.open(path) as im:
+        header = _header(path, im)
         im.load()
-        depth = _source_bit_depth(path, im)
-        # Output carries no EXIF, so store the pixels the way viewers show them.
-        orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
-        if orientation != 1:
-            im = ImageOps.exif_transpose(im)
-            notes.append(f"EXIF orientation {orientation} applied")
-        if im.mode == "1":
-            im = im.convert("L")
-            notes.append("bilevel (1) -> L")
-        elif im.mode in ("P", "PA"):
-            target = "RGBA" if im.mode == "PA" or im.has_transparency_data else "RGB"
-            notes.append(f"palette ({im.mode}) -> {target}")
-            im = im.convert(target)
-        if im.mode not in SUPPORTED_MODES:
-            raise _Unsupported(f"colour mode {im.mode} is not supported "
-                               "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
-        if depth > 8 and im.mode not in SIXTEEN_BIT_MODES:
-            raise _Unsupported(f"has {depth}-bit {im.mode} samples, which Pillow reads as 8-bit; "
-                               "only grayscale may be 16-bit")
+        if header.orientation in _TRANSPOSE:
+            im = im.transpose(_TRANSPOSE[header.orientation])
+        if header.convert_to:
+            im = im.convert(header.convert_to)
         mode, pixels = im.mode, np.asarray(im)
     if mode in SIXTEEN_BIT_MODES:
-        return _Decoded(pixels.astype(np.uint16), None, notes)  # native byte order
+        return _Decoded(pixels.astype(np.uint16), None, header.notes)  # native byte order
     if mode in ("LA", "RGBA"):
         colour = pixels[..., 0] if mode == "LA" else pixels[..., :3]
-        return _Decoded(np.ascontiguousarray(colour), np.ascontiguousarray(pixels[..., -1]), notes)
-    return _Decoded(pixels, None, notes)
+        return _Decoded(np.ascontiguousarray(colour), np.ascontiguousarray(pixels[..., -1]),
+                        header.notes)
+    return _Decoded(pixels, None, header.notes)
 
 
 @dataclass
@@ -137,6 +211,7 @@ class _Image:
     shape: tuple[int, ...]  # (1, H, W) or (1, H, W, 3)
     dtype: np.dtype
     has_alpha: bool
+    has_icc: bool
 
 
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
@@ -176,7 +251,13 @@ def _check_collisions(root: Path, out_names: dict[str, str]) -> None:
 
 def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     """The image as one record (a module-level function: jobs must pickle for Dask)."""
-    colour = _decode(image.path).colour
+    try:
+        colour = _decode(image.path).colour
+    except _Unsupported as exc:
+        raise InputError(f"{image.path}: {exc}") from None
+    except Exception as exc:  # a header that reads well over pixel data that does not
+        raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
+                         "to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
     return colour[None]
@@ -205,19 +286,21 @@ class ImageFolderReader(Reader):
         self.images: list[_Image] = []
         bad: list[str] = []
         conversions: dict[str, list[str]] = {}
+        # Headers only, unless bad images are to be skipped: those are found by decoding.
+        check = _decoded_header if options.skip_bad else _probe
         for rel in candidates:
             file = path / rel
             try:
-                decoded = _decode(file)
+                header = check(file)
             except _Unsupported as exc:
                 reason = str(exc)
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
                 reason = f"cannot be decoded as an image ({exc})"
             else:
-                self.images.append(_Image(rel, file, out_names[rel], (1, *decoded.colour.shape),
-                                          decoded.colour.dtype, decoded.alpha is not None))
-                if decoded.notes:
-                    conversions[rel] = decoded.notes
+                self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
+                                          header.dtype, header.has_alpha, header.has_icc))
+                if header.notes:
+                    conversions[rel] = header.notes
                 continue
             if not options.skip_bad:
                 raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
@@ -228,13 +311,33 @@ class ImageFolderReader(Reader):
             found += [plural(len(bad), "unreadable image")] if bad else []
             found += [plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
+            if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
+                raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
+                                 "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
+                                 "(its metadata is missing)")
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+        renamed = any(image.out_rel != image.rel for image in self.images)
+        self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
+                            and renamed and options.copy_other]
+        if options.image_format == "tiff":
+            self._warn_tiff_readers()
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+
+    def _warn_tiff_readers(self) -> None:
+        # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
+        # with Pillow 13); torchvision's and Hugging Face's image loaders go through it.
+        several = [i for i in self.images if len(i.shape) == 4 or i.has_alpha]
+        if several:
+            self.messages.append(
+                f"warning: {plural(len(several), 'colour or alpha image')} will be TIFF with several "
+                "channels of 16/32-bit integer or float samples, which Pillow cannot open (nor "
+                "torchvision's and Hugging Face datasets' image loaders, which use it); tifffile "
+                "reads them. For those loaders use the default --image-format png")
 
     @property
     def out_names(self) -> dict[str, str]:
@@ -280,6 +383,12 @@ class ImageFolderReader(Reader):
             done = "copied" if options.copy_other else "skipped"
             how = " unchanged (not perturbed)" if options.copy_other else ""
             self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {listing(self.others)}")
+        if self.index_files:
+            self.manifest_extra["not_images_action"] = ("copied unchanged, but for the image file "
+                                                        "names in index files (index_files_rewritten)")
+            self.manifest_extra["index_files_rewritten"] = self.index_files
+            self.messages.append(f"rewrote the image file names in {listing(self.index_files)} to the "
+                                 "output's (the images' suffix changed)")
         if bad:
             self.manifest_extra["skipped_bad_images"] = bad
             self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
@@ -363,9 +472,113 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
     return images
 
 
+_PNG_COLOUR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> grayscale, gray+alpha, RGB, RGBA
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _is_smooth(pixels: np.ndarray) -> bool:
+    """Whether neighbouring samples differ little (a large epsilon leaves most of an image
+    as it was), judged on every 8th row and scaled to 8 bits."""
+    if pixels.shape[1] < 2:
+        return False
+    step = np.abs(np.diff(pixels[::8].astype(np.int32), axis=1)).mean()
+    return step / 256 ** (pixels.dtype.itemsize - 1) < SMOOTH_STEP
+
+
+def _deflated_rows(pixels: np.ndarray) -> bytes:
+    """The PNG image data. Noise leaves filters and LZ77 nothing to find: no row filter and
+    Huffman-only deflate take 1 ms on a noisy 224x224 RGB image where Pillow's default
+    (adaptive filters, level 6) takes 10, and come out no larger. A smooth image gets the
+    Sub filter and level 6, close to Pillow's size (a clean photo: 8 kB against 6, where
+    Huffman-only would take 125); zlib-ng deflates twice as fast as zlib."""
+    height = pixels.shape[0]
+    samples = pixels.astype(">u2" if pixels.dtype.itemsize == 2 else np.uint8, copy=False)
+    raw = samples.reshape(height, -1).view(np.uint8)
+    rows = np.empty((height, 1 + raw.shape[1]), np.uint8)
+    if not _is_smooth(pixels):
+        rows[:, 0], rows[:, 1:] = 0, raw
+        deflate = zlib_ng.compressobj(1, zlib_ng.DEFLATED, 15, 9, zlib_ng.Z_HUFFMAN_ONLY)
+        return deflate.compress(rows) + deflate.flush()
+    pixel_bytes = raw.shape[1] // pixels.shape[1]  # Sub: each byte less the one a pixel before
+    rows[:, 0], rows[:, 1:1 + pixel_bytes] = 1, raw[:, :pixel_bytes]
+    np.subtract(raw[:, pixel_bytes:], raw[:, :-pixel_bytes], out=rows[:, 1 + pixel_bytes:])
+    return zlib_ng.compress(rows, 6)
+
+
+def _png(pixels: np.ndarray, icc: bytes | None) -> bytes:
+    """A PNG of 8- or 16-bit (H, W) or (H, W, channels) pixels, encoded for noise."""
+    height, width = pixels.shape[:2]
+    channels = 1 if pixels.ndim == 2 else pixels.shape[2]
+    header = struct.pack(">IIBBBBB", width, height, pixels.dtype.itemsize * 8,
+                         _PNG_COLOUR_TYPES[channels], 0, 0, 0)
+    profile = [_png_chunk(b"iCCP", b"ICC Profile\0\0" + zlib.compress(icc))] if icc else []
+    return b"".join([b"\x89PNG\r\n\x1a\n", _png_chunk(b"IHDR", header), *profile,
+                     _png_chunk(b"IDAT", _deflated_rows(pixels)), _png_chunk(b"IEND", b"")])
+
+
 def _icc_profile(path: Path) -> bytes | None:
     with Image.open(path) as im:  # header only, no decoding
         return im.info.get("icc_profile")
+
+
+def _is_name_column(key: object) -> bool:
+    return isinstance(key, str) and (key == "file_name" or key.endswith("_file_name"))
+
+
+def _renamer(index_rel: str, out_names: dict[str, str]):
+    """Maps a file_name value of the index at `index_rel` to the output's name for it; names
+    of anything but a renamed image are kept. Only the suffix changes, so the value keeps
+    its own spelling ("./a.jpg" -> "./a.png")."""
+    folder = posixpath.dirname(index_rel)
+
+    def rename(value: str) -> str:
+        out = out_names.get(posixpath.normpath(posixpath.join(folder, value)))
+        suffix = posixpath.splitext(value)[1]
+        return value if out is None or not suffix else value[:-len(suffix)] + posixpath.splitext(out)[1]
+
+    return rename
+
+
+def _unreadable_index(where: Path, problem: str) -> InputError:
+    return InputError(f"{where}: {problem}, so the image names in it cannot be rewritten to the "
+                      "output's; fix it or leave out --copy-other")
+
+
+def _rewrite_jsonl(text: str, rename, where: Path) -> str:
+    lines = text.split("\n")  # as JSON Lines readers split: not at U+2028 inside a string
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise _unreadable_index(where, f"line {number} is not a JSON object")
+        renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
+                   for k, v in row.items()}
+        if renamed != row:
+            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
+    return "\n".join(lines)
+
+
+def _rewrite_csv(text: str, rename, where: Path) -> str:
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+    except csv.Error as exc:
+        raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
+    if not rows:
+        return text
+    columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
+    changed = [[rename(v) if i in columns else v for i, v in enumerate(row)] for row in rows[1:]]
+    if changed == rows[1:]:
+        return text
+    written = io.StringIO(newline="")
+    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *changed])
+    return written.getvalue()
 
 
 class ImageFolderWriter(Writer):
@@ -375,11 +588,15 @@ class ImageFolderWriter(Writer):
         self.image_format = options.image_format
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
+        self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         with writing(tmp_path):
             tmp_path.mkdir()
         if options.copy_other:
             for rel in reader.others:
-                self._copy(reader.path / rel, rel)
+                if rel in reader.index_files:
+                    self._write_index(reader.path / rel, rel, reader.out_names)
+                else:
+                    self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
@@ -394,7 +611,7 @@ class ImageFolderWriter(Writer):
             # exact (integer) noise needs no rounding; float noise does
             rounding = [] if self.dtype.kind in "iu" else ["round to nearest integer (ties to even)"]
             steps = rounding + ["clip to " + ", ".join(ranges),
-                                "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG"]
+                                "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG " + PNG_ENCODING]
         if any_alpha:
             steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
         steps.append("keep the ICC colour profile; drop EXIF and text metadata")
@@ -416,30 +633,51 @@ class ImageFolderWriter(Writer):
             copy_bytes(src, source, dst, target)
         return target
 
+    def _write_index(self, source: Path, rel: str, out_names: dict[str, str]) -> None:
+        """An index file with the renamed images' names rewritten to their output names."""
+        try:
+            text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
+        except OSError as exc:
+            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+        except UnicodeDecodeError:
+            raise _unreadable_index(source, "not UTF-8 text") from None
+        rename = _renamer(rel, out_names)
+        rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
+        text = rewrite(text, rename, source)
+        target = self._target(rel)
+        with writing(target), open(target, "wb") as f:
+            f.write(text.encode("utf-8"))
+
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         image = self.images[job.name]
         values = block[0]
         alpha = _decode(image.path).alpha if image.has_alpha else None
-        icc = _icc_profile(image.path)
+        icc = _icc_profile(image.path) if image.has_icc else None
         target = self._target(image.out_rel)
-        # Encoded in memory, then written with one checked write: Pillow writes a PNG to a
-        # file descriptor without checking for short writes.
-        encoded = io.BytesIO()
         if self.image_format == "tiff":
             pixels = values.astype(self.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha.astype(self.dtype)])
-            tifffile.imwrite(encoded, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
+            tiff = io.BytesIO()
+            tifffile.imwrite(tiff, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
                              extrasamples=("unassalpha",) if alpha is not None else None,
                              iccprofile=icc)
+            encoded = tiff.getbuffer()
         else:
             info = np.iinfo(image.dtype)
-            pixels = np.clip(np.rint(values), info.min, info.max).astype(image.dtype)
+            rounded = values if values.dtype.kind in "iu" else np.rint(values)  # exact noise: integers
+            pixels = np.clip(rounded, info.min, info.max).astype(image.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
-            Image.fromarray(pixels).save(encoded, format="PNG", icc_profile=icc)
+            encoded = _png(pixels, icc)
+        # Encoded in memory, then written with one checked write (Pillow and tifffile write
+        # to a file descriptor without checking for short writes).
         with writing(target), open(target, "wb") as f:
-            f.write(encoded.getbuffer())
+            f.write(encoded)
+        self._digests[target] = hashlib.sha256(encoded).hexdigest()  # not read back for the manifest
+
+    def digests(self) -> dict[Path, str]:
+        return dict(self._digests)
 
     def block_writer(self):
         """write itself: it keeps no state between images, so Dask workers can run it."""

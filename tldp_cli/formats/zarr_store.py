@@ -52,22 +52,16 @@ from tldp_cli.formats import (
 NAME = "zarr"
 RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
-_CHUNK_NAME = re.compile(r"^\d+(\.\d+)*$")
 # A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".
 _CHUNK_KEY = re.compile(r"^(c|\d+)([./]\d+)*$")
 
 
 def can_open(path: Path) -> bool:
-    if not path.is_dir():
-        return False
-    if any((path / name).is_file() for name in METADATA_FILES):  # even a corrupt one
-        return True
-    # An array that lost its metadata still has its chunks ("0.0.0", "0/0", "c/0/0").
-    # (A group that lost its root metadata is not claimed: its members look just like a
-    # folder holding several stores.)
-    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
-    return bool(entries) and all(_CHUNK_NAME.match(p.name) or (p.name == "c" and p.is_dir())
-                                 for p in entries)
+    """A folder with Zarr metadata at its root (even a corrupt one). Chunk-like names alone
+    decide nothing: folders named 0..9 are the usual layout of a folder of images by class,
+    and a store that lost its root metadata cannot be read as Zarr anyway (perturb
+    --format zarr says what is missing)."""
+    return path.is_dir() and any((path / name).is_file() for name in METADATA_FILES)
 
 
 def default_output(path: Path) -> Path:

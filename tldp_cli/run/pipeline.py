@@ -78,6 +78,7 @@ class PerturbOptions:
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
+    input_format: str | None = None  # --format: the format's NAME, None: detected
     image_format: str = "png"
     copy_other: bool = False
     skip_bad: bool = False
@@ -304,7 +305,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
 def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
     source = options.input
     options = checked_options(options)
-    module = formats.detect(source)
+    module = formats.detect(source, options.input_format)
     if options.resume and not module.RESUMABLE:
         raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
                          f"{module.NAME} run keeps nothing to resume from")

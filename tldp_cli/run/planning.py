@@ -33,7 +33,7 @@ DESCRIBED = "records"  # the name of a described (not read) array
 def plan_input(options: PerturbOptions) -> dict[str, Any]:
     """The plan of `tldp perturb` with these options on options.input."""
     options = checked_options(options)
-    module = formats.detect(options.input)
+    module = formats.detect(options.input, options.input_format)
     reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
         jobs = reader.arrays()
