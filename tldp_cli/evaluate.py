@@ -158,12 +158,13 @@ class _Pair:
 
 
 def _image_format(m: dict) -> str:
-    steps = " ".join(m.get("postprocessing") or [])
-    return "tiff" if "TIFF" in steps else "png"
+    """How an image folder's output was written (the manifest's image_output)."""
+    return (m.get("image_output") or {}).get("format", "png")
 
 
 def _is_clipped(m: dict) -> bool:
-    return any(str(s).startswith(("clip to", "round")) for s in (m.get("postprocessing") or []))
+    """Whether the writer rounded and clipped the noisy values (8/16-bit PNG)."""
+    return bool((m.get("image_output") or {}).get("clipped"))
 
 
 def _open_original(original: Path, m: dict, input_format: str | None):

@@ -598,6 +598,9 @@ class ImageFolderWriter(Writer):
                 else:
                     self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
+        # What evaluate needs to read the output back, as fields (postprocessing is for people).
+        self.manifest_extra = {"image_output": {"format": self.image_format,
+                                                "clipped": self.image_format == "png"}}
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
 
