@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from tldp_cli.privacy import accounting
-from tldp_cli.errors import UsageError
-from tldp_cli.privacy.mechanisms import calibrate
 from tests.builders import analytic_gaussian_delta
+from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import calibrate
 
 
 def cal(**kw):

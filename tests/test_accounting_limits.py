@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tldp_cli.privacy import accounting
 from tldp_cli import audit
-from tldp_cli.sampling import discrete
 from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling import discrete
 
 EXAMPLES = int(os.environ.get("TLDP_HYPOTHESIS_EXAMPLES", "25"))
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

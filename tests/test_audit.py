@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tldp_cli.privacy import accounting
 from tldp_cli import audit as audit_mod
-from tldp_cli.privacy import mechanisms
-from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting, mechanisms
+from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.sampling.rng import Streams
 
 # Records of 2x2 elements in [0, 4] calibrated for eps = 8 per record: every mechanism

@@ -5,7 +5,7 @@ import importlib.util
 
 import numpy as np
 
-from tests.conftest import REPO
+from tests.builders import REPO
 
 
 def load_bench():

@@ -15,8 +15,8 @@ from tests.builders import (
     mixture_loss_atoms,
 )
 from tldp_cli.privacy import accounting
-from tldp_cli.sampling import discrete
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling import discrete
 
 
 def _run(cli, *args):

@@ -6,11 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import SEED, siblings, tree_digest
+from tests.builders import SEED, assert_one_line_error, siblings, tree_digest
 from tldp_cli.privacy import accounting
-from tldp_cli.run.manifest import sha256_file
 from tldp_cli.privacy.mechanisms import calibrate
-from tests.builders import assert_one_line_error
+from tldp_cli.run.manifest import sha256_file
 
 
 @pytest.fixture

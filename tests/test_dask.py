@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.conftest import SEED
-from tests.builders import DATA, make_hdf5, make_images, make_npy, make_zarr
+from tests.builders import DATA, SEED, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli.errors import InputError
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 

@@ -11,9 +11,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.conftest import siblings
-from tldp_cli.run import dask_runner
+from tests.builders import siblings
 from tldp_cli.errors import InputError
+from tldp_cli.run import dask_runner
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 pytestmark = pytest.mark.dask

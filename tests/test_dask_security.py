@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tests.builders import make_npy
-from tldp_cli.run import dask_runner
 from tldp_cli.errors import UsageError
+from tldp_cli.run import dask_runner
 
 distributed = pytest.importorskip("distributed")
 pytest.importorskip("cryptography")

@@ -7,8 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.builders import assert_one_line_error, write_safetensors
-from tests.conftest import siblings
+from tests.builders import assert_one_line_error, siblings, write_safetensors
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
 

@@ -15,15 +15,20 @@ import zarr
 from PIL import Image
 from scipy import stats
 
-from tests.conftest import siblings, tree_digest
-from tests.roundtrip import RoundTrip
-from tldp_cli.privacy import accounting
-from tldp_cli.privacy import distributions
-from tldp_cli.sampling import discrete, engine
+from tests.builders import (
+    RoundTrip,
+    composed_losses,
+    exact_delta,
+    exact_epsilon,
+    mixture_loss_atoms,
+    siblings,
+    tree_digest,
+)
 from tldp_cli.errors import DataError, UsageError
+from tldp_cli.privacy import accounting, distributions
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling import discrete, engine
 from tldp_cli.sampling.rng import Streams
-from tests.builders import composed_losses, exact_delta, exact_epsilon, mixture_loss_atoms
 
 ALPHA = 1e-4  # a correct sampler fails a test with this probability
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.builders import REPO
 
 README_MAX_LINES = 220
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.engine import DENSE_RETAIN_P, perturb_records
-from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.sampling.rng import Streams
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO
+from tests.builders import REPO
 from tldp_cli import evaluate as ev
 
 SAMPLE = REPO / "sample_data"

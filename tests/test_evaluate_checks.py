@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO, siblings
+from tests.builders import REPO, siblings
 from tldp_cli import evaluate as ev
 
 

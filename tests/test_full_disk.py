@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import REPO, SEED, tree_digest
+from tests.builders import REPO, SEED, tree_digest
 from tldp_cli.errors import InputError
 from tldp_cli.files import checked_io
 from tldp_cli.formats import FormatOptions, hdf5, safetensors_file

@@ -9,8 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import siblings, tree_digest
-from tests.roundtrip import RoundTrip
+from tests.builders import RoundTrip, siblings, tree_digest
 from tldp_cli.formats import FormatOptions, hdf5
 
 IMAGES = np.random.default_rng(1).integers(0, 256, (40, 8, 8), dtype=np.uint8)

@@ -9,9 +9,7 @@ import pytest
 import tifffile
 from PIL import Image, UnidentifiedImageError
 
-from tests.builders import assert_one_line_error
-from tests.conftest import siblings, tree_digest
-from tests.roundtrip import RoundTrip
+from tests.builders import RoundTrip, assert_one_line_error, siblings, tree_digest
 from tldp_cli import formats
 from tldp_cli.formats import images
 

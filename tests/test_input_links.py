@@ -10,7 +10,7 @@ import pytest
 import zarr
 from PIL import Image
 
-from tests.conftest import siblings, tree_digest
+from tests.builders import siblings, tree_digest
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

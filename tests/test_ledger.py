@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import siblings
+from tests.builders import siblings
 
 DATA = np.random.default_rng(7).integers(0, 256, (50, 8, 8), dtype=np.uint8)
 PER_RECORD = 63.75  # discrete Laplace, eps 1 per element, 64 elements of 0..255

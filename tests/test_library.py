@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tldp_cli
-from tldp_cli.sampling import engine
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 
 SEED = "5eed" * 8

@@ -16,7 +16,7 @@ import pytest
 import zarr
 from h5py import h5d, h5p, h5s, h5t, h5z
 
-from tests.conftest import SEED, siblings
+from tests.builders import SEED, siblings
 
 RNG = np.random.default_rng(11)
 DATA = RNG.uniform(0, 255, (40, 8, 8)).astype(np.float32)  # float "images" in 0:256

@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tests.conftest import MANIFEST_SCHEMA
+from tests.builders import MANIFEST_SCHEMA
 
 SCHEMA = json.loads(MANIFEST_SCHEMA.read_text())
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file as load_numpy, save_file as save_numpy
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
 
-from tests.builders import assert_one_line_error
-from tests.conftest import siblings, tree_digest
+from tests.builders import assert_one_line_error, siblings, tree_digest
 from tldp_cli.formats.tensor_files import NORM_REASON
 
 ARGS = ("--eps", "1", "--clip", "0.5", "--allow-raw-release")

@@ -16,16 +16,20 @@ import pytest
 from safetensors import safe_open
 from scipy import stats
 
-from tests.conftest import siblings, tree_digest
-from tests.roundtrip import RoundTrip
-from tests.builders import analytic_gaussian_delta
-from tldp_cli.privacy import accounting
-from tldp_cli.run import model_params
+from tests.builders import (
+    RoundTrip,
+    analytic_gaussian_delta,
+    read_safetensors,
+    siblings,
+    tree_digest,
+    write_safetensors,
+)
 from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, detect, npz, safetensors_file, tensor_files
+from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.run import model_params
 from tldp_cli.sampling.rng import Streams
-from tests.builders import read_safetensors, write_safetensors
 
 RNG = np.random.default_rng(11)
 WEIGHT = RNG.normal(0, 0.3, (16, 8)).astype(np.float32)  # some beyond the clip bound 0.5

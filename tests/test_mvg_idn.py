@@ -11,12 +11,11 @@ import pytest
 from scipy import stats
 from scipy.special import gammaln
 
-from tests.conftest import siblings, tree_digest
-from tests.builders import analytic_gaussian_delta
-from tldp_cli.privacy import accounting, mvg_idn
-from tldp_cli.sampling.engine import perturb_records
+from tests.builders import analytic_gaussian_delta, siblings, tree_digest
 from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting, mvg_idn
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.sampling.engine import perturb_records
 from tldp_cli.sampling.rng import Streams
 
 DELTA = 1e-5

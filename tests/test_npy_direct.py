@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import pytest
 
-from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 from tldp_cli.formats import npy
 from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this OS")
 

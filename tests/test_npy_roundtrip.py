@@ -1,6 +1,6 @@
 import numpy as np
 
-from tests.roundtrip import RoundTrip
+from tests.builders import RoundTrip
 
 
 class TestNpyRoundTrip(RoundTrip):

@@ -15,8 +15,7 @@ from ome_zarr.reader import Label, Multiscales, Reader
 from ome_zarr.writer import write_image, write_labels, write_multiscale
 from skimage.transform import downscale_local_mean
 
-from tests.builders import assert_one_line_error
-from tests.conftest import SEED, tree_digest
+from tests.builders import SEED, assert_one_line_error, tree_digest
 from tldp_cli.errors import Interrupted
 from tldp_cli.formats import zarr_store
 from tldp_cli.run.pipeline import PerturbOptions

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.conftest import siblings, tree_digest
-from tldp_cli.files import output
+from tests.builders import siblings, tree_digest
 from tldp_cli.errors import OutputError
+from tldp_cli.files import output
 
 DATA = np.random.default_rng(0).integers(0, 256, (50, 8, 8), dtype=np.uint8)
 

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from tests.conftest import SEED
+from tests.builders import DATA, SEED, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli.run.pipeline import PerturbOptions, perturb
-from tests.builders import DATA, make_hdf5, make_images, make_npy, make_zarr
 
 
 @pytest.mark.parametrize("make", [make_npy, make_hdf5, make_zarr, make_images])

@@ -10,7 +10,7 @@ import pytest
 import zarr
 from safetensors.numpy import save_file
 
-from tests.conftest import REPO, siblings
+from tests.builders import REPO, siblings
 
 DIGITS = np.load(REPO / "sample_data" / "digits.npy")[:30]
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import siblings
+from tests.builders import siblings
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
 

@@ -3,7 +3,7 @@
 import re
 import tomllib
 
-from tests.conftest import REPO
+from tests.builders import REPO
 
 
 def test_ci_runs_the_quick_start_commands():

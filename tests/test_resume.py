@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.conftest import SEED, siblings
-from tests.builders import DATA, make_hdf5, make_images, make_npy
+from tests.builders import DATA, SEED, make_hdf5, make_images, make_npy, siblings
 from tldp_cli import __version__
-from tldp_cli.sampling import rng
 from tldp_cli.errors import Interrupted, OutputError, UsageError
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.run.resume import partial_path
+from tldp_cli.sampling import rng
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import SEED, siblings
+from tests.builders import SEED, siblings
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.rng import Streams

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import SEED, siblings, tree_digest
+from tests.builders import SEED, siblings, tree_digest
 from tldp_cli.run.manifest import sha256_file
 
 RNG = np.random.default_rng(6)

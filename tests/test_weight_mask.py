@@ -14,10 +14,9 @@ import pytest
 import zarr
 from PIL import Image
 
-from tests.conftest import siblings, tree_digest
-from tests.builders import assert_one_line_error
-from tldp_cli.run.manifest import sha256_file
+from tests.builders import assert_one_line_error, siblings, tree_digest
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.run.manifest import sha256_file
 from tldp_cli.weight_mask import feather
 
 RNG = np.random.default_rng(4)

@@ -9,8 +9,7 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from tests.conftest import siblings, tree_digest
-from tests.roundtrip import RoundTrip
+from tests.builders import RoundTrip, siblings, tree_digest
 from tldp_cli.formats import FormatOptions, zarr_store
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 

@@ -11,7 +11,7 @@ from randomgen import AESCounter
 from scipy import special, stats
 
 from tldp_cli.sampling import ziggurat
-from tldp_cli.sampling.ziggurat import LAYERS, R, V, K, X
+from tldp_cli.sampling.ziggurat import LAYERS, K, R, V, X
 
 ALPHA = 1e-3  # a correct sampler fails a test with about this probability
 N = 1 << 22
