@@ -533,7 +533,7 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
 # --------------------------------------------------------------------------- discrete noises
 # Integer-valued noise on a grid of W values (discrete.py): the sensitivity is d = W - 1
 # grid steps. The dominating pair of inputs is the two ends of the range, 0 and d: every
-# closer pair has a hockey-stick curve below theirs (tests/test_discrete.py checks it).
+# closer pair has a hockey-stick curve below theirs (tests/sampling/test_discrete.py checks it).
 
 def discrete_laplace_element_epsilon(sensitivity: int, scale: float, log_p: float) -> float:
     """Exact pure epsilon of one element: keep the value with probability p, else add

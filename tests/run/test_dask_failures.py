@@ -23,7 +23,7 @@ psutil = pytest.importorskip("psutil")  # a dependency of distributed
 
 
 # Records of 4 floats in 0:1 keep raw values with probability above dp_delta, which needs consent
-# (tests/test_raw_release.py); these tests are about Dask's failures, so every run gives it.
+# (tests/privacy/test_raw_release.py); these tests are about Dask's failures, so every run gives it.
 CONSENT = "--allow-raw-release"
 
 

@@ -63,7 +63,7 @@ def assert_same_attrs(a, b):
 
 def run(cli, src, *more):
     # Records of a few uint8 elements keep raw values with probability ~1e-5 at --eps 1, which
-    # needs consent (tests/test_raw_release.py); these tests are about the HDF5 files.
+    # needs consent (tests/privacy/test_raw_release.py); these tests are about the HDF5 files.
     return cli("perturb", src, "--eps", "1", "--seed", "7", "--allow-weak-seed", "--allow-raw-release", *more)
 
 

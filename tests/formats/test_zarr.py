@@ -94,7 +94,7 @@ class TestZarrV2RoundTrip(ZarrGroupRoundTrip):
 
 def perturb_ok(cli, *args):
     # Records of 4 uint8 values keep raw values with probability above dp_delta at --eps 1, which
-    # needs consent (tests/test_raw_release.py); these tests are about selecting and copying arrays.
+    # needs consent (tests/privacy/test_raw_release.py); these tests are about selecting and copying arrays.
     result = cli("perturb", *args, "--eps", "1", "--seed", "7", "--allow-weak-seed", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
     return result

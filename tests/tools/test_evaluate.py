@@ -115,7 +115,7 @@ def test_huge_eps_scalar_records_keep_values(cli, tmp_path):
     x = np.random.default_rng(0).random(4000)
     np.save(tmp_path / "x.npy", x)
     # Keeping nearly every raw value is this test's point: a raw release, which needs consent
-    # (tests/test_raw_release.py). Continuous Laplace (--sampler float): p = 1 / (1 + 2 Delta / eps).
+    # (tests/privacy/test_raw_release.py). Continuous Laplace (--sampler float): p = 1 / (1 + 2 Delta / eps).
     perturb(cli, tmp_path / "x.npy", tmp_path / "y.npy", "--eps", "1e5", "--range", "0:1",
             "--dtype", "float64", "--allow-raw-release", "--sampler", "float")
     report = tmp_path / "r.json"

@@ -196,7 +196,7 @@ def test_images_of_several_sizes_state_the_largest_p_and_evaluate(cli, tmp_path)
     for name, shape in (("tiny.png", (1, 1)), ("pair.png", (1, 2)), ("big.png", (6, 5))):
         Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(folder / name)
     # The 1-pixel image's visible p is the point: a raw release, which needs consent
-    # (tests/test_raw_release.py). Continuous Laplace (--sampler float): p in closed form.
+    # (tests/privacy/test_raw_release.py). Continuous Laplace (--sampler float): p in closed form.
     result = cli("perturb", folder, "--eps", "300", "--seed", "2", "--allow-weak-seed", "--image-format", "tiff",
                  "--sampler", "float", "--json", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
@@ -223,7 +223,7 @@ def test_model_file_with_several_tensor_sizes_passes_evaluate(cli, tmp_path, noi
     np.savez(tmp_path / "m.npz", w=rng.uniform(-1, 1, (16, 8)).astype(np.float32),
              b=rng.uniform(-1, 1, 8).astype(np.float32), s=np.array([0.25], np.float32))
     # Tensors of 1 and 8 values keep raw values with probability above dp_delta, which needs
-    # consent (tests/test_raw_release.py); this test is about the several sizes' figures.
+    # consent (tests/privacy/test_raw_release.py); this test is about the several sizes' figures.
     result = cli("perturb", tmp_path / "m.npz", "--eps", "2", "--clip", "1", "--noise", noise,
                  "--seed", "5", "--allow-weak-seed", "--dtype", "float64", "--json", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr

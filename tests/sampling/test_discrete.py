@@ -466,7 +466,7 @@ def test_granularity_snaps_and_is_recorded(cli, tmp_path):
     data = np.array([[0.1, 0.26, 0.5, 0.99]] * 300)
     np.save(tmp_path / "x.npy", data)
     # A 5-value grid on records of 4 keeps raw values with probability above dp_delta, which needs
-    # consent (tests/test_raw_release.py); this test is about the grid.
+    # consent (tests/privacy/test_raw_release.py); this test is about the grid.
     result = cli("perturb", tmp_path / "x.npy", "--eps", "2", "--range", "0:1", "--noise", "discrete-gaussian",
                  "--granularity", "0.25", "--seed", "3", "--allow-weak-seed", "--dtype", "float64", "--json",
                  "--allow-raw-release")

@@ -93,7 +93,7 @@ def test_worker_errors_reach_the_caller_and_nothing_is_left(tmp_path, cluster):
     np.save(src, values)
     out = tmp_path / "out.npy"
     # Records of 4 floats in 0:1 keep raw values with probability above dp_delta, which needs
-    # consent (tests/test_raw_release.py); this test is about the worker's error.
+    # consent (tests/privacy/test_raw_release.py); this test is about the worker's error.
     with pytest.raises(InputError, match=r"NaN or Inf at record 77, element 2"):
         perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=out, block_elements=40,
                                scheduler="dask", dask_address=cluster.scheduler_address,

@@ -63,7 +63,7 @@ def one_line(result, code: int) -> str:
 
 FLOATS = ["encoder.weight", "encoder.bias", "decoder.weight", "head"]
 # The model file's tensors are small (16 to 128 values): TLDP keeps raw values with a probability
-# whose share of the file costs more than dp_delta, which needs consent (tests/test_raw_release.py).
+# whose share of the file costs more than dp_delta, which needs consent (tests/privacy/test_raw_release.py).
 # The round trips are about the formats, so they give it.
 ROUND_TRIP_ARGS = ("--clip", "0.5", "--allow-raw-release")
 
@@ -175,7 +175,7 @@ def test_evaluate_accepts_a_clipped_model_file(cli, tmp_path, args):
     x = np.random.default_rng(6).uniform(-1, 1, (100, 100)).astype(np.float32)
     src = write_safetensors(tmp_path / "m.safetensors", {"w": x, "b": x[0].copy(), "s": x[1, :1].copy()})
     # The 1- and 100-element tensors' visible p is the point: a raw release, which needs consent
-    # (tests/test_raw_release.py).
+    # (tests/privacy/test_raw_release.py).
     assert cli("perturb", src, "--eps", "2", "--clip", "0.5", "--seed", "1", "--allow-weak-seed", "-q",
                "--allow-raw-release", *args).exit_code == 0
     result = cli("evaluate", src, tmp_path / "m.tldp.safetensors", "--json")
@@ -252,7 +252,7 @@ def test_corrupt_files_are_refused_with_nothing_written(cli, tmp_path, kind, fra
     src = corrupt(tmp_path, kind)
     before, digest = siblings(tmp_path), tree_digest(src)
     # --allow-raw-release: the bad-CRC file's 3-value tensor keeps raw values with probability
-    # above dp_delta, and the consent check (tests/test_raw_release.py) runs before any read.
+    # above dp_delta, and the consent check (tests/privacy/test_raw_release.py) runs before any read.
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--workers", "2",
                         "--allow-raw-release"), 1)
     assert str(src) in line and fragment in line
@@ -263,7 +263,7 @@ def test_nan_in_a_tensor_names_it(cli, tmp_path):
     w = np.zeros((4, 4), np.float32)
     w[2, 1] = np.nan
     src = write_safetensors(tmp_path / "m.safetensors", {"ok": np.zeros(3, np.float32), "w": w})
-    # Tensors of 3 and 16 values need consent to keep raw values (tests/test_raw_release.py),
+    # Tensors of 3 and 16 values need consent to keep raw values (tests/privacy/test_raw_release.py),
     # so the run reaches the data and its NaN.
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
     assert "tensor w" in line and "NaN or Inf" in line and "element 9" in line

@@ -47,9 +47,9 @@ MANIFEST_FIELDS = {"schema", "tool", "mechanism", "noise", "budget", "epsilon", 
 @pytest.mark.parametrize("budget", ["element", "record"])
 def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, noise, mechanism, budget):
     """An independent calculation from docs/guarantee.md's formulas reproduces every stated figure
-    (of the continuous mechanisms: --sampler float; tests/test_discrete.py has the exact ones)."""
+    (of the continuous mechanisms: --sampler float; tests/sampling/test_discrete.py has the exact ones)."""
     # TLDP under the record budget keeps raw values with probability ~ eps e^-eps / (2 Delta)
-    # per record, above dp_delta: a release that needs consent (tests/test_raw_release.py).
+    # per record, above dp_delta: a release that needs consent (tests/privacy/test_raw_release.py).
     consent = ["--allow-raw-release"] if (mechanism, budget) == ("tldp", "record") else []
     result = cli("perturb", digits_file, "--eps", "2", "--noise", noise, "--mechanism", mechanism,
                  "--budget", budget, "--sampler", "float", "--json", "--quiet", *consent)
@@ -179,7 +179,7 @@ def test_non_finite_values_say_where(cli, tmp_path, bad):
     data[7, 2] = bad
     np.save(src, data)
     # Small float records at --range 0:1 keep raw values with probability above dp_delta, which
-    # needs consent (tests/test_raw_release.py); the point here is the error naming the value.
+    # needs consent (tests/privacy/test_raw_release.py); the point here is the error naming the value.
     run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", "--range", "0:1", "--allow-raw-release",
                                   fragments=("f.npy", "record 7", "element 2"))
 
@@ -207,7 +207,7 @@ def test_values_outside_the_range_are_counted(cli, tmp_path):
     data[100:103, 0] = 2.0
     data[1999, 9] = -1.0
     np.save(src, data)
-    # --allow-raw-release: the consent check (tests/test_raw_release.py) runs before the data is
+    # --allow-raw-release: the consent check (tests/privacy/test_raw_release.py) runs before the data is
     # read and would otherwise stop the run before the values are counted.
     run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", "--range", "0:1", "--allow-raw-release",
                                   fragments=("4 values", "--clip-input"))

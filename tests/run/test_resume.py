@@ -246,7 +246,7 @@ def test_bad_data_removes_the_partial(tmp_path):
     values[60:] = 5.0  # outside --range 0:1 from the block at record 60
     zarr.create_array(store=str(src), shape=values.shape, dtype=values.dtype, chunks=(20, 4))[:] = values
     # Records of 4 floats in 0:1 keep raw values with probability above dp_delta: consent
-    # (tests/test_raw_release.py), so the run reaches the bad block.
+    # (tests/privacy/test_raw_release.py), so the run reaches the bad block.
     with pytest.raises(Exception, match="outside the declared range"):
         perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.zarr",
                                block_elements=80, allow_raw_release=True))

@@ -16,7 +16,7 @@ from tldp_cli import evaluate as ev
 
 def perturb(cli, src, out, *args):
     # Small records in 0:1 keep raw values with probability above dp_delta, which needs consent
-    # (tests/test_raw_release.py); these tests are about evaluate, so every run gives it.
+    # (tests/privacy/test_raw_release.py); these tests are about evaluate, so every run gives it.
     result = cli("perturb", src, "--out", out, "--seed", 11, "--allow-weak-seed", "--allow-raw-release",
                  "--quiet", *args)
     assert result.exit_code == 0, result.output
@@ -157,7 +157,7 @@ def test_model_file_errors_name_the_tensor(cli, tmp_path, suffix):
     src = tmp_path / f"m{suffix}"
     np.savez(src, **tensors) if suffix == ".npz" else save_file(tensors, str(src))
     # Tensors of 12 and 4 values keep raw values with probability above dp_delta: consent
-    # (tests/test_raw_release.py), so the run reaches the data and its NaN.
+    # (tests/privacy/test_raw_release.py), so the run reaches the data and its NaN.
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
     assert f"{src}: tensor w, NaN or Inf" in line and "dataset" not in line
     line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--mechanism", "mvg",
@@ -170,7 +170,7 @@ def test_hdf5_errors_still_name_the_dataset(cli, tmp_path):
     src = tmp_path / "d.h5"
     with h5py.File(src, "w") as f:
         f["x"] = np.array([[0.0, np.inf]])
-    # A record of 2 values in 0:1 needs consent to keep raw values (tests/test_raw_release.py),
+    # A record of 2 values in 0:1 needs consent to keep raw values (tests/privacy/test_raw_release.py),
     # so the run reaches the data and its Inf.
     line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1", "--allow-raw-release"), 1)
     assert f"{src}: dataset /x, NaN or Inf" in line

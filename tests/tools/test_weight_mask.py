@@ -80,7 +80,7 @@ def binomial_ok(kept: int, n: int, p: float) -> bool:
 
 # The tests below need a visible p (weights scale the retain probability) on small float records
 # in 0:1, which keep raw values with probability above dp_delta: a raw release, which needs
-# consent (tests/test_raw_release.py).
+# consent (tests/privacy/test_raw_release.py).
 CONSENT = "--allow-raw-release"
 
 
@@ -344,7 +344,7 @@ def test_mask_made_elsewhere_has_unknown_method(cli, digits_file, tmp_path):
     out = tmp_path / "o.npy"
     ok(cli("perturb", digits_file, "--eps", "1", "--weights", mask, "--out", out, "-q"))
     w = manifest_of(out)["weights"]
-    # No sidecar: of unknown origin, so treated as data-derived (tests/test_sensitive_outputs.py)
+    # No sidecar: of unknown origin, so treated as data-derived (tests/run/test_sensitive_outputs.py)
     assert w["method"] is None and w["data_derived"] is True and w["min"] is None
     assert w["origin"] == "unknown (no sidecar): treated as data-derived"
 
