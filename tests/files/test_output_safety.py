@@ -378,3 +378,47 @@ def test_default_names_keep_compound_suffixes(name, expected):
     module = {".h5": hdf5, ".nc": hdf5, ".zarr": zarr_store, ".npy": npy,
               ".safetensors": safetensors_file}.get(Path(name).suffix, zarr_store)
     assert module.default_output(Path("d") / name) == Path("d") / expected
+
+
+# A Ctrl-C (SIGINT to this process) at a chosen moment of a real run: while the manifest is
+# written (before the commit), just before the outputs move into place, or after they have.
+INTERRUPTED_RUN = textwrap.dedent("""
+    import os, signal, sys
+    from tldp_cli.files import output
+    from tldp_cli.run import manifest
+    import tldp_cli.cli as cli
+
+    moment = sys.argv[1]
+    def interrupt_then(original):
+        def call(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            return original(*args, **kwargs)
+        return call
+
+    if moment == "manifest":
+        manifest.write = interrupt_then(manifest.write)
+    elif moment == "commit":
+        output.Staging.commit = interrupt_then(output.Staging.commit)
+    else:
+        output.Staging.close = interrupt_then(output.Staging.close)
+    sys.argv = ["tldp", "perturb", sys.argv[2], "--eps", "1", "--out", sys.argv[3]]
+    cli.main()
+""")
+
+
+@pytest.mark.parametrize("moment,committed", [("manifest", False), ("commit", True), ("after", True)])
+def test_ctrl_c_reports_what_is_on_disk(tmp_path, moment, committed):
+    """Before the commit a Ctrl-C stops the run with nothing written (exit 130); once the
+    outputs start moving into place the run finishes and says so (exit 0)."""
+    np.save(tmp_path / "x.npy", np.arange(24, dtype=np.uint8).reshape(6, 4))
+    out = tmp_path / "out.npy"
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN, moment, tmp_path / "x.npy", out],
+                         capture_output=True, text=True, timeout=120)
+    if committed:
+        assert run.returncode == 0, run.stderr
+        assert "tldp: wrote" in run.stderr
+        assert out.exists() and Path(str(out) + ".manifest.json").exists()
+    else:
+        assert run.returncode == 130, run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith("tldp: error: interrupted")
+        assert siblings(tmp_path) == {"x.npy"}

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
@@ -166,6 +167,11 @@ def perturb_command(
             close()
 
     result = run(debug, action)
+    with uninterruptible():  # the output is in place: Ctrl-C while it is reported changes nothing
+        _report(result, quiet, json_out)
+
+
+def _report(result, quiet: bool, json_out: bool) -> None:
     m = result.manifest
     if not quiet:
         for message in result.messages:

@@ -35,7 +35,9 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -467,6 +469,7 @@ class Staging:
         self._targets.append((tmp, final))
 
     def commit(self, overwrite: bool) -> None:
+        """Moves every output into place, all or none (see uninterruptible for signals)."""
         with _parents_locked([final for _, final in self._targets]):
             self._journal()
             self._move(overwrite)
@@ -554,3 +557,19 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def uninterruptible():
+    """Ctrl-C and SIGTERM are ignored inside: once a run starts moving its outputs into
+    place it finishes, so that it never reports "nothing was written" with the output in
+    place. Only the main thread sets signal handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

@@ -516,6 +516,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         raise
     notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
     partial = staged.partial
+    committing = contextlib.ExitStack()
     try:
         writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
                                         streams, staged, notes, progress)
@@ -527,23 +528,26 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
+        committing.enter_context(output.uninterruptible())
         staging.commit(options.overwrite)
     except BaseException as exc:
+        committing.close()
         staging.discard()
         _abandon(release)
         if partial is None:
             raise
         _keep_or_remove(partial, exc)
         raise
-    staging.close()
-    if release:
-        ledger.complete(release.db, release.id)
-        release.db.close()
-        notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
-    if partial is not None:
-        partial.remove()  # only its emptied folder and journal are left
-    return PerturbResult(destination, manifest_path, manifest,
-                         _messages(options, reader, notes, name_map, weights_info))
+    with committing:  # the output is in place: the run ends as a success
+        staging.close()
+        if release:
+            ledger.complete(release.db, release.id)
+            release.db.close()
+            notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
+        if partial is not None:
+            partial.remove()  # only its emptied folder and journal are left
+        return PerturbResult(destination, manifest_path, manifest,
+                             _messages(options, reader, notes, name_map, weights_info))
 
 
 @dataclass
