@@ -114,3 +114,16 @@ def test_evaluate_checks_each_variable_against_its_own_range(cli, tmp_path, samp
     tampered = cli("evaluate", src, out, "--json")
     assert tampered.exit_code == 1
     assert not {c["check"]: c["passed"] for c in json.loads(tampered.stdout)["checks"]}["parameters"]
+
+
+@pytest.mark.parametrize("dtypes,float_dtype,expected", [
+    (["int16", "int32"], "float32", "int32"),  # all integer: widened as needed
+    (["int16", "float32"], "float32", "float32"),  # int16 values are exact in float32
+    (["int32", "float32"], "float32", "float64"),  # int32 values are not
+    (["int8", "float32"], "float64", "float64"),  # --dtype float64
+    (["float32", "float64"], "float32", "float64"),
+])
+def test_arrays_perturbed_together_share_one_output_dtype(dtypes, float_dtype, expected):
+    from tldp_cli.run.pipeline import _shared_dtype
+
+    assert _shared_dtype([np.dtype(d) for d in dtypes], np.dtype(float_dtype)) == np.dtype(expected)

@@ -440,6 +440,18 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
+def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
+    """The one output dtype of arrays perturbed together (a writer takes one): integers
+    widened as they need while every array is integer; with a float array among them,
+    --dtype, or float64 where --dtype cannot hold an integer array's values exactly."""
+    if all(d.kind in "iu" for d in dtypes):
+        return np.result_type(*dtypes)
+    exact = np.finfo(float_dtype).nmant + 1  # bits of integer a float holds exactly
+    if all(d.kind == "f" or d.itemsize * 8 <= exact for d in dtypes):
+        return np.result_type(float_dtype, *(d for d in dtypes if d.kind == "f"))
+    return np.dtype(np.float64)
+
+
 def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
          per_tensor: bool = False) -> Plan:
     """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
@@ -460,7 +472,7 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
               for (lo, hi), group in members.items()]
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
-    out_dtype = np.result_type(*(group.out_dtype for group in groups))
+    out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(options.dtype))
     # The certified figures are the worst case over every calibration. Computed before the
     # data: a failure costs nothing, and the accountant's peak memory does not stack on the
     # streaming buffers.
