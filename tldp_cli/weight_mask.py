@@ -106,7 +106,7 @@ def check_options(o: MaskOptions) -> None:
         raise UsageError(f"--feather must be a number of pixels >= 0, not {o.feather}")
     for option, path in (("--boxes", o.boxes), ("--mask-image", o.mask_image)):
         if path is not None and not path.is_file():
-            raise InputError(f"{path}: {option} file not found")
+            raise InputError(f"{path}: {option} " + ("is not a regular file" if path.exists() else "file not found"))
 
 
 def feather(mask: np.ndarray, pixels: int, axes: tuple[int, int] = (0, 1)) -> np.ndarray:

@@ -138,14 +138,16 @@ def test_exclude_leaves_out_matching_tensors(cli, tmp_path):
     assert "fc.weight (--exclude fc.*)" in result.stderr
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (("--exclude", "conv*"), "--exclude conv* matches no tensor in the file"),
-    (("--dataset", "fc.bias", "--exclude", "*.bias"), "named by --dataset and matched by --exclude *.bias")])
-def test_exclude_usage_errors(cli, tmp_path, args, fragment):
+@pytest.mark.parametrize("args,code,fragment", [
+    # a name the file lacks is an input error, as --dataset of a missing tensor is
+    (("--exclude", "conv*"), 1, "--exclude conv* matches no tensor in the file"),
+    (("--dataset", "nosuch"), 1, "no such tensor in the file"),
+    (("--dataset", "fc.bias", "--exclude", "*.bias"), 2, "named by --dataset and matched by --exclude *.bias")])
+def test_exclude_errors(cli, tmp_path, args, code, fragment):
     src = write_numpy_model(tmp_path / "m.safetensors")
     before = siblings(tmp_path)
-    assert_one_line_error(cli("perturb", src, *ARGS, *args), 2, str(src), fragment)
-    assert_one_line_error(cli("plan", src, *ARGS, *args), 2, str(src), fragment)
+    assert_one_line_error(cli("perturb", src, *ARGS, *args), code, str(src), fragment)
+    assert_one_line_error(cli("plan", src, *ARGS, *args), code, str(src), fragment)
     assert siblings(tmp_path) == before
 
 
@@ -257,3 +259,15 @@ def test_keras_exclude_and_a_plain_hdf5_file_is_not_a_model(cli, tmp_path):
         f["x"] = np.zeros((5, 3), np.float32)  # not a variable: a dataset file
     m = manifest_of(cli("plan", plain, "--eps", "1", "--range", "0:1", "--json", "--exclude", "x"))
     assert "per_tensor" not in m["accounting"] and m["records"] == 5
+
+
+def test_a_pickled_checkpoint_is_refused_with_the_way_to_convert_it(cli, tmp_path):
+    """Legacy torch.save files (and any pickle) are never loaded: they can run code."""
+    import pickle
+
+    src = tmp_path / "old.pth"
+    src.write_bytes(pickle.dumps({"weight": [0.1, 0.2]}, protocol=2))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1"), 1, str(src), "a Python pickle",
+                          "safetensors")
+    assert siblings(tmp_path) == before

@@ -92,3 +92,11 @@ def test_torch_tensors_come_back_as_torch():
     out = tldp_cli.perturb_array(tensor, eps=1, value_range=(0, 1))
     assert isinstance(out.array, torch.Tensor) and out.array.dtype == torch.bfloat16
     assert out.array.shape == tensor.shape
+
+
+def test_perturb_options_take_str_paths(tmp_path):
+    from tldp_cli import PerturbOptions, perturb
+
+    np.save(tmp_path / "x.npy", np.arange(12, dtype=np.uint8).reshape(3, 4))
+    result = perturb(PerturbOptions(input=str(tmp_path / "x.npy"), epsilon=1.0, out=str(tmp_path / "y.npy")))
+    assert result.output == tmp_path / "y.npy" and result.output.exists()

@@ -11,6 +11,7 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.files.output import uninterruptible
+from tldp_cli.formats import plural
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
@@ -176,9 +177,9 @@ def _report(result, quiet: bool, json_out: bool) -> None:
     if not quiet:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
-        shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
+        shape = (f"{plural(m['records'], 'tensor')}, the largest of {m['elements_per_record']} elements"
                  if "per_tensor" in m["accounting"] else
-                 f"{m['records']} records x {m['elements_per_record']} elements")
+                 f"{plural(m['records'], 'record')} x {m['elements_per_record']} elements")
         typer.echo(f"tldp: wrote {result.output} ({shape}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)

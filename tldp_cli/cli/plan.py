@@ -73,7 +73,7 @@ def plan_command(
         if eps is None:
             raise UsageError("--eps is required")
         if (input is None) == (elements is None):
-            raise UsageError("give INPUT or --elements (a description of the records), not both")
+            raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,

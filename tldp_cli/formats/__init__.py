@@ -164,7 +164,21 @@ def detect(path: Path, format_name: str | None = None):
         if module.can_open(path):
             return module
     names = ", ".join(m.NAME for m in modules())
+    if path.is_file() and _is_pickle(path):
+        raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
+                         "can run code when loaded and which tldp does not load; save the tensors with "
+                         "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
+
+
+def _is_pickle(path: Path) -> bool:
+    """Pickle protocol 2 or later: the PROTO opcode, then the protocol number."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 LISTED = 5  # names shown in a message before "... and N more"

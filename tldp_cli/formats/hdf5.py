@@ -451,7 +451,7 @@ class Hdf5Reader(Reader):
         unmatched = [p for p in options.exclude
                      if not any(tensor_files.matching(name, [p]) for name in found)]
         if unmatched:
-            raise UsageError(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file")
+            raise InputError(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file")
         excluded = {name for name in found if tensor_files.matching(name, options.exclude)}
         both = sorted(excluded & {posixpath.normpath("/" + n.strip("/")) for n in requested})
         if both:

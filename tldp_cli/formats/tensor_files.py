@@ -73,7 +73,7 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: lis
         norm_stats = {t.name for t in tensors if leaf(t.name) in NORM_STATS}
     unmatched = [p for p in exclude if not any(matching(t.name, [p]) for t in tensors)]
     if unmatched:
-        raise UsageError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
+        raise InputError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
     if requested:
         wanted = {_requested(path, tensors, name).name for name in requested}
         both = [(n, matching(n, list(exclude))) for n in wanted if matching(n, list(exclude))]

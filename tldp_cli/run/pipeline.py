@@ -97,6 +97,11 @@ class PerturbOptions:
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
 
+    def __post_init__(self):  # the library takes str paths too (out stays a str: see above)
+        for name in ("input", "weights", "manifest", "ledger", "seed_file", "name_map"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, Path(getattr(self, name)))
+
 
 @dataclass
 class PerturbResult:
@@ -669,7 +674,7 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
     if warning:
         messages.append(warning)
     if options.seed is not None:
-        messages.append("warning: --seed makes the noise reproducible; the same seed on another input "
+        messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
     return messages
 
