@@ -8,9 +8,11 @@ the calibration, engine and accounting of `tldp perturb --clip`); the server ave
 the perturbed parameters. The global model after the last round is scored on the 200
 clean test digits (weighted F1, as the paper).
 
-    python docs/type3.py    # writes docs/type3/: type3.csv, type3.json, the plots, model.*
+    python docs/type3.py --out docs/type3                 # type3.csv, type3.json, the plots, model.*
+    python docs/type3.py --quick --out docs/type3/quick   # fewer points and seeds (the CI check)
 
-Nothing is downloaded; it takes well under two minutes on 2 cores.
+Nothing is downloaded. Every noise draw is keyed by the seed number and the round and client,
+so a rerun writes the same tables (numbers to 6 significant digits; no timings in them).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ CLIP = 0.1  # C: parameters are clipped to [-C, C], so the range width is 2C
 DP_DELTA = 1e-5
 ELEMENT_EPS = [0.1, 0.5, 1, 2, 5, 10]
 RECORD_EPS = [1, 10, 100, 1000, 10000]
+QUICK_ELEMENT_EPS = [1, 10]
+QUICK_RECORD_EPS = [1000, 10000]
+QUICK_METHODS = ("TLDP-L", "TLDP-G", "Laplace (baseline)", "Gaussian (baseline)")
+SEEDS = 10
+QUICK_SEEDS = 5
+DIGITS = 6  # significant digits in the tables
 METHODS = [("TLDP-L", "tldp", "laplace"), ("TLDP-G", "tldp", "gaussian"),
            ("Laplace (baseline)", "baseline", "laplace"), ("Gaussian (baseline)", "baseline", "gaussian")]
 METHODS += [(name.upper(), name, "gaussian") for name in ("mvg", "idn") if name in mechanisms.MECHANISMS]
@@ -129,26 +137,40 @@ def save_model(params: dict, classes, path: Path) -> None:
     np.savez(path.with_suffix(".npz"), **tensors)
 
 
-def run(seeds: int, out: Path) -> dict:
+def _rounded(value):
+    return float(f"{value:.{DIGITS}g}") if isinstance(value, float) and np.isfinite(value) else value
+
+
+def run(seeds: int, out: Path, quick: bool = False) -> dict:
     data = load()
     shapes = {"weight": (data[0].shape[1], len(data[4])), "bias": (1, len(data[4]))}
     f1_clean, model = train(data)
-    save_model(model, data[4], out / "model.safetensors")
+    if not quick:
+        save_model(model, data[4], out / "model.safetensors")
     reference = {"f1_clean": f1_clean, "f1_clipped": train(data, clip_only=True)[0]}
+    grids = (("element", QUICK_ELEMENT_EPS), ("record", QUICK_RECORD_EPS)) if quick else \
+        (("element", ELEMENT_EPS), ("record", RECORD_EPS))
     rows = []
-    for budget, grid in (("element", ELEMENT_EPS), ("record", RECORD_EPS)):
-        for label, mechanism, noise in METHODS:
+    for budget, grid in grids:
+        for label, mechanism, noise in methods(quick):
             for eps in grid:
                 calibrations = calibrate_tensors(shapes, epsilon=eps, clip=CLIP, noise=noise,
                                                  mechanism=mechanism, budget=budget, dp_delta=DP_DELTA)
                 scores = [train(data, calibrations, seed=s)[0] for s in range(seeds)]
                 rows.append({"budget": budget, "method": label, "epsilon": eps,
-                             "f1_mean": float(np.mean(scores)), "f1_std": float(np.std(scores)),
-                             **figures(calibrations)})
+                             "f1_mean": float(np.mean(scores)),
+                             "f1_std": float(np.std(scores, ddof=1)) if seeds > 1 else 0.0,
+                             "f1_min": min(scores), "f1_max": max(scores), **figures(calibrations)})
+    rows = [{k: _rounded(v) for k, v in row.items()} for row in rows]
     return {"setting": {"clients": CLIENTS, "rounds": ROUNDS, "local_epochs": LOCAL_EPOCHS,
                         "learning_rate": LEARNING_RATE, "l2": L2, "clip": CLIP, "dp_delta": DP_DELTA,
-                        "parameters": {n: list(s) for n, s in shapes.items()}, "noise_seeds": seeds},
-            "reference": reference, "rows": rows}
+                        "parameters": {n: list(s) for n, s in shapes.items()}, "noise_seeds": seeds,
+                        "f1_std": "sample standard deviation over the noise seeds", "quick": quick},
+            "reference": {k: _rounded(v) for k, v in reference.items()}, "rows": rows}
+
+
+def methods(quick: bool) -> list:
+    return [m for m in METHODS if not quick or m[0] in QUICK_METHODS]
 
 
 def plot(result: dict, budget: str, x_key: str, x_label: str, path: Path) -> None:
@@ -158,7 +180,7 @@ def plot(result: dict, budget: str, x_key: str, x_label: str, path: Path) -> Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, _, _ in METHODS:
+    for label, _, _ in methods(result["setting"]["quick"]):
         rows = [r for r in result["rows"] if r["budget"] == budget and r["method"] == label]
         ax.errorbar([r[x_key] for r in rows], [r["f1_mean"] for r in rows],
                     yerr=[r["f1_std"] for r in rows], marker="o", capsize=3, label=label)
@@ -179,15 +201,20 @@ def plot(result: dict, budget: str, x_key: str, x_label: str, path: Path) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "type3")
-    parser.add_argument("--seeds", type=int, default=3, help="noise seeds per point (F1 mean and std)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{len(QUICK_METHODS)} methods, eps {QUICK_ELEMENT_EPS} per element and "
+                             f"{QUICK_RECORD_EPS} per tensor, {QUICK_SEEDS} seeds")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"noise seeds per point (default {SEEDS}, --quick {QUICK_SEEDS})")
     args = parser.parse_args()
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = run(args.seeds, args.out)
-    result["seconds"] = round(time.time() - start, 1)
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
+    result = run(seeds, args.out, args.quick)
+    seconds = round(time.time() - start, 1)
     (args.out / "type3.json").write_text(json.dumps(result, indent=2) + "\n")
     with open(args.out / "type3.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(result["rows"])
     plot(result, "element", "epsilon", "ε per element (the paper's calibration)",
@@ -196,7 +223,7 @@ def main() -> None:
          args.out / "f1_element_certified.png")
     plot(result, "record", "training_epsilon", "certified ε per client, whole training (ε per tensor = "
          "--budget record)", args.out / "f1_record_certified.png")
-    print(f"wrote {args.out} in {result['seconds']} s; clean F1 {result['reference']['f1_clean']:.3f}")
+    print(f"wrote {args.out} in {seconds} s; clean F1 {result['reference']['f1_clean']:.3f}")
 
 
 if __name__ == "__main__":

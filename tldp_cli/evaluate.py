@@ -76,7 +76,8 @@ SWEEP_FILES = ("sweep.csv", "sweep.json", "sweep_nominal_eps.png", "sweep_record
 SWEEP_COLUMNS = ("method", "mechanism", "noise", "weighted", "epsilon", "budget",
                  "element_epsilon", "record_epsilon", "record_delta", "noise_scale",
                  "retain_probability_log10", "mean_l2_error", "rms_l2_error",
-                 "expected_l2_error", "mse", "f1", "seconds")
+                 "expected_l2_error", "mse", "f1", "f1_std", "f1_min", "f1_max", "repeats")
+TABLE_DIGITS = 6  # significant digits of the numbers in sweep.csv and sweep.json (reruns compare equal)
 
 Progress = Callable[[int, int], None]
 
@@ -1031,8 +1032,12 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
           budget: str = "element", seed: str | int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False,
-          input_format: str | None = None) -> dict[str, Any]:
-    """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1."""
+          input_format: str | None = None, repeats: int = 1) -> dict[str, Any]:
+    """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1.
+
+    `repeats`: independent noise draws per point (stream keys sweep/METHOD/EPS, then
+    sweep/METHOD/EPS/1, /2, ...); a row gives the mean over them and F1's sample standard
+    deviation, min and max."""
     from tldp_cli.run.masks import load_mask
 
     original = Path(original)
@@ -1043,6 +1048,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
     if not epsilons:
         raise UsageError("--sweep needs --eps with at least one value")
+    if repeats < 1:
+        raise UsageError(f"--repeat must be at least 1, not {repeats}")
     streams = Streams(rng, seed, allow_weak_seed)  # a bad seed fails before the data are read
     x = load_records(original, dataset, input_format)
     if x.dtype.kind not in "iuf":
@@ -1069,7 +1076,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
                      "f1_majority_class": _majority_f1(test_y), "model": model,
                      "train_records": int(len(x)), "test_records": int(len(test_y))}
     rows = []
-    total = len(methods) * len(epsilons)
+    total = len(methods) * len(epsilons) * repeats
     xf = x.reshape(len(x), -1).astype(np.float64)
     for label, mechanism, noise, weighted in methods:
         for eps in epsilons:
@@ -1078,32 +1085,50 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
                               range_width=hi - lo, elements=elements, dp_delta=dp_delta,
                               rows=rows_mvg if mechanism == "mvg" else None)
             cert = accounting.certify(calib)
-            noisy = engine.perturb_records(x, 0, f"sweep/{label}/{eps!r}", calib, streams,
-                                           mask.values if weighted else None, np.float32)
-            z = noisy.reshape(len(x), -1).astype(np.float64) - xf
-            norms = np.sqrt((z * z).sum(axis=1))
-            row = {"method": label, "mechanism": mechanism, "noise": noise, "weighted": weighted,
-                   "epsilon": eps, "budget": budget, "element_epsilon": cert["per_element"]["epsilon"],
-                   "record_epsilon": cert["per_record"]["epsilon"],
-                   "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
-                   "retain_probability_log10": calib.p_log10,
-                   "mean_l2_error": float(norms.mean()),
-                   "rms_l2_error": float(math.sqrt((norms**2).mean())),
-                   "expected_l2_error": calib.expected_l2_error(),
-                   "mse": float((z * z).mean()), "f1": None}
-            if labels:
-                row["f1"] = weighted_f1(noisy, y, test_x, test_y, model, (lo, hi))
-            row["seconds"] = time.perf_counter() - t0
+            norms, mses, f1s = [], [], []
+            for r in range(repeats):
+                key = f"sweep/{label}/{eps!r}" + (f"/{r}" if r else "")
+                noisy = engine.perturb_records(x, 0, key, calib, streams,
+                                               mask.values if weighted else None, np.float32)
+                z = noisy.reshape(len(x), -1).astype(np.float64) - xf
+                norms.append(np.sqrt((z * z).sum(axis=1)))
+                mses.append(float((z * z).mean()))
+                if labels:
+                    f1s.append(weighted_f1(noisy, y, test_x, test_y, model, (lo, hi)))
+                if progress:
+                    progress(1, total)
+            row = _sweep_row(calib, cert, np.concatenate(norms), mses, f1s)
+            row.update(method=label, weighted=weighted, budget=budget, repeats=repeats,
+                       seconds=time.perf_counter() - t0)
             rows.append(row)
-            if progress:
-                progress(1, total)
     return {"schema": SWEEP_SCHEMA, "sensitive": SENSITIVE, "tool": {"name": "tldp", "version": __version__},
             "original": str(original), "records": int(len(x)), "elements_per_record": elements,
             "value_range": [lo, hi], "budget": budget, "dp_delta": dp_delta, "rng": rng,
             "seeded": streams.seeded,
             "weak_seed": streams.weak_seed, "weights": mask.info if mask is not None else None,
-            "epsilons": epsilons, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
+            "epsilons": epsilons, "repeats": repeats, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
             "reference": reference, "rows": rows}
+
+
+def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
+               f1s: list[float]) -> dict[str, Any]:
+    """One (method, epsilon) point of a sweep: its calibration, certified figures, the
+    noise's measured size over every draw and F1's mean and spread (None without labels)."""
+    row = {"method": None, "mechanism": calib.mechanism, "noise": calib.noise, "weighted": None,
+           "epsilon": calib.epsilon, "budget": calib.budget,
+           "element_epsilon": cert["per_element"]["epsilon"],
+           "record_epsilon": cert["per_record"]["epsilon"],
+           "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
+           "retain_probability_log10": calib.p_log10,
+           "mean_l2_error": float(norms.mean()),
+           "rms_l2_error": float(math.sqrt((norms**2).mean())),
+           "expected_l2_error": calib.expected_l2_error(),
+           "mse": float(np.mean(mses)), "f1": None, "f1_std": None, "f1_min": None,
+           "f1_max": None, "repeats": None}
+    if f1s:
+        row.update(f1=float(np.mean(f1s)), f1_min=min(f1s), f1_max=max(f1s),
+                   f1_std=float(np.std(f1s, ddof=1)) if len(f1s) > 1 else None)
+    return row
 
 
 def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) -> list[Path]:
@@ -1113,18 +1138,28 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
         raise OutputError(f"{out_dir}: exists and is not a folder")
     targets = [out_dir / name for name in SWEEP_FILES]
     out_dir.mkdir(parents=True, exist_ok=True)  # output.write_files refuses existing files
+    # Numbers to TABLE_DIGITS significant digits, so that a rerun with the same seed writes
+    # the same tables; the timings are in the JSON only.
+    rows = [{k: (v if k == "seconds" else _rounded(v)) for k, v in row.items()} for row in result["rows"]]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, lineterminator="\n")
     writer.writeheader()
-    for row in result["rows"]:
+    for row in rows:
         writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in SWEEP_COLUMNS})
     output.write_files({
         targets[0]: buf.getvalue().encode(),
-        targets[1]: (json.dumps(result, indent=2, allow_nan=False) + "\n").encode(),
+        targets[1]: (json.dumps({**result, "rows": rows}, indent=2, allow_nan=False) + "\n").encode(),
         targets[2]: _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"),
         targets[3]: _plot(result, "record_epsilon", "certified per-record ε (log scale)"),
     }, overwrite)
     return targets
+
+
+def _rounded(value: Any) -> Any:
+    """A float to TABLE_DIGITS significant digits (other values as they are)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.{TABLE_DIGITS}g}")
+    return value
 
 
 def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
@@ -1142,8 +1177,10 @@ def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
     for ax, (key, title) in zip(axes, panels):
         for method in result["methods"]:
             rows = [r for r in result["rows"] if r["method"] == method]
-            ax.plot([r[x_key] for r in rows], [r[key] for r in rows], styles.get(method, "o-"),
-                    label=method)
+            spread = ([r["f1_std"] or 0.0 for r in rows] if key == "f1" and result.get("repeats", 1) > 1
+                      else None)
+            ax.errorbar([r[x_key] for r in rows], [r[key] for r in rows], yerr=spread,
+                        fmt=styles.get(method, "o-"), capsize=2, label=method)
         if key == "f1":
             ref = result["reference"]
             ax.axhline(ref["f1_clean"], color="k", lw=1, label="clean training data")

@@ -240,6 +240,17 @@ def test_sweep_reproducible_with_seed():
     assert [r["mean_l2_error"] for r in a["rows"]] == [r["mean_l2_error"] for r in b["rows"]]
 
 
+def test_sweep_repeats_draw_fresh_noise_and_the_first_draw_is_the_single_run():
+    one = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5, allow_weak_seed=True)
+    two = ev.sweep(SAMPLE / "digits.npy", [1.0], seed=5, allow_weak_seed=True, repeats=2)
+    assert two["repeats"] == 2 and all(r["repeats"] == 2 for r in two["rows"])
+    for a, b in zip(one["rows"], two["rows"]):
+        assert a["mean_l2_error"] != b["mean_l2_error"]  # the mean of two draws, the first shared
+        assert a["f1"] is None and b["f1_std"] is None  # no labels, no F1
+    with pytest.raises(ev.UsageError):
+        ev.sweep(SAMPLE / "digits.npy", [1.0], repeats=0)
+
+
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
     assert r.exit_code == 0 and "Examples:" in r.output and "--sweep" in r.output

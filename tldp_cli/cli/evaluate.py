@@ -115,6 +115,9 @@ def evaluate_command(
     weights: Annotated[Optional[Path], typer.Option(
         help="--sweep: weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="--sweep: as for perturb.")] = Budget.element,
+    repeat: Annotated[int, typer.Option(
+        metavar="N", help="--sweep: perturb and score every point N times with independent noise; "
+                          "the table gives the mean and F1's standard deviation, min and max.")] = 1,
     seed: Annotated[Optional[str], typer.Option(
         metavar="HEX", help="--sweep: make the noise reproducible with this secret key, as for "
                             "perturb (or --seed-file, $TLDP_SEED).", show_default=False)] = None,
@@ -173,7 +176,7 @@ def evaluate_command(
                                   budget=budget.value, seed=resolve_seed(seed, seed_file, quiet),
                                   allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                                   dataset=dataset, progress=advance,
-                                  input_format=input_format and input_format.value)
+                                  input_format=input_format and input_format.value, repeats=repeat)
             finally:
                 close()
             return result, ev.write_sweep(result, out, overwrite)
@@ -181,7 +184,7 @@ def evaluate_command(
             raise UsageError("give ORIGINAL PERTURBED, or ORIGINAL --sweep")
         for name, given in (("--eps", eps), ("--out", out), ("--range", value_range),
                             ("--weights", weights), ("--seed", seed), ("--seed-file", seed_file),
-                            ("--dataset", dataset)):
+                            ("--dataset", dataset), ("--repeat", None if repeat == 1 else repeat)):
             if given is not None:
                 raise UsageError(f"{name} applies to --sweep only")
         if per_record and not (json_out or report_path):
