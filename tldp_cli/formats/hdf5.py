@@ -77,7 +77,7 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
-from tldp_cli.formats import tensor_files
+from tldp_cli.formats import cf, tensor_files
 from tldp_cli.files.checked_io import pwrite_all, write_error, writing
 from tldp_cli.files.output import shown
 
@@ -806,7 +806,8 @@ def _signals_held():
 
 
 class Hdf5Writer(Writer):
-    def __init__(self, reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype):
+    def __init__(self, reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
+                 bounds: dict[str, tuple[float, float, float | None]] | None = None):
         self.path = tmp_path
         self.source = reader.path
         self.dtype = np.dtype(dtype)
@@ -821,6 +822,8 @@ class Hdf5Writer(Writer):
         self.size = reader.size
         self.encodings = reader.encodings
         self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
+        self.bounds = bounds or {}  # job name -> (lo, hi, grid step): where moved values go
+        self.moved: dict[str, int] = {}  # job name -> noisy values moved off its markers
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
@@ -1030,6 +1033,11 @@ class Hdf5Writer(Writer):
             self.postprocessing.append(
                 "keep missing data: the positions holding a dataset's _FillValue or missing_value are "
                 "copied, not perturbed, so which values are missing is released as is (missing_values)")
+            self.postprocessing.append(
+                "move noisy values off the missing-data markers: a perturbed value equal to its "
+                "dataset's output _FillValue or missing_value is moved one grid step (one ulp without a "
+                "grid) toward the declared range, so that readers do not take it for missing data "
+                "(missing_values.moved_off_markers counts them; post-processing, no privacy cost)")
             self.manifest_extra["missing_values"] = {
                 name: {"input": [_json_number(m) for m, _ in pairs],
                        "output": [_json_number(out) for _, out in pairs], "action": "copied, not perturbed"}
@@ -1057,8 +1065,13 @@ class Hdf5Writer(Writer):
             # The block holds noise where the input is missing: read which positions those are.
             stored = _Records(self.source, job.name, self.size).stored(start, start + len(block))
             block = block.copy()  # the caller's block is not ours to change
+            missing = np.zeros(block.shape, dtype=bool)
             for marker, out in markers:
-                block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
+                where = np.isnan(stored) if np.isnan(marker) else stored == marker
+                block[where] = out
+                missing |= where
+            self.moved[job.name] = self.moved.get(job.name, 0) + cf.move_off_markers(
+                block, missing, [out for _, out in markers], self._bounds(job.name))
         tensor = self.tensors.get(job.name)
         with self._hdf5():
             if tensor is not None:
@@ -1066,6 +1079,13 @@ class Hdf5Writer(Writer):
                     block[0], tensor.dtype, self.datasets[job.name].dtype, positive=job.name in self.variances)
             else:
                 self.datasets[job.name][start:start + len(block)] = block
+
+    def _bounds(self, job_name: str) -> tuple[float, float, float | None]:
+        return self.bounds.get(job_name) or (-math.inf, math.inf, None)
+
+    def finish(self) -> None:
+        for name, entry in self.manifest_extra.get("missing_values", {}).items():
+            entry["moved_off_markers"] = self.moved.get(name, 0)
 
     def close(self) -> list[Path]:
         try:
@@ -1083,4 +1103,4 @@ class Hdf5Writer(Writer):
 
 def create_writer(reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Hdf5Writer:
-    return Hdf5Writer(reader, tmp_path, dtype)
+    return Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)

@@ -585,7 +585,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-    writer = open_writer(reader, staged.output, run.out_dtype, format_options)
+    writer = open_writer(reader, staged.output, run.out_dtype,
+                         dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
     try:
         if partial is not None:
             partial.begin()
@@ -631,6 +632,15 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     if outside_counts:
         raise _outside_error(outside_counts, run, options.input)
     return writer, written
+
+
+def _value_bounds(run: Plan, jobs: list[ArrayJob]) -> dict[str, tuple[float, float, float | None]]:
+    """Each array's declared range and grid step (None: no grid) as FormatOptions.value_bounds."""
+    bounds = {}
+    for job in jobs:
+        lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
+        bounds[job.name] = (lo, hi, None if grid is None else grid.granularity or 1)
+    return bounds
 
 
 def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, source: Path) -> DataError:
