@@ -254,3 +254,22 @@ def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
                    "output": [json_number(out) for _, out in pairs], "action": "copied, not perturbed"}
             for name, pairs in kept.items()}
     return steps, extra
+
+
+def messages(name: str, stored: np.dtype, encoding: Encoding) -> list[str]:
+    """What the command says about a variable's Encoding."""
+    lines = []
+    if encoding.packed:
+        lines.append(f"{name}: unpacking its {stored} codes (scale_factor, add_offset) to "
+                     f"{encoding.dtype} values before the noise; --range is in these units")
+    if encoding.markers:
+        lines.append(f"{name}: values equal to its _FillValue or missing_value are missing data, "
+                     "copied, not perturbed: which values are missing is released as is")
+    return lines
+
+
+def count_moves(manifest_extra: dict[str, Any], moved: list[tuple[str, int]]) -> None:
+    """Adds to each missing_values entry how many noisy values were moved off its markers
+    (`moved`: (variable, count) per block)."""
+    for name, entry in manifest_extra.get("missing_values", {}).items():
+        entry["moved_off_markers"] = sum(count for moved_name, count in moved if moved_name == name)

@@ -450,14 +450,7 @@ class Hdf5Reader(Reader):
         encoding = _encoding(self.path, name, ds)
         if encoding is not None:
             self.encodings[name] = encoding
-            if encoding.packed:
-                self.messages.append(
-                    f"{name}: unpacking its {ds.dtype} codes (scale_factor, add_offset) to "
-                    f"{encoding.dtype} values before the noise; --range is in these units")
-            if encoding.markers:
-                self.messages.append(
-                    f"{name}: values equal to its _FillValue or missing_value are missing data, "
-                    "copied, not perturbed: which values are missing is released as is")
+            self.messages += cf.messages(name, ds.dtype, encoding)
         return ArrayJob(
             name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
             read=_Records(self.path, name, self.size, encoding),
@@ -697,7 +690,7 @@ class Hdf5Writer(Writer):
         self.encodings = reader.encodings
         self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
         self.bounds = bounds or {}  # job name -> (lo, hi, grid step): where moved values go
-        self.moved: dict[str, int] = {}  # job name -> noisy values moved off its markers
+        self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
@@ -918,8 +911,8 @@ class Hdf5Writer(Writer):
                 where = np.isnan(stored) if np.isnan(marker) else stored == marker
                 block[where] = out
                 missing |= where
-            self.moved[job.name] = self.moved.get(job.name, 0) + cf.move_off_markers(
-                block, missing, [out for _, out in markers], self._bounds(job.name))
+            moved = cf.move_off_markers(block, missing, [out for _, out in markers], self._bounds(job.name))
+            self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
         tensor = self.tensors.get(job.name)
         with self._hdf5():
             if tensor is not None:
@@ -932,8 +925,7 @@ class Hdf5Writer(Writer):
         return self.bounds.get(job_name) or (-math.inf, math.inf, None)
 
     def finish(self) -> None:
-        for name, entry in self.manifest_extra.get("missing_values", {}).items():
-            entry["moved_off_markers"] = self.moved.get(name, 0)
+        cf.count_moves(self.manifest_extra, self.moved)
 
     def close(self) -> list[Path]:
         try:
