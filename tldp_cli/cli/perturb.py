@@ -170,8 +170,11 @@ def perturb_command(
     if not quiet:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
+        rows = m.get("row_records")
         shape = (f"{m['records']} tensors, the largest of {m['elements_per_record']} elements"
                  if "per_tensor" in m["accounting"] else
+                 f"{rows['records']} records of up to {rows['elements_per_record']} elements, a record "
+                 "being one row of each array that shares it" if rows else
                  f"{m['records']} records x {m['elements_per_record']} elements")
         typer.echo(f"tldp: wrote {result.output} ({shape}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)

@@ -57,6 +57,9 @@ class ArrayJob:
     read: Callable[[int, int], np.ndarray]  # records [start, stop) as an in-memory array
     source: dict[str, Any]  # the manifest's inputs entry: path, format, dataset?, shape, dtype
     chunk_records: int | None = None  # records per storage chunk along axis 0, if chunked
+    # The name of axis 0 where the format names dimensions (netCDF dimension scales, xarray's
+    # Zarr dimension names): only arrays whose axis 0 has the same name share rows.
+    row_dimension: str | None = None
 
     @property
     def records(self) -> int:

@@ -457,6 +457,7 @@ class Hdf5Reader(Reader):
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
+            row_dimension=_row_dimension(ds),
         )
 
     def arrays(self) -> list[ArrayJob]:
@@ -498,6 +499,18 @@ def _keras_norm_stats(found: dict[str, h5py.Dataset], variances_only: bool = Fal
         names.sort(key=lambda n: int(posixpath.basename(n)))
         stats.update(names[-1:] if variances_only else names[-2:])
     return stats
+
+
+def _row_dimension(ds: h5py.Dataset) -> str | None:
+    """The dimension of axis 0 (netCDF's): the dimension scale attached to it, or the
+    dataset itself if it is one; None in plain HDF5."""
+    with suppress(Exception):  # malformed dimension-scale metadata: no name
+        if h5ds.is_scale(ds.id):
+            return ds.name
+        scales = list(ds.dims[0].values())
+        if scales:
+            return scales[0].name
+    return None
 
 
 @dataclass(frozen=True)

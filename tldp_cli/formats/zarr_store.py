@@ -555,9 +555,12 @@ class ZarrReader(Reader):
     def _job(self, name: str) -> ArrayJob:
         array = self.handles[name]
         shape = tuple(array.shape)
-        encoding = None  # multiscale images are images, not CF variables
+        encoding, row_dimension = None, None  # multiscale images are images, not CF variables
         if not any(name in p.levels for p in self.pyramids):
             encoding = _cf_encoding(f"{self.path}: array {_display(name)}", array)
+            dimensions = _dimension_names(array)
+            if dimensions:  # xarray's dimensions are named within their group
+                row_dimension = posixpath.join("/" + posixpath.dirname(name), dimensions[0])
         if encoding is not None:
             self.encodings[_display(name)] = encoding
             self.messages += cf.messages(_display(name), array.dtype, encoding)
@@ -567,6 +570,7 @@ class ZarrReader(Reader):
             source={"path": str(self.path), "format": NAME, "dataset": _display(name),
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
+            row_dimension=row_dimension,
         )
 
     def arrays(self) -> list[ArrayJob]:
