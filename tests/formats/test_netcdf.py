@@ -256,7 +256,7 @@ def test_missing_values_stay_missing(cli, tmp_path):
     out = tmp_path / "out.nc"
     manifest = run(cli, src, out, "--range", "0:310")
     assert manifest["missing_values"]["/T2"] == {"input": ["nan"], "output": ["nan"],
-                                                 "action": "copied, not perturbed"}
+                                                 "action": "copied, not perturbed", "moved_off_markers": 0}
     counts_out = manifest["missing_values"]["/counts"]
     assert counts_out["input"] == [-999, -1]
     assert any("missing_values" in step for step in manifest["postprocessing"])
@@ -272,6 +272,59 @@ def test_missing_values_stay_missing(cli, tmp_path):
         with xr.open_dataset(out, engine=engine) as ds:
             np.testing.assert_array_equal(np.isnan(ds["T2"].values), np.isnan(data))
             assert np.isnan(ds["counts"].values).sum() == 2
+
+
+def fill_on_grid_file(path: Path, writer: str) -> tuple[Path, dict[str, int]]:
+    """A float variable with _FillValue -1.0 and a uint8-packed one (i1, _Unsigned, _FillValue
+    -1, scale_factor 1), both with their values near 0: -1 lies on the noise's grid a few noise
+    scales below the ranges declared (0:0.5, 0:256), where noisy values land. Written by
+    xarray on `writer`'s engine, or by netCDF4 itself; returns the missing count of each."""
+    rng = np.random.default_rng(11)
+    tp = (0.01 * rng.random((10, 100, 100))).astype(np.float32)
+    q = rng.integers(0, 3, (20, 50, 50)).astype(np.float32)
+    tp.flat[rng.choice(tp.size, 25, replace=False)] = np.nan
+    q.flat[rng.choice(q.size, 10, replace=False)] = np.nan
+    if writer == "netCDF4":
+        with netCDF4.Dataset(path, "w") as ds:
+            for name, size in (("time", 10), ("step", 20), ("y", 100), ("x", 100), ("b", 50), ("a", 50)):
+                ds.createDimension(name, size)
+            ds.createVariable("tp", "f4", ("time", "y", "x"), fill_value=np.float32(-1.0))[:] = \
+                np.ma.masked_invalid(tp)
+            var = ds.createVariable("q", "i1", ("step", "b", "a"), fill_value=np.int8(-1))
+            var._Unsigned, var.scale_factor = "true", np.float32(1.0)
+            var[:] = np.ma.array(np.nan_to_num(q), mask=np.isnan(q))
+    else:
+        xr.Dataset({"tp": (("time", "y", "x"), tp), "q": (("step", "b", "a"), q)}).to_netcdf(
+            path, engine=writer, encoding={
+                "tp": {"_FillValue": np.float32(-1.0)},
+                "q": {"dtype": "i1", "_Unsigned": "true", "_FillValue": np.int8(-1), "scale_factor": 1.0}})
+    return path, {"tp": 25, "q": 10}
+
+
+@pytest.mark.parametrize("writer", [*ENGINES, "netCDF4"])
+def test_noisy_values_never_land_on_the_fill_value(cli, tmp_path, writer):
+    """A noisy value equal to the output's _FillValue would read as missing: it is moved one
+    grid step toward the range, and the manifest counts the moves."""
+    src, missing = fill_on_grid_file(tmp_path / "in.nc", writer)
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--dataset", "tp", "--dataset", "q",
+                   "--range", "tp=0:0.5", "--range", "q=0:256")
+    for engine in ENGINES:
+        with xr.open_dataset(src, engine=engine) as before, xr.open_dataset(out, engine=engine) as after:
+            for name, count in missing.items():
+                assert int(before[name].isnull().sum()) == count
+                assert int(after[name].isnull().sum()) == count
+                np.testing.assert_array_equal(after[name].isnull(), before[name].isnull())
+                assert after[name].encoding["_FillValue"] == -1
+    with netCDF4.Dataset(out) as ds:
+        for name, count in missing.items():
+            assert np.ma.count_masked(ds[name][:]) == count
+    moved = {name.strip("/"): entry["moved_off_markers"] for name, entry in manifest["missing_values"].items()}
+    assert moved["tp"] > 0 and moved["q"] > 0  # the seed makes noisy values land on -1
+    assert any("move noisy values off the missing-data markers" in s for s in manifest["postprocessing"])
+    if writer == "netCDF4":
+        result = cli("evaluate", src, out)
+        assert result.exit_code == 0, result.stderr
 
 
 def test_a_dataset_of_missing_values_only_is_refused(tmp_path):

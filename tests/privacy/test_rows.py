@@ -94,3 +94,29 @@ def test_zarr_arrays_sharing_rows_compose_too(cli, tmp_path):
     # rho = 255^2 / (2 sigma^2) per element, sigma = 256 / sqrt(2 eps): 68 elements of (255/256)^2
     assert m["accounting"]["per_record"]["rho"] == pytest.approx(68 * (255 / 256) ** 2)
     assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(expected["epsilon"])
+
+
+@pytest.mark.parametrize("writer", ["netcdf4", "h5netcdf", "zarr2", "zarr3"])
+def test_named_dimensions_decide_which_arrays_share_rows(cli, tmp_path, writer):
+    """xarray's v(time=10, ...) and orog(y=10, x) have 10 rows each, but time step i and
+    latitude row i are not one subject: each is a record scope of its own. t2m(time, ...)
+    shares v's rows, and the summary counts one record per time step of both."""
+    xr = pytest.importorskip("xarray")
+    values = RNG.random((10, 10, 4))
+    ds = xr.Dataset({"v": (("time", "y", "x"), values), "t2m": (("time", "y", "x"), values),
+                     "orog": (("y", "x"), values[0])})
+    src = tmp_path / ("eq.zarr" if writer.startswith("zarr") else "eq.nc")
+    if src.suffix == ".nc":
+        ds.to_netcdf(src, engine=writer)
+    else:
+        ds.to_zarr(src, zarr_format=int(writer[-1]))
+    result = cli("perturb", src, "--eps", "1", "--range", "0:1", "--allow-raw-release", "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    rows = [sorted(name.strip("/") for name in row) for row in m["row_datasets"]]
+    assert rows == [["t2m", "v"]]
+    assert m["row_records"]["records"] == 10 + 10  # the time steps, and orog's rows
+    assert m["row_records"]["elements_per_record"] == 80  # one time step of v and of t2m
+    assert "20 records of up to 80 elements" in result.stderr
+    # pure discrete Laplace at --eps 1: a record's epsilon is at most 80 x 1 (with orog's row, 84 x 1.05)
+    assert 79 < m["accounting"]["per_record"]["epsilon"] <= 80

@@ -57,6 +57,9 @@ class ArrayJob:
     read: Callable[[int, int], np.ndarray]  # records [start, stop) as an in-memory array
     source: dict[str, Any]  # the manifest's inputs entry: path, format, dataset?, shape, dtype
     chunk_records: int | None = None  # records per storage chunk along axis 0, if chunked
+    # The name of axis 0 where the format names dimensions (netCDF dimension scales, xarray's
+    # Zarr dimension names): only arrays whose axis 0 has the same name share rows.
+    row_dimension: str | None = None
 
     @property
     def records(self) -> int:
@@ -134,6 +137,9 @@ class FormatOptions:
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
     anonymize_names: bool = False  # image folders: neutral output names, no input names in the manifest
+    # Set by the pipeline for the writer: each array's declared range and the noise's grid
+    # step (None: no grid), for writers that move a noisy value off a missing-data marker.
+    value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)
 
 
 # In the order detect() tries them; each is imported when its turn comes (h5py and zarr

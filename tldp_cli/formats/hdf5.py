@@ -39,7 +39,7 @@ netCDF-4 files are HDF5 files, and the copy keeps what netCDF readers rely on:
 - the root group keeps its creation-order tracking, which the file creation list
   the input reports leaves out: netCDF-C opens a file for writing only with it, and
   lists variables and attributes in that order.
-Of a perturbed dataset, the CF attributes about its values are honoured (_Encoding):
+Of a perturbed dataset, the CF attributes about its values are honoured (cf.Encoding):
 values equal to its _FillValue or missing_value are missing data, copied rather than
 perturbed (the writer puts them back, so which values are missing is released as
 is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
@@ -77,7 +77,7 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
-from tldp_cli.formats import tensor_files
+from tldp_cli.formats import cf, tensor_files
 from tldp_cli.files.checked_io import pwrite_all, write_error, writing
 from tldp_cli.files.output import shown
 
@@ -95,16 +95,6 @@ LOSSY_FILTERS = {h5z.FILTER_SCALEOFFSET: "scale-offset", 258: "fpzip", 32005: "A
                  32007: "JPEG-XR", 32012: "JPEG-LS", 32013: "zfp", 32014: "fpzip", 32016: "B3D",
                  32017: "SZ", 32019: "JPEG", 32022: "BitGroom", 32023: "Granular BitRound",
                  32024: "SZ3", 32028: "SPERR", 32030: "FFmpeg"}
-# CF attributes bounding a variable's values: noisy values fall outside them, and readers
-# (netCDF4-python) would mask those as invalid. Dropped from perturbed datasets.
-VALUE_BOUNDS = ("valid_range", "valid_min", "valid_max", "actual_range")
-MISSING = ("_FillValue", "missing_value")  # CF: values that mark missing data
-PACKING = ("scale_factor", "add_offset", "_Unsigned")
-# CF attributes naming the variables that locate or delimit the data (coordinates,
-# cell bounds, cell areas): never perturbed unless named with --dataset.
-COORDINATE_REFERENCES = ("coordinates", "bounds", "climatology", "cell_measures")
-
-
 def can_open(path: Path) -> bool:
     """The signature sits at offset 0, or after a user block at 512, 1024, 2048, ..."""
     if not path.is_file():
@@ -196,76 +186,10 @@ def _attr_numbers(path: Path, name: str, obj, key: str) -> np.ndarray | None:
     return value.ravel()
 
 
-@dataclass(frozen=True)
-class _Encoding:
-    """How the values stored in a dataset become the values perturbed (CF conventions):
-    which stored values mark missing data, and how packed integers unpack
-    (unsigned = _Unsigned, then * scale_factor + add_offset)."""
-
-    markers: tuple  # stored values meaning "missing" (_FillValue, missing_value), NaN included
-    unsigned: bool
-    scale: np.generic | None
-    offset: np.generic | None
-    dtype: np.dtype  # of the values perturbed
-
-    @property
-    def packed(self) -> bool:
-        return self.scale is not None or self.offset is not None
-
-    def missing(self, raw: np.ndarray) -> np.ndarray | None:
-        """Where `raw` (stored values) holds a marker; None if nowhere."""
-        mask = None
-        for marker in self.markers:
-            found = np.isnan(raw) if np.isnan(marker) else raw == marker
-            mask = found if mask is None else mask | found
-        return mask if mask is not None and mask.any() else None
-
-    def decode(self, raw: np.ndarray) -> np.ndarray:
-        values = raw.view(raw.dtype.str.replace("i", "u")) if self.unsigned else raw
-        if not self.packed:
-            return values
-        values = values.astype(self.dtype)
-        if self.scale is not None:
-            values *= self.scale
-        if self.offset is not None:
-            values += self.offset
-        return values
-
-
-def _encoding(path: Path, name: str, ds: h5py.Dataset) -> _Encoding | None:
-    """The dataset's _Encoding; None when its stored values are the values."""
-    stored = ds.dtype
-    markers = []
-    for key in MISSING:
-        values = _attr_numbers(path, name, ds, key)
-        for value in () if values is None else values:
-            if stored.kind != "f" and not np.isfinite(value):
-                continue  # no integer is NaN: such a marker marks nothing
-            with np.errstate(invalid="ignore", over="ignore"):
-                marker = np.asarray(value).astype(stored)
-                # A marker the dtype cannot hold (missing_value 0.5 on integers) occurs nowhere.
-                if np.array_equal(marker.astype(value.dtype), value, equal_nan=stored.kind == "f"):
-                    markers.append(marker[()])
-    unsigned = stored.kind == "i" and (_attr_text(ds, "_Unsigned") or "").strip().lower() == "true"
-    packing = {}
-    for key in ("scale_factor", "add_offset"):
-        value = _attr_numbers(path, name, ds, key)
-        if value is not None:
-            if value.size != 1:
-                raise InputError(f"{path}: dataset {name}: its {key} attribute holds {value.size} "
-                                 "values; packed data has one scale_factor and one add_offset")
-            packing[key] = value
-    dtype = np.dtype(stored.str.replace("i", "u")) if unsigned else stored
-    if packing:
-        # CF: the unpacked values have the type of scale_factor and add_offset.
-        kinds = [value.dtype for value in packing.values()]
-        dtype = (np.result_type(*kinds) if all(k.kind == "f" for k in kinds) else np.dtype("float64")
-                 ).newbyteorder("=")
-    if not (markers or unsigned or packing):
-        return None
-    scale, offset = (packing[key].astype(dtype)[0] if key in packing else None
-                     for key in ("scale_factor", "add_offset"))
-    return _Encoding(tuple(markers), unsigned, scale, offset, dtype)
+def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
+    """The dataset's cf.Encoding; None when its stored values are the values."""
+    return cf.encoding(f"{path}: dataset {name}", ds.dtype, lambda key: _attr_numbers(path, name, ds, key),
+                       _attr_text(ds, "_Unsigned"))
 
 
 _PRESENT: dict[tuple, np.generic] = {}  # (path, dataset, size) -> a value the dataset holds
@@ -279,20 +203,13 @@ class _Records:
     path: Path
     dataset: str
     size: int  # the file's size at open
-    encoding: _Encoding | None = None
+    encoding: cf.Encoding | None = None
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.stored(start, stop)
         if self.encoding is None:
             return raw
-        values = self.encoding.decode(raw)
-        missing = self.encoding.missing(raw)
-        if missing is not None:
-            # Missing positions get a value the data holds, so that they pass the range
-            # check; the writer puts the markers back, so their noisy values are never written.
-            present = values[~missing]
-            values[missing] = present[0] if present.size else self._present_value()
-        return values
+        return cf.decoded_records(raw, self.encoding, self._present_value)
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
@@ -312,18 +229,8 @@ class _Records:
         if key not in _PRESENT:
             with h5py.File(self.path, "r") as f:
                 shape = f[self.dataset].shape
-            step = max(1, (1 << 20) // max(1, math.prod(shape[1:])))
-            for start in range(0, shape[0], step):
-                raw = self.stored(start, start + step)
-                missing = self.encoding.missing(raw)
-                if missing is None or not missing.all():
-                    values = self.encoding.decode(raw)
-                    _PRESENT[key] = values.flat[0] if missing is None else values[~missing][0]
-                    break
-            else:
-                raise InputError(f"{self.path}: dataset {self.dataset} holds only missing values "
-                                 "(its _FillValue or missing_value); there is nothing to perturb, "
-                                 "so leave it out (choose the datasets with --dataset)")
+            _PRESENT[key] = cf.first_present(self.stored, shape[0], math.prod(shape[1:]), self.encoding,
+                                             f"{self.path}: dataset {self.dataset}")
         return _PRESENT[key]
 
 
@@ -361,7 +268,7 @@ class Hdf5Reader(Reader):
         self.messages: list[str] = []
         self.tensors: list[tensor_files.Tensor] = []  # Keras weights: the chosen ones
         self.variances: set[str] = set()  # Keras weights: the chosen moving variances
-        self.encodings: dict[str, _Encoding] = {}  # job name -> its encoding, where it has one
+        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its encoding, where it has one
         try:
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")
@@ -489,11 +396,9 @@ class Hdf5Reader(Reader):
             with suppress(Exception):  # a malformed CLASS attribute: not a scale
                 if h5ds.is_scale(ds.id):
                     keys.add(_object_key(ds))
-            for attr in COORDINATE_REFERENCES:
-                for word in (_attr_text(ds, attr) or "").split():
-                    if word.endswith(":"):
-                        continue  # cell_measures: "area: cell_area"
-                    target = _variable(word, posixpath.dirname(name), found)
+            for attr in cf.COORDINATE_REFERENCES:
+                for word in cf.referenced(_attr_text(ds, attr)):
+                    target = cf.variable(word, posixpath.dirname(name), found)
                     if target is not None:
                         keys.add(_object_key(target))
         return keys
@@ -545,20 +450,14 @@ class Hdf5Reader(Reader):
         encoding = _encoding(self.path, name, ds)
         if encoding is not None:
             self.encodings[name] = encoding
-            if encoding.packed:
-                self.messages.append(
-                    f"{name}: unpacking its {ds.dtype} codes (scale_factor, add_offset) to "
-                    f"{encoding.dtype} values before the noise; --range is in these units")
-            if encoding.markers:
-                self.messages.append(
-                    f"{name}: values equal to its _FillValue or missing_value are missing data, "
-                    "copied, not perturbed: which values are missing is released as is")
+            self.messages += cf.messages(name, ds.dtype, encoding)
         return ArrayJob(
             name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
             read=_Records(self.path, name, self.size, encoding),
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
+            row_dimension=_row_dimension(ds),
         )
 
     def arrays(self) -> list[ArrayJob]:
@@ -602,6 +501,18 @@ def _keras_norm_stats(found: dict[str, h5py.Dataset], variances_only: bool = Fal
     return stats
 
 
+def _row_dimension(ds: h5py.Dataset) -> str | None:
+    """The dimension of axis 0 (netCDF's): the dimension scale attached to it, or the
+    dataset itself if it is one; None in plain HDF5."""
+    with suppress(Exception):  # malformed dimension-scale metadata: no name
+        if h5ds.is_scale(ds.id):
+            return ds.name
+        scales = list(ds.dims[0].values())
+        if scales:
+            return scales[0].name
+    return None
+
+
 @dataclass(frozen=True)
 class _Whole:
     """Reads one dataset whole, as one record (a model weight). Picklable."""
@@ -619,18 +530,6 @@ class _Whole:
             raise InputError(f"{self.path}: cannot read dataset {self.dataset} ({_reason(exc)})") from None
         _check_not_shrunk(self.path, self.size)
         return values[None][start:stop]
-
-
-def _variable(word: str, group: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset | None:
-    """The dataset a CF attribute names: an absolute path, or a name looked up in the
-    referring variable's group, then in each enclosing group (CF 1.8 groups)."""
-    if word.startswith("/"):
-        return found.get(posixpath.normpath(word))
-    while True:
-        ds = found.get(posixpath.normpath(posixpath.join(group, word)))
-        if ds is not None or group == "/":
-            return ds
-        group = posixpath.dirname(group)
 
 
 def _has_vlen(tid: h5t.TypeID) -> bool:
@@ -685,25 +584,6 @@ def _copy_attrs(src, dst, replaced: dict[bytes, np.ndarray | None] | None = None
             mtype = stored
         attr.read(value, mtype=mtype)
         copy.write(value, mtype=mtype)
-
-
-def _output_marker(marker, dtype: np.dtype):
-    """A missing-data marker in the output dtype: its own value where the dtype holds it,
-    else NaN (floats) or the dtype's least value (integers, which noisy values reach only
-    by saturating beyond the noise's tail bound)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        out = np.asarray(marker).astype(dtype)
-        if np.array_equal(out.astype(np.asarray(marker).dtype), marker, equal_nan=dtype.kind == "f"):
-            return out[()]
-    return dtype.type(np.nan) if dtype.kind == "f" else dtype.type(np.iinfo(dtype).min)
-
-
-def _json_number(value):
-    """A NumPy number for JSON: NaN and infinities as strings ("nan", "inf"); None stays None."""
-    if value is None:
-        return None
-    value = value.item() if isinstance(value, np.generic) else value
-    return value if isinstance(value, int) or math.isfinite(value) else str(value)
 
 
 class _Output:
@@ -806,7 +686,8 @@ def _signals_held():
 
 
 class Hdf5Writer(Writer):
-    def __init__(self, reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype):
+    def __init__(self, reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
+                 bounds: dict[str, tuple[float, float, float | None]] | None = None):
         self.path = tmp_path
         self.source = reader.path
         self.dtype = np.dtype(dtype)
@@ -821,6 +702,8 @@ class Hdf5Writer(Writer):
         self.size = reader.size
         self.encodings = reader.encodings
         self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
+        self.bounds = bounds or {}  # job name -> (lo, hi, grid step): where moved values go
+        self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
@@ -988,52 +871,31 @@ class Hdf5Writer(Writer):
         the missing-data markers in the output dtype; no value bounds; no packing."""
         encoding = self.encodings.get(job_name)
         replaced: dict[bytes, np.ndarray | None] = {}
-        dropped = [key for key in VALUE_BOUNDS if key in src.attrs]
+        dropped = [key for key in cf.VALUE_BOUNDS if key in src.attrs]
         if encoding is not None and (encoding.packed or encoding.unsigned):
-            dropped += [key for key in PACKING if key in src.attrs]
+            dropped += [key for key in cf.PACKING if key in src.attrs]
         for key in dropped:
             replaced[key.encode()] = None
         if dropped:
             self.dropped_attrs[job_name] = dropped
         if encoding is None:
             return replaced
-        self.missing[job_name] = [(marker, _output_marker(marker, self.dtype))
+        self.missing[job_name] = [(marker, cf.output_marker(marker, self.dtype))
                                   for marker in encoding.markers]
-        for key in MISSING:
+        for key in cf.MISSING:
             if key in src.attrs:
                 values = _attr_numbers(self.source, job_name, src, key)
                 shape = src.attrs.get_id(key).shape
-                replaced[key.encode()] = np.array([_output_marker(v, self.dtype) for v in values],
+                replaced[key.encode()] = np.array([cf.output_marker(v, self.dtype) for v in values],
                                                   dtype=self.dtype).reshape(shape)
         return replaced
 
     def _describe_cf(self) -> None:
         """The manifest's account of the CF attributes the perturbed datasets honour."""
-        decoded = {name: enc for name, enc in self.encodings.items() if enc.packed or enc.unsigned}
-        if decoded:
-            self.postprocessing.append(
-                "write packed datasets unpacked: their stored codes were unpacked (_Unsigned, "
-                f"scale_factor, add_offset) before the noise, and are written as {self.dtype} "
-                "without those attributes (unpacked)")
-            self.manifest_extra["unpacked"] = {
-                name: {"stored_dtype": str(self.src[name].dtype), "unsigned": enc.unsigned,
-                       "scale_factor": _json_number(enc.scale), "add_offset": _json_number(enc.offset)}
-                for name, enc in decoded.items()}
-        if any(key in VALUE_BOUNDS for keys in self.dropped_attrs.values() for key in keys):
-            self.postprocessing.append(
-                "drop the attributes bounding the perturbed datasets' values (valid_range, valid_min, "
-                "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
-        if self.dropped_attrs:
-            self.manifest_extra["dropped_attributes"] = self.dropped_attrs
-        kept = {name: pairs for name, pairs in self.missing.items() if pairs}
-        if kept:
-            self.postprocessing.append(
-                "keep missing data: the positions holding a dataset's _FillValue or missing_value are "
-                "copied, not perturbed, so which values are missing is released as is (missing_values)")
-            self.manifest_extra["missing_values"] = {
-                name: {"input": [_json_number(m) for m, _ in pairs],
-                       "output": [_json_number(out) for _, out in pairs], "action": "copied, not perturbed"}
-                for name, pairs in kept.items()}
+        steps, extra = cf.describe(self.encodings, {name: str(self.src[name].dtype) for name in self.encodings},
+                                   self.dropped_attrs, self.missing, self.dtype)
+        self.postprocessing += steps
+        self.manifest_extra.update(extra)
 
     def _drop_lossy_filters(self, plist: h5p.PropDCID, job_name: str) -> None:
         """Removes the filters that may not store the noisy values exactly."""
@@ -1057,8 +919,13 @@ class Hdf5Writer(Writer):
             # The block holds noise where the input is missing: read which positions those are.
             stored = _Records(self.source, job.name, self.size).stored(start, start + len(block))
             block = block.copy()  # the caller's block is not ours to change
+            missing = np.zeros(block.shape, dtype=bool)
             for marker, out in markers:
-                block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
+                where = np.isnan(stored) if np.isnan(marker) else stored == marker
+                block[where] = out
+                missing |= where
+            moved = cf.move_off_markers(block, missing, [out for _, out in markers], self._bounds(job.name))
+            self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
         tensor = self.tensors.get(job.name)
         with self._hdf5():
             if tensor is not None:
@@ -1066,6 +933,12 @@ class Hdf5Writer(Writer):
                     block[0], tensor.dtype, self.datasets[job.name].dtype, positive=job.name in self.variances)
             else:
                 self.datasets[job.name][start:start + len(block)] = block
+
+    def _bounds(self, job_name: str) -> tuple[float, float, float | None]:
+        return self.bounds.get(job_name) or (-math.inf, math.inf, None)
+
+    def finish(self) -> None:
+        cf.count_moves(self.manifest_extra, self.moved)
 
     def close(self) -> list[Path]:
         try:
@@ -1083,4 +956,4 @@ class Hdf5Writer(Writer):
 
 def create_writer(reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Hdf5Writer:
-    return Hdf5Writer(reader, tmp_path, dtype)
+    return Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)

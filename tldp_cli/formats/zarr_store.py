@@ -19,15 +19,19 @@ left out with its chunks.
 
 from __future__ import annotations
 
+import base64
 import copy
 import itertools
 import json
+import math
 import os
+import posixpath
 import re
 import shutil
 import stat
+import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,7 @@ from tldp_cli.formats import (
     plural,
     tldp_name,
 )
+from tldp_cli.formats import cf
 
 NAME = "zarr"
 RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
@@ -199,6 +204,9 @@ def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int
                          f"metadata ({detail})") from None
 
 
+_PRESENT: dict[tuple, np.generic] = {}  # (store, array) -> a value the array holds
+
+
 @dataclass(frozen=True)
 class _Records:
     """Reads records of one array. Picklable: opens the store inside each call, so it can
@@ -207,8 +215,26 @@ class _Records:
     store: Path
     name: str  # the array's path in the store, "" for a single-array store
     zarr_format: int
+    encoding: cf.Encoding | None = None  # CF: missing values and packing (xarray's stores)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
+        raw = self.stored(start, stop)
+        if self.encoding is None:
+            return raw
+        return cf.decoded_records(raw, self.encoding, self._present_value)
+
+    def _present_value(self) -> np.generic:
+        """The first value of the array that is not missing."""
+        key = (self.store, self.name)
+        if key not in _PRESENT:
+            shape = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
+                          self.zarr_format).shape
+            _PRESENT[key] = cf.first_present(self.stored, shape[0], math.prod(shape[1:]), self.encoding,
+                                             f"{self.store}: array {_display(self.name)}")
+        return _PRESENT[key]
+
+    def stored(self, start: int, stop: int) -> np.ndarray:
+        """Records start:stop as stored."""
         array = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
                       self.zarr_format)
         try:
@@ -334,6 +360,94 @@ def _pyramids(path: Path, nodes: list[_Node], opened: dict[str, Any]) -> list[_P
     return found
 
 
+# CF conventions in stores written by xarray (to_zarr): dimension names in the
+# _ARRAY_DIMENSIONS attribute (Zarr 2) or the dimension_names metadata (Zarr 3); the
+# _FillValue is the array's fill_value (Zarr 2) or an attribute, holding a float as the
+# base64 of a little-endian double (Zarr 3); NaN is missing data.
+def _dimension_names(array) -> tuple[str, ...] | None:
+    if array.metadata.zarr_format == 3:
+        names = array.metadata.dimension_names
+    else:
+        names = array.attrs.get("_ARRAY_DIMENSIONS")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return None
+    return tuple(names)
+
+
+def _cf_attribute(where: str, array, key: str) -> np.ndarray | None:
+    """A CF numeric attribute's values, flat (as xarray writes them); None if absent."""
+    if key in array.attrs:
+        value = array.attrs[key]
+    elif key == "_FillValue" and array.metadata.zarr_format == 2 and _dimension_names(array) is not None:
+        value = array.fill_value
+    else:
+        return None
+    if value is None:
+        return None
+    if key == "_FillValue" and isinstance(value, str):
+        try:
+            value = (float(value) if value in ("NaN", "Infinity", "-Infinity")
+                     else struct.unpack("<d", base64.b64decode(value, validate=True))[0])
+        except (ValueError, struct.error):
+            raise InputError(f"{where}: its _FillValue attribute {value!r} is neither a number nor "
+                             "xarray's base64 of a double") from None
+    number = np.asarray(value)
+    if number.dtype.kind not in "iuf":
+        raise InputError(f"{where}: its {key} attribute is {value!r}, not a number")
+    return number.ravel()
+
+
+def _cf_encoding(where: str, array) -> cf.Encoding | None:
+    unsigned = array.attrs.get("_Unsigned")
+    return cf.encoding(where, array.dtype, lambda key: _cf_attribute(where, array, key),
+                       unsigned if isinstance(unsigned, str) else None,
+                       nan_missing=_dimension_names(array) is not None)
+
+
+def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[str]:
+    """The arrays that locate or delimit the data rather than hold it: those named like one
+    of their own dimensions (xarray's coordinates) and those a CF coordinates, bounds,
+    climatology or cell_measures attribute names."""
+    by_path = {"/" + path: path for path in arrays}
+    found = set()
+    for path, node in (*arrays.items(), *groups.items()):
+        if path in arrays and posixpath.basename(path) in (_dimension_names(node) or ()):
+            found.add(path)
+        for key in cf.COORDINATE_REFERENCES:
+            text = node.attrs.get(key)
+            group = posixpath.dirname("/" + path) if path in arrays else "/" + path
+            for word in cf.referenced(text if isinstance(text, str) else None):
+                target = cf.variable(word, posixpath.normpath(group), by_path)
+                if target is not None:
+                    found.add(target)
+    return found
+
+
+def _cf_output_attrs(where: str, array, encoding: cf.Encoding | None,
+                     dtype: np.dtype) -> tuple[dict[str, Any], list[str], list[tuple]]:
+    """A perturbed array's attributes for the output: no value bounds, no packing, the
+    missing-data markers in the output dtype (a float _FillValue of Zarr 3 as xarray
+    writes it); the attributes dropped; (stored marker, output marker) pairs."""
+    attrs = array.attrs.asdict()
+    dropped = [key for key in cf.VALUE_BOUNDS if key in attrs]
+    if encoding is not None and (encoding.packed or encoding.unsigned):
+        dropped += [key for key in cf.PACKING if key in attrs]
+    out = {key: value for key, value in attrs.items() if key not in dropped}
+    if encoding is None:
+        return out, dropped, []
+    stored = array.dtype
+    for key in (k for k in cf.MISSING if k in out):
+        with np.errstate(invalid="ignore", over="ignore"):
+            values = [cf.output_marker(np.asarray(v).astype(stored), dtype)
+                      for v in _cf_attribute(where, array, key)]
+        if key == "_FillValue" and array.metadata.zarr_format == 3 and dtype.kind == "f":
+            out[key] = base64.standard_b64encode(struct.pack("<d", float(values[0]))).decode()
+        else:
+            numbers = [v.item() for v in values]
+            out[key] = numbers if isinstance(out[key], list) else numbers[0]
+    return out, dropped, [(marker, cf.output_marker(marker, dtype)) for marker in encoding.markers]
+
+
 class ZarrReader(Reader):
     format = NAME
 
@@ -347,6 +461,8 @@ class ZarrReader(Reader):
         self.store = LocalStore(path, read_only=True)
         opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
+        self.group_handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "group"}
+        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its CF encoding, where it has one
         self.pyramids = _pyramids(path, self.nodes, opened)
         selected = self._select(options.datasets)
         self.jobs = [self._job(name) for name in selected]
@@ -393,10 +509,16 @@ class ZarrReader(Reader):
         if self.pyramids:
             return self._all_images()
         numeric = {n: tuple(a.shape) for n, a in arrays.items() if a.dtype.kind in "iuf"}
+        coordinates = _coordinate_arrays(arrays, self.group_handles)
+        left_out = [n for n, shape in numeric.items() if n in coordinates and len(shape) >= 2]
+        numeric = {n: shape for n, shape in numeric.items() if n not in coordinates}
         names, message = default_selection(self.path, numeric, "array")
         for name in names:
             self._check(name)
         self.messages.append(message)
+        if left_out:
+            self.messages.append(f"left out the coordinate arrays {', '.join(left_out)} "
+                                 "(name them with --dataset to perturb them)")
         return names
 
     def _full_resolution(self, name: str) -> str:
@@ -433,12 +555,22 @@ class ZarrReader(Reader):
     def _job(self, name: str) -> ArrayJob:
         array = self.handles[name]
         shape = tuple(array.shape)
+        encoding, row_dimension = None, None  # multiscale images are images, not CF variables
+        if not any(name in p.levels for p in self.pyramids):
+            encoding = _cf_encoding(f"{self.path}: array {_display(name)}", array)
+            dimensions = _dimension_names(array)
+            if dimensions:  # xarray's dimensions are named within their group
+                row_dimension = posixpath.join("/" + posixpath.dirname(name), dimensions[0])
+        if encoding is not None:
+            self.encodings[_display(name)] = encoding
+            self.messages += cf.messages(_display(name), array.dtype, encoding)
         return ArrayJob(
-            name=_display(name), shape=shape, dtype=array.dtype,
-            read=_Records(self.path, name, self.zarr_format),
+            name=_display(name), shape=shape, dtype=encoding.dtype if encoding else array.dtype,
+            read=_Records(self.path, name, self.zarr_format, encoding),
             source={"path": str(self.path), "format": NAME, "dataset": _display(name),
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
+            row_dimension=row_dimension,
         )
 
     def arrays(self) -> list[ArrayJob]:
@@ -569,6 +701,8 @@ class _Blocks:
     paths: dict[str, str]  # job name -> the array's path in the store
     zarr_format: int
     dtype: np.dtype
+    missing: dict[str, list[tuple]] = field(default_factory=dict)  # job name -> CF (stored, output) markers
+    bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)  # FormatOptions.value_bounds
 
     def __post_init__(self):
         self._arrays: dict[str, Any] = {}
@@ -585,15 +719,35 @@ class _Blocks:
                                            "array", self.zarr_format, mode="r+")
         return self._arrays[job_name]
 
-    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
+        """Writes the block; returns how many noisy values it moved off missing-data markers."""
         array = self.array(job.name)
+        block = np.asarray(block, dtype=self.dtype)
+        moved = 0
+        if job.name in self.missing:
+            block = block.copy()  # the caller's block is not ours to change
+            moved = self._keep_missing(job.name, start, block)
         try:
-            array[start:start + len(block)] = np.asarray(block, dtype=self.dtype)
+            array[start:start + len(block)] = block
         except OSError:
             raise
         except Exception as exc:
             raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
                              f"its codecs ({exc})") from None
+        return moved
+
+    def _keep_missing(self, job_name: str, start: int, block: np.ndarray) -> int:
+        """Puts the markers back where the input is missing (the block holds noise there) and
+        moves the noisy values that equal a marker off it (cf.move_off_markers)."""
+        pairs = self.missing[job_name]
+        stored = _Records(self.source, self.paths[job_name], self.zarr_format).stored(start, start + len(block))
+        missing = np.zeros(block.shape, dtype=bool)
+        for marker, out in pairs:
+            where = np.isnan(stored) if np.isnan(marker) else stored == marker
+            block[where] = out
+            missing |= where
+        return cf.move_off_markers(block, missing, [out for _, out in pairs],
+                                   self.bounds.get(job_name) or (-math.inf, math.inf, None))
 
 
 def _downsample(block: np.ndarray, factors: tuple[int, ...], shape: tuple[int, ...], method: str,
@@ -708,7 +862,8 @@ _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
 
 class ZarrWriter(Writer):
-    def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype, reopen: bool = False):
+    def __init__(self, reader: ZarrReader, tmp_path: Path, dtype: np.dtype, reopen: bool = False,
+                 bounds: dict[str, tuple[float, float, float | None]] | None = None):
         self.root = tmp_path
         self.dtype = np.dtype(dtype)
         if tmp_path.resolve().is_relative_to(reader.path.resolve()):
@@ -731,6 +886,7 @@ class ZarrWriter(Writer):
             if lossy:
                 dropped[path] = lossy
         self.postprocessing, self.manifest_extra = dropped_filters(dropped)
+        attributes = self._cf_attributes(reader, names, metadata)
         self.pyramids = reader.regenerated
         if self.pyramids:
             self.postprocessing = [*self.postprocessing, *(_regeneration_step(p) for p in self.pyramids)]
@@ -764,25 +920,59 @@ class ZarrWriter(Writer):
             shutil.copytree(reader.path, tmp_path, ignore=skip_chunks, symlinks=True)
             for path, meta in metadata.items():
                 (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
+                (tmp_path / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
             for pyramid in self.pyramids:
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
             for pyramid, fields in reader.raw_statistics.items():
                 if fields:
                     _drop_raw_statistics(tmp_path, pyramid, reader.zarr_format)
-        self.write = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype)
+        self.blocks = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype, self.missing,
+                              bounds or {})
+        self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
         for job in names:  # open now: a bad codec fails before any block runs
-            self.write.array(job)
+            self.blocks.array(job)
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
 
-    def block_writer(self) -> _Blocks:
-        return self.write
+    def _cf_attributes(self, reader: ZarrReader, names: dict[str, str],
+                       metadata: dict[str, dict]) -> dict[str, dict]:
+        """Rewrites the perturbed arrays' CF attributes (cf.describe tells the manifest): in
+        their metadata (Zarr 3); returns the .zattrs to write (Zarr 2)."""
+        self.missing: dict[str, list[tuple]] = {}
+        dropped_attrs, zattrs = {}, {}
+        for job_name, path in names.items():
+            array = reader.handles[path]
+            attrs, dropped, pairs = _cf_output_attrs(f"{reader.path}: array {job_name}", array,
+                                                     reader.encodings.get(job_name), self.dtype)
+            if dropped:
+                dropped_attrs[job_name] = dropped
+            if pairs:
+                self.missing[job_name] = pairs
+            if attrs != array.attrs.asdict():
+                if reader.zarr_format == 3:
+                    metadata[path]["attributes"] = attrs
+                else:
+                    zattrs[path] = attrs
+        steps, extra = cf.describe(reader.encodings, {name: str(reader.handles[names[name]].dtype)
+                                                      for name in reader.encodings},
+                                   dropped_attrs, self.missing, self.dtype)
+        self.postprocessing += steps
+        self.manifest_extra = {**self.manifest_extra, **extra}
+        return zattrs
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        self.moved.append((job.name, self.blocks(job, start, block)))  # append is atomic across threads
+
+    def block_writer(self) -> _Blocks | None:
+        """None where CF markers are kept: the blocks come back, so that the moves are counted."""
+        return None if self.missing else self.blocks
 
     def finish(self) -> None:
         """Regenerate the lower levels of multiscale images from the perturbed full
         resolution, then rebuild consolidated metadata; only a complete output is worth it."""
         for pyramid in self.pyramids:
-            _regenerate(self.root, self.write.source, pyramid, self.zarr_format, self.dtype)
+            _regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"
@@ -790,6 +980,7 @@ class ZarrWriter(Writer):
                 for path in sorted(self.consolidate, key=lambda p: (p == "", -p.count("/"))):
                     zarr.consolidate_metadata(LocalStore(self.root), path=path,
                                               zarr_format=self.zarr_format)
+        cf.count_moves(self.manifest_extra, self.moved)
 
     def close(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*") if p.is_file())
@@ -797,10 +988,10 @@ class ZarrWriter(Writer):
 
 def create_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ZarrWriter:
-    return ZarrWriter(reader, tmp_path, dtype)
+    return ZarrWriter(reader, tmp_path, dtype, bounds=options.value_bounds)
 
 
 def reopen_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ZarrWriter:
     """The writer of an output an interrupted run began: its blocks are kept (--resume)."""
-    return ZarrWriter(reader, tmp_path, dtype, reopen=True)
+    return ZarrWriter(reader, tmp_path, dtype, reopen=True, bounds=options.value_bounds)

@@ -606,7 +606,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-    writer = open_writer(reader, staged.output, run.out_dtype, format_options)
+    writer = open_writer(reader, staged.output, run.out_dtype,
+                         dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
     try:
         if partial is not None:
             partial.begin()
@@ -654,6 +655,15 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     return writer, written
 
 
+def _value_bounds(run: Plan, jobs: list[ArrayJob]) -> dict[str, tuple[float, float, float | None]]:
+    """Each array's declared range and grid step (None: no grid) as FormatOptions.value_bounds."""
+    bounds = {}
+    for job in jobs:
+        lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
+        bounds[job.name] = (lo, hi, None if grid is None else grid.granularity or 1)
+    return bounds
+
+
 def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, source: Path) -> DataError:
     _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
     lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
@@ -681,13 +691,15 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
 
 def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
     """The datasets each subject's record spans: in an HDF5 file or Zarr store, the
-    arrays perturbed together that share their first axis (row i of each is subject i);
-    every other array is a record scope of its own. [] when no two arrays share rows."""
+    arrays perturbed together that share their first axis (row i of each is subject i):
+    the same dimension where the format names them (ArrayJob.row_dimension), else the
+    same length; every other array is a record scope of its own. [] when no two arrays
+    share rows."""
     if format_name not in ("hdf5", "zarr") or reader.records_are_tensors:
         return []
-    by_length: dict[int, list[str]] = {}
+    by_length: dict[tuple[int, str | None], list[str]] = {}
     for job in jobs:
-        by_length.setdefault(job.records, []).append(job.name)
+        by_length.setdefault((job.records, job.row_dimension), []).append(job.name)
     if all(len(names) == 1 for names in by_length.values()):
         return []
     return list(by_length.values())
@@ -803,6 +815,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
     if any(len(row) > 1 for row in run.rows):
         extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
+        extra["row_records"] = _row_records(run.rows, jobs)
     if run.grid is not None:
         extra.update(discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype))
     if run.bounds:  # --range NAME=LO:HI: each array's range (and grid step)
@@ -826,6 +839,20 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         postprocessing=([discrete.saturation_note(run.out_dtype)] if run.grid and run.out_dtype.kind == "i"
                         else []) + (list(writer.postprocessing) if writer else []),
         output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
+
+
+def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:
+    """The subjects' records where rows join arrays: row i of every array of a row is one
+    record, so there are as many as the row's arrays have rows, each of their elements."""
+    by_name = {job.name: job for job in jobs}
+    sizes = []  # (records, elements of each) per row of arrays
+    for row in rows:
+        members = [by_name[name] for name in row]
+        sizes.append((members[0].records, sum(job.elements for job in members)))
+    return {"records": sum(records for records, _ in sizes),
+            "elements_per_record": max(elements for _, elements in sizes),
+            "definition": "row i of every array of a row_datasets entry is one record (one subject); "
+                          "elements_per_record is the largest such record's"}
 
 
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:

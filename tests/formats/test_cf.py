@@ -1,0 +1,33 @@
+"""The CF helpers shared by the netCDF (hdf5) and Zarr formats, on their own."""
+
+import numpy as np
+
+from tldp_cli.formats import cf
+
+
+def test_values_on_a_marker_move_one_step_toward_the_range():
+    block = np.array([-1.0, -1.0, 5.0, 0.5, 2.0], np.float32)
+    missing = np.array([False, True, False, False, False])
+    moved = cf.move_off_markers(block, missing, [np.float32(-1.0), np.float32(5.0)], (0.0, 1.0, 0.25))
+    assert moved == 2
+    np.testing.assert_array_equal(block, np.array([-0.75, -1.0, 4.75, 0.5, 2.0], np.float32))
+
+
+def test_a_step_below_the_spacing_moves_one_ulp_and_nan_markers_match_nothing():
+    block = np.array([1e9, 3.0], np.float32)
+    assert cf.move_off_markers(block, None, [np.float32(1e9), np.float32(np.nan)], (0.0, 1.0, 2.0**-11)) == 1
+    assert block[0] == np.nextafter(np.float32(1e9), np.float32(0)) and block[1] == 3.0
+
+
+def test_integers_move_by_one_and_never_wrap_past_the_dtype():
+    block = np.array([-128, -1, -2], np.int8)
+    moved = cf.move_off_markers(block, None, [np.int8(-128), np.int8(-1), np.int8(0)], (0.0, 256.0, 1))
+    assert moved == 2
+    # -1 moves up onto the marker 0 and on to 1; -128 up to -127
+    np.testing.assert_array_equal(block, np.array([-127, 1, -2], np.int8))
+
+
+def test_without_a_grid_floats_move_one_ulp():
+    block = np.array([-1.0], np.float64)
+    assert cf.move_off_markers(block, None, [-1.0], (0.0, 1.0, None)) == 1
+    assert block[0] == np.nextafter(-1.0, 0.0)

@@ -1,0 +1,96 @@
+"""Zarr stores written by xarray (to_zarr, Zarr formats 2 and 3) get the CF handling netCDF
+files get: coordinates left alone, missing values (fill values, NaN) kept missing, packed
+variables unpacked, value bounds dropped, the _FillValue rewritten for the output dtype.
+Every output is read back with xarray."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+xr = pytest.importorskip("xarray")
+
+# zarr warns that consolidated metadata is not part of the format 3 spec.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FORMATS = [2, 3]
+
+
+def era_store(path: Path, zarr_format: int) -> tuple[Path, xr.Dataset]:
+    """t2m packed as int16 (K = code * 0.01 + 265, _FillValue -9999, a valid_range) and tp
+    float32 with _FillValue -1.0 and values near 0 (so noisy values land on -1), each with
+    missing values; 2-D lat/lon coordinates named in `coordinates`, a time axis with bounds."""
+    rng = np.random.default_rng(3)
+    t2m = np.round(rng.uniform(250, 290, (10, 100, 100)), 2)
+    tp = (0.01 * rng.random((10, 100, 100))).astype(np.float32)
+    t2m[0, 0, :3] = np.nan
+    tp[4, 5, 6] = np.nan
+    y, x = np.meshgrid(np.arange(100.0), np.arange(100.0), indexing="ij")
+    time = np.arange(10.0)
+    ds = xr.Dataset(
+        {"t2m": (("time", "y", "x"), t2m, {"units": "K", "valid_range": [200.0, 330.0]}),
+         "tp": (("time", "y", "x"), tp, {"units": "m"}),
+         "time_bnds": (("time", "nv"), np.stack([time - 0.5, time + 0.5], axis=1))},
+        coords={"time": ("time", time, {"bounds": "time_bnds"}),
+                "lat": (("y", "x"), 40 + y / 10), "lon": (("y", "x"), x / 10)})
+    ds.to_zarr(path, zarr_format=zarr_format, encoding={
+        "t2m": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 265.0, "_FillValue": -9999},
+        "tp": {"_FillValue": np.float32(-1.0)}})
+    return path, ds
+
+
+def perturb(cli, src: Path, out: Path, *more) -> tuple[dict, str]:
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--seed", "7", "--allow-weak-seed",
+                 "--allow-raw-release", *more)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(Path(f"{out}.manifest.json").read_text()), result.stderr
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_xarray_stores_are_perturbed_as_cf_variables(cli, tmp_path, zarr_format):
+    src, ds = era_store(tmp_path / "era.zarr", zarr_format)
+    out = tmp_path / "out.zarr"
+    manifest, stderr = perturb(cli, src, out, "--range", "t2m=200:330", "--range", "tp=0:0.5")
+    assert [entry["dataset"] for entry in manifest["inputs"]] == ["t2m", "tp"]  # not lat, lon, time_bnds
+    assert "left out the coordinate arrays" in stderr
+    assert manifest["unpacked"]["t2m"]["stored_dtype"] == "int16"
+    assert manifest["dropped_attributes"]["t2m"] == ["valid_range", "scale_factor", "add_offset"]
+    assert manifest["missing_values"]["tp"]["moved_off_markers"] > 0  # the seed lands noisy values on -1
+    before = xr.open_zarr(src)
+    after = xr.open_zarr(out)
+    for name in ("time", "lat", "lon", "time_bnds"):
+        np.testing.assert_array_equal(after[name].values, before[name].values)
+    for name in ("t2m", "tp"):
+        np.testing.assert_array_equal(after[name].isnull().values, np.isnan(ds[name].values))
+        assert after[name].dtype.kind == "f"
+    assert after["t2m"].attrs == {"units": "K"}
+    assert after["t2m"].encoding["_FillValue"] == -9999 and "scale_factor" not in after["t2m"].encoding
+    error = (after["t2m"] - ds["t2m"]).values
+    scale = manifest["value_ranges"]["t2m"][1] - manifest["value_ranges"]["t2m"][0]  # b = range / eps
+    assert abs(np.nanmedian(error)) < 0.1 * scale and np.nanmedian(np.abs(error)) < scale
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_float_output_of_packed_codes_opens_in_xarray(cli, tmp_path, zarr_format):
+    """--sampler float writes float32: the _FillValue attribute follows (xarray decodes a
+    float one from base64 in Zarr 3, and refused the int it was)."""
+    src, ds = era_store(tmp_path / "era.zarr", zarr_format)
+    out = tmp_path / "out.zarr"
+    perturb(cli, src, out, "--dataset", "t2m", "--sampler", "float", "--range", "200:330")
+    after = xr.open_zarr(out)
+    assert after["t2m"].dtype == np.float32
+    assert int(after["t2m"].isnull().sum()) == 3
+    np.testing.assert_array_equal(after["tp"].values, xr.open_zarr(src)["tp"].values)  # not perturbed
+
+
+def test_nan_in_an_xarray_store_is_missing_data(cli, tmp_path):
+    values = np.random.default_rng(1).random((6, 4, 5)).astype(np.float32)
+    values[2, 1, 1] = np.nan
+    src = tmp_path / "nan.zarr"
+    xr.Dataset({"v": (("t", "y", "x"), values)}).to_zarr(src, zarr_format=3)
+    out = tmp_path / "out.zarr"
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "0:1", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    after = xr.open_zarr(out)["v"].values
+    np.testing.assert_array_equal(np.isnan(after), np.isnan(values))
