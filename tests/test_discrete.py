@@ -77,12 +77,34 @@ def test_exact_paths_give_the_same_distribution():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [3.0, 256.0, 1e5])
+def test_guide_table_and_search_give_the_same_values(scale, monkeypatch):
+    """The guide table settles most uniforms; with a 16-entry guide nearly all go to the
+    search instead. Same stream, same values: each path is checked against the other."""
+    fast = draw(discrete.DiscreteLaplace(scale), 50_000, seed=6)
+    monkeypatch.setattr(discrete, "GUIDE_BITS", 4)
+    searched = discrete.DiscreteLaplace(scale)
+    assert searched.magnitude.levels[0].guide.size == 16
+    np.testing.assert_array_equal(draw(searched, 50_000, seed=6), fast)
+
+
+@pytest.mark.parametrize("sigma", [1.3, 181.0])
+def test_acceptance_table_and_per_candidate_thresholds_agree(sigma, monkeypatch):
+    """Acceptance thresholds from the table over |y| and computed per candidate (what
+    sigmas too large for a table get) decide alike."""
+    table = draw(discrete.DiscreteGaussian(sigma), 50_000, seed=7)
+    monkeypatch.setattr(discrete, "ACCEPT_TABLE_MAX", 0)
+    computed = discrete.DiscreteGaussian(sigma)
+    assert computed.lo is None
+    np.testing.assert_array_equal(draw(computed, 50_000, seed=7), table)
+
+
 def test_table_entries_are_proven_floors():
     level = discrete.Geometric(Fraction(1, 7)).levels[0]
     for m in (0, 1, 50, level.entries - 1):
         ctx = Context(prec=80)
         exact = ctx.subtract(1, ctx.exp(ctx.divide(-(m + 1), 7)))
-        assert int(level.c[m]) == int(ctx.multiply(exact, 2**63))
+        assert int(level.c[m]) == int(ctx.multiply(exact, 2**discrete.BITS))
 
 
 def test_numpy_exp_is_well_within_the_acceptance_margin():

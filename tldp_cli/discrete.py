@@ -9,22 +9,23 @@ distance 0, nothing added to delta), from 64-bit words of the per-unit generator
 
 - Discrete Laplace, P(z) proportional to alpha^|z| with alpha = e^(-1/b): a sign bit and
   a geometric magnitude, (sign -, 0) rejected (Canonne, Kamath and Steinke 2020,
-  Algorithm 2's construction). The magnitude is inverted from 63 uniform bits against
-  fixed-point tables of the cumulative distribution whose entries are proven by
-  interval arithmetic (Python integers and correctly rounded decimal exp), using
-  integer comparisons only; a float64 log gives the starting index, which the integer
-  comparisons then correct. A uniform that ties with a table entry draws further
-  words and compares against the exact value to as many bits as it takes. The tail
-  beyond a table is the same geometric again (memorylessness). For a large scale
-  the magnitude is split into base-2^16 digits, which are independent truncated
-  geometrics, so no table exceeds 2^16 entries.
+  Algorithm 2's construction), from one 32-bit half of a 64-bit word per candidate.
+  The magnitude is inverted from 31 uniform bits against fixed-point tables of the
+  cumulative distribution whose entries are proven by interval arithmetic (Python
+  integers and correctly rounded decimal exp), using integer comparisons only; a
+  guide table indexed by the uniform's top bits gives the answer for most uniforms
+  in two lookups, a binary search for the rest. A uniform that ties with a table
+  entry draws further words and compares against the exact value to as many bits as
+  it takes. The tail beyond a table is the same geometric again (memorylessness).
+  For a large scale the magnitude is split into base-2^16 digits, which are
+  independent truncated geometrics, so no table exceeds 2^16 entries.
 - Discrete Gaussian N_Z(0, sigma^2): CKS20 Algorithm 3, rejection from the discrete
   Laplace of scale t = floor(sigma) + 1, accepting with probability
-  exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)). The acceptance compares a 64-bit uniform
-  with a float64 exp and decides only when the uniform lies more than 2^-40 away;
-  within the margin it compares against the exact value. This is exact as long as
-  NumPy's float64 exp errs by less than 2^-41 on [0, 1] (it errs by a few units in
-  2^-53; the test suite checks it against decimal arithmetic).
+  exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)). The acceptance compares a 32-bit uniform
+  with a float64 exp (tabulated over |y|) and decides only when the uniform lies more
+  than 2^-40 away; within the margin it compares against the exact value. This is
+  exact as long as NumPy's float64 exp errs by less than 2^-41 on [0, 1] (it errs by a
+  few units in 2^-53; the test suite checks it against decimal arithmetic).
 - The keep-the-raw-value step of TLDP is an exact Bernoulli(p) per element against the
   binary expansion of p (p rounded down to a float, so the realised p never exceeds
   the one the accounting uses); it draws nothing when p underflows to 0.
@@ -49,13 +50,16 @@ from tldp_cli.errors import DataError, UsageError
 from tldp_cli.rng import Streams, records_per_unit
 
 DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
-BITS = 63  # uniform bits inverted per 64-bit word (the lowest bit is the sign)
+BITS = 31  # uniform bits inverted per 32-bit candidate word (the lowest bit is the sign)
 TABLE_MAX = 1 << 16  # entries of one inversion table, and the base of the digit split
 TAIL_BITS = 16  # a top-level table covers all but 2^-16 of the mass
+GUIDE_BITS = 17  # at most 2^17 guide entries per table (1 MiB)
 ACCEPT_MARGIN = 2.0**-40  # discrete Gaussian acceptance: float decisions only outside it
-# Samplers work through an array in pieces of this many elements: their temporaries
-# stay small enough to be reused by the allocator instead of faulted in afresh.
-CHUNK = 1 << 14
+ACCEPT_TABLE_MAX = 1 << 20  # entries of the discrete Gaussian's acceptance table
+# Samplers work through an array in rounds of at most this many candidates: long enough
+# NumPy calls that two threads run them in parallel, short enough that the temporaries
+# stay in a core's cache.
+CHUNK = 1 << 16
 _FIXED = 192  # bits of the fixed-point arithmetic that proves the table entries
 _LN2 = math.log(2)
 
@@ -151,25 +155,33 @@ def _geometric_cdf(s: Fraction, m: int, size: int | None):
 
 
 # --------------------------------------------------------------------------- geometric
+def _uint32_words(rng: np.random.Generator, size: int) -> np.ndarray:
+    """`size` uniform uint32: the halves of ceil(size / 2) 64-bit words, low half first."""
+    return rng.bit_generator.random_raw((size + 1) // 2).view(np.uint32)[:size]
+
+
 class _Level:
     """Inversion of one geometric variable Geom(beta), beta = e^-s: on {0..size-1}
-    (truncated) or on all of N (top level, size None) with the tail by recursion."""
+    (truncated) or on all of N (top level, size None) with the tail by recursion.
+
+    A guide table (Chen and Asau 1974) answers most uniforms from their top bits with two
+    lookups: guide[j] is the least m with c[m] >= j 2^shift, so a uniform u whose top
+    bits are j has c[m - 1] < u, and m is the answer when also u < c[m]. The others (a
+    table entry inside their guide cell, a tie with an entry, the tail) are settled apart."""
 
     def __init__(self, s: Fraction, size: int | None, bits: int):
         self.s, self.size, self.bits = s, size, bits
-        sf = float(s)
         if size is None:
-            self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / sf))))
-            self.d = 1.0  # guess: m + 1 = -ln(1 - u) / s
+            self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / float(s)))))
         else:
             self.entries = size
-            self.d = -math.expm1(-size * sf)  # guess: m + 1 = -ln(1 - u d) / s
-        self.inv_s = 1.0 / sf
-        table = self._table()
-        self.c = np.array(table, dtype=np.uint64)
-        # Padded for the common case: t[m] = c[m - 1] (t[0] = 0 for F(-1) = 0) and
-        # t[K + 1] = 0, so that a uniform beyond the table is never taken as settled.
-        self.t = np.array([0, *table, 0], dtype=np.uint64)
+        self.c = np.array(self._table(), dtype=np.uint32)  # entries <= 2^bits <= 2^31
+        guide_bits = min(GUIDE_BITS, bits, max(4, (self.entries - 1).bit_length() + 2))
+        self.shift = bits - guide_bits
+        starts = np.arange(1 << guide_bits, dtype=np.uint64) << np.uint64(self.shift)
+        # Capped at K - 1: a uniform beyond the table then fails u < c[K - 1], settled apart.
+        self.guide = np.minimum(np.searchsorted(self.c, starts, side="left"),
+                                self.entries - 1).astype(np.intp)
 
     def _table(self) -> list[int]:
         """floor(2^bits F(m)) for every entry, proven by fixed-point interval arithmetic."""
@@ -201,32 +213,19 @@ class _Level:
         return out
 
     def invert(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The variable for uniforms u (integers < 2^bits, one per element): min{m : U < F(m)}."""
-        t, K = self.t, self.entries
-        # A float64 guess, floor(-ln(1 - u d) / s); integer comparisons decide.
-        guess = u.view(np.int64).astype(np.float64)
-        guess *= -self.d * 2.0**-self.bits
-        guess += 1.0
-        np.log(guess, out=guess)
-        guess *= -self.inv_s
-        np.clip(guess, 0, K, out=guess)
-        m = guess.astype(np.int64)
-        # Settled where c[m - 1] < u < c[m]: then F(m - 1) <= U < F(m).
-        settled = t[m] < u
-        settled &= u < t[m + 1]
-        rest = np.flatnonzero(~settled)
+        """The variable for uniforms u (uint32 < 2^bits, one per element): min{m : U < F(m)}."""
+        m = np.take(self.guide, np.right_shift(u, self.shift, dtype=np.intp))  # intp: take's fast path
+        # Settled where u < c[m] (the guide gives c[m - 1] < u): F(m - 1) <= U < F(m).
+        rest = np.flatnonzero(u >= np.take(self.c, m))
         if rest.size:
-            m[rest] = self._settle(m[rest], u[rest], rng)
+            m[rest] = self._settle(u[rest], rng)
         return m
 
-    def _settle(self, m: np.ndarray, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The few elements whose guess was off, that tie with an entry or lie in the tail."""
+    def _settle(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The uniforms the guide did not settle: a search, then ties and the tail."""
         c, K = self.c, self.entries
-        while (up := (m < K) & (c[np.minimum(m, K - 1)] < u)).any():
-            m += up
-        while (down := (m > 0) & (c[np.maximum(m - 1, 0)] > u)).any():
-            m -= down
-        for i in range(m.size):
+        m = np.searchsorted(c, u, side="right")  # c[m - 1] <= u < c[m]
+        for i in np.flatnonzero((m > 0) & (c[np.maximum(m - 1, 0)] == u)):
             m[i] = self._resolve(int(m[i]), int(u[i]), rng)
         if self.size is None:
             tail = np.flatnonzero(m == K)
@@ -246,13 +245,12 @@ class _Level:
         return m
 
     def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        words = rng.bit_generator.random_raw(size)
-        return self.invert(words >> np.uint64(64 - self.bits), rng)
+        return self.invert(_uint32_words(rng, size) >> (32 - self.bits), rng)
 
 
 class Geometric:
     """Exact Geom(e^-s) on {0, 1, ...}: base-2^16 digits, each an independent truncated
-    geometric, and a top digit with its tail; one 64-bit word per digit."""
+    geometric, and a top digit with its tail; one uint32 per digit."""
 
     def __init__(self, s: Fraction, bits: int = BITS):
         if s <= 0:
@@ -280,19 +278,28 @@ class DiscreteLaplace:
     def __init__(self, scale: float, bits: int = BITS):
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"the discrete Laplace scale must be finite and > 0, not {scale}")
+        if not 1 <= bits <= BITS:
+            raise ValueError(f"bits must be in 1..{BITS}")
         self.scale = float(scale)
         self.bits = bits
         self.magnitude = Geometric(1 / Fraction(self.scale), bits)
         self.accept = (1 + math.exp(-1 / self.scale)) / 2  # 1 - P(sign -, magnitude 0)
 
-    def _draw(self, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-        words = rng.bit_generator.random_raw(size)
-        negative = (words & np.uint64(1)).view(np.int64)
-        z = self.magnitude.from_words(words >> np.uint64(64 - self.bits), rng)
-        reject = z - negative == -1  # sign - and magnitude 0: -0 would count zero twice
-        z ^= -negative  # two's complement: -z = (z ^ -1) + 1
-        z += negative
-        return z, reject
+    def candidates(self, words: np.ndarray, rng: np.random.Generator
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """From uint32 words (bit 0 the sign, the top `bits` bits the magnitude's uniform):
+        the magnitudes, the signs (1 for -) and the positions to reject (sign -,
+        magnitude 0: -0 would count zero twice)."""
+        m = self.magnitude.from_words(words >> (32 - self.bits), rng)
+        negative = np.bitwise_and(words, 1, dtype=np.int64)
+        return m, negative, np.flatnonzero(m < negative)
+
+    @staticmethod
+    def signed(m: np.ndarray, negative: np.ndarray) -> np.ndarray:
+        """m with its sign, in place: two's complement, -m = (m ^ -1) + 1."""
+        m ^= -negative
+        m += negative
+        return m
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         # Draws a few more than needed and keeps the first `size` not rejected, in order:
@@ -301,9 +308,9 @@ class DiscreteLaplace:
         filled = 0
         while filled < size:
             need = size - filled
-            z, reject = self._draw(rng, min(CHUNK, math.ceil(need / self.accept) + 16))
-            if reject.any():
-                z = z[~reject]
+            m, negative, reject = self.candidates(
+                _uint32_words(rng, min(CHUNK, math.ceil(need / self.accept) + 16)), rng)
+            z = np.delete(self.signed(m, negative), reject) if reject.size else self.signed(m, negative)
             z = z[:need]
             out[filled:filled + z.size] = z
             filled += z.size
@@ -311,7 +318,13 @@ class DiscreteLaplace:
 
 
 class DiscreteGaussian:
-    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)) (CKS20, Algorithm 3)."""
+    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)) (CKS20, Algorithm 3).
+
+    A round of n candidates draws n/2 64-bit words: their first n uint32 halves are
+    discrete Laplace candidates, the next n the uniforms V of their acceptance. V is accepted outright below
+    lo(|y|) = floor(2^32 (T - margin)), T the float64 exp of the acceptance probability,
+    rejected at or above hi = ceil(2^32 (T + margin)), and decided exactly in between.
+    lo is a table over |y| up to where T < margin (lo = 0 for every larger |y|)."""
 
     def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN):
         if not (math.isfinite(sigma) and sigma > 0):
@@ -324,24 +337,41 @@ class DiscreteGaussian:
         self._s2, self._centre = s2, s2 / self.t
         self.centre = float(self._centre)
         self.inv_2s2 = 1.0 / (2.0 * self.sigma**2)
-        # Acceptance rate of one candidate (only sizes the rounds; never affects values).
+        # lo <= V < lo + band holds every undecided V (hi - lo <= 2^33 margin + 2)
+        self.band = min(2**32 - 1, math.ceil(2.0**33 * margin) + 2)
+        reach = math.ceil(self.centre + self.sigma * math.sqrt(2 * math.log(1 / min(margin, 0.5)))) + 2
+        self.lo = self._thresholds(np.arange(reach))[0] if reach <= ACCEPT_TABLE_MAX else None
+        # Accepted fraction of the candidates (only sizes the rounds; never affects values).
         a = math.exp(-1 / self.t)
-        self.accept = _gaussian_norm(self.sigma) / ((1 + a) / (1 - a) * math.exp(self.sigma**2 / (2 * self.t**2)))
+        self.accept = self.base.accept * _gaussian_norm(self.sigma) / (
+            (1 + a) / (1 - a) * math.exp(self.sigma**2 / (2 * self.t**2)))
+
+    def _thresholds(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """lo and hi - 1 (uint32) for magnitudes m; magnitudes too large for float64 get
+        lo = 0, hi - 1 = 2^32 - 1: every V undecided."""
+        gap = m.astype(np.float64) - self.centre
+        threshold = np.exp(gap * gap * -self.inv_2s2)
+        huge = m > 1 << 50
+        lo = np.where(huge, 0, np.clip(np.floor((threshold - self.margin) * 2.0**32), 0, 2**32 - 1))
+        hi = np.where(huge, 2**32, np.clip(np.ceil((threshold + self.margin) * 2.0**32), 1, 2**32))
+        return lo.astype(np.uint32), (hi - 1).astype(np.uint32)
 
     def _accept_interval(self, y: int):
         gamma = (abs(y) - self._centre) ** 2 / (2 * self._s2)
         return lambda bits: exp_neg_interval(gamma, bits)
 
-    def _accept(self, y: np.ndarray, words: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        gap = np.abs(y).astype(np.float64) - self.centre
-        gap *= gap
-        gap *= -self.inv_2s2
-        threshold = np.exp(gap)
-        u = words.astype(np.float64) * 2.0**-64
-        accept = u < threshold - self.margin
-        unsure = np.flatnonzero(~accept & (u <= threshold + self.margin) | (np.abs(y) > 1 << 50))
-        for i in unsure:
-            accept[i] = _Uniform(64, int(words[i]), rng).below(self._accept_interval(int(y[i])))
+    def _accept(self, m: np.ndarray, v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Acceptance of magnitudes m with uint32 uniforms v (the first 32 bits of V)."""
+        lo = np.take(self.lo, m, mode="clip") if self.lo is not None else self._thresholds(m)[0]
+        accept = v < lo
+        near = v - lo < self.band  # lo <= v < lo + band (uint32 wraps below lo)
+        if self.lo is None:
+            near |= m > 1 << 50
+        maybe = np.flatnonzero(near)
+        if maybe.size:
+            lo, hi = self._thresholds(m[maybe])
+            for i in maybe[(v[maybe] >= lo) & (v[maybe] <= hi)]:
+                accept[i] = _Uniform(32, int(v[i]), rng).below(self._accept_interval(int(m[i])))
         return accept
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
@@ -351,10 +381,14 @@ class DiscreteGaussian:
         while filled < size:
             need = size - filled
             count = min(CHUNK, math.ceil(need / self.accept + 4 * math.sqrt(need)) + 16)
-            y = self.base.sample(rng, count)
-            y = y[self._accept(y, rng.bit_generator.random_raw(count), rng)][:need]
-            out[filled:filled + y.size] = y
-            filled += y.size
+            words = rng.bit_generator.random_raw(count).view(np.uint32)
+            m, negative, reject = self.base.candidates(words[:count], rng)
+            accept = self._accept(m, words[count:], rng)
+            accept[reject] = False
+            kept = np.flatnonzero(accept)[:need]
+            z = self.base.signed(m[kept], negative[kept])
+            out[filled:filled + z.size] = z
+            filled += z.size
         return out
 
 
