@@ -218,14 +218,17 @@ class _Level:
         # Settled where u < c[m] (the guide gives c[m - 1] < u): F(m - 1) <= U < F(m).
         rest = np.flatnonzero(u >= np.take(self.c, m))
         if rest.size:
-            m[rest] = self._settle(u[rest], rng)
+            m[rest] = self._settle(m[rest] + 1, u[rest], rng)
         return m
 
-    def _settle(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The uniforms the guide did not settle: a search, then ties and the tail."""
+    def _settle(self, m: np.ndarray, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The uniforms the guide did not settle, given c[m - 1] <= u: the next entry
+        settles most, a search the others; then ties and the tail."""
         c, K = self.c, self.entries
-        m = np.searchsorted(c, u, side="right")  # c[m - 1] <= u < c[m]
-        for i in np.flatnonzero((m > 0) & (c[np.maximum(m - 1, 0)] == u)):
+        far = np.flatnonzero(np.take(c, m, mode="clip") <= u)  # m = K: c[K - 1] <= u, the tail
+        if far.size:
+            m[far] = np.searchsorted(c, u[far], side="right")  # c[m - 1] <= u < c[m]
+        for i in np.flatnonzero(np.take(c, m - 1) == u):
             m[i] = self._resolve(int(m[i]), int(u[i]), rng)
         if self.size is None:
             tail = np.flatnonzero(m == K)
@@ -385,8 +388,7 @@ class DiscreteGaussian:
             m, negative, reject = self.base.candidates(words[:count], rng)
             accept = self._accept(m, words[count:], rng)
             accept[reject] = False
-            kept = np.flatnonzero(accept)[:need]
-            z = self.base.signed(m[kept], negative[kept])
+            z = self.base.signed(m, negative)[accept][:need]
             out[filled:filled + z.size] = z
             filled += z.size
         return out
@@ -567,11 +569,16 @@ def snap(values: np.ndarray, granularity: float | None, grid: Grid | None = None
     return grid.astype(np.int64)
 
 
-def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype) -> np.ndarray:
+def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Grid values in `dtype` (integer: saturating; float: G * value, one rounding), into
+    `out` when given (one pass, no temporary)."""
+    if out is None:
+        out = np.empty(values.shape, dtype)
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        return np.clip(values, info.min, info.max).astype(dtype)
-    return (values * (1.0 if granularity is None else granularity)).astype(dtype)
+        return np.clip(values, info.min, info.max, out=out, casting="unsafe")
+    return np.multiply(values, 1.0 if granularity is None else granularity, out=out, casting="unsafe")
 
 
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib, streams: Streams,
@@ -581,15 +588,18 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     noise of the whole unit first, then the retain decisions. The output is in `dtype`
     (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
     the run's grid, into which snapped float values are clipped (see snap)."""
-    from tldp_cli.engine import zero_kept  # engine hands discrete noises to this module
+    from tldp_cli.engine import page_aligned_empty, zero_kept  # engine hands discrete noises here
 
     dtype = np.dtype(np.int64 if dtype is None else dtype)
     granularity = getattr(calib, "granularity", None)
     n = block.shape[0]
     elements = calib.elements
-    out = snap(block.reshape(n, elements), granularity, grid)
+    records = block.reshape(n, elements)
+    out = page_aligned_empty((n, elements), dtype)
     if n == 0:
-        return _to_output(out, granularity, dtype).reshape(block.shape)
+        return out.reshape(block.shape)
+    # Integer data adds to the noise as it is (no int64 copy of the block first).
+    direct = granularity is None and records.dtype.kind in "iu" and np.can_cast(records.dtype, np.int64)
     per_unit = records_per_unit(elements)
     noise_sampler = sampler(calib.noise, calib.scale)
     # Rounded down, so the realised retain probability never exceeds the certified one.
@@ -604,8 +614,11 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
         zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
                   unit_start - first_record)
-        out[lo - first_record:hi - first_record] += noise[lo - unit_start:hi - unit_start]
-    return _to_output(out, granularity, dtype).reshape(block.shape)
+        rows = slice(lo - first_record, hi - first_record)
+        values = noise[lo - unit_start:hi - unit_start]
+        values += records[rows] if direct else snap(records[rows], granularity, grid)
+        _to_output(values, granularity, dtype, out[rows])
+    return out.reshape(block.shape)
 
 
 # --------------------------------------------------------------------------- distributions
