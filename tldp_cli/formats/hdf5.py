@@ -269,6 +269,105 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> _Encoding | None:
 _PRESENT: dict[tuple, np.generic] = {}  # (path, dataset, size) -> a value the dataset holds
 
 
+# Datasets of more chunks than this are read and written through HDF5: listing where
+# each chunk lies would cost more than the lock it saves.
+MAX_PLACED_CHUNKS = 1 << 16
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a dataset's records lie in its file, so that blocks of them are read and
+    written with plain positional I/O: outside HDF5, h5py's global lock and (for the
+    output) the Python file driver, so worker threads do it in parallel. Contiguous
+    storage (one piece) or unfiltered chunks that each hold whole records, all
+    allocated; offsets[i] is where chunk i (records i * chunk_records ...) starts."""
+
+    dtype: np.dtype
+    records: int
+    record_shape: tuple[int, ...]
+    chunk_records: int
+    offsets: tuple[int, ...]
+
+    @property
+    def record_bytes(self) -> int:
+        return math.prod(self.record_shape) * self.dtype.itemsize
+
+    def pieces(self, start: int, stop: int):
+        """(file offset, first record, end record) of each chunk's part of records start:stop."""
+        n = self.chunk_records
+        for chunk in range(start // n, (stop - 1) // n + 1):
+            first, end = max(start, chunk * n), min(stop, (chunk + 1) * n)
+            yield self.offsets[chunk] + (first - chunk * n) * self.record_bytes, first, end
+
+    def read(self, path: Path, start: int, stop: int) -> np.ndarray:
+        """Records start:stop (stop past the end: up to the end, as h5py slices)."""
+        stop = max(start, min(stop, self.records))
+        out = np.empty((stop - start, *self.record_shape), self.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        size = self.record_bytes
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset, first, end in self.pieces(start, stop):
+                part, done = view[(first - start) * size:(end - start) * size], 0
+                while done < len(part):
+                    count = os.preadv(fd, [part[done:]], offset + done)
+                    if count == 0:
+                        raise EOFError("truncated file")
+                    done += count
+        finally:
+            os.close(fd)
+        return out
+
+    def write(self, fd: int, start: int, block: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8))
+        size = self.record_bytes
+        for offset, first, end in self.pieces(start, start + len(block)):
+            pwrite_all(fd, data[(first - start) * size:(end - start) * size], offset)
+
+
+def _placement(ds: h5py.Dataset) -> _Placement | None:
+    """The dataset's placement (see _Placement), or None when its records are not plain
+    bytes at known places (filters, partial-record chunks, unallocated or external storage,
+    a type other than a plain number)."""
+    if ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0 or ds.is_virtual:
+        return None
+    plist = ds.id.get_create_plist()
+    if plist.get_external_count():
+        return None
+    record_shape = tuple(ds.shape[1:])
+    record_bytes = math.prod(record_shape) * ds.dtype.itemsize
+    if plist.get_layout() == h5d.CONTIGUOUS:
+        offset = ds.id.get_offset()
+        if offset is None or ds.id.get_storage_size() < ds.nbytes:
+            return None
+        return _Placement(ds.dtype, ds.shape[0], record_shape, ds.shape[0], (offset,))
+    if plist.get_layout() != h5d.CHUNKED or plist.get_nfilters() or tuple(ds.chunks[1:]) != record_shape:
+        return None
+    n = ds.chunks[0]
+    count = -(-ds.shape[0] // n)
+    if count > MAX_PLACED_CHUNKS or ds.id.get_num_chunks() != count:
+        return None
+    found: dict[int, int] = {}
+
+    def visit(info) -> None:
+        if info.size == n * record_bytes and not info.filter_mask:
+            found[info.chunk_offset[0] // n] = info.byte_offset
+
+    ds.id.chunk_iter(visit)
+    if len(found) != count:
+        return None
+    return _Placement(ds.dtype, ds.shape[0], record_shape, n, tuple(found[i] for i in range(count)))
+
+
+def _placement_within(ds: h5py.Dataset, size: int) -> _Placement | None:
+    """The input dataset's placement if every piece lies inside the file's `size` bytes."""
+    placement = _placement(ds)
+    if placement is None or max(placement.offsets) + min(
+            placement.chunk_records * placement.record_bytes, ds.nbytes) > size:
+        return None
+    return placement
+
+
 @dataclass(frozen=True)
 class _Records:
     """Reads records of one dataset, decoded by `encoding`. Opens the file on each call:
@@ -278,6 +377,7 @@ class _Records:
     dataset: str
     size: int  # the file's size at open
     encoding: _Encoding | None = None
+    placement: _Placement | None = None  # read outside HDF5 when known
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.stored(start, stop)
@@ -295,8 +395,11 @@ class _Records:
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
         try:
-            with h5py.File(self.path, "r") as f:
-                block = f[self.dataset][start:stop]
+            if self.placement is not None:
+                block = self.placement.read(self.path, start, stop)
+            else:
+                with h5py.File(self.path, "r") as f:
+                    block = f[self.dataset][start:stop]
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)  # the likelier cause of "truncated file"
             raise InputError(f"{self.path}: cannot read records {start}:{stop} of dataset "
@@ -518,7 +621,7 @@ class Hdf5Reader(Reader):
                     "copied, not perturbed: which values are missing is released as is")
         return ArrayJob(
             name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
-            read=_Records(self.path, name, self.size, encoding),
+            read=_Records(self.path, name, self.size, encoding, _placement_within(ds, self.size)),
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
@@ -728,6 +831,7 @@ class Hdf5Writer(Writer):
         src = self.src = reader.file
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
+        self.placements: dict[str, _Placement] = {}  # job name -> where its records go
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
         self.encodings = reader.encodings
@@ -885,9 +989,24 @@ class Hdf5Writer(Writer):
         fill = replaced.get(b"_FillValue")
         if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
             plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
+        placed = self._place(plist, src)
         out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=plist))
         _copy_attrs(src, out, replaced)
         self.datasets[job_name] = out
+        if placed and (placement := _placement(out)) is not None:
+            self.placements[job_name] = placement
+
+    def _place(self, plist: h5p.PropDCID, src: h5py.Dataset) -> bool:
+        """Allocates the dataset's storage when it is created, without writing fill values,
+        if its records can then be written as plain bytes (see _Placement): the pipeline
+        writes every record."""
+        if (self.dtype.kind not in "iuf" or not src.shape or plist.get_nfilters()
+                or (plist.get_layout() == h5d.CHUNKED and tuple(src.chunks[1:]) != tuple(src.shape[1:]))
+                or -(-src.shape[0] // (src.chunks or src.shape)[0]) > MAX_PLACED_CHUNKS):
+            return False
+        plist.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        plist.set_fill_time(h5d.FILL_TIME_NEVER)
+        return True
 
     def _cf_attrs(self, src: h5py.Dataset, job_name: str) -> dict[bytes, np.ndarray | None]:
         """The CF attributes a perturbed dataset gets instead of its own (None: left out):
@@ -965,6 +1084,11 @@ class Hdf5Writer(Writer):
             block = block.copy()  # the caller's block is not ours to change
             for marker, out in markers:
                 block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
+        placement = self.placements.get(job.name)
+        if placement is not None:  # beside HDF5, in parallel: the storage is allocated
+            with writing(self.path):
+                placement.write(self.output.fd, start, block)
+            return
         with self._hdf5():
             self.datasets[job.name][start:start + len(block)] = block
 
