@@ -46,7 +46,7 @@ def test_discrete_laplace_matches_its_pmf_and_not_a_wrong_scale(scale):
     assert discrete.chi_square(sample, "discrete-laplace", scale * 1.03)[1] < 1e-6
 
 
-@pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0])
+@pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0, 2e4])  # 2e4: beyond the table, CKS20
 def test_discrete_gaussian_matches_its_pmf_and_not_a_wrong_sigma(sigma):
     sample = draw(discrete.DiscreteGaussian(sigma), 200_000, seed=1)
     assert discrete.chi_square(sample, "discrete-gaussian", sigma)[1] > ALPHA
@@ -69,11 +69,11 @@ def test_exact_paths_give_the_same_distribution():
     inside the float margin (a margin of 0.3 sends most there) go to exact arithmetic."""
     coarse = draw(discrete.DiscreteLaplace(2.5, bits=12), 100_000, seed=3)
     assert discrete.chi_square(coarse, "discrete-laplace", 2.5)[1] > ALPHA
-    wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3), 30_000, seed=4)
+    wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3, tabulated=False), 30_000, seed=4)
     assert discrete.chi_square(wide, "discrete-gaussian", 1.3)[1] > ALPHA
     # the float and the exact decisions agree: same stream, same values
-    a = draw(discrete.DiscreteGaussian(4.0), 20_000, seed=5)
-    b = draw(discrete.DiscreteGaussian(4.0, margin=0.3), 20_000, seed=5)
+    a = draw(discrete.DiscreteGaussian(4.0, tabulated=False), 20_000, seed=5)
+    b = draw(discrete.DiscreteGaussian(4.0, margin=0.3, tabulated=False), 20_000, seed=5)
     np.testing.assert_array_equal(a, b)
 
 
@@ -90,13 +90,39 @@ def test_guide_table_and_search_give_the_same_values(scale, monkeypatch):
 
 @pytest.mark.parametrize("sigma", [1.3, 181.0])
 def test_acceptance_table_and_per_candidate_thresholds_agree(sigma, monkeypatch):
-    """Acceptance thresholds from the table over |y| and computed per candidate (what
-    sigmas too large for a table get) decide alike."""
-    table = draw(discrete.DiscreteGaussian(sigma), 50_000, seed=7)
+    """CKS20's rejection sampler (sigmas too large for a table of |Z|): acceptance
+    thresholds from the table over |y| and computed per candidate (what sigmas too large
+    for that table get) decide alike, and match the distribution."""
+    table = draw(discrete.DiscreteGaussian(sigma, tabulated=False), 50_000, seed=7)
+    assert discrete.chi_square(table, "discrete-gaussian", sigma)[1] > ALPHA
     monkeypatch.setattr(discrete, "ACCEPT_TABLE_MAX", 0)
-    computed = discrete.DiscreteGaussian(sigma)
+    computed = discrete.DiscreteGaussian(sigma, tabulated=False)
     assert computed.lo is None
     np.testing.assert_array_equal(draw(computed, 50_000, seed=7), table)
+
+
+def test_discrete_gaussian_table_entries_are_proven_floors():
+    """floor(2^31 P(|Z| <= m)) against a direct sum in decimal arithmetic."""
+    sigma = 3.7
+    level = discrete.DiscreteGaussian(sigma).magnitude
+    ctx = Context(prec=80)
+    terms = [ctx.exp(ctx.divide(-(k * k), ctx.multiply(2, Decimal(sigma) ** 2))) for k in range(400)]
+    total = ctx.add(1, ctx.multiply(2, sum(terms[1:], Decimal(0))))
+    for m in (0, 1, 5, level.entries - 1):
+        cdf = ctx.divide(ctx.add(1, ctx.multiply(2, sum(terms[1:m + 1], Decimal(0)))), total)
+        assert int(level.c[m]) == int(ctx.multiply(cdf, 2**discrete.BITS))
+
+
+def test_discrete_gaussian_tail_beyond_the_table(monkeypatch):
+    """A table cut short (GAUSS_TAIL_BITS 3) sends one value in forty through the exact
+    rejection sampler of the tail: the values still follow the distribution."""
+    monkeypatch.setattr(discrete, "GAUSS_TAIL_BITS", 3)
+    sampler = discrete.DiscreteGaussian(6.0)
+    assert sampler.magnitude.entries < 6 * 3
+    sample = draw(sampler, 100_000, seed=8)
+    assert (np.abs(sample) >= sampler.magnitude.entries).mean() > 0.015
+    assert discrete.chi_square(sample, "discrete-gaussian", 6.0)[1] > ALPHA
+    assert discrete.chi_square(sample, "discrete-gaussian", 6.0 * 1.03)[1] < 1e-6
 
 
 def test_table_entries_are_proven_floors():

@@ -175,7 +175,12 @@ class _Level:
             self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / float(s)))))
         else:
             self.entries = size
-        self.c = np.array(self._table(), dtype=np.uint32)  # entries <= 2^bits <= 2^31
+        self._index(self._table())
+
+    def _index(self, table: list[int]) -> None:
+        """The table c (floor(2^bits F(m)) for m < entries) and its guide."""
+        bits = self.bits
+        self.c = np.array(table, dtype=np.uint32)  # entries <= 2^bits <= 2^31
         guide_bits = min(GUIDE_BITS, bits, max(4, (self.entries - 1).bit_length() + 2))
         self.shift = bits - guide_bits
         starts = np.arange(1 << guide_bits, dtype=np.uint64) << np.uint64(self.shift)
@@ -232,9 +237,17 @@ class _Level:
             m[i] = self._resolve(int(m[i]), int(u[i]), rng)
         if self.size is None:
             tail = np.flatnonzero(m == K)
-            if tail.size:  # M >= K: by memorylessness M - K is the same geometric
-                m[tail] += self.draw(rng, tail.size)
+            if tail.size:
+                m[tail] += self.tail(rng, tail.size)
         return m
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """M - K given M >= K: by memorylessness the same geometric."""
+        return self.draw(rng, size)
+
+    def cdf(self, m: int):
+        """F(m) as an interval function of the bits (see _Uniform.below)."""
+        return _geometric_cdf(self.s, m, self.size)
 
     def _resolve(self, m: int, u: int, rng: np.random.Generator) -> int:
         """min{j : U < F(j)} given c[m - 1] <= u <= c[m], when u ties with entries."""
@@ -242,8 +255,7 @@ class _Level:
         while m > 0 and c[m - 1] == u:
             m -= 1
         uniform = _Uniform(self.bits, u, rng)
-        while m < self.entries and c[m] == u and not uniform.below(
-                _geometric_cdf(self.s, m, self.size)):
+        while m < self.entries and c[m] == u and not uniform.below(self.cdf(m)):
             m += 1
         return m
 
@@ -272,6 +284,92 @@ class Geometric:
             weight *= TABLE_MAX
             m += weight * level.draw(rng, m.size)
         return m
+
+
+GAUSS_TAIL_BITS = 40  # a discrete Gaussian table covers all but about 2^-40 of the mass
+
+
+def _gaussian_sums(s2: Fraction, entries: int, P: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Fixed-point intervals (P fraction bits) of A(m) = 1 + 2 sum_{k=1..m} e(k), e(k) =
+    exp(-k^2 / (2 s2)), for m < entries, and of their limit S. The terms come from the
+    recurrence e(k + 1) = e(k) r(k), r(k) = exp(-(2k + 1) / (2 s2)) = r(k - 1) exp(-1/s2),
+    summed past the table until the rest, at most e(k) / (1 - r(k)) (the ratios fall),
+    is below 2^(-P/2): S is known to about P/2 bits."""
+    one = 1 << P
+    q_lo, q_hi = exp_neg_interval(1 / s2, P)
+    r_lo, r_hi = exp_neg_interval(1 / (2 * s2), P)
+    e_lo = e_hi = a_lo = a_hi = one
+    prefix = [(a_lo, a_hi)]
+    while True:
+        e_lo, e_hi = (e_lo * r_lo) >> P, -((-e_hi * r_hi) >> P)
+        r_lo, r_hi = (r_lo * q_lo) >> P, -((-r_hi * q_hi) >> P)
+        rest_hi = -((-e_hi * one) // (one - r_hi))  # the terms from this one on
+        if len(prefix) >= entries and rest_hi <= one >> (P // 2):
+            return prefix, (a_lo, a_hi + 2 * rest_hi)
+        a_lo, a_hi = a_lo + 2 * e_lo, a_hi + 2 * e_hi
+        if len(prefix) < entries:
+            prefix.append((a_lo, a_hi))
+
+
+class _GaussianMagnitude(_Level):
+    """|Z| for Z ~ N_Z(0, s2), inverted like a geometric level: P(|Z| = 0) = 1/S and
+    P(|Z| = k) = 2 e(k)/S, so F(m) = A(m)/S (see _gaussian_sums); the table entries are
+    proven floors of F. The tail beyond the table is drawn by exact rejection."""
+
+    def __init__(self, s2: Fraction, bits: int):
+        self.s2, self.size, self.bits = s2, None, bits
+        self.entries = gaussian_entries(math.sqrt(s2))
+        self._sums_at: dict[int, tuple] = {}  # precision -> _gaussian_sums
+        self._tail_proposal: Geometric | None = None
+        self._index(self._table())
+
+    def _sums(self, P: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        if P not in self._sums_at:
+            self._sums_at[P] = _gaussian_sums(self.s2, self.entries, P)
+        return self._sums_at[P]
+
+    def _table(self) -> list[int]:
+        P = _FIXED
+        while True:  # more precision in the rare case an entry is not decided
+            prefix, (s_lo, s_hi) = self._sums(P)
+            table = [(a_lo << self.bits) // s_hi for a_lo, _ in prefix]
+            if all(entry == (a_hi << self.bits) // s_lo for entry, (_, a_hi) in zip(table, prefix)):
+                return table
+            P *= 2
+
+    def cdf(self, m: int):
+        def interval(bits: int) -> tuple[int, int]:
+            P = _FIXED
+            while P < 2 * (bits + 16):  # S is known to P/2 bits
+                P *= 2
+            prefix, (s_lo, s_hi) = self._sums(P)
+            a_lo, a_hi = prefix[m]
+            return (a_lo << bits) // s_hi, -((-(a_hi << bits)) // s_lo)
+        return interval
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """|Z| - K given |Z| >= K: g ~ Geom(exp(-K/s2)) accepted with probability
+        exp(-g^2 / (2 s2)), since e(K + g) / e(K) = exp(-K g / s2) exp(-g^2 / (2 s2))."""
+        if self._tail_proposal is None:
+            self._tail_proposal = Geometric(self.entries / self.s2, self.bits)
+        out = np.empty(size, np.int64)
+        for i in range(size):
+            while True:
+                g = int(self._tail_proposal.from_words(_uint32_words(rng, 1) >> (32 - self.bits), rng)[0])
+                if g == 0:  # accepted with probability 1 (an exact 1 has no floor to settle)
+                    out[i] = 0
+                    break
+                uniform = _Uniform(64, int(rng.bit_generator.random_raw()), rng)
+                gamma = Fraction(g * g) / (2 * self.s2)
+                if uniform.below(lambda b, gamma=gamma: exp_neg_interval(gamma, b)):
+                    out[i] = g
+                    break
+        return out
+
+
+def gaussian_entries(sigma: float) -> int:
+    """Entries of the table of |Z| for sigma: past them lies about 2^-GAUSS_TAIL_BITS of the mass."""
+    return math.ceil(sigma * math.sqrt(2 * GAUSS_TAIL_BITS * _LN2)) + 1
 
 
 # --------------------------------------------------------------------------- samplers
@@ -321,22 +419,35 @@ class DiscreteLaplace:
 
 
 class DiscreteGaussian:
-    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)) (CKS20, Algorithm 3).
+    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)).
 
-    A round of n candidates draws n/2 64-bit words: their first n uint32 halves are
-    discrete Laplace candidates, the next n the uniforms V of their acceptance. V is accepted outright below
+    Tabulated (sigma up to about 8800, a table of at most TABLE_MAX entries): one uint32 per
+    value, a sign bit and |Z| inverted from 31 bits against proven floors of its
+    distribution (_GaussianMagnitude), -0 being 0. Otherwise CKS20's Algorithm 3: a round
+    of n candidates draws n/2 64-bit words, their first n uint32 halves discrete Laplace
+    candidates, the next n the uniforms V of their acceptance. V is accepted outright below
     lo(|y|) = floor(2^32 (T - margin)), T the float64 exp of the acceptance probability,
     rejected at or above hi = ceil(2^32 (T + margin)), and decided exactly in between.
     lo is a table over |y| up to where T < margin (lo = 0 for every larger |y|)."""
 
-    def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN):
+    def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN,
+                 tabulated: bool | None = None):
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"the discrete Gaussian sigma must be finite and > 0, not {sigma}")
         self.sigma = float(sigma)
+        self.bits = bits
+        s2 = Fraction(self.sigma) ** 2
+        if tabulated is None:
+            tabulated = gaussian_entries(self.sigma) <= TABLE_MAX
+        self.magnitude = _GaussianMagnitude(s2, bits) if tabulated else None
+        if not tabulated:
+            self._rejection(s2, bits, margin)
+
+    def _rejection(self, s2: Fraction, bits: int, margin: float) -> None:
+        """What CKS20's rejection sampler needs."""
         self.t = math.floor(self.sigma) + 1
         self.base = DiscreteLaplace(self.t, bits)
         self.margin = margin
-        s2 = Fraction(self.sigma) ** 2
         self._s2, self._centre = s2, s2 / self.t
         self.centre = float(self._centre)
         self.inv_2s2 = 1.0 / (2.0 * self.sigma**2)
@@ -378,8 +489,15 @@ class DiscreteGaussian:
         return accept
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
         out = np.empty(size, np.int64)
+        if self.magnitude is not None:
+            for start in range(0, size, CHUNK):
+                words = _uint32_words(rng, min(CHUNK, size - start))
+                m = self.magnitude.invert(words >> (32 - self.bits), rng)
+                out[start:start + m.size] = DiscreteLaplace.signed(
+                    m, np.bitwise_and(words, 1, dtype=np.int64))  # -0 is 0
+            return out
+        # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
         filled = 0
         while filled < size:
             need = size - filled
