@@ -227,12 +227,13 @@ def test_layout_does_not_change_the_noise(cli, tmp_path, chunks):
 
 @pytest.mark.parametrize("layout", [
     {"chunks": (7, 8, 8)}, {"chunks": None}, {"chunks": (7, 8, 8), "dtype": ">f4"}, {"shape": (40 * 64,)},
-], ids=["chunked", "contiguous", "big-endian", "one-dimensional"])
+    {"chunks": (7, 8, 8), "userblock_size": 1024},
+], ids=["chunked", "contiguous", "big-endian", "one-dimensional", "user-block"])
 def test_plain_storage_is_read_beside_hdf5_as_hdf5_reads_it(tmp_path, layout):
     """Unfiltered datasets are read with plain file reads at the places HDF5 lists;
     every range (inside one chunk, across chunks, the partial last chunk) as h5py gives it."""
     data = IMAGES.astype(layout.get("dtype", IMAGES.dtype)).reshape(layout.get("shape", IMAGES.shape))
-    with h5py.File(tmp_path / "x.h5", "w") as f:
+    with h5py.File(tmp_path / "x.h5", "w", userblock_size=layout.get("userblock_size")) as f:
         f.create_dataset("x", data=data, chunks=layout.get("chunks"))
     reader = hdf5.open_reader(tmp_path / "x.h5", FormatOptions(datasets=["x"]))
     job = reader.arrays()[0]

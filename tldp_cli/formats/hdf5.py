@@ -77,7 +77,9 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
+from tldp_cli.engine import PAGE
 from tldp_cli.formats.checked_io import pwrite_all, write_error, writing
+from tldp_cli.formats.npy import _Background, _write_direct
 from tldp_cli.output import shown
 
 NAME = "hdf5"
@@ -318,11 +320,23 @@ class _Placement:
             os.close(fd)
         return out
 
-    def write(self, fd: int, start: int, block: np.ndarray) -> None:
-        data = memoryview(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8))
+    def write(self, path: Path, fd: int, start: int, block: np.ndarray) -> None:
+        """Writes the records at their places: the whole pages inside each piece with direct
+        I/O where the filesystem takes it (no page-cache copy, as the .npy writer), the
+        partial pages at its ends through `fd`."""
+        data = np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8)
         size = self.record_bytes
         for offset, first, end in self.pieces(start, start + len(block)):
-            pwrite_all(fd, data[(first - start) * size:(end - start) * size], offset)
+            part = data[(first - start) * size:(end - start) * size]
+            head = min(-offset % PAGE, part.size)
+            pages = (part.size - head) // PAGE * PAGE
+            if pages and _write_direct(path, part[head:head + pages], offset + head):
+                rest = [(part[:head], offset), (part[head + pages:], offset + head + pages)]
+            else:
+                rest = [(part, offset)]
+            for piece, at in rest:
+                if piece.size:
+                    pwrite_all(fd, piece, at)
 
 
 def _placement(ds: h5py.Dataset) -> _Placement | None:
@@ -798,6 +812,8 @@ def _create_output(output: _Output, fcpl: h5p.PropFCID) -> h5py.File:
     driver's callback into Python crashes the process."""
     fapl = h5p.create(h5p.FILE_ACCESS)
     fapl.set_fileobj_driver(h5fd.fileobj_driver, output)
+    if fcpl.get_userblock() == 0:  # (HDF5 wants a user block larger than the alignment)
+        fapl.set_alignment(PAGE, PAGE)  # objects of a page or more start on a page: direct writes
     return h5py.File(h5f.create(os.fsencode(output.path), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
 
 
@@ -832,6 +848,7 @@ class Hdf5Writer(Writer):
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
         self.placements: dict[str, _Placement] = {}  # job name -> where its records go
+        self._disk: _Background | None = None  # writes the placed blocks on a thread of its own
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
         self.encodings = reader.encodings
@@ -862,6 +879,8 @@ class Hdf5Writer(Writer):
                                       f"({_reason(exc)})") from None
                 self._copy_group(src, self.file)
                 self._fix_references()
+            if self.placements:  # the workers go on computing while the disk writes
+                self._disk = _Background(self._write_placed, f"tldp write {tmp_path.name}")
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
             self._describe_cf()
             _check_not_shrunk(reader.path, reader.size)  # what was copied came from the whole file
@@ -1085,15 +1104,29 @@ class Hdf5Writer(Writer):
             for marker, out in markers:
                 block[np.isnan(stored) if np.isnan(marker) else stored == marker] = out
         placement = self.placements.get(job.name)
-        if placement is not None:  # beside HDF5, in parallel: the storage is allocated
-            with writing(self.path):
-                placement.write(self.output.fd, start, block)
+        if placement is not None:  # beside HDF5: the storage is allocated
+            self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
             return
         with self._hdf5():
             self.datasets[job.name][start:start + len(block)] = block
 
+    def _write_placed(self, item: tuple[_Placement, int, np.ndarray]) -> None:
+        placement, start, block = item
+        with writing(self.path):
+            placement.write(self.path, self.output.fd, start, block)
+
     def close(self) -> list[Path]:
         try:
+            if self._disk is not None:
+                disk, self._disk = self._disk, None
+                try:
+                    disk.close()  # the blocks queued are written (or the first failure raised)
+                except BaseException:
+                    if self.file is not None:
+                        file, self.file = self.file, None
+                        with suppress(Exception), self._hdf5():
+                            file.close()
+                    raise
             if self.file is not None:
                 file, self.file = self.file, None
                 with self._hdf5():
