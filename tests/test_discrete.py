@@ -84,7 +84,7 @@ def test_guide_table_and_search_give_the_same_values(scale, monkeypatch):
     fast = draw(discrete.DiscreteLaplace(scale), 50_000, seed=6)
     monkeypatch.setattr(discrete, "GUIDE_BITS", 4)
     searched = discrete.DiscreteLaplace(scale)
-    assert searched.magnitude.levels[0].guide.size == 16
+    assert (searched.absolute or searched.magnitude.levels[0]).guide.size == 16
     np.testing.assert_array_equal(draw(searched, 50_000, seed=6), fast)
 
 
@@ -99,6 +99,26 @@ def test_acceptance_table_and_per_candidate_thresholds_agree(sigma, monkeypatch)
     computed = discrete.DiscreteGaussian(sigma, tabulated=False)
     assert computed.lo is None
     np.testing.assert_array_equal(draw(computed, 50_000, seed=7), table)
+
+
+def test_discrete_laplace_table_entries_are_proven_floors():
+    """floor(2^31 P(|Z| <= m)), P(|Z| <= m) = 1 - 2 a^(m+1) / (1 + a), against decimal arithmetic."""
+    level = discrete.DiscreteLaplace(7.0).absolute
+    ctx = Context(prec=80)
+    a = ctx.exp(ctx.divide(-1, 7))
+    for m in (0, 1, 50, level.entries - 1):
+        cdf = ctx.subtract(1, ctx.divide(ctx.multiply(2, ctx.power(a, m + 1)), ctx.add(1, a)))
+        assert int(level.c[m]) == int(ctx.multiply(cdf, 2**discrete.BITS))
+
+
+def test_discrete_laplace_tail_beyond_the_table(monkeypatch):
+    """A table cut short (TAIL_BITS 2) sends values past it to the geometric tail."""
+    monkeypatch.setattr(discrete, "TAIL_BITS", 2)
+    sampler = discrete.DiscreteLaplace(20.0)
+    sample = draw(sampler, 200_000, seed=9)
+    assert (np.abs(sample) >= sampler.absolute.entries).mean() > 0.1
+    assert discrete.chi_square(sample, "discrete-laplace", 20.0)[1] > ALPHA
+    assert discrete.chi_square(sample, "discrete-laplace", 20.0 * 1.03)[1] < 1e-6
 
 
 def test_discrete_gaussian_table_entries_are_proven_floors():

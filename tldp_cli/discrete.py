@@ -372,6 +372,67 @@ def gaussian_entries(sigma: float) -> int:
     return math.ceil(sigma * math.sqrt(2 * GAUSS_TAIL_BITS * _LN2)) + 1
 
 
+def _abs_laplace_cdf(s: Fraction, m: int):
+    """P(|Z| <= m) = 1 - 2 e^-(m+1)s / (1 + e^-s) for the discrete Laplace with a = e^-s."""
+    def interval(bits: int) -> tuple[int, int]:
+        guard = bits + 16
+        one = 1 << guard
+        p_lo, p_hi = exp_neg_interval((m + 1) * s, guard)
+        if p_hi <= 1:  # 0 < 1 - F < 2^-(bits + 15): see _geometric_cdf
+            return (1 << bits) - 1, (1 << bits) - 1
+        a_lo, a_hi = exp_neg_interval(s, guard)
+        t_lo = (2 * p_lo << guard) // (one + a_hi)
+        t_hi = -((-(2 * p_hi << guard)) // (one + a_lo))
+        return (one - t_hi) >> 16, -((-(one - t_lo)) >> 16)
+    return interval
+
+
+class _LaplaceMagnitude(_Level):
+    """|Z| of the discrete Laplace with a = e^-s, inverted like a geometric level:
+    P(|Z| = 0) = (1 - a)/(1 + a), P(|Z| = k) = 2 (1 - a) a^k / (1 + a). Beyond the table,
+    |Z| - K is Geom(a) again (K >= 1), so no value is ever rejected."""
+
+    def __init__(self, s: Fraction, bits: int):
+        self.s, self.size, self.bits = s, None, bits
+        self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / float(s)))))
+        self._tail_geometric: Geometric | None = None
+        self._index(self._table())
+
+    def _table(self) -> list[int]:
+        P = _FIXED
+        one = 1 << P
+        a_lo, a_hi = exp_neg_interval(self.s, P)
+        shift = P - self.bits
+        out = []
+        p_lo, p_hi = a_lo, a_hi  # a^(m + 1)
+        for m in range(self.entries):
+            t_lo = (2 * p_lo << P) // (one + a_hi)
+            t_hi = -((-(2 * p_hi << P)) // (one + a_lo))
+            f_lo, f_hi = (one - t_hi) >> shift, (one - t_lo) >> shift
+            out.append(f_lo if f_lo == f_hi else _floor_bits(self.cdf(m), self.bits))
+            p_lo, p_hi = (p_lo * a_lo) >> P, -((-p_hi * a_hi) >> P)
+        return out
+
+    def cdf(self, m: int):
+        return _abs_laplace_cdf(self.s, m)
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self._tail_geometric is None:
+            self._tail_geometric = Geometric(self.s, self.bits)
+        return self._tail_geometric.from_words(_uint32_words(rng, size) >> (32 - self.bits), rng)
+
+
+def _signed_draws(magnitude: _Level, rng: np.random.Generator, size: int) -> np.ndarray:
+    """`size` values of a symmetric integer noise from its |Z| level: one uint32 each, bit 0
+    the sign (-0 is 0) and the top bits the uniform of |Z|."""
+    out = np.empty(size, np.int64)
+    for start in range(0, size, CHUNK):
+        words = _uint32_words(rng, min(CHUNK, size - start))
+        m = magnitude.invert(words >> (32 - magnitude.bits), rng)
+        out[start:start + m.size] = DiscreteLaplace.signed(m, np.bitwise_and(words, 1, dtype=np.int64))
+    return out
+
+
 # --------------------------------------------------------------------------- samplers
 class DiscreteLaplace:
     """Exact two-sided geometric noise, P(z) = (1 - a)/(1 + a) a^|z|, a = e^(-1/scale)."""
@@ -383,8 +444,16 @@ class DiscreteLaplace:
             raise ValueError(f"bits must be in 1..{BITS}")
         self.scale = float(scale)
         self.bits = bits
-        self.magnitude = Geometric(1 / Fraction(self.scale), bits)
+        s = 1 / Fraction(self.scale)
+        # One table for |Z| when one suffices (no rejection); digits of a geometric otherwise.
+        single = math.ceil(TAIL_BITS * _LN2 / float(s)) <= TABLE_MAX
+        self.absolute = _LaplaceMagnitude(s, bits) if single else None
         self.accept = (1 + math.exp(-1 / self.scale)) / 2  # 1 - P(sign -, magnitude 0)
+
+    @functools.cached_property
+    def magnitude(self) -> Geometric:
+        """The geometric magnitude of the sign-and-rejection construction."""
+        return Geometric(1 / Fraction(self.scale), self.bits)
 
     def candidates(self, words: np.ndarray, rng: np.random.Generator
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -403,6 +472,8 @@ class DiscreteLaplace:
         return m
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self.absolute is not None:
+            return _signed_draws(self.absolute, rng, size)
         # Draws a few more than needed and keeps the first `size` not rejected, in order:
         # still independent draws of the target.
         out = np.empty(size, np.int64)
@@ -489,14 +560,9 @@ class DiscreteGaussian:
         return accept
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        out = np.empty(size, np.int64)
         if self.magnitude is not None:
-            for start in range(0, size, CHUNK):
-                words = _uint32_words(rng, min(CHUNK, size - start))
-                m = self.magnitude.invert(words >> (32 - self.bits), rng)
-                out[start:start + m.size] = DiscreteLaplace.signed(
-                    m, np.bitwise_and(words, 1, dtype=np.int64))  # -0 is 0
-            return out
+            return _signed_draws(self.magnitude, rng, size)
+        out = np.empty(size, np.int64)
         # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
         filled = 0
         while filled < size:
