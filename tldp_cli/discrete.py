@@ -8,24 +8,28 @@ distribution is exactly the target probability mass function (total-variation
 distance 0, nothing added to delta), from 64-bit words of the per-unit generator:
 
 - Discrete Laplace, P(z) proportional to alpha^|z| with alpha = e^(-1/b): a sign bit and
-  a geometric magnitude, (sign -, 0) rejected (Canonne, Kamath and Steinke 2020,
-  Algorithm 2's construction), from one 32-bit half of a 64-bit word per candidate.
-  The magnitude is inverted from 31 uniform bits against fixed-point tables of the
-  cumulative distribution whose entries are proven by interval arithmetic (Python
-  integers and correctly rounded decimal exp), using integer comparisons only; a
-  guide table indexed by the uniform's top bits gives the answer for most uniforms
-  in two lookups, a binary search for the rest. A uniform that ties with a table
-  entry draws further words and compares against the exact value to as many bits as
-  it takes. The tail beyond a table is the same geometric again (memorylessness).
-  For a large scale the magnitude is split into base-2^16 digits, which are
-  independent truncated geometrics, so no table exceeds 2^16 entries.
-- Discrete Gaussian N_Z(0, sigma^2): CKS20 Algorithm 3, rejection from the discrete
-  Laplace of scale t = floor(sigma) + 1, accepting with probability
-  exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)). The acceptance compares a 32-bit uniform
-  with a float64 exp (tabulated over |y|) and decides only when the uniform lies more
-  than 2^-40 away; within the margin it compares against the exact value. This is
-  exact as long as NumPy's float64 exp errs by less than 2^-41 on [0, 1] (it errs by a
-  few units in 2^-53; the test suite checks it against decimal arithmetic).
+  |Z| from one 32-bit half of a 64-bit word per value (-0 is 0). |Z| is inverted from
+  31 uniform bits against fixed-point tables of its cumulative distribution whose
+  entries are proven by interval arithmetic (Python integers and correctly rounded
+  decimal exp), using integer comparisons only; a guide table indexed by the uniform's
+  top bits gives the answer for most uniforms in two lookups, the next entry or a
+  binary search for the rest. A uniform that ties with a table entry draws further
+  words and compares against the exact value to as many bits as it takes. Beyond the
+  table |Z| continues as a geometric (memorylessness). For a scale too large for one
+  table of 2^16 entries: a sign bit and a geometric magnitude split into base-2^16
+  digits (independent truncated geometrics), (sign -, 0) rejected (Canonne, Kamath and
+  Steinke 2020, Algorithm 2's construction).
+- Discrete Gaussian N_Z(0, sigma^2), sigma up to about 8800: the same inversion of |Z|,
+  P(|Z| = k) proportional to 2 exp(-k^2 / (2 sigma^2)) (1 for k = 0), against proven
+  floors whose normalising sum is bounded by interval arithmetic; the 2^-40 of the mass
+  beyond the table by exact rejection from a geometric. No floating-point step.
+- Larger sigma: CKS20 Algorithm 3, rejection from the discrete Laplace of scale
+  t = floor(sigma) + 1, accepting with probability exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)).
+  The acceptance compares a 32-bit uniform with a float64 exp (tabulated over |y|) and
+  decides only when the uniform lies more than 2^-40 away; within the margin it compares
+  against the exact value. This is exact as long as NumPy's float64 exp errs by less
+  than 2^-41 on [0, 1] (it errs by a few units in 2^-53; the test suite checks it
+  against decimal arithmetic).
 - The keep-the-raw-value step of TLDP is an exact Bernoulli(p) per element against the
   binary expansion of p (p rounded down to a float, so the realised p never exceeds
   the one the accounting uses); it draws nothing when p underflows to 0.
