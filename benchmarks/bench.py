@@ -6,7 +6,7 @@
 Prints a markdown table and writes every number as JSON. Needs the `bench` extra
 for the peers (`pip install ".[bench]"`: OpenDP and diffprivlib); without them
 the peer rows say so. Nothing here is a test: no number is asserted, the targets
-of issue 6 are reported as pass or fail. See benchmarks/README.md.
+of issues 6 and 18 are reported as pass or fail. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ else:  # the pipeline's reader, blocks, threads, writer and output hashes, a cas
     module = formats.detect(src)
     options = FormatOptions()
     reader = module.open_reader(src, options)
-    writer = module.create_writer(reader, out, np.dtype(np.float32), options)
+    writer = module.create_writer(reader, out, np.dtype(np.int16), options)  # what perturb writes
     tasks = [(job, a, b) for job in reader.arrays() for a, b in pipeline.block_bounds(job, pipeline.BLOCK_ELEMENTS)]
     def process(job, a, b):
-        writer.write(job, a, job.read(a, b).astype(np.float32))
+        writer.write(job, a, job.read(a, b).astype(np.int16))
     for (job, a, b), _ in pipeline._run_tasks(process, tasks, args["workers"]):
         if hasattr(writer, "block_written"):
             writer.block_written(job, a, b)
@@ -301,7 +301,24 @@ def reference_cases(data: np.ndarray) -> list[tuple[str, str, object]]:
          draws(lambda k: pcg.standard_exponential(dtype=np.float32, out=buf[:k]))),
         ("AES-CTR standard_normal float32", "RNG limit for Gaussian noise (secure RNG)",
          draws(lambda k: aes.standard_normal(dtype=np.float32, out=buf[:k]))),
+        *codec_cases(n),
     ]
+
+
+def codec_cases(n: int) -> list[tuple[str, str, object]]:
+    """The Zarr output's codec alone: zstd over int16 noisy values (one 1024-record chunk,
+    encoded n / chunk times), at the level tldp writes (1) and zstd's default (3)."""
+    from numcodecs import Zstd
+
+    chunk = 1024 * ELEMENTS
+    noisy = (np.random.default_rng(0).laplace(128, 256.0 / EPSILON, chunk)).astype(np.int16).tobytes()
+
+    def encode(level):
+        codec = Zstd(level=level)
+        return lambda: [codec.encode(noisy) for _ in range(max(1, n // chunk))]
+
+    return [(f"zstd level {level} encode, int16 noise", "codec floor of the Zarr output", encode(level))
+            for level in (1, 3)]
 
 
 def engine_and_references(data: np.ndarray, reps: int) -> tuple[list[dict], dict[str, dict]]:
@@ -435,8 +452,8 @@ def end_to_end(workdir: Path, records: int, images: int, workers: int, which: li
     base = digits()
     cases = [  # format, maker, input name, units, elements per unit, extra runs
         ("npy", make_npy, "data.npy", records, ELEMENTS, ["cast"]),
-        ("hdf5", make_hdf5, "data.h5", records, ELEMENTS, []),
-        ("zarr", make_zarr, "data.zarr", records, ELEMENTS, []),
+        ("hdf5", make_hdf5, "data.h5", records, ELEMENTS, ["cast"]),
+        ("zarr", make_zarr, "data.zarr", records, ELEMENTS, ["cast"]),
         ("images", make_images, "photos", images, int(np.prod(IMAGE_SHAPE)), ["gaussian", "pillow"]),
     ]
     rows = []
@@ -493,6 +510,17 @@ def targets(results: dict) -> list[dict]:
                     "measured": f"{npy['melem_s']:.1f} M/s = {npy['melem_s'] / eng:.2f}x engine"
                                 + (f" (I/O only: {floor['melem_s']:.0f} M/s)" if floor else ""),
                     "required": f">= {eng / 2:.1f} M/s", "pass": npy["melem_s"] >= eng / 2})
+        out.append({"target": "end-to-end .npy -> .npy (exact default) >= 0.75x PCG64 standard_normal "
+                              "float32 (1 core) (issue 18)",
+                    "measured": f"{npy['melem_s']:.1f} M/s = {npy['melem_s'] / normal:.2f}x",
+                    "required": f">= {0.75 * normal:.1f} M/s", "pass": npy["melem_s"] >= 0.75 * normal})
+        for fmt in ("hdf5", "zarr"):  # issue 18: the same data and options as the .npy run
+            row = find(e2e, format=fmt, run="perturb")
+            if row:
+                out.append({"target": f"end-to-end {fmt} -> {fmt} >= 0.75x .npy -> .npy (issue 18)",
+                            "measured": f"{row['melem_s']:.1f} M/s = {row['melem_s'] / npy['melem_s']:.2f}x",
+                            "required": f">= {0.75 * npy['melem_s']:.1f} M/s",
+                            "pass": row["melem_s"] >= 0.75 * npy["melem_s"]})
     reference = find(e2e, format="images", run="pillow")
     for kind in ("perturb", "gaussian") if reference else ():
         row = find(e2e, format="images", run=kind)

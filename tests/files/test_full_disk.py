@@ -278,17 +278,28 @@ def test_write_errors_stay_oserrors_with_their_errno(tmp_path):
 
 # --- HDF5 input that shrinks, or declares more than it holds ------------------------------
 
-def test_hdf5_input_truncated_during_a_read(cli, tmp_path, monkeypatch):
-    """HDF5 reads the part of a file cut off after it was opened as zeros."""
+@pytest.mark.parametrize("placed", [True, False], ids=["read-beside-hdf5", "read-through-h5py"])
+def test_hdf5_input_truncated_during_a_read(cli, tmp_path, monkeypatch, placed):
+    """HDF5 reads the part of a file cut off after it was opened as zeros; plain reads of
+    the records (formats/hdf5.py's _Placement) come back short."""
     src = write_h5(tmp_path / "in.h5")
     size = src.stat().st_size
-    real_getitem = h5py.Dataset.__getitem__
+    real_getitem, real_read = h5py.Dataset.__getitem__, hdf5._Placement.read
 
     def truncating_getitem(self, key):
         os.truncate(src, size // 2)
         return real_getitem(self, key)
 
+    def truncating_read(self, path, start, stop):
+        os.truncate(src, size // 2)
+        return real_read(self, path, start, stop)
+
+    if not placed:
+        monkeypatch.setattr(hdf5, "MAX_PLACED_CHUNKS", 0)  # chunked: read through h5py
+        src = write_h5(tmp_path / "in.h5", chunks=(16, 1024))
+        size = src.stat().st_size
     monkeypatch.setattr(h5py.Dataset, "__getitem__", truncating_getitem)
+    monkeypatch.setattr(hdf5._Placement, "read", truncating_read)
     result = cli("perturb", src, "--dataset", "x", "--eps", "1", "--range", "0:1",
                  "--out", tmp_path / "out.h5")
     assert result.exit_code == 1, result.stderr

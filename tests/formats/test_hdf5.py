@@ -224,6 +224,57 @@ def test_layout_does_not_change_the_noise(cli, tmp_path, chunks):
         assert a["/train/images"][()].tobytes() == b["/train/images"][()].tobytes()
 
 
+@pytest.mark.parametrize("layout", [
+    {"chunks": (7, 8, 8)}, {"chunks": None}, {"chunks": (7, 8, 8), "dtype": ">f4"}, {"shape": (40 * 64,)},
+    {"chunks": (7, 8, 8), "userblock_size": 1024},
+], ids=["chunked", "contiguous", "big-endian", "one-dimensional", "user-block"])
+def test_plain_storage_is_read_beside_hdf5_as_hdf5_reads_it(tmp_path, layout):
+    """Unfiltered datasets are read with plain file reads at the places HDF5 lists;
+    every range (inside one chunk, across chunks, the partial last chunk) as h5py gives it."""
+    data = IMAGES.astype(layout.get("dtype", IMAGES.dtype)).reshape(layout.get("shape", IMAGES.shape))
+    with h5py.File(tmp_path / "x.h5", "w", userblock_size=layout.get("userblock_size")) as f:
+        f.create_dataset("x", data=data, chunks=layout.get("chunks"))
+    reader = hdf5.open_reader(tmp_path / "x.h5", FormatOptions(datasets=["x"]))
+    job = reader.arrays()[0]
+    assert job.read.placement is not None
+    for start, stop in [(0, 40), (3, 5), (5, 16), (35, 40), (0, 1)]:
+        scale = data.shape[0] // 40
+        block = job.read(start * scale, stop * scale)
+        assert block.dtype == data.dtype
+        np.testing.assert_array_equal(block, data[start * scale:stop * scale])
+    reader.close()
+
+
+@pytest.mark.parametrize("layout", [
+    {"chunks": (10, 8, 8), "compression": "gzip"}, {"chunks": (10, 4, 8)}, {"chunks": (10, 8, 8), "data": None},
+], ids=["filtered", "partial-records", "unwritten"])
+def test_other_storage_is_read_through_hdf5(tmp_path, layout):
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        data = layout.pop("data", IMAGES)
+        f.create_dataset("x", shape=IMAGES.shape, dtype=IMAGES.dtype, data=data, **layout)
+        assert hdf5._placement(f["x"]) is None
+
+
+def test_plain_output_is_written_beside_hdf5_as_hdf5_writes_it(cli, tmp_path, monkeypatch):
+    """The same run written through HDF5 (no dataset placed) and beside it: the same values
+    where h5py finds them, in both layouts."""
+    write_sample(tmp_path / "c.h5", chunks=(7, 8, 8))
+    write_sample(tmp_path / "d.h5", chunks=None)
+    for name in ("c", "d"):
+        assert run(cli, tmp_path / f"{name}.h5").exit_code == 0
+    monkeypatch.setattr(hdf5, "MAX_PLACED_CHUNKS", 0)  # every dataset through HDF5
+    for name in ("c", "d"):
+        assert run(cli, tmp_path / f"{name}.h5", "--out", tmp_path / f"{name}-hdf5.h5").exit_code == 0
+    monkeypatch.undo()
+    for name in ("c", "d"):
+        with h5py.File(tmp_path / f"{name}.tldp.h5", "r") as a, h5py.File(tmp_path / f"{name}-hdf5.h5", "r") as b:
+            placed, through = a["/train/images"], b["/train/images"]
+            assert placed.chunks == through.chunks and placed.dtype == through.dtype == PERTURBED
+            assert hdf5._placement(placed) is not None
+            assert placed[()].tobytes() == through[()].tobytes()
+            assert np.abs(placed[()].astype(int) - IMAGES).max() > 0
+
+
 def test_hard_link_alias_gets_the_perturbed_data(cli, tmp_path):
     src = write_sample(tmp_path / "data.h5")
     with h5py.File(src, "a") as f:

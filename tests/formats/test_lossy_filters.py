@@ -184,7 +184,8 @@ def test_zarr2_quantize_bitround_and_fixedscaleoffset_are_dropped(cli, tmp_path)
     assert m["dropped_filters"] == {"/": ["quantize", "bitround"]}
     meta = json.loads((out / ".zarray").read_text())
     assert meta["filters"] == [{"id": "delta", "dtype": "<f4", "astype": "<f4"}]  # lossless: kept
-    assert meta["compressor"] == {"id": "zstd", "level": 3}
+    assert meta["compressor"] == {"id": "zstd", "level": 1}  # kept, at the level noise is worth
+    assert m["codec_levels"] == {"/": [{"codec": "zstd", "input_level": 3, "output_level": 1}]}
     noisy = zarr.open_array(out, mode="r")[:]
     assert noisy.dtype == np.float32
     decoded = zarr.open_array(src, mode="r")[:]

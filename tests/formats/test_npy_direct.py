@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from tldp_cli.formats import npy
+from tldp_cli.files import checked_io
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
@@ -69,7 +69,7 @@ def test_direct_equals_page_cache_writes(tmp_path, monkeypatch, direct_opens, re
     data = np.random.default_rng(1).integers(0, 256, (records, *elements), dtype=np.uint8)
     direct, manifest = run(tmp_path, "direct", data, block_elements=block_elements, workers=workers)
     used_direct = bool(direct_opens)
-    monkeypatch.setattr(npy, "_O_DIRECT", 0)
+    monkeypatch.setattr(checked_io, "_O_DIRECT", 0)
     cached, _ = run(tmp_path, "cached", data, block_elements=block_elements, workers=workers)
     assert direct.read_bytes() == cached.read_bytes()
     assert manifest["outputs"][0]["sha256"] == hashlib.sha256(direct.read_bytes()).hexdigest()
@@ -161,7 +161,7 @@ def test_ctrl_c_while_closing_leaves_no_thread():
     import _thread
     import time
 
-    background = npy._Background(lambda item: time.sleep(0.2), "tldp test")
+    background = checked_io.Background(lambda item: time.sleep(0.2), "tldp test")
     for item in range(3):
         background.put(item)
     threading.Timer(0.05, _thread.interrupt_main).start()

@@ -7,7 +7,7 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from tests.builders import RoundTrip, siblings, tree_digest
 from tldp_cli.formats import FormatOptions, zarr_store
@@ -49,6 +49,18 @@ def read_path(path: Path, name: str) -> np.ndarray:
     return zarr.open_array(path, path=name, mode="r")[:]
 
 
+def fast_level(compressors):
+    """The compressors with the level perturbed arrays are written at."""
+    lowered = []
+    for c in compressors:
+        if isinstance(c, ZstdCodec):
+            c = ZstdCodec(level=1, checksum=c.checksum)
+        elif isinstance(c, numcodecs.Blosc):
+            c = numcodecs.Blosc(cname=c.cname, clevel=1, shuffle=c.shuffle, blocksize=c.blocksize)
+        lowered.append(c)
+    return tuple(lowered)
+
+
 class ZarrGroupRoundTrip(RoundTrip):
     zarr_format = 3
 
@@ -71,7 +83,11 @@ class ZarrGroupRoundTrip(RoundTrip):
             if isinstance(a, zarr.Group):
                 continue
             assert (a.shape, a.chunks, a.shards) == (b.shape, b.chunks, b.shards), name
-            assert a.compressors == b.compressors and a.filters == b.filters, name
+            assert a.filters == b.filters, name
+            if name == "images":  # the same compressor, at level 1 (codec_levels)
+                assert b.compressors == fast_level(a.compressors) != a.compressors
+            else:
+                assert a.compressors == b.compressors, name
             if self.zarr_format == 3:
                 assert a.metadata.dimension_names == b.metadata.dimension_names, name
             if name == "images":
@@ -122,7 +138,8 @@ def test_sharded_output_keeps_shards_and_matches_any_chunking(tmp_path):
                                out=tmp_path / f"{name}.out.zarr", block_elements=8 * 64 * 64))
         out = zarr.open_array(tmp_path / f"{name}.out.zarr", mode="r")
         assert (out.chunks, out.shards) == (array.chunks, array.shards)
-        assert out.compressors == array.compressors and out.dtype == PERTURBED
+        (blosc,) = out.compressors  # the input's, at level 1 (codec_levels)
+        assert (blosc.cname.value, blosc.clevel, out.dtype) == ("zstd", 1, PERTURBED)
         outputs[name] = out[:]
     assert not np.array_equal(outputs["sharded"], images)
     np.testing.assert_array_equal(outputs["sharded"], outputs["rechunked"])
@@ -276,3 +293,24 @@ def test_can_open_and_default_output(tmp_path):
     assert not zarr_store.can_open(tmp_path / "photo.png")
     assert zarr_store.default_output(Path("x/data.zarr")) == Path("x/data.tldp.zarr")
     assert zarr_store.default_output(Path("x/store")) == Path("x/store.tldp")
+
+
+def test_compression_levels_are_lowered_and_recorded(cli, tmp_path):
+    """Perturbed arrays keep their compressors at level 1 at most: noise compresses no
+    better at higher levels. The manifest names each level changed; the output reads back."""
+    src = tmp_path / "levels.zarr"
+    group = zarr.open_group(src, mode="w", zarr_format=3)
+    slow = group.create_array("slow", shape=IMAGES.shape, dtype="uint8", chunks=(10, 8, 8),
+                              compressors=GzipCodec(level=6))
+    slow[:] = IMAGES
+    fast = group.create_array("fast", shape=(40, 4), dtype="uint8", chunks=(10, 4),
+                              compressors=ZstdCodec(level=1))
+    fast[:] = IMAGES[:, 0, :4]
+    perturb_ok(cli, src, "--out", tmp_path / "o.zarr")
+    manifest = json.loads((tmp_path / "o.zarr.manifest.json").read_text())
+    assert manifest["codec_levels"] == {"slow": [{"codec": "gzip", "input_level": 6, "output_level": 1}]}
+    out = zarr.open_group(tmp_path / "o.zarr", mode="r")
+    assert out["slow"].compressors == (GzipCodec(level=1),)
+    assert out["fast"].compressors == (ZstdCodec(level=1),)
+    noisy = out["slow"][:]
+    assert noisy.dtype == PERTURBED and not np.array_equal(noisy, IMAGES)

@@ -53,7 +53,7 @@ def test_discrete_laplace_matches_its_pmf_and_not_a_wrong_scale(scale):
     assert distributions.chi_square(sample, "discrete-laplace", scale * 1.03)[1] < 1e-6
 
 
-@pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0])
+@pytest.mark.parametrize("sigma", [0.3, 2.5, 181.0, 5069.0, 2e4])  # 2e4: beyond the table, CKS20
 def test_discrete_gaussian_matches_its_pmf_and_not_a_wrong_sigma(sigma):
     sample = draw(discrete.DiscreteGaussian(sigma), 200_000, seed=1)
     assert distributions.chi_square(sample, "discrete-gaussian", sigma)[1] > ALPHA
@@ -76,12 +76,80 @@ def test_exact_paths_give_the_same_distribution():
     inside the float margin (a margin of 0.3 sends most there) go to exact arithmetic."""
     coarse = draw(discrete.DiscreteLaplace(2.5, bits=12), 100_000, seed=3)
     assert distributions.chi_square(coarse, "discrete-laplace", 2.5)[1] > ALPHA
-    wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3), 30_000, seed=4)
+    wide = draw(discrete.DiscreteGaussian(1.3, margin=0.3, tabulated=False), 30_000, seed=4)
     assert distributions.chi_square(wide, "discrete-gaussian", 1.3)[1] > ALPHA
     # the float and the exact decisions agree: same stream, same values
-    a = draw(discrete.DiscreteGaussian(4.0), 20_000, seed=5)
-    b = draw(discrete.DiscreteGaussian(4.0, margin=0.3), 20_000, seed=5)
+    a = draw(discrete.DiscreteGaussian(4.0, tabulated=False), 20_000, seed=5)
+    b = draw(discrete.DiscreteGaussian(4.0, margin=0.3, tabulated=False), 20_000, seed=5)
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scale", [3.0, 256.0, 1e5])
+def test_guide_table_and_search_give_the_same_values(scale, monkeypatch):
+    """The guide table settles most uniforms; with a 16-entry guide nearly all go to the
+    search instead. Same stream, same values: each path is checked against the other."""
+    fast = draw(discrete.DiscreteLaplace(scale), 50_000, seed=6)
+    monkeypatch.setattr(discrete, "GUIDE_BITS", 4)
+    searched = discrete.DiscreteLaplace(scale)
+    assert (searched.absolute or searched.magnitude.levels[0]).guide.size == 16
+    np.testing.assert_array_equal(draw(searched, 50_000, seed=6), fast)
+
+
+@pytest.mark.parametrize("sigma", [1.3, 181.0])
+def test_acceptance_table_and_per_candidate_thresholds_agree(sigma, monkeypatch):
+    """CKS20's rejection sampler (sigmas too large for a table of |Z|): acceptance
+    thresholds from the table over |y| and computed per candidate (what sigmas too large
+    for that table get) decide alike, and match the distribution."""
+    table = draw(discrete.DiscreteGaussian(sigma, tabulated=False), 50_000, seed=7)
+    assert distributions.chi_square(table, "discrete-gaussian", sigma)[1] > ALPHA
+    monkeypatch.setattr(discrete, "ACCEPT_TABLE_MAX", 0)
+    computed = discrete.DiscreteGaussian(sigma, tabulated=False)
+    assert computed.lo is None
+    np.testing.assert_array_equal(draw(computed, 50_000, seed=7), table)
+
+
+def test_discrete_laplace_table_entries_are_proven_floors():
+    """floor(2^31 P(|Z| <= m)), P(|Z| <= m) = 1 - 2 a^(m+1) / (1 + a), against decimal arithmetic."""
+    level = discrete.DiscreteLaplace(7.0).absolute
+    ctx = Context(prec=80)
+    a = ctx.exp(ctx.divide(-1, 7))
+    for m in (0, 1, 50, level.entries - 1):
+        cdf = ctx.subtract(1, ctx.divide(ctx.multiply(2, ctx.power(a, m + 1)), ctx.add(1, a)))
+        assert int(level.c[m]) == int(ctx.multiply(cdf, 2**discrete.BITS))
+
+
+def test_discrete_laplace_tail_beyond_the_table(monkeypatch):
+    """A table cut short (TAIL_BITS 2) sends values past it to the geometric tail."""
+    monkeypatch.setattr(discrete, "TAIL_BITS", 2)
+    sampler = discrete.DiscreteLaplace(20.0)
+    sample = draw(sampler, 200_000, seed=9)
+    assert (np.abs(sample) >= sampler.absolute.entries).mean() > 0.1
+    assert distributions.chi_square(sample, "discrete-laplace", 20.0)[1] > ALPHA
+    assert distributions.chi_square(sample, "discrete-laplace", 20.0 * 1.03)[1] < 1e-6
+
+
+def test_discrete_gaussian_table_entries_are_proven_floors():
+    """floor(2^31 P(|Z| <= m)) against a direct sum in decimal arithmetic."""
+    sigma = 3.7
+    level = discrete.DiscreteGaussian(sigma).magnitude
+    ctx = Context(prec=80)
+    terms = [ctx.exp(ctx.divide(-(k * k), ctx.multiply(2, Decimal(sigma) ** 2))) for k in range(400)]
+    total = ctx.add(1, ctx.multiply(2, sum(terms[1:], Decimal(0))))
+    for m in (0, 1, 5, level.entries - 1):
+        cdf = ctx.divide(ctx.add(1, ctx.multiply(2, sum(terms[1:m + 1], Decimal(0)))), total)
+        assert int(level.c[m]) == int(ctx.multiply(cdf, 2**discrete.BITS))
+
+
+def test_discrete_gaussian_tail_beyond_the_table(monkeypatch):
+    """A table cut short (GAUSS_TAIL_BITS 3) sends one value in forty through the exact
+    rejection sampler of the tail: the values still follow the distribution."""
+    monkeypatch.setattr(discrete, "GAUSS_TAIL_BITS", 3)
+    sampler = discrete.DiscreteGaussian(6.0)
+    assert sampler.magnitude.entries < 6 * 3
+    sample = draw(sampler, 100_000, seed=8)
+    assert (np.abs(sample) >= sampler.magnitude.entries).mean() > 0.015
+    assert distributions.chi_square(sample, "discrete-gaussian", 6.0)[1] > ALPHA
+    assert distributions.chi_square(sample, "discrete-gaussian", 6.0 * 1.03)[1] < 1e-6
 
 
 def test_table_entries_are_proven_floors():
@@ -89,7 +157,7 @@ def test_table_entries_are_proven_floors():
     for m in (0, 1, 50, level.entries - 1):
         ctx = Context(prec=80)
         exact = ctx.subtract(1, ctx.exp(ctx.divide(-(m + 1), 7)))
-        assert int(level.c[m]) == int(ctx.multiply(exact, 2**63))
+        assert int(level.c[m]) == int(ctx.multiply(exact, 2**discrete.BITS))
 
 
 def test_numpy_exp_is_well_within_the_acceptance_margin():

@@ -6,6 +6,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import tifffile
 from PIL import Image
 
 from tests.builders import REPO
@@ -173,8 +174,10 @@ def test_image_folders_png_skips_tests_tiff_tests_noise(cli, tmp_path):
         if fmt == "png":
             assert gof["status"] == "skipped" and "clipped" in gof["detail"]
             assert rep["error"]["clipped_output"]
-        else:
-            assert gof["passed"] and gof["samples"] == 6 * 256
+        else:  # every value the noise changed (exact noise is 0 for about 1 value in 500)
+            changed = sum(int((tifffile.imread(o).astype(int) != np.asarray(Image.open(
+                src / o.parent.name / f"{o.stem}.png"))).sum()) for o in out.rglob("*.tif*"))
+            assert gof["passed"] and gof["samples"] == changed > 6 * 256 * 0.95
     # a tampered image in the folder is caught
     png = next((tmp_path / "out_png").rglob("*.png"))
     Image.fromarray(np.zeros((16, 16), np.uint8)).save(png)

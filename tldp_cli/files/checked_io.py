@@ -9,10 +9,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import queue
+import threading
 from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
 
 from tldp_cli.errors import InputError, WriteError
 from tldp_cli.files.output import shown
+from tldp_cli.sampling.engine import PAGE, page_aligned_empty
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
+_thread_buffers = threading.local()
 
 
 def write_error(path: Path, cause: OSError) -> WriteError:
@@ -77,3 +86,78 @@ def copy_bytes(src, source, dst, target: Path, count: int | None = None) -> None
             count -= len(chunk)
 
 
+def _aligned_copy(data: np.ndarray) -> np.ndarray:
+    """`data` (bytes) in this thread's reused page-aligned buffer."""
+    buffer = getattr(_thread_buffers, "buffer", None)
+    if buffer is None or buffer.size < data.size:
+        buffer = _thread_buffers.buffer = page_aligned_empty(data.size, np.uint8)
+    buffer[:data.size] = data
+    return buffer[:data.size]
+
+
+def write_direct(path: Path, data: np.ndarray, position: int) -> bool:
+    """Writes whole pages (`position` and len(data) multiples of PAGE) with O_DIRECT; False,
+    having written nothing, where the filesystem does not support it."""
+    if not _O_DIRECT:
+        return False
+    if data.ctypes.data % PAGE:
+        data = _aligned_copy(data)
+    try:
+        fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    try:
+        pwrite_all(fd, data, position)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False  # refused before writing: alignment the device does not take
+        raise
+    finally:
+        os.close(fd)
+    return True
+
+
+class Background:
+    """Runs work(item) on a thread of its own for each item put, in order; put() waits while
+    `depth` items are queued. The first failure is raised by the next put() and by close(),
+    and the items after it are dropped (the output is lost anyway)."""
+
+    def __init__(self, work: Callable[[Any], None], name: str, depth: int = 2):
+        self._work = work
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._failure is None:
+                try:
+                    self._work(item)
+                except BaseException as exc:
+                    self._failure = exc
+
+    def put(self, item: Any) -> None:
+        if self._failure is not None:
+            raise self._failure
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """Waits for the queued items; raises the failure, if any."""
+        try:
+            if self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join()
+        except BaseException as exc:  # Ctrl-C while waiting: drop the rest, let the thread end
+            self._failure = self._failure or exc
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._queue.put_nowait(None)
+            raise
+        if self._failure is not None:
+            raise self._failure

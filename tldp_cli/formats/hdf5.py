@@ -77,9 +77,10 @@ from tldp_cli.formats import (
     listing,
     tldp_name,
 )
-from tldp_cli.formats import cf, tensor_files
-from tldp_cli.files.checked_io import pwrite_all, write_error, writing
+from tldp_cli.files.checked_io import Background, pwrite_all, write_direct, write_error, writing
 from tldp_cli.files.output import shown
+from tldp_cli.formats import cf, tensor_files
+from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
@@ -195,6 +196,117 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
 _PRESENT: dict[tuple, np.generic] = {}  # (path, dataset, size) -> a value the dataset holds
 
 
+# Datasets of more chunks than this are read and written through HDF5: listing where
+# each chunk lies would cost more than the lock it saves.
+MAX_PLACED_CHUNKS = 1 << 16
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a dataset's records lie in its file, so that blocks of them are read and
+    written with plain positional I/O: outside HDF5, h5py's global lock and (for the
+    output) the Python file driver, so worker threads do it in parallel. Contiguous
+    storage (one piece) or unfiltered chunks that each hold whole records, all
+    allocated; offsets[i] is where chunk i (records i * chunk_records ...) starts."""
+
+    dtype: np.dtype
+    records: int
+    record_shape: tuple[int, ...]
+    chunk_records: int
+    offsets: tuple[int, ...]
+
+    @property
+    def record_bytes(self) -> int:
+        return math.prod(self.record_shape) * self.dtype.itemsize
+
+    def pieces(self, start: int, stop: int):
+        """(file offset, first record, end record) of each chunk's part of records start:stop."""
+        n = self.chunk_records
+        for chunk in range(start // n, (stop - 1) // n + 1):
+            first, end = max(start, chunk * n), min(stop, (chunk + 1) * n)
+            yield self.offsets[chunk] + (first - chunk * n) * self.record_bytes, first, end
+
+    def read(self, path: Path, start: int, stop: int) -> np.ndarray:
+        """Records start:stop (stop past the end: up to the end, as h5py slices)."""
+        stop = max(start, min(stop, self.records))
+        out = np.empty((stop - start, *self.record_shape), self.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        size = self.record_bytes
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset, first, end in self.pieces(start, stop):
+                part, done = view[(first - start) * size:(end - start) * size], 0
+                while done < len(part):
+                    count = os.preadv(fd, [part[done:]], offset + done)
+                    if count == 0:
+                        raise EOFError("truncated file")
+                    done += count
+        finally:
+            os.close(fd)
+        return out
+
+    def write(self, path: Path, fd: int, start: int, block: np.ndarray) -> None:
+        """Writes the records at their places: the whole pages inside each piece with direct
+        I/O where the filesystem takes it (no page-cache copy, as the .npy writer), the
+        partial pages at its ends through `fd`."""
+        data = np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8)
+        size = self.record_bytes
+        for offset, first, end in self.pieces(start, start + len(block)):
+            part = data[(first - start) * size:(end - start) * size]
+            head = min(-offset % PAGE, part.size)
+            pages = (part.size - head) // PAGE * PAGE
+            if pages and write_direct(path, part[head:head + pages], offset + head):
+                rest = [(part[:head], offset), (part[head + pages:], offset + head + pages)]
+            else:
+                rest = [(part, offset)]
+            for piece, at in rest:
+                if piece.size:
+                    pwrite_all(fd, piece, at)
+
+
+def _placement(ds: h5py.Dataset) -> _Placement | None:
+    """The dataset's placement (see _Placement), or None when its records are not plain
+    bytes at known places (filters, partial-record chunks, unallocated or external storage,
+    a type other than a plain number)."""
+    if ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0 or ds.is_virtual:
+        return None
+    plist = ds.id.get_create_plist()
+    if plist.get_external_count():
+        return None
+    record_shape = tuple(ds.shape[1:])
+    record_bytes = math.prod(record_shape) * ds.dtype.itemsize
+    if plist.get_layout() == h5d.CONTIGUOUS:
+        offset = ds.id.get_offset()
+        if offset is None or ds.id.get_storage_size() < ds.nbytes:
+            return None
+        return _Placement(ds.dtype, ds.shape[0], record_shape, ds.shape[0], (offset,))
+    if plist.get_layout() != h5d.CHUNKED or plist.get_nfilters() or tuple(ds.chunks[1:]) != record_shape:
+        return None
+    n = ds.chunks[0]
+    count = -(-ds.shape[0] // n)
+    if count > MAX_PLACED_CHUNKS or ds.id.get_num_chunks() != count:
+        return None
+    found: dict[int, int] = {}
+
+    def visit(info) -> None:
+        if info.size == n * record_bytes and not info.filter_mask:
+            found[info.chunk_offset[0] // n] = info.byte_offset
+
+    ds.id.chunk_iter(visit)
+    if len(found) != count:
+        return None
+    return _Placement(ds.dtype, ds.shape[0], record_shape, n, tuple(found[i] for i in range(count)))
+
+
+def _placement_within(ds: h5py.Dataset, size: int) -> _Placement | None:
+    """The input dataset's placement if every piece lies inside the file's `size` bytes."""
+    placement = _placement(ds)
+    if placement is None or max(placement.offsets) + min(
+            placement.chunk_records * placement.record_bytes, ds.nbytes) > size:
+        return None
+    return placement
+
+
 @dataclass(frozen=True)
 class _Records:
     """Reads records of one dataset, decoded by `encoding`. Opens the file on each call:
@@ -204,6 +316,7 @@ class _Records:
     dataset: str
     size: int  # the file's size at open
     encoding: cf.Encoding | None = None
+    placement: _Placement | None = None  # read outside HDF5 when known
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.stored(start, stop)
@@ -214,8 +327,11 @@ class _Records:
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
         try:
-            with h5py.File(self.path, "r") as f:
-                block = f[self.dataset][start:stop]
+            if self.placement is not None:
+                block = self.placement.read(self.path, start, stop)
+            else:
+                with h5py.File(self.path, "r") as f:
+                    block = f[self.dataset][start:stop]
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)  # the likelier cause of "truncated file"
             raise InputError(f"{self.path}: cannot read records {start}:{stop} of dataset "
@@ -453,7 +569,7 @@ class Hdf5Reader(Reader):
             self.messages += cf.messages(name, ds.dtype, encoding)
         return ArrayJob(
             name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
-            read=_Records(self.path, name, self.size, encoding),
+            read=_Records(self.path, name, self.size, encoding, _placement_within(ds, self.size)),
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
@@ -661,6 +777,8 @@ def _create_output(output: _Output, fcpl: h5p.PropFCID) -> h5py.File:
     driver's callback into Python crashes the process."""
     fapl = h5p.create(h5p.FILE_ACCESS)
     fapl.set_fileobj_driver(h5fd.fileobj_driver, output)
+    if fcpl.get_userblock() == 0:  # (HDF5 wants a user block larger than the alignment)
+        fapl.set_alignment(PAGE, PAGE)  # objects of a page or more start on a page: direct writes
     return h5py.File(h5f.create(os.fsencode(output.path), h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
 
 
@@ -698,6 +816,8 @@ class Hdf5Writer(Writer):
         self.tensors = {t.name: t for t in reader.tensors} if reader.records_are_tensors else {}
         self.variances = reader.variances
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
+        self.placements: dict[str, _Placement] = {}  # job name -> where its records go
+        self._disk: Background | None = None  # writes the placed blocks on a thread of its own
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
         self.encodings = reader.encodings
@@ -730,6 +850,8 @@ class Hdf5Writer(Writer):
                                       f"({_reason(exc)})") from None
                 self._copy_group(src, self.file)
                 self._fix_references()
+            if self.placements:  # the workers go on computing while the disk writes
+                self._disk = Background(self._write_placed, f"tldp write {tmp_path.name}")
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
             if self.tensors:
                 chosen = list(self.tensors.values())
@@ -862,9 +984,25 @@ class Hdf5Writer(Writer):
         fill = replaced.get(b"_FillValue")
         if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
             plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
+        # Model tensors go through tensor_files.to_stored (their dtype, variances kept > 0).
+        placed = job_name not in self.tensors and self._place(plist, src)
         out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=plist))
         _copy_attrs(src, out, replaced)
         self.datasets[job_name] = out
+        if placed and (placement := _placement(out)) is not None:
+            self.placements[job_name] = placement
+
+    def _place(self, plist: h5p.PropDCID, src: h5py.Dataset) -> bool:
+        """Allocates the dataset's storage when it is created, without writing fill values,
+        if its records can then be written as plain bytes (see _Placement): the pipeline
+        writes every record."""
+        if (self.dtype.kind not in "iuf" or not src.shape or plist.get_nfilters()
+                or (plist.get_layout() == h5d.CHUNKED and tuple(src.chunks[1:]) != tuple(src.shape[1:]))
+                or -(-src.shape[0] // (src.chunks or src.shape)[0]) > MAX_PLACED_CHUNKS):
+            return False
+        plist.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        plist.set_fill_time(h5d.FILL_TIME_NEVER)
+        return True
 
     def _cf_attrs(self, src: h5py.Dataset, job_name: str) -> dict[bytes, np.ndarray | None]:
         """The CF attributes a perturbed dataset gets instead of its own (None: left out):
@@ -926,6 +1064,10 @@ class Hdf5Writer(Writer):
                 missing |= where
             moved = cf.move_off_markers(block, missing, [out for _, out in markers], self._bounds(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
+        placement = self.placements.get(job.name)
+        if placement is not None:  # beside HDF5: the storage is allocated
+            self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
+            return
         tensor = self.tensors.get(job.name)
         with self._hdf5():
             if tensor is not None:
@@ -940,8 +1082,23 @@ class Hdf5Writer(Writer):
     def finish(self) -> None:
         cf.count_moves(self.manifest_extra, self.moved)
 
+    def _write_placed(self, item: tuple[_Placement, int, np.ndarray]) -> None:
+        placement, start, block = item
+        with writing(self.path):
+            placement.write(self.path, self.output.fd, start, block)
+
     def close(self) -> list[Path]:
         try:
+            if self._disk is not None:
+                disk, self._disk = self._disk, None
+                try:
+                    disk.close()  # the blocks queued are written (or the first failure raised)
+                except BaseException:
+                    if self.file is not None:
+                        file, self.file = self.file, None
+                        with suppress(Exception), self._hdf5():
+                            file.close()
+                    raise
             if self.file is not None:
                 file, self.file = self.file, None
                 with self._hdf5():

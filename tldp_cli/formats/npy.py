@@ -17,24 +17,20 @@ import errno
 import hashlib
 import io
 import os
-import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.sampling.engine import PAGE, page_aligned_empty
+from tldp_cli.sampling.engine import PAGE
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, tldp_name
-from tldp_cli.files.checked_io import fsync_file, pwrite_all, writing
+from tldp_cli.files.checked_io import Background, fsync_file, pwrite_all, write_direct, writing
 
 NAME = "npy"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAGIC = b"\x93NUMPY"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
-_thread_buffers = threading.local()
 
 
 def can_open(path: Path) -> bool:
@@ -130,39 +126,6 @@ def open_reader(path: Path, options: FormatOptions) -> NpyReader:
     return NpyReader(path, options)
 
 
-def _aligned_copy(data: np.ndarray) -> np.ndarray:
-    """`data` (bytes) in this thread's reused page-aligned buffer."""
-    buffer = getattr(_thread_buffers, "buffer", None)
-    if buffer is None or buffer.size < data.size:
-        buffer = _thread_buffers.buffer = page_aligned_empty(data.size, np.uint8)
-    buffer[:data.size] = data
-    return buffer[:data.size]
-
-
-def _write_direct(path: Path, data: np.ndarray, position: int) -> bool:
-    """Writes whole pages (`position` and len(data) multiples of PAGE) with O_DIRECT; False,
-    having written nothing, where the filesystem does not support it."""
-    if not _O_DIRECT:
-        return False
-    if data.ctypes.data % PAGE:
-        data = _aligned_copy(data)
-    try:
-        fd = os.open(path, os.O_WRONLY | _O_DIRECT)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False
-        raise
-    try:
-        pwrite_all(fd, data, position)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False  # refused before writing: alignment the device does not take
-        raise
-    finally:
-        os.close(fd)
-    return True
-
-
 @dataclass(frozen=True)
 class _Blocks:
     """Writes a block of records at its place in the output. Picklable: opens the file
@@ -183,7 +146,7 @@ class _Blocks:
         # with the neighbouring blocks, or the end of the file) through the page cache.
         head = min(-position % PAGE, data.size)
         pages = (data.size - head) // PAGE * PAGE
-        if pages and _write_direct(self.path, data[head:head + pages], position + head):
+        if pages and write_direct(self.path, data[head:head + pages], position + head):
             rest = [(data[:head], position), (data[head + pages:], position + head + pages)]
         else:
             rest = [(data, position)]
@@ -195,50 +158,6 @@ class _Blocks:
                     pwrite_all(fd, part, at)
             finally:
                 os.close(fd)
-
-
-class _Background:
-    """Runs work(item) on a thread of its own for each item put, in order; put() waits while
-    `depth` items are queued. The first failure is raised by the next put() and by close(),
-    and the items after it are dropped (the output is lost anyway)."""
-
-    def __init__(self, work: Callable[[Any], None], name: str, depth: int = 2):
-        self._work = work
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._failure is None:
-                try:
-                    self._work(item)
-                except BaseException as exc:
-                    self._failure = exc
-
-    def put(self, item: Any) -> None:
-        if self._failure is not None:
-            raise self._failure
-        self._queue.put(item)
-
-    def close(self) -> None:
-        """Waits for the queued items; raises the failure, if any."""
-        try:
-            if self._thread.is_alive():
-                self._queue.put(None)
-                self._thread.join()
-        except BaseException as exc:  # Ctrl-C while waiting: drop the rest, let the thread end
-            self._failure = self._failure or exc
-            while True:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            self._queue.put_nowait(None)
-            raise
-        if self._failure is not None:
-            raise self._failure
 
 
 def _page_header(fields: dict) -> bytes:
@@ -275,8 +194,8 @@ class NpyWriter(Writer):
         # disk) and one hashing it from memory, so the workers go on computing meanwhile.
         self._submitted: set[int] = set()  # first records of the blocks write() took
         self._submitted_lock = threading.Lock()  # not _lock: the hasher holds that while it hashes
-        self._disk = _Background(lambda item: self._blocks(*item), f"tldp write {tmp_path.name}")
-        self._hasher = _Background(lambda item: self._hash(*item), f"tldp hash {tmp_path.name}")
+        self._disk = Background(lambda item: self._blocks(*item), f"tldp write {tmp_path.name}")
+        self._hasher = Background(lambda item: self._hash(*item), f"tldp hash {tmp_path.name}")
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         """Queues a block (from any thread, in any order) to be written and hashed from memory.

@@ -8,23 +8,28 @@ distribution is exactly the target probability mass function (total-variation
 distance 0, nothing added to delta), from 64-bit words of the per-unit generator:
 
 - Discrete Laplace, P(z) proportional to alpha^|z| with alpha = e^(-1/b): a sign bit and
-  a geometric magnitude, (sign -, 0) rejected (Canonne, Kamath and Steinke 2020,
-  Algorithm 2's construction). The magnitude is inverted from 63 uniform bits against
-  fixed-point tables of the cumulative distribution whose entries are proven by
-  interval arithmetic (Python integers and correctly rounded decimal exp), using
-  integer comparisons only; a float64 log gives the starting index, which the integer
-  comparisons then correct. A uniform that ties with a table entry draws further
-  words and compares against the exact value to as many bits as it takes. The tail
-  beyond a table is the same geometric again (memorylessness). For a large scale
-  the magnitude is split into base-2^16 digits, which are independent truncated
-  geometrics, so no table exceeds 2^16 entries.
-- Discrete Gaussian N_Z(0, sigma^2): CKS20 Algorithm 3, rejection from the discrete
-  Laplace of scale t = floor(sigma) + 1, accepting with probability
-  exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)). The acceptance compares a 64-bit uniform
-  with a float64 exp and decides only when the uniform lies more than 2^-40 away;
-  within the margin it compares against the exact value. This is exact as long as
-  NumPy's float64 exp errs by less than 2^-41 on [0, 1] (it errs by a few units in
-  2^-53; the test suite checks it against decimal arithmetic).
+  |Z| from one 32-bit half of a 64-bit word per value (-0 is 0). |Z| is inverted from
+  31 uniform bits against fixed-point tables of its cumulative distribution whose
+  entries are proven by interval arithmetic (Python integers and correctly rounded
+  decimal exp), using integer comparisons only; a guide table indexed by the uniform's
+  top bits gives the answer for most uniforms in two lookups, the next entry or a
+  binary search for the rest. A uniform that ties with a table entry draws further
+  words and compares against the exact value to as many bits as it takes. Beyond the
+  table |Z| continues as a geometric (memorylessness). For a scale too large for one
+  table of 2^16 entries: a sign bit and a geometric magnitude split into base-2^16
+  digits (independent truncated geometrics), (sign -, 0) rejected (Canonne, Kamath and
+  Steinke 2020, Algorithm 2's construction).
+- Discrete Gaussian N_Z(0, sigma^2), sigma up to about 8800: the same inversion of |Z|,
+  P(|Z| = k) proportional to 2 exp(-k^2 / (2 sigma^2)) (1 for k = 0), against proven
+  floors whose normalising sum is bounded by interval arithmetic; the 2^-40 of the mass
+  beyond the table by exact rejection from a geometric. No floating-point step.
+- Larger sigma: CKS20 Algorithm 3, rejection from the discrete Laplace of scale
+  t = floor(sigma) + 1, accepting with probability exp(-(|y| - sigma^2/t)^2 / (2 sigma^2)).
+  The acceptance compares a 32-bit uniform with a float64 exp (tabulated over |y|) and
+  decides only when the uniform lies more than 2^-40 away; within the margin it compares
+  against the exact value. This is exact as long as NumPy's float64 exp errs by less
+  than 2^-41 on [0, 1] (it errs by a few units in 2^-53; the test suite checks it
+  against decimal arithmetic).
 - The keep-the-raw-value step of TLDP is an exact Bernoulli(p) per element against the
   binary expansion of p (p rounded down to a float, so the realised p never exceeds
   the one the accounting uses); it draws nothing when p underflows to 0.
@@ -49,13 +54,16 @@ from tldp_cli.errors import DataError, UsageError
 from tldp_cli.privacy.distributions import gaussian_norm
 from tldp_cli.privacy.types import DISCRETE_NOISES, is_discrete  # noqa: F401 (discrete.is_discrete)
 
-BITS = 63  # uniform bits inverted per 64-bit word (the lowest bit is the sign)
+BITS = 31  # uniform bits inverted per 32-bit candidate word (the lowest bit is the sign)
 TABLE_MAX = 1 << 16  # entries of one inversion table, and the base of the digit split
 TAIL_BITS = 16  # a top-level table covers all but 2^-16 of the mass
+GUIDE_BITS = 17  # at most 2^17 guide entries per table (1 MiB)
 ACCEPT_MARGIN = 2.0**-40  # discrete Gaussian acceptance: float decisions only outside it
-# Samplers work through an array in pieces of this many elements: their temporaries
-# stay small enough to be reused by the allocator instead of faulted in afresh.
-CHUNK = 1 << 14
+ACCEPT_TABLE_MAX = 1 << 20  # entries of the discrete Gaussian's acceptance table
+# Samplers work through an array in rounds of at most this many candidates: long enough
+# NumPy calls that two threads run them in parallel, short enough that the temporaries
+# stay in a core's cache.
+CHUNK = 1 << 16
 _FIXED = 192  # bits of the fixed-point arithmetic that proves the table entries
 _LN2 = math.log(2)
 
@@ -147,25 +155,38 @@ def _geometric_cdf(s: Fraction, m: int, size: int | None):
 
 
 # --------------------------------------------------------------------------- geometric
+def _uint32_words(rng: np.random.Generator, size: int) -> np.ndarray:
+    """`size` uniform uint32: the halves of ceil(size / 2) 64-bit words, low half first."""
+    return rng.bit_generator.random_raw((size + 1) // 2).view(np.uint32)[:size]
+
+
 class _Level:
     """Inversion of one geometric variable Geom(beta), beta = e^-s: on {0..size-1}
-    (truncated) or on all of N (top level, size None) with the tail by recursion."""
+    (truncated) or on all of N (top level, size None) with the tail by recursion.
+
+    A guide table (Chen and Asau 1974) answers most uniforms from their top bits with two
+    lookups: guide[j] is the least m with c[m] >= j 2^shift, so a uniform u whose top
+    bits are j has c[m - 1] < u, and m is the answer when also u < c[m]. The others (a
+    table entry inside their guide cell, a tie with an entry, the tail) are settled apart."""
 
     def __init__(self, s: Fraction, size: int | None, bits: int):
         self.s, self.size, self.bits = s, size, bits
-        sf = float(s)
         if size is None:
-            self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / sf))))
-            self.d = 1.0  # guess: m + 1 = -ln(1 - u) / s
+            self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / float(s)))))
         else:
             self.entries = size
-            self.d = -math.expm1(-size * sf)  # guess: m + 1 = -ln(1 - u d) / s
-        self.inv_s = 1.0 / sf
-        table = self._table()
-        self.c = np.array(table, dtype=np.uint64)
-        # Padded for the common case: t[m] = c[m - 1] (t[0] = 0 for F(-1) = 0) and
-        # t[K + 1] = 0, so that a uniform beyond the table is never taken as settled.
-        self.t = np.array([0, *table, 0], dtype=np.uint64)
+        self._index(self._table())
+
+    def _index(self, table: list[int]) -> None:
+        """The table c (floor(2^bits F(m)) for m < entries) and its guide."""
+        bits = self.bits
+        self.c = np.array(table, dtype=np.uint32)  # entries <= 2^bits <= 2^31
+        guide_bits = min(GUIDE_BITS, bits, max(4, (self.entries - 1).bit_length() + 2))
+        self.shift = bits - guide_bits
+        starts = np.arange(1 << guide_bits, dtype=np.uint64) << np.uint64(self.shift)
+        # Capped at K - 1: a uniform beyond the table then fails u < c[K - 1], settled apart.
+        self.guide = np.minimum(np.searchsorted(self.c, starts, side="left"),
+                                self.entries - 1).astype(np.intp)
 
     def _table(self) -> list[int]:
         """floor(2^bits F(m)) for every entry, proven by fixed-point interval arithmetic."""
@@ -197,38 +218,36 @@ class _Level:
         return out
 
     def invert(self, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The variable for uniforms u (integers < 2^bits, one per element): min{m : U < F(m)}."""
-        t, K = self.t, self.entries
-        # A float64 guess, floor(-ln(1 - u d) / s); integer comparisons decide.
-        guess = u.view(np.int64).astype(np.float64)
-        guess *= -self.d * 2.0**-self.bits
-        guess += 1.0
-        np.log(guess, out=guess)
-        guess *= -self.inv_s
-        np.clip(guess, 0, K, out=guess)
-        m = guess.astype(np.int64)
-        # Settled where c[m - 1] < u < c[m]: then F(m - 1) <= U < F(m).
-        settled = t[m] < u
-        settled &= u < t[m + 1]
-        rest = np.flatnonzero(~settled)
+        """The variable for uniforms u (uint32 < 2^bits, one per element): min{m : U < F(m)}."""
+        m = np.take(self.guide, np.right_shift(u, self.shift, dtype=np.intp))  # intp: take's fast path
+        # Settled where u < c[m] (the guide gives c[m - 1] < u): F(m - 1) <= U < F(m).
+        rest = np.flatnonzero(u >= np.take(self.c, m))
         if rest.size:
-            m[rest] = self._settle(m[rest], u[rest], rng)
+            m[rest] = self._settle(m[rest] + 1, u[rest], rng)
         return m
 
     def _settle(self, m: np.ndarray, u: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The few elements whose guess was off, that tie with an entry or lie in the tail."""
+        """The uniforms the guide did not settle, given c[m - 1] <= u: the next entry
+        settles most, a search the others; then ties and the tail."""
         c, K = self.c, self.entries
-        while (up := (m < K) & (c[np.minimum(m, K - 1)] < u)).any():
-            m += up
-        while (down := (m > 0) & (c[np.maximum(m - 1, 0)] > u)).any():
-            m -= down
-        for i in range(m.size):
+        far = np.flatnonzero(np.take(c, m, mode="clip") <= u)  # m = K: c[K - 1] <= u, the tail
+        if far.size:
+            m[far] = np.searchsorted(c, u[far], side="right")  # c[m - 1] <= u < c[m]
+        for i in np.flatnonzero(np.take(c, m - 1) == u):
             m[i] = self._resolve(int(m[i]), int(u[i]), rng)
         if self.size is None:
             tail = np.flatnonzero(m == K)
-            if tail.size:  # M >= K: by memorylessness M - K is the same geometric
-                m[tail] += self.draw(rng, tail.size)
+            if tail.size:
+                m[tail] += self.tail(rng, tail.size)
         return m
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """M - K given M >= K: by memorylessness the same geometric."""
+        return self.draw(rng, size)
+
+    def cdf(self, m: int):
+        """F(m) as an interval function of the bits (see _Uniform.below)."""
+        return _geometric_cdf(self.s, m, self.size)
 
     def _resolve(self, m: int, u: int, rng: np.random.Generator) -> int:
         """min{j : U < F(j)} given c[m - 1] <= u <= c[m], when u ties with entries."""
@@ -236,19 +255,17 @@ class _Level:
         while m > 0 and c[m - 1] == u:
             m -= 1
         uniform = _Uniform(self.bits, u, rng)
-        while m < self.entries and c[m] == u and not uniform.below(
-                _geometric_cdf(self.s, m, self.size)):
+        while m < self.entries and c[m] == u and not uniform.below(self.cdf(m)):
             m += 1
         return m
 
     def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        words = rng.bit_generator.random_raw(size)
-        return self.invert(words >> np.uint64(64 - self.bits), rng)
+        return self.invert(_uint32_words(rng, size) >> (32 - self.bits), rng)
 
 
 class Geometric:
     """Exact Geom(e^-s) on {0, 1, ...}: base-2^16 digits, each an independent truncated
-    geometric, and a top digit with its tail; one 64-bit word per digit."""
+    geometric, and a top digit with its tail; one uint32 per digit."""
 
     def __init__(self, s: Fraction, bits: int = BITS):
         if s <= 0:
@@ -269,6 +286,153 @@ class Geometric:
         return m
 
 
+GAUSS_TAIL_BITS = 40  # a discrete Gaussian table covers all but about 2^-40 of the mass
+
+
+def _gaussian_sums(s2: Fraction, entries: int, P: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Fixed-point intervals (P fraction bits) of A(m) = 1 + 2 sum_{k=1..m} e(k), e(k) =
+    exp(-k^2 / (2 s2)), for m < entries, and of their limit S. The terms come from the
+    recurrence e(k + 1) = e(k) r(k), r(k) = exp(-(2k + 1) / (2 s2)) = r(k - 1) exp(-1/s2),
+    summed past the table until the rest, at most e(k) / (1 - r(k)) (the ratios fall),
+    is below 2^(-P/2): S is known to about P/2 bits."""
+    one = 1 << P
+    q_lo, q_hi = exp_neg_interval(1 / s2, P)
+    r_lo, r_hi = exp_neg_interval(1 / (2 * s2), P)
+    e_lo = e_hi = a_lo = a_hi = one
+    prefix = [(a_lo, a_hi)]
+    while True:
+        e_lo, e_hi = (e_lo * r_lo) >> P, -((-e_hi * r_hi) >> P)
+        r_lo, r_hi = (r_lo * q_lo) >> P, -((-r_hi * q_hi) >> P)
+        rest_hi = -((-e_hi * one) // (one - r_hi))  # the terms from this one on
+        if len(prefix) >= entries and rest_hi <= one >> (P // 2):
+            return prefix, (a_lo, a_hi + 2 * rest_hi)
+        a_lo, a_hi = a_lo + 2 * e_lo, a_hi + 2 * e_hi
+        if len(prefix) < entries:
+            prefix.append((a_lo, a_hi))
+
+
+class _GaussianMagnitude(_Level):
+    """|Z| for Z ~ N_Z(0, s2), inverted like a geometric level: P(|Z| = 0) = 1/S and
+    P(|Z| = k) = 2 e(k)/S, so F(m) = A(m)/S (see _gaussian_sums); the table entries are
+    proven floors of F. The tail beyond the table is drawn by exact rejection."""
+
+    def __init__(self, s2: Fraction, bits: int):
+        self.s2, self.size, self.bits = s2, None, bits
+        self.entries = gaussian_entries(math.sqrt(s2))
+        self._sums_at: dict[int, tuple] = {}  # precision -> _gaussian_sums
+        self._tail_proposal: Geometric | None = None
+        self._index(self._table())
+
+    def _sums(self, P: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        if P not in self._sums_at:
+            self._sums_at[P] = _gaussian_sums(self.s2, self.entries, P)
+        return self._sums_at[P]
+
+    def _table(self) -> list[int]:
+        P = _FIXED
+        while True:  # more precision in the rare case an entry is not decided
+            prefix, (s_lo, s_hi) = self._sums(P)
+            table = [(a_lo << self.bits) // s_hi for a_lo, _ in prefix]
+            if all(entry == (a_hi << self.bits) // s_lo for entry, (_, a_hi) in zip(table, prefix)):
+                return table
+            P *= 2
+
+    def cdf(self, m: int):
+        def interval(bits: int) -> tuple[int, int]:
+            P = _FIXED
+            while P < 2 * (bits + 16):  # S is known to P/2 bits
+                P *= 2
+            prefix, (s_lo, s_hi) = self._sums(P)
+            a_lo, a_hi = prefix[m]
+            return (a_lo << bits) // s_hi, -((-(a_hi << bits)) // s_lo)
+        return interval
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """|Z| - K given |Z| >= K: g ~ Geom(exp(-K/s2)) accepted with probability
+        exp(-g^2 / (2 s2)), since e(K + g) / e(K) = exp(-K g / s2) exp(-g^2 / (2 s2))."""
+        if self._tail_proposal is None:
+            self._tail_proposal = Geometric(self.entries / self.s2, self.bits)
+        out = np.empty(size, np.int64)
+        for i in range(size):
+            while True:
+                g = int(self._tail_proposal.from_words(_uint32_words(rng, 1) >> (32 - self.bits), rng)[0])
+                if g == 0:  # accepted with probability 1 (an exact 1 has no floor to settle)
+                    out[i] = 0
+                    break
+                uniform = _Uniform(64, int(rng.bit_generator.random_raw()), rng)
+                gamma = Fraction(g * g) / (2 * self.s2)
+                if uniform.below(lambda b, gamma=gamma: exp_neg_interval(gamma, b)):
+                    out[i] = g
+                    break
+        return out
+
+
+def gaussian_entries(sigma: float) -> int:
+    """Entries of the table of |Z| for sigma: past them lies about 2^-GAUSS_TAIL_BITS of the mass."""
+    return math.ceil(sigma * math.sqrt(2 * GAUSS_TAIL_BITS * _LN2)) + 1
+
+
+def _abs_laplace_cdf(s: Fraction, m: int):
+    """P(|Z| <= m) = 1 - 2 e^-(m+1)s / (1 + e^-s) for the discrete Laplace with a = e^-s."""
+    def interval(bits: int) -> tuple[int, int]:
+        guard = bits + 16
+        one = 1 << guard
+        p_lo, p_hi = exp_neg_interval((m + 1) * s, guard)
+        if p_hi <= 1:  # 0 < 1 - F < 2^-(bits + 15): see _geometric_cdf
+            return (1 << bits) - 1, (1 << bits) - 1
+        a_lo, a_hi = exp_neg_interval(s, guard)
+        t_lo = (2 * p_lo << guard) // (one + a_hi)
+        t_hi = -((-(2 * p_hi << guard)) // (one + a_lo))
+        return (one - t_hi) >> 16, -((-(one - t_lo)) >> 16)
+    return interval
+
+
+class _LaplaceMagnitude(_Level):
+    """|Z| of the discrete Laplace with a = e^-s, inverted like a geometric level:
+    P(|Z| = 0) = (1 - a)/(1 + a), P(|Z| = k) = 2 (1 - a) a^k / (1 + a). Beyond the table,
+    |Z| - K is Geom(a) again (K >= 1), so no value is ever rejected."""
+
+    def __init__(self, s: Fraction, bits: int):
+        self.s, self.size, self.bits = s, None, bits
+        self.entries = int(min(TABLE_MAX, max(1, math.ceil(TAIL_BITS * _LN2 / float(s)))))
+        self._tail_geometric: Geometric | None = None
+        self._index(self._table())
+
+    def _table(self) -> list[int]:
+        P = _FIXED
+        one = 1 << P
+        a_lo, a_hi = exp_neg_interval(self.s, P)
+        shift = P - self.bits
+        out = []
+        p_lo, p_hi = a_lo, a_hi  # a^(m + 1)
+        for m in range(self.entries):
+            t_lo = (2 * p_lo << P) // (one + a_hi)
+            t_hi = -((-(2 * p_hi << P)) // (one + a_lo))
+            f_lo, f_hi = (one - t_hi) >> shift, (one - t_lo) >> shift
+            out.append(f_lo if f_lo == f_hi else _floor_bits(self.cdf(m), self.bits))
+            p_lo, p_hi = (p_lo * a_lo) >> P, -((-p_hi * a_hi) >> P)
+        return out
+
+    def cdf(self, m: int):
+        return _abs_laplace_cdf(self.s, m)
+
+    def tail(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self._tail_geometric is None:
+            self._tail_geometric = Geometric(self.s, self.bits)
+        return self._tail_geometric.from_words(_uint32_words(rng, size) >> (32 - self.bits), rng)
+
+
+def _signed_draws(magnitude: _Level, rng: np.random.Generator, size: int) -> np.ndarray:
+    """`size` values of a symmetric integer noise from its |Z| level: one uint32 each, bit 0
+    the sign (-0 is 0) and the top bits the uniform of |Z|."""
+    out = np.empty(size, np.int64)
+    for start in range(0, size, CHUNK):
+        words = _uint32_words(rng, min(CHUNK, size - start))
+        m = magnitude.invert(words >> (32 - magnitude.bits), rng)
+        out[start:start + m.size] = DiscreteLaplace.signed(m, np.bitwise_and(words, 1, dtype=np.int64))
+    return out
+
+
 # --------------------------------------------------------------------------- samplers
 class DiscreteLaplace:
     """Exact two-sided geometric noise, P(z) = (1 - a)/(1 + a) a^|z|, a = e^(-1/scale)."""
@@ -276,30 +440,49 @@ class DiscreteLaplace:
     def __init__(self, scale: float, bits: int = BITS):
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"the discrete Laplace scale must be finite and > 0, not {scale}")
+        if not 1 <= bits <= BITS:
+            raise ValueError(f"bits must be in 1..{BITS}")
         self.scale = float(scale)
         self.bits = bits
-        self.magnitude = Geometric(1 / Fraction(self.scale), bits)
+        s = 1 / Fraction(self.scale)
+        # One table for |Z| when one suffices (no rejection); digits of a geometric otherwise.
+        single = math.ceil(TAIL_BITS * _LN2 / float(s)) <= TABLE_MAX
+        self.absolute = _LaplaceMagnitude(s, bits) if single else None
         self.accept = (1 + math.exp(-1 / self.scale)) / 2  # 1 - P(sign -, magnitude 0)
 
-    def _draw(self, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-        words = rng.bit_generator.random_raw(size)
-        negative = (words & np.uint64(1)).view(np.int64)
-        z = self.magnitude.from_words(words >> np.uint64(64 - self.bits), rng)
-        reject = z - negative == -1  # sign - and magnitude 0: -0 would count zero twice
-        z ^= -negative  # two's complement: -z = (z ^ -1) + 1
-        z += negative
-        return z, reject
+    @functools.cached_property
+    def magnitude(self) -> Geometric:
+        """The geometric magnitude of the sign-and-rejection construction."""
+        return Geometric(1 / Fraction(self.scale), self.bits)
+
+    def candidates(self, words: np.ndarray, rng: np.random.Generator
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """From uint32 words (bit 0 the sign, the top `bits` bits the magnitude's uniform):
+        the magnitudes, the signs (1 for -) and the positions to reject (sign -,
+        magnitude 0: -0 would count zero twice)."""
+        m = self.magnitude.from_words(words >> (32 - self.bits), rng)
+        negative = np.bitwise_and(words, 1, dtype=np.int64)
+        return m, negative, np.flatnonzero(m < negative)
+
+    @staticmethod
+    def signed(m: np.ndarray, negative: np.ndarray) -> np.ndarray:
+        """m with its sign, in place: two's complement, -m = (m ^ -1) + 1."""
+        m ^= -negative
+        m += negative
+        return m
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        if self.absolute is not None:
+            return _signed_draws(self.absolute, rng, size)
         # Draws a few more than needed and keeps the first `size` not rejected, in order:
         # still independent draws of the target.
         out = np.empty(size, np.int64)
         filled = 0
         while filled < size:
             need = size - filled
-            z, reject = self._draw(rng, min(CHUNK, math.ceil(need / self.accept) + 16))
-            if reject.any():
-                z = z[~reject]
+            m, negative, reject = self.candidates(
+                _uint32_words(rng, min(CHUNK, math.ceil(need / self.accept) + 16)), rng)
+            z = np.delete(self.signed(m, negative), reject) if reject.size else self.signed(m, negative)
             z = z[:need]
             out[filled:filled + z.size] = z
             filled += z.size
@@ -307,50 +490,91 @@ class DiscreteLaplace:
 
 
 class DiscreteGaussian:
-    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)) (CKS20, Algorithm 3)."""
+    """Exact N_Z(0, sigma^2), P(z) proportional to exp(-z^2 / (2 sigma^2)).
 
-    def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN):
+    Tabulated (sigma up to about 8800, a table of at most TABLE_MAX entries): one uint32 per
+    value, a sign bit and |Z| inverted from 31 bits against proven floors of its
+    distribution (_GaussianMagnitude), -0 being 0. Otherwise CKS20's Algorithm 3: a round
+    of n candidates draws n/2 64-bit words, their first n uint32 halves discrete Laplace
+    candidates, the next n the uniforms V of their acceptance. V is accepted outright below
+    lo(|y|) = floor(2^32 (T - margin)), T the float64 exp of the acceptance probability,
+    rejected at or above hi = ceil(2^32 (T + margin)), and decided exactly in between.
+    lo is a table over |y| up to where T < margin (lo = 0 for every larger |y|)."""
+
+    def __init__(self, sigma: float, bits: int = BITS, margin: float = ACCEPT_MARGIN,
+                 tabulated: bool | None = None):
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"the discrete Gaussian sigma must be finite and > 0, not {sigma}")
         self.sigma = float(sigma)
+        self.bits = bits
+        s2 = Fraction(self.sigma) ** 2
+        if tabulated is None:
+            tabulated = gaussian_entries(self.sigma) <= TABLE_MAX
+        self.magnitude = _GaussianMagnitude(s2, bits) if tabulated else None
+        if not tabulated:
+            self._rejection(s2, bits, margin)
+
+    def _rejection(self, s2: Fraction, bits: int, margin: float) -> None:
+        """What CKS20's rejection sampler needs."""
         self.t = math.floor(self.sigma) + 1
         self.base = DiscreteLaplace(self.t, bits)
         self.margin = margin
-        s2 = Fraction(self.sigma) ** 2
         self._s2, self._centre = s2, s2 / self.t
         self.centre = float(self._centre)
         self.inv_2s2 = 1.0 / (2.0 * self.sigma**2)
-        # Acceptance rate of one candidate (only sizes the rounds; never affects values).
+        # lo <= V < lo + band holds every undecided V (hi - lo <= 2^33 margin + 2)
+        self.band = min(2**32 - 1, math.ceil(2.0**33 * margin) + 2)
+        reach = math.ceil(self.centre + self.sigma * math.sqrt(2 * math.log(1 / min(margin, 0.5)))) + 2
+        self.lo = self._thresholds(np.arange(reach))[0] if reach <= ACCEPT_TABLE_MAX else None
+        # Accepted fraction of the candidates (only sizes the rounds; never affects values).
         a = math.exp(-1 / self.t)
-        self.accept = gaussian_norm(self.sigma) / ((1 + a) / (1 - a) * math.exp(self.sigma**2 / (2 * self.t**2)))
+        self.accept = self.base.accept * gaussian_norm(self.sigma) / (
+            (1 + a) / (1 - a) * math.exp(self.sigma**2 / (2 * self.t**2)))
+
+    def _thresholds(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """lo and hi - 1 (uint32) for magnitudes m; magnitudes too large for float64 get
+        lo = 0, hi - 1 = 2^32 - 1: every V undecided."""
+        gap = m.astype(np.float64) - self.centre
+        threshold = np.exp(gap * gap * -self.inv_2s2)
+        huge = m > 1 << 50
+        lo = np.where(huge, 0, np.clip(np.floor((threshold - self.margin) * 2.0**32), 0, 2**32 - 1))
+        hi = np.where(huge, 2**32, np.clip(np.ceil((threshold + self.margin) * 2.0**32), 1, 2**32))
+        return lo.astype(np.uint32), (hi - 1).astype(np.uint32)
 
     def _accept_interval(self, y: int):
         gamma = (abs(y) - self._centre) ** 2 / (2 * self._s2)
         return lambda bits: exp_neg_interval(gamma, bits)
 
-    def _accept(self, y: np.ndarray, words: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        gap = np.abs(y).astype(np.float64) - self.centre
-        gap *= gap
-        gap *= -self.inv_2s2
-        threshold = np.exp(gap)
-        u = words.astype(np.float64) * 2.0**-64
-        accept = u < threshold - self.margin
-        unsure = np.flatnonzero(~accept & (u <= threshold + self.margin) | (np.abs(y) > 1 << 50))
-        for i in unsure:
-            accept[i] = _Uniform(64, int(words[i]), rng).below(self._accept_interval(int(y[i])))
+    def _accept(self, m: np.ndarray, v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Acceptance of magnitudes m with uint32 uniforms v (the first 32 bits of V)."""
+        lo = np.take(self.lo, m, mode="clip") if self.lo is not None else self._thresholds(m)[0]
+        accept = v < lo
+        near = v - lo < self.band  # lo <= v < lo + band (uint32 wraps below lo)
+        if self.lo is None:
+            near |= m > 1 << 50
+        maybe = np.flatnonzero(near)
+        if maybe.size:
+            lo, hi = self._thresholds(m[maybe])
+            for i in maybe[(v[maybe] >= lo) & (v[maybe] <= hi)]:
+                accept[i] = _Uniform(32, int(v[i]), rng).below(self._accept_interval(int(m[i])))
         return accept
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
+        if self.magnitude is not None:
+            return _signed_draws(self.magnitude, rng, size)
         out = np.empty(size, np.int64)
+        # As DiscreteLaplace.sample: enough candidates for one round, most of the time.
         filled = 0
         while filled < size:
             need = size - filled
             count = min(CHUNK, math.ceil(need / self.accept + 4 * math.sqrt(need)) + 16)
-            y = self.base.sample(rng, count)
-            y = y[self._accept(y, rng.bit_generator.random_raw(count), rng)][:need]
-            out[filled:filled + y.size] = y
-            filled += y.size
+            words = rng.bit_generator.random_raw(count).view(np.uint32)
+            m, negative, reject = self.base.candidates(words[:count], rng)
+            accept = self._accept(m, words[count:], rng)
+            accept[reject] = False
+            z = self.base.signed(m, negative)[accept][:need]
+            out[filled:filled + z.size] = z
+            filled += z.size
         return out
 
 
