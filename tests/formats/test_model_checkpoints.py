@@ -49,6 +49,7 @@ def manifest_of(result) -> dict:
 
 
 def test_torch_batchnorm_model_loads_and_runs(cli, tmp_path):
+    pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
     net = small_net()
@@ -69,6 +70,7 @@ def test_torch_batchnorm_model_loads_and_runs(cli, tmp_path):
 
 
 def test_opted_in_variance_is_perturbed_and_stays_positive(cli, tmp_path):
+    pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
     net = small_net()
