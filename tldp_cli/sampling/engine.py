@@ -135,6 +135,11 @@ def zero_kept(noise: np.ndarray, positions: np.ndarray, thinning: np.ndarray,
     noise[rows[kept], cols[kept]] = 0
 
 
+def _records_and_output(block: np.ndarray, elements: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The block as (records, elements), and a page-aligned output of that shape in `dtype`."""
+    return block.reshape(block.shape[0], elements), page_aligned_empty((block.shape[0], elements), dtype)
+
+
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
                     dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None) -> np.ndarray:
@@ -150,10 +155,8 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid)
     dtype = np.dtype(dtype)
     check_noise_scale(calib.scale, dtype)
-    n = block.shape[0]
-    elements = calib.elements
-    records = block.reshape(n, elements)
-    out = page_aligned_empty((n, elements), dtype)
+    n, elements = block.shape[0], calib.elements
+    records, out = _records_and_output(block, elements, dtype)
     if n == 0:
         return out.reshape(block.shape)
     per_unit = records_per_unit(elements)
@@ -196,10 +199,8 @@ def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, cali
     the run's grid, into which snapped float values are clipped (see discrete.snap)."""
     dtype = np.dtype(np.int64 if dtype is None else dtype)
     granularity = getattr(calib, "granularity", None)
-    n = block.shape[0]
-    elements = calib.elements
-    records = block.reshape(n, elements)
-    out = page_aligned_empty((n, elements), dtype)
+    n, elements = block.shape[0], calib.elements
+    records, out = _records_and_output(block, elements, dtype)
     if n == 0:
         return out.reshape(block.shape)
     # Integer data adds to the noise as it is (no int64 copy of the block first).
