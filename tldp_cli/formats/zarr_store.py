@@ -3,7 +3,8 @@
 The output starts as a file-for-file copy of the input without the perturbed
 arrays' chunks. Their metadata is rewritten for the float output dtype (same
 chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
-records are written through zarr. Consolidated metadata is rebuilt at the end.
+records are written as chunk files (zarr_chunks.py) or, for sharded and other
+layouts, through zarr-python. Consolidated metadata is rebuilt at the end.
 
 Nothing outside the store is read or copied. A symbolic link anywhere inside it
 (to a file or a directory, dangling or not), or any other entry that is neither a
@@ -52,7 +53,7 @@ from tldp_cli.formats import (
     plural,
     tldp_name,
 )
-from tldp_cli.formats import cf
+from tldp_cli.formats import cf, zarr_chunks
 
 NAME = "zarr"
 RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
@@ -216,6 +217,7 @@ class _Records:
     name: str  # the array's path in the store, "" for a single-array store
     zarr_format: int
     encoding: cf.Encoding | None = None  # CF: missing values and packing (xarray's stores)
+    chunk_files: zarr_chunks.Layout | None = None  # plain chunk files are read without zarr-python
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.stored(start, stop)
@@ -235,10 +237,14 @@ class _Records:
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
-        array = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
-                      self.zarr_format)
         try:
+            if self.chunk_files is not None:
+                return self.chunk_files.read(self.store / self.name, start, stop)
+            array = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
+                          self.zarr_format)
             return np.asarray(array[start:stop])
+        except InputError:
+            raise
         except Exception as exc:
             raise InputError(f"{self.store}: cannot read records {start}-{stop} of array "
                              f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
@@ -566,7 +572,8 @@ class ZarrReader(Reader):
             self.messages += cf.messages(_display(name), array.dtype, encoding)
         return ArrayJob(
             name=_display(name), shape=shape, dtype=encoding.dtype if encoding else array.dtype,
-            read=_Records(self.path, name, self.zarr_format, encoding),
+            read=_Records(self.path, name, self.zarr_format, encoding,
+                          zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)),
             source={"path": str(self.path), "format": NAME, "dataset": _display(name),
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
@@ -733,27 +740,33 @@ class _Blocks:
 
     def __post_init__(self):
         self._arrays: dict[str, Any] = {}
+        self.digests: dict[Path, str] = {}  # chunk files written here; in Dask workers it stays empty
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_arrays"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_arrays", "digests")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _arrays={})
+        self.__dict__.update(state, _arrays={}, digests={})
 
     def array(self, job_name: str):
+        """(the open array, its plain chunk files' layout or None)"""
         if job_name not in self._arrays:
-            self._arrays[job_name] = _open(LocalStore(self.root), self.source, self.paths[job_name],
-                                           "array", self.zarr_format, mode="r+")
+            array = _open(LocalStore(self.root), self.source, self.paths[job_name], "array",
+                          self.zarr_format, mode="r+")
+            self._arrays[job_name] = array, zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
         return self._arrays[job_name]
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Writes the block; returns how many noisy values it moved off missing-data markers."""
-        array = self.array(job.name)
+        array, chunk_files = self.array(job.name)
         block = np.asarray(block, dtype=self.dtype)
         moved = 0
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
             moved = self._keep_missing(job.name, start, block)
+        if chunk_files is not None and chunk_files.aligned(start, len(block)):
+            self.digests.update(chunk_files.write(self.root / self.paths[job.name], start, block))
+            return moved
         try:
             array[start:start + len(block)] = block
         except OSError:
@@ -996,6 +1009,9 @@ class ZarrWriter(Writer):
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         self.moved.append((job.name, self.blocks(job, start, block)))  # append is atomic across threads
+
+    def digests(self) -> dict[Path, str]:
+        return dict(self.blocks.digests)
 
     def block_writer(self) -> _Blocks | None:
         """None where CF markers are kept: the blocks come back, so that the moves are counted."""

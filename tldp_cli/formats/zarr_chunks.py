@@ -1,0 +1,175 @@
+"""Chunk files of plain Zarr arrays, read and written beside zarr-python.
+
+zarr-python moves every chunk through one asyncio event loop shared by all the
+threads that call it, and writes each through a temporary file: in a run that path
+cost as much CPU as the codec, and two workers reading through it were no faster
+than one (docs/performance.md). An array whose chunks are plain files (a regular
+grid, no sharding, C order, the bytes codec and at most one compressor: zstd, gzip
+or blosc in Zarr 3, any numcodecs compressor without filters in Zarr 2) is read and
+written here instead, with the numcodecs codec that zarr-python itself calls, so
+each chunk file holds what zarr-python would write. Any other array goes through
+zarr-python (`layout` returns None).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numcodecs
+import numpy as np
+
+from tldp_cli.files.checked_io import writing
+
+_V3_COMPRESSORS = ("zstd", "gzip", "blosc")
+_BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(config_json: str):
+    """One numcodecs codec per configuration, shared by threads (its encode and decode
+    keep no state between calls)."""
+    return numcodecs.get_codec(json.loads(config_json))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an array's chunks are and how each is encoded. Picklable (Dask workers)."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype  # as stored, byte order included
+    fill_value: Any
+    compressor: str | None  # its numcodecs configuration, as JSON
+    typed: bool  # the compressor gets the typed array (Zarr 2), not its bytes (Zarr 3)
+    prefix: str  # before the chunk's indices: "c/", "c." or ""
+    separator: str
+
+    def key(self, index: tuple[int, ...]) -> str:
+        return self.prefix + self.separator.join(map(str, index))
+
+    def _grid(self, first: int, stop: int) -> Iterator[tuple[int, ...]]:
+        """The indices of the chunks that hold records first:stop, in order."""
+        ranges = [range(first // self.chunks[0], -(-stop // self.chunks[0]))]
+        ranges += [range(-(-n // c)) for n, c in zip(self.shape[1:], self.chunks[1:])]
+        return itertools.product(*ranges)
+
+    def _region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunks, self.shape))
+
+    def decode(self, data: bytes) -> np.ndarray:
+        if self.compressor is not None:
+            data = _codec(self.compressor).decode(data)
+        return np.frombuffer(data, dtype=self.dtype).reshape(self.chunks)
+
+    def encode(self, chunk: np.ndarray) -> bytes:
+        chunk = np.ascontiguousarray(chunk, dtype=self.dtype)
+        if self.compressor is None:
+            return chunk.tobytes()
+        return bytes(_codec(self.compressor).encode(chunk if self.typed else chunk.view(np.uint8).ravel()))
+
+    def read(self, directory: Path, start: int, stop: int) -> np.ndarray:
+        """Records start:stop of the array whose chunks are in `directory`; a chunk with no
+        file holds the fill value. Raises OSError, or ValueError and numcodecs' errors for
+        a damaged chunk."""
+        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype.newbyteorder("="))
+        for index in self._grid(start, stop):
+            region = self._region(index)
+            rows = slice(max(region[0].start, start), min(region[0].stop, stop))
+            target = (slice(rows.start - start, rows.stop - start), *region[1:])
+            try:
+                data = (directory / self.key(index)).read_bytes()
+            except FileNotFoundError:
+                out[target] = self.fill_value
+                continue
+            chunk = self.decode(data)
+            offset = index[0] * self.chunks[0]
+            out[target] = chunk[(slice(rows.start - offset, rows.stop - offset),
+                                 *(slice(0, r.stop - r.start) for r in region[1:]))]
+        return out
+
+    def aligned(self, start: int, records: int) -> bool:
+        """Whether records start:start+records are whole chunks along axis 0 (the last may
+        end with the array)."""
+        stop = start + records
+        return start % self.chunks[0] == 0 and (stop % self.chunks[0] == 0 or stop == self.shape[0])
+
+    def write(self, directory: Path, start: int, block: np.ndarray) -> dict[Path, str]:
+        """Writes the chunks of records start:start+len(block) (aligned) into `directory`;
+        returns each file's sha256. A chunk cut by the array's edge is padded with the fill
+        value, as zarr-python does."""
+        digests = {}
+        for index in self._grid(start, start + len(block)):
+            region = self._region(index)
+            rows = slice(region[0].start - start, region[0].stop - start)
+            part = block[(rows, *region[1:])]
+            if part.shape != self.chunks:
+                padded = np.full(self.chunks, self.fill_value, dtype=self.dtype)
+                padded[tuple(slice(0, n) for n in part.shape)] = part
+                part = padded
+            encoded = self.encode(part)
+            path = directory / self.key(index)
+            with writing(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb") as file:
+                    file.write(encoded)
+            digests[path] = hashlib.sha256(encoded).hexdigest()
+        return digests
+
+
+def _v3_compressor(codecs: list[dict[str, Any]], dtype: np.dtype) -> tuple[dict | None, np.dtype] | None:
+    """The numcodecs configuration of a Zarr 3 codec chain of bytes and at most one
+    compressor, and the stored dtype; None for any other chain."""
+    if not codecs or codecs[0].get("name") != "bytes" or len(codecs) > 2:
+        return None
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    stored = dtype.newbyteorder("<" if endian == "little" else ">")
+    if len(codecs) == 1:
+        return None, stored
+    name, config = codecs[1].get("name"), dict(codecs[1].get("configuration") or {})
+    if name not in _V3_COMPRESSORS:
+        return None
+    if name == "blosc":
+        config["shuffle"] = _BLOSC_SHUFFLE.get(config.get("shuffle"), config.get("shuffle"))
+        if not isinstance(config["shuffle"], int):
+            return None
+    return {"id": name, **config}, stored
+
+
+def layout(metadata: dict[str, Any], fill_value: Any) -> Layout | None:
+    """The chunk layout of an array from its metadata as JSON (zarr.json, or .zarray), or
+    None where its chunks are not plain files this module reads and writes."""
+    shape = tuple(metadata.get("shape") or ())
+    if not shape:
+        return None
+    if metadata.get("zarr_format") == 2 or "chunks" in metadata:
+        if metadata.get("filters") or metadata.get("order", "C") != "C":
+            return None
+        dtype, compressor, typed = np.dtype(metadata["dtype"]), metadata.get("compressor"), True
+        chunks = tuple(metadata["chunks"])
+        prefix, separator = "", metadata.get("dimension_separator") or "."
+    else:
+        grid, keys = metadata.get("chunk_grid") or {}, metadata.get("chunk_key_encoding") or {}
+        if (grid.get("name") != "regular" or metadata.get("storage_transformers")
+                or not isinstance(metadata.get("data_type"), str)
+                or keys.get("name") not in ("default", "v2")):
+            return None
+        codecs = _v3_compressor(list(metadata.get("codecs") or []), np.dtype(metadata["data_type"]))
+        if codecs is None:
+            return None
+        compressor, dtype = codecs
+        typed, chunks = False, tuple(grid["configuration"]["chunk_shape"])
+        default = "/" if keys["name"] == "default" else "."
+        separator = (keys.get("configuration") or {}).get("separator", default)
+        prefix = "c" + separator if keys["name"] == "default" else ""
+    if dtype.kind not in "iuf" or len(chunks) != len(shape) or math.prod(chunks) == 0:
+        return None
+    return Layout(shape, chunks, dtype, 0 if fill_value is None else fill_value,
+                  None if compressor is None else json.dumps(compressor, sort_keys=True), typed,
+                  prefix, separator)
