@@ -60,10 +60,12 @@ TAIL_BITS = 16  # a top-level table covers all but 2^-16 of the mass
 GUIDE_BITS = 17  # at most 2^17 guide entries per table (1 MiB)
 ACCEPT_MARGIN = 2.0**-40  # discrete Gaussian acceptance: float decisions only outside it
 ACCEPT_TABLE_MAX = 1 << 20  # entries of the discrete Gaussian's acceptance table
-# Samplers work through an array in rounds of at most this many candidates: long enough
-# NumPy calls that two threads run them in parallel, short enough that the temporaries
-# stay in a core's cache.
-CHUNK = 1 << 16
+# Samplers work through an array in rounds of at most this many candidates: a stream
+# unit's noise in one round. Each round is a dozen NumPy calls and two worker threads hand
+# the GIL over at every call: rounds of 2^16 made four times the handovers and gave two
+# workers 1.4x one worker's rate for the discrete Laplace, rounds of 2^18 1.7x
+# (docs/performance.md). The value decides the order of draws (rng.STREAM_LAYOUT).
+CHUNK = 1 << 18
 _FIXED = 192  # bits of the fixed-point arithmetic that proves the table entries
 _LN2 = math.log(2)
 

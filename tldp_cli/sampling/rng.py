@@ -34,7 +34,8 @@ STREAM_UNIT_ELEMENTS = 1 << 18
 # how a unit's key is derived, and the order in which the engine draws from a unit.
 # Bump it with any change to those: a resumed run (--resume) refuses to mix blocks
 # drawn under another layout.
-STREAM_LAYOUT = 3  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates
+STREAM_LAYOUT = 4  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates;
+                  # 4: their rounds of discrete.CHUNK = 2^18 candidates (2^16 before)
 
 
 # The bits a seed holds cannot be measured, only the length of its key material: 4
