@@ -2,6 +2,7 @@
 equals an uninterrupted one with the same seed."""
 
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -26,10 +27,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 BLOCK = 640  # 10 records of 8 x 8: shard-aligned blocks of 20 records, 10 blocks
 
 
-def make_store(tmp_path, consolidated=False):
-    """A sharded array, or a consolidated group holding it and an untouched array."""
+def make_store(tmp_path, consolidated=False, sharded=True):
+    """A sharded array, or a consolidated group holding it and an untouched array; or an
+    array of plain chunk files (formats/zarr_chunks.py writes those)."""
     path = tmp_path / "in.zarr"
-    if consolidated:
+    if not sharded:
+        zarr.create_array(store=str(path), shape=DATA.shape, dtype=DATA.dtype, chunks=(20, 8, 8),
+                          zarr_format=2)[:] = DATA
+    elif consolidated:
         group = zarr.open_group(str(path), mode="w", zarr_format=3)
         group.create_array("x", shape=DATA.shape, dtype=DATA.dtype, chunks=(10, 8, 8),
                            shards=(20, 8, 8))[:] = DATA
@@ -129,6 +134,42 @@ def test_killed_run_resumes(tmp_path):
     perturb(options(src, out, resume=True, workers=2))
     reference = tmp_path / "reference.zarr"
     perturb(options(src, reference))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+
+
+def test_plain_chunk_files_resume(tmp_path):
+    src = make_store(tmp_path, sharded=False)
+    out = tmp_path / "out.zarr"
+    with pytest.raises(Interrupted):
+        perturb(options(src, out, workers=2), progress=stop_after(4))
+    assert 4 <= len(journal_blocks(out)) < 10
+    result = perturb(options(src, out, resume=True, workers=2))
+    reference = tmp_path / "reference.zarr"
+    perturb(options(src, reference))
+    np.testing.assert_array_equal(read_store(out), read_store(reference))
+    for entry in result.manifest["outputs"]:  # hashed as written, or read back for the blocks kept
+        assert entry["sha256"] == hashlib.sha256(open(entry["path"], "rb").read()).hexdigest()
+
+
+def test_a_resumed_run_counts_the_values_moved_off_markers_before_it(tmp_path):
+    """CF missing values: the blocks the interrupted run wrote count in the manifest."""
+    src = tmp_path / "in.zarr"
+    data = np.zeros((200, 8, 8), np.float32)  # values at 0, next to the marker -1: noise lands on it
+    data[::7, 0, 0] = -1.0
+    array = zarr.create_array(store=str(src), shape=data.shape, dtype=data.dtype, chunks=(20, 8, 8),
+                              fill_value=-1.0, zarr_format=3,
+                              attributes={"_FillValue": -1.0}, dimension_names=("time", "y", "x"))
+    array[:] = data
+    more = {"value_range": (0.0, 0.5)}
+    reference = tmp_path / "reference.zarr"
+    expected = perturb(options(src, reference, **more)).manifest["missing_values"]
+    out = tmp_path / "out.zarr"
+    with pytest.raises(Interrupted):
+        perturb(options(src, out, **more), progress=stop_after(4))
+    assert any("note" in entry for entry in journal_blocks(out))
+    resumed = perturb(options(src, out, resume=True, **more)).manifest["missing_values"]
+    assert resumed == expected
+    assert list(expected.values())[0]["moved_off_markers"] > 0
     np.testing.assert_array_equal(read_store(out), read_store(reference))
 
 

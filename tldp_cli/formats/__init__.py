@@ -117,6 +117,15 @@ class Writer:
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
         """Told once a block is written or handed to `write` (e.g. to hash it meanwhile)."""
 
+    def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
+        """What a resumed run must know of a written block besides its place (--resume
+        journals it with the block), e.g. counts the manifest adds up."""
+        return {}
+
+    def resumed(self, notes: dict[tuple[str, int], dict[str, Any]]) -> None:
+        """Given, when resuming, the notes of the blocks the interrupted run wrote, by
+        (array name, start)."""
+
     def finish(self) -> None:
         """Called once every block is written, before close."""
 

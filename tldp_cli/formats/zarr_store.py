@@ -975,7 +975,8 @@ class ZarrWriter(Writer):
                     _drop_raw_statistics(tmp_path, pyramid, reader.zarr_format)
         self.blocks = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype, self.missing,
                               bounds or {})
-        self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
+        # (job name, first record) -> noisy values moved off its markers, per block written
+        self.moved: dict[tuple[str, int], int] = {}
         for job in names:  # open now: a bad codec fails before any block runs
             self.blocks.array(job)
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
@@ -1008,7 +1009,17 @@ class ZarrWriter(Writer):
         return zattrs
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        self.moved.append((job.name, self.blocks(job, start, block)))  # append is atomic across threads
+        self.moved[job.name, start] = self.blocks(job, start, block)  # one key per block: thread-safe
+
+    def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
+        moved = self.moved.get((job.name, start))
+        return {"moved_off_markers": moved} if moved is not None else {}
+
+    def resumed(self, notes: dict[tuple[str, int], dict[str, Any]]) -> None:
+        """The blocks an interrupted run wrote count in moved_off_markers as well."""
+        for key, note in notes.items():
+            if "moved_off_markers" in note:
+                self.moved[key] = note["moved_off_markers"]
 
     def digests(self) -> dict[Path, str]:
         return dict(self.blocks.digests)
@@ -1029,7 +1040,7 @@ class ZarrWriter(Writer):
                 for path in sorted(self.consolidate, key=lambda p: (p == "", -p.count("/"))):
                     zarr.consolidate_metadata(LocalStore(self.root), path=path,
                                               zarr_format=self.zarr_format)
-        cf.count_moves(self.manifest_extra, self.moved)
+        cf.count_moves(self.manifest_extra, [(name, count) for (name, _), count in self.moved.items()])
 
     def close(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*") if p.is_file())

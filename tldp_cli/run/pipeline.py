@@ -611,6 +611,7 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     try:
         if partial is not None:
             partial.begin()
+            writer.resumed({(name, start): note for (name, start, _), note in partial.completed.items()})
             kept = [t for t in tasks if (t[0].name, t[1], t[2]) in partial.completed]
             tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
             if kept and progress:
@@ -642,7 +643,7 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
                     if noisy is not None:
                         writer.write(job, start, noisy)
                     if partial is not None:
-                        partial.done(job.name, start, stop)
+                        partial.done(job.name, start, stop, writer.block_note(job, start))
                     writer.block_written(job, start, stop)  # e.g. hash it while blocks run
                 if progress:
                     progress(stop - start, total)

@@ -52,8 +52,9 @@ def _show(value: Any) -> str:
 class Partial:
     """An exclusive hold on the partial output of `output`.
 
-    `resuming` says whether blocks of an earlier run are kept; `completed` holds
-    their (array name, start, stop); `messages` what the user should be told.
+    `resuming` says whether blocks of an earlier run are kept; `completed` maps their
+    (array name, start, stop) to the writer's note of each (Writer.block_note);
+    `messages` what the user should be told.
     """
 
     def __init__(self, output: Path, options: dict[str, Any], resume: bool):
@@ -65,7 +66,7 @@ class Partial:
         self.provenance = {"tldp": __version__, "stream_layout": rng.STREAM_LAYOUT,
                            "stream_unit_elements": rng.STREAM_UNIT_ELEMENTS}
         self.resuming = False
-        self.completed: set[tuple[str, int, int]] = set()
+        self.completed: dict[tuple[str, int, int], dict[str, Any]] = {}
         self.messages: list[str] = []
         self._lock: int | None = None
         self._fd: int | None = None
@@ -124,12 +125,13 @@ class Partial:
         self.completed = completed
         self._fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
 
-    def _read_journal(self) -> tuple[dict[str, Any] | None, set[tuple[str, int, int]]]:
-        """The journal's first line (options, version, layout) and the finished blocks."""
+    def _read_journal(self) -> tuple[dict[str, Any] | None, dict[tuple[str, int, int], dict[str, Any]]]:
+        """The journal's first line (options, version, layout) and the finished blocks with
+        their notes."""
         try:
             lines = self.journal.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError):
-            return None, set()
+            return None, {}
         entries = []
         for line in lines:
             try:
@@ -137,13 +139,13 @@ class Partial:
             except ValueError:  # the last line of a run killed while writing it
                 break
         if not entries or not isinstance(entries[0], dict) or entries[0].get("journal") != JOURNAL_VERSION:
-            return None, set()
+            return None, {}
         if not isinstance(entries[0].get("options"), dict) or not self.store.is_dir():
-            return None, set()
+            return None, {}
         try:
-            return entries[0], {(e["array"], e["start"], e["stop"]) for e in entries[1:]}
-        except (KeyError, TypeError):
-            return None, set()
+            return entries[0], {(e["array"], e["start"], e["stop"]): e.get("note") or {} for e in entries[1:]}
+        except (KeyError, TypeError, AttributeError):
+            return None, {}
 
     def _discard(self) -> None:
         shutil.rmtree(self.root)
@@ -160,8 +162,8 @@ class Partial:
         self._fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         self._append({"journal": JOURNAL_VERSION, **self.provenance, "options": self.options})
 
-    def done(self, array: str, start: int, stop: int) -> None:
-        self._append({"array": array, "start": start, "stop": stop})
+    def done(self, array: str, start: int, stop: int, note: dict[str, Any]) -> None:
+        self._append({"array": array, "start": start, "stop": stop, **({"note": note} if note else {})})
 
     def _append(self, entry: dict[str, Any]) -> None:
         os.write(self._fd, (json.dumps(entry) + "\n").encode())  # one write: whole lines
