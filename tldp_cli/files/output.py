@@ -44,6 +44,7 @@ from pathlib import Path
 from tldp_cli.errors import InputError, OutputError, UsageError
 
 WORK_MARK = ".tldp-tmp-"
+PARTIAL_MARK = ".tldp-partial"  # .NAME.tldp-partial: a resumable run's output (run/resume.py)
 _NEW_MARK = ".tldp-new-"  # a work folder before its lock is taken
 _NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run starting up
 LOCK_FILE = "lock"
@@ -229,11 +230,14 @@ def _size(n: float) -> str:
 
 def shown(path: Path) -> Path:
     """`path` by the name the user will find it under: a file in a run's work folder
-    (.NAME.tldp-tmp-XXXXXXXX/NAME/...) by its destination (NAME/...)."""
+    (.NAME.tldp-tmp-XXXXXXXX/NAME/...) or in the partial output of a resumable run
+    (.NAME.tldp-partial/store/..., see run/resume.py) by its destination (NAME/...)."""
     parts = path.parts
     for i in range(len(parts) - 1):
         if parts[i].startswith(f".{parts[i + 1]}{WORK_MARK}"):
             return Path(*parts[:i], *parts[i + 1:])
+        if parts[i].startswith(".") and parts[i].endswith(PARTIAL_MARK) and parts[i + 1] == "store":
+            return Path(*parts[:i], parts[i][1:-len(PARTIAL_MARK)], *parts[i + 2:])
     return path
 
 

@@ -9,6 +9,10 @@ or blosc in Zarr 3, any numcodecs compressor without filters in Zarr 2) is read 
 written here instead, with the numcodecs codec that zarr-python itself calls, so
 each chunk file holds what zarr-python would write. Any other array goes through
 zarr-python (`layout` returns None).
+
+Reading is stricter than zarr-python's in two ways: a Blosc chunk whose header states
+another length than the file's is refused (numcodecs decodes a truncated one from
+beyond its end), and a chunk path that is not a file is an error, not the fill value.
 """
 
 from __future__ import annotations
@@ -31,11 +35,24 @@ _V3_COMPRESSORS = ("zstd", "gzip", "blosc")
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
+# numcodecs takes Blosc's typesize from 0.16 on; zarr-python leaves it out before.
+_BLOSC_TYPESIZE = tuple(int(part) for part in numcodecs.__version__.split(".")[:2]) >= (0, 16)
+
+
 @functools.lru_cache(maxsize=None)
 def _codec(config_json: str):
     """One numcodecs codec per configuration, shared by threads (its encode and decode
     keep no state between calls)."""
-    return numcodecs.get_codec(json.loads(config_json))
+    config = json.loads(config_json)
+    if config["id"] == "blosc" and not _BLOSC_TYPESIZE:
+        config.pop("typesize", None)
+    return numcodecs.get_codec(config)
+
+
+def _check_blosc_length(data: bytes) -> None:
+    """A Blosc frame states its own length (bytes 12-16 of its header)."""
+    if len(data) < 16 or int.from_bytes(data[12:16], "little") != len(data):
+        raise ValueError(f"a Blosc chunk of {len(data)} bytes whose header says otherwise (truncated?)")
 
 
 @dataclass(frozen=True)
@@ -63,16 +80,23 @@ class Layout:
     def _region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
         return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, self.chunks, self.shape))
 
+    @property
+    def codec(self):
+        """The numcodecs compressor, or None."""
+        return None if self.compressor is None else _codec(self.compressor)
+
     def decode(self, data: bytes) -> np.ndarray:
         if self.compressor is not None:
-            data = _codec(self.compressor).decode(data)
+            if self.codec.codec_id == "blosc":
+                _check_blosc_length(data)
+            data = self.codec.decode(data)
         return np.frombuffer(data, dtype=self.dtype).reshape(self.chunks)
 
     def encode(self, chunk: np.ndarray) -> bytes:
         chunk = np.ascontiguousarray(chunk, dtype=self.dtype)
         if self.compressor is None:
             return chunk.tobytes()
-        return bytes(_codec(self.compressor).encode(chunk if self.typed else chunk.view(np.uint8).ravel()))
+        return bytes(self.codec.encode(chunk if self.typed else chunk.view(np.uint8).ravel()))
 
     def read(self, directory: Path, start: int, stop: int) -> np.ndarray:
         """Records start:stop of the array whose chunks are in `directory`; a chunk with no
@@ -103,7 +127,8 @@ class Layout:
     def write(self, directory: Path, start: int, block: np.ndarray) -> dict[Path, str]:
         """Writes the chunks of records start:start+len(block) (aligned) into `directory`;
         returns each file's sha256. A chunk cut by the array's edge is padded with the fill
-        value, as zarr-python does."""
+        value, as zarr-python does. Raises WriteError, or the codec's error for values it
+        cannot encode."""
         digests = {}
         for index in self._grid(start, start + len(block)):
             region = self._region(index)

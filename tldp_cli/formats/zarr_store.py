@@ -753,7 +753,10 @@ class _Blocks:
         if job_name not in self._arrays:
             array = _open(LocalStore(self.root), self.source, self.paths[job_name], "array",
                           self.zarr_format, mode="r+")
-            self._arrays[job_name] = array, zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
+            chunk_files = zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
+            if chunk_files is not None:
+                chunk_files.codec  # built now: an unknown codec fails before any block runs
+            self._arrays[job_name] = array, chunk_files
         return self._arrays[job_name]
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
@@ -764,11 +767,11 @@ class _Blocks:
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
             moved = self._keep_missing(job.name, start, block)
-        if chunk_files is not None and chunk_files.aligned(start, len(block)):
-            self.digests.update(chunk_files.write(self.root / self.paths[job.name], start, block))
-            return moved
         try:
-            array[start:start + len(block)] = block
+            if chunk_files is not None and chunk_files.aligned(start, len(block)):
+                self.digests.update(chunk_files.write(self.root / self.paths[job.name], start, block))
+            else:
+                array[start:start + len(block)] = block
         except OSError:
             raise
         except Exception as exc:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tldp_cli import __version__
+from tldp_cli.files.output import PARTIAL_MARK
 from tldp_cli.sampling import rng
 from tldp_cli.errors import OutputError, UsageError
 
@@ -40,7 +41,7 @@ _PROVENANCE = {"tldp": "tldp version", "stream_layout": "random-stream layout",
 
 
 def partial_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.tldp-partial")
+    return output.with_name(f".{output.name}{PARTIAL_MARK}")
 
 
 def _show(value: Any) -> str:
