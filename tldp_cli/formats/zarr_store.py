@@ -766,7 +766,7 @@ class _Blocks:
         moved = 0
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
-            moved = self._keep_missing(job.name, start, block)
+            moved = self._keep_missing(job, start, block)
         try:
             if chunk_files is not None and chunk_files.aligned(start, len(block)):
                 self.digests.update(chunk_files.write(self.root / self.paths[job.name], start, block))
@@ -779,11 +779,12 @@ class _Blocks:
                              f"its codecs ({exc})") from None
         return moved
 
-    def _keep_missing(self, job_name: str, start: int, block: np.ndarray) -> int:
+    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
+        job_name = job.name
         pairs = self.missing[job_name]
-        stored = _Records(self.source, self.paths[job_name], self.zarr_format).stored(start, start + len(block))
+        stored = job.read.stored(start, start + len(block))  # the input's _Records
         missing = np.zeros(block.shape, dtype=bool)
         for marker, out in pairs:
             where = np.isnan(stored) if np.isnan(marker) else stored == marker
