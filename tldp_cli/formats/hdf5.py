@@ -1,7 +1,9 @@
 """HDF5 files: the chosen numeric datasets are perturbed; everything else (the group
 tree, attributes, links, other datasets, the user block) is copied unchanged. A
 perturbed dataset keeps its chunks and lossless filters; filters that may be lossy
-(LOSSY_FILTERS) are left off and listed in the manifest (dropped_filters).
+(LOSSY_FILTERS) are left off and listed in the manifest (dropped_filters). Records
+are read and written outside HDF5 where their bytes allow it: at their places in the
+file (_Placement) or, for deflated chunks, compressed by the workers (hdf5_chunks.py).
 
 The output is built object by object rather than by copying whole groups, so that
 a perturbed dataset reachable under a second name (a hard link) gets the perturbed
@@ -79,7 +81,7 @@ from tldp_cli.formats import (
 )
 from tldp_cli.files.checked_io import Background, pwrite_all, write_direct, write_error, writing
 from tldp_cli.files.output import shown
-from tldp_cli.formats import cf, tensor_files
+from tldp_cli.formats import cf, hdf5_chunks, tensor_files
 from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
@@ -317,6 +319,7 @@ class _Records:
     size: int  # the file's size at open
     encoding: cf.Encoding | None = None
     placement: _Placement | None = None  # read outside HDF5 when known
+    deflated: hdf5_chunks.Deflated | None = None  # or its chunks decompressed outside HDF5
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.stored(start, stop)
@@ -331,7 +334,8 @@ class _Records:
                 block = self.placement.read(self.path, start, stop)
             else:
                 with h5py.File(self.path, "r") as f:
-                    block = f[self.dataset][start:stop]
+                    ds = f[self.dataset]
+                    block = ds[start:stop] if self.deflated is None else self.deflated.read(ds, start, stop)
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)  # the likelier cause of "truncated file"
             raise InputError(f"{self.path}: cannot read records {start}:{stop} of dataset "
@@ -569,7 +573,8 @@ class Hdf5Reader(Reader):
             self.messages += cf.messages(name, ds.dtype, encoding)
         return ArrayJob(
             name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
-            read=_Records(self.path, name, self.size, encoding, _placement_within(ds, self.size)),
+            read=_Records(self.path, name, self.size, encoding, _placement_within(ds, self.size),
+                          hdf5_chunks.deflated(ds)),
             source={"path": str(self.path), "format": NAME, "dataset": name,
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
@@ -817,6 +822,7 @@ class Hdf5Writer(Writer):
         self.variances = reader.variances
         self.datasets: dict[str, h5py.Dataset] = {}  # job name -> output dataset
         self.placements: dict[str, _Placement] = {}  # job name -> where its records go
+        self.deflated: dict[str, hdf5_chunks.Deflated] = {}  # job name -> its chunks, deflated here
         self._disk: Background | None = None  # writes the placed blocks on a thread of its own
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
@@ -991,6 +997,8 @@ class Hdf5Writer(Writer):
         self.datasets[job_name] = out
         if placed and (placement := _placement(out)) is not None:
             self.placements[job_name] = placement
+        elif job_name not in self.tensors and (deflated := hdf5_chunks.deflated(out, allocated=False)):
+            self.deflated[job_name] = deflated
 
     def _place(self, plist: h5p.PropDCID, src: h5py.Dataset) -> bool:
         """Allocates the dataset's storage when it is created, without writing fill values,
@@ -1055,7 +1063,7 @@ class Hdf5Writer(Writer):
         markers = self.missing.get(job.name)
         if markers:
             # The block holds noise where the input is missing: read which positions those are.
-            stored = _Records(self.source, job.name, self.size).stored(start, start + len(block))
+            stored = job.read.stored(start, start + len(block))  # the input's _Records
             block = block.copy()  # the caller's block is not ours to change
             missing = np.zeros(block.shape, dtype=bool)
             for marker, out in markers:
@@ -1067,6 +1075,13 @@ class Hdf5Writer(Writer):
         placement = self.placements.get(job.name)
         if placement is not None:  # beside HDF5: the storage is allocated
             self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
+            return
+        deflated = self.deflated.get(job.name)
+        if deflated is not None and deflated.aligned(start, len(block)):
+            chunks = list(deflated.encoded(start, block))  # compressed in this worker, outside HDF5's lock
+            with self._hdf5():
+                for offset, data in chunks:
+                    self.datasets[job.name].id.write_direct_chunk(offset, data)
             return
         tensor = self.tensors.get(job.name)
         with self._hdf5():

@@ -1,0 +1,109 @@
+"""Deflated HDF5 chunks (netCDF-4's filters) compressed and decompressed outside HDF5.
+
+HDF5 runs a dataset's filters inside the library, and h5py holds one global lock
+around every call into it: a file compressed with deflate (netCDF-C's `zlib=True`,
+h5py's `compression="gzip"`), with or without the shuffle filter before it, was
+read and written one chunk at a time, the output's deflate on a single core (a
+tenth of the `.npy` rate, docs/performance.md). For a dataset whose chunks hold
+whole records and whose filters are exactly [shuffle,] deflate, `hdf5.py` instead
+moves each chunk's stored bytes with HDF5's direct chunk I/O (no filter runs in the
+lock) and the worker threads shuffle and deflate them: zlib to read, zlib-ng to
+write (the same zlib stream format, about twice as fast at the same level).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+from h5py import h5d, h5z
+from zlib_ng import zlib_ng
+
+
+@dataclass(frozen=True)
+class Deflated:
+    """How a dataset's chunks are stored: `chunk_records` whole records each, shuffled
+    (or not) then deflated at `level`. Picklable."""
+
+    dtype: np.dtype  # as stored, byte order included
+    shape: tuple[int, ...]
+    chunk_records: int
+    shuffle: bool
+    level: int
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return (self.chunk_records, *self.shape[1:])
+
+    def decode(self, filter_mask: int, data: bytes) -> np.ndarray:
+        """A chunk from its stored bytes; a filter whose bit is set in `filter_mask` was
+        skipped for this chunk (HDF5 skips optional filters that fail)."""
+        deflate_bit = 2 if self.shuffle else 1
+        if not filter_mask & deflate_bit:
+            data = zlib.decompress(data)
+        values = np.frombuffer(data, dtype=np.uint8)
+        if self.shuffle and not filter_mask & 1:
+            values = values.reshape(self.dtype.itemsize, -1).T
+        return np.ascontiguousarray(values).view(self.dtype).reshape(self.chunk_shape)
+
+    def encode(self, chunk: np.ndarray) -> bytes:
+        """A chunk's stored bytes; a chunk cut by the dataset's end is padded with zeros
+        (HDF5 reads only the part inside the dataset)."""
+        if chunk.shape != self.chunk_shape:
+            padded = np.zeros(self.chunk_shape, dtype=self.dtype)
+            padded[:len(chunk)] = chunk
+            chunk = padded
+        values = np.ascontiguousarray(chunk, dtype=self.dtype).view(np.uint8)
+        if self.shuffle:
+            values = np.ascontiguousarray(values.reshape(-1, self.dtype.itemsize).T)
+        return zlib_ng.compress(values, self.level)
+
+    def chunks(self, start: int, stop: int) -> range:
+        return range(start // self.chunk_records, -(-stop // self.chunk_records))
+
+    def read(self, ds: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+        """Records start:stop (stop past the end: up to the end, as h5py slices)."""
+        stop = max(start, min(stop, self.shape[0]))
+        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype.newbyteorder("="))
+        n = self.chunk_records
+        for index in self.chunks(start, stop):
+            mask, data = ds.id.read_direct_chunk((index * n,) + (0,) * (len(self.shape) - 1))
+            chunk = self.decode(mask, data)
+            first, end = max(start, index * n), min(stop, (index + 1) * n)
+            out[first - start:end - start] = chunk[first - index * n:end - index * n]
+        return out
+
+    def aligned(self, start: int, records: int) -> bool:
+        stop = start + records
+        return start % self.chunk_records == 0 and (stop % self.chunk_records == 0 or stop == self.shape[0])
+
+    def encoded(self, start: int, block: np.ndarray):
+        """(chunk offset, stored bytes) of each chunk of records start:start+len(block)
+        (aligned), compressed here, outside HDF5."""
+        n = self.chunk_records
+        for index in self.chunks(start, start + len(block)):
+            part = block[index * n - start:(index + 1) * n - start]
+            yield (index * n,) + (0,) * (len(self.shape) - 1), self.encode(part)
+
+
+def deflated(ds: h5py.Dataset, allocated: bool = True) -> Deflated | None:
+    """The dataset's Deflated layout, or None where its chunks are not whole records
+    under exactly [shuffle,] deflate (and, if `allocated`, all stored: direct chunk reads
+    need every chunk)."""
+    if (ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0
+            or ds.chunks is None or tuple(ds.chunks[1:]) != tuple(ds.shape[1:])):
+        return None
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() != h5d.CHUNKED or plist.get_external_count():
+        return None
+    filters = [plist.get_filter(i) for i in range(plist.get_nfilters())]
+    codes = [f[0] for f in filters]
+    if codes not in ([h5z.FILTER_DEFLATE], [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE]):
+        return None
+    level = filters[-1][2][0] if filters[-1][2] else 6
+    if allocated and ds.id.get_num_chunks() != math.ceil(ds.shape[0] / ds.chunks[0]):
+        return None
+    return Deflated(ds.dtype, tuple(ds.shape), ds.chunks[0], len(codes) == 2, int(level))
