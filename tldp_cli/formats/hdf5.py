@@ -270,7 +270,8 @@ def _placement(ds: h5py.Dataset) -> _Placement | None:
     """The dataset's placement (see _Placement), or None when its records are not plain
     bytes at known places (filters, partial-record chunks, unallocated or external storage,
     a type other than a plain number)."""
-    if ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0 or ds.is_virtual:
+    if (ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0 or ds.is_virtual
+            or not hdf5_chunks.plain_numbers(ds)):
         return None
     plist = ds.id.get_create_plist()
     if plist.get_external_count():

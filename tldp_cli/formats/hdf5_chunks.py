@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5z
+from h5py import h5d, h5t, h5z
 from zlib_ng import zlib_ng
 
 
@@ -33,6 +34,7 @@ class Deflated:
     chunk_records: int
     shuffle: bool
     level: int
+    fill_value: Any  # what HDF5 pads a chunk cut by the dataset's end with
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -44,16 +46,19 @@ class Deflated:
         deflate_bit = 2 if self.shuffle else 1
         if not filter_mask & deflate_bit:
             data = zlib.decompress(data)
+        expected = math.prod(self.chunk_shape) * self.dtype.itemsize
+        if len(data) != expected:
+            raise ValueError(f"a chunk holds {len(data)} bytes where {expected} belong; it may be damaged")
         values = np.frombuffer(data, dtype=np.uint8)
         if self.shuffle and not filter_mask & 1:
             values = values.reshape(self.dtype.itemsize, -1).T
         return np.ascontiguousarray(values).view(self.dtype).reshape(self.chunk_shape)
 
     def encode(self, chunk: np.ndarray) -> bytes:
-        """A chunk's stored bytes; a chunk cut by the dataset's end is padded with zeros
-        (HDF5 reads only the part inside the dataset)."""
+        """A chunk's stored bytes; a chunk cut by the dataset's end is padded with the fill
+        value, as HDF5 does (a dataset that grows along an unlimited dimension shows it)."""
         if chunk.shape != self.chunk_shape:
-            padded = np.zeros(self.chunk_shape, dtype=self.dtype)
+            padded = np.full(self.chunk_shape, self.fill_value, dtype=self.dtype)
             padded[:len(chunk)] = chunk
             chunk = padded
         values = np.ascontiguousarray(chunk, dtype=self.dtype).view(np.uint8)
@@ -70,9 +75,14 @@ class Deflated:
         out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype.newbyteorder("="))
         n = self.chunk_records
         for index in self.chunks(start, stop):
+            first, end = max(start, index * n), min(stop, (index + 1) * n)
+            if (index + 1) * n > self.shape[0]:
+                # HDF5 may store a chunk cut by the end unfiltered, saying so in the
+                # dataset's chunk options, which h5py does not show: HDF5 reads it.
+                out[first - start:end - start] = ds[first:end]
+                continue
             mask, data = ds.id.read_direct_chunk((index * n,) + (0,) * (len(self.shape) - 1))
             chunk = self.decode(mask, data)
-            first, end = max(start, index * n), min(stop, (index + 1) * n)
             out[first - start:end - start] = chunk[first - index * n:end - index * n]
         return out
 
@@ -90,11 +100,12 @@ class Deflated:
 
 
 def deflated(ds: h5py.Dataset, allocated: bool = True) -> Deflated | None:
-    """The dataset's Deflated layout, or None where its chunks are not whole records
-    under exactly [shuffle,] deflate (and, if `allocated`, all stored: direct chunk reads
-    need every chunk)."""
+    """The dataset's Deflated layout, or None where its chunks are not whole records of
+    NumPy's own number type under exactly [shuffle,] deflate at levels 0-9 (and, if
+    `allocated`, all stored: direct chunk reads need every chunk)."""
     if (ds.dtype.kind not in "iuf" or ds.dtype.names or not ds.shape or ds.size == 0
-            or ds.chunks is None or tuple(ds.chunks[1:]) != tuple(ds.shape[1:])):
+            or ds.chunks is None or tuple(ds.chunks[1:]) != tuple(ds.shape[1:])
+            or not plain_numbers(ds)):
         return None
     plist = ds.id.get_create_plist()
     if plist.get_layout() != h5d.CHUNKED or plist.get_external_count():
@@ -103,7 +114,17 @@ def deflated(ds: h5py.Dataset, allocated: bool = True) -> Deflated | None:
     codes = [f[0] for f in filters]
     if codes not in ([h5z.FILTER_DEFLATE], [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE]):
         return None
-    level = filters[-1][2][0] if filters[-1][2] else 6
+    level = int(filters[-1][2][0]) if filters[-1][2] else 6
+    if not 0 <= level <= 9:  # HDF5's deflate fails and, if optional, stores the chunk raw
+        return None
     if allocated and ds.id.get_num_chunks() != math.ceil(ds.shape[0] / ds.chunks[0]):
         return None
-    return Deflated(ds.dtype, tuple(ds.shape), ds.chunks[0], len(codes) == 2, int(level))
+    fill = ds.fillvalue if ds.fillvalue is not None else 0
+    return Deflated(ds.dtype, tuple(ds.shape), ds.chunks[0], len(codes) == 2, level, fill)
+
+
+def plain_numbers(ds: h5py.Dataset) -> bool:
+    """Whether the dataset stores its numbers as NumPy lays out ds.dtype: HDF5 converts
+    others when it reads them (a precision or bit offset of its own, a 16-bit float
+    h5py shows as float32), which raw bytes would skip."""
+    return ds.id.get_type().equal(h5t.py_create(ds.dtype))
