@@ -2,6 +2,7 @@
 made by h5py and netCDF-C (netCDF4-python), read back by h5py, netCDF4 and xarray, and
 the same output values as HDF5's own filters give."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -61,14 +62,15 @@ def test_reads_what_hdf5_wrote(tmp_path, name):
             np.testing.assert_array_equal(got, data[start:stop], err_msg=f"{name} {start}:{stop}")
 
 
+@pytest.mark.parametrize("huffman_only", [False, True])
 @pytest.mark.parametrize("name", DEFLATED)
-def test_writes_chunks_hdf5_and_netcdf4_read(tmp_path, name):
+def test_writes_chunks_hdf5_and_netcdf4_read(tmp_path, name, huffman_only):
     dtype, kwargs = DEFLATED[name]
     data = values(dtype)
     path = tmp_path / "out.h5"
     with h5py.File(path, "w") as f:
         ds = f.create_dataset("x", shape=SHAPE, dtype=dtype, **kwargs)
-        layout = hdf5_chunks.deflated(ds, allocated=False)
+        layout = dataclasses.replace(hdf5_chunks.deflated(ds, allocated=False), huffman_only=huffman_only)
         step = 2 * layout.chunk_records
         for start in range(0, SHAPE[0], step):  # blocks of two chunks, the last cut by the end
             assert layout.aligned(start, len(data[start:start + step]))
@@ -141,3 +143,4 @@ def test_netcdf_output_equals_hdf5s_filters_and_opens_in_netcdf4_and_xarray(tmp_
     assert 1 < np.nanstd(noise) < 1000  # perturbed, on the declared range's scale
     manifest = json.loads(Path(f"{tmp_path / 'here.nc'}.manifest.json").read_text())
     assert manifest["missing_values"]["/t2m"]["moved_off_markers"] >= 0
+    assert manifest["deflate_huffman_only"] == ["/t2m"]

@@ -53,6 +53,7 @@ bounds, climatology or cell_measures attribute) are not perturbed unless named.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import posixpath
@@ -865,6 +866,8 @@ class Hdf5Writer(Writer):
                 self.postprocessing += tensor_files.postprocessing(chosen, self.dtype, self.variances)
                 self.output_dtype = tensor_files.output_dtype(chosen)
             self._describe_cf()
+            if self.deflated:
+                self.manifest_extra["deflate_huffman_only"] = sorted(self.deflated)
             _check_not_shrunk(reader.path, reader.size)  # what was copied came from the whole file
         except BaseException:
             with suppress(Exception):
@@ -999,7 +1002,7 @@ class Hdf5Writer(Writer):
         if placed and (placement := _placement(out)) is not None:
             self.placements[job_name] = placement
         elif job_name not in self.tensors and (deflated := hdf5_chunks.deflated(out, allocated=False)):
-            self.deflated[job_name] = deflated
+            self.deflated[job_name] = dataclasses.replace(deflated, huffman_only=True)
 
     def _place(self, plist: h5p.PropDCID, src: h5py.Dataset) -> bool:
         """Allocates the dataset's storage when it is created, without writing fill values,
