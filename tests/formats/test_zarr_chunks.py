@@ -45,11 +45,11 @@ NOT_PLAIN = {
 VALUES = np.random.default_rng(5).integers(-3000, 3000, SHAPE).astype(np.int32)
 
 
-def create(path: Path, kwargs: dict, dtype=np.int32, fill_value=-1):
+def create(path: Path, kwargs: dict, dtype=np.int32, fill_value=-1, chunks=CHUNKS):
     kwargs = dict(kwargs)
     if kwargs.pop("serializer", None) is not None:  # big-endian: the bytes codec says so
         kwargs["serializer"] = BytesCodec(endian="big")
-    return zarr.create_array(str(path), shape=SHAPE, chunks=CHUNKS, dtype=dtype, fill_value=fill_value,
+    return zarr.create_array(str(path), shape=SHAPE, chunks=chunks, dtype=dtype, fill_value=fill_value,
                              **kwargs)
 
 
@@ -62,9 +62,10 @@ def chunk_files(path: Path) -> dict[str, bytes]:
             if p.is_file() and p.name not in ("zarr.json", ".zarray", ".zattrs")}
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, (8, 6, 5)], ids=["split records", "whole records"])
 @pytest.mark.parametrize("name", PLAIN)
-def test_reads_what_zarr_python_wrote(tmp_path, name):
-    array = create(tmp_path / "a.zarr", PLAIN[name])
+def test_reads_what_zarr_python_wrote(tmp_path, name, chunks):
+    array = create(tmp_path / "a.zarr", PLAIN[name], chunks=chunks)
     array[:32] = VALUES[:32]  # records 32-44 are never written: their chunks have no file
     layout = layout_of(array)
     assert layout is not None
