@@ -54,7 +54,7 @@ def create(path: Path, kwargs: dict, dtype=np.int32, fill_value=-1, chunks=CHUNK
 
 
 def layout_of(array) -> zarr_chunks.Layout | None:
-    return zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
+    return zarr_chunks.of_array(array)
 
 
 def chunk_files(path: Path) -> dict[str, bytes]:

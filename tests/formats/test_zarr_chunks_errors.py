@@ -21,7 +21,7 @@ VALUES = np.random.default_rng(0).integers(1, 200, SHAPE).astype(np.uint8)
 
 
 def layout_of(array) -> zarr_chunks.Layout:
-    layout = zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
+    layout = zarr_chunks.of_array(array)
     assert layout is not None
     return layout
 

@@ -242,6 +242,24 @@ def dropped_filters(dropped: dict[str, list[str]]) -> tuple[list[str], dict[str,
              "perturbed arrays (dropped_filters)"], {"dropped_filters": dropped})
 
 
+def whole_chunks(start: int, records: int, chunk_records: int, total: int) -> bool:
+    """Whether records start:start+records of an array of `total` records are whole chunks
+    of `chunk_records` along axis 0 (the last may end with the array)."""
+    stop = start + records
+    return start % chunk_records == 0 and (stop % chunk_records == 0 or stop == total)
+
+
+def padded_chunk(part: np.ndarray, chunk_shape: tuple[int, ...], fill_value: Any,
+                 dtype: np.dtype) -> np.ndarray:
+    """A chunk cut by the array's edge, padded to its full shape with the fill value (as
+    HDF5 and zarr-python store it); a whole chunk as it is."""
+    if part.shape == tuple(chunk_shape):
+        return part
+    padded = np.full(chunk_shape, fill_value, dtype=dtype)
+    padded[tuple(slice(0, n) for n in part.shape)] = part
+    return padded
+
+
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:
     if dtype.kind not in "iuf":
         kinds = {"O": "object (pickled)", "c": "complex", "b": "boolean", "U": "string",

@@ -25,6 +25,8 @@ import numpy as np
 from h5py import h5d, h5t, h5z
 from zlib_ng import zlib_ng
 
+from tldp_cli.formats import padded_chunk, whole_chunks
+
 
 @dataclass(frozen=True)
 class Deflated:
@@ -63,10 +65,7 @@ class Deflated:
     def encode(self, chunk: np.ndarray) -> bytes:
         """A chunk's stored bytes; a chunk cut by the dataset's end is padded with the fill
         value, as HDF5 does (a dataset that grows along an unlimited dimension shows it)."""
-        if chunk.shape != self.chunk_shape:
-            padded = np.full(self.chunk_shape, self.fill_value, dtype=self.dtype)
-            padded[:len(chunk)] = chunk
-            chunk = padded
+        chunk = padded_chunk(chunk, self.chunk_shape, self.fill_value, self.dtype)
         values = np.ascontiguousarray(chunk, dtype=self.dtype).view(np.uint8)
         if self.shuffle:
             values = np.ascontiguousarray(values.reshape(-1, self.dtype.itemsize).T)
@@ -96,8 +95,7 @@ class Deflated:
         return out
 
     def aligned(self, start: int, records: int) -> bool:
-        stop = start + records
-        return start % self.chunk_records == 0 and (stop % self.chunk_records == 0 or stop == self.shape[0])
+        return whole_chunks(start, records, self.chunk_records, self.shape[0])
 
     def encoded(self, start: int, block: np.ndarray):
         """(chunk offset, stored bytes) of each chunk of records start:start+len(block)

@@ -30,6 +30,7 @@ import numcodecs
 import numpy as np
 
 from tldp_cli.files.checked_io import writing
+from tldp_cli.formats import padded_chunk, whole_chunks
 
 _V3_COMPRESSORS = ("zstd", "gzip", "blosc")
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -119,10 +120,7 @@ class Layout:
         return out
 
     def aligned(self, start: int, records: int) -> bool:
-        """Whether records start:start+records are whole chunks along axis 0 (the last may
-        end with the array)."""
-        stop = start + records
-        return start % self.chunks[0] == 0 and (stop % self.chunks[0] == 0 or stop == self.shape[0])
+        return whole_chunks(start, records, self.chunks[0], self.shape[0])
 
     def write(self, directory: Path, start: int, block: np.ndarray) -> dict[Path, str]:
         """Writes the chunks of records start:start+len(block) (aligned) into `directory`;
@@ -133,11 +131,7 @@ class Layout:
         for index in self._grid(start, start + len(block)):
             region = self._region(index)
             rows = slice(region[0].start - start, region[0].stop - start)
-            part = block[(rows, *region[1:])]
-            if part.shape != self.chunks:
-                padded = np.full(self.chunks, self.fill_value, dtype=self.dtype)
-                padded[tuple(slice(0, n) for n in part.shape)] = part
-                part = padded
+            part = padded_chunk(block[(rows, *region[1:])], self.chunks, self.fill_value, self.dtype)
             encoded = self.encode(part)
             path = directory / self.key(index)
             with writing(path):
@@ -165,6 +159,11 @@ def _v3_compressor(codecs: list[dict[str, Any]], dtype: np.dtype) -> tuple[dict 
         if not isinstance(config["shuffle"], int):
             return None
     return {"id": name, **config}, stored
+
+
+def of_array(array) -> Layout | None:
+    """The chunk layout of an open zarr array (see layout)."""
+    return layout(array.metadata.to_dict(), array.fill_value)
 
 
 def layout(metadata: dict[str, Any], fill_value: Any) -> Layout | None:

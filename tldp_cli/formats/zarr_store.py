@@ -573,7 +573,7 @@ class ZarrReader(Reader):
         return ArrayJob(
             name=_display(name), shape=shape, dtype=encoding.dtype if encoding else array.dtype,
             read=_Records(self.path, name, self.zarr_format, encoding,
-                          zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)),
+                          zarr_chunks.of_array(array)),
             source={"path": str(self.path), "format": NAME, "dataset": _display(name),
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
@@ -753,7 +753,7 @@ class _Blocks:
         if job_name not in self._arrays:
             array = _open(LocalStore(self.root), self.source, self.paths[job_name], "array",
                           self.zarr_format, mode="r+")
-            chunk_files = zarr_chunks.layout(array.metadata.to_dict(), array.fill_value)
+            chunk_files = zarr_chunks.of_array(array)
             if chunk_files is not None:
                 chunk_files.codec  # built now: an unknown codec fails before any block runs
             self._arrays[job_name] = array, chunk_files
@@ -782,8 +782,7 @@ class _Blocks:
     def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
-        job_name = job.name
-        pairs = self.missing[job_name]
+        pairs = self.missing[job.name]
         stored = job.read.stored(start, start + len(block))  # the input's _Records
         missing = np.zeros(block.shape, dtype=bool)
         for marker, out in pairs:
@@ -791,7 +790,7 @@ class _Blocks:
             block[where] = out
             missing |= where
         return cf.move_off_markers(block, missing, [out for _, out in pairs],
-                                   self.bounds.get(job_name) or (-math.inf, math.inf, None))
+                                   self.bounds.get(job.name) or (-math.inf, math.inf, None))
 
 
 def _downsample(block: np.ndarray, factors: tuple[int, ...], shape: tuple[int, ...], method: str,
