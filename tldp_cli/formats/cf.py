@@ -25,6 +25,20 @@ T = TypeVar("T")
 MOVE_PASSES = 8  # a moved value lands on another marker at most once per marker
 
 
+def keep_missing(block: np.ndarray, stored: np.ndarray, pairs: list[tuple],
+                 bounds: tuple[float, float, float | None]) -> int:
+    """Puts each output marker back, in place, where the input (`stored`) holds its
+    stored marker (the block holds noise there), then moves the noisy values that equal
+    a marker off it (move_off_markers). `pairs`: (stored marker, output marker). Returns
+    how many values moved."""
+    missing = np.zeros(block.shape, dtype=bool)
+    for marker, out in pairs:
+        where = np.isnan(stored) if np.isnan(marker) else stored == marker
+        block[where] = out
+        missing |= where
+    return move_off_markers(block, missing, [out for _, out in pairs], bounds)
+
+
 def move_off_markers(block: np.ndarray, missing: np.ndarray | None, markers: list,
                      bounds: tuple[float, float, float | None]) -> int:
     """Moves, in place, every value of `block` outside `missing` that equals one of

@@ -1069,12 +1069,7 @@ class Hdf5Writer(Writer):
             # The block holds noise where the input is missing: read which positions those are.
             stored = job.read.stored(start, start + len(block))  # the input's _Records
             block = block.copy()  # the caller's block is not ours to change
-            missing = np.zeros(block.shape, dtype=bool)
-            for marker, out in markers:
-                where = np.isnan(stored) if np.isnan(marker) else stored == marker
-                block[where] = out
-                missing |= where
-            moved = cf.move_off_markers(block, missing, [out for _, out in markers], self._bounds(job.name))
+            moved = cf.keep_missing(block, stored, markers, self._bounds(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
         placement = self.placements.get(job.name)
         if placement is not None:  # beside HDF5: the storage is allocated

@@ -782,15 +782,9 @@ class _Blocks:
     def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
-        pairs = self.missing[job.name]
         stored = job.read.stored(start, start + len(block))  # the input's _Records
-        missing = np.zeros(block.shape, dtype=bool)
-        for marker, out in pairs:
-            where = np.isnan(stored) if np.isnan(marker) else stored == marker
-            block[where] = out
-            missing |= where
-        return cf.move_off_markers(block, missing, [out for _, out in pairs],
-                                   self.bounds.get(job.name) or (-math.inf, math.inf, None))
+        return cf.keep_missing(block, stored, self.missing[job.name],
+                               self.bounds.get(job.name) or (-math.inf, math.inf, None))
 
 
 def _downsample(block: np.ndarray, factors: tuple[int, ...], shape: tuple[int, ...], method: str,
