@@ -6,7 +6,9 @@ Zarr) is written into a deterministic sibling of the destination,
     .NAME.tldp-partial/
         store/          the output being written
         journal.jsonl   line 1: the run's options, the tldp version and the random-stream
-                        layout; then one line per finished block
+                        layout; then one line per finished block, with the
+                        writer's note of it (Writer.block_note: a count the
+                        manifest states anyway, e.g. moved_off_markers)
 
 A block is journaled only after its write returned, so every journaled block is on
 disk; a block that was being written when the run died is simply written again.
