@@ -135,8 +135,12 @@ class Layout:
             encoded = self.encode(part)
             path = directory / self.key(index)
             with writing(path):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "wb") as file:
+                try:
+                    file = open(path, "wb")
+                except FileNotFoundError:  # the first chunk of its folder
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    file = open(path, "wb")
+                with file:
                     file.write(encoded)
             digests[path] = hashlib.sha256(encoded).hexdigest()
         return digests
