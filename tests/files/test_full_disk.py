@@ -146,6 +146,15 @@ def write_npz(folder):
     return folder / "in.npz"
 
 
+def write_zarr(folder):
+    """Plain chunk files, written by the writer thread (formats/zarr_chunks.py)."""
+    import zarr
+
+    zarr.create_array(store=str(folder / "in.zarr"), shape=(256, 1024), dtype="float32",
+                      chunks=(16, 1024))[:] = values()
+    return folder / "in.zarr"
+
+
 INPUTS = {  # kind: (write the input into a folder, format module, output name)
     "npy": (write_npy, "npy", "out.npy"),
     "hdf5-contiguous": (lambda folder: write_h5(folder / "in.h5"), "hdf5", "out.h5"),
@@ -156,6 +165,7 @@ INPUTS = {  # kind: (write the input into a folder, format module, output name)
     "safetensors": (write_safetensors, "safetensors_file", "out.safetensors"),
     "npz": (write_npz, "npz", "out.npz"),
     "png": (lambda folder: write_images(folder / "in", 8, 256), "images", "outdir"),
+    "zarr": (write_zarr, "zarr_store", "out.zarr"),
 }
 
 

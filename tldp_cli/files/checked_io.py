@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import queue
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,10 +121,41 @@ def write_direct(path: Path, data: np.ndarray, position: int) -> bool:
     return True
 
 
+def write_new_file(path: Path, data: bytes) -> None:
+    """Writes `data` as the whole of file `path` (created, or emptied first): its whole
+    pages with O_DIRECT where the filesystem takes it, the last partial page through the
+    page cache. Copying many megabytes into the page cache costs more CPU than the direct
+    write, most of all in memory the machine has not touched for a while. Raises OSError
+    (call it inside `writing`)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | _O_DIRECT, 0o666)
+        direct = bool(_O_DIRECT)
+    except OSError as exc:
+        if not _O_DIRECT or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        fd, direct = os.open(path, flags, 0o666), False
+    try:
+        whole = len(data) // PAGE * PAGE if direct else 0
+        if whole:
+            try:
+                pwrite_all(fd, _aligned_copy(np.frombuffer(data, np.uint8, whole)), 0)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                whole = 0  # refused before writing: alignment the device does not take
+        if direct:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        pwrite_all(fd, memoryview(data)[whole:], whole)
+    finally:
+        os.close(fd)
+
+
 class Background:
     """Runs work(item) on a thread of its own for each item put, in order; put() waits while
-    `depth` items are queued. The first failure is raised by the next put() and by close(),
-    and the items after it are dropped (the output is lost anyway)."""
+    `depth` items are queued and returns a Future that is done once the item's work is. The
+    first failure is raised by the next put(), by close() and by the Futures of its item
+    and of those after it, which are dropped (the output is lost anyway)."""
 
     def __init__(self, work: Callable[[Any], None], name: str, depth: int = 2):
         self._work = work
@@ -132,17 +165,24 @@ class Background:
         self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (queued := self._queue.get()) is not None:
+            item, done = queued
             if self._failure is None:
                 try:
                     self._work(item)
                 except BaseException as exc:
                     self._failure = exc
+            if self._failure is None:
+                done.set_result(None)
+            else:
+                done.set_exception(self._failure)
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any) -> Future:
         if self._failure is not None:
             raise self._failure
-        self._queue.put(item)
+        done: Future = Future()
+        self._queue.put((item, done))
+        return done
 
     def close(self) -> None:
         """Waits for the queued items; raises the failure, if any."""
@@ -154,9 +194,11 @@ class Background:
             self._failure = self._failure or exc
             while True:
                 try:
-                    self._queue.get_nowait()
+                    queued = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if queued is not None:
+                    queued[1].set_exception(self._failure)
             self._queue.put_nowait(None)
             raise
         if self._failure is not None:

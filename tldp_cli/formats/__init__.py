@@ -115,7 +115,8 @@ class Writer:
         return None
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
-        """Told once a block is written or handed to `write` (e.g. to hash it meanwhile)."""
+        """Told once a block is written or handed to `write` (e.g. to hash it meanwhile). A
+        resumable writer returns once the block is in its files: --resume journals it next."""
 
     def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
         """What a resumed run must know of a written block besides its place (--resume

@@ -18,7 +18,6 @@ beyond its end), and a chunk path that is not a file is an error, not the fill v
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -29,7 +28,7 @@ from typing import Any, Iterator
 import numcodecs
 import numpy as np
 
-from tldp_cli.files.checked_io import writing
+from tldp_cli.files.checked_io import write_new_file, writing
 from tldp_cli.formats import padded_chunk, whole_chunks
 
 _V3_COMPRESSORS = ("zstd", "gzip", "blosc")
@@ -122,28 +121,28 @@ class Layout:
     def aligned(self, start: int, records: int) -> bool:
         return whole_chunks(start, records, self.chunks[0], self.shape[0])
 
-    def write(self, directory: Path, start: int, block: np.ndarray) -> dict[Path, str]:
-        """Writes the chunks of records start:start+len(block) (aligned) into `directory`;
-        returns each file's sha256. A chunk cut by the array's edge is padded with the fill
-        value, as zarr-python does. Raises WriteError, or the codec's error for values it
-        cannot encode."""
-        digests = {}
+    def encoded(self, directory: Path, start: int, block: np.ndarray) -> list[tuple[Path, bytes]]:
+        """The chunk files of records start:start+len(block) (aligned) in `directory`: each
+        path and its bytes. A chunk cut by the array's edge is padded with the fill value,
+        as zarr-python does. Raises the codec's error for values it cannot encode."""
+        files = []
         for index in self._grid(start, start + len(block)):
             region = self._region(index)
             rows = slice(region[0].start - start, region[0].stop - start)
             part = padded_chunk(block[(rows, *region[1:])], self.chunks, self.fill_value, self.dtype)
-            encoded = self.encode(part)
-            path = directory / self.key(index)
-            with writing(path):
-                try:
-                    file = open(path, "wb")
-                except FileNotFoundError:  # the first chunk of its folder
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    file = open(path, "wb")
-                with file:
-                    file.write(encoded)
-            digests[path] = hashlib.sha256(encoded).hexdigest()
-        return digests
+            files.append((directory / self.key(index), self.encode(part)))
+        return files
+
+
+def write_files(files: list[tuple[Path, bytes]]) -> None:
+    """Writes chunk files (Layout.encoded). Raises WriteError naming the file."""
+    for path, data in files:
+        with writing(path):
+            try:
+                write_new_file(path, data)
+            except FileNotFoundError:  # the first chunk of its folder
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_new_file(path, data)
 
 
 def _v3_compressor(codecs: list[dict[str, Any]], dtype: np.dtype) -> tuple[dict | None, np.dtype] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import itertools
 import json
 import math
@@ -32,6 +33,7 @@ import shutil
 import stat
 import struct
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.files.checked_io import Background
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -741,12 +744,18 @@ class _Blocks:
     def __post_init__(self):
         self._arrays: dict[str, Any] = {}
         self.digests: dict[Path, str] = {}  # chunk files written here; in Dask workers it stays empty
+        # Chunk files go to disk from a thread of their own, so that the workers go on
+        # computing while the direct writes wait for the disk; Dask workers write their
+        # own (None).
+        self._disk: Background | None = Background(zarr_chunks.write_files, f"tldp write {self.root.name}",
+                                                   depth=8)
+        self._on_disk: dict[tuple[str, int], Future] = {}  # by (job name, first record) of the block
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_arrays", "digests")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_arrays", "digests", "_disk", "_on_disk")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _arrays={}, digests={})
+        self.__dict__.update(state, _arrays={}, digests={}, _disk=None, _on_disk={})
 
     def array(self, job_name: str):
         """(the open array, its plain chunk files' layout or None)"""
@@ -759,6 +768,15 @@ class _Blocks:
             self._arrays[job_name] = array, chunk_files
         return self._arrays[job_name]
 
+    def open_arrays(self) -> None:
+        """Opens every array now, so that a bad codec fails before any block runs."""
+        try:
+            for job_name in self.paths:
+                self.array(job_name)
+        except BaseException:
+            self.flush()
+            raise
+
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Writes the block; returns how many noisy values it moved off missing-data markers."""
         array, chunk_files = self.array(job.name)
@@ -768,16 +786,32 @@ class _Blocks:
             block = block.copy()  # the caller's block is not ours to change
             moved = self._keep_missing(job, start, block)
         try:
-            if chunk_files is not None and chunk_files.aligned(start, len(block)):
-                self.digests.update(chunk_files.write(self.root / self.paths[job.name], start, block))
-            else:
+            if chunk_files is None or not chunk_files.aligned(start, len(block)):
                 array[start:start + len(block)] = block
+                return moved
+            files = chunk_files.encoded(self.root / self.paths[job.name], start, block)
         except OSError:
             raise
         except Exception as exc:
             raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
                              f"its codecs ({exc})") from None
+        self.digests.update((path, hashlib.sha256(data).hexdigest()) for path, data in files)
+        if self._disk is None:
+            zarr_chunks.write_files(files)
+        else:
+            self._on_disk[job.name, start] = self._disk.put(files)
         return moved
+
+    def wait(self, job_name: str, start: int) -> None:
+        """Returns once the block's chunk files are written; raises the failure to write them."""
+        on_disk = self._on_disk.pop((job_name, start), None)
+        if on_disk is not None:
+            on_disk.result()
+
+    def flush(self) -> None:
+        """Waits for every chunk file queued; raises the failure to write them, if any."""
+        if self._disk is not None:
+            self._disk.close()
 
     def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
         """Puts the markers back where the input is missing (the block holds noise there) and
@@ -974,8 +1008,7 @@ class ZarrWriter(Writer):
                               bounds or {})
         # (job name, first record) -> noisy values moved off its markers, per block written
         self.moved: dict[tuple[str, int], int] = {}
-        for job in names:  # open now: a bad codec fails before any block runs
-            self.blocks.array(job)
+        self.blocks.open_arrays()
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
 
@@ -1008,6 +1041,9 @@ class ZarrWriter(Writer):
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         self.moved[job.name, start] = self.blocks(job, start, block)  # one key per block: thread-safe
 
+    def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
+        self.blocks.wait(job.name, start)  # written before --resume journals it
+
     def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
         moved = self.moved.get((job.name, start))
         return {"moved_off_markers": moved} if moved is not None else {}
@@ -1028,6 +1064,7 @@ class ZarrWriter(Writer):
     def finish(self) -> None:
         """Regenerate the lower levels of multiscale images from the perturbed full
         resolution, then rebuild consolidated metadata; only a complete output is worth it."""
+        self.blocks.flush()  # the lower levels are read from the chunk files
         for pyramid in self.pyramids:
             _regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:
@@ -1040,6 +1077,7 @@ class ZarrWriter(Writer):
         cf.count_moves(self.manifest_extra, [(name, count) for (name, _), count in self.moved.items()])
 
     def close(self) -> list[Path]:
+        self.blocks.flush()
         return sorted(p for p in self.root.rglob("*") if p.is_file())
 
 

@@ -642,9 +642,9 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
                 if not outside_counts:
                     if noisy is not None:
                         writer.write(job, start, noisy)
+                    writer.block_written(job, start, stop)  # e.g. hash it, or wait until it is written
                     if partial is not None:
                         partial.done(job.name, start, stop, writer.block_note(job, start))
-                    writer.block_written(job, start, stop)  # e.g. hash it while blocks run
                 if progress:
                     progress(stop - start, total)
         if not outside_counts:

@@ -1,0 +1,188 @@
+"""Zarr chunk files go to disk from a writer thread, their whole pages with direct I/O
+(O_DIRECT) and the rest through the page cache: the files must be the same byte for
+byte whichever path each part took, where the filesystem refuses direct I/O too, a
+failure on the writer's thread is one line that leaves nothing, and --resume journals
+a block only once its files are written."""
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from tldp_cli.files import checked_io
+from tldp_cli.formats import zarr_chunks
+from tldp_cli.run import resume
+from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.sampling.engine import PAGE
+
+pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this OS")
+
+SHAPE = (600, 28, 28)  # 1024-byte uint8 records, chunks of 50 records: 12 chunk files
+
+
+@pytest.fixture
+def direct_opens(monkeypatch):
+    """The files opened with O_DIRECT (the real calls still run)."""
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            opened.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return opened
+
+
+def make_store(path, compressors="auto"):
+    data = np.random.default_rng(0).integers(0, 256, SHAPE, dtype=np.uint8)
+    zarr.create_array(store=str(path), shape=SHAPE, dtype="uint8", chunks=(50, 28, 28),
+                      compressors=compressors)[:] = data
+    return path
+
+
+def chunk_bytes(store):
+    return {p.relative_to(store).as_posix(): p.read_bytes() for p in sorted((store / "c").rglob("*"))
+            if p.is_file()}
+
+
+def run(tmp_path, name, **options):
+    src = tmp_path / "in.zarr"
+    if not src.exists():
+        make_store(src)
+    out = tmp_path / f"{name}.zarr"
+    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+                                    block_elements=100 * 784, **options))
+    return out, json.loads(result.manifest_path.read_text())
+
+
+def test_direct_equals_page_cache_writes(tmp_path, monkeypatch, direct_opens):
+    direct, manifest = run(tmp_path, "direct", workers=2)
+    assert any(str(p).startswith(str(tmp_path / ".direct.zarr")) for p in direct_opens)
+    monkeypatch.setattr(checked_io, "_O_DIRECT", 0)
+    cached, _ = run(tmp_path, "cached", workers=2)
+    assert chunk_bytes(direct) == chunk_bytes(cached) and len(chunk_bytes(direct)) == 12
+    np.testing.assert_array_equal(zarr.open_array(str(direct), mode="r")[:],
+                                  zarr.open_array(str(cached), mode="r")[:])
+    for entry in manifest["outputs"]:
+        assert entry["sha256"] == hashlib.sha256(open(entry["path"], "rb").read()).hexdigest()
+
+
+def test_filesystem_without_direct_io(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (EINVAL at open, or at the write) gets ordinary
+    writes and the same files."""
+    expected, _ = run(tmp_path, "expected")
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def refuse_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_open)
+    out, _ = run(tmp_path, "refused-open")
+    assert chunk_bytes(out) == chunk_bytes(expected)
+
+    refused = []
+
+    def refuse_write(fd, data, position):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(position)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(os, "pwrite", refuse_write)
+    out, _ = run(tmp_path, "refused-write")
+    assert refused
+    assert chunk_bytes(out) == chunk_bytes(expected)
+
+
+@pytest.mark.parametrize("size", [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 5, (1 << 20) + 3])
+def test_write_new_file_replaces_the_whole_file(tmp_path, size):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * (size + 2 * PAGE + 7))  # longer: must be cut, not overwritten in place
+    data = np.random.default_rng(size).bytes(size)
+    checked_io.write_new_file(path, data)
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli, tmp_path, monkeypatch,
+                                                                              workers):
+    """ENOSPC on the writer's thread: exit 1, one line naming the chunk file, no output, no
+    partial store, and no writer thread left behind."""
+    src = make_store(tmp_path / "in.zarr")
+    real_pwrite = os.pwrite
+    calls = []
+
+    def full_after_four(fd, data, position):
+        calls.append(position)
+        if len(calls) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "pwrite", full_after_four)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out.zarr", "--workers", workers,
+                 "--block-elements", 100 * 784)
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert "No space left on device" in line and "out.zarr/c/" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("tldp ")]
+
+
+def test_resume_journals_a_block_only_once_its_files_are_written(tmp_path, monkeypatch):
+    """The writer thread is slowed down: when the journal records a block, every chunk file
+    of it holds its final bytes already."""
+    real_write_files = zarr_chunks.write_files
+
+    def slow_write_files(files):
+        time.sleep(0.05)
+        real_write_files(files)
+
+    journaled = []
+    real_done = resume.Partial.done
+
+    def done(self, array, start, stop, note):
+        store = self.root / "store" / "c"
+        # chunks of 50 records: the files of records start:stop, and what each holds now
+        journaled.append({index: (store / str(index) / "0" / "0").exists()
+                          for index in range(start // 50, -(-stop // 50))})
+        real_done(self, array, start, stop, note)
+
+    monkeypatch.setattr(zarr_chunks, "write_files", slow_write_files)
+    monkeypatch.setattr(resume.Partial, "done", done)
+    out, _ = run(tmp_path, "slow", workers=2)
+    assert len(journaled) == 6 and all(all(block.values()) for block in journaled), journaled
+    assert len(chunk_bytes(out)) == 12
+
+
+def test_background_futures():
+    seen = []
+    background = checked_io.Background(seen.append, "tldp test")
+    futures = [background.put(item) for item in range(3)]
+    assert [f.result(timeout=5) for f in futures] == [None] * 3 and seen == [0, 1, 2]
+    background.close()
+
+    def fail_on_one(item):
+        if item == 1:
+            raise OSError(errno.EIO, "I/O error")
+        time.sleep(0.01)
+
+    background = checked_io.Background(fail_on_one, "tldp test", depth=4)
+    futures = [background.put(item) for item in range(3)]
+    assert futures[0].result(timeout=5) is None
+    for future in futures[1:]:  # the failing item, and the one dropped after it
+        with pytest.raises(OSError, match="I/O error"):
+            future.result(timeout=5)
+    with pytest.raises(OSError, match="I/O error"):
+        background.close()
