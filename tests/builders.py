@@ -4,9 +4,12 @@ contract every input format runs."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -269,3 +272,45 @@ class RoundTrip:
         assert "--overwrite" in again.stderr and len(again.stderr.strip().splitlines()) == 1
         assert tree_digest(out) == written
         assert self._run(cli, src, out, "--overwrite").exit_code == 0
+
+
+def refuse_direct_open(monkeypatch, code: int = errno.EINVAL) -> None:
+    """os.open fails with O_DIRECT (EINVAL: as on a filesystem without direct I/O)."""
+    real_open = os.open
+
+    def refuse(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+
+
+def disk_full_after(monkeypatch, writes: int) -> None:
+    """os.pwrite fails with ENOSPC after `writes` calls, from whichever thread."""
+    real_pwrite = os.pwrite
+    calls = []
+
+    def pwrite(fd, data, position):
+        calls.append(position)
+        if len(calls) > writes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+def refuse_direct_writes(monkeypatch) -> list[int]:
+    """os.pwrite refuses (EINVAL) on a descriptor opened with O_DIRECT, as a device does
+    whose alignment the writes miss; returns the positions refused."""
+    real_pwrite = os.pwrite
+    refused: list[int] = []
+
+    def refuse(fd, data, position):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(position)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, position)
+
+    monkeypatch.setattr(os, "pwrite", refuse)
+    return refused

@@ -1,3 +1,4 @@
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +15,21 @@ def cli():
 def _no_seed_from_the_environment(monkeypatch):
     """A TLDP_SEED exported in the shell that runs the tests would seed every run."""
     monkeypatch.delenv("TLDP_SEED", raising=False)
+
+
+@pytest.fixture
+def direct_opens(monkeypatch):
+    """The files opened with O_DIRECT (the real calls still run)."""
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECT", 0):
+            opened.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return opened
 
 
 @pytest.fixture(scope="session")

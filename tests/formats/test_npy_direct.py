@@ -3,7 +3,6 @@ through the page cache; the file must be the same byte for byte whichever path e
 part took, and where the filesystem refuses direct I/O."""
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -12,26 +11,12 @@ import threading
 import numpy as np
 import pytest
 
+from tests.builders import disk_full_after, refuse_direct_open, refuse_direct_writes
 from tldp_cli.files import checked_io
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this OS")
-
-
-@pytest.fixture
-def direct_opens(monkeypatch):
-    """Counts the files opened with O_DIRECT (the real calls still run)."""
-    opened = []
-    real_open = os.open
-
-    def spy(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            opened.append(path)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", spy)
-    return opened
 
 
 def run(tmp_path, name, data, **options):
@@ -81,42 +66,20 @@ def test_filesystem_without_direct_io(tmp_path, monkeypatch):
     writes and the same file."""
     data = np.random.default_rng(2).integers(0, 256, (2000, 28, 28), dtype=np.uint8)
     expected, _ = run(tmp_path, "expected", data)
-    real_open, real_pwrite = os.open, os.pwrite
-
-    def refuse_open(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refuse_open)
-    out, _ = run(tmp_path, "refused-open", data)
+    with monkeypatch.context() as patch:
+        refuse_direct_open(patch)
+        out, _ = run(tmp_path, "refused-open", data)
     assert out.read_bytes() == expected.read_bytes()
-
-    refused = []
-
-    def refuse_write(fd, data, position):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(position)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, position)
-
-    monkeypatch.setattr(os, "open", real_open)
-    monkeypatch.setattr(os, "pwrite", refuse_write)
-    out, _ = run(tmp_path, "refused-write", data)
+    with monkeypatch.context() as patch:
+        refused = refuse_direct_writes(patch)
+        out, _ = run(tmp_path, "refused-write", data)
     assert refused
     assert out.read_bytes() == expected.read_bytes()
 
 
 def test_other_write_errors_are_not_swallowed(tmp_path, monkeypatch):
     data = np.random.default_rng(3).integers(0, 256, (2000, 28, 28), dtype=np.uint8)
-    real_open = os.open
-
-    def disk_full(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", disk_full)
+    refuse_direct_open(monkeypatch, errno.ENOSPC)
     with pytest.raises(OSError, match="No space"):
         run(tmp_path, "full", data)
     assert not list(tmp_path.glob("full-out*")) and not list(tmp_path.glob(".full-out*"))
@@ -136,16 +99,7 @@ def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli
     output, no temporary file, and no writer or hasher thread left behind."""
     src = tmp_path / "in.npy"
     np.save(src, np.random.default_rng(4).integers(0, 256, (3000, 28, 28), dtype=np.uint8))
-    real_pwrite = os.pwrite
-    calls = []
-
-    def full_after_two(fd, data, position):
-        calls.append(position)
-        if len(calls) > 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, position)
-
-    monkeypatch.setattr(os, "pwrite", full_after_two)
+    disk_full_after(monkeypatch, 2)
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out.npy", "--workers", workers,
                  "--block-elements", 1 << 18)
     assert result.exit_code == 1

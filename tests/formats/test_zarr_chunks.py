@@ -10,7 +10,7 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ShardingCodec, TransposeCodec, ZstdCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
 from tldp_cli.formats import zarr_chunks
 from tldp_cli.run.pipeline import PerturbOptions, perturb

@@ -5,7 +5,6 @@ failure on the writer's thread is one line that leaves nothing, and --resume jou
 a block only once its files are written."""
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import zarr
 
+from tests.builders import disk_full_after, refuse_direct_open, refuse_direct_writes
 from tldp_cli.files import checked_io
 from tldp_cli.formats import zarr_chunks
 from tldp_cli.run import resume
@@ -25,21 +25,6 @@ from tldp_cli.sampling.engine import PAGE
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this OS")
 
 SHAPE = (600, 28, 28)  # 1024-byte uint8 records, chunks of 50 records: 12 chunk files
-
-
-@pytest.fixture
-def direct_opens(monkeypatch):
-    """The files opened with O_DIRECT (the real calls still run)."""
-    opened = []
-    real_open = os.open
-
-    def spy(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            opened.append(path)
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", spy)
-    return opened
 
 
 def make_store(path, compressors="auto"):
@@ -80,28 +65,13 @@ def test_filesystem_without_direct_io(tmp_path, monkeypatch):
     """A filesystem that refuses O_DIRECT (EINVAL at open, or at the write) gets ordinary
     writes and the same files."""
     expected, _ = run(tmp_path, "expected")
-    real_open, real_pwrite = os.open, os.pwrite
-
-    def refuse_open(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refuse_open)
-    out, _ = run(tmp_path, "refused-open")
+    with monkeypatch.context() as patch:
+        refuse_direct_open(patch)
+        out, _ = run(tmp_path, "refused-open")
     assert chunk_bytes(out) == chunk_bytes(expected)
-
-    refused = []
-
-    def refuse_write(fd, data, position):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(position)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, position)
-
-    monkeypatch.setattr(os, "open", real_open)
-    monkeypatch.setattr(os, "pwrite", refuse_write)
-    out, _ = run(tmp_path, "refused-write")
+    with monkeypatch.context() as patch:
+        refused = refuse_direct_writes(patch)
+        out, _ = run(tmp_path, "refused-write")
     assert refused
     assert chunk_bytes(out) == chunk_bytes(expected)
 
@@ -121,16 +91,7 @@ def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli
     """ENOSPC on the writer's thread: exit 1, one line naming the chunk file, no output, no
     partial store, and no writer thread left behind."""
     src = make_store(tmp_path / "in.zarr")
-    real_pwrite = os.pwrite
-    calls = []
-
-    def full_after_four(fd, data, position):
-        calls.append(position)
-        if len(calls) > 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, position)
-
-    monkeypatch.setattr(os, "pwrite", full_after_four)
+    disk_full_after(monkeypatch, 4)
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out.zarr", "--workers", workers,
                  "--block-elements", 100 * 784)
     assert result.exit_code == 1
