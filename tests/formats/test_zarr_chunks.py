@@ -87,7 +87,7 @@ def test_writes_the_files_zarr_python_writes(tmp_path, name):
     for start in range(0, SHAPE[0], 16):  # blocks of two chunks, the last cut by the edge
         assert layout.aligned(start, len(VALUES[start:start + 16]))
         files = layout.encoded(tmp_path / "here.zarr", start, VALUES[start:start + 16])
-        zarr_chunks.write_files(files)
+        zarr_chunks.write_files(tmp_path / "here.zarr", files)
         written += files
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "here.zarr"), mode="r")[:], VALUES)
     assert chunk_files(tmp_path / "here.zarr") == chunk_files(tmp_path / "zarr.zarr")

@@ -16,8 +16,9 @@ import pytest
 import zarr
 
 from tests.builders import disk_full_after, refuse_direct_open, refuse_direct_writes
+from tldp_cli.errors import OutputError
 from tldp_cli.files import checked_io
-from tldp_cli.formats import zarr_chunks
+from tldp_cli.formats import zarr_chunks, zarr_store
 from tldp_cli.run import resume
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.engine import PAGE
@@ -106,9 +107,9 @@ def test_resume_journals_a_block_only_once_its_files_are_written(tmp_path, monke
     of it holds its final bytes already."""
     real_write_files = zarr_chunks.write_files
 
-    def slow_write_files(files):
+    def slow_write_files(directory, files):
         time.sleep(0.05)
-        real_write_files(files)
+        real_write_files(directory, files)
 
     journaled = []
     real_done = resume.Partial.done
@@ -147,3 +148,53 @@ def test_background_futures():
             future.result(timeout=5)
     with pytest.raises(OSError, match="I/O error"):
         background.close()
+
+
+def test_a_put_after_close_is_refused_not_blocked():
+    """A worker that ends its block after a second Ctrl-C cut close() short finds the
+    writer closed: put() refuses at once instead of waiting forever for a thread that is
+    gone (the process would then hang at exit)."""
+    background = checked_io.Background(lambda item: None, "tldp test", depth=2)
+    background.close()
+    refused = []
+
+    def late_worker():
+        for item in range(5):  # more than depth
+            try:
+                background.put(item)
+            except RuntimeError:
+                refused.append(item)
+
+    worker = threading.Thread(target=late_worker, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "put() blocked after close()"
+    assert refused == list(range(5))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_output_removed_during_the_run_fails(tmp_path, monkeypatch, sharded):
+    """The partial output removed after two blocks (a cleanup script, say): the run fails
+    with one line, rather than commit chunks without their metadata (plain chunk files
+    went through mkdir(parents=True), sharded ones through zarr-python, which both made
+    the removed folders again)."""
+    src = tmp_path / "in.zarr"
+    data = np.random.default_rng(0).integers(0, 256, SHAPE, dtype=np.uint8)
+    zarr.create_array(store=str(src), shape=SHAPE, dtype="uint8", chunks=(50, 28, 28),
+                      shards=(100, 28, 28) if sharded else None)[:] = data
+    real_call = zarr_store._Blocks.__call__
+    calls = []
+
+    def write_then_remove(self, job, start, block):
+        moved = real_call(self, job, start, block)
+        calls.append(start)
+        if len(calls) == 2:
+            os.rename(self.root.parent, tmp_path / "gone")  # .out.zarr.tldp-partial, at once
+        return moved
+
+    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_remove)
+    out = tmp_path / "out.zarr"
+    with pytest.raises(OutputError, match=r"out\.zarr"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+                               block_elements=100 * 784, workers=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.zarr"]

@@ -161,6 +161,7 @@ class Background:
         self._work = work
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._failure: BaseException | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -178,14 +179,23 @@ class Background:
                 done.set_exception(self._failure)
 
     def put(self, item: Any) -> Future:
-        if self._failure is not None:
-            raise self._failure
+        """Raises the first failure, or RuntimeError once close() has begun: a worker that
+        ends after a second Ctrl-C cut close() short must not wait for a thread that is gone."""
         done: Future = Future()
-        self._queue.put((item, done))
-        return done
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise RuntimeError(f"{self._thread.name}: closed")
+            try:
+                self._queue.put((item, done), timeout=0.1)
+                return done
+            except queue.Full:
+                continue
 
     def close(self) -> None:
         """Waits for the queued items; raises the failure, if any."""
+        self._closing = True
         try:
             if self._thread.is_alive():
                 self._queue.put(None)

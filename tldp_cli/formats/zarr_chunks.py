@@ -134,13 +134,18 @@ class Layout:
         return files
 
 
-def write_files(files: list[tuple[Path, bytes]]) -> None:
-    """Writes chunk files (Layout.encoded). Raises WriteError naming the file."""
+def write_files(directory: Path, files: list[tuple[Path, bytes]]) -> None:
+    """Writes the chunk files (Layout.encoded) of the array in `directory`, making the
+    folders they go in below it, never `directory` itself: an output removed during the
+    run fails, rather than come back as chunks without metadata. Raises WriteError
+    naming the file."""
     for path, data in files:
         with writing(path):
             try:
                 write_new_file(path, data)
             except FileNotFoundError:  # the first chunk of its folder
+                if not directory.is_dir():
+                    raise
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_new_file(path, data)
 

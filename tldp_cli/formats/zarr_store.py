@@ -44,6 +44,7 @@ from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
 from tldp_cli.files.checked_io import Background
+from tldp_cli.files.output import shown
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -747,8 +748,8 @@ class _Blocks:
         # Chunk files go to disk from a thread of their own, so that the workers go on
         # computing while the direct writes wait for the disk; Dask workers write their
         # own (None).
-        self._disk: Background | None = Background(zarr_chunks.write_files, f"tldp write {self.root.name}",
-                                                   depth=8)
+        self._disk: Background | None = Background(lambda item: zarr_chunks.write_files(*item),
+                                                   f"tldp write {self.root.name}", depth=8)
         self._on_disk: dict[tuple[str, int], Future] = {}  # by (job name, first record) of the block
 
     def __getstate__(self):
@@ -789,7 +790,8 @@ class _Blocks:
             if chunk_files is None or not chunk_files.aligned(start, len(block)):
                 array[start:start + len(block)] = block
                 return moved
-            files = chunk_files.encoded(self.root / self.paths[job.name], start, block)
+            directory = self.root / self.paths[job.name]
+            files = chunk_files.encoded(directory, start, block)
         except OSError:
             raise
         except Exception as exc:
@@ -797,9 +799,9 @@ class _Blocks:
                              f"its codecs ({exc})") from None
         self.digests.update((path, hashlib.sha256(data).hexdigest()) for path, data in files)
         if self._disk is None:
-            zarr_chunks.write_files(files)
+            zarr_chunks.write_files(directory, files)
         else:
-            self._on_disk[job.name, start] = self._disk.put(files)
+            self._on_disk[job.name, start] = self._disk.put((directory, files))
         return moved
 
     def wait(self, job_name: str, start: int) -> None:
@@ -974,7 +976,7 @@ class ZarrWriter(Writer):
         reader.messages += [f"array {name}: written without the input's lossy "
                             f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
                             "values are stored exactly" for name, lossy in dropped.items()]
-        meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
+        meta_file = self.meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
         if reopen:
             for path, meta in metadata.items():
                 try:
@@ -1065,6 +1067,10 @@ class ZarrWriter(Writer):
         """Regenerate the lower levels of multiscale images from the perturbed full
         resolution, then rebuild consolidated metadata; only a complete output is worth it."""
         self.blocks.flush()  # the lower levels are read from the chunk files
+        for path in self.blocks.paths.values():
+            if not (self.root / path / self.meta_file).is_file():  # zarr-python would have written a store without it
+                raise OutputError(f"{shown(self.root / path)}: its metadata was removed while tldp wrote "
+                                  "it (another program?); nothing was written")
         for pyramid in self.pyramids:
             _regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:
