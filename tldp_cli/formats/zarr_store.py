@@ -1064,11 +1064,12 @@ class ZarrWriter(Writer):
         return None if self.missing else self.blocks
 
     def finish(self) -> None:
-        """Regenerate the lower levels of multiscale images from the perturbed full
+        """Wait for the chunk files and check that each array's metadata is still there,
+        regenerate the lower levels of multiscale images from the perturbed full
         resolution, then rebuild consolidated metadata; only a complete output is worth it."""
         self.blocks.flush()  # the lower levels are read from the chunk files
         for path in self.blocks.paths.values():
-            if not (self.root / path / self.meta_file).is_file():  # zarr-python would have written a store without it
+            if not (self.root / path / self.meta_file).is_file():  # zarr-python makes removed folders again
                 raise OutputError(f"{shown(self.root / path)}: its metadata was removed while tldp wrote "
                                   "it (another program?); nothing was written")
         for pyramid in self.pyramids:
