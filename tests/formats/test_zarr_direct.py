@@ -198,3 +198,28 @@ def test_an_output_removed_during_the_run_fails(tmp_path, monkeypatch, sharded):
         perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
                                block_elements=100 * 784, workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.zarr"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_every_output_file_is_flushed_to_disk(tmp_path, monkeypatch, sharded):
+    """Chunk files are flushed as the writer thread writes them, the rest (metadata,
+    chunks written through zarr-python) when the writer closes: none is left to the
+    kernel's writeback when the manifest says the output is complete."""
+    src = tmp_path / "in.zarr"
+    data = np.random.default_rng(0).integers(0, 256, SHAPE, dtype=np.uint8)
+    zarr.create_array(store=str(src), shape=SHAPE, dtype="uint8", chunks=(50, 28, 28),
+                      shards=(100, 28, 28) if sharded else None)[:] = data
+    flushed = set()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        flushed.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) + f":{os.fstat(fd).st_ino}")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out.zarr"
+    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+                           block_elements=100 * 784, workers=2))
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) >= 7  # zarr.json and 6 shards, or 12 chunk files
+    assert {f"{p.name}:{p.stat().st_ino}" for p in files} <= flushed

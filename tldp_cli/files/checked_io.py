@@ -122,11 +122,11 @@ def write_direct(path: Path, data: np.ndarray, position: int) -> bool:
 
 
 def write_new_file(path: Path, data: bytes) -> None:
-    """Writes `data` as the whole of file `path` (created, or emptied first): its whole
-    pages with O_DIRECT where the filesystem takes it, the last partial page through the
-    page cache. Copying many megabytes into the page cache costs more CPU than the direct
-    write, most of all in memory the machine has not touched for a while. Raises OSError
-    (call it inside `writing`)."""
+    """Writes `data` as the whole of file `path` (created, or emptied first) and flushes
+    it to disk (fsync): its whole pages with O_DIRECT where the filesystem takes it, the
+    last partial page through the page cache. Copying many megabytes into the page cache
+    costs more CPU than the direct write, most of all in memory the machine has not
+    touched for a while. Raises OSError (call it inside `writing`)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(path, flags | _O_DIRECT, 0o666)
@@ -147,6 +147,7 @@ def write_new_file(path: Path, data: bytes) -> None:
         if direct:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
         pwrite_all(fd, memoryview(data)[whole:], whole)
+        os.fsync(fd)  # little left to flush: the file's metadata and its last page
     finally:
         os.close(fd)
 

@@ -43,7 +43,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.files.checked_io import Background
+from tldp_cli.files.checked_io import Background, fsync_file
 from tldp_cli.files.output import shown
 from tldp_cli.formats import (
     ArrayJob,
@@ -1084,8 +1084,15 @@ class ZarrWriter(Writer):
         cf.count_moves(self.manifest_extra, [(name, count) for (name, _), count in self.moved.items()])
 
     def close(self) -> list[Path]:
+        """Waits for the chunk files (each flushed to disk as it is written), then flushes
+        every other file: metadata, files copied, chunks written through zarr-python or
+        by another process."""
         self.blocks.flush()
-        return sorted(p for p in self.root.rglob("*") if p.is_file())
+        files = sorted(p for p in self.root.rglob("*") if p.is_file())
+        for path in files:
+            if path not in self.blocks.digests:
+                fsync_file(path)
+        return files
 
 
 def create_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
