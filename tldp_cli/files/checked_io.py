@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import queue
 import threading
@@ -123,29 +122,15 @@ def write_direct(path: Path, data: np.ndarray, position: int) -> bool:
 
 def write_new_file(path: Path, data: bytes) -> None:
     """Writes `data` as the whole of file `path` (created, or emptied first) and flushes
-    it to disk (fsync): its whole pages with O_DIRECT where the filesystem takes it, the
-    last partial page through the page cache. Copying many megabytes into the page cache
-    costs more CPU than the direct write, most of all in memory the machine has not
-    touched for a while. Raises OSError (call it inside `writing`)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    it to disk (fsync): its whole pages with direct I/O where the filesystem takes it
+    (write_direct), the last partial page through the page cache. Copying many megabytes
+    into the page cache costs more CPU than the direct write, most of all in memory the
+    machine has not touched for a while. Raises OSError (call it inside `writing`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        fd = os.open(path, flags | _O_DIRECT, 0o666)
-        direct = bool(_O_DIRECT)
-    except OSError as exc:
-        if not _O_DIRECT or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        fd, direct = os.open(path, flags, 0o666), False
-    try:
-        whole = len(data) // PAGE * PAGE if direct else 0
-        if whole:
-            try:
-                pwrite_all(fd, _aligned_copy(np.frombuffer(data, np.uint8, whole)), 0)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                whole = 0  # refused before writing: alignment the device does not take
-        if direct:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        whole = len(data) // PAGE * PAGE
+        if whole and not write_direct(path, np.frombuffer(data, np.uint8, whole), 0):
+            whole = 0
         pwrite_all(fd, memoryview(data)[whole:], whole)
         os.fsync(fd)  # little left to flush: the file's metadata and its last page
     finally:
