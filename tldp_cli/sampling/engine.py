@@ -16,7 +16,6 @@ without replacement, and each candidate is then kept with probability (1 - w)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 
 import numpy as np
@@ -43,8 +42,9 @@ def _keep_freed_memory() -> None:
     (2.5x on the exact samplers). The process's peak memory is unchanged: what it keeps
     is what it used. Elsewhere than glibc, nothing to do."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The process's own symbols (libc among them): ctypes.util.find_library would run
+        # ldconfig in a child process at every start.
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
