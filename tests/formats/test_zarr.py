@@ -181,6 +181,31 @@ def test_single_array_store(cli, tmp_path, zarr_format):
     assert json.loads(result.stdout)["inputs"][0]["dataset"] == "/"
 
 
+def metadata_json(path: Path, zarr_format: int) -> dict:
+    return json.loads((path / ("zarr.json" if zarr_format == 3 else ".zarray")).read_text())
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("dtype, fill_value", [("uint8", 7), ("int16", -1), ("float32", np.nan),
+                                               ("float64", 0.5)])
+def test_fill_value_is_written_as_zarr_python_writes_it(tmp_path, zarr_format, dtype, fill_value):
+    """An integer array's fill value is a JSON integer (the Zarr 3 spec allows no fraction;
+    strict readers such as tensorstore refuse 7.0), a float's a number or "NaN"."""
+    src = tmp_path / "in.zarr"
+    zarr.create_array(src, shape=(20, 4), dtype=dtype, chunks=(10, 4), fill_value=fill_value,
+                      zarr_format=zarr_format)[:] = np.arange(80).reshape(20, 4) % 50
+    out = tmp_path / "out.zarr"
+    bounds = {} if np.dtype(dtype).kind in "iu" else {"value_range": (0.0, 50.0)}
+    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out, **bounds))
+    written = metadata_json(out, zarr_format)["fill_value"]
+    output_dtype = zarr.open_array(out, mode="r").dtype
+    reference = tmp_path / "reference.zarr"  # zarr-python's own writing of that dtype and fill
+    zarr.create_array(reference, shape=(20, 4), dtype=output_dtype, chunks=(10, 4),
+                      fill_value=fill_value, zarr_format=zarr_format)
+    expected = metadata_json(reference, zarr_format)["fill_value"]
+    assert type(written) is type(expected) and json.dumps(written) == json.dumps(expected)
+
+
 def make_two(path: Path, rows_b: int) -> Path:
     group = zarr.open_group(path, mode="w", zarr_format=3)
     group.create_array("a", shape=(10, 4), dtype="uint8")[:] = 1

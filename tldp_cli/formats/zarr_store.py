@@ -604,8 +604,12 @@ def open_reader(path: Path, options: FormatOptions) -> ZarrReader:
     return ZarrReader(path, options)
 
 
-def _json_float(value: float) -> float | str:
-    """A float fill value as Zarr writes it: NaN and the infinities as strings."""
+def _json_fill(value: np.generic) -> int | float | str:
+    """A fill value as Zarr writes it: an integer type's as a JSON integer (the Zarr 3
+    spec allows no fraction there), a float's as a number, NaN and the infinities as
+    strings."""
+    if value.dtype.kind in "iub":
+        return value.item()
     if np.isnan(value):
         return "NaN"
     if np.isinf(value):
@@ -701,7 +705,7 @@ def _output_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.d
     dropped: list[str] = []
     levels: list[dict[str, Any]] = []
     with np.errstate(over="ignore"):
-        fill = None if fill_value is None else _json_float(dtype.type(fill_value))
+        fill = None if fill_value is None else _json_fill(dtype.type(fill_value))
     if zarr_format == 3:
         meta["data_type"] = dtype.name
         meta["fill_value"] = fill
