@@ -586,7 +586,7 @@ def markdown(results: dict) -> str:
     if results["end_to_end"]:
         lines += ["", f"End to end (`pipeline.perturb`, TLDP-L with the default exact sampler, secure RNG, "
                   f"{results['workers']} workers, output int16 or PNG, input in the page cache, output hashed for the "
-                  "manifest and fsynced (an image folder's files are not)"
+                  "manifest and fsynced"
                   + ("; page cache warmed before each run" if results.get("warm_up") else "")
                   + (f"; the fastest of {results['e2e_reps']} rounds" if results.get("e2e_reps", 1) > 1 else "")
                   + "):",

@@ -422,3 +422,26 @@ def test_ctrl_c_reports_what_is_on_disk(tmp_path, moment, committed):
         assert run.returncode == 130, run.stderr
         assert run.stderr.strip().splitlines()[-1].startswith("tldp: error: interrupted")
         assert siblings(tmp_path) == {"x.npy"}
+
+
+def test_the_folder_outputs_are_moved_into_is_flushed_after_the_move(cli, tmp_path, monkeypatch):
+    """After a power loss the renames into place must still be there: the destination
+    folder is flushed (fsync) once the output and its manifest are in it."""
+    src = tmp_path / "in" / "x.npy"
+    src.parent.mkdir()
+    np.save(src, np.arange(64, dtype=np.uint8).reshape(4, 16))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    flushed = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        flushed.append((path, sorted(os.listdir(path)) if os.path.isdir(path) else None))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    result = cli("perturb", src, "--eps", "1", "--out", dest / "x.npy", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    assert any(path == str(dest) and {"x.npy", "x.npy.manifest.json"} <= set(listing)
+               for path, listing in flushed)

@@ -477,6 +477,8 @@ class Staging:
         with _parents_locked([final for _, final in self._targets]):
             self._journal()
             self._move(overwrite)
+            for folder in {final.parent for _, final in self._targets}:
+                _flush_folder(folder)
 
     def _journal(self) -> None:
         """Writes down the moves before the first, so that the next run can finish them if
@@ -527,6 +529,22 @@ class Staging:
     def close(self) -> None:
         """After commit: the emptied work folders go."""
         self.discard()
+
+
+def _flush_folder(folder: Path) -> None:
+    """Flushes a folder's entries to disk (fsync), so that the outputs just moved into it
+    are still there after a power loss. Best effort: the outputs are in place by now, and
+    some filesystems refuse fsync on a folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import errno
 import functools
 import hashlib
 import io
@@ -51,7 +52,7 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
-from tldp_cli.files.checked_io import copy_bytes, writing
+from tldp_cli.files.checked_io import Background, copy_bytes, fsync_file, write_new_file, writing
 
 NAME = "images"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
@@ -591,6 +592,10 @@ class ImageFolderWriter(Writer):
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         with writing(tmp_path):
             tmp_path.mkdir()
+        # Images are encoded by the workers and written, each flushed to disk, by a thread
+        # of its own, so that the workers do not wait for the disk (none in Dask workers).
+        self._disk: Background | None = Background(lambda item: _write_image(*item),
+                                                   f"tldp write {tmp_path.name}", depth=8)
         if options.copy_other:
             for rel in reader.others:
                 if rel in reader.index_files:
@@ -620,9 +625,20 @@ class ImageFolderWriter(Writer):
         steps.append("keep the ICC colour profile; drop EXIF and text metadata")
         return steps
 
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_digests", "_disk")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _digests={}, _disk=None)
+
     def _target(self, rel: str) -> Path:
+        """`rel`'s path in the output, making the folders it goes in below the output's own
+        folder, never that folder itself: an output removed during the run fails, rather
+        than come back without the images written before."""
         target = self.root / rel
         with writing(target.parent):
+            if not self.root.is_dir():
+                raise FileNotFoundError(errno.ENOENT, "removed during the run", str(self.root))
             target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
@@ -673,11 +689,13 @@ class ImageFolderWriter(Writer):
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
             encoded = _png(pixels, icc)
-        # Encoded in memory, then written with one checked write (Pillow and tifffile write
-        # to a file descriptor without checking for short writes).
-        with writing(target), open(target, "wb") as f:
-            f.write(encoded)
+        # Encoded in memory, then written with checked writes (Pillow and tifffile write to a
+        # file descriptor without checking for short writes).
         self._digests[target] = hashlib.sha256(encoded).hexdigest()  # not read back for the manifest
+        if self._disk is None:
+            _write_image(target, encoded)
+        else:
+            self._disk.put((target, bytes(encoded)))
 
     def digests(self) -> dict[Path, str]:
         return dict(self._digests)
@@ -687,7 +705,20 @@ class ImageFolderWriter(Writer):
         return self.write
 
     def close(self) -> list[Path]:
-        return sorted(p for p in self.root.rglob("*") if p.is_file())
+        """Waits for the images (each flushed to disk as it is written), then flushes every
+        other file: those copied, and images written by another process."""
+        if self._disk is not None:
+            self._disk.close()
+        files = sorted(p for p in self.root.rglob("*") if p.is_file())
+        for path in files:
+            if path not in self._digests:
+                fsync_file(path)
+        return files
+
+
+def _write_image(target: Path, encoded: bytes) -> None:
+    with writing(target):
+        write_new_file(target, encoded)
 
 
 def create_writer(reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,

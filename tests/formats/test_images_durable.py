@@ -1,0 +1,94 @@
+"""Images are encoded by the workers and written by a writer thread, each flushed to
+disk (fsync) as it is written; the files copied beside them are flushed when the writer
+closes. An output folder removed during the run fails the run rather than come back
+without the images written before, and a failure on the writer's thread is one line that
+leaves nothing."""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.builders import assert_one_line_error, disk_full_after, siblings
+from tldp_cli.errors import OutputError
+from tldp_cli.formats import images
+from tldp_cli.run.pipeline import PerturbOptions, perturb
+
+
+def photo_folder(path, count=6, size=40):
+    rng = np.random.default_rng(3)
+    (path / "cats").mkdir(parents=True)
+    for i in range(count):
+        pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(path / "cats" / f"{i}.png")
+    (path / "README.txt").write_text("six cats\n")
+    (path / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"cats/{i}.png"}) + "\n"
+                                                 for i in range(count)))
+    return path
+
+
+def test_every_output_file_is_flushed_to_disk(tmp_path, monkeypatch):
+    src = photo_folder(tmp_path / "in")
+    flushed = set()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        flushed.add(os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1] + f":{os.fstat(fd).st_ino}")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out"
+    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True, workers=2,
+                           copy_other=True))
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) == 8  # six images, the README and the index
+    assert {f"{p.name}:{p.stat().st_ino}" for p in files} <= flushed
+
+
+def test_output_removed_during_the_run_fails(tmp_path, monkeypatch):
+    """The work folder renamed away after the second image (a cleanup script, say): the
+    images after it used to make the folder again and be committed without the first two."""
+    src = photo_folder(tmp_path / "in")
+    real_write = images.ImageFolderWriter.write
+    calls = []
+
+    def write_then_remove(self, job, start, block):
+        real_write(self, job, start, block)
+        calls.append(job.name)
+        if len(calls) == 2:
+            if getattr(self, "_disk", None):
+                self._disk.close()  # the first two images are on disk
+            os.rename(self.root, tmp_path / "gone")
+
+    monkeypatch.setattr(images.ImageFolderWriter, "write", write_then_remove)
+    with pytest.raises(OutputError, match="removed during the run"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+                               allow_weak_seed=True, workers=1))
+    assert siblings(tmp_path) == {"gone", "in"}
+
+
+def test_a_write_failure_in_the_writer_thread_is_one_line_and_leaves_nothing(cli, tmp_path,
+                                                                             monkeypatch):
+    src = photo_folder(tmp_path / "in", count=12, size=64)
+    disk_full_after(monkeypatch, 5)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--workers", "2")
+    assert_one_line_error(result, 1, "No space left on device", "out")
+    assert siblings(tmp_path) == {"in"}
+
+
+def test_a_writer_sent_to_dask_workers_writes_there_itself(tmp_path):
+    """Pickled for a Dask worker, the writer has no writer thread: it writes and flushes
+    each image itself."""
+    src = photo_folder(tmp_path / "in", count=1)
+    reader = images.open_reader(src, images.FormatOptions())
+    writer = images.create_writer(reader, tmp_path / "out", np.dtype(np.int16), images.FormatOptions())
+    remote = pickle.loads(pickle.dumps(writer.block_writer())).__self__
+    assert remote._disk is None and remote.digests() == {}
+    [job] = reader.arrays()
+    remote.write(job, 0, np.zeros((1, 40, 40, 3), np.int16))
+    assert (tmp_path / "out" / "cats" / "0.png").stat().st_size > 0
+    writer.close()
+    reader.close()
