@@ -2,6 +2,12 @@
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +163,44 @@ def run_and_check_nothing_written(cli, tmp_path, src, *args, code=1, fragments=(
 def test_missing_file(cli, tmp_path):
     run_and_check_nothing_written(cli, tmp_path, tmp_path / "nope.npy", "--eps", "1",
                                   fragments=("nope.npy", "no such file"))
+
+
+def as_another_user(command: list[str]) -> list[str]:
+    """`command` run by a user who may not read files made mode 000 (root may read them)."""
+    if os.geteuid() != 0:
+        return command
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+
+
+@pytest.mark.parametrize("command", ["perturb", "plan", "evaluate"])
+def test_unreadable_input_is_one_line_and_exit_1(tmp_path, command):
+    """Click's own check (exit 2, 'Invalid value for INPUT: ... is not readable') used to
+    answer before tldp, which names the file and exits 1 as for any input it cannot read."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is closed to other users
+    try:
+        folder.chmod(0o777)
+        src = folder / "locked.npy"
+        np.save(src, np.zeros((4, 4), np.uint8))
+        src.chmod(0)
+        args = {"perturb": ["--eps", "1"], "plan": ["--eps", "1"],
+                "evaluate": ["--sweep", "--eps", "1,2", "--out", str(folder / "sweep")]}[command]
+        result = subprocess.run(as_another_user([sys.executable, "-m", "tldp_cli", command, str(src), *args]),
+                                capture_output=True, text=True, cwd=folder,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.strip().splitlines() == [f"tldp: error: {src}: Permission denied"]
+        assert sorted(p.name for p in folder.iterdir()) == ["locked.npy"]
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_manifest_path_ending_in_a_slash_is_refused(cli, digits_file, tmp_path):
+    """A trailing '/' used to be dropped, and the manifest written as a file of that name."""
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--out", tmp_path / "o.npy",
+                                  "--manifest", f"{tmp_path}/mdir/", code=2,
+                                  fragments=("--manifest", "mdir/", "give its path"))
 
 
 def test_not_an_array(cli, tmp_path):

@@ -67,23 +67,23 @@ def _print_sweep(result: dict, written: list) -> None:
 
 @app.command("evaluate", no_args_is_help=True)
 def evaluate_command(
-    original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
+    original: Annotated[Path, typer.Argument(readable=False, metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
                                              show_default=False)],
-    perturbed: Annotated[Optional[Path], typer.Argument(
+    perturbed: Annotated[Optional[Path], typer.Argument(readable=False,
         metavar="PERTURBED", help="perturb's output. Not with --sweep.", show_default=False)] = None,
-    manifest: Annotated[Optional[Path], typer.Option(
+    manifest: Annotated[Optional[Path], typer.Option(readable=False,
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        "--report", readable=False, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
         show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
                              "the JSON report; together they give each record's exact norm. "
                              "Default: only their mean, median, min and max.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(
+    name_map: Annotated[Optional[Path], typer.Option(readable=False,
         metavar="PATH", help="The name map of a perturb --anonymize-names run, which pairs each "
                              "image with its perturbed copy. Default: ORIGINAL.name-map.json.",
         show_default=False)] = None,
@@ -92,7 +92,7 @@ def evaluate_command(
         help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
              "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
              "folder's top-level subfolder names).")] = None,
-    test: Annotated[Optional[Path], typer.Option(
+    test: Annotated[Optional[Path], typer.Option(readable=False,
         help="Clean test records (any format perturb reads) for the task-utility score.")] = None,
     input_format: Annotated[Optional[InputFormat], typer.Option(
         "--format", help="Read ORIGINAL (and PERTURBED) as this format instead of detecting it "
@@ -108,11 +108,11 @@ def evaluate_command(
                         "write a table and plots to --out.")] = False,
     eps: Annotated[Optional[str], typer.Option(
         "--eps", metavar="E1,E2,...", help="--sweep: the epsilons (see --budget).")] = None,
-    out: Annotated[Optional[Path], typer.Option(
+    out: Annotated[Optional[Path], typer.Option(readable=False,
         help="--sweep: folder for sweep.csv, sweep.json and the PNG plots.")] = None,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI", help="--sweep: declared value range, as for perturb.")] = None,
-    weights: Annotated[Optional[Path], typer.Option(
+    weights: Annotated[Optional[Path], typer.Option(readable=False,
         help="--sweep: weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="--sweep: as for perturb.")] = Budget.element,
     repeat: Annotated[int, typer.Option(

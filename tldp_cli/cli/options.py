@@ -69,7 +69,7 @@ class OutDtype(str, Enum):
 
 
 # --seed-file and --allow-weak-seed, the same for every command that takes a seed.
-SeedFile = Annotated[Optional[Path], typer.Option(
+SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
     metavar="PATH", help=f"Read the seed from PATH (whitespace around it stripped) instead of "
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]

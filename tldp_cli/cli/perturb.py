@@ -20,7 +20,7 @@ from tldp_cli.cli.app import DEBUG_ENV, app, progress_bar, run, sigterm_interrup
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
-    input: Annotated[Path, typer.Argument(
+    input: Annotated[Path, typer.Argument(readable=False,
         metavar="INPUT",
         help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
              "file (.npz, .safetensors; each tensor is one record) (detected).",
@@ -31,7 +31,7 @@ def perturb_command(
     mechanism: MechanismOption = Mechanism.tldp,
     budget: BudgetOption = Budget.element,
     value_range: Ranges = None,
-    weights: Annotated[Optional[Path], typer.Option(
+    weights: Annotated[Optional[Path], typer.Option(readable=False,
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
              "of mask PNGs (see tldp weight-mask).")] = None,
@@ -41,8 +41,8 @@ def perturb_command(
              "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
              "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
              "under the default name.", show_default=False)] = None,
-    manifest: Annotated[Optional[Path], typer.Option(
-        help="Manifest path. Default: OUTPUT.manifest.json.")] = None,
+    manifest: Annotated[Optional[str], typer.Option(  # text: a trailing '/' is refused, not dropped
+        metavar="PATH", help="Manifest path. Default: OUTPUT.manifest.json.", show_default=False)] = None,
     seed: Annotated[Optional[str], typer.Option(
         metavar="HEX",
         help="Make the run reproducible with this seed: a secret key of at least 32 hex digits "
@@ -70,7 +70,7 @@ def perturb_command(
              "in one flat folder, and keep every input file and folder name out of the manifest "
              "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
              "evaluate needs it. Not with --copy-other.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(
+    name_map: Annotated[Optional[Path], typer.Option(readable=False,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
              "files). Keep it with the raw data; never inside the output. Default: "
@@ -100,7 +100,7 @@ def perturb_command(
              "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
     allow_raw_release: AllowRawRelease = False,
-    ledger: Annotated[Optional[Path], typer.Option(
+    ledger: Annotated[Optional[Path], typer.Option(readable=False,
         metavar="PATH", envvar="TLDP_LEDGER",
         help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
              "release of the input's content and states what all its releases spend together. "

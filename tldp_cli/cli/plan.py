@@ -19,7 +19,7 @@ from tldp_cli.cli.app import DEBUG_ENV, app, run, unperturbed_note
 
 @app.command("plan", no_args_is_help=True)
 def plan_command(
-    input: Annotated[Optional[Path], typer.Argument(
+    input: Annotated[Optional[Path], typer.Argument(readable=False,
         metavar="[INPUT]", help="The input perturb would read (headers only); or describe the "
                                 "records with --elements instead.", show_default=False)] = None,
     eps: Eps = None,

@@ -66,7 +66,7 @@ class PerturbOptions:
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # --range NAME=LO:HI
     weights: Path | None = None
     out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
-    manifest: Path | None = None
+    manifest: Path | str | None = None  # a str keeps a trailing "/", which is refused
     seed: str | int | None = None  # a secret key: hex digits (see rng.py)
     allow_weak_seed: bool = False  # accept a seed of fewer than rng.MIN_SEED_BITS bits (tests, demos)
     rng: str = "secure"
@@ -97,8 +97,8 @@ class PerturbOptions:
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
 
-    def __post_init__(self):  # the library takes str paths too (out stays a str: see above)
-        for name in ("input", "weights", "manifest", "ledger", "seed_file", "name_map"):
+    def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
+        for name in ("input", "weights", "ledger", "seed_file", "name_map"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, Path(getattr(self, name)))
 
