@@ -31,3 +31,16 @@ def test_without_a_grid_floats_move_one_ulp():
     block = np.array([-1.0], np.float64)
     assert cf.move_off_markers(block, None, [-1.0], (0.0, 1.0, None)) == 1
     assert block[0] == np.nextafter(-1.0, 0.0)
+
+
+def test_markers_the_output_dtype_cannot_hold_saturate_never_wrap():
+    """A cast back to the marker's own dtype took the wrapped value for the marker itself
+    (2**32 - 1 as int16 is -1, which casts back to 2**32 - 1)."""
+    int16, float32 = np.dtype(np.int16), np.dtype(np.float32)
+    assert cf.output_marker(np.uint32(2**32 - 1), int16) == -32768
+    assert cf.output_marker(np.uint64(2**64 - 1), int16) == -32768
+    assert cf.output_marker(np.int64(-2**63), int16) == -32768
+    assert cf.output_marker(np.int32(-2147483647), int16) == -32768
+    assert cf.output_marker(-9999.0, int16) == -9999 and cf.output_marker(np.uint8(255), int16) == 255
+    assert np.isnan(cf.output_marker(1e300, float32)) and np.isnan(cf.output_marker(0.1, float32))
+    assert cf.output_marker(np.float64(0.5), float32) == 0.5 and np.isnan(cf.output_marker(np.nan, float32))

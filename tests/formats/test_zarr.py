@@ -339,3 +339,36 @@ def test_compression_levels_are_lowered_and_recorded(cli, tmp_path):
     assert out["fast"].compressors == (ZstdCodec(level=1),)
     noisy = out["slow"][:]
     assert noisy.dtype == PERTURBED and not np.array_equal(noisy, IMAGES)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_fill_value_the_output_dtype_cannot_hold_is_its_least_value(tmp_path, zarr_format):
+    """uint32's largest value as the fill of an int16 output used to wrap to -1, a value the
+    noise takes; it saturates, as the missing-data markers do (cf.output_marker)."""
+    src = tmp_path / "in.zarr"
+    zarr.create_array(src, shape=(8, 4), dtype="uint32", chunks=(4, 4), fill_value=2**32 - 1,
+                      zarr_format=zarr_format)[:] = np.arange(32).reshape(8, 4) % 50
+    out = tmp_path / "out.zarr"
+    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out,
+                           value_range=(0.0, 100.0), allow_raw_release=True))
+    assert zarr.open_array(out, mode="r").dtype == np.int16
+    assert metadata_json(out, zarr_format)["fill_value"] == -32768
+
+
+@pytest.mark.parametrize("shards", [None, (20, 8, 8)])
+def test_blosc_shuffles_the_output_elements_not_the_inputs(tmp_path, shards):
+    """Blosc's typesize (the element size its shuffle groups bytes by) follows the output
+    dtype, as zarr-python sets it; it was the input's (1 for uint8 under an int16 output)."""
+    src = tmp_path / "in.zarr"
+    zarr.create_array(src, shape=IMAGES.shape, dtype="uint8", chunks=(10, 8, 8), shards=shards,
+                      compressors=BloscCodec(cname="zstd", shuffle="shuffle"))[:] = IMAGES
+    out = tmp_path / "out.zarr"
+    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out,
+                           allow_raw_release=True))
+    codecs = metadata_json(out, 3)["codecs"]
+    if shards:
+        codecs = codecs[0]["configuration"]["codecs"]
+    assert codecs[1]["name"] == "blosc" and codecs[1]["configuration"]["typesize"] == 2
+    if not shards:  # each chunk file is a Blosc frame whose header states its typesize
+        assert (out / "c" / "0" / "0" / "0").read_bytes()[3] == 2
+    assert zarr.open_array(out, mode="r")[:].dtype == PERTURBED  # and zarr-python reads it back

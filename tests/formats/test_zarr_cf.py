@@ -94,3 +94,21 @@ def test_nan_in_an_xarray_store_is_missing_data(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     after = xr.open_zarr(out)["v"].values
     np.testing.assert_array_equal(np.isnan(after), np.isnan(values))
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_fill_value_the_output_dtype_cannot_hold_stays_missing(cli, tmp_path, zarr_format):
+    """netCDF's default int fill (-2147483647) on int32 codes of small values: the int16
+    output's fill value used to wrap to 1 in Zarr 2's metadata (where xarray reads the
+    _FillValue), so xarray masked every noisy 1 and showed the missing cells as -32768."""
+    values = np.arange(10000.0).reshape(200, 50) % 7
+    values[0, 0] = np.nan
+    src = tmp_path / "codes.zarr"
+    xr.Dataset({"v": (("t", "x"), values)}).to_zarr(src, zarr_format=zarr_format, encoding={
+        "v": {"dtype": "int32", "_FillValue": -2147483647}})
+    out = tmp_path / "out.zarr"
+    manifest, _ = perturb(cli, src, out, "--range", "0:100")
+    assert manifest["missing_values"]["v"]["output"] == [-32768]
+    after = xr.open_zarr(out)["v"]
+    assert after.encoding["_FillValue"] == -32768
+    np.testing.assert_array_equal(after.isnull().values, np.isnan(values))

@@ -199,10 +199,13 @@ def output_marker(marker, dtype: np.dtype):
     """A missing-data marker in the output dtype: its own value where the dtype holds it,
     else NaN (floats) or the dtype's least value (integers, which noisy values reach only
     by saturating beyond the noise's tail bound)."""
+    value = np.asarray(marker)[()]
     with np.errstate(invalid="ignore", over="ignore"):
-        out = np.asarray(marker).astype(dtype)
-        if np.array_equal(out.astype(np.asarray(marker).dtype), marker, equal_nan=dtype.kind == "f"):
-            return out[()]
+        out = dtype.type(value)
+    # Compared as Python numbers, which compare exactly: a cast back to the marker's dtype
+    # would take a wrapped value (2**32 - 1 as int16: -1) for the marker itself.
+    if out.item() == value.item() or (dtype.kind == "f" and np.isnan(value)):
+        return out
     return dtype.type(np.nan) if dtype.kind == "f" else dtype.type(np.iinfo(dtype).min)
 
 

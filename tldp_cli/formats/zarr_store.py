@@ -690,6 +690,8 @@ def _output_codecs(codecs: list, dtype: np.dtype, where: str, dropped: list[str]
         _check_codec(codec, config, dtype, where)
         if codec.get("name") == "bytes" and "endian" not in config:
             codec["configuration"] = {**config, "endian": "little"}  # required for multi-byte types
+        if codec.get("name") == "blosc" and "typesize" in config:
+            config["typesize"] = dtype.itemsize  # the shuffle's element size, as zarr-python sets it
         if codec.get("name") == "sharding_indexed":
             config["codecs"] = _output_codecs(config.get("codecs", []), dtype, where, dropped, levels)
         _fast_level(codec, config, levels)
@@ -704,8 +706,10 @@ def _output_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.d
     meta = copy.deepcopy(node.meta)
     dropped: list[str] = []
     levels: list[dict[str, Any]] = []
-    with np.errstate(over="ignore"):
-        fill = None if fill_value is None else _json_fill(dtype.type(fill_value))
+    # The fill value in the output dtype as the missing-data markers are (cf.output_marker):
+    # where the dtype cannot hold it, the least value (or NaN), never a wrapped one
+    # (uint32 4294967295 as int16 would be -1, which noisy values take).
+    fill = None if fill_value is None else _json_fill(cf.output_marker(fill_value, dtype))
     if zarr_format == 3:
         meta["data_type"] = dtype.name
         meta["fill_value"] = fill
