@@ -7,13 +7,14 @@ leaves nothing."""
 import json
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from tests.builders import assert_one_line_error, disk_full_after, siblings
-from tldp_cli.errors import OutputError
+from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import images
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
@@ -92,3 +93,19 @@ def test_a_writer_sent_to_dask_workers_writes_there_itself(tmp_path):
     assert (tmp_path / "out" / "cats" / "0.png").stat().st_size > 0
     writer.close()
     reader.close()
+
+
+def test_a_writer_that_fails_to_start_leaves_no_thread(tmp_path, monkeypatch):
+    """A file beside the images that cannot be read stops the writer while it copies the
+    other files: its writer thread must not have been left running."""
+    src = photo_folder(tmp_path / "in")
+
+    def unreadable(self, source, rel):
+        raise InputError(f"{source}: cannot read (Permission denied)")
+
+    monkeypatch.setattr(images.ImageFolderWriter, "_copy", unreadable)
+    with pytest.raises(InputError, match="README.txt"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+                               allow_weak_seed=True, copy_other=True))
+    assert not [t for t in threading.enumerate() if t.name.startswith("tldp write")]
+    assert siblings(tmp_path) == {"in"}

@@ -592,10 +592,6 @@ class ImageFolderWriter(Writer):
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         with writing(tmp_path):
             tmp_path.mkdir()
-        # Images are encoded by the workers and written, each flushed to disk, by a thread
-        # of its own, so that the workers do not wait for the disk (none in Dask workers).
-        self._disk: Background | None = Background(lambda item: _write_image(*item),
-                                                   f"tldp write {tmp_path.name}", depth=8)
         if options.copy_other:
             for rel in reader.others:
                 if rel in reader.index_files:
@@ -608,6 +604,11 @@ class ImageFolderWriter(Writer):
                                                 "clipped": self.image_format == "png"}}
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
+        # Images are encoded by the workers and written, each flushed to disk, by a thread of
+        # its own, so that the workers do not wait for the disk (none in Dask workers).
+        # Started last: nothing after it can fail and leave it running.
+        self._disk: Background | None = Background(lambda item: _write_image(*item),
+                                                   f"tldp write {tmp_path.name}", depth=8)
 
     def _steps(self, any_alpha: bool) -> list[str]:
         if self.image_format == "tiff":
