@@ -920,22 +920,48 @@ def _raw_statistics(attrs: dict[str, Any]) -> list[str]:
     return found
 
 
-def _drop_raw_statistics(root: Path, pyramid: _Pyramid, zarr_format: int) -> None:
+def _declared_window(bounds: tuple[float, float, float | None] | None,
+                     dtype: np.dtype) -> dict[str, float] | None:
+    """An omero channel window of the declared range (public, in the manifest), in place of
+    the one computed from the raw values: NGFF 0.4 validators require a window. Integer
+    output holds lo..hi-1 (the range is half-open under integer noise)."""
+    if bounds is None:
+        return None
+    lo, hi = bounds[0], bounds[1] - 1 if dtype.kind in "iu" else bounds[1]
+    if dtype.kind in "iu":
+        lo, hi = int(lo), int(hi)
+    return {"min": lo, "max": hi, "start": lo, "end": hi}
+
+
+def _drop_raw_statistics(root: Path, pyramid: _Pyramid, zarr_format: int,
+                         window: dict[str, float] | None) -> None:
+    """Replaces the omero channel windows with `window` (or drops them, when None) and drops
+    the label properties."""
     group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
                             use_consolidated=False)
     attrs = copy.deepcopy(group.attrs.asdict())
     ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
     for channel in (ngff.get("omero") or {}).get("channels") or []:
-        if isinstance(channel, dict):
-            channel.pop("window", None)
+        if isinstance(channel, dict) and "window" in channel:
+            if window is None:
+                del channel["window"]
+            else:
+                channel["window"] = dict(window)
     if isinstance(ngff.get("image-label"), dict):
         ngff["image-label"].pop("properties", None)
     group.attrs.put(attrs)
 
 
-def _statistics_step(pyramid: _Pyramid, fields: list[str]) -> str:
-    return (f"drop the {' and the '.join(fields)} of multiscale image {pyramid.name}: they are "
-            "computed from the raw values")
+def _statistics_step(pyramid: _Pyramid, fields: list[str], window: dict[str, float] | None) -> str:
+    """The manifest's postprocessing entry for _drop_raw_statistics."""
+    steps = []
+    if "omero channel windows" in fields and window is not None:
+        steps.append(f"replace the omero channel windows of multiscale image {pyramid.name} with the declared "
+                     f"range [{window['min']}, {window['max']}]")
+        fields = [f for f in fields if f != "omero channel windows"]
+    if fields:
+        steps.append(f"drop the {' and the '.join(fields)} of multiscale image {pyramid.name}")
+    return "; ".join(steps) + ": they are computed from the raw values"
 
 
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
@@ -979,8 +1005,11 @@ class ZarrWriter(Writer):
             self.postprocessing = [*self.postprocessing, *(_regeneration_step(p) for p in self.pyramids)]
             self.manifest_extra = {**self.manifest_extra,
                                    "multiscale_images": [p.describe() for p in self.pyramids]}
-        self.postprocessing += [_statistics_step(p, fields) for p, fields in reader.raw_statistics.items()
-                                if fields]
+        job_of = {path: job_name for job_name, path in names.items()}
+        windows = {p: _declared_window((bounds or {}).get(job_of.get(p.levels[0], "")), self.dtype)
+                   for p in reader.raw_statistics}
+        self.postprocessing += [_statistics_step(p, fields, windows[p])
+                                for p, fields in reader.raw_statistics.items() if fields]
         reader.messages += [f"array {name}: written without the input's lossy "
                             f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
                             "values are stored exactly" for name, lossy in dropped.items()]
@@ -1013,7 +1042,7 @@ class ZarrWriter(Writer):
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
             for pyramid, fields in reader.raw_statistics.items():
                 if fields:
-                    _drop_raw_statistics(tmp_path, pyramid, reader.zarr_format)
+                    _drop_raw_statistics(tmp_path, pyramid, reader.zarr_format, windows[pyramid])
         self.blocks = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype, self.missing,
                               bounds or {})
         # (job name, first record) -> noisy values moved off its markers, per block written
