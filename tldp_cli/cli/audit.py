@@ -78,6 +78,9 @@ def audit_command(
       tldp audit --eps 1 --noise gaussian --elements 784 --samples 4000000 --json > audit.json
       tldp audit --eps 2 --mechanism mvg --sampler float --elements 28x28 --scope record --seed-file audit.seed
       tldp audit --eps 1 --noise discrete-laplace --elements 16 --range 0:256
+
+    The third finds the leak of the float sampler's low-order bits: VIOLATION, exit 1
+    (docs/audit.md).
     """
     from tldp_cli import audit as audit_mod
 

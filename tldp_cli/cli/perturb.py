@@ -127,8 +127,9 @@ def perturb_command(
     Examples:
       tldp perturb sample_data/digits.npy --eps 1
       tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
-      tldp perturb features.npy --eps 2 --range -1:1 --budget record --json > manifest.json
-      tldp perturb features.npy --eps 1 --range -1:1 --mechanism mvg --sampler float
+      tldp perturb features.npy --eps 1 --range -1:1 --json > manifest.json
+      tldp perturb sample_data/digits.npy --eps 8 --budget record
+      tldp perturb sample_data/digits.npy --eps 1 --mechanism mvg --sampler float --out mvg.npy
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
       tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
       tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
