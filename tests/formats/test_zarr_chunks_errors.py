@@ -57,7 +57,7 @@ def test_a_truncated_blosc_chunk_raises(tmp_path, zarr_format):
     array[:] = VALUES
     chunk = tmp_path / "a.zarr" / ("c/4/1" if zarr_format == 3 else "4.1")
     chunk.write_bytes(chunk.read_bytes()[:28])
-    with pytest.raises(Exception):
+    with pytest.raises(InputError, match=r"a\.zarr/(c/4/1|4\.1): cannot decode the chunk of records 32-40"):
         layout_of(array).read(tmp_path / "a.zarr", 32, 40)
 
 
@@ -76,4 +76,31 @@ def test_an_encoding_error_is_an_input_error_and_leaves_nothing(tmp_path):
     out = tmp_path / "out.zarr"
     with pytest.raises(InputError, match="cannot encode"):
         perturb(PerturbOptions(input=source, epsilon=1.0, out=out, seed="ab" * 16, workers=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+
+
+def test_a_damaged_or_unreadable_chunk_is_named_with_its_records(cli, tmp_path, monkeypatch):
+    """The error named the whole block (records 0-64) and called a chunk it could not
+    open 'damaged': it names the chunk file, its records, and the cause."""
+    source = tmp_path / "in.zarr"
+    zarr.create_array(str(source), shape=SHAPE, chunks=CHUNKS, dtype="u1")[:] = VALUES
+    damaged = source / "c" / "3" / "0"
+    damaged.write_bytes(damaged.read_bytes()[:10])
+    result = cli("perturb", source, "--eps", "1", "--out", tmp_path / "out.zarr")
+    assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+        f"tldp: error: {damaged}: cannot decode the chunk of records 24-32 (Zstd decompression error: "
+        "invalid input data); it may be damaged"]
+    damaged.unlink()
+    locked = source / "c" / "5" / "1"
+    real_read_bytes = zarr_chunks.Path.read_bytes
+
+    def read_bytes(path):
+        if path == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(zarr_chunks.Path, "read_bytes", read_bytes)
+    result = cli("perturb", source, "--eps", "1", "--out", tmp_path / "out.zarr")
+    assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+        f"tldp: error: {locked}: cannot read (Permission denied)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import numcodecs
 import numpy as np
 
+from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import write_new_file, writing
 from tldp_cli.formats import padded_chunk, whole_chunks
 
@@ -100,19 +101,26 @@ class Layout:
 
     def read(self, directory: Path, start: int, stop: int) -> np.ndarray:
         """Records start:stop of the array whose chunks are in `directory`; a chunk with no
-        file holds the fill value. Raises OSError, or ValueError and numcodecs' errors for
-        a damaged chunk."""
+        file holds the fill value. Raises InputError naming the chunk file it cannot read
+        or decode."""
         out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype.newbyteorder("="))
         for index in self._grid(start, stop):
             region = self._region(index)
             rows = slice(max(region[0].start, start), min(region[0].stop, stop))
             target = (slice(rows.start - start, rows.stop - start), *region[1:])
+            path = directory / self.key(index)
             try:
-                data = (directory / self.key(index)).read_bytes()
+                data = path.read_bytes()
             except FileNotFoundError:
                 out[target] = self.fill_value
                 continue
-            chunk = self.decode(data)
+            except OSError as exc:
+                raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+            try:
+                chunk = self.decode(data)
+            except Exception as exc:  # ValueError or the codec's own errors
+                raise InputError(f"{path}: cannot decode the chunk of records {region[0].start}-"
+                                 f"{region[0].stop} ({exc}); it may be damaged") from None
             offset = index[0] * self.chunks[0]
             out[target] = chunk[(slice(rows.start - offset, rows.stop - offset),
                                  *(slice(0, r.stop - r.start) for r in region[1:]))]
