@@ -284,6 +284,11 @@ def test_output_directory_must_exist(cli, digits_file, tmp_path):
                                   tmp_path / "missing" / "o.npy", fragments=("does not exist",))
 
 
+def test_output_under_a_file_says_it_is_not_a_folder(cli, digits_file, tmp_path):
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--out",
+                                  digits_file / "o.npy", fragments=("digits.npy is not a folder",))
+
+
 def test_unknown_option_is_a_one_line_usage_error(cli, digits_file, tmp_path):
     run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--noise", "uniform", code=2)
 

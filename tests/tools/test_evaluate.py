@@ -79,7 +79,10 @@ def test_tampered_output_fails_integrity(cli, small, tmp_path):
     np.save(y, data)
     r = cli("evaluate", small / "x.npy", y)
     assert r.exit_code == 1
-    assert "sha256" in r.output.splitlines()[-1]
+    assert "sha256" in r.output.splitlines()[-1] and "(see the table)" in r.output.splitlines()[-1]
+    quiet = cli("evaluate", small / "x.npy", y, "-q")  # no table printed: none to point at
+    assert quiet.exit_code == 1 and quiet.stderr.strip().splitlines() == [
+        f"tldp: error: {y}: failed sha256 (run without -q for the table)"]
 
 
 def test_edited_scale_fails_parameters(cli, small, tmp_path):

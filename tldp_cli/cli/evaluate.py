@@ -213,8 +213,9 @@ def evaluate_command(
         _print_report(result)
     failed = [c["check"] for c in result["checks"] if c["passed"] is False]
     if failed:
-        fail(f"{result['perturbed']}: failed {', '.join(failed)} (see the table"
-              + (f" and {report_path})" if report_path else ")"), 1)
+        shown = ([] if quiet else ["the table"]) + ([str(report_path)] if report_path else [])
+        fail(f"{result['perturbed']}: failed {', '.join(failed)}"
+             + (f" (see {' and '.join(shown)})" if shown else " (run without -q for the table)"), 1)
     if not quiet:
         typer.echo("tldp: every check passed", err=True)
 

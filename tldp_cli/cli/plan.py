@@ -11,6 +11,7 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler
 from tldp_cli.errors import UsageError
+from tldp_cli.formats import plural
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
@@ -92,7 +93,7 @@ def plan_command(
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
         c = report["calibration"]
-        typer.echo(f"tldp: plan: {c['records']} records, the largest of {report['elements_per_record']} "
+        typer.echo(f"tldp: plan: {plural(c['records'], 'record')}, the largest of {report['elements_per_record']} "
                    f"elements; {report['noise']} noise of scale {c['noise_scale']:.4g}, element eps "
                    f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
                    f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)

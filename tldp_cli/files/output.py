@@ -86,7 +86,7 @@ def check_input(path: Path) -> None:
     """Refuses inputs that are not a regular file or folder (FIFOs, devices, /dev/stdin)."""
     special = _special_root(path)
     if special:
-        raise InputError(f"{path}: tldp reads regular files and folders, not {special}/ "
+        raise InputError(f"{path}: tldp reads regular files and folders, not /{special}/ "
                          "entries; save the data to a file first")
     try:
         mode = path.stat().st_mode
@@ -159,6 +159,8 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
     folder is an earlier output of this kind, which --overwrite may replace."""
     parent = path.parent
     if not parent.is_dir():
+        if os.path.lexists(parent):
+            raise OutputError(f"{path}: {parent} is not a folder")
         raise OutputError(f"{path}: {what} folder {parent} does not exist")
     final = _resolve(path, what)
     source_real = _resolve(source, "input")
@@ -176,7 +178,7 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
         raise UsageError(f"{path}: the {what} would replace the Zarr store that holds the input")
     special = _special_root(path)
     if special:
-        raise UsageError(f"{path}: tldp writes regular files and folders, not {special}/ entries")
+        raise UsageError(f"{path}: tldp writes regular files and folders, not /{special}/ entries")
     if not os.path.lexists(path):
         return
     mode = path.lstat().st_mode

@@ -20,7 +20,7 @@ import numpy as np
 
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
-from tldp_cli.formats import ArrayJob
+from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
 from tldp_cli.sampling.rng import Streams
@@ -81,7 +81,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     if options.clip is not None or clip_input:
         values = np.clip(values, run.lo, run.top)
     elif outside:
-        raise DataError(f"{ARRAY_NAME}: {outside} values lie outside the declared range "
+        raise DataError(f"{ARRAY_NAME}: {plural(outside, 'value')} outside the declared range "
                         f"[{run.lo:g}, {run.top:g}]; fix value_range or pass clip_input=True")
     calib = run.calib_of[ARRAY_NAME]
     noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,

@@ -33,7 +33,7 @@ from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions
+from tldp_cli.formats import ArrayJob, FormatOptions, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     Calibration,
@@ -669,7 +669,7 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
     _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
     lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
     return DataError(
-        f"{_where(job, source)}: {sum(n for n, _, _ in outside_counts)} values lie outside the "
+        f"{_where(job, source)}: {plural(sum(n for n, _, _ in outside_counts), 'value')} outside the "
         f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
         f"first in the block of records from {first}); fix --range or pass --clip-input to "
         "clip them into range")
