@@ -226,6 +226,9 @@ def corrupt(tmp_path: Path, kind: str) -> Path:
     if kind == "truncated safetensors":
         src = write_model_safetensors(tmp_path / "m.safetensors")
         src.write_bytes(src.read_bytes()[:-10])
+    elif kind == "safetensors truncated in its header":  # was "not a dataset tldp can read"
+        src = write_model_safetensors(tmp_path / "m.safetensors")
+        src.write_bytes(src.read_bytes()[:300])
     elif kind == "bad safetensors header":
         src = tmp_path / "m.safetensors"
         src.write_bytes(struct.pack("<Q", 12) + b'{"w": [1, 2' + b" " * 40)
@@ -245,6 +248,7 @@ def corrupt(tmp_path: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("kind,fragment", [
     ("truncated safetensors", "not a valid safetensors file"),
+    ("safetensors truncated in its header", "not a valid safetensors file (its header of"),
     ("bad safetensors header", "header is not JSON"),
     ("truncated npz", "not a valid .npz file"),
     ("bad CRC", "cannot read tensor big (Bad CRC-32")])

@@ -35,11 +35,11 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
 
 
 def can_open(path: Path) -> bool:
-    """8 bytes of little-endian header length, then a JSON object."""
+    """8 bytes of little-endian header length, then a JSON object (a file shorter than its
+    header says is one, truncated: the reader says so)."""
     if not path.is_file():
         return False
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(9)
     except OSError:
@@ -47,7 +47,7 @@ def can_open(path: Path) -> bool:
     if len(head) < 9:
         return False
     length = struct.unpack("<Q", head[:8])[0]
-    return 2 <= length <= min(size - 8, MAX_HEADER) and head[8:9] == b"{"
+    return 2 <= length <= MAX_HEADER and head[8:9] == b"{"
 
 
 def default_output(path: Path) -> Path:
@@ -73,6 +73,8 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
             raw = f.read(length)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(raw) < length:
+        raise _invalid(path, f"its header of {length} bytes ends after the file, {len(raw)} bytes in")
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
