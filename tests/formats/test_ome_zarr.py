@@ -251,6 +251,8 @@ def test_metadata_computed_from_the_raw_values_is_not_copied(tmp_path, cli, fmt)
     assert "properties" in ngff(src, "labels/cells")["image-label"]
     result = perturb(cli, src)
     assert result.exit_code == 0, result.stderr
+    # 2 channels of 64 x 48 and 64 label rows of 48: not "66 records x 3072 elements"
+    assert "(66 records of up to 3072 elements)" in result.stderr
     out = tmp_path / "w.tldp.ome.zarr"
     channels = ngff(out)["omero"]["channels"]
     assert [c["label"] for c in channels] == ["DNA", "actin"]

@@ -179,10 +179,13 @@ def _report(result, quiet: bool, json_out: bool) -> None:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
         rows = m.get("row_records")
+        sizes = {c["elements_per_record"] for c in m.get("calibrations") or []}
         shape = (f"{plural(m['records'], 'tensor')}, the largest of {m['elements_per_record']} elements"
                  if "per_tensor" in m["accounting"] else
                  f"{plural(rows['records'], 'record')} of up to {rows['elements_per_record']} elements, a "
                  "record being one row of each array that shares it" if rows else
+                 f"{plural(m['records'], 'record')} of up to {m['elements_per_record']} elements"
+                 if len(sizes) > 1 else
                  f"{plural(m['records'], 'record')} x {m['elements_per_record']} elements")
         typer.echo(f"tldp: wrote {result.output} ({shape}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
