@@ -139,7 +139,8 @@ def _draw(calib: Calibration, value: float, records: int, name: str, streams: St
     for start in range(0, records, per_block):
         stop = min(start + per_block, records)
         block = np.full((stop - start, elements), value, dtype=np.asarray(value).dtype)
-        parts.append(engine.perturb_records(block, start, name, calib, streams, dtype=dtype))
+        parts.append(engine.perturb_records(block, start, name, calib, streams, dtype=dtype,
+                                            array_records=records))
     return np.concatenate(parts)
 
 

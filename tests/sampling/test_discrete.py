@@ -617,3 +617,47 @@ def test_integer_value_at_the_open_end_of_the_range_is_refused(cli, tmp_path):
     clipped = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--noise", "discrete-laplace", "--range", "0:10",
                   "--clip-input", "--seed", "1", "--allow-weak-seed", "--json")
     assert clipped.exit_code == 0, clipped.stderr
+
+
+def test_an_array_smaller_than_a_stream_unit_draws_only_its_own_noise(monkeypatch):
+    """A 28x28 image (one record of its own array) drew the noise of a whole stream unit,
+    256 records, and used one: 256 times the sampling work on a folder of small images."""
+    drawn = []
+    real = discrete.DiscreteLaplace.sample
+
+    def sample(self, rng, size):
+        drawn.append(size)
+        return real(self, rng, size)
+
+    monkeypatch.setattr(discrete.DiscreteLaplace, "sample", sample)
+    calib = cal()
+    image = np.random.default_rng(2).integers(0, 256, (1, 784)).astype(np.uint8)
+    streams = Streams("secure", 3, allow_weak_seed=True)
+    engine.perturb_records(image, 0, "img", calib, streams, dtype=np.int16, array_records=1)
+    engine.perturb_records(image, 0, "img", calib, streams, dtype=np.int16)  # no size given: a unit
+    assert drawn == [784, 256 * 784]
+
+
+def test_blocks_of_an_array_smaller_than_a_unit_do_not_change_the_values():
+    calib = cal(noise="discrete-gaussian", range_width=16, elements=12)
+    data = np.random.default_rng(1).integers(0, 16, (900, 12)).astype(np.int32)  # a unit: 16384 records
+    streams = Streams("secure", 8, allow_weak_seed=True)
+    whole = engine.perturb_records(data, 0, "a", calib, streams, dtype=np.int16, array_records=900)
+    parts = np.concatenate([engine.perturb_records(data[s:s + 123], s, "a", calib, streams, dtype=np.int16,
+                                                   array_records=900) for s in range(0, 900, 123)])
+    np.testing.assert_array_equal(whole, parts)
+
+
+@pytest.mark.parametrize("noise", ["discrete-laplace", "discrete-gaussian"])
+def test_one_record_arrays_get_noise_of_the_right_distribution(noise):
+    """Many one-record arrays (a folder of small images): their noise, pooled, follows the
+    pmf, and not that of a 3 % wrong scale (each array's own stream, one unit of one
+    record)."""
+    calib = cal(noise=noise, elements=784)
+    streams = Streams("secure", 4, allow_weak_seed=True)
+    zeros = np.zeros((1, 784), np.int32)
+    noise_values = np.concatenate([
+        engine.perturb_records(zeros, 0, f"img{i}", calib, streams, dtype=np.int64, array_records=1).ravel()
+        for i in range(300)])
+    assert distributions.chi_square(noise_values, noise, calib.scale)[1] > ALPHA
+    assert distributions.chi_square(noise_values, noise, calib.scale * 1.03)[1] < 1e-6

@@ -169,3 +169,10 @@ def test_float32_noise_is_never_exactly_zero(noise, size):
     z = engine.draw_noise(np.random.Generator(np.random.PCG64(0)), noise, 1.0, size, np.dtype(np.float32))
     assert np.count_nonzero(z == 0) == 0
     assert np.count_nonzero(z < 0) == pytest.approx(size / 2, abs=5 * np.sqrt(size))
+
+
+def test_an_array_is_at_most_one_stream_unit_of_its_own_size():
+    from tldp_cli.sampling.rng import records_per_unit
+    assert records_per_unit(784) == records_per_unit(784, 10_000) == 256
+    assert records_per_unit(784, 10) == 10 and records_per_unit(784, 1) == 1
+    assert records_per_unit(150_528, 5) == 1 and records_per_unit(3, 0) == 1

@@ -85,7 +85,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                         f"[{run.lo:g}, {run.top:g}]; fix value_range or pass clip_input=True")
     calib = run.calib_of[ARRAY_NAME]
     noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,
-                                   _weights(weights, values.shape), run.out_dtype, run.grid)
+                                   _weights(weights, values.shape), run.out_dtype, run.grid, len(values))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
     return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
 

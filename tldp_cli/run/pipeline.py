@@ -227,7 +227,7 @@ class BlockTask:
         mask = self.masks.get(job.name)
         weights = None if mask is None else mask.for_block(start, stop)
         noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
-                                       self.streams, weights, self.dtype, grid)
+                                       self.streams, weights, self.dtype, grid, job.records)
         if self.write is None:
             return 0, noisy
         self.write(job, start, noisy)

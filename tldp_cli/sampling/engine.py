@@ -1,10 +1,10 @@
 """Vectorised TLDP: perturb a block of records.
 
 A pure function of the block, its global position, the calibration and the random
-streams. Each stream unit (rng.records_per_unit records) draws its noise and its
-retain decisions from its own generator in a fixed order, always for the whole
-unit, so a block that covers part of a unit gets the same values as a block that
-covers all of it. Changing what a unit draws, or in which order, changes the output
+streams. Each stream unit (rng.records_per_unit records; an array smaller than that
+is one unit of its own size) draws its noise and its retain decisions from its own
+generator in a fixed order, always for the whole unit, so a block that covers part
+of a unit gets the same values as a block that covers all of it. Changing what a unit draws, or in which order, changes the output
 for a seed: bump rng.STREAM_LAYOUT (so --resume refuses to mix the two).
 
 Retain decisions are exact without a uniform per element when p is small: the
@@ -142,8 +142,12 @@ def _records_and_output(block: np.ndarray, elements: int, dtype: np.dtype) -> tu
 
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
-                    dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None) -> np.ndarray:
+                    dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None,
+                    array_records: int | None = None) -> np.ndarray:
     """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
+
+    `array_records`: how many records the whole array has (rng.records_per_unit), the
+    same for every block of it; None, as many as a stream unit holds.
 
     `weights`: None, one mask of I values for every record, or an (n, I) array with one
     mask per record of the block; values in [0, 1] (validated by the caller).
@@ -152,14 +156,15 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     snapped values).
     """
     if calib.noise in DISCRETE_NOISES:
-        return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid)
+        return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid,
+                                array_records)
     dtype = np.dtype(dtype)
     check_noise_scale(calib.scale, dtype)
     n, elements = block.shape[0], calib.elements
     records, out = _records_and_output(block, elements, dtype)
     if n == 0:
         return out.reshape(block.shape)
-    per_unit = records_per_unit(elements)
+    per_unit = records_per_unit(elements, array_records)
     p_max = calib.p
     for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
         rng = streams.generator(array_name, unit)
@@ -192,7 +197,8 @@ def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype,
 
 def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                      streams: Streams, weights: np.ndarray | None = None,
-                     dtype: np.dtype | type | None = None, grid: discrete.Grid | None = None) -> np.ndarray:
+                     dtype: np.dtype | type | None = None, grid: discrete.Grid | None = None,
+                     array_records: int | None = None) -> np.ndarray:
     """perturb_records for the discrete noises (exact integer samplers): the same stream units, and in each the
     noise of the whole unit first, then the retain decisions. The output is in `dtype`
     (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
@@ -205,7 +211,7 @@ def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, cali
         return out.reshape(block.shape)
     # Integer data adds to the noise as it is (no int64 copy of the block first).
     direct = granularity is None and records.dtype.kind in "iu" and np.can_cast(records.dtype, np.int64)
-    per_unit = records_per_unit(elements)
+    per_unit = records_per_unit(elements, array_records)
     noise_sampler = discrete.sampler(calib.noise, calib.scale)
     # Rounded down, so the realised retain probability never exceeds the certified one.
     p_keep = math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0

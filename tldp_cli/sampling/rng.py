@@ -34,8 +34,9 @@ STREAM_UNIT_ELEMENTS = 1 << 18
 # how a unit's key is derived, and the order in which the engine draws from a unit.
 # Bump it with any change to those: a resumed run (--resume) refuses to mix blocks
 # drawn under another layout.
-STREAM_LAYOUT = 4  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates;
-                  # 4: their rounds of discrete.CHUNK = 2^18 candidates (2^16 before)
+STREAM_LAYOUT = 5  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates;
+                  # 4: their rounds of discrete.CHUNK = 2^18 candidates (2^16 before);
+                  # 5: an array smaller than a unit is a unit of its own size
 
 
 # The bits a seed holds cannot be measured, only the length of its key material: 4
@@ -76,10 +77,13 @@ def check_seed(seed: str | int, allow_weak_seed: bool = False) -> bool:
     return bits < MIN_SEED_BITS
 
 
-def records_per_unit(elements_per_record: int) -> int:
+def records_per_unit(elements_per_record: int, array_records: int | None = None) -> int:
     """A power of two, so units line up with the power-of-two chunks of stored arrays
-    and a block of whole chunks draws no noise it does not use."""
-    return 1 << max(0, (STREAM_UNIT_ELEMENTS // elements_per_record).bit_length() - 1)
+    and a block of whole chunks draws no noise it does not use. An array of
+    `array_records` records, fewer than that, is one unit of its own size: a 28x28 image
+    or a bias vector draws its own noise, not that of a unit of 256 or 4096 records."""
+    unit = 1 << max(0, (STREAM_UNIT_ELEMENTS // elements_per_record).bit_length() - 1)
+    return unit if array_records is None else max(1, min(unit, array_records))
 
 
 class Streams:
