@@ -505,7 +505,6 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
     jobs = reader.arrays()
-    destination, manifest_path = _destinations(options, module, reader)  # fails fast: no accounting yet
     run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
                per_tensor=reader.records_are_tensors)
     masks: dict[str, Mask] = {}
@@ -513,6 +512,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
 
+    destination, manifest_path = _destinations(options, module, reader)
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
