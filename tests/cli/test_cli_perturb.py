@@ -288,6 +288,22 @@ def test_output_directory_must_exist(cli, digits_file, tmp_path):
                                   tmp_path / "missing" / "o.npy", fragments=("does not exist",))
 
 
+def test_a_usage_error_comes_before_an_existing_output(cli, tmp_path):
+    """Exit 2 for the options before exit 1 for the destination, whatever their order."""
+    src = tmp_path / "f.npy"
+    np.save(src, np.zeros((4, 3), np.float32))
+    (tmp_path / "f.tldp.npy").write_bytes(b"earlier")
+    run_and_check_nothing_written(cli, tmp_path, src, "--eps", "1", code=2, fragments=("needs --range",))
+
+
+@pytest.mark.parametrize("flag", ["--out", "--manifest"])
+def test_an_empty_path_is_a_usage_error(cli, digits_file, tmp_path, flag):
+    """`--out "$OUT"` with OUT unset wrote into the current folder (--out) or the default
+    manifest (--manifest) without a word."""
+    run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", flag, "", code=2,
+                                  fragments=(f"{flag} is empty",))
+
+
 def test_output_under_a_file_says_it_is_not_a_folder(cli, digits_file, tmp_path):
     run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", "1", "--out",
                                   digits_file / "o.npy", fragments=("digits.npy is not a folder",))

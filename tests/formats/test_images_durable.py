@@ -65,7 +65,7 @@ def test_output_removed_during_the_run_fails(tmp_path, monkeypatch):
             os.rename(self.root, tmp_path / "gone")
 
     monkeypatch.setattr(images.ImageFolderWriter, "write", write_then_remove)
-    with pytest.raises(OutputError, match="removed during the run"):
+    with pytest.raises(OutputError, match="removed while tldp wrote the output"):
         perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, workers=1))
     assert siblings(tmp_path) == {"gone", "in"}
@@ -108,4 +108,40 @@ def test_a_writer_that_fails_to_start_leaves_no_thread(tmp_path, monkeypatch):
         perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, copy_other=True))
     assert not [t for t in threading.enumerate() if t.name.startswith("tldp write")]
+    assert siblings(tmp_path) == {"in"}
+
+
+def test_an_image_removed_during_the_run_fails_it(tmp_path, monkeypatch):
+    """One image deleted from the work folder after it was written (the folder itself
+    stays): the run used to end with exit 0, the manifest listing one image fewer."""
+    src = photo_folder(tmp_path / "in")
+    real_finish = images.ImageFolderWriter.finish
+
+    def remove_one_then_finish(self):
+        self._disk.close()  # every image is on disk
+        (self.root / "cats" / "2.png").unlink()
+        real_finish(self)
+
+    monkeypatch.setattr(images.ImageFolderWriter, "finish", remove_one_then_finish)
+    with pytest.raises(OutputError, match=r"out/cats/2\.png: removed while tldp wrote the output"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+                               allow_weak_seed=True, workers=2))
+    assert siblings(tmp_path) == {"in"}
+
+
+def test_a_folder_tldp_may_not_list_stops_the_run(cli, tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list without a word: its images were left out of
+    an output that ended with exit 0."""
+    src = photo_folder(tmp_path / "in")
+    (src / "dogs").mkdir()
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(src / "dogs"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert_one_line_error(result, 1, f"cannot list {src / 'dogs'} (Permission denied)")
     assert siblings(tmp_path) == {"in"}

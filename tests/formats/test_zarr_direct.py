@@ -223,3 +223,25 @@ def test_every_output_file_is_flushed_to_disk(tmp_path, monkeypatch, sharded):
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 7  # zarr.json and 6 shards, or 12 chunk files
     assert {f"{p.name}:{p.stat().st_ino}" for p in files} <= flushed
+
+
+def test_a_chunk_file_removed_during_the_run_fails_it(tmp_path, monkeypatch):
+    """A chunk file deleted after it was written: the store would read the fill value
+    there, under a manifest that does not list it."""
+    src = make_store(tmp_path / "in.zarr")
+    real_call = zarr_store._Blocks.__call__
+    calls = []
+
+    def write_then_remove_a_chunk(self, job, start, block):
+        moved = real_call(self, job, start, block)
+        calls.append(start)
+        if len(calls) == 2:
+            self.wait(job.name, 0)
+            next(iter(self.digests)).unlink()
+        return moved
+
+    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_remove_a_chunk)
+    with pytest.raises(OutputError, match=r"out\.zarr/c/0/0/0: removed while tldp wrote the output"):
+        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out.zarr", seed=5,
+                               allow_weak_seed=True, block_elements=100 * 784, workers=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]

@@ -155,3 +155,25 @@ def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
     finally:
         live.remove()
     assert listing(cli, tmp_path / "raw" / "ledger.db")["datasets"] == []
+
+
+def test_a_ledger_tldp_may_not_open_says_so(cli, data, tmp_path, monkeypatch):
+    """SQLite says "unable to open database file" when permission is denied, which read as
+    "not a tldp ledger" (simulated: tests may run as root, whom no mode stops)."""
+    ledger = data.parent / "ledger.db"
+    ledger.write_bytes(b"")
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        return False if os.fspath(path) == str(ledger) else real_access(path, mode, *args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(sqlite3, "connect", refuse)
+    result = perturb(cli, data, tmp_path / "out.npy")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"tldp: error: {ledger}: cannot open the ledger (permission denied on {ledger})"]
+    assert not (tmp_path / "out.npy").exists()

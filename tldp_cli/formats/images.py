@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
-import errno
 import functools
 import hashlib
 import io
@@ -50,7 +49,8 @@ from zlib_ng import zlib_ng
 
 from tldp_cli import __version__
 from tldp_cli.files import output
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.files.output import shown
+from tldp_cli.errors import InputError, OutputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
 from tldp_cli.files.checked_io import Background, copy_bytes, fsync_file, write_new_file, writing
 
@@ -219,8 +219,11 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
     links, sorted. os.walk lists a linked directory among the directories without
     entering it."""
+    def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
+        raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
+
     images, others, links = [], [], []
-    for directory, dirs, files in os.walk(root):
+    for directory, dirs, files in os.walk(root, onerror=unreadable):
         for name in files + dirs:
             path = Path(directory) / name
             rel = path.relative_to(root).as_posix()
@@ -256,6 +259,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
         colour = _decode(image.path).colour
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
+    except PermissionError as exc:
+        raise InputError(f"{image.path}: cannot read ({exc.strerror})") from None
     except Exception as exc:  # a header that reads well over pixel data that does not
         raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
                          "to skip it") from None
@@ -295,6 +300,8 @@ class ImageFolderReader(Reader):
                 header = check(file)
             except _Unsupported as exc:
                 reason = str(exc)
+            except PermissionError as exc:
+                reason = f"cannot read ({exc.strerror})"
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
                 reason = f"cannot be decoded as an image ({exc})"
             else:
@@ -590,6 +597,9 @@ class ImageFolderWriter(Writer):
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
+        # Every file the output must hold once complete (finish checks they all are there).
+        self._expected = [image.out_rel for image in reader.images] + (list(reader.others) if options.copy_other
+                                                                        else [])
         with writing(tmp_path):
             tmp_path.mkdir()
         if options.copy_other:
@@ -637,9 +647,9 @@ class ImageFolderWriter(Writer):
         folder, never that folder itself: an output removed during the run fails, rather
         than come back without the images written before."""
         target = self.root / rel
+        if not self.root.is_dir():
+            _removed(self.root)
         with writing(target.parent):
-            if not self.root.is_dir():
-                raise FileNotFoundError(errno.ENOENT, "removed during the run", str(self.root))
             target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
@@ -705,6 +715,16 @@ class ImageFolderWriter(Writer):
         """write itself: it keeps no state between images, so Dask workers can run it."""
         return self.write
 
+    def finish(self) -> None:
+        """Waits for the images, then checks that every file of the output is there: one
+        removed during the run (a cleanup script, say) fails it rather than go missing
+        from a complete-looking output."""
+        if self._disk is not None:
+            self._disk.close()
+        for rel in self._expected:
+            if not (self.root / rel).is_file():
+                _removed(self.root / rel)
+
     def close(self) -> list[Path]:
         """Waits for the images (each flushed to disk as it is written), then flushes every
         other file: those copied, and images written by another process."""
@@ -715,6 +735,11 @@ class ImageFolderWriter(Writer):
             if path not in self._digests:
                 fsync_file(path)
         return files
+
+
+def _removed(path: Path):
+    raise OutputError(f"{shown(path)}: removed while tldp wrote the output (another program?); "
+                      "nothing was written")
 
 
 def _write_image(target: Path, encoded: bytes) -> None:

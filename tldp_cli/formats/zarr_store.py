@@ -1109,6 +1109,10 @@ class ZarrWriter(Writer):
             if not (self.root / path / self.meta_file).is_file():  # zarr-python makes removed folders again
                 raise OutputError(f"{shown(self.root / path)}: its metadata was removed while tldp wrote "
                                   "it (another program?); nothing was written")
+        for chunk in self.blocks.digests:  # the chunk files this process wrote
+            if not chunk.is_file():
+                raise OutputError(f"{shown(chunk)}: removed while tldp wrote the output (another "
+                                  "program?); nothing was written")
         for pyramid in self.pyramids:
             _regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:

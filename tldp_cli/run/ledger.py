@@ -26,6 +26,7 @@ import datetime as _dt
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import sqlite3
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ def open_ledger(path: Path) -> sqlite3.Connection:
             db.execute("INSERT INTO meta VALUES ('fingerprint_key', ?)", (secrets.token_hex(32),))
         db.execute("COMMIT")
     except sqlite3.DatabaseError as exc:
+        for needed in (path, path.parent):  # SQLite says "unable to open database file" for both
+            if needed.exists() and not os.access(needed, os.R_OK | os.W_OK):
+                raise InputError(f"{path}: cannot open the ledger (permission denied on {needed})") from None
         raise InputError(f"{path}: not a tldp ledger ({exc})") from None
     if int(version[0] if version else SCHEMA_VERSION) > SCHEMA_VERSION:
         db.close()

@@ -710,6 +710,9 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     """The output and manifest paths, checked to touch nothing but this run's own files
     (see output.py for the rules)."""
     source = options.input
+    for flag, value in (("--out", options.out), ("--manifest", options.manifest)):
+        if value is not None and str(value) == "":  # a blank shell variable, say: never "."
+            raise UsageError(f"{flag} is empty: give a path, or leave {flag} out for the default")
     default = output.default_beside_store(source, module.default_output(source))
     out_text = None if options.out is None else str(options.out)
     destination = output.destination(None if options.out is None else Path(options.out), out_text,
