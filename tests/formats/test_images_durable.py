@@ -145,3 +145,17 @@ def test_a_folder_tldp_may_not_list_stops_the_run(cli, tmp_path, monkeypatch):
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
     assert_one_line_error(result, 1, f"cannot list {src / 'dogs'} (Permission denied)")
     assert siblings(tmp_path) == {"in"}
+
+
+@pytest.mark.parametrize("budget, depth", [(64 << 20, 8), (10_000, 2), (100, 1)])
+def test_the_writer_queue_holds_a_bounded_number_of_bytes(tmp_path, monkeypatch, budget, depth):
+    """Encoded images wait for the writer thread: at most QUEUED_BYTES of them (40x40 RGB
+    images of 4800 bytes here), and always room for one, so memory stays flat for large
+    images."""
+    monkeypatch.setattr(images, "QUEUED_BYTES", budget)
+    src = photo_folder(tmp_path / "in", count=1)
+    reader = images.open_reader(src, images.FormatOptions())
+    writer = images.create_writer(reader, tmp_path / "out", np.dtype(np.int16), images.FormatOptions())
+    assert writer._disk._queue.maxsize == depth
+    writer.close()
+    reader.close()

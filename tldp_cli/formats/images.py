@@ -33,6 +33,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
 import posixpath
 import re
@@ -72,6 +73,7 @@ WITHHELD = "withheld (--anonymize-names)"
 PNG_ENCODING = ("(noisy images: no row filter, Huffman-only deflate, since noise does not "
                 "compress; smooth ones: Sub filter, deflate level 6)")  # see _deflated_rows
 SMOOTH_STEP = 12  # mean |difference| of neighbouring 8-bit samples below which filters pay
+QUEUED_BYTES = 64 << 20  # encoded images waiting for the writer thread, at most (about)
 ANONYMOUS_DIGITS = 6  # 000000.png: at least this many digits
 
 
@@ -615,10 +617,14 @@ class ImageFolderWriter(Writer):
         png_dtypes = sorted({str(image.dtype) for image in reader.images})
         self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
         # Images are encoded by the workers and written, each flushed to disk, by a thread of
-        # its own, so that the workers do not wait for the disk (none in Dask workers).
+        # its own, so that the workers do not wait for the disk (none in Dask workers). The
+        # queue holds at most QUEUED_BYTES of encoded images (one, however large it is).
         # Started last: nothing after it can fail and leave it running.
-        self._disk: Background | None = Background(lambda item: _write_image(*item),
-                                                   f"tldp write {tmp_path.name}", depth=8)
+        largest = max((math.prod(image.shape) * (self.dtype.itemsize if self.image_format == "tiff"
+                                                  else image.dtype.itemsize) for image in reader.images),
+                      default=1)
+        self._disk: Background | None = Background(lambda item: _write_image(*item), f"tldp write {tmp_path.name}",
+                                                   depth=max(1, min(8, QUEUED_BYTES // largest)))
 
     def _steps(self, any_alpha: bool) -> list[str]:
         if self.image_format == "tiff":
