@@ -1,9 +1,15 @@
 import os
+import signal
 
 import numpy as np
 import pytest
 
 from tests.builders import MANIFEST_SCHEMA, REPO, Cli
+
+# Ctrl-C is part of what the tests check. A shell starts a background job (`cmd &`) with
+# SIGINT ignored, which Python and the tldp processes the tests start then keep: the
+# tests take the handler an interactive run has.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
