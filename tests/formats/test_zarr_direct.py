@@ -172,6 +172,21 @@ def test_a_put_after_close_is_refused_not_blocked():
     assert refused == list(range(5))
 
 
+def after_the_second_block(monkeypatch, action) -> None:
+    """action(blocks, job) runs once the writer has taken its second block."""
+    real_call = zarr_store._Blocks.__call__
+    calls = []
+
+    def write_then_act(self, job, start, block):
+        moved = real_call(self, job, start, block)
+        calls.append(start)
+        if len(calls) == 2:
+            action(self, job)
+        return moved
+
+    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_act)
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_an_output_removed_during_the_run_fails(tmp_path, monkeypatch, sharded):
     """The partial output removed after two blocks (a cleanup script, say): the run fails
@@ -182,18 +197,8 @@ def test_an_output_removed_during_the_run_fails(tmp_path, monkeypatch, sharded):
     data = np.random.default_rng(0).integers(0, 256, SHAPE, dtype=np.uint8)
     zarr.create_array(store=str(src), shape=SHAPE, dtype="uint8", chunks=(50, 28, 28),
                       shards=(100, 28, 28) if sharded else None)[:] = data
-    real_call = zarr_store._Blocks.__call__
-    calls = []
-
-    def write_then_remove(self, job, start, block):
-        moved = real_call(self, job, start, block)
-        calls.append(start)
-        if len(calls) == 2:
-            os.rename(self.root.parent, tmp_path / "gone")  # .out.zarr.tldp-partial, at once
-        return moved
-
-    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_remove)
-    out = tmp_path / "out.zarr"
+    after_the_second_block(monkeypatch, lambda blocks, job: os.rename(blocks.root.parent, tmp_path / "gone"))
+    out = tmp_path / "out.zarr"  # its .out.zarr.tldp-partial went at once
     with pytest.raises(OutputError, match=r"out\.zarr"):
         perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
                                block_elements=100 * 784, workers=1))
@@ -229,18 +234,12 @@ def test_a_chunk_file_removed_during_the_run_fails_it(tmp_path, monkeypatch):
     """A chunk file deleted after it was written: the store would read the fill value
     there, under a manifest that does not list it."""
     src = make_store(tmp_path / "in.zarr")
-    real_call = zarr_store._Blocks.__call__
-    calls = []
 
-    def write_then_remove_a_chunk(self, job, start, block):
-        moved = real_call(self, job, start, block)
-        calls.append(start)
-        if len(calls) == 2:
-            self.wait(job.name, 0)
-            next(iter(self.digests)).unlink()
-        return moved
+    def remove_the_first_chunk(blocks, job):
+        blocks.wait(job.name, 0)
+        next(iter(blocks.digests)).unlink()
 
-    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_remove_a_chunk)
+    after_the_second_block(monkeypatch, remove_the_first_chunk)
     with pytest.raises(OutputError, match=r"out\.zarr/c/0/0/0: removed while tldp wrote the output"):
         perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out.zarr", seed=5,
                                allow_weak_seed=True, block_elements=100 * 784, workers=1))
