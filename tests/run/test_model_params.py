@@ -133,8 +133,9 @@ def test_summary_names_tensors_and_the_whole_file(cli, tmp_path):
     src = write_model_safetensors(tmp_path / "m.safetensors")
     result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--allow-raw-release")
     assert result.exit_code == 0, result.stderr
-    assert ("4 tensors, the largest of 128 elements; copied unchanged: step (int64: only floating-point "
-            "tensors are perturbed); mask (bool: only floating-point tensors are perturbed)") in result.stderr
+    only = "only float16, bfloat16, float32, float64 tensors are perturbed"
+    assert (f"4 tensors, the largest of 128 elements; copied unchanged: step (int64: {only}); "
+            f"mask (bool: {only})") in result.stderr
     manifest = json.loads((tmp_path / "m.tldp.safetensors.manifest.json").read_text())
     assert [(u["name"], u["dtype"], u["shape"]) for u in manifest["unperturbed"]] == [
         ("step", "int64", [1]), ("mask", "bool", [4])]
@@ -475,3 +476,36 @@ def test_other_noises_compose_by_their_per_record_figures(cli, tmp_path):
     acc = json.loads(result.stdout)["accounting"]
     assert acc["per_file"]["epsilon"] == pytest.approx(sum(t["epsilon"] for t in acc["per_tensor"]))
     assert acc["per_file"]["delta"] == 0.0 and acc["per_file"]["point_mass_delta"] == 0.0
+
+
+def fp8_model(path: Path) -> Path:
+    """A float32 weight and an FP8 (E4M3) one, written by the format's specification."""
+    weight = np.linspace(-0.05, 0.05, 16, dtype=np.float32).reshape(4, 4).tobytes()
+    fp8 = bytes([0x38, 0xB8, 0x30, 0x00])  # 1.0, -1.0, 0.5, 0.0 in E4M3
+    header = {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+              "f8": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [64, 68]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + weight + fp8)
+    return path
+
+
+def test_fp8_weights_are_never_copied_raw_unasked(cli, tmp_path):
+    """FP8 tensors were copied unperturbed, as "float8_e4m3fn: only floating-point tensors
+    are perturbed": raw weights in a release nobody asked for."""
+    src = fp8_model(tmp_path / "m.safetensors")
+    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 1)
+    assert "tensor f8 is float8_e4m3fn, which tldp cannot perturb" in line and "--exclude f8" in line
+    assert siblings(tmp_path) == {"m.safetensors"}
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--exclude", "f8", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    out = (tmp_path / "m.tldp.safetensors").read_bytes()
+    assert out.endswith(bytes([0x38, 0xB8, 0x30, 0x00]))  # the last tensor of the file, as it was
+
+
+def test_a_clip_too_small_for_the_tensor_dtype_is_refused(cli, tmp_path):
+    """--clip 1e-300 made grid steps float32 cannot hold: every weight came out 0."""
+    src = write_model_safetensors(tmp_path / "m.safetensors")
+    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1e-300"), 2)
+    assert "cannot hold grid steps of" in line
+    assert siblings(tmp_path) == {"m.safetensors"}

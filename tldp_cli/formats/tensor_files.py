@@ -73,7 +73,7 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: lis
         norm_stats = {t.name for t in tensors if leaf(t.name) in NORM_STATS}
     unmatched = [p for p in exclude if not any(matching(t.name, [p]) for t in tensors)]
     if unmatched:
-        raise InputError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
+        raise UsageError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
     if requested:
         wanted = {_requested(path, tensors, name).name for name in requested}
         both = [(n, matching(n, list(exclude))) for n in wanted if matching(n, list(exclude))]
@@ -88,11 +88,15 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: lis
         pattern = matching(t.name, list(exclude))
         if t.name in norm_stats:
             reasons[t.name] = NORM_REASON
-        elif not t.perturbable:
-            reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
-                               f"{t.dtype}: only floating-point tensors are perturbed")
         elif pattern is not None:
             reasons[t.name] = f"--exclude {pattern}"
+        elif t.dtype.startswith("float8"):  # weights all the same: never copied raw unasked
+            raise InputError(f"{path}: tensor {t.name} is {t.dtype}, which tldp cannot perturb (noise "
+                             "does not fit 8-bit floats); convert the file to bfloat16 or float16, or "
+                             f"pass --exclude {t.name} to copy it unperturbed")
+        elif not t.perturbable:
+            reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
+                               f"{t.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")
     chosen = [t for t in tensors if t.name not in reasons]
     if not chosen:
         listing = ", ".join(f"{t.name} ({t.dtype})" for t in tensors[:8]) or "none"

@@ -524,7 +524,8 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
     if designed:
         line += f"; as designed, each record (eps={designed['epsilon']:.4g}, delta={designed['delta']:.3g})"
     if "per_tensor" in accounting:  # model files: a record is a tensor; the file is one release
-        line += f"; whole file, {len(accounting['per_tensor'])} tensors ({fmt(accounting['per_file'])})"
+        count = len(accounting['per_tensor'])
+        line += f"; whole file, {count} tensor{'s' if count != 1 else ''} ({fmt(accounting['per_file'])})"
     if noise in ("laplace", "gaussian"):
         line += "; float sampler: these figures hold for the real-valued mechanism only"
     return line

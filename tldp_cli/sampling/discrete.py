@@ -700,6 +700,9 @@ def output_dtype(grid: Grid, noise: str, scale: float, float_dtype: str) -> np.d
         raise UsageError(f"--dtype {float_dtype} cannot hold the grid values exactly (up to "
                          f"{max(abs(low), abs(high))} steps of {grid.granularity:g}); use --dtype float64 "
                          "or a coarser --granularity")
+    if not grid.granularity >= np.finfo(dtype).tiny:  # smaller: the values flush to 0 or lose digits
+        raise UsageError(f"--dtype {float_dtype} cannot hold grid steps of {grid.granularity:.3g}; "
+                         "express the values in smaller units (a wider range) or use --dtype float64")
     largest = grid.granularity * max(abs(low), abs(high))
     if not largest < np.finfo(dtype).max:  # G times the steps: a value past it would be inf
         raise UsageError(f"--dtype {float_dtype} cannot hold values up to {largest:.3g} (the range and "
