@@ -177,3 +177,24 @@ def test_a_ledger_tldp_may_not_open_says_so(cli, data, tmp_path, monkeypatch):
     assert result.stderr.strip().splitlines() == [
         f"tldp: error: {ledger}: cannot open the ledger (permission denied on {ledger})"]
     assert not (tmp_path / "out.npy").exists()
+
+
+def test_releases_that_meet_the_cap_exactly_pass(cli, data, tmp_path):
+    """0.1 + 0.1 + 0.1 rounds a hair above 0.3: the third release of 0.1 was refused with
+    "eps left under the cap: 0.1"."""
+    for i in range(3):
+        result = cli("perturb", data, "--eps", "0.1", "--mechanism", "baseline", "--sampler", "float",
+                     "--out", tmp_path / f"r{i}.npy", "--ledger", data.parent / "ledger.db",
+                     "--max-record-eps", "0.3", "-q")
+        assert result.exit_code == 0, result.stderr
+    result = perturb(cli, data, tmp_path / "r3.npy", "--max-record-eps", "0.3")
+    assert result.exit_code == 1 and "the ledger refuses this release" in result.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--max-record-eps", "nan"), ("--max-record-eps", "-1"),
+                                         ("--max-record-delta", "nan"), ("--max-record-delta", "1.5")])
+def test_a_cap_that_is_not_a_cap_is_a_usage_error(cli, data, tmp_path, flag, value):
+    """NaN turned the cap off (every comparison with it is false)."""
+    result = perturb(cli, data, tmp_path / "out.npy", flag, value)
+    assert result.exit_code == 2 and f"{flag} must be a number in" in result.stderr
+    assert not (tmp_path / "out.npy").exists() and not (data.parent / "ledger.db").exists()

@@ -55,6 +55,9 @@ CREATE INDEX IF NOT EXISTS releases_by_data ON releases (fingerprint);
 """
 
 
+CAP_ROUNDING = 1e-9  # relative: sums of figures that meet a cap exactly may round above it
+
+
 class LedgerError(TldpError):
     """The ledger refuses a release (a cap) or cannot be used."""
 
@@ -140,9 +143,11 @@ def begin(db: sqlite3.Connection, data: str, figures: dict[str, Any], *, input: 
         before = spent(db, data, dp_delta=dp_delta)
         after = spent(db, data, [figures], dp_delta)
         over = []
-        if max_epsilon is not None and after.epsilon > max_epsilon:
+        # Within floating-point rounding of the cap is at the cap: 0.1 + 0.1 + 0.1 is a hair
+        # above 0.3, and three releases of 0.1 meet a cap of 0.3.
+        if max_epsilon is not None and after.epsilon > max_epsilon * (1 + CAP_ROUNDING):
             over.append(f"eps {after.epsilon:.4g} > --max-record-eps {max_epsilon:g}")
-        if max_delta is not None and after.delta > max_delta:
+        if max_delta is not None and after.delta > max_delta * (1 + CAP_ROUNDING):
             over.append(f"delta {after.delta:.3g} > --max-record-delta {max_delta:g}")
         if over:
             left = "" if max_epsilon is None else f"; eps left under the cap: {max(0.0, max_epsilon - before.epsilon):.4g}"

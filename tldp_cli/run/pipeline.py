@@ -302,6 +302,10 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         dask_runner.require()
         if options.dask_address is not None:
             dask_runner.parse_address(options.dask_address)
+    for flag, cap, top in (("--max-record-eps", options.max_record_eps, math.inf),
+                           ("--max-record-delta", options.max_record_delta, 1.0)):
+        if cap is not None and not 0 <= cap <= top:  # NaN too: it would turn the cap off
+            raise UsageError(f"{flag} must be a number in [0, {top:g}], not {cap:g}")
     if options.ledger is None and (options.max_record_eps is not None or options.max_record_delta is not None):
         raise UsageError("--max-record-eps and --max-record-delta cap what a ledger counts: give --ledger PATH")
     return options
