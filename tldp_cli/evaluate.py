@@ -403,6 +403,13 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
             compare(f"accounting.{scope}.{key}", s.get(key), r[key])
         for key in ("epsilon", "delta"):
             compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    # Everything the run released, all its records composed (perturb always states it).
+    s = stated.get("per_file") or {}
+    r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
+    for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
+        compare(f"accounting.per_file.{key}", s.get(key), r[key])
+    for key in ("epsilon", "delta"):
+        compare(f"accounting.per_file.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
     if "designed" in stated or "designed" in cert:  # MVG, IDN
         for key in ("epsilon", "delta"):
             compare(f"accounting.designed.{key}", (stated.get("designed") or {}).get(key),

@@ -85,6 +85,22 @@ def test_tampered_output_fails_integrity(cli, small, tmp_path):
         f"tldp: error: {y}: failed sha256 (run without -q for the table)"]
 
 
+@pytest.mark.parametrize("edit", [
+    lambda a: a["per_file"].update(epsilon=1.0), lambda a: a["per_file"].update(delta=0.3),
+    lambda a: a["per_file"].update(records=3), lambda a: a.pop("per_file")],
+    ids=["epsilon", "delta", "records", "deleted"])
+def test_an_edited_whole_file_figure_fails_parameters(cli, small, tmp_path, edit):
+    """accounting.per_file, the guarantee of everything the run released, was not checked."""
+    m = json.loads((small / "y.npy.manifest.json").read_text())
+    edit(m["accounting"])
+    (tmp_path / "m.json").write_text(json.dumps(m))
+    r = cli("evaluate", small / "x.npy", small / "y.npy", "--manifest", tmp_path / "m.json", "--json")
+    assert r.exit_code == 1
+    failed = [c for c in json.loads(r.stdout)["checks"] if c["check"] == "parameters"][0]
+    assert not failed["passed"] and any(x["field"].startswith("accounting.per_file.")
+                                        for x in failed["mismatches"])
+
+
 def test_edited_scale_fails_parameters(cli, small, tmp_path):
     m = json.loads((small / "y.npy.manifest.json").read_text())
     m["noise_scale"] *= 0.5
