@@ -92,3 +92,24 @@ def test_plan_refuses_what_perturb_refuses(cli, tmp_path):
     ran = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--range", "0:1", "--sampler", "float")
     assert planned.exit_code == ran.exit_code == 2
     assert planned.stderr == ran.stderr
+
+
+def test_plan_describes_rows_and_the_worst_retain_probability_as_perturb_does(cli, tmp_path):
+    """Two arrays whose rows are one subject's: plan said "100 records, the largest of 64
+    elements" with the largest record size's retain probability; perturb says 50 records
+    of up to 80 elements, and the manifest the worst record size's p."""
+    src = tmp_path / "two.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(src, "w") as f:
+        f["a"] = rng.integers(0, 256, (50, 8, 8), dtype=np.uint8)
+        f["b"] = rng.integers(0, 256, (50, 4, 4), dtype=np.uint8)
+    args = ["--eps", "1", "--dataset", "a", "--dataset", "b", "--noise", "gaussian"]
+    planned = cli("plan", src, *args, "--json")
+    ran = cli("perturb", src, *args, "--out", tmp_path / "out.h5")
+    assert planned.exit_code == 0 and ran.exit_code == 0, planned.stderr + ran.stderr
+    phrase = "50 records of up to 80 elements, a record being one row of each array that shares it"
+    assert f"tldp: plan: {phrase};" in planned.stderr and f"({phrase})" in ran.stderr
+    manifest = json.loads((tmp_path / "out.h5.manifest.json").read_text())
+    plan = json.loads(planned.stdout)
+    assert plan["calibration"]["retain_probability"] == manifest["retain_probability"] == plan["retain_probability"]
+    assert f"retain probability {manifest['retain_probability']:.3g}" in planned.stderr

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from tldp_cli import __version__
 from tldp_cli.errors import TldpError, UsageError
+from tldp_cli.formats import plural
 from tldp_cli.files import output
 
 DEBUG_ENV = "TLDP_DEBUG"
@@ -181,6 +182,21 @@ def progress_bar(quiet: bool, unit: str):
 
     return advance, lambda: bar is not None and bar.close()
 
+
+
+def records_phrase(manifest: dict) -> str:
+    """What a run perturbs, as perturb's and plan's summary lines say it: tensors of a
+    model file, subjects' records spanning several arrays, or records of one or more sizes."""
+    rows = manifest.get("row_records")
+    sizes = {c["elements_per_record"] for c in manifest.get("calibrations") or []}
+    if "per_tensor" in manifest["accounting"]:
+        return f"{plural(manifest['records'], 'tensor')}, the largest of {manifest['elements_per_record']} elements"
+    if rows:
+        return (f"{plural(rows['records'], 'record')} of up to {rows['elements_per_record']} elements, a "
+                "record being one row of each array that shares it")
+    if len(sizes) > 1:
+        return f"{plural(manifest['records'], 'record')} of up to {manifest['elements_per_record']} elements"
+    return f"{plural(manifest['records'], 'record')} x {manifest['elements_per_record']} elements"
 
 
 def unperturbed_note(manifest: dict) -> str:

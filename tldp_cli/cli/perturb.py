@@ -11,11 +11,11 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.files.output import uninterruptible
-from tldp_cli.formats import plural
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
-from tldp_cli.cli.app import DEBUG_ENV, app, progress_bar, run, sigterm_interrupts, unperturbed_note
+from tldp_cli.cli.app import (DEBUG_ENV, app, progress_bar, records_phrase, run, sigterm_interrupts,
+                              unperturbed_note)
 
 
 @app.command("perturb", no_args_is_help=True)
@@ -178,16 +178,7 @@ def _report(result, quiet: bool, json_out: bool) -> None:
     if not quiet:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
-        rows = m.get("row_records")
-        sizes = {c["elements_per_record"] for c in m.get("calibrations") or []}
-        shape = (f"{plural(m['records'], 'tensor')}, the largest of {m['elements_per_record']} elements"
-                 if "per_tensor" in m["accounting"] else
-                 f"{plural(rows['records'], 'record')} of up to {rows['elements_per_record']} elements, a "
-                 "record being one row of each array that shares it" if rows else
-                 f"{plural(m['records'], 'record')} of up to {m['elements_per_record']} elements"
-                 if len(sizes) > 1 else
-                 f"{plural(m['records'], 'record')} x {m['elements_per_record']} elements")
-        typer.echo(f"tldp: wrote {result.output} ({shape}{unperturbed_note(m)}) and "
+        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
         typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
     if json_out:

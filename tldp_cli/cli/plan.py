@@ -11,11 +11,10 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler
 from tldp_cli.errors import UsageError
-from tldp_cli.formats import plural
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
-from tldp_cli.cli.app import DEBUG_ENV, app, run, unperturbed_note
+from tldp_cli.cli.app import DEBUG_ENV, app, records_phrase, run, unperturbed_note
 
 
 @app.command("plan", no_args_is_help=True)
@@ -93,8 +92,8 @@ def plan_command(
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
         c = report["calibration"]
-        typer.echo(f"tldp: plan: {plural(c['records'], 'record')}, the largest of {report['elements_per_record']} "
-                   f"elements; {report['noise']} noise of scale {c['noise_scale']:.4g}, element eps "
+        typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
+                   f"{c['noise_scale']:.4g}, element eps "
                    f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
                    f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)

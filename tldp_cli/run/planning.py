@@ -81,7 +81,9 @@ def _report(options: PerturbOptions, run, jobs: list[ArrayJob], reader, messages
     manifest["schema"] = SCHEMA
     manifest["calibration"] = {
         "noise_scale": calib.scale, "calibration_epsilon": calib.element_epsilon,
-        "retain_probability": calib.p, "retain_probability_log10": calib.p_log10,
+        # the worst record size's, as the manifest's own (calib is the largest record's)
+        "retain_probability": manifest["retain_probability"],
+        "retain_probability_log10": manifest.get("retain_probability_log10"),
         "values_dtype": str(run.out_dtype),
         "records": sum(job.records for job in jobs),
         "elements": sum(job.records * job.elements for job in jobs),
