@@ -832,6 +832,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
         "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": [lo, hi],
         "records": done, "elements_per_record": m.get("elements_per_record"),
+        "record_sizes": len({c.get("elements_per_record") for c in m.get("calibrations") or []}) or 1,
         "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
                                "delta": (acc.get(scope) or {}).get("delta")}
                        for scope in ("per_element", "per_record")},

@@ -28,7 +28,8 @@ def _print_report(report: dict) -> None:
     echo = lambda text="": typer.echo(text, err=True)  # noqa: E731
     acc = report["accounting"]
     echo(f"tldp: {report['perturbed']} against {report['original']} ({report['format']}, "
-         f"{report['records']} records x {report['elements_per_record']} elements; "
+         f"{report['records']} records {'of up to' if report.get('record_sizes', 1) > 1 else 'x'} "
+         f"{report['elements_per_record']} elements; "
          f"{report['mechanism']} {report['noise']}, {report['epsilon_scope']}; "
          f"certified per record eps={_fmt(acc['per_record']['epsilon'])})")
     echo(f"tldp: this report is {report['sensitive']}")

@@ -70,7 +70,8 @@ class Spent:
     delta: float
 
     def describe(self) -> str:
-        pending = f", {self.pending} of them pending (a run that was killed)" if self.pending else ""
+        pending = (f", {self.pending} of them pending (a run in progress, or one that was killed)"
+                   if self.pending else "")
         return (f"{self.releases} release{'s' if self.releases != 1 else ''}{pending}: "
                 f"each record (eps={self.epsilon:.4g}, delta={self.delta:.3g})")
 
