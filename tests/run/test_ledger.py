@@ -198,3 +198,25 @@ def test_a_cap_that_is_not_a_cap_is_a_usage_error(cli, data, tmp_path, flag, val
     result = perturb(cli, data, tmp_path / "out.npy", flag, value)
     assert result.exit_code == 2 and f"{flag} must be a number in" in result.stderr
     assert not (tmp_path / "out.npy").exists() and not (data.parent / "ledger.db").exists()
+
+
+def test_a_larger_dp_delta_does_not_slip_under_an_eps_cap(cli, tmp_path):
+    """Four Gaussian releases at delta 1e-5 and 1e-9: a fifth with --dp-delta 0.001 was
+    composed with them at 0.001, a smaller eps than theirs at 1e-5, and passed the cap
+    that the same release at 1e-5 failed."""
+    src = tmp_path / "f.npy"
+    np.save(src, DATA.astype(np.float32) / 256)
+    ledger = tmp_path / "ledger.db"
+
+    def release(delta, *cap):
+        return cli("perturb", src, "--range", "0:1", "--eps", "2", "--mechanism", "baseline", "--noise",
+                   "gaussian", "--budget", "record", "--dp-delta", delta, "--out",
+                   tmp_path / f"out{len(list(tmp_path.glob('out*.npy')))}.npy", "--ledger", ledger, "-q", *cap)
+
+    for delta in ("1e-5", "1e-5", "1e-9", "1e-9"):
+        assert release(delta).exit_code == 0
+    spent_before = listing(cli, ledger)["datasets"][0]["cumulative_per_record"]["epsilon"]
+    for delta in ("1e-5", "0.001"):
+        refused = release(delta, "--max-record-eps", f"{spent_before:.6g}")
+        assert refused.exit_code == 1 and "the ledger refuses this release" in refused.stderr
+    assert listing(cli, ledger)["datasets"][0]["cumulative_per_record"]["releases"] == 4

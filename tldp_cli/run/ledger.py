@@ -16,8 +16,10 @@ leaves it pending, and pending releases count as spent (the output may be in pla
 
 Composition per record: pure epsilons and deltas add (basic composition, valid for
 every release); when every release states a zCDP rho, rho adds too and the epsilon
-at --dp-delta of the summed rho (the RDP bound, valid for continuous and discrete
-Gaussian noise) plus the kept values' deltas is used where it is smaller.
+of the summed rho (the RDP bound, valid for continuous and discrete Gaussian noise)
+plus the kept values' deltas is used where it is smaller. That epsilon is stated at
+the smallest --dp-delta of the releases: a release with a larger one cannot trade the
+earlier releases' delta for a smaller epsilon under an epsilon cap.
 """
 
 from __future__ import annotations
@@ -115,10 +117,11 @@ def fingerprint(db: sqlite3.Connection, arrays: Iterable[tuple[tuple[int, ...], 
 
 def spent(db: sqlite3.Connection, data: str, extra: list[dict[str, Any]] = (), dp_delta: float = 1e-5) -> Spent:
     """What the releases of `data` (and `extra` figures) spend together, per record."""
-    rows = db.execute("SELECT status, figures FROM releases WHERE fingerprint = ?", (data,)).fetchall()
-    figures = [json.loads(f)["per_record"] for _, f in rows] + [f["per_record"] for f in extra]
-    epsilon, delta = compose_records(figures, dp_delta)
-    return Spent(len(figures), sum(1 for status, _ in rows if status == "pending"), epsilon, delta)
+    rows = db.execute("SELECT status, figures, options FROM releases WHERE fingerprint = ?", (data,)).fetchall()
+    figures = [json.loads(f)["per_record"] for _, f, _ in rows] + [f["per_record"] for f in extra]
+    stated = [json.loads(o).get("--dp-delta", dp_delta) for _, _, o in rows]
+    epsilon, delta = compose_records(figures, min([dp_delta, *stated]))
+    return Spent(len(figures), sum(1 for status, _, _ in rows if status == "pending"), epsilon, delta)
 
 
 def compose_records(scopes: list[dict[str, Any]], dp_delta: float) -> tuple[float, float]:
@@ -193,7 +196,7 @@ def listing(path: Path) -> dict[str, Any]:
                                       "per_element": figures["per_element"], "per_record": figures["per_record"],
                                       "per_file": figures.get("per_file")})
         for data, entry in datasets.items():
-            dp_delta = max(r["options"].get("--dp-delta", 1e-5) for r in entry["releases"])
+            dp_delta = min(r["options"].get("--dp-delta", 1e-5) for r in entry["releases"])
             total = spent(db, data, dp_delta=dp_delta)
             entry["cumulative_per_record"] = {"epsilon": total.epsilon, "delta": total.delta,
                                               "releases": total.releases, "pending": total.pending}
