@@ -113,3 +113,11 @@ def test_plan_describes_rows_and_the_worst_retain_probability_as_perturb_does(cl
     plan = json.loads(planned.stdout)
     assert plan["calibration"]["retain_probability"] == manifest["retain_probability"] == plan["retain_probability"]
     assert f"retain probability {manifest['retain_probability']:.3g}" in planned.stderr
+
+
+def test_a_unit_range_without_a_dtype_points_to_input_dtype(cli):
+    """--range 0.0:1.0 has integer ends, so it described integer data holding one value:
+    the refusal did not say that --input-dtype makes it float data."""
+    result = cli("plan", "--elements", "784", "--range", "0.0:1.0", "--eps", "1")
+    assert result.exit_code == 2 and "--input-dtype float32" in result.stderr
+    assert cli("plan", "--elements", "784", "--range", "0:1", "--eps", "1", "--input-dtype", "float32").exit_code == 0

@@ -55,6 +55,10 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
         lo_hi = options.value_range or (0.0, 0.0)
         whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
         input_dtype = "int64" if whole and options.value_range else "float64"
+        if input_dtype == "int64" and lo_hi[1] - lo_hi[0] <= 1:
+            raise UsageError(f"--range {lo_hi[0]:g}:{lo_hi[1]:g} with integer ends describes integer data, "
+                             "and holds a single value of it; for float data give --input-dtype float32 "
+                             "(or float64)")
     try:
         dtype = np.dtype(input_dtype)
     except TypeError:
