@@ -137,6 +137,16 @@ def write_new_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def flushed_files(root: Path, flushed_already) -> list[Path]:
+    """The files under `root`, sorted, each flushed to disk (fsync_file) unless it is in
+    `flushed_already` (written and flushed one by one, as a writer thread does)."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        if path not in flushed_already:
+            fsync_file(path)
+    return files
+
+
 class Background:
     """Runs work(item) on a thread of its own for each item put, in order; put() waits while
     `depth` items are queued and returns a Future that is done once the item's work is. The

@@ -230,6 +230,12 @@ def _size(n: float) -> str:
     return f"{n:.3g} EB"
 
 
+def removed_during_run(path: Path) -> OutputError:
+    """The error for a file or folder of a run's output that another program removed."""
+    return OutputError(f"{shown(path)}: removed while tldp wrote the output (another program?); "
+                       "nothing was written")
+
+
 def shown(path: Path) -> Path:
     """`path` by the name the user will find it under: a file in a run's work folder
     (.NAME.tldp-tmp-XXXXXXXX/NAME/...) or in the partial output of a resumable run

@@ -50,10 +50,10 @@ from zlib_ng import zlib_ng
 
 from tldp_cli import __version__
 from tldp_cli.files import output
-from tldp_cli.files.output import shown
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.files.output import removed_during_run
+from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
-from tldp_cli.files.checked_io import Background, copy_bytes, fsync_file, write_new_file, writing
+from tldp_cli.files.checked_io import Background, copy_bytes, flushed_files, write_new_file, writing
 
 NAME = "images"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
@@ -654,7 +654,7 @@ class ImageFolderWriter(Writer):
         than come back without the images written before."""
         target = self.root / rel
         if not self.root.is_dir():
-            _removed(self.root)
+            raise removed_during_run(self.root)
         with writing(target.parent):
             target.parent.mkdir(parents=True, exist_ok=True)
         return target
@@ -729,23 +729,14 @@ class ImageFolderWriter(Writer):
             self._disk.close()
         for rel in self._expected:
             if not (self.root / rel).is_file():
-                _removed(self.root / rel)
+                raise removed_during_run(self.root / rel)
 
     def close(self) -> list[Path]:
         """Waits for the images (each flushed to disk as it is written), then flushes every
         other file: those copied, and images written by another process."""
         if self._disk is not None:
             self._disk.close()
-        files = sorted(p for p in self.root.rglob("*") if p.is_file())
-        for path in files:
-            if path not in self._digests:
-                fsync_file(path)
-        return files
-
-
-def _removed(path: Path):
-    raise OutputError(f"{shown(path)}: removed while tldp wrote the output (another program?); "
-                      "nothing was written")
+        return flushed_files(self.root, self._digests)
 
 
 def _write_image(target: Path, encoded: bytes) -> None:

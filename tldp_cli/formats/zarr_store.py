@@ -43,8 +43,8 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.files.checked_io import Background, fsync_file
-from tldp_cli.files.output import shown
+from tldp_cli.files.checked_io import Background, flushed_files
+from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -927,9 +927,9 @@ def _declared_window(bounds: tuple[float, float, float | None] | None,
     output holds lo..hi-1 (the range is half-open under integer noise)."""
     if bounds is None:
         return None
-    lo, hi = bounds[0], bounds[1] - 1 if dtype.kind in "iu" else bounds[1]
+    lo, hi = bounds[0], bounds[1]
     if dtype.kind in "iu":
-        lo, hi = int(lo), int(hi)
+        lo, hi = int(lo), int(hi) - 1
     return {"min": lo, "max": hi, "start": lo, "end": hi}
 
 
@@ -1111,8 +1111,7 @@ class ZarrWriter(Writer):
                                   "it (another program?); nothing was written")
         for chunk in self.blocks.digests:  # the chunk files this process wrote
             if not chunk.is_file():
-                raise OutputError(f"{shown(chunk)}: removed while tldp wrote the output (another "
-                                  "program?); nothing was written")
+                raise removed_during_run(chunk)
         for pyramid in self.pyramids:
             _regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
         if self.consolidate:
@@ -1129,11 +1128,7 @@ class ZarrWriter(Writer):
         every other file: metadata, files copied, chunks written through zarr-python or
         by another process."""
         self.blocks.flush()
-        files = sorted(p for p in self.root.rglob("*") if p.is_file())
-        for path in files:
-            if path not in self.blocks.digests:
-                fsync_file(path)
-        return files
+        return flushed_files(self.root, self.blocks.digests)
 
 
 def create_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
