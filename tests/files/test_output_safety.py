@@ -380,43 +380,69 @@ def test_default_names_keep_compound_suffixes(name, expected):
     assert module.default_output(Path("d") / name) == Path("d") / expected
 
 
-# A Ctrl-C (SIGINT to this process) at a chosen moment of a real run: while the manifest is
-# written (before the commit), just before the outputs move into place, or after they have.
+# A Ctrl-C or SIGTERM (to this process) at a chosen moment of a real run of the console
+# script: while the manifest is written (before the commit), just before the outputs move
+# into place, or after they have: while the run cleans up, once the library call has
+# returned, once the summary is printed, and while the interpreter exits.
 INTERRUPTED_RUN = textwrap.dedent("""
-    import os, signal, sys
+    import atexit, contextlib, os, signal, sys
     from tldp_cli.files import output
     from tldp_cli.run import manifest
-    import tldp_cli.cli as cli
+    import tldp_cli.cli.perturb as command
+    from tldp_cli.entry import main
 
-    moment = sys.argv[1]
-    def interrupt_then(original):
+    moment, signum = sys.argv[1], getattr(signal, sys.argv[2])
+    def signal_before(original):
         def call(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
             return original(*args, **kwargs)
         return call
 
+    def signal_after(original):
+        def call(*args, **kwargs):
+            result = original(*args, **kwargs)
+            os.kill(os.getpid(), signum)
+            return result
+        return call
+
     if moment == "manifest":
-        manifest.write = interrupt_then(manifest.write)
+        manifest.write = signal_before(manifest.write)
     elif moment == "commit":
-        output.Staging.commit = interrupt_then(output.Staging.commit)
+        output.Staging.commit = signal_before(output.Staging.commit)
+    elif moment == "after":
+        output.Staging.close = signal_before(output.Staging.close)
+    elif moment == "returned":
+        command.perturb = signal_after(command.perturb)
+    elif moment == "reported":
+        @contextlib.contextmanager
+        def then_signal(original=command.uninterruptible):
+            with original():
+                yield
+            os.kill(os.getpid(), signum)
+        command.uninterruptible = then_signal
     else:
-        output.Staging.close = interrupt_then(output.Staging.close)
-    sys.argv = ["tldp", "perturb", sys.argv[2], "--eps", "1", "--out", sys.argv[3]]
-    cli.main()
+        atexit.register(os.kill, os.getpid(), signum)
+    sys.argv = ["tldp", "perturb", sys.argv[3], "--eps", "1", "--out", sys.argv[4]]
+    main()
 """)
 
 
-@pytest.mark.parametrize("moment,committed", [("manifest", False), ("commit", True), ("after", True)])
-def test_ctrl_c_reports_what_is_on_disk(tmp_path, moment, committed):
-    """Before the commit a Ctrl-C stops the run with nothing written (exit 130); once the
-    outputs start moving into place the run finishes and says so (exit 0)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("moment,committed", [("manifest", False), ("commit", True), ("after", True),
+                                              ("returned", True), ("reported", True), ("exiting", True)])
+def test_a_signal_reports_what_is_on_disk(tmp_path, moment, committed, signame):
+    """Before the commit Ctrl-C or SIGTERM stops the run with nothing written (exit 130);
+    once the outputs start moving into place the run finishes, says so and exits 0,
+    whatever it is doing when the signal comes (the signal is ignored to the end)."""
     np.save(tmp_path / "x.npy", np.arange(24, dtype=np.uint8).reshape(6, 4))
     out = tmp_path / "out.npy"
-    run = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN, moment, tmp_path / "x.npy", out],
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN, moment, signame, tmp_path / "x.npy", out],
                          capture_output=True, text=True, timeout=120)
     if committed:
         assert run.returncode == 0, run.stderr
-        assert "tldp: wrote" in run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert lines[0].startswith("tldp: wrote") and len(lines) == 2, run.stderr  # and the guarantee
         assert out.exists() and Path(str(out) + ".manifest.json").exists()
     else:
         assert run.returncode == 130, run.stderr

@@ -151,10 +151,15 @@ def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -
 @contextlib.contextmanager
 def sigterm_interrupts():
     """SIGTERM stops a run as Ctrl-C does, so its temporary output is cleaned up (or, when
-    resumable, kept for --resume) instead of the process just vanishing."""
+    resumable, kept for --resume) instead of the process just vanishing. The console script
+    has done so already (entry.py), for good: once the output starts moving into place,
+    both stay ignored until the process exits."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) is output.interrupt:
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: leave signals alone

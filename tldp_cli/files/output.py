@@ -589,17 +589,31 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def interrupt(signum, frame):
+    """Ctrl-C and SIGTERM in a process that ends with its run (the `tldp` command): they
+    stop the run (KeyboardInterrupt) until its outputs start moving into place. From then
+    on uninterruptible() leaves both ignored for good, so that nothing after the commit
+    (the summary, threads ending, the interpreter's exit) turns an output in place into an
+    error or a death by signal: the process exits 0."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def uninterruptible():
     """Ctrl-C and SIGTERM are ignored inside: once a run starts moving its outputs into
     place it finishes, so that it never reports "nothing was written" with the output in
-    place. Only the main thread sets signal handlers; elsewhere this does nothing."""
+    place. Afterwards the previous handlers come back, unless that was `interrupt`: then
+    the signals stay ignored until the process exits. Only the main thread sets signal
+    handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
     try:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, signal.SIG_IGN)
         yield
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            if handler is not interrupt:
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)
