@@ -1,6 +1,7 @@
 """A run touches nothing but its own output: destinations, races, killed runs, odd paths."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.builders import siblings, tree_digest
+from tests.builders import assert_one_line_error, make_hdf5, make_npy, siblings, tree_digest
 from tldp_cli.errors import OutputError
 from tldp_cli.files import output
 
@@ -471,3 +472,74 @@ def test_the_folder_outputs_are_moved_into_is_flushed_after_the_move(cli, tmp_pa
     assert result.exit_code == 0, result.stderr
     assert any(path == str(dest) and {"x.npy", "x.npy.manifest.json"} <= set(listing)
                for path, listing in flushed)
+
+
+def _remove_work_folders(dest: Path) -> None:
+    for folder in dest.glob(f".*{output.WORK_MARK}*"):
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5], ids=["npy", "hdf5"])
+@pytest.mark.parametrize("removed", ["work folder", "destination"])
+@pytest.mark.parametrize("moment", ["blocks", "written", "commit"])
+def test_an_output_removed_during_the_run_fails_it(cli, tmp_path, monkeypatch, make, removed, moment):
+    """A cleanup script removes the folder the output is written in (the run's work folder,
+    or the destination folder itself) while blocks are written, once they all are, or just
+    before the commit: one line naming the output, exit 1, nothing at the destination."""
+    from tldp_cli.run import pipeline
+    from tldp_cli.sampling import engine
+
+    src, _ = make(tmp_path)
+    dest = tmp_path / "o"
+    dest.mkdir()
+    out = dest / f"out{src.suffix}"
+
+    def remove():
+        _remove_work_folders(dest) if removed == "work folder" else shutil.rmtree(dest)
+
+    def removing_first(original):
+        def call(*args, **kwargs):
+            if not getattr(call, "done", False):
+                call.done = True
+                remove()
+            return original(*args, **kwargs)
+        return call
+
+    def removing_after(original):
+        def call(*args, **kwargs):
+            result = original(*args, **kwargs)
+            remove()
+            return result
+        return call
+
+    if moment == "blocks":
+        monkeypatch.setattr(engine, "perturb_records", removing_first(engine.perturb_records))
+    elif moment == "written":
+        monkeypatch.setattr(pipeline, "_write_blocks", removing_after(pipeline._write_blocks))
+    else:
+        monkeypatch.setattr(output.Staging, "commit", removing_first(output.Staging.commit))
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--workers", "1", "--block-elements", "640")
+    assert_one_line_error(result, 1, "removed while tldp wrote the output")
+    assert str(dest) in result.stderr and output.WORK_MARK not in result.stderr
+    assert not dest.exists() or siblings(dest) == set()
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5], ids=["npy", "hdf5"])
+def test_an_output_removed_as_it_is_moved_into_place_is_not_reported_written(cli, tmp_path, monkeypatch,
+                                                                              make):
+    """Removed by another program the moment it lands: the run does not say "wrote" a file
+    that is not there (exit 1, one line) and leaves no manifest without its output."""
+    src, _ = make(tmp_path)
+    dest = tmp_path / "o"
+    dest.mkdir()
+    out = dest / f"out{src.suffix}"
+    commit = output.Staging.commit
+
+    def commit_then_remove(self, overwrite):
+        commit(self, overwrite)
+        out.unlink()
+
+    monkeypatch.setattr(output.Staging, "commit", commit_then_remove)
+    result = cli("perturb", src, "--eps", "1", "--out", out)
+    assert_one_line_error(result, 1, f"{out}: removed by another program")
+    assert siblings(dest) == set()

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.errors import InputError, WriteError
-from tldp_cli.files.output import shown
+from tldp_cli.errors import InputError, WriteError, reason
+from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
@@ -26,7 +26,10 @@ _thread_buffers = threading.local()
 
 
 def write_error(path: Path, cause: OSError) -> WriteError:
-    error = WriteError(f"{shown(path)}: cannot write ({cause.strerror or cause})")
+    if cause.errno == errno.ENOENT:  # the file, or a folder it was in, is gone
+        error = WriteError(str(removed_during_run(path)))
+    else:
+        error = WriteError(f"{shown(path)}: cannot write ({reason(cause)})")
     error.errno = cause.errno
     return error
 

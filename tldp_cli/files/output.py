@@ -357,7 +357,10 @@ def _parents_locked(finals: list[Path]):
     fds = []
     try:
         for folder in sorted({_resolve(final.parent, "output") for final in finals}):
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                raise removed_during_run(folder) from None
             fds.append(fd)
             _lock(fd, wait=True)
         yield
@@ -464,6 +467,7 @@ class Staging:
     def __init__(self):
         self._folders: dict[Path, WorkFolder] = {}  # by destination folder
         self._targets: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._inodes: dict[Path, int] = {}  # final -> the inode moved there
         self.notes: list[str] = []
 
     def temporary(self, final: Path) -> Path:
@@ -491,9 +495,14 @@ class Staging:
     def _journal(self) -> None:
         """Writes down the moves before the first, so that the next run can finish them if
         this one is killed in between (see _finish_commit)."""
+        for tmp, final in self._targets:
+            try:
+                self._inodes[final] = tmp.lstat().st_ino
+            except FileNotFoundError:
+                raise removed_during_run(tmp) from None
         if not self._folders:
             return
-        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": tmp.lstat().st_ino}
+        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": self._inodes[final]}
                  for tmp, final in self._targets]
         journal = next(iter(self._folders.values())).path / COMMIT_JOURNAL
         with open(journal, "x", encoding="utf-8") as f:
@@ -518,16 +527,32 @@ class Staging:
                         raise OutputError(f"{final}: appeared while tldp was writing (another run?); "
                                           "nothing was replaced") from None
                     done.append(("placed", tmp, final))
-        except BaseException:
+        except BaseException as exc:
             for how, tmp, final in reversed(done):
                 try:
                     swap(tmp, final) if how == "swapped" else os.rename(final, tmp)
                 except OSError:
                     pass
+            if isinstance(exc, FileNotFoundError):  # a temporary, or the destination's folder
+                raise removed_during_run(final) from None
             raise
         for _, tmp, _ in done:  # the replaced outputs, now in the work folders
             if os.path.lexists(tmp):
                 remove(tmp)
+
+    def check_in_place(self) -> None:
+        """After commit: raises OutputError if an output is no longer what was moved into
+        place (another program removed it meanwhile), after removing this run's other
+        outputs, so that a run never reports a file that is not there and never leaves a
+        manifest without its output."""
+        gone = [final for final, inode in self._inodes.items() if _inode(final) != inode]
+        if not gone:
+            return
+        for final, inode in self._inodes.items():
+            if final not in gone and _inode(final) == inode:
+                remove(final)
+        raise OutputError(f"{gone[0]}: removed by another program as soon as tldp had moved it into "
+                          "place; the run's other files were removed too")
 
     def discard(self) -> None:
         for folder in self._folders.values():
@@ -537,6 +562,13 @@ class Staging:
     def close(self) -> None:
         """After commit: the emptied work folders go."""
         self.discard()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
 
 
 def _flush_folder(folder: Path) -> None:

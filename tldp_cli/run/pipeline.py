@@ -541,6 +541,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     try:
         writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
                                         streams, staged, notes, progress)
+        for path in written:  # a cleanup script may have removed the output (or its folder)
+            if not path.is_file():
+                raise output.removed_during_run(path)
         digests = writer.digests()
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
@@ -567,6 +570,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
+        staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
                              _messages(options, reader, notes, name_map, weights_info))
 
