@@ -301,7 +301,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     if options.scheduler == "dask":
         dask_runner.require()
         if options.dask_address is not None:
-            dask_runner.parse_address(options.dask_address)
+            dask_runner.check_address(dask_runner.parse_address(options.dask_address))
     for flag, cap, top in (("--max-record-eps", options.max_record_eps, math.inf),
                            ("--max-record-delta", options.max_record_delta, 1.0)):
         if cap is not None and not 0 <= cap <= top:  # NaN too: it would turn the cap off
