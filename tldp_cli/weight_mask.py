@@ -21,7 +21,7 @@ from PIL import Image
 
 from tldp_cli import __version__, formats
 from tldp_cli.files import output
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
 from tldp_cli.run.pipeline import DEFAULT_RANGE_BITS, block_bounds, check_finite, resolve_range
@@ -159,7 +159,7 @@ def _json_boxes(path: Path, text: str) -> list[tuple[str, dict]]:
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise InputError(f"{path}: box file is not valid JSON ({exc})") from None
+        raise InputError(f"{path}: box file is not valid JSON ({reason_of(exc)})") from None
     if isinstance(data, dict) and set(data) == {"boxes"}:
         data = data["boxes"]
     if not isinstance(data, list) or not all(isinstance(b, dict) for b in data):
@@ -255,7 +255,7 @@ def read_mask_image(path: Path) -> np.ndarray:
                 return np.asarray(im.getchannel(0)).astype(np.float64) / 255.0
             rgb = np.asarray(im.convert("RGB"))
     except Exception as exc:
-        raise InputError(f"{path}: not a readable image ({exc})") from None
+        raise InputError(f"{path}: not a readable image ({reason_of(exc)})") from None
     if not (np.array_equal(rgb[..., 0], rgb[..., 1]) and np.array_equal(rgb[..., 0], rgb[..., 2])):
         raise InputError(f"{path}: is a colour image; a mask image must be grayscale "
                          "(black = weight 0, white = weight 1)")

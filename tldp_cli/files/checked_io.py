@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.errors import InputError, WriteError, reason
+from tldp_cli.errors import InputError, WriteError, reason_of
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
@@ -29,7 +29,7 @@ def write_error(path: Path, cause: OSError) -> WriteError:
     if cause.errno == errno.ENOENT:  # the file, or a folder it was in, is gone
         error = WriteError(str(removed_during_run(path)))
     else:
-        error = WriteError(f"{shown(path)}: cannot write ({reason(cause)})")
+        error = WriteError(f"{shown(path)}: cannot write ({reason_of(cause)})")
     error.errno = cause.errno
     return error
 
@@ -77,7 +77,7 @@ def copy_bytes(src, source, dst, target: Path, count: int | None = None) -> None
         try:
             chunk = src.read(1 << 20 if count is None else min(count, 1 << 20))
         except Exception as exc:  # OSError; zipfile or zlib errors from a damaged archive member
-            raise InputError(f"{source}: cannot read ({getattr(exc, 'strerror', None) or exc}); "
+            raise InputError(f"{source}: cannot read ({reason_of(exc)}); "
                              "it may be damaged") from None
         if not chunk:
             if count is None:

@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
 WORK_MARK = ".tldp-tmp-"
 PARTIAL_MARK = ".tldp-partial"  # .NAME.tldp-partial: a resumable run's output (run/resume.py)
@@ -71,7 +71,7 @@ def _resolve(path: Path, what: str) -> Path:
     try:
         return path.resolve()
     except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
-        raise OutputError(f"{path}: {what} path cannot be resolved ({exc})") from None
+        raise OutputError(f"{path}: {what} path cannot be resolved ({reason_of(exc)})") from None
 
 
 def _special_root(path: Path) -> str | None:
@@ -93,7 +93,7 @@ def check_input(path: Path) -> None:
     except FileNotFoundError:
         raise InputError(f"{path}: no such file or directory") from None
     except (RuntimeError, OSError) as exc:
-        raise InputError(f"{path}: cannot be opened ({getattr(exc, 'strerror', None) or exc})") from None
+        raise InputError(f"{path}: cannot be opened ({reason_of(exc)})") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise InputError(f"{path}: not a regular file or folder (a pipe or device); tldp reads "
                          "files and folders: save the data to a file first")
@@ -220,6 +220,58 @@ def check_free_space(folder: Path, needed: int, what: Path) -> None:
         return
     if needed > free:
         raise OutputError(f"{what}: needs about {_size(needed)} but {folder} has {_size(free)} free")
+
+
+def available_memory() -> int | None:
+    """About how many bytes this process can still allocate and use: the least of the
+    memory the system has available (with free swap), what its cgroup's limit leaves, and
+    what its address-space limit (ulimit -v) leaves; None where none can be read."""
+    limits = []
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines()}
+        limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        limits.append(_cgroup_room())
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            status = Path("/proc/self/status").read_text().splitlines()
+            used = int(next(line for line in status if line.startswith("VmSize:")).split()[1]) * 1024
+            limits.append(soft - used)
+    limits = [limit for limit in limits if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _cgroup_room() -> int | None:
+    """What the memory limit of this process's cgroup (v2, or v1) leaves beside the memory
+    its processes hold (the page cache can be reclaimed); None without a limit."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        v2 = controllers == ""
+        if not (v2 or "memory" in controllers.split(",")):
+            continue
+        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+        for folder in (root / where.lstrip("/"), root):  # a container sees its own cgroup as the root
+            limit_file = folder / ("memory.max" if v2 else "memory.limit_in_bytes")
+            if limit_file.is_file():
+                limit = limit_file.read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 60:
+                    return None
+                stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
+                return int(limit) - int(stat["anon" if v2 else "total_rss"])
+    return None
+
+
+def check_free_memory(needed: int, what: str) -> None:
+    """Refuses, before anything is allocated, work that cannot fit in memory: `needed` is
+    the least it must hold at once; `what` says what needs it."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise OutOfMemory(f"{what} needs at least {_size(needed)} of memory, but this process has about "
+                          f"{_size(available)} available; nothing was written")
 
 
 def _size(n: float) -> str:
@@ -379,7 +431,7 @@ class WorkFolder:
             new.mkdir(mode=0o700)
         except OSError as exc:
             raise OutputError(f"{final.parent}: cannot create a temporary folder there "
-                              f"({exc.strerror or exc})") from None
+                              f"({reason_of(exc)})") from None
         self._lock_fd: int | None = None
         try:
             self._lock_fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -605,7 +657,7 @@ def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as exc:
-                raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+                raise OutputError(f"{path}: cannot write ({reason_of(exc)})") from None
         staging.commit(overwrite)
     except BaseException:
         staging.discard()

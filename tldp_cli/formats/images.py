@@ -51,7 +51,7 @@ from zlib_ng import zlib_ng
 from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
 from tldp_cli.files.checked_io import Background, copy_bytes, flushed_files, write_new_file, writing
 
@@ -222,7 +222,7 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     links, sorted. os.walk lists a linked directory among the directories without
     entering it."""
     def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
-        raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
+        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
 
     images, others, links = [], [], []
     for directory, dirs, files in os.walk(root, onerror=unreadable):
@@ -262,9 +262,11 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
-        raise InputError(f"{image.path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{image.path}: cannot read ({reason_of(exc)})") from None
+    except MemoryError:  # not damage: the run says memory ran out
+        raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
+        raise InputError(f"{image.path}: cannot be decoded as an image ({reason_of(exc)}); pass --skip-bad "
                          "to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
@@ -303,9 +305,11 @@ class ImageFolderReader(Reader):
             except _Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
-                reason = f"cannot read ({exc.strerror})"
+                reason = f"cannot read ({reason_of(exc)})"
+            except MemoryError:  # not damage: the run says memory ran out
+                raise
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({exc})"
+                reason = f"cannot be decoded as an image ({reason_of(exc)})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
                                           header.dtype, header.has_alpha, header.has_icc))
@@ -468,7 +472,7 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
         raise InputError(f"{path}: name map not found; the images were renamed by perturb "
                          "--anonymize-names: give its name map with --name-map") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{path}: not a readable name map ({exc})") from None
+        raise InputError(f"{path}: not a readable name map ({reason_of(exc)})") from None
     if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
         raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
     if document.get("name_map_id") != name_map_id:
@@ -579,7 +583,7 @@ def _rewrite_csv(text: str, rename, where: Path) -> str:
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
-        raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
+        raise _unreadable_index(where, f"not readable as CSV ({reason_of(exc)})") from None
     if not rows:
         return text
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
@@ -664,7 +668,7 @@ class ImageFolderWriter(Writer):
         try:
             src = open(source, "rb")
         except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
         with src, writing(target), open(target, "wb") as dst:
             copy_bytes(src, source, dst, target)
         return target
@@ -674,7 +678,7 @@ class ImageFolderWriter(Writer):
         try:
             text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
         except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
         except UnicodeDecodeError:
             raise _unreadable_index(source, "not UTF-8 text") from None
         rename = _renamer(rel, out_names)

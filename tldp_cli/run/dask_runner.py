@@ -29,7 +29,7 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from tldp_cli.errors import TldpError, UsageError, reason
+from tldp_cli.errors import TldpError, UsageError, reason_of
 
 INSTALL_HINT = "pip install 'tldp-tensors[dask]'"
 # How long a failed run waits for the blocks a cluster is still running, so none writes
@@ -83,7 +83,7 @@ def check_address(address: str) -> None:
         context = Security().get_connection_args("client").get("ssl_context")
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise UsageError(f"--dask-address {address}: Dask's TLS settings ({TLS_SETTINGS}) cannot be "
-                         f"loaded ({reason(exc)})") from None
+                         f"loaded ({reason_of(exc)})") from None
     if context is None:
         raise UsageError(f"--dask-address {address}: {scheme}:// needs Dask's TLS settings, the CA file and "
                          f"this client's certificate and key ({TLS_SETTINGS}, in Dask's configuration or "
@@ -190,7 +190,7 @@ def connect(address: str | None, workers: int, show_logs: bool = False) -> Itera
                                    f"{WORKER_WAIT_SECONDS:g} s") from None
     except (OSError, TimeoutError) as exc:
         _close(client, cluster)
-        raise ClusterError(f"cannot reach {where} ({exc})") from None
+        raise ClusterError(f"cannot reach {where} ({reason_of(exc)})") from None
     except BaseException:
         _close(client, cluster)
         raise

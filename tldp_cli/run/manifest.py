@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tldp_cli import __version__
-from tldp_cli.errors import InputError, OutputError, reason
+from tldp_cli.errors import InputError, OutputError, reason_of
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.privacy.mechanisms import Calibration
 
@@ -132,7 +132,7 @@ def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) ->
     except FileNotFoundError:  # its work folder is gone
         raise removed_during_run(path) from None
     except OSError as exc:
-        raise OutputError(f"{shown_as or path}: cannot write the manifest ({reason(exc)})") from None
+        raise OutputError(f"{shown_as or path}: cannot write the manifest ({reason_of(exc)})") from None
 
 
 def read(path: Path) -> dict[str, Any]:
