@@ -1,5 +1,6 @@
 """A run touches nothing but its own output: destinations, races, killed runs, odd paths."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -543,3 +544,29 @@ def test_an_output_removed_as_it_is_moved_into_place_is_not_reported_written(cli
     result = cli("perturb", src, "--eps", "1", "--out", out)
     assert_one_line_error(result, 1, f"{out}: removed by another program")
     assert siblings(dest) == set()
+
+
+def test_signals_stay_ignored_only_after_a_commit_of_the_tldp_command():
+    """uninterruptible(): the command's handler (output.interrupt) is left ignored once the
+    outputs are in place (keep()), and comes back after a failed commit; a library caller's
+    handler always comes back."""
+    import signal
+
+    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    mine = lambda signum, frame: None  # noqa: E731
+    try:
+        for handler, committed, expected in ((output.interrupt, True, signal.SIG_IGN),
+                                             (output.interrupt, False, output.interrupt),
+                                             (mine, True, mine)):
+            for number in saved:
+                signal.signal(number, handler)
+            with pytest.raises(OutputError) if not committed else contextlib.nullcontext():
+                with output.uninterruptible() as keep:
+                    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+                    if not committed:
+                        raise OutputError("the commit failed")
+                    keep()
+            assert {signal.getsignal(number) for number in saved} == {expected}
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)

@@ -675,10 +675,10 @@ def remove(path: Path) -> None:
 
 def interrupt(signum, frame):
     """Ctrl-C and SIGTERM in a process that ends with its run (the `tldp` command): they
-    stop the run (KeyboardInterrupt) until its outputs start moving into place. From then
-    on uninterruptible() leaves both ignored for good, so that nothing after the commit
-    (the summary, threads ending, the interpreter's exit) turns an output in place into an
-    error or a death by signal: the process exits 0."""
+    stop the run (KeyboardInterrupt) until its outputs are moved into place. From then on
+    they stay ignored (see uninterruptible), so that nothing after the commit (the summary,
+    threads ending, the interpreter's exit) turns an output in place into an error or a
+    death by signal: the process exits 0."""
     raise KeyboardInterrupt
 
 
@@ -686,18 +686,20 @@ def interrupt(signum, frame):
 def uninterruptible():
     """Ctrl-C and SIGTERM are ignored inside: once a run starts moving its outputs into
     place it finishes, so that it never reports "nothing was written" with the output in
-    place. Afterwards the previous handlers come back, unless that was `interrupt`: then
-    the signals stay ignored until the process exits. Only the main thread sets signal
-    handlers; elsewhere this does nothing."""
+    place. Yields `keep`, to call once the outputs are in place: the signals then stay
+    ignored until the process exits if their handler was `interrupt`; otherwise (a
+    library caller's handlers, or a failed commit) the previous handlers come back. Only
+    the main thread sets signal handlers; elsewhere this does nothing."""
+    committed = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
     previous = {}
     try:
         for number in (signal.SIGINT, signal.SIGTERM):
             previous[number] = signal.signal(number, signal.SIG_IGN)
-        yield
+        yield lambda: committed.append(True)
     finally:
         for number, handler in previous.items():
-            if handler is not interrupt:
+            if not (committed and handler is interrupt):
                 signal.signal(number, signal.SIG_DFL if handler is None else handler)

@@ -564,8 +564,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
-        committing.enter_context(output.uninterruptible())
+        keep_uninterruptible = committing.enter_context(output.uninterruptible())
         staging.commit(options.overwrite)
+        keep_uninterruptible()  # the output is in place: the tldp command ends as a success
     except BaseException as exc:
         committing.close()
         staging.discard()
