@@ -88,8 +88,8 @@ def test_a_damaged_or_unreadable_chunk_is_named_with_its_records(cli, tmp_path, 
     damaged.write_bytes(damaged.read_bytes()[:10])
     result = cli("perturb", source, "--eps", "1", "--out", tmp_path / "out.zarr")
     assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
-        f"tldp: error: {damaged}: cannot decode the chunk of records 24-32 (Zstd decompression error: "
-        "invalid input data); it may be damaged"]
+        f"tldp: error: {damaged}: cannot decode the chunk of records 24-32 (the Zstandard data stop "
+        "inside a frame); it may be damaged"]
     damaged.unlink()
     locked = source / "c" / "5" / "1"
     real_read_bytes = zarr_chunks.Path.read_bytes

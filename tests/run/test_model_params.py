@@ -250,7 +250,7 @@ def corrupt(tmp_path: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind,fragment", [
     ("truncated safetensors", "not a valid safetensors file"),
     ("safetensors truncated in its header", "not a valid safetensors file (its header of"),
-    ("bad safetensors header", "header is not JSON"),
+    ("bad safetensors header", "its header is not valid JSON"),
     ("truncated npz", "not a valid .npz file"),
     ("bad CRC", "cannot read tensor big (Bad CRC-32")])
 def test_corrupt_files_are_refused_with_nothing_written(cli, tmp_path, kind, fragment):
