@@ -593,7 +593,12 @@ def _rewrite_jsonl(text: str, rename, where: Path) -> str:
         renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
                    for k, v in row.items()}
         if renamed != row:
-            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
+            text = json.dumps(renamed, ensure_ascii=False)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (a name that is not UTF-8): a \u escape
+                text = json.dumps(renamed)
+            lines[number - 1] = text + ("\r" if line.endswith("\r") else "")
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ def sidecar_path(mask: Path) -> Path:
 def _folder_digest(root: Path, files: list[str]) -> str:
     """sha256 of the `sha256sum`-style listing of the files (sorted relative paths)."""
     lines = "".join(f"{sha256_file(root / rel)}  {rel}\n" for rel in sorted(files))
-    return hashlib.sha256(lines.encode()).hexdigest()
+    return hashlib.sha256(lines.encode("utf-8", "surrogateescape")).hexdigest()  # names not UTF-8: their bytes
 
 
 # --------------------------------------------------------------------------------------
