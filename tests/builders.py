@@ -54,6 +54,27 @@ def siblings(directory: Path) -> set[str]:
     return {p.name for p in Path(directory).iterdir()}
 
 
+def run_measured(*args, timeout: float = 300) -> tuple[int, str, int]:
+    """`tldp *args` in a process of its own: (exit code, stderr, its peak resident memory
+    in bytes, from wait4's rusage). Mark tests that use it slow."""
+    import subprocess
+    import sys
+    import threading
+
+    process = subprocess.Popen([sys.executable, "-m", "tldp_cli", *map(str, args)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    try:
+        stderr = process.stderr.read().decode(errors="backslashreplace")
+        _, status, usage = os.wait4(process.pid, 0)
+    finally:
+        timer.cancel()
+        process.stderr.close()
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    return process.returncode, stderr, usage.ru_maxrss * 1024  # Linux counts kilobytes
+
+
 def mixture_loss_atoms(d: int, b: float, p: float) -> dict[float, float]:
     """Privacy loss of one element of the discrete Laplace TLDP mixture for the inputs 0 and
     d, outcome by outcome on -T..d+T (no lumping): {loss: mass under input 0}, equal losses
