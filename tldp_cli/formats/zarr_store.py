@@ -181,13 +181,13 @@ def _walk(store: Path, zarr_format: int) -> list[_Node]:
 
 
 def _check_attributes(store: Path, files: list[str], nodes: list[_Node]) -> None:
-    """Reads the Zarr 2 metadata files that zarr-python parses itself (.zattrs) or that
-    name other nodes (.zmetadata) with _read_json first: one that is not JSON, or nests
-    too deeply, is refused naming it, before zarr-python reaches it."""
+    """Reads the nodes' Zarr 2 attributes (.zattrs, which zarr-python parses itself) with
+    _read_json first: one that is not JSON, or nests too deeply, is refused naming it,
+    before zarr-python reaches it. (.zmetadata is never read: the output's is rebuilt.)"""
     node_paths = {n.path for n in nodes}
     for rel in files:
         parent, _, name = rel.rpartition("/")
-        if name in (".zattrs", ".zmetadata") and parent in node_paths:
+        if name == ".zattrs" and parent in node_paths:
             _read_json(store, store / rel)
 
 
