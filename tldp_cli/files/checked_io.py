@@ -36,25 +36,28 @@ _thread_buffers = threading.local()
 MAX_JSON_DEPTH = 100
 
 
-def not_regular(path: Path) -> InputError:
-    return InputError(f"{path}: not a regular file (a pipe, socket or device); tldp reads "
-                      "only regular files")
+def not_regular(path: Path, mode: int) -> InputError:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"))
+    kind = next((name for test, name in kinds if test(mode)), "of an unknown kind")
+    return InputError(f"{path}: not a regular file ({kind}); tldp reads only regular files")
 
 
 def open_regular(path: Path, follow_links: bool = True) -> BinaryIO:
     """`path` opened to read in binary, refused (InputError) unless it is a regular file.
     It is checked before it is opened (opening a FIFO waits for a writer, a device's open
     may act), and once more on the open file (it may have been replaced meanwhile), which
-    is opened non-blocking for that. `follow_links`=False refuses a symbolic link too
-    (ELOOP, an OSError like the others of os.open)."""
+    is opened non-blocking for that. `follow_links`=False refuses a symbolic link too (one
+    put in place after the check: ELOOP, an OSError like the others of os.open)."""
     mode = (os.stat if follow_links else os.lstat)(path).st_mode
     if not stat.S_ISREG(mode):
-        raise not_regular(path)
+        raise not_regular(path, mode)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags if follow_links else flags | getattr(os, "O_NOFOLLOW", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise not_regular(path)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
