@@ -43,7 +43,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.files.checked_io import Background, flushed_files, json_value
+from tldp_cli.files.checked_io import Background, flushed_files, json_value, open_regular
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
     ArrayJob,
@@ -95,7 +95,8 @@ def _display(name: str) -> str:
 def _read_json(store: Path, file: Path) -> dict[str, Any]:
     where = file.relative_to(store).as_posix()
     try:
-        text = file.read_bytes().decode("utf-8")
+        with open_regular(file, follow_links=False) as f:  # listed as a regular file: still one
+            text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
     meta = json_value(text, f"{store}: damaged Zarr store: {where}")
