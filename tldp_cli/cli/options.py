@@ -74,8 +74,9 @@ SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
 AllowWeakSeed = Annotated[bool, typer.Option(
-    help="Accept a seed shorter than 32 hex digits (128 bits), for tests and demos: it can be "
-         "guessed. Recorded as weak_seed.")]
+    help="Accept a seed shorter than 32 hex digits (128 bits) or one that follows an obvious "
+         "pattern (000..0, a repeated or counting sequence, a padded number), for tests and "
+         "demos: it can be guessed. Recorded as weak_seed.")]
 _SEED_FILE_LIMIT = 4096  # bytes; a seed is a few dozen, more is the wrong file
 
 

@@ -504,6 +504,29 @@ def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool
     return result
 
 
+# A subject's certified epsilon above which perturb and plan warn (docs/choosing-eps.md).
+# e^eps bounds how much more likely the release makes any output under one record than
+# under another: at 100 that factor is 2.7e43, so no prior belief an attacker could hold
+# about a record is protected; in practice the data comes out recognisable long before.
+# Local DP deployments use single digits per record, and the projection mechanism gives
+# useful data there; 100 flags figures that protect nothing without flagging any of those.
+RECORD_EPSILON_WARNING = 100.0
+
+
+def subject_scope(accounting: dict[str, Any]) -> str:
+    """The scope of one subject's data: a record (an image, a row of the arrays that share
+    it), or in a model file (one party's tensors, as raw_release_scopes counts it) the
+    whole file."""
+    return "per_file" if "per_tensor" in accounting else "per_record"
+
+
+def large_record_epsilon(accounting: dict[str, Any]) -> float | None:
+    """The subject's certified epsilon (subject_scope) when it exceeds
+    RECORD_EPSILON_WARNING, else None."""
+    epsilon = accounting[subject_scope(accounting)]["epsilon"]
+    return epsilon if epsilon > RECORD_EPSILON_WARNING else None
+
+
 def summary_line(accounting: dict[str, Any], noise: str) -> str:
     """The one-line statement of the guarantee the CLI prints after a run."""
     def fmt(scope: dict[str, Any]) -> str:

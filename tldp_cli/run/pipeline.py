@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tldp_cli.privacy import accounting
-from tldp_cli.run import dask_runner, ledger, resume
+from tldp_cli.run import dask_runner, ledger, privacy_warnings, resume
 from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
@@ -545,7 +545,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
-        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs)
+        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs,
+                                  masked=list(masks))
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
@@ -568,7 +569,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, notes, name_map, weights_info))
+                             _messages(options, reader, notes, name_map, weights_info, manifest))
 
 
 @dataclass
@@ -680,7 +681,7 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
 
 
 def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path | None,
-              weights_info) -> list[str]:
+              weights_info, manifest: dict[str, Any]) -> list[str]:
     messages = list(reader.messages) + notes
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
@@ -691,7 +692,7 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
     if options.seed is not None:
         messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
-    return messages
+    return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
 def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
@@ -811,11 +812,20 @@ def _abandon(release: _Release | None) -> None:
 
 
 def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
-                   streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
+                   streams: Streams | None, weights_info: dict | None, outputs: list[dict],
+                   masked: list[str] | None = None) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
-    comes from the plan, the reader and the writer, never from the data."""
+    comes from the plan, the reader and the writer, never from the data. `masked`: the
+    arrays a weight mask covers."""
     extra = dict(reader.manifest_extra if reader else {})
     extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
+    record = privacy_warnings.record_name(reader.format if reader else None, jobs, run.rows,
+                                          bool(reader and reader.records_are_tensors))
+    warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
+                privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
+                                              options.epsilon, options.budget)]
+    if any(warnings):
+        extra["warnings"] = [w for w in warnings if w]
     extra["sampler"] = options.sampler
     if options.clip is not None:
         extra["clip"] = {"norm": "linf", "bound": options.clip}

@@ -92,5 +92,5 @@ def _report(options: PerturbOptions, run, jobs: list[ArrayJob], reader, messages
         "records": sum(job.records for job in jobs),
         "elements": sum(job.records * job.elements for job in jobs),
     }
-    manifest["messages"] = messages
+    manifest["messages"] = messages + [warning["message"] for warning in manifest.get("warnings", [])]
     return manifest
