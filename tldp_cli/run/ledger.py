@@ -48,6 +48,7 @@ from tldp_cli.errors import InputError, TldpError, UsageError
 
 SCHEMA_VERSION = 2
 _BUSY_MS = 60_000  # a concurrent run holds the write lock for milliseconds
+_CACHE_KB = 64 << 10  # SQLite's page cache, at most (its default, 2 MB, thrashes past 10^5 records)
 _DEFAULT_DP_DELTA = 1e-5  # a schema-1 release that did not record its --dp-delta
 
 _TABLES = """
@@ -64,9 +65,7 @@ CREATE TABLE releases (
 );
 CREATE TABLE histories (id INTEGER PRIMARY KEY, releases TEXT NOT NULL UNIQUE);
 CREATE TABLE subjects (id INTEGER PRIMARY KEY, history INTEGER NOT NULL);
-CREATE INDEX subjects_by_history ON subjects (history);
 CREATE TABLE records (fingerprint INTEGER PRIMARY KEY, subject INTEGER NOT NULL);
-CREATE INDEX records_by_subject ON records (subject);
 """
 
 
@@ -101,6 +100,7 @@ def open_ledger(path: Path) -> sqlite3.Connection:
         db.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
+        db.execute(f"PRAGMA cache_size = {-_CACHE_KB}")
         db.execute("BEGIN IMMEDIATE")
         db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -192,15 +192,17 @@ def _spent(ids: Iterable[int], releases: dict[int, _Release], new: _Release | No
 
 @dataclass
 class _Touched:
-    """The subjects a release touches: the connected sets of its records' fingerprints,
-    the rows that hold them and the subjects already recorded that they reach."""
+    """The subjects a release touches (0..count-1): the connected sets of its records'
+    fingerprints, the rows that hold them and the recorded subjects they reach."""
 
     fingerprints: np.ndarray  # every fingerprint it holds, sorted, unique
     known: np.ndarray  # the recorded subject of each, -1 for a new one
-    component: np.ndarray  # the subject (0..count-1) each fingerprint belongs to now
+    component: np.ndarray  # the subject each fingerprint belongs to now
     count: int
-    merged: dict[int, list[int]]  # subject -> the recorded subjects it joins, smallest first
-    histories: dict[int, int]  # recorded subject -> its history
+    subject: np.ndarray  # each subject's recorded id (the smallest it joins), -1 for a new one
+    history: np.ndarray  # each subject's recorded history; -1: new; -2: it joins several (`several`)
+    merges: dict[int, list[int]]  # a subject that joins several recorded ones -> their ids, smallest first
+    several: dict[int, list[int]]  # a subject that joins recorded ones of several histories -> those
 
 
 def _touched(db: sqlite3.Connection, groups: list[np.ndarray]) -> _Touched:
@@ -215,31 +217,53 @@ def _touched(db: sqlite3.Connection, groups: list[np.ndarray]) -> _Touched:
                              for i, g in enumerate(groups)])
     fingerprints, inverse = np.unique(np.concatenate([g.ravel() for g in groups]), return_inverse=True)
     known, histories = _recorded(db, fingerprints)
-    olds, old_index = np.unique(known[known >= 0], return_inverse=True)
+    olds, first, old_index = np.unique(known[known >= 0], return_index=True, return_inverse=True)
     nodes = rows + len(fingerprints) + len(olds)
     source = np.concatenate([row_of, rows + np.flatnonzero(known >= 0)])
     target = np.concatenate([rows + inverse.ravel(), rows + len(fingerprints) + old_index])
     graph = coo_matrix((np.ones(len(source), np.int8), (source, target)), shape=(nodes, nodes))
     count, labels = connected_components(graph, directed=False)
-    merged: dict[int, list[int]] = {}
-    for subject, label in zip(olds.tolist(), labels[rows + len(fingerprints):].tolist()):
-        merged.setdefault(label, []).append(subject)  # olds are sorted: smallest first
-    return _Touched(fingerprints, known, labels[rows:rows + len(fingerprints)], count, merged, histories)
+    touched = _Touched(fingerprints, known, labels[rows:rows + len(fingerprints)], count,
+                       np.full(count, -1, np.int64), np.full(count, -1, np.int64), {}, {})
+    _join(touched, olds, labels[rows + len(fingerprints):], histories[known >= 0][first])
+    return touched
 
 
-def _recorded(db: sqlite3.Connection, fingerprints: np.ndarray) -> tuple[np.ndarray, dict[int, int]]:
-    """The recorded subject of each fingerprint (-1: none) and those subjects' histories."""
+def _join(touched: _Touched, olds: np.ndarray, label: np.ndarray, history: np.ndarray) -> None:
+    """Each subject's recorded subjects (`olds`, sorted, in subject `label`) and histories."""
+    labels, first, per_label = np.unique(label, return_index=True, return_counts=True)
+    touched.subject[labels] = olds[first]  # olds are sorted: the smallest id of each
+    touched.history[labels] = history[first]
+    for joined in labels[per_label > 1].tolist():  # rare: a new link between recorded subjects
+        at = np.flatnonzero(label == joined)
+        touched.merges[joined] = olds[at].tolist()
+        if len(set(history[at].tolist())) > 1:
+            touched.several[joined] = sorted(set(history[at].tolist()))
+            touched.history[joined] = -2
+
+
+def _recorded(db: sqlite3.Connection, fingerprints: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The recorded subject of each fingerprint (-1: none) and that subject's history.
+    Leaves the fingerprints in the temporary table `seen` for _charge."""
     db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (fingerprint INTEGER PRIMARY KEY)")
     db.execute("DELETE FROM seen")
-    db.executemany("INSERT INTO seen VALUES (?)", ((f,) for f in fingerprints.tolist()))
-    found = db.execute("SELECT r.fingerprint, r.subject, s.history FROM seen JOIN records r USING (fingerprint) "
-                       "JOIN subjects s ON s.id = r.subject").fetchall()
-    db.execute("DELETE FROM seen")
+    db.executemany("INSERT INTO seen VALUES (?)", _rows(fingerprints))
     known = np.full(len(fingerprints), -1, np.int64)
-    if found:
-        at = np.searchsorted(fingerprints, np.array([f for f, _, _ in found], np.int64))
-        known[at] = [s for _, s, _ in found]
-    return known, {s: h for _, s, h in found}
+    history = np.full(len(fingerprints), -1, np.int64)
+    cursor = db.execute("SELECT r.fingerprint, r.subject, s.history FROM seen JOIN records r USING (fingerprint) "
+                        "JOIN subjects s ON s.id = r.subject")
+    while found := cursor.fetchmany(1 << 16):  # in slices: a million tuples would take 200 MB
+        columns = np.array(found, np.int64)
+        at = np.searchsorted(fingerprints, columns[:, 0])
+        known[at], history[at] = columns[:, 1], columns[:, 2]
+    return known, history
+
+
+def _rows(*columns: np.ndarray) -> Iterable[tuple[int, ...]]:
+    """Rows for executemany from integer columns, a slice at a time (a list of a million
+    Python ints takes 40 MB)."""
+    for start in range(0, len(columns[0]), 1 << 16):
+        yield from zip(*(column[start:start + (1 << 16)].tolist() for column in columns))
 
 
 def _history_sets(db: sqlite3.Connection, ids: Iterable[int]) -> dict[int, frozenset[int]]:
@@ -253,17 +277,27 @@ def _history_sets(db: sqlite3.Connection, ids: Iterable[int]) -> dict[int, froze
     return sets
 
 
-def _charged(db: sqlite3.Connection, touched: _Touched) -> dict[int, frozenset[int]]:
-    """The releases charged so far to each subject the release touches (by component)."""
-    sets = _history_sets(db, touched.histories.values())
-    return {label: frozenset().union(*(sets.get(touched.histories[s], frozenset()) for s in subjects))
-            for label, subjects in touched.merged.items()}
+@dataclass
+class _Charged:
+    """The releases charged so far to the subjects a release touches: `by_history` for the
+    subjects of one recorded history, `new` whether some are new to the ledger, `several`
+    for those that join subjects of several histories."""
+
+    by_history: dict[int, frozenset[int]]
+    new: bool
+    several: dict[int, frozenset[int]]
+
+    def sets(self) -> set[frozenset[int]]:
+        return {*self.by_history.values(), *self.several.values(), *([frozenset()] if self.new else [])}
 
 
-def _sets(touched: _Touched, charged: dict[int, frozenset[int]]) -> set[frozenset[int]]:
-    """The distinct sets of releases charged so far to the subjects a release touches (the
-    empty set for subjects new to the ledger)."""
-    return {*charged.values(), *([frozenset()] if len(charged) < touched.count else [])}
+def _charged(db: sqlite3.Connection, touched: _Touched) -> _Charged:
+    single = np.unique(touched.history[touched.history >= 0]).tolist()
+    sets = _history_sets(db, {*single, *(h for hs in touched.several.values() for h in hs)})
+    return _Charged({h: sets.get(h, frozenset()) for h in single},
+                    bool((touched.history == -1).any()),
+                    {label: frozenset().union(*(sets.get(h, frozenset()) for h in hs))
+                     for label, hs in touched.several.items()})
 
 
 def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, Any], *, input: str,
@@ -279,7 +313,7 @@ def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, A
         charged = _charged(db, touched)
         releases = _releases(db)
         new = _Release(figures["per_record"], dp_delta, False, False)  # stated once complete
-        by_set = {ids: (_spent(ids, releases), _spent(ids, releases, new)) for ids in _sets(touched, charged)}
+        by_set = {ids: (_spent(ids, releases), _spent(ids, releases, new)) for ids in charged.sets()}
         before = max((b for b, _ in by_set.values()), key=lambda s: (s.epsilon, s.delta))
         after = max((a for _, a in by_set.values()), key=lambda s: (s.epsilon, s.delta))
         worst_delta = max(a.delta for _, a in by_set.values())
@@ -290,6 +324,7 @@ def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, A
             "VALUES ('pending', ?, ?, ?, ?, ?, ?)",
             (created, input, output, json.dumps(options, default=str), json.dumps(figures), touched.count))
         _charge(db, touched, charged, cursor.lastrowid, set(releases))
+        db.execute("DELETE FROM seen")
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -313,30 +348,48 @@ def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: fl
                           f"{left}); nothing was written")
 
 
-def _charge(db: sqlite3.Connection, touched: _Touched, charged: dict[int, frozenset[int]], release: int,
-            recorded: set[int]) -> None:
-    """Records the release against every subject it touches: merged subjects become one
-    (the smallest id), new fingerprints join their subject, each subject's history gains it."""
-    history_of: dict[frozenset[int], int] = {}
-    for ids in _sets(touched, charged):
-        text = json.dumps(sorted((ids & recorded) | {release}))
-        db.execute("INSERT OR IGNORE INTO histories (releases) VALUES (?)", (text,))
-        history_of[ids] = db.execute("SELECT id FROM histories WHERE releases = ?", (text,)).fetchone()[0]
-    first_new = db.execute("SELECT COALESCE(MAX(id), 0) FROM subjects").fetchone()[0] + 1
-    subject_of = np.zeros(touched.count, np.int64)
-    fresh = np.setdiff1d(np.arange(touched.count), list(touched.merged))
-    subject_of[fresh] = first_new + np.arange(len(fresh))
-    for label, subjects in touched.merged.items():
-        subject_of[label] = subjects[0]
-        for other in subjects[1:]:
-            db.execute("UPDATE records SET subject = ? WHERE subject = ?", (subjects[0], other))
-            db.execute("DELETE FROM subjects WHERE id = ?", (other,))
+def _charge(db: sqlite3.Connection, touched: _Touched, charged: _Charged, release: int, recorded: set[int]) -> None:
+    """Records the release against every subject it touches: recorded subjects it links
+    become one (the smallest id), new fingerprints join their subject, and each subject's
+    history gains the release (a few statements, one per history, not one per subject)."""
+    made: dict[frozenset[int], int] = {}
+
+    def history(ids: frozenset[int]) -> int:
+        if ids not in made:
+            text = json.dumps(sorted((ids & recorded) | {release}))
+            db.execute("INSERT OR IGNORE INTO histories (releases) VALUES (?)", (text,))
+            made[ids] = db.execute("SELECT id FROM histories WHERE releases = ?", (text,)).fetchone()[0]
+        return made[ids]
+
+    if touched.merges:  # rare: one pass over the records (those of a subject this run does not see too)
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS moved (old INTEGER PRIMARY KEY, new INTEGER NOT NULL)")
+        db.executemany("INSERT INTO moved VALUES (?, ?)",
+                       ((other, subjects[0]) for subjects in touched.merges.values() for other in subjects[1:]))
+        db.execute("UPDATE records SET subject = (SELECT new FROM moved WHERE old = subject) "
+                   "WHERE subject IN (SELECT old FROM moved)")
+        db.execute("DELETE FROM subjects WHERE id IN (SELECT old FROM moved)")
+        db.execute("DELETE FROM moved")
+    # New subjects are numbered in the order of their smallest fingerprint, so that a later
+    # pass over the sorted fingerprints reads their subjects in order, not at random.
+    first = np.full(touched.count, len(touched.fingerprints))
+    np.minimum.at(first, touched.component, np.arange(len(touched.fingerprints)))
+    fresh = np.flatnonzero(touched.subject < 0)
+    fresh = fresh[np.argsort(first[fresh], kind="stable")]
+    touched.subject[fresh] = db.execute("SELECT COALESCE(MAX(id), 0) FROM subjects").fetchone()[0] + 1 + np.arange(len(fresh))
+    if len(fresh):
+        fresh_history = history(frozenset())
+        db.executemany("INSERT INTO subjects (id, history) VALUES (?, ?)",
+                       _rows(touched.subject[fresh], np.full(len(fresh), fresh_history)))
     new = touched.known < 0
     db.executemany("INSERT INTO records (fingerprint, subject) VALUES (?, ?)",
-                   zip(touched.fingerprints[new].tolist(), subject_of[touched.component[new]].tolist()))
-    db.executemany("INSERT OR REPLACE INTO subjects (id, history) VALUES (?, ?)",
-                   ((int(subject_of[label]), history_of[charged.get(label, frozenset())])
-                    for label in range(touched.count)))
+                   _rows(touched.fingerprints[new], touched.subject[touched.component[new]]))
+    if charged.by_history:  # the subjects it touches, by the fingerprints in `seen`: no list of ids
+        cases = [(old, history(ids)) for old, ids in charged.by_history.items()]
+        db.execute(f"UPDATE subjects SET history = CASE history {' '.join('WHEN ? THEN ?' for _ in cases)} "
+                   "ELSE history END WHERE id IN (SELECT r.subject FROM seen JOIN records r USING (fingerprint))",
+                   [value for case in cases for value in case])
+    for label, ids in charged.several.items():
+        db.execute("UPDATE subjects SET history = ? WHERE id = ?", (history(ids), int(touched.subject[label])))
     db.execute("DELETE FROM histories WHERE id NOT IN (SELECT history FROM subjects)")
 
 
