@@ -381,7 +381,7 @@ def _charge(db: sqlite3.Connection, touched: _Touched, charged: _Charged, releas
         db.executemany("INSERT INTO subjects (id, history) VALUES (?, ?)",
                        _rows(touched.subject[fresh], np.full(len(fresh), fresh_history)))
     new = touched.known < 0
-    db.executemany("INSERT INTO records (fingerprint, subject) VALUES (?, ?)",
+    db.executemany("INSERT OR REPLACE INTO records (fingerprint, subject) VALUES (?, ?)",
                    _rows(touched.fingerprints[new], touched.subject[touched.component[new]]))
     if charged.by_history:  # the subjects it touches, by the fingerprints in `seen`: no list of ids
         cases = [(old, history(ids)) for old, ids in charged.by_history.items()]
