@@ -389,3 +389,41 @@ def test_a_schema_1_ledger_is_upgraded_charging_its_releases_to_every_subject(cl
     other = tmp_path / "raw" / "other.npy"
     np.save(other, np.random.default_rng(8).integers(0, 256, (30, 8, 8), dtype=np.uint8))
     assert refused_at(perturb(cli, other, tmp_path / "b.npy", "--max-record-eps", "80"), 83.75)
+
+
+def test_links_merge_subjects_and_their_histories(tmp_path):
+    """Subjects are connected sets of records: a release that links records of recorded
+    subjects merges them (their histories too, and their records this release does not see),
+    and a failed run's release id is never charged again."""
+    path = tmp_path / "ledger.db"
+    db = ledger_mod.open_ledger(path)
+    figures = {"per_element": {}, "per_record": {"epsilon": 1.0, "delta": 0.0, "rho": None}, "per_file": None}
+
+    def release(*rows, keep=True):  # rows: the fingerprints of each array of one row group
+        rid, spent, subjects = ledger_mod.begin(db, [np.array(rows, np.int64)], figures, input="i", output="o",
+                                                options={}, max_epsilon=None, max_delta=None, dp_delta=1e-5)
+        (ledger_mod.complete if keep else ledger_mod.abandon)(db, rid)
+        return spent.releases, subjects
+
+    def groups():
+        return [(g["subjects"], g["releases"]) for g in ledger_mod.listing(path)["subjects"]]
+
+    try:
+        assert release([10, 11]) == (1, 2)  # #1: subjects {10} and {11}
+        assert release([20], [10]) == (2, 1)  # #2: 20 joins {10}
+        assert release([30, 31], [11, 40]) == (2, 2)  # #3: 30 joins {11}; {31, 40} is new
+        assert groups() == [(1, [1, 2]), (1, [1, 3]), (1, [3])]
+        assert release([20], [30]) == (4, 1)  # #4 links {10, 20} and {11, 30}: one subject of #1 to #4
+        assert groups() == [(1, [1, 2, 3, 4]), (1, [3])]
+        assert release([11]) == (5, 1)  # 11, unseen by #4, reaches the merged subject
+        assert release([40], keep=False) == (2, 1)  # #6 fails: removed
+        assert release([31]) == (2, 1)  # #7: {31, 40} is charged #3 and #7, never #6
+        assert groups() == [(1, [1, 2, 3, 4, 5]), (1, [3, 7])]
+        release([60, 61])  # #8: two new subjects of one history
+        assert release([60], [61]) == (2, 1)  # #9 makes them one
+        assert groups() == [(1, [1, 2, 3, 4, 5]), (1, [3, 7]), (1, [8, 9])]
+        counts = {table: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                  for table in ("records", "subjects", "histories")}
+        assert counts == {"records": 8, "subjects": 3, "histories": 3}
+    finally:
+        db.close()
