@@ -382,6 +382,7 @@ def test_a_schema_1_ledger_is_upgraded_charging_its_releases_to_every_subject(cl
     assert "2 releases, 1 of them pending (a run in progress, or one that was killed): each record (eps=83.75" in first.stderr
     report = listing(cli, ledger)
     assert [r["charged_to_every_subject"] for r in report["releases"]] == [True, False]
+    assert "charged to every subject (recorded by a ledger of schema 1)" in cli("ledger", ledger).stdout
     assert [(g["subjects"], g["releases"]) for g in report["subjects"]] == [(50, [1, 2])]
     with sqlite3.connect(ledger) as db:
         assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)

@@ -57,8 +57,9 @@ def ledger_command(
     typer.echo("subjects, by the releases charged to them (most-spent first):")
     for group in report["subjects"]:
         total = group["per_record"]
-        typer.echo(f"  {group['subjects']} subject{'s' if group['subjects'] != 1 else ''}: "
-                   f"release{'s' if len(group['releases']) != 1 else ''} "
+        count = group["subjects"]
+        who = f"{count} subject{'s' if count != 1 else ''}" if count else "every subject (none recorded yet)"
+        typer.echo(f"  {who}: release{'s' if len(group['releases']) != 1 else ''} "
                    + ", ".join(f"#{i}" for i in group["releases"])
                    + (f" ({total['pending']} pending)" if total["pending"] else "")
                    + f": each record (eps={total['epsilon']:.4g}, delta={total['delta']:.3g})")

@@ -150,8 +150,9 @@ class Fingerprints:
     def of_rows(self, block: np.ndarray) -> np.ndarray:
         """The fingerprints (int64) of a block's records, one per index of axis 0."""
         rows = np.ascontiguousarray(block).reshape(len(block), -1)
-        if rows.dtype.byteorder == ">":
-            rows = rows.astype(rows.dtype.newbyteorder("<"))
+        little = rows.dtype.newbyteorder("<")
+        if rows.dtype != little:  # big-endian, stored or native: the same values, the same record
+            rows = rows.astype(little)
         base = hashlib.blake2b(rows.dtype.name.encode() + b"\0", key=self.key, digest_size=8,
                                person=b"tldp-record/2")
         digests = bytearray()
