@@ -102,12 +102,14 @@ def perturb_command(
     allow_raw_release: AllowRawRelease = False,
     ledger: Annotated[Optional[Path], typer.Option(readable=False,
         metavar="PATH", envvar="TLDP_LEDGER",
-        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
-             "release of the input's content and states what all its releases spend together. "
-             "Keep it with the raw data, never with the release.", show_default=False)] = None,
+        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): charges this "
+             "release to every subject (record) it touches, known by their content, and states "
+             "what the most-spent of them has spent over all releases. Keep it with the raw data, "
+             "never with the release.", show_default=False)] = None,
     max_record_eps: Annotated[Optional[float], typer.Option(
         metavar="E", help="With --ledger: refuse (exit 1, nothing written or recorded) a release "
-                          "that would take this data's releases past E per record.",
+                          "that would take any subject it touches past E per record over all "
+                          "the releases charged to it.",
         show_default=False)] = None,
     max_record_delta: Annotated[Optional[float], typer.Option(
         metavar="D", help="With --ledger: the same cap for delta per record.", show_default=False)] = None,

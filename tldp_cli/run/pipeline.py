@@ -525,7 +525,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                                              options.image_format), destination)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
-    release = _begin_release(options, module, run, jobs, weights_info, destination, manifest_path)
+    release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     staging = output.Staging()
     try:
@@ -565,7 +565,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         if release:
             ledger.complete(release.db, release.id)
             release.db.close()
-            notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
+            notes.append(f"ledger {options.ledger}: the most-spent of the {release.subjects} subject"
+                         f"{'s' if release.subjects != 1 else ''} this release touches: {release.spent.describe()}")
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
         return PerturbResult(destination, manifest_path, manifest,
@@ -774,13 +775,15 @@ def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image
 class _Release:
     db: Any  # the ledger's sqlite3 connection
     id: int
-    spent: ledger.Spent
+    spent: ledger.Spent  # by the most-spent subject it touches, with it
+    subjects: int
 
 
-def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJob],
+def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: list[ArrayJob],
                    weights_info: dict | None, destination: Path, manifest_path: Path) -> _Release | None:
-    """With --ledger: fingerprint the input (one pass over its data), check the caps and
-    record the release as pending (ledger.begin); None without a ledger."""
+    """With --ledger: fingerprint the records the release touches (one more pass over
+    them), check the caps and record the release as pending (ledger.begin); None without
+    a ledger."""
     if options.ledger is None:
         return None
     path = Path(options.ledger)
@@ -788,20 +791,41 @@ def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJ
         raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
-        data = ledger.fingerprint(db, ((job.shape, str(job.dtype),
-                                        (job.read(start, stop).tobytes()
-                                         for start, stop in block_bounds(job, options.block_elements)))
-                                       for job in jobs))
+        touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
         figures = {scope: run.certified[scope] for scope in ("per_element", "per_record", "per_file")}
         record = _resume_record(options, module, jobs, (run.lo, run.hi), weights_info)
-        release_id, total = ledger.begin(
-            db, data, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
+        release_id, total, subjects = ledger.begin(
+            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
             options={**record, "--dp-delta": options.dp_delta}, max_epsilon=options.max_record_eps,
             max_delta=options.max_record_delta, dp_delta=options.dp_delta)
     except BaseException:
         db.close()
         raise
-    return _Release(db, release_id, total)
+    return _Release(db, release_id, total, subjects)
+
+
+def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJob],
+                     fingerprints: ledger.Fingerprints) -> list[np.ndarray]:
+    """The fingerprints of the records a release touches, one array (arrays, rows) per row
+    group it perturbs any of. A row group is read whole, its arrays this run leaves out too:
+    row i of each array that tldp perturbs by default (and groups) is subject i's, whichever
+    of them a run selects."""
+    def of(job: ArrayJob) -> np.ndarray:
+        return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
+
+    perturbed = {job.name for job in jobs}
+    default = None
+    if module.NAME in ("hdf5", "zarr") and (options.datasets or options.exclude) and not reader.records_are_tensors:
+        with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
+            default = module.open_reader(Path(options.input), FormatOptions())
+    try:
+        seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
+        groups = row_groups(module.NAME, reader, seen) or [[job.name] for job in seen]
+        by_name = {job.name: job for job in seen}
+        return [np.stack([of(by_name[name]) for name in group]) for group in groups if perturbed & set(group)]
+    finally:
+        if default is not None:
+            default.close()
 
 
 def _abandon(release: _Release | None) -> None:
