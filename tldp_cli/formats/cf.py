@@ -398,7 +398,8 @@ def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public:
             "figures_cover": "the elements that are not missing: values equal to these markers (inside the "
                              "declared range) are kept as missing data, copied, not perturbed, and the "
                              "certified figures hold for the other elements, conditional on which elements "
-                             "are missing, a pattern declared public and released as is"}}
+                             "are missing, a pattern declared public and released as is" if named else
+                             "every element: no missing-data marker lies inside the declared range"}}
     return {"dropped": [
         {"name": name, "reason": f"missing-data marker {_shown(value)} inside the declared range: values equal "
                                  "to it are data, perturbed like every other, so the output does not declare "

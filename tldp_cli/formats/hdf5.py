@@ -44,7 +44,8 @@ netCDF-4 files are HDF5 files, and the copy keeps what netCDF readers rely on:
 Of a perturbed dataset, the CF attributes about its values are honoured (cf.Encoding):
 values equal to its _FillValue or missing_value are missing data, copied rather than
 perturbed (the writer puts them back, so which values are missing is released as
-is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
+is), unless the marker lies inside the declared range: then it is data (see cf.py)
+and the output leaves it off; packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
 physical units and written unpacked; valid_range, valid_min, valid_max and
 actual_range are dropped, since noisy values pass them and readers would mask them.
 Coordinate variables (dimension scales, and the variables named in a coordinates,

@@ -1010,8 +1010,7 @@ class ZarrWriter(Writer):
         for job_name, path in names.items():
             metadata[path], lossy, levels = _output_metadata(
                 nodes[path], _output_fill(reader.handles[path], reader.encodings.get(job_name)),
-                reader.zarr_format, self.dtype,
-                f"{reader.path}: array {_display(path)}")
+                reader.zarr_format, self.dtype, f"{reader.path}: array {_display(path)}")
             if lossy:
                 dropped[job_name] = lossy
             if levels:
@@ -1076,7 +1075,6 @@ class ZarrWriter(Writer):
         # (job name, first record) -> noisy values moved off its markers, per block written
         self.moved: dict[tuple[str, int], int] = {}
         self.held: dict[tuple[str, int], bool] = {}  # ... whether its input held missing values (stderr only)
-        self.messages = reader.messages
         self.blocks.open_arrays()
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
@@ -1086,6 +1084,7 @@ class ZarrWriter(Writer):
         """Rewrites the perturbed arrays' CF attributes (cf.describe tells the manifest): in
         their metadata (Zarr 3); returns the .zattrs to write (Zarr 2)."""
         self.missing: dict[str, list[tuple]] = {}
+        self.messages = reader.messages  # the reader's list: a line added in finish() is shown
         dropped_attrs, zattrs = {}, {}
         for job_name, path in names.items():
             array = reader.handles[path]

@@ -534,8 +534,6 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     jobs = reader.arrays()
     run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
                per_tensor=reader.records_are_tensors)
-    if run.in_range_markers and not options.public_missing:
-        reader.markers_are_data(run.in_range_markers)  # before any block is read (the ledger's too)
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
@@ -551,6 +549,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
     release = _begin_release(options, module, run, jobs, weights_info, destination, manifest_path)
+    if run.in_range_markers and not options.public_missing:
+        # Before any block is read, after the ledger's fingerprint: the same data either way.
+        reader.markers_are_data(run.in_range_markers)
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     staging = output.Staging()
     try:
