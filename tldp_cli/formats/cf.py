@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import numpy as np
 
 from tldp_cli.errors import InputError
+from tldp_cli.formats import listing
 
 T = TypeVar("T")
 
@@ -409,7 +410,7 @@ def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public:
 
 def marker_messages(in_range: Mapping[str, tuple[tuple[str, float], ...]], public: bool) -> list[str]:
     """The line a run (or its plan) prints about the markers inside the declared range."""
-    named = ", ".join(f"{name} {_shown(value)}" for name, value in _named(in_range))
+    named = listing([f"{name} {_shown(value)}" for name, value in _named(in_range)])
     if not named:
         return []
     if public:

@@ -1046,8 +1046,11 @@ class Hdf5Writer(Writer):
             if key in src.attrs:
                 values = _attr_numbers(self.source, job_name, src, key)
                 kept = cf.output_values(key, values, encoding, self.dtype)
-                shape = src.attrs.get_id(key).shape if kept and len(kept) == len(values) else (len(kept or ()),)
-                replaced[key.encode()] = None if kept is None else np.array(kept, dtype=self.dtype).reshape(shape)
+                if kept is None:  # every marker of it taken as data
+                    replaced[key.encode()] = None
+                    continue
+                shape = src.attrs.get_id(key).shape if len(kept) == len(values) else (len(kept),)
+                replaced[key.encode()] = np.array(kept, dtype=self.dtype).reshape(shape)
         return replaced
 
     def _describe_cf(self) -> None:
