@@ -180,6 +180,12 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]
+PublicMissing = Annotated[bool, typer.Option(
+    help="netCDF/HDF5 and xarray's Zarr: declare which values are missing public. Values equal to "
+         "a _FillValue or missing_value (or Zarr 2 fill_value) that lies inside the declared range "
+         "then stay missing, copied, not perturbed, and the guarantee covers the other values only "
+         "(recorded in the manifest as public_missing). Default: such a marker is an ordinary value, "
+         "perturbed, and left off the output.")]
 RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]

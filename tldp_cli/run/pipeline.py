@@ -33,7 +33,7 @@ from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     Calibration,
@@ -96,6 +96,9 @@ class PerturbOptions:
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
+    # CF missing-data markers inside the declared range: values equal to one are missing data,
+    # copied (the missingness pattern declared public), instead of data, perturbed
+    public_missing: bool = False
 
     def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
@@ -332,6 +335,7 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
 
 # The formats whose readers honour --exclude.
 EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
 
 
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
@@ -339,6 +343,9 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     if options.exclude and module.NAME not in EXCLUDE_FORMATS:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.NAME}")
+    if options.public_missing and module.NAME not in CF_FORMATS:
+        raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
+                         f"files and xarray's Zarr stores, not {module.NAME}")
     return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
@@ -370,6 +377,8 @@ class Plan:
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
     # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)
+    # by array name, its CF missing-data markers (ArrayJob.markers) inside its declared range
+    in_range_markers: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
 
     @property
     def top(self) -> float:
@@ -503,7 +512,21 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     main = next(group for group in groups if largest in group.calib_of.values())
     bounds = {name: (group.lo, group.hi, group.grid) for group in groups for name in group.calib_of}
     return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
-                raw_release, bounds if len(groups) > 1 or options.ranges else {})
+                raw_release, bounds if len(groups) > 1 or options.ranges else {},
+                _in_range_markers(jobs, bounds))
+
+
+def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
+                      ) -> dict[str, tuple[tuple[str, float], ...]]:
+    """By array, its missing-data markers (ArrayJob.markers) inside its declared range (as
+    validate_block checks values: lo to the largest valid value), from the headers alone."""
+    found = {}
+    for job in jobs:
+        lo, hi, grid = bounds[job.name]
+        inside = tuple((key, value) for key, value in job.markers if lo <= value <= _top(hi, grid))
+        if inside:
+            found[job.name] = inside
+    return found
 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
@@ -526,6 +549,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
     release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
+    if run.in_range_markers and not options.public_missing:
+        # Before any block is read, after the ledger's fingerprint: the same data either way.
+        reader.markers_are_data(run.in_range_markers)
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     staging = output.Staging()
     try:
@@ -536,6 +562,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         _abandon(release)
         raise
     notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
+    notes += cf.marker_messages(run.in_range_markers, options.public_missing)
     partial = staged.partial
     committing = contextlib.ExitStack()
     try:
@@ -855,6 +882,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["clip"] = {"norm": "linf", "bound": options.clip}
     if run.raw_release:
         extra["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
+    for key, value in cf.marker_fields(run.in_range_markers, options.public_missing).items():
+        extra[key] = [*extra.get(key, []), *value] if key == "dropped" else value
     if any(len(row) > 1 for row in run.rows):
         extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
         extra["row_records"] = _row_records(run.rows, jobs)
