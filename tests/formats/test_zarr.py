@@ -272,6 +272,32 @@ def test_damaged_group_store(cli, tmp_path, damage):
     assert siblings(tmp_path) == before and tree_digest(src) == files
 
 
+DEEP = "[" * 200_000 + "]" * 200_000  # issue 27, item 13: json.loads raised RecursionError
+
+
+def _nest_deeply(file: Path, key: str = "deep") -> None:
+    """Puts DEEP into the JSON object of `file` (zarr-python wrote it) under `key`."""
+    text = file.read_text().rstrip()
+    assert text.endswith("}")
+    file.write_text(text[:-1] + f', "{key}": {DEEP}}}')
+
+
+@pytest.mark.parametrize("zarr_format, meta", [(3, "zarr.json"), (3, "images/zarr.json"), (2, ".zgroup"),
+                                               (2, "images/.zarray"), (2, "images/.zattrs"),
+                                               (2, "meta/.zattrs")])
+def test_deeply_nested_metadata_is_refused_naming_its_file(cli, tmp_path, zarr_format, meta):
+    """200,000 nested lists in Zarr metadata reached RecursionError (our own json.loads), or
+    zarr-python's in .zattrs, and "unexpected error": refused before zarr-python reads it,
+    as JSON it does not read, naming the file."""
+    src = make_group(tmp_path / "data.zarr", zarr_format, consolidated=False)
+    _nest_deeply(src / meta)
+    before, files = siblings(tmp_path), tree_digest(src)
+    assert_one_line_failure(cli("perturb", src, "--eps", "1"), 1,
+                            f"{src}: damaged Zarr store: {meta} is not valid JSON (it nests lists and "
+                            "objects more than 100 levels deep")
+    assert siblings(tmp_path) == before and tree_digest(src) == files
+
+
 @pytest.mark.parametrize("zarr_format, meta", [(2, ".zgroup"), (3, "zarr.json")])
 def test_group_without_root_metadata_is_refused(cli, tmp_path, zarr_format, meta):
     src = make_group(tmp_path / "data.zarr", zarr_format, consolidated=False)

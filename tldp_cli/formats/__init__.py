@@ -273,6 +273,34 @@ def padded_chunk(part: np.ndarray, chunk_shape: tuple[int, ...], fill_value: Any
     return padded
 
 
+def wrong_chunk_size(declared: int, size: int, codec: str) -> ValueError:
+    """The error for a compressed chunk whose header states another size than its chunk's."""
+    return ValueError(f"its {codec} header says it expands to {declared} bytes, where a chunk "
+                      f"holds {size}")
+
+
+def decompressed(new: Callable[[], Any], data: bytes, size: int, streams: bool = True) -> bytes:
+    """`data` decompressed by `new()` (a zlib.decompressobj, bz2.BZ2Decompressor or
+    lzma.LZMADecompressor), never to more than `size` + 1 bytes: a chunk of a few kilobytes
+    can expand to gigabytes, which the one-call decompress functions would allocate before
+    anyone compares it with the chunk's size. `streams`: streams that follow the first are
+    decompressed too (gzip members, bz2 and xz streams), else ignored (zlib). Raises
+    ValueError for more than `size` bytes, or a stream cut short."""
+    parts, total, rest = [], 0, data
+    while True:
+        stream = new()
+        part = stream.decompress(rest, size + 1 - total)
+        parts.append(part)
+        total += len(part)
+        if total > size:
+            raise ValueError(f"it expands to more than the {size} bytes a chunk holds")
+        if not stream.eof:
+            raise ValueError("its compressed stream stops early")
+        rest = stream.unused_data
+        if not streams or not rest.strip(b"\0"):
+            return b"".join(parts)
+
+
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:
     if dtype.kind not in "iuf":
         kinds = {"O": "object (pickled)", "c": "complex", "b": "boolean", "U": "string",

@@ -40,6 +40,7 @@ import os
 import posixpath
 import re
 import secrets
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
-from tldp_cli.files.checked_io import Background, copy_bytes, flushed_files, write_new_file, writing
+from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
+                                      write_new_file, writing)
 
 NAME = "images"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
@@ -126,12 +128,17 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               8: Image.Transpose.ROTATE_90}
 
 
-def _source_bit_depth(path: Path, im: Image.Image) -> int:
+def _opened(path: Path):
+    """The image file, opened only if it is a regular file and not a symbolic link (one
+    put in place of an image after the folder was listed, or a FIFO, which would hang)."""
+    return open_regular(path, follow_links=False)
+
+
+def _source_bit_depth(file, im: Image.Image) -> int:
     """Bits per sample as stored; Pillow reads 16-bit colour PNG and TIFF as 8-bit."""
     if im.format == "PNG":
-        with open(path, "rb") as f:
-            header = f.read(26)  # signature, IHDR length and type, width, height, bit depth
-        return header[24]
+        # signature, IHDR length and type, width, height, bit depth (Pillow's position kept)
+        return os.pread(file.fileno(), 26, 0)[24]
     if im.format == "TIFF":
         bits = im.tag_v2.get(258, (8,))
         return max(bits) if isinstance(bits, tuple) else int(bits)
@@ -146,7 +153,7 @@ def _orientation(im: Image.Image) -> int:
     return im.getexif().get(ExifTags.Base.Orientation, 1)
 
 
-def _header(path: Path, im: Image.Image) -> _Header:
+def _header(file, im: Image.Image) -> _Header:
     """The shape, dtype and conversions of an opened, not yet decoded image."""
     frames = getattr(im, "n_frames", 1)
     if frames > 1:
@@ -165,7 +172,7 @@ def _header(path: Path, im: Image.Image) -> _Header:
     if mode not in SUPPORTED_MODES:
         raise _Unsupported(f"colour mode {mode} is not supported "
                            "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
-    depth = _source_bit_depth(path, im)
+    depth = _source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
         raise _Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
                            "only grayscale may be 16-bit")
@@ -180,8 +187,8 @@ def _header(path: Path, im: Image.Image) -> _Header:
 
 def _probe(path: Path) -> _Header:
     """The image's header only: its pixels are decoded once, when they are perturbed."""
-    with Image.open(path) as im:
-        return _header(path, im)
+    with _opened(path) as file, Image.open(file) as im:
+        return _header(file, im)
 
 
 def _decoded_header(path: Path) -> _Header:
@@ -191,8 +198,8 @@ def _decoded_header(path: Path) -> _Header:
 
 
 def _decode(path: Path) -> _Decoded:
-    with Image.open(path) as im:
-        header = _header(path, im)
+    with _opened(path) as file, Image.open(file) as im:
+        header = _header(file, im)
         im.load()
         if header.orientation in _TRANSPOSE:
             im = im.transpose(_TRANSPOSE[header.orientation])
@@ -222,7 +229,8 @@ class _Image:
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
     links, sorted. os.walk lists a linked directory among the directories without
-    entering it."""
+    entering it. An entry that is neither a regular file nor a directory (a FIFO, which
+    would never end a read, a socket, a device) is refused, as inside a Zarr store."""
     def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
         raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
 
@@ -231,10 +239,18 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
         for name in files + dirs:
             path = Path(directory) / name
             rel = path.relative_to(root).as_posix()
-            if path.is_symlink():
+            try:
+                mode = path.lstat().st_mode
+            except OSError as exc:
+                raise InputError(f"{root}: cannot list {rel} ({exc.strerror})") from None
+            if stat.S_ISLNK(mode):
                 links.append(rel)
-            elif name in files:
+            elif stat.S_ISREG(mode):
                 (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
+            elif not stat.S_ISDIR(mode):
+                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, "
+                                 "socket or device); tldp reads only regular files: remove it or "
+                                 "move it out of the folder")
     return sorted(images), sorted(others), sorted(links)
 
 
@@ -261,6 +277,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     """The image as one record (a module-level function: jobs must pickle for Dask)."""
     try:
         colour = _decode(image.path).colour
+    except InputError:  # no longer a regular file
+        raise
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
@@ -302,6 +320,8 @@ class ImageFolderReader(Reader):
             file = path / rel
             try:
                 header = check(file)
+            except InputError:  # replaced by a FIFO or a device since the folder was listed
+                raise
             except _Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
@@ -353,7 +373,8 @@ class ImageFolderReader(Reader):
         for rel in self.index_files:
             source = self.path / rel
             try:
-                text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
+                with _opened(source) as f:
+                    text = f.read().decode("utf-8-sig")  # a BOM would stop json.loads
             except OSError as exc:
                 raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
             except UnicodeDecodeError:
@@ -498,12 +519,14 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
     """original relative path -> output name, from the name map of the run whose manifest
     holds `name_map_id`."""
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open_regular(Path(path)) as f:
+            text = f.read()
     except FileNotFoundError:
         raise InputError(f"{path}: name map not found; the images were renamed by perturb "
                          "--anonymize-names: give its name map with --name-map") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except OSError as exc:
         raise InputError(f"{path}: not a readable name map ({exc})") from None
+    document = json_value(text, f"{path}: not a readable name map: it")
     if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
         raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
     if document.get("name_map_id") != name_map_id:
@@ -565,7 +588,7 @@ def _png(pixels: np.ndarray, icc: bytes | None) -> bytes:
 
 
 def _icc_profile(path: Path) -> bytes | None:
-    with Image.open(path) as im:  # header only, no decoding
+    with _opened(path) as file, Image.open(file) as im:  # header only, no decoding
         return im.info.get("icc_profile")
 
 
@@ -613,9 +636,9 @@ def _rewrite_jsonl(text: str, names: _IndexNames, where: Path) -> tuple[str, lis
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
+            row = json_value(line, f"line {number}")
+        except InputError as exc:  # not JSON, or nested too deeply to parse
+            raise _unreadable_index(where, str(exc)) from None
         if not isinstance(row, dict):
             raise _unreadable_index(where, f"line {number} is not a JSON object")
         gone = names.not_written(row)
@@ -626,7 +649,12 @@ def _rewrite_jsonl(text: str, names: _IndexNames, where: Path) -> tuple[str, lis
         renamed = {k: names.rename(v) if _is_name_column(k) and isinstance(v, str) else v
                    for k, v in row.items()}
         if renamed != row:
-            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
+            dumped = json.dumps(renamed, ensure_ascii=False)
+            try:
+                dumped.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (a name that is not UTF-8): a \u escape
+                dumped = json.dumps(renamed)
+            lines[number - 1] = dumped + ("\r" if line.endswith("\r") else "")
     return "\n".join(line for line in lines if line is not None), dropped
 
 
@@ -724,7 +752,7 @@ class ImageFolderWriter(Writer):
     def _copy(self, source: Path, rel: str) -> Path:
         target = self._target(rel)
         try:
-            src = open(source, "rb")
+            src = _opened(source)
         except OSError as exc:
             raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
         with src, writing(target), open(target, "wb") as dst:

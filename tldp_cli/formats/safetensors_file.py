@@ -12,7 +12,6 @@ their offsets as float32 (exactly) and written back rounded to bfloat16.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
-from tldp_cli.files.checked_io import copy_bytes, fsync_file, pwrite_all, writing
+from tldp_cli.files.checked_io import copy_bytes, fsync_file, json_value, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
@@ -75,10 +74,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
     if len(raw) < length:
         raise _invalid(path, f"its header of {length} bytes ends after the file, {len(raw)} bytes in")
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _invalid(path, f"the header is not JSON: {exc}") from None
+    header = json_value(raw, f"{path}: not a valid safetensors file: its header")
     if not isinstance(header, dict):
         raise _invalid(path, "the header is not a JSON object")
     # The library checks offsets, sizes and coverage of the data; its message says what is wrong.

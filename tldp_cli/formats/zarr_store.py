@@ -43,7 +43,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.files.checked_io import Background, flushed_files
+from tldp_cli.files.checked_io import Background, flushed_files, json_value, open_regular
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
     ArrayJob,
@@ -95,9 +95,11 @@ def _display(name: str) -> str:
 def _read_json(store: Path, file: Path) -> dict[str, Any]:
     where = file.relative_to(store).as_posix()
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        with open_regular(file, follow_links=False) as f:  # listed as a regular file: still one
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
+    meta = json_value(text, f"{store}: damaged Zarr store: {where}")
     if not isinstance(meta, dict):
         raise InputError(f"{store}: damaged Zarr store: {where} is not a JSON object")
     return meta
@@ -177,6 +179,17 @@ def _walk(store: Path, zarr_format: int) -> list[_Node]:
             nodes.append(node)
             pending.append(node)
     return sorted(nodes, key=lambda n: n.path)
+
+
+def _check_attributes(store: Path, files: list[str], nodes: list[_Node]) -> None:
+    """Reads the nodes' Zarr 2 attributes (.zattrs, which zarr-python parses itself) with
+    _read_json first: one that is not JSON, or nests too deeply, is refused naming it,
+    before zarr-python reaches it. (.zmetadata is never read: the output's is rebuilt.)"""
+    node_paths = {n.path for n in nodes}
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        if name == ".zattrs" and parent in node_paths:
+            _read_json(store, store / rel)
 
 
 def _not_zarr(files: list[str], nodes: list[_Node]) -> dict[str, str | None]:
@@ -490,6 +503,7 @@ class ZarrReader(Reader):
         files = _files(path)  # first: it refuses links before any file is read
         self.zarr_format = _zarr_format(path)
         self.nodes = _walk(path, self.zarr_format)
+        _check_attributes(path, files, self.nodes)
         self.store = LocalStore(path, read_only=True)
         opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}

@@ -17,6 +17,7 @@ from typing import Any
 
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError
+from tldp_cli.files.checked_io import json_value
 from tldp_cli.privacy.mechanisms import Calibration
 
 SCHEMA = "tldp-manifest/1"
@@ -134,7 +135,9 @@ def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) ->
 
 
 def read(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    """The manifest at `path`; InputError naming it when it is not JSON (or nests deeper
+    than checked_io.MAX_JSON_DEPTH), OSError when it cannot be read."""
+    return json_value(Path(path).read_bytes(), f"{path}: not a readable JSON manifest: it")
 
 
 _NUMBER = (int, float)

@@ -774,7 +774,7 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     try:
         earlier = manifest_mod.read(manifest_path)
         named = [Path(entry["path"]) for entry in earlier["outputs"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, InputError, ValueError, KeyError, TypeError):
         return False
     folder = Path(os.path.abspath(path))
     if earlier.get("schema") != manifest_mod.SCHEMA or not named or not all(

@@ -195,8 +195,12 @@ class Streams:
 
     def generator(self, array_name: str, unit: int) -> np.random.Generator:
         fresh = b"" if self.seeded else secrets.token_bytes(16)
+        # A file name that is not UTF-8 comes from os.fsdecode with lone surrogates for the
+        # bytes it could not decode: surrogateescape gives the name's own bytes back (and
+        # every other name the UTF-8 it always had).
+        name = array_name.encode("utf-8", "surrogateescape")
         key = hashlib.sha256(
-            self._root + b"\0" + array_name.encode() + b"\0" + unit.to_bytes(8, "little") + fresh
+            self._root + b"\0" + name + b"\0" + unit.to_bytes(8, "little") + fresh
         ).digest()
         if self.kind == "secure":
             from randomgen import AESCounter
