@@ -159,6 +159,16 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
          "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
     show_default=False)]
+Keep = Annotated[Optional[list[str]], typer.Option(
+    "--keep", metavar="NAME",
+    help="HDF5, Zarr, model files: copy this raw instead of leaving it out (repeatable; a glob "
+         "matches several): a dataset or array that is not perturbed, an attribute as "
+         "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key), a file in a "
+         "Zarr store. By default everything not perturbed is left out (listed in the manifest's "
+         "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
+         "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
+         "'@history'. It never stops a dataset being perturbed (--exclude does).",
+    show_default=False)]
 Clip = Annotated[Optional[float], typer.Option(
     "--clip", metavar="C",
     help="Clip every value to [-C, C] (L-infinity clipping, e.g. model parameters) before "

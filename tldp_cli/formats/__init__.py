@@ -143,6 +143,7 @@ class Writer:
 class FormatOptions:
     datasets: list[str] = field(default_factory=list)  # HDF5/Zarr/npz/safetensors: which arrays to perturb
     exclude: list[str] = field(default_factory=list)  # model files and HDF5: globs of arrays left out
+    keep: list[str] = field(default_factory=list)  # names (globs) of what is copied raw, not dropped (leftovers.py)
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)

@@ -78,6 +78,7 @@ class PerturbOptions:
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
+    keep: list[str] = field(default_factory=list)  # what is copied raw rather than dropped (formats.leftovers)
     input_format: str | None = None  # --format: the format's NAME, None: detected
     image_format: str = "png"
     copy_other: bool = False
@@ -330,16 +331,21 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         reader.close()
 
 
-# The formats whose readers honour --exclude.
+# The formats whose readers honour --exclude, and --keep.
 EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors")
 
 
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
-    """What the format's reader is told; refuses --exclude where no reader would honour it."""
+    """What the format's reader is told; refuses --exclude and --keep where no reader would
+    honour them."""
     if options.exclude and module.NAME not in EXCLUDE_FORMATS:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.NAME}")
-    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
+    if options.keep and module.NAME not in KEEP_FORMATS:
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
+                         f"(.npz, .safetensors), not {module.NAME}: it has nothing else to keep")
+    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
 
