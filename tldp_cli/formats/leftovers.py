@@ -62,6 +62,13 @@ STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES
 ATTRIBUTE_REASON = "metadata tldp does not perturb, not among the structural attributes readers need"
 
 
+def not_numbers(dtype) -> str:
+    """What an array that is not numbers holds, as a phrase ("holds strings")."""
+    if dtype.kind in "USTO":
+        return "strings" if dtype.kind != "O" else "Python objects"
+    return "a compound (table) type" if dtype.names else f"{dtype} values"
+
+
 def attribute_name(owner: str, key: str) -> str:
     """An attribute's name in the manifest and for --keep: PATH@NAME."""
     return f"{owner}@{key}"
@@ -91,17 +98,18 @@ class Leftovers:
     def drop(self, name: str, kind: str, reason: str) -> None:
         self.dropped.append({"name": name, "kind": kind, "reason": reason})
 
-    def attribute(self, owner: str, key: str, structural: Iterable[str] = STRUCTURAL) -> bool:
+    def attribute(self, owner: str, key: str, structural: Iterable[str] = STRUCTURAL,
+                  kind: str = "attribute", reason: str = ATTRIBUTE_REASON) -> bool:
         """Whether attribute `key` of `owner` is written: a structural one silently, one --keep
         names listed as unperturbed; any other is listed as dropped."""
         name = attribute_name(owner, key)
         if self.kept(name):  # first: --keep patterns that name structural ones count as used
             if key not in structural:
-                self.copied(name, "attribute", KEPT)
+                self.copied(name, kind, KEPT)
             return True
         if key in structural:
             return True
-        self.drop(name, "attribute", ATTRIBUTE_REASON)
+        self.drop(name, kind, reason)
         return False
 
     def considered(self, names: Iterable[str]) -> None:
