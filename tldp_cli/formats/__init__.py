@@ -188,6 +188,32 @@ def detect(path: Path, format_name: str | None = None):
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
 
 
+def data_file(path: Path) -> str | None:
+    """Why a file must never be copied raw beside perturbed data (image folders'
+    --copy-other): it holds data tldp reads (a format of modules()), a Python pickle, or a
+    medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
+    other file, and for what is not a regular file (never opened: a FIFO would block)."""
+    name = path.name.lower()
+    try:
+        if not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            head = f.read(352)
+        if name.endswith(".dcm") or head[128:132] == b"DICM":
+            return "DICOM: a medical image whose headers can name the patient"
+        if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
+                or head[4:8] in (b"n+2\0", b"ni2\0"):
+            return "NIfTI: a medical image volume"
+        if _is_pickle(path):
+            return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
+        for module in modules():
+            if module.NAME != "images" and module.can_open(path):
+                return f"{module.NAME} data, which tldp perturbs on its own (tldp perturb {path.name})"
+    except OSError:
+        return None  # unreadable: copying it fails with the reason
+    return None
+
+
 def _is_pickle(path: Path) -> bool:
     """Pickle protocol 2 or later: the PROTO opcode, then the protocol number."""
     try:
