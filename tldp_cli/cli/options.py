@@ -153,7 +153,8 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
          "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
-         "Unselected ones are copied unchanged and listed.")]
+         "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
+         "are left out (see --keep).")]
 Exclude = Annotated[Optional[list[str]], typer.Option(
     "--exclude", metavar="PATTERN",
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "

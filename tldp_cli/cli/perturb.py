@@ -62,7 +62,9 @@ def perturb_command(
     input_format: InputFormatOption = None,
     image_format: ImageFormatOption = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
-        help="Image folders: copy files that are not images (default: report and skip).")] = False,
+        help="Image folders: copy files that are not images (default: report and skip), listed "
+             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads), which are left "
+             "out and listed as dropped.")] = False,
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,

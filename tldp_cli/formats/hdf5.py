@@ -1,5 +1,7 @@
-"""HDF5 files: the chosen numeric datasets are perturbed; everything else (the group
-tree, attributes, links, other datasets, the user block) is copied unchanged. A
+"""HDF5 files: the chosen numeric datasets are perturbed; the group tree, links and the
+user block are copied unchanged, and of the attributes and other datasets what
+formats.leftovers keeps (structural metadata, numeric coordinates, what --keep or
+--exclude names); the rest is left out and listed in the manifest. A
 perturbed dataset keeps its chunks and lossless filters; filters that may be lossy
 (LOSSY_FILTERS) are left off and listed in the manifest (dropped_filters). Records
 are read and written outside HDF5 where their bytes allow it: at their places in the
@@ -48,7 +50,9 @@ is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturb
 physical units and written unpacked; valid_range, valid_min, valid_max and
 actual_range are dropped, since noisy values pass them and readers would mask them.
 Coordinate variables (dimension scales, and the variables named in a coordinates,
-bounds, climatology or cell_measures attribute) are not perturbed unless named.
+bounds, climatology or cell_measures attribute) are not perturbed unless named; one
+that holds text is left out, its dimension written as netCDF-C writes a dimension
+without a variable, so the file stays valid netCDF.
 """
 
 from __future__ import annotations

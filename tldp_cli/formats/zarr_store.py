@@ -1,7 +1,7 @@
 """Zarr directory stores, Zarr format 2 and 3: a single array or a group tree.
 
 The output starts as a file-for-file copy of the input without the perturbed
-arrays' chunks. Their metadata is rewritten for the float output dtype (same
+arrays' chunks and what is left out (below). Their metadata is rewritten for the float output dtype (same
 chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
 records are written as chunk files (zarr_chunks.py) or, for sharded and other
 layouts, through zarr-python. Consolidated metadata is rebuilt at the end.
@@ -12,10 +12,12 @@ regular file nor a directory, is refused before anything is written; only the
 store's own path may be a link. Every directory below a group must be a node (hold
 zarr.json, or .zarray/.zgroup): one without is refused as a damaged store, since it
 may be an array that lost its metadata. Node names starting with "." are nodes like
-any other. Files that are neither metadata nor chunks of an array (.DS_Store, a
-README) are copied unchanged, named in a message and listed in the manifest
-(not_zarr_files); those inside the directory of an array being perturbed are
-left out with its chunks.
+any other.
+
+What is not perturbed (arrays, free-text attributes, files that are neither
+metadata nor chunks of an array, such as .DS_Store or a README) is left out unless
+it is structural metadata, a numeric coordinate or named by --keep, and listed in
+the manifest (formats.leftovers).
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ from tldp_cli.formats import (
     check_numeric_dtype,
     default_selection,
     dropped_filters,
-    listing,
-    plural,
     tldp_name,
 )
 from tldp_cli.formats import cf, leftovers, zarr_chunks
@@ -1000,6 +1000,39 @@ def _statistics_step(pyramid: _Pyramid, fields: list[str], window: dict[str, flo
     return "; ".join(steps) + ": they are computed from the raw values"
 
 
+def _copy_store(reader: ZarrReader, root: Path, metadata: dict[str, dict], attributes: dict[str, dict],
+                perturbed: set[str]) -> None:
+    """Copies the input store to `root` but the perturbed arrays' chunks and what the reader
+    leaves out (arrays, files: formats.leftovers), then writes the rewritten metadata
+    (`metadata`, by node path) and Zarr 2 attributes (`attributes`), with every other node's
+    attributes less those left out."""
+    left_out = reader.left_out | reader.left_out_files
+
+    def skip(directory: str, entries: list[str]) -> list[str]:
+        rel = Path(directory).relative_to(reader.path).as_posix()
+        rel = rel if rel != "." else ""
+        return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
+                or posixpath.join(rel, e) in left_out]
+
+    # The reader refused links; one made since is copied as a link, not followed.
+    shutil.copytree(reader.path, root, ignore=skip, symlinks=True)
+    nodes = {n.path: n for n in reader.nodes}
+    for path, attrs in reader.attributes.items():
+        if path in perturbed:
+            continue  # in `metadata` or `attributes` already
+        if reader.zarr_format == 2:
+            attributes[path] = attrs
+        elif path in metadata:  # a regenerated level
+            metadata[path]["attributes"] = attrs
+        else:
+            metadata[path] = {**nodes[path].meta, "attributes": attrs}
+    for path, meta in metadata.items():
+        name = "zarr.json" if reader.zarr_format == 3 else ".zarray"  # (Zarr 2: arrays only here)
+        (root / path / name).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
+        (root / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+
+
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
@@ -1062,31 +1095,7 @@ class ZarrWriter(Writer):
             for leftover in [p for p in tmp_path.rglob("*") if _STORE_TEMP.search(p.name)]:
                 leftover.unlink()
         else:
-            left_out = reader.left_out | reader.left_out_files
-
-            def skip(directory: str, entries: list[str]) -> list[str]:
-                """Chunks of the perturbed arrays; the arrays and files left out."""
-                rel = Path(directory).relative_to(reader.path).as_posix()
-                rel = rel if rel != "." else ""
-                return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
-                        or posixpath.join(rel, e) in left_out]
-
-            # The reader refused links; one made since is copied as a link, not followed.
-            shutil.copytree(reader.path, tmp_path, ignore=skip, symlinks=True)
-            for path, attrs in reader.attributes.items():  # the other nodes' attributes, some left out
-                if path in names.values():
-                    continue  # perturbed: in `metadata` or `attributes` already
-                if reader.zarr_format == 2:
-                    attributes[path] = attrs
-                elif path in metadata:  # a regenerated level
-                    metadata[path]["attributes"] = attrs
-                else:
-                    metadata[path] = {**nodes[path].meta, "attributes": attrs}
-            for path, meta in metadata.items():
-                node_file = meta_file if nodes[path].kind == "array" else "zarr.json"
-                (tmp_path / path / node_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
-                (tmp_path / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+            _copy_store(reader, tmp_path, metadata, attributes, set(names.values()))
             for pyramid in self.pyramids:
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
             for pyramid, fields in reader.raw_statistics.items():
