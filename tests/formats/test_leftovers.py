@@ -129,8 +129,10 @@ def climate_dataset():
     rng = np.random.default_rng(6)
     return xr.Dataset(
         {"t2m": (("person", "lat"), rng.uniform(250, 300, (6, 4)).astype(np.float32),
-                 {"units": "K", "long_name": "temperature at 2 m", "comment": "measured at alice's house"}),
-         "score": (("person",), np.arange(6, dtype=np.int16), {"comment": "ages of the people"})},
+                 {"units": "K", "long_name": "temperature at 2 m", "comment": "measured at alice's house",
+                  "grid_mapping": "crs"}),
+         "score": (("person",), np.arange(6, dtype=np.int16), {"comment": "ages of the people"}),
+         "crs": ((), np.int32(0), {"grid_mapping_name": "latitude_longitude", "semi_major_axis": 6378137.0})},
         coords={"lat": ("lat", [10.0, 20.0, 30.0, 40.0], {"units": "degrees_north"}),
                 "person": ("person", [f"patient {n}" for n in "ABCDEF"])},
         attrs={"Conventions": "CF-1.8", "history": "written by bob on his laptop",
@@ -146,8 +148,9 @@ def test_netcdf_free_text_is_left_out_and_the_output_stays_netcdf(cli, tmp_path,
     for read in ("netcdf4", "h5netcdf"):
         with xr.open_dataset(out, engine=read) as ds:
             assert ds.attrs == {"Conventions": "CF-1.8"}
-            assert ds["t2m"].attrs == {"units": "K", "long_name": "temperature at 2 m"}
-            assert set(ds.variables) == {"t2m", "lat"} and ds.sizes == {"person": 6, "lat": 4}
+            assert ds["t2m"].attrs == {"units": "K", "long_name": "temperature at 2 m", "grid_mapping": "crs"}
+            assert set(ds.variables) == {"t2m", "lat", "crs"} and ds.sizes == {"person": 6, "lat": 4}
+            assert ds["crs"].attrs == {"grid_mapping_name": "latitude_longitude", "semi_major_axis": 6378137.0}
             np.testing.assert_array_equal(ds["lat"].values, [10.0, 20.0, 30.0, 40.0])
             assert ds["lat"].attrs == {"units": "degrees_north"}
     with netCDF4.Dataset(out) as ds:  # the names' coordinate variable is gone, its dimension stays
@@ -158,9 +161,10 @@ def test_netcdf_free_text_is_left_out_and_the_output_stays_netcdf(cli, tmp_path,
     # (the attributes of a dataset left out go with it, unlisted)
     assert set(by_name(manifest["dropped"])) == {"/person", "/score", "/@history", "/@comment", "/@source",
                                                  "/t2m@comment"}
-    assert by_name(manifest["unperturbed"]) == {"/lat": {"name": "/lat", "kind": "dataset", "shape": [4],
-                                                         "dtype": "float64", "reason": "coordinate"}}
-    assert "copied unchanged: /lat (coordinate); dropped 2 datasets and 4 attributes" in stderr
+    assert by_name(manifest["unperturbed"]) == {
+        "/lat": {"name": "/lat", "kind": "dataset", "shape": [4], "dtype": "float64", "reason": "coordinate"},
+        "/crs": {"name": "/crs", "kind": "dataset", "shape": [], "dtype": "int32", "reason": "grid mapping"}}
+    assert "/crs (grid mapping); /lat (coordinate); dropped 2 datasets and 4 attributes" in stderr
 
 
 @pytest.mark.parametrize("engine", ["netcdf4", "h5netcdf"])
@@ -176,7 +180,7 @@ def test_netcdf_keep_brings_back_history_and_the_names(cli, tmp_path, engine):
     with netCDF4.Dataset(out) as ds:
         assert ds["person"][:].tolist() == [f"patient {n}" for n in "ABCDEF"]
     assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {
-        "/lat": "coordinate", "/person": "kept by --keep", "/@history": "kept by --keep"}
+        "/lat": "coordinate", "/crs": "grid mapping", "/person": "kept by --keep", "/@history": "kept by --keep"}
 
 
 # --- Zarr -----------------------------------------------------------------------------
@@ -192,8 +196,8 @@ def test_zarr_free_text_arrays_and_files_are_left_out(cli, tmp_path, zarr_format
     manifest, stderr = perturb(cli, src, out, "--range", "250:300", "--dataset", "t2m")
     after = xr.open_zarr(out)  # through the consolidated metadata
     assert after.attrs == {"Conventions": "CF-1.8"}
-    assert set(after.variables) == {"t2m", "lat"}
-    assert after["t2m"].attrs == {"units": "K", "long_name": "temperature at 2 m"}
+    assert set(after.variables) == {"t2m", "lat", "crs"}
+    assert after["t2m"].attrs == {"units": "K", "long_name": "temperature at 2 m", "grid_mapping": "crs"}
     assert dict(zarr.open_group(out, mode="r", use_consolidated=False).attrs) == {"Conventions": "CF-1.8"}
     assert not (out / "README.txt").exists() and not (out / "names").exists()
     data = file_bytes(out)
@@ -204,7 +208,8 @@ def test_zarr_free_text_arrays_and_files_are_left_out(cli, tmp_path, zarr_format
                             "t2m@comment"}
     assert dropped["names"]["kind"] == "array" and "strings" in dropped["names"]["reason"]
     assert dropped["README.txt"]["kind"] == "file"
-    assert "copied unchanged: lat (coordinate); dropped 2 arrays, 1 file and 4 attributes" in stderr
+    assert "copied unchanged: crs (grid mapping); lat (coordinate); dropped 2 arrays, 1 file and 4 attributes" \
+        in stderr
 
     out = tmp_path / "kept.zarr"
     manifest, _ = perturb(cli, src, out, "--range", "250:300", "--dataset", "t2m", "--keep", "names",
@@ -212,7 +217,7 @@ def test_zarr_free_text_arrays_and_files_are_left_out(cli, tmp_path, zarr_format
     after = xr.open_zarr(out)
     assert after["names"].values.tolist() == NAMES * 2
     assert after["t2m"].attrs["comment"] == "measured at alice's house"
-    assert {u["name"] for u in manifest["unperturbed"]} == {"lat", "names", "t2m@comment"}
+    assert {u["name"] for u in manifest["unperturbed"]} == {"lat", "crs", "names", "t2m@comment"}
 
 
 # --- model files ----------------------------------------------------------------------

@@ -425,11 +425,12 @@ class Hdf5Reader(Reader):
         perturbed = {_object_key(self.file[job.name]) for job in self.jobs}
         self.actions: dict[tuple[int, int], str] = {}  # object -> DROP or DIMENSION
         if not self.keras:  # a Keras file's datasets are all weights, copied when not perturbed
-            coordinates = self._coordinates(found)
+            roles = dict.fromkeys(self._grid_mappings(found), leftovers.GRID_MAPPING)
+            roles.update(dict.fromkeys(self._coordinates(found), leftovers.COORDINATE))
             for name, ds in found.items():
                 key = _object_key(ds)
                 if key not in perturbed:
-                    action = _dataset_action(left, name, ds, key in coordinates, options.exclude)
+                    action = _dataset_action(left, name, ds, roles.get(key), options.exclude)
                     if action is not None:
                         self.actions[key] = action
         self.left_out_attrs: dict[tuple[int, int], dict[bytes, None]] = {}  # object -> attributes left out
@@ -560,6 +561,17 @@ class Hdf5Reader(Reader):
                         keys.add(_object_key(target))
         return keys
 
+    @staticmethod
+    def _grid_mappings(found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
+        """The CF grid mapping variables the datasets name (grid_mapping attributes)."""
+        keys = set()
+        for name, ds in found.items():
+            for word in leftovers.grid_mappings(_attr_text(ds, "grid_mapping")):
+                target = cf.variable(word, posixpath.dirname(name), found)
+                if target is not None:
+                    keys.add(_object_key(target))
+        return keys
+
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"
         parts = name.strip("/").split("/")
@@ -681,10 +693,11 @@ def _bare_dimension(ds: h5py.Dataset) -> bool:
     return False
 
 
-def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, coordinate: bool,
+def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role: str | None,
                     exclude: list[str]) -> str | None:
     """What is written of a dataset that is not perturbed (None: a raw copy, listed in `left`
-    unless it is a bare netCDF dimension); see leftovers.py."""
+    unless it is a bare netCDF dimension); `role`: leftovers.COORDINATE or GRID_MAPPING, or
+    None. See leftovers.py."""
     fields = {"shape": list(ds.shape or ()), "dtype": str(ds.dtype)}
     pattern = tensor_files.matching(name, exclude)
     if pattern is not None:
@@ -694,16 +707,16 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, coor
         left.copied(name, "dataset", leftovers.KEPT, **fields)
         return None
     problem = _not_numbers(ds.dtype)
-    if coordinate and problem is None:
+    if role and problem is None:
         if not _bare_dimension(ds):
-            left.copied(name, "dataset", leftovers.COORDINATE, **fields)
+            left.copied(name, "dataset", role, **fields)
         return None
     if problem is None:
         left.drop(name, "dataset", "numbers not chosen for perturbation (--dataset perturbs them)")
         return DROP
     reason = f"holds {problem}, which tldp does not perturb"
     with suppress(Exception):  # malformed dimension-scale metadata: not a scale
-        if coordinate and h5ds.is_scale(ds.id) and "_Netcdf4Dimid" in ds.attrs:
+        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id) and "_Netcdf4Dimid" in ds.attrs:
             left.drop(name, "dataset", f"{reason}; a netCDF coordinate variable, so its dimension stays "
                                        "(as a dimension without a variable)")
             return DIMENSION

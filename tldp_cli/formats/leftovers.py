@@ -6,9 +6,10 @@ is, in each format,
 - structural metadata that readers need to make sense of the perturbed values
   (STRUCTURAL: CF conventions, units, dimension names and scales, coordinates,
   OME-Zarr image structure, a model file's `format`): written as it is, not listed;
-- coordinates (dimension scales, the variables a CF attribute names as coordinates),
-  when they hold numbers: public grids such as lat, lon and time, copied raw and
-  listed in the manifest's `unperturbed` with the reason "coordinate";
+- coordinates (dimension scales, the variables a CF attribute names as coordinates)
+  and CF grid mappings, when they hold numbers: public grids such as lat, lon and
+  time, copied raw and listed in the manifest's `unperturbed` with the reason
+  "coordinate" (or "grid mapping");
 - anything the user names with --keep (a dataset or array, an attribute as
   PATH@NAME, a file): copied raw and listed in `unperturbed` ("kept by --keep");
 - everything else (datasets that are not perturbed, strings, tables, free-text and
@@ -31,6 +32,7 @@ from tldp_cli.formats.tensor_files import matching
 
 KEPT = "kept by --keep"
 COORDINATE = "coordinate"
+GRID_MAPPING = "grid mapping"  # a CF grid mapping variable: the projection the data lies on
 # Attributes readers need to interpret the values, by name, in every format.
 CF_ATTRIBUTES = (
     "Conventions", "units", "standard_name", "long_name", "axis", "calendar", "positive", "coordinates",
@@ -67,6 +69,14 @@ def not_numbers(dtype) -> str:
     if dtype.kind in "USTO":
         return "strings" if dtype.kind != "O" else "Python objects"
     return "a compound (table) type" if dtype.names else f"{dtype} values"
+
+
+def grid_mappings(text: str | None) -> list[str]:
+    """The variables a CF grid_mapping attribute names: "crs", or "crs: lat lon" (CF 1.7)."""
+    words = (text or "").split()
+    if any(word.endswith(":") for word in words):
+        return [word[:-1] for word in words if word.endswith(":")]
+    return words
 
 
 def attribute_name(owner: str, key: str) -> str:

@@ -433,6 +433,19 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
+def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
+    """The arrays a CF grid_mapping attribute of an array names."""
+    by_path = {"/" + path: path for path in arrays}
+    found = set()
+    for path, array in arrays.items():
+        text = array.attrs.get("grid_mapping")
+        for word in leftovers.grid_mappings(text if isinstance(text, str) else None):
+            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
+            if target is not None:
+                found.add(target)
+    return found
+
+
 def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encoding | None,
                      dtype: np.dtype) -> tuple[dict[str, Any], list[str], list[tuple]]:
     """A perturbed array's attributes for the output (of `attrs`, those written): no value
@@ -491,7 +504,8 @@ class ZarrReader(Reader):
         node's attributes where some are left out (attributes: the node's path -> the rest)."""
         left = leftovers.Leftovers(list(options.keep))
         left.considered(_display(name) for name in written)
-        coordinates = _coordinate_arrays(self.handles, self.group_handles)
+        roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
+        roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
         self.left_out: set[str] = set()
         for path, array in self.handles.items():
             if path in written:
@@ -499,8 +513,8 @@ class ZarrReader(Reader):
             name, fields = _display(path), {"shape": list(array.shape), "dtype": str(array.dtype)}
             if left.kept(name):
                 left.copied(name, "array", leftovers.KEPT, **fields)
-            elif path in coordinates and array.dtype.kind in "iuf":
-                left.copied(name, "array", leftovers.COORDINATE, **fields)
+            elif path in roles and array.dtype.kind in "iuf":
+                left.copied(name, "array", roles[path], **fields)
             else:
                 left.drop(name, "array", "numbers not chosen for perturbation (--dataset perturbs them)"
                           if array.dtype.kind in "iuf" else f"holds {leftovers.not_numbers(array.dtype)}, "
