@@ -102,6 +102,27 @@ def test_hdf5_keep_copies_one_raw_and_lists_it(cli, tmp_path):
     assert "copied unchanged: /names, /images@mean_intensity (kept by --keep)" in stderr
 
 
+def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
+    src = tmp_path / "scaled.h5"
+    with h5py.File(src, "w") as f:
+        data = f.create_dataset("data", data=IMAGES[:3, 0, :4])
+        who = f.create_dataset("who", data=NAMES, dtype=h5py.string_dtype())
+        who.make_scale("who")
+        data.dims[0].attach_scale(who)
+        x = f.create_dataset("x", data=np.arange(4.0))
+        x.make_scale("x")
+        data.dims[1].attach_scale(x)
+    out = tmp_path / "out.h5"
+    manifest, _ = perturb(cli, src, out)
+    with h5py.File(out, "r") as f:
+        assert f["data"].dims[0].keys() == ["who"] and f["data"].dims[1].keys() == ["x"]
+        assert f["who"].dtype == np.dtype(">f4") and np.isnan(f["who"][()]).all()  # no names left
+        np.testing.assert_array_equal(f["x"][()], np.arange(4.0))
+    assert not any(name.encode() in out.read_bytes() for name in NAMES)
+    assert "dimension stays" in by_name(manifest["dropped"])["/who"]["reason"]
+    assert by_name(manifest["unperturbed"])["/x"]["reason"] == "coordinate"
+
+
 def test_a_keep_that_matches_nothing_is_refused(cli, tmp_path):
     src = hdf5_study(tmp_path / "study.h5")
     before = siblings(tmp_path)

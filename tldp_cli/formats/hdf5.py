@@ -435,13 +435,18 @@ class Hdf5Reader(Reader):
                         self.actions[key] = action
         self.left_out_attrs: dict[tuple[int, int], dict[bytes, None]] = {}  # object -> attributes left out
         objects = [self.file["/"]]
-        self.file.visititems(lambda name, obj: objects.append(obj))
-        for obj in objects:
-            key = _object_key(obj)
-            if key not in self.actions:
-                names = [n for n in _attr_names(obj) if not left.attribute(obj.name, n.decode("utf-8", "replace"))]
-                if names:
-                    self.left_out_attrs[key] = dict.fromkeys(names)
+        try:
+            self.file.visititems(lambda name, obj: objects.append(obj))
+            for obj in objects:
+                key = _object_key(obj)
+                if key not in self.actions:
+                    names = [n for n in _attr_names(obj)
+                             if not left.attribute(obj.name, n.decode("utf-8", "replace"))]
+                    if names:
+                        self.left_out_attrs[key] = dict.fromkeys(names)
+        except Exception as exc:
+            raise InputError(f"{self.path}: cannot read the HDF5 file's attributes ({_reason(exc)}); "
+                             "it may be truncated or corrupt") from None
         left.check(self.path)
         return left
 
@@ -716,9 +721,9 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         return DROP
     reason = f"holds {problem}, which tldp does not perturb"
     with suppress(Exception):  # malformed dimension-scale metadata: not a scale
-        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id) and "_Netcdf4Dimid" in ds.attrs:
-            left.drop(name, "dataset", f"{reason}; a netCDF coordinate variable, so its dimension stays "
-                                       "(as a dimension without a variable)")
+        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id):
+            left.drop(name, "dataset", f"{reason}; a dimension scale, so its dimension stays (a scale "
+                                       "holding no data, as netCDF writes a dimension without a variable)")
             return DIMENSION
     left.drop(name, "dataset", reason)
     return DROP
@@ -837,19 +842,24 @@ def _copy_vlen_filled(src: h5py.Dataset, dst: h5py.Group, name: str,
 
 
 def _create_bare_dimension(src: h5py.Dataset, dst: h5py.Group, name: str) -> None:
-    """A netCDF coordinate variable's dimension without the variable, as netCDF-C writes a
-    dimension that has none: a dimension scale of the same shape holding no data (big-endian
-    float, never written), named by netCDF-C's phrase and the length, keeping its dimension
-    id and its list of the datasets attached to it (references pointed into the output
-    later, _fix_references)."""
+    """A dimension scale whose values are left out, kept as a dimension: a scale of the same
+    shape holding no data (big-endian float, never written), as netCDF-C writes a dimension
+    without a variable, keeping its list of the datasets attached to it (references pointed
+    into the output later, _fix_references). In a netCDF file it is named by netCDF-C's
+    phrase and the length and keeps its dimension id; elsewhere it keeps its NAME."""
     out = dst.create_dataset(name, shape=src.shape, maxshape=src.maxshape, chunks=src.chunks, dtype=">f4",
+                             fillvalue=np.float32(np.nan),  # read as missing
                              track_order=True)  # netCDF-C lists attributes in creation order
-    for key, text in ((b"CLASS", b"DIMENSION_SCALE"), (b"NAME", BARE_DIMENSION + b"%10d" % src.shape[0])):
+    netcdf = "_Netcdf4Dimid" in src.attrs
+    names = [(b"CLASS", b"DIMENSION_SCALE")]
+    if netcdf:
+        names.append((b"NAME", BARE_DIMENSION + b"%10d" % src.shape[0]))
+    for key, text in names:
         string = h5t.C_S1.copy()  # null-terminated, as netCDF-C writes them
         string.set_size(len(text) + 1)
         h5a.create(out.id, key, string, h5s.create(h5s.SCALAR)).write(np.array(text, dtype=f"S{len(text) + 1}"))
-    _copy_attrs(src, out, {name: None for name in _attr_names(src)
-                           if name not in (b"_Netcdf4Dimid", b"REFERENCE_LIST")})
+    kept = (b"_Netcdf4Dimid", b"REFERENCE_LIST") if netcdf else (b"NAME", b"REFERENCE_LIST")
+    _copy_attrs(src, out, {name: None for name in _attr_names(src) if name not in kept})
 
 
 class _Output:
@@ -1091,8 +1101,10 @@ class Hdf5Writer(Writer):
 
     @staticmethod
     def _remap_attribute(dst, key: str, value) -> None:
-        """Writes an attribute's references, pointed into the output. A dimension scale's
-        REFERENCE_LIST loses the entries of datasets not written (their references are null)."""
+        """Writes an attribute's references, pointed into the output. The dimension-scale
+        attributes lose the references to objects not written (null now): a dimension scale's
+        REFERENCE_LIST the datasets left out, a dataset's DIMENSION_LIST the scales left out
+        (HDF5 cannot iterate the scales of a list holding a null one)."""
         if key == "REFERENCE_LIST" and isinstance(value, np.ndarray) and value.dtype.names \
                 and "dataset" in value.dtype.names and value.ndim == 1:
             attached = value[[bool(ref) for ref in value["dataset"]]]
@@ -1100,6 +1112,14 @@ class Hdf5Writer(Writer):
                 del dst.attrs[key]
                 if len(attached):
                     dst.attrs.create(key, attached, dtype=value.dtype)
+                return
+        if key == "DIMENSION_LIST" and isinstance(value, np.ndarray) and value.dtype.kind == "O" \
+                and not all(bool(ref) for refs in value.flat for ref in refs):
+            value = value.copy()
+            for index in np.ndindex(value.shape):
+                value[index] = np.array([ref for ref in value[index] if ref], dtype=h5py.ref_dtype)
+            if not any(len(refs) for refs in value.flat):
+                del dst.attrs[key]
                 return
         dst.attrs.modify(key, value)
 
