@@ -821,7 +821,9 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
     comes from the plan, the reader and the writer, never from the data."""
     extra = dict(reader.manifest_extra if reader else {})
-    extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
+    for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
+        # what is written raw and left out: the reader's and the writer's together
+        extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
     extra["sampler"] = options.sampler
     if options.clip is not None:
         extra["clip"] = {"norm": "linf", "bound": options.clip}
