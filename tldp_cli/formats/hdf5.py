@@ -472,8 +472,9 @@ class Hdf5Reader(Reader):
         self.file.visititems_links(visit)
         if outside:
             raise InputError(f"{self.path}: dataset {outside[0]} keeps its values in other files "
-                             "(virtual or external storage), which tldp would copy raw; perturb it "
-                             "with --dataset, or let tldp leave it out (not --keep, --exclude)")
+                             "(virtual or external storage), which tldp would copy raw (named by --keep "
+                             "or --exclude, or a coordinate); perturb it with --dataset, or remove it "
+                             "from the file")
         if links:
             self.manifest_extra = {**self.manifest_extra, "external_links": links}
             self.messages.append(f"copied {len(links)} link(s) into other files as links (their "
