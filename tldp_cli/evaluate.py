@@ -801,6 +801,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         jobs = reader.arrays()
         run, records_of = _calibrations(m, jobs, original, manifest_path, reader.records_are_tensors,
                                         checks)
+        if run.in_range_markers and "public_missing" not in m:
+            reader.markers_are_data(run.in_range_markers)  # values perturb read as data, as it did
         pairing_issues: list[dict] = []
         pairs = _pairs(module, reader, perturbed, m, run.calib_of, pairing_issues, renamed, input_format)
         checks.extend(pairing_issues)

@@ -439,6 +439,60 @@ def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkey
     assert tree_digest(src) == before
 
 
+@pytest.mark.parametrize("index", images.INDEX_FILES)
+def test_index_rows_of_images_not_written_are_dropped(cli, tmp_path, monkeypatch, index):
+    """`perturb ds/train --copy-other --skip-bad` on a Hugging Face image folder: the rows of
+    skipped images leave the index (else imagefolder finds 9 rows for 7 images and fails)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    src = tmp_path / "ds" / "train"
+    rows = []
+    for i in range(9):  # as the datasets docs write it: file_name, then the other features
+        name = f"{i:04d}.png"
+        save(src / name, pixels(6 + i, 5, 3))
+        rows.append({"file_name": name, "caption": f"image {i}"})
+    (src / "0002.png").write_bytes(b"not a PNG at all")
+    data = (src / "0006.png").read_bytes()
+    (src / "0006.png").write_bytes(data[: len(data) // 2])  # truncated
+    write_index(src, index, rows)
+    before = tree_digest(src)
+
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--skip-bad", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    loaded = imagefolder(out, tmp_path / "cache")
+    assert [caption for caption, _ in loaded] == [f"image {i}" for i in (0, 1, 3, 4, 5, 7, 8)]
+    assert [size for _, size in loaded] == [(5, 6 + i) for i in (0, 1, 3, 4, 5, 7, 8)]
+    row = "line" if index.endswith(".jsonl") else "row"
+    manifest = manifest_of(out)
+    assert manifest["dropped"] == [
+        {"name": f"{index} {row} {n}", "kind": "index row",
+         "reason": f"names {name}, an unreadable image, skipped (--skip-bad): not in the output"}
+        for n, name in ((3, "0002.png"), (7, "0006.png"))]
+    assert manifest["index_files_rewritten"] == [index]
+    assert f"dropped 2 index rows naming images not written (listed in the manifest's dropped): " \
+           f"{index} {row} 3, {index} {row} 7" in result.stderr
+    assert "rewrote the image file names" not in result.stderr  # none was renamed
+    assert tree_digest(src) == before
+
+
+def test_index_rows_naming_symbolic_links_are_dropped(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
+    save(tmp_path / "elsewhere.png", pixels(6, 6, 3))
+    (src / "b.png").symlink_to(tmp_path / "elsewhere.png")
+    (src / "sub").mkdir()
+    (src / "sub" / "metadata.jsonl").write_text('{"file_name": "../a.png", "label": 0}\n'
+                                               '{"file_name": "../b.png", "label": 1}\n')
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert (out / "sub" / "metadata.jsonl").read_text() == '{"file_name": "../a.png", "label": 0}\n'
+    assert manifest_of(out)["dropped"] == [{"name": "sub/metadata.jsonl line 2", "kind": "index row",
+                                            "reason": "names ../b.png, a symbolic link, skipped: not in "
+                                                      "the output"}]
+
+
 def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
@@ -491,7 +545,7 @@ def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
     assert tifffile.imread(out / "rgb.tiff").shape == (6, 6, 3)
 
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "png")
-    assert "warning" not in result.stderr
+    assert "will be TIFF" not in result.stderr
 
 
 @pytest.mark.parametrize("orientation", [1, 3, 6, 8])

@@ -74,8 +74,9 @@ SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
 AllowWeakSeed = Annotated[bool, typer.Option(
-    help="Accept a seed shorter than 32 hex digits (128 bits), for tests and demos: it can be "
-         "guessed. Recorded as weak_seed.")]
+    help="Accept a seed shorter than 32 hex digits (128 bits) or one that follows an obvious "
+         "pattern (000..0, a repeated or counting sequence, a padded number), for tests and "
+         "demos: it can be guessed. Recorded as weak_seed.")]
 _SEED_FILE_LIMIT = 4096  # bytes; a seed is a few dozen, more is the wrong file
 
 
@@ -190,6 +191,12 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]
+PublicMissing = Annotated[bool, typer.Option(
+    help="netCDF/HDF5 and xarray's Zarr: declare which values are missing public. Values equal to "
+         "a _FillValue or missing_value (or Zarr 2 fill_value) that lies inside the declared range "
+         "then stay missing, copied, not perturbed, and the guarantee covers the other values only "
+         "(recorded in the manifest as public_missing). Default: such a marker is an ordinary value, "
+         "perturbed, and left off the output.")]
 RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]

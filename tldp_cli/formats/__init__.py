@@ -15,7 +15,8 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors` and `manifest_inputs()` with defaults.
+the files skipped), `records_are_tensors`, `manifest_inputs()` and `markers_are_data()`
+(CF missing-data markers inside the declared range) with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
 defaults of a writer that needs none of it: `postprocessing` and `manifest_extra`
@@ -60,6 +61,9 @@ class ArrayJob:
     # The name of axis 0 where the format names dimensions (netCDF dimension scales, xarray's
     # Zarr dimension names): only arrays whose axis 0 has the same name share rows.
     row_dimension: str | None = None
+    # CF missing-data markers (formats/cf.py): (attribute, value in the units perturbed), e.g.
+    # ("_FillValue", 0.0); the pipeline compares them with the declared range (Reader.markers_are_data).
+    markers: tuple[tuple[str, float], ...] = ()
 
     @property
     def records(self) -> int:
@@ -92,6 +96,14 @@ class Reader:
     def manifest_inputs(self) -> list[dict[str, Any]]:
         """The manifest's `inputs` entries: the arrays' sources."""
         return [job.source for job in self.arrays()]
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        """Told before any block is read: by array name, the markers of ArrayJob.markers that
+        are data (inside the declared range): their values are read and perturbed like any
+        other, and the writer leaves them off the output. A reader that declares no markers
+        is never told."""
+        if data:
+            raise NotImplementedError
 
     def close(self) -> None:
         """Releases what it holds open."""

@@ -46,7 +46,8 @@ netCDF-4 files are HDF5 files, and the copy keeps what netCDF readers rely on:
 Of a perturbed dataset, the CF attributes about its values are honoured (cf.Encoding):
 values equal to its _FillValue or missing_value are missing data, copied rather than
 perturbed (the writer puts them back, so which values are missing is released as
-is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
+is), unless the marker lies inside the declared range: then it is data (see cf.py)
+and the output leaves it off; packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
 physical units and written unpacked; valid_range, valid_min, valid_max and
 actual_range are dropped, since noisy values pass them and readers would mask them.
 Coordinate variables (dimension scales, and the variables named in a coordinates,
@@ -634,10 +635,14 @@ class Hdf5Reader(Reader):
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
             row_dimension=_row_dimension(ds),
+            markers=encoding.labelled() if encoding else (),
         )
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        cf.take_as_data(self.jobs, self.encodings, data)
 
     def close(self) -> None:
         self.file.close()
@@ -986,6 +991,7 @@ class Hdf5Writer(Writer):
         self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
         self.bounds = bounds or {}  # job name -> (lo, hi, grid step): where moved values go
         self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
+        self.held_missing: set[str] = set()  # the job names whose input held missing values (stderr only)
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.actions = reader.actions  # object -> DROP or DIMENSION (datasets not perturbed)
         self.left_out_attrs = reader.left_out_attrs  # object -> attributes not written
@@ -1183,6 +1189,10 @@ class Hdf5Writer(Writer):
         fill = replaced.get(b"_FillValue")
         if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
             plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
+        elif b"_FillValue" in replaced and plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
+            # An in-range _FillValue left off: netCDF-C would still take HDF5's for the variable's
+            # fill value, so it becomes one no noisy value takes (NaN, or the least integer).
+            plist.set_fill_value(np.array(cf.output_marker(np.nan, self.dtype), dtype=self.dtype))
         # Model tensors go through tensor_files.to_stored (their dtype, variances kept > 0).
         placed = job_name not in self.tensors and self._place(plist, src)
         out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=plist))
@@ -1224,9 +1234,12 @@ class Hdf5Writer(Writer):
         for key in cf.MISSING:
             if key in src.attrs:
                 values = _attr_numbers(self.source, job_name, src, key)
-                shape = src.attrs.get_id(key).shape
-                replaced[key.encode()] = np.array([cf.output_marker(v, self.dtype) for v in values],
-                                                  dtype=self.dtype).reshape(shape)
+                kept = cf.output_values(key, values, encoding, self.dtype)
+                if kept is None:  # every marker of it taken as data
+                    replaced[key.encode()] = None
+                    continue
+                shape = src.attrs.get_id(key).shape if len(kept) == len(values) else (len(kept),)
+                replaced[key.encode()] = np.array(kept, dtype=self.dtype).reshape(shape)
         return replaced
 
     def _describe_cf(self) -> None:
@@ -1258,8 +1271,10 @@ class Hdf5Writer(Writer):
             # The block holds noise where the input is missing: read which positions those are.
             stored = job.read.stored(start, start + len(block))  # the input's _Records
             block = block.copy()  # the caller's block is not ours to change
-            moved = cf.keep_missing(block, stored, markers, self._bounds(job.name))
+            moved, held = cf.keep_missing(block, stored, markers, self._bounds(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
+            if held:
+                self.held_missing.add(job.name)
         placement = self.placements.get(job.name)
         if placement is not None:  # beside HDF5: the storage is allocated
             self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
@@ -1284,6 +1299,8 @@ class Hdf5Writer(Writer):
 
     def finish(self) -> None:
         cf.count_moves(self.manifest_extra, self.moved)
+        if self.held_missing:
+            self.messages.append(cf.missing_message(sorted(self.held_missing)))
 
     def _write_placed(self, item: tuple[_Placement, int, np.ndarray]) -> None:
         placement, start, block = item

@@ -11,7 +11,9 @@ Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
 input's integer range (default; written by _png, encoded for noise), or float
 TIFF with the values as perturbed. With --copy-other, index files
-(metadata.jsonl, metadata.csv) get the output names of renamed images.
+(metadata.jsonl, metadata.csv) get the output names of renamed images, and lose
+the rows naming images the output does not hold (skipped as unreadable, or
+symbolic links), which the manifest lists under dropped.
 
 Symbolic links inside the folder (to images, other files or directories, dangling
 or not) are never followed: they are skipped, named in a message and listed in
@@ -327,10 +329,16 @@ class ImageFolderReader(Reader):
                                  "(its metadata is missing)")
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
         renamed = any(image.out_rel != image.rel for image in self.images)
+        # Files that name images not written: an index row naming one is dropped.
+        self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
+                          **{rel: "a symbolic link, skipped" for rel in self.links}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
-                            and renamed and options.copy_other]
+                            and (renamed or self.unwritten) and options.copy_other]
         # --copy-other never copies data: what tldp reads, pickles, medical images
         self.data_files = self._data_files() if options.copy_other else {}
+        # Rewritten now, before anything is written: what the manifest says was dropped is
+        # what the output's index files leave out.
+        self.index_texts, self.dropped_rows = self._rewrite_indexes()
         if options.image_format == "tiff":
             self._warn_tiff_readers()
         if self.anonymized:
@@ -366,7 +374,7 @@ class ImageFolderReader(Reader):
         copied (dropped), each with the reason."""
         self.manifest_extra["unperturbed"] = [
             {"name": rel, "kind": "file", "reason": "--copy-other: not an image" if rel not in self.index_files
-             else "--copy-other: an index of the images (their names rewritten)"} for rel in self.copied]
+             else "--copy-other: an index of the images (rewritten to the output's)"} for rel in self.copied]
         if self.data_files:
             self.manifest_extra["dropped"] = [{"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
                                               for rel, reason in self.data_files.items()]
@@ -374,6 +382,26 @@ class ImageFolderReader(Reader):
             self.messages.append(f"did not copy {plural(len(self.data_files), 'file')} holding data "
                                  f"({'; '.join(kinds)}), which --copy-other never copies raw: "
                                  f"{listing(list(self.data_files))} (the manifest's dropped)")
+
+    def _rewrite_indexes(self) -> tuple[dict[str, str], list[dict]]:
+        """Each index file as the output holds it, and its rows dropped ({name, kind,
+        reason}, as the manifest's dropped lists them)."""
+        texts, dropped = {}, []
+        for rel in self.index_files:
+            source = self.path / rel
+            try:
+                text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
+            except OSError as exc:
+                raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            except UnicodeDecodeError:
+                raise _unreadable_index(source, "not UTF-8 text") from None
+            names = _IndexNames(rel, self.out_names, self.unwritten)
+            rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
+            texts[rel], rows = rewrite(text, names, source)
+            dropped += [{"name": f"{rel} {row}", "kind": "index row",
+                         "reason": f"names {value}, {self.unwritten[names.path(value)]}: not in the output"}
+                        for row, value in rows]
+        return texts, dropped
 
     def _warn_tiff_readers(self) -> None:
         # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
@@ -432,11 +460,18 @@ class ImageFolderReader(Reader):
             else:
                 self.messages.append(f"skipped {_non_images(len(self.others))}: {listing(self.others)}")
         if self.index_files:
-            self.manifest_extra["not_images_action"] = ("copied unchanged, but for the image file "
-                                                        "names in index files (index_files_rewritten)")
+            self.manifest_extra["not_images_action"] = (
+                "copied unchanged, but for index files (index_files_rewritten): image file names "
+                "follow the output's, and rows naming images not written are removed (dropped)")
             self.manifest_extra["index_files_rewritten"] = self.index_files
+        if self.index_files and any(image.out_rel != image.rel for image in self.images):
             self.messages.append(f"rewrote the image file names in {listing(self.index_files)} to the "
                                  "output's (the images' suffix changed)")
+        if self.dropped_rows:
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *self.dropped_rows]
+            self.messages.append(
+                f"dropped {plural(len(self.dropped_rows), 'index row')} naming images not written "
+                f"(listed in the manifest's dropped): {listing([r['name'] for r in self.dropped_rows])}")
         if bad:
             self.manifest_extra["skipped_bad_images"] = bad
             self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
@@ -576,18 +611,30 @@ def _is_name_column(key: object) -> bool:
     return isinstance(key, str) and (key == "file_name" or key.endswith("_file_name"))
 
 
-def _renamer(index_rel: str, out_names: dict[str, str]):
-    """Maps a file_name value of the index at `index_rel` to the output's name for it; names
-    of anything but a renamed image are kept. Only the suffix changes, so the value keeps
-    its own spelling ("./a.jpg" -> "./a.png")."""
-    folder = posixpath.dirname(index_rel)
+class _IndexNames:
+    """The names in the index file at `index_rel`: a file_name value resolved to the
+    input's file it names (path), and to the output's name for it (rename). Only a renamed
+    image's suffix changes, so a value keeps its own spelling ("./a.jpg" -> "./a.png");
+    names of anything but a renamed image are kept. `unwritten`: the files the output does
+    not hold (name -> why), whose rows are dropped."""
 
-    def rename(value: str) -> str:
-        out = out_names.get(posixpath.normpath(posixpath.join(folder, value)))
+    def __init__(self, index_rel: str, out_names: dict[str, str], unwritten: dict[str, str]):
+        self.folder = posixpath.dirname(index_rel)
+        self.out_names = out_names
+        self.unwritten = unwritten
+
+    def path(self, value: str) -> str:
+        return posixpath.normpath(posixpath.join(self.folder, value))
+
+    def rename(self, value: str) -> str:
+        out = self.out_names.get(self.path(value))
         suffix = posixpath.splitext(value)[1]
         return value if out is None or not suffix else value[:-len(suffix)] + posixpath.splitext(out)[1]
 
-    return rename
+    def not_written(self, row: dict) -> str | None:
+        """The first file_name value of the row that names a file not written, if any."""
+        return next((v for k, v in row.items() if _is_name_column(k) and isinstance(v, str)
+                     and self.path(v) in self.unwritten), None)
 
 
 def _unreadable_index(where: Path, problem: str) -> InputError:
@@ -595,9 +642,12 @@ def _unreadable_index(where: Path, problem: str) -> InputError:
                       "output's; fix it or leave out --copy-other")
 
 
-def _rewrite_jsonl(text: str, rename, where: Path) -> str:
-    lines = text.split("\n")  # as JSON Lines readers split: not at U+2028 inside a string
-    for number, line in enumerate(lines, 1):
+def _rewrite_jsonl(text: str, names: _IndexNames, where: Path) -> tuple[str, list[tuple[str, str]]]:
+    """The text with image names renamed and the rows naming a file not written left out;
+    and those rows ("line N", the file_name value)."""
+    lines: list[str | None] = list(text.split("\n"))  # as JSON Lines readers split: not at U+2028
+    dropped = []
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -606,27 +656,39 @@ def _rewrite_jsonl(text: str, rename, where: Path) -> str:
             row = None
         if not isinstance(row, dict):
             raise _unreadable_index(where, f"line {number} is not a JSON object")
-        renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
+        gone = names.not_written(row)
+        if gone is not None:
+            lines[number - 1] = None
+            dropped.append((f"line {number}", gone))
+            continue
+        renamed = {k: names.rename(v) if _is_name_column(k) and isinstance(v, str) else v
                    for k, v in row.items()}
         if renamed != row:
             lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line is not None), dropped
 
 
-def _rewrite_csv(text: str, rename, where: Path) -> str:
+def _rewrite_csv(text: str, names: _IndexNames, where: Path) -> tuple[str, list[tuple[str, str]]]:
+    """As _rewrite_jsonl; rows are numbered from the first after the header ("row N")."""
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
         raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
     if not rows:
-        return text
+        return text, []
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
-    changed = [[rename(v) if i in columns else v for i, v in enumerate(row)] for row in rows[1:]]
-    if changed == rows[1:]:
-        return text
+    kept, dropped = [], []
+    for number, row in enumerate(rows[1:], 1):
+        gone = names.not_written({rows[0][i]: row[i] for i in columns if i < len(row)})
+        if gone is not None:
+            dropped.append((f"row {number}", gone))
+        else:
+            kept.append([names.rename(v) if i in columns else v for i, v in enumerate(row)])
+    if kept == rows[1:]:
+        return text, []
     written = io.StringIO(newline="")
-    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *changed])
-    return written.getvalue()
+    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *kept])
+    return written.getvalue(), dropped
 
 
 class ImageFolderWriter(Writer):
@@ -645,7 +707,7 @@ class ImageFolderWriter(Writer):
         if options.copy_other:
             for rel in reader.copied:
                 if rel in reader.index_files:
-                    self._write_index(reader.path / rel, rel, reader.out_names)
+                    self._write_index(reader.index_texts[rel], rel)
                 else:
                     self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
@@ -707,17 +769,8 @@ class ImageFolderWriter(Writer):
             copy_bytes(src, source, dst, target)
         return target
 
-    def _write_index(self, source: Path, rel: str, out_names: dict[str, str]) -> None:
-        """An index file with the renamed images' names rewritten to their output names."""
-        try:
-            text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
-        except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise _unreadable_index(source, "not UTF-8 text") from None
-        rename = _renamer(rel, out_names)
-        rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
-        text = rewrite(text, rename, source)
+    def _write_index(self, text: str, rel: str) -> None:
+        """An index file as the reader rewrote it (ImageFolderReader.index_texts)."""
         target = self._target(rel)
         with writing(target), open(target, "wb") as f:
             f.write(text.encode("utf-8"))

@@ -388,7 +388,7 @@ def _cf_attribute(where: str, array, key: str) -> np.ndarray | None:
     """A CF numeric attribute's values, flat (as xarray writes them); None if absent."""
     if key in array.attrs:
         value = array.attrs[key]
-    elif key == "_FillValue" and array.metadata.zarr_format == 2 and _dimension_names(array) is not None:
+    elif key == "_FillValue" and _fill_is_cf(array):
         value = array.fill_value
     else:
         return None
@@ -407,11 +407,30 @@ def _cf_attribute(where: str, array, key: str) -> np.ndarray | None:
     return number.ravel()
 
 
+def _fill_is_cf(array) -> bool:
+    """Whether the array's fill_value is its CF _FillValue (xarray's Zarr 2 arrays)."""
+    return (array.metadata.zarr_format == 2 and "_FillValue" not in array.attrs
+            and _dimension_names(array) is not None)
+
+
 def _cf_encoding(where: str, array) -> cf.Encoding | None:
     unsigned = array.attrs.get("_Unsigned")
     return cf.encoding(where, array.dtype, lambda key: _cf_attribute(where, array, key),
                        unsigned if isinstance(unsigned, str) else None,
-                       nan_missing=_dimension_names(array) is not None)
+                       nan_missing=_dimension_names(array) is not None,
+                       labels={"_FillValue": FILL_VALUE} if _fill_is_cf(array) else {})
+
+
+FILL_VALUE = "fill_value"  # how markers from a Zarr 2 fill_value are named (ArrayJob.markers)
+
+
+def _output_fill(array, encoding: cf.Encoding | None):
+    """The fill value of a perturbed array's output, before its dtype: none where the array's
+    fill_value is its _FillValue and a marker taken as data (cf.Encoding.as_data), since
+    xarray would mask every noisy value equal to it."""
+    if encoding is not None and _fill_is_cf(array) and encoding.is_data(FILL_VALUE, array.fill_value):
+        return None
+    return array.fill_value
 
 
 def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[str]:
@@ -460,8 +479,11 @@ def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Enco
     stored = array.dtype
     for key in (k for k in cf.MISSING if k in out):
         with np.errstate(invalid="ignore", over="ignore"):
-            values = [cf.output_marker(np.asarray(v).astype(stored), dtype)
-                      for v in _cf_attribute(where, array, key)]
+            own = [np.asarray(v).astype(stored) for v in _cf_attribute(where, array, key)]
+            values = cf.output_values(key, own, encoding, dtype)
+        if values is None:  # every marker of it taken as data
+            del out[key]
+            continue
         if key == "_FillValue" and array.metadata.zarr_format == 3 and dtype.kind == "f":
             out[key] = base64.standard_b64encode(struct.pack("<d", float(values[0]))).decode()
         else:
@@ -632,10 +654,14 @@ class ZarrReader(Reader):
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
             row_dimension=row_dimension,
+            markers=encoding.labelled() if encoding else (),
         )
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        cf.take_as_data(self.jobs, self.encodings, data)
 
     def close(self) -> None:
         self.store.close()
@@ -836,18 +862,19 @@ class _Blocks:
             self.flush()
             raise
 
-    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
-        """Writes the block; returns how many noisy values it moved off missing-data markers."""
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
+        """Writes the block; returns how many noisy values it moved off missing-data markers,
+        and whether the input held missing values there."""
         array, chunk_files = self.array(job.name)
         block = np.asarray(block, dtype=self.dtype)
-        moved = 0
+        kept = 0, False
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
-            moved = self._keep_missing(job, start, block)
+            kept = self._keep_missing(job, start, block)
         try:
             if chunk_files is None or not chunk_files.aligned(start, len(block)):
                 array[start:start + len(block)] = block
-                return moved
+                return kept
             directory = self.root / self.paths[job.name]
             files = chunk_files.encoded(directory, start, block)
         except OSError:
@@ -860,7 +887,7 @@ class _Blocks:
             zarr_chunks.write_files(directory, files)
         else:
             self._on_disk[job.name, start] = self._disk.put((directory, files))
-        return moved
+        return kept
 
     def wait(self, job_name: str, start: int) -> None:
         """Returns once the block's chunk files are written; raises the failure to write them."""
@@ -873,7 +900,7 @@ class _Blocks:
         if self._disk is not None:
             self._disk.close()
 
-    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
+    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
         stored = job.read.stored(start, start + len(block))  # the input's _Records
@@ -1065,8 +1092,8 @@ class ZarrWriter(Writer):
         metadata, dropped, lowered = {}, {}, {}
         for job_name, path in names.items():
             metadata[path], lossy, levels = _output_metadata(
-                nodes[path], reader.handles[path].fill_value, reader.zarr_format, self.dtype,
-                f"{reader.path}: array {_display(path)}")
+                nodes[path], _output_fill(reader.handles[path], reader.encodings.get(job_name)),
+                reader.zarr_format, self.dtype, f"{reader.path}: array {_display(path)}")
             if lossy:
                 dropped[job_name] = lossy
             if levels:
@@ -1119,6 +1146,7 @@ class ZarrWriter(Writer):
                               bounds or {})
         # (job name, first record) -> noisy values moved off its markers, per block written
         self.moved: dict[tuple[str, int], int] = {}
+        self.held: dict[tuple[str, int], bool] = {}  # ... whether its input held missing values (stderr only)
         self.blocks.open_arrays()
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
@@ -1128,6 +1156,7 @@ class ZarrWriter(Writer):
         """Rewrites the perturbed arrays' CF attributes (cf.describe tells the manifest): in
         their metadata (Zarr 3); returns the .zattrs to write (Zarr 2)."""
         self.missing: dict[str, list[tuple]] = {}
+        self.messages = reader.messages  # the reader's list: a line added in finish() is shown
         dropped_attrs, zattrs = {}, {}
         for job_name, path in names.items():
             array = reader.handles[path]
@@ -1151,20 +1180,24 @@ class ZarrWriter(Writer):
         return zattrs
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        self.moved[job.name, start] = self.blocks(job, start, block)  # one key per block: thread-safe
+        # One key per block: thread-safe.
+        self.moved[job.name, start], self.held[job.name, start] = self.blocks(job, start, block)
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
         self.blocks.wait(job.name, start)  # written before --resume journals it
 
     def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
-        moved = self.moved.get((job.name, start))
-        return {"moved_off_markers": moved} if moved is not None else {}
+        if (job.name, start) not in self.moved:
+            return {}
+        return {"moved_off_markers": self.moved[job.name, start], "held_missing": self.held[job.name, start]}
 
     def resumed(self, notes: dict[tuple[str, int], dict[str, Any]]) -> None:
-        """The blocks an interrupted run wrote count in moved_off_markers as well."""
+        """The blocks an interrupted run wrote count in moved_off_markers (and the missing
+        values they held in the message about them) as well."""
         for key, note in notes.items():
             if "moved_off_markers" in note:
                 self.moved[key] = note["moved_off_markers"]
+                self.held[key] = bool(note.get("held_missing"))
 
     def digests(self) -> dict[Path, str]:
         return dict(self.blocks.digests)
@@ -1195,6 +1228,9 @@ class ZarrWriter(Writer):
                     zarr.consolidate_metadata(LocalStore(self.root), path=path,
                                               zarr_format=self.zarr_format)
         cf.count_moves(self.manifest_extra, [(name, count) for (name, _), count in self.moved.items()])
+        held = sorted({name for (name, _), held in self.held.items() if held})
+        if held:
+            self.messages.append(cf.missing_message(held))
 
     def close(self) -> list[Path]:
         """Waits for the chunk files (each flushed to disk as it is written), then flushes

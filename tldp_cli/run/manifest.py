@@ -45,7 +45,8 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
     `calibrations`: every calibration of the run with its number of records, when records
     differ in size; the retain probability is the largest of any, and more than one are
     listed under `calibrations`. `weak_seed`: the seed held fewer than rng.MIN_SEED_BITS
-    bits and was accepted by request (--allow-weak-seed)."""
+    bits or followed an obvious pattern (rng.PATTERN_BITS) and was accepted by request
+    (--allow-weak-seed)."""
     every = [c for c, _ in calibrations] if calibrations else [calib]
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
