@@ -259,4 +259,4 @@ def test_the_ledger_counts_both_readings_as_the_same_data(cli, tmp_path):
     src, ledger = h5py_fill(tmp_path / "in.h5"), tmp_path / "ledger.db"
     perturb(cli, src, tmp_path / "a.h5", "--ledger", ledger)
     _, stderr = perturb(cli, src, tmp_path / "b.h5", "--ledger", ledger, "--public-missing")
-    assert "this data's 2 releases" in stderr
+    assert "2 releases: each record" in stderr
