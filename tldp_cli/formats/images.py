@@ -374,7 +374,7 @@ class ImageFolderReader(Reader):
         copied (dropped), each with the reason."""
         self.manifest_extra["unperturbed"] = [
             {"name": rel, "kind": "file", "reason": "--copy-other: not an image" if rel not in self.index_files
-             else "--copy-other: an index of the images (rewritten to the output's)"} for rel in self.copied]
+             else "--copy-other: an index of the images, rewritten to the output's"} for rel in self.copied]
         if self.data_files:
             self.manifest_extra["dropped"] = [{"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
                                               for rel, reason in self.data_files.items()]
