@@ -128,7 +128,7 @@ def test_a_marker_inside_the_range_is_perturbed_like_any_value(cli, tmp_path, wr
         spread = np.sqrt(distributions.moments(manifest["noise"], scale)[0] / values.size)
         assert abs(values.mean()) < 5 * spread
     assert declared_markers(out) == {}
-    assert manifest["dropped"] == [{"name": marker, "reason": manifest["dropped"][0]["reason"]}]
+    assert manifest["dropped"] == [{"name": marker, "kind": "attribute", "reason": manifest["dropped"][0]["reason"]}]
     assert "inside the declared range" in manifest["dropped"][0]["reason"]
     assert "public_missing" not in manifest and "missing_values" not in manifest
     assert "missing-data markers inside the declared range are data" in stderr

@@ -311,7 +311,7 @@ def test_non_images_are_skipped_or_copied(cli, tmp_path):
     out = tmp_path / "copied"
     result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
     assert result.exit_code == 0, result.stderr
-    assert "copied 2 files that are not images unchanged" in result.stderr
+    assert "copied unchanged: notes.txt, sub/data.csv (--copy-other: not an image)" in result.stderr
     assert (out / "notes.txt").read_text() == "private notes"
     assert (out / "sub" / "data.csv").read_text() == "1,2\n"
     manifest = manifest_of(out)

@@ -69,7 +69,8 @@ ROUND_TRIP_ARGS = ("--clip", "0.5", "--allow-raw-release")
 
 
 class TestSafetensorsRoundTrip(RoundTrip):
-    extra_args = ROUND_TRIP_ARGS
+    # __metadata__'s free text kept (by default left out: tests/formats/test_leftovers.py)
+    extra_args = (*ROUND_TRIP_ARGS, "--keep", "@source")
 
     def make_input(self, tmp_path):
         return write_model_safetensors(tmp_path / "model.safetensors")

@@ -154,11 +154,22 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
          "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
-         "Unselected ones are copied unchanged and listed.")]
+         "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
+         "are left out (see --keep).")]
 Exclude = Annotated[Optional[list[str]], typer.Option(
     "--exclude", metavar="PATTERN",
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
          "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
+    show_default=False)]
+Keep = Annotated[Optional[list[str]], typer.Option(
+    "--keep", metavar="NAME",
+    help="HDF5, Zarr, model files: copy this raw instead of leaving it out (repeatable; a glob "
+         "matches several): a dataset or array that is not perturbed, an attribute as "
+         "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key), a file in a "
+         "Zarr store. By default everything not perturbed is left out (listed in the manifest's "
+         "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
+         "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
+         "'@history'. It never stops a dataset being perturbed (--exclude does).",
     show_default=False)]
 Clip = Annotated[Optional[float], typer.Option(
     "--clip", metavar="C",

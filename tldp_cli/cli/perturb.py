@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -58,10 +58,13 @@ def perturb_command(
     dp_delta: DpDelta = 1e-5,
     dataset: Datasets = None,
     exclude: Exclude = None,
+    keep: Keep = None,
     input_format: InputFormatOption = None,
     image_format: ImageFormatOption = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
-        help="Image folders: copy files that are not images (default: report and skip).")] = False,
+        help="Image folders: copy files that are not images (default: report and skip), listed "
+             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads), which are left "
+             "out and listed as dropped.")] = False,
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,
@@ -156,7 +159,7 @@ def perturb_command(
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], exclude=exclude or [], input_format=input_format and input_format.value,
+            datasets=dataset or [], exclude=exclude or [], keep=keep or [], input_format=input_format and input_format.value,
             image_format=image_format.value,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from tldp_cli.files import output
+from tldp_cli.files.checked_io import open_regular
 from tldp_cli.errors import InputError, UsageError
 
 
@@ -155,6 +156,7 @@ class Writer:
 class FormatOptions:
     datasets: list[str] = field(default_factory=list)  # HDF5/Zarr/npz/safetensors: which arrays to perturb
     exclude: list[str] = field(default_factory=list)  # model files and HDF5: globs of arrays left out
+    keep: list[str] = field(default_factory=list)  # names (globs) of what is copied raw, not dropped (leftovers.py)
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
@@ -197,6 +199,32 @@ def detect(path: Path, format_name: str | None = None):
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
+
+
+def data_file(path: Path) -> str | None:
+    """Why a file must never be copied raw beside perturbed data (image folders'
+    --copy-other): it holds data tldp reads (a format of modules()), a Python pickle, or a
+    medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
+    other file, and for what is not a regular file (never opened: a FIFO would block)."""
+    name = path.name.lower()
+    try:
+        if not path.is_file():
+            return None
+        with open_regular(path) as f:
+            head = f.read(352)
+        if name.endswith(".dcm") or head[128:132] == b"DICM":
+            return "DICOM: a medical image whose headers can name the patient"
+        if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
+                or head[4:8] in (b"n+2\0", b"ni2\0"):
+            return "NIfTI: a medical image volume"
+        if _is_pickle(path):
+            return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
+        for module in modules():
+            if module.NAME != "images" and module.can_open(path):
+                return f"{module.NAME} data, which tldp perturbs on its own (tldp perturb {path.name})"
+    except (OSError, InputError):
+        return None  # unreadable, or no longer a regular file: copying it fails with the reason
+    return None
 
 
 def _is_pickle(path: Path) -> bool:

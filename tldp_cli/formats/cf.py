@@ -402,7 +402,7 @@ def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public:
                              "are missing, a pattern declared public and released as is" if named else
                              "every element: no missing-data marker lies inside the declared range"}}
     return {"dropped": [
-        {"name": name, "reason": f"missing-data marker {_shown(value)} inside the declared range: values equal "
+        {"name": name, "kind": "attribute", "reason": f"missing-data marker {_shown(value)} inside the declared range: values equal "
                                  "to it are data, perturbed like every other, so the output does not declare "
                                  "it (--public-missing keeps them missing instead)"}
         for name, value in named]} if named else {}

@@ -55,7 +55,7 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, data_file, listing, plural
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -354,6 +354,8 @@ class ImageFolderReader(Reader):
                           **{rel: "a symbolic link, skipped" for rel in self.links}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and (renamed or self.unwritten) and options.copy_other]
+        # --copy-other never copies data: what tldp reads, pickles, medical images
+        self.data_files = self._data_files() if options.copy_other else {}
         # Rewritten now, before anything is written: what the manifest says was dropped is
         # what the output's index files leave out.
         self.index_texts, self.dropped_rows = self._rewrite_indexes()
@@ -365,6 +367,41 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+
+    def _data_files(self) -> dict[str, str]:
+        """The files --copy-other does not copy, by relative path, with the reason: those
+        formats.data_file names, and the files of a Zarr store inside the folder."""
+        found = {}
+        for rel in self.others:
+            parents = [posixpath.dirname(rel)]
+            while parents[-1]:
+                parents.append(posixpath.dirname(parents[-1]))
+            store = next((p for p in parents if p and any((self.path / p / m).is_file() for m in ZARR_MARKERS)),
+                         None)
+            reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
+                      else data_file(self.path / rel))
+            if reason:
+                found[rel] = reason
+        return found
+
+    @property
+    def copied(self) -> list[str]:
+        """The files --copy-other copies: the other files but data (data_files)."""
+        return [rel for rel in self.others if rel not in self.data_files]
+
+    def _report_copies(self) -> None:
+        """--copy-other: the files copied (the manifest's unperturbed) and the data files not
+        copied (dropped), each with the reason."""
+        self.manifest_extra["unperturbed"] = [
+            {"name": rel, "kind": "file", "reason": "--copy-other: not an image" if rel not in self.index_files
+             else "--copy-other: an index of the images, rewritten to the output's"} for rel in self.copied]
+        if self.data_files:
+            self.manifest_extra["dropped"] = [{"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
+                                              for rel, reason in self.data_files.items()]
+            kinds = sorted({reason.split(":")[0].split(",")[0] for reason in self.data_files.values()})
+            self.messages.append(f"did not copy {plural(len(self.data_files), 'file')} holding data "
+                                 f"({'; '.join(kinds)}), which --copy-other never copies raw: "
+                                 f"{listing(list(self.data_files))} (the manifest's dropped)")
 
     def _rewrite_indexes(self) -> tuple[dict[str, str], list[dict]]:
         """Each index file as the output holds it, and its rows dropped ({name, kind,
@@ -439,9 +476,10 @@ class ImageFolderReader(Reader):
         if self.others:
             self.manifest_extra["not_images"] = self.others
             self.manifest_extra["not_images_action"] = "copied unchanged" if options.copy_other else "skipped"
-            done = "copied" if options.copy_other else "skipped"
-            how = " unchanged (not perturbed)" if options.copy_other else ""
-            self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {listing(self.others)}")
+            if options.copy_other:  # the summary line names the copies (unperturbed)
+                self._report_copies()
+            else:
+                self.messages.append(f"skipped {_non_images(len(self.others))}: {listing(self.others)}")
         if self.index_files:
             self.manifest_extra["not_images_action"] = (
                 "copied unchanged, but for index files (index_files_rewritten): image file names "
@@ -451,7 +489,7 @@ class ImageFolderReader(Reader):
             self.messages.append(f"rewrote the image file names in {listing(self.index_files)} to the "
                                  "output's (the images' suffix changed)")
         if self.dropped_rows:
-            self.manifest_extra["dropped"] = self.dropped_rows
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *self.dropped_rows]
             self.messages.append(
                 f"dropped {plural(len(self.dropped_rows), 'index row')} naming images not written "
                 f"(listed in the manifest's dropped): {listing([r['name'] for r in self.dropped_rows])}")
@@ -690,12 +728,12 @@ class ImageFolderWriter(Writer):
         self.images = {image.rel: image for image in reader.images}
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         # Every file the output must hold once complete (finish checks they all are there).
-        self._expected = [image.out_rel for image in reader.images] + (list(reader.others) if options.copy_other
+        self._expected = [image.out_rel for image in reader.images] + (reader.copied if options.copy_other
                                                                         else [])
         with writing(tmp_path):
             tmp_path.mkdir()
         if options.copy_other:
-            for rel in reader.others:
+            for rel in reader.copied:
                 if rel in reader.index_files:
                     self._write_index(reader.index_texts[rel], rel)
                 else:

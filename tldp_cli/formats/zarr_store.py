@@ -1,7 +1,7 @@
 """Zarr directory stores, Zarr format 2 and 3: a single array or a group tree.
 
 The output starts as a file-for-file copy of the input without the perturbed
-arrays' chunks. Their metadata is rewritten for the float output dtype (same
+arrays' chunks and what is left out (below). Their metadata is rewritten for the float output dtype (same
 chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
 records are written as chunk files (zarr_chunks.py) or, for sharded and other
 layouts, through zarr-python. Consolidated metadata is rebuilt at the end.
@@ -12,10 +12,12 @@ regular file nor a directory, is refused before anything is written; only the
 store's own path may be a link. Every directory below a group must be a node (hold
 zarr.json, or .zarray/.zgroup): one without is refused as a damaged store, since it
 may be an array that lost its metadata. Node names starting with "." are nodes like
-any other. Files that are neither metadata nor chunks of an array (.DS_Store, a
-README) are copied unchanged, named in a message and listed in the manifest
-(not_zarr_files); those inside the directory of an array being perturbed are
-left out with its chunks.
+any other.
+
+What is not perturbed (arrays, free-text attributes, files that are neither
+metadata nor chunks of an array, such as .DS_Store or a README) is left out unless
+it is structural metadata, a numeric coordinate or named by --keep, and listed in
+the manifest (formats.leftovers).
 """
 
 from __future__ import annotations
@@ -53,11 +55,9 @@ from tldp_cli.formats import (
     check_numeric_dtype,
     default_selection,
     dropped_filters,
-    listing,
-    plural,
     tldp_name,
 )
-from tldp_cli.formats import cf, zarr_chunks
+from tldp_cli.formats import cf, leftovers, zarr_chunks
 
 NAME = "zarr"
 RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
@@ -465,12 +465,24 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
-def _cf_output_attrs(where: str, array, encoding: cf.Encoding | None,
+def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
+    """The arrays a CF grid_mapping attribute of an array names."""
+    by_path = {"/" + path: path for path in arrays}
+    found = set()
+    for path, array in arrays.items():
+        text = array.attrs.get("grid_mapping")
+        for word in leftovers.grid_mappings(text if isinstance(text, str) else None):
+            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
+            if target is not None:
+                found.add(target)
+    return found
+
+
+def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encoding | None,
                      dtype: np.dtype) -> tuple[dict[str, Any], list[str], list[tuple]]:
-    """A perturbed array's attributes for the output: no value bounds, no packing, the
-    missing-data markers in the output dtype (a float _FillValue of Zarr 3 as xarray
-    writes it); the attributes dropped; (stored marker, output marker) pairs."""
-    attrs = array.attrs.asdict()
+    """A perturbed array's attributes for the output (of `attrs`, those written): no value
+    bounds, no packing, the missing-data markers in the output dtype (a float _FillValue of
+    Zarr 3 as xarray writes it); the attributes dropped; (stored marker, output marker) pairs."""
     dropped = [key for key in cf.VALUE_BOUNDS if key in attrs]
     if encoding is not None and (encoding.packed or encoding.unsigned):
         dropped += [key for key in cf.PACKING if key in attrs]
@@ -519,13 +531,51 @@ class ZarrReader(Reader):
                                for p in self.pyramids if p.levels[0] in selected}
         self.messages += [_regeneration_message(p) for p in self.regenerated]
         written = set(selected).union(*(p.levels[1:] for p in self.regenerated))
-        # The writer leaves out everything in a written array's directory but its metadata.
-        copied = [rel for rel, owner in _not_zarr(files, self.nodes).items() if owner not in written]
-        if copied:
-            self.manifest_extra["not_zarr_files"] = copied
-            self.manifest_extra["not_zarr_files_action"] = "copied unchanged"
-            self.messages.append(f"copied {plural(len(copied), 'file')} unchanged (not perturbed), "
-                                 f"neither Zarr metadata nor chunks: {listing(copied)}")
+        self.leftovers = self._leftovers(files, written, options)
+        self.manifest_extra.update(self.leftovers.manifest_extra())
+
+    def _leftovers(self, files: list[str], written: set[str], options: FormatOptions) -> leftovers.Leftovers:
+        """Decides from the metadata what is written besides the perturbed arrays (leftovers.py):
+        the arrays (left_out: their paths) and files (left_out_files) left out, and each
+        node's attributes where some are left out (attributes: the node's path -> the rest)."""
+        left = leftovers.Leftovers(list(options.keep))
+        left.considered(_display(name) for name in written)
+        roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
+        roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
+        self.left_out: set[str] = set()
+        for path, array in self.handles.items():
+            if path in written:
+                continue
+            name, fields = _display(path), {"shape": list(array.shape), "dtype": str(array.dtype)}
+            if left.kept(name):
+                left.copied(name, "array", leftovers.KEPT, **fields)
+            elif path in roles and array.dtype.kind in "iuf":
+                left.copied(name, "array", roles[path], **fields)
+            else:
+                left.drop(name, "array", "numbers not chosen for perturbation (--dataset perturbs them)"
+                          if array.dtype.kind in "iuf" else f"holds {leftovers.not_numbers(array.dtype)}, "
+                          "which tldp does not perturb")
+                self.left_out.add(path)
+        self.left_out_files: set[str] = set()
+        for rel, owner in _not_zarr(files, self.nodes).items():
+            if owner in self.left_out:
+                continue  # left out with its array
+            if owner not in written and left.kept(rel):
+                left.copied(rel, "file", leftovers.KEPT)
+                continue
+            self.left_out_files.add(rel)
+            left.drop(rel, "file", "neither Zarr metadata nor chunks, " + (
+                "inside a perturbed array" if owner in written else "not perturbed"))
+        self.attributes: dict[str, dict[str, Any]] = {}
+        for path, node in {**self.group_handles, **self.handles}.items():
+            if path not in self.left_out:
+                attrs = node.attrs.asdict()
+                kept = {key: value for key, value in attrs.items()
+                        if left.attribute(_display(path), key)}
+                if kept != attrs:
+                    self.attributes[path] = kept
+        left.check(self.path)
+        return left
 
     def _select(self, requested: list[str]) -> list[str]:
         arrays = self.handles
@@ -1005,6 +1055,39 @@ def _statistics_step(pyramid: _Pyramid, fields: list[str], window: dict[str, flo
     return "; ".join(steps) + ": they are computed from the raw values"
 
 
+def _copy_store(reader: ZarrReader, root: Path, metadata: dict[str, dict], attributes: dict[str, dict],
+                perturbed: set[str]) -> None:
+    """Copies the input store to `root` but the perturbed arrays' chunks and what the reader
+    leaves out (arrays, files: formats.leftovers), then writes the rewritten metadata
+    (`metadata`, by node path) and Zarr 2 attributes (`attributes`), with every other node's
+    attributes less those left out."""
+    left_out = reader.left_out | reader.left_out_files
+
+    def skip(directory: str, entries: list[str]) -> list[str]:
+        rel = Path(directory).relative_to(reader.path).as_posix()
+        rel = rel if rel != "." else ""
+        return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
+                or posixpath.join(rel, e) in left_out]
+
+    # The reader refused links; one made since is copied as a link, not followed.
+    shutil.copytree(reader.path, root, ignore=skip, symlinks=True)
+    nodes = {n.path: n for n in reader.nodes}
+    for path, attrs in reader.attributes.items():
+        if path in perturbed:
+            continue  # in `metadata` or `attributes` already
+        if reader.zarr_format == 2:
+            attributes[path] = attrs
+        elif path in metadata:  # a regenerated level
+            metadata[path]["attributes"] = attrs
+        else:
+            metadata[path] = {**nodes[path].meta, "attributes": attrs}
+    for path, meta in metadata.items():
+        name = "zarr.json" if reader.zarr_format == 3 else ".zarray"  # (Zarr 2: arrays only here)
+        (root / path / name).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
+        (root / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+
+
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
@@ -1067,18 +1150,7 @@ class ZarrWriter(Writer):
             for leftover in [p for p in tmp_path.rglob("*") if _STORE_TEMP.search(p.name)]:
                 leftover.unlink()
         else:
-            def skip_chunks(directory: str, entries: list[str]) -> list[str]:
-                rel = Path(directory).relative_to(reader.path).as_posix()
-                if (rel if rel != "." else "") in metadata:
-                    return [e for e in entries if e not in METADATA_FILES]
-                return []
-
-            # The reader refused links; one made since is copied as a link, not followed.
-            shutil.copytree(reader.path, tmp_path, ignore=skip_chunks, symlinks=True)
-            for path, meta in metadata.items():
-                (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
-                (tmp_path / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+            _copy_store(reader, tmp_path, metadata, attributes, set(names.values()))
             for pyramid in self.pyramids:
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
             for pyramid, fields in reader.raw_statistics.items():
@@ -1103,6 +1175,7 @@ class ZarrWriter(Writer):
         for job_name, path in names.items():
             array = reader.handles[path]
             attrs, dropped, pairs = _cf_output_attrs(f"{reader.path}: array {job_name}", array,
+                                                     reader.attributes.get(path, array.attrs.asdict()),
                                                      reader.encodings.get(job_name), self.dtype)
             if dropped:
                 dropped_attrs[job_name] = dropped

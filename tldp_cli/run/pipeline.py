@@ -78,6 +78,7 @@ class PerturbOptions:
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
+    keep: list[str] = field(default_factory=list)  # what is copied raw rather than dropped (formats.leftovers)
     input_format: str | None = None  # --format: the format's NAME, None: detected
     image_format: str = "png"
     copy_other: bool = False
@@ -333,20 +334,25 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         reader.close()
 
 
-# The formats whose readers honour --exclude.
+# The formats whose readers honour --exclude, and --keep.
 EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors")
 CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
 
 
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
-    """What the format's reader is told; refuses --exclude where no reader would honour it."""
+    """What the format's reader is told; refuses --exclude and --keep where no reader would
+    honour them."""
     if options.exclude and module.NAME not in EXCLUDE_FORMATS:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.NAME}")
+    if options.keep and module.NAME not in KEEP_FORMATS:
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
+                         f"(.npz, .safetensors), not {module.NAME}: it has nothing else to keep")
     if options.public_missing and module.NAME not in CF_FORMATS:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.NAME}")
-    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
+    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
 
@@ -869,7 +875,9 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     comes from the plan, the reader and the writer, never from the data. `masked`: the
     arrays a weight mask covers."""
     extra = dict(reader.manifest_extra if reader else {})
-    extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
+    for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
+        # what is written raw and left out: the reader's and the writer's together
+        extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
     record = privacy_warnings.record_name(reader.format if reader else None, jobs, run.rows,
                                           bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
