@@ -15,6 +15,7 @@ their offsets as float32 (exactly) and written back rounded to bfloat16.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from dataclasses import dataclass
