@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Budget, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
+from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, fail, run
@@ -32,7 +32,7 @@ def audit_command(
              "whose floating-point leak the audit detects. --noise discrete-* audits integer "
              "data.")] = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
-    budget: BudgetOption = Budget.element,
+    budget: BudgetOption = None,
     value_range: Annotated[str, typer.Option(
         "--range", metavar="LO:HI", help="The declared value range; the neighbours sit at its ends.")] = "0:256",
     elements: Annotated[str, typer.Option(
@@ -88,7 +88,7 @@ def audit_command(
 
     def action():
         return audit_mod.run(
-            mechanism=mechanism.value, budget=budget.value, epsilon=eps,
+            mechanism=mechanism.value, budget=budget.value if budget else None, epsilon=eps,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             value_range=parse_range(value_range), shape=audit_mod.parse_shape(elements),
             dp_delta=dp_delta, granularity=granularity, samples=samples, confidence=confidence,

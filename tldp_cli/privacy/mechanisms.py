@@ -132,7 +132,10 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
               rows: int | None = None, granularity: float | None = None) -> Calibration:
     """The noise scale and retain probability for the options (see _calibrate); refuses,
     as usage errors, parameters whose arithmetic leaves float64 and calibrations that
-    keep every value."""
+    keep every value. --mechanism privunit is calibrated per record shape: calibrate_privunit."""
+    if mechanism == PRIVUNIT:
+        raise UsageError("--mechanism privunit is calibrated from the record's shape and value range "
+                         "(calibrate_privunit), not from its number of elements")
     try:
         calib = _calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
                            range_width=range_width, elements=elements, dp_delta=dp_delta, rows=rows,

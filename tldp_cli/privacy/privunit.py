@@ -207,15 +207,18 @@ def cap_probability_bounds(gamma: float, k: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------- public rules
 
 # PROVISIONAL, to be tuned on scikit-learn's 8x8 digits (never on the data released):
-# the default number of basis coefficients is K_PER_EPS * eps, at least K_MIN, at most I.
+# the default number of basis coefficients is K_PER_EPS * eps, at least K_MIN, at most
+# K_MAX (beyond about eps 10 the cap's floor MIN_CAP_PROBABILITY binds, and a larger k only
+# lowers E<V, u>) and at most I.
 K_PER_EPS = 16
 K_MIN = 4
+K_MAX = 64
 
 
 def default_k(epsilon: float, elements: int) -> int:
     """The number of coefficients k when --basis does not give it: a public rule of --eps
     and the record's size only (PROVISIONAL constants, see K_PER_EPS)."""
-    return int(min(elements, max(K_MIN, round(K_PER_EPS * epsilon))))
+    return int(min(elements, K_MAX, max(K_MIN, round(K_PER_EPS * epsilon))))
 
 
 def reference_point(lo: float, hi: float) -> float:
