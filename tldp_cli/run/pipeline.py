@@ -41,6 +41,7 @@ from tldp_cli.privacy.mechanisms import (
     calibrate_arrays,
     calibrate_privunit,
     check_parameters,
+    default_noise,
     matrix_rows,
     raw_release_advice,
     resolve_budget,
@@ -63,7 +64,7 @@ Progress = Callable[[int, int], None]  # (records just finished, total records)
 class PerturbOptions:
     input: Path
     epsilon: float
-    noise: str = "laplace"
+    noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)
     mechanism: str = "tldp"
     budget: str | None = None  # None: the mechanism's own (element; record for privunit)
     value_range: tuple[float, float] | None = None  # --range LO:HI: every array without its own
@@ -286,7 +287,8 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     """Refuses option values that cannot work (usage errors), before any file is read;
     returns the options with the noise as drawn (sampled_noise) and the budget resolved
     (resolve_budget)."""
-    options = dataclasses.replace(options, budget=resolve_budget(options.mechanism, options.budget))
+    options = dataclasses.replace(options, budget=resolve_budget(options.mechanism, options.budget),
+                                  noise=default_noise(options.mechanism) if options.noise is None else options.noise)
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
                      epsilon=options.epsilon, dp_delta=options.dp_delta)
     if options.mechanism == PRIVUNIT:
