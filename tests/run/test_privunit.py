@@ -152,6 +152,7 @@ def test_a_bad_user_basis_is_refused(cli, tmp_path, matrix, fragment):
     (("--mechanism", "privunit", "--basis", "dct:1"), "K >= 2", 2),
     (("--mechanism", "privunit", "--basis", "dct:65"), "2 <= k <= 64", 2),
     (("--mechanism", "privunit", "--basis", "eigen.txt"), "give dct, dct:K, or a .npy", 2),
+    (("--mechanism", "privunit", "--granularity", "0.5"), "--granularity applies", 2),
 ])
 def test_refusals(cli, tmp_path, args, fragment, code):
     src, _ = make_npy(tmp_path)
