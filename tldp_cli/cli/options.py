@@ -55,6 +55,7 @@ class InputFormat(str, Enum):
     zarr = "zarr"
     npz = "npz"
     safetensors = "safetensors"
+    nifti = "nifti"
     images = "images"
 
 
