@@ -158,8 +158,9 @@ class _Frame:
         except InputError:
             raise
         except Exception as exc:  # EOFError from a cut gzip stream, ValueError from a short read
-            raise InputError(f"{self.path}: cannot read {frame_name(self.index)} of its voxels ({exc}); "
-                             "the file may be truncated or corrupt") from None
+            what = "its voxels" if self.shape[-1] == 1 else f"{frame_name(self.index)} of its voxels"
+            raise InputError(f"{self.path}: cannot read {what} ({exc}); it may be truncated or "
+                             "corrupt") from None
         return frame.astype(frame.dtype.newbyteorder("="), copy=False)[None][start:stop]
 
 
