@@ -136,8 +136,9 @@ def frame_name(index: int) -> str:
 
 @dataclass(frozen=True)
 class _Frame:
-    """Reads one 3-D frame (one record) through nibabel's array proxy. Picklable: opens the
-    file inside each call."""
+    """Reads one 3-D frame (one record) through nibabel's array proxy, which decodes its
+    byte order and scaling. Picklable: a .nii is opened inside each call; a .nii.gz is read
+    through its process's one stream of the file (_GzipFrames), opened on first use."""
 
     path: Path
     shape: tuple[int, ...]  # the volume's spatial axes, then its frames
@@ -146,15 +147,23 @@ class _Frame:
     slope: float
     inter: float
     index: int
+    compressed: bool = False
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         from nibabel.arrayproxy import ArrayProxy
 
         try:
-            with _opened(self.path) as f:
-                proxy = ArrayProxy(f, (self.shape, self.dtype, self.offset, self.slope, self.inter),
+            if self.compressed:
+                size = int(np.prod(self.shape[:-1], dtype=np.int64)) * self.dtype.itemsize
+                data = _gzip_frames(self.path, self.offset, size).frame(self.index)
+                proxy = ArrayProxy(io.BytesIO(data), (self.shape[:-1], self.dtype, 0, self.slope, self.inter),
                                    mmap=False)
-                frame = np.asarray(proxy[..., self.index])
+                frame = np.asarray(proxy[...])
+            else:
+                with open_regular(self.path) as f:
+                    proxy = ArrayProxy(f, (self.shape, self.dtype, self.offset, self.slope, self.inter),
+                                       mmap=False)
+                    frame = np.asarray(proxy[..., self.index])
         except InputError:
             raise
         except Exception as exc:  # EOFError from a cut gzip stream, ValueError from a short read
@@ -162,6 +171,86 @@ class _Frame:
             raise InputError(f"{self.path}: cannot read {what} ({exc}); it may be truncated or "
                              "corrupt") from None
         return frame.astype(frame.dtype.newbyteorder("="), copy=False)[None][start:stop]
+
+
+class _GzipFrames:
+    """The frames of a gzip-compressed series, inflated in order from one stream: gzip has no
+    random access, so reading each frame from the start would inflate a series of T frames
+    T/2 times over. Reading frame k after frame j < k inflates only the frames between, and
+    those passed over wait here (up to WAITING_BYTES) for their own read: blocks run a few at
+    a time, a little out of order. A frame before the stream's place (a second pass over the
+    file) opens the file again."""
+
+    WAITING_BYTES = 64 << 20
+
+    def __init__(self, path: Path, offset: int, frame_bytes: int):
+        self.path, self.offset, self.frame_bytes = path, offset, frame_bytes
+        self.lock = threading.Lock()
+        self.stream: BinaryIO | None = None
+        self.raw: BinaryIO | None = None
+        self.next = 0  # the frame the stream is at
+        self.waiting: dict[int, bytes] = {}
+
+    def frame(self, index: int) -> bytes:
+        with self.lock:
+            if index in self.waiting:
+                return self.waiting.pop(index)
+            if self.stream is None or index < self.next:
+                self._open(index)
+            while self.next < index:
+                passed = self._read()
+                if (len(self.waiting) + 1) * self.frame_bytes > self.WAITING_BYTES and self.waiting:
+                    self.waiting.pop(min(self.waiting))
+                self.waiting[self.next - 1] = passed
+            return self._read()
+
+    def _open(self, index: int) -> None:
+        self.close()
+        self.raw = open_regular(self.path)
+        self.stream = _gzip_ng().GzipNGFile(fileobj=self.raw, mode="rb")
+        self.stream.seek(self.offset + index * self.frame_bytes)  # inflates up to the frame
+        self.next, self.waiting = index, {}
+
+    def _read(self) -> bytes:
+        data = self.stream.read(self.frame_bytes)
+        if len(data) < self.frame_bytes:
+            raise EOFError(f"the stream ends {self.frame_bytes - len(data)} bytes into {frame_name(self.next)}")
+        self.next += 1
+        return data
+
+    def close(self) -> None:
+        for handle in (self.stream, self.raw):
+            if handle is not None:
+                with contextlib.suppress(OSError, EOFError):
+                    handle.close()
+        self.stream = self.raw = None
+        self.waiting = {}
+
+
+_STREAMS: dict[tuple, _GzipFrames] = {}  # by file (path and identity): one stream per process
+_STREAMS_LOCK = threading.Lock()
+
+
+def _stream_key(path: Path) -> tuple:
+    info = os.stat(path)
+    return (os.path.abspath(path), info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+def _gzip_frames(path: Path, offset: int, frame_bytes: int) -> _GzipFrames:
+    key = (_stream_key(path), offset, frame_bytes)
+    with _STREAMS_LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = _GzipFrames(path, offset, frame_bytes)
+        return _STREAMS[key]
+
+
+def _close_streams(path: Path) -> None:
+    """Closes this process's streams of `path` (the reader's close)."""
+    with _STREAMS_LOCK:
+        for key in [key for key in _STREAMS if key[0][0] == os.path.abspath(path)]:
+            stream = _STREAMS.pop(key)
+            with stream.lock:
+                stream.close()
 
 
 def _load(path: Path):
@@ -204,6 +293,7 @@ class NiftiReader(Reader):
             raise InputError(f"{path}: the volume is empty (shape {self.shape}); nothing to perturb")
         self.scaling = None if slope is None or (slope, inter or 0.0) == (1.0, 0.0) \
             else (float(slope), float(inter or 0.0))
+        self.compressed = _is_gzip(path)
         self._check_size()
         self.messages: list[str] = []
         if self.scaling:
@@ -229,7 +319,7 @@ class NiftiReader(Reader):
     def _check_size(self) -> None:
         """A .nii shorter than its header says is refused now (a .nii.gz when it is read)."""
         needed = self.offset + int(np.prod(self.shape, dtype=np.int64)) * self.stored.itemsize
-        if not _is_gzip(self.path):
+        if not self.compressed:
             size = os.stat(self.path).st_size
             if size < needed:
                 raise InputError(f"{self.path}: ends {needed - size} bytes before its voxel data does "
@@ -247,7 +337,8 @@ class NiftiReader(Reader):
             if self.frames > 1:
                 source["frame"] = index
             jobs.append(ArrayJob(name=name, shape=(1, *self.spatial), dtype=value_dtype,
-                                 read=_Frame(self.path, layout, self.stored, self.offset, slope, inter, index),
+                                 read=_Frame(self.path, layout, self.stored, self.offset, slope, inter, index,
+                                             self.compressed),
                                  source=source))
         return jobs
 
@@ -286,7 +377,7 @@ class NiftiReader(Reader):
         return [[job.name for job in jobs]] if len(jobs) > 1 else None
 
     def close(self) -> None:
-        pass
+        _close_streams(self.path)
 
 
 def _same(value: Any, default: Any) -> bool:
