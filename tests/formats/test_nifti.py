@@ -195,6 +195,8 @@ def test_keep_copies_the_named_fields_and_extensions(cli, tmp_path):
     assert img.shape == data.shape and np.array_equal(img.affine, nib.load(src).affine)
     typo = cli("perturb", src, "--eps", "1", "--out", tmp_path / "typo.nii.gz", "--keep", "@descript")
     assert_one_line_error(typo, 2, "--keep @descript matches no")
+    plain = volume(tmp_path / "plain.nii.gz", data)  # a blank field: nothing to keep, nothing to refuse
+    assert "unperturbed" not in run(cli, plain, tmp_path / "plain.tldp.nii.gz", "--keep", "@descrip")
 
 
 def test_plan_reads_the_header_alone(cli, tmp_path):

@@ -254,7 +254,7 @@ def data_file(path: Path) -> str | None:
             return "DICOM: a medical image whose headers can name the patient"
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
                 or head[4:8] in (b"n+2\0", b"ni2\0"):
-            return "NIfTI: a medical image volume"
+            return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
         if _is_pickle(path):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
         for module in modules():

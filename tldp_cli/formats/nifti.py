@@ -346,6 +346,7 @@ class NiftiReader(Reader):
         """The header fields and extensions the output leaves out (the manifest's `dropped`),
         or copies when --keep names them (`unperturbed`)."""
         left = leftovers.Leftovers(list(options.keep))
+        left.considered(f"@{key}" for key in self.header.keys())  # --keep @descrip on a blank one: nothing to do
         blank = self.image_class.header_class()
         self.kept_fields: list[str] = []
         for key in self.header.keys():
