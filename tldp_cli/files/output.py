@@ -57,11 +57,16 @@ FORMAT_SUFFIXES = {
     "npz": (".npz",),
     "safetensors": (".safetensors",),
     "zarr": (".zarr",),
+    "nifti": (".nii",),  # and .nii.gz, whose last suffix (.gz) names no format
     "images": (),
 }
 FORMAT_TITLES = {"npy": ".npy array", "hdf5": "HDF5 file", "npz": ".npz file",
-                 "safetensors": ".safetensors file", "zarr": "Zarr store", "images": "folder of images"}
+                 "safetensors": ".safetensors file", "zarr": "Zarr store", "nifti": "NIfTI volume",
+                 "images": "folder of images"}
 FOLDER_FORMATS = ("zarr", "images")
+# Formats whose readers know them by the name's suffix alone (nibabel.load): the output's
+# name must end with one of these.
+REQUIRED_SUFFIXES = {"nifti": (".nii", ".nii.gz")}
 # Pseudo-filesystems whose paths name no data: an input there is refused and no output
 # is ever derived from one (`perturb /dev/stdin` must not write into /dev).
 _SPECIAL_ROOTS = (Path("/dev"), Path("/proc"), Path("/sys"))
@@ -119,6 +124,10 @@ def destination(out: Path | None, out_text: str | None, default: Path, format_na
             raise OutputError(f"{text}: --out names a folder that does not exist")
         return _resolve(out, "output") / default.name
     _check_suffix(out, format_name)
+    required = REQUIRED_SUFFIXES.get(format_name, ())
+    if required and not out.name.lower().endswith(required):
+        raise UsageError(f"{out}: {FORMAT_TITLES[format_name]} readers know the format by the name's suffix; "
+                         f"end it with {' or '.join(required)}")
     return out
 
 

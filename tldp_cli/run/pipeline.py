@@ -368,7 +368,7 @@ def _perturb_input(options: PerturbOptions, progress: Progress | None) -> Pertur
 
 # The formats whose readers honour --exclude, and --keep.
 EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
-KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors")
+KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors", "nifti")
 CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
 
 
@@ -379,8 +379,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.NAME}")
     if options.keep and module.NAME not in KEEP_FORMATS:
-        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
-                         f"(.npz, .safetensors), not {module.NAME}: it has nothing else to keep")
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
+                         f"(.npz, .safetensors) and NIfTI volumes, not {module.NAME}: it has nothing else to keep")
     if options.public_missing and module.NAME not in CF_FORMATS:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.NAME}")
@@ -806,7 +806,10 @@ def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]
     arrays perturbed together that share their first axis (row i of each is subject i):
     the same dimension where the format names them (ArrayJob.row_dimension), else the
     same length; every other array is a record scope of its own. [] when no two arrays
-    share rows."""
+    share rows. A reader that knows its rows says so (Reader.rows: a NIfTI series' frames)."""
+    own = reader.rows(jobs)
+    if own is not None:
+        return own
     if format_name not in ("hdf5", "zarr") or reader.records_are_tensors:
         return []
     by_length: dict[tuple[int, str | None], list[str]] = {}
@@ -963,8 +966,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
         # what is written raw and left out: the reader's and the writer's together
         extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
-    record = privacy_warnings.record_name(reader.format if reader else None, jobs, run.rows,
-                                          bool(reader and reader.records_are_tensors))
+    record = (reader and reader.record_description) or privacy_warnings.record_name(
+        reader.format if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
                                               options.epsilon, options.budget)]
