@@ -44,7 +44,7 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.pipeline import Plan, PerturbOptions, plan, resolve_range
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import FormatOptions
 from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.sampling.rng import Streams
@@ -224,7 +224,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
                 shape = (1, *_read_output_image(out_path, image.has_alpha).shape)
             except Exception as exc:
                 issues.append({"check": "pairing", "passed": False,
-                               "detail": f"{out_path}: cannot be read ({exc})"})
+                               "detail": f"{out_path}: cannot be read ({reason_of(exc)})"})
                 continue
 
             def read(start, stop, p=out_path, a=image.has_alpha):
@@ -377,7 +377,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
         calib, calibrations, cert = _recomputed(m, calibrations, grid, records)
     except (KeyError, TypeError, ValueError, UsageError) as exc:
         return {"check": "parameters", "passed": False,
-                "detail": f"the manifest's mechanism cannot be recomputed ({exc})", "mismatches": []}
+                "detail": f"the manifest's mechanism cannot be recomputed ({reason_of(exc)})", "mismatches": []}
     weights = m.get("weights")
     factor = 1 - float((weights or {}).get("min") or 0.0)  # min may be withheld (data-derived mask)
     compare("noise_scale", m.get("noise_scale"), calib.scale)
@@ -728,7 +728,7 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
             try:
                 labels = np.load(path, allow_pickle=False)
             except Exception as exc:
-                raise InputError(f"{path}: not a readable .npy array ({exc})") from None
+                raise InputError(f"{path}: not a readable .npy array ({reason_of(exc)})") from None
         else:
             labels = load_records(path)
     if labels.ndim != 1:
@@ -954,7 +954,7 @@ def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path, per_
     try:
         run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
     except UsageError as exc:
-        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
     records_of: dict[Calibration, int] = {}
     for job in jobs:
         calib = run.calib_of[job.name]

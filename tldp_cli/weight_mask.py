@@ -22,7 +22,7 @@ from PIL import Image
 from tldp_cli import __version__, formats
 from tldp_cli.files import output
 from tldp_cli.files.checked_io import json_value
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
 from tldp_cli.run.pipeline import DEFAULT_RANGE_BITS, block_bounds, check_finite, resolve_range
@@ -253,7 +253,7 @@ def read_mask_image(path: Path) -> np.ndarray:
                 return np.asarray(im.getchannel(0)).astype(np.float64) / 255.0
             rgb = np.asarray(im.convert("RGB"))
     except Exception as exc:
-        raise InputError(f"{path}: not a readable image ({exc})") from None
+        raise InputError(f"{path}: not a readable image ({reason_of(exc)})") from None
     if not (np.array_equal(rgb[..., 0], rgb[..., 1]) and np.array_equal(rgb[..., 0], rgb[..., 2])):
         raise InputError(f"{path}: is a colour image; a mask image must be grayscale "
                          "(black = weight 0, white = weight 1)")

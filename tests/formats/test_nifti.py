@@ -225,6 +225,24 @@ def test_a_truncated_volume_is_refused_in_one_line(cli, tmp_path, suffix):
     assert siblings(tmp_path) == before  # no output, manifest or work folder left
 
 
+@pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])
+def test_memory_running_out_while_a_frame_is_read_is_not_called_damage(cli, tmp_path, monkeypatch, suffix):
+    """A MemoryError while nibabel reads a frame was reported as 'cannot read its voxels
+    (); it may be truncated or corrupt': the run says memory ran out, as for every format."""
+    from nibabel.arrayproxy import ArrayProxy
+
+    def out_of_memory(self, key):
+        raise MemoryError()
+
+    src = volume(tmp_path / f"bold{suffix}", np.zeros((4, 4, 3, 2), np.int16))
+    monkeypatch.setattr(ArrayProxy, "__getitem__", out_of_memory)
+    before = siblings(tmp_path)
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_error(result, 1, f"{src}: ran out of memory (MemoryError)")
+    assert "truncated" not in result.stderr
+    assert siblings(tmp_path) == before
+
+
 @pytest.mark.parametrize("suffix", [".nii", ".nii.gz"])
 @pytest.mark.parametrize("slope", [None, 0.25])
 def test_reader_streams_one_frame_per_array_as_nibabel_reads_it(tmp_path, suffix, slope):

@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
 WORK_MARK = ".tldp-tmp-"
 PARTIAL_MARK = ".tldp-partial"  # .NAME.tldp-partial: a resumable run's output (run/resume.py)
@@ -76,7 +76,7 @@ def _resolve(path: Path, what: str) -> Path:
     try:
         return path.resolve()
     except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
-        raise OutputError(f"{path}: {what} path cannot be resolved ({exc})") from None
+        raise OutputError(f"{path}: {what} path cannot be resolved ({reason_of(exc)})") from None
 
 
 def _special_root(path: Path) -> str | None:
@@ -98,7 +98,7 @@ def check_input(path: Path) -> None:
     except FileNotFoundError:
         raise InputError(f"{path}: no such file or directory") from None
     except (RuntimeError, OSError) as exc:
-        raise InputError(f"{path}: cannot be opened ({getattr(exc, 'strerror', None) or exc})") from None
+        raise InputError(f"{path}: cannot be opened ({reason_of(exc)})") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise InputError(f"{path}: not a regular file or folder (a pipe or device); tldp reads "
                          "files and folders: save the data to a file first")
@@ -229,6 +229,58 @@ def check_free_space(folder: Path, needed: int, what: Path) -> None:
         return
     if needed > free:
         raise OutputError(f"{what}: needs about {_size(needed)} but {folder} has {_size(free)} free")
+
+
+def available_memory() -> int | None:
+    """About how many bytes this process can still allocate and use: the least of the
+    memory the system has available (with free swap), what its cgroup's limit leaves, and
+    what its address-space limit (ulimit -v) leaves; None where none can be read."""
+    limits = []
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines()}
+        limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        limits.append(_cgroup_room())
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            status = Path("/proc/self/status").read_text().splitlines()
+            used = int(next(line for line in status if line.startswith("VmSize:")).split()[1]) * 1024
+            limits.append(soft - used)
+    limits = [limit for limit in limits if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _cgroup_room() -> int | None:
+    """What the memory limit of this process's cgroup (v2, or v1) leaves beside the memory
+    its processes hold (the page cache can be reclaimed); None without a limit."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        v2 = controllers == ""
+        if not (v2 or "memory" in controllers.split(",")):
+            continue
+        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+        for folder in (root / where.lstrip("/"), root):  # a container sees its own cgroup as the root
+            limit_file = folder / ("memory.max" if v2 else "memory.limit_in_bytes")
+            if limit_file.is_file():
+                limit = limit_file.read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 60:
+                    return None
+                stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
+                return int(limit) - int(stat["anon" if v2 else "total_rss"])
+    return None
+
+
+def check_free_memory(needed: int, what: str) -> None:
+    """Refuses, before anything is allocated, work that cannot fit in memory: `needed` is
+    the least it must hold at once; `what` says what needs it."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise OutOfMemory(f"{what} needs at least {_size(needed)} of memory, but this process has about "
+                          f"{_size(available)} available; nothing was written")
 
 
 def _size(n: float) -> str:
@@ -366,7 +418,10 @@ def _parents_locked(finals: list[Path]):
     fds = []
     try:
         for folder in sorted({_resolve(final.parent, "output") for final in finals}):
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                raise removed_during_run(folder) from None
             fds.append(fd)
             _lock(fd, wait=True)
         yield
@@ -385,7 +440,7 @@ class WorkFolder:
             new.mkdir(mode=0o700)
         except OSError as exc:
             raise OutputError(f"{final.parent}: cannot create a temporary folder there "
-                              f"({exc.strerror or exc})") from None
+                              f"({reason_of(exc)})") from None
         self._lock_fd: int | None = None
         try:
             self._lock_fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -473,6 +528,7 @@ class Staging:
     def __init__(self):
         self._folders: dict[Path, WorkFolder] = {}  # by destination folder
         self._targets: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._inodes: dict[Path, int] = {}  # final -> the inode moved there
         self.notes: list[str] = []
 
     def temporary(self, final: Path) -> Path:
@@ -500,9 +556,14 @@ class Staging:
     def _journal(self) -> None:
         """Writes down the moves before the first, so that the next run can finish them if
         this one is killed in between (see _finish_commit)."""
+        for tmp, final in self._targets:
+            try:
+                self._inodes[final] = tmp.lstat().st_ino
+            except FileNotFoundError:
+                raise removed_during_run(tmp) from None
         if not self._folders:
             return
-        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": tmp.lstat().st_ino}
+        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": self._inodes[final]}
                  for tmp, final in self._targets]
         journal = next(iter(self._folders.values())).path / COMMIT_JOURNAL
         with open(journal, "x", encoding="utf-8") as f:
@@ -527,16 +588,32 @@ class Staging:
                         raise OutputError(f"{final}: appeared while tldp was writing (another run?); "
                                           "nothing was replaced") from None
                     done.append(("placed", tmp, final))
-        except BaseException:
+        except BaseException as exc:
             for how, tmp, final in reversed(done):
                 try:
                     swap(tmp, final) if how == "swapped" else os.rename(final, tmp)
                 except OSError:
                     pass
+            if isinstance(exc, FileNotFoundError):  # a temporary, or the destination's folder
+                raise removed_during_run(final) from None
             raise
         for _, tmp, _ in done:  # the replaced outputs, now in the work folders
             if os.path.lexists(tmp):
                 remove(tmp)
+
+    def check_in_place(self) -> None:
+        """After commit: raises OutputError if an output is no longer what was moved into
+        place (another program removed it meanwhile), after removing this run's other
+        outputs, so that a run never reports a file that is not there and never leaves a
+        manifest without its output."""
+        gone = [final for final, inode in self._inodes.items() if _inode(final) != inode]
+        if not gone:
+            return
+        for final, inode in self._inodes.items():
+            if final not in gone and _inode(final) == inode:
+                remove(final)
+        raise OutputError(f"{gone[0]}: removed by another program as soon as tldp had moved it into "
+                          "place; the run's other files were removed too")
 
     def discard(self) -> None:
         for folder in self._folders.values():
@@ -546,6 +623,13 @@ class Staging:
     def close(self) -> None:
         """After commit: the emptied work folders go."""
         self.discard()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
 
 
 def _flush_folder(folder: Path) -> None:
@@ -582,7 +666,7 @@ def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as exc:
-                raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+                raise OutputError(f"{path}: cannot write ({reason_of(exc)})") from None
         staging.commit(overwrite)
     except BaseException:
         staging.discard()
@@ -598,17 +682,33 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def interrupt(signum, frame):
+    """Ctrl-C and SIGTERM in a process that ends with its run (the `tldp` command): they
+    stop the run (KeyboardInterrupt) until its outputs are moved into place. From then on
+    they stay ignored (see uninterruptible), so that nothing after the commit (the summary,
+    threads ending, the interpreter's exit) turns an output in place into an error or a
+    death by signal: the process exits 0."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def uninterruptible():
     """Ctrl-C and SIGTERM are ignored inside: once a run starts moving its outputs into
     place it finishes, so that it never reports "nothing was written" with the output in
-    place. Only the main thread sets signal handlers; elsewhere this does nothing."""
+    place. Yields `keep`, to call once the outputs are in place: the signals then stay
+    ignored until the process exits if their handler was `interrupt`; otherwise (a
+    library caller's handlers, or a failed commit) the previous handlers come back. Only
+    the main thread sets signal handlers; elsewhere this does nothing."""
+    committed = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
     try:
-        yield
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, signal.SIG_IGN)
+        yield lambda: committed.append(True)
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            if not (committed and handler is interrupt):
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)

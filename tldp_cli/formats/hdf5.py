@@ -73,7 +73,7 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import (
     ArrayJob,
     FormatOptions,
@@ -130,7 +130,7 @@ def _reason(exc: Exception) -> str:
     """h5py's 'Unable to synchronously open file (truncated file: ...)' -> 'truncated file: ...'."""
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # str() quotes a key
     match = re.fullmatch(r"Unable to (?:synchronously )?[^(]*\((.*)\)", text, re.DOTALL)
-    return match.group(1) if match else text
+    return (match.group(1) if match else text).strip() or reason_of(exc)
 
 
 def _is_numeric(dtype: np.dtype) -> bool:
@@ -159,7 +159,7 @@ def _check_not_shrunk(path: Path, size: int) -> None:
     try:
         now = os.stat(path).st_size
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None
     if now < size:
         raise InputError(f"{path}: the file shrank from {size} to {now} bytes while tldp was "
                          "reading it")
@@ -343,6 +343,8 @@ class _Records:
                 with h5py.File(self.path, "r") as f:
                     ds = f[self.dataset]
                     block = ds[start:stop] if self.deflated is None else self.deflated.read(ds, start, stop)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)  # the likelier cause of "truncated file"
             raise InputError(f"{self.path}: cannot read records {start}:{stop} of dataset "
@@ -759,6 +761,8 @@ class _Whole:
         try:
             with h5py.File(self.path, "r") as f:
                 values = np.asarray(f[self.dataset][()])
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)
             raise InputError(f"{self.path}: cannot read dataset {self.dataset} ({_reason(exc)})") from None
@@ -1007,7 +1011,7 @@ class Hdf5Writer(Writer):
             with open(reader.path, "rb") as f:
                 self.userblock = f.read(fcpl.get_userblock())  # HDF5 leaves it to its owner to write
         except OSError as exc:
-            raise InputError(f"{reader.path}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{reader.path}: cannot read ({reason_of(exc)})") from None
         with writing(tmp_path):
             self.output = _Output(tmp_path)
         self.file = None

@@ -54,7 +54,7 @@ from zlib_ng import zlib_ng
 from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, FormatOptions, Reader, Writer, data_file, dicom_refused, is_dicom, listing,
                              plural)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -233,7 +233,7 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     entering it. An entry that is neither a regular file nor a directory (a FIFO, which
     would never end a read, a socket, a device) is refused, as inside a Zarr store."""
     def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
-        raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
+        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
 
     images, others, links = [], [], []
     for directory, dirs, files in os.walk(root, onerror=unreadable):
@@ -243,7 +243,7 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
             try:
                 mode = path.lstat().st_mode
             except OSError as exc:
-                raise InputError(f"{root}: cannot list {rel} ({exc.strerror})") from None
+                raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
             if stat.S_ISLNK(mode):
                 links.append(rel)
             elif stat.S_ISREG(mode):
@@ -283,9 +283,11 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
-        raise InputError(f"{image.path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{image.path}: cannot read ({reason_of(exc)})") from None
+    except MemoryError:  # not damage: the run says memory ran out
+        raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
+        raise InputError(f"{image.path}: cannot be decoded as an image ({reason_of(exc)}); pass --skip-bad "
                          "to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
@@ -326,9 +328,11 @@ class ImageFolderReader(Reader):
             except _Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
-                reason = f"cannot read ({exc.strerror})"
+                reason = f"cannot read ({reason_of(exc)})"
+            except MemoryError:  # not damage: the run says memory ran out
+                raise
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({exc})"
+                reason = f"cannot be decoded as an image ({reason_of(exc)})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
                                           header.dtype, header.has_alpha, header.has_icc))
@@ -417,7 +421,7 @@ class ImageFolderReader(Reader):
                 with _opened(source) as f:
                     text = f.read().decode("utf-8-sig")  # a BOM would stop json.loads
             except OSError as exc:
-                raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+                raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
             except UnicodeDecodeError:
                 raise _unreadable_index(source, "not UTF-8 text") from None
             names = _IndexNames(rel, self.out_names, self.unwritten)
@@ -567,7 +571,7 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
         raise InputError(f"{path}: name map not found; the images were renamed by perturb "
                          "--anonymize-names: give its name map with --name-map") from None
     except OSError as exc:
-        raise InputError(f"{path}: not a readable name map ({exc})") from None
+        raise InputError(f"{path}: not a readable name map ({reason_of(exc)})") from None
     document = json_value(text, f"{path}: not a readable name map: it")
     if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
         raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
@@ -705,7 +709,7 @@ def _rewrite_csv(text: str, names: _IndexNames, where: Path) -> tuple[str, list[
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
-        raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
+        raise _unreadable_index(where, f"not readable as CSV ({reason_of(exc)})") from None
     if not rows:
         return text, []
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
@@ -796,7 +800,7 @@ class ImageFolderWriter(Writer):
         try:
             src = _opened(source)
         except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
         with src, writing(target), open(target, "wb") as dst:
             copy_bytes(src, source, dst, target)
         return target

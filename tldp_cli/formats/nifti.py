@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, leftovers, tldp_name
 
@@ -164,11 +164,11 @@ class _Frame:
                     proxy = ArrayProxy(f, (self.shape, self.dtype, self.offset, self.slope, self.inter),
                                        mmap=False)
                     frame = np.asarray(proxy[..., self.index])
-        except InputError:
+        except (InputError, MemoryError):  # MemoryError is not damage: the run says memory ran out
             raise
         except Exception as exc:  # EOFError from a cut gzip stream, ValueError from a short read
             what = "its voxels" if self.shape[-1] == 1 else f"{frame_name(self.index)} of its voxels"
-            raise InputError(f"{self.path}: cannot read {what} ({exc}); it may be truncated or "
+            raise InputError(f"{self.path}: cannot read {what} ({reason_of(exc)}); it may be truncated or "
                              "corrupt") from None
         return frame.astype(frame.dtype.newbyteorder("="), copy=False)[None][start:stop]
 
@@ -267,7 +267,7 @@ def _load(path: Path):
         with _opened(path) as f:
             header = klass.header_class.from_fileobj(f)
     except Exception as exc:  # HeaderDataError, EOFError, ValueError on damaged headers
-        raise InputError(f"{path}: not a readable NIfTI header ({exc})") from None
+        raise InputError(f"{path}: not a readable NIfTI header ({reason_of(exc)})") from None
     return klass, header
 
 
@@ -287,7 +287,7 @@ class NiftiReader(Reader):
             self.offset = int(header.get_data_offset())
             slope, inter = header.get_slope_inter()
         except Exception as exc:
-            raise InputError(f"{path}: not a readable NIfTI header ({exc})") from None
+            raise InputError(f"{path}: not a readable NIfTI header ({reason_of(exc)})") from None
         check_numeric_dtype(path, self.stored, "the volume")
         if not self.shape or 0 in self.shape:
             raise InputError(f"{path}: the volume is empty (shape {self.shape}); nothing to perturb")

@@ -12,6 +12,7 @@ memory until the members before them are written (at most a few blocks in flight
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import struct
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
@@ -73,7 +74,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _corrupt(path: Path, exc: Exception) -> InputError:
-    return InputError(f"{path}: not a valid .npz file ({exc}); it may be truncated or corrupt")
+    return InputError(f"{path}: not a valid .npz file ({reason_of(exc)}); it may be truncated or corrupt")
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ class _Member:
         try:
             with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
                 array = np.lib.format.read_array(f, allow_pickle=False)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:  # bad CRC, truncated deflate stream, ...
-            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({exc}); "
+            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({reason_of(exc)}); "
                              "the file may be corrupt") from None
         return array[None][start:stop]
 
@@ -151,8 +154,15 @@ class NpzReader(Reader):
                 read_header = (np.lib.format.read_array_header_1_0 if major == 1
                                else np.lib.format.read_array_header_2_0)
                 shape, _, dtype = read_header(f)
+                header = f.tell()
         except Exception as exc:
-            raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array ({exc})") from None
+            raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array "
+                             f"({reason_of(exc)})") from None
+        declared = header + math.prod(shape) * dtype.itemsize
+        if declared > info.file_size:  # checked before a tensor is read (and its size allocated)
+            raise InputError(f"{self.path}: member {info.filename} declares a {'x'.join(map(str, shape))} "
+                             f"{_dtype_name(dtype)} array ({declared:,} bytes with its header) but holds "
+                             f"{info.file_size:,} bytes; the file is damaged")
         self.dtypes[_key(info.filename)] = dtype
         return Tensor(_key(info.filename), tuple(shape), _dtype_name(dtype))
 
@@ -231,7 +241,7 @@ class NpzWriter(Writer):
                         member = self.src.open(info)
                     except Exception as exc:
                         raise InputError(f"{self.source}: cannot copy member {info.filename} "
-                                         f"({exc}); the file may be corrupt") from None
+                                         f"({reason_of(exc)}); the file may be corrupt") from None
                     with member:
                         copy_bytes(member, f"{self.source} (member {info.filename})", f, self.path)
             self.next += 1

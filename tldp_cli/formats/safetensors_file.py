@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError, OutputError
+from tldp_cli.errors import InputError, OutputError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
 from tldp_cli.files.checked_io import copy_bytes, fsync_file, json_value, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
@@ -89,7 +89,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
             length = struct.unpack("<Q", f.read(8))[0]
             raw = f.read(length)
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None
     if len(raw) < length:
         raise _invalid(path, f"its header of {length} bytes ends after the file, {len(raw)} bytes in")
     header = json_value(raw, f"{path}: not a valid safetensors file: its header")
@@ -102,7 +102,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
         with safe_open(str(path), framework="np") as f:
             metadata = f.metadata()
     except Exception as exc:
-        raise _invalid(path, str(exc)) from None
+        raise _invalid(path, reason_of(exc)) from None
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -136,8 +136,10 @@ class _Read:
 
                 with safe_open(str(self.path), framework="np") as f:
                     values = f.get_tensor(tensor.name)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
-            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({exc})") from None
+            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({reason_of(exc)})") from None
         return np.asarray(values)[None][start:stop]
 
 

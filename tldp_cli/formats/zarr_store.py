@@ -44,7 +44,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.errors import InputError, OutputError, UsageError, reason_of
 from tldp_cli.files.checked_io import Background, flushed_files, json_value, open_regular
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
@@ -98,7 +98,7 @@ def _read_json(store: Path, file: Path) -> dict[str, Any]:
         with open_regular(file, follow_links=False) as f:  # listed as a regular file: still one
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
+        raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({reason_of(exc)})") from None
     meta = json_value(text, f"{store}: damaged Zarr store: {where}")
     if not isinstance(meta, dict):
         raise InputError(f"{store}: damaged Zarr store: {where} is not a JSON object")
@@ -139,7 +139,7 @@ def _files(store: Path) -> list[str]:
     A link is refused rather than skipped: zarr would follow it when reading, and the
     copy of the unperturbed files would publish whatever it points to."""
     def unreadable(exc: OSError):
-        raise InputError(f"{store}: cannot list {exc.filename} ({exc.strerror})")
+        raise InputError(f"{store}: cannot list {exc.filename} ({reason_of(exc)})")
 
     files = []
     for directory, dirs, names in os.walk(store, onerror=unreadable):
@@ -217,7 +217,7 @@ def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int
                                    use_consolidated=False)
         return zarr.open_array(store=store, path=node, mode=mode, zarr_format=zarr_format)
     except Exception as exc:  # zarr raises many kinds on bad metadata
-        detail = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
+        detail = f"no {exc} field" if isinstance(exc, KeyError) else reason_of(exc)
         raise InputError(f"{where}: damaged Zarr store: {kind} {_display(node)} has invalid "
                          f"metadata ({detail})") from None
 
@@ -262,9 +262,11 @@ class _Records:
             return np.asarray(array[start:stop])
         except InputError:
             raise
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             raise InputError(f"{self.store}: cannot read records {start}-{stop} of array "
-                             f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
+                             f"{_display(self.name)} ({reason_of(exc)}); a chunk may be damaged") from None
 
 
 # Multiscale images (OME-Zarr / NGFF 0.4 and 0.5). A multiscale group lists its levels,
@@ -895,7 +897,7 @@ class _Blocks:
             raise
         except Exception as exc:
             raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
-                             f"its codecs ({exc})") from None
+                             f"its codecs ({reason_of(exc)})") from None
         self.digests.update((path, hashlib.sha256(data).hexdigest()) for path, data in files)
         if self._disk is None:
             zarr_chunks.write_files(directory, files)

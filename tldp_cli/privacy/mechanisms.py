@@ -15,7 +15,7 @@ from dataclasses import replace
 import functools
 
 from tldp_cli.privacy import accounting, mvg_idn, privunit
-from tldp_cli.errors import UsageError
+from tldp_cli.errors import UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
 MECHANISMS = ("tldp", "baseline", "mvg", "idn", PRIVUNIT)
@@ -142,7 +142,7 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
                            granularity=granularity)
     except (ZeroDivisionError, OverflowError) as exc:
         raise UsageError(f"a value range of width {range_width:g} with --eps {epsilon:g} is beyond "
-                         f"float64 arithmetic ({exc}); express the values in other units") from None
+                         f"float64 arithmetic ({reason_of(exc)}); express the values in other units") from None
     if math.exp(calib.log_p) >= 1.0:
         # Algorithm 1's p weighs a density against a probability, so it depends on the units
         # of the values: a narrow enough range makes it round to 1, every value kept.

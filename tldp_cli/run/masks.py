@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import json_value, open_regular
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.manifest import sha256_file
@@ -127,7 +127,7 @@ def load_mask(path: Path, record_shape: tuple[int, ...], records: int) -> Mask:
     try:
         mm = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as exc:
-        raise InputError(f"{path}: not a readable .npy weight mask ({exc})") from None
+        raise InputError(f"{path}: not a readable .npy weight mask ({reason_of(exc)})") from None
     try:
         if not isinstance(mm, np.ndarray) or mm.dtype.kind not in "iuf":
             raise InputError(f"{path}: a weight mask must be a numeric .npy array")
@@ -163,7 +163,7 @@ def _read_png_mask(path: Path) -> np.ndarray:
     except InputError:
         raise
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-        raise InputError(f"{path}: not a readable mask image ({exc})") from None
+        raise InputError(f"{path}: not a readable mask image ({reason_of(exc)})") from None
     if mode != "L":
         raise InputError(f"{path}: mask PNGs must be 8-bit grayscale (mode L), not mode {mode}")
     return pixels.astype(np.float64) / 255.0

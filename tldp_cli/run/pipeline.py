@@ -32,7 +32,8 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
+from tldp_cli.errors import (DataError, InputError, Interrupted, OutOfMemory, OutputError, TldpError, UsageError,
+                              reason_of)
 from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
@@ -325,7 +326,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     if options.scheduler == "dask":
         dask_runner.require()
         if options.dask_address is not None:
-            dask_runner.parse_address(options.dask_address)
+            dask_runner.check_address(dask_runner.parse_address(options.dask_address))
     for flag, cap, top in (("--max-record-eps", options.max_record_eps, math.inf),
                            ("--max-record-delta", options.max_record_delta, 1.0)):
         if cap is not None and not 0 <= cap <= top:  # NaN too: it would turn the cap off
@@ -336,6 +337,17 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
 
 
 def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
+    """Perturb options.input into its output and manifest (see the module docstring). Memory
+    running out anywhere in the run is an OutOfMemory naming the input (whatever was
+    written is removed, a Zarr partial too)."""
+    try:
+        return _perturb_input(options, progress)
+    except MemoryError as exc:
+        raise OutOfMemory(f"{options.input}: ran out of memory ({reason_of(exc)}); nothing was written: "
+                          "free memory, or run with fewer --workers") from None
+
+
+def _perturb_input(options: PerturbOptions, progress: Progress | None) -> PerturbResult:
     source = options.input
     options = checked_options(options)
     module = formats.detect(source, options.input_format)
@@ -605,6 +617,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                                manifest_path, options.overwrite)
     output.check_free_space(destination.parent, _output_bytes(jobs, run.out_dtype, module.NAME,
                                                              options.image_format), destination)
+    _check_memory(options, jobs, run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
     release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
@@ -627,6 +640,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     try:
         writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
                                         streams, staged, notes, progress)
+        for path in written:  # a cleanup script may have removed the output (or its folder)
+            if not path.is_file():
+                raise output.removed_during_run(path)
         digests = writer.digests()
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
@@ -636,8 +652,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
-        committing.enter_context(output.uninterruptible())
+        keep_uninterruptible = committing.enter_context(output.uninterruptible())
         staging.commit(options.overwrite)
+        keep_uninterruptible()  # the output is in place: the tldp command ends as a success
     except BaseException as exc:
         committing.close()
         staging.discard()
@@ -655,6 +672,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                          f"{'s' if release.subjects != 1 else ''} this release touches: {release.spent.describe()}")
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
+        staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
                              _messages(options, reader, notes, name_map, weights_info, manifest))
 
@@ -861,6 +879,19 @@ def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image
     return sum(job.records * job.elements for job in jobs) * itemsize
 
 
+def _check_memory(options: PerturbOptions, jobs: list[ArrayJob], run: Plan) -> None:
+    """Refuses, before any data is read, a record that cannot fit in this process's memory
+    (a model file's tensor is one record): a block holds at least one, read, its noise and
+    its output side by side. Blocks computed on a cluster's workers are theirs to hold."""
+    if options.scheduler == "dask" and options.dask_address:
+        return
+    noise_bytes = 8 if run.grid is not None else run.out_dtype.itemsize  # exact noise: int64
+    job = max(jobs, key=lambda j: j.elements * j.dtype.itemsize)
+    needed = job.elements * (job.dtype.itemsize + noise_bytes + run.out_dtype.itemsize)
+    output.check_free_memory(needed, f"{_where(job, options.input)}: a record of "
+                                     f"{job.elements:,} elements (read, noised and written whole)")
+
+
 @dataclass
 class _Release:
     db: Any  # the ledger's sqlite3 connection
@@ -1002,8 +1033,8 @@ def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
     """After a failed resumable run: keep the blocks written when a rerun can use them
     (interrupted, cluster lost), raising the message that says so; remove them when the
-    run failed for a reason a rerun will not fix (bad input, options, output)."""
-    if isinstance(exc, TldpError) and not isinstance(exc, dask_runner.ClusterError):
+    run failed for any other reason (bad input, options, output, memory, a bug)."""
+    if not isinstance(exc, (KeyboardInterrupt, dask_runner.ClusterError)):
         partial.remove()
         return
     partial.release()
@@ -1055,7 +1086,7 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
             dumps((task, tasks[0]))
         except Exception as exc:
             raise UsageError(f"{options.input}: the {tasks[0][0].source.get('format')} format cannot "
-                             f"run on Dask (its blocks do not pickle: {exc})") from None
+                             f"run on Dask (its blocks do not pickle: {reason_of(exc)})") from None
     address = dask_runner.parse_address(options.dask_address) if options.dask_address else None
     if address and dask_runner.plain_remote(address):
         messages.append(f"warning: {address} is unencrypted TCP: the run's secret noise key travels to "
