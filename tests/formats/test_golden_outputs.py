@@ -68,6 +68,19 @@ def _netcdf(tmp: Path, digits: np.ndarray) -> Path:
     return path
 
 
+def _nifti(tmp: Path, digits: np.ndarray) -> Path:
+    """A 4-D series (28 x 28 x 5 voxels, 4 frames) as nibabel writes it, with header text."""
+    import nibabel as nib
+
+    path = tmp / "series.nii.gz"
+    data = digits[:20].reshape(4, 5, 28, 28).transpose(3, 2, 1, 0).astype(np.int16)
+    img = nib.Nifti1Image(data, np.diag([0.5, 0.5, 2.0, 1.0]))
+    img.header["descrip"] = b"digits as a scan"
+    img.set_data_dtype(np.int16)
+    img.to_filename(str(path))
+    return path
+
+
 def _sample(name: str):
     return lambda tmp, digits: SAMPLES / name
 
@@ -82,6 +95,7 @@ CASES = {
     "images": (_sample("digits_png"), ()),
     "npz": (_npz, ("--clip", "0.5", "--exclude", "steps")),
     "safetensors": (_safetensors, ("--clip", "0.5", "--keep", "steps")),
+    "nifti": (_nifti, ("--range", "0:256")),
 }
 
 

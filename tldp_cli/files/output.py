@@ -58,6 +58,9 @@ class OutputKind(Protocol):
     title: str  # how messages name it: "HDF5 file"
     folder: bool  # a folder, not a file
     suffixes: tuple[str, ...]  # the suffixes that name it
+    # Where its readers know it by the name's suffix alone (nibabel.load): the output's
+    # name must end with one of these; () where any name will do.
+    required_suffixes: tuple[str, ...]
 
 
 # Pseudo-filesystems whose paths name no data: an input there is refused and no output
@@ -124,6 +127,10 @@ def destination(out: Path | None, out_text: str | None, default: Path, kind: Out
     if other is not None:
         raise UsageError(f"{out}: the name says {other}, but the input is a {kind.title} and tldp "
                          "writes the input's format; name the output accordingly")
+    required = kind.required_suffixes
+    if required and not out.name.lower().endswith(required):
+        raise UsageError(f"{out}: {kind.title} readers know the format by the name's suffix; "
+                         f"end it with {' or '.join(required)}")
     return out
 
 

@@ -24,8 +24,10 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors`, `manifest_inputs()` and `markers_are_data()`
-(CF missing-data markers inside the declared range) with defaults.
+the files skipped), `records_are_tensors`, `record_description` (what one subject's
+record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
+arrays whose row i is one subject's record, where the format knows) and
+`markers_are_data()` (CF missing-data markers inside the declared range) with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
 defaults of a writer that needs none of it: `messages` (its own lines, shown after the
@@ -99,9 +101,18 @@ class Reader:
     records_are_tensors = False  # model files: each tensor is one record of its own
     messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
+    # What one subject's record is, in words, for the warnings (a NIfTI file: the whole scan);
+    # None: the pipeline says it from the arrays
+    record_description: str | None = None
 
     def arrays(self) -> list[ArrayJob]:
         raise NotImplementedError
+
+    def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
+        """The arrays among `jobs` whose row i is one subject's record, where the format says
+        so (a NIfTI series: all its frames are one person's); None: the pipeline's rule (HDF5
+        and Zarr arrays that share their first axis)."""
+        return None
 
     def manifest_inputs(self) -> list[dict[str, Any]]:
         """The manifest's `inputs` entries: the arrays' sources."""
@@ -209,6 +220,9 @@ class Format:
     create_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer]
     docs: tuple[DocRow, ...]  # its rows of the formats table, the first one the format itself
     suffixes: tuple[str, ...] = ()  # names that say this format: --out x.h5 on a .npy input is refused
+    # Where its readers know it by the name's suffix alone (nibabel.load): --out must end
+    # with one of these.
+    required_suffixes: tuple[str, ...] = ()
     # Two-part suffixes that the tools reading them match whole (Keras loads only
     # *.weights.h5): the default output's ".tldp" goes before them (tldp_name).
     compound_suffixes: tuple[str, ...] = ()
@@ -258,6 +272,7 @@ FORMAT_MODULES = {
     "zarr": "zarr_store",
     "npz": "npz",
     "safetensors": "safetensors_file",
+    "nifti": "nifti",
     "images": "images",
 }
 
@@ -307,11 +322,38 @@ def detect(path: Path, format_name: str | None = None) -> Format:
     for fmt in registered():
         if fmt.can_open(path):
             return fmt
+    if path.is_file() and is_dicom(path):
+        raise dicom_refused(path)
     if path.is_file() and _is_pickle(path):
         raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
     raise InputError(f"{path}: not a dataset tldp can read (supported: {', '.join(names())})")
+
+
+DICOM_REASON = ("its headers hold patient names and IDs, which tldp does not read; convert it to NIfTI "
+                "without identifiers first (e.g. dcm2niix -ba y) and perturb the .nii.gz")
+
+
+def is_dicom(path: Path) -> bool:
+    """A DICOM file: the magic DICM after the 128-byte preamble, or the .dcm suffix. False
+    for what is not a regular file (never opened: a FIFO would block)."""
+    if path.name.lower().endswith(".dcm"):
+        return True
+    try:
+        if not path.is_file():
+            return False
+        with open_regular(path) as f:
+            return f.read(132)[128:] == b"DICM"
+    except (OSError, InputError):
+        return False
+
+
+def dicom_refused(path: Path, files: int | None = None) -> InputError:
+    """The error for DICOM input: a file, or a folder holding `files` DICOM files."""
+    what = "a DICOM file" if files is None else f"a folder of {plural(files, 'DICOM file')}"
+    reason = DICOM_REASON if files is None else DICOM_REASON.replace("convert it", "convert them")
+    return InputError(f"{path}: {what}: {reason}")
 
 
 def data_file(path: Path) -> str | None:
@@ -325,11 +367,11 @@ def data_file(path: Path) -> str | None:
             return None
         with open_regular(path) as f:
             head = f.read(352)
-        if name.endswith(".dcm") or head[128:132] == b"DICM":
+        if name.endswith(".dcm") or head[128:132] == b"DICM":  # is_dicom, on the head read here
             return "DICOM: a medical image whose headers can name the patient"
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
                 or head[4:8] in (b"n+2\0", b"ni2\0"):
-            return "NIfTI: a medical image volume"
+            return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
         if _is_pickle(path):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
         for fmt in registered():

@@ -55,8 +55,8 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, listing,
-                              plural)
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, dicom_refused,
+                              is_dicom, listing, plural)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -343,6 +343,9 @@ class ImageFolderReader(Reader):
             found += [plural(len(bad), "unreadable image")] if bad else []
             found += [plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
+            dicom = sum(is_dicom(path / rel) for rel in self.others)
+            if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
+                raise dicom_refused(path, dicom)
             if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
                 raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
                                  "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "

@@ -361,8 +361,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
-        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
-                         f"(.npz, .safetensors), not {module.name}: it has nothing else to keep")
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
+                         f"(.npz, .safetensors) and NIfTI volumes, not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -782,7 +782,11 @@ def row_groups(module: formats.Format, reader, jobs: list[ArrayJob]) -> list[lis
     (Format.shares_rows: HDF5 files, Zarr stores), the arrays perturbed together that share
     their first axis (row i of each is subject i): the same dimension where the format
     names them (ArrayJob.row_dimension), else the same length; every other array is a
-    record scope of its own. [] when no two arrays share rows."""
+    record scope of its own. [] when no two arrays share rows. A reader that knows its
+    rows says so (Reader.rows: a NIfTI series' frames)."""
+    own = reader.rows(jobs)
+    if own is not None:
+        return own
     if not module.shares_rows or reader.records_are_tensors:
         return []
     by_length: dict[tuple[int, str | None], list[str]] = {}
@@ -918,8 +922,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
         # what is written raw and left out: the reader's and the writer's together
         extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
-    record = privacy_warnings.record_name(formats.get(reader.format) if reader else None, jobs, run.rows,
-                                          bool(reader and reader.records_are_tensors))
+    record = (reader and reader.record_description) or privacy_warnings.record_name(
+        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
                                               options.epsilon, options.budget)]
