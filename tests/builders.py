@@ -225,12 +225,14 @@ def make_images(tmp_path):
 
 
 # --------------------------------------------------------------------------- round trip
-# The round-trip contract every input format runs (one subclass per format): a subclass says
-# how to make a real input file in tmp_path, how to read its perturbable arrays back, and how
-# to check that everything else came through unchanged; the base class runs perturb through
-# the CLI and checks what holds for every format.
+# The round-trip contract every registered format runs (tests/formats/test_round_trip.py,
+# parametrised over the registry): a case, a subclass beside the format's other tests, says
+# which format it is, how to make a real input file in tmp_path, how to read its perturbable
+# arrays back, and how to check that everything else came through unchanged; the base class
+# runs perturb through the CLI and checks what holds for every format.
 
 class RoundTrip:
+    format: str  # the registered format's name (formats.FORMAT_MODULES)
     extra_args: tuple[str, ...] = ()
     out_suffix = ""  # what an output's name must end with (NIfTI: .nii or .nii.gz)
 
@@ -253,7 +255,7 @@ class RoundTrip:
     def _run(self, cli: Cli, src: Path, out: Path, *more):
         return cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *self.extra_args, *more)
 
-    def test_round_trip(self, cli, tmp_path):
+    def check_round_trip(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         before = tree_digest(src)
         out = self._out(tmp_path, "out")
@@ -276,7 +278,7 @@ class RoundTrip:
         assert Path(str(out) + ".manifest.json").is_file()
         assert not [n for n in siblings(tmp_path) if ".tmp-" in n], "temporary files left behind"
 
-    def test_same_seed_same_output(self, cli, tmp_path):
+    def check_same_seed_same_output(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         for name in ("a", "b"):
             assert self._run(cli, src, self._out(tmp_path, name)).exit_code == 0
@@ -284,7 +286,7 @@ class RoundTrip:
         for key in first:
             np.testing.assert_array_equal(first[key], second[key])
 
-    def test_workers_give_identical_output(self, cli, tmp_path):
+    def check_workers_give_identical_output(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         for name, workers in (("serial", "1"), ("threads", "3")):
             assert self._run(cli, src, self._out(tmp_path, name), "--workers", workers).exit_code == 0
@@ -293,7 +295,7 @@ class RoundTrip:
         for key in serial:
             np.testing.assert_array_equal(serial[key], threads[key])
 
-    def test_refuses_to_overwrite(self, cli, tmp_path):
+    def check_refuses_to_overwrite(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         out = self._out(tmp_path, "out")
         assert self._run(cli, src, out).exit_code == 0

@@ -77,7 +77,8 @@ def noise_std(manifest: dict) -> float:
     return step * math.sqrt((1 - manifest["retain_probability"]) * 2 * a / (1 - a) ** 2)
 
 
-class TestNiftiRoundTrip(RoundTrip):
+class NiftiRoundTrip(RoundTrip):
+    format = "nifti"
     out_suffix = ".nii.gz"
 
     def make_input(self, tmp_path):

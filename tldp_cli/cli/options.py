@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
 
@@ -50,14 +51,8 @@ class ImageFormat(str, Enum):
     tiff = "tiff"
 
 
-class InputFormat(str, Enum):
-    npy = "npy"
-    hdf5 = "hdf5"
-    zarr = "zarr"
-    npz = "npz"
-    safetensors = "safetensors"
-    nifti = "nifti"
-    images = "images"
+# --format's choices: the registered formats, in detection order (no format module is imported).
+InputFormat = Enum("InputFormat", {name: name for name in formats.names()}, type=str)
 
 
 class Scheduler(str, Enum):

@@ -40,6 +40,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Protocol
 
 from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
@@ -49,24 +50,19 @@ _NEW_MARK = ".tldp-new-"  # a work folder before its lock is taken
 _NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run starting up
 LOCK_FILE = "lock"
 
-# Suffixes that name a format, so that `--out x.h5` on a .npy input is refused, not
-# written as a .npy file with the wrong name.
-FORMAT_SUFFIXES = {
-    "npy": (".npy",),
-    "hdf5": (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
-    "npz": (".npz",),
-    "safetensors": (".safetensors",),
-    "zarr": (".zarr",),
-    "nifti": (".nii",),  # and .nii.gz, whose last suffix (.gz) names no format
-    "images": (),
-}
-FORMAT_TITLES = {"npy": ".npy array", "hdf5": "HDF5 file", "npz": ".npz file",
-                 "safetensors": ".safetensors file", "zarr": "Zarr store", "nifti": "NIfTI volume",
-                 "images": "folder of images"}
-FOLDER_FORMATS = ("zarr", "images")
-# Formats whose readers know them by the name's suffix alone (nibabel.load): the output's
-# name must end with one of these.
-REQUIRED_SUFFIXES = {"nifti": (".nii", ".nii.gz")}
+
+class OutputKind(Protocol):
+    """What the output is, as the rules above need it (the formats layer declares it:
+    formats.Format)."""
+
+    title: str  # how messages name it: "HDF5 file"
+    folder: bool  # a folder, not a file
+    suffixes: tuple[str, ...]  # the suffixes that name it
+    # Where its readers know it by the name's suffix alone (nibabel.load): the output's
+    # name must end with one of these; () where any name will do.
+    required_suffixes: tuple[str, ...]
+
+
 # Pseudo-filesystems whose paths name no data: an input there is refused and no output
 # is ever derived from one (`perturb /dev/stdin` must not write into /dev).
 _SPECIAL_ROOTS = (Path("/dev"), Path("/proc"), Path("/sys"))
@@ -109,35 +105,33 @@ def _names_folder(text: str) -> bool:
     return text.endswith((os.sep, "/")) or Path(text).name in ("", "..")
 
 
-def destination(out: Path | None, out_text: str | None, default: Path, format_name: str) -> Path:
+def destination(out: Path | None, out_text: str | None, default: Path, kind: OutputKind,
+                named_by: Callable[[str], str | None]) -> Path:
     """The output path: `default` without --out, else --out by the rules above.
 
-    `out_text` is --out as typed (a trailing slash survives there, not in a Path)."""
+    `out_text` is --out as typed (a trailing slash survives there, not in a Path).
+    `named_by(suffix)`: how messages name the other format a suffix names, if one does, so
+    that `--out x.h5` on a .npy input is refused, not written as a .npy file with the wrong
+    name."""
     if out is None:
         return default
     text = out_text if out_text is not None else str(out)
     if text == "-":
         raise UsageError("--out -: tldp writes files, not standard output; give a file or folder path")
-    is_file_output = format_name not in FOLDER_FORMATS
-    if _names_folder(text) or (is_file_output and out.is_dir()):
+    if _names_folder(text) or (not kind.folder and out.is_dir()):
         if not out.is_dir():
             raise OutputError(f"{text}: --out names a folder that does not exist")
         return _resolve(out, "output") / default.name
-    _check_suffix(out, format_name)
-    required = REQUIRED_SUFFIXES.get(format_name, ())
+    suffix = out.suffix.lower()
+    other = None if suffix in kind.suffixes else named_by(suffix)
+    if other is not None:
+        raise UsageError(f"{out}: the name says {other}, but the input is a {kind.title} and tldp "
+                         "writes the input's format; name the output accordingly")
+    required = kind.required_suffixes
     if required and not out.name.lower().endswith(required):
-        raise UsageError(f"{out}: {FORMAT_TITLES[format_name]} readers know the format by the name's suffix; "
+        raise UsageError(f"{out}: {kind.title} readers know the format by the name's suffix; "
                          f"end it with {' or '.join(required)}")
     return out
-
-
-def _check_suffix(out: Path, format_name: str) -> None:
-    suffix = out.suffix.lower()
-    for other, suffixes in FORMAT_SUFFIXES.items():
-        if other != format_name and suffix in suffixes and suffix not in FORMAT_SUFFIXES[format_name]:
-            raise UsageError(f"{out}: the name says {FORMAT_TITLES[other]}, but the input is a "
-                             f"{FORMAT_TITLES[format_name]} and tldp writes the input's format; "
-                             f"name the output accordingly")
 
 
 def store_root(path: Path) -> Path | None:

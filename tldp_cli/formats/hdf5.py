@@ -76,6 +76,8 @@ from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import (
     ArrayJob,
+    DocRow,
+    Format,
     FormatOptions,
     Reader,
     Writer,
@@ -91,7 +93,6 @@ from tldp_cli.formats import cf, hdf5_chunks, leftovers, tensor_files
 from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 FILL_LIMIT = 1 << 30  # bytes of a perturbed dataset read as fill value, allowed whatever the file's size
 FILL_RATIO = 16  # ... or this many times the file's size
@@ -123,7 +124,7 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    return tldp_name(path, path.suffix)
+    return tldp_name(path, path.suffix, FORMAT.compound_suffixes)
 
 
 def _reason(exc: Exception) -> str:
@@ -979,7 +980,7 @@ class Hdf5Writer(Writer):
         self.path = tmp_path
         self.source = reader.path
         self.dtype = np.dtype(dtype)
-        self.messages = reader.messages
+        self.messages: list[str] = []
         src = self.src = reader.file
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
         # Keras weights: each keeps its dtype and shape (one record each), variances stay > 0
@@ -1338,3 +1339,18 @@ class Hdf5Writer(Writer):
 def create_writer(reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Hdf5Writer:
     return Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)
+
+
+FORMAT = Format(
+    name=NAME, title="HDF5 file", suffixes=(".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
+    compound_suffixes=(".weights.h5",),
+    selects_arrays=True, honours_exclude=True, honours_keep=True, cf_markers=True, shares_rows=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("HDF5 file", "the HDF5 signature (any suffix)",
+                 "`tldp perturb sample_data/digits.h5 --eps 1 --dataset images`",
+                 "`digits.tldp.h5`: same groups, structural attributes, chunks, filters; labels and other "
+                 "datasets not perturbed left out ([below](#what-is-not-perturbed))"),
+          DocRow("Keras 3 `.weights.h5`", "an HDF5 file with the Keras weights layout",
+                 "`tldp perturb model.weights.h5 --eps 1 --clip 0.1`",
+                 "`model.tldp.weights.h5`: the same groups, attributes, dtypes and shapes")),
+)

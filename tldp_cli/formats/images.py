@@ -55,13 +55,12 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (ArrayJob, FormatOptions, Reader, Writer, data_file, dicom_refused, is_dicom, listing,
-                             plural)
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, dicom_refused,
+                              is_dicom, listing, plural)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
 NAME = "images"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 # Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
@@ -874,3 +873,34 @@ def _write_image(target: Path, encoded: bytes) -> None:
 def create_writer(reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ImageFolderWriter:
     return ImageFolderWriter(reader, tmp_path, dtype, options)
+
+
+def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
+    """The least the output needs on disk: PNG images 8 bits a value (noise does not
+    compress), TIFF images the engine's dtype."""
+    itemsize = 1 if options.image_format == "png" else np.dtype(dtype).itemsize
+    return sum(job.records * job.elements for job in jobs) * itemsize
+
+
+def is_earlier_output(path: Path, reader: ImageFolderReader) -> bool:
+    """A folder whose manifest names it is an earlier output if it holds images and the
+    files --copy-other copies from this input, nothing else."""
+    copied = set(reader.others)
+    for directory, _, files in os.walk(path):
+        for name in files:
+            rel = (Path(directory) / name).relative_to(path).as_posix()
+            if Path(name).suffix.lower() not in IMAGE_SUFFIXES and rel not in copied:
+                return False
+    return True
+
+
+FORMAT = Format(
+    name=NAME, title="folder of images", folder=True, records_are_files=True, record_noun="an image",
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    name_map_destination=name_map_destination, write_name_map=write_name_map,
+    output_bytes=output_bytes, earlier_output=is_earlier_output,
+    docs=(DocRow("folder of images (PNG, JPEG, BMP, TIFF, WebP)",
+                 "any other directory (subfolders named `0` ... `9` included)",
+                 "`tldp perturb sample_data/digits_png --eps 1`",
+                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG"),),
+)

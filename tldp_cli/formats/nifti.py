@@ -46,10 +46,10 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, leftovers, tldp_name
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, check_numeric_dtype, leftovers,
+                              tldp_name)
 
 NAME = "nifti"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 GZIP_MAGIC = b"\x1f\x8b"
 HEAD_BYTES = 548  # a NIfTI-2 header (540 bytes) and the extension flag
 COMPRESS_LEVEL = 1  # nibabel's default for .nii.gz: noise compresses no better at higher levels
@@ -124,7 +124,7 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    named = tldp_name(path, ".nii")
+    named = tldp_name(path, ".nii", FORMAT.compound_suffixes)
     if named.name.lower().endswith((".nii", ".nii.gz")):
         return named
     return path.with_name(path.name + (".tldp.nii.gz" if _is_gzip(path) else ".tldp.nii"))
@@ -481,3 +481,18 @@ class NiftiWriter(Writer):
 def create_writer(reader: NiftiReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NiftiWriter:
     return NiftiWriter(reader, tmp_path, dtype)
+
+
+FORMAT = Format(
+    # .nii.gz's last suffix (.gz) names no format: only .nii says NIfTI, and nibabel knows
+    # NIfTI by the name alone, so an output's name ends with either.
+    name=NAME, title="NIfTI volume", suffixes=(".nii",), compound_suffixes=(".nii.gz",),
+    required_suffixes=(".nii", ".nii.gz"), honours_keep=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("NIfTI volume (`.nii`, `.nii.gz`; NIfTI-1 and NIfTI-2)",
+                 "the NIfTI header's size and magic (`n+1`, `n+2`), gzip-compressed or not",
+                 "`tldp perturb bold.nii.gz --eps 1`",
+                 "`bold.tldp.nii.gz`: the same dimensions, voxel sizes, units, qform and sform (nibabel gives "
+                 "the same affine), byte order; header text and extensions left out "
+                 "([below](#nifti-volumes-nii-niigz))"),),
+)

@@ -25,11 +25,11 @@ import numpy as np
 
 from tldp_cli.sampling.engine import PAGE
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, tldp_name
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, check_numeric_dtype,
+                              tldp_name)
 from tldp_cli.files.checked_io import Background, fsync_file, pwrite_all, write_direct, writing
 
 NAME = "npy"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAGIC = b"\x93NUMPY"
 
 
@@ -265,3 +265,11 @@ class NpyWriter(Writer):
 def create_writer(reader: NpyReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NpyWriter:
     return NpyWriter(reader.job, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".npy array", suffixes=(".npy",), single_array=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.npy` array", "the NumPy magic bytes", "`tldp perturb sample_data/digits.npy --eps 1`",
+                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input"),),
+)

@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, reason_of
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
+                              tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 ZIP_MAGIC = b"PK\x03\x04"
 COMMENT = "a zip comment (free text), not perturbed"
 
@@ -272,3 +272,14 @@ class NpzWriter(Writer):
 def create_writer(reader: NpzReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NpzWriter:
     return NpzWriter(reader, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".npz file", suffixes=(".npz",), member_noun="tensor",
+    selects_arrays=True, honours_exclude=True, honours_keep=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.npz` archive of named arrays (model parameters)", "a zip whose first member is a `.npy` file",
+                 "`tldp perturb docs/type3/model.npz --eps 1 --clip 0.1`",
+                 "`model.tldp.npz`: same members in the same order, names, dtypes, shapes, byte order, "
+                 "compression"),),
+)

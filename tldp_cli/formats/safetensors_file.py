@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, OutputError, reason_of
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
+                              tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, fsync_file, json_value, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
 STRUCTURAL_METADATA = ("format",)  # __metadata__ keys kept: transformers loads only {"format": "pt", ...}
 METADATA_REASON = "a __metadata__ entry (free text), not perturbed; only format, which loaders need, is kept"
@@ -232,3 +232,14 @@ class SafetensorsWriter(Writer):
 def create_writer(reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> SafetensorsWriter:
     return SafetensorsWriter(reader, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".safetensors file", suffixes=(".safetensors",), member_noun="tensor",
+    selects_arrays=True, honours_exclude=True, honours_keep=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.safetensors` model file", "8-byte little-endian header length and a JSON header",
+                 "`tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1`",
+                 "`model.tldp.safetensors`: the same tensor entries byte for byte (names, dtypes, shapes, "
+                 "order, offsets); of `__metadata__` only `format`"),),
+)

@@ -31,6 +31,7 @@ from PIL import Image
 
 from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import json_value, open_regular
+from tldp_cli import formats
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.manifest import sha256_file
 
@@ -169,9 +170,15 @@ def _read_png_mask(path: Path) -> np.ndarray:
     return pixels.astype(np.float64) / 255.0
 
 
+def _records_are_files(job: ArrayJob) -> bool:
+    """Whether the array is a record that is a file of its own (an image in a folder)."""
+    fmt = formats.of_source(job.source)
+    return fmt is not None and fmt.records_are_files
+
+
 def _load_mask_folder(folder: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[str, Any]]:
     """One mask PNG per image, matched by relative path (suffix .png); all checked now."""
-    if not all(job.source.get("format") == "images" for job in jobs):
+    if not all(_records_are_files(job) for job in jobs):
         raise InputError(f"{folder}: a folder of mask PNGs fits a folder of images only; "
                          "give a .npy weight mask for this input")
     masks, files, missing = {}, [], []

@@ -351,13 +351,13 @@ def _perturb_input(options: PerturbOptions, progress: Progress | None) -> Pertur
     source = options.input
     options = checked_options(options)
     module = formats.detect(source, options.input_format)
-    if options.resume and not module.RESUMABLE:
-        raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
-                         f"{module.NAME} run keeps nothing to resume from")
+    if options.resume and not module.resumable:
+        raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
+                         f"{module.name} run keeps nothing to resume from")
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
-    if options.anonymize_names and module.NAME != "images":
-        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.NAME}")
+    if options.anonymize_names and not module.name_map:
+        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.name}")
     format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
@@ -366,24 +366,18 @@ def _perturb_input(options: PerturbOptions, progress: Progress | None) -> Pertur
         reader.close()
 
 
-# The formats whose readers honour --exclude, and --keep.
-EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
-KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors", "nifti")
-CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
-
-
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     """What the format's reader is told; refuses --exclude and --keep where no reader would
     honour them."""
-    if options.exclude and module.NAME not in EXCLUDE_FORMATS:
+    if options.exclude and not module.honours_exclude:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
-                         f"HDF5 files, not {module.NAME}")
-    if options.keep and module.NAME not in KEEP_FORMATS:
+                         f"HDF5 files, not {module.name}")
+    if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors) and NIfTI volumes, not {module.NAME}: it has nothing else to keep")
-    if options.public_missing and module.NAME not in CF_FORMATS:
+                         f"(.npz, .safetensors) and NIfTI volumes, not {module.name}: it has nothing else to keep")
+    if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
-                         f"files and xarray's Zarr stores, not {module.NAME}")
+                         f"files and xarray's Zarr stores, not {module.name}")
     return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
@@ -603,7 +597,7 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
     jobs = reader.arrays()
-    run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
+    run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                per_tensor=reader.records_are_tensors)
     masks: dict[str, Mask] = {}
     weights_info = None
@@ -615,8 +609,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
                                                manifest_path, options.overwrite)
-    output.check_free_space(destination.parent, _output_bytes(jobs, run.out_dtype, module.NAME,
-                                                             options.image_format), destination)
+    output.check_free_space(destination.parent, module.output_bytes(jobs, run.out_dtype, format_options),
+                            destination)
     _check_memory(options, jobs, run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
@@ -674,7 +668,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             partial.remove()  # only its emptied folder and journal are left
         staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, notes, name_map, weights_info, manifest))
+                             _messages(options, reader, writer, notes, name_map, weights_info, manifest))
 
 
 @dataclass
@@ -693,7 +687,7 @@ def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[
            weights_info, destination: Path, manifest_path: Path, name_map: Path | None) -> _Staged:
     partial = None
     notes: list[str] = []
-    if module.RESUMABLE:
+    if module.resumable:
         partial = resume.Partial(destination,
                                  _resume_record(options, module, jobs, (run.lo, run.hi), weights_info),
                                  options.resume)
@@ -786,9 +780,9 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
         "clip them into range")
 
 
-def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path | None,
+def _messages(options: PerturbOptions, reader, writer, notes: list[str], name_map: Path | None,
               weights_info, manifest: dict[str, Any]) -> list[str]:
-    messages = list(reader.messages) + notes
+    messages = [*reader.messages, *writer.messages, *notes]
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
@@ -801,16 +795,17 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
-def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
-    """The datasets each subject's record spans: in an HDF5 file or Zarr store, the
-    arrays perturbed together that share their first axis (row i of each is subject i):
-    the same dimension where the format names them (ArrayJob.row_dimension), else the
-    same length; every other array is a record scope of its own. [] when no two arrays
-    share rows. A reader that knows its rows says so (Reader.rows: a NIfTI series' frames)."""
+def row_groups(module: formats.Format, reader, jobs: list[ArrayJob]) -> list[list[str]]:
+    """The datasets each subject's record spans: in a format whose arrays share rows
+    (Format.shares_rows: HDF5 files, Zarr stores), the arrays perturbed together that share
+    their first axis (row i of each is subject i): the same dimension where the format
+    names them (ArrayJob.row_dimension), else the same length; every other array is a
+    record scope of its own. [] when no two arrays share rows. A reader that knows its
+    rows says so (Reader.rows: a NIfTI series' frames)."""
     own = reader.rows(jobs)
     if own is not None:
         return own
-    if format_name not in ("hdf5", "zarr") or reader.records_are_tensors:
+    if not module.shares_rows or reader.records_are_tensors:
         return []
     by_length: dict[tuple[int, str | None], list[str]] = {}
     for job in jobs:
@@ -830,14 +825,14 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     default = output.default_beside_store(source, module.default_output(source))
     out_text = None if options.out is None else str(options.out)
     destination = output.destination(None if options.out is None else Path(options.out), out_text,
-                                      default, module.NAME)
+                                      default, module, lambda suffix: _named_by(suffix, module))
     if options.manifest is not None and str(options.manifest) == "-":
         raise UsageError("--manifest -: the manifest is a file; use --json to print it to stdout")
     if options.manifest is not None and str(options.manifest).endswith(("/", os.sep)):
         raise UsageError(f"--manifest {options.manifest}: the manifest is a file; give its path")
     manifest_path = Path(options.manifest) if options.manifest else manifest_mod.default_path(destination)
     output.check_destination(destination, source, options.overwrite, "output",
-                             folder=module.NAME in output.FOLDER_FORMATS,
+                             folder=module.folder,
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
                                                                             manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
@@ -848,10 +843,17 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     return destination, manifest_path
 
 
+def _named_by(suffix: str, module: formats.Format) -> str | None:
+    """How messages name the format other than `module` that `suffix` names, if any."""
+    other = formats.named_by(suffix, skip=module)
+    return None if other is None else other.title
+
+
 def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     """Whether an existing folder is an earlier output of this kind: its tldp manifest is
-    where this run's goes and names files inside it, and it is a Zarr store, or a folder of
-    images (and of the files --copy-other copies from this input)."""
+    where this run's goes and names files inside it, and the format recognises it as its
+    own (Format.earlier_output: a Zarr store; a folder of images and of the files
+    --copy-other copies from this input)."""
     try:
         earlier = manifest_mod.read(manifest_path)
         named = [Path(entry["path"]) for entry in earlier["outputs"]]
@@ -861,22 +863,7 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     if earlier.get("schema") != manifest_mod.SCHEMA or not named or not all(
             folder == Path(os.path.abspath(p)) or folder in Path(os.path.abspath(p)).parents for p in named):
         return False
-    if module.NAME == "zarr":
-        return any((path / name).is_file() for name in module.METADATA_FILES)
-    copied = set(reader.others)
-    for directory, _, files in os.walk(path):
-        for name in files:
-            rel = (Path(directory) / name).relative_to(path).as_posix()
-            if Path(name).suffix.lower() not in module.IMAGE_SUFFIXES and rel not in copied:
-                return False
-    return True
-
-
-def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image_format: str) -> int:
-    """The least the output needs on disk: the perturbed values in their output type (PNG
-    images: 8 bits a value; noise does not compress)."""
-    itemsize = 1 if format_name == "images" and image_format == "png" else dtype.itemsize
-    return sum(job.records * job.elements for job in jobs) * itemsize
+    return module.earlier_output(path, reader)
 
 
 def _check_memory(options: PerturbOptions, jobs: list[ArrayJob], run: Plan) -> None:
@@ -936,12 +923,12 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
 
     perturbed = {job.name for job in jobs}
     default = None
-    if module.NAME in ("hdf5", "zarr") and (options.datasets or options.exclude) and not reader.records_are_tensors:
+    if module.shares_rows and (options.datasets or options.exclude) and not reader.records_are_tensors:
         with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
             default = module.open_reader(Path(options.input), FormatOptions())
     try:
         seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
-        groups = row_groups(module.NAME, reader, seen) or [[job.name] for job in seen]
+        groups = row_groups(module, reader, seen) or [[job.name] for job in seen]
         by_name = {job.name: job for job in seen}
         return [np.stack([of(by_name[name]) for name in group]) for group in groups if perturbed & set(group)]
     finally:
@@ -967,7 +954,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         # what is written raw and left out: the reader's and the writer's together
         extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
     record = (reader and reader.record_description) or privacy_warnings.record_name(
-        reader.format if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
+        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
                                               options.epsilon, options.budget)]
@@ -1059,7 +1046,7 @@ def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_
     option that can change the output, whether a seed was given (never the seed nor anything
     derived from it), the input's arrays and the weights."""
     record: dict[str, Any] = {
-        "input": str(options.input.resolve()), "format": module.NAME,
+        "input": str(options.input.resolve()), "format": module.name,
         "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in jobs],
         "--seed": options.seed is not None, "--weights": weights_info,
     }
