@@ -445,6 +445,9 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if not 2 <= k <= elements:
         raise UsageError(f"--basis: k = {k} coefficients; PrivUnit needs 2 <= k <= {elements} (the "
                          f"record's elements) for records of shape {tuple(record_shape)}")
+    if k > privunit.MAX_K:
+        raise UsageError(f"--basis: k = {k} coefficients; PrivUnit's figures are certified for k up to "
+                         f"{privunit.MAX_K} (docs/guarantee.md); give --basis dct:K with a smaller K")
     gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
     params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
                             record_shape=tuple(int(n) for n in record_shape),
