@@ -5,6 +5,9 @@ blocking and Dask."""
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -183,6 +186,29 @@ def test_a_range_too_wide_for_float64_is_refused(cli, tmp_path):
                  "--dtype", "float64", "--out", tmp_path / "o.npy")
     assert_one_line_error(result, 2, "too wide for --mechanism privunit")
     assert not list(tmp_path.glob("o.npy*"))
+
+
+def test_a_basis_that_is_a_device_is_refused_unread(cli, tmp_path):
+    """--basis read the whole file: a link to /dev/zero filled the memory. Only a regular
+    file is read (checked_io.open_regular)."""
+    src, _ = make_npy(tmp_path)
+    (tmp_path / "dev.npy").symlink_to("/dev/null")
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--basis", tmp_path / "dev.npy")
+    assert_one_line_error(result, 1, "dev.npy: not a regular file (a device)")
+    assert not list(tmp_path.glob("d.tldp*"))
+
+
+@pytest.mark.slow
+def test_a_basis_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """--basis on a FIFO waited forever for a writer."""
+    src, _ = make_npy(tmp_path)
+    os.mkfifo(tmp_path / "fifo.npy")
+    run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", src, "--mechanism", "privunit", "--eps",
+                          "4", "--basis", tmp_path / "fifo.npy"], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"tldp: error: {tmp_path / 'fifo.npy'}: not a regular file (a FIFO); tldp reads only regular files"]
+    assert not list(tmp_path.glob("d.tldp*"))
 
 
 def test_weights_are_refused(cli, tmp_path):
