@@ -487,7 +487,12 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
             except UsageError as exc:
                 raise UsageError(f"{_where(job, options.input)}: {exc}") from None
         calib_of[job.name] = made[key]
-    return _RangeGroup(lo, hi, None, calib_of, np.dtype(options.dtype), user_bases)
+    out_dtype = np.dtype(options.dtype)
+    largest = max(abs(lo), abs(hi))  # the written values are clipped into [lo, hi]
+    if not largest < float(np.finfo(out_dtype).max):
+        raise UsageError(f"{options.input}: --dtype {out_dtype} cannot hold values up to {largest:.3g} (the "
+                         "range); express the values in larger units or use --dtype float64")
+    return _RangeGroup(lo, hi, None, calib_of, out_dtype, user_bases)
 
 
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
