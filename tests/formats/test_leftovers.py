@@ -102,6 +102,26 @@ def test_hdf5_keep_copies_one_raw_and_lists_it(cli, tmp_path):
     assert "copied unchanged: /names, /images@mean_intensity (kept by --keep)" in stderr
 
 
+def test_hdf5_attributes_left_out_of_a_copied_object_leave_no_bytes(cli, tmp_path):
+    """A dataset kept raw and a named datatype are copied whole; the attributes the manifest
+    lists as dropped ("not written") must not be in the output file's bytes either."""
+    src = tmp_path / "kept.h5"
+    with h5py.File(src, "w") as f:
+        f["images"] = IMAGES
+        f["labels"] = np.arange(len(IMAGES))
+        f["labels"].attrs["who"] = "ZQX labels of alice smith"
+        f["labels"].attrs["units"] = "1"
+        f["record_t"] = np.dtype([("name", "S16"), ("age", "i4")])
+        f["record_t"].attrs["note"] = "ZQX type of bob jones"
+    out = tmp_path / "out.h5"
+    manifest, _ = perturb(cli, src, out, "--keep", "/labels")
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["labels"][()], np.arange(len(IMAGES)))
+        assert dict(f["labels"].attrs) == {"units": "1"} and dict(f["record_t"].attrs) == {}
+    assert {"/labels@who", "/record_t@note"} <= set(by_name(manifest["dropped"]))
+    assert b"ZQX" not in out.read_bytes()
+
+
 def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
     src = tmp_path / "scaled.h5"
     with h5py.File(src, "w") as f:

@@ -1090,11 +1090,13 @@ class Hdf5Writer(Writer):
             _create_bare_dimension(obj, dst, name)
         elif isinstance(obj, h5py.Dataset) and _vlen_fill(obj):
             _copy_vlen_filled(obj, dst, name, self.left_out_attrs.get(key))
+        elif key in self.left_out_attrs:
+            # Copied without its attributes, then those written: deleting one from a copy
+            # leaves its bytes in the file.
+            src.copy(name, dst, name=name, without_attrs=True)
+            _copy_attrs(obj, dst[name], self.left_out_attrs[key])
         else:
             src.copy(name, dst, name=name)
-            copy = dst[name]
-            for attr in self.left_out_attrs.get(key, ()):
-                h5a.delete(copy.id, attr)
 
     def _fix_references(self) -> None:
         for src_path, dst_path in self.pairs:
