@@ -122,6 +122,26 @@ def test_hdf5_attributes_left_out_of_a_copied_object_leave_no_bytes(cli, tmp_pat
     assert b"ZQX" not in out.read_bytes()
 
 
+def test_hdf5_user_block_is_zeroed_and_listed_unless_kept(cli, tmp_path):
+    """HDF5 leaves the bytes before its data to other programs: free content, copied only
+    when --keep names it; the output keeps its size (and stays HDF5) with zeros in it."""
+    src = tmp_path / "ub.h5"
+    with h5py.File(src, "w", userblock_size=512) as f:
+        f["images"] = IMAGES
+    with open(src, "r+b") as f:
+        f.write(b"ZQX scans of alice smith")
+    out = tmp_path / "out.h5"
+    manifest, stderr = perturb(cli, src, out)
+    with h5py.File(out, "r") as f:
+        assert f.userblock_size == 512 and f["images"].shape == IMAGES.shape
+    assert out.read_bytes()[:512] == bytes(512)
+    assert by_name(manifest["dropped"])["userblock"]["kind"] == "user block"
+    assert "dropped 1 user block" in stderr
+    kept, _ = perturb(cli, src, tmp_path / "kept.h5", "--keep", "userblock")
+    assert (tmp_path / "kept.h5").read_bytes()[:512] == src.read_bytes()[:512]
+    assert by_name(kept["unperturbed"])["userblock"]["reason"] == "kept by --keep"
+
+
 def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
     src = tmp_path / "scaled.h5"
     with h5py.File(src, "w") as f:
