@@ -481,6 +481,36 @@ def test_index_rows_of_images_not_written_are_dropped(cli, tmp_path, monkeypatch
     assert tree_digest(src) == before
 
 
+def test_a_parquet_index_naming_images_not_written_is_not_copied(cli, tmp_path, monkeypatch):
+    """imagefolder reads metadata.parquet too; tldp cannot rewrite it, so when an image is
+    skipped (or renamed) it is left out and listed, not copied naming a missing image."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    src = tmp_path / "train"
+    for i in range(3):
+        save(src / f"{i}.png", pixels(6, 5, 3))
+    (src / "1.png").write_bytes(b"not a PNG at all")
+    pq.write_table(pa.table({"file_name": [f"{i}.png" for i in range(3)], "caption": ["a", "b", "c"]}),
+                   src / "metadata.parquet")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--skip-bad", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert not (out / "metadata.parquet").exists()
+    dropped = {entry["name"]: entry for entry in manifest_of(out)["dropped"]}
+    assert "cannot rewrite" in dropped["metadata.parquet"]["reason"]
+    assert "did not copy metadata.parquet" in result.stderr
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(out), cache_dir=str(tmp_path / "cache"),
+                                   split="train")
+    assert len(loaded) == 2
+    save(src / "1.png", pixels(6, 5, 3))  # every image written under its own name: copied as it is
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--out", tmp_path / "all")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "all" / "metadata.parquet").read_bytes() == (src / "metadata.parquet").read_bytes()
+
+
 def test_index_rows_naming_symbolic_links_are_dropped(cli, tmp_path):
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
