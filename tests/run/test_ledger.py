@@ -295,6 +295,21 @@ def test_arrays_of_a_row_group_released_in_separate_runs_compose(cli, tmp_path, 
     assert not (tmp_path / "o2.h5").exists()
 
 
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_arrays_of_a_zarr_row_group_given_by_path_compose(cli, tmp_path, order):
+    """`tldp perturb rl.zarr/a`, then `rl.zarr/b`: each array given by its path inside the
+    store is part of the store's row group as --dataset makes it (both passed a cap of 50
+    while each subject had spent 80)."""
+    src, *names = row_group_file(tmp_path, "zarr")
+    first, second = (src / names[i] for i in order)
+    ledger = ("--ledger", src.parent / "ledger.db")
+    assert release(cli, first, tmp_path / "o1.zarr", "50", *ledger).exit_code == 0
+    assert refused_at(release(cli, second, tmp_path / "o2.zarr", "50", *ledger), 80)
+    assert not (tmp_path / "o2.zarr").exists()
+    assert refused_at(release(cli, src, tmp_path / "o3.zarr", "50", "--dataset", names[order[1]]), 80)
+    assert [r["subjects"] for r in listing(cli, src.parent / "ledger.db")["releases"]] == [10]
+
+
 @pytest.mark.parametrize("whole_first", [True, False])
 def test_records_linked_by_one_file_compose_across_other_files(cli, tmp_path, whole_first):
     """Copies of /a's rows and of /b's rows in .npy files of their own are released apart;

@@ -900,11 +900,8 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     def of(job: ArrayJob) -> np.ndarray:
         return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
 
+    default, jobs = _default_reader(options, module, reader, jobs)
     perturbed = {job.name for job in jobs}
-    default = None
-    if module.NAME in ("hdf5", "zarr") and (options.datasets or options.exclude) and not reader.records_are_tensors:
-        with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
-            default = module.open_reader(Path(options.input), FormatOptions())
     try:
         seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
         groups = row_groups(module.NAME, reader, seen) or [[job.name] for job in seen]
@@ -913,6 +910,28 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     finally:
         if default is not None:
             default.close()
+
+
+def _default_reader(options: PerturbOptions, module, reader, jobs: list[ArrayJob]) -> tuple[Any, list[ArrayJob]]:
+    """The reader of the arrays `perturb` takes by default from the file or store the run's
+    arrays belong to (None where the run's own choice is that: no --dataset or --exclude, or
+    no default choice), and the run's arrays named as in it. An array or group given by
+    its path inside a Zarr store (rl.zarr/a) belongs to the store's row groups, as
+    `rl.zarr --dataset a` does."""
+    if module.NAME not in ("hdf5", "zarr") or reader.records_are_tensors:
+        return None, jobs
+    member = output.store_member(Path(options.input)) if module.NAME == "zarr" else None
+    if member is None and not (options.datasets or options.exclude):
+        return None, jobs
+    path = Path(options.input) if member is None else member[0]
+    default = None
+    with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
+        default = module.open_reader(path, FormatOptions())
+    if member is None or default is None:
+        return default, jobs
+    prefix = member[1]
+    return default, [dataclasses.replace(job, name=prefix if job.name == "/" else f"{prefix}/{job.name}")
+                     for job in jobs]
 
 
 def _abandon(release: _Release | None) -> None:
