@@ -147,6 +147,14 @@ def test_the_ledger_never_travels_with_the_output(cli, data, tmp_path):
     assert result.exit_code == 2 and not (tmp_path / "o.npy").exists()
 
 
+def test_the_ledger_is_never_written_into_the_store_of_an_array_given_by_path(cli, tmp_path):
+    src, a, _ = row_group_file(tmp_path, "zarr")
+    before = sorted(p.name for p in src.iterdir())
+    result = cli("perturb", src / a, "--eps", "1", "--out", tmp_path / "o.zarr", "--ledger", src / "ledger.db")
+    assert result.exit_code == 2 and "the ledger cannot be inside the input" in result.stderr
+    assert sorted(p.name for p in src.iterdir()) == before and not (tmp_path / "o.zarr").exists()
+
+
 def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
     """The release is recorded as pending before the output's folders are set up; a run
     refused there (a live run holds the Zarr output) must take its record back."""

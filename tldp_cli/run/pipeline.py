@@ -874,8 +874,10 @@ def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: lis
     if options.ledger is None:
         return None
     path = Path(options.ledger)
-    if Path(options.input).is_dir() and Path(options.input).resolve() in path.resolve().parents:
-        raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
+    member = output.store_member(Path(options.input))  # an array inside a store: the store is raw data too
+    source = Path(options.input) if member is None else member[0]
+    if source.is_dir() and source.resolve() in path.resolve().parents:
+        raise UsageError(f"{path}: the ledger cannot be inside the input {source}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
         touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
