@@ -650,6 +650,23 @@ def test_a_fifo_in_the_folder_is_refused_not_waited_on(tmp_path, fifo, options):
     assert siblings(tmp_path) == before and tree_digest(src) == digest
 
 
+def test_a_file_pillow_does_not_recognise_is_named_not_its_file_object(cli, tmp_path):
+    """Pillow's "cannot identify image file <_io.BufferedReader name=3>" named the open file
+    object; the reason says what is wrong, in the image folder and in a mask folder."""
+    src = tmp_path / "f"
+    save(src / "a.png", pixels(8, 8))
+    (src / "b.png").write_bytes(b"")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert_one_line_error(result, 1, f"{src / 'b.png'}: cannot be decoded as an image (not an image "
+                                     "format Pillow recognises); pass --skip-bad")
+    (src / "b.png").unlink()
+    masks = tmp_path / "masks"
+    save(masks / "a.png", np.full((8, 8), 128, np.uint8))
+    (masks / "a.png").write_bytes(b"GIF89a")
+    result = cli("perturb", src, "--eps", "1", "--weights", masks, "--out", tmp_path / "out")
+    assert_one_line_error(result, 1, "a.png: not a readable mask image (not an image format Pillow recognises)")
+
+
 @pytest.fixture
 def alarm():
     """Fails a test whose read blocks (a FIFO opened to read waits for a writer) instead of

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import tifffile
-from PIL import ExifTags, Image
+from PIL import ExifTags, Image, UnidentifiedImageError
 from zlib_ng import zlib_ng
 
 from tldp_cli import __version__
@@ -130,6 +130,14 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
               6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
               8: Image.Transpose.ROTATE_90}
+
+
+def decode_reason(exc: Exception) -> str:
+    """Why Pillow could not decode an image, in words: its "cannot identify image file"
+    names the open file object (<_io.BufferedReader name=3>), not the file."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image format Pillow recognises"
+    return str(exc) or type(exc).__name__
 
 
 def _opened(path: Path):
@@ -288,8 +296,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except PermissionError as exc:
         raise InputError(f"{image.path}: cannot read ({exc.strerror})") from None
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
-                         "to skip it") from None
+        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)}); "
+                         "pass --skip-bad to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
     return colour[None]
@@ -331,7 +339,7 @@ class ImageFolderReader(Reader):
             except PermissionError as exc:
                 reason = f"cannot read ({exc.strerror})"
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({exc})"
+                reason = f"cannot be decoded as an image ({decode_reason(exc)})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
                                           header.dtype, header.has_alpha, header.has_icc))

@@ -32,6 +32,7 @@ from PIL import Image
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import json_value, not_regular, open_regular
 from tldp_cli.formats import ArrayJob
+from tldp_cli.formats.images import decode_reason
 from tldp_cli.run.manifest import sha256_file
 
 SIDECAR_SCHEMA = "tldp-weight-mask/1"
@@ -165,7 +166,7 @@ def _read_png_mask(path: Path) -> np.ndarray:
     except InputError:
         raise
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-        raise InputError(f"{path}: not a readable mask image ({exc})") from None
+        raise InputError(f"{path}: not a readable mask image ({decode_reason(exc)})") from None
     if mode != "L":
         raise InputError(f"{path}: mask PNGs must be 8-bit grayscale (mode L), not mode {mode}")
     return pixels.astype(np.float64) / 255.0
