@@ -204,14 +204,14 @@ def test_detected_by_content(cli, tmp_path):
         assert f["/train/images"].dtype == PERTURBED
 
 
-def test_user_block_is_detected_and_kept(cli, tmp_path):
+def test_user_block_is_detected_and_kept_by_keep(cli, tmp_path):
     src = tmp_path / "ub.h5"
     with h5py.File(src, "w", userblock_size=1024) as f:
         f["x"] = IMAGES
     with open(src, "r+b") as f:
         f.write(b"a user block")
     assert hdf5.can_open(src)
-    result = run(cli, src)
+    result = run(cli, src, "--keep", "userblock")
     assert result.exit_code == 0, result.stderr
     out = tmp_path / "ub.tldp.h5"
     assert out.read_bytes()[:1024] == src.read_bytes()[:1024]

@@ -483,6 +483,36 @@ def test_index_rows_of_images_not_written_are_dropped(cli, tmp_path, monkeypatch
     assert tree_digest(src) == before
 
 
+def test_a_parquet_index_naming_images_not_written_is_not_copied(cli, tmp_path, monkeypatch):
+    """imagefolder reads metadata.parquet too; tldp cannot rewrite it, so when an image is
+    skipped (or renamed) it is left out and listed, not copied naming a missing image."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    src = tmp_path / "train"
+    for i in range(3):
+        save(src / f"{i}.png", pixels(6, 5, 3))
+    (src / "1.png").write_bytes(b"not a PNG at all")
+    pq.write_table(pa.table({"file_name": [f"{i}.png" for i in range(3)], "caption": ["a", "b", "c"]}),
+                   src / "metadata.parquet")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--skip-bad", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert not (out / "metadata.parquet").exists()
+    dropped = {entry["name"]: entry for entry in manifest_of(out)["dropped"]}
+    assert "cannot rewrite" in dropped["metadata.parquet"]["reason"]
+    assert "did not copy metadata.parquet" in result.stderr
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(out), cache_dir=str(tmp_path / "cache"),
+                                   split="train")
+    assert len(loaded) == 2
+    save(src / "1.png", pixels(6, 5, 3))  # every image written under its own name: copied as it is
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--out", tmp_path / "all")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "all" / "metadata.parquet").read_bytes() == (src / "metadata.parquet").read_bytes()
+
+
 def test_index_rows_naming_symbolic_links_are_dropped(cli, tmp_path):
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
@@ -620,6 +650,23 @@ def test_a_fifo_in_the_folder_is_refused_not_waited_on(tmp_path, fifo, options):
                         "socket or device); tldp reads only regular files: remove it or move it out of "
                         "the folder")
     assert siblings(tmp_path) == before and tree_digest(src) == digest
+
+
+def test_a_file_pillow_does_not_recognise_is_named_not_its_file_object(cli, tmp_path):
+    """Pillow's "cannot identify image file <_io.BufferedReader name=3>" named the open file
+    object; the reason says what is wrong, in the image folder and in a mask folder."""
+    src = tmp_path / "f"
+    save(src / "a.png", pixels(8, 8))
+    (src / "b.png").write_bytes(b"")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert_one_line_error(result, 1, f"{src / 'b.png'}: cannot be decoded as an image (not an image "
+                                     "format Pillow recognises); pass --skip-bad")
+    (src / "b.png").unlink()
+    masks = tmp_path / "masks"
+    save(masks / "a.png", np.full((8, 8), 128, np.uint8))
+    (masks / "a.png").write_bytes(b"GIF89a")
+    result = cli("perturb", src, "--eps", "1", "--weights", masks, "--out", tmp_path / "out")
+    assert_one_line_error(result, 1, "a.png: not a readable mask image (not an image format Pillow recognises)")
 
 
 @pytest.fixture

@@ -102,6 +102,46 @@ def test_hdf5_keep_copies_one_raw_and_lists_it(cli, tmp_path):
     assert "copied unchanged: /names, /images@mean_intensity (kept by --keep)" in stderr
 
 
+def test_hdf5_attributes_left_out_of_a_copied_object_leave_no_bytes(cli, tmp_path):
+    """A dataset kept raw and a named datatype are copied whole; the attributes the manifest
+    lists as dropped ("not written") must not be in the output file's bytes either."""
+    src = tmp_path / "kept.h5"
+    with h5py.File(src, "w") as f:
+        f["images"] = IMAGES
+        f["labels"] = np.arange(len(IMAGES))
+        f["labels"].attrs["who"] = "ZQX labels of alice smith"
+        f["labels"].attrs["units"] = "1"
+        f["record_t"] = np.dtype([("name", "S16"), ("age", "i4")])
+        f["record_t"].attrs["note"] = "ZQX type of bob jones"
+    out = tmp_path / "out.h5"
+    manifest, _ = perturb(cli, src, out, "--keep", "/labels")
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["labels"][()], np.arange(len(IMAGES)))
+        assert dict(f["labels"].attrs) == {"units": "1"} and dict(f["record_t"].attrs) == {}
+    assert {"/labels@who", "/record_t@note"} <= set(by_name(manifest["dropped"]))
+    assert b"ZQX" not in out.read_bytes()
+
+
+def test_hdf5_user_block_is_zeroed_and_listed_unless_kept(cli, tmp_path):
+    """HDF5 leaves the bytes before its data to other programs: free content, copied only
+    when --keep names it; the output keeps its size (and stays HDF5) with zeros in it."""
+    src = tmp_path / "ub.h5"
+    with h5py.File(src, "w", userblock_size=512) as f:
+        f["images"] = IMAGES
+    with open(src, "r+b") as f:
+        f.write(b"ZQX scans of alice smith")
+    out = tmp_path / "out.h5"
+    manifest, stderr = perturb(cli, src, out)
+    with h5py.File(out, "r") as f:
+        assert f.userblock_size == 512 and f["images"].shape == IMAGES.shape
+    assert out.read_bytes()[:512] == bytes(512)
+    assert by_name(manifest["dropped"])["userblock"]["kind"] == "user block"
+    assert "dropped 1 user block" in stderr
+    kept, _ = perturb(cli, src, tmp_path / "kept.h5", "--keep", "userblock")
+    assert (tmp_path / "kept.h5").read_bytes()[:512] == src.read_bytes()[:512]
+    assert by_name(kept["unperturbed"])["userblock"]["reason"] == "kept by --keep"
+
+
 def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
     src = tmp_path / "scaled.h5"
     with h5py.File(src, "w") as f:

@@ -147,6 +147,14 @@ def test_the_ledger_never_travels_with_the_output(cli, data, tmp_path):
     assert result.exit_code == 2 and not (tmp_path / "o.npy").exists()
 
 
+def test_the_ledger_is_never_written_into_the_store_of_an_array_given_by_path(cli, tmp_path):
+    src, a, _ = row_group_file(tmp_path, "zarr")
+    before = sorted(p.name for p in src.iterdir())
+    result = cli("perturb", src / a, "--eps", "1", "--out", tmp_path / "o.zarr", "--ledger", src / "ledger.db")
+    assert result.exit_code == 2 and "the ledger cannot be inside the input" in result.stderr
+    assert sorted(p.name for p in src.iterdir()) == before and not (tmp_path / "o.zarr").exists()
+
+
 def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
     """The release is recorded as pending before the output's folders are set up; a run
     refused there (a live run holds the Zarr output) must take its record back."""
@@ -293,6 +301,21 @@ def test_arrays_of_a_row_group_released_in_separate_runs_compose(cli, tmp_path, 
     assert release(cli, src, tmp_path / "o1.h5", "50", "--dataset", first).exit_code == 0
     assert refused_at(release(cli, src, tmp_path / "o2.h5", "50", "--dataset", second), 80)
     assert not (tmp_path / "o2.h5").exists()
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_arrays_of_a_zarr_row_group_given_by_path_compose(cli, tmp_path, order):
+    """`tldp perturb rl.zarr/a`, then `rl.zarr/b`: each array given by its path inside the
+    store is part of the store's row group as --dataset makes it (both passed a cap of 50
+    while each subject had spent 80)."""
+    src, *names = row_group_file(tmp_path, "zarr")
+    first, second = (src / names[i] for i in order)
+    ledger = ("--ledger", src.parent / "ledger.db")
+    assert release(cli, first, tmp_path / "o1.zarr", "50", *ledger).exit_code == 0
+    assert refused_at(release(cli, second, tmp_path / "o2.zarr", "50", *ledger), 80)
+    assert not (tmp_path / "o2.zarr").exists()
+    assert refused_at(release(cli, src, tmp_path / "o3.zarr", "50", "--dataset", names[order[1]]), 80)
+    assert [r["subjects"] for r in listing(cli, src.parent / "ledger.db")["releases"]] == [10]
 
 
 @pytest.mark.parametrize("whole_first", [True, False])

@@ -176,7 +176,7 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
-         "Zarr store. By default everything not perturbed is left out (listed in the manifest's "
+         "Zarr store, an HDF5 file's user block as userblock. By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",

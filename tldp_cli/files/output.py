@@ -143,15 +143,24 @@ def store_root(path: Path) -> Path | None:
     return root
 
 
+def store_member(path: Path) -> tuple[Path, str] | None:
+    """(the store, the member's path in it: "t2m", "group/t2m") of an array or group inside
+    a Zarr store (`era.zarr/t2m`), if `path` is one."""
+    root = store_root(path)
+    if root is None:
+        return None
+    return root, _resolve(path, "input").relative_to(root).as_posix()
+
+
 def default_beside_store(path: Path, default: Path) -> Path:
     """An array inside a store (`era.zarr/t2m`): its default output goes beside the store
     (`era.t2m.tldp.zarr`), never into it."""
-    root = store_root(path)
-    if root is None:
+    member = store_member(path)
+    if member is None:
         return default
-    member = _resolve(path, "input").relative_to(root).as_posix().replace("/", ".")
+    root, name = member
     stem = root.name[:-5] if root.name.endswith(".zarr") else root.name
-    return root.with_name(f"{stem}.{member}.tldp.zarr")
+    return root.with_name(f"{stem}.{name.replace('/', '.')}.tldp.zarr")
 
 
 def check_destination(path: Path, source: Path, overwrite: bool, what: str, folder: bool,

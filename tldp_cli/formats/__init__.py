@@ -58,7 +58,7 @@ import numpy as np
 
 from tldp_cli.files import output
 from tldp_cli.files.checked_io import open_regular
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 
 
 @dataclass
@@ -398,6 +398,17 @@ LISTED = 5  # names shown in a message before "... and N more"
 def listing(names: list[str]) -> str:
     shown = ", ".join(names[:LISTED])
     return shown if len(names) <= LISTED else f"{shown}, ... and {len(names) - LISTED} more"
+
+
+def decode_reason(exc: Exception) -> str:
+    """Why Pillow could not decode an image (an image folder's, a mask's), in words: its
+    "cannot identify image file" names the open file object (<_io.BufferedReader name=3>),
+    not the file."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image format Pillow recognises"
+    return reason_of(exc)
 
 
 def plural(n: int, word: str) -> str:

@@ -94,6 +94,7 @@ from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
+USERBLOCK = "userblock"  # the user block's name in the manifest and for --keep
 FILL_LIMIT = 1 << 30  # bytes of a perturbed dataset read as fill value, allowed whatever the file's size
 FILL_RATIO = 16  # ... or this many times the file's size
 # Filters that may store other values than those written: HDF5's scale-offset (decimal
@@ -451,8 +452,23 @@ class Hdf5Reader(Reader):
         except Exception as exc:
             raise InputError(f"{self.path}: cannot read the HDF5 file's attributes ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
+        self.keep_userblock = self._userblock(left)
         left.check(self.path)
         return left
+
+    def _userblock(self, left: leftovers.Leftovers) -> bool:
+        """Whether the file's user block (bytes before the HDF5 data, which HDF5 leaves to
+        other programs: any content) is copied; else the output's holds zeros, listed as
+        dropped. --keep userblock copies it."""
+        size = self.file.userblock_size
+        if not size:
+            return True
+        if left.kept(USERBLOCK):
+            left.copied(USERBLOCK, "user block", leftovers.KEPT)
+            return True
+        left.drop(USERBLOCK, "user block", f"the {size} bytes before the HDF5 data, which HDF5 leaves "
+                  "to other programs (any content): the output's user block holds zeros")
+        return False
 
     def _check_outside_references(self) -> None:
         """Nothing outside the file is read into the output: a dataset that is not perturbed
@@ -1011,6 +1027,8 @@ class Hdf5Writer(Writer):
         try:
             with open(reader.path, "rb") as f:
                 self.userblock = f.read(fcpl.get_userblock())  # HDF5 leaves it to its owner to write
+            if not reader.keep_userblock:
+                self.userblock = bytes(len(self.userblock))
         except OSError as exc:
             raise InputError(f"{reader.path}: cannot read ({reason_of(exc)})") from None
         with writing(tmp_path):
@@ -1095,11 +1113,13 @@ class Hdf5Writer(Writer):
             _create_bare_dimension(obj, dst, name)
         elif isinstance(obj, h5py.Dataset) and _vlen_fill(obj):
             _copy_vlen_filled(obj, dst, name, self.left_out_attrs.get(key))
+        elif key in self.left_out_attrs:
+            # Copied without its attributes, then those written: deleting one from a copy
+            # leaves its bytes in the file.
+            src.copy(name, dst, name=name, without_attrs=True)
+            _copy_attrs(obj, dst[name], self.left_out_attrs[key])
         else:
             src.copy(name, dst, name=name)
-            copy = dst[name]
-            for attr in self.left_out_attrs.get(key, ()):
-                h5a.delete(copy.id, attr)
 
     def _fix_references(self) -> None:
         for src_path, dst_path in self.pairs:

@@ -13,7 +13,8 @@ input's integer range (default; written by _png, encoded for noise), or float
 TIFF with the values as perturbed. With --copy-other, index files
 (metadata.jsonl, metadata.csv) get the output names of renamed images, and lose
 the rows naming images the output does not hold (skipped as unreadable, or
-symbolic links), which the manifest lists under dropped.
+symbolic links), which the manifest lists under dropped; a metadata.parquet index,
+which tldp cannot rewrite, is then left out (dropped).
 
 Symbolic links inside the folder (to images, other files or directories, dangling
 or not) are never followed: they are skipped, named in a message and listed in
@@ -55,8 +56,8 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, dicom_refused,
-                              is_dicom, listing, plural)
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
+                              dicom_refused, is_dicom, listing, plural)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -72,6 +73,9 @@ SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
 # Index files that name the images, as Hugging Face's imagefolder reads them: a file_name
 # column (or any *_file_name one) of paths relative to the index's own folder.
 INDEX_FILES = ("metadata.jsonl", "metadata.csv")
+# imagefolder's third index, which tldp cannot rewrite (Parquet): not copied when it would
+# name images the output does not hold.
+PARQUET_INDEX = "metadata.parquet"
 NAME_MAP_SCHEMA = "tldp-name-map/1"
 WITHHELD = "withheld (--anonymize-names)"
 PNG_ENCODING = ("(noisy images: no row filter, Huffman-only deflate, since noise does not "
@@ -286,8 +290,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except MemoryError:  # not damage: the run says memory ran out
         raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({reason_of(exc)}); pass --skip-bad "
-                         "to skip it") from None
+        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)}); "
+                         "pass --skip-bad to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
     return colour[None]
@@ -331,7 +335,7 @@ class ImageFolderReader(Reader):
             except MemoryError:  # not damage: the run says memory ran out
                 raise
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({reason_of(exc)})"
+                reason = f"cannot be decoded as an image ({decode_reason(exc)})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
                                           header.dtype, header.has_alpha, header.has_icc))
@@ -361,6 +365,8 @@ class ImageFolderReader(Reader):
                           **{rel: "a symbolic link, skipped" for rel in self.links}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and (renamed or self.unwritten) and options.copy_other]
+        self.stale_indexes = [rel for rel in self.others if posixpath.basename(rel) == PARQUET_INDEX
+                              and (renamed or self.unwritten) and options.copy_other]
         # --copy-other never copies data: what tldp reads, pickles, medical images
         self.data_files = self._data_files() if options.copy_other else {}
         # Rewritten now, before anything is written: what the manifest says was dropped is
@@ -393,8 +399,9 @@ class ImageFolderReader(Reader):
 
     @property
     def copied(self) -> list[str]:
-        """The files --copy-other copies: the other files but data (data_files)."""
-        return [rel for rel in self.others if rel not in self.data_files]
+        """The files --copy-other copies: the other files but data (data_files) and the
+        Parquet indexes that would name images not in the output (stale_indexes)."""
+        return [rel for rel in self.others if rel not in self.data_files and rel not in self.stale_indexes]
 
     def _report_copies(self) -> None:
         """--copy-other: the files copied (the manifest's unperturbed) and the data files not
@@ -409,6 +416,13 @@ class ImageFolderReader(Reader):
             self.messages.append(f"did not copy {plural(len(self.data_files), 'file')} holding data "
                                  f"({'; '.join(kinds)}), which --copy-other never copies raw: "
                                  f"{listing(list(self.data_files))} (the manifest's dropped)")
+        if self.stale_indexes:
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+                {"name": rel, "kind": "file", "reason": "an index of the images in Parquet, which tldp cannot "
+                 "rewrite: it names images the output renames or does not hold"} for rel in self.stale_indexes)]
+            self.messages.append(f"did not copy {listing(self.stale_indexes)}: a Parquet index of the images, "
+                                 "which tldp cannot rewrite, would name images the output renames or does "
+                                 "not hold (give it as metadata.jsonl or metadata.csv, which tldp rewrites)")
 
     def _rewrite_indexes(self) -> tuple[dict[str, str], list[dict]]:
         """Each index file as the output holds it, and its rows dropped ({name, kind,

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from tldp_cli.errors import InputError, reason_of
-from tldp_cli.files.checked_io import json_value, open_regular
+from tldp_cli.files.checked_io import json_value, not_regular, open_regular
 from tldp_cli import formats
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.manifest import sha256_file
@@ -124,6 +124,8 @@ def _check_values(path: Path, mask: np.ndarray) -> tuple[float, float]:
 def load_mask(path: Path, record_shape: tuple[int, ...], records: int) -> Mask:
     """A .npy mask for one array of `records` records of `record_shape`."""
     if not path.is_file():
+        if path.exists():  # a FIFO, a device, a folder: never opened (a FIFO would wait)
+            raise not_regular(path, path.stat().st_mode)
         raise InputError(f"{path}: weight mask not found")
     try:
         mm = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -164,7 +166,7 @@ def _read_png_mask(path: Path) -> np.ndarray:
     except InputError:
         raise
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-        raise InputError(f"{path}: not a readable mask image ({reason_of(exc)})") from None
+        raise InputError(f"{path}: not a readable mask image ({formats.decode_reason(exc)})") from None
     if mode != "L":
         raise InputError(f"{path}: mask PNGs must be 8-bit grayscale (mode L), not mode {mode}")
     return pixels.astype(np.float64) / 255.0

@@ -900,8 +900,10 @@ def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: lis
     if options.ledger is None:
         return None
     path = Path(options.ledger)
-    if Path(options.input).is_dir() and Path(options.input).resolve() in path.resolve().parents:
-        raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
+    member = output.store_member(Path(options.input))  # an array inside a store: the store is raw data too
+    source = Path(options.input) if member is None else member[0]
+    if source.is_dir() and source.resolve() in path.resolve().parents:
+        raise UsageError(f"{path}: the ledger cannot be inside the input {source}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
         touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
@@ -926,11 +928,8 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     def of(job: ArrayJob) -> np.ndarray:
         return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
 
+    default, jobs = _default_reader(options, module, reader, jobs)
     perturbed = {job.name for job in jobs}
-    default = None
-    if module.shares_rows and (options.datasets or options.exclude) and not reader.records_are_tensors:
-        with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
-            default = module.open_reader(Path(options.input), FormatOptions())
     try:
         seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
         groups = row_groups(module, reader, seen) or [[job.name] for job in seen]
@@ -939,6 +938,28 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     finally:
         if default is not None:
             default.close()
+
+
+def _default_reader(options: PerturbOptions, module, reader, jobs: list[ArrayJob]) -> tuple[Any, list[ArrayJob]]:
+    """The reader of the arrays `perturb` takes by default from the file or store the run's
+    arrays belong to (None where the run's own choice is that: no --dataset or --exclude, or
+    no default choice), and the run's arrays named as in it. An array or group given by
+    its path inside a Zarr store (rl.zarr/a) belongs to the store's row groups, as
+    `rl.zarr --dataset a` does."""
+    if not module.shares_rows or reader.records_are_tensors:
+        return None, jobs
+    member = output.store_member(Path(options.input)) if module.folder else None  # a store's array
+    if member is None and not (options.datasets or options.exclude):
+        return None, jobs
+    path = Path(options.input) if member is None else member[0]
+    default = None
+    with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
+        default = module.open_reader(path, FormatOptions())
+    if member is None or default is None:
+        return default, jobs
+    prefix = member[1]
+    return default, [dataclasses.replace(job, name=prefix if job.name == "/" else f"{prefix}/{job.name}")
+                     for job in jobs]
 
 
 def _abandon(release: _Release | None) -> None:
