@@ -52,7 +52,8 @@ from tldp_cli.privacy import accounting
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy.mechanisms import Calibration, calibrate, matrix_rows, sampled_noise
+from tldp_cli.privacy.mechanisms import (PRIVUNIT, Calibration, calibrate, calibrate_privunit,
+                                         check_parameters, matrix_rows, resolve_budget, sampled_noise)
 from tldp_cli.sampling.rng import Streams, records_per_unit
 
 SCOPES = ("element", "record")
@@ -67,8 +68,12 @@ BLOCK_ELEMENTS = 1 << 20
 THRESHOLDS_PER_SIDE = 200
 STATISTICS = ("sum", "clipped sum", "raw kept, then sum", "raw kept, then clipped sum",
               "float grid, then sum")
+# --mechanism privunit: statistics of the released direction V against the neighbours'
+# directions u and u' (see audit_privunit).
+PRIVUNIT_STATISTICS = ("<V,u>", "<V,u'>", "<V,u> - <V,u'>", "cap(u) - cap(u'), then <V,u> - <V,u'>")
 # Statistics ordered first by a count (levels 2k, thresholds 2k +- 1 between them).
-LEVELLED = ("raw kept, then sum", "raw kept, then clipped sum", "float grid, then sum")
+LEVELLED = ("raw kept, then sum", "raw kept, then clipped sum", "float grid, then sum",
+            PRIVUNIT_STATISTICS[3])
 
 
 def neighbours(calib: Calibration, value_range: tuple[float, float]) -> tuple[float, float]:
@@ -319,8 +324,10 @@ def check_options(*, samples: int, confidence: float, scopes: tuple[str, ...] | 
 def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
           samples: int = DEFAULT_SAMPLES, confidence: float = DEFAULT_CONFIDENCE,
           scopes: tuple[str, ...] | list[str] = SCOPES, streams: Streams | None = None,
-          dtype: np.dtype | type | str = np.float32, claimed: Calibration | None = None) -> dict[str, Any]:
+          dtype: np.dtype | type | str = np.float32, claimed: Calibration | None = None,
+          basis=None) -> dict[str, Any]:
     """Audit `calib`'s mechanism against the certified figures of `claimed` (default: calib).
+    --mechanism privunit: audit_privunit (`basis`: a user's, as the engine takes it).
 
     `samples`: draws of each neighbour per scope, counted in elements (the record scope
     draws samples // I records, at least 2). `streams`: fresh secure streams by default.
@@ -330,6 +337,9 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
     """
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     claimed = claimed or calib
+    if calib.privunit is not None:
+        return audit_privunit(calib, samples=samples, confidence=confidence, scopes=scopes,
+                              streams=streams or Streams("secure"), claimed=claimed, basis=basis)
     value_range = value_range or (0.0, calib.range_width)
     a, b = neighbours(calib, value_range)
     streams = streams or Streams("secure")
@@ -396,10 +406,17 @@ def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, An
     and record size, calibrated afresh) against the ones certified for the audited
     calibration: a calibration with too little noise certifies its own, larger, figures,
     which the sampled bounds alone would call consistent."""
-    requested = accounting.certify(calibrate(
-        mechanism=calib.mechanism, noise=calib.noise, budget=calib.budget, epsilon=calib.epsilon,
-        range_width=calib.range_width, elements=calib.elements, dp_delta=calib.dp_delta,
-        rows=calib.rows, granularity=calib.granularity))
+    if calib.privunit is not None:
+        params = calib.privunit
+        fresh = calibrate_privunit(epsilon=calib.epsilon, record_shape=params.record_shape,
+                                   value_range=(params.low, params.high), dp_delta=calib.dp_delta,
+                                   k=params.k, basis=params.basis, basis_sha256=params.basis_sha256)
+    else:
+        fresh = calibrate(
+            mechanism=calib.mechanism, noise=calib.noise, budget=calib.budget, epsilon=calib.epsilon,
+            range_width=calib.range_width, elements=calib.elements, dp_delta=calib.dp_delta,
+            rows=calib.rows, granularity=calib.granularity)
+    requested = accounting.certify(fresh)
     rows = []
     for scope in ("per_element", "per_record"):
         stated, implied = certified[scope]["epsilon"], requested[scope]["epsilon"]
@@ -407,6 +424,92 @@ def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, An
                      "consistent": stated <= implied * (1 + 1e-9)})
     return {"epsilon": calib.epsilon, "budget": calib.budget, "scopes": rows,
             "consistent": all(row["consistent"] for row in rows)}
+
+
+def privunit_neighbours(calib: Calibration, basis, scope: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """Two records of the declared range whose directions are far apart, and what they are.
+
+    record: when the reference point lies inside the range, ref + s f and ref - s f, f the
+    first basis vector written back (their directions are opposite: the pair that costs
+    the most); when it is an end of the range, the record at the reference (direction e_1)
+    and the record at the far end wherever the second basis vector is positive. element:
+    the record at the reference and the same with its first element at the far end."""
+    params = calib.privunit
+    lo, hi, ref = params.low, params.high, params.reference
+    far = hi if hi - ref >= ref - lo else lo
+    unit = np.zeros((2, params.k))
+    unit[0, 0], unit[1, 1 % params.k] = 1.0, 1.0
+    first, second = basis.synthesize(unit)
+    at_ref = np.full(params.record_shape, ref)
+    if scope == "element":
+        other = at_ref.copy()
+        other.flat[0] = far
+        return at_ref, other, f"the record at {ref:g} and the same with its first element at {far:g}"
+    if lo < ref < hi:
+        step = min(hi - ref, ref - lo) / np.abs(first).max()
+        return (ref + step * first, ref - step * first,
+                f"{ref:g} plus and minus {step:.4g} times the first basis vector (opposite directions)")
+    return (at_ref, np.where(second > 0, far, ref),
+            f"the record at {ref:g}, and the record at {far:g} where the second basis vector is positive")
+
+
+def audit_privunit(calib: Calibration, *, samples: int, confidence: float, scopes, streams: Streams,
+                   claimed: Calibration, basis=None) -> dict[str, Any]:
+    """audit() for --mechanism privunit: the real projection, normalisation and sampler
+    (engine.record_directions and sample_directions) on each scope's neighbours
+    (privunit_neighbours), max(2, samples // I) releases of each. The events are
+    thresholds on <V,u>, <V,u'>, their difference, and membership of the two caps
+    (cap(u) without cap(u') is where the privacy loss reaches epsilon). The released V
+    is audited before the write-back, which is a function of it."""
+    basis = engine.privunit_basis(calib, basis)
+    params = calib.privunit
+    certified = accounting.certify(claimed)
+    plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
+    alpha = (1 - confidence) / max(sum(len(c) for _, c in plan), 1) / 2
+    records = max(2, samples // calib.elements)
+    results, pairs = [], {}
+    for scope, claims in plan:
+        x, x_prime, described = privunit_neighbours(calib, basis, scope)
+        directions = engine.record_directions(np.stack([x, x_prime]), calib, basis)
+        u, u_prime = directions
+        drawn = [engine.sample_directions(np.repeat(d[None], records, axis=0), 0, f"audit/{scope}/{name}",
+                                          calib, streams) for d, name in ((u, "x"), (u_prime, "x'"))]
+        s0, s1 = (_privunit_statistics(v, u, u_prime, params.gamma) for v in drawn)
+        rows = lower_bounds(s0, s1, claims, alpha, PRIVUNIT_STATISTICS)
+        for row in rows:
+            row["violation"] = row["epsilon_lower_bound"] > row["certified_epsilon"]
+            if row["event"]:
+                row["event"]["description"] = (f"{row['event']['statistic']} {row['event']['direction']} "
+                                               f"{row['event']['threshold']:.6g}")
+        pairs[scope] = {"described": described, "cosine": float(u @ u_prime)}
+        results.append({"scope": scope, "draws": records, "evaluation_draws": records - records // 2,
+                        "claims": rows})
+    violation = any(row["violation"] for r in results for row in r["claims"])
+    request = check_request(claimed, certified)
+    return {
+        "schema": "tldp-audit/1", "mechanism": calib.mechanism, "noise": calib.noise, "budget": calib.budget,
+        "epsilon": calib.epsilon, "value_range": [params.low, params.high], "range_width": calib.range_width,
+        "elements_per_record": calib.elements, "dp_delta": calib.dp_delta, "noise_scale": calib.scale,
+        "retain_probability": 0.0, "retain_probability_log10": None, "neighbours": pairs,
+        "privunit": {"k": params.k, "gamma": params.gamma, "p": params.p, "basis": params.basis},
+        "samples": samples, "confidence": confidence, "dtype": "float64", "rng": streams.kind,
+        "seeded": streams.seeded, "weak_seed": streams.weak_seed, "scopes": results, "request": request,
+        "verdict": ("VIOLATION" if violation else "MISCALIBRATED" if not request["consistent"]
+                    else "consistent"),
+        "method": ("PrivUnit directions of two neighbouring records; events chosen on one half of the "
+                   "draws, eps >= ln((P_lo(E) - delta) / Q_hi(E)) with Clopper-Pearson bounds on the "
+                   "other half; confidence split over the certified pairs"),
+    }
+
+
+def _privunit_statistics(v: np.ndarray, u: np.ndarray, u_prime: np.ndarray, gamma: float) -> np.ndarray:
+    """(n, 4) statistics of released directions (PRIVUNIT_STATISTICS): the last is the level
+    2 ([<V,u> >= gamma] - [<V,u'> >= gamma]) plus the difference squashed into (-0.9, 0.9)."""
+    a, b = v @ u, v @ u_prime
+    out = np.empty((v.shape[0], 4))
+    out[:, 0], out[:, 1], out[:, 2] = a, b, a - b
+    out[:, 3] = 2.0 * ((a >= gamma).astype(np.float64) - (b >= gamma)) + (a - b) / 2.5
+    return out
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -425,8 +528,9 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
         granularity: float | None = None, samples: int = DEFAULT_SAMPLES,
         confidence: float = DEFAULT_CONFIDENCE, scopes: tuple[str, ...] | list[str] = SCOPES,
         seed: str | int | None = None, rng: str = "secure", dtype: str = "float32",
-        allow_weak_seed: bool = False, sampler: str = "exact") -> dict[str, Any]:
+        allow_weak_seed: bool = False, sampler: str = "exact", basis: str | None = None) -> dict[str, Any]:
     """Calibrate as `tldp perturb` would for records of `shape` in `value_range`, then audit.
+    `budget` None: the mechanism's own (resolve_budget); `basis`: privunit's --basis.
 
     `sampler` exact (perturb's default): laplace and gaussian as perturb draws them for
     float data, discrete noise on the automatic grid (or multiples of `granularity`).
@@ -438,6 +542,14 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     if dtype not in ("float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {dtype}")
+    budget = resolve_budget(mechanism, budget)
+    if mechanism == PRIVUNIT:
+        return _run_privunit(epsilon=epsilon, value_range=value_range, shape=shape, dp_delta=dp_delta,
+                             samples=samples, confidence=confidence, scopes=scopes,
+                             streams=Streams(rng, seed, allow_weak_seed), sampler=sampler, noise=noise,
+                             basis=basis)
+    if basis is not None:
+        raise UsageError("--basis applies to --mechanism privunit")
     rows = matrix_rows(mechanism, shape, "--elements")
     lo, hi = value_range
     width = hi - lo
@@ -452,6 +564,23 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
                       granularity=granularity)
     return audit(calib, value_range=value_range, samples=samples, confidence=confidence,
                  scopes=scopes, streams=Streams(rng, seed, allow_weak_seed), dtype=dtype)
+
+
+def _run_privunit(*, epsilon: float, value_range: tuple[float, float], shape: tuple[int, ...],
+                  dp_delta: float, samples: int, confidence: float, scopes, streams: Streams,
+                  sampler: str, noise: str, basis: str | None) -> dict[str, Any]:
+    from tldp_cli.run import bases
+
+    check_parameters(mechanism=PRIVUNIT, noise=noise, budget="record", epsilon=epsilon, dp_delta=dp_delta)
+    sampled_noise(noise, sampler, PRIVUNIT)
+    choice = bases.parse_basis(basis)
+    user = bases.load_basis(choice.path) if choice.kind == bases.FILE else None
+    matrix = user.for_records(shape, "--elements") if user else None
+    calib = calibrate_privunit(epsilon=epsilon, record_shape=shape, value_range=value_range,
+                               dp_delta=dp_delta, k=user.k if user else choice.k, basis=choice.kind,
+                               basis_sha256=user.sha256 if user else None)
+    return audit(calib, samples=samples, confidence=confidence, scopes=scopes, streams=streams,
+                 basis=matrix)
 
 
 def format_report(report: dict[str, Any]) -> list[str]:

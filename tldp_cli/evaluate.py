@@ -387,7 +387,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
     log10 = None if not logs or factor <= 0 else max(logs) + math.log10(factor)
     compare("retain_probability_log10", m.get("retain_probability_log10"), log10)
     compare("expected_l2_error_per_record", m.get("expected_l2_error_per_record"),
-            calib.expected_l2_error())
+            _finite(calib.expected_l2_error()))
     if len(calibrations) > 1 or "calibrations" in m:
         stated_list = m.get("calibrations") or []
         expected_list = manifest_mod.calibration_entries(calibrations, weights)
@@ -410,6 +410,17 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
         compare(f"accounting.per_file.{key}", s.get(key), r[key])
     for key in ("epsilon", "delta"):
         compare(f"accounting.per_file.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    if "privunit" in stated or "privunit" in cert:  # the split and its certified figures
+        for key in ("k", "gamma", "p", "epsilon0", "q", "q_lower", "q_upper", "nominal_epsilon", "epsilon",
+                    "margin", "expected_alignment"):
+            compare(f"accounting.privunit.{key}", (stated.get("privunit") or {}).get(key),
+                    (cert.get("privunit") or {}).get(key))
+        for key in ("k", "gamma", "p", "reference"):
+            compare(f"privunit.{key}", (m.get("privunit") or {}).get(key), getattr(calib.privunit, key, None))
+        stated_sha = ((m.get("privunit") or {}).get("basis") or {}).get("sha256")
+        actual_sha = calib.privunit.basis_sha256 if calib.privunit else None
+        if stated_sha != actual_sha:
+            mismatches.append({"field": "privunit.basis.sha256", "manifest": stated_sha, "recomputed": actual_sha})
     if "designed" in stated or "designed" in cert:  # MVG, IDN
         for key in ("epsilon", "delta"):
             compare(f"accounting.designed.{key}", (stated.get("designed") or {}).get(key),
@@ -439,11 +450,34 @@ class _NoiseStats:
         self.gof: dict[float, list[np.ndarray]] = {}
         self.noise_name: str | None = None
         self.noise_scale: float | None = None
+        self.alignment: list[np.ndarray] = []  # privunit: cosines of released and true coefficients
 
-    def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None):
+    def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
+            basis=None):
         n = x.shape[0]
         if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
             x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
+        if calib.privunit is not None:
+            self._metrics(x, y, data_range)
+            self._add_alignment(x, y, calib, basis)
+            return
+        sq, z, elements = self._metrics(x, y, data_range)
+        # retained: exact equality in the output dtype
+        equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
+        self._add_noise(x, y, z, sq, elements, equal, calib)
+
+    def _add_alignment(self, x: np.ndarray, y: np.ndarray, calib: Calibration, basis) -> None:
+        """privunit: the cosine between each released record's coefficients and the raw
+        record's, both measured from the reference point (the written values are clipped to
+        the range, so it is a measurement, not E<V, u> itself)."""
+        basis = engine.privunit_basis(calib, basis)
+        released = engine.record_directions(y.astype(np.float64), calib, basis)
+        raw = engine.record_directions(x.astype(np.float64), calib, basis)
+        self.alignment.append(np.einsum("ij,ij->i", released, raw))
+
+    def _metrics(self, x: np.ndarray, y: np.ndarray, data_range: float | None):
+        """Each record's error measures; returns (|z|^2 per record, z, elements)."""
+        n = x.shape[0]
         xf = x.reshape(n, -1).astype(np.float64)
         yf = y.reshape(n, -1).astype(np.float64)
         z = yf - xf
@@ -458,8 +492,12 @@ class _NoiseStats:
             with np.errstate(divide="ignore"):
                 self.psnr.append(10 * np.log10(data_range**2 / (sq / elements)))
             self.ssim.append(ssim(x.astype(np.float64), y.astype(np.float64), data_range))
-        # retained: exact equality in the output dtype
-        equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
+        return sq, z, elements
+
+    def _add_noise(self, x, y, z, sq, elements, equal, calib: Calibration) -> None:
+        """The noise's statistics: kept values, the squared norm against Table 5, a sample for
+        the goodness-of-fit test."""
+        n = x.shape[0]
         self.kept += int(equal.sum())
         self.elements += equal.size
         (m2, m4), f0 = moments(calib.noise, calib.scale), density_at_zero(calib.noise, calib.scale)
@@ -485,6 +523,26 @@ class _NoiseStats:
             sample, scale = sample * (self.noise_scale / scale), self.noise_scale
         self.gof.setdefault(scale, []).append(sample)
         self.expected_kept += equal.size * calib.p
+
+
+def _privunit_checks(stats: _NoiseStats, m: dict) -> list[dict]:
+    """privunit: no noise is added, so the noise checks do not apply; the alignment of the
+    released records with the raw ones is measured (not tested: the written values are
+    clipped to the range, which moves their direction)."""
+    skipped = [{"check": name, "passed": None, "status": "skipped",
+                "detail": "privunit releases each record's direction (one PrivUnit draw written back), "
+                          "not the record plus noise"}
+               for name in ("noise_norm", "retained_fraction", "noise_distribution")]
+    cosines = np.concatenate(stats.alignment) if stats.alignment else np.empty(0)
+    expected = ((m.get("accounting") or {}).get("privunit") or {}).get("expected_alignment")
+    mean = float(cosines.mean()) if cosines.size else None
+    measured = {"check": "privunit_alignment", "passed": None, "status": "measured",
+                "records": int(cosines.size), "mean_cosine": mean, "expected_alignment": expected,
+                "detail": (f"mean cosine {mean:.3g} between the released and the raw records' coefficients "
+                           f"(from the reference point); E<V,u> of the mechanism {expected:.3g} (the "
+                           "written records are clipped to the range, which moves them)"
+                           if mean is not None and expected is not None else "no records compared")}
+    return skipped + [measured]
 
 
 def _retained_check(stats: _NoiseStats, p: float, weighted: bool, clipped: bool) -> dict:
@@ -813,9 +871,12 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     clipped = _is_clipped(m)
     weighted = bool(m.get("weights"))
     p = stats.expected_kept / stats.elements if stats.elements else 0.0
-    checks.append(_error_check(stats, list(records_of), weighted, clipped, done))
-    checks.append(_retained_check(stats, p, weighted, clipped))
-    checks.append(_gof_check(stats, clipped))
+    if m.get("mechanism") == "privunit":
+        checks.extend(_privunit_checks(stats, m))
+    else:
+        checks.append(_error_check(stats, list(records_of), weighted, clipped, done))
+        checks.append(_retained_check(stats, p, weighted, clipped))
+        checks.append(_gof_check(stats, clipped))
     by_record, noise = _noise_summary(stats, measured.data_range, clipped)
 
     integrity_ok = all(c["passed"] for c in checks if c["check"] in
@@ -879,7 +940,7 @@ def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path, per_
         budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
-        dp_delta=float(acc.get("dp_delta", 1e-5)),
+        dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_privunit_basis(m),
         allow_raw_release=True)  # an evaluation judges a release, whatever consent it took
     try:
         run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
@@ -892,6 +953,18 @@ def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path, per_
     checks.insert(0, check_parameters(m, list(records_of.items()), [job.dtype for job in jobs],
                                       [[run.calib_of[name] for name in row] for row in rows]))
     return run, records_of
+
+
+def _privunit_basis(m: dict) -> str | None:
+    """--basis as the privunit run had it: its file (checked against the manifest's sha256
+    when loaded), dct:K where K was given, else dct (the default rule, recomputed)."""
+    unit = m.get("privunit")
+    if m.get("mechanism") != "privunit" or not isinstance(unit, dict):
+        return None
+    basis = unit.get("basis") or {}
+    if basis.get("kind") == "file":
+        return str(basis.get("path"))
+    return f"dct:{unit.get('k')}" if str(unit.get("k_rule", "")).startswith("--basis") else "dct"
 
 
 @dataclass
@@ -923,7 +996,7 @@ def _measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Pro
             if clipped_input:  # the noise was added to the clipped values (in the array's range)
                 x = np.clip(x, *run.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
-            stats.add(x, y, pair.calib, data_range)
+            stats.add(x, y, pair.calib, data_range, run.bases.get(pair.job.name))
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)

@@ -199,6 +199,17 @@ def records_phrase(manifest: dict) -> str:
     return f"{plural(manifest['records'], 'record')} x {manifest['elements_per_record']} elements"
 
 
+def privunit_phrase(manifest: dict) -> str:
+    """--mechanism privunit, as plan's summary line says it: the basis, k and the split."""
+    unit = manifest["privunit"]
+    figures = manifest["accounting"].get("privunit") or {}
+    basis = "DCT-II" if unit["basis"]["kind"] == "dct" else "user"
+    return (f"privunit on {unit['k']} {basis} coefficients (eps0 {unit['epsilon0']:.4g}, cap share "
+            f"{figures.get('q', float('nan')):.3g}, expected alignment "
+            f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
+            f"{unit['output_scale']['c']:.4g}")
+
+
 def unperturbed_note(manifest: dict) -> str:
     """Every tensor a model file's run copies unchanged (the manifest's `unperturbed`), by reason."""
     by_reason: dict[str, list[str]] = {}

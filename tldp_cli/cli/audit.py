@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Budget, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
+from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, BasisOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, fail, run
@@ -32,7 +32,8 @@ def audit_command(
              "whose floating-point leak the audit detects. --noise discrete-* audits integer "
              "data.")] = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
-    budget: BudgetOption = Budget.element,
+    budget: BudgetOption = None,
+    basis: BasisOption = None,
     value_range: Annotated[str, typer.Option(
         "--range", metavar="LO:HI", help="The declared value range; the neighbours sit at its ends.")] = "0:256",
     elements: Annotated[str, typer.Option(
@@ -51,7 +52,7 @@ def audit_command(
         help="Probability that every lower bound in the report holds.")] = 0.95,
     scope: Annotated[AuditScope, typer.Option(
         help="element: two records that differ in one element; record: two records at opposite "
-             "ends of the range.")] = AuditScope.both,
+             "ends of the range (privunit: two records of far-apart directions).")] = AuditScope.both,
     seed: Annotated[Optional[str], typer.Option(
         metavar="HEX", help="Make the audit reproducible with this secret key, as for perturb "
                             "(or --seed-file, $TLDP_SEED).", show_default=False)] = None,
@@ -78,6 +79,7 @@ def audit_command(
       tldp audit --eps 1 --noise gaussian --elements 784 --samples 4000000 --json > audit.json
       tldp audit --eps 2 --mechanism mvg --sampler float --elements 28x28 --scope record --seed-file audit.seed
       tldp audit --eps 1 --noise discrete-laplace --elements 16 --range 0:256
+      tldp audit --eps 4 --mechanism privunit --elements 8x8 --range -1:1
 
     The third finds the leak of the float sampler's low-order bits: VIOLATION, exit 1
     (docs/audit.md).
@@ -88,13 +90,13 @@ def audit_command(
 
     def action():
         return audit_mod.run(
-            mechanism=mechanism.value, budget=budget.value, epsilon=eps,
+            mechanism=mechanism.value, budget=budget.value if budget else None, epsilon=eps,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             value_range=parse_range(value_range), shape=audit_mod.parse_shape(elements),
             dp_delta=dp_delta, granularity=granularity, samples=samples, confidence=confidence,
             scopes=audit_mod.SCOPES if scope is AuditScope.both else (scope.value,),
             seed=resolve_seed(seed, seed_file, quiet), allow_weak_seed=allow_weak_seed,
-            rng=rng.value, dtype=dtype.value, sampler=sampler.value)
+            rng=rng.value, dtype=dtype.value, sampler=sampler.value, basis=basis)
 
     report = run(debug, action)
     if not quiet:

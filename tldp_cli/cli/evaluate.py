@@ -35,7 +35,7 @@ def _print_report(report: dict) -> None:
     echo(f"tldp: this report is {report['sensitive']}")
     echo(f"  {'check':<20}{'result':<9}detail")
     for check in report["checks"]:
-        result = {True: "ok", False: "FAILED", None: "skipped"}[check["passed"]]
+        result = {True: "ok", False: "FAILED", None: check.get("status") or "skipped"}[check["passed"]]
         echo(f"  {check['check']:<20}{result:<9}{check.get('detail', '')}")
     noise = report["error"]
     echo(f"  {'per record':<20}{'mean':>11}{'median':>11}{'max':>11}")

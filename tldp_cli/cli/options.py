@@ -32,6 +32,7 @@ class Mechanism(str, Enum):
     baseline = "baseline"
     mvg = "mvg"
     idn = "idn"
+    privunit = "privunit"
 
 
 class Budget(str, Enum):
@@ -128,11 +129,23 @@ MechanismOption = Annotated[Mechanism, typer.Option(
          "baseline: noise on every element calibrated to the whole record. mvg: the "
          "Matrix-Variate Gaussian mechanism with identity covariances (records unfolded "
          "along their first axis); idn: Independent Directional Noise with W = identity; "
-         "both (eps, delta) at --dp-delta for the whole record.")]
-BudgetOption = Annotated[Budget, typer.Option(
+         "both (eps, delta) at --dp-delta for the whole record. privunit: each record "
+         "projected on k coefficients of a public basis (--basis) and released as one "
+         "PrivUnit unit vector, written back in the record's shape; pure --eps per record "
+         "(it implies --budget record).")]
+BudgetOption = Annotated[Optional[Budget], typer.Option(
     help="element: the paper's calibration, --eps is what each element gets (a record of I "
          "elements then gets I*eps; baseline, mvg, idn: the paper's calibration for the "
-         "whole record). record: --eps is what each whole record gets (certified).")]
+         "whole record). record: --eps is what each whole record gets (certified). "
+         "Default: element; record for privunit, which takes no other.", show_default=False)]
+BasisOption = Annotated[Optional[str], typer.Option(
+    "--basis", metavar="dct|dct:K|FILE.npy",
+    help="--mechanism privunit: the public basis records are projected on. dct (default): a "
+         "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
+         "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "
+         "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
+         "manifest; a basis learned from the data released is not public).",
+    show_default=False)]
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",
     help="Declared value range. Required for float data and integers wider than 16 bits; "

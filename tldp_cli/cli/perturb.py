@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, BasisOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -29,7 +29,8 @@ def perturb_command(
     noise: NoiseOption = None,
     sampler: SamplerOption = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
-    budget: BudgetOption = Budget.element,
+    budget: BudgetOption = None,
+    basis: BasisOption = None,
     value_range: Ranges = None,
     weights: Annotated[Optional[Path], typer.Option(readable=False,
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
@@ -129,6 +130,7 @@ def perturb_command(
       tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
       tldp perturb features.npy --eps 1 --range -1:1 --json > manifest.json
       tldp perturb sample_data/digits.npy --eps 8 --budget record
+      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4
       tldp perturb sample_data/digits.npy --eps 1 --mechanism mvg --sampler float --out mvg.npy
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
       tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
@@ -136,6 +138,8 @@ def perturb_command(
 
     The summary line states the certified guarantee per element and per record:
     TLDP's eps is a per-element budget, so a record of I elements gets I*eps.
+    --mechanism privunit is record-level: --eps is what each whole record gets
+    (pure), and an element is covered by its record's figure.
     In a model file (.npz, .safetensors) each tensor is a record, and the line
     adds the whole file, all its tensors composed.
     """
@@ -146,7 +150,7 @@ def perturb_command(
         options = PerturbOptions(
             input=input, epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
-            budget=budget.value, value_range=default_range, ranges=ranges,
+            budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
             seed_file=seed_file,
             allow_weak_seed=allow_weak_seed, rng=rng.value,
@@ -159,7 +163,7 @@ def perturb_command(
             scheduler=scheduler.value, dask_address=dask_address,
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
-            sampler=sampler.value,
+            sampler=sampler.value, basis=basis,
             block_elements=block_elements)
         advance, close = progress_bar(quiet, "rec")
         try:

@@ -9,12 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, BasisOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
 from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
-from tldp_cli.cli.app import DEBUG_ENV, app, records_phrase, run, unperturbed_note
+from tldp_cli.cli.app import DEBUG_ENV, app, privunit_phrase, records_phrase, run, unperturbed_note
 
 
 @app.command("plan", no_args_is_help=True)
@@ -26,7 +26,8 @@ def plan_command(
     noise: NoiseOption = None,
     sampler: SamplerOption = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
-    budget: BudgetOption = Budget.element,
+    budget: BudgetOption = None,
+    basis: BasisOption = None,
     value_range: Ranges = None,
     dp_delta: DpDelta = 1e-5,
     granularity: Granularity = None,
@@ -63,6 +64,7 @@ def plan_command(
       tldp plan sample_data/digits.npy --eps 1 --noise gaussian
       tldp plan --elements 28x28 --records 60000 --range 0:256 --eps 8 --budget record --json
       tldp plan big.h5 --eps 1 --dataset images --json > plan.json
+      tldp plan sample_data/digits.npy --mechanism privunit --eps 4
     """
     from tldp_cli.run import planning
     from tldp_cli.audit import parse_shape
@@ -78,11 +80,11 @@ def plan_command(
         options = PerturbOptions(
             input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
-            sampler=sampler.value, budget=budget.value,
+            sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
             exclude=exclude or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
-            input_format=input_format and input_format.value)
+            input_format=input_format and input_format.value, basis=basis)
         if input is not None:
             return planning.plan_input(options)
         return planning.plan_records(options, parse_shape(elements), records, input_dtype)
@@ -92,10 +94,14 @@ def plan_command(
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
         c = report["calibration"]
-        typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
-                   f"{c['noise_scale']:.4g}, element eps "
-                   f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
-                   f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
+        if "privunit" in report:
+            typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, values "
+                       f"{c['values_dtype']}{unperturbed_note(report)}", err=True)
+        else:
+            typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
+                       f"{c['noise_scale']:.4g}, element eps "
+                       f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
+                       f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))

@@ -17,6 +17,8 @@ calibration), `certify_all` (records of several sizes: the worst case over them)
 - MVG and IDN (identity covariances) add i.i.d. Gaussian noise: their per-element and
   per-record figures are the Gaussian ones above; `designed` adds the (eps, delta)
   that the mechanism's own condition states for the record at that sigma.
+- PrivUnit (privunit_epsilon) is pure eps per record, with the sampler's floating-point
+  margin included; an element is covered by the record's figure, no smaller one.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tldp_cli.privacy import mvg_idn
-from tldp_cli.privacy.types import Calibration
+from tldp_cli.privacy import mvg_idn, privunit
+from tldp_cli.privacy.types import PRIVUNIT, Calibration
 
 LN10 = math.log(10)
 # What a manifest says of figures computed for float-sampled (continuous) noise.
@@ -190,6 +192,8 @@ def noise_delta(target: float, pm_delta: float) -> tuple[float, float]:
 def scope_epsilon(calib: Calibration, count: int) -> float:
     """The `epsilon` of `count` elements' scope (certify's per_record for count = I), alone:
     what --budget record calibrates to, without running the approx accountants."""
+    if calib.privunit is not None:  # an element, or any part of a record: the record's figure
+        return privunit_record_epsilon(calib)
     if calib.noise == "laplace":
         return count * calib.range_width / calib.scale
     at_delta, _ = noise_delta(calib.dp_delta, point_mass_delta(calib.log_p, count)[0])
@@ -213,6 +217,8 @@ def raw_release_scopes(certified: dict[str, Any]) -> list[tuple[str, float]]:
 
 def _scope(calib: Calibration, count: int) -> dict[str, Any]:
     """Guarantee of `count` elements perturbed together (1: an element; I: a record)."""
+    if calib.privunit is not None:
+        return _privunit_scope(calib, 1)
     if calib.noise.startswith("discrete-"):
         return _discrete_scope(calib, count)
     D, scale, target = calib.range_width, calib.scale, calib.dp_delta
@@ -253,6 +259,8 @@ def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
 
 
 def certify(calib: Calibration) -> dict[str, Any]:
+    if calib.privunit is not None:
+        return certify_privunit(calib)
     notes = discrete_notes(calib) if calib.noise.startswith("discrete-") else []
     if calib.log_p != -math.inf and calib.noise != "discrete-laplace":
         notes.append(
@@ -354,6 +362,9 @@ def _certify_each(calibrations: list[Calibration]) -> dict[str, Any]:
     designed = [c["designed"] for c in certs if "designed" in c]
     if designed:
         result["designed"] = max(designed, key=lambda d: d["epsilon"])
+    split = [c["privunit"] for c in certs if "privunit" in c]
+    if split:  # the record size of the largest figure (calibrations lists each)
+        result["privunit"] = max(split, key=lambda d: d["epsilon"])
     return result
 
 
@@ -428,6 +439,8 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
     pm_delta, pm_log10 = composed_point_mass_delta([(c.log_p, m) for c, m in releases])
     noises = {c.noise for c, _ in parts}
     at_delta, total = noise_delta(target, pm_delta)
+    if noises == {PRIVUNIT}:
+        return _privunit_composed([(c, n) for c, n in parts], target)
     if noises == {"laplace"}:
         pure = sum(m * c.range_width / c.scale for c, m in releases)
         approx_eps = laplace_mixture_epsilon([(c.scale / c.range_width, m) for c, m in releases], at_delta)
@@ -748,3 +761,95 @@ def discrete_notes(calib: Calibration) -> list[str]:
                      "and Steinke 2020), I times that per record; epsilon at dp_delta is the smaller "
                      "of the privacy-loss distribution and the RDP bound, plus the point-mass delta.")
     return notes
+
+
+# --------------------------------------------------------------------------- PrivUnit
+# A record is released as one unit vector V (privacy/privunit.py, sampling/privunit.py);
+# docs/guarantee.md ("PrivUnit") derives the figure below.
+
+def privunit_epsilon(k: int, gamma: float, p_numerator: int) -> float:
+    """The certified pure epsilon of one record released by the PrivUnit sampler as
+    implemented: candidates drawn independently of the record, the first one on the
+    chosen side of the cap (probability p = p_numerator / 2^53 for the cap) released.
+
+    Its output has density p / q_f(u) on the computed cap C_f(u) and (1 - p)/(1 - q_f(u))
+    off it, against the law of one candidate, where q_f(u) is that law's share of C_f(u)
+    and lies in [q_lo, q_hi] for every input (privunit.cap_probability_bounds: the
+    floating-point margin). So the privacy loss is at most
+    ln max(p/q_lo, (1-p)/(1-q_hi)) - ln min(p/q_hi, (1-p)/(1-q_lo)), which is
+    eps0 + ln((1 - q_lo)/q_lo) when q_hi <= 1/2 <= p. Rounded up."""
+    if not 2 <= k or not 0 < p_numerator < 2**53:
+        return math.inf
+    q_lo, q_hi = privunit.cap_probability_bounds(gamma, k)
+    if not (0 < q_lo and q_hi < 1):
+        return math.inf
+    log_p = math.log(p_numerator) - 53 * math.log(2)
+    log_1mp = math.log(2**53 - p_numerator) - 53 * math.log(2)
+    top = max(log_p - math.log(q_lo), log_1mp - math.log1p(-q_hi))
+    bottom = min(log_p - math.log(q_hi), log_1mp - math.log1p(-q_lo))
+    epsilon = top - bottom
+    return epsilon * (1 + 16 * privunit.UNIT_ROUNDOFF) + 1e-15  # above the logs' rounding
+
+
+def privunit_record_epsilon(calib: Calibration) -> float:
+    params = calib.privunit
+    return privunit_epsilon(params.k, params.gamma, params.p_numerator)
+
+
+def privunit_figures(calib: Calibration) -> dict[str, Any]:
+    """What the manifest states of the PrivUnit split (accounting.privunit): the cap's
+    exact share q, its bounds for the sampler as implemented, the nominal epsilon
+    eps0 + ln((1-q)/q) of the real-valued mechanism, the certified one and the margin
+    between them, and the expected alignment E<V, u>."""
+    params = calib.privunit
+    k, gamma, p = params.k, params.gamma, params.p
+    q = privunit.cap_probability(gamma, k)
+    q_lo, q_hi = privunit.cap_probability_bounds(gamma, k)
+    margin = privunit.float_margin(k)
+    nominal = params.epsilon0 + math.log1p(-q) - math.log(q)
+    certified = privunit_record_epsilon(calib)
+    return {"k": k, "gamma": gamma, "p": p, "p_numerator": params.p_numerator,
+            "epsilon0": params.epsilon0, "q": q, "q_lower": q_lo, "q_upper": q_hi,
+            "inner_product_error": margin.inner, "excluded_probability": margin.excluded,
+            "nominal_epsilon": nominal, "epsilon": certified, "margin": certified - nominal,
+            "expected_alignment": privunit.expected_alignment(k, gamma, p)}
+
+
+def _privunit_scope(calib: Calibration, records: int) -> dict[str, Any]:
+    """`records` records released by PrivUnit: pure epsilons add; (eps, delta) at dp_delta
+    is the smaller of that and the zCDP that pure eps implies (eps^2/2 per record; Bun and
+    Steinke 2016, Propositions 1.3 and 1.4)."""
+    return _privunit_composed([(calib, records)], calib.dp_delta)
+
+
+def _privunit_composed(parts: list[tuple[Calibration, int]], delta: float) -> dict[str, Any]:
+    epsilons = [(privunit_record_epsilon(c), n) for c, n in parts]
+    pure = sum(n * e for e, n in epsilons)
+    rho = sum(n * e * e / 2 for e, n in epsilons)
+    approx = min(pure, rho + 2 * math.sqrt(rho * math.log(1 / delta)))
+    return Guarantee.pure(pure, approx, delta).as_dict()
+
+
+def certify_privunit(calib: Calibration) -> dict[str, Any]:
+    """certify() for --mechanism privunit: per_record is the certified pure epsilon;
+    per_element is the same figure (changing one element can move the record's direction
+    anywhere, so no smaller bound is claimed for it)."""
+    record = _privunit_scope(calib, 1)
+    figures = privunit_figures(calib)
+    notes = [
+        "PrivUnit (Bhowmick et al. 2018): the record is projected on a public basis, normalised "
+        "to a unit vector u, and released as one unit vector V, from the cap {<v,u> >= gamma} "
+        "with probability p, else from the rest; pure epsilon = eps0 + ln((1-q)/q) for the "
+        "real-valued mechanism (privunit.nominal_epsilon).",
+        "The figures hold for the bytes written: the sampler draws candidates independently "
+        "of the record and keeps the first on the chosen side of its floating-point cap test, "
+        "whose share lies in [q_lower, q_upper] for every record; epsilon uses those bounds "
+        "(privunit.margin above the nominal figure). The written values are a function of V "
+        "alone (post-processing).",
+        "per_element is the record's figure: an element is part of its record, and no smaller "
+        "bound is claimed for it. approx is the smaller of the pure figure and the zCDP it "
+        "implies, at dp_delta.",
+    ]
+    return {"per_element": dict(record), "per_record": record, "dp_delta": calib.dp_delta,
+            "accountant": "closed form (PrivUnit, pure eps, with the sampler's floating-point margin)",
+            "notes": notes, "privunit": figures}

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from tldp_cli.privacy import accounting, mvg_idn
-from tldp_cli.errors import UsageError
-from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
+import functools
 
-MECHANISMS = ("tldp", "baseline", "mvg", "idn")
+from tldp_cli.privacy import accounting, mvg_idn, privunit
+from tldp_cli.errors import UsageError
+from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
+
+MECHANISMS = ("tldp", "baseline", "mvg", "idn", PRIVUNIT)
 GAUSSIAN_ONLY = ("mvg", "idn")  # (eps, delta) designs for Gaussian noise only
-NOISES = ("laplace", "gaussian", *DISCRETE_NOISES)
+NOISES = ("laplace", "gaussian", *DISCRETE_NOISES, PRIVUNIT)
 BUDGETS = ("element", "record")
 # What to do when TLDP's retain probability, which depends on the data's units, is too large.
 def raw_release_advice(noise: str) -> str:
@@ -51,8 +53,22 @@ def _logaddexp(x: float, y: float) -> float:
 
 
 def default_noise(mechanism: str) -> str:
-    """The noise when none is asked for: gaussian for MVG and IDN, laplace otherwise."""
+    """The noise when none is asked for: gaussian for MVG and IDN, laplace otherwise
+    (PrivUnit adds none: what it draws is named privunit)."""
+    if mechanism == PRIVUNIT:
+        return PRIVUNIT
     return "gaussian" if mechanism in GAUSSIAN_ONLY else "laplace"
+
+
+def resolve_budget(mechanism: str, budget: str | None) -> str:
+    """--budget as given, or the mechanism's own when it is left out: record for PrivUnit
+    (a record-level mechanism: --eps is what each whole record gets), element otherwise."""
+    if budget is None:
+        return "record" if mechanism == PRIVUNIT else "element"
+    if mechanism == PRIVUNIT and budget != "record":
+        raise UsageError("--mechanism privunit releases each record as a whole: its --eps is what "
+                         "each record gets; leave out --budget or give --budget record")
+    return budget
 
 
 SAMPLERS = ("exact", "float")
@@ -63,6 +79,11 @@ def sampled_noise(noise: str, sampler: str, mechanism: str) -> str:
     discrete counterparts on a grid (integers, or a power-of-two step for float data), whose
     figures hold for the bytes written. float: the continuous samplers, by request."""
     _check("sampler", sampler, SAMPLERS)
+    if mechanism == PRIVUNIT:
+        if sampler != "exact":
+            raise UsageError("--mechanism privunit adds no noise and its figures always hold for the "
+                             "bytes written; --sampler applies to the noise of the other mechanisms")
+        return noise
     if sampler == "float":
         if noise in DISCRETE_NOISES:
             raise UsageError(f"--noise {noise} is exact noise; --sampler float applies to laplace "
@@ -91,6 +112,12 @@ def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
     _check("mechanism", mechanism, MECHANISMS)
     _check("noise", noise, NOISES)
     _check("budget", budget, BUDGETS)
+    if (mechanism == PRIVUNIT) != (noise == PRIVUNIT):
+        raise UsageError("--mechanism privunit adds no noise: leave out --noise" if mechanism == PRIVUNIT
+                         else f"--noise privunit is --mechanism privunit's; --mechanism {mechanism} "
+                              "adds laplace or gaussian noise")
+    if mechanism == PRIVUNIT and budget != "record":
+        resolve_budget(mechanism, budget)
     if mechanism in GAUSSIAN_ONLY and noise != "gaussian":
         raise UsageError(f"--mechanism {mechanism} adds Gaussian noise only; leave out --noise "
                          f"or give --noise gaussian, not {noise}")
@@ -105,7 +132,10 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
               rows: int | None = None, granularity: float | None = None) -> Calibration:
     """The noise scale and retain probability for the options (see _calibrate); refuses,
     as usage errors, parameters whose arithmetic leaves float64 and calibrations that
-    keep every value."""
+    keep every value. --mechanism privunit is calibrated per record shape: calibrate_privunit."""
+    if mechanism == PRIVUNIT:
+        raise UsageError("--mechanism privunit is calibrated from the record's shape and value range "
+                         "(calibrate_privunit), not from its number of elements")
     try:
         calib = _calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
                            range_width=range_width, elements=elements, dp_delta=dp_delta, rows=rows,
@@ -382,3 +412,102 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
     return _within_budget(Calibration(mechanism, noise, budget, float(epsilon), float(range_width), int(I),
                                       float(dp_delta), float(eps_e), float(scale), float(log_p), None,
                                       None if granularity is None else float(granularity)))
+
+
+# --------------------------------------------------------------------------- PrivUnit
+
+def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_range: tuple[float, float],
+                       dp_delta: float = 1e-5, k: int | None = None, basis: str = "dct",
+                       basis_sha256: str | None = None,
+                       min_cap: float = privunit.MIN_CAP_PROBABILITY) -> Calibration:
+    """--mechanism privunit for records of `record_shape` in `value_range`: k coefficients
+    (`k`, else the public default rule), the PrivUnit split of the record's --eps that
+    maximises E<V, u> with a certified figure at most --eps (privunit_split), and the
+    public reference point and output scale. Everything depends on the options and the
+    record's shape, never on the data."""
+    check_parameters(mechanism=PRIVUNIT, noise=PRIVUNIT, budget="record", epsilon=epsilon,
+                     dp_delta=dp_delta)
+    lo, hi = value_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
+        raise UsageError(f"the value range must be finite and not empty, not {lo:g}:{hi:g}")
+    elements = math.prod(record_shape)
+    if elements < 2:
+        raise UsageError(f"--mechanism privunit releases a direction, which needs records of 2 or more "
+                         f"elements, not records of shape {tuple(record_shape)}")
+    if k is None:
+        k = max(2, privunit.default_k(epsilon, elements))
+    if not 2 <= k <= elements:
+        raise UsageError(f"--basis: k = {k} coefficients; PrivUnit needs 2 <= k <= {elements} (the "
+                         f"record's elements) for records of shape {tuple(record_shape)}")
+    gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
+    params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
+                            record_shape=tuple(int(n) for n in record_shape),
+                            reference=privunit.reference_point(lo, hi),
+                            output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
+                            high=float(hi), basis_sha256=basis_sha256)
+    calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
+                        float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
+    certified = accounting.privunit_record_epsilon(calib)
+    return replace(calib, element_epsilon=certified)
+
+
+def _largest_p(epsilon: float, k: int, gamma: float) -> int | None:
+    """The largest p_numerator (p >= 1/2) whose certified figure at gamma is at most
+    epsilon, or None when even p = 1/2 is above it."""
+    q_lo, _ = privunit.cap_probability_bounds(gamma, k)
+    if q_lo <= 0:
+        return None
+    epsilon0 = epsilon - (math.log1p(-q_lo) - math.log(q_lo))
+    half = 2**52
+    if epsilon0 < 0:
+        return half if accounting.privunit_epsilon(k, gamma, half) <= epsilon else None
+    numerator = min(2**53 - 1, max(half, math.floor(2.0**53 / (1 + math.exp(-epsilon0)))))
+    step = 1
+    while accounting.privunit_epsilon(k, gamma, numerator) > epsilon:
+        if numerator == half:
+            return None
+        numerator = max(half, numerator - step)
+        step *= 2
+    return numerator
+
+
+@functools.lru_cache(maxsize=256)
+def privunit_split(epsilon: float, k: int, min_cap: float = privunit.MIN_CAP_PROBABILITY) -> tuple[float, int]:
+    """(gamma, p_numerator) of PrivUnit in dimension k that maximises the expected alignment
+    E<V, u> among the splits whose certified epsilon (accounting.privunit_epsilon, with
+    the floating-point margin) is at most `epsilon` and whose cap holds at least `min_cap`
+    of the sphere (the sampler's cost is about 1/q candidates; privunit.MIN_CAP_PROBABILITY).
+
+    gamma runs over [0, gamma_max] (the cap's share at most 1/2): a grid of 48 points,
+    then golden-section search around the best; p is the largest the budget allows at
+    each gamma (_largest_p). Deterministic: the same options give the same split."""
+    from scipy.special import betaincinv
+
+    gamma_max = math.sqrt(1 - float(betaincinv((k - 1) / 2, 0.5, 2 * min_cap)))
+
+    def alignment(gamma: float) -> float:
+        numerator = _largest_p(epsilon, k, gamma)
+        return -1.0 if numerator is None else privunit.expected_alignment(k, gamma, numerator / 2.0**53)
+
+    grid = [gamma_max * i / 48 for i in range(49)]
+    values = [alignment(g) for g in grid]
+    best = max(range(len(grid)), key=lambda i: values[i])
+    if values[best] < 0:
+        least = accounting.privunit_epsilon(k, 0.0, 2**52)
+        raise UsageError(f"--mechanism privunit cannot certify --eps {epsilon:g} in {k} dimensions "
+                         f"(its floating-point margin alone costs {least:.3g}); give a larger --eps")
+    a, b = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = alignment(c), alignment(d)
+    for _ in range(40):
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = alignment(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = alignment(d)
+    gamma = max([(values[best], grid[best]), (fc, c), (fd, d)])[1]
+    return float(gamma), int(_largest_p(epsilon, k, gamma))

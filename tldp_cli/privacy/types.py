@@ -12,10 +12,39 @@ from dataclasses import dataclass
 from tldp_cli.privacy.distributions import moments
 
 DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
+PRIVUNIT = "privunit"  # the mechanism, and the name of what it draws (no additive noise)
 
 
 def is_discrete(noise: str) -> bool:
     return noise in DISCRETE_NOISES
+
+
+@dataclass(frozen=True)
+class PrivUnitParams:
+    """--mechanism privunit (privacy/privunit.py): the public basis, the PrivUnit split and
+    the write-back. Hashable, like Calibration; the basis matrix itself is not held here
+    (a DCT basis follows from `record_shape` and `k`; a user's basis is identified by its
+    sha256 and passed to the engine beside the calibration)."""
+
+    k: int  # coefficients: rows of the basis
+    gamma: float  # the cap {v : <v, u> >= gamma}
+    p_numerator: int  # P(V from the cap) = p_numerator / 2^53 exactly
+    basis: str  # "dct" or "file"
+    record_shape: tuple[int, ...]
+    reference: float  # a record is measured from this value; the output written is reference + c B^T V
+    output_scale: float  # c
+    low: float  # the declared range, which the written values are clipped to
+    high: float
+    basis_sha256: str | None = None  # a user's basis file
+
+    @property
+    def p(self) -> float:
+        return self.p_numerator / 2.0**53
+
+    @property
+    def epsilon0(self) -> float:
+        """ln(p / (1 - p)): the part of the budget spent on the choice between cap and rest."""
+        return math.log(self.p_numerator) - math.log(2**53 - self.p_numerator)
 
 
 @dataclass(frozen=True)
@@ -32,6 +61,7 @@ class Calibration:
     log_p: float  # natural log of the retain probability; -inf when nothing is kept
     rows: int | None = None  # MVG: rows of the record's mode-1 unfolding (its first axis)
     granularity: float | None = None  # discrete noise on float data: the grid step G
+    privunit: PrivUnitParams | None = None  # --mechanism privunit (scale: its output scale c)
 
     @property
     def grid_values(self) -> int | None:
@@ -54,8 +84,11 @@ class Calibration:
         """Paper Table 5 bound sqrt(E||Z||^2) for one record (w = 0).
 
         Laplace: b * sqrt(2 (1-p) I). Gaussian: sigma * sqrt((1-p) I), with the sigma
-        of Algorithm 1 (Table 5's Gaussian line assumes a different sigma).
+        of Algorithm 1 (Table 5's Gaussian line assumes a different sigma). PrivUnit:
+        infinite (stated as null): its error depends on the record's norm, never released.
         """
+        if self.privunit is not None:
+            return math.inf
         try:
             if self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20), in grid steps
                 variance = (self.scale * (self.granularity or 1.0)) ** 2

@@ -21,7 +21,7 @@ import numpy as np
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
-from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.privacy.mechanisms import Calibration, default_noise
 from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
 from tldp_cli.sampling.rng import Streams
 
@@ -44,15 +44,17 @@ class Perturbed:
 
 
 def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | None = None,
-                  noise: str = "laplace", mechanism: str = "tldp", budget: str = "element",
+                  noise: str | None = None, mechanism: str = "tldp", budget: str | None = None,
                   sampler: str = "exact", weights: Any = None, seed: str | int | None = None,
                   allow_weak_seed: bool = False, allow_raw_release: bool = False,
                   dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
                   dtype: str = "float32", clip: float | None = None,
-                  clip_input: bool = False) -> Perturbed:
+                  clip_input: bool = False, basis: str | None = None) -> Perturbed:
     """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
 
-    The options mean what `tldp perturb`'s do. `value_range` (lo, hi) is required for
+    The options mean what `tldp perturb`'s do (`noise` None: the mechanism's default,
+    laplace for tldp; `budget` None: element, record for privunit; `basis`: privunit's
+    --basis). `value_range` (lo, hi) is required for
     float data; `weights` (values in [0, 1]) has the record's shape or one mask per record.
     Raises UsageError for options that cannot work (a TldpError), DataError for values
     that are not finite or lie outside the range (unless clip_input).
@@ -67,11 +69,12 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     if values.dtype.kind not in "iuf":
         raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
     options = checked_options(PerturbOptions(
-        input=Path(ARRAY_NAME), epsilon=eps, noise=noise,
+        input=Path(ARRAY_NAME), epsilon=eps, noise=default_noise(mechanism) if noise is None else noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=None if value_range is None else (float(value_range[0]), float(value_range[1])),
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
-        granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release))
+        granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
+        basis=basis))
     job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
                    read=lambda start, stop: values[start:stop],
                    source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})
@@ -85,7 +88,8 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                         f"[{run.lo:g}, {run.top:g}]; fix value_range or pass clip_input=True")
     calib = run.calib_of[ARRAY_NAME]
     noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,
-                                   _weights(weights, values.shape), run.out_dtype, run.grid, len(values))
+                                   _weights(weights, values.shape), run.out_dtype, run.grid, len(values),
+                                   run.bases.get(ARRAY_NAME))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
     return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
 

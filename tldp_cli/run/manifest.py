@@ -17,7 +17,9 @@ from typing import Any
 
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError
+from tldp_cli.privacy import privunit
 from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.sampling import projection
 
 SCHEMA = "tldp-manifest/1"
 
@@ -59,7 +61,8 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "elements_per_record": calib.elements,
         "records": records,
         "noise_scale": calib.scale,
-        "noise_scale_kind": "b" if calib.noise.endswith("laplace") else "sigma",
+        "noise_scale_kind": ("output_scale" if calib.privunit else
+                             "b" if calib.noise.endswith("laplace") else "sigma"),
         "calibration_epsilon": calib.element_epsilon,
         "retain_probability": max(c.p for c in every) * (1 - _min_weight(weights)),
         "retain_probability_log10": _log10_retain(every, weights),
@@ -94,8 +97,51 @@ def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: di
                  "expected_l2_error_per_record": _finite(calib.expected_l2_error())}
         if calib.rows is not None:
             entry["rows"] = calib.rows
+        if calib.privunit is not None:
+            entry["privunit"] = privunit_split(calib)
         entries.append(entry)
     return entries
+
+
+def privunit_split(calib: Calibration) -> dict[str, Any]:
+    """One record size's PrivUnit parameters: its shape, k, the split and the write-back."""
+    params = calib.privunit
+    return {"record_shape": list(params.record_shape), "k": params.k, "epsilon": calib.epsilon,
+            "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
+            "output_scale": params.output_scale}
+
+
+def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str, Any]:
+    """The manifest's `privunit` object (the largest record's; `calibrations` lists every
+    size): the public basis, the reference point, the output scale and the rules that
+    chose them (the certified figures are under accounting.privunit)."""
+    params = calib.privunit
+    if user_basis is not None:
+        basis = {"kind": "file", "k": params.k, "path": str(user_basis.path), "sha256": user_basis.sha256,
+                 "public": "declared public by the user (--basis FILE.npy); a basis learned from "
+                           "the data released is not public",
+                 "description": f"the {params.k} orthonormal rows of {user_basis.path.name}"}
+        k_rule = "the rows of the basis file"
+    else:
+        basis = {"kind": "dct", "k": params.k, "layout": projection.describe_layout(params.record_shape),
+                 "public": "computed from the record's shape and k alone",
+                 "description": projection.dct_basis(params.record_shape, params.k).describe()}
+        k_rule = ("--basis dct:K" if choice.k is not None else
+                  f"default: min(I, {privunit.K_MAX}, max({privunit.K_MIN}, round({privunit.K_PER_EPS} eps))) "
+                  "(provisional; to be tuned on scikit-learn's 8x8 digits)")
+    return {
+        "basis": basis, "k": params.k, "k_rule": k_rule, "record_shape": list(params.record_shape),
+        "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
+        "reference": params.reference,
+        "reference_rule": "0, or the end of the declared range nearest to 0 when it does not hold 0",
+        "output_scale": {"c": params.output_scale, "kind": "display",
+                         "rule": f"(hi - lo) sqrt(I) / {privunit.OUTPUT_SCALE_DIVISOR} (provisional): the "
+                                 "written deviation c B^T V has that norm; the record's own norm is "
+                                 "not released"},
+        "zero_record": "a record whose coefficients are all 0 has no direction: it is released "
+                       "as the direction e_1 (the first coefficient)",
+        "written": "reference + c B^T V, clipped to the declared range",
+    }
 
 
 def _min_weight(weights: dict | None) -> float:

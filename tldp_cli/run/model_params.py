@@ -22,7 +22,7 @@ import numpy as np
 from tldp_cli.privacy import accounting
 from tldp_cli.sampling import engine
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy.mechanisms import Calibration, calibrate_arrays, matrix_rows
+from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration, calibrate_arrays, calibrate_privunit, matrix_rows
 from tldp_cli.sampling.rng import Streams
 
 
@@ -30,9 +30,14 @@ def calibrate_tensors(shapes: Mapping[str, tuple[int, ...]], *, epsilon: float, 
                       noise: str = "laplace", mechanism: str = "tldp", budget: str = "element",
                       dp_delta: float = 1e-5) -> dict[str, Calibration]:
     """One calibration per tensor (I = its size, range width 2C), in the given order.
-    MVG unfolds a tensor along its first axis, as `tldp perturb` does."""
+    MVG unfolds a tensor along its first axis, as `tldp perturb` does. privunit: each
+    tensor is one record of its own shape on the default DCT basis (noise and budget
+    are its own)."""
     if not (math.isfinite(clip) and clip > 0):
         raise UsageError(f"clip must be a finite number > 0, not {clip}")
+    if mechanism == PRIVUNIT:
+        return {name: calibrate_privunit(epsilon=epsilon, record_shape=tuple(shape), value_range=(-clip, clip),
+                                         dp_delta=dp_delta) for name, shape in shapes.items()}
     arrays = {name: (int(np.prod(shape, dtype=np.int64)), matrix_rows(mechanism, tuple(shape), f"tensor {name}"))
               for name, shape in shapes.items()}
     return calibrate_arrays(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,

@@ -36,13 +36,18 @@ from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, Tld
 from tldp_cli.formats import ArrayJob, FormatOptions, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
+    PRIVUNIT,
     Calibration,
     calibrate_arrays,
+    calibrate_privunit,
     check_parameters,
+    default_noise,
     matrix_rows,
     raw_release_advice,
+    resolve_budget,
     sampled_noise,
 )
+from tldp_cli.run import bases as bases_mod
 from tldp_cli.sampling.rng import Streams, check_seed, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 
@@ -59,9 +64,9 @@ Progress = Callable[[int, int], None]  # (records just finished, total records)
 class PerturbOptions:
     input: Path
     epsilon: float
-    noise: str = "laplace"
+    noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)
     mechanism: str = "tldp"
-    budget: str = "element"
+    budget: str | None = None  # None: the mechanism's own (element; record for privunit)
     value_range: tuple[float, float] | None = None  # --range LO:HI: every array without its own
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # --range NAME=LO:HI
     weights: Path | None = None
@@ -96,6 +101,7 @@ class PerturbOptions:
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
+    basis: str | None = None  # --mechanism privunit: dct (default), dct:K or FILE.npy (run/bases.py)
 
     def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
@@ -212,6 +218,7 @@ class BlockTask:
     write: Callable[[ArrayJob, int, np.ndarray], None] | None  # None: return the block instead
     grid: discrete.Grid | None = None  # discrete noises: snapped values are clipped into it
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)  # (lo, top, grid)
+    bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by job name
 
     def __call__(self, job: ArrayJob, start: int, stop: int,
                  count_only: bool = False) -> tuple[int, np.ndarray | None]:
@@ -227,7 +234,8 @@ class BlockTask:
         mask = self.masks.get(job.name)
         weights = None if mask is None else mask.for_block(start, stop)
         noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
-                                       self.streams, weights, self.dtype, grid, job.records)
+                                       self.streams, weights, self.dtype, grid, job.records,
+                                       self.bases.get(job.name))
         if self.write is None:
             return 0, noisy
         self.write(job, start, noisy)
@@ -277,9 +285,19 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
 
 def checked_options(options: PerturbOptions) -> PerturbOptions:
     """Refuses option values that cannot work (usage errors), before any file is read;
-    returns the options with the noise as drawn (sampled_noise)."""
+    returns the options with the noise as drawn (sampled_noise) and the budget resolved
+    (resolve_budget)."""
+    options = dataclasses.replace(options, budget=resolve_budget(options.mechanism, options.budget),
+                                  noise=default_noise(options.mechanism) if options.noise is None else options.noise)
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
                      epsilon=options.epsilon, dp_delta=options.dp_delta)
+    if options.mechanism == PRIVUNIT:
+        bases_mod.parse_basis(options.basis)
+        if options.weights is not None:
+            raise UsageError("--weights lower TLDP's retain probability; --mechanism privunit keeps no "
+                             "raw value, so it takes no weights")
+    elif options.basis is not None:
+        raise UsageError("--basis applies to --mechanism privunit")
     options = dataclasses.replace(options, noise=sampled_noise(options.noise, options.sampler,
                                                                options.mechanism))
     if options.seed is not None:
@@ -370,6 +388,8 @@ class Plan:
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
     # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)
+    bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by array name
+    user_basis: bases_mod.UserBasis | None = None  # privunit: --basis FILE.npy, loaded and checked
 
     @property
     def top(self) -> float:
@@ -419,10 +439,38 @@ class _RangeGroup:
     grid: discrete.Grid | None
     calib_of: dict[str, Calibration]
     out_dtype: np.dtype
+    bases: dict[str, Any] = field(default_factory=dict)
+
+
+def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
+                    rows: list[list[str]], user: bases_mod.UserBasis | None) -> _RangeGroup:
+    """--mechanism privunit: one calibration per record shape (records of one shape share
+    the basis and the split). A subject's record that spans n arrays (rows) gets --eps / n
+    in each of them, so the pure figures of its parts add up to --eps."""
+    choice = bases_mod.parse_basis(options.basis)
+    parts = {name: len(row) for row in rows for name in row if len(row) > 1}
+    made: dict[tuple[tuple[int, ...], int], Calibration] = {}
+    calib_of, user_bases = {}, {}
+    for job in jobs:
+        key = (job.record_shape, parts.get(job.name, 1))
+        if user is not None:
+            user_bases[job.name] = user.for_records(job.record_shape, _where(job, options.input))
+        if key not in made:
+            try:
+                made[key] = calibrate_privunit(
+                    epsilon=options.epsilon / key[1], record_shape=job.record_shape, value_range=(lo, hi),
+                    dp_delta=options.dp_delta, k=user.k if user else choice.k, basis=choice.kind,
+                    basis_sha256=user.sha256 if user else None)
+            except UsageError as exc:
+                raise UsageError(f"{_where(job, options.input)}: {exc}") from None
+        calib_of[job.name] = made[key]
+    return _RangeGroup(lo, hi, None, calib_of, np.dtype(options.dtype), user_bases)
 
 
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
-                     rows: list[list[str]]) -> _RangeGroup:
+                     rows: list[list[str]], user: bases_mod.UserBasis | None = None) -> _RangeGroup:
+    if options.mechanism == PRIVUNIT:
+        return _privunit_group(options, lo, hi, jobs, rows, user)
     source = options.input
     grid = None  # discrete noises: the integers, or the grid G*Z that float data is snapped to
     if discrete.is_discrete(options.noise):
@@ -476,8 +524,10 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
         raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
                          "each), which have different --range values; give them one range, or use "
                          "--budget element")
+    choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
+    user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE else None
     groups = [_calibrate_group(options, lo, hi, group,
-                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)])
+                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)], user)
               for (lo, hi), group in members.items()]
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
@@ -503,7 +553,8 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     main = next(group for group in groups if largest in group.calib_of.values())
     bounds = {name: (group.lo, group.hi, group.grid) for group in groups for name in group.calib_of}
     return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
-                raw_release, bounds if len(groups) > 1 or options.ranges else {})
+                raw_release, bounds if len(groups) > 1 or options.ranges else {},
+                {name: basis for group in groups for name, basis in group.bases.items()}, user)
 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
@@ -628,7 +679,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
             masks=masks, lo=run.lo, hi=run.top,
             clip_input=options.clip_input or options.clip is not None,
             dtype=run.out_dtype,
-            source=options.input, write=writer.write, grid=run.grid, bounds=run.checked_bounds())
+            source=options.input, write=writer.write, grid=run.grid, bounds=run.checked_bounds(),
+            bases=run.bases)
         if options.scheduler == "dask":
             needed = [options.input] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
             results = _run_dask(block_task, tasks, writer, staged.output, needed, options,
@@ -833,6 +885,13 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     sizes = {c.elements for c in run.calibrations}
     if len(sizes) > 1:
         extra["elements_per_record_range"] = [min(sizes), max(sizes)]
+    postprocessing = []
+    if run.largest.privunit is not None:
+        extra["epsilon"] = options.epsilon  # a record spanning n arrays gets --eps / n in each
+        extra["privunit"] = manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
+                                                        run.user_basis)
+        postprocessing = [f"write back reference + c B^T V in the record's shape (c: privunit.output_scale), "
+                          f"clip to [{run.lo:g}, {run.hi:g}], cast to {run.out_dtype}"]
     records_of: dict[Calibration, int] = {}
     for job in jobs:
         records_of[run.calib_of[job.name]] = records_of.get(run.calib_of[job.name], 0) + job.records
@@ -844,8 +903,9 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
-        postprocessing=([discrete.saturation_note(run.out_dtype)] if run.grid and run.out_dtype.kind == "i"
-                        else []) + (list(writer.postprocessing) if writer else []),
+        postprocessing=postprocessing + ([discrete.saturation_note(run.out_dtype)]
+                                         if run.grid and run.out_dtype.kind == "i" else [])
+        + (list(writer.postprocessing) if writer else []),
         output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
 
 

@@ -20,8 +20,9 @@ import math
 
 import numpy as np
 
-from tldp_cli.sampling import discrete, ziggurat
+from tldp_cli.sampling import discrete, privunit, projection, ziggurat
 from tldp_cli.errors import UsageError
+from tldp_cli.privacy.privunit import cap_probability
 from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
 from tldp_cli.sampling.rng import Streams, records_per_unit
 
@@ -143,7 +144,7 @@ def _records_and_output(block: np.ndarray, elements: int, dtype: np.dtype) -> tu
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
                     dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None,
-                    array_records: int | None = None) -> np.ndarray:
+                    array_records: int | None = None, basis=None) -> np.ndarray:
     """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
 
     `array_records`: how many records the whole array has (rng.records_per_unit), the
@@ -153,8 +154,11 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     mask per record of the block; values in [0, 1] (validated by the caller).
     Discrete noises go to perturb_discrete (exact integer samplers; an integer
     dtype gets grid values, a float dtype G times them; `grid`, the run's grid, bounds the
-    snapped values).
+    snapped values). --mechanism privunit goes to perturb_privunit (`basis`: a user's
+    basis; None, the DCT basis of the calibration).
     """
+    if calib.privunit is not None:
+        return perturb_privunit(block, first_record, array_name, calib, streams, basis, dtype)
     if calib.noise in DISCRETE_NOISES:
         return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid,
                                 array_records)
@@ -230,3 +234,67 @@ def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, cali
         values += records[rows] if direct else discrete.snap(records[rows], granularity, grid)
         _to_output(values, granularity, dtype, out[rows])
     return out.reshape(block.shape)
+
+
+# --------------------------------------------------------------------------- PrivUnit
+# Each record draws from a stream of its own (PRIVUNIT_STREAMS + the array's name, the
+# record's index): a record's draws never depend on another's, nor on the blocking.
+PRIVUNIT_STREAMS = "privunit/"
+
+
+def privunit_basis(calib: Calibration, basis=None):
+    """The basis a PrivUnit calibration projects on: `basis` (a user's, which must match
+    the calibration's k and sha256), else the DCT basis of its record shape and k."""
+    params = calib.privunit
+    if basis is None:
+        if params.basis != "dct":
+            raise ValueError("a privunit calibration with a user's basis needs that basis")
+        return projection.dct_basis(params.record_shape, params.k)
+    if basis.k != params.k or getattr(basis, "sha256", None) != params.basis_sha256:
+        raise ValueError("the basis does not match the privunit calibration")
+    return basis
+
+
+def record_directions(block: np.ndarray, calib: Calibration, basis) -> np.ndarray:
+    """u: each record's coefficients in the basis, measured from the public reference
+    point, divided by their norm ((n, k) float64; a record of zero coefficients: e_1)."""
+    params = calib.privunit
+    x = block.reshape(block.shape[0], *params.record_shape).astype(np.float64) - params.reference
+    return privunit.unit_directions(basis.project(x))
+
+
+def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: Calibration,
+                      streams: Streams) -> np.ndarray:
+    """One PrivUnit draw per row of u, record i (global index first_record + i) from its own stream."""
+    params = calib.privunit
+    q = cap_probability(params.gamma, params.k)  # the batch size only
+    released = np.empty_like(u)
+    for i in range(u.shape[0]):
+        rng = streams.generator(PRIVUNIT_STREAMS + array_name, first_record + i)
+        released[i] = privunit.sample(rng, u[i], params.gamma, params.p_numerator, q)
+    return released
+
+
+def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype | type) -> np.ndarray:
+    """The records written: reference + c B^T V, clipped to the declared range, in `dtype`
+    (a function of V alone, and of public values: post-processing)."""
+    params = calib.privunit
+    values = basis.synthesize(params.output_scale * released)
+    values += params.reference
+    np.clip(values, params.low, params.high, out=values)
+    out = page_aligned_empty(values.shape, dtype)
+    out[...] = values
+    return out
+
+
+def perturb_privunit(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
+                     streams: Streams, basis=None, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """--mechanism privunit on a block of whole records: project on the basis, normalise,
+    draw V (sampling/privunit.py), write back reference + c B^T V in the record's shape."""
+    dtype = np.dtype(dtype)
+    basis = privunit_basis(calib, basis)
+    if block.shape[0] == 0:
+        return page_aligned_empty(block.shape, dtype)
+    u = record_directions(block, calib, basis)
+    released = sample_directions(u, first_record, array_name, calib, streams)
+    return write_back(released, calib, basis, dtype).reshape(block.shape)

@@ -1,0 +1,177 @@
+"""PrivUnit's mathematics (privacy/privunit.py), its certified figure (accounting.py) and
+its calibration (mechanisms.py), each against an independent computation: the cap's
+share in closed form where it is elementary (k = 2, 3, 4) and by high-precision
+quadrature of the marginal density otherwise, the first moment likewise, and the
+certified epsilon against the two-valued density ratio written out by hand."""
+
+import math
+
+import mpmath
+import pytest
+
+from tldp_cli.errors import UsageError
+from tldp_cli.privacy import accounting, mechanisms, privunit
+from tldp_cli.privacy.types import PRIVUNIT
+
+GAMMAS = (0.0, 0.05, 0.2, 0.5, 0.8, 0.95)
+
+
+def mp_density(k):
+    """The density of <V, u> for V uniform on S^{k-1}, normalised by quadrature (mpmath)."""
+    mpmath.mp.dps = 40
+    norm = mpmath.quad(lambda t: (1 - t * t) ** (mpmath.mpf(k - 3) / 2), [-1, 0, 1])
+    return lambda t: (1 - t * t) ** (mpmath.mpf(k - 3) / 2) / norm
+
+
+@pytest.mark.parametrize("gamma", GAMMAS + (-0.3, -0.9))
+def test_cap_share_in_closed_form_for_k_2_3_4(gamma):
+    # k = 2: t = cos(theta), theta uniform; k = 3: t uniform on [-1, 1] (Archimedes);
+    # k = 4: density (2/pi) sqrt(1 - t^2).
+    assert privunit.cap_probability(gamma, 2) == pytest.approx(math.acos(gamma) / math.pi, rel=1e-13)
+    assert privunit.cap_probability(gamma, 3) == pytest.approx((1 - gamma) / 2, rel=1e-13)
+    k4 = (math.acos(gamma) - gamma * math.sqrt(1 - gamma * gamma)) / math.pi
+    assert privunit.cap_probability(gamma, 4) == pytest.approx(k4, rel=1e-12)
+
+
+@pytest.mark.parametrize("k", [5, 16, 64, 200])
+def test_cap_share_and_first_moment_against_quadrature(k):
+    density = mp_density(k)
+    for gamma in GAMMAS:
+        q = mpmath.quad(density, [gamma, 1])
+        moment = mpmath.quad(lambda t: t * density(t), [gamma, 1])
+        assert privunit.cap_probability(gamma, k) == pytest.approx(float(q), rel=1e-11)
+        assert privunit.cap_first_moment(gamma, k) == pytest.approx(float(moment), rel=1e-11)
+        assert privunit.marginal_density(gamma, k) == pytest.approx(float(density(gamma)), rel=1e-12)
+
+
+def test_the_incomplete_beta_function_is_within_its_stated_error():
+    """BETAINC_ERROR is the relative error the bounds allow scipy; it errs far less (mpmath)."""
+    mpmath.mp.dps = 40
+    worst = 0.0
+    for k in (2, 7, 50, 400, 3000):
+        for gamma in (0.01, 0.1, 0.3, 0.6, 0.9, 0.99):
+            a = mpmath.mpf(k - 1) / 2
+            exact = mpmath.betainc(a, 0.5, 0, (1 - gamma) * (1 + gamma), regularized=True) / 2
+            if exact > 1e-300:
+                worst = max(worst, abs(privunit.cap_probability(gamma, k) / float(exact) - 1))
+    assert worst < privunit.BETAINC_ERROR / 100
+
+
+def nominal_epsilon(k, gamma, p):
+    """eps0 + ln((1 - q)/q): the density ratio (p/q) / ((1-p)/(1-q)) of the real mechanism."""
+    q = privunit.cap_probability(gamma, k)
+    return math.log(p / q) - math.log((1 - p) / (1 - q))
+
+
+@pytest.mark.parametrize("k,gamma", [(2, 0.3), (16, 0.1), (64, 0.2), (300, 0.15)])
+def test_certified_epsilon_is_the_density_ratio_at_the_bounds_of_the_cap_share(k, gamma):
+    numerator = 3 * 2**51  # p = 3/4
+    p = 0.75
+    q_lo, q_hi = privunit.cap_probability_bounds(gamma, k)
+    by_hand = math.log(p / q_lo) - math.log((1 - p) / (1 - q_lo))  # q_hi <= 1/2 <= p here
+    certified = accounting.privunit_epsilon(k, gamma, numerator)
+    assert certified == pytest.approx(by_hand, rel=1e-12)
+    assert certified >= by_hand
+    nominal = nominal_epsilon(k, gamma, p)
+    assert 0 < certified - nominal < 1e-3  # the floating-point margin, small but there
+
+
+def test_certified_epsilon_at_gamma_0_takes_the_larger_side():
+    """gamma = 0: q_hi exceeds 1/2, and the general formula max/min is what holds."""
+    k, numerator = 32, 2**52 + 2**48
+    p = numerator / 2**53
+    q_lo, q_hi = privunit.cap_probability_bounds(0.0, k)
+    assert q_lo < 0.5 < q_hi
+    top = max(p / q_lo, (1 - p) / (1 - q_hi))
+    bottom = min(p / q_hi, (1 - p) / (1 - q_lo))
+    assert accounting.privunit_epsilon(k, 0.0, numerator) == pytest.approx(math.log(top / bottom), rel=1e-12)
+
+
+def test_margin_bounds_cover_the_exact_share_and_stay_close():
+    for k in (2, 3, 10, 101, 1000):
+        margin = privunit.float_margin(k)
+        assert 0 < margin.inner < 1e-5 and 0 < margin.excluded < 1e-5
+        for gamma in (0.5 / math.sqrt(k), min(0.9, 2 / math.sqrt(k))):  # shares of about 0.3 and 0.02
+            q = privunit.cap_probability(gamma, k)
+            lo, hi = privunit.cap_probability_bounds(gamma, k)
+            assert lo < q < hi and (hi - lo) / q < 1e-3
+
+
+@pytest.mark.parametrize("k", [2, 3, 16, 64, 200])
+@pytest.mark.parametrize("epsilon", [0.5, 2, 4, 8, 16])
+def test_calibration_certifies_at_most_the_request_and_keeps_the_cap_affordable(k, epsilon):
+    calib = mechanisms.calibrate_privunit(epsilon=epsilon, record_shape=(k * 2,), value_range=(0, 1), k=k)
+    figures = accounting.privunit_figures(calib)
+    assert figures["epsilon"] <= epsilon
+    assert calib.element_epsilon == figures["epsilon"]
+    assert figures["epsilon"] > epsilon - 1e-3  # the budget is spent, not wasted
+    assert figures["q"] >= privunit.MIN_CAP_PROBABILITY * (1 - 1e-9)
+    assert calib.privunit.p >= 0.5 and 0 <= calib.privunit.gamma < 1
+    assert calib.budget == "record" and calib.mechanism == PRIVUNIT and calib.log_p == -math.inf
+
+
+@pytest.mark.parametrize("k,epsilon", [(16, 2), (64, 4), (100, 8)])
+def test_the_split_maximises_the_expected_alignment(k, epsilon):
+    """Any other gamma, with the largest p the budget allows there, aligns less."""
+    gamma, numerator = mechanisms.privunit_split(float(epsilon), k)
+    best = privunit.expected_alignment(k, gamma, numerator / 2**53)
+    for factor in (0.5, 0.8, 0.95, 1.05, 1.25, 1.6):
+        other = gamma * factor
+        p = mechanisms._largest_p(float(epsilon), k, other)
+        if p is not None and privunit.cap_probability(other, k) >= privunit.MIN_CAP_PROBABILITY:
+            assert privunit.expected_alignment(k, other, p / 2**53) <= best + 1e-12
+
+
+def test_alignment_matches_bhowmick_et_al_in_the_hemisphere_case():
+    """gamma = 0 (the hemisphere): E<V,u> = (2p - 1) E|t|, E|t| = 2 m(0)."""
+    k, p = 10, 0.7
+    mean_abs = 2 * float(mpmath.quad(lambda t: t * mp_density(k)(t), [0, 1]))
+    assert privunit.expected_alignment(k, 0.0, p) == pytest.approx((2 * p - 1) * mean_abs, rel=1e-12)
+
+
+def test_default_k_is_a_public_rule_of_eps_and_size():
+    assert privunit.default_k(1, 784) == 16
+    assert privunit.default_k(4, 784) == 64
+    assert privunit.default_k(100, 784) == privunit.K_MAX
+    assert privunit.default_k(0.01, 784) == privunit.K_MIN
+    assert privunit.default_k(8, 10) == 10
+
+
+def test_reference_point_and_output_scale_are_public_rules_of_the_range():
+    assert privunit.reference_point(0, 256) == 0
+    assert privunit.reference_point(-1, 1) == 0
+    assert privunit.reference_point(10, 20) == 10
+    assert privunit.reference_point(-20, -10) == -10
+    assert privunit.output_scale(0, 256, 784) == 256 * 28 / privunit.OUTPUT_SCALE_DIVISOR
+
+
+def test_refusals():
+    with pytest.raises(UsageError, match="2 or more elements"):
+        mechanisms.calibrate_privunit(epsilon=1, record_shape=(1,), value_range=(0, 1))
+    with pytest.raises(UsageError, match="2 <= k <= 4"):
+        mechanisms.calibrate_privunit(epsilon=1, record_shape=(2, 2), value_range=(0, 1), k=5)
+    with pytest.raises(UsageError, match="record budget|releases each record as a whole"):
+        mechanisms.resolve_budget(PRIVUNIT, "element")
+    with pytest.raises(UsageError, match="calibrate_privunit"):
+        mechanisms.calibrate(mechanism=PRIVUNIT, noise=PRIVUNIT, budget="record", epsilon=1, range_width=1,
+                             elements=4)
+    with pytest.raises(UsageError, match="cannot certify"):
+        mechanisms.calibrate_privunit(epsilon=1e-7, record_shape=(64,), value_range=(0, 1), k=64)
+    assert mechanisms.resolve_budget(PRIVUNIT, None) == "record"
+    assert mechanisms.resolve_budget("tldp", None) == "element"
+
+
+def test_scopes_compose_by_addition():
+    calib = mechanisms.calibrate_privunit(epsilon=2, record_shape=(8, 8), value_range=(0, 1))
+    certified = accounting.certify(calib)
+    assert certified["per_element"]["epsilon"] == certified["per_record"]["epsilon"] <= 2
+    assert certified["per_record"]["delta"] == 0 and certified["per_record"]["rho"] is None
+    file = accounting.certify_file([("a", calib, 10)])["per_file"]
+    assert file["epsilon"] == pytest.approx(10 * certified["per_record"]["epsilon"])
+    assert file["delta"] == 0
+    # the zCDP that pure eps implies (eps^2/2 per record) is the tighter (eps, delta) for many records
+    small = mechanisms.calibrate_privunit(epsilon=0.5, record_shape=(8, 8), value_range=(0, 1))
+    many = accounting.compose([(small, 10_000)])
+    rho = 10_000 * small.element_epsilon ** 2 / 2
+    assert many["epsilon"] == pytest.approx(10_000 * small.element_epsilon)
+    assert many["approx"]["epsilon"] == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))

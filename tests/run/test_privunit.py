@@ -1,0 +1,238 @@
+"""--mechanism privunit through every path: perturb on every format (files made by the
+libraries people use, read back with them), plan, perturb_array, the ledger, model
+parameters, --basis, the refusals, and seeded runs bit-identical across workers,
+blocking and Dask."""
+
+import hashlib
+import json
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+from PIL import Image
+
+from tests.builders import DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
+from tldp_cli import perturb_array
+from tldp_cli.run import model_params
+from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.sampling.rng import Streams
+
+SAMPLES = REPO / "sample_data"
+
+
+def privunit(cli, src, out, *args):
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--out", out, *args)
+    assert result.exit_code == 0, result.stderr
+    return json.loads((out.parent / (out.name + ".manifest.json")).read_text()), result
+
+
+def check_manifest(m, k=64, epsilon=4):
+    assert m["mechanism"] == "privunit" and m["noise"] == "privunit" and m["budget"] == "record"
+    assert m["epsilon"] == epsilon
+    record = m["accounting"]["per_record"]
+    assert 0 < record["epsilon"] <= epsilon and record["delta"] == 0
+    assert m["accounting"]["per_element"]["epsilon"] == record["epsilon"]
+    assert m["privunit"]["k"] == m["accounting"]["privunit"]["k"] == k
+    assert m["retain_probability"] == 0 and m["noise_scale_kind"] == "output_scale"
+
+
+@pytest.mark.parametrize("name,read", [
+    ("digits.npy", np.load),
+    ("digits.h5", lambda p: h5py.File(p, "r")["images"][...]),
+    ("digits.zarr", lambda p: zarr.open_group(str(p), mode="r")["images"][...]),
+])
+def test_the_sample_data_in_every_array_format(cli, tmp_path, name, read):
+    m, result = privunit(cli, SAMPLES / name, tmp_path / ("out-" + name))
+    check_manifest(m)
+    assert "each record (eps=4, delta=0)" in result.stderr
+    out = read(tmp_path / ("out-" + name))
+    assert out.shape == (400, 28, 28) and out.dtype == np.float32
+    assert out.min() >= 0 and out.max() <= 256
+    assert not np.array_equal(out, np.load(SAMPLES / "digits.npy"))
+
+
+def test_the_sample_image_folder(cli, tmp_path):
+    m, _ = privunit(cli, SAMPLES / "digits_png", tmp_path / "out_png")
+    check_manifest(m)
+    written = sorted((tmp_path / "out_png").rglob("*.png"))
+    assert len(written) == m["records"] == 40
+    pixels = np.asarray(Image.open(written[0]))
+    assert pixels.shape == (28, 28) and pixels.dtype == np.uint8
+    assert any("write back reference + c B^T V" in step for step in m["postprocessing"])
+    assert any("clip to [0, 255]" in step for step in m["postprocessing"])
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5, make_zarr, make_images])
+def test_threads_and_blocking_do_not_change_seeded_output(tmp_path, make):
+    src, read = make(tmp_path)
+    results = []
+    for workers, block in ((1, 1 << 21), (3, 640)):
+        out = tmp_path / f"out{workers}{src.suffix}"
+        perturb(PerturbOptions(input=src, epsilon=3.0, mechanism="privunit", out=out, seed=SEED,
+                               workers=workers, block_elements=block))
+        results.append(read(out))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert not np.array_equal(results[0], DATA[:len(results[0])])
+
+
+def test_perturb_array_gives_the_bytes_perturb_writes(cli, tmp_path):
+    src = tmp_path / "x.npy"
+    np.save(src, DATA)
+    privunit(cli, src, tmp_path / "out.npy", "--seed", SEED)
+    released = perturb_array(DATA, eps=4, mechanism="privunit", seed=SEED)
+    assert released.array.tobytes() == np.load(tmp_path / "out.npy").tobytes()
+    assert released.accounting["per_record"]["epsilon"] <= 4
+    assert released.calibration.privunit.k == 64 and released.noise == "privunit"
+
+
+def test_plan_states_the_split_before_reading_data(cli, tmp_path):
+    result = cli("plan", SAMPLES / "digits.npy", "--mechanism", "privunit", "--eps", "4")
+    assert result.exit_code == 0, result.stderr
+    assert "privunit on 64 DCT-II coefficients" in result.stderr
+    assert "each record (eps=4, delta=0)" in result.stderr
+    report = json.loads(cli("plan", SAMPLES / "digits.npy", "--mechanism", "privunit", "--eps", "4",
+                            "--json", "-q").stdout)
+    manifest, _ = privunit(cli, SAMPLES / "digits.npy", tmp_path / "o.npy")
+    assert report["privunit"]["gamma"] == manifest["privunit"]["gamma"]
+    assert report["accounting"]["per_record"] == manifest["accounting"]["per_record"]
+    described = cli("plan", "--elements", "8x8", "--records", "100", "--range", "-1:1", "--mechanism",
+                    "privunit", "--eps", "2", "--basis", "dct:10")
+    assert described.exit_code == 0 and "privunit on 10 DCT-II coefficients" in described.stderr
+
+
+def test_basis_dct_k(cli, tmp_path):
+    m, _ = privunit(cli, SAMPLES / "digits.npy", tmp_path / "o.npy", "--basis", "dct:20")
+    check_manifest(m, k=20)
+    assert m["privunit"]["k_rule"] == "--basis dct:K"
+
+
+def test_a_user_basis_is_checked_hashed_and_used(cli, tmp_path):
+    q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((64, 64)))
+    basis = tmp_path / "basis.npy"
+    np.save(basis, q[:12].astype(np.float32))
+    src = tmp_path / "f.npy"
+    np.save(src, (DATA / 128.0 - 1).astype(np.float32))
+    m, _ = privunit(cli, src, tmp_path / "o.npy", "--basis", basis, "--seed", SEED, "--range", "-1:1")
+    check_manifest(m, k=12)
+    assert m["privunit"]["basis"]["sha256"] == hashlib.sha256(basis.read_bytes()).hexdigest()
+    assert m["privunit"]["basis"]["kind"] == "file" and "declared public" in m["privunit"]["basis"]["public"]
+    out = np.load(tmp_path / "o.npy").reshape(200, 64).astype(np.float64)
+    # what is written lies in the basis's span (the records that clipping to the range left alone)
+    inside = np.all((out > -1) & (out < 1), axis=1)
+    rows = q[:12].astype(np.float32).astype(np.float64)
+    assert inside.sum() > 100
+    residual = out[inside] - (out[inside] @ rows.T) @ rows
+    assert np.abs(residual).max() < 1e-3
+    evaluated = cli("evaluate", src, tmp_path / "o.npy", "--json", "-q")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["integrity_ok"]
+
+
+@pytest.mark.parametrize("matrix,fragment", [
+    (np.ones((3, 64)), "not orthonormal"),
+    (np.eye(64)[:3, :60], "rows of 60 values"),
+    (np.eye(64)[:3, :60].T.copy(), "cannot be orthonormal"),
+])
+def test_a_bad_user_basis_is_refused(cli, tmp_path, matrix, fragment):
+    basis = tmp_path / "basis.npy"
+    np.save(basis, matrix)
+    src, _ = make_npy(tmp_path)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--basis", basis)
+    assert result.exit_code in (1, 2)
+    assert_one_line_error(result, result.exit_code, fragment)
+    assert not list(tmp_path.glob("d.tldp*"))
+
+
+@pytest.mark.parametrize("args,fragment,code", [
+    (("--mechanism", "privunit", "--budget", "element"), "leave out --budget", 2),
+    (("--mechanism", "privunit", "--noise", "laplace"), "leave out --noise", 2),
+    (("--mechanism", "privunit", "--sampler", "float"), "--sampler applies", 2),
+    (("--basis", "dct:8"), "--basis applies to --mechanism privunit", 2),
+    (("--mechanism", "privunit", "--basis", "dct:1"), "K >= 2", 2),
+    (("--mechanism", "privunit", "--basis", "dct:65"), "2 <= k <= 64", 2),
+    (("--mechanism", "privunit", "--basis", "eigen.txt"), "give dct, dct:K, or a .npy", 2),
+])
+def test_refusals(cli, tmp_path, args, fragment, code):
+    src, _ = make_npy(tmp_path)
+    result = cli("perturb", src, "--eps", "4", *args)
+    assert_one_line_error(result, code, fragment)
+
+
+def test_weights_are_refused(cli, tmp_path):
+    src, _ = make_npy(tmp_path)
+    np.save(tmp_path / "w.npy", np.ones((8, 8)))
+    result = cli("perturb", src, "--eps", "4", "--mechanism", "privunit", "--weights", tmp_path / "w.npy")
+    assert_one_line_error(result, 2, "takes no weights")
+
+
+def test_releases_compose_by_addition_in_the_ledger(cli, tmp_path):
+    src = tmp_path / "raw" / "x.npy"
+    src.parent.mkdir()
+    np.save(src, DATA)
+    ledger = tmp_path / "raw" / "ledger.db"
+    for name in ("a", "b"):
+        result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / f"{name}.npy",
+                     "--ledger", ledger)
+        assert result.exit_code == 0, result.stderr
+    per_record = json.loads((tmp_path / "a.npy.manifest.json").read_text())["accounting"]["per_record"]["epsilon"]
+    listed = json.loads(cli("ledger", ledger, "--json").stdout)
+    assert listed["datasets"][0]["cumulative_per_record"]["epsilon"] == pytest.approx(2 * per_record)
+    capped = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / "c.npy",
+                 "--ledger", ledger, "--max-record-eps", "10")
+    assert capped.exit_code == 1 and not (tmp_path / "c.npy").exists()
+
+
+def test_rows_spanning_two_arrays_split_the_budget(cli, tmp_path):
+    src = tmp_path / "two.h5"
+    with h5py.File(src, "w") as f:
+        f["a"] = DATA[:50]
+        f["b"] = DATA[50:100, :4]
+    m, _ = privunit(cli, src, tmp_path / "out.h5")
+    assert m["row_datasets"] == [["/a", "/b"]] or m["row_datasets"] == [["a", "b"]]
+    assert m["accounting"]["per_record"]["epsilon"] <= 4
+    assert m["accounting"]["per_record"]["epsilon"] > 3.99
+    assert {entry["privunit"]["epsilon"] for entry in m["calibrations"]} == {2.0}
+
+
+def test_model_parameters_in_memory():
+    calibs = model_params.calibrate_tensors({"w": (16, 8), "b": (8,)}, epsilon=4, clip=0.1, mechanism="privunit")
+    tensors = {"w": np.random.default_rng(1).uniform(-0.1, 0.1, (16, 8)).astype(np.float32),
+               "b": np.zeros(8, np.float32)}
+    released = model_params.perturb_tensors(tensors, calibs, streams=Streams("secure", SEED))
+    assert {k: v.shape for k, v in released.items()} == {"w": (16, 8), "b": (8,)}
+    assert all(np.abs(v).max() <= 0.1 for v in released.values())
+    figures = model_params.certify_tensors(calibs)
+    assert figures["per_file"]["epsilon"] == pytest.approx(2 * figures["per_record"]["epsilon"])
+
+
+def test_evaluate_checks_a_privunit_manifest(cli, tmp_path):
+    src, _ = make_npy(tmp_path)
+    privunit(cli, src, tmp_path / "o.npy")
+    result = cli("evaluate", src, tmp_path / "o.npy", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert report["ok"] and checks["parameters"]["passed"]
+    assert checks["noise_norm"]["status"] == "skipped"
+    assert checks["privunit_alignment"]["expected_alignment"] > 0
+    manifest_path = tmp_path / "o.npy.manifest.json"
+    m = json.loads(manifest_path.read_text())
+    m["accounting"]["privunit"]["gamma"] *= 0.9
+    manifest_path.write_text(json.dumps(m))
+    broken = json.loads(cli("evaluate", src, tmp_path / "o.npy", "--json", "-q").stdout)
+    parameters = next(c for c in broken["checks"] if c["check"] == "parameters")
+    assert not parameters["passed"] and "accounting.privunit.gamma" in parameters["detail"]
+
+
+@pytest.mark.dask
+def test_dask_equals_threads(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    src, read = make_zarr(tmp_path)
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address="127.0.0.1:0") as cluster:
+        for name, how in (("threads", {"workers": 2}),
+                          ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
+            perturb(PerturbOptions(input=src, epsilon=3.0, mechanism="privunit", out=tmp_path / f"{name}.zarr",
+                                   seed=SEED, block_elements=640, **how))
+    np.testing.assert_array_equal(read(tmp_path / "threads.zarr"), read(tmp_path / "dask.zarr"))

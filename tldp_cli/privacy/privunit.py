@@ -1,0 +1,240 @@
+"""PrivUnit on the unit sphere: the mathematics, with no randomness and no I/O.
+
+PrivUnit2 (Bhowmick, Duchi, Freudiger, Kapoor and Rogers, "Protection Against
+Reconstruction and Its Applications in Private Federated Learning", 2018, Algorithm 1):
+a unit vector u in R^k is released as a unit vector V drawn, with probability p, uniformly
+from the cap {v : <v, u> >= gamma} and otherwise uniformly from its complement. Its
+output density (against the uniform measure of the sphere) takes two values, p/q on the
+cap and (1 - p)/(1 - q) off it, where q is the cap's share of the sphere; the release is
+pure eps-LDP with eps = ln(p/(1-p)) + ln((1-q)/q) (docs/guarantee.md, "PrivUnit").
+Asi, Feldman and Talwar ("Optimal Algorithms for Mean Estimation under Local Differential
+Privacy", ICML 2022) show it optimal for mean estimation and give the same
+parametrisation; `tldp` chooses (p, gamma) by maximising E<V, u> (`expected_alignment`)
+numerically (privacy/mechanisms.py), against the certified figure of accounting.py.
+
+Here: the law of t = <V, u> for V uniform on S^{k-1} (its density, the cap's share q,
+the cap's first moment), the expected alignment, the bound on the floating-point error of
+the sampler's cap test (`float_margin`, the argument is in docs/guarantee.md), and the
+public rules of the mechanism (the default dimension k, the reference point, the output
+scale), which depend on the options and the record's shape only, never on the data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Float64's unit roundoff.
+UNIT_ROUNDOFF = 2.0**-53
+# The Bernoulli(p) choice between the cap and its complement compares a 53-bit uniform
+# integer with p * 2^53: p is a multiple of 2^-53 and exact.
+P_BITS = 53
+# The sampler draws uniform candidates until one falls on the chosen side of the cap, so
+# a cap of share q costs about 1/q candidates (k Gaussian values each). The calibration
+# never chooses a cap smaller than this share: at most about 1000 candidates per record.
+MIN_CAP_PROBABILITY = 2.0**-10
+# Candidates are Gaussians from Marsaglia's polar method on 53-bit uniforms. The error
+# analysis (float_margin) excludes the accepted pairs whose exact s = v1^2 + v2^2 lies
+# below 2^-SMALL_S_BITS or above 1 - 2^(LARGE_S_BITS - 52), the pairs on which the float
+# and the exact acceptance tests disagree, and (odd k) the draws whose exact Gaussian
+# vector has a squared norm below its 2^-NORM_BITS quantile; their probability is charged
+# to the cap's share.
+SMALL_S_BITS = 30
+LARGE_S_BITS = 23
+NORM_BITS = 40
+# The libm function the sampler relies on (log) is taken to err by less than this
+# relative amount (NumPy's errs by a few units in 2^-53; tests/sampling/test_privunit.py checks).
+LIBM_ERROR = 2.0**-44
+# scipy's regularised incomplete beta function (the cap's share) is taken to err by less
+# than this relative amount (it errs by about 1e-15; the tests check it against mpmath).
+BETAINC_ERROR = 1e-10
+
+
+# --------------------------------------------------------------------------- the law of <V, u>
+
+def _log_beta_half(k: int) -> float:
+    """ln B(1/2, (k-1)/2), the normaliser of the density of t = <V, u> (k >= 2)."""
+    a = (k - 1) / 2
+    return math.lgamma(0.5) + math.lgamma(a) - math.lgamma(a + 0.5)
+
+
+def marginal_density(t: float, k: int) -> float:
+    """The density of t = <V, u> for V uniform on S^{k-1} (k >= 2): proportional to
+    (1 - t^2)^((k-3)/2) on (-1, 1)."""
+    if not -1 < t < 1:
+        return 0.0
+    return math.exp((k - 3) / 2 * math.log1p(-t * t) - _log_beta_half(k))
+
+
+def cap_probability(gamma: float, k: int) -> float:
+    """q = P(<V, u> >= gamma) for V uniform on S^{k-1}: 1/2 I_{1-gamma^2}((k-1)/2, 1/2) for
+    gamma >= 0 (the regularised incomplete beta function), 1 - q(-gamma) below 0. k = 1:
+    the sphere is {-1, 1}."""
+    if gamma > 1:
+        return 0.0
+    if gamma <= -1:
+        return 1.0
+    if k == 1:
+        return 0.5 if gamma > -1 else 1.0
+    if gamma < 0:
+        return 1.0 - cap_probability(-gamma, k)
+    from scipy.special import betainc
+
+    return 0.5 * float(betainc((k - 1) / 2, 0.5, (1 - gamma) * (1 + gamma)))
+
+
+def cap_first_moment(gamma: float, k: int) -> float:
+    """E[t; t >= gamma] for t = <V, u>: (1 - gamma^2)^((k-1)/2) / ((k - 1) B(1/2, (k-1)/2))
+    (k >= 2), the integral of t times the density; k = 1: 1/2 (t = 1 with probability 1/2)."""
+    if gamma >= 1:
+        return 0.0
+    if k == 1:
+        return 0.5
+    g = max(gamma, -1.0)
+    return math.exp((k - 1) / 2 * math.log1p(-g * g) - math.log(k - 1) - _log_beta_half(k))
+
+
+def expected_alignment(k: int, gamma: float, p: float) -> float:
+    """E<V, u> of PrivUnit with cap threshold gamma and cap probability p: by symmetry
+    E[V] = E<V, u> u, and E<V, u> = (p/q - (1 - p)/(1 - q)) E[t; t >= gamma] (the
+    complement's mean is minus the cap's, since E t = 0)."""
+    q = cap_probability(gamma, k)
+    return (p / q - (1 - p) / (1 - q)) * cap_first_moment(gamma, k)
+
+
+# --------------------------------------------------------------------------- floating point
+
+def gamma_n(n: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n floating-point
+    operations in sequence (an inner product of length n, in any order of summation)."""
+    return n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+
+
+def pair_square_error() -> float:
+    """e_s: a bound on |s - s*| for s = fl(fl(v1^2) + fl(v2^2)) with v = 2U - 1 (exact in
+    float64) from 53-bit uniforms U, against the exact s* of the real uniforms U* in
+    [U, U + 2^-53) that U truncates (v* in [v, v + 2^-52)), for |v1|, |v2| <= 1."""
+    # |v*^2 - v^2| <= 2^-52 (2|v| + 2^-52) per coordinate, |v1| + |v2| <= sqrt(2) when s < 1
+    # (and the bound holds with 2 in place of sqrt(2) for the rejected pairs near 1);
+    # rounding: gamma_2 s <= gamma_2.
+    return 1.01 * (2.0**-52 * (2 * 2 + 2 * 2.0**-52) + gamma_n(2))
+
+
+def factor_error() -> float:
+    """A bound on |f - f*| / f* for the polar factor f = fl(sqrt(fl(fl(-2 fl(ln s)) / s)))
+    against f* = sqrt(-2 ln s* / s*), for accepted pairs with s* in
+    [2^-SMALL_S_BITS, 1 - 2^(LARGE_S_BITS-52)] (docs/guarantee.md, "The figure holds for
+    the bytes")."""
+    e_s = pair_square_error()
+    small, large = 2.0**-SMALL_S_BITS, 2.0 ** (LARGE_S_BITS - 52)
+    # |ln s - ln s*| <= e_s / min(s, s*), relative to |ln s*|: above 1/2, min(s, s*) >= 1/2 - e_s
+    # and |ln s*| >= 1 - s* >= 2^(LARGE-52); below 1/2, |ln s*| >= ln 2 and min(s, s*) >= small - e_s.
+    log = max(e_s / ((0.5 - e_s) * large), e_s / ((small - e_s) * math.log(2)))
+    quotient = log + e_s / (small - e_s) + log * e_s / (small - e_s)  # ln s / s against ln s* / s*
+    exact = 0.5 * quotient * (1 + quotient)  # |sqrt(1 + x) - 1| <= |x| (1 + |x|) / 2
+    rounding = LIBM_ERROR / 2 + 2 * UNIT_ROUNDOFF  # log's error halved by sqrt; /, sqrt
+    return (1 + exact) * (1 + rounding) - 1
+
+
+def pair_error() -> float:
+    """A bound on |g - g*| / |g*| for one Gaussian pair g = fl(v fl(f)) against the exact
+    pair g* = v* f*, outside the excluded pairs: the factor's relative error, the
+    discretisation of v (|v - v*| <= sqrt(2) 2^-52 against |v*| = sqrt(s*) >= 2^-15), and
+    the product's rounding."""
+    f = factor_error()
+    grid = math.sqrt(2) * 2.0**-52 / math.sqrt(2.0**-SMALL_S_BITS - pair_square_error())
+    return (f + (grid + UNIT_ROUNDOFF) * (1 + f)) * 1.01
+
+
+def least_norm(k: int) -> float:
+    """rho: the exact Gaussian vector of k values has a norm below rho with probability at
+    most 2^-NORM_BITS (rho^2 at 0.99 times the chi-square's quantile, below it whatever
+    scipy's error)."""
+    from scipy.special import gammaincinv
+
+    return math.sqrt(0.99 * 2 * float(gammaincinv(k / 2, 2.0**-NORM_BITS)))
+
+
+@dataclass(frozen=True)
+class FloatMargin:
+    """What floating point does to the cap test [fl(<V, u>) >= gamma] in dimension k.
+
+    Outside an excluded set of draws of probability at most `excluded` (which does not
+    depend on u), the computed candidate V and the exact uniform V* it is coupled with
+    satisfy |fl(<V, u>) - <V*, u/|u|>| <= `inner`: the test says yes when
+    <V*, u/|u|> >= gamma + inner and no when it is below gamma - inner. So the sampler's
+    cap share lies in [q(gamma + inner) - excluded, q(gamma - inner) + excluded]."""
+
+    inner: float
+    excluded: float
+
+
+def float_margin(k: int) -> FloatMargin:
+    """The sampler's floating-point margin in dimension k (sampling/privunit.py computes
+    exactly what this bounds; docs/guarantee.md gives the argument line by line)."""
+    g_k, g_k4 = gamma_n(k), gamma_n(k + 4)
+    pairs = (k + 1) // 2
+    # |g - g*| <= e |g*| over whole pairs (pair_error). Odd k keeps one value of the last pair,
+    # g_k = fl(v1 f): |g_k - g*_k| <= |v1 - v1*| f + |v1*| |f - f*| <= 2^-52 f_max + e |g*_k|,
+    # f_max = f at the least s*, against |g*| >= rho outside the draws of |g*| < rho.
+    relative = pair_error()
+    if k % 2:
+        small = 2.0**-SMALL_S_BITS - pair_square_error()
+        f_max = math.sqrt(-2 * math.log(small) / small) * (1 + factor_error())
+        relative += 1.01 * 2.0**-52 * f_max / least_norm(k)
+    direction = g_k4 + 2 * relative  # |V - V*|: |g/|g| - g*/|g*|| <= 2 |g - g*| / |g*|, and rounding
+    # |fl(<V,u>) - <V,u>| <= g_k |V||u|; |<V - V*, u>| <= |V - V*||u|; |<V*, u - u/|u|>|
+    # <= ||u| - 1| <= g_{k+4}, with |V|, |u| <= 1 + g_{k+4}; 1e-300: squares that underflow.
+    inner = g_k * (1 + g_k4) ** 2 + direction * (1 + g_k4) + g_k4 + 1e-300
+    # Per pair used: s* below 2^-SMALL or above 1 - 2^(LARGE-52) (of an accepted pair's s*, which
+    # is uniform on (0, 1)), or a disagreement of the two acceptance tests, |s* - 1| <= e_s, on
+    # one of the pairs examined before it (4/pi per pair used on average, each of probability
+    # at most (pi/4) 2 e_s: s* has density at most pi/4 near 1).
+    per_pair = 2.0**-SMALL_S_BITS + 2.0 ** (LARGE_S_BITS - 52) + 2 * pair_square_error()
+    excluded = pairs * per_pair + (2.0**-NORM_BITS if k % 2 else 0.0)
+    return FloatMargin(1.0001 * inner, excluded)
+
+
+def cap_probability_bounds(gamma: float, k: int) -> tuple[float, float]:
+    """(q_lo, q_hi): the sampler's cap share for any input lies between them (see
+    FloatMargin), with the incomplete beta function's error allowed for."""
+    margin = float_margin(k)
+    lo = cap_probability(gamma + margin.inner, k) * (1 - BETAINC_ERROR) - margin.excluded
+    hi = cap_probability(gamma - margin.inner, k) * (1 + BETAINC_ERROR) + margin.excluded
+    return lo, min(1.0, hi)
+
+
+# --------------------------------------------------------------------------- public rules
+
+# PROVISIONAL, to be tuned on scikit-learn's 8x8 digits (never on the data released):
+# the default number of basis coefficients is K_PER_EPS * eps, at least K_MIN, at most
+# K_MAX (beyond about eps 10 the cap's floor MIN_CAP_PROBABILITY binds, and a larger k only
+# lowers E<V, u>) and at most I.
+K_PER_EPS = 16
+K_MIN = 4
+K_MAX = 64
+
+
+def default_k(epsilon: float, elements: int) -> int:
+    """The number of coefficients k when --basis does not give it: a public rule of --eps
+    and the record's size only (PROVISIONAL constants, see K_PER_EPS)."""
+    return int(min(elements, K_MAX, max(K_MIN, round(K_PER_EPS * epsilon))))
+
+
+def reference_point(lo: float, hi: float) -> float:
+    """The value a record is measured from: 0, or the end of the declared range nearest to
+    it when the range does not hold 0 (public: the range only). The record projected is
+    x - reference, and the output is reference + c B^T V."""
+    return min(max(0.0, lo), hi)
+
+
+# PROVISIONAL display scale: the written record's deviation from the reference has a root
+# mean square of (hi - lo) / OUTPUT_SCALE_DIVISOR per element (before clipping).
+OUTPUT_SCALE_DIVISOR = 8
+
+
+def output_scale(lo: float, hi: float, elements: int) -> float:
+    """c, the norm of the written deviation c B^T V (|B^T V| = 1 for orthonormal rows): a
+    public display scale, (hi - lo) sqrt(I) / OUTPUT_SCALE_DIVISOR, so that values land
+    mostly inside the declared range. The record's own norm is never released."""
+    return (hi - lo) * math.sqrt(elements) / OUTPUT_SCALE_DIVISOR
