@@ -12,7 +12,8 @@ Plain functions returning dicts; the CLI only parses options and prints.
   against Table 5, the retained fraction against p, a Kolmogorov-Smirnov test
   against the manifest's noise distribution) and, with labels, the task utility.
 - `sweep(...)` perturbs in memory over a grid of epsilons for TLDP-L, TLDP-G
-  and the paper's Laplace, Gaussian, MVG and IDN baselines (and weighted TLDP), and
+  and the paper's Laplace, Gaussian, MVG and IDN baselines (and weighted TLDP), and,
+  with --budget record, privunit (its default basis and k rule), and
   `write_sweep(...)` writes a CSV, a JSON table and PNG plots.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially
@@ -46,7 +47,7 @@ from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.pipeline import Plan, PerturbOptions, plan, resolve_range
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
 from tldp_cli.formats import FormatOptions
-from tldp_cli.privacy.mechanisms import Calibration, calibrate
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
 from tldp_cli.sampling.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -71,6 +72,7 @@ SWEEP_METHODS = (  # label, mechanism, noise, weighted
     ("IDN", "idn", "gaussian", False),
     ("TLDP-L-w", "tldp", "laplace", True),
     ("TLDP-G-w", "tldp", "gaussian", True),
+    ("privunit", "privunit", "privunit", False),  # --budget record only: its eps is per record
 )
 SWEEP_FILES = ("sweep.csv", "sweep.json", "sweep_nominal_eps.png", "sweep_record_eps.png")
 SWEEP_COLUMNS = ("method", "mechanism", "noise", "weighted", "epsilon", "budget",
@@ -1147,6 +1149,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         methods = [mm for mm in methods if mm[1] != "mvg"]
         skipped.append({"method": "MVG", "reason": f"records of shape {job.record_shape} are not "
                                                    "matrices (MVG needs 2 or more axes)"})
+    methods, skipped = _privunit_in_sweep(methods, skipped, budget, elements)
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
     if labels:
@@ -1162,9 +1165,13 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     for label, mechanism, noise, weighted in methods:
         for eps in epsilons:
             t0 = time.perf_counter()
-            calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
-                              range_width=hi - lo, elements=elements, dp_delta=dp_delta,
-                              rows=rows_mvg if mechanism == "mvg" else None)
+            if mechanism == "privunit":
+                calib = calibrate_privunit(epsilon=eps, record_shape=job.record_shape,
+                                           value_range=(lo, hi), dp_delta=dp_delta)
+            else:
+                calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
+                                  range_width=hi - lo, elements=elements, dp_delta=dp_delta,
+                                  rows=rows_mvg if mechanism == "mvg" else None)
             cert = accounting.certify(calib)
             norms, mses, f1s = [], [], []
             for r in range(repeats):
@@ -1191,6 +1198,21 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "reference": reference, "rows": rows}
 
 
+def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
+                       elements: int) -> tuple[list, list[dict]]:
+    """privunit's --eps is each record's figure: it joins --budget record sweeps of records
+    of 2 or more elements, and is listed as skipped, with the reason, otherwise."""
+    reason = None
+    if budget != "record":
+        reason = "its --eps is per record: run the sweep with --budget record"
+    elif elements < 2:
+        reason = "it releases a direction, which needs records of 2 or more elements"
+    if reason is None:
+        return methods, skipped
+    return ([mm for mm in methods if mm[1] != "privunit"],
+            skipped + [{"method": "privunit", "reason": reason}])
+
+
 def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
                f1s: list[float]) -> dict[str, Any]:
     """One (method, epsilon) point of a sweep: its calibration, certified figures, the
@@ -1200,10 +1222,10 @@ def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses
            "element_epsilon": cert["per_element"]["epsilon"],
            "record_epsilon": cert["per_record"]["epsilon"],
            "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
-           "retain_probability_log10": calib.p_log10,
+           "retain_probability_log10": _finite(calib.p_log10),
            "mean_l2_error": float(norms.mean()),
            "rms_l2_error": float(math.sqrt((norms**2).mean())),
-           "expected_l2_error": calib.expected_l2_error(),
+           "expected_l2_error": _finite(calib.expected_l2_error()),
            "mse": float(np.mean(mses)), "f1": None, "f1_std": None, "f1_min": None,
            "f1_max": None, "repeats": None}
     if f1s:
@@ -1252,7 +1274,7 @@ def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
     fig = Figure(figsize=(11 if has_f1 else 6, 4.2), dpi=100)
     axes = fig.subplots(1, 2 if has_f1 else 1, squeeze=False)[0]
     styles = {"TLDP-L": "o-", "TLDP-G": "s-", "Laplace": "^--", "Gaussian": "v--",
-              "MVG": "D-.", "IDN": "x-.", "TLDP-L-w": "o:", "TLDP-G-w": "s:"}
+              "MVG": "D-.", "IDN": "x-.", "TLDP-L-w": "o:", "TLDP-G-w": "s:", "privunit": "*-"}
     panels = ([("f1", "weighted F1 (train perturbed, test clean)")] if has_f1 else []) + \
              [("mean_l2_error", "mean ‖Z‖₂ per record (log scale)")]
     for ax, (key, title) in zip(axes, panels):

@@ -105,8 +105,8 @@ def evaluate_command(
         help="Classifier: logistic regression or a small MLP (scikit-learn).")] = Model.logistic,
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Perturb ORIGINAL in memory for every --eps with TLDP-L, TLDP-G, the "
-                        "Laplace and Gaussian baselines, MVG (matrix-shaped records) and IDN; "
-                        "write a table and plots to --out.")] = False,
+                        "Laplace and Gaussian baselines, MVG (matrix-shaped records), IDN and, "
+                        "with --budget record, privunit; write a table and plots to --out.")] = False,
     eps: Annotated[Optional[str], typer.Option(
         "--eps", metavar="E1,E2,...", help="--sweep: the epsilons (see --budget).")] = None,
     out: Annotated[Optional[Path], typer.Option(readable=False,
