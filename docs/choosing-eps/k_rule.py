@@ -66,7 +66,7 @@ EPSILONS = (1.0, 2.0, 4.0, 8.0, 16.0)
 SEED = 20261126  # NumPy PCG64 seed of this research (not a privacy key)
 K_GRID = {"digits8": (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64),
           "digits28": (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
-          "mnist400": (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)}
+          "mnist400": (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 784)}
 PLATEAU = 0.005  # k_opt: the smallest k whose mean F1 is within this of the best k's
 
 
@@ -191,10 +191,28 @@ def privunit(u: np.ndarray, cal: dict, rng: np.random.Generator) -> np.ndarray:
     return t[:, None] * u + np.sqrt(1 - t**2)[:, None] * g
 
 
+def release_tldp(x: np.ndarray, k: int, eps: float, value_range: tuple[float, float], divisor: float,
+                 rng: np.random.Generator) -> np.ndarray:
+    """The package's own release (tldp_cli.perturb_array, --mechanism privunit --basis dct:k):
+    its calibration, sampler, display scale (hi - lo) sqrt(I) / divisor and clipping. The
+    divisor is set on the module for this research only."""
+    from tldp_cli import perturb_array
+    from tldp_cli.privacy import privunit as product
+
+    saved, product.OUTPUT_SCALE_DIVISOR = product.OUTPUT_SCALE_DIVISOR, divisor
+    try:
+        seed = rng.bytes(16).hex()  # a research seed, drawn from this script's PCG64
+        return perturb_array(x, eps=eps, value_range=value_range, mechanism="privunit",
+                             basis=f"dct:{k}", seed=seed, allow_weak_seed=True).array
+    finally:
+        product.OUTPUT_SCALE_DIVISOR = saved
+
+
 def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str, norm: float,
             rng: np.random.Generator, cal: dict | None = None) -> np.ndarray:
     """x (n, ...) -> lo + B^T (c V), c = norm / m ("unbiased"), norm ("display") or
-    |z| * m per record ("oracle", research only: it uses each record's norm)."""
+    |z| * m per record ("oracle", research only: it uses each record's norm).
+    """
     shape = x.shape
     flat = x.reshape(len(x), -1).astype(np.float64) - lo
     z = flat @ basis.T
@@ -210,28 +228,26 @@ def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str,
 # --------------------------------------------------------------------------- data
 
 def _digits8():
+    """(records, labels, [(train indices, test indices)], range)."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     order = np.random.default_rng(SEED).permutation(len(d.target))
-    x, y = d.images[order], d.target[order]
-    return [(x[:1200], y[:1200], x[1200:], y[1200:])], (0.0, 16.0)
+    return d.images, d.target, [(order[:1200], order[1200:])], (0.0, 16.0)
 
 
 def _digits28():
     from scipy import ndimage
 
-    folds, rng = _digits8()
-    up = [tuple(np.clip(ndimage.zoom(a, (1, 3.5, 3.5), order=3), 0, 16) if i % 2 == 0 else a
-                for i, a in enumerate(f)) for f in folds]
-    return up, rng
+    x, y, folds, value_range = _digits8()
+    return np.clip(ndimage.zoom(x, (1, 3.5, 3.5), order=3), 0, 16), y, folds, value_range
 
 
 def _mnist400():
-    x = np.load(ROOT / "sample_data" / "digits.npy").astype(np.float64)
+    x = np.load(ROOT / "sample_data" / "digits.npy")
     y = np.load(ROOT / "sample_data" / "digits_labels.npy")
     fold = np.random.default_rng(SEED).permutation(len(y)) % 5
-    return [(x[fold != f], y[fold != f], x[fold == f], y[fold == f]) for f in range(5)], (0.0, 256.0)
+    return x, y, [(np.flatnonzero(fold != f), np.flatnonzero(fold == f)) for f in range(5)], (0.0, 256.0)
 
 
 DATA = {"digits8": _digits8, "digits28": _digits28, "mnist400": _mnist400}
@@ -246,14 +262,18 @@ def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
 
 def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int] | None,
          skip_dc: bool = False) -> dict:
+    """Mean F1 over `repeats` releases for every (k, eps, scale). Each release covers the
+    records of every training fold at once (with cross-validation: every record, each fold
+    then trains on its released training part and tests on its clean test part)."""
     sys.path.insert(0, str(ROOT))
     from tldp_cli.evaluate import weighted_f1
 
-    folds, (lo, hi) = DATA[data]()
-    shape = folds[0][0].shape[1:]
+    x, y, folds, (lo, hi) = DATA[data]()
+    shape = x.shape[1:]
     norm = public_norm(shape, lo, hi)
     rng = np.random.default_rng([SEED, len(data), repeats])
-    clean = float(np.mean([weighted_f1(a, b, c, d, "logistic", (lo, hi)) for a, b, c, d in folds]))
+    trained = np.unique(np.concatenate([train for train, _ in folds]))
+    clean = float(np.mean([weighted_f1(x[a], y[a], x[b], y[b], "logistic", (lo, hi)) for a, b in folds]))
     rows = []
     for k in ks or K_GRID[data]:
         basis = dct_basis(*shape, k + skip_dc, ordering)[int(skip_dc):]
@@ -262,9 +282,15 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
             cal = calibrate(eps, k)
             for scale in scales:
                 t0 = time.perf_counter()
-                f1s = [weighted_f1(release(a, basis, eps, offset, scale, norm, rng, cal), b, c, d,
-                                   "logistic", (lo, hi))
-                       for _ in range(repeats) for a, b, c, d in folds]
+                f1s = []
+                for _ in range(repeats):
+                    released = np.array(x, dtype=np.float64)
+                    if scale.startswith("tldp/"):  # the package's mechanism, display divisor D
+                        released[trained] = release_tldp(x[trained], k, eps, (lo, hi),
+                                                         float(scale.split("/")[1]), rng)
+                    else:
+                        released[trained] = release(x[trained], basis, eps, offset, scale, norm, rng, cal)
+                    f1s += [weighted_f1(released[a], y[a], x[b], y[b], "logistic", (lo, hi)) for a, b in folds]
                 rows.append({"k": k, "eps": eps, "scale": scale, "m": cal["m"], "gamma": cal["gamma"],
                              "f1": float(np.mean(f1s)), "f1_sd": float(np.std(f1s, ddof=1)) if len(f1s) > 1 else None,
                              "n": len(f1s), "seconds": round(time.perf_counter() - t0, 2)})
