@@ -1179,14 +1179,29 @@ def parse_eps_list(text: str) -> list[float]:
     return sorted(set(values))
 
 
+def parse_methods(text: str) -> list[str]:
+    """--methods: table names of SWEEP_METHODS, comma-separated."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    known = [mm[0] for mm in SWEEP_METHODS]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise UsageError(f"--methods takes names from {', '.join(known)}, not {text!r}")
+    return names
+
+
 def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = None,
           test: Path | None = None, test_labels: Path | str | None = None, model: str = "logistic",
           value_range: tuple[float, float] | None = None, weights: Path | None = None,
           budget: str = "element", seed: str | int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False,
-          input_format: str | None = None, repeats: int = 1) -> dict[str, Any]:
+          input_format: str | None = None, repeats: int = 1,
+          named: list[str] | None = None) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1.
+
+    `named`: table names of SWEEP_METHODS to run (None: every one that applies); a
+    named method that does not apply (weighted TLDP without weights, MVG on vectors,
+    privunit under the element budget) is listed in skipped_methods with the reason.
 
     `repeats`: independent noise draws per point (stream keys sweep/METHOD/EPS, then
     sweep/METHOD/EPS/1, /2, ...); a row gives the mean over them and F1's sample standard
@@ -1213,13 +1228,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         raise InputError(f"{original}: values lie outside the declared range [{lo:g}, {hi:g}]")
     elements = job.elements
     mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
-    methods = [mm for mm in SWEEP_METHODS if not mm[3] or mask is not None]
-    skipped = []
-    if len(job.record_shape) < 2:  # MVG needs matrix-shaped records
-        methods = [mm for mm in methods if mm[1] != "mvg"]
-        skipped.append({"method": "MVG", "reason": f"records of shape {job.record_shape} are not "
-                                                   "matrices (MVG needs 2 or more axes)"})
-    methods, skipped = _privunit_in_sweep(methods, skipped, budget, elements)
+    methods, skipped = _sweep_methods(mask is not None, job.record_shape, budget, elements, named)
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
     if labels:
@@ -1266,6 +1275,25 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "weak_seed": streams.weak_seed, "weights": mask.info if mask is not None else None,
             "epsilons": epsilons, "repeats": repeats, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
             "reference": reference, "rows": rows}
+
+
+def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, elements: int,
+                   named: list[str] | None) -> tuple[list, list[dict]]:
+    """The SWEEP_METHODS that apply (weighted TLDP with a mask, MVG on matrices, privunit
+    under --budget record), restricted to `named`; the others, with the reason, as skipped."""
+    methods = [mm for mm in SWEEP_METHODS if not mm[3] or weighted]
+    skipped = []
+    if len(record_shape) < 2:  # MVG needs matrix-shaped records
+        methods = [mm for mm in methods if mm[1] != "mvg"]
+        skipped.append({"method": "MVG", "reason": f"records of shape {record_shape} are not "
+                                                   "matrices (MVG needs 2 or more axes)"})
+    methods, skipped = _privunit_in_sweep(methods, skipped, budget, elements)
+    if named is None:
+        return methods, skipped
+    skipped = [entry for entry in skipped if entry["method"] in named]
+    skipped += [{"method": mm[0], "reason": "weighted TLDP needs --weights"}
+                for mm in SWEEP_METHODS if mm[3] and not weighted and mm[0] in named]
+    return [mm for mm in methods if mm[0] in named], skipped
 
 
 def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,

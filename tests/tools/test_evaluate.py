@@ -293,6 +293,20 @@ def test_sweep_takes_privunit_under_budget_record_only():
         in element["skipped_methods"]
 
 
+def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(cli, tmp_path):
+    out = tmp_path / "s"
+    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gaussian,privunit,TLDP-L-w",
+            "--seed", 0, "--allow-weak-seed", "--out", out)
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["methods"] == ["Gaussian"] and [row["method"] for row in result["rows"]] == ["Gaussian"]
+    assert [entry["method"] for entry in result["skipped_methods"]] == ["privunit", "TLDP-L-w"]
+    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gauss", "--out", out)
+    assert r.exit_code == 2 and "--methods" in r.output
+    r = cli("evaluate", SAMPLE / "digits.npy", SAMPLE / "digits.npy", "--methods", "Gaussian")
+    assert r.exit_code == 2 and "--sweep only" in r.output
+
+
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
     assert r.exit_code == 0 and "Examples:" in r.output and "--sweep" in r.output
