@@ -397,7 +397,17 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
             compare("calibrations", len(stated_list), len(expected_list))
         for i, (s, r) in enumerate(zip(stated_list, expected_list)):
             for key, value in r.items():
-                compare(f"calibrations[{i}].{key}", (s or {}).get(key), value)
+                if isinstance(value, dict):  # privunit: its split, field by field
+                    for sub, expected in value.items():
+                        stated_value = ((s or {}).get(key) or {}).get(sub)
+                        if isinstance(expected, list):
+                            if stated_value != expected:
+                                mismatches.append({"field": f"calibrations[{i}].{key}.{sub}",
+                                                   "manifest": stated_value, "recomputed": expected})
+                        else:
+                            compare(f"calibrations[{i}].{key}.{sub}", stated_value, expected)
+                else:
+                    compare(f"calibrations[{i}].{key}", (s or {}).get(key), value)
     stated = m.get("accounting") or {}
     for scope in ("per_element", "per_record"):
         s, r = stated.get(scope) or {}, cert[scope]

@@ -175,3 +175,13 @@ def test_scopes_compose_by_addition():
     rho = 10_000 * small.element_epsilon ** 2 / 2
     assert many["epsilon"] == pytest.approx(10_000 * small.element_epsilon)
     assert many["approx"]["epsilon"] == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))
+
+
+@pytest.mark.parametrize("k,epsilon", [(8, 1), (64, 4), (200, 6)])
+def test_the_optimal_threshold_is_its_own_alignment(k, epsilon):
+    """With p the largest the budget allows, E<V,u> = (e^eps - 1) m(gamma) / (1 + (e^eps - 1) q(gamma));
+    setting its derivative to 0 (m' = -gamma f, q' = -f) gives gamma = E<V,u>: the split found
+    numerically must be that fixed point (up to the floating-point margin)."""
+    gamma, numerator = mechanisms.privunit_split(float(epsilon), k)
+    assert privunit.cap_probability(gamma, k) > privunit.MIN_CAP_PROBABILITY  # an interior optimum
+    assert privunit.expected_alignment(k, gamma, numerator / 2**53) == pytest.approx(gamma, rel=1e-4)

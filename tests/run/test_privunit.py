@@ -152,6 +152,7 @@ def test_a_bad_user_basis_is_refused(cli, tmp_path, matrix, fragment):
     (("--mechanism", "privunit", "--basis", "dct:1"), "K >= 2", 2),
     (("--mechanism", "privunit", "--basis", "dct:65"), "2 <= k <= 64", 2),
     (("--mechanism", "privunit", "--basis", "eigen.txt"), "give dct, dct:K, or a .npy", 2),
+    (("--mechanism", "privunit", "--granularity", "0.5"), "--granularity applies", 2),
 ])
 def test_refusals(cli, tmp_path, args, fragment, code):
     src, _ = make_npy(tmp_path)
@@ -236,3 +237,27 @@ def test_dask_equals_threads(tmp_path):
             perturb(PerturbOptions(input=src, epsilon=3.0, mechanism="privunit", out=tmp_path / f"{name}.zarr",
                                    seed=SEED, block_elements=640, **how))
     np.testing.assert_array_equal(read(tmp_path / "threads.zarr"), read(tmp_path / "dask.zarr"))
+
+
+def test_images_of_several_sizes_and_colour(cli, tmp_path):
+    """Each image is one record of its own shape: one calibration per size (channels last for
+    RGB, the alpha channel copied), and evaluate recomputes every size's split."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(2)
+    Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(folder / "a.png")
+    Image.fromarray(rng.integers(0, 256, (32, 32, 4), dtype=np.uint8), "RGBA").save(folder / "b.png")
+    Image.fromarray(rng.integers(0, 256, (20, 30), dtype=np.uint8)).save(folder / "c.png")
+    m, result = privunit(cli, folder, tmp_path / "out")
+    assert "the worst of 3 record sizes" in result.stderr
+    shapes = sorted(tuple(c["privunit"]["record_shape"]) for c in m["calibrations"])
+    assert shapes == [(20, 30), (32, 32, 3), (40, 60, 3)]
+    assert "channels last" in m["privunit"]["basis"]["layout"]
+    with Image.open(tmp_path / "out" / "b.png") as image:
+        assert image.mode == "RGBA"
+        alpha = np.asarray(image)[..., 3]
+    with Image.open(folder / "b.png") as image:
+        assert np.array_equal(alpha, np.asarray(image)[..., 3])
+    evaluated = cli("evaluate", folder, tmp_path / "out", "--json", "-q")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["integrity_ok"]

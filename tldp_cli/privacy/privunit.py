@@ -26,9 +26,6 @@ from dataclasses import dataclass
 
 # Float64's unit roundoff.
 UNIT_ROUNDOFF = 2.0**-53
-# The Bernoulli(p) choice between the cap and its complement compares a 53-bit uniform
-# integer with p * 2^53: p is a multiple of 2^-53 and exact.
-P_BITS = 53
 # The sampler draws uniform candidates until one falls on the chosen side of the cap, so
 # a cap of share q costs about 1/q candidates (k Gaussian values each). The calibration
 # never chooses a cap smaller than this share: at most about 1000 candidates per record.
@@ -46,7 +43,7 @@ NORM_BITS = 40
 # relative amount (NumPy's errs by a few units in 2^-53; tests/sampling/test_privunit.py checks).
 LIBM_ERROR = 2.0**-44
 # scipy's regularised incomplete beta function (the cap's share) is taken to err by less
-# than this relative amount (it errs by about 1e-15; the tests check it against mpmath).
+# than this relative amount (it errs by about 1e-13; the tests check it against mpmath).
 BETAINC_ERROR = 1e-10
 
 

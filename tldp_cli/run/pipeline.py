@@ -296,6 +296,8 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         if options.weights is not None:
             raise UsageError("--weights lower TLDP's retain probability; --mechanism privunit keeps no "
                              "raw value, so it takes no weights")
+        if options.granularity is not None:
+            raise UsageError("--granularity applies to the discrete noises; --mechanism privunit adds no noise")
     elif options.basis is not None:
         raise UsageError("--basis applies to --mechanism privunit")
     options = dataclasses.replace(options, noise=sampled_noise(options.noise, options.sampler,

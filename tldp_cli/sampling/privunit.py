@@ -5,9 +5,8 @@ bytes written (docs/guarantee.md, "PrivUnit").
 The record enters through one thing only: which side of the floating-point cap test
 [fl(<V, u>) >= gamma] a candidate falls on. Candidates are uniform unit vectors drawn
 independently of the record (Gaussians from 53-bit uniforms by the polar method,
-normalised), and
-the first one on the chosen side is released; its bits are a function of the random
-stream alone. So the output's law has density p / q_f(u) on the computed cap and
+normalised), and the first one on the chosen side is released; its bits are a function
+of the random stream alone. So the output's law has density p / q_f(u) on the computed cap and
 (1 - p) / (1 - q_f(u)) off it against the law of one candidate, with q_f(u) the
 candidates' share of the computed cap; privacy/privunit.float_margin bounds q_f(u) for
 every u, and accounting.privunit_epsilon turns the bounds into the certified figure.
