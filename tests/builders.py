@@ -54,6 +54,32 @@ def siblings(directory: Path) -> set[str]:
     return {p.name for p in Path(directory).iterdir()}
 
 
+# `tldp ARGS` that writes its peak resident memory (VmHWM, kB) to REPORT as it exits.
+_MEASURED = """import atexit, sys
+def report(path=sys.argv[1]):
+    with open("/proc/self/status") as status, open(path, "w") as out:
+        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+atexit.register(report)
+sys.argv = ["tldp", *sys.argv[2:]]
+from tldp_cli.entry import main
+main()
+"""
+
+
+def run_measured(tmp_path: Path, *args, timeout: float = 300) -> tuple[int, str, int]:
+    """`tldp *args` in a process of its own: (exit code, stderr, its peak resident memory in
+    bytes). Linux only: the peak is the process's own VmHWM, read as it exits (wait4's
+    ru_maxrss would count the test process's memory, which the child had before exec).
+    Mark tests that use it slow."""
+    import subprocess
+    import sys
+
+    report = tmp_path.parent / f"{tmp_path.name}.vmhwm"  # beside tmp_path: not among its files
+    done = subprocess.run([sys.executable, "-c", _MEASURED, report, *map(str, args)], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    return done.returncode, done.stderr.decode(errors="backslashreplace"), int(report.read_text()) * 1024
+
+
 def mixture_loss_atoms(d: int, b: float, p: float) -> dict[float, float]:
     """Privacy loss of one element of the discrete Laplace TLDP mixture for the inputs 0 and
     d, outcome by outcome on -T..d+T (no lumping): {loss: mass under input 0}, equal losses

@@ -59,7 +59,7 @@ def _manifests_follow_the_published_schema(request):
     for path in tmp_path.rglob("*.json"):
         try:
             manifest = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError, OSError):
+        except (ValueError, UnicodeDecodeError, OSError, RecursionError):  # deep JSON: a test input
             continue
         if isinstance(manifest, dict) and manifest.get("schema") == "tldp-manifest/1":
             jsonschema.validate(manifest, schema)

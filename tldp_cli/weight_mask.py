@@ -21,6 +21,7 @@ from PIL import Image
 
 from tldp_cli import __version__, formats
 from tldp_cli.files import output
+from tldp_cli.files.checked_io import json_value
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
@@ -156,10 +157,7 @@ def read_boxes(path: Path, default_weight: float) -> list[Box]:
 
 
 def _json_boxes(path: Path, text: str) -> list[tuple[str, dict]]:
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise InputError(f"{path}: box file is not valid JSON ({exc})") from None
+    data = json_value(text, f"{path}: box file")
     if isinstance(data, dict) and set(data) == {"boxes"}:
         data = data["boxes"]
     if not isinstance(data, list) or not all(isinstance(b, dict) for b in data):

@@ -113,7 +113,7 @@ def test_hidden_array_is_perturbed_like_any_other(cli, tmp_path, zarr_format):
     result = perturb_ok(cli, store, "--out", out)
     assert "perturbing arrays .h, images of store.zarr" in result.stderr
     group = zarr.open_group(out, mode="r", use_consolidated=False)
-    assert set(dict(group.members())) == {".h", "images", "labels"}
+    assert set(dict(group.members())) == {".h", "images"}  # labels: not perturbed, left out
     for name in (".h", "images"):
         perturbed = zarr.open_array(out, path=name, mode="r")
         assert perturbed.dtype == PERTURBED
@@ -121,7 +121,7 @@ def test_hidden_array_is_perturbed_like_any_other(cli, tmp_path, zarr_format):
     assert {i["dataset"] for i in manifest_of(out)["inputs"]} == {".h", "images"}
 
     out = tmp_path / "chosen.zarr"
-    perturb_ok(cli, store, "--dataset", ".h", "--out", out)
+    perturb_ok(cli, store, "--dataset", ".h", "--keep", "images", "--out", out)
     assert not np.array_equal(zarr.open_array(out, path=".h", mode="r")[:], VALUES)
     np.testing.assert_array_equal(zarr.open_array(out, path="images", mode="r")[:], VALUES)
 
@@ -138,28 +138,36 @@ def test_hidden_directory_without_metadata_is_a_damaged_store(cli, tmp_path, zar
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
-def test_stray_files_are_copied_and_reported(cli, tmp_path, zarr_format):
+def test_stray_files_are_dropped_or_kept_and_reported(cli, tmp_path, zarr_format):
     store = make_store(tmp_path / "store.zarr", zarr_format)
     (store / ".DS_Store").write_bytes(b"finder")
     (store / "labels" / "README.txt").write_text("labels 0-19")
     (store / "images" / "notes.txt").write_text("raw notes")  # goes with the perturbed chunks
     out = tmp_path / "out.zarr"
-    result = perturb_ok(cli, store, "--dataset", "images", "--out", out)
-    assert ("copied 2 files unchanged (not perturbed), neither Zarr metadata nor chunks: "
-            ".DS_Store, labels/README.txt") in result.stderr
-    manifest = manifest_of(out)
-    assert manifest["not_zarr_files"] == [".DS_Store", "labels/README.txt"]
-    assert manifest["not_zarr_files_action"] == "copied unchanged"
+    result = perturb_ok(cli, store, "--dataset", "images", "--keep", "labels", "--out", out)
+    assert "dropped 3 files (not perturbed, not written: listed in the manifest)" in result.stderr
+    assert {d["name"]: d["kind"] for d in manifest_of(out)["dropped"]} == {
+        ".DS_Store": "file", "images/notes.txt": "file", "labels/README.txt": "file"}
+    assert not (out / ".DS_Store").exists() and not (out / "labels" / "README.txt").exists()
+    assert not (out / "images" / "notes.txt").exists()
+    assert zarr.open_array(out, path="images", mode="r").dtype == PERTURBED
+
+    out = tmp_path / "kept.zarr"  # --keep copies them, listed as unperturbed
+    result = perturb_ok(cli, store, "--dataset", "images", "--keep", "labels", "--keep", ".DS_Store",
+                        "--keep", "labels/README.txt", "--out", out)
+    assert "copied unchanged: labels, .DS_Store, labels/README.txt (kept by --keep)" in result.stderr
+    assert {u["name"]: u["kind"] for u in manifest_of(out)["unperturbed"]} == {
+        "labels": "array", ".DS_Store": "file", "labels/README.txt": "file"}
     assert (out / ".DS_Store").read_bytes() == b"finder"
     assert (out / "labels" / "README.txt").read_text() == "labels 0-19"
     assert not (out / "images" / "notes.txt").exists()
-    assert zarr.open_array(out, path="images", mode="r").dtype == PERTURBED
 
 
 def test_store_without_strays_reports_nothing(cli, tmp_path):
     out = tmp_path / "out.zarr"
-    result = perturb_ok(cli, make_store(tmp_path / "store.zarr", 3), "--dataset", "images", "--out", out)
-    assert "copied" not in result.stderr and "not_zarr_files" not in manifest_of(out)
+    result = perturb_ok(cli, make_store(tmp_path / "store.zarr", 3), "--dataset", "images", "--keep", "labels",
+                        "--out", out)
+    assert "dropped" not in result.stderr and "dropped" not in manifest_of(out)
 
 
 # --- image folders ---------------------------------------------------------------------
@@ -235,14 +243,15 @@ def test_hdf5_data_kept_in_other_files_is_never_copied_raw(cli, tmp_path):
         layout = h5py.VirtualLayout(shape=(10,), dtype="f8")
         layout[:] = h5py.VirtualSource("other.h5", "secret", shape=(10,))
         f.create_virtual_dataset("v", layout)
-    refused = cli("perturb", tmp_path / "in.h5", "--eps", "1", "--dataset", "x", "--out", tmp_path / "o.h5")
+    refused = cli("perturb", tmp_path / "in.h5", "--eps", "1", "--dataset", "x", "--keep", "/v",
+                  "--out", tmp_path / "o.h5")  # copied, it would be copied raw
     assert refused.exit_code == 1 and "/v keeps its values in other files" in refused.stderr
     assert not (tmp_path / "o.h5").exists()
-    with h5py.File(tmp_path / "in.h5", "a") as f:
-        del f["v"]
     result = cli("perturb", tmp_path / "in.h5", "--eps", "1", "--dataset", "x", "--out", tmp_path / "o.h5",
-                 "--json")
+                 "--json")  # not perturbed: left out
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["external_links"] == ["/lnk -> other.h5:/secret"]
+    manifest = json.loads(result.stdout)
+    assert "/v" in {d["name"] for d in manifest["dropped"]}
+    assert manifest["external_links"] == ["/lnk -> other.h5:/secret"]
     secret = (np.arange(10.0) + 0.123456789).tobytes()
     assert secret not in (tmp_path / "o.h5").read_bytes()  # the link is copied, its target is not

@@ -4,12 +4,15 @@ the same output values as HDF5's own filters give."""
 
 import dataclasses
 import json
+import tracemalloc
+import zlib
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from tests.builders import assert_one_line_error, run_measured, siblings
 from tldp_cli.formats import hdf5_chunks
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
@@ -18,7 +21,7 @@ xr = pytest.importorskip("xarray")
 
 SHAPE = (23, 6, 5)
 RNG = np.random.default_rng(4)
-SEED = "c0ffee" * 6
+SEED = "dccedd2507739bac4ef8defb161db7ff"
 
 
 def values(dtype) -> np.ndarray:
@@ -144,3 +147,45 @@ def test_netcdf_output_equals_hdf5s_filters_and_opens_in_netcdf4_and_xarray(tmp_
     manifest = json.loads(Path(f"{tmp_path / 'here.nc'}.manifest.json").read_text())
     assert manifest["missing_values"]["/t2m"]["moved_off_markers"] >= 0
     assert manifest["deflate_huffman_only"] == ["/t2m"]
+
+
+def expanding_file(path: Path, expands_to: int) -> None:
+    """A deflated dataset h5py wrote, whose chunk of records 4-8 (600 bytes) h5py's direct
+    chunk write replaced by a deflate stream of `expands_to` zero bytes."""
+    make(path, "u1", dict(chunks=(4, 6, 5), compression="gzip"))
+    with h5py.File(path, "r+") as f:
+        f["x"].id.write_direct_chunk((4, 0, 0), zlib.compress(bytes(expands_to), 1))
+
+
+def test_a_chunk_that_inflates_beyond_its_chunk_is_refused_before_it_is(cli, tmp_path):
+    """Issue 27, item 11: zlib.decompress inflated the whole stream (16 MB here, gigabytes
+    in the review) before its size was compared with the chunk's 120 bytes."""
+    expanding_file(tmp_path / "a.h5", 16 << 20)
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        layout = hdf5_chunks.deflated(f["x"])
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="its chunk of records 4-8: it expands to more than the 120 "
+                                                 "bytes a chunk holds"):
+                layout.read(f["x"], 0, 23)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", tmp_path / "a.h5", "--eps", "1", "--range", "0:255"), 1,
+                          f"{tmp_path / 'a.h5'}: cannot read records", "dataset /x",
+                          "its chunk of records 4-8: it expands to more than the 120 bytes")
+    assert siblings(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+def test_a_run_over_an_inflating_chunk_stays_small(tmp_path):
+    expanding_file(tmp_path / "a.h5", 512 << 20)
+    code, stderr, peak = run_measured(tmp_path, "perturb", tmp_path / "a.h5", "--eps", "1", "--range", "0:255",
+                                      "--out", tmp_path / "out.h5", "--workers", "1")
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "cannot read records" in lines[0], stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.h5"]
+    assert peak < 300 << 20, f"peak RSS {peak >> 20} MB"

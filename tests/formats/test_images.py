@@ -2,6 +2,10 @@
 (modes, alpha, 16-bit, float TIFF output, non-image and unreadable files)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +13,9 @@ import pytest
 import tifffile
 from PIL import Image, UnidentifiedImageError
 
-from tests.builders import RoundTrip, assert_one_line_error, siblings, tree_digest
+from tests.builders import SEED, RoundTrip, assert_one_line_error, siblings, tree_digest
 from tldp_cli import formats
+from tldp_cli.errors import InputError
 from tldp_cli.formats import images
 
 RNG = np.random.default_rng(0)
@@ -306,7 +311,7 @@ def test_non_images_are_skipped_or_copied(cli, tmp_path):
     out = tmp_path / "copied"
     result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
     assert result.exit_code == 0, result.stderr
-    assert "copied 2 files that are not images unchanged" in result.stderr
+    assert "copied unchanged: notes.txt, sub/data.csv (--copy-other: not an image)" in result.stderr
     assert (out / "notes.txt").read_text() == "private notes"
     assert (out / "sub" / "data.csv").read_text() == "1,2\n"
     manifest = manifest_of(out)
@@ -439,6 +444,60 @@ def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkey
     assert tree_digest(src) == before
 
 
+@pytest.mark.parametrize("index", images.INDEX_FILES)
+def test_index_rows_of_images_not_written_are_dropped(cli, tmp_path, monkeypatch, index):
+    """`perturb ds/train --copy-other --skip-bad` on a Hugging Face image folder: the rows of
+    skipped images leave the index (else imagefolder finds 9 rows for 7 images and fails)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    src = tmp_path / "ds" / "train"
+    rows = []
+    for i in range(9):  # as the datasets docs write it: file_name, then the other features
+        name = f"{i:04d}.png"
+        save(src / name, pixels(6 + i, 5, 3))
+        rows.append({"file_name": name, "caption": f"image {i}"})
+    (src / "0002.png").write_bytes(b"not a PNG at all")
+    data = (src / "0006.png").read_bytes()
+    (src / "0006.png").write_bytes(data[: len(data) // 2])  # truncated
+    write_index(src, index, rows)
+    before = tree_digest(src)
+
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--skip-bad", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    loaded = imagefolder(out, tmp_path / "cache")
+    assert [caption for caption, _ in loaded] == [f"image {i}" for i in (0, 1, 3, 4, 5, 7, 8)]
+    assert [size for _, size in loaded] == [(5, 6 + i) for i in (0, 1, 3, 4, 5, 7, 8)]
+    row = "line" if index.endswith(".jsonl") else "row"
+    manifest = manifest_of(out)
+    assert manifest["dropped"] == [
+        {"name": f"{index} {row} {n}", "kind": "index row",
+         "reason": f"names {name}, an unreadable image, skipped (--skip-bad): not in the output"}
+        for n, name in ((3, "0002.png"), (7, "0006.png"))]
+    assert manifest["index_files_rewritten"] == [index]
+    assert f"dropped 2 index rows naming images not written (listed in the manifest's dropped): " \
+           f"{index} {row} 3, {index} {row} 7" in result.stderr
+    assert "rewrote the image file names" not in result.stderr  # none was renamed
+    assert tree_digest(src) == before
+
+
+def test_index_rows_naming_symbolic_links_are_dropped(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
+    save(tmp_path / "elsewhere.png", pixels(6, 6, 3))
+    (src / "b.png").symlink_to(tmp_path / "elsewhere.png")
+    (src / "sub").mkdir()
+    (src / "sub" / "metadata.jsonl").write_text('{"file_name": "../a.png", "label": 0}\n'
+                                               '{"file_name": "../b.png", "label": 1}\n')
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--copy-other", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert (out / "sub" / "metadata.jsonl").read_text() == '{"file_name": "../a.png", "label": 0}\n'
+    assert manifest_of(out)["dropped"] == [{"name": "sub/metadata.jsonl line 2", "kind": "index row",
+                                            "reason": "names ../b.png, a symbolic link, skipped: not in "
+                                                      "the output"}]
+
+
 def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
@@ -453,6 +512,9 @@ def test_index_files_are_copied_as_they_are_when_no_name_changes(cli, tmp_path):
     ("metadata.jsonl", '{"file_name": "a.jpg"}\nnot json\n', "line 2"),
     ("metadata.csv", 'file_name,label\n"a.jpg,1\n', "not readable as CSV"),
     ("metadata.jsonl", b'{"file_name": "a.jpg", "caption": "\xff"}\n', "not UTF-8"),
+    # issue 27, item 13: json.loads raised RecursionError ("unexpected error ... please report it")
+    ("metadata.jsonl", '{"file_name": "a.jpg"}\n{"x": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+     "line 2 is not valid JSON (it nests lists and objects more than 100 levels deep"),
 ])
 def test_unreadable_index_file_stops_the_run(cli, tmp_path, index, content, problem):
     src = tmp_path / "photos"
@@ -491,7 +553,7 @@ def test_tiff_output_warns_when_pillow_cannot_open_it(cli, tmp_path):
     assert tifffile.imread(out / "rgb.tiff").shape == (6, 6, 3)
 
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "png")
-    assert "warning" not in result.stderr
+    assert "will be TIFF" not in result.stderr
 
 
 @pytest.mark.parametrize("orientation", [1, 3, 6, 8])
@@ -532,3 +594,130 @@ def test_png_output_of_smooth_images_stays_small_and_exact(cli, tmp_path):
             theirs = cv2.cvtColor(theirs, cv2.COLOR_BGRA2RGBA if theirs.shape[2] == 4 else cv2.COLOR_BGR2RGB)
         assert np.array_equal(theirs, array) and np.array_equal(np.asarray(Image.open(path)), array), name
         assert path.stat().st_size < array.nbytes / 8, name
+
+
+# ----------------------------------------------------------------- FIFOs, names not UTF-8 (issue 27)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fifo, options", [("sub/f.png", ()), ("notes.txt", ("--copy-other",))],
+                         ids=["named as an image", "copied by --copy-other"])
+def test_a_fifo_in_the_folder_is_refused_not_waited_on(tmp_path, fifo, options):
+    """Item 9: `mkfifo f/f.png` made the run wait forever for a writer (Pillow opened it);
+    inside a Zarr store it is refused. An image folder refuses it too, naming it, with
+    nothing written, whatever its name and with or without --copy-other."""
+    src = tmp_path / "f"
+    save(src / "a.png", pixels(8, 8, 3))
+    save(src / "sub" / "b.png", pixels(6, 5))
+    os.mkfifo(src / fifo)
+    before, digest = siblings(tmp_path), tree_digest(src)
+    run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", src, "--eps", "1", *options],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    assert lines[0] == (f"tldp: error: {src}: {fifo} is neither a regular file nor a directory (a pipe, "
+                        "socket or device); tldp reads only regular files: remove it or move it out of "
+                        "the folder")
+    assert siblings(tmp_path) == before and tree_digest(src) == digest
+
+
+@pytest.fixture
+def alarm():
+    """Fails a test whose read blocks (a FIFO opened to read waits for a writer) instead of
+    hanging the test run."""
+    def expired(*_):
+        raise TimeoutError("blocked on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_image_swapped_for_a_fifo_after_the_listing_is_an_error(tmp_path, alarm):
+    """The folder is listed when it is opened and each image decoded later: an image
+    replaced by a FIFO (or a mask PNG, or a file --copy-other copies) in between is opened
+    non-blocking and refused, never waited on."""
+    src = tmp_path / "f"
+    save(src / "a.png", pixels(8, 8, 3))
+    save(src / "b.png", pixels(4, 4))
+    reader = images.open_reader(src, formats.FormatOptions())
+    job = next(j for j in reader.arrays() if j.name == "a.png")
+    (src / "a.png").unlink()
+    os.mkfifo(src / "a.png")
+    with pytest.raises(InputError, match=r"a\.png: not a regular file \(a FIFO\); tldp reads only regular files"):
+        job.read(0, 1)
+
+
+def test_a_fifo_in_a_mask_folder_is_refused_not_waited_on(cli, tmp_path, alarm):
+    src, masks = tmp_path / "photos", tmp_path / "masks"
+    save(src / "a.png", pixels(8, 8, 3))
+    save(src / "b.png", pixels(5, 5))
+    assert cli("weight-mask", src, "--method", "constant", "--weight", "0.5", "--out", masks).exit_code == 0
+    (masks / "b.png").unlink()
+    os.mkfifo(masks / "b.png")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--weights", masks, "--out", tmp_path / "out"), 1,
+                          f"{masks / 'b.png'}: not a regular file (a FIFO)")
+    assert siblings(tmp_path) == before
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file names are bytes on Linux")
+def test_file_names_that_are_not_utf8_are_perturbed_and_kept(cli, tmp_path):
+    """Item 12: one file name that is not UTF-8 (b"caf\\xe9.png", Latin-1) made the whole
+    folder fail with "unexpected error ... please report it". The image is perturbed and
+    written under its own bytes; the manifest is valid ASCII JSON whose names give the
+    bytes back through os.fsencode (docs/manifest.md); --skip-bad skips such a bad image
+    and --copy-other copies such a file; evaluate pairs them."""
+    src = tmp_path / "latin"
+    named = lambda *parts: Path(os.fsdecode(os.fsencode(src) + b"/" + b"/".join(parts)))  # noqa: E731
+    save(named(b"caf\xe9.png"), pixels(12, 10, 3))
+    save(named(b"sub\xff", b"x.png"), pixels(9, 7))
+    named(b"bad\xfe.png").write_bytes(b"not an image")
+    named(b"note\xff.txt").write_bytes(b"kept as it is")
+    digest = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--copy-other", "--skip-bad")
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(src) == digest
+    raw_out = os.fsencode(out)
+    assert sorted(os.listdir(raw_out)) == [b"caf\xe9.png", b"note\xff.txt", b"sub\xff"]
+    assert os.listdir(raw_out + b"/sub\xff") == [b"x.png"]
+    for parts, original in [((b"caf\xe9.png",), named(b"caf\xe9.png")), ((b"sub\xff", b"x.png"), named(b"sub\xff", b"x.png"))]:
+        written = colour_channels(Path(os.fsdecode(raw_out + b"/" + b"/".join(parts))))
+        assert written.shape == colour_channels(original).shape
+        assert not np.array_equal(written, colour_channels(original))
+    assert open(raw_out + b"/note\xff.txt", "rb").read() == b"kept as it is"
+
+    text = Path(str(out) + ".manifest.json").read_bytes()
+    assert text.isascii()
+    manifest = json.loads(text)
+    assert {os.fsencode(o["path"]) for o in manifest["outputs"]} == {
+        raw_out + b"/caf\xe9.png", raw_out + b"/sub\xff/x.png", raw_out + b"/note\xff.txt"}
+    assert {os.fsencode(i["path"]) for i in manifest["inputs"]} == {
+        os.fsencode(src) + b"/caf\xe9.png", os.fsencode(src) + b"/sub\xff/x.png"}
+    assert [os.fsencode(n) for n in manifest["skipped_bad_images"]] == [b"bad\xfe.png"]
+    assert [os.fsencode(n) for n in manifest["not_images"]] == [b"note\xff.txt"]
+    checked = cli("evaluate", src, out, "--json")
+    assert checked.exit_code == 0, checked.stderr
+    assert all(c["passed"] for c in json.loads(checked.stdout)["checks"] if c["check"] in ("sha256", "unlisted_files"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file names are bytes on Linux")
+def test_names_that_are_not_utf8_key_their_noise_by_their_bytes(cli, tmp_path):
+    """The random streams are keyed by the name's bytes: a UTF-8 name keeps its noise (the
+    same seed gives the same image), and the name that is not UTF-8 gets noise of its own."""
+    runs = {}
+    for name in (b"caf\xc3\xa9.png", b"caf\xe9.png", b"caf\xe8.png"):
+        src = tmp_path / f"in{len(runs)}"
+        save(Path(os.fsdecode(os.fsencode(src) + b"/" + name)), np.full((16, 16), 128, np.uint8))
+        out = tmp_path / f"out{len(runs)}"
+        result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out)
+        assert result.exit_code == 0, result.stderr
+        runs[name] = colour_channels(Path(os.fsdecode(os.fsencode(out) + b"/" + name)))
+    utf8 = tmp_path / "utf8"
+    save(utf8 / "café.png", np.full((16, 16), 128, np.uint8))
+    assert cli("perturb", utf8, "--eps", "1", "--seed", SEED, "--out", tmp_path / "utf8-out").exit_code == 0
+    assert np.array_equal(runs[b"caf\xc3\xa9.png"], colour_channels(tmp_path / "utf8-out" / "café.png"))
+    assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xe8.png"])
+    assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xc3\xa9.png"])

@@ -96,7 +96,7 @@ def test_hdf5_float_scale_offset_is_dropped_and_compression_kept(cli, tmp_path):
                          compression_opts=4, shuffle=True)
         f.create_dataset("aux", data=DATA[:, 0, 0], chunks=(10,), scaleoffset=2)  # not perturbed
     out = tmp_path / "o.h5"
-    result = perturb_on_fine_grid(cli, src, out, "--dataset", "x")
+    result = perturb_on_fine_grid(cli, src, out, "--dataset", "x", "--keep", "aux")
     assert "/x: written without the source's scale-offset filter (lossy)" in result.stderr
     m = manifest_of(out)
     assert m["dropped_filters"] == {"/x": ["scale-offset"]}
@@ -107,7 +107,7 @@ def test_hdf5_float_scale_offset_is_dropped_and_compression_kept(cli, tmp_path):
         assert (x.compression, x.compression_opts, x.shuffle) == ("gzip", 4, True)
         assert_on_the_grid(x[()], m)
         noisy = x[()]
-        assert f["aux"].scaleoffset == 2  # copied unchanged, filter and all
+        assert f["aux"].scaleoffset == 2  # kept: copied unchanged, filter and all
     with h5py.File(src, "r") as f:
         decoded = f["x"][()]
     np.testing.assert_array_equal(noisy, exact_reference(cli, tmp_path, decoded, None, "x"))
@@ -222,7 +222,7 @@ def test_zarr3_quantize_is_dropped(cli, tmp_path, shards):
         group.create_array("labels", shape=(40,), dtype="float32", chunks=(40,),
                            filters=[zarr3.Quantize(digits=1, dtype="f4")])[:] = np.arange(40)
     out = tmp_path / "o.zarr"
-    result = perturb_on_fine_grid(cli, src, out, "--dataset", "images")
+    result = perturb_on_fine_grid(cli, src, out, "--dataset", "images", "--keep", "labels")
     assert "array images: written without the input's lossy filters" in result.stderr
     m = manifest_of(out)
     assert m["dropped_filters"] == {"images": ["numcodecs.quantize", "numcodecs.bitround"]}
@@ -231,7 +231,7 @@ def test_zarr3_quantize_is_dropped(cli, tmp_path, shards):
         assert [c["name"] for c in codecs] == ["sharding_indexed"]
         codecs = codecs[0]["configuration"]["codecs"]
     assert [c["name"] for c in codecs] == ["bytes", "zstd"]
-    # The array not perturbed keeps its own filter.
+    # The array not perturbed (kept) keeps its own filter.
     labels = json.loads((out / "labels" / "zarr.json").read_text())["codecs"]
     assert labels[0]["name"] == "numcodecs.quantize"
     with warnings.catch_warnings():

@@ -98,7 +98,8 @@ def xarray_file(request, tmp_path):
 
 def test_text_attributes_come_through_byte_for_byte(cli, tmp_path, xarray_file):
     out = tmp_path / "out.nc"
-    manifest = run(cli, xarray_file, out, "--range", "250:310")
+    # Attributes kept (--keep '*@*'; by default the free-text ones are left out, test_leftovers.py)
+    manifest = run(cli, xarray_file, out, "--range", "250:310", "--keep", "*@*")
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
     assert nc_attributes(out) == nc_attributes(xarray_file)
     with netCDF4.Dataset(out) as ds:
@@ -148,7 +149,7 @@ def netcdf4_file(path: Path) -> Path:
 def test_netcdf4_opens_the_output_for_writing_and_keeps_the_order(cli, tmp_path):
     src = netcdf4_file(tmp_path / "in.nc")
     out = tmp_path / "out.nc"
-    run(cli, src, out, "--range", "0:1", "--dataset", "zeta")
+    run(cli, src, out, "--range", "0:1", "--dataset", "zeta", "--keep", "*")  # all kept: the order
     assert nc_attributes(out) == nc_attributes(src)
     with netCDF4.Dataset(out) as ds:
         assert list(ds.variables) == ["zeta", "alpha"]
@@ -200,11 +201,17 @@ def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path):
     assert "left out the coordinate datasets /XLAT, /XLONG" in result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
-    assert nc_attributes(out) == nc_attributes(src)
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/XLAT": "coordinate",
+                                                                         "/XLONG": "coordinate"}
+    assert "/Times" in {d["name"] for d in manifest["dropped"]}  # text, not perturbed: left out
+    # The structural attributes stay; WRF's free-text and statistical ones are left out.
+    assert nc_attributes(out) == {"/": [], "/XLAT": [("units", plain("degree_north"))],
+                                  "/XLONG": [("units", plain("degree_east"))],
+                                  "/T2": [("units", plain("K")), ("coordinates", plain("XLONG XLAT"))]}
     with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
-        for name in ["XLAT", "XLONG", "Times"]:
+        for name in ["XLAT", "XLONG"]:
             assert a[name][()].tobytes() == b[name][()].tobytes(), name
-        assert not np.array_equal(a["T2"][()], b["T2"][()])
+        assert not np.array_equal(a["T2"][()], b["T2"][()]) and "Times" not in b
     for engine in ENGINES:
         with xr.open_dataset(out, engine=engine) as ds:
             assert {"XLAT", "XLONG"} <= set(ds["T2"].coords)  # from its coordinates attribute
@@ -277,7 +284,8 @@ def test_missing_values_stay_missing(cli, tmp_path):
 def fill_on_grid_file(path: Path, writer: str) -> tuple[Path, dict[str, int]]:
     """A float variable with _FillValue -1.0 and a uint8-packed one (i1, _Unsigned, _FillValue
     -1, scale_factor 1), both with their values near 0: -1 lies on the noise's grid a few noise
-    scales below the ranges declared (0:0.5, 0:256), where noisy values land. Written by
+    scales below the ranges declared (0:0.5, 0:250), where noisy values land (q's fill, read
+    unsigned, is 255: outside 0:250, so it stays a marker). Written by
     xarray on `writer`'s engine, or by netCDF4 itself; returns the missing count of each."""
     rng = np.random.default_rng(11)
     tp = (0.01 * rng.random((10, 100, 100))).astype(np.float32)
@@ -308,7 +316,7 @@ def test_noisy_values_never_land_on_the_fill_value(cli, tmp_path, writer):
     src, missing = fill_on_grid_file(tmp_path / "in.nc", writer)
     out = tmp_path / "out.nc"
     manifest = run(cli, src, out, "--dataset", "tp", "--dataset", "q",
-                   "--range", "tp=0:0.5", "--range", "q=0:256")
+                   "--range", "tp=0:0.5", "--range", "q=0:250")
     for engine in ENGINES:
         with xr.open_dataset(src, engine=engine) as before, xr.open_dataset(out, engine=engine) as after:
             for name, count in missing.items():
@@ -409,6 +417,13 @@ def test_every_output_opens_in_xarray(cli, tmp_path, engine):
         out = tmp_path / f"out{i}.nc"
         run(cli, src, out, "--range", "-100:400")
         with xr.open_dataset(src, engine=engine) as before, xr.open_dataset(out, engine=engine) as after:
+            # What is not perturbed is left out but coordinates and structural metadata.
+            assert set(after.variables) <= set(before.variables)
+            assert after.attrs == {k: v for k, v in before.attrs.items() if k == "Conventions"}
+            after.load()
+        run(cli, src, tmp_path / f"all{i}.nc", "--range", "-100:400", "--keep", "*")
+        with xr.open_dataset(src, engine=engine) as before, \
+                xr.open_dataset(tmp_path / f"all{i}.nc", engine=engine) as after:
             assert list(after.variables) == list(before.variables)
             assert after.attrs == before.attrs
             after.load()

@@ -63,6 +63,9 @@ def fast_level(compressors):
 
 class ZarrGroupRoundTrip(RoundTrip):
     zarr_format = 3
+    # Everything is kept (--keep '*'), so the copy of what is not perturbed is checked whole;
+    # what is left out by default: tests/formats/test_leftovers.py.
+    extra_args = ("--keep", "*")
 
     def make_input(self, tmp_path):
         return make_group(tmp_path / "data.zarr", self.zarr_format)
@@ -177,8 +180,10 @@ def test_single_array_store(cli, tmp_path, zarr_format):
     assert out.metadata.zarr_format == zarr_format
     # int16 data: integer noise, widened to int32 (the default exact sampler)
     assert out.dtype == np.int32 and out.fill_value == -1 and out.chunks == (10, 3)
-    assert dict(out.attrs) == {"note": "x"} and out.shape == values.shape
-    assert json.loads(result.stdout)["inputs"][0]["dataset"] == "/"
+    assert dict(out.attrs) == {} and out.shape == values.shape  # "note": free text, left out
+    manifest = json.loads(result.stdout)
+    assert manifest["inputs"][0]["dataset"] == "/"
+    assert [d["name"] for d in manifest["dropped"]] == ["/@note"]
 
 
 def metadata_json(path: Path, zarr_format: int) -> dict:
@@ -230,14 +235,16 @@ def test_ambiguous_selection_is_a_usage_error(cli, tmp_path):
 
 
 @pytest.mark.parametrize("spelling", ["g/b", "/g/b"])
-def test_dataset_chooses_and_copies_the_rest(cli, tmp_path, spelling):
+def test_dataset_chooses_and_the_rest_is_dropped_or_kept(cli, tmp_path, spelling):
     src = make_two(tmp_path / "two.zarr", rows_b=12)
     perturb_ok(cli, src, "--dataset", spelling)
     out = tmp_path / "two.tldp.zarr"
     assert read_path(out, "g/b").dtype == PERTURBED
-    a = zarr.open_array(out, path="a", mode="r")
+    assert not (out / "a").exists()  # not chosen: left out
+    perturb_ok(cli, src, "--dataset", spelling, "--keep", "a", "--out", tmp_path / "kept.zarr")
+    a = zarr.open_array(tmp_path / "kept.zarr", path="a", mode="r")
     assert a.dtype == np.uint8 and (a[:] == 1).all()
-    assert tree_digest(out / "a") == tree_digest(src / "a")
+    assert tree_digest(tmp_path / "kept.zarr" / "a") == tree_digest(src / "a")
 
 
 @pytest.mark.parametrize("dataset, words", [("nope", ["nope", "does not exist"]),
@@ -269,6 +276,32 @@ def test_damaged_group_store(cli, tmp_path, damage):
     before, files = siblings(tmp_path), tree_digest(src)
     result = cli("perturb", src, "--eps", "1")
     assert_one_line_failure(result, 1, str(src), "damaged Zarr store")
+    assert siblings(tmp_path) == before and tree_digest(src) == files
+
+
+DEEP = "[" * 200_000 + "]" * 200_000  # issue 27, item 13: json.loads raised RecursionError
+
+
+def _nest_deeply(file: Path, key: str = "deep") -> None:
+    """Puts DEEP into the JSON object of `file` (zarr-python wrote it) under `key`."""
+    text = file.read_text().rstrip()
+    assert text.endswith("}")
+    file.write_text(text[:-1] + f', "{key}": {DEEP}}}')
+
+
+@pytest.mark.parametrize("zarr_format, meta", [(3, "zarr.json"), (3, "images/zarr.json"), (2, ".zgroup"),
+                                               (2, "images/.zarray"), (2, "images/.zattrs"),
+                                               (2, "meta/.zattrs")])
+def test_deeply_nested_metadata_is_refused_naming_its_file(cli, tmp_path, zarr_format, meta):
+    """200,000 nested lists in Zarr metadata reached RecursionError (our own json.loads), or
+    zarr-python's in .zattrs, and "unexpected error": refused before zarr-python reads it,
+    as JSON it does not read, naming the file."""
+    src = make_group(tmp_path / "data.zarr", zarr_format, consolidated=False)
+    _nest_deeply(src / meta)
+    before, files = siblings(tmp_path), tree_digest(src)
+    assert_one_line_failure(cli("perturb", src, "--eps", "1"), 1,
+                            f"{src}: damaged Zarr store: {meta} is not valid JSON (it nests lists and "
+                            "objects more than 100 levels deep")
     assert siblings(tmp_path) == before and tree_digest(src) == files
 
 

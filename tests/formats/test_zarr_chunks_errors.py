@@ -1,8 +1,11 @@
 """Review of formats/zarr_chunks.py: the codec is the one zarr-python builds, a damaged
 Blosc chunk is an error, and an encoding error is a one-line InputError that leaves no
-partial output (as on the zarr-python path)."""
+partial output (as on the zarr-python path). A chunk that expands beyond its size is
+refused before it is (issue 27, item 11)."""
 
 import json
+import tracemalloc
+from pathlib import Path
 
 import numcodecs
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+from tests.builders import run_measured
 from tldp_cli.errors import InputError
 from tldp_cli.formats import zarr_chunks
 from tldp_cli.run.pipeline import PerturbOptions, perturb
@@ -75,7 +79,7 @@ def test_an_encoding_error_is_an_input_error_and_leaves_nothing(tmp_path):
     (source / ".zarray").write_text(json.dumps(meta))
     out = tmp_path / "out.zarr"
     with pytest.raises(InputError, match="cannot encode"):
-        perturb(PerturbOptions(input=source, epsilon=1.0, out=out, seed="ab" * 16, workers=1))
+        perturb(PerturbOptions(input=source, epsilon=1.0, out=out, seed="ab13c892a8c04073b2e03853143751e3", workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
 
 
@@ -88,8 +92,8 @@ def test_a_damaged_or_unreadable_chunk_is_named_with_its_records(cli, tmp_path, 
     damaged.write_bytes(damaged.read_bytes()[:10])
     result = cli("perturb", source, "--eps", "1", "--out", tmp_path / "out.zarr")
     assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
-        f"tldp: error: {damaged}: cannot decode the chunk of records 24-32 (Zstd decompression error: "
-        "invalid input data); it may be damaged"]
+        f"tldp: error: {damaged}: cannot decode the chunk of records 24-32 (the Zstandard data stop "
+        "inside a frame); it may be damaged"]
     damaged.unlink()
     locked = source / "c" / "5" / "1"
     real_read_bytes = zarr_chunks.Path.read_bytes
@@ -104,3 +108,88 @@ def test_a_damaged_or_unreadable_chunk_is_named_with_its_records(cli, tmp_path, 
     assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
         f"tldp: error: {locked}: cannot read (Permission denied)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+
+
+# ------------------------------------------------------------ chunks that expand (issue 27)
+
+BOMB = 16 << 20  # what each crafted chunk below expands to, for a chunk of 40 bytes
+EXPANDING = {
+    "zarr 2 blosc": (2, numcodecs.Blosc(cname="zstd")), "zarr 2 zstd": (2, numcodecs.Zstd()),
+    "zarr 2 lz4": (2, numcodecs.LZ4()), "zarr 2 zlib": (2, numcodecs.Zlib()),
+    "zarr 2 gzip": (2, numcodecs.GZip()), "zarr 2 bz2": (2, numcodecs.BZ2()),
+    "zarr 2 lzma": (2, numcodecs.LZMA(preset=1)),  # a 1 MB window: the decoder's own memory
+    "zarr 3 zstd": (3, ZstdCodec()),
+    "zarr 3 gzip": (3, GzipCodec()), "zarr 3 blosc": (3, BloscCodec()),
+}
+
+
+def expanding_store(path, zarr_format: int, codec, expands_to: int):
+    """A store zarr-python wrote, whose chunk of records 8-16 is replaced by one its own
+    codec (numcodecs) encoded from `expands_to` zero bytes."""
+    array = zarr.create_array(str(path), shape=SHAPE, chunks=CHUNKS, dtype="u1", zarr_format=zarr_format,
+                              compressors=codec)
+    array[:] = VALUES
+    layout = layout_of(array)
+    chunk = path / layout.key((1, 0))
+    chunk.write_bytes(bytes(zarr_chunks._codec(layout.compressor).encode(np.zeros(expands_to, np.uint8))))
+    return layout, chunk
+
+
+@pytest.mark.parametrize("name", EXPANDING)
+def test_a_chunk_that_expands_beyond_its_chunk_is_refused_before_it_is(tmp_path, name):
+    """A Blosc/Zstandard chunk was decoded to the size its header states, and a zlib or gzip
+    one to its end, before anything compared it with the 40 bytes of the array's chunk:
+    a chunk of kilobytes took gigabytes in every worker. Refused naming the chunk file,
+    with no more than a chunk allocated."""
+    layout, chunk = expanding_store(tmp_path / "a.zarr", *EXPANDING[name], BOMB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError) as refused:
+            layout.read(tmp_path / "a.zarr", 8, 16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(refused.value)
+    assert message.startswith(f"{chunk}: cannot decode the chunk of records 8-16 (") and "\n" not in message
+    header = "header says it expands to 16777216 bytes, where a chunk holds 40"
+    assert header in message or "it expands to more than the 40 bytes a chunk holds" in message, message
+    assert peak < BOMB // 8, f"{peak} bytes allocated to refuse it"
+
+
+def test_zstandard_frames_are_measured_as_numcodecs_writes_them(tmp_path):
+    """The sizes the frames state are added up over every frame (numcodecs decodes several),
+    and a frame that states none is decoded into the chunk's size, never beyond it."""
+    data = VALUES[8:16, :5].tobytes()
+    one = bytes(numcodecs.Zstd(level=5, checksum=True).encode(np.frombuffer(data, np.uint8)))
+    half = bytes(numcodecs.Zstd().encode(np.frombuffer(data[:20], np.uint8)))
+    other = bytes(numcodecs.Zstd().encode(np.frombuffer(data[20:], np.uint8)))
+    assert zarr_chunks._zstd_content_size(one) == 40 and zarr_chunks._zstd_content_size(half + other) == 40
+    assert bytes(zarr_chunks._decompressed(numcodecs.Zstd(), half + other, 40)) == data
+    with pytest.raises(ValueError, match="header says it expands to 60 bytes, where a chunk holds 40"):
+        zarr_chunks._decompressed(numcodecs.Zstd(), one + half, 40)
+    # Single_Segment_flag off and Frame_Content_Size_flag 0: a frame that does not state its
+    # size (as streaming writers make), of 8 raw blocks of 128 kB of zeros (a 1 MB window).
+    blocks = [((128 << 10) << 3 | (i == 7)).to_bytes(3, "little") + bytes(128 << 10) for i in range(8)]
+    unsized = (0xFD2FB528).to_bytes(4, "little") + bytes([0, (20 - 10) << 3]) + b"".join(blocks)
+    assert zarr_chunks._zstd_content_size(unsized) is None
+    assert len(bytes(numcodecs.Zstd().decode(unsized))) == 1 << 20  # numcodecs reads it
+    with pytest.raises(RuntimeError, match="Destination buffer is too small"):
+        zarr_chunks._decompressed(numcodecs.Zstd(), unsized, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+@pytest.mark.parametrize("name", ["zarr 2 blosc", "zarr 3 zstd"])
+def test_a_run_over_an_expanding_chunk_stays_small(tmp_path, name):
+    """The review's case end to end: a chunk expanding to 512 MB took that much in the
+    worker before the size check; refused with one line, nothing written, the process's
+    peak resident memory far below it."""
+    source = tmp_path / "in.zarr"
+    _, chunk = expanding_store(source, *EXPANDING[name], 512 << 20)
+    code, stderr, peak = run_measured(tmp_path, "perturb", source, "--eps", "1", "--out",
+                                      tmp_path / "out.zarr", "--workers", "1")
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"tldp: error: {chunk}: cannot decode"), stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+    assert peak < 300 << 20, f"peak RSS {peak >> 20} MB"  # 146 MB here; 660 MB before
+    assert "header says it expands to 536870912 bytes, where a chunk holds 40" in lines[0]

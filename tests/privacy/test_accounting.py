@@ -150,3 +150,46 @@ def test_expected_error_table5():
     b = cal(mechanism="baseline")
     assert b.expected_l2_error() == pytest.approx(256 * 784 * math.sqrt(2 * 784))
     assert np.isfinite(c.expected_l2_error())
+
+
+def _gaussian_scope(rho, dp_delta=1e-5, point_mass=0.0):
+    """A Gaussian release's per-record scope: its analytic (eps, delta) at dp_delta and its rho."""
+    sigma = 1 / math.sqrt(2 * rho)  # sensitivity 1
+    eps = accounting.gaussian_epsilon(sigma, dp_delta)
+    return {"epsilon": eps, "delta": dp_delta + point_mass, "rho": rho, "point_mass_delta": point_mass}
+
+
+def test_releases_compose_pure_figures_by_addition():
+    laplace = [({"epsilon": e, "delta": d, "rho": None}, 1e-5) for e, d in [(1.5, 0.0), (2.25, 1e-7), (4.0, 3e-7)]]
+    assert accounting.compose_releases(laplace) == (pytest.approx(7.75), pytest.approx(4e-7))
+    assert accounting.compose_releases([]) == (0.0, 0.0)
+    assert accounting.compose_releases([({"epsilon": 1.0, "delta": 0.7, "rho": None}, 1e-5)] * 2)[1] == 1.0
+
+
+@pytest.mark.parametrize("rhos, dp_delta", [([0.5] * 4, 1e-5), ([0.1, 2.0, 0.4], 1e-9), ([3.0] * 10, 1e-6)])
+def test_gaussian_releases_compose_through_zcdp(rhos, dp_delta):
+    """The summed rho's RDP epsilon lies between the exact epsilon of one Gaussian of that rho
+    (Balle and Wang) and the zCDP conversion rho + 2 sqrt(rho ln(1/delta)) (Bun and Steinke)."""
+    point_mass = 1e-12
+    eps, delta = accounting.compose_releases([(_gaussian_scope(r, dp_delta, point_mass), dp_delta) for r in rhos])
+    rho = sum(rhos)
+    assert analytic_gaussian_delta(eps, 1 / math.sqrt(2 * rho), 1.0) <= dp_delta
+    assert eps <= rho + 2 * math.sqrt(rho * math.log(1 / dp_delta))
+    assert eps < sum(_gaussian_scope(r, dp_delta)["epsilon"] for r in rhos)  # below basic composition
+    assert delta == pytest.approx(dp_delta + len(rhos) * point_mass)
+
+
+def test_one_release_composes_to_its_own_figure_and_a_mix_adds():
+    scope = _gaussian_scope(0.5)
+    assert accounting.compose_releases([(scope, 1e-5)]) == (scope["epsilon"], scope["delta"])
+    laplace = {"epsilon": 2.0, "delta": 0.0, "rho": None}
+    assert accounting.compose_releases([(scope, 1e-5), (laplace, 1e-5)]) == (
+        pytest.approx(scope["epsilon"] + 2.0), pytest.approx(scope["delta"]))
+
+
+def test_gaussian_releases_are_stated_at_their_smallest_dp_delta():
+    """A release with a larger --dp-delta cannot lower what the others spend under an eps cap."""
+    small = [(_gaussian_scope(0.5, 1e-9), 1e-9)] * 4
+    eps, delta = accounting.compose_releases(small + [(_gaussian_scope(0.5, 1e-3), 1e-3)])
+    assert eps == pytest.approx(accounting.compose_releases(small + [(_gaussian_scope(0.5, 1e-9), 1e-9)])[0])
+    assert eps > accounting.compose_releases(small)[0] and delta == pytest.approx(1e-9)

@@ -1,5 +1,6 @@
-"""The release ledger: releases of the same content compose, a cap refuses, races and
-kills leave it consistent, and it holds nothing of the raw data."""
+"""The release ledger: releases of the same subjects compose (a copy, a reshaped copy,
+part of the rows, part of a row group's arrays, in any order of runs), a cap refuses,
+races and kills leave it consistent, and it holds nothing of the raw data."""
 
 import hashlib
 import json
@@ -10,10 +11,13 @@ import subprocess
 import sys
 import time
 
+import h5py
 import numpy as np
 import pytest
+import zarr
 
 from tests.builders import siblings
+from tldp_cli.run import ledger as ledger_mod
 
 DATA = np.random.default_rng(7).integers(0, 256, (50, 8, 8), dtype=np.uint8)
 PER_RECORD = 63.75  # discrete Laplace, eps 1 per element, 64 elements of 0..255
@@ -46,17 +50,22 @@ def test_releases_of_a_copy_compose(cli, data, tmp_path):
     assert second.exit_code == 0, second.stderr
     assert "2 releases: each record (eps=127.5" in second.stderr
     report = listing(cli, tmp_path / "raw" / "ledger.db")
-    [dataset] = report["datasets"]
-    assert [r["status"] for r in dataset["releases"]] == ["complete", "complete"]
-    assert dataset["cumulative_per_record"]["epsilon"] == pytest.approx(2 * PER_RECORD)
+    assert [r["status"] for r in report["releases"]] == ["complete", "complete"]
+    assert [r["subjects"] for r in report["releases"]] == [50, 50]
+    [group] = report["subjects"]
+    assert group["subjects"] == 50 and group["releases"] == [1, 2]
+    assert report["worst_subject"]["epsilon"] == pytest.approx(2 * PER_RECORD)
 
 
-def test_other_data_is_another_dataset(cli, data, tmp_path):
+def test_other_records_are_other_subjects_and_reordered_records_the_same(cli, data, tmp_path):
     other = tmp_path / "raw" / "other.npy"
-    np.save(other, DATA[::-1])
-    perturb(cli, data, tmp_path / "a.npy")
-    perturb(cli, other, tmp_path / "b.npy")
-    assert len(listing(cli, tmp_path / "raw" / "ledger.db")["datasets"]) == 2
+    np.save(other, np.random.default_rng(8).integers(0, 256, (30, 8, 8), dtype=np.uint8))
+    reordered = tmp_path / "raw" / "reordered.npy"
+    np.save(reordered, DATA[::-1])
+    for i, src in enumerate((data, other, reordered)):
+        assert perturb(cli, src, tmp_path / f"{i}.npy").exit_code == 0
+    groups = listing(cli, tmp_path / "raw" / "ledger.db")["subjects"]
+    assert [(g["subjects"], g["releases"]) for g in groups] == [(50, [1, 3]), (30, [2])]
 
 
 def test_the_cap_refuses_writes_nothing_and_records_nothing(cli, data, tmp_path):
@@ -67,7 +76,7 @@ def test_the_cap_refuses_writes_nothing_and_records_nothing(cli, data, tmp_path)
     line = refused.stderr.strip()
     assert len(line.splitlines()) == 1 and "refuses" in line and "eps left under the cap: 36.25" in line
     assert siblings(tmp_path) == before
-    assert len(listing(cli, tmp_path / "raw" / "ledger.db")["datasets"][0]["releases"]) == 1
+    assert len(listing(cli, tmp_path / "raw" / "ledger.db")["releases"]) == 1
 
 
 def test_a_cap_without_a_ledger_is_a_usage_error(cli, data, tmp_path):
@@ -106,8 +115,9 @@ def test_a_killed_run_stays_counted_and_the_ledger_consistent(data, tmp_path, cl
     run.wait()
     with sqlite3.connect(ledger) as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    [dataset] = listing(cli, ledger)["datasets"]
-    assert dataset["cumulative_per_record"]["pending"] == 1  # counted: its output might be in place
+    report = listing(cli, ledger)
+    assert [r["status"] for r in report["releases"]] == ["pending"]
+    assert report["worst_subject"]["pending"] == 1  # counted: its output might be in place
 
 
 def test_the_ledger_holds_no_raw_values_and_no_plain_hash(cli, data, tmp_path):
@@ -154,7 +164,8 @@ def test_a_run_refused_before_writing_records_nothing(cli, tmp_path):
         assert result.exit_code == 1 and "another tldp run is writing it" in result.stderr
     finally:
         live.remove()
-    assert listing(cli, tmp_path / "raw" / "ledger.db")["datasets"] == []
+    report = listing(cli, tmp_path / "raw" / "ledger.db")
+    assert report["releases"] == [] and report["subjects"] == [] and report["worst_subject"] is None
 
 
 def test_a_ledger_tldp_may_not_open_says_so(cli, data, tmp_path, monkeypatch):
@@ -215,8 +226,205 @@ def test_a_larger_dp_delta_does_not_slip_under_an_eps_cap(cli, tmp_path):
 
     for delta in ("1e-5", "1e-5", "1e-9", "1e-9"):
         assert release(delta).exit_code == 0
-    spent_before = listing(cli, ledger)["datasets"][0]["cumulative_per_record"]["epsilon"]
+    spent_before = listing(cli, ledger)["worst_subject"]["epsilon"]
     for delta in ("1e-5", "0.001"):
         refused = release(delta, "--max-record-eps", f"{spent_before:.6g}")
         assert refused.exit_code == 1 and "the ledger refuses this release" in refused.stderr
-    assert listing(cli, ledger)["datasets"][0]["cumulative_per_record"]["releases"] == 4
+    assert listing(cli, ledger)["worst_subject"]["releases"] == 4
+
+
+ROWS = np.random.default_rng(3)
+A, B = ROWS.integers(0, 256, (10, 8, 8), dtype=np.uint8), ROWS.integers(0, 256, (10, 4), dtype=np.uint8)
+
+
+def row_group_file(tmp_path, writer):
+    """A file whose arrays /a (10, 8, 8) and /b (10, 4) share their rows: row i of both is subject i."""
+    (tmp_path / "raw").mkdir(exist_ok=True)
+    if writer == "h5py":
+        path = tmp_path / "raw" / "rl.h5"
+        with h5py.File(path, "w") as f:
+            f["a"], f["b"] = A, B
+        return path, "/a", "/b"
+    path = tmp_path / "raw" / "rl.zarr"
+    group = zarr.open_group(path, mode="w")
+    group.create_array("a", data=A)
+    group.create_array("b", data=B)
+    return path, "a", "b"
+
+
+def release(cli, src, out, cap, *args):
+    """Each release spends 40 per record of what it perturbs (--budget record)."""
+    return cli("perturb", src, "--eps", "40", "--budget", "record", "--out", out, "--ledger",
+               src.parent / "ledger.db", "--max-record-eps", cap, "-q", *args)
+
+
+def refused_at(result, spent):
+    """Refused as a cap refuses (exit 1, one line), at the most-spent subject's `spent`."""
+    lines = result.stderr.strip().splitlines()
+    return (result.exit_code == 1 and len(lines) == 1
+            and lines[0].startswith("tldp: error: the ledger refuses this release")
+            and f"eps {spent:.4g} > --max-record-eps" in lines[0])
+
+
+@pytest.mark.parametrize("writer", ["h5py", "zarr"])
+def test_releases_of_parts_of_a_row_group_compose_per_subject(cli, tmp_path, writer):
+    """Issue 27: the whole file, then /a, then /b passed a cap of 50, each "this data's 1
+    release", while every subject had spent 119.45 per record."""
+    src, a, b = row_group_file(tmp_path, writer)
+    suffix = src.suffix
+    assert release(cli, src, tmp_path / f"o1{suffix}", "100").exit_code == 0
+    whole = json.loads((tmp_path / f"o1{suffix}.manifest.json").read_text())["accounting"]["per_record"]["epsilon"]
+    assert whole == pytest.approx(39.448, abs=1e-3)  # records of 68 elements at 40 for 64
+    second = release(cli, src, tmp_path / f"o2{suffix}", "100", "--dataset", a)
+    assert second.exit_code == 0, second.stderr
+    before = siblings(tmp_path)
+    third = release(cli, src, tmp_path / f"o3{suffix}", "100", "--dataset", b)
+    assert refused_at(third, whole + 80), third.stderr
+    assert siblings(tmp_path) == before
+    report = listing(cli, src.parent / "ledger.db")
+    assert [(g["subjects"], g["releases"]) for g in report["subjects"]] == [(10, [1, 2])]
+    assert report["worst_subject"]["epsilon"] == pytest.approx(whole + 40)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_arrays_of_a_row_group_released_in_separate_runs_compose(cli, tmp_path, order):
+    src, *names = row_group_file(tmp_path, "h5py")
+    first, second = (names[i] for i in order)
+    assert release(cli, src, tmp_path / "o1.h5", "50", "--dataset", first).exit_code == 0
+    assert refused_at(release(cli, src, tmp_path / "o2.h5", "50", "--dataset", second), 80)
+    assert not (tmp_path / "o2.h5").exists()
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_records_linked_by_one_file_compose_across_other_files(cli, tmp_path, whole_first):
+    """Copies of /a's rows and of /b's rows in .npy files of their own are released apart;
+    the HDF5 file, which links row i of both, makes each row one subject: whether it is
+    released first (the copies reach its subjects) or last (it merges theirs)."""
+    src, _, _ = row_group_file(tmp_path, "h5py")
+    np.save(tmp_path / "raw" / "a.npy", A)
+    np.save(tmp_path / "raw" / "b.npy", B)
+    runs = [src, tmp_path / "raw" / "b.npy", tmp_path / "raw" / "a.npy"]
+    runs = runs if whole_first else runs[1:] + runs[:1]
+    for i, path in enumerate(runs[:2]):
+        result = release(cli, path, tmp_path / f"o{i}{path.suffix}", "100")
+        assert result.exit_code == 0, result.stderr
+    whole = 39.448022057  # the HDF5 release's per-record figure (records of 68 elements at 40)
+    last = release(cli, runs[2], tmp_path / f"o2{runs[2].suffix}", "100")
+    assert refused_at(last, whole + 80), last.stderr
+
+
+def test_a_reshaped_copy_is_the_same_records(cli, data, tmp_path):
+    """(50, 8, 8) and (50, 64) hold the same records: the copy was new data to the ledger."""
+    flat = tmp_path / "raw" / "flat.npy"
+    np.save(flat, DATA.reshape(50, 64))
+    assert perturb(cli, data, tmp_path / "a.npy", "--max-record-eps", "100").exit_code == 0
+    assert refused_at(perturb(cli, flat, tmp_path / "b.npy", "--max-record-eps", "100"), 2 * PER_RECORD)
+
+
+def test_a_release_of_part_of_the_rows_composes_with_the_whole(cli, data, tmp_path):
+    half = tmp_path / "raw" / "half.npy"
+    np.save(half, DATA[:25])
+    assert perturb(cli, data, tmp_path / "a.npy", "--max-record-eps", "100").exit_code == 0
+    assert refused_at(perturb(cli, half, tmp_path / "b.npy", "--max-record-eps", "100"), 2 * PER_RECORD)
+    assert perturb(cli, half, tmp_path / "c.npy").exit_code == 0
+    report = listing(cli, tmp_path / "raw" / "ledger.db")
+    assert [(g["subjects"], g["releases"]) for g in report["subjects"]] == [(25, [1, 2]), (25, [1])]
+    assert [g["per_record"]["epsilon"] for g in report["subjects"]] == [pytest.approx(2 * PER_RECORD),
+                                                                      pytest.approx(PER_RECORD)]
+    text = cli("ledger", tmp_path / "raw" / "ledger.db")
+    assert "25 subjects: releases #1, #2: each record (eps=127.5, delta=0)" in text.stdout
+
+
+def test_a_record_is_known_by_its_dtype_and_values_not_its_shape_or_byte_order(tmp_path):
+    db = ledger_mod.open_ledger(tmp_path / "ledger.db")
+    try:
+        fingerprints = ledger_mod.Fingerprints(db)
+        values = np.random.default_rng(4).normal(size=(6, 3, 4)).astype("<f4")
+        same = fingerprints.of_rows(values)
+        assert len(set(same.tolist())) == 6
+        assert (fingerprints.of_rows(values.reshape(6, 12)) == same).all()
+        assert (fingerprints.of_rows(values.astype(">f4")) == same).all()
+        assert (fingerprints.of_array([values[:2], values[2:]]) == same).all()
+        changed = values.copy()
+        changed[3, 2, 1] = np.nextafter(changed[3, 2, 1], np.float32(9))
+        assert (fingerprints.of_rows(changed) != same).tolist() == [False, False, False, True, False, False]
+        assert not set(fingerprints.of_rows(values.astype("<f8")).tolist()) & set(same.tolist())
+        other_key = ledger_mod.open_ledger(tmp_path / "other.db")
+        assert not set(ledger_mod.Fingerprints(other_key).of_rows(values).tolist()) & set(same.tolist())
+        other_key.close()
+    finally:
+        db.close()
+
+
+SCHEMA_1 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE releases (id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'complete')), created TEXT NOT NULL,
+    input TEXT NOT NULL, output TEXT NOT NULL, options TEXT NOT NULL, figures TEXT NOT NULL);
+CREATE INDEX releases_by_data ON releases (fingerprint);
+INSERT INTO meta VALUES ('schema_version', '1');
+INSERT INTO meta VALUES ('fingerprint_key', '5d1e0c0a6f1b4c2a9e3d7f8a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e');
+"""
+
+
+def test_a_schema_1_ledger_is_upgraded_charging_its_releases_to_every_subject(cli, data, tmp_path):
+    """Schema 1 counted whole files; which records its releases touched is unknown."""
+    ledger = data.parent / "ledger.db"
+    old = {"per_element": {"epsilon": 0.3}, "per_record": {"epsilon": 20.0, "delta": 0.0, "rho": None}}
+    with sqlite3.connect(ledger) as db:
+        db.executescript(SCHEMA_1)
+        db.execute("INSERT INTO releases VALUES (1, ?, 'pending', '2026-01-01T00:00:00+00:00', 'old.npy', "
+                   "'old.tldp.npy', '{}', ?)", ("ab" * 32, json.dumps(old)))
+    db.close()
+    first = cli("perturb", data, "--eps", "1", "--out", tmp_path / "a.npy", "--ledger", ledger,
+                "--max-record-eps", "100")
+    assert first.exit_code == 0, first.stderr
+    assert "2 releases, 1 of them pending (a run in progress, or one that was killed): each record (eps=83.75" in first.stderr
+    report = listing(cli, ledger)
+    assert [r["charged_to_every_subject"] for r in report["releases"]] == [True, False]
+    assert "charged to every subject (recorded by a ledger of schema 1)" in cli("ledger", ledger).stdout
+    assert [(g["subjects"], g["releases"]) for g in report["subjects"]] == [(50, [1, 2])]
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
+    db.close()
+    other = tmp_path / "raw" / "other.npy"
+    np.save(other, np.random.default_rng(8).integers(0, 256, (30, 8, 8), dtype=np.uint8))
+    assert refused_at(perturb(cli, other, tmp_path / "b.npy", "--max-record-eps", "80"), 83.75)
+
+
+def test_links_merge_subjects_and_their_histories(tmp_path):
+    """Subjects are connected sets of records: a release that links records of recorded
+    subjects merges them (their histories too, and their records this release does not see),
+    and a failed run's release id is never charged again."""
+    path = tmp_path / "ledger.db"
+    db = ledger_mod.open_ledger(path)
+    figures = {"per_element": {}, "per_record": {"epsilon": 1.0, "delta": 0.0, "rho": None}, "per_file": None}
+
+    def release(*rows, keep=True):  # rows: the fingerprints of each array of one row group
+        rid, spent, subjects = ledger_mod.begin(db, [np.array(rows, np.int64)], figures, input="i", output="o",
+                                                options={}, max_epsilon=None, max_delta=None, dp_delta=1e-5)
+        (ledger_mod.complete if keep else ledger_mod.abandon)(db, rid)
+        return spent.releases, subjects
+
+    def groups():
+        return [(g["subjects"], g["releases"]) for g in ledger_mod.listing(path)["subjects"]]
+
+    try:
+        assert release([10, 11]) == (1, 2)  # #1: subjects {10} and {11}
+        assert release([20], [10]) == (2, 1)  # #2: 20 joins {10}
+        assert release([30, 31], [11, 40]) == (2, 2)  # #3: 30 joins {11}; {31, 40} is new
+        assert groups() == [(1, [1, 2]), (1, [1, 3]), (1, [3])]
+        assert release([20], [30]) == (4, 1)  # #4 links {10, 20} and {11, 30}: one subject of #1 to #4
+        assert groups() == [(1, [1, 2, 3, 4]), (1, [3])]
+        assert release([11]) == (5, 1)  # 11, unseen by #4, reaches the merged subject
+        assert release([40], keep=False) == (2, 1)  # #6 fails: removed
+        assert release([31]) == (2, 1)  # #7: {31, 40} is charged #3 and #7, never #6
+        assert groups() == [(1, [1, 2, 3, 4, 5]), (1, [3, 7])]
+        release([60, 61])  # #8: two new subjects of one history
+        assert release([60], [61]) == (2, 1)  # #9 makes them one
+        assert groups() == [(1, [1, 2, 3, 4, 5]), (1, [3, 7]), (1, [8, 9])]
+        counts = {table: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                  for table in ("records", "subjects", "histories")}
+        assert counts == {"records": 8, "subjects": 3, "histories": 3}
+    finally:
+        db.close()

@@ -10,7 +10,7 @@ from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 
-SEED = "5eed" * 8
+SEED = "98ab6f93e8be360eae780f2ba450c708"
 BATCH = np.random.default_rng(3).integers(0, 256, (40, 8, 8), dtype=np.uint8)
 
 
@@ -43,7 +43,7 @@ def test_one_unseeded_streams_never_repeats_through_the_engine():
 def test_a_seed_repeats_exactly_and_another_seed_does_not():
     a = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED).array
     b = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED).array
-    c = tldp_cli.perturb_array(BATCH, eps=1, seed="f00d" * 8).array
+    c = tldp_cli.perturb_array(BATCH, eps=1, seed="b9c39fb0fbae0da5ccb628c982d39ca6").array
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 

@@ -69,7 +69,8 @@ ROUND_TRIP_ARGS = ("--clip", "0.5", "--allow-raw-release")
 
 
 class TestSafetensorsRoundTrip(RoundTrip):
-    extra_args = ROUND_TRIP_ARGS
+    # __metadata__'s free text kept (by default left out: tests/formats/test_leftovers.py)
+    extra_args = (*ROUND_TRIP_ARGS, "--keep", "@source")
 
     def make_input(self, tmp_path):
         return write_model_safetensors(tmp_path / "model.safetensors")
@@ -233,6 +234,12 @@ def corrupt(tmp_path: Path, kind: str) -> Path:
     elif kind == "bad safetensors header":
         src = tmp_path / "m.safetensors"
         src.write_bytes(struct.pack("<Q", 12) + b'{"w": [1, 2' + b" " * 40)
+    elif kind == "deeply nested safetensors header":  # issue 27: json.loads raised RecursionError
+        src = write_model_safetensors(tmp_path / "m.safetensors")
+        raw = src.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        header = raw[8:8 + length].rstrip().removesuffix(b"}") + b', "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+        src.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length:])
     elif kind == "truncated npz":
         src = write_model_npz(tmp_path / "m.npz")
         src.write_bytes(src.read_bytes()[:300])
@@ -250,7 +257,8 @@ def corrupt(tmp_path: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind,fragment", [
     ("truncated safetensors", "not a valid safetensors file"),
     ("safetensors truncated in its header", "not a valid safetensors file (its header of"),
-    ("bad safetensors header", "header is not JSON"),
+    ("bad safetensors header", "its header is not valid JSON"),
+    ("deeply nested safetensors header", "its header is not valid JSON (it nests lists and objects more than 100"),
     ("truncated npz", "not a valid .npz file"),
     ("bad CRC", "cannot read tensor big (Bad CRC-32")])
 def test_corrupt_files_are_refused_with_nothing_written(cli, tmp_path, kind, fragment):

@@ -178,7 +178,7 @@ def test_releases_compose_by_addition_in_the_ledger(cli, tmp_path):
         assert result.exit_code == 0, result.stderr
     per_record = json.loads((tmp_path / "a.npy.manifest.json").read_text())["accounting"]["per_record"]["epsilon"]
     listed = json.loads(cli("ledger", ledger, "--json").stdout)
-    assert listed["datasets"][0]["cumulative_per_record"]["epsilon"] == pytest.approx(2 * per_record)
+    assert listed["worst_subject"]["epsilon"] == pytest.approx(2 * per_record)
     capped = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / "c.npy",
                  "--ledger", ledger, "--max-record-eps", "10")
     assert capped.exit_code == 1 and not (tmp_path / "c.npy").exists()

@@ -96,6 +96,8 @@ def test_mask_without_sidecar_is_treated_as_data_derived(cli, digits_file, digit
 
 @pytest.mark.parametrize("sidecar, origin", [
     ("{not json", "unknown (unreadable sidecar): treated as data-derived"),
+    # issue 27: 200,000 nested lists raised RecursionError ("unexpected error")
+    ('{"schema": ' + "[" * 200_000 + "]" * 200_000 + "}", "unknown (unreadable sidecar): treated as data-derived"),
     ('{"schema": "someone-else/1", "data_derived": false}',
      "unknown (sidecar not written by tldp weight-mask): treated as data-derived"),
 ])

@@ -445,7 +445,7 @@ class TestNpyDiscrete(DiscreteRoundTrip):
 
 
 class TestHdf5Discrete(DiscreteRoundTrip):
-    extra_args = ("--noise", "discrete-gaussian")
+    extra_args = ("--noise", "discrete-gaussian", "--keep", "labels")
 
     def make_input(self, tmp_path):
         with h5py.File(tmp_path / "data.h5", "w") as f:

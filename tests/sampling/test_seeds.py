@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 from tests.builders import SEED, siblings
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import PerturbOptions, perturb
-from tldp_cli.sampling.rng import Streams
+from tldp_cli.sampling.rng import PATTERN_BITS, Streams, check_seed, new_seed, pattern_bits
 
 # --mechanism baseline keeps no raw value: these tests are about the seed alone.
 PERTURB = ("--eps", "1", "--range", "0:1", "--mechanism", "baseline")
@@ -64,6 +65,67 @@ def test_weak_seeds_are_refused_in_one_line(cli, src, tmp_path, monkeypatch, wea
     assert f"holds only {4 * len(weak)} bits" in result.stderr
     assert weak not in result.stderr.replace(f"only {4 * len(weak)} bits", "")
     assert siblings(tmp_path) == before
+
+
+# 32 hex digits or more, each obvious to a guesser: constant, few distinct digits, a
+# repeated block, counting digits, bytes or words, a small number padded with zeros.
+GUESSABLE = ["0" * 32, "F" * 32, "ab" * 16, "abba" * 8, "deadbeef" * 4, "deadbeefcafebabe" * 2,
+             "0123456789abcdef" * 2, "fedcba9876543210" * 2, "0123456789abcdeffedcba9876543210",
+             "000102030405060708090a0b0c0d0e0f", "00000001000200030004000500060007",
+             "02468ace" * 4, "0" * 30 + "42", "20240101" + "0" * 24, "1234567890" * 4,
+             "00000000000000000000000000000000" * 2]
+
+
+@pytest.mark.parametrize("guessable", GUESSABLE)
+def test_guessable_seeds_are_refused_in_one_line(cli, src, tmp_path, guessable):
+    before = siblings(tmp_path)
+    result = cli("perturb", src, *PERTURB, "--seed", guessable, "--out", tmp_path / "o.npy")
+    assert_one_line_usage_error(result, "obvious pattern", "tldp seed", "--allow-weak-seed")
+    assert guessable not in result.stderr and guessable.lower() not in result.stderr
+    assert siblings(tmp_path) == before
+
+
+def test_a_guessable_seed_recovers_the_data_which_is_why_it_is_refused(cli, tmp_path):
+    """The attack: whoever guesses the seed perturbs zeros with it and subtracts."""
+    data = np.random.default_rng(1).integers(0, 256, (20, 16), dtype=np.uint8)
+    zeros = np.zeros_like(data)
+    np.save(tmp_path / "x.npy", data)
+    np.save(tmp_path / "zeros.npy", zeros)
+    args = ("--eps", "1", "--mechanism", "baseline", "--seed", "0" * 32)
+    assert cli("perturb", tmp_path / "x.npy", *args).exit_code == 2
+    for name in ("x", "zeros"):
+        result = cli("perturb", tmp_path / f"{name}.npy", *args, "--allow-weak-seed", "--json")
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["weak_seed"] is True
+    released = np.load(tmp_path / "x.tldp.npy").astype(np.int64)
+    noise = np.load(tmp_path / "zeros.tldp.npy").astype(np.int64)
+    assert np.array_equal(released - noise, data)
+
+
+def test_guessable_seeds_are_refused_by_the_library():
+    for guessable in GUESSABLE:
+        assert pattern_bits(guessable) < PATTERN_BITS, guessable
+        with pytest.raises(UsageError, match="obvious pattern"):
+            Streams("secure", guessable)
+        assert Streams("secure", guessable, allow_weak_seed=True).weak_seed is True
+    # An integer is read as its decimal digits and its hex digits: 2^127, 2^128 - 1 and
+    # 10^40 hold 128 bits or more by length, and none of it by choice.
+    for number in (2**127, 2**128 - 1, 10**40, 2**200 + 12345):
+        with pytest.raises(UsageError, match="obvious pattern"):
+            check_seed(number)
+        assert check_seed(number, allow_weak_seed=True) is True
+
+
+def test_fresh_seeds_always_pass(cli):
+    """`tldp seed` output is never refused: a uniformly random 128-bit seed has a pattern
+    description under PATTERN_BITS bits with probability at most 2^-40 (rng.py)."""
+    described = [pattern_bits(new_seed()) for _ in range(10_000)]
+    assert min(described) > PATTERN_BITS + 16, min(described)  # far from the line, not just over it
+    for _ in range(20):
+        seed = cli("seed").stdout.strip()
+        assert len(seed) == 32 and check_seed(seed) is False
+    for _ in range(200):
+        assert check_seed(secrets.token_hex(32)) is False and check_seed(secrets.randbits(128) | 1 << 127) is False
 
 
 @pytest.mark.parametrize("bad", ["0x3f9c2a7d51e04b8a96d2c07e1fa85b43", "-42", "my secret passphrase", ""])
@@ -127,8 +189,8 @@ def test_the_library_enforces_the_rule(src, tmp_path):
     for bad in (-1, 1.5, b"\x01" * 16, "0x" + SEED):
         with pytest.raises(UsageError):
             Streams("secure", bad, allow_weak_seed=True)
-    assert Streams("secure", 2**128 - 1, allow_weak_seed=True).weak_seed is False  # 128 bits
-    assert Streams("secure", 2**127).weak_seed is False
+    assert Streams("secure", int(SEED, 16) | 1 << 127, allow_weak_seed=True).weak_seed is False  # 128 bits
+    assert Streams("secure", int(SEED[::-1], 16) | 1 << 127).weak_seed is False
     assert Streams("secure", SEED).weak_seed is False and Streams().weak_seed is False
     assert Streams("secure", 7, allow_weak_seed=True).weak_seed is True
     seed_repr = repr(Streams("secure", SEED))

@@ -226,3 +226,22 @@ def test_retained_check_catches_a_kept_zero(cli, tmp_path):
         np.save(out, y)
         result, report = evaluate(cli, src, out, tmp_path)
         assert checks(report)["retained_fraction"]["passed"] is False
+
+
+# --------------------------------------------------------------------------- deep JSON (issue 27)
+
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("damaged", ["manifest", "name map"])
+def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged):
+    """200,000 nested lists in the manifest or name map evaluate reads raised RecursionError
+    ("unexpected error ... please report it"): one line naming the file, exit 1."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((6, 6), 100, np.uint8)).save(src / name)
+    out = perturb(cli, src, tmp_path / "out", "--eps", "1", "--anonymize-names")
+    file = tmp_path / ("out.manifest.json" if damaged == "manifest" else "photos.name-map.json")
+    file.write_text(file.read_text().rstrip().removesuffix("}") + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    line = one_line(cli("evaluate", src, out), 1)
+    assert line.startswith(f"tldp: error: {file}: not a readable ") and "it is not valid JSON (it nests lists " \
+        "and objects more than 100 levels deep" in line, line

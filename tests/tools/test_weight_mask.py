@@ -406,6 +406,7 @@ def test_option_misuse_is_a_usage_error(cli, digits_file, tmp_path, args, fragme
     ("b.csv", "# nothing\n", "no boxes"),
     ("b.json", "[{\"x0\": 0, \"y0\": 0, \"x1\": 3}]", "y1 is missing"),
     ("b.json", "[{\"x0\": 0, ", "not valid JSON"),
+    ("b.json", "[" * 200_000 + "]" * 200_000, "not valid JSON (it nests lists and objects more than 100"),
     ("b.json", "{\"x0\": 0}", "list of objects"),
     ("b.csv", "100,100,120,120,1\n", "outside"),
     ("b.csv", "file,x0,y0,x1,y1,weight\na.png,0,0,3,3,1\n", "not a folder of images"),

@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 
 from tldp_cli import __version__
 from tldp_cli.errors import TldpError, UsageError
-from tldp_cli.formats import plural
+from tldp_cli.formats import listing, plural
 from tldp_cli.files import output
 
 DEBUG_ENV = "TLDP_DEBUG"
@@ -211,14 +211,23 @@ def privunit_phrase(manifest: dict) -> str:
 
 
 def unperturbed_note(manifest: dict) -> str:
-    """Every tensor a model file's run copies unchanged (the manifest's `unperturbed`), by reason."""
+    """What a run writes raw beside the perturbed values (the manifest's `unperturbed`: tensors,
+    coordinates, what --keep names), by reason, and how much it leaves out (`dropped`), by kind."""
     by_reason: dict[str, list[str]] = {}
     for entry in manifest.get("unperturbed", []):
         by_reason.setdefault(entry["reason"], []).append(entry["name"])
-    if not by_reason:
-        return ""
-    return "; copied unchanged: " + "; ".join(f"{', '.join(names)} ({reason})"
-                                               for reason, names in by_reason.items())
+    note = ""
+    if by_reason:
+        note = "; copied unchanged: " + "; ".join(f"{listing(names)} ({reason})"
+                                                  for reason, names in by_reason.items())
+    kinds: dict[str, int] = {}
+    for entry in manifest.get("dropped", []):
+        kinds[entry.get("kind") or "item"] = kinds.get(entry.get("kind") or "item", 0) + 1
+    if kinds:
+        counts = [plural(n, kind) for kind, n in kinds.items()]
+        counted = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]
+        note += f"; dropped {counted} (not perturbed, not written: listed in the manifest)"
+    return note
 
 
 def main():

@@ -21,11 +21,14 @@ def ledger_command(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """List the datasets of a release ledger, their releases and what they spend together.
+    """List a release ledger's releases and what they spend together on each subject.
 
-    A dataset is identified by a keyed fingerprint of its content (the key lives in the
-    ledger): a copy at another path is the same data. Pending releases are runs that were
-    killed after recording their release; they count as spent.
+    A subject is a record (a row; row i of every array sharing axis 0 is subject i's),
+    known by a keyed fingerprint of its content (the key lives in the ledger): the same
+    records in a copy, another format or another record shape (28x28 or 784) are the same
+    subjects; changed values are other records. Subjects are listed grouped by the releases
+    charged to them, most-spent first. Pending releases are runs in progress or killed after
+    recording their release; they count as spent.
 
     \b
     Examples:
@@ -41,16 +44,22 @@ def ledger_command(
         return
     if quiet:
         return
-    for dataset in report["datasets"]:
-        total = dataset["cumulative_per_record"]
-        typer.echo(f"data {dataset['fingerprint'][:16]}: {total['releases']} release(s)"
-                   + (f", {total['pending']} pending" if total["pending"] else "")
-                   + f"; together, each record (eps={total['epsilon']:.4g}, delta={total['delta']:.3g})")
-        for r in dataset["releases"]:
-            record = r["per_record"]
-            typer.echo(f"  #{r['id']} {r['created']} {r['status']:8} {r['input']} -> {r['output']}: "
-                       f"each record (eps={record['epsilon']:.4g}, delta={record['delta']:.3g})")
-    if not report["datasets"]:
+    if not report["releases"]:
         typer.echo("no releases recorded", err=True)
-
-
+        return
+    typer.echo("releases:")
+    for r in report["releases"]:
+        record = r["per_record"]
+        whom = ("charged to every subject (recorded by a ledger of schema 1)" if r["charged_to_every_subject"]
+                else f"{r['subjects']} subject{'s' if r['subjects'] != 1 else ''}")
+        typer.echo(f"  #{r['id']} {r['created']} {r['status']:8} {r['input']} -> {r['output']}: "
+                   f"each record (eps={record['epsilon']:.4g}, delta={record['delta']:.3g}); {whom}")
+    typer.echo("subjects, by the releases charged to them (most-spent first):")
+    for group in report["subjects"]:
+        total = group["per_record"]
+        count = group["subjects"]
+        who = f"{count} subject{'s' if count != 1 else ''}" if count else "every subject (none recorded yet)"
+        typer.echo(f"  {who}: release{'s' if len(group['releases']) != 1 else ''} "
+                   + ", ".join(f"#{i}" for i in group["releases"])
+                   + (f" ({total['pending']} pending)" if total["pending"] else "")
+                   + f": each record (eps={total['epsilon']:.4g}, delta={total['delta']:.3g})")

@@ -75,8 +75,9 @@ SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
 AllowWeakSeed = Annotated[bool, typer.Option(
-    help="Accept a seed shorter than 32 hex digits (128 bits), for tests and demos: it can be "
-         "guessed. Recorded as weak_seed.")]
+    help="Accept a seed shorter than 32 hex digits (128 bits) or one that follows an obvious "
+         "pattern (000..0, a repeated or counting sequence, a padded number), for tests and "
+         "demos: it can be guessed. Recorded as weak_seed.")]
 _SEED_FILE_LIMIT = 4096  # bytes; a seed is a few dozen, more is the wrong file
 
 
@@ -166,11 +167,22 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
          "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
-         "Unselected ones are copied unchanged and listed.")]
+         "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
+         "are left out (see --keep).")]
 Exclude = Annotated[Optional[list[str]], typer.Option(
     "--exclude", metavar="PATTERN",
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
          "glob (repeatable, e.g. '*.bias'); they are copied unchanged and listed.",
+    show_default=False)]
+Keep = Annotated[Optional[list[str]], typer.Option(
+    "--keep", metavar="NAME",
+    help="HDF5, Zarr, model files: copy this raw instead of leaving it out (repeatable; a glob "
+         "matches several): a dataset or array that is not perturbed, an attribute as "
+         "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key), a file in a "
+         "Zarr store. By default everything not perturbed is left out (listed in the manifest's "
+         "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
+         "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
+         "'@history'. It never stops a dataset being perturbed (--exclude does).",
     show_default=False)]
 Clip = Annotated[Optional[float], typer.Option(
     "--clip", metavar="C",
@@ -192,6 +204,12 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]
+PublicMissing = Annotated[bool, typer.Option(
+    help="netCDF/HDF5 and xarray's Zarr: declare which values are missing public. Values equal to "
+         "a _FillValue or missing_value (or Zarr 2 fill_value) that lies inside the declared range "
+         "then stay missing, copied, not perturbed, and the guarantee covers the other values only "
+         "(recorded in the manifest as public_missing). Default: such a marker is an ordinary value, "
+         "perturbed, and left off the output.")]
 RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]

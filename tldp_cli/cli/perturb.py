@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, BasisOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
@@ -60,10 +60,13 @@ def perturb_command(
     dp_delta: DpDelta = 1e-5,
     dataset: Datasets = None,
     exclude: Exclude = None,
+    keep: Keep = None,
     input_format: InputFormatOption = None,
     image_format: ImageFormatOption = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
-        help="Image folders: copy files that are not images (default: report and skip).")] = False,
+        help="Image folders: copy files that are not images (default: report and skip), listed "
+             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads), which are left "
+             "out and listed as dropped.")] = False,
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,
@@ -102,14 +105,17 @@ def perturb_command(
              "equals an uninterrupted run, without a seed only privacy holds (fresh noise "
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
     allow_raw_release: AllowRawRelease = False,
+    public_missing: PublicMissing = False,
     ledger: Annotated[Optional[Path], typer.Option(readable=False,
         metavar="PATH", envvar="TLDP_LEDGER",
-        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): records this "
-             "release of the input's content and states what all its releases spend together. "
-             "Keep it with the raw data, never with the release.", show_default=False)] = None,
+        help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): charges this "
+             "release to every subject (record) it touches, known by their content, and states "
+             "what the most-spent of them has spent over all releases. Keep it with the raw data, "
+             "never with the release.", show_default=False)] = None,
     max_record_eps: Annotated[Optional[float], typer.Option(
         metavar="E", help="With --ledger: refuse (exit 1, nothing written or recorded) a release "
-                          "that would take this data's releases past E per record.",
+                          "that would take any subject it touches past E per record over all "
+                          "the releases charged to it.",
         show_default=False)] = None,
     max_record_delta: Annotated[Optional[float], typer.Option(
         metavar="D", help="With --ledger: the same cap for delta per record.", show_default=False)] = None,
@@ -164,11 +170,11 @@ def perturb_command(
             dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip,
             workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], exclude=exclude or [], input_format=input_format and input_format.value,
+            datasets=dataset or [], exclude=exclude or [], keep=keep or [], input_format=input_format and input_format.value,
             image_format=image_format.value,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
             scheduler=scheduler.value, dask_address=dask_address,
-            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release,
+            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
             sampler=sampler.value, basis=basis,
             block_elements=block_elements)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, BasisOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -33,11 +33,13 @@ def plan_command(
     granularity: Granularity = None,
     dataset: Datasets = None,
     exclude: Exclude = None,
+    keep: Keep = None,
     clip: Clip = None,
     dtype: DtypeOption = OutDtype.float32,
     input_format: InputFormatOption = None,
     image_format: ImageFormatOption = ImageFormat.png,
     allow_raw_release: AllowRawRelease = False,
+    public_missing: PublicMissing = False,
     elements: Annotated[Optional[str], typer.Option(
         "--elements", "--shape", metavar="I", help="Without INPUT: elements per record, or the "
                                                    "record's shape (28x28).", show_default=False)] = None,
@@ -83,7 +85,8 @@ def plan_command(
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
             granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            exclude=exclude or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
+            exclude=exclude or [], keep=keep or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
+            public_missing=public_missing,
             input_format=input_format and input_format.value, basis=basis)
         if input is not None:
             return planning.plan_input(options)

@@ -1,19 +1,25 @@
-"""Writes that check their result, and errors that name the file the user will see.
+"""Writes that check their result, reads of input files that cannot hang or recurse
+without end, and errors that name the file the user will see.
 
 One pwrite may write less than asked, and pwrite, truncate and fsync errors name no
-file: every output writer goes through these.
+file: every output writer goes through these. Opening a FIFO found in a folder waits
+for a writer forever, and json.loads on 200,000 `[` raises RecursionError: files found
+by listing a folder are opened with open_regular, and JSON read from input files is
+parsed with json_value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import queue
+import stat
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
@@ -23,6 +29,73 @@ from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
 _thread_buffers = threading.local()
+# JSON read from input files nests no deeper than this: real metadata (OME-Zarr's, Zarr's
+# consolidated metadata, a safetensors header) nests about ten levels, and code that walks
+# a value recursively (zarr-python, copy.deepcopy, json.dumps) must stay far from Python's
+# recursion limit.
+MAX_JSON_DEPTH = 100
+
+
+def not_regular(path: Path, mode: int) -> InputError:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"))
+    kind = next((name for test, name in kinds if test(mode)), "of an unknown kind")
+    return InputError(f"{path}: not a regular file ({kind}); tldp reads only regular files")
+
+
+def open_regular(path: Path, follow_links: bool = True) -> BinaryIO:
+    """`path` opened to read in binary, refused (InputError) unless it is a regular file.
+    It is checked before it is opened (opening a FIFO waits for a writer, a device's open
+    may act), and once more on the open file (it may have been replaced meanwhile), which
+    is opened non-blocking for that. `follow_links`=False refuses a symbolic link too (one
+    put in place after the check: ELOOP, an OSError like the others of os.open)."""
+    mode = (os.stat if follow_links else os.lstat)(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, mode)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags if follow_links else flags | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar: 0), walked without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def json_value(text: str | bytes, where: str) -> Any:
+    """The JSON value `text` read from an input file, or InputError "{where} is not valid
+    JSON (...)": text that is not JSON, or that nests lists and objects more than
+    MAX_JSON_DEPTH deep (json.loads would raise RecursionError on 200,000 `[`, and code
+    walking the value recursively could later). `where` names the file, as the error's
+    start: "data.zarr: damaged Zarr store: zarr.json"."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise InputError(f"{where} is not valid JSON ({exc})") from None
+    else:
+        if _json_depth(value) <= MAX_JSON_DEPTH:
+            return value
+    raise InputError(f"{where} is not valid JSON (it nests lists and objects more than "
+                     f"{MAX_JSON_DEPTH} levels deep; tldp reads none deeper)")
 
 
 def write_error(path: Path, cause: OSError) -> WriteError:

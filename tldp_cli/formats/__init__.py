@@ -15,7 +15,8 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors` and `manifest_inputs()` with defaults.
+the files skipped), `records_are_tensors`, `manifest_inputs()` and `markers_are_data()`
+(CF missing-data markers inside the declared range) with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
 defaults of a writer that needs none of it: `postprocessing` and `manifest_extra`
@@ -44,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from tldp_cli.files import output
+from tldp_cli.files.checked_io import open_regular
 from tldp_cli.errors import InputError, UsageError
 
 
@@ -60,6 +62,9 @@ class ArrayJob:
     # The name of axis 0 where the format names dimensions (netCDF dimension scales, xarray's
     # Zarr dimension names): only arrays whose axis 0 has the same name share rows.
     row_dimension: str | None = None
+    # CF missing-data markers (formats/cf.py): (attribute, value in the units perturbed), e.g.
+    # ("_FillValue", 0.0); the pipeline compares them with the declared range (Reader.markers_are_data).
+    markers: tuple[tuple[str, float], ...] = ()
 
     @property
     def records(self) -> int:
@@ -92,6 +97,14 @@ class Reader:
     def manifest_inputs(self) -> list[dict[str, Any]]:
         """The manifest's `inputs` entries: the arrays' sources."""
         return [job.source for job in self.arrays()]
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        """Told before any block is read: by array name, the markers of ArrayJob.markers that
+        are data (inside the declared range): their values are read and perturbed like any
+        other, and the writer leaves them off the output. A reader that declares no markers
+        is never told."""
+        if data:
+            raise NotImplementedError
 
     def close(self) -> None:
         """Releases what it holds open."""
@@ -143,6 +156,7 @@ class Writer:
 class FormatOptions:
     datasets: list[str] = field(default_factory=list)  # HDF5/Zarr/npz/safetensors: which arrays to perturb
     exclude: list[str] = field(default_factory=list)  # model files and HDF5: globs of arrays left out
+    keep: list[str] = field(default_factory=list)  # names (globs) of what is copied raw, not dropped (leftovers.py)
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
@@ -185,6 +199,32 @@ def detect(path: Path, format_name: str | None = None):
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
     raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
+
+
+def data_file(path: Path) -> str | None:
+    """Why a file must never be copied raw beside perturbed data (image folders'
+    --copy-other): it holds data tldp reads (a format of modules()), a Python pickle, or a
+    medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
+    other file, and for what is not a regular file (never opened: a FIFO would block)."""
+    name = path.name.lower()
+    try:
+        if not path.is_file():
+            return None
+        with open_regular(path) as f:
+            head = f.read(352)
+        if name.endswith(".dcm") or head[128:132] == b"DICM":
+            return "DICOM: a medical image whose headers can name the patient"
+        if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
+                or head[4:8] in (b"n+2\0", b"ni2\0"):
+            return "NIfTI: a medical image volume"
+        if _is_pickle(path):
+            return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
+        for module in modules():
+            if module.NAME != "images" and module.can_open(path):
+                return f"{module.NAME} data, which tldp perturbs on its own (tldp perturb {path.name})"
+    except (OSError, InputError):
+        return None  # unreadable, or no longer a regular file: copying it fails with the reason
+    return None
 
 
 def _is_pickle(path: Path) -> bool:
@@ -259,6 +299,34 @@ def padded_chunk(part: np.ndarray, chunk_shape: tuple[int, ...], fill_value: Any
     padded = np.full(chunk_shape, fill_value, dtype=dtype)
     padded[tuple(slice(0, n) for n in part.shape)] = part
     return padded
+
+
+def wrong_chunk_size(declared: int, size: int, codec: str) -> ValueError:
+    """The error for a compressed chunk whose header states another size than its chunk's."""
+    return ValueError(f"its {codec} header says it expands to {declared} bytes, where a chunk "
+                      f"holds {size}")
+
+
+def decompressed(new: Callable[[], Any], data: bytes, size: int, streams: bool = True) -> bytes:
+    """`data` decompressed by `new()` (a zlib.decompressobj, bz2.BZ2Decompressor or
+    lzma.LZMADecompressor), never to more than `size` + 1 bytes: a chunk of a few kilobytes
+    can expand to gigabytes, which the one-call decompress functions would allocate before
+    anyone compares it with the chunk's size. `streams`: streams that follow the first are
+    decompressed too (gzip members, bz2 and xz streams), else ignored (zlib). Raises
+    ValueError for more than `size` bytes, or a stream cut short."""
+    parts, total, rest = [], 0, data
+    while True:
+        stream = new()
+        part = stream.decompress(rest, size + 1 - total)
+        parts.append(part)
+        total += len(part)
+        if total > size:
+            raise ValueError(f"it expands to more than the {size} bytes a chunk holds")
+        if not stream.eof:
+            raise ValueError("its compressed stream stops early")
+        rest = stream.unused_data
+        if not streams or not rest.strip(b"\0"):
+            return b"".join(parts)
 
 
 def check_numeric_dtype(path: Path, dtype: np.dtype, what: str = "array") -> None:

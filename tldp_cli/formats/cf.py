@@ -7,18 +7,29 @@ may land on a marker too (a fill value of -1 sits on the grid just below a range
 starting at 0): every reader would take it for missing data, so the writer moves it
 to the nearest value that is not a marker (move_off_markers), a deterministic
 post-processing of the output that costs no privacy.
+
+A marker inside the declared range is an ordinary value, though: copying the values
+equal to it would release them raw, outside the certified figures. The pipeline
+decides (pipeline.plan, from the range alone): such a marker is data unless the user
+declares the missingness pattern public (--public-missing), and the reader is told
+(Encoding.as_data): its values are perturbed like the others and the writer leaves the
+marker off the output (output_values), so that no reader takes a noisy value for a
+missing one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import posixpath
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 
 from tldp_cli.errors import InputError
+from tldp_cli.formats import listing
 
 T = TypeVar("T")
 
@@ -26,17 +37,17 @@ MOVE_PASSES = 8  # a moved value lands on another marker at most once per marker
 
 
 def keep_missing(block: np.ndarray, stored: np.ndarray, pairs: list[tuple],
-                 bounds: tuple[float, float, float | None]) -> int:
+                 bounds: tuple[float, float, float | None]) -> tuple[int, bool]:
     """Puts each output marker back, in place, where the input (`stored`) holds its
     stored marker (the block holds noise there), then moves the noisy values that equal
     a marker off it (move_off_markers). `pairs`: (stored marker, output marker). Returns
-    how many values moved."""
+    how many values moved, and whether the block held a missing value."""
     missing = np.zeros(block.shape, dtype=bool)
     for marker, out in pairs:
         where = np.isnan(stored) if np.isnan(marker) else stored == marker
         block[where] = out
         missing |= where
-    return move_off_markers(block, missing, [out for _, out in pairs], bounds)
+    return move_off_markers(block, missing, [out for _, out in pairs], bounds), bool(missing.any())
 
 
 def move_off_markers(block: np.ndarray, missing: np.ndarray | None, markers: list,
@@ -103,10 +114,36 @@ class Encoding:
     scale: np.generic | None
     offset: np.generic | None
     dtype: np.dtype  # of the values perturbed
+    sources: tuple = ()  # the attribute each marker comes from (NAN_LABEL: NaN without one)
+    # (attribute, stored marker) of the markers taken as data (as_data): no longer in `markers`
+    data: tuple = ()
 
     @property
     def packed(self) -> bool:
         return self.scale is not None or self.offset is not None
+
+    def labelled(self) -> tuple[tuple[str, float], ...]:
+        """(attribute, value in the units perturbed) of each marker: what the pipeline
+        compares with the declared range (ArrayJob.markers)."""
+        found = []
+        for source, marker in zip(self.sources, self.markers):
+            value = self.decode(np.asarray([marker]))[0]
+            found.append((source, float(value)))
+        return tuple(found)
+
+    def as_data(self, data: tuple[tuple[str, float], ...]) -> Encoding:
+        """This encoding with the markers `data` names ((attribute, value) pairs of
+        `labelled`) taken as data: no longer missing, recorded in `data`."""
+        chosen = set(data)
+        keep = [i for i, pair in enumerate(self.labelled()) if pair not in chosen]
+        return Encoding(tuple(self.markers[i] for i in keep), self.unsigned, self.scale, self.offset,
+                        self.dtype, tuple(self.sources[i] for i in keep),
+                        self.data + tuple((self.sources[i], self.markers[i])
+                                          for i in range(len(self.markers)) if i not in keep))
+
+    def is_data(self, key: str, value) -> bool:
+        """Whether `value` of the attribute `key` (in its own type) is a marker taken as data."""
+        return any(source == key and _same(value, marker) for source, marker in self.data)
 
     def missing(self, raw: np.ndarray) -> np.ndarray | None:
         """Where `raw` (stored values) holds a marker; None if nowhere."""
@@ -128,25 +165,48 @@ class Encoding:
         return values
 
 
+NAN_LABEL = "NaN"  # the source of NaN as a marker where no attribute declares it (xarray's Zarr)
+
+
+def _as_stored(value, stored: np.dtype):
+    """A marker attribute's value in the stored dtype; None where the dtype cannot hold it
+    (missing_value 0.5 or NaN on integers): such a marker occurs nowhere."""
+    value = np.asarray(value)
+    if stored.kind != "f" and not np.isfinite(value):
+        return None  # no integer is NaN
+    with np.errstate(invalid="ignore", over="ignore"):
+        marker = value.astype(stored)
+        if np.array_equal(marker.astype(value.dtype), value, equal_nan=stored.kind == "f"):
+            return marker[()]
+    return None
+
+
+def _same(value, marker) -> bool:
+    marker = np.asarray(marker)
+    stored = _as_stored(value, marker.dtype)
+    return stored is not None and bool(np.array_equal(stored, marker, equal_nan=marker.dtype.kind == "f"))
+
+
 def encoding(where: str, stored: np.dtype, numbers: Callable[[str], np.ndarray | None],
-             unsigned_text: str | None, nan_missing: bool = False) -> Encoding | None:
+             unsigned_text: str | None, nan_missing: bool = False,
+             labels: Mapping[str, str] = MappingProxyType({})) -> Encoding | None:
     """A variable's Encoding from its attributes (`numbers(key)`: a numeric attribute's
     values, flat, None if absent; `unsigned_text`: its _Unsigned); None when its stored
     values are the values. `nan_missing`: NaN marks missing data even without a _FillValue
-    (xarray's Zarr stores). `where` starts error messages."""
-    markers = []
+    (xarray's Zarr stores). `labels`: how to name an attribute's markers where the format
+    stores it elsewhere (Zarr 2: _FillValue is the array's fill_value). `where` starts
+    error messages."""
+    markers, sources = [], []
     for key in MISSING:
         values = numbers(key)
         for value in () if values is None else values:
-            if stored.kind != "f" and not np.isfinite(value):
-                continue  # no integer is NaN: such a marker marks nothing
-            with np.errstate(invalid="ignore", over="ignore"):
-                marker = np.asarray(value).astype(stored)
-                # A marker the dtype cannot hold (missing_value 0.5 on integers) occurs nowhere.
-                if np.array_equal(marker.astype(value.dtype), value, equal_nan=stored.kind == "f"):
-                    markers.append(marker[()])
+            marker = _as_stored(value, stored)
+            if marker is not None:
+                markers.append(marker)
+                sources.append(labels.get(key, key))
     if nan_missing and stored.kind == "f" and not any(np.isnan(m) for m in markers):
         markers.append(stored.type(np.nan))
+        sources.append(NAN_LABEL)
     unsigned = stored.kind == "i" and (unsigned_text or "").strip().lower() == "true"
     packing = {}
     for key in ("scale_factor", "add_offset"):
@@ -166,7 +226,18 @@ def encoding(where: str, stored: np.dtype, numbers: Callable[[str], np.ndarray |
         return None
     scale, offset = (packing[key].astype(dtype)[0] if key in packing else None
                      for key in ("scale_factor", "add_offset"))
-    return Encoding(tuple(markers), unsigned, scale, offset, dtype)
+    return Encoding(tuple(markers), unsigned, scale, offset, dtype, tuple(sources))
+
+
+def take_as_data(jobs: list, encodings: dict[str, Encoding], data: dict[str, tuple]) -> None:
+    """Reader.markers_are_data for a format whose jobs read through a frozen dataclass with an
+    `encoding` field: each array's encoding (in `encodings`, which its writer reads) and
+    reader take the markers `data` names as data."""
+    for job in jobs:
+        if data.get(job.name):
+            encodings[job.name] = encodings[job.name].as_data(data[job.name])
+            job.read = dataclasses.replace(job.read, encoding=encodings[job.name])
+            job.markers = encodings[job.name].labelled()
 
 
 def decoded_records(raw: np.ndarray, encoding: Encoding, present: Callable[[], np.generic]) -> np.ndarray:
@@ -258,6 +329,10 @@ def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
                      "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
     if dropped_attrs:
         extra["dropped_attributes"] = dropped_attrs
+    if any(enc.data for enc in encodings.values()):
+        steps.append("perturb the values equal to a missing-data marker inside the declared range like every "
+                     "other value, and leave that marker off the output so that readers take no noisy value "
+                     "for a missing one (dropped)")
     kept = {name: pairs for name, pairs in missing.items() if pairs}
     if kept:
         steps.append("keep missing data: the positions holding a dataset's _FillValue or missing_value are "
@@ -274,15 +349,27 @@ def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
 
 
 def messages(name: str, stored: np.dtype, encoding: Encoding) -> list[str]:
-    """What the command says about a variable's Encoding."""
-    lines = []
+    """What the command says about a variable's Encoding when it opens it (missing values:
+    missing_message, once the run has seen one)."""
     if encoding.packed:
-        lines.append(f"{name}: unpacking its {stored} codes (scale_factor, add_offset) to "
-                     f"{encoding.dtype} values before the noise; --range is in these units")
-    if encoding.markers:
-        lines.append(f"{name}: values equal to its _FillValue or missing_value are missing data, "
-                     "copied, not perturbed: which values are missing is released as is")
-    return lines
+        return [f"{name}: unpacking its {stored} codes (scale_factor, add_offset) to "
+                f"{encoding.dtype} values before the noise; --range is in these units"]
+    return []
+
+
+def missing_message(names: list[str]) -> str:
+    """The line a run prints when variables held missing values (`names`: those that did)."""
+    return (f"{', '.join(names)}: values equal to {'its' if len(names) == 1 else 'their'} _FillValue or "
+            "missing_value are missing data, copied, not perturbed: which values are missing is released "
+            "as is")
+
+
+def output_values(key: str, values, encoding: Encoding | None, dtype: np.dtype) -> list | None:
+    """The values a perturbed variable's missing-data attribute `key` gets in the output
+    (`values`: its own, flat): each in the output dtype (output_marker), less those taken as
+    data (Encoding.as_data); None when none is left, so the attribute is dropped."""
+    kept = [v for v in values if encoding is None or not encoding.is_data(key, v)]
+    return [output_marker(v, dtype) for v in kept] or None
 
 
 def count_moves(manifest_extra: dict[str, Any], moved: list[tuple[str, int]]) -> None:
@@ -290,3 +377,47 @@ def count_moves(manifest_extra: dict[str, Any], moved: list[tuple[str, int]]) ->
     (`moved`: (variable, count) per block)."""
     for name, entry in manifest_extra.get("missing_values", {}).items():
         entry["moved_off_markers"] = sum(count for moved_name, count in moved if moved_name == name)
+
+
+def _named(in_range: Mapping[str, tuple[tuple[str, float], ...]]) -> list[tuple[str, float]]:
+    """("array/attribute", value) of each marker inside its declared range (pipeline.Plan)."""
+    return [(f"{name}/{key}", value) for name, markers in in_range.items() for key, value in markers]
+
+
+def _shown(value: float) -> str:
+    return f"{value:g}"
+
+
+def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public: bool) -> dict[str, Any]:
+    """The manifest's account of the missing-data markers inside the declared range
+    (`in_range`: by array, (attribute, value in the units perturbed)): `dropped` entries,
+    or with `public` (--public-missing) the `public_missing` opt-in and what it covers."""
+    named = _named(in_range)
+    if public:
+        return {"public_missing": {
+            "markers": [{"name": name, "value": json_number(value)} for name, value in named],
+            "figures_cover": "the elements that are not missing: values equal to these markers (inside the "
+                             "declared range) are kept as missing data, copied, not perturbed, and the "
+                             "certified figures hold for the other elements, conditional on which elements "
+                             "are missing, a pattern declared public and released as is" if named else
+                             "every element: no missing-data marker lies inside the declared range"}}
+    return {"dropped": [
+        {"name": name, "kind": "attribute", "reason": f"missing-data marker {_shown(value)} inside the declared range: values equal "
+                                 "to it are data, perturbed like every other, so the output does not declare "
+                                 "it (--public-missing keeps them missing instead)"}
+        for name, value in named]} if named else {}
+
+
+def marker_messages(in_range: Mapping[str, tuple[tuple[str, float], ...]], public: bool) -> list[str]:
+    """The line a run (or its plan) prints about the markers inside the declared range."""
+    named = listing([f"{name} {_shown(value)}" for name, value in _named(in_range)])
+    if not named:
+        return []
+    if public:
+        return [f"--public-missing: values equal to the missing-data markers inside the declared range "
+                f"({named}) stay missing, copied, not perturbed: the guarantee holds for the other values, "
+                "given which values are missing, which is released as is"]
+    return [f"missing-data markers inside the declared range are data ({named}): values equal to them are "
+            "perturbed like every other, and the output does not declare these markers (dropped in the "
+            "manifest); --public-missing keeps them missing instead"]
+

@@ -1,5 +1,7 @@
-"""HDF5 files: the chosen numeric datasets are perturbed; everything else (the group
-tree, attributes, links, other datasets, the user block) is copied unchanged. A
+"""HDF5 files: the chosen numeric datasets are perturbed; the group tree, links and the
+user block are copied unchanged, and of the attributes and other datasets what
+formats.leftovers keeps (structural metadata, numeric coordinates, what --keep or
+--exclude names); the rest is left out and listed in the manifest. A
 perturbed dataset keeps its chunks and lossless filters; filters that may be lossy
 (LOSSY_FILTERS) are left off and listed in the manifest (dropped_filters). Records
 are read and written outside HDF5 where their bytes allow it: at their places in the
@@ -44,11 +46,14 @@ netCDF-4 files are HDF5 files, and the copy keeps what netCDF readers rely on:
 Of a perturbed dataset, the CF attributes about its values are honoured (cf.Encoding):
 values equal to its _FillValue or missing_value are missing data, copied rather than
 perturbed (the writer puts them back, so which values are missing is released as
-is); packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
+is), unless the marker lies inside the declared range: then it is data (see cf.py)
+and the output leaves it off; packed integers (scale_factor, add_offset, _Unsigned) are unpacked, perturbed in
 physical units and written unpacked; valid_range, valid_min, valid_max and
 actual_range are dropped, since noisy values pass them and readers would mask them.
 Coordinate variables (dimension scales, and the variables named in a coordinates,
-bounds, climatology or cell_measures attribute) are not perturbed unless named.
+bounds, climatology or cell_measures attribute) are not perturbed unless named; one
+that holds text is left out, its dimension written as netCDF-C writes a dimension
+without a variable, so the file stays valid netCDF.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ from tldp_cli.formats import (
 )
 from tldp_cli.files.checked_io import Background, pwrite_all, write_direct, write_error, writing
 from tldp_cli.files.output import shown
-from tldp_cli.formats import cf, hdf5_chunks, tensor_files
+from tldp_cli.formats import cf, hdf5_chunks, leftovers, tensor_files
 from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
@@ -404,10 +409,47 @@ class Hdf5Reader(Reader):
                 self.jobs = self._select_tensors(found, options)
             else:
                 self.jobs = [self._job(name, ds) for name, ds in self._select(found, options)]
+            self.leftovers = self._leftovers(found, options)
             self._check_outside_references()
         except BaseException:
             self.file.close()
             raise
+        self.manifest_extra = {**self.manifest_extra, **self.leftovers.manifest_extra()}
+
+    def _leftovers(self, found: dict[str, h5py.Dataset], options: FormatOptions) -> leftovers.Leftovers:
+        """Decides from the headers what is written besides the perturbed datasets
+        (leftovers.py): each other dataset copied (no action), left out (DROP) or, a netCDF
+        dimension whose coordinate variable holds no numbers, written as a bare dimension
+        (DIMENSION); each attribute written or left out (left_out_attrs)."""
+        left = leftovers.Leftovers(list(options.keep), unperturbed=list(self.manifest_extra.get("unperturbed", [])))
+        left.considered(job.name for job in self.jobs)
+        perturbed = {_object_key(self.file[job.name]) for job in self.jobs}
+        self.actions: dict[tuple[int, int], str] = {}  # object -> DROP or DIMENSION
+        if not self.keras:  # a Keras file's datasets are all weights, copied when not perturbed
+            roles = dict.fromkeys(self._grid_mappings(found), leftovers.GRID_MAPPING)
+            roles.update(dict.fromkeys(self._coordinates(found), leftovers.COORDINATE))
+            for name, ds in found.items():
+                key = _object_key(ds)
+                if key not in perturbed:
+                    action = _dataset_action(left, name, ds, roles.get(key), options.exclude)
+                    if action is not None:
+                        self.actions[key] = action
+        self.left_out_attrs: dict[tuple[int, int], dict[bytes, None]] = {}  # object -> attributes left out
+        objects = [self.file["/"]]
+        try:
+            self.file.visititems(lambda name, obj: objects.append(obj))
+            for obj in objects:
+                key = _object_key(obj)
+                if key not in self.actions:
+                    names = [n for n in _attr_names(obj)
+                             if not left.attribute(obj.name, n.decode("utf-8", "replace"))]
+                    if names:
+                        self.left_out_attrs[key] = dict.fromkeys(names)
+        except Exception as exc:
+            raise InputError(f"{self.path}: cannot read the HDF5 file's attributes ({_reason(exc)}); "
+                             "it may be truncated or corrupt") from None
+        left.check(self.path)
+        return left
 
     def _check_outside_references(self) -> None:
         """Nothing outside the file is read into the output: a dataset that is not perturbed
@@ -423,7 +465,7 @@ class Hdf5Reader(Reader):
                 links.append(f"{path} -> {link.filename}:{link.path}")
             elif isinstance(link, h5py.HardLink) and path not in perturbed:
                 obj = self.file.get(path)
-                if isinstance(obj, h5py.Dataset):
+                if isinstance(obj, h5py.Dataset) and _object_key(obj) not in self.actions:  # copied
                     plist = obj.id.get_create_plist()
                     if plist.get_layout() == h5d.VIRTUAL or plist.get_external_count() > 0:
                         outside.append(path)
@@ -431,8 +473,9 @@ class Hdf5Reader(Reader):
         self.file.visititems_links(visit)
         if outside:
             raise InputError(f"{self.path}: dataset {outside[0]} keeps its values in other files "
-                             "(virtual or external storage), which tldp would copy raw; perturb it "
-                             "with --dataset, or remove it from the file")
+                             "(virtual or external storage), which tldp would copy raw (named by --keep "
+                             "or --exclude, or a coordinate); perturb it with --dataset, or remove it "
+                             "from the file")
         if links:
             self.manifest_extra = {**self.manifest_extra, "external_links": links}
             self.messages.append(f"copied {len(links)} link(s) into other files as links (their "
@@ -525,6 +568,17 @@ class Hdf5Reader(Reader):
                         keys.add(_object_key(target))
         return keys
 
+    @staticmethod
+    def _grid_mappings(found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
+        """The CF grid mapping variables the datasets name (grid_mapping attributes)."""
+        keys = set()
+        for name, ds in found.items():
+            for word in leftovers.grid_mappings(_attr_text(ds, "grid_mapping")):
+                target = cf.variable(word, posixpath.dirname(name), found)
+                if target is not None:
+                    keys.add(_object_key(target))
+        return keys
+
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"
         parts = name.strip("/").split("/")
@@ -581,10 +635,14 @@ class Hdf5Reader(Reader):
                     "shape": list(shape), "dtype": str(ds.dtype)},
             chunk_records=ds.chunks[0] if ds.chunks else None,
             row_dimension=_row_dimension(ds),
+            markers=encoding.labelled() if encoding else (),
         )
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        cf.take_as_data(self.jobs, self.encodings, data)
 
     def close(self) -> None:
         self.file.close()
@@ -622,6 +680,59 @@ def _keras_norm_stats(found: dict[str, h5py.Dataset], variances_only: bool = Fal
         names.sort(key=lambda n: int(posixpath.basename(n)))
         stats.update(names[-1:] if variances_only else names[-2:])
     return stats
+
+
+DROP, DIMENSION = "drop", "dimension"  # what the writer does with a dataset it does not perturb
+# netCDF-C's NAME of a dimension scale that is a dimension without a variable.
+BARE_DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
+
+
+def _not_numbers(dtype: np.dtype) -> str | None:
+    """What a dataset holds when it is not plain numbers (as a phrase); None for numbers."""
+    return ("strings" if h5py.check_string_dtype(dtype) else
+            "an enumerated (categorical) type" if h5py.check_enum_dtype(dtype) else
+            "object references" if h5py.check_ref_dtype(dtype) else
+            "variable-length sequences" if h5py.check_vlen_dtype(dtype) else
+            "a compound (table) type" if dtype.names else
+            None if dtype.kind in "iuf" else f"{dtype} values")
+
+
+def _bare_dimension(ds: h5py.Dataset) -> bool:
+    """A netCDF dimension without a coordinate variable: a dimension scale holding no data."""
+    with suppress(Exception):
+        return bytes(np.asarray(ds.attrs["NAME"]).tobytes()).startswith(BARE_DIMENSION)
+    return False
+
+
+def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role: str | None,
+                    exclude: list[str]) -> str | None:
+    """What is written of a dataset that is not perturbed (None: a raw copy, listed in `left`
+    unless it is a bare netCDF dimension); `role`: leftovers.COORDINATE or GRID_MAPPING, or
+    None. See leftovers.py."""
+    fields = {"shape": list(ds.shape or ()), "dtype": str(ds.dtype)}
+    pattern = tensor_files.matching(name, exclude)
+    if pattern is not None:
+        left.copied(name, "dataset", f"--exclude {pattern}", **fields)
+        return None
+    if left.kept(name):
+        left.copied(name, "dataset", leftovers.KEPT, **fields)
+        return None
+    problem = _not_numbers(ds.dtype)
+    if role and problem is None:
+        if not _bare_dimension(ds):
+            left.copied(name, "dataset", role, **fields)
+        return None
+    if problem is None:
+        left.drop(name, "dataset", "numbers not chosen for perturbation (--dataset perturbs them)")
+        return DROP
+    reason = f"holds {problem}, which tldp does not perturb"
+    with suppress(Exception):  # malformed dimension-scale metadata: not a scale
+        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id):
+            left.drop(name, "dataset", f"{reason}; a dimension scale, so its dimension stays (a scale "
+                                       "holding no data, as netCDF writes a dimension without a variable)")
+            return DIMENSION
+    left.drop(name, "dataset", reason)
+    return DROP
 
 
 def _row_dimension(ds: h5py.Dataset) -> str | None:
@@ -707,6 +818,54 @@ def _copy_attrs(src, dst, replaced: dict[bytes, np.ndarray | None] | None = None
             mtype = stored
         attr.read(value, mtype=mtype)
         copy.write(value, mtype=mtype)
+
+
+def _vlen_fill(ds: h5py.Dataset) -> bool:
+    """Whether the dataset has a fill value of a variable-length type (netCDF-C gives its
+    string variables one, ""), which HDF5's object copy writes corrupt into another file."""
+    return (_has_vlen(ds.id.get_type())
+            and ds.id.get_create_plist().fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
+
+
+def _copy_vlen_filled(src: h5py.Dataset, dst: h5py.Group, name: str,
+                      left_out: dict[bytes, None] | None) -> None:
+    """Copies a dataset with a variable-length fill value (_vlen_fill) without HDF5's object
+    copy: created anew with its chunks and filters but no fill value, its values written
+    through h5py."""
+    plist = src.id.get_create_plist()
+    fresh = h5p.create(h5p.DATASET_CREATE)
+    if plist.get_layout() == h5d.CHUNKED:
+        fresh.set_chunk(src.chunks)
+        for index in range(plist.get_nfilters()):
+            code, flags, values, _ = plist.get_filter(index)
+            fresh.set_filter(code, flags, values)
+    fresh.set_attr_creation_order(plist.get_attr_creation_order())
+    fresh.set_obj_track_times(plist.get_obj_track_times())
+    out = h5py.Dataset(h5d.create(dst.id, name.encode(), src.id.get_type(), src.id.get_space(), dcpl=fresh))
+    if src.shape:
+        out[()] = src[()]
+    _copy_attrs(src, out, left_out)
+
+
+def _create_bare_dimension(src: h5py.Dataset, dst: h5py.Group, name: str) -> None:
+    """A dimension scale whose values are left out, kept as a dimension: a scale of the same
+    shape holding no data (big-endian float, never written), as netCDF-C writes a dimension
+    without a variable, keeping its list of the datasets attached to it (references pointed
+    into the output later, _fix_references). In a netCDF file it is named by netCDF-C's
+    phrase and the length and keeps its dimension id; elsewhere it keeps its NAME."""
+    out = dst.create_dataset(name, shape=src.shape, maxshape=src.maxshape, chunks=src.chunks, dtype=">f4",
+                             fillvalue=np.float32(np.nan),  # read as missing
+                             track_order=True)  # netCDF-C lists attributes in creation order
+    netcdf = "_Netcdf4Dimid" in src.attrs
+    names = [(b"CLASS", b"DIMENSION_SCALE")]
+    if netcdf:
+        names.append((b"NAME", BARE_DIMENSION + b"%10d" % src.shape[0]))
+    for key, text in names:
+        string = h5t.C_S1.copy()  # null-terminated, as netCDF-C writes them
+        string.set_size(len(text) + 1)
+        h5a.create(out.id, key, string, h5s.create(h5s.SCALAR)).write(np.array(text, dtype=f"S{len(text) + 1}"))
+    kept = (b"_Netcdf4Dimid", b"REFERENCE_LIST") if netcdf else (b"NAME", b"REFERENCE_LIST")
+    _copy_attrs(src, out, {name: None for name in _attr_names(src) if name not in kept})
 
 
 class _Output:
@@ -832,7 +991,10 @@ class Hdf5Writer(Writer):
         self.missing: dict[str, list[tuple]] = {}  # job name -> (stored marker, output marker), ...
         self.bounds = bounds or {}  # job name -> (lo, hi, grid step): where moved values go
         self.moved: list[tuple[str, int]] = []  # (job name, noisy values moved off its markers) per block
+        self.held_missing: set[str] = set()  # the job names whose input held missing values (stderr only)
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
+        self.actions = reader.actions  # object -> DROP or DIMENSION (datasets not perturbed)
+        self.left_out_attrs = reader.left_out_attrs  # object -> attributes not written
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
         fcpl = src.id.get_create_plist()  # user block size, ...
@@ -896,7 +1058,7 @@ class Hdf5Writer(Writer):
 
     def _copy_group(self, src: h5py.Group, dst: h5py.Group) -> None:
         with self._copying(f"the attributes of {src.name}"):
-            _copy_attrs(src, dst)
+            _copy_attrs(src, dst, self.left_out_attrs.get(_object_key(src)))
         for name in src:  # in creation order when the group tracks it
             with self._copying(posixpath.join(src.name, name)):
                 self._copy_member(src, dst, name)
@@ -914,6 +1076,8 @@ class Hdf5Writer(Writer):
         if key in self.copied:  # another hard link to an object already written
             dst[name] = self.file[self.copied[key]]
             return
+        if self.actions.get(key) == DROP:  # under every name (references to it become null)
+            return
         path = posixpath.join(dst.name, name)
         self.copied[key] = path
         self.pairs.append((obj.name, path))
@@ -922,18 +1086,49 @@ class Hdf5Writer(Writer):
         elif isinstance(obj, h5py.Group):
             group = h5py.Group(h5g.create(dst.id, name.encode(), gcpl=obj.id.get_create_plist()))
             self._copy_group(obj, group)
+        elif self.actions.get(key) == DIMENSION:
+            _create_bare_dimension(obj, dst, name)
+        elif isinstance(obj, h5py.Dataset) and _vlen_fill(obj):
+            _copy_vlen_filled(obj, dst, name, self.left_out_attrs.get(key))
         else:
             src.copy(name, dst, name=name)
+            copy = dst[name]
+            for attr in self.left_out_attrs.get(key, ()):
+                h5a.delete(copy.id, attr)
 
     def _fix_references(self) -> None:
         for src_path, dst_path in self.pairs:
             src, dst = self.src[src_path], self.file[dst_path]
             with self._copying(f"the references in {src_path}"):
                 for key in src.attrs:
-                    if _has_refs(src.attrs.get_id(key).get_type()):
-                        dst.attrs.modify(key, self._remap(src.attrs[key]))
+                    if key in dst.attrs and _has_refs(src.attrs.get_id(key).get_type()):
+                        self._remap_attribute(dst, key, self._remap(src.attrs[key]))
                 if isinstance(src, h5py.Dataset) and src.shape and _has_refs(src.id.get_type()):
                     dst[()] = self._remap(src[()])
+
+    @staticmethod
+    def _remap_attribute(dst, key: str, value) -> None:
+        """Writes an attribute's references, pointed into the output. The dimension-scale
+        attributes lose the references to objects not written (null now): a dimension scale's
+        REFERENCE_LIST the datasets left out, a dataset's DIMENSION_LIST the scales left out
+        (HDF5 cannot iterate the scales of a list holding a null one)."""
+        if key == "REFERENCE_LIST" and isinstance(value, np.ndarray) and value.dtype.names \
+                and "dataset" in value.dtype.names and value.ndim == 1:
+            attached = value[[bool(ref) for ref in value["dataset"]]]
+            if len(attached) < len(value):
+                del dst.attrs[key]
+                if len(attached):
+                    dst.attrs.create(key, attached, dtype=value.dtype)
+                return
+        if key == "DIMENSION_LIST" and isinstance(value, np.ndarray) and value.dtype.kind == "O" \
+                and not all(bool(ref) for refs in value.flat for ref in refs):
+            value = value.copy()
+            for index in np.ndindex(value.shape):
+                value[index] = np.array([ref for ref in value[index] if ref], dtype=h5py.ref_dtype)
+            if not any(len(refs) for refs in value.flat):
+                del dst.attrs[key]
+                return
+        dst.attrs.modify(key, value)
 
     def _remap(self, value):
         """`value` with every reference into the source replaced by one into the output."""
@@ -990,10 +1185,14 @@ class Hdf5Writer(Writer):
             fresh.set_attr_creation_order(plist.get_attr_creation_order())
             plist = fresh
             space = h5s.create_simple(src.shape) if src.shape else h5s.create(h5s.SCALAR)
-        replaced = self._cf_attrs(src, job_name)
+        replaced = {**self.left_out_attrs.get(_object_key(src), {}), **self._cf_attrs(src, job_name)}
         fill = replaced.get(b"_FillValue")
         if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
             plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
+        elif b"_FillValue" in replaced and plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
+            # An in-range _FillValue left off: netCDF-C would still take HDF5's for the variable's
+            # fill value, so it becomes one no noisy value takes (NaN, or the least integer).
+            plist.set_fill_value(np.array(cf.output_marker(np.nan, self.dtype), dtype=self.dtype))
         # Model tensors go through tensor_files.to_stored (their dtype, variances kept > 0).
         placed = job_name not in self.tensors and self._place(plist, src)
         out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=plist))
@@ -1035,9 +1234,12 @@ class Hdf5Writer(Writer):
         for key in cf.MISSING:
             if key in src.attrs:
                 values = _attr_numbers(self.source, job_name, src, key)
-                shape = src.attrs.get_id(key).shape
-                replaced[key.encode()] = np.array([cf.output_marker(v, self.dtype) for v in values],
-                                                  dtype=self.dtype).reshape(shape)
+                kept = cf.output_values(key, values, encoding, self.dtype)
+                if kept is None:  # every marker of it taken as data
+                    replaced[key.encode()] = None
+                    continue
+                shape = src.attrs.get_id(key).shape if len(kept) == len(values) else (len(kept),)
+                replaced[key.encode()] = np.array(kept, dtype=self.dtype).reshape(shape)
         return replaced
 
     def _describe_cf(self) -> None:
@@ -1069,8 +1271,10 @@ class Hdf5Writer(Writer):
             # The block holds noise where the input is missing: read which positions those are.
             stored = job.read.stored(start, start + len(block))  # the input's _Records
             block = block.copy()  # the caller's block is not ours to change
-            moved = cf.keep_missing(block, stored, markers, self._bounds(job.name))
+            moved, held = cf.keep_missing(block, stored, markers, self._bounds(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
+            if held:
+                self.held_missing.add(job.name)
         placement = self.placements.get(job.name)
         if placement is not None:  # beside HDF5: the storage is allocated
             self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
@@ -1095,6 +1299,8 @@ class Hdf5Writer(Writer):
 
     def finish(self) -> None:
         cf.count_moves(self.manifest_extra, self.moved)
+        if self.held_missing:
+            self.messages.append(cf.missing_message(sorted(self.held_missing)))
 
     def _write_placed(self, item: tuple[_Placement, int, np.ndarray]) -> None:
         placement, start, block = item

@@ -25,7 +25,7 @@ import numpy as np
 from h5py import h5d, h5t, h5z
 from zlib_ng import zlib_ng
 
-from tldp_cli.formats import padded_chunk, whole_chunks
+from tldp_cli.formats import decompressed, padded_chunk, whole_chunks
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,10 @@ class Deflated:
         """A chunk from its stored bytes; a filter whose bit is set in `filter_mask` was
         skipped for this chunk (HDF5 skips optional filters that fail)."""
         deflate_bit = 2 if self.shuffle else 1
-        if not filter_mask & deflate_bit:
-            data = zlib.decompress(data)
         expected = math.prod(self.chunk_shape) * self.dtype.itemsize
+        if not filter_mask & deflate_bit:
+            # never to more than a chunk: a few kilobytes can inflate to gigabytes
+            data = decompressed(zlib.decompressobj, data, expected, streams=False)
         if len(data) != expected:
             raise ValueError(f"a chunk holds {len(data)} bytes where {expected} belong; it may be damaged")
         values = np.frombuffer(data, dtype=np.uint8)
@@ -90,7 +91,10 @@ class Deflated:
                 out[first - start:end - start] = ds[first:end]
                 continue
             mask, data = ds.id.read_direct_chunk((index * n,) + (0,) * (len(self.shape) - 1))
-            chunk = self.decode(mask, data)
+            try:
+                chunk = self.decode(mask, data)
+            except (ValueError, zlib.error) as exc:
+                raise ValueError(f"its chunk of records {index * n}-{(index + 1) * n}: {exc}") from None
             out[first - start:end - start] = chunk[first - index * n:end - index * n]
         return out
 

@@ -11,7 +11,9 @@ Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
 input's integer range (default; written by _png, encoded for noise), or float
 TIFF with the values as perturbed. With --copy-other, index files
-(metadata.jsonl, metadata.csv) get the output names of renamed images.
+(metadata.jsonl, metadata.csv) get the output names of renamed images, and lose
+the rows naming images the output does not hold (skipped as unreadable, or
+symbolic links), which the manifest lists under dropped.
 
 Symbolic links inside the folder (to images, other files or directories, dangling
 or not) are never followed: they are skipped, named in a message and listed in
@@ -38,6 +40,7 @@ import os
 import posixpath
 import re
 import secrets
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -52,8 +55,9 @@ from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, listing, plural
-from tldp_cli.files.checked_io import Background, copy_bytes, flushed_files, write_new_file, writing
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, data_file, listing, plural
+from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
+                                      write_new_file, writing)
 
 NAME = "images"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
@@ -124,12 +128,17 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               8: Image.Transpose.ROTATE_90}
 
 
-def _source_bit_depth(path: Path, im: Image.Image) -> int:
+def _opened(path: Path):
+    """The image file, opened only if it is a regular file and not a symbolic link (one
+    put in place of an image after the folder was listed, or a FIFO, which would hang)."""
+    return open_regular(path, follow_links=False)
+
+
+def _source_bit_depth(file, im: Image.Image) -> int:
     """Bits per sample as stored; Pillow reads 16-bit colour PNG and TIFF as 8-bit."""
     if im.format == "PNG":
-        with open(path, "rb") as f:
-            header = f.read(26)  # signature, IHDR length and type, width, height, bit depth
-        return header[24]
+        # signature, IHDR length and type, width, height, bit depth (Pillow's position kept)
+        return os.pread(file.fileno(), 26, 0)[24]
     if im.format == "TIFF":
         bits = im.tag_v2.get(258, (8,))
         return max(bits) if isinstance(bits, tuple) else int(bits)
@@ -144,7 +153,7 @@ def _orientation(im: Image.Image) -> int:
     return im.getexif().get(ExifTags.Base.Orientation, 1)
 
 
-def _header(path: Path, im: Image.Image) -> _Header:
+def _header(file, im: Image.Image) -> _Header:
     """The shape, dtype and conversions of an opened, not yet decoded image."""
     frames = getattr(im, "n_frames", 1)
     if frames > 1:
@@ -163,7 +172,7 @@ def _header(path: Path, im: Image.Image) -> _Header:
     if mode not in SUPPORTED_MODES:
         raise _Unsupported(f"colour mode {mode} is not supported "
                            "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
-    depth = _source_bit_depth(path, im)
+    depth = _source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
         raise _Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
                            "only grayscale may be 16-bit")
@@ -178,8 +187,8 @@ def _header(path: Path, im: Image.Image) -> _Header:
 
 def _probe(path: Path) -> _Header:
     """The image's header only: its pixels are decoded once, when they are perturbed."""
-    with Image.open(path) as im:
-        return _header(path, im)
+    with _opened(path) as file, Image.open(file) as im:
+        return _header(file, im)
 
 
 def _decoded_header(path: Path) -> _Header:
@@ -189,8 +198,8 @@ def _decoded_header(path: Path) -> _Header:
 
 
 def _decode(path: Path) -> _Decoded:
-    with Image.open(path) as im:
-        header = _header(path, im)
+    with _opened(path) as file, Image.open(file) as im:
+        header = _header(file, im)
         im.load()
         if header.orientation in _TRANSPOSE:
             im = im.transpose(_TRANSPOSE[header.orientation])
@@ -220,7 +229,8 @@ class _Image:
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
     links, sorted. os.walk lists a linked directory among the directories without
-    entering it."""
+    entering it. An entry that is neither a regular file nor a directory (a FIFO, which
+    would never end a read, a socket, a device) is refused, as inside a Zarr store."""
     def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
         raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
 
@@ -229,10 +239,18 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
         for name in files + dirs:
             path = Path(directory) / name
             rel = path.relative_to(root).as_posix()
-            if path.is_symlink():
+            try:
+                mode = path.lstat().st_mode
+            except OSError as exc:
+                raise InputError(f"{root}: cannot list {rel} ({exc.strerror})") from None
+            if stat.S_ISLNK(mode):
                 links.append(rel)
-            elif name in files:
+            elif stat.S_ISREG(mode):
                 (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
+            elif not stat.S_ISDIR(mode):
+                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, "
+                                 "socket or device); tldp reads only regular files: remove it or "
+                                 "move it out of the folder")
     return sorted(images), sorted(others), sorted(links)
 
 
@@ -259,6 +277,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     """The image as one record (a module-level function: jobs must pickle for Dask)."""
     try:
         colour = _decode(image.path).colour
+    except InputError:  # no longer a regular file
+        raise
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
@@ -300,6 +320,8 @@ class ImageFolderReader(Reader):
             file = path / rel
             try:
                 header = check(file)
+            except InputError:  # replaced by a FIFO or a device since the folder was listed
+                raise
             except _Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
@@ -327,8 +349,16 @@ class ImageFolderReader(Reader):
                                  "(its metadata is missing)")
             raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
         renamed = any(image.out_rel != image.rel for image in self.images)
+        # Files that name images not written: an index row naming one is dropped.
+        self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
+                          **{rel: "a symbolic link, skipped" for rel in self.links}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
-                            and renamed and options.copy_other]
+                            and (renamed or self.unwritten) and options.copy_other]
+        # --copy-other never copies data: what tldp reads, pickles, medical images
+        self.data_files = self._data_files() if options.copy_other else {}
+        # Rewritten now, before anything is written: what the manifest says was dropped is
+        # what the output's index files leave out.
+        self.index_texts, self.dropped_rows = self._rewrite_indexes()
         if options.image_format == "tiff":
             self._warn_tiff_readers()
         if self.anonymized:
@@ -337,6 +367,62 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+
+    def _data_files(self) -> dict[str, str]:
+        """The files --copy-other does not copy, by relative path, with the reason: those
+        formats.data_file names, and the files of a Zarr store inside the folder."""
+        found = {}
+        for rel in self.others:
+            parents = [posixpath.dirname(rel)]
+            while parents[-1]:
+                parents.append(posixpath.dirname(parents[-1]))
+            store = next((p for p in parents if p and any((self.path / p / m).is_file() for m in ZARR_MARKERS)),
+                         None)
+            reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
+                      else data_file(self.path / rel))
+            if reason:
+                found[rel] = reason
+        return found
+
+    @property
+    def copied(self) -> list[str]:
+        """The files --copy-other copies: the other files but data (data_files)."""
+        return [rel for rel in self.others if rel not in self.data_files]
+
+    def _report_copies(self) -> None:
+        """--copy-other: the files copied (the manifest's unperturbed) and the data files not
+        copied (dropped), each with the reason."""
+        self.manifest_extra["unperturbed"] = [
+            {"name": rel, "kind": "file", "reason": "--copy-other: not an image" if rel not in self.index_files
+             else "--copy-other: an index of the images, rewritten to the output's"} for rel in self.copied]
+        if self.data_files:
+            self.manifest_extra["dropped"] = [{"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
+                                              for rel, reason in self.data_files.items()]
+            kinds = sorted({reason.split(":")[0].split(",")[0] for reason in self.data_files.values()})
+            self.messages.append(f"did not copy {plural(len(self.data_files), 'file')} holding data "
+                                 f"({'; '.join(kinds)}), which --copy-other never copies raw: "
+                                 f"{listing(list(self.data_files))} (the manifest's dropped)")
+
+    def _rewrite_indexes(self) -> tuple[dict[str, str], list[dict]]:
+        """Each index file as the output holds it, and its rows dropped ({name, kind,
+        reason}, as the manifest's dropped lists them)."""
+        texts, dropped = {}, []
+        for rel in self.index_files:
+            source = self.path / rel
+            try:
+                with _opened(source) as f:
+                    text = f.read().decode("utf-8-sig")  # a BOM would stop json.loads
+            except OSError as exc:
+                raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            except UnicodeDecodeError:
+                raise _unreadable_index(source, "not UTF-8 text") from None
+            names = _IndexNames(rel, self.out_names, self.unwritten)
+            rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
+            texts[rel], rows = rewrite(text, names, source)
+            dropped += [{"name": f"{rel} {row}", "kind": "index row",
+                         "reason": f"names {value}, {self.unwritten[names.path(value)]}: not in the output"}
+                        for row, value in rows]
+        return texts, dropped
 
     def _warn_tiff_readers(self) -> None:
         # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
@@ -390,15 +476,23 @@ class ImageFolderReader(Reader):
         if self.others:
             self.manifest_extra["not_images"] = self.others
             self.manifest_extra["not_images_action"] = "copied unchanged" if options.copy_other else "skipped"
-            done = "copied" if options.copy_other else "skipped"
-            how = " unchanged (not perturbed)" if options.copy_other else ""
-            self.messages.append(f"{done} {_non_images(len(self.others))}{how}: {listing(self.others)}")
+            if options.copy_other:  # the summary line names the copies (unperturbed)
+                self._report_copies()
+            else:
+                self.messages.append(f"skipped {_non_images(len(self.others))}: {listing(self.others)}")
         if self.index_files:
-            self.manifest_extra["not_images_action"] = ("copied unchanged, but for the image file "
-                                                        "names in index files (index_files_rewritten)")
+            self.manifest_extra["not_images_action"] = (
+                "copied unchanged, but for index files (index_files_rewritten): image file names "
+                "follow the output's, and rows naming images not written are removed (dropped)")
             self.manifest_extra["index_files_rewritten"] = self.index_files
+        if self.index_files and any(image.out_rel != image.rel for image in self.images):
             self.messages.append(f"rewrote the image file names in {listing(self.index_files)} to the "
                                  "output's (the images' suffix changed)")
+        if self.dropped_rows:
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *self.dropped_rows]
+            self.messages.append(
+                f"dropped {plural(len(self.dropped_rows), 'index row')} naming images not written "
+                f"(listed in the manifest's dropped): {listing([r['name'] for r in self.dropped_rows])}")
         if bad:
             self.manifest_extra["skipped_bad_images"] = bad
             self.messages.append(f"skipped {plural(len(bad), 'unreadable image')}: {listing(bad)}")
@@ -463,12 +557,14 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
     """original relative path -> output name, from the name map of the run whose manifest
     holds `name_map_id`."""
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open_regular(Path(path)) as f:
+            text = f.read()
     except FileNotFoundError:
         raise InputError(f"{path}: name map not found; the images were renamed by perturb "
                          "--anonymize-names: give its name map with --name-map") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except OSError as exc:
         raise InputError(f"{path}: not a readable name map ({exc})") from None
+    document = json_value(text, f"{path}: not a readable name map: it")
     if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
         raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
     if document.get("name_map_id") != name_map_id:
@@ -530,7 +626,7 @@ def _png(pixels: np.ndarray, icc: bytes | None) -> bytes:
 
 
 def _icc_profile(path: Path) -> bytes | None:
-    with Image.open(path) as im:  # header only, no decoding
+    with _opened(path) as file, Image.open(file) as im:  # header only, no decoding
         return im.info.get("icc_profile")
 
 
@@ -538,18 +634,30 @@ def _is_name_column(key: object) -> bool:
     return isinstance(key, str) and (key == "file_name" or key.endswith("_file_name"))
 
 
-def _renamer(index_rel: str, out_names: dict[str, str]):
-    """Maps a file_name value of the index at `index_rel` to the output's name for it; names
-    of anything but a renamed image are kept. Only the suffix changes, so the value keeps
-    its own spelling ("./a.jpg" -> "./a.png")."""
-    folder = posixpath.dirname(index_rel)
+class _IndexNames:
+    """The names in the index file at `index_rel`: a file_name value resolved to the
+    input's file it names (path), and to the output's name for it (rename). Only a renamed
+    image's suffix changes, so a value keeps its own spelling ("./a.jpg" -> "./a.png");
+    names of anything but a renamed image are kept. `unwritten`: the files the output does
+    not hold (name -> why), whose rows are dropped."""
 
-    def rename(value: str) -> str:
-        out = out_names.get(posixpath.normpath(posixpath.join(folder, value)))
+    def __init__(self, index_rel: str, out_names: dict[str, str], unwritten: dict[str, str]):
+        self.folder = posixpath.dirname(index_rel)
+        self.out_names = out_names
+        self.unwritten = unwritten
+
+    def path(self, value: str) -> str:
+        return posixpath.normpath(posixpath.join(self.folder, value))
+
+    def rename(self, value: str) -> str:
+        out = self.out_names.get(self.path(value))
         suffix = posixpath.splitext(value)[1]
         return value if out is None or not suffix else value[:-len(suffix)] + posixpath.splitext(out)[1]
 
-    return rename
+    def not_written(self, row: dict) -> str | None:
+        """The first file_name value of the row that names a file not written, if any."""
+        return next((v for k, v in row.items() if _is_name_column(k) and isinstance(v, str)
+                     and self.path(v) in self.unwritten), None)
 
 
 def _unreadable_index(where: Path, problem: str) -> InputError:
@@ -557,38 +665,58 @@ def _unreadable_index(where: Path, problem: str) -> InputError:
                       "output's; fix it or leave out --copy-other")
 
 
-def _rewrite_jsonl(text: str, rename, where: Path) -> str:
-    lines = text.split("\n")  # as JSON Lines readers split: not at U+2028 inside a string
-    for number, line in enumerate(lines, 1):
+def _rewrite_jsonl(text: str, names: _IndexNames, where: Path) -> tuple[str, list[tuple[str, str]]]:
+    """The text with image names renamed and the rows naming a file not written left out;
+    and those rows ("line N", the file_name value)."""
+    lines: list[str | None] = list(text.split("\n"))  # as JSON Lines readers split: not at U+2028
+    dropped = []
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
+            row = json_value(line, f"line {number}")
+        except InputError as exc:  # not JSON, or nested too deeply to parse
+            raise _unreadable_index(where, str(exc)) from None
         if not isinstance(row, dict):
             raise _unreadable_index(where, f"line {number} is not a JSON object")
-        renamed = {k: rename(v) if _is_name_column(k) and isinstance(v, str) else v
+        gone = names.not_written(row)
+        if gone is not None:
+            lines[number - 1] = None
+            dropped.append((f"line {number}", gone))
+            continue
+        renamed = {k: names.rename(v) if _is_name_column(k) and isinstance(v, str) else v
                    for k, v in row.items()}
         if renamed != row:
-            lines[number - 1] = json.dumps(renamed, ensure_ascii=False) + ("\r" if line.endswith("\r") else "")
-    return "\n".join(lines)
+            dumped = json.dumps(renamed, ensure_ascii=False)
+            try:
+                dumped.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (a name that is not UTF-8): a \u escape
+                dumped = json.dumps(renamed)
+            lines[number - 1] = dumped + ("\r" if line.endswith("\r") else "")
+    return "\n".join(line for line in lines if line is not None), dropped
 
 
-def _rewrite_csv(text: str, rename, where: Path) -> str:
+def _rewrite_csv(text: str, names: _IndexNames, where: Path) -> tuple[str, list[tuple[str, str]]]:
+    """As _rewrite_jsonl; rows are numbered from the first after the header ("row N")."""
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
         raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
     if not rows:
-        return text
+        return text, []
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
-    changed = [[rename(v) if i in columns else v for i, v in enumerate(row)] for row in rows[1:]]
-    if changed == rows[1:]:
-        return text
+    kept, dropped = [], []
+    for number, row in enumerate(rows[1:], 1):
+        gone = names.not_written({rows[0][i]: row[i] for i in columns if i < len(row)})
+        if gone is not None:
+            dropped.append((f"row {number}", gone))
+        else:
+            kept.append([names.rename(v) if i in columns else v for i, v in enumerate(row)])
+    if kept == rows[1:]:
+        return text, []
     written = io.StringIO(newline="")
-    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *changed])
-    return written.getvalue()
+    csv.writer(written, lineterminator="\r\n" if "\r\n" in text else "\n").writerows([rows[0], *kept])
+    return written.getvalue(), dropped
 
 
 class ImageFolderWriter(Writer):
@@ -600,14 +728,14 @@ class ImageFolderWriter(Writer):
         self.images = {image.rel: image for image in reader.images}
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         # Every file the output must hold once complete (finish checks they all are there).
-        self._expected = [image.out_rel for image in reader.images] + (list(reader.others) if options.copy_other
+        self._expected = [image.out_rel for image in reader.images] + (reader.copied if options.copy_other
                                                                         else [])
         with writing(tmp_path):
             tmp_path.mkdir()
         if options.copy_other:
-            for rel in reader.others:
+            for rel in reader.copied:
                 if rel in reader.index_files:
-                    self._write_index(reader.path / rel, rel, reader.out_names)
+                    self._write_index(reader.index_texts[rel], rel)
                 else:
                     self._copy(reader.path / rel, rel)
         self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
@@ -662,24 +790,15 @@ class ImageFolderWriter(Writer):
     def _copy(self, source: Path, rel: str) -> Path:
         target = self._target(rel)
         try:
-            src = open(source, "rb")
+            src = _opened(source)
         except OSError as exc:
             raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
         with src, writing(target), open(target, "wb") as dst:
             copy_bytes(src, source, dst, target)
         return target
 
-    def _write_index(self, source: Path, rel: str, out_names: dict[str, str]) -> None:
-        """An index file with the renamed images' names rewritten to their output names."""
-        try:
-            text = source.read_bytes().decode("utf-8-sig")  # a BOM would stop json.loads
-        except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise _unreadable_index(source, "not UTF-8 text") from None
-        rename = _renamer(rel, out_names)
-        rewrite = _rewrite_csv if rel.endswith(".csv") else _rewrite_jsonl
-        text = rewrite(text, rename, source)
+    def _write_index(self, text: str, rel: str) -> None:
+        """An index file as the reader rewrote it (ImageFolderReader.index_texts)."""
         target = self._target(rel)
         with writing(target), open(target, "wb") as f:
             f.write(text.encode("utf-8"))

@@ -1,10 +1,11 @@
 """NumPy .npz archives of named arrays (np.savez, np.savez_compressed), read as a
 model-parameter file: each member is one tensor, one record (see tensor_files).
 
-The output is the same archive: every member in its order, under its name, with
-its compression, date and attributes; perturbed members keep their dtype,
-shape and byte order, and the others (integer arrays, non-.npy members) are copied
-unchanged. A zip member is written in one piece, so perturbed tensors wait in
+The output is the same archive: every array member in its order, under its name,
+with its compression, date and attributes; perturbed members keep their dtype,
+shape and byte order, and the other arrays (integer arrays, ...) are copied
+unchanged. Members that are not .npy arrays and zip comments (free text) are left
+out unless --keep names them (formats.leftovers). A zip member is written in one piece, so perturbed tensors wait in
 memory until the members before them are written (at most a few blocks in flight).
 """
 
@@ -21,13 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 ZIP_MAGIC = b"PK\x03\x04"
+COMMENT = "a zip comment (free text), not perturbed"
 
 
 def _first_member(path: Path) -> bytes | None:
@@ -119,8 +121,28 @@ class NpzReader(Reader):
             raise InputError(f"{path}: holds more than one array named {', '.join(twice)}")
         chosen, self.messages, unperturbed = tensor_files.select(path, self.tensors, options.datasets,
                                                                  options.exclude)
-        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
+        self.manifest_extra = self._leftovers(options, unperturbed).manifest_extra()
         self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy")) for t in chosen]
+
+    def _leftovers(self, options: FormatOptions, unperturbed: list[dict]) -> leftovers.Leftovers:
+        """What is written besides the tensors (formats.leftovers): members that are not .npy
+        arrays and comments (the archive's, a member's as MEMBER@comment) only when --keep
+        names them."""
+        left = leftovers.Leftovers(list(options.keep), unperturbed=unperturbed)
+        left.considered(t.name for t in self.tensors)
+        self.left_out: set[str] = set()  # members not written
+        for info in self.members:
+            if not info.filename.endswith(".npy"):
+                if left.kept(info.filename):
+                    left.copied(info.filename, "file", leftovers.KEPT)
+                else:
+                    left.drop(info.filename, "file", "not an array (.npy member), not perturbed")
+                    self.left_out.add(info.filename)
+        self.comments = {info.filename for info in self.members if info.filename not in self.left_out
+                         and info.comment and left.attribute(info.filename, "comment", (), "comment", COMMENT)}
+        self.keep_comment = bool(self.comment) and left.attribute("", "comment", (), "comment", COMMENT)
+        left.check(self.path)
+        return left
 
     def _tensor(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Tensor:
         try:
@@ -151,7 +173,8 @@ class NpzWriter(Writer):
     def __init__(self, reader: NpzReader, tmp_path: Path, dtype: np.dtype):
         self.source = reader.path
         self.path = tmp_path
-        self.members = reader.members
+        self.members = [info for info in reader.members if info.filename not in reader.left_out]
+        self.comments = reader.comments  # the members whose comment is written
         self.dtypes = reader.dtypes
         self.to_write = {job.name for job in reader.jobs}
         chosen = [t for t in reader.tensors if t.name in self.to_write]
@@ -171,7 +194,7 @@ class NpzWriter(Writer):
             self.src.close()
             raise
         self.out = zipfile.ZipFile(self.file, "w", allowZip64=True)
-        self.out.comment = reader.comment
+        self.out.comment = reader.comment if reader.keep_comment else b""
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         stored = tensor_files.to_stored(block[0], job.source["dtype"], self.dtypes[job.name],
@@ -198,7 +221,8 @@ class NpzWriter(Writer):
                 return
             target = zipfile.ZipInfo(info.filename, date_time=info.date_time)
             target.compress_type, target.external_attr = info.compress_type, info.external_attr
-            target.comment, target.create_system = info.comment, info.create_system
+            target.comment = info.comment if info.filename in self.comments else b""
+            target.create_system = info.create_system
             with self.out.open(target, "w", force_zip64=True) as f:
                 if perturbed:
                     np.lib.format.write_array(f, self.pending.pop(name), allow_pickle=False)

@@ -1,9 +1,12 @@
 """safetensors files (Hugging Face), read as a model-parameter file: each tensor is
 one record (see tensor_files).
 
-Tensors keep their dtype and shape, so the output reuses the input's header byte for
-byte: names, dtypes, shapes, order, data offsets and `__metadata__` all come through.
-Perturbed tensors are written at their offsets; the others are copied unchanged.
+Tensors keep their dtype and shape, so the output reuses the input's header: names,
+dtypes, shapes, order and data offsets all come through, byte for byte. Of
+`__metadata__` (free text: author, training data, ...) only `format` is kept, which
+transformers needs, and the keys --keep names (formats.leftovers); the others are left
+out and listed in the manifest (`dropped`). Perturbed tensors are written at their
+offsets; the others are copied unchanged.
 
 Tensors are read with the `safetensors.numpy` API (safe_open, framework "np"), which
 also validates the header. NumPy has no bfloat16, so bfloat16 tensors are read from
@@ -21,13 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, tensor_files, tldp_name
-from tldp_cli.files.checked_io import copy_bytes, fsync_file, pwrite_all, writing
+from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
+from tldp_cli.files.checked_io import copy_bytes, fsync_file, json_value, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
 RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
+STRUCTURAL_METADATA = ("format",)  # __metadata__ keys kept: transformers loads only {"format": "pt", ...}
+METADATA_REASON = "a __metadata__ entry (free text), not perturbed; only format, which loaders need, is kept"
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
           "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -65,6 +70,18 @@ class _Entry:
     end: int
 
 
+def _header_with(header: bytes, metadata: dict[str, str]) -> bytes:
+    """The header (length prefix included) with `metadata` as its `__metadata__` (none if
+    empty), padded with spaces to a multiple of 8 bytes as the safetensors library writes."""
+    parsed = json.loads(header[8:])
+    parsed.pop("__metadata__", None)
+    if metadata:
+        parsed = {"__metadata__": metadata, **parsed}
+    text = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
     """The raw header (length prefix included), its __metadata__ and the tensors in file order."""
     try:
@@ -75,10 +92,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
     if len(raw) < length:
         raise _invalid(path, f"its header of {length} bytes ends after the file, {len(raw)} bytes in")
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _invalid(path, f"the header is not JSON: {exc}") from None
+    header = json_value(raw, f"{path}: not a valid safetensors file: its header")
     if not isinstance(header, dict):
         raise _invalid(path, "the header is not a JSON object")
     # The library checks offsets, sizes and coverage of the data; its message says what is wrong.
@@ -138,7 +152,13 @@ class SafetensorsReader(Reader):
         tensors = [e.tensor for e in self.entries]
         chosen, self.messages, unperturbed = tensor_files.select(path, tensors, options.datasets,
                                                                  options.exclude)
-        self.manifest_extra = tensor_files.manifest_extra(unperturbed)
+        left = leftovers.Leftovers(list(options.keep), unperturbed=unperturbed)
+        left.considered(t.name for t in tensors)
+        kept = {key: value for key, value in self.metadata.items()
+                if left.attribute("", key, STRUCTURAL_METADATA, "metadata key", METADATA_REASON)}
+        left.check(path)
+        self.manifest_extra = left.manifest_extra()
+        self.out_header = self.header if kept == self.metadata else _header_with(self.header, kept)
         names = {t.name for t in chosen}
         self.jobs = [tensor_files.job(path, NAME, e.tensor, _Read(path, e, self.data_start))
                      for e in self.entries if e.tensor.name in names]
@@ -187,15 +207,16 @@ class SafetensorsWriter(Writer):
         self.postprocessing = tensor_files.postprocessing(tensors, dtype, variances)
         self.output_dtype = tensor_files.output_dtype(tensors)
         end = max((e.end for e in reader.entries), default=0)
+        data_start = len(reader.out_header)  # the output's: its __metadata__ may be shorter
         with open(reader.path, "rb") as src, writing(tmp_path), open(tmp_path, "xb") as out:
-            out.write(reader.header)
-            out.truncate(reader.data_start + end)
+            out.write(reader.out_header)
+            out.truncate(data_start + end)
             for e in reader.entries:  # the tensors that are not perturbed, unchanged
                 if e.tensor.name not in chosen:
                     src.seek(reader.data_start + e.begin)
-                    out.seek(reader.data_start + e.begin)
+                    out.seek(data_start + e.begin)
                     copy_bytes(src, reader.path, out, tmp_path, e.end - e.begin)
-        self.write = _Blocks(tmp_path, reader.data_start,
+        self.write = _Blocks(tmp_path, data_start,
                              {e.tensor.name: (e.begin, e.end) for e in reader.entries}, frozenset(variances))
 
     def block_writer(self) -> _Blocks:

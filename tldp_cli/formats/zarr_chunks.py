@@ -10,17 +10,24 @@ written here instead, with the numcodecs codec that zarr-python itself calls, so
 each chunk file holds what zarr-python would write. Any other array goes through
 zarr-python (`layout` returns None).
 
-Reading is stricter than zarr-python's in two ways: a Blosc chunk whose header states
+Reading is stricter than zarr-python's in three ways: a Blosc chunk whose header states
 another length than the file's is refused (numcodecs decodes a truncated one from
-beyond its end), and a chunk path that is not a file is an error, not the fill value.
+beyond its end), a chunk path that is not a file is an error, not the fill value, and
+no chunk is decompressed to more than the array's chunk size: a Blosc, LZ4 or Zstandard
+chunk whose header states another size is refused before it is decoded, and zlib, gzip,
+bz2 and LZMA chunks are decompressed a bounded amount at a time (_decompressed); a
+chunk of a hundred kilobytes can otherwise expand to gigabytes in every worker.
 """
 
 from __future__ import annotations
 
+import bz2
 import functools
 import itertools
 import json
+import lzma
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,7 +37,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import write_new_file, writing
-from tldp_cli.formats import padded_chunk, whole_chunks
+from tldp_cli.formats import decompressed, padded_chunk, whole_chunks, wrong_chunk_size
 
 _V3_COMPRESSORS = ("zstd", "gzip", "blosc")
 _BLOSC_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
@@ -54,6 +61,77 @@ def _check_blosc_length(data: bytes) -> None:
     """A Blosc frame states its own length (bytes 12-16 of its header)."""
     if len(data) < 16 or int.from_bytes(data[12:16], "little") != len(data):
         raise ValueError(f"a Blosc chunk of {len(data)} bytes whose header says otherwise (truncated?)")
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_SKIPPABLE = 0x184D2A50  # the magic of skippable frames, less its last 4 bits
+
+
+def _zstd_content_size(data: bytes) -> int | None:
+    """The bytes the Zstandard frames of `data` state they hold (their Frame_Content_Size
+    fields, RFC 8878), None if a frame does not say; ValueError if `data` is not a
+    sequence of whole frames. Walks the frame and block headers, decoding nothing."""
+    total, known, pos, end = 0, True, 0, len(data)
+
+    def field(at: int, size: int) -> int:
+        if at + size > end:
+            raise ValueError("the Zstandard data stop inside a frame")
+        return int.from_bytes(data[at:at + size], "little")
+
+    while pos < end:
+        magic = field(pos, 4)
+        if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
+            pos += 8 + field(pos + 4, 4)
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError("not Zstandard data (no frame magic number)")
+        descriptor = field(pos + 4, 1)
+        single_segment = descriptor >> 5 & 1
+        pos += 5 + (not single_segment) + (0, 1, 2, 4)[descriptor & 3]  # window, dictionary ID
+        size_bytes = (single_segment, 2, 4, 8)[descriptor >> 6]
+        if size_bytes:
+            total += field(pos, size_bytes) + (256 if size_bytes == 2 else 0)
+        known = known and size_bytes > 0
+        pos += size_bytes
+        last = 0
+        while not last:  # blocks: 3-byte headers; an RLE block stores 1 byte
+            header = field(pos, 3)
+            last, kind = header & 1, header >> 1 & 3
+            if kind == 3:
+                raise ValueError("a Zstandard block of the reserved type (damaged?)")
+            pos += 3 + (1 if kind == 1 else header >> 3)
+        pos += 4 * (descriptor >> 2 & 1)  # content checksum
+    if pos != end:
+        raise ValueError("the Zstandard data stop inside a frame")
+    return total if known else None
+
+
+def _decompressed(codec, data: bytes, size: int):
+    """`data` decoded by the numcodecs `codec`, never to more than the chunk's `size`
+    bytes (+1): numcodecs decodes a Blosc, LZ4 or Zstandard chunk to the size its header
+    states, and zlib, gzip, bz2 and LZMA to the end of the stream, whatever the chunk's
+    size. Other codecs are decoded, then their size compared."""
+    name = codec.codec_id
+    if name in ("blosc", "lz4"):
+        if name == "blosc":
+            _check_blosc_length(data)
+        declared = int.from_bytes(data[4:8] if name == "blosc" else data[:4], "little")
+        if declared != size:
+            raise wrong_chunk_size(declared, size, "Blosc" if name == "blosc" else "LZ4")
+    elif name == "zstd":
+        declared = _zstd_content_size(data)
+        if declared is not None and declared != size:
+            raise wrong_chunk_size(declared, size, "Zstandard")
+        # Without a stated size numcodecs decodes a stream: into `out`, it stops at its size.
+        return codec.decode(data, out=np.empty(size, np.uint8))
+    elif name in ("zlib", "gzip"):
+        wbits = zlib.MAX_WBITS + (16 if name == "gzip" else 0)
+        return decompressed(lambda: zlib.decompressobj(wbits), data, size, streams=name == "gzip")
+    elif name == "bz2":
+        return decompressed(bz2.BZ2Decompressor, data, size)
+    elif name == "lzma":
+        return decompressed(lambda: lzma.LZMADecompressor(codec.format, filters=codec.filters), data, size)
+    return codec.decode(data)
 
 
 @dataclass(frozen=True)
@@ -87,10 +165,11 @@ class Layout:
         return None if self.compressor is None else _codec(self.compressor)
 
     def decode(self, data: bytes) -> np.ndarray:
+        size = math.prod(self.chunks) * self.dtype.itemsize
         if self.compressor is not None:
-            if self.codec.codec_id == "blosc":
-                _check_blosc_length(data)
-            data = self.codec.decode(data)
+            data = _decompressed(self.codec, data, size)
+        if memoryview(data).nbytes != size:
+            raise ValueError(f"it holds {memoryview(data).nbytes} bytes where a chunk holds {size}")
         return np.frombuffer(data, dtype=self.dtype).reshape(self.chunks)
 
     def encode(self, chunk: np.ndarray) -> bytes:

@@ -1,7 +1,7 @@
 """Zarr directory stores, Zarr format 2 and 3: a single array or a group tree.
 
 The output starts as a file-for-file copy of the input without the perturbed
-arrays' chunks. Their metadata is rewritten for the float output dtype (same
+arrays' chunks and what is left out (below). Their metadata is rewritten for the float output dtype (same
 chunks, shards, codecs, fill value, attributes, dimension names) and the noisy
 records are written as chunk files (zarr_chunks.py) or, for sharded and other
 layouts, through zarr-python. Consolidated metadata is rebuilt at the end.
@@ -12,10 +12,12 @@ regular file nor a directory, is refused before anything is written; only the
 store's own path may be a link. Every directory below a group must be a node (hold
 zarr.json, or .zarray/.zgroup): one without is refused as a damaged store, since it
 may be an array that lost its metadata. Node names starting with "." are nodes like
-any other. Files that are neither metadata nor chunks of an array (.DS_Store, a
-README) are copied unchanged, named in a message and listed in the manifest
-(not_zarr_files); those inside the directory of an array being perturbed are
-left out with its chunks.
+any other.
+
+What is not perturbed (arrays, free-text attributes, files that are neither
+metadata nor chunks of an array, such as .DS_Store or a README) is left out unless
+it is structural metadata, a numeric coordinate or named by --keep, and listed in
+the manifest (formats.leftovers).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, OutputError, UsageError
-from tldp_cli.files.checked_io import Background, flushed_files
+from tldp_cli.files.checked_io import Background, flushed_files, json_value, open_regular
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
     ArrayJob,
@@ -53,11 +55,9 @@ from tldp_cli.formats import (
     check_numeric_dtype,
     default_selection,
     dropped_filters,
-    listing,
-    plural,
     tldp_name,
 )
-from tldp_cli.formats import cf, zarr_chunks
+from tldp_cli.formats import cf, leftovers, zarr_chunks
 
 NAME = "zarr"
 RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
@@ -95,9 +95,11 @@ def _display(name: str) -> str:
 def _read_json(store: Path, file: Path) -> dict[str, Any]:
     where = file.relative_to(store).as_posix()
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        with open_regular(file, follow_links=False) as f:  # listed as a regular file: still one
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
+    meta = json_value(text, f"{store}: damaged Zarr store: {where}")
     if not isinstance(meta, dict):
         raise InputError(f"{store}: damaged Zarr store: {where} is not a JSON object")
     return meta
@@ -177,6 +179,17 @@ def _walk(store: Path, zarr_format: int) -> list[_Node]:
             nodes.append(node)
             pending.append(node)
     return sorted(nodes, key=lambda n: n.path)
+
+
+def _check_attributes(store: Path, files: list[str], nodes: list[_Node]) -> None:
+    """Reads the nodes' Zarr 2 attributes (.zattrs, which zarr-python parses itself) with
+    _read_json first: one that is not JSON, or nests too deeply, is refused naming it,
+    before zarr-python reaches it. (.zmetadata is never read: the output's is rebuilt.)"""
+    node_paths = {n.path for n in nodes}
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        if name == ".zattrs" and parent in node_paths:
+            _read_json(store, store / rel)
 
 
 def _not_zarr(files: list[str], nodes: list[_Node]) -> dict[str, str | None]:
@@ -388,7 +401,7 @@ def _cf_attribute(where: str, array, key: str) -> np.ndarray | None:
     """A CF numeric attribute's values, flat (as xarray writes them); None if absent."""
     if key in array.attrs:
         value = array.attrs[key]
-    elif key == "_FillValue" and array.metadata.zarr_format == 2 and _dimension_names(array) is not None:
+    elif key == "_FillValue" and _fill_is_cf(array):
         value = array.fill_value
     else:
         return None
@@ -407,11 +420,30 @@ def _cf_attribute(where: str, array, key: str) -> np.ndarray | None:
     return number.ravel()
 
 
+def _fill_is_cf(array) -> bool:
+    """Whether the array's fill_value is its CF _FillValue (xarray's Zarr 2 arrays)."""
+    return (array.metadata.zarr_format == 2 and "_FillValue" not in array.attrs
+            and _dimension_names(array) is not None)
+
+
 def _cf_encoding(where: str, array) -> cf.Encoding | None:
     unsigned = array.attrs.get("_Unsigned")
     return cf.encoding(where, array.dtype, lambda key: _cf_attribute(where, array, key),
                        unsigned if isinstance(unsigned, str) else None,
-                       nan_missing=_dimension_names(array) is not None)
+                       nan_missing=_dimension_names(array) is not None,
+                       labels={"_FillValue": FILL_VALUE} if _fill_is_cf(array) else {})
+
+
+FILL_VALUE = "fill_value"  # how markers from a Zarr 2 fill_value are named (ArrayJob.markers)
+
+
+def _output_fill(array, encoding: cf.Encoding | None):
+    """The fill value of a perturbed array's output, before its dtype: none where the array's
+    fill_value is its _FillValue and a marker taken as data (cf.Encoding.as_data), since
+    xarray would mask every noisy value equal to it."""
+    if encoding is not None and _fill_is_cf(array) and encoding.is_data(FILL_VALUE, array.fill_value):
+        return None
+    return array.fill_value
 
 
 def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[str]:
@@ -433,12 +465,24 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
-def _cf_output_attrs(where: str, array, encoding: cf.Encoding | None,
+def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
+    """The arrays a CF grid_mapping attribute of an array names."""
+    by_path = {"/" + path: path for path in arrays}
+    found = set()
+    for path, array in arrays.items():
+        text = array.attrs.get("grid_mapping")
+        for word in leftovers.grid_mappings(text if isinstance(text, str) else None):
+            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
+            if target is not None:
+                found.add(target)
+    return found
+
+
+def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encoding | None,
                      dtype: np.dtype) -> tuple[dict[str, Any], list[str], list[tuple]]:
-    """A perturbed array's attributes for the output: no value bounds, no packing, the
-    missing-data markers in the output dtype (a float _FillValue of Zarr 3 as xarray
-    writes it); the attributes dropped; (stored marker, output marker) pairs."""
-    attrs = array.attrs.asdict()
+    """A perturbed array's attributes for the output (of `attrs`, those written): no value
+    bounds, no packing, the missing-data markers in the output dtype (a float _FillValue of
+    Zarr 3 as xarray writes it); the attributes dropped; (stored marker, output marker) pairs."""
     dropped = [key for key in cf.VALUE_BOUNDS if key in attrs]
     if encoding is not None and (encoding.packed or encoding.unsigned):
         dropped += [key for key in cf.PACKING if key in attrs]
@@ -448,8 +492,11 @@ def _cf_output_attrs(where: str, array, encoding: cf.Encoding | None,
     stored = array.dtype
     for key in (k for k in cf.MISSING if k in out):
         with np.errstate(invalid="ignore", over="ignore"):
-            values = [cf.output_marker(np.asarray(v).astype(stored), dtype)
-                      for v in _cf_attribute(where, array, key)]
+            own = [np.asarray(v).astype(stored) for v in _cf_attribute(where, array, key)]
+            values = cf.output_values(key, own, encoding, dtype)
+        if values is None:  # every marker of it taken as data
+            del out[key]
+            continue
         if key == "_FillValue" and array.metadata.zarr_format == 3 and dtype.kind == "f":
             out[key] = base64.standard_b64encode(struct.pack("<d", float(values[0]))).decode()
         else:
@@ -468,6 +515,7 @@ class ZarrReader(Reader):
         files = _files(path)  # first: it refuses links before any file is read
         self.zarr_format = _zarr_format(path)
         self.nodes = _walk(path, self.zarr_format)
+        _check_attributes(path, files, self.nodes)
         self.store = LocalStore(path, read_only=True)
         opened = {n.path: _open(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
@@ -483,13 +531,51 @@ class ZarrReader(Reader):
                                for p in self.pyramids if p.levels[0] in selected}
         self.messages += [_regeneration_message(p) for p in self.regenerated]
         written = set(selected).union(*(p.levels[1:] for p in self.regenerated))
-        # The writer leaves out everything in a written array's directory but its metadata.
-        copied = [rel for rel, owner in _not_zarr(files, self.nodes).items() if owner not in written]
-        if copied:
-            self.manifest_extra["not_zarr_files"] = copied
-            self.manifest_extra["not_zarr_files_action"] = "copied unchanged"
-            self.messages.append(f"copied {plural(len(copied), 'file')} unchanged (not perturbed), "
-                                 f"neither Zarr metadata nor chunks: {listing(copied)}")
+        self.leftovers = self._leftovers(files, written, options)
+        self.manifest_extra.update(self.leftovers.manifest_extra())
+
+    def _leftovers(self, files: list[str], written: set[str], options: FormatOptions) -> leftovers.Leftovers:
+        """Decides from the metadata what is written besides the perturbed arrays (leftovers.py):
+        the arrays (left_out: their paths) and files (left_out_files) left out, and each
+        node's attributes where some are left out (attributes: the node's path -> the rest)."""
+        left = leftovers.Leftovers(list(options.keep))
+        left.considered(_display(name) for name in written)
+        roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
+        roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
+        self.left_out: set[str] = set()
+        for path, array in self.handles.items():
+            if path in written:
+                continue
+            name, fields = _display(path), {"shape": list(array.shape), "dtype": str(array.dtype)}
+            if left.kept(name):
+                left.copied(name, "array", leftovers.KEPT, **fields)
+            elif path in roles and array.dtype.kind in "iuf":
+                left.copied(name, "array", roles[path], **fields)
+            else:
+                left.drop(name, "array", "numbers not chosen for perturbation (--dataset perturbs them)"
+                          if array.dtype.kind in "iuf" else f"holds {leftovers.not_numbers(array.dtype)}, "
+                          "which tldp does not perturb")
+                self.left_out.add(path)
+        self.left_out_files: set[str] = set()
+        for rel, owner in _not_zarr(files, self.nodes).items():
+            if owner in self.left_out:
+                continue  # left out with its array
+            if owner not in written and left.kept(rel):
+                left.copied(rel, "file", leftovers.KEPT)
+                continue
+            self.left_out_files.add(rel)
+            left.drop(rel, "file", "neither Zarr metadata nor chunks, " + (
+                "inside a perturbed array" if owner in written else "not perturbed"))
+        self.attributes: dict[str, dict[str, Any]] = {}
+        for path, node in {**self.group_handles, **self.handles}.items():
+            if path not in self.left_out:
+                attrs = node.attrs.asdict()
+                kept = {key: value for key, value in attrs.items()
+                        if left.attribute(_display(path), key)}
+                if kept != attrs:
+                    self.attributes[path] = kept
+        left.check(self.path)
+        return left
 
     def _select(self, requested: list[str]) -> list[str]:
         arrays = self.handles
@@ -582,10 +668,14 @@ class ZarrReader(Reader):
                     "shape": list(shape), "dtype": str(array.dtype)},
             chunk_records=(array.shards or array.chunks)[0],
             row_dimension=row_dimension,
+            markers=encoding.labelled() if encoding else (),
         )
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        cf.take_as_data(self.jobs, self.encodings, data)
 
     def close(self) -> None:
         self.store.close()
@@ -786,18 +876,19 @@ class _Blocks:
             self.flush()
             raise
 
-    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
-        """Writes the block; returns how many noisy values it moved off missing-data markers."""
+    def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
+        """Writes the block; returns how many noisy values it moved off missing-data markers,
+        and whether the input held missing values there."""
         array, chunk_files = self.array(job.name)
         block = np.asarray(block, dtype=self.dtype)
-        moved = 0
+        kept = 0, False
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
-            moved = self._keep_missing(job, start, block)
+            kept = self._keep_missing(job, start, block)
         try:
             if chunk_files is None or not chunk_files.aligned(start, len(block)):
                 array[start:start + len(block)] = block
-                return moved
+                return kept
             directory = self.root / self.paths[job.name]
             files = chunk_files.encoded(directory, start, block)
         except OSError:
@@ -810,7 +901,7 @@ class _Blocks:
             zarr_chunks.write_files(directory, files)
         else:
             self._on_disk[job.name, start] = self._disk.put((directory, files))
-        return moved
+        return kept
 
     def wait(self, job_name: str, start: int) -> None:
         """Returns once the block's chunk files are written; raises the failure to write them."""
@@ -823,7 +914,7 @@ class _Blocks:
         if self._disk is not None:
             self._disk.close()
 
-    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> int:
+    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
         stored = job.read.stored(start, start + len(block))  # the input's _Records
@@ -964,6 +1055,39 @@ def _statistics_step(pyramid: _Pyramid, fields: list[str], window: dict[str, flo
     return "; ".join(steps) + ": they are computed from the raw values"
 
 
+def _copy_store(reader: ZarrReader, root: Path, metadata: dict[str, dict], attributes: dict[str, dict],
+                perturbed: set[str]) -> None:
+    """Copies the input store to `root` but the perturbed arrays' chunks and what the reader
+    leaves out (arrays, files: formats.leftovers), then writes the rewritten metadata
+    (`metadata`, by node path) and Zarr 2 attributes (`attributes`), with every other node's
+    attributes less those left out."""
+    left_out = reader.left_out | reader.left_out_files
+
+    def skip(directory: str, entries: list[str]) -> list[str]:
+        rel = Path(directory).relative_to(reader.path).as_posix()
+        rel = rel if rel != "." else ""
+        return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
+                or posixpath.join(rel, e) in left_out]
+
+    # The reader refused links; one made since is copied as a link, not followed.
+    shutil.copytree(reader.path, root, ignore=skip, symlinks=True)
+    nodes = {n.path: n for n in reader.nodes}
+    for path, attrs in reader.attributes.items():
+        if path in perturbed:
+            continue  # in `metadata` or `attributes` already
+        if reader.zarr_format == 2:
+            attributes[path] = attrs
+        elif path in metadata:  # a regenerated level
+            metadata[path]["attributes"] = attrs
+        else:
+            metadata[path] = {**nodes[path].meta, "attributes": attrs}
+    for path, meta in metadata.items():
+        name = "zarr.json" if reader.zarr_format == 3 else ".zarray"  # (Zarr 2: arrays only here)
+        (root / path / name).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
+        (root / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+
+
 # Zarr's LocalStore writes through temporary files named like this; a killed run leaves them.
 _STORE_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial$")
 
@@ -982,8 +1106,8 @@ class ZarrWriter(Writer):
         metadata, dropped, lowered = {}, {}, {}
         for job_name, path in names.items():
             metadata[path], lossy, levels = _output_metadata(
-                nodes[path], reader.handles[path].fill_value, reader.zarr_format, self.dtype,
-                f"{reader.path}: array {_display(path)}")
+                nodes[path], _output_fill(reader.handles[path], reader.encodings.get(job_name)),
+                reader.zarr_format, self.dtype, f"{reader.path}: array {_display(path)}")
             if lossy:
                 dropped[job_name] = lossy
             if levels:
@@ -1026,18 +1150,7 @@ class ZarrWriter(Writer):
             for leftover in [p for p in tmp_path.rglob("*") if _STORE_TEMP.search(p.name)]:
                 leftover.unlink()
         else:
-            def skip_chunks(directory: str, entries: list[str]) -> list[str]:
-                rel = Path(directory).relative_to(reader.path).as_posix()
-                if (rel if rel != "." else "") in metadata:
-                    return [e for e in entries if e not in METADATA_FILES]
-                return []
-
-            # The reader refused links; one made since is copied as a link, not followed.
-            shutil.copytree(reader.path, tmp_path, ignore=skip_chunks, symlinks=True)
-            for path, meta in metadata.items():
-                (tmp_path / path / meta_file).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            for path, attrs in attributes.items():  # Zarr 2 keeps attributes in a file of their own
-                (tmp_path / path / ".zattrs").write_text(json.dumps(attrs, indent=2), encoding="utf-8")
+            _copy_store(reader, tmp_path, metadata, attributes, set(names.values()))
             for pyramid in self.pyramids:
                 _describe_multiscale(tmp_path, pyramid, reader.zarr_format)
             for pyramid, fields in reader.raw_statistics.items():
@@ -1047,6 +1160,7 @@ class ZarrWriter(Writer):
                               bounds or {})
         # (job name, first record) -> noisy values moved off its markers, per block written
         self.moved: dict[tuple[str, int], int] = {}
+        self.held: dict[tuple[str, int], bool] = {}  # ... whether its input held missing values (stderr only)
         self.blocks.open_arrays()
         self.consolidate = [n.path for n in reader.nodes if n.consolidated]
         self.zarr_format = reader.zarr_format
@@ -1056,10 +1170,12 @@ class ZarrWriter(Writer):
         """Rewrites the perturbed arrays' CF attributes (cf.describe tells the manifest): in
         their metadata (Zarr 3); returns the .zattrs to write (Zarr 2)."""
         self.missing: dict[str, list[tuple]] = {}
+        self.messages = reader.messages  # the reader's list: a line added in finish() is shown
         dropped_attrs, zattrs = {}, {}
         for job_name, path in names.items():
             array = reader.handles[path]
             attrs, dropped, pairs = _cf_output_attrs(f"{reader.path}: array {job_name}", array,
+                                                     reader.attributes.get(path, array.attrs.asdict()),
                                                      reader.encodings.get(job_name), self.dtype)
             if dropped:
                 dropped_attrs[job_name] = dropped
@@ -1078,20 +1194,24 @@ class ZarrWriter(Writer):
         return zattrs
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        self.moved[job.name, start] = self.blocks(job, start, block)  # one key per block: thread-safe
+        # One key per block: thread-safe.
+        self.moved[job.name, start], self.held[job.name, start] = self.blocks(job, start, block)
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
         self.blocks.wait(job.name, start)  # written before --resume journals it
 
     def block_note(self, job: ArrayJob, start: int) -> dict[str, Any]:
-        moved = self.moved.get((job.name, start))
-        return {"moved_off_markers": moved} if moved is not None else {}
+        if (job.name, start) not in self.moved:
+            return {}
+        return {"moved_off_markers": self.moved[job.name, start], "held_missing": self.held[job.name, start]}
 
     def resumed(self, notes: dict[tuple[str, int], dict[str, Any]]) -> None:
-        """The blocks an interrupted run wrote count in moved_off_markers as well."""
+        """The blocks an interrupted run wrote count in moved_off_markers (and the missing
+        values they held in the message about them) as well."""
         for key, note in notes.items():
             if "moved_off_markers" in note:
                 self.moved[key] = note["moved_off_markers"]
+                self.held[key] = bool(note.get("held_missing"))
 
     def digests(self) -> dict[Path, str]:
         return dict(self.blocks.digests)
@@ -1122,6 +1242,9 @@ class ZarrWriter(Writer):
                     zarr.consolidate_metadata(LocalStore(self.root), path=path,
                                               zarr_format=self.zarr_format)
         cf.count_moves(self.manifest_extra, [(name, count) for (name, _), count in self.moved.items()])
+        held = sorted({name for (name, _), held in self.held.items() if held})
+        if held:
+            self.messages.append(cf.missing_message(held))
 
     def close(self) -> list[Path]:
         """Waits for the chunk files (each flushed to disk as it is written), then flushes

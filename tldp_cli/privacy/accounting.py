@@ -2,7 +2,8 @@
 
 Every number a manifest states about the guarantee comes from `certify` (one
 calibration), `certify_all` (records of several sizes: the worst case over them),
-`compose` and `certify_file` (everything a run released).
+`compose` and `certify_file` (everything a run released); `compose_releases` what
+several releases spend together on one subject (the release ledger).
 
 - Laplace noise of scale b on values of range width Delta is pure (Delta/b)-DP per
   element and pure I*Delta/b per record (basic composition, tight for product
@@ -517,6 +518,29 @@ def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool
     return result
 
 
+# A subject's certified epsilon above which perturb and plan warn (docs/choosing-eps.md).
+# e^eps bounds how much more likely the release makes any output under one record than
+# under another: at 100 that factor is 2.7e43, so no prior belief an attacker could hold
+# about a record is protected; in practice the data comes out recognisable long before.
+# Local DP deployments use single digits per record, and the projection mechanism gives
+# useful data there; 100 flags figures that protect nothing without flagging any of those.
+RECORD_EPSILON_WARNING = 100.0
+
+
+def subject_scope(accounting: dict[str, Any]) -> str:
+    """The scope of one subject's data: a record (an image, a row of the arrays that share
+    it), or in a model file (one party's tensors, as raw_release_scopes counts it) the
+    whole file."""
+    return "per_file" if "per_tensor" in accounting else "per_record"
+
+
+def large_record_epsilon(accounting: dict[str, Any]) -> float | None:
+    """The subject's certified epsilon (subject_scope) when it exceeds
+    RECORD_EPSILON_WARNING, else None."""
+    epsilon = accounting[subject_scope(accounting)]["epsilon"]
+    return epsilon if epsilon > RECORD_EPSILON_WARNING else None
+
+
 def summary_line(accounting: dict[str, Any], noise: str) -> str:
     """The one-line statement of the guarantee the CLI prints after a run."""
     def fmt(scope: dict[str, Any]) -> str:
@@ -697,6 +721,29 @@ def discrete_gaussian_rdp_epsilon(rho: float, delta: float) -> float:
     rdp = RdpAccountant(rdp_orders())
     rdp.compose(GaussianDpEvent(noise_multiplier=1 / math.sqrt(2 * rho)))
     return float(rdp.get_epsilon(delta))
+
+
+def compose_releases(releases: list[tuple[dict[str, Any], float]]) -> tuple[float, float]:
+    """(epsilon, delta) that several releases spend together on one subject, from each
+    release's per-record scope (a manifest's `per_record`) and its --dp-delta.
+
+    Pure epsilons and deltas add (basic composition, valid for every release). When every
+    release states a zCDP rho, the rhos add too, and the epsilon of their sum (the RDP
+    bound, valid for continuous and discrete Gaussian noise) with the kept values' deltas
+    is used where it is smaller. That epsilon is stated at the smallest --dp-delta of the
+    releases: a release with a larger one cannot trade the others' delta for a smaller
+    epsilon under an epsilon cap."""
+    if not releases:
+        return 0.0, 0.0
+    scopes = [scope for scope, _ in releases]
+    basic = (sum(s["epsilon"] for s in scopes), min(1.0, sum(s["delta"] for s in scopes)))
+    if any(s.get("rho") is None for s in scopes):
+        return basic
+    dp_delta = min(delta for _, delta in releases)
+    kept = sum(s.get("point_mass_delta") or 0.0 for s in scopes)
+    by_rho = (discrete_gaussian_rdp_epsilon(sum(s["rho"] for s in scopes), dp_delta),
+              min(1.0, dp_delta + kept))
+    return by_rho if by_rho[0] < basic[0] else basic
 
 
 def discrete_gaussian_log_pmfs(sigma: float, sensitivity: int):

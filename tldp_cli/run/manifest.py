@@ -17,6 +17,7 @@ from typing import Any
 
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError
+from tldp_cli.files.checked_io import json_value
 from tldp_cli.privacy import privunit
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.sampling import projection
@@ -47,7 +48,8 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
     `calibrations`: every calibration of the run with its number of records, when records
     differ in size; the retain probability is the largest of any, and more than one are
     listed under `calibrations`. `weak_seed`: the seed held fewer than rng.MIN_SEED_BITS
-    bits and was accepted by request (--allow-weak-seed)."""
+    bits or followed an obvious pattern (rng.PATTERN_BITS) and was accepted by request
+    (--allow-weak-seed)."""
     every = [c for c, _ in calibrations] if calibrations else [calib]
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
@@ -179,7 +181,9 @@ def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) ->
 
 
 def read(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    """The manifest at `path`; InputError naming it when it is not JSON (or nests deeper
+    than checked_io.MAX_JSON_DEPTH), OSError when it cannot be read."""
+    return json_value(Path(path).read_bytes(), f"{path}: not a readable JSON manifest: it")
 
 
 _NUMBER = (int, float)

@@ -21,7 +21,6 @@ manifest).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -31,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from tldp_cli.errors import InputError
+from tldp_cli.files.checked_io import json_value, open_regular
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.manifest import sha256_file
 
@@ -48,7 +48,7 @@ def sidecar_path(mask: Path) -> Path:
 def _folder_digest(root: Path, files: list[str]) -> str:
     """sha256 of the `sha256sum`-style listing of the files (sorted relative paths)."""
     lines = "".join(f"{sha256_file(root / rel)}  {rel}\n" for rel in sorted(files))
-    return hashlib.sha256(lines.encode()).hexdigest()
+    return hashlib.sha256(lines.encode("utf-8", "surrogateescape")).hexdigest()  # names not UTF-8: their bytes
 
 
 # --------------------------------------------------------------------------------------
@@ -157,9 +157,11 @@ def load_mask(path: Path, record_shape: tuple[int, ...], records: int) -> Mask:
 def _read_png_mask(path: Path) -> np.ndarray:
     """An 8-bit grayscale mask PNG as weights in [0, 1]."""
     try:
-        with Image.open(path) as im:
+        with open_regular(path) as file, Image.open(file) as im:  # never a FIFO: it would hang
             im.load()
             mode, pixels = im.mode, np.asarray(im)
+    except InputError:
+        raise
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
         raise InputError(f"{path}: not a readable mask image ({exc})") from None
     if mode != "L":
@@ -177,7 +179,7 @@ def _load_mask_folder(folder: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mas
     for job in jobs:
         rel = PurePosixPath(job.name).with_suffix(".png").as_posix()
         file = folder / rel
-        if not file.is_file():
+        if not file.exists():  # a FIFO or a device is refused by _read_png_mask
             missing.append(rel)
             continue
         values = _read_png_mask(file)
@@ -203,8 +205,9 @@ def read_sidecar(mask: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not path.is_file():
         return None, "no sidecar"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        with open_regular(path) as f:
+            meta = json_value(f.read(), str(path))
+    except (OSError, InputError):
         return None, "unreadable sidecar"
     if not isinstance(meta, dict) or meta.get("schema") != SIDECAR_SCHEMA:
         return None, "sidecar not written by tldp weight-mask"  # some other file of that name

@@ -27,13 +27,13 @@ from typing import Any, Callable
 import numpy as np
 
 from tldp_cli.privacy import accounting
-from tldp_cli.run import dask_runner, ledger, resume
+from tldp_cli.run import dask_runner, ledger, privacy_warnings, resume
 from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     PRIVUNIT,
@@ -83,6 +83,7 @@ class PerturbOptions:
     clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
     datasets: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
+    keep: list[str] = field(default_factory=list)  # what is copied raw rather than dropped (formats.leftovers)
     input_format: str | None = None  # --format: the format's NAME, None: detected
     image_format: str = "png"
     copy_other: bool = False
@@ -101,6 +102,9 @@ class PerturbOptions:
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
     anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
+    # CF missing-data markers inside the declared range: values equal to one are missing data,
+    # copied (the missingness pattern declared public), instead of data, perturbed
+    public_missing: bool = False
     basis: str | None = None  # --mechanism privunit: dct (default), dct:K or FILE.npy (run/bases.py)
 
     def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
@@ -350,16 +354,25 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         reader.close()
 
 
-# The formats whose readers honour --exclude.
+# The formats whose readers honour --exclude, and --keep.
 EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
+KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors")
+CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
 
 
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
-    """What the format's reader is told; refuses --exclude where no reader would honour it."""
+    """What the format's reader is told; refuses --exclude and --keep where no reader would
+    honour them."""
     if options.exclude and module.NAME not in EXCLUDE_FORMATS:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
                          f"HDF5 files, not {module.NAME}")
-    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude),
+    if options.keep and module.NAME not in KEEP_FORMATS:
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
+                         f"(.npz, .safetensors), not {module.NAME}: it has nothing else to keep")
+    if options.public_missing and module.NAME not in CF_FORMATS:
+        raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
+                         f"files and xarray's Zarr stores, not {module.NAME}")
+    return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
 
@@ -390,6 +403,8 @@ class Plan:
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
     # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)
+    # by array name, its CF missing-data markers (ArrayJob.markers) inside its declared range
+    in_range_markers: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
     bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by array name
     user_basis: bases_mod.UserBasis | None = None  # privunit: --basis FILE.npy, loaded and checked
 
@@ -556,7 +571,21 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     bounds = {name: (group.lo, group.hi, group.grid) for group in groups for name in group.calib_of}
     return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
                 raw_release, bounds if len(groups) > 1 or options.ranges else {},
+                _in_range_markers(jobs, bounds),
                 {name: basis for group in groups for name, basis in group.bases.items()}, user)
+
+
+def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
+                      ) -> dict[str, tuple[tuple[str, float], ...]]:
+    """By array, its missing-data markers (ArrayJob.markers) inside its declared range (as
+    validate_block checks values: lo to the largest valid value), from the headers alone."""
+    found = {}
+    for job in jobs:
+        lo, hi, grid = bounds[job.name]
+        inside = tuple((key, value) for key, value in job.markers if lo <= value <= _top(hi, grid))
+        if inside:
+            found[job.name] = inside
+    return found
 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
@@ -578,7 +607,10 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                                              options.image_format), destination)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
-    release = _begin_release(options, module, run, jobs, weights_info, destination, manifest_path)
+    release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
+    if run.in_range_markers and not options.public_missing:
+        # Before any block is read, after the ledger's fingerprint: the same data either way.
+        reader.markers_are_data(run.in_range_markers)
     streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     staging = output.Staging()
     try:
@@ -589,6 +621,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         _abandon(release)
         raise
     notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
+    notes += cf.marker_messages(run.in_range_markers, options.public_missing)
     partial = staged.partial
     committing = contextlib.ExitStack()
     try:
@@ -598,7 +631,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
-        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs)
+        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs,
+                                  masked=list(masks))
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
@@ -617,11 +651,12 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         if release:
             ledger.complete(release.db, release.id)
             release.db.close()
-            notes.append(f"ledger {options.ledger}: this data's {release.spent.describe()}")
+            notes.append(f"ledger {options.ledger}: the most-spent of the {release.subjects} subject"
+                         f"{'s' if release.subjects != 1 else ''} this release touches: {release.spent.describe()}")
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, notes, name_map, weights_info))
+                             _messages(options, reader, notes, name_map, weights_info, manifest))
 
 
 @dataclass
@@ -734,7 +769,7 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
 
 
 def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path | None,
-              weights_info) -> list[str]:
+              weights_info, manifest: dict[str, Any]) -> list[str]:
     messages = list(reader.messages) + notes
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
@@ -745,7 +780,7 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
     if options.seed is not None:
         messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
-    return messages
+    return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
 def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
@@ -799,7 +834,7 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     try:
         earlier = manifest_mod.read(manifest_path)
         named = [Path(entry["path"]) for entry in earlier["outputs"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, InputError, ValueError, KeyError, TypeError):
         return False
     folder = Path(os.path.abspath(path))
     if earlier.get("schema") != manifest_mod.SCHEMA or not named or not all(
@@ -827,13 +862,15 @@ def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image
 class _Release:
     db: Any  # the ledger's sqlite3 connection
     id: int
-    spent: ledger.Spent
+    spent: ledger.Spent  # by the most-spent subject it touches, with it
+    subjects: int
 
 
-def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJob],
+def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: list[ArrayJob],
                    weights_info: dict | None, destination: Path, manifest_path: Path) -> _Release | None:
-    """With --ledger: fingerprint the input (one pass over its data), check the caps and
-    record the release as pending (ledger.begin); None without a ledger."""
+    """With --ledger: fingerprint the records the release touches (one more pass over
+    them), check the caps and record the release as pending (ledger.begin); None without
+    a ledger."""
     if options.ledger is None:
         return None
     path = Path(options.ledger)
@@ -841,20 +878,41 @@ def _begin_release(options: PerturbOptions, module, run: Plan, jobs: list[ArrayJ
         raise UsageError(f"{path}: the ledger cannot be inside the input {options.input}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
-        data = ledger.fingerprint(db, ((job.shape, str(job.dtype),
-                                        (job.read(start, stop).tobytes()
-                                         for start, stop in block_bounds(job, options.block_elements)))
-                                       for job in jobs))
+        touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
         figures = {scope: run.certified[scope] for scope in ("per_element", "per_record", "per_file")}
         record = _resume_record(options, module, jobs, (run.lo, run.hi), weights_info)
-        release_id, total = ledger.begin(
-            db, data, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
+        release_id, total, subjects = ledger.begin(
+            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
             options={**record, "--dp-delta": options.dp_delta}, max_epsilon=options.max_record_eps,
             max_delta=options.max_record_delta, dp_delta=options.dp_delta)
     except BaseException:
         db.close()
         raise
-    return _Release(db, release_id, total)
+    return _Release(db, release_id, total, subjects)
+
+
+def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJob],
+                     fingerprints: ledger.Fingerprints) -> list[np.ndarray]:
+    """The fingerprints of the records a release touches, one array (arrays, rows) per row
+    group it perturbs any of. A row group is read whole, its arrays this run leaves out too:
+    row i of each array that tldp perturbs by default (and groups) is subject i's, whichever
+    of them a run selects."""
+    def of(job: ArrayJob) -> np.ndarray:
+        return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
+
+    perturbed = {job.name for job in jobs}
+    default = None
+    if module.NAME in ("hdf5", "zarr") and (options.datasets or options.exclude) and not reader.records_are_tensors:
+        with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
+            default = module.open_reader(Path(options.input), FormatOptions())
+    try:
+        seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
+        groups = row_groups(module.NAME, reader, seen) or [[job.name] for job in seen]
+        by_name = {job.name: job for job in seen}
+        return [np.stack([of(by_name[name]) for name in group]) for group in groups if perturbed & set(group)]
+    finally:
+        if default is not None:
+            default.close()
 
 
 def _abandon(release: _Release | None) -> None:
@@ -865,16 +923,29 @@ def _abandon(release: _Release | None) -> None:
 
 
 def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
-                   streams: Streams | None, weights_info: dict | None, outputs: list[dict]) -> dict[str, Any]:
+                   streams: Streams | None, weights_info: dict | None, outputs: list[dict],
+                   masked: list[str] | None = None) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
-    comes from the plan, the reader and the writer, never from the data."""
+    comes from the plan, the reader and the writer, never from the data. `masked`: the
+    arrays a weight mask covers."""
     extra = dict(reader.manifest_extra if reader else {})
-    extra.update(writer.manifest_extra if writer else {})  # e.g. dropped_filters
+    for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
+        # what is written raw and left out: the reader's and the writer's together
+        extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
+    record = privacy_warnings.record_name(reader.format if reader else None, jobs, run.rows,
+                                          bool(reader and reader.records_are_tensors))
+    warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
+                privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
+                                              options.epsilon, options.budget)]
+    if any(warnings):
+        extra["warnings"] = [w for w in warnings if w]
     extra["sampler"] = options.sampler
     if options.clip is not None:
         extra["clip"] = {"norm": "linf", "bound": options.clip}
     if run.raw_release:
         extra["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
+    for key, value in cf.marker_fields(run.in_range_markers, options.public_missing).items():
+        extra[key] = [*extra.get(key, []), *value] if key == "dropped" else value
     if any(len(row) > 1 for row in run.rows):
         extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
         extra["row_records"] = _row_records(run.rows, jobs)

@@ -16,7 +16,7 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
-from tldp_cli.formats import ArrayJob
+from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
     PerturbOptions,
     build_manifest,
@@ -39,7 +39,8 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
         jobs = reader.arrays()
         run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
                    per_tensor=reader.records_are_tensors)
-        return _report(options, run, jobs, reader, list(reader.messages))
+        messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing)]
+        return _report(options, run, jobs, reader, messages)
     finally:
         reader.close()
 
@@ -92,5 +93,5 @@ def _report(options: PerturbOptions, run, jobs: list[ArrayJob], reader, messages
         "records": sum(job.records for job in jobs),
         "elements": sum(job.records * job.elements for job in jobs),
     }
-    manifest["messages"] = messages
+    manifest["messages"] = messages + [warning["message"] for warning in manifest.get("warnings", [])]
     return manifest

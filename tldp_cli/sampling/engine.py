@@ -102,6 +102,17 @@ def draw_noise(rng: np.random.Generator, noise: str, scale: float, size: int,
     return z
 
 
+def retain_probability(calib: Calibration) -> float:
+    """The probability with which the engine keeps a raw value (before any weight): the
+    calibration's p, rounded down for the exact samplers so that the realised retain
+    probability never exceeds the certified one. 0 when p underflows float64 (log10 p
+    below about -324: an MNIST digit at --eps 1): then no raw value is ever kept, and a
+    weight mask, which only lowers it, cannot change the output."""
+    if calib.noise in DISCRETE_NOISES:
+        return math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0
+    return calib.p
+
+
 def retain_candidates(rng: np.random.Generator, p_max: float, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions that may keep their raw value, and a uniform per position for thinning.
 
@@ -169,7 +180,7 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     if n == 0:
         return out.reshape(block.shape)
     per_unit = records_per_unit(elements, array_records)
-    p_max = calib.p
+    p_max = retain_probability(calib)
     for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
         rng = streams.generator(array_name, unit)
         unit_start = unit * per_unit
@@ -217,8 +228,7 @@ def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, cali
     direct = granularity is None and records.dtype.kind in "iu" and np.can_cast(records.dtype, np.int64)
     per_unit = records_per_unit(elements, array_records)
     noise_sampler = discrete.sampler(calib.noise, calib.scale)
-    # Rounded down, so the realised retain probability never exceeds the certified one.
-    p_keep = math.nextafter(calib.p, 0.0) if calib.p > 0 else 0.0
+    p_keep = retain_probability(calib)
     for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
         rng = streams.generator(array_name, unit)
         unit_start = unit * per_unit

@@ -10,12 +10,15 @@ A seed is a secret key: whoever has it regenerates the noise and subtracts it. I
 is a string of hex digits (`tldp seed`, secrets.token_hex(16)), or, from Python, a
 non-negative integer, which keys the streams as its decimal digits (so 42, "42" and
 `--seed 42` agree, and integer seeds give the noise they gave before seeds were
-keys). Seeds of fewer than MIN_SEED_BITS bits are refused unless allowed (tests, demos).
+keys). Seeds of fewer than MIN_SEED_BITS bits, and seeds that follow an obvious pattern
+(constant, repeated, counting, padded), are refused unless allowed (tests, demos).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import math
 import operator
 import secrets
 
@@ -39,11 +42,23 @@ STREAM_LAYOUT = 5  # 2: float32 Gaussian noise from ziggurat.py; 3: exact sample
                   # 5: an array smaller than a unit is a unit of its own size
 
 
-# The bits a seed holds cannot be measured, only the length of its key material: 4
-# bits per hex digit of a string, the binary length of an integer. 32 random hex
-# digits hold 128 bits; "000...0" or digits typed by hand hold far fewer, and pass
-# all the same. 128 bits puts guessing out of reach; trying the seeds 0..99 takes seconds.
+# The bits a seed holds cannot be measured, only bounded. Its length bounds them: 4 bits
+# per hex digit of a string, the binary length of an integer; 128 bits puts guessing out
+# of reach, and trying the seeds 0..99 takes seconds. A long seed can still be guessable:
+# "000...0", "deadbeef" repeated, 0123456789abcdef..., 42 padded with zeros. So a seed is
+# also weak when one of a few simple models (below) describes it in fewer than
+# PATTERN_BITS bits: a guesser tries those first. Each model is a prefix code (Kraft), so
+# a uniformly random seed of b bits gets a description under PATTERN_BITS bits with
+# probability at most 2^(PATTERN_BITS - b) (the counting argument): 2^-40 for `tldp seed`'s
+# 128 bits. Digits typed by hand or a hash of a password still pass: make seeds with `tldp seed`.
 MIN_SEED_BITS = 128
+PATTERN_BITS = 88
+# The models: few distinct symbols, and few distinct steps from one symbol to the next
+# (counting), each on the hex digits and on their groups of 2, 4 and 8 (bytes, 16- and
+# 32-bit words); a repeated block; a run of one symbol (padding). At most 16 of them: 4
+# bits say which; an integer is also read as its decimal digits: 1 bit more.
+PATTERN_MODEL_BITS = 4
+SEED_BYTES = MIN_SEED_BITS // 8
 MAKE_SEED = "make one with `tldp seed` (or python -c \"import secrets; print(secrets.token_hex(16))\")"
 
 
@@ -65,16 +80,83 @@ def seed_text(seed: str | int) -> tuple[str, int]:
     return str(number), number.bit_length()
 
 
+def new_seed() -> str:
+    """A fresh seed from the OS's secure source (`tldp seed`): 32 hex digits, 128 bits."""
+    return secrets.token_hex(SEED_BYTES)
+
+
+def _log2_choose(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def _type_bits(symbols: list[int], alphabet: int) -> float:
+    """Bits of a two-part code for a sequence: how many distinct symbols (k), which ones,
+    how often each occurs, then which arrangement of those counts it is."""
+    n = len(symbols)
+    counts = sorted(collections.Counter(symbols).values())
+    k = len(counts)
+    arrangements = math.lgamma(n + 1) - sum(math.lgamma(c + 1) for c in counts)
+    return (math.log2(min(n, alphabet)) + _log2_choose(alphabet, k) + _log2_choose(n - 1, k - 1)
+            + arrangements / math.log(2))
+
+
+def _steps(symbols: list[int], alphabet: int) -> list[int]:
+    return [(b - a) % alphabet for a, b in zip(symbols, symbols[1:])]
+
+
+def _pattern_bits(symbols: list[int], alphabet: int) -> float:
+    """The shortest description of the sequence among the simple models (bits, the
+    choice of model included): what a guesser who tries patterns first has to search."""
+    n, per = len(symbols), math.log2(alphabet)
+    if n < 2:
+        return per * n
+    bits = []
+    for width in (1, 2, 4, 8) if alphabet == 16 else (1,):  # digits, bytes, 16- and 32-bit words
+        if n % width or n // width < 2:
+            continue
+        words = [int("".join(f"{d:x}" for d in symbols[i:i + width]), 16) for i in range(0, n, width)]
+        size = alphabet ** width
+        bits += [_type_bits(words, size), per * width + _type_bits(_steps(words, size), size)]
+    period = next((p for p in range(1, n) if symbols[p:] == symbols[:-p]), n)  # the shortest
+    bits.append(math.log2(n) + per * period)
+    run, longest = 1, 1
+    for a, b in zip(symbols, symbols[1:]):
+        run = run + 1 if a == b else 1
+        longest = max(longest, run)
+    bits.append(2 * math.log2(n) + per * (n - longest + 1))  # where, how long, which, the rest
+    return PATTERN_MODEL_BITS + min(bits)
+
+
+def pattern_bits(seed: str | int) -> float:
+    """The fewest bits in which a simple model (see PATTERN_BITS) describes the seed: its
+    hex digits, or an integer's decimal digits and its hex digits."""
+    text, _ = seed_text(seed)
+    if isinstance(seed, str):
+        return _pattern_bits([int(c, 16) for c in text], 16)
+    return 1 + min(_pattern_bits([int(c) for c in text], 10),
+                   _pattern_bits([int(c, 16) for c in format(int(text), "x")], 16))
+
+
 def check_seed(seed: str | int, allow_weak_seed: bool = False) -> bool:
-    """Whether the seed is weak (under MIN_SEED_BITS bits of key material); raises
-    UsageError for something that is not a seed, and for a weak seed unless allowed."""
+    """Whether the seed is weak (under MIN_SEED_BITS bits of key material, or an obvious
+    pattern: see PATTERN_BITS); raises UsageError for something that is not a seed, and
+    for a weak seed unless allowed."""
     _, bits = seed_text(seed)
-    if bits < MIN_SEED_BITS and not allow_weak_seed:
-        raise UsageError(f"the seed is a secret key and holds only {bits} bits of key material, "
-                         f"few enough to guess; use at least {MIN_SEED_BITS} bits "
-                         f"({MIN_SEED_BITS // 4} random hex digits): {MAKE_SEED}, or pass "
+    if bits < MIN_SEED_BITS:
+        if not allow_weak_seed:
+            raise UsageError(f"the seed is a secret key and holds only {bits} bits of key material, "
+                             f"few enough to guess; use at least {MIN_SEED_BITS} bits "
+                             f"({MIN_SEED_BITS // 4} random hex digits): {MAKE_SEED}, or pass "
+                             "--allow-weak-seed for tests and demos")
+        return True
+    described = pattern_bits(seed)
+    if described < PATTERN_BITS and not allow_weak_seed:
+        raise UsageError(f"the seed is a secret key and follows an obvious pattern (a constant, "
+                         f"repeated, counting or padded sequence, or few distinct digits: "
+                         f"{described:.0f} bits describe it), which a guesser tries first; use "
+                         f"{MIN_SEED_BITS // 4} random hex digits: {MAKE_SEED}, or pass "
                          "--allow-weak-seed for tests and demos")
-    return bits < MIN_SEED_BITS
+    return described < PATTERN_BITS
 
 
 def records_per_unit(elements_per_record: int, array_records: int | None = None) -> int:
@@ -113,8 +195,12 @@ class Streams:
 
     def generator(self, array_name: str, unit: int) -> np.random.Generator:
         fresh = b"" if self.seeded else secrets.token_bytes(16)
+        # A file name that is not UTF-8 comes from os.fsdecode with lone surrogates for the
+        # bytes it could not decode: surrogateescape gives the name's own bytes back (and
+        # every other name the UTF-8 it always had).
+        name = array_name.encode("utf-8", "surrogateescape")
         key = hashlib.sha256(
-            self._root + b"\0" + array_name.encode() + b"\0" + unit.to_bytes(8, "little") + fresh
+            self._root + b"\0" + name + b"\0" + unit.to_bytes(8, "little") + fresh
         ).digest()
         if self.kind == "secure":
             from randomgen import AESCounter

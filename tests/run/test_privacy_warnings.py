@@ -1,0 +1,164 @@
+"""Privacy settings that do less than they seem: a certified per-record eps above the
+documented threshold, and a weight mask that cannot change the output. Each is one
+line on stderr (unless -q) and an entry of the manifest's `warnings` (so of --json)."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import save_file
+
+from tests.builders import REPO, SEED
+from tldp_cli.privacy import accounting
+
+DIGITS = np.load(REPO / "sample_data" / "digits.npy")[:40]
+GUIDE = "see docs/choosing-eps.md for choosing eps"
+
+
+@pytest.fixture
+def digits(tmp_path):
+    np.save(tmp_path / "x.npy", DIGITS)
+    return tmp_path / "x.npy"
+
+
+def warning_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("tldp: warning:")]
+
+
+def run_json(cli, *args):
+    result = cli(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return result, json.loads(result.stdout)
+
+
+def large(manifest):
+    return [w for w in manifest.get("warnings", []) if w["kind"] == "large_record_epsilon"]
+
+
+def test_a_huge_per_record_eps_is_named_with_its_record(cli, digits, tmp_path):
+    result, manifest = run_json(cli, "perturb", digits, "--eps", "1", "--out", tmp_path / "o.npy")
+    figure = manifest["accounting"]["per_record"]["epsilon"]  # 780.9: the accounting's, not a new one
+    assert figure > accounting.RECORD_EPSILON_WARNING
+    [line] = [line for line in warning_lines(result) if "certified eps" in line]
+    assert line == (f"tldp: warning: the certified eps per record is {figure:.4g}, above 100 (a record is "
+                    "one of the 40 entries along the first axis, of 784 elements): a bound of e^eps on "
+                    f"what the release tells about it protects nothing; {GUIDE} (--budget record sets "
+                    "eps per record)")
+    [entry] = large(manifest)
+    assert entry["epsilon"] == figure and entry["threshold"] == 100 and entry["scope"] == "per_record"
+    assert entry["guide"] == "docs/choosing-eps.md" and entry["message"] == line[len("tldp: "):]
+    assert json.loads((tmp_path / "o.npy.manifest.json").read_text())["warnings"] == manifest["warnings"]
+
+
+@pytest.mark.parametrize("eps, warned", [("8", False), ("100", False), ("101", True)])
+def test_the_threshold_is_the_certified_figure_against_100(cli, digits, tmp_path, eps, warned):
+    result, manifest = run_json(cli, "perturb", digits, "--eps", eps, "--budget", "record",
+                                "--out", tmp_path / "o.npy")
+    assert bool(large(manifest)) == warned
+    assert any("certified eps" in line for line in warning_lines(result)) == warned
+    if warned:
+        assert "(lower --eps)" in large(manifest)[0]["message"]
+
+
+def test_quiet_silences_the_line_but_not_the_manifest(cli, digits, tmp_path):
+    result = cli("perturb", digits, "--eps", "1", "--out", tmp_path / "o.npy", "-q", "--json")
+    assert result.exit_code == 0 and result.stderr == ""
+    assert large(json.loads(result.stdout))
+    assert large(json.loads((tmp_path / "o.npy.manifest.json").read_text()))
+
+
+def test_plan_warns_as_perturb_does(cli, digits):
+    result, plan = run_json(cli, "plan", digits, "--eps", "1")
+    [entry] = large(plan)
+    assert entry["epsilon"] == plan["accounting"]["per_record"]["epsilon"]
+    assert entry["message"] in plan["messages"]
+    assert f"tldp: {entry['message']}" in warning_lines(result)
+    described, plan = run_json(cli, "plan", "--elements", "640x480x3", "--records", "10", "--range", "0:256",
+                               "--eps", "1")
+    assert "a record is one of the 10 entries along the first axis, of 921600 elements" in described.stderr
+    assert large(plan)[0]["epsilon"] > 8e5  # a photo at --eps 1
+    assert not large(run_json(cli, "plan", digits, "--eps", "8", "--budget", "record")[1])
+
+
+def test_the_record_is_named_for_images_rows_and_model_files(cli, tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(photos / "a.png")
+    _, manifest = run_json(cli, "perturb", photos, "--eps", "1", "--out", tmp_path / "po")
+    assert large(manifest)[0]["record"] == "an image"
+
+    with h5py.File(tmp_path / "rows.h5", "w") as f:
+        f["a"] = DIGITS[:10, :8, :8]
+        f["b"] = DIGITS[:10, 0, :4]
+    result, manifest = run_json(cli, "perturb", tmp_path / "rows.h5", "--eps", "2", "--range", "0:256",
+                                "--out", tmp_path / "r.h5")
+    [entry] = large(manifest)
+    assert entry["record"] == "row i of /a, /b"
+    assert entry["epsilon"] == manifest["accounting"]["per_record"]["epsilon"]  # the row composed
+
+    save_file({"w": np.zeros((32, 16), np.float32), "b": np.zeros(16, np.float32)}, str(tmp_path / "m.safetensors"))
+    result, manifest = run_json(cli, "perturb", tmp_path / "m.safetensors", "--eps", "60", "--budget", "record",
+                                "--clip", "0.1", "--dtype", "float64", "--out", tmp_path / "o.safetensors")
+    # Each tensor gets eps 60; the file, one party's, composes them: that is the subject's figure.
+    [entry] = large(manifest)
+    assert entry["scope"] == "per_file" and entry["record"] == "one party's 2 tensors, composed"
+    assert entry["epsilon"] == manifest["accounting"]["per_file"]["epsilon"] > 100
+    assert manifest["accounting"]["per_record"]["epsilon"] <= 60
+    assert "the certified eps per file is" in result.stderr
+
+
+def test_a_mask_that_cannot_change_the_output_says_so(cli, digits, tmp_path):
+    mask = tmp_path / "w.npy"
+    np.save(mask, np.full((28, 28), 0.9))
+    masked, manifest = run_json(cli, "perturb", digits, "--eps", "1", "--weights", mask, "--seed", SEED,
+                                "--out", tmp_path / "masked.npy")
+    plain = cli("perturb", digits, "--eps", "1", "--seed", SEED, "--out", tmp_path / "plain.npy")
+    assert plain.exit_code == 0
+    # What the warning claims: the bytes are those of the run without the mask.
+    assert (tmp_path / "masked.npy").read_bytes() == (tmp_path / "plain.npy").read_bytes()
+    assert manifest["retain_probability"] == 0.0 and manifest["retain_probability_log10"] < -324
+    [entry] = [w for w in manifest["warnings"] if w["kind"] == "weights_without_effect"]
+    assert entry["records"] == entry["of"] == 40
+    line = f"tldp: {entry['message']}"
+    assert line in warning_lines(masked)
+    assert line.startswith(f"tldp: warning: the weight mask {mask} cannot change the output: TLDP's retain "
+                           "probability is already 0 at --eps 1 (element budget) for records of 784 elements "
+                           f"(log10 p = {manifest['retain_probability_log10']:.5g} underflows)")
+    quiet = cli("perturb", digits, "--eps", "1", "--weights", mask, "--out", tmp_path / "q.npy", "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    assert any(w["kind"] == "weights_without_effect"
+               for w in json.loads((tmp_path / "q.npy.manifest.json").read_text())["warnings"])
+
+    baseline, manifest = run_json(cli, "perturb", digits, "--eps", "1", "--mechanism", "baseline",
+                                  "--weights", mask, "--out", tmp_path / "b.npy")
+    assert "cannot change the output: the mechanism keeps no raw value" in baseline.stderr
+
+
+def test_a_mask_that_can_change_the_output_is_not_warned_about(cli, tmp_path):
+    values = np.random.default_rng(1).integers(0, 4, (200, 4), dtype=np.uint8)
+    np.save(tmp_path / "small.npy", values)
+    np.save(tmp_path / "w.npy", np.full(4, 0.5))
+    result, manifest = run_json(cli, "perturb", tmp_path / "small.npy", "--eps", "1", "--range", "0:4",
+                                "--weights", tmp_path / "w.npy", "--out", tmp_path / "o.npy")
+    assert manifest["retain_probability"] > 1e-3
+    assert "warnings" not in manifest and not warning_lines(result)[1:]  # only the sidecar's line
+
+
+def test_a_mask_idle_on_some_records_counts_them(cli, tmp_path):
+    """The retain probability falls with the record's size: a 2x2 image keeps raw values
+    at eps 1, a 64x64 one does not."""
+    photos, masks = tmp_path / "photos", tmp_path / "masks"
+    photos.mkdir()
+    masks.mkdir()
+    rng = np.random.default_rng(2)
+    for name, shape in (("small", (2, 2)), ("large", (64, 64))):
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(photos / f"{name}.png")
+        Image.fromarray(np.full(shape, 128, np.uint8)).save(masks / f"{name}.png")
+    result, manifest = run_json(cli, "perturb", photos, "--eps", "1", "--weights", masks, "--out", tmp_path / "out")
+    assert [c["retain_probability"] > 0 for c in manifest["calibrations"]] == [True, False]
+    [entry] = [w for w in manifest["warnings"] if w["kind"] == "weights_without_effect"]
+    assert (entry["records"], entry["of"]) == (1, 2)
+    assert "cannot change the output for 1 of the 2 records it covers" in entry["message"]
+    assert "records of 4096 elements" in entry["message"]

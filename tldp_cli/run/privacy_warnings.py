@@ -1,0 +1,82 @@
+"""Warnings about a release whose privacy settings do less than they seem to.
+
+- A subject's certified epsilon above accounting.RECORD_EPSILON_WARNING: the figure
+  is true and protects nothing (docs/choosing-eps.md).
+- A weight mask (--weights) on records whose retain probability is already 0 in the
+  engine (engine.retain_probability): the mask only lowers it, so it cannot change
+  the output.
+
+Each is an entry of the manifest's `warnings` ({kind, message, ...}: `tldp plan` and
+`perturb --json` show it too) and a line of the run's messages, which the CLI prints
+unless -q. The figures come from the accounting the run already did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tldp_cli.formats import ArrayJob, listing, plural
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.types import Calibration
+from tldp_cli.sampling.engine import retain_probability
+
+GUIDE = "docs/choosing-eps.md"
+
+
+def record_name(format_name: str | None, jobs: list[ArrayJob], rows: list[list[str]],
+                per_tensor: bool) -> str:
+    """What one subject's record is, in words: "an image", "row i of a, b"."""
+    if per_tensor:
+        return f"one party's {plural(len(jobs), 'tensor')}, composed"
+    if format_name == "images":
+        return "an image"
+    if rows:
+        return "; ".join(f"row i of {', '.join(row)}" for row in rows)
+    if len(jobs) == 1:
+        of = "" if format_name in (None, "npy") else f" of {jobs[0].name}"  # npy: the file is the array
+        return f"one of the {jobs[0].records} entries along the first axis{of}, of {jobs[0].elements} elements"
+    return f"a row of {listing([job.name for job in jobs])}"
+
+
+def large_epsilon(certified: dict[str, Any], record: str, budget: str) -> dict[str, Any] | None:
+    """The warning on a subject's certified epsilon above the threshold, if it is."""
+    epsilon = accounting.large_record_epsilon(certified)
+    if epsilon is None:
+        return None
+    threshold, scope = accounting.RECORD_EPSILON_WARNING, accounting.subject_scope(certified)
+    unit, what = ("file", "the file is") if scope == "per_file" else ("record", "a record is")
+    advice = ("lower --eps" if budget == "record" and scope == "per_record" else
+              "--budget record sets eps per tensor, the file composes them" if scope == "per_file" else
+              "--budget record sets eps per record")
+    return {"kind": "large_record_epsilon", "record": record, "scope": scope, "epsilon": epsilon,
+            "threshold": threshold, "guide": GUIDE,
+            "message": f"warning: the certified eps per {unit} is {epsilon:.4g}, above {threshold:g} "
+                       f"({what} {record}): a bound of e^eps on what the release tells about it "
+                       f"protects nothing; see {GUIDE} for choosing eps ({advice})"}
+
+
+def _sizes(calibrations: list[Calibration]) -> str:
+    sizes = sorted({c.elements for c in calibrations})
+    return f"{sizes[0]} elements" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]} elements"
+
+
+def idle_weights(weights: Path | None, jobs: list[ArrayJob], calib_of: dict[str, Calibration],
+                 masked: list[str], epsilon: float, budget: str) -> dict[str, Any] | None:
+    """The warning on a weight mask that cannot change the output (or part of it), if any:
+    the records it covers whose retain probability is 0 in the engine."""
+    covered = [job for job in jobs if job.name in masked]
+    idle = [job for job in covered if retain_probability(calib_of[job.name]) == 0.0]
+    if weights is None or not idle:
+        return None
+    calibs = list(dict.fromkeys(calib_of[job.name] for job in idle))
+    logs = [c.p_log10 for c in calibs if c.p_log10 is not None]
+    records, total = sum(job.records for job in idle), sum(job.records for job in covered)
+    part = "" if records == total else f" for {records} of the {total} records it covers"
+    why = ("the mechanism keeps no raw value" if not logs else
+           f"TLDP's retain probability is already 0 at --eps {epsilon:g} ({budget} budget) for "
+           f"records of {_sizes(calibs)} (log10 p = {max(logs):.5g} underflows), and a mask only "
+           "lowers it")
+    return {"kind": "weights_without_effect", "records": records, "of": total,
+            "message": f"warning: the weight mask {weights} cannot change the output{part}: {why}; "
+                       "see docs/weight-masks.md"}
