@@ -220,6 +220,13 @@ def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str,
     u = np.where(r[:, None] > 0, z / np.where(r > 0, r, 1.0)[:, None], np.eye(basis.shape[0])[0])
     cal = cal or calibrate(eps, basis.shape[0])
     v = privunit(u, cal, rng)
+    if scale.startswith("clip/") or scale.startswith("noclip/"):  # the package's display scale, /D
+        kind, divisor = scale.split("/")
+        c = np.full(len(x), 2 * norm / float(divisor))  # (hi - lo) sqrt(I) / D
+        out = lo + (c[:, None] * v) @ basis
+        if kind == "clip":
+            out = np.clip(out, lo, lo + 2 * norm / math.sqrt(basis.shape[1]))  # to [lo, hi]
+        return out.reshape(shape)
     c = {"unbiased": np.full(len(x), norm / cal["m"]), "display": np.full(len(x), norm),
          "oracle": r * cal["m"]}[scale]
     return (lo + (c[:, None] * v) @ basis).reshape(shape)
@@ -372,6 +379,48 @@ def colour_table(result: dict, metric: str) -> str:
     return "\n".join(lines)
 
 
+def one_se_k(rows: list[dict]) -> tuple[int, int]:
+    """(best k, the smallest k within one standard error of the best k's mean F1): the
+    one-standard-error rule of model selection, for one (data, scale, eps)."""
+    best = max(rows, key=lambda r: r["f1"])
+    se = (best["f1_sd"] or 0.0) / math.sqrt(best["n"])
+    return best["k"], min(r["k"] for r in rows if r["f1"] >= best["f1"] - se)
+
+
+def rule_k(eps: float, elements: int, per_eps: float, k_min: int, k_max: int) -> int:
+    """The candidate rule k = min(I, k_max, max(k_min, round(per_eps * eps)))."""
+    return int(min(elements, k_max, max(k_min, round(per_eps * eps))))
+
+
+def fit(specs: list[str], candidates: list[tuple[float, int, int]]) -> dict:
+    """For every candidate (per_eps, k_min, k_max) whose k falls on each table's k grid:
+    its mean and worst regret (best F1 minus F1 at the rule's k) over the tables and eps.
+    specs: NAME:SCALE, a table of k_rule/ and the output scale of its rows to use."""
+    tables = [(json.loads((OUT / f"{spec.split(':')[0]}.json").read_text()), spec.split(":")[1])
+              for spec in specs]
+    summary = []
+    for per_eps, k_min, k_max in candidates:
+        regrets = []
+        for t, scale in tables:
+            rows = [r for r in t["rows"] if r["scale"] == scale]
+            elements = math.prod(t["shape"])
+            for eps in EPSILONS:
+                at = {r["k"]: r["f1"] for r in rows if r["eps"] == eps}
+                k = rule_k(eps, elements, per_eps, k_min, k_max)
+                if at and k in at:
+                    regrets.append(max(at.values()) - at[k])
+                elif at:
+                    regrets = None
+                    break
+            if regrets is None:
+                break
+        if regrets:
+            summary.append({"per_eps": per_eps, "k_min": k_min, "k_max": k_max,
+                            "mean_regret": float(np.mean(regrets)), "worst_regret": float(np.max(regrets)),
+                            "points": len(regrets)})
+    return {"tables": specs, "candidates": sorted(summary, key=lambda r: r["mean_regret"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -388,7 +437,28 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--k", default="3,4,6,8,12,16,24,48", help="comma-separated total k values")
     c.add_argument("--shares", default="rgb,0.3333333333333333,0.5,0.6666666666666666,0.8",
                    help="luminance shares of k (rgb: the channels as they are)")
+    f = sub.add_parser("fit", help="regret of candidate rules over grid tables")
+    f.add_argument("--tables", default="digits8-tldp:tldp/8,mnist400-scales:clip/8",
+                   help="NAME:SCALE,...: tables of k_rule/ and the output scale of their rows")
     args = parser.parse_args(argv)
+    if args.command == "fit":
+        grid_values = [(a, lo, hi) for a in (8, 16, 32, 64) for lo in (16, 32, 64, 128)
+                       for hi in (64, 128, 256, 512, 1024) if lo <= hi]
+        result = fit(args.tables.split(","), grid_values)
+        for spec in result["tables"]:
+            name, scale = spec.split(":")
+            t = json.loads((OUT / f"{name}.json").read_text())
+            rows = [r for r in t["rows"] if r["scale"] == scale]
+            print(f"\n{name} ({scale}; clean F1 {t['f1_clean']:.3f}): best k / one-SE k per eps: " +
+                  ", ".join(f"eps {e:g}: {'/'.join(map(str, one_se_k([r for r in rows if r['eps'] == e])))}"
+                            for e in EPSILONS if any(r["eps"] == e for r in rows)))
+        print("\n| k = min(I, k_max, max(k_min, round(a eps))) | mean regret | worst regret | points |")
+        print("|---|---:|---:|---:|")
+        for c in result["candidates"][:12]:
+            print(f"| a {c['per_eps']:g}, k_min {c['k_min']}, k_max {c['k_max']} | {c['mean_regret']:.3f} | "
+                  f"{c['worst_regret']:.3f} | {c['points']} |")
+        _save("fit", result)
+        return 0
     if args.command == "grid":
         scales = args.scales.split(",")
         result = grid(args.data, args.repeats, scales, args.ordering,

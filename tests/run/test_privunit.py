@@ -27,7 +27,7 @@ def privunit(cli, src, out, *args):
     return json.loads((out.parent / (out.name + ".manifest.json")).read_text()), result
 
 
-def check_manifest(m, k=64, epsilon=4):
+def check_manifest(m, k=128, epsilon=4):
     assert m["mechanism"] == "privunit" and m["noise"] == "privunit" and m["budget"] == "record"
     assert m["epsilon"] == epsilon
     record = m["accounting"]["per_record"]
@@ -83,13 +83,13 @@ def test_perturb_array_gives_the_bytes_perturb_writes(cli, tmp_path):
     released = perturb_array(DATA, eps=4, mechanism="privunit", seed=SEED)
     assert released.array.tobytes() == np.load(tmp_path / "out.npy").tobytes()
     assert released.accounting["per_record"]["epsilon"] <= 4
-    assert released.calibration.privunit.k == 64 and released.noise == "privunit"
+    assert released.calibration.privunit.k == 64 and released.noise == "privunit"  # 8 x 8: k = I
 
 
 def test_plan_states_the_split_before_reading_data(cli, tmp_path):
     result = cli("plan", SAMPLES / "digits.npy", "--mechanism", "privunit", "--eps", "4")
     assert result.exit_code == 0, result.stderr
-    assert "privunit on 64 DCT-II coefficients" in result.stderr
+    assert "privunit on 128 DCT-II coefficients" in result.stderr
     assert "each record (eps=4, delta=0)" in result.stderr
     report = json.loads(cli("plan", SAMPLES / "digits.npy", "--mechanism", "privunit", "--eps", "4",
                             "--json", "-q").stdout)
