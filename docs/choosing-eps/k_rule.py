@@ -19,8 +19,9 @@ Protocol (docs/choosing-eps.md, "How the default k was chosen"):
    max(u/H, v/W) ("square"), ties by u then v. z = B (x - lo), u = z / |z|.
 2. PrivUnit2 at per-record eps: (gamma, eps0) chosen to maximise m = E<V, u> subject to
    eps0 + ln((1 - q) / q) = eps, q the cap's share of the sphere S^{k-1}.
-3. Written back as x_out = lo + B^T (c V) with c = s / m ("unbiased": E[x_out - lo] is
-   s * B^T u) or c = s ("display": every release has norm s), s a public norm.
+3. Written back as x_out = lo + B^T (c V): at the package's display scale
+   c = (hi - lo) sqrt(I) / D (clipped to the range, as the package writes, or not), or
+   c = s / m ("unbiased": E[x_out - lo] = s B^T u, s = (hi - lo) sqrt(I) / 2, a public norm).
 4. Utility: tldp_cli.evaluate.weighted_f1 (what `tldp evaluate` runs: logistic regression
    on (x - lo) / (hi - lo), weighted F1) trained on the releases of the training records,
    tested on the clean test records.
@@ -39,11 +40,21 @@ release against its original. The release's scale is the oracle |z| * m (the sma
 expected error a release of the direction alone can reach), so the comparison measures
 the direction's quality and nothing else.
 
-    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5
-    python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3
-    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 1
-    python docs/choosing-eps/k_rule.py colour --repeats 2
-    python docs/choosing-eps/k_rule.py fit
+The tables of docs/choosing-eps.md ("How the default k was chosen") come from these
+commands (a few minutes each on an idle core; the 28x28 ones longer):
+
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 16,24,32,48,64 --scales tldp/2,tldp/4,tldp/8 --name digits8-tldp
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 32,64 --scales clip/8,noclip/8,clip/2,noclip/2,unbiased --name digits8-clip
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 1 --k 64,128,256,784 --scales unbiased,clip/8,clip/2,noclip/2 --name mnist400-scales
+    python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3 --k 32,64,128,256 --scales clip/8 --name digits28-clip
+    python docs/choosing-eps/k_rule.py colour --repeats 2 --shares rgb,0.5,0.6666666666666666
+    python docs/choosing-eps/k_rule.py fit --tables digits8-tldp:tldp/8,mnist400-scales:clip/8,digits28-clip:clip/8
+
+Scales: "tldp/D" releases with the package's own mechanism (tldp_cli.perturb_array,
+--basis dct:k) at display divisor D; "clip/D" and "noclip/D" are this script's PrivUnit2
+written back at the package's display scale (hi - lo) sqrt(I) / D, clipped to the range
+or not (its calibration has no floor on the cap's share, the package's has 2^-10);
+"unbiased" is c = (hi - lo) sqrt(I) / (2 m), unclipped.
 
 Every command writes its table as JSON under docs/choosing-eps/k_rule/ and prints it as markdown.
 """
