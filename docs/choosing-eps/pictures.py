@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 EPSILONS = (1.0, 4.0, 16.0, 64.0, 1000.0)
-ROWS = (  # label, mechanism, noise
-    ("TLDP (TLDP-L), --budget record", "tldp", None),
-    ("Gaussian baseline, --budget record", "baseline", "gaussian"),
-    ("privunit (default basis)", "privunit", None),
+ROWS = (  # label, mechanism, noise (all under --budget record)
+    ("TLDP-L", "tldp", None),
+    ("Gaussian\nbaseline", "baseline", "gaussian"),
+    ("privunit", "privunit", None),
 )
 PHOTO_SIZE = (120, 80)  # width, height
 
@@ -56,7 +57,8 @@ def release(records: np.ndarray, mechanism: str, noise: str | None, eps: float) 
         out = perturb_array(records, eps=eps, mechanism=mechanism, noise=noise, budget="record",
                             seed=0, allow_weak_seed=True)
     except UsageError as exc:
-        return None, "refused: " + str(exc).split(";")[0].split(", above")[0]
+        least = re.search(r"at least ([0-9.e+]+) per record", str(exc))
+        return None, "refused:\n" + (f"certifies at least\n{least.group(1)} per record" if least else str(exc))
     k = f", k {out.calibration.privunit.k}" if mechanism == "privunit" else ""
     return np.asarray(out.array, np.float64), f"ε {out.accounting['per_record']['epsilon']:.3g}{k}"
 
@@ -73,7 +75,7 @@ def figure(records: np.ndarray, title: str, cell_inches: float) -> bytes:
 
     columns = 1 + len(EPSILONS)
     h, w = strip(records).shape[:2]
-    fig = Figure(figsize=(columns * cell_inches, len(ROWS) * cell_inches * h / w + 0.9), dpi=100)
+    fig = Figure(figsize=(columns * cell_inches + 0.6, len(ROWS) * (cell_inches * h / w + 0.3) + 0.6), dpi=100)
     axes = fig.subplots(len(ROWS), columns, squeeze=False)
     grey = records.ndim == 3
     for r, (label, mechanism, noise) in enumerate(ROWS):
@@ -84,8 +86,7 @@ def figure(records: np.ndarray, title: str, cell_inches: float) -> bytes:
             ax.set_xticks([])
             ax.set_yticks([])
             if values is None:
-                ax.text(0.5, 0.5, caption.replace(": ", ":\n", 1), ha="center", va="center", fontsize=6,
-                        wrap=True, transform=ax.transAxes)
+                ax.text(0.5, 0.5, caption, ha="center", va="center", fontsize=7, transform=ax.transAxes)
             else:
                 ax.imshow(strip(values), cmap="gray" if grey else None, vmin=0, vmax=255,
                           interpolation="nearest")
@@ -93,7 +94,7 @@ def figure(records: np.ndarray, title: str, cell_inches: float) -> bytes:
             if r == 0:
                 ax.set_title("raw" if c == 0 else f"per-record ε {EPSILONS[c - 1]:g}", fontsize=8)
             if c == 0:
-                ax.set_ylabel(label, fontsize=7)
+                ax.set_ylabel(label, fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "digits.png").write_bytes(
-        figure(digits(), "four shipped MNIST training digits (28 × 28, range 0:256), each a record", 1.6))
+        figure(digits(), "four shipped MNIST training digits (28 × 28), each a record; --budget record", 1.9))
     (args.out / "photo.png").write_bytes(
-        figure(photo(), "scikit-learn's china.jpg at 120 × 80 (range 0:256), one record", 1.6))
+        figure(photo(), "scikit-learn's china.jpg at 120 × 80 × 3, one record; --budget record", 1.9))
     return 0
 
 
