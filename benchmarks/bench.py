@@ -670,6 +670,21 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def privunit_only(reps: int, out: Path | None) -> int:
+    """--privunit-only: the privunit section on the engine's records, printed and saved."""
+    records = PRIVUNIT_RECORDS
+    data = mnist_like(np.random.default_rng(1), records, digits()).reshape(records, ELEMENTS)
+    results = {"machine": machine_info(), "reps": reps, "privunit": privunit_rates(data, reps),
+               "command": " ".join(["python", "benchmarks/bench.py", *sys.argv[1:]])}
+    lines = ["| case | per-record ε | k | M elements/s | ratio to TLDP-L exact |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['case']} | {r['epsilon']:g} | {r['k'] or '-'} | {r['melem_s']:.1f} | {r['ratio_to_tldp']:.2f}x |"
+              for r in results["privunit"]]
+    print("\n".join(lines))
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -693,7 +708,11 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"end-to-end runs to make, comma-separated (default {','.join(FORMATS)}; "
                              "'none' for engine, references and peers only)")
+    parser.add_argument("--privunit-only", action="store_true",
+                        help="measure only the privunit section (and TLDP-L exact on the same records)")
     args = parser.parse_args(argv)
+    if args.privunit_only:
+        return privunit_only(args.reps or (1 if args.quick else 3), args.out)
     which = [] if args.formats == "none" else args.formats.split(",")
     if set(which) - set(FORMATS):
         parser.error(f"--formats: choose from {', '.join(FORMATS)} or none")

@@ -2,6 +2,7 @@
 asserted: the benchmark reports numbers, the tests only check it still works)."""
 
 import importlib.util
+import json
 
 import numpy as np
 
@@ -57,3 +58,12 @@ def test_privunit_section_runs_and_reports_ratios_to_tldp():
     finally:
         bench.MECHANISMS = saved
     assert "| privunit | 4 |" in table and "| projection | 10 |" in table
+
+
+def test_privunit_only_prints_its_table_and_writes_its_numbers(tmp_path, capsys):
+    bench = load_bench()
+    bench.PRIVUNIT_RECORDS = 40
+    assert bench.main(["--privunit-only", "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    assert "| privunit | 10 | 128 |" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [r["case"] for r in saved["privunit"]][:2] == ["TLDP-L exact", "projection"]
