@@ -225,13 +225,16 @@ def make_images(tmp_path):
 
 
 # --------------------------------------------------------------------------- round trip
-# The round-trip contract every input format runs (one subclass per format): a subclass says
-# how to make a real input file in tmp_path, how to read its perturbable arrays back, and how
-# to check that everything else came through unchanged; the base class runs perturb through
-# the CLI and checks what holds for every format.
+# The round-trip contract every registered format runs (tests/formats/test_round_trip.py,
+# parametrised over the registry): a case, a subclass beside the format's other tests, says
+# which format it is, how to make a real input file in tmp_path, how to read its perturbable
+# arrays back, and how to check that everything else came through unchanged; the base class
+# runs perturb through the CLI and checks what holds for every format.
 
 class RoundTrip:
+    format: str  # the registered format's name (formats.FORMAT_MODULES)
     extra_args: tuple[str, ...] = ()
+    out_suffix = ""  # what an output's name must end with (NIfTI: .nii or .nii.gz)
 
     # --- what a format's subclass provides -------------------------------------------
     def make_input(self, tmp_path: Path) -> Path:
@@ -246,13 +249,16 @@ class RoundTrip:
         raise NotImplementedError
 
     # --- the shared contract ----------------------------------------------------------
+    def _out(self, tmp_path: Path, name: str) -> Path:
+        return tmp_path / (name + self.out_suffix)
+
     def _run(self, cli: Cli, src: Path, out: Path, *more):
         return cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *self.extra_args, *more)
 
-    def test_round_trip(self, cli, tmp_path):
+    def check_round_trip(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         before = tree_digest(src)
-        out = tmp_path / "out"
+        out = self._out(tmp_path, "out")
         result = self._run(cli, src, out, "--json")
         assert result.exit_code == 0, result.stderr
         assert tree_digest(src) == before, "the input was modified"
@@ -272,25 +278,26 @@ class RoundTrip:
         assert Path(str(out) + ".manifest.json").is_file()
         assert not [n for n in siblings(tmp_path) if ".tmp-" in n], "temporary files left behind"
 
-    def test_same_seed_same_output(self, cli, tmp_path):
+    def check_same_seed_same_output(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         for name in ("a", "b"):
-            assert self._run(cli, src, tmp_path / name).exit_code == 0
-        first, second = self.read_arrays(tmp_path / "a"), self.read_arrays(tmp_path / "b")
+            assert self._run(cli, src, self._out(tmp_path, name)).exit_code == 0
+        first, second = self.read_arrays(self._out(tmp_path, "a")), self.read_arrays(self._out(tmp_path, "b"))
         for key in first:
             np.testing.assert_array_equal(first[key], second[key])
 
-    def test_workers_give_identical_output(self, cli, tmp_path):
+    def check_workers_give_identical_output(self, cli, tmp_path):
         src = self.make_input(tmp_path)
         for name, workers in (("serial", "1"), ("threads", "3")):
-            assert self._run(cli, src, tmp_path / name, "--workers", workers).exit_code == 0
-        serial, threads = self.read_arrays(tmp_path / "serial"), self.read_arrays(tmp_path / "threads")
+            assert self._run(cli, src, self._out(tmp_path, name), "--workers", workers).exit_code == 0
+        serial = self.read_arrays(self._out(tmp_path, "serial"))
+        threads = self.read_arrays(self._out(tmp_path, "threads"))
         for key in serial:
             np.testing.assert_array_equal(serial[key], threads[key])
 
-    def test_refuses_to_overwrite(self, cli, tmp_path):
+    def check_refuses_to_overwrite(self, cli, tmp_path):
         src = self.make_input(tmp_path)
-        out = tmp_path / "out"
+        out = self._out(tmp_path, "out")
         assert self._run(cli, src, out).exit_code == 0
         written = tree_digest(out)
         again = self._run(cli, src, out)

@@ -3,9 +3,11 @@ cycle (imports inside functions count), format modules that declare their interf
 and no long function without a stated reason."""
 
 import ast
+import importlib
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -53,11 +55,16 @@ def test_no_import_cycle_detector_finds_one(tmp_path, monkeypatch):
     assert graph.chain_exists(importer="cyclic.b", imported="cyclic.a")
 
 
-@pytest.mark.parametrize("module", list(formats.modules()), ids=lambda m: m.NAME)
-def test_format_modules_declare_their_interface(module):
-    for name in ("NAME", "RESUMABLE", "can_open", "default_output", "open_reader", "create_writer"):
-        assert hasattr(module, name), f"{module.__name__} lacks {name}"
-    assert hasattr(module, "reopen_writer") == module.RESUMABLE
+@pytest.mark.parametrize("name", formats.names())
+def test_format_modules_declare_their_interface(name):
+    """Each registered module declares its Format (tests/formats/test_format_interface.py
+    checks what it declares) and is one of the independent format modules."""
+    module = importlib.import_module(f"tldp_cli.formats.{formats.FORMAT_MODULES[name]}")
+    assert isinstance(getattr(module, "FORMAT", None), formats.Format), f"{module.__name__} declares no FORMAT"
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    independent = next(c["modules"] for c in contracts if c["type"] == "independence"
+                       and c["name"].startswith("formats:"))
+    assert module.__name__ in independent, f"add {module.__name__} to the formats' independence contract"
 
 
 def _long_functions() -> dict[str, int]:

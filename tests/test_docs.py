@@ -50,6 +50,41 @@ def test_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
     assert script.main(["--check"]) == 0
 
 
+def _format_table_script():
+    spec = importlib.util.spec_from_file_location("make_format_table", REPO / "docs" / "make_format_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_format_tables_are_the_registry_s():
+    script = _format_table_script()
+    page = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
+    assert page == script.generate(page), "docs/formats.md is stale: run python docs/make_format_table.py"
+
+
+def test_format_tables_list_every_registered_format():
+    from tldp_cli import formats
+
+    script = _format_table_script()
+    text = "\n".join(script.tables())
+    for fmt in formats.registered():
+        assert f"| `{fmt.name}` |" in text and all(row.example in text for row in fmt.docs)
+
+
+def test_format_table_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
+    script = _format_table_script()
+    page = tmp_path / "formats.md"
+    monkeypatch.setattr(script, "PAGE", page)
+    monkeypatch.setattr(script, "REPO", tmp_path)
+    page.write_text(f"# Formats\n\n{script.BEGIN}\n| old | table |\n{script.END}\n\nmore\n")
+    assert script.main(["--check"]) == 1
+    assert script.main([]) == 0
+    assert script.main(["--check"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Formats\n\n") and text.endswith("\n\nmore\n") and "| old |" not in text
+
+
 def _without_code(text: str) -> str:
     """The text outside fenced code blocks, with inline code spans blanked (lines kept)."""
     lines, fenced = [], False

@@ -27,6 +27,18 @@ class WriteError(OutputError, OSError):
     and still an OSError, with its errno, for code that handles those."""
 
 
+class OutOfMemory(TldpError):
+    """A run needs (or needed) more memory than the machine, or the process's limits, give it."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped a run; the message says what was kept (a KeyboardInterrupt
     still, so callers that stop on one keep doing so)."""
+
+
+def reason_of(exc: BaseException) -> str:
+    """What went wrong, for the brackets of a one-line message: the system's words for an
+    OSError (its strerror), else the exception's text, else, for an exception that carries
+    none (a codec's bare error, MemoryError), the name of its type; never empty."""
+    text = getattr(exc, "strerror", None) or str(exc)
+    return " ".join(text.split()) or type(exc).__name__

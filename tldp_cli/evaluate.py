@@ -45,7 +45,7 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.pipeline import Plan, PerturbOptions, plan, resolve_range
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import FormatOptions
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
 from tldp_cli.sampling.rng import Streams
@@ -173,11 +173,10 @@ def _is_clipped(m: dict) -> bool:
 def _open_original(original: Path, m: dict, input_format: str | None):
     module = formats.detect(original, input_format)
     datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
-    images = module.NAME == "images"
-    options = FormatOptions(datasets=datasets if module.NAME in ("hdf5", "zarr", "npz", "safetensors") else [],
-                            image_format=_image_format(m) if images else "png",
+    options = FormatOptions(datasets=datasets if module.selects_arrays else [],
+                            image_format=_image_format(m) if module.records_are_files else "png",
                             skip_bad=bool(m.get("skipped_bad_images")),
-                            anonymize_names=images and bool(m.get("anonymized_names")))
+                            anonymize_names=module.name_map and bool(m.get("anonymized_names")))
     return module, module.open_reader(original, options)
 
 
@@ -202,7 +201,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
     """`renamed`: an --anonymize-names run's name map, original name -> output name;
     `input_format`: --format, which the perturbed data shares with the original."""
     jobs = reader.arrays()
-    if module.NAME == "images":
+    if module.records_are_files:
         from tldp_cli.formats import images
 
         fmt = _image_format(m)
@@ -226,7 +225,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
                 shape = (1, *_read_output_image(out_path, image.has_alpha).shape)
             except Exception as exc:
                 issues.append({"check": "pairing", "passed": False,
-                               "detail": f"{out_path}: cannot be read ({exc})"})
+                               "detail": f"{out_path}: cannot be read ({reason_of(exc)})"})
                 continue
 
             def read(start, stop, p=out_path, a=image.has_alpha):
@@ -236,8 +235,8 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
         return pairs
 
     out_module = formats.detect(perturbed, input_format)
-    if out_module.NAME != module.NAME:
-        raise InputError(f"{perturbed}: is {out_module.NAME} but the original is {module.NAME}")
+    if out_module.name != module.name:
+        raise InputError(f"{perturbed}: is {out_module.name} but the original is {module.name}")
     datasets = [j.source["dataset"] for j in jobs if "dataset" in j.source]
     out_reader = out_module.open_reader(perturbed, FormatOptions(datasets=datasets))
     out_jobs = {j.name: j for j in out_reader.arrays()}
@@ -379,7 +378,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
         calib, calibrations, cert = _recomputed(m, calibrations, grid, records)
     except (KeyError, TypeError, ValueError, UsageError) as exc:
         return {"check": "parameters", "passed": False,
-                "detail": f"the manifest's mechanism cannot be recomputed ({exc})", "mismatches": []}
+                "detail": f"the manifest's mechanism cannot be recomputed ({reason_of(exc)})", "mismatches": []}
     weights = m.get("weights")
     factor = 1 - float((weights or {}).get("min") or 0.0)  # min may be withheld (data-derived mask)
     compare("noise_scale", m.get("noise_scale"), calib.scale)
@@ -687,7 +686,7 @@ def load_records(path: Path, dataset: str | None = None, input_format: str | Non
     reader = module.open_reader(path, FormatOptions(datasets=[dataset] if dataset else []))
     try:
         jobs = reader.arrays()
-        if module.NAME == "images":
+        if module.records_are_files:
             shapes = {j.shape for j in jobs}
             if len(shapes) > 1:
                 raise InputError(f"{path}: the images have different shapes; cannot stack them")
@@ -718,7 +717,7 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
         name = text[len(LABELS_DATASET_PREFIX):]
         if not name:
             raise UsageError(f"{option} dataset=NAME needs the name of an array")
-        if data is None or formats.detect(Path(data)).NAME not in ("hdf5", "zarr"):
+        if data is None or not formats.detect(Path(data)).shares_rows:
             raise UsageError(f"{option} {text}: {data} is not an HDF5 file or Zarr store")
         labels, where = load_records(Path(data), name), f"{data}: dataset {name}"
     else:
@@ -730,7 +729,7 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
             try:
                 labels = np.load(path, allow_pickle=False)
             except Exception as exc:
-                raise InputError(f"{path}: not a readable .npy array ({exc})") from None
+                raise InputError(f"{path}: not a readable .npy array ({reason_of(exc)})") from None
         else:
             labels = load_records(path)
     if labels.ndim != 1:
@@ -739,7 +738,7 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
 
 
 def _folder_labels(data: Path | None, option: str) -> np.ndarray:
-    if data is None or formats.detect(Path(data)).NAME != "images":
+    if data is None or not formats.detect(Path(data)).records_are_files:
         raise UsageError(f"{option} subfolders: {data} is not a folder of images")
     reader = formats.detect(Path(data)).open_reader(Path(data), FormatOptions())
     try:
@@ -903,7 +902,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         "sensitive": SENSITIVE,
         "tool": {"name": "tldp", "version": __version__},
         "original": str(original), "perturbed": str(perturbed), "manifest": str(manifest_path),
-        "format": module.NAME,
+        "format": module.name,
         "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
         "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": [lo, hi],
         "records": done, "elements_per_record": m.get("elements_per_record"),
@@ -1026,7 +1025,7 @@ def _calibrations(m: dict, jobs: list, original: Path, manifest_path: Path, per_
     try:
         run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
     except UsageError as exc:
-        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({exc})") from None
+        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
     records_of: dict[Calibration, int] = {}
     for job in jobs:
         calib = run.calib_of[job.name]
@@ -1109,7 +1108,7 @@ def _noise_summary(stats: _NoiseStats, data_range: float | None,
 
 def _utility(module, original: Path, pairs: list, measured: _Measured, labels, test, test_labels,
              model: str, value_range: tuple[float, float]) -> dict[str, Any]:
-    if str(labels) == LABELS_FROM_FOLDERS and module.NAME == "images":
+    if str(labels) == LABELS_FROM_FOLDERS and module.records_are_files:
         y = folder_labels([p.job.name for p in pairs if p.perturbed_shape == p.job.shape], original)
     else:
         y = load_labels(labels, original)

@@ -22,7 +22,7 @@ from PIL import Image
 from tldp_cli import __version__, formats
 from tldp_cli.files import output
 from tldp_cli.files.checked_io import json_value
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
 from tldp_cli.run.pipeline import DEFAULT_RANGE_BITS, block_bounds, check_finite, resolve_range
@@ -253,7 +253,7 @@ def read_mask_image(path: Path) -> np.ndarray:
                 return np.asarray(im.getchannel(0)).astype(np.float64) / 255.0
             rgb = np.asarray(im.convert("RGB"))
     except Exception as exc:
-        raise InputError(f"{path}: not a readable image ({exc})") from None
+        raise InputError(f"{path}: not a readable image ({reason_of(exc)})") from None
     if not (np.array_equal(rgb[..., 0], rgb[..., 1]) and np.array_equal(rgb[..., 0], rgb[..., 2])):
         raise InputError(f"{path}: is a colour image; a mask image must be grayscale "
                          "(black = weight 0, white = weight 1)")
@@ -357,7 +357,7 @@ class _Maker:
 
     def __init__(self, o: MaskOptions, module, reader, jobs: list[ArrayJob]):
         self.o, self.reader, self.jobs = o, reader, jobs
-        self.folder = module.NAME == "images"
+        self.folder = module.records_are_files  # one mask PNG per record file
         self.weight = o.weight if o.weight is not None else 1.0
         self.gamma = o.gamma if o.gamma is not None else 1.0
         self.margin = o.margin if o.margin is not None else 0.2
@@ -505,7 +505,7 @@ def make_mask(o: MaskOptions) -> MaskResult:
     """Make a weight mask for INPUT and write it (and its sidecar, and the preview) atomically."""
     check_options(o)
     module = formats.detect(o.input, o.input_format)
-    if module.NAME == "images" and o.out.suffix.lower() == ".npy":
+    if module.records_are_files and o.out.suffix.lower() == ".npy":
         raise UsageError(f"{o.out}: for a folder of images the mask is a folder of PNGs; "
                          "give --out a folder name")
     reader = module.open_reader(o.input, FormatOptions(datasets=[o.dataset] if o.dataset else []))
@@ -517,7 +517,7 @@ def make_mask(o: MaskOptions) -> MaskResult:
         targets += [(o.preview, "preview")] if o.preview else []
         for path, what in targets:
             output.check_destination(path, o.input, o.overwrite, what,
-                                     folder=path == o.out and module.NAME == "images")
+                                     folder=path == o.out and module.records_are_files)
         output.check_distinct({what: path for path, what in targets})
 
         staging = output.Staging()

@@ -33,13 +33,13 @@ pytestmark = pytest.mark.slow
 
 LEAVE = 64 << 10  # bytes the filler leaves free: enough to start the output, not to finish it
 
-# Runs `tldp ARGS...` with the format module's create_writer first filling the disk: the
-# moment after the pipeline checked the free space and before the writer starts.
+# Runs `tldp ARGS...` with the format's create_writer (its declaration's) first filling the
+# disk: the moment after the pipeline checked the free space and before the writer starts.
 FILLING_RUN = """
-import importlib, os, shutil, sys
+import dataclasses, importlib, os, shutil, sys
 module = importlib.import_module(sys.argv[1])
 filler, leave = sys.argv[2], int(sys.argv[3])
-create_writer = module.create_writer
+create_writer = module.FORMAT.create_writer
 
 def create_writer_on_a_filled_disk(*args, **kwargs):
     free = shutil.disk_usage(os.path.dirname(filler)).free
@@ -47,7 +47,7 @@ def create_writer_on_a_filled_disk(*args, **kwargs):
         os.posix_fallocate(f.fileno(), 0, max(1, free - leave))
     return create_writer(*args, **kwargs)
 
-module.create_writer = create_writer_on_a_filled_disk
+module.FORMAT = dataclasses.replace(module.FORMAT, create_writer=create_writer_on_a_filled_disk)
 sys.argv = ["tldp", *sys.argv[4:]]
 from tldp_cli.entry import main
 main()

@@ -1,6 +1,8 @@
 """A run touches nothing but its own output: destinations, races, killed runs, odd paths."""
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.builders import siblings, tree_digest
+from tests.builders import assert_one_line_error, make_hdf5, make_npy, siblings, tree_digest
 from tldp_cli.errors import OutputError
 from tldp_cli.files import output
 
@@ -380,43 +382,69 @@ def test_default_names_keep_compound_suffixes(name, expected):
     assert module.default_output(Path("d") / name) == Path("d") / expected
 
 
-# A Ctrl-C (SIGINT to this process) at a chosen moment of a real run: while the manifest is
-# written (before the commit), just before the outputs move into place, or after they have.
+# A Ctrl-C or SIGTERM (to this process) at a chosen moment of a real run of the console
+# script: while the manifest is written (before the commit), just before the outputs move
+# into place, or after they have: while the run cleans up, once the library call has
+# returned, once the summary is printed, and while the interpreter exits.
 INTERRUPTED_RUN = textwrap.dedent("""
-    import os, signal, sys
+    import atexit, contextlib, os, signal, sys
     from tldp_cli.files import output
     from tldp_cli.run import manifest
-    import tldp_cli.cli as cli
+    import tldp_cli.cli.perturb as command
+    from tldp_cli.entry import main
 
-    moment = sys.argv[1]
-    def interrupt_then(original):
+    moment, signum = sys.argv[1], getattr(signal, sys.argv[2])
+    def signal_before(original):
         def call(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
             return original(*args, **kwargs)
         return call
 
+    def signal_after(original):
+        def call(*args, **kwargs):
+            result = original(*args, **kwargs)
+            os.kill(os.getpid(), signum)
+            return result
+        return call
+
     if moment == "manifest":
-        manifest.write = interrupt_then(manifest.write)
+        manifest.write = signal_before(manifest.write)
     elif moment == "commit":
-        output.Staging.commit = interrupt_then(output.Staging.commit)
+        output.Staging.commit = signal_before(output.Staging.commit)
+    elif moment == "after":
+        output.Staging.close = signal_before(output.Staging.close)
+    elif moment == "returned":
+        command.perturb = signal_after(command.perturb)
+    elif moment == "reported":
+        @contextlib.contextmanager
+        def then_signal(original=command.uninterruptible):
+            with original():
+                yield
+            os.kill(os.getpid(), signum)
+        command.uninterruptible = then_signal
     else:
-        output.Staging.close = interrupt_then(output.Staging.close)
-    sys.argv = ["tldp", "perturb", sys.argv[2], "--eps", "1", "--out", sys.argv[3]]
-    cli.main()
+        atexit.register(os.kill, os.getpid(), signum)
+    sys.argv = ["tldp", "perturb", sys.argv[3], "--eps", "1", "--out", sys.argv[4]]
+    main()
 """)
 
 
-@pytest.mark.parametrize("moment,committed", [("manifest", False), ("commit", True), ("after", True)])
-def test_ctrl_c_reports_what_is_on_disk(tmp_path, moment, committed):
-    """Before the commit a Ctrl-C stops the run with nothing written (exit 130); once the
-    outputs start moving into place the run finishes and says so (exit 0)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("moment,committed", [("manifest", False), ("commit", True), ("after", True),
+                                              ("returned", True), ("reported", True), ("exiting", True)])
+def test_a_signal_reports_what_is_on_disk(tmp_path, moment, committed, signame):
+    """Before the commit Ctrl-C or SIGTERM stops the run with nothing written (exit 130);
+    once the outputs start moving into place the run finishes, says so and exits 0,
+    whatever it is doing when the signal comes (the signal is ignored to the end)."""
     np.save(tmp_path / "x.npy", np.arange(24, dtype=np.uint8).reshape(6, 4))
     out = tmp_path / "out.npy"
-    run = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN, moment, tmp_path / "x.npy", out],
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN, moment, signame, tmp_path / "x.npy", out],
                          capture_output=True, text=True, timeout=120)
     if committed:
         assert run.returncode == 0, run.stderr
-        assert "tldp: wrote" in run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert lines[0].startswith("tldp: wrote") and len(lines) == 2, run.stderr  # and the guarantee
         assert out.exists() and Path(str(out) + ".manifest.json").exists()
     else:
         assert run.returncode == 130, run.stderr
@@ -445,3 +473,100 @@ def test_the_folder_outputs_are_moved_into_is_flushed_after_the_move(cli, tmp_pa
     assert result.exit_code == 0, result.stderr
     assert any(path == str(dest) and {"x.npy", "x.npy.manifest.json"} <= set(listing)
                for path, listing in flushed)
+
+
+def _remove_work_folders(dest: Path) -> None:
+    for folder in dest.glob(f".*{output.WORK_MARK}*"):
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5], ids=["npy", "hdf5"])
+@pytest.mark.parametrize("removed", ["work folder", "destination"])
+@pytest.mark.parametrize("moment", ["blocks", "written", "commit"])
+def test_an_output_removed_during_the_run_fails_it(cli, tmp_path, monkeypatch, make, removed, moment):
+    """A cleanup script removes the folder the output is written in (the run's work folder,
+    or the destination folder itself) while blocks are written, once they all are, or just
+    before the commit: one line naming the output, exit 1, nothing at the destination."""
+    from tldp_cli.run import pipeline
+    from tldp_cli.sampling import engine
+
+    src, _ = make(tmp_path)
+    dest = tmp_path / "o"
+    dest.mkdir()
+    out = dest / f"out{src.suffix}"
+
+    def remove():
+        _remove_work_folders(dest) if removed == "work folder" else shutil.rmtree(dest)
+
+    def removing_first(original):
+        def call(*args, **kwargs):
+            if not getattr(call, "done", False):
+                call.done = True
+                remove()
+            return original(*args, **kwargs)
+        return call
+
+    def removing_after(original):
+        def call(*args, **kwargs):
+            result = original(*args, **kwargs)
+            remove()
+            return result
+        return call
+
+    if moment == "blocks":
+        monkeypatch.setattr(engine, "perturb_records", removing_first(engine.perturb_records))
+    elif moment == "written":
+        monkeypatch.setattr(pipeline, "_write_blocks", removing_after(pipeline._write_blocks))
+    else:
+        monkeypatch.setattr(output.Staging, "commit", removing_first(output.Staging.commit))
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--workers", "1", "--block-elements", "640")
+    assert_one_line_error(result, 1, "removed while tldp wrote the output")
+    assert str(dest) in result.stderr and output.WORK_MARK not in result.stderr
+    assert not dest.exists() or siblings(dest) == set()
+
+
+@pytest.mark.parametrize("make", [make_npy, make_hdf5], ids=["npy", "hdf5"])
+def test_an_output_removed_as_it_is_moved_into_place_is_not_reported_written(cli, tmp_path, monkeypatch,
+                                                                              make):
+    """Removed by another program the moment it lands: the run does not say "wrote" a file
+    that is not there (exit 1, one line) and leaves no manifest without its output."""
+    src, _ = make(tmp_path)
+    dest = tmp_path / "o"
+    dest.mkdir()
+    out = dest / f"out{src.suffix}"
+    commit = output.Staging.commit
+
+    def commit_then_remove(self, overwrite):
+        commit(self, overwrite)
+        out.unlink()
+
+    monkeypatch.setattr(output.Staging, "commit", commit_then_remove)
+    result = cli("perturb", src, "--eps", "1", "--out", out)
+    assert_one_line_error(result, 1, f"{out}: removed by another program")
+    assert siblings(dest) == set()
+
+
+def test_signals_stay_ignored_only_after_a_commit_of_the_tldp_command():
+    """uninterruptible(): the command's handler (output.interrupt) is left ignored once the
+    outputs are in place (keep()), and comes back after a failed commit; a library caller's
+    handler always comes back."""
+    import signal
+
+    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    mine = lambda signum, frame: None  # noqa: E731
+    try:
+        for handler, committed, expected in ((output.interrupt, True, signal.SIG_IGN),
+                                             (output.interrupt, False, output.interrupt),
+                                             (mine, True, mine)):
+            for number in saved:
+                signal.signal(number, handler)
+            with pytest.raises(OutputError) if not committed else contextlib.nullcontext():
+                with output.uninterruptible() as keep:
+                    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+                    if not committed:
+                        raise OutputError("the commit failed")
+                    keep()
+            assert {signal.getsignal(number) for number in saved} == {expected}
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)

@@ -74,7 +74,8 @@ def one_line(result) -> str:
     return lines[0]
 
 
-class TestHdf5RoundTrip(RoundTrip):
+class Hdf5RoundTrip(RoundTrip):
+    format = "hdf5"
     # Everything is kept (--keep '*'), so the copy of what is not perturbed is checked whole;
     # what is left out by default: tests/formats/test_leftovers.py.
     extra_args = ("--keep", "*")

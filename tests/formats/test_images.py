@@ -62,7 +62,9 @@ def one_line(result) -> str:
     return lines[0]
 
 
-class TestImagesRoundTrip(RoundTrip):
+class ImagesRoundTrip(RoundTrip):
+    format = "images"
+
     def make_input(self, tmp_path):
         root = tmp_path / "photos"
         save(root / "rgb.png", pixels(12, 10, 3))
@@ -144,7 +146,7 @@ def class_folders(root: Path, classes: int = 10) -> Path:
 
 def test_folders_named_by_numbers_are_images_for_every_command(cli, tmp_path):
     train = class_folders(tmp_path / "train")
-    assert formats.detect(train) is images
+    assert formats.detect(train) is images.FORMAT
     files = tree_digest(train)
     result = cli("perturb", train, "--eps", "1")
     assert result.exit_code == 0, result.stderr

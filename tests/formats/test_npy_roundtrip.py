@@ -1,9 +1,13 @@
+"""The .npy round-trip case, run with every format's by tests/formats/test_round_trip.py."""
+
 import numpy as np
 
 from tests.builders import RoundTrip
 
 
-class TestNpyRoundTrip(RoundTrip):
+class NpyRoundTrip(RoundTrip):
+    format = "npy"
+
     def make_input(self, tmp_path):
         path = tmp_path / "data.npy"
         np.save(path, np.random.default_rng(0).integers(0, 256, (50, 6, 5), dtype=np.uint8))

@@ -62,6 +62,7 @@ def fast_level(compressors):
 
 
 class ZarrGroupRoundTrip(RoundTrip):
+    format = "zarr"
     zarr_format = 3
     # Everything is kept (--keep '*'), so the copy of what is not perturbed is checked whole;
     # what is left out by default: tests/formats/test_leftovers.py.
@@ -103,11 +104,11 @@ class ZarrGroupRoundTrip(RoundTrip):
         assert consolidated["images"].dtype == PERTURBED
 
 
-class TestZarrV3RoundTrip(ZarrGroupRoundTrip):
+class ZarrV3RoundTrip(ZarrGroupRoundTrip):
     zarr_format = 3
 
 
-class TestZarrV2RoundTrip(ZarrGroupRoundTrip):
+class ZarrV2RoundTrip(ZarrGroupRoundTrip):
     zarr_format = 2
 
 

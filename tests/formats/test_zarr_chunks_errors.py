@@ -110,6 +110,33 @@ def test_a_damaged_or_unreadable_chunk_is_named_with_its_records(cli, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
 
 
+def test_a_codec_error_without_a_message_still_gives_a_reason(cli, tmp_path, monkeypatch):
+    """Some decoders raise an exception that carries no text: the line said "cannot decode
+    ... (); it may be damaged". It names the exception's type instead."""
+    source = tmp_path / "in.zarr"
+    zarr.create_array(str(source), shape=SHAPE, chunks=CHUNKS, dtype="u1")[:] = VALUES
+
+    def decode(self, data):
+        raise ValueError()
+
+    monkeypatch.setattr(zarr_chunks.Layout, "decode", decode)
+    result = cli("perturb", source, "--eps", "1", "--out", tmp_path / "out.zarr")
+    assert result.exit_code == 1 and result.stderr.strip().splitlines() == [
+        f"tldp: error: {source / 'c' / '0' / '0'}: cannot decode the chunk of records 0-8 (ValueError); "
+        "it may be damaged"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
+
+
+def test_reason_of_is_never_empty():
+    from tldp_cli.errors import reason_of
+
+    assert reason_of(ValueError()) == "ValueError"
+    assert reason_of(MemoryError()) == "MemoryError"
+    assert reason_of(OSError(2, "No such file or directory", "/x")) == "No such file or directory"
+    assert reason_of(RuntimeError("two\nlines ")) == "two lines"
+    assert reason_of(KeyError("shape")) == "'shape'"
+
+
 # ------------------------------------------------------------ chunks that expand (issue 27)
 
 BOMB = 16 << 20  # what each crafted chunk below expands to, for a chunk of 40 bytes

@@ -101,6 +101,43 @@ def test_interrupt_while_the_local_cluster_starts(tmp_path, signum):
     assert all(p.status() == psutil.STATUS_ZOMBIE for p in alive)
 
 
+@pytest.mark.parametrize("settings, expected", [
+    ({}, "tls:// needs Dask's TLS settings"),
+    ({"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": "missing-ca.pem",
+      "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": "missing-cert.pem"}, "TLS settings"),
+], ids=["no-tls-settings", "unloadable-tls-settings"])
+def test_a_tls_address_without_usable_tls_settings_is_a_usage_error(tmp_path, settings, expected):
+    """distributed finds out only while connecting (a traceback after 40 s, the Zarr partial
+    left behind): refused at once from the options and Dask's settings, nothing written."""
+    import os
+    import time
+
+    from tests.builders import make_zarr
+
+    src, _ = make_zarr(tmp_path)
+    config = tmp_path / "dask-config"  # no user or site Dask settings
+    config.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    env.update(settings, DASK_CONFIG=str(config))
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", str(src), "--eps", "1",
+                          "--scheduler", "dask", "--dask-address", "tls://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.splitlines()) == 1 and expected in run.stderr, run.stderr
+    assert run.stderr.startswith("tldp: error: --dask-address tls://127.0.0.1:9: ")
+    assert time.monotonic() - started < 20
+    assert siblings(tmp_path) == {"d.zarr", "dask-config"}
+
+
+def test_an_unknown_scheme_is_a_usage_error(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 4), np.uint8))
+    result = cli("perturb", tmp_path / "x.npy", "--eps", "1", "--scheduler", "dask",
+                 "--dask-address", "tlss://127.0.0.1:9")
+    assert result.exit_code == 2 and "Dask knows no scheme tlss://" in result.stderr, result.stderr
+    assert siblings(tmp_path) == {"x.npy"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=1,

@@ -76,3 +76,37 @@ def test_block_size_does_not_change_the_output(tmp_path):
         outs.append(np.load(out))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def deflated_zeros_npz(path, elements):
+    """An .npz whose one float32 tensor is `elements` zeros, deflated as np.savez_compressed
+    stores it (about 1000:1), written in pieces so that making it takes no memory."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("w.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False,
+                                                          "shape": (elements,)})
+            piece = bytes(1 << 23)
+            for start in range(0, elements * 4, len(piece)):
+                member.write(piece[:min(len(piece), elements * 4 - start)])
+    return path
+
+
+def test_a_tensor_that_cannot_fit_in_memory_is_refused_before_it_is_read(tmp_path):
+    """A 0.4 MB .npz holding a 400 MB tensor, for a process limited to 1.4 GiB: perturbing
+    it needs at least its values, their noise and the output side by side (1.6 GB). It ran
+    into memory errors (an ImportError, a MemoryError) once the tensor was inflated; it is
+    refused from the header, one line, nothing written."""
+    import resource
+
+    src = deflated_zeros_npz(tmp_path / "zeros.npz", 100_000_000)
+    assert src.stat().st_size < 1_000_000
+    limit = int(1.4 * (1 << 30))
+    run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", str(src), "--eps", "1", "--clip", "1"],
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.startswith(f"tldp: error: {src}: tensor w: a record of 100,000,000 elements"), run.stderr
+    assert "needs at least 1.6 GB of memory" in run.stderr and len(run.stderr.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zeros.npz"]

@@ -68,7 +68,8 @@ FLOATS = ["encoder.weight", "encoder.bias", "decoder.weight", "head"]
 ROUND_TRIP_ARGS = ("--clip", "0.5", "--allow-raw-release")
 
 
-class TestSafetensorsRoundTrip(RoundTrip):
+class SafetensorsRoundTrip(RoundTrip):
+    format = "safetensors"
     # __metadata__'s free text kept (by default left out: tests/formats/test_leftovers.py)
     extra_args = (*ROUND_TRIP_ARGS, "--keep", "@source")
 
@@ -92,6 +93,7 @@ class TestSafetensorsRoundTrip(RoundTrip):
 
 
 class NpzStructure:
+    format = "npz"
     extra_args = ROUND_TRIP_ARGS
 
     def read_arrays(self, path):
@@ -110,12 +112,12 @@ class NpzStructure:
             np.testing.assert_array_equal(b["mask"], MASK)
 
 
-class TestNpzRoundTrip(NpzStructure, RoundTrip):
+class NpzRoundTrip(NpzStructure, RoundTrip):
     def make_input(self, tmp_path):
         return write_model_npz(tmp_path / "model.npz")
 
 
-class TestCompressedNpzRoundTrip(NpzStructure, RoundTrip):
+class CompressedNpzRoundTrip(NpzStructure, RoundTrip):
     def make_input(self, tmp_path):
         return write_model_npz(tmp_path / "model.npz", compressed=True)
 
@@ -124,7 +126,7 @@ def test_detection_is_by_content(tmp_path):
     st = write_model_safetensors(tmp_path / "weights.bin")
     nz = write_model_npz(tmp_path / "weights.npz")
     nz = nz.rename(tmp_path / "weights.data")
-    assert detect(st) is safetensors_file and detect(nz) is npz
+    assert detect(st) is safetensors_file.FORMAT and detect(nz) is npz.FORMAT
     (tmp_path / "notes.txt").write_text("{not a model}")
     with pytest.raises(InputError, match="not a dataset tldp can read"):
         detect(tmp_path / "notes.txt")

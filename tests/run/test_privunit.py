@@ -5,6 +5,9 @@ blocking and Dask."""
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -158,6 +161,54 @@ def test_refusals(cli, tmp_path, args, fragment, code):
     src, _ = make_npy(tmp_path)
     result = cli("perturb", src, "--eps", "4", *args)
     assert_one_line_error(result, code, fragment)
+
+
+def test_a_range_past_the_output_dtype_is_refused_not_written_as_inf(cli, tmp_path):
+    """The written values are clipped into the declared range: a range past float32's
+    largest value wrote inf into float32 outputs; it is refused as the other mechanisms
+    refuse it, and float64 holds it."""
+    src = tmp_path / "big.npy"
+    np.save(src, np.random.default_rng(0).uniform(0, 1e39, (30, 8, 8)))
+    args = ("perturb", src, "--mechanism", "privunit", "--eps", "4", "--range", "0:1e39")
+    assert_one_line_error(cli(*args, "--out", tmp_path / "o.npy"), 2, "--dtype float32 cannot hold values up to 1e+39")
+    assert not list(tmp_path.glob("o.npy*"))
+    assert cli(*args, "--out", tmp_path / "o64.npy", "--dtype", "float64").exit_code == 0
+    out = np.load(tmp_path / "o64.npy")
+    assert np.isfinite(out).all() and out.max() <= 1e39
+
+
+def test_a_range_too_wide_for_float64_is_refused(cli, tmp_path):
+    """(hi - lo) sqrt(I) past float64's largest value: the output scale was inf, and the run
+    ended in an unexpected error (the manifest cannot hold inf)."""
+    src = tmp_path / "huge.npy"
+    np.save(src, np.full((3, 8, 8), 1e308))
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--range", "0:1.5e308",
+                 "--dtype", "float64", "--out", tmp_path / "o.npy")
+    assert_one_line_error(result, 2, "too wide for --mechanism privunit")
+    assert not list(tmp_path.glob("o.npy*"))
+
+
+def test_a_basis_that_is_a_device_is_refused_unread(cli, tmp_path):
+    """--basis read the whole file: a link to /dev/zero filled the memory. Only a regular
+    file is read (checked_io.open_regular)."""
+    src, _ = make_npy(tmp_path)
+    (tmp_path / "dev.npy").symlink_to("/dev/null")
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--basis", tmp_path / "dev.npy")
+    assert_one_line_error(result, 1, "dev.npy: not a regular file (a device)")
+    assert not list(tmp_path.glob("d.tldp*"))
+
+
+@pytest.mark.slow
+def test_a_basis_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """--basis on a FIFO waited forever for a writer."""
+    src, _ = make_npy(tmp_path)
+    os.mkfifo(tmp_path / "fifo.npy")
+    run = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", src, "--mechanism", "privunit", "--eps",
+                          "4", "--basis", tmp_path / "fifo.npy"], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"tldp: error: {tmp_path / 'fifo.npy'}: not a regular file (a FIFO); tldp reads only regular files"]
+    assert not list(tmp_path.glob("d.tldp*"))
 
 
 def test_weights_are_refused(cli, tmp_path):

@@ -294,6 +294,36 @@ def test_bad_data_removes_the_partial(tmp_path):
     assert siblings(tmp_path) == {"in.zarr"}
 
 
+@pytest.mark.parametrize("failure, line", [
+    (MemoryError(), "ran out of memory (MemoryError); nothing was written: free memory, or run with fewer --workers"),
+    (RuntimeError("a bug"), "unexpected error (RuntimeError: a bug); please report it"),
+], ids=["memory", "bug"])
+def test_a_failure_that_a_rerun_will_not_fix_removes_the_partial(cli, tmp_path, monkeypatch, failure, line):
+    """Memory running out in the fourth block (or a bug there): one line naming the input,
+    exit 1, and the blocks written before are not left behind in .OUT.tldp-partial."""
+    from tldp_cli.sampling import engine
+
+    src = make_store(tmp_path)
+    calls = []
+    real = engine.perturb_records
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise failure
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "perturb_records", failing)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "o.zarr", "--workers", "1",
+                 "--block-elements", str(BLOCK))
+    assert result.exit_code == 1 and len(calls) == 4
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and line in lines[0], result.stderr
+    assert lines[0].startswith(f"tldp: error: {src}: ran out" if isinstance(failure, MemoryError)
+                               else "tldp: error: unexpected error")
+    assert siblings(tmp_path) == {"in.zarr"}
+
+
 @pytest.mark.parametrize("make", [make_npy, make_hdf5, make_images], ids=["npy", "hdf5", "images"])
 def test_interrupted_run_leaves_nothing(tmp_path, make):
     src, _ = make(tmp_path)

@@ -20,7 +20,7 @@ import typer
 from typer.core import TyperGroup
 
 from tldp_cli import __version__
-from tldp_cli.errors import TldpError, UsageError
+from tldp_cli.errors import TldpError, UsageError, reason_of
 from tldp_cli.formats import listing, plural
 from tldp_cli.files import output
 
@@ -130,11 +130,16 @@ def run(debug: bool, action):
         if debug:
             traceback.print_exc()
         where = exc.filename or "I/O"
-        fail(f"{where}: {exc.strerror or exc}", 1)
+        fail(f"{where}: {reason_of(exc)}", 1)
+    except MemoryError as exc:
+        if debug:
+            traceback.print_exc()
+        fail(f"ran out of memory ({reason_of(exc)}); free memory, or work on less data at once", 1)
     except Exception as exc:  # a bug, not the user's doing: still one line without --debug
         if debug:
             traceback.print_exc()
-        fail(f"unexpected error ({type(exc).__name__}: {exc}); please report it, and rerun with "
+        detail = f": {exc}" if str(exc).strip() else ""
+        fail(f"unexpected error ({type(exc).__name__}{detail}); please report it, and rerun with "
               "--debug for the traceback", 1)
 
 
@@ -151,10 +156,15 @@ def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -
 @contextlib.contextmanager
 def sigterm_interrupts():
     """SIGTERM stops a run as Ctrl-C does, so its temporary output is cleaned up (or, when
-    resumable, kept for --resume) instead of the process just vanishing."""
+    resumable, kept for --resume) instead of the process just vanishing. The console script
+    has done so already (entry.py), for good: once the output starts moving into place,
+    both stay ignored until the process exits."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) is output.interrupt:
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: leave signals alone

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
 
@@ -50,13 +51,8 @@ class ImageFormat(str, Enum):
     tiff = "tiff"
 
 
-class InputFormat(str, Enum):
-    npy = "npy"
-    hdf5 = "hdf5"
-    zarr = "zarr"
-    npz = "npz"
-    safetensors = "safetensors"
-    images = "images"
+# --format's choices: the registered formats, in detection order (no format module is imported).
+InputFormat = Enum("InputFormat", {name: name for name in formats.names()}, type=str)
 
 
 class Scheduler(str, Enum):
@@ -176,9 +172,10 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files: copy this raw instead of leaving it out (repeatable; a glob "
-         "matches several): a dataset or array that is not perturbed, an attribute as "
-         "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key), a file in a "
+    help="HDF5, Zarr, model files, NIfTI: copy this raw instead of leaving it out (repeatable; a "
+         "glob matches several): a dataset or array that is not perturbed, an attribute as "
+         "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
+         "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
          "Zarr store. By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "

@@ -23,8 +23,8 @@ from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
-from tldp_cli.errors import InputError, WriteError
-from tldp_cli.files.output import shown
+from tldp_cli.errors import InputError, WriteError, reason_of
+from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.sampling.engine import PAGE, page_aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none (macOS, Windows)
@@ -90,7 +90,7 @@ def json_value(text: str | bytes, where: str) -> Any:
     except RecursionError:
         value = None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise InputError(f"{where} is not valid JSON ({exc})") from None
+        raise InputError(f"{where} is not valid JSON ({reason_of(exc)})") from None
     else:
         if _json_depth(value) <= MAX_JSON_DEPTH:
             return value
@@ -99,7 +99,10 @@ def json_value(text: str | bytes, where: str) -> Any:
 
 
 def write_error(path: Path, cause: OSError) -> WriteError:
-    error = WriteError(f"{shown(path)}: cannot write ({cause.strerror or cause})")
+    if cause.errno == errno.ENOENT:  # the file, or a folder it was in, is gone
+        error = WriteError(str(removed_during_run(path)))
+    else:
+        error = WriteError(f"{shown(path)}: cannot write ({reason_of(cause)})")
     error.errno = cause.errno
     return error
 
@@ -147,7 +150,7 @@ def copy_bytes(src, source, dst, target: Path, count: int | None = None) -> None
         try:
             chunk = src.read(1 << 20 if count is None else min(count, 1 << 20))
         except Exception as exc:  # OSError; zipfile or zlib errors from a damaged archive member
-            raise InputError(f"{source}: cannot read ({getattr(exc, 'strerror', None) or exc}); "
+            raise InputError(f"{source}: cannot read ({reason_of(exc)}); "
                              "it may be damaged") from None
         if not chunk:
             if count is None:

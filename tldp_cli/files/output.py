@@ -40,8 +40,9 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Protocol
 
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
 WORK_MARK = ".tldp-tmp-"
 PARTIAL_MARK = ".tldp-partial"  # .NAME.tldp-partial: a resumable run's output (run/resume.py)
@@ -49,19 +50,19 @@ _NEW_MARK = ".tldp-new-"  # a work folder before its lock is taken
 _NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run starting up
 LOCK_FILE = "lock"
 
-# Suffixes that name a format, so that `--out x.h5` on a .npy input is refused, not
-# written as a .npy file with the wrong name.
-FORMAT_SUFFIXES = {
-    "npy": (".npy",),
-    "hdf5": (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
-    "npz": (".npz",),
-    "safetensors": (".safetensors",),
-    "zarr": (".zarr",),
-    "images": (),
-}
-FORMAT_TITLES = {"npy": ".npy array", "hdf5": "HDF5 file", "npz": ".npz file",
-                 "safetensors": ".safetensors file", "zarr": "Zarr store", "images": "folder of images"}
-FOLDER_FORMATS = ("zarr", "images")
+
+class OutputKind(Protocol):
+    """What the output is, as the rules above need it (the formats layer declares it:
+    formats.Format)."""
+
+    title: str  # how messages name it: "HDF5 file"
+    folder: bool  # a folder, not a file
+    suffixes: tuple[str, ...]  # the suffixes that name it
+    # Where its readers know it by the name's suffix alone (nibabel.load): the output's
+    # name must end with one of these; () where any name will do.
+    required_suffixes: tuple[str, ...]
+
+
 # Pseudo-filesystems whose paths name no data: an input there is refused and no output
 # is ever derived from one (`perturb /dev/stdin` must not write into /dev).
 _SPECIAL_ROOTS = (Path("/dev"), Path("/proc"), Path("/sys"))
@@ -71,7 +72,7 @@ def _resolve(path: Path, what: str) -> Path:
     try:
         return path.resolve()
     except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
-        raise OutputError(f"{path}: {what} path cannot be resolved ({exc})") from None
+        raise OutputError(f"{path}: {what} path cannot be resolved ({reason_of(exc)})") from None
 
 
 def _special_root(path: Path) -> str | None:
@@ -93,7 +94,7 @@ def check_input(path: Path) -> None:
     except FileNotFoundError:
         raise InputError(f"{path}: no such file or directory") from None
     except (RuntimeError, OSError) as exc:
-        raise InputError(f"{path}: cannot be opened ({getattr(exc, 'strerror', None) or exc})") from None
+        raise InputError(f"{path}: cannot be opened ({reason_of(exc)})") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise InputError(f"{path}: not a regular file or folder (a pipe or device); tldp reads "
                          "files and folders: save the data to a file first")
@@ -104,31 +105,33 @@ def _names_folder(text: str) -> bool:
     return text.endswith((os.sep, "/")) or Path(text).name in ("", "..")
 
 
-def destination(out: Path | None, out_text: str | None, default: Path, format_name: str) -> Path:
+def destination(out: Path | None, out_text: str | None, default: Path, kind: OutputKind,
+                named_by: Callable[[str], str | None]) -> Path:
     """The output path: `default` without --out, else --out by the rules above.
 
-    `out_text` is --out as typed (a trailing slash survives there, not in a Path)."""
+    `out_text` is --out as typed (a trailing slash survives there, not in a Path).
+    `named_by(suffix)`: how messages name the other format a suffix names, if one does, so
+    that `--out x.h5` on a .npy input is refused, not written as a .npy file with the wrong
+    name."""
     if out is None:
         return default
     text = out_text if out_text is not None else str(out)
     if text == "-":
         raise UsageError("--out -: tldp writes files, not standard output; give a file or folder path")
-    is_file_output = format_name not in FOLDER_FORMATS
-    if _names_folder(text) or (is_file_output and out.is_dir()):
+    if _names_folder(text) or (not kind.folder and out.is_dir()):
         if not out.is_dir():
             raise OutputError(f"{text}: --out names a folder that does not exist")
         return _resolve(out, "output") / default.name
-    _check_suffix(out, format_name)
-    return out
-
-
-def _check_suffix(out: Path, format_name: str) -> None:
     suffix = out.suffix.lower()
-    for other, suffixes in FORMAT_SUFFIXES.items():
-        if other != format_name and suffix in suffixes and suffix not in FORMAT_SUFFIXES[format_name]:
-            raise UsageError(f"{out}: the name says {FORMAT_TITLES[other]}, but the input is a "
-                             f"{FORMAT_TITLES[format_name]} and tldp writes the input's format; "
-                             f"name the output accordingly")
+    other = None if suffix in kind.suffixes else named_by(suffix)
+    if other is not None:
+        raise UsageError(f"{out}: the name says {other}, but the input is a {kind.title} and tldp "
+                         "writes the input's format; name the output accordingly")
+    required = kind.required_suffixes
+    if required and not out.name.lower().endswith(required):
+        raise UsageError(f"{out}: {kind.title} readers know the format by the name's suffix; "
+                         f"end it with {' or '.join(required)}")
+    return out
 
 
 def store_root(path: Path) -> Path | None:
@@ -220,6 +223,58 @@ def check_free_space(folder: Path, needed: int, what: Path) -> None:
         return
     if needed > free:
         raise OutputError(f"{what}: needs about {_size(needed)} but {folder} has {_size(free)} free")
+
+
+def available_memory() -> int | None:
+    """About how many bytes this process can still allocate and use: the least of the
+    memory the system has available (with free swap), what its cgroup's limit leaves, and
+    what its address-space limit (ulimit -v) leaves; None where none can be read."""
+    limits = []
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines()}
+        limits.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        limits.append(_cgroup_room())
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            status = Path("/proc/self/status").read_text().splitlines()
+            used = int(next(line for line in status if line.startswith("VmSize:")).split()[1]) * 1024
+            limits.append(soft - used)
+    limits = [limit for limit in limits if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _cgroup_room() -> int | None:
+    """What the memory limit of this process's cgroup (v2, or v1) leaves beside the memory
+    its processes hold (the page cache can be reclaimed); None without a limit."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        v2 = controllers == ""
+        if not (v2 or "memory" in controllers.split(",")):
+            continue
+        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+        for folder in (root / where.lstrip("/"), root):  # a container sees its own cgroup as the root
+            limit_file = folder / ("memory.max" if v2 else "memory.limit_in_bytes")
+            if limit_file.is_file():
+                limit = limit_file.read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 60:
+                    return None
+                stat = dict(entry.split() for entry in (folder / "memory.stat").read_text().splitlines())
+                return int(limit) - int(stat["anon" if v2 else "total_rss"])
+    return None
+
+
+def check_free_memory(needed: int, what: str) -> None:
+    """Refuses, before anything is allocated, work that cannot fit in memory: `needed` is
+    the least it must hold at once; `what` says what needs it."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise OutOfMemory(f"{what} needs at least {_size(needed)} of memory, but this process has about "
+                          f"{_size(available)} available; nothing was written")
 
 
 def _size(n: float) -> str:
@@ -357,7 +412,10 @@ def _parents_locked(finals: list[Path]):
     fds = []
     try:
         for folder in sorted({_resolve(final.parent, "output") for final in finals}):
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                raise removed_during_run(folder) from None
             fds.append(fd)
             _lock(fd, wait=True)
         yield
@@ -376,7 +434,7 @@ class WorkFolder:
             new.mkdir(mode=0o700)
         except OSError as exc:
             raise OutputError(f"{final.parent}: cannot create a temporary folder there "
-                              f"({exc.strerror or exc})") from None
+                              f"({reason_of(exc)})") from None
         self._lock_fd: int | None = None
         try:
             self._lock_fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -464,6 +522,7 @@ class Staging:
     def __init__(self):
         self._folders: dict[Path, WorkFolder] = {}  # by destination folder
         self._targets: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._inodes: dict[Path, int] = {}  # final -> the inode moved there
         self.notes: list[str] = []
 
     def temporary(self, final: Path) -> Path:
@@ -491,9 +550,14 @@ class Staging:
     def _journal(self) -> None:
         """Writes down the moves before the first, so that the next run can finish them if
         this one is killed in between (see _finish_commit)."""
+        for tmp, final in self._targets:
+            try:
+                self._inodes[final] = tmp.lstat().st_ino
+            except FileNotFoundError:
+                raise removed_during_run(tmp) from None
         if not self._folders:
             return
-        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": tmp.lstat().st_ino}
+        moves = [{"tmp": os.path.abspath(tmp), "final": os.path.abspath(final), "inode": self._inodes[final]}
                  for tmp, final in self._targets]
         journal = next(iter(self._folders.values())).path / COMMIT_JOURNAL
         with open(journal, "x", encoding="utf-8") as f:
@@ -518,16 +582,32 @@ class Staging:
                         raise OutputError(f"{final}: appeared while tldp was writing (another run?); "
                                           "nothing was replaced") from None
                     done.append(("placed", tmp, final))
-        except BaseException:
+        except BaseException as exc:
             for how, tmp, final in reversed(done):
                 try:
                     swap(tmp, final) if how == "swapped" else os.rename(final, tmp)
                 except OSError:
                     pass
+            if isinstance(exc, FileNotFoundError):  # a temporary, or the destination's folder
+                raise removed_during_run(final) from None
             raise
         for _, tmp, _ in done:  # the replaced outputs, now in the work folders
             if os.path.lexists(tmp):
                 remove(tmp)
+
+    def check_in_place(self) -> None:
+        """After commit: raises OutputError if an output is no longer what was moved into
+        place (another program removed it meanwhile), after removing this run's other
+        outputs, so that a run never reports a file that is not there and never leaves a
+        manifest without its output."""
+        gone = [final for final, inode in self._inodes.items() if _inode(final) != inode]
+        if not gone:
+            return
+        for final, inode in self._inodes.items():
+            if final not in gone and _inode(final) == inode:
+                remove(final)
+        raise OutputError(f"{gone[0]}: removed by another program as soon as tldp had moved it into "
+                          "place; the run's other files were removed too")
 
     def discard(self) -> None:
         for folder in self._folders.values():
@@ -537,6 +617,13 @@ class Staging:
     def close(self) -> None:
         """After commit: the emptied work folders go."""
         self.discard()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
 
 
 def _flush_folder(folder: Path) -> None:
@@ -573,7 +660,7 @@ def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as exc:
-                raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+                raise OutputError(f"{path}: cannot write ({reason_of(exc)})") from None
         staging.commit(overwrite)
     except BaseException:
         staging.discard()
@@ -589,17 +676,33 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def interrupt(signum, frame):
+    """Ctrl-C and SIGTERM in a process that ends with its run (the `tldp` command): they
+    stop the run (KeyboardInterrupt) until its outputs are moved into place. From then on
+    they stay ignored (see uninterruptible), so that nothing after the commit (the summary,
+    threads ending, the interpreter's exit) turns an output in place into an error or a
+    death by signal: the process exits 0."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def uninterruptible():
     """Ctrl-C and SIGTERM are ignored inside: once a run starts moving its outputs into
     place it finishes, so that it never reports "nothing was written" with the output in
-    place. Only the main thread sets signal handlers; elsewhere this does nothing."""
+    place. Yields `keep`, to call once the outputs are in place: the signals then stay
+    ignored until the process exits if their handler was `interrupt`; otherwise (a
+    library caller's handlers, or a failed commit) the previous handlers come back. Only
+    the main thread sets signal handlers; elsewhere this does nothing."""
+    committed = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
     try:
-        yield
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, signal.SIG_IGN)
+        yield lambda: committed.append(True)
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            if not (committed and handler is interrupt):
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)

@@ -1,12 +1,21 @@
-"""One module per on-disk format behind one small reader/writer interface.
+"""One module per on-disk format, each a plug-in that declares what it is and can do.
 
-A format module provides:
-  NAME                      "npy", "hdf5", ...
-  RESUMABLE                 True when it also provides reopen_writer (below)
-  can_open(path) -> bool    sniffs the input by content, not by its suffix
-  default_output(path)      the sibling the output goes to when --out is not given
-  open_reader(path, options) -> Reader
-  create_writer(reader, tmp_path, dtype, options) -> Writer
+A format module ends with its declaration, a `Format`:
+
+    FORMAT = Format(name="npy", title=".npy array", suffixes=(".npy",), ...,
+                    can_open=can_open, default_output=default_output,
+                    open_reader=open_reader, create_writer=create_writer)
+
+and the registry below, FORMAT_MODULES, lists it (name -> module, in detection order).
+`Format` names every capability the pipeline, the tools and the CLI ask about, with the
+default of a format that has none of it: which --format NAME it answers to, the suffixes
+that name it, whether it is a folder, how it is detected (can_open sniffs the content,
+not the suffix), whether an interrupted run resumes (reopen_writer), which options its
+reader honours (--dataset, --exclude, --keep, CF markers), whether arrays share rows,
+whether each record is a file of its own, the name map of --anonymize-names, the least
+size of its output, and how an earlier output of its own is recognised (--overwrite
+replaces nothing else). Nothing outside a format's module and the registry spells its
+name: the others ask the declaration (tests/formats/test_format_interface.py checks it).
 
 The pipeline asks the reader for the arrays to perturb, streams blocks of records
 through the engine into the writer, and moves the finished output into place.
@@ -15,20 +24,23 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors`, `manifest_inputs()` and `markers_are_data()`
-(CF missing-data markers inside the declared range) with defaults.
+the files skipped), `records_are_tensors`, `record_description` (what one subject's
+record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
+arrays whose row i is one subject's record, where the format knows) and
+`markers_are_data()` (CF missing-data markers inside the declared range) with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
-defaults of a writer that needs none of it: `postprocessing` and `manifest_extra`
-for the manifest, `output_dtype`, `block_writer()` (a picklable function that writes
-a block from any process; None: blocks computed on Dask come back and `write` stores
-them), `block_written()` and `digests()` (hashing while writing), `finish()`.
+defaults of a writer that needs none of it: `messages` (its own lines, shown after the
+reader's), `postprocessing` and `manifest_extra` for the manifest, `output_dtype`,
+`block_writer()` (a picklable function that writes a block from any process; None:
+blocks computed on Dask come back and `write` stores them), `block_written()` and
+`digests()` (hashing while writing), `finish()`.
 Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
 picklable and open its file inside each call (never hold an open handle).
 `write` may keep the block and write it later (the .npy writer does, on a thread of
 its own): a block must not be changed once handed over.
 
-A resumable format (Zarr, RESUMABLE = True) also provides
+A resumable format (Zarr) also provides
   reopen_writer(reader, tmp_path, dtype, options) -> Writer
       reopens an output an interrupted run began, keeping its blocks (--resume).
 """
@@ -40,7 +52,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -89,10 +101,18 @@ class Reader:
     records_are_tensors = False  # model files: each tensor is one record of its own
     messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
-    others: Sequence[str] = ()  # image folders: the files that are not images
+    # What one subject's record is, in words, for the warnings (a NIfTI file: the whole scan);
+    # None: the pipeline says it from the arrays
+    record_description: str | None = None
 
     def arrays(self) -> list[ArrayJob]:
         raise NotImplementedError
+
+    def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
+        """The arrays among `jobs` whose row i is one subject's record, where the format says
+        so (a NIfTI series: all its frames are one person's); None: the pipeline's rule (HDF5
+        and Zarr arrays that share their first axis)."""
+        return None
 
     def manifest_inputs(self) -> list[dict[str, Any]]:
         """The manifest's `inputs` entries: the arrays' sources."""
@@ -115,6 +135,7 @@ class Writer:
     that needs none of it; a format overrides what it does (its capabilities)."""
 
     # Class-level defaults are immutable: a writer that adds to them assigns its own.
+    messages: Sequence[str] = ()  # lines the CLI shows after the reader's (e.g. filters left off)
     postprocessing: Sequence[str] = ()  # steps after the noise (e.g. clip and round), for the manifest
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds (e.g. dropped_filters)
     output_dtype: str | None = None  # what it writes, when not the engine's dtype (e.g. 8-bit PNG)
@@ -166,44 +187,178 @@ class FormatOptions:
     value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)
 
 
-# In the order detect() tries them; each is imported when its turn comes (h5py and zarr
-# take a quarter of a second to import, which a .npy run need not pay).
-_FORMAT_MODULES = ("npy", "hdf5", "zarr_store", "npz", "safetensors_file", "images")
+def least_output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
+    """The least an output needs on disk: the perturbed values in the engine's dtype (noise
+    does not compress)."""
+    return sum(job.records * job.elements for job in jobs) * np.dtype(dtype).itemsize
 
 
-def modules():
-    """Every format module, in the order detect() tries them."""
-    for name in _FORMAT_MODULES:
-        yield importlib.import_module(f"tldp_cli.formats.{name}")
+def never_earlier_output(path: Path, reader: Reader) -> bool:
+    """No existing folder is taken for an earlier output of the format (it is no folder)."""
+    return False
 
 
-def detect(path: Path, format_name: str | None = None):
-    """The format module that can open `path`; `format_name` (--format) skips the sniffing
-    for inputs it cannot settle, and the chosen reader says what it finds wrong."""
+class DocRow(NamedTuple):
+    """A row of the formats table in docs/formats.md (make_format_table.py writes it)."""
+
+    input: str  # what the input is, in words
+    detected_by: str  # how can_open recognises it
+    example: str  # a command
+    output: str  # what the output is and keeps
+
+
+@dataclass(frozen=True)
+class Format:
+    """A format plug-in: what it is, what it can do, and its functions. The defaults are
+    those of a format that can do none of it."""
+
+    name: str  # --format NAME, and the manifest's inputs[].format
+    title: str  # how messages name an input of it: "HDF5 file"
+    can_open: Callable[[Path], bool]  # detection: sniffs the content, not the suffix
+    default_output: Callable[[Path], Path]  # the sibling the output goes to without --out
+    open_reader: Callable[[Path, FormatOptions], Reader]
+    create_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer]
+    docs: tuple[DocRow, ...]  # its rows of the formats table, the first one the format itself
+    suffixes: tuple[str, ...] = ()  # names that say this format: --out x.h5 on a .npy input is refused
+    # Where its readers know it by the name's suffix alone (nibabel.load): --out must end
+    # with one of these.
+    required_suffixes: tuple[str, ...] = ()
+    # Two-part suffixes that the tools reading them match whole (Keras loads only
+    # *.weights.h5): the default output's ".tldp" goes before them (tldp_name).
+    compound_suffixes: tuple[str, ...] = ()
+    folder: bool = False  # an input and its output are folders, not files
+    # Resumable (--resume): reopens the output an interrupted run began, keeping its blocks.
+    reopen_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer] | None = None
+    selects_arrays: bool = False  # its reader perturbs the arrays --dataset names
+    honours_exclude: bool = False  # its reader leaves out the arrays --exclude names
+    honours_keep: bool = False  # its reader copies raw what --keep names instead of dropping it
+    cf_markers: bool = False  # its reader declares CF missing-data markers (--public-missing)
+    # Arrays of one input that share their first axis hold one subject's record in row i
+    # (pipeline.row_groups), and a labels array beside them may give their classes.
+    shares_rows: bool = False
+    # Each record is a file of its own (an image in a folder): a weight mask is a folder of
+    # PNGs, evaluate pairs the outputs file by file, labels can come from subfolders.
+    records_are_files: bool = False
+    record_noun: str | None = None  # one record in words when it is a file: "an image"
+    single_array: bool = False  # the file is one array: messages do not name it
+    member_noun: str = "dataset"  # an array inside it in messages: "dataset /x", "tensor w"
+    # --anonymize-names: where the name map goes (checked), and how it is written.
+    name_map_destination: Callable[[Path | None, Path, Path, Path, bool], Path] | None = None
+    write_name_map: Callable[[dict, Path, Path], None] | None = None
+    # The least its output needs on disk: (arrays, the engine's dtype, options) -> bytes.
+    output_bytes: Callable[[list[ArrayJob], np.dtype, FormatOptions], int] = least_output_bytes
+    # Whether an existing folder (whose manifest, where this run's goes, names it) is an
+    # earlier output of this format, which --overwrite may replace: (folder, reader) -> bool.
+    earlier_output: Callable[[Path, Reader], bool] = never_earlier_output
+
+    @property
+    def resumable(self) -> bool:
+        return self.reopen_writer is not None
+
+    @property
+    def name_map(self) -> bool:
+        """Whether it renames its records on --anonymize-names and writes a name map."""
+        return self.write_name_map is not None
+
+
+# The registry: every format's name -> its module, in the order detect() tries them. Each
+# module is imported when its turn comes (h5py and zarr take a quarter of a second to
+# import, which a .npy run need not pay); the names alone (the CLI's --format choices)
+# import none. A new format adds its module here, and to the independence contract in
+# pyproject.toml.
+FORMAT_MODULES = {
+    "npy": "npy",
+    "hdf5": "hdf5",
+    "zarr": "zarr_store",
+    "npz": "npz",
+    "safetensors": "safetensors_file",
+    "nifti": "nifti",
+    "images": "images",
+}
+
+
+def names() -> list[str]:
+    """Every format's name, in detection order, without importing any."""
+    return list(FORMAT_MODULES)
+
+
+def get(name: str) -> Format:
+    """The format named `name` (KeyError for none)."""
+    module = importlib.import_module(f"tldp_cli.formats.{FORMAT_MODULES[name]}")
+    return module.FORMAT
+
+
+def of_source(source: Mapping[str, Any]) -> Format | None:
+    """The format an ArrayJob's source names; None for an array in memory (arrays.py)."""
+    name = source.get("format")
+    return get(name) if name in FORMAT_MODULES else None
+
+
+def registered():
+    """Every format, in the order detect() tries them."""
+    for name in FORMAT_MODULES:
+        yield get(name)
+
+
+def named_by(suffix: str, skip: Format | None = None) -> Format | None:
+    """The format whose names end in `suffix` (".h5"; lower case), other than `skip`."""
+    if not suffix or (skip is not None and suffix in skip.suffixes):
+        return None
+    return next((f for f in registered() if f is not skip and suffix in f.suffixes), None)
+
+
+def detect(path: Path, format_name: str | None = None) -> Format:
+    """The format that can open `path`; `format_name` (--format) skips the sniffing for
+    inputs it cannot settle, and the chosen reader says what it finds wrong."""
     output.check_input(path)
     if format_name is not None:
-        chosen = next((m for m in modules() if m.NAME == format_name), None)
-        if chosen is None:
-            names = ", ".join(m.NAME for m in modules())
-            raise UsageError(f"--format must be one of {names}, not {format_name}")
-        if path.is_dir() != (format_name in ("zarr", "images")):
+        if format_name not in FORMAT_MODULES:
+            raise UsageError(f"--format must be one of {', '.join(names())}, not {format_name}")
+        chosen = get(format_name)
+        if path.is_dir() != chosen.folder:
             kind = "a folder" if path.is_dir() else "a file"
             raise UsageError(f"{path}: is {kind}, which --format {format_name} does not read")
         return chosen
-    for module in modules():
-        if module.can_open(path):
-            return module
-    names = ", ".join(m.NAME for m in modules())
+    for fmt in registered():
+        if fmt.can_open(path):
+            return fmt
+    if path.is_file() and is_dicom(path):
+        raise dicom_refused(path)
     if path.is_file() and _is_pickle(path):
         raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
-    raise InputError(f"{path}: not a dataset tldp can read (supported: {names})")
+    raise InputError(f"{path}: not a dataset tldp can read (supported: {', '.join(names())})")
+
+
+DICOM_REASON = ("its headers hold patient names and IDs, which tldp does not read; convert it to NIfTI "
+                "without identifiers first (e.g. dcm2niix -ba y) and perturb the .nii.gz")
+
+
+def is_dicom(path: Path) -> bool:
+    """A DICOM file: the magic DICM after the 128-byte preamble, or the .dcm suffix. False
+    for what is not a regular file (never opened: a FIFO would block)."""
+    if path.name.lower().endswith(".dcm"):
+        return True
+    try:
+        if not path.is_file():
+            return False
+        with open_regular(path) as f:
+            return f.read(132)[128:] == b"DICM"
+    except (OSError, InputError):
+        return False
+
+
+def dicom_refused(path: Path, files: int | None = None) -> InputError:
+    """The error for DICOM input: a file, or a folder holding `files` DICOM files."""
+    what = "a DICOM file" if files is None else f"a folder of {plural(files, 'DICOM file')}"
+    reason = DICOM_REASON if files is None else DICOM_REASON.replace("convert it", "convert them")
+    return InputError(f"{path}: {what}: {reason}")
 
 
 def data_file(path: Path) -> str | None:
     """Why a file must never be copied raw beside perturbed data (image folders'
-    --copy-other): it holds data tldp reads (a format of modules()), a Python pickle, or a
+    --copy-other): it holds data tldp reads (a registered format), a Python pickle, or a
     medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
     other file, and for what is not a regular file (never opened: a FIFO would block)."""
     name = path.name.lower()
@@ -212,16 +367,16 @@ def data_file(path: Path) -> str | None:
             return None
         with open_regular(path) as f:
             head = f.read(352)
-        if name.endswith(".dcm") or head[128:132] == b"DICM":
+        if name.endswith(".dcm") or head[128:132] == b"DICM":  # is_dicom, on the head read here
             return "DICOM: a medical image whose headers can name the patient"
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
                 or head[4:8] in (b"n+2\0", b"ni2\0"):
-            return "NIfTI: a medical image volume"
+            return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
         if _is_pickle(path):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
-        for module in modules():
-            if module.NAME != "images" and module.can_open(path):
-                return f"{module.NAME} data, which tldp perturbs on its own (tldp perturb {path.name})"
+        for fmt in registered():
+            if not fmt.folder and fmt.can_open(path):
+                return f"{fmt.name} data, which tldp perturbs on its own (tldp perturb {path.name})"
     except (OSError, InputError):
         return None  # unreadable, or no longer a regular file: copying it fails with the reason
     return None
@@ -249,17 +404,13 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-# Suffixes of two parts that the tools reading them match whole (Keras loads only
-# *.weights.h5, OME-Zarr readers look for .ome.zarr): ".tldp" goes before them.
-COMPOUND_SUFFIXES = (".weights.h5", ".ome.zarr", ".ome.tif", ".ome.tiff", ".nii.gz")
-
-
-def tldp_name(path: Path, suffix: str) -> Path:
-    """The default output's name: ".tldp" before the format's suffix, or before a compound
-    one (data.h5 -> data.tldp.h5, model.weights.h5 -> model.tldp.weights.h5,
-    image.ome.zarr -> image.tldp.ome.zarr); a name without it gets ".tldp" at the end."""
+def tldp_name(path: Path, suffix: str, compound: Sequence[str] = ()) -> Path:
+    """The default output's name: ".tldp" before the format's suffix, or before one of its
+    compound suffixes (Format.compound_suffixes: model.weights.h5 -> model.tldp.weights.h5,
+    image.ome.zarr -> image.tldp.ome.zarr; data.h5 -> data.tldp.h5); a name without
+    either gets ".tldp" at the end."""
     name = path.name
-    for known in (*COMPOUND_SUFFIXES, suffix):
+    for known in (*compound, suffix):
         if known and name.lower().endswith(known.lower()) and len(name) > len(known):
             return path.with_name(f"{name[:-len(known)]}.tldp{name[-len(known):]}")
     return path.with_name(name + ".tldp")
@@ -270,8 +421,8 @@ def member_name(source: dict[str, Any]) -> str | None:
     model file, "dataset x" in HDF5/Zarr; None for a whole-file array or an image."""
     if "dataset" not in source:
         return None
-    noun = "tensor" if source.get("format") in ("npz", "safetensors") else "dataset"
-    return f"{noun} {source['dataset']}"
+    fmt = of_source(source)
+    return f"{fmt.member_noun if fmt else 'dataset'} {source['dataset']}"
 
 
 def dropped_filters(dropped: dict[str, list[str]]) -> tuple[list[str], dict[str, Any]]:

@@ -73,9 +73,11 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError
+from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import (
     ArrayJob,
+    DocRow,
+    Format,
     FormatOptions,
     Reader,
     Writer,
@@ -91,7 +93,6 @@ from tldp_cli.formats import cf, hdf5_chunks, leftovers, tensor_files
 from tldp_cli.sampling.engine import PAGE
 
 NAME = "hdf5"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 FILL_LIMIT = 1 << 30  # bytes of a perturbed dataset read as fill value, allowed whatever the file's size
 FILL_RATIO = 16  # ... or this many times the file's size
@@ -123,14 +124,14 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    return tldp_name(path, path.suffix)
+    return tldp_name(path, path.suffix, FORMAT.compound_suffixes)
 
 
 def _reason(exc: Exception) -> str:
     """h5py's 'Unable to synchronously open file (truncated file: ...)' -> 'truncated file: ...'."""
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # str() quotes a key
     match = re.fullmatch(r"Unable to (?:synchronously )?[^(]*\((.*)\)", text, re.DOTALL)
-    return match.group(1) if match else text
+    return (match.group(1) if match else text).strip() or reason_of(exc)
 
 
 def _is_numeric(dtype: np.dtype) -> bool:
@@ -159,7 +160,7 @@ def _check_not_shrunk(path: Path, size: int) -> None:
     try:
         now = os.stat(path).st_size
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None
     if now < size:
         raise InputError(f"{path}: the file shrank from {size} to {now} bytes while tldp was "
                          "reading it")
@@ -343,6 +344,8 @@ class _Records:
                 with h5py.File(self.path, "r") as f:
                     ds = f[self.dataset]
                     block = ds[start:stop] if self.deflated is None else self.deflated.read(ds, start, stop)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)  # the likelier cause of "truncated file"
             raise InputError(f"{self.path}: cannot read records {start}:{stop} of dataset "
@@ -759,6 +762,8 @@ class _Whole:
         try:
             with h5py.File(self.path, "r") as f:
                 values = np.asarray(f[self.dataset][()])
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             _check_not_shrunk(self.path, self.size)
             raise InputError(f"{self.path}: cannot read dataset {self.dataset} ({_reason(exc)})") from None
@@ -975,7 +980,7 @@ class Hdf5Writer(Writer):
         self.path = tmp_path
         self.source = reader.path
         self.dtype = np.dtype(dtype)
-        self.messages = reader.messages
+        self.messages: list[str] = []
         src = self.src = reader.file
         self.to_perturb = {_object_key(src[job.name]): job.name for job in reader.jobs}
         # Keras weights: each keeps its dtype and shape (one record each), variances stay > 0
@@ -1007,7 +1012,7 @@ class Hdf5Writer(Writer):
             with open(reader.path, "rb") as f:
                 self.userblock = f.read(fcpl.get_userblock())  # HDF5 leaves it to its owner to write
         except OSError as exc:
-            raise InputError(f"{reader.path}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{reader.path}: cannot read ({reason_of(exc)})") from None
         with writing(tmp_path):
             self.output = _Output(tmp_path)
         self.file = None
@@ -1334,3 +1339,18 @@ class Hdf5Writer(Writer):
 def create_writer(reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Hdf5Writer:
     return Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)
+
+
+FORMAT = Format(
+    name=NAME, title="HDF5 file", suffixes=(".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
+    compound_suffixes=(".weights.h5",),
+    selects_arrays=True, honours_exclude=True, honours_keep=True, cf_markers=True, shares_rows=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("HDF5 file", "the HDF5 signature (any suffix)",
+                 "`tldp perturb sample_data/digits.h5 --eps 1 --dataset images`",
+                 "`digits.tldp.h5`: same groups, structural attributes, chunks, filters; labels and other "
+                 "datasets not perturbed left out ([below](#what-is-not-perturbed))"),
+          DocRow("Keras 3 `.weights.h5`", "an HDF5 file with the Keras weights layout",
+                 "`tldp perturb model.weights.h5 --eps 1 --clip 0.1`",
+                 "`model.tldp.weights.h5`: the same groups, attributes, dtypes and shapes")),
+)

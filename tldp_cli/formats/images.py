@@ -54,13 +54,13 @@ from zlib_ng import zlib_ng
 from tldp_cli import __version__
 from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, data_file, listing, plural
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, dicom_refused,
+                              is_dicom, listing, plural)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
 NAME = "images"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 # Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
@@ -232,7 +232,7 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     entering it. An entry that is neither a regular file nor a directory (a FIFO, which
     would never end a read, a socket, a device) is refused, as inside a Zarr store."""
     def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
-        raise InputError(f"{root}: cannot list {exc.filename} ({exc.strerror})")
+        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
 
     images, others, links = [], [], []
     for directory, dirs, files in os.walk(root, onerror=unreadable):
@@ -242,7 +242,7 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
             try:
                 mode = path.lstat().st_mode
             except OSError as exc:
-                raise InputError(f"{root}: cannot list {rel} ({exc.strerror})") from None
+                raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
             if stat.S_ISLNK(mode):
                 links.append(rel)
             elif stat.S_ISREG(mode):
@@ -282,9 +282,11 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except _Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
-        raise InputError(f"{image.path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{image.path}: cannot read ({reason_of(exc)})") from None
+    except MemoryError:  # not damage: the run says memory ran out
+        raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({exc}); pass --skip-bad "
+        raise InputError(f"{image.path}: cannot be decoded as an image ({reason_of(exc)}); pass --skip-bad "
                          "to skip it") from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
@@ -325,9 +327,11 @@ class ImageFolderReader(Reader):
             except _Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
-                reason = f"cannot read ({exc.strerror})"
+                reason = f"cannot read ({reason_of(exc)})"
+            except MemoryError:  # not damage: the run says memory ran out
+                raise
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({exc})"
+                reason = f"cannot be decoded as an image ({reason_of(exc)})"
             else:
                 self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
                                           header.dtype, header.has_alpha, header.has_icc))
@@ -343,6 +347,9 @@ class ImageFolderReader(Reader):
             found += [plural(len(bad), "unreadable image")] if bad else []
             found += [plural(len(self.links), "symbolic link")] if self.links else []
             detail = f" (found {' and '.join(found)})" if found else ""
+            dicom = sum(is_dicom(path / rel) for rel in self.others)
+            if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
+                raise dicom_refused(path, dicom)
             if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
                 raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
                                  "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
@@ -413,7 +420,7 @@ class ImageFolderReader(Reader):
                 with _opened(source) as f:
                     text = f.read().decode("utf-8-sig")  # a BOM would stop json.loads
             except OSError as exc:
-                raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+                raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
             except UnicodeDecodeError:
                 raise _unreadable_index(source, "not UTF-8 text") from None
             names = _IndexNames(rel, self.out_names, self.unwritten)
@@ -563,7 +570,7 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
         raise InputError(f"{path}: name map not found; the images were renamed by perturb "
                          "--anonymize-names: give its name map with --name-map") from None
     except OSError as exc:
-        raise InputError(f"{path}: not a readable name map ({exc})") from None
+        raise InputError(f"{path}: not a readable name map ({reason_of(exc)})") from None
     document = json_value(text, f"{path}: not a readable name map: it")
     if not isinstance(document, dict) or document.get("schema") != NAME_MAP_SCHEMA:
         raise InputError(f"{path}: not a {NAME_MAP_SCHEMA} name map")
@@ -701,7 +708,7 @@ def _rewrite_csv(text: str, names: _IndexNames, where: Path) -> tuple[str, list[
     try:
         rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
     except csv.Error as exc:
-        raise _unreadable_index(where, f"not readable as CSV ({exc})") from None
+        raise _unreadable_index(where, f"not readable as CSV ({reason_of(exc)})") from None
     if not rows:
         return text, []
     columns = [i for i, name in enumerate(rows[0]) if _is_name_column(name)]
@@ -792,7 +799,7 @@ class ImageFolderWriter(Writer):
         try:
             src = _opened(source)
         except OSError as exc:
-            raise InputError(f"{source}: cannot read ({exc.strerror or exc})") from None
+            raise InputError(f"{source}: cannot read ({reason_of(exc)})") from None
         with src, writing(target), open(target, "wb") as dst:
             copy_bytes(src, source, dst, target)
         return target
@@ -866,3 +873,34 @@ def _write_image(target: Path, encoded: bytes) -> None:
 def create_writer(reader: ImageFolderReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ImageFolderWriter:
     return ImageFolderWriter(reader, tmp_path, dtype, options)
+
+
+def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
+    """The least the output needs on disk: PNG images 8 bits a value (noise does not
+    compress), TIFF images the engine's dtype."""
+    itemsize = 1 if options.image_format == "png" else np.dtype(dtype).itemsize
+    return sum(job.records * job.elements for job in jobs) * itemsize
+
+
+def is_earlier_output(path: Path, reader: ImageFolderReader) -> bool:
+    """A folder whose manifest names it is an earlier output if it holds images and the
+    files --copy-other copies from this input, nothing else."""
+    copied = set(reader.others)
+    for directory, _, files in os.walk(path):
+        for name in files:
+            rel = (Path(directory) / name).relative_to(path).as_posix()
+            if Path(name).suffix.lower() not in IMAGE_SUFFIXES and rel not in copied:
+                return False
+    return True
+
+
+FORMAT = Format(
+    name=NAME, title="folder of images", folder=True, records_are_files=True, record_noun="an image",
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    name_map_destination=name_map_destination, write_name_map=write_name_map,
+    output_bytes=output_bytes, earlier_output=is_earlier_output,
+    docs=(DocRow("folder of images (PNG, JPEG, BMP, TIFF, WebP)",
+                 "any other directory (subfolders named `0` ... `9` included)",
+                 "`tldp perturb sample_data/digits_png --eps 1`",
+                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG"),),
+)

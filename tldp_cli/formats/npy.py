@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.sampling.engine import PAGE
-from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, check_numeric_dtype, tldp_name
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, check_numeric_dtype,
+                              tldp_name)
 from tldp_cli.files.checked_io import Background, fsync_file, pwrite_all, write_direct, writing
 
 NAME = "npy"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAGIC = b"\x93NUMPY"
 
 
@@ -53,7 +53,7 @@ def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
                            else np.lib.format.read_array_header_2_0)
             shape, fortran, dtype = read_header(f)
     except Exception as exc:  # numpy raises ValueError, OSError or worse on garbage
-        raise InputError(f"{path}: not a valid .npy file ({exc})") from None
+        raise InputError(f"{path}: not a valid .npy file ({reason_of(exc)})") from None
     return tuple(shape), fortran, dtype
 
 
@@ -109,7 +109,8 @@ class NpyReader(Reader):
             offset = None if fortran and len(shape) > 1 else mm.offset
             del mm
         except Exception as exc:
-            raise InputError(f"{path}: cannot read the array data ({exc}); the file may be truncated") from None
+            raise InputError(f"{path}: cannot read the array data ({reason_of(exc)}); the file may be "
+                             "truncated") from None
         self.job = ArrayJob(
             name="array", shape=shape, dtype=dtype, read=_Records(path, offset, dtype, tuple(shape[1:])),
             source={"path": str(path), "format": NAME, "shape": list(shape), "dtype": str(dtype)},
@@ -264,3 +265,11 @@ class NpyWriter(Writer):
 def create_writer(reader: NpyReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NpyWriter:
     return NpyWriter(reader.job, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".npy array", suffixes=(".npy",), single_array=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.npy` array", "the NumPy magic bytes", "`tldp perturb sample_data/digits.npy --eps 1`",
+                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input"),),
+)

@@ -12,6 +12,7 @@ memory until the members before them are written (at most a few blocks in flight
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import struct
 import threading
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
+from tldp_cli.errors import InputError, reason_of
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
+                              tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 ZIP_MAGIC = b"PK\x03\x04"
 COMMENT = "a zip comment (free text), not perturbed"
 
@@ -73,7 +74,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _corrupt(path: Path, exc: Exception) -> InputError:
-    return InputError(f"{path}: not a valid .npz file ({exc}); it may be truncated or corrupt")
+    return InputError(f"{path}: not a valid .npz file ({reason_of(exc)}); it may be truncated or corrupt")
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,10 @@ class _Member:
         try:
             with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
                 array = np.lib.format.read_array(f, allow_pickle=False)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:  # bad CRC, truncated deflate stream, ...
-            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({exc}); "
+            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({reason_of(exc)}); "
                              "the file may be corrupt") from None
         return array[None][start:stop]
 
@@ -151,8 +154,15 @@ class NpzReader(Reader):
                 read_header = (np.lib.format.read_array_header_1_0 if major == 1
                                else np.lib.format.read_array_header_2_0)
                 shape, _, dtype = read_header(f)
+                header = f.tell()
         except Exception as exc:
-            raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array ({exc})") from None
+            raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array "
+                             f"({reason_of(exc)})") from None
+        declared = header + math.prod(shape) * dtype.itemsize
+        if declared > info.file_size:  # checked before a tensor is read (and its size allocated)
+            raise InputError(f"{self.path}: member {info.filename} declares a {'x'.join(map(str, shape))} "
+                             f"{_dtype_name(dtype)} array ({declared:,} bytes with its header) but holds "
+                             f"{info.file_size:,} bytes; the file is damaged")
         self.dtypes[_key(info.filename)] = dtype
         return Tensor(_key(info.filename), tuple(shape), _dtype_name(dtype))
 
@@ -231,7 +241,7 @@ class NpzWriter(Writer):
                         member = self.src.open(info)
                     except Exception as exc:
                         raise InputError(f"{self.source}: cannot copy member {info.filename} "
-                                         f"({exc}); the file may be corrupt") from None
+                                         f"({reason_of(exc)}); the file may be corrupt") from None
                     with member:
                         copy_bytes(member, f"{self.source} (member {info.filename})", f, self.path)
             self.next += 1
@@ -262,3 +272,14 @@ class NpzWriter(Writer):
 def create_writer(reader: NpzReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NpzWriter:
     return NpzWriter(reader, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".npz file", suffixes=(".npz",), member_noun="tensor",
+    selects_arrays=True, honours_exclude=True, honours_keep=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.npz` archive of named arrays (model parameters)", "a zip whose first member is a `.npy` file",
+                 "`tldp perturb docs/type3/model.npz --eps 1 --clip 0.1`",
+                 "`model.tldp.npz`: same members in the same order, names, dtypes, shapes, byte order, "
+                 "compression"),),
+)

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, leftovers, tensor_files, tldp_name
+from tldp_cli.errors import InputError, OutputError, reason_of
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
+                              tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, fsync_file, json_value, pwrite_all, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "safetensors"
-RESUMABLE = False  # no reopen_writer: an interrupted run keeps nothing
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
 STRUCTURAL_METADATA = ("format",)  # __metadata__ keys kept: transformers loads only {"format": "pt", ...}
 METADATA_REASON = "a __metadata__ entry (free text), not perturbed; only format, which loaders need, is kept"
@@ -89,7 +89,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
             length = struct.unpack("<Q", f.read(8))[0]
             raw = f.read(length)
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None
     if len(raw) < length:
         raise _invalid(path, f"its header of {length} bytes ends after the file, {len(raw)} bytes in")
     header = json_value(raw, f"{path}: not a valid safetensors file: its header")
@@ -102,7 +102,7 @@ def _parse(path: Path) -> tuple[bytes, dict, list[_Entry]]:
         with safe_open(str(path), framework="np") as f:
             metadata = f.metadata()
     except Exception as exc:
-        raise _invalid(path, str(exc)) from None
+        raise _invalid(path, reason_of(exc)) from None
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -136,8 +136,10 @@ class _Read:
 
                 with safe_open(str(self.path), framework="np") as f:
                     values = f.get_tensor(tensor.name)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
-            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({exc})") from None
+            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({reason_of(exc)})") from None
         return np.asarray(values)[None][start:stop]
 
 
@@ -230,3 +232,14 @@ class SafetensorsWriter(Writer):
 def create_writer(reader: SafetensorsReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> SafetensorsWriter:
     return SafetensorsWriter(reader, tmp_path, dtype)
+
+
+FORMAT = Format(
+    name=NAME, title=".safetensors file", suffixes=(".safetensors",), member_noun="tensor",
+    selects_arrays=True, honours_exclude=True, honours_keep=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    docs=(DocRow("`.safetensors` model file", "8-byte little-endian header length and a JSON header",
+                 "`tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1`",
+                 "`model.tldp.safetensors`: the same tensor entries byte for byte (names, dtypes, shapes, "
+                 "order, offsets); of `__metadata__` only `format`"),),
+)

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import numcodecs
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import write_new_file, writing
 from tldp_cli.formats import decompressed, padded_chunk, whole_chunks, wrong_chunk_size
 
@@ -194,12 +194,14 @@ class Layout:
                 out[target] = self.fill_value
                 continue
             except OSError as exc:
-                raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+                raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None
             try:
                 chunk = self.decode(data)
+            except MemoryError:  # not damage: the run says memory ran out
+                raise
             except Exception as exc:  # ValueError or the codec's own errors
                 raise InputError(f"{path}: cannot decode the chunk of records {region[0].start}-"
-                                 f"{region[0].stop} ({exc}); it may be damaged") from None
+                                 f"{region[0].stop} ({reason_of(exc)}); it may be damaged") from None
             offset = index[0] * self.chunks[0]
             out[target] = chunk[(slice(rows.start - offset, rows.stop - offset),
                                  *(slice(0, r.stop - r.start) for r in region[1:]))]

@@ -44,11 +44,13 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from tldp_cli.errors import InputError, OutputError, UsageError
+from tldp_cli.errors import InputError, OutputError, UsageError, reason_of
 from tldp_cli.files.checked_io import Background, flushed_files, json_value, open_regular
 from tldp_cli.files.output import removed_during_run, shown
 from tldp_cli.formats import (
     ArrayJob,
+    DocRow,
+    Format,
     FormatOptions,
     Reader,
     Writer,
@@ -60,7 +62,6 @@ from tldp_cli.formats import (
 from tldp_cli.formats import cf, leftovers, zarr_chunks
 
 NAME = "zarr"
-RESUMABLE = True  # reopen_writer continues an interrupted run (--resume)
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 # A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".
 _CHUNK_KEY = re.compile(r"^(c|\d+)([./]\d+)*$")
@@ -77,7 +78,7 @@ def can_open(path: Path) -> bool:
 def default_output(path: Path) -> Path:
     if path.name in ("", ".."):
         path = path.resolve()
-    return tldp_name(path, ".zarr")
+    return tldp_name(path, ".zarr", FORMAT.compound_suffixes)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _read_json(store: Path, file: Path) -> dict[str, Any]:
         with open_regular(file, follow_links=False) as f:  # listed as a regular file: still one
             text = f.read().decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({exc})") from None
+        raise InputError(f"{store}: damaged Zarr store: {where} is not valid JSON ({reason_of(exc)})") from None
     meta = json_value(text, f"{store}: damaged Zarr store: {where}")
     if not isinstance(meta, dict):
         raise InputError(f"{store}: damaged Zarr store: {where} is not a JSON object")
@@ -139,7 +140,7 @@ def _files(store: Path) -> list[str]:
     A link is refused rather than skipped: zarr would follow it when reading, and the
     copy of the unperturbed files would publish whatever it points to."""
     def unreadable(exc: OSError):
-        raise InputError(f"{store}: cannot list {exc.filename} ({exc.strerror})")
+        raise InputError(f"{store}: cannot list {exc.filename} ({reason_of(exc)})")
 
     files = []
     for directory, dirs, names in os.walk(store, onerror=unreadable):
@@ -217,7 +218,7 @@ def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int
                                    use_consolidated=False)
         return zarr.open_array(store=store, path=node, mode=mode, zarr_format=zarr_format)
     except Exception as exc:  # zarr raises many kinds on bad metadata
-        detail = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
+        detail = f"no {exc} field" if isinstance(exc, KeyError) else reason_of(exc)
         raise InputError(f"{where}: damaged Zarr store: {kind} {_display(node)} has invalid "
                          f"metadata ({detail})") from None
 
@@ -262,9 +263,11 @@ class _Records:
             return np.asarray(array[start:stop])
         except InputError:
             raise
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
         except Exception as exc:
             raise InputError(f"{self.store}: cannot read records {start}-{stop} of array "
-                             f"{_display(self.name)} ({exc}); a chunk may be damaged") from None
+                             f"{_display(self.name)} ({reason_of(exc)}); a chunk may be damaged") from None
 
 
 # Multiscale images (OME-Zarr / NGFF 0.4 and 0.5). A multiscale group lists its levels,
@@ -895,7 +898,7 @@ class _Blocks:
             raise
         except Exception as exc:
             raise InputError(f"{self.source}: cannot encode array {job.name} as {self.dtype} with "
-                             f"its codecs ({exc})") from None
+                             f"its codecs ({reason_of(exc)})") from None
         self.digests.update((path, hashlib.sha256(data).hexdigest()) for path, data in files)
         if self._disk is None:
             zarr_chunks.write_files(directory, files)
@@ -1097,6 +1100,7 @@ class ZarrWriter(Writer):
                  bounds: dict[str, tuple[float, float, float | None]] | None = None):
         self.root = tmp_path
         self.dtype = np.dtype(dtype)
+        self.messages: list[str] = []  # a line added in finish() is shown too
         if tmp_path.resolve().is_relative_to(reader.path.resolve()):
             raise OutputError(f"{tmp_path.parent}: the output cannot go inside the input store "
                               f"{reader.path}")
@@ -1134,9 +1138,9 @@ class ZarrWriter(Writer):
                    for p in reader.raw_statistics}
         self.postprocessing += [_statistics_step(p, fields, windows[p])
                                 for p, fields in reader.raw_statistics.items() if fields]
-        reader.messages += [f"array {name}: written without the input's lossy "
-                            f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
-                            "values are stored exactly" for name, lossy in dropped.items()]
+        self.messages += [f"array {name}: written without the input's lossy "
+                          f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
+                          "values are stored exactly" for name, lossy in dropped.items()]
         meta_file = self.meta_file = "zarr.json" if reader.zarr_format == 3 else ".zarray"
         if reopen:
             for path, meta in metadata.items():
@@ -1170,7 +1174,6 @@ class ZarrWriter(Writer):
         """Rewrites the perturbed arrays' CF attributes (cf.describe tells the manifest): in
         their metadata (Zarr 3); returns the .zattrs to write (Zarr 2)."""
         self.missing: dict[str, list[tuple]] = {}
-        self.messages = reader.messages  # the reader's list: a line added in finish() is shown
         dropped_attrs, zattrs = {}, {}
         for job_name, path in names.items():
             array = reader.handles[path]
@@ -1263,3 +1266,24 @@ def reopen_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> ZarrWriter:
     """The writer of an output an interrupted run began: its blocks are kept (--resume)."""
     return ZarrWriter(reader, tmp_path, dtype, reopen=True, bounds=options.value_bounds)
+
+
+def is_earlier_output(path: Path, reader: ZarrReader) -> bool:
+    """A folder whose manifest names it is an earlier output if it is a Zarr store."""
+    return any((path / name).is_file() for name in METADATA_FILES)
+
+
+FORMAT = Format(
+    name=NAME, title="Zarr store", suffixes=(".zarr",), compound_suffixes=(".ome.zarr",), folder=True,
+    selects_arrays=True, honours_keep=True, cf_markers=True, shares_rows=True,
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    reopen_writer=reopen_writer, earlier_output=is_earlier_output,
+    docs=(DocRow("Zarr store (format 2 or 3)",
+                 "`zarr.json`, `.zarray`, `.zgroup`, `.zattrs` or `.zmetadata` at its root",
+                 "`tldp perturb sample_data/digits.zarr --eps 1`",
+                 "`digits.tldp.zarr`: same format version, groups, structural attributes, chunks, shards, codecs"),
+          DocRow("OME-Zarr image (NGFF 0.4, 0.5)", "a Zarr group with `multiscales`",
+                 "`tldp perturb cells.ome.zarr --eps 1`",
+                 "`cells.tldp.ome.zarr`: the full resolution perturbed, lower levels regenerated from it "
+                 "([below](#ome-zarr-multiscale-images))")),
+)

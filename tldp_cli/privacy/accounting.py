@@ -825,7 +825,7 @@ def privunit_epsilon(k: int, gamma: float, p_numerator: int) -> float:
     floating-point margin). So the privacy loss is at most
     ln max(p/q_lo, (1-p)/(1-q_hi)) - ln min(p/q_hi, (1-p)/(1-q_lo)), which is
     eps0 + ln((1 - q_lo)/q_lo) when q_hi <= 1/2 <= p. Rounded up."""
-    if not 2 <= k or not 0 < p_numerator < 2**53:
+    if not 2 <= k <= privunit.MAX_K or not 0 < p_numerator < 2**53:
         return math.inf
     q_lo, q_hi = privunit.cap_probability_bounds(gamma, k)
     if not (0 < q_lo and q_hi < 1):

@@ -15,7 +15,7 @@ from dataclasses import replace
 import functools
 
 from tldp_cli.privacy import accounting, mvg_idn, privunit
-from tldp_cli.errors import UsageError
+from tldp_cli.errors import UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
 MECHANISMS = ("tldp", "baseline", "mvg", "idn", PRIVUNIT)
@@ -142,7 +142,7 @@ def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
                            granularity=granularity)
     except (ZeroDivisionError, OverflowError) as exc:
         raise UsageError(f"a value range of width {range_width:g} with --eps {epsilon:g} is beyond "
-                         f"float64 arithmetic ({exc}); express the values in other units") from None
+                         f"float64 arithmetic ({reason_of(exc)}); express the values in other units") from None
     if math.exp(calib.log_p) >= 1.0:
         # Algorithm 1's p weighs a density against a probability, so it depends on the units
         # of the values: a narrow enough range makes it round to 1, every value kept.
@@ -431,6 +431,12 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
         raise UsageError(f"the value range must be finite and not empty, not {lo:g}:{hi:g}")
     elements = math.prod(record_shape)
+    # A record's coefficients reach sqrt(I) (hi - lo), as does the written deviation c B^T V
+    # (c = output_scale); past float64's largest value they would be inf, and an inf or NaN
+    # direction is never accepted by the cap test.
+    if not math.isfinite(4 * math.sqrt(elements) * (hi - lo)):
+        raise UsageError(f"the value range {lo:g}:{hi:g} is too wide for --mechanism privunit's float64 "
+                         f"arithmetic on records of {elements} elements; express the values in larger units")
     if elements < 2:
         raise UsageError(f"--mechanism privunit releases a direction, which needs records of 2 or more "
                          f"elements, not records of shape {tuple(record_shape)}")
@@ -439,6 +445,9 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if not 2 <= k <= elements:
         raise UsageError(f"--basis: k = {k} coefficients; PrivUnit needs 2 <= k <= {elements} (the "
                          f"record's elements) for records of shape {tuple(record_shape)}")
+    if k > privunit.MAX_K:
+        raise UsageError(f"--basis: k = {k} coefficients; PrivUnit's figures are certified for k up to "
+                         f"{privunit.MAX_K} (docs/guarantee.md); give --basis dct:K with a smaller K")
     gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
     params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
                             record_shape=tuple(int(n) for n in record_shape),

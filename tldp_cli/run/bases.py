@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.files.checked_io import open_regular
 from tldp_cli.sampling import projection
 
 DCT = "dct"
@@ -73,18 +74,20 @@ class UserBasis:
 
 
 def load_basis(path: Path) -> UserBasis:
-    """Reads and checks a user's basis: a finite 2-D float or integer array without pickles,
-    of k <= I rows that are orthonormal to within projection.ORTHONORMAL_TOLERANCE."""
+    """Reads and checks a user's basis: a regular file holding a finite 2-D float or integer
+    array without pickles, of k <= I rows that are orthonormal to within
+    projection.ORTHONORMAL_TOLERANCE."""
     try:
-        data = Path(path).read_bytes()
+        with open_regular(Path(path)) as f:  # never a FIFO (it would wait) or a device (/dev/zero)
+            data = f.read()
     except OSError as exc:
-        raise InputError(f"{path}: cannot read the basis ({exc.strerror or exc})") from None
+        raise InputError(f"{path}: cannot read the basis ({reason_of(exc)})") from None
     import io
 
     try:
         matrix = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError) as exc:
-        raise InputError(f"{path}: not a .npy array ({exc})") from None
+        raise InputError(f"{path}: not a .npy array ({reason_of(exc)})") from None
     if matrix.ndim != 2 or matrix.dtype.kind not in "iuf" or min(matrix.shape) < 1:
         raise InputError(f"{path}: a basis is a 2-D numeric k x I array, not {matrix.dtype} of shape "
                          f"{matrix.shape}")

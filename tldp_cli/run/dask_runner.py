@@ -29,7 +29,7 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from tldp_cli.errors import TldpError, UsageError
+from tldp_cli.errors import TldpError, UsageError, reason_of
 
 INSTALL_HINT = "pip install 'tldp-tensors[dask]'"
 # How long a failed run waits for the blocks a cluster is still running, so none writes
@@ -41,6 +41,7 @@ WORKER_WAIT_SECONDS = 30
 # Loggers that print on stderr during a run (distributed installs its own handlers).
 _LOGGERS = ("distributed", "tornado", "bokeh")
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+TLS_SETTINGS = "distributed.comm.tls.ca-file, .client.cert and .client.key"
 
 
 class ClusterError(TldpError):
@@ -61,6 +62,32 @@ def parse_address(text: str) -> str:
     if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", text):
         raise UsageError(f"--dask-address must be HOST:PORT (or tls://HOST:PORT), not {text!r}")
     return "tcp://" + text
+
+
+def check_address(address: str) -> None:
+    """Refuses, before any connection, what distributed would find out only while connecting
+    (after a timeout, with a traceback): a scheme it does not know, and tls:// (or wss://)
+    without Dask's TLS settings or with settings it cannot load."""
+    from distributed.comm.registry import get_backend
+    from distributed.security import Security
+
+    scheme = address.partition("://")[0]
+    try:
+        get_backend(scheme)
+    except ValueError:
+        raise UsageError(f"--dask-address {address}: Dask knows no scheme {scheme}://; give HOST:PORT "
+                         "or tls://HOST:PORT") from None
+    if scheme not in ("tls", "wss"):
+        return
+    try:
+        context = Security().get_connection_args("client").get("ssl_context")
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise UsageError(f"--dask-address {address}: Dask's TLS settings ({TLS_SETTINGS}) cannot be "
+                         f"loaded ({reason_of(exc)})") from None
+    if context is None:
+        raise UsageError(f"--dask-address {address}: {scheme}:// needs Dask's TLS settings, the CA file and "
+                         f"this client's certificate and key ({TLS_SETTINGS}, in Dask's configuration or "
+                         "its DASK_DISTRIBUTED__COMM__TLS__... variables); they are not all set")
 
 
 def plain_remote(address: str) -> bool:
@@ -163,7 +190,7 @@ def connect(address: str | None, workers: int, show_logs: bool = False) -> Itera
                                    f"{WORKER_WAIT_SECONDS:g} s") from None
     except (OSError, TimeoutError) as exc:
         _close(client, cluster)
-        raise ClusterError(f"cannot reach {where} ({exc})") from None
+        raise ClusterError(f"cannot reach {where} ({reason_of(exc)})") from None
     except BaseException:
         _close(client, cluster)
         raise

@@ -44,7 +44,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from tldp_cli.privacy import accounting
-from tldp_cli.errors import InputError, TldpError, UsageError
+from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
 
 SCHEMA_VERSION = 2
 _BUSY_MS = 60_000  # a concurrent run holds the write lock for milliseconds
@@ -115,7 +115,7 @@ def open_ledger(path: Path) -> sqlite3.Connection:
         for needed in (path, path.parent):  # SQLite says "unable to open database file" for both
             if needed.exists() and not os.access(needed, os.R_OK | os.W_OK):
                 raise InputError(f"{path}: cannot open the ledger (permission denied on {needed})") from None
-        raise InputError(f"{path}: not a tldp ledger ({exc})") from None
+        raise InputError(f"{path}: not a tldp ledger ({reason_of(exc)})") from None
     if int(version[0] if version else SCHEMA_VERSION) > SCHEMA_VERSION:
         db.close()
         raise UsageError(f"{path}: the ledger was written by a newer tldp (schema {version[0]}, this "

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tldp_cli import __version__
-from tldp_cli.errors import InputError, OutputError
+from tldp_cli.errors import InputError, OutputError, reason_of
 from tldp_cli.files.checked_io import json_value
+from tldp_cli.files.output import removed_during_run
 from tldp_cli.privacy import privunit
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.sampling import projection
@@ -176,8 +177,10 @@ def write(manifest: dict[str, Any], path: Path, shown_as: Path | None = None) ->
             f.write(to_json(manifest))
             f.flush()
             os.fsync(f.fileno())
+    except FileNotFoundError:  # its work folder is gone
+        raise removed_during_run(path) from None
     except OSError as exc:
-        raise OutputError(f"{shown_as or path}: cannot write the manifest ({exc.strerror or exc})") from None
+        raise OutputError(f"{shown_as or path}: cannot write the manifest ({reason_of(exc)})") from None
 
 
 def read(path: Path) -> dict[str, Any]:

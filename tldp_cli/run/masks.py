@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import json_value, open_regular
+from tldp_cli import formats
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.manifest import sha256_file
 
@@ -127,7 +128,7 @@ def load_mask(path: Path, record_shape: tuple[int, ...], records: int) -> Mask:
     try:
         mm = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as exc:
-        raise InputError(f"{path}: not a readable .npy weight mask ({exc})") from None
+        raise InputError(f"{path}: not a readable .npy weight mask ({reason_of(exc)})") from None
     try:
         if not isinstance(mm, np.ndarray) or mm.dtype.kind not in "iuf":
             raise InputError(f"{path}: a weight mask must be a numeric .npy array")
@@ -163,15 +164,21 @@ def _read_png_mask(path: Path) -> np.ndarray:
     except InputError:
         raise
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-        raise InputError(f"{path}: not a readable mask image ({exc})") from None
+        raise InputError(f"{path}: not a readable mask image ({reason_of(exc)})") from None
     if mode != "L":
         raise InputError(f"{path}: mask PNGs must be 8-bit grayscale (mode L), not mode {mode}")
     return pixels.astype(np.float64) / 255.0
 
 
+def _records_are_files(job: ArrayJob) -> bool:
+    """Whether the array is a record that is a file of its own (an image in a folder)."""
+    fmt = formats.of_source(job.source)
+    return fmt is not None and fmt.records_are_files
+
+
 def _load_mask_folder(folder: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[str, Any]]:
     """One mask PNG per image, matched by relative path (suffix .png); all checked now."""
-    if not all(job.source.get("format") == "images" for job in jobs):
+    if not all(_records_are_files(job) for job in jobs):
         raise InputError(f"{folder}: a folder of mask PNGs fits a folder of images only; "
                          "give a .npy weight mask for this input")
     masks, files, missing = {}, [], []

@@ -32,7 +32,8 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.errors import DataError, InputError, Interrupted, OutputError, TldpError, UsageError
+from tldp_cli.errors import (DataError, InputError, Interrupted, OutOfMemory, OutputError, TldpError, UsageError,
+                              reason_of)
 from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
@@ -325,7 +326,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     if options.scheduler == "dask":
         dask_runner.require()
         if options.dask_address is not None:
-            dask_runner.parse_address(options.dask_address)
+            dask_runner.check_address(dask_runner.parse_address(options.dask_address))
     for flag, cap, top in (("--max-record-eps", options.max_record_eps, math.inf),
                            ("--max-record-delta", options.max_record_delta, 1.0)):
         if cap is not None and not 0 <= cap <= top:  # NaN too: it would turn the cap off
@@ -336,16 +337,27 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
 
 
 def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
+    """Perturb options.input into its output and manifest (see the module docstring). Memory
+    running out anywhere in the run is an OutOfMemory naming the input (whatever was
+    written is removed, a Zarr partial too)."""
+    try:
+        return _perturb_input(options, progress)
+    except MemoryError as exc:
+        raise OutOfMemory(f"{options.input}: ran out of memory ({reason_of(exc)}); nothing was written: "
+                          "free memory, or run with fewer --workers") from None
+
+
+def _perturb_input(options: PerturbOptions, progress: Progress | None) -> PerturbResult:
     source = options.input
     options = checked_options(options)
     module = formats.detect(source, options.input_format)
-    if options.resume and not module.RESUMABLE:
-        raise UsageError(f"--resume applies to Zarr output, not {module.NAME}: an interrupted "
-                         f"{module.NAME} run keeps nothing to resume from")
+    if options.resume and not module.resumable:
+        raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
+                         f"{module.name} run keeps nothing to resume from")
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
-    if options.anonymize_names and module.NAME != "images":
-        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.NAME}")
+    if options.anonymize_names and not module.name_map:
+        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.name}")
     format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
@@ -354,24 +366,18 @@ def perturb(options: PerturbOptions, progress: Progress | None = None) -> Pertur
         reader.close()
 
 
-# The formats whose readers honour --exclude, and --keep.
-EXCLUDE_FORMATS = ("npz", "safetensors", "hdf5")
-KEEP_FORMATS = ("hdf5", "zarr", "npz", "safetensors")
-CF_FORMATS = ("hdf5", "zarr")  # the formats whose readers honour CF missing-data markers
-
-
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     """What the format's reader is told; refuses --exclude and --keep where no reader would
     honour them."""
-    if options.exclude and module.NAME not in EXCLUDE_FORMATS:
+    if options.exclude and not module.honours_exclude:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
-                         f"HDF5 files, not {module.NAME}")
-    if options.keep and module.NAME not in KEEP_FORMATS:
-        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores and model files "
-                         f"(.npz, .safetensors), not {module.NAME}: it has nothing else to keep")
-    if options.public_missing and module.NAME not in CF_FORMATS:
+                         f"HDF5 files, not {module.name}")
+    if options.keep and not module.honours_keep:
+        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
+                         f"(.npz, .safetensors) and NIfTI volumes, not {module.name}: it has nothing else to keep")
+    if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
-                         f"files and xarray's Zarr stores, not {module.NAME}")
+                         f"files and xarray's Zarr stores, not {module.name}")
     return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
                          skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
@@ -481,7 +487,12 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
             except UsageError as exc:
                 raise UsageError(f"{_where(job, options.input)}: {exc}") from None
         calib_of[job.name] = made[key]
-    return _RangeGroup(lo, hi, None, calib_of, np.dtype(options.dtype), user_bases)
+    out_dtype = np.dtype(options.dtype)
+    largest = max(abs(lo), abs(hi))  # the written values are clipped into [lo, hi]
+    if not largest < float(np.finfo(out_dtype).max):
+        raise UsageError(f"{options.input}: --dtype {out_dtype} cannot hold values up to {largest:.3g} (the "
+                         "range); express the values in larger units or use --dtype float64")
+    return _RangeGroup(lo, hi, None, calib_of, out_dtype, user_bases)
 
 
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
@@ -591,7 +602,7 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
     jobs = reader.arrays()
-    run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
+    run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                per_tensor=reader.records_are_tensors)
     masks: dict[str, Mask] = {}
     weights_info = None
@@ -603,8 +614,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
                                                manifest_path, options.overwrite)
-    output.check_free_space(destination.parent, _output_bytes(jobs, run.out_dtype, module.NAME,
-                                                             options.image_format), destination)
+    output.check_free_space(destination.parent, module.output_bytes(jobs, run.out_dtype, format_options),
+                            destination)
+    _check_memory(options, jobs, run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
     release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
@@ -627,6 +639,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     try:
         writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
                                         streams, staged, notes, progress)
+        for path in written:  # a cleanup script may have removed the output (or its folder)
+            if not path.is_file():
+                raise output.removed_during_run(path)
         digests = writer.digests()
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
@@ -636,8 +651,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
-        committing.enter_context(output.uninterruptible())
+        keep_uninterruptible = committing.enter_context(output.uninterruptible())
         staging.commit(options.overwrite)
+        keep_uninterruptible()  # the output is in place: the tldp command ends as a success
     except BaseException as exc:
         committing.close()
         staging.discard()
@@ -655,8 +671,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                          f"{'s' if release.subjects != 1 else ''} this release touches: {release.spent.describe()}")
         if partial is not None:
             partial.remove()  # only its emptied folder and journal are left
+        staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, notes, name_map, weights_info, manifest))
+                             _messages(options, reader, writer, notes, name_map, weights_info, manifest))
 
 
 @dataclass
@@ -675,7 +692,7 @@ def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[
            weights_info, destination: Path, manifest_path: Path, name_map: Path | None) -> _Staged:
     partial = None
     notes: list[str] = []
-    if module.RESUMABLE:
+    if module.resumable:
         partial = resume.Partial(destination,
                                  _resume_record(options, module, jobs, (run.lo, run.hi), weights_info),
                                  options.resume)
@@ -768,9 +785,9 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
         "clip them into range")
 
 
-def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path | None,
+def _messages(options: PerturbOptions, reader, writer, notes: list[str], name_map: Path | None,
               weights_info, manifest: dict[str, Any]) -> list[str]:
-    messages = list(reader.messages) + notes
+    messages = [*reader.messages, *writer.messages, *notes]
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
@@ -783,13 +800,17 @@ def _messages(options: PerturbOptions, reader, notes: list[str], name_map: Path 
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
-def row_groups(format_name: str, reader, jobs: list[ArrayJob]) -> list[list[str]]:
-    """The datasets each subject's record spans: in an HDF5 file or Zarr store, the
-    arrays perturbed together that share their first axis (row i of each is subject i):
-    the same dimension where the format names them (ArrayJob.row_dimension), else the
-    same length; every other array is a record scope of its own. [] when no two arrays
-    share rows."""
-    if format_name not in ("hdf5", "zarr") or reader.records_are_tensors:
+def row_groups(module: formats.Format, reader, jobs: list[ArrayJob]) -> list[list[str]]:
+    """The datasets each subject's record spans: in a format whose arrays share rows
+    (Format.shares_rows: HDF5 files, Zarr stores), the arrays perturbed together that share
+    their first axis (row i of each is subject i): the same dimension where the format
+    names them (ArrayJob.row_dimension), else the same length; every other array is a
+    record scope of its own. [] when no two arrays share rows. A reader that knows its
+    rows says so (Reader.rows: a NIfTI series' frames)."""
+    own = reader.rows(jobs)
+    if own is not None:
+        return own
+    if not module.shares_rows or reader.records_are_tensors:
         return []
     by_length: dict[tuple[int, str | None], list[str]] = {}
     for job in jobs:
@@ -809,14 +830,14 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     default = output.default_beside_store(source, module.default_output(source))
     out_text = None if options.out is None else str(options.out)
     destination = output.destination(None if options.out is None else Path(options.out), out_text,
-                                      default, module.NAME)
+                                      default, module, lambda suffix: _named_by(suffix, module))
     if options.manifest is not None and str(options.manifest) == "-":
         raise UsageError("--manifest -: the manifest is a file; use --json to print it to stdout")
     if options.manifest is not None and str(options.manifest).endswith(("/", os.sep)):
         raise UsageError(f"--manifest {options.manifest}: the manifest is a file; give its path")
     manifest_path = Path(options.manifest) if options.manifest else manifest_mod.default_path(destination)
     output.check_destination(destination, source, options.overwrite, "output",
-                             folder=module.NAME in output.FOLDER_FORMATS,
+                             folder=module.folder,
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
                                                                             manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
@@ -827,10 +848,17 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     return destination, manifest_path
 
 
+def _named_by(suffix: str, module: formats.Format) -> str | None:
+    """How messages name the format other than `module` that `suffix` names, if any."""
+    other = formats.named_by(suffix, skip=module)
+    return None if other is None else other.title
+
+
 def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     """Whether an existing folder is an earlier output of this kind: its tldp manifest is
-    where this run's goes and names files inside it, and it is a Zarr store, or a folder of
-    images (and of the files --copy-other copies from this input)."""
+    where this run's goes and names files inside it, and the format recognises it as its
+    own (Format.earlier_output: a Zarr store; a folder of images and of the files
+    --copy-other copies from this input)."""
     try:
         earlier = manifest_mod.read(manifest_path)
         named = [Path(entry["path"]) for entry in earlier["outputs"]]
@@ -840,22 +868,20 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     if earlier.get("schema") != manifest_mod.SCHEMA or not named or not all(
             folder == Path(os.path.abspath(p)) or folder in Path(os.path.abspath(p)).parents for p in named):
         return False
-    if module.NAME == "zarr":
-        return any((path / name).is_file() for name in module.METADATA_FILES)
-    copied = set(reader.others)
-    for directory, _, files in os.walk(path):
-        for name in files:
-            rel = (Path(directory) / name).relative_to(path).as_posix()
-            if Path(name).suffix.lower() not in module.IMAGE_SUFFIXES and rel not in copied:
-                return False
-    return True
+    return module.earlier_output(path, reader)
 
 
-def _output_bytes(jobs: list[ArrayJob], dtype: np.dtype, format_name: str, image_format: str) -> int:
-    """The least the output needs on disk: the perturbed values in their output type (PNG
-    images: 8 bits a value; noise does not compress)."""
-    itemsize = 1 if format_name == "images" and image_format == "png" else dtype.itemsize
-    return sum(job.records * job.elements for job in jobs) * itemsize
+def _check_memory(options: PerturbOptions, jobs: list[ArrayJob], run: Plan) -> None:
+    """Refuses, before any data is read, a record that cannot fit in this process's memory
+    (a model file's tensor is one record): a block holds at least one, read, its noise and
+    its output side by side. Blocks computed on a cluster's workers are theirs to hold."""
+    if options.scheduler == "dask" and options.dask_address:
+        return
+    noise_bytes = 8 if run.grid is not None else run.out_dtype.itemsize  # exact noise: int64
+    job = max(jobs, key=lambda j: j.elements * j.dtype.itemsize)
+    needed = job.elements * (job.dtype.itemsize + noise_bytes + run.out_dtype.itemsize)
+    output.check_free_memory(needed, f"{_where(job, options.input)}: a record of "
+                                     f"{job.elements:,} elements (read, noised and written whole)")
 
 
 @dataclass
@@ -902,12 +928,12 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
 
     perturbed = {job.name for job in jobs}
     default = None
-    if module.NAME in ("hdf5", "zarr") and (options.datasets or options.exclude) and not reader.records_are_tensors:
+    if module.shares_rows and (options.datasets or options.exclude) and not reader.records_are_tensors:
         with contextlib.suppress(TldpError):  # no default choice (records differ): the run's own arrays
             default = module.open_reader(Path(options.input), FormatOptions())
     try:
         seen = list(jobs) + [job for job in (default.arrays() if default else []) if job.name not in perturbed]
-        groups = row_groups(module.NAME, reader, seen) or [[job.name] for job in seen]
+        groups = row_groups(module, reader, seen) or [[job.name] for job in seen]
         by_name = {job.name: job for job in seen}
         return [np.stack([of(by_name[name]) for name in group]) for group in groups if perturbed & set(group)]
     finally:
@@ -932,8 +958,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
         # what is written raw and left out: the reader's and the writer's together
         extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
-    record = privacy_warnings.record_name(reader.format if reader else None, jobs, run.rows,
-                                          bool(reader and reader.records_are_tensors))
+    record = (reader and reader.record_description) or privacy_warnings.record_name(
+        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
                                               options.epsilon, options.budget)]
@@ -999,8 +1025,8 @@ def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:
 def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
     """After a failed resumable run: keep the blocks written when a rerun can use them
     (interrupted, cluster lost), raising the message that says so; remove them when the
-    run failed for a reason a rerun will not fix (bad input, options, output)."""
-    if isinstance(exc, TldpError) and not isinstance(exc, dask_runner.ClusterError):
+    run failed for any other reason (bad input, options, output, memory, a bug)."""
+    if not isinstance(exc, (KeyboardInterrupt, dask_runner.ClusterError)):
         partial.remove()
         return
     partial.release()
@@ -1025,7 +1051,7 @@ def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_
     option that can change the output, whether a seed was given (never the seed nor anything
     derived from it), the input's arrays and the weights."""
     record: dict[str, Any] = {
-        "input": str(options.input.resolve()), "format": module.NAME,
+        "input": str(options.input.resolve()), "format": module.name,
         "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in jobs],
         "--seed": options.seed is not None, "--weights": weights_info,
     }
@@ -1052,7 +1078,7 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
             dumps((task, tasks[0]))
         except Exception as exc:
             raise UsageError(f"{options.input}: the {tasks[0][0].source.get('format')} format cannot "
-                             f"run on Dask (its blocks do not pickle: {exc})") from None
+                             f"run on Dask (its blocks do not pickle: {reason_of(exc)})") from None
     address = dask_runner.parse_address(options.dask_address) if options.dask_address else None
     if address and dask_runner.plain_remote(address):
         messages.append(f"warning: {address} is unencrypted TCP: the run's secret noise key travels to "

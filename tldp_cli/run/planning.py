@@ -37,7 +37,7 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
     reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
         jobs = reader.arrays()
-        run = plan(options, jobs, rows=row_groups(module.NAME, reader, jobs),
+        run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                    per_tensor=reader.records_are_tensors)
         messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing)]
         return _report(options, run, jobs, reader, messages)

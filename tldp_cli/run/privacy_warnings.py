@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tldp_cli.formats import ArrayJob, listing, plural
+from tldp_cli.formats import ArrayJob, Format, listing, plural
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.types import Calibration
 from tldp_cli.sampling.engine import retain_probability
@@ -24,17 +24,19 @@ from tldp_cli.sampling.engine import retain_probability
 GUIDE = "docs/choosing-eps.md"
 
 
-def record_name(format_name: str | None, jobs: list[ArrayJob], rows: list[list[str]],
+def record_name(fmt: Format | None, jobs: list[ArrayJob], rows: list[list[str]],
                 per_tensor: bool) -> str:
-    """What one subject's record is, in words: "an image", "row i of a, b"."""
+    """What one subject's record is, in words: "an image", "row i of a, b". `fmt`: the
+    input's format (None: an array in memory)."""
     if per_tensor:
         return f"one party's {plural(len(jobs), 'tensor')}, composed"
-    if format_name == "images":
-        return "an image"
+    if fmt is not None and fmt.record_noun:
+        return fmt.record_noun
     if rows:
         return "; ".join(f"row i of {', '.join(row)}" for row in rows)
     if len(jobs) == 1:
-        of = "" if format_name in (None, "npy") else f" of {jobs[0].name}"  # npy: the file is the array
+        # a file that is one array (Format.single_array), or an array in memory: not named
+        of = "" if fmt is None or fmt.single_array else f" of {jobs[0].name}"
         return f"one of the {jobs[0].records} entries along the first axis{of}, of {jobs[0].elements} elements"
     return f"a row of {listing([job.name for job in jobs])}"
 

@@ -60,10 +60,30 @@ def gaussian_pairs(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np
     return np.concatenate(firsts) * factor, np.concatenate(seconds) * factor
 
 
+def row_inner_products(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """fl(<a_j, b_j>) for each row j of the (n, k) arrays a and b (b may be one row,
+    broadcast), computed the same way for every row: the k products, then a fixed pairwise
+    sum (the first and second halves of the columns added element by element, an odd last
+    column carried), every operation one IEEE float64 operation on one element. So a row's
+    result is a function of that row alone, whatever its position in the array, the array's
+    size or alignment, the BLAS or the number of threads: the cap test's accepted set is a
+    set of candidates, and every candidate has the same law, as the argument of
+    docs/guarantee.md needs. A BLAS product (batch @ u) gives the same row different
+    roundings at different positions (its blocking, vector kernels and threads).
+    Error: at most gamma_(ceil(log2 k) + 1) sum |a_i b_i| <= gamma_k |a| |b|."""
+    terms = a * b
+    while terms.shape[1] > 1:
+        half = terms.shape[1] // 2
+        summed = terms[:, :half] + terms[:, half:2 * half]
+        terms = summed if terms.shape[1] == 2 * half else np.concatenate([summed, terms[:, 2 * half:]], axis=1)
+    return terms[:, 0]
+
+
 def candidates(rng: np.random.Generator, count: int, k: int) -> np.ndarray:
     """`count` uniform unit vectors of R^k: candidate j is the Gaussian pairs j * ceil(k/2)
     to (j + 1) * ceil(k/2) - 1 (gaussian_pairs) side by side, the last value dropped for odd k, divided by
-    its norm (a vector of norm 0, impossible for exact Gaussians, becomes e_1: still a
+    its norm (row_inner_products, so that a candidate's bits do not depend on its position
+    in the batch; a vector of norm 0, impossible for exact Gaussians, becomes e_1: still a
     function of the stream alone)."""
     pairs = (k + 1) // 2
     first, second = gaussian_pairs(rng, count * pairs)
@@ -71,7 +91,7 @@ def candidates(rng: np.random.Generator, count: int, k: int) -> np.ndarray:
     g[:, 0::2] = first.reshape(count, pairs)
     g[:, 1::2] = second.reshape(count, pairs)
     g = g[:, :k]
-    norm = np.sqrt(np.einsum("ij,ij->i", g, g))
+    norm = np.sqrt(row_inner_products(g, g))
     zero = ~(norm > 0)
     if zero.any():
         g = g.copy()
@@ -103,12 +123,14 @@ def batch_size(cap: bool, q: float, k: int) -> int:
 
 def sample(rng: np.random.Generator, u: np.ndarray, gamma: float, p_numerator: int, q: float) -> np.ndarray:
     """One PrivUnit draw for the unit vector u (k values): the side, P(cap) = p_numerator /
-    2^53 exactly, then candidates until one falls on that side of [fl(<V, u>) >= gamma]."""
+    2^53 exactly, then candidates until one falls on that side of [fl(<V, u>) >= gamma],
+    with fl(<V, u>) computed by row_inner_products: the same for a candidate wherever it
+    lies in its batch."""
     k = u.shape[0]
     cap = bool(rng.random() < p_numerator * 2.0**-53)  # p_numerator < 2^53: exact
     size = batch_size(cap, q, k)
     while True:
         batch = candidates(rng, size, k)
-        hits = np.flatnonzero((batch @ u >= gamma) == cap)
+        hits = np.flatnonzero((row_inner_products(batch, u) >= gamma) == cap)
         if hits.size:
             return batch[hits[0]]
