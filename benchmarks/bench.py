@@ -342,6 +342,54 @@ def engine_and_references(data: np.ndarray, reps: int) -> tuple[list[dict], dict
     return rows, refs
 
 
+# ---------------------------------------------------------------- privunit (issue 28)
+
+PRIVUNIT_EPSILONS = (4.0, 10.0)  # per-record eps: below and above the cap's floor (2^-10)
+PRIVUNIT_RECORDS = 4096  # the first records of the engine's data (the sampler loops per record)
+
+
+def privunit_cases(data: np.ndarray) -> list[tuple[dict, object]]:
+    """--mechanism privunit on the same 784-element records as the engine, one worker,
+    secure RNG: the projection alone (one matrix product for all the records: the
+    default DCT basis at the default k), the whole mechanism (engine.perturb_records:
+    projection, PrivUnit draw, write-back), and TLDP-L exact on the same records."""
+    from tldp_cli.privacy.mechanisms import calibrate_privunit
+    from tldp_cli.sampling import projection
+
+    sample = data[:PRIVUNIT_RECORDS]
+    records = sample.reshape(len(sample), *RECORD_SHAPE)
+    streams = Streams("secure")
+    tldp = calibrate(mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=EPSILON,
+                     range_width=256, elements=ELEMENTS)
+    cases = [({"case": "TLDP-L exact", "epsilon": EPSILON, "k": None},
+              lambda: engine.perturb_records(sample, 0, "bench", tldp, streams, None, np.int16))]
+    for eps in PRIVUNIT_EPSILONS:
+        calib = calibrate_privunit(epsilon=eps, record_shape=RECORD_SHAPE, value_range=(0.0, 256.0))
+        basis = projection.dct_basis(RECORD_SHAPE, calib.privunit.k)
+        k = calib.privunit.k
+        cases.append(({"case": "projection", "epsilon": eps, "k": k},
+                      lambda basis=basis: basis.project(records)))
+        cases.append(({"case": "privunit", "epsilon": eps, "k": k},
+                      lambda calib=calib: engine.perturb_records(records, 0, "bench", calib, streams,
+                                                                 None, np.float32)))
+    return cases
+
+
+def privunit_rates(data: np.ndarray, reps: int) -> list[dict]:
+    """M input elements/s of each privunit case and its ratio to TLDP-L exact on the same
+    records, measured in the same rounds."""
+    cases = privunit_cases(data)
+    seconds = interleaved_best([run for _, run in cases], reps)
+    elements = min(len(data), PRIVUNIT_RECORDS) * ELEMENTS
+    rows = [{**row, "records": elements // ELEMENTS, "seconds": sec, "melem_s": rate(elements, sec)}
+            for (row, _), sec in zip(cases, seconds)]
+    for row in rows:
+        row["ratio_to_tldp"] = row["melem_s"] / rows[0]["melem_s"]
+        print(f"  privunit {row['case']:12} eps {row['epsilon']:g} {row['melem_s']:9.1f} M/s "
+              f"({row['ratio_to_tldp']:.2f}x TLDP-L exact)", file=sys.stderr)
+    return rows
+
+
 # ---------------------------------------------------------------- peers
 
 def import_diffprivlib():
@@ -598,6 +646,14 @@ def markdown(results: dict) -> str:
                          f"{r['input_bytes'] / GB:.2f} GB | {r['output_bytes'] / GB:.2f} GB | {r['seconds']:.1f} | "
                          f"{r['cpu_seconds']:.1f} | "
                          f"{r['melem_s']:.1f} | {r['peak_rss_mb']:.0f} MB |")
+    if results.get("privunit"):
+        first = results["privunit"][0]
+        lines += ["", f"privunit (issue 28; {first['records']:,} of the same records, secure RNG, 1 worker, "
+                  "M input elements/s, best of the rounds; ratio: to TLDP-L exact on the same records):", "",
+                  "| case | per-record ε | k | M elements/s | ratio to TLDP-L exact |", "|---|---:|---:|---:|---:|"]
+        for r in results["privunit"]:
+            lines.append(f"| {r['case']} | {r['epsilon']:g} | {r['k'] or '-'} | {r['melem_s']:.1f} | "
+                         f"{r['ratio_to_tldp']:.2f}x |")
     lines += ["", "Peers (same noise scale as TLDP at eps = 1, on a sample; the ratio is tldp's engine "
               "rate, secure RNG, 1 worker, over the peer's):", "",
               "| peer | sample | M elements/s | tldp / peer | time for the end-to-end dataset |",
@@ -612,6 +668,21 @@ def markdown(results: dict) -> str:
     for t in results["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {t['required']} | {'pass' if t['pass'] else 'FAIL'} |")
     return "\n".join(lines)
+
+
+def privunit_only(reps: int, out: Path | None) -> int:
+    """--privunit-only: the privunit section on the engine's records, printed and saved."""
+    records = PRIVUNIT_RECORDS
+    data = mnist_like(np.random.default_rng(1), records, digits()).reshape(records, ELEMENTS)
+    results = {"machine": machine_info(), "reps": reps, "privunit": privunit_rates(data, reps),
+               "command": " ".join(["python", "benchmarks/bench.py", *sys.argv[1:]])}
+    lines = ["| case | per-record ε | k | M elements/s | ratio to TLDP-L exact |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['case']} | {r['epsilon']:g} | {r['k'] or '-'} | {r['melem_s']:.1f} | {r['ratio_to_tldp']:.2f}x |"
+              for r in results["privunit"]]
+    print("\n".join(lines))
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -637,7 +708,11 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"end-to-end runs to make, comma-separated (default {','.join(FORMATS)}; "
                              "'none' for engine, references and peers only)")
+    parser.add_argument("--privunit-only", action="store_true",
+                        help="measure only the privunit section (and TLDP-L exact on the same records)")
     args = parser.parse_args(argv)
+    if args.privunit_only:
+        return privunit_only(args.reps or (1 if args.quick else 3), args.out)
     which = [] if args.formats == "none" else args.formats.split(",")
     if set(which) - set(FORMATS):
         parser.error(f"--formats: choose from {', '.join(FORMATS)} or none")
@@ -661,6 +736,7 @@ def main(argv=None) -> int:
     data = mnist_like(np.random.default_rng(1), records, base).reshape(records, ELEMENTS)
     results["engine_elements"] = data.size
     results["engine"], results["references"] = engine_and_references(data, reps)
+    results["privunit"] = privunit_rates(data, reps)
     results["peers"] = peer_rates(data, args.quick, reps)
     for peer in results["peers"]:
         if "melem_s" in peer:

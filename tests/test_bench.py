@@ -2,6 +2,7 @@
 asserted: the benchmark reports numbers, the tests only check it still works)."""
 
 import importlib.util
+import json
 
 import numpy as np
 
@@ -40,3 +41,29 @@ def test_generated_records_are_real_digits_varied_in_their_low_bits():
     digits = {row.tobytes() for row in base & 0xFC}
     assert all(row.tobytes() in digits for row in records & 0xFC)  # a sample digit up to its low bits
     assert len(np.unique(records, axis=0)) == 500
+
+
+def test_privunit_section_runs_and_reports_ratios_to_tldp():
+    bench = load_bench()
+    data = bench.mnist_like(np.random.default_rng(0), 40, bench.digits()).reshape(40, bench.ELEMENTS)
+    rows = bench.privunit_rates(data, reps=1)
+    assert [(r["case"], r["epsilon"]) for r in rows] == [("TLDP-L exact", 1.0)] + [
+        (case, eps) for eps in bench.PRIVUNIT_EPSILONS for case in ("projection", "privunit")]
+    assert rows[0]["ratio_to_tldp"] == 1.0 and all(r["melem_s"] > 0 and r["records"] == 40 for r in rows)
+    results = {"machine": bench.machine_info(), "engine": [], "references": {}, "end_to_end": [], "peers": [],
+               "privunit": rows, "targets": [], "engine_elements": data.size, "reps": 1, "workers": 1}
+    bench.MECHANISMS, saved = [], bench.MECHANISMS
+    try:
+        table = bench.markdown(results)
+    finally:
+        bench.MECHANISMS = saved
+    assert "| privunit | 4 |" in table and "| projection | 10 |" in table
+
+
+def test_privunit_only_prints_its_table_and_writes_its_numbers(tmp_path, capsys):
+    bench = load_bench()
+    bench.PRIVUNIT_RECORDS = 40
+    assert bench.main(["--privunit-only", "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    assert "| privunit | 10 | 128 |" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [r["case"] for r in saved["privunit"]][:2] == ["TLDP-L exact", "projection"]

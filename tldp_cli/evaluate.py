@@ -12,7 +12,8 @@ Plain functions returning dicts; the CLI only parses options and prints.
   against Table 5, the retained fraction against p, a Kolmogorov-Smirnov test
   against the manifest's noise distribution) and, with labels, the task utility.
 - `sweep(...)` perturbs in memory over a grid of epsilons for TLDP-L, TLDP-G
-  and the paper's Laplace, Gaussian, MVG and IDN baselines (and weighted TLDP), and
+  and the paper's Laplace, Gaussian, MVG and IDN baselines (and weighted TLDP), and,
+  with --budget record, privunit (its default basis and k rule), and
   `write_sweep(...)` writes a CSV, a JSON table and PNG plots.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially
@@ -46,7 +47,7 @@ from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.pipeline import Plan, PerturbOptions, plan, resolve_range
 from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import FormatOptions
-from tldp_cli.privacy.mechanisms import Calibration, calibrate
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
 from tldp_cli.sampling.rng import Streams
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -71,6 +72,7 @@ SWEEP_METHODS = (  # label, mechanism, noise, weighted
     ("IDN", "idn", "gaussian", False),
     ("TLDP-L-w", "tldp", "laplace", True),
     ("TLDP-G-w", "tldp", "gaussian", True),
+    ("privunit", "privunit", "privunit", False),  # --budget record only: its eps is per record
 )
 SWEEP_FILES = ("sweep.csv", "sweep.json", "sweep_nominal_eps.png", "sweep_record_eps.png")
 SWEEP_COLUMNS = ("method", "mechanism", "noise", "weighted", "epsilon", "budget",
@@ -924,6 +926,76 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     return report
 
 
+PREVIEW_RECORDS = 8
+PREVIEW_MIN_SIDE = 64  # small records (a 28 x 28 digit) are enlarged to about this many pixels
+
+
+def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
+            records: int = PREVIEW_RECORDS, name_map: Path | None = None,
+            input_format: str | None = None) -> bytes:
+    """A PNG strip: the first `records` raw records of ORIGINAL (top row) over their
+    copies in PERTURBED as written (bottom row), each value mapped from its array's
+    declared range to 0..255 (values outside it shown clipped). It shows raw records: a
+    file to keep with the raw data, never with the release."""
+    m, manifest_path = _read_manifest(Path(perturbed), manifest_path)
+    renamed = _renamed(m, Path(original), name_map, manifest_path)
+    ranges = {name: tuple(float(v) for v in r) for name, r in (m.get("value_ranges") or {}).items()}
+    default = tuple(float(v) for v in m["value_range"])
+    module, reader = _open_original(Path(original), m, input_format)
+    raw, released = [], []
+    try:
+        jobs = reader.arrays()
+        pairs = _pairs(module, reader, Path(perturbed), m, {job.name: None for job in jobs}, [],
+                       renamed, input_format)
+        for pair in pairs:
+            take = min(records - len(raw), pair.job.records, pair.perturbed_shape[0])
+            if take <= 0:
+                break
+            lo, hi = ranges.get(pair.name, default)
+            raw += [_preview_tile(r, lo, hi) for r in pair.job.read(0, take)]
+            released += [_preview_tile(r, lo, hi) for r in pair.read_perturbed(0, take)]
+    finally:
+        reader.close()
+    if not raw:
+        raise InputError(f"{original}: no records to preview")
+    return _preview_png(raw, released)
+
+
+def _preview_tile(record: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """One record as an (H, W, 3) uint8 picture: an image as it is (alpha dropped), a
+    1-D record as a bar, other records the middle 2-D slice of their last two axes."""
+    values = np.asarray(record, np.float64)
+    if values.ndim == 3 and values.shape[-1] in (1, 3, 4):
+        values = values[..., :3] if values.shape[-1] != 1 else values[..., 0]
+    elif values.ndim <= 1:
+        values = np.repeat(values.reshape(1, -1), 8, axis=0)
+    while values.ndim > 2 and not (values.ndim == 3 and values.shape[-1] == 3):
+        values = values[values.shape[0] // 2]
+    scaled = np.clip((values - lo) / (hi - lo) * 255.0, 0, 255)
+    scaled = np.nan_to_num(scaled, nan=0.0)
+    grey = scaled.ndim == 2
+    return np.repeat(scaled[..., None], 3, axis=2).astype(np.uint8) if grey else scaled.astype(np.uint8)
+
+
+def _preview_png(top: list[np.ndarray], bottom: list[np.ndarray]) -> bytes:
+    """Two rows of tiles on a white ground, 4 pixels apart, small tiles enlarged."""
+    from PIL import Image
+
+    h = max(t.shape[0] for t in top + bottom)
+    w = max(t.shape[1] for t in top + bottom)
+    zoom = max(1, PREVIEW_MIN_SIDE // max(h, w))
+    gap = 4
+    canvas = np.full((2 * h * zoom + 3 * gap, len(top) * (w * zoom + gap) + gap, 3), 255, np.uint8)
+    for row, tiles in enumerate((top, bottom)):
+        for col, tile in enumerate(tiles):
+            big = tile.repeat(zoom, axis=0).repeat(zoom, axis=1)
+            y, x = gap + row * (h * zoom + gap), gap + col * (w * zoom + gap)
+            canvas[y:y + big.shape[0], x:x + big.shape[1]] = big
+    buf = io.BytesIO()
+    Image.fromarray(canvas).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Path]:
     manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
     if not manifest_path.is_file():
@@ -1115,14 +1187,29 @@ def parse_eps_list(text: str) -> list[float]:
     return sorted(set(values))
 
 
+def parse_methods(text: str) -> list[str]:
+    """--methods: table names of SWEEP_METHODS, comma-separated."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    known = [mm[0] for mm in SWEEP_METHODS]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise UsageError(f"--methods takes names from {', '.join(known)}, not {text!r}")
+    return names
+
+
 def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = None,
           test: Path | None = None, test_labels: Path | str | None = None, model: str = "logistic",
           value_range: tuple[float, float] | None = None, weights: Path | None = None,
           budget: str = "element", seed: str | int | None = None, rng: str = "secure",
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False,
-          input_format: str | None = None, repeats: int = 1) -> dict[str, Any]:
+          input_format: str | None = None, repeats: int = 1,
+          named: list[str] | None = None) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1.
+
+    `named`: table names of SWEEP_METHODS to run (None: every one that applies); a
+    named method that does not apply (weighted TLDP without weights, MVG on vectors,
+    privunit under the element budget) is listed in skipped_methods with the reason.
 
     `repeats`: independent noise draws per point (stream keys sweep/METHOD/EPS, then
     sweep/METHOD/EPS/1, /2, ...); a row gives the mean over them and F1's sample standard
@@ -1149,12 +1236,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         raise InputError(f"{original}: values lie outside the declared range [{lo:g}, {hi:g}]")
     elements = job.elements
     mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
-    methods = [mm for mm in SWEEP_METHODS if not mm[3] or mask is not None]
-    skipped = []
-    if len(job.record_shape) < 2:  # MVG needs matrix-shaped records
-        methods = [mm for mm in methods if mm[1] != "mvg"]
-        skipped.append({"method": "MVG", "reason": f"records of shape {job.record_shape} are not "
-                                                   "matrices (MVG needs 2 or more axes)"})
+    methods, skipped = _sweep_methods(mask is not None, job.record_shape, budget, elements, named)
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
     if labels:
@@ -1170,9 +1252,13 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     for label, mechanism, noise, weighted in methods:
         for eps in epsilons:
             t0 = time.perf_counter()
-            calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
-                              range_width=hi - lo, elements=elements, dp_delta=dp_delta,
-                              rows=rows_mvg if mechanism == "mvg" else None)
+            if mechanism == "privunit":
+                calib = calibrate_privunit(epsilon=eps, record_shape=job.record_shape,
+                                           value_range=(lo, hi), dp_delta=dp_delta)
+            else:
+                calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
+                                  range_width=hi - lo, elements=elements, dp_delta=dp_delta,
+                                  rows=rows_mvg if mechanism == "mvg" else None)
             cert = accounting.certify(calib)
             norms, mses, f1s = [], [], []
             for r in range(repeats):
@@ -1199,6 +1285,40 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "reference": reference, "rows": rows}
 
 
+def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, elements: int,
+                   named: list[str] | None) -> tuple[list, list[dict]]:
+    """The SWEEP_METHODS that apply (weighted TLDP with a mask, MVG on matrices, privunit
+    under --budget record), restricted to `named`; the others, with the reason, as skipped."""
+    methods = [mm for mm in SWEEP_METHODS if not mm[3] or weighted]
+    skipped = []
+    if len(record_shape) < 2:  # MVG needs matrix-shaped records
+        methods = [mm for mm in methods if mm[1] != "mvg"]
+        skipped.append({"method": "MVG", "reason": f"records of shape {record_shape} are not "
+                                                   "matrices (MVG needs 2 or more axes)"})
+    methods, skipped = _privunit_in_sweep(methods, skipped, budget, elements)
+    if named is None:
+        return methods, skipped
+    skipped = [entry for entry in skipped if entry["method"] in named]
+    skipped += [{"method": mm[0], "reason": "weighted TLDP needs --weights"}
+                for mm in SWEEP_METHODS if mm[3] and not weighted and mm[0] in named]
+    return [mm for mm in methods if mm[0] in named], skipped
+
+
+def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
+                       elements: int) -> tuple[list, list[dict]]:
+    """privunit's --eps is each record's figure: it joins --budget record sweeps of records
+    of 2 or more elements, and is listed as skipped, with the reason, otherwise."""
+    reason = None
+    if budget != "record":
+        reason = "its --eps is per record: run the sweep with --budget record"
+    elif elements < 2:
+        reason = "it releases a direction, which needs records of 2 or more elements"
+    if reason is None:
+        return methods, skipped
+    return ([mm for mm in methods if mm[1] != "privunit"],
+            skipped + [{"method": "privunit", "reason": reason}])
+
+
 def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
                f1s: list[float]) -> dict[str, Any]:
     """One (method, epsilon) point of a sweep: its calibration, certified figures, the
@@ -1208,10 +1328,10 @@ def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses
            "element_epsilon": cert["per_element"]["epsilon"],
            "record_epsilon": cert["per_record"]["epsilon"],
            "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
-           "retain_probability_log10": calib.p_log10,
+           "retain_probability_log10": _finite(calib.p_log10),
            "mean_l2_error": float(norms.mean()),
            "rms_l2_error": float(math.sqrt((norms**2).mean())),
-           "expected_l2_error": calib.expected_l2_error(),
+           "expected_l2_error": _finite(calib.expected_l2_error()),
            "mse": float(np.mean(mses)), "f1": None, "f1_std": None, "f1_min": None,
            "f1_max": None, "repeats": None}
     if f1s:
@@ -1260,7 +1380,7 @@ def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:
     fig = Figure(figsize=(11 if has_f1 else 6, 4.2), dpi=100)
     axes = fig.subplots(1, 2 if has_f1 else 1, squeeze=False)[0]
     styles = {"TLDP-L": "o-", "TLDP-G": "s-", "Laplace": "^--", "Gaussian": "v--",
-              "MVG": "D-.", "IDN": "x-.", "TLDP-L-w": "o:", "TLDP-G-w": "s:"}
+              "MVG": "D-.", "IDN": "x-.", "TLDP-L-w": "o:", "TLDP-G-w": "s:", "privunit": "*-"}
     panels = ([("f1", "weighted F1 (train perturbed, test clean)")] if has_f1 else []) + \
              [("mean_l2_error", "mean ‖Z‖₂ per record (log scale)")]
     for ax, (key, title) in zip(axes, panels):

@@ -379,3 +379,48 @@ def test_discrete_noise_keeping_every_value_is_refused(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1e18", "--noise", "discrete-laplace", "--out", tmp_path / "o.npy")
     assert result.exit_code == 2 and "retain probability 1" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["u8.npy"]
+
+
+def test_preview_strip_shows_raw_records_over_the_written_ones(cli, digits_file, tmp_path):
+    """--preview: a PNG with the first 8 raw records (top) over their perturbed copies as
+    written (bottom), each 28 x 28 digit enlarged twice, values mapped from the range."""
+    from PIL import Image
+
+    from tldp_cli import evaluate
+
+    preview = tmp_path / "before-after.png"
+    result = cli("perturb", digits_file, "--eps", "10", "--mechanism", "privunit", "--seed", SEED,
+                 "--preview", preview)
+    assert result.exit_code == 0, result.stderr
+    assert "keep it with the raw data" in result.stderr
+    with Image.open(preview) as im:
+        strip = np.asarray(im.convert("RGB"))
+    zoom, gap = 2, 4  # 64 // 28; 4 white pixels around each tile
+    assert strip.shape == (2 * 28 * zoom + 3 * gap, 8 * (28 * zoom + gap) + gap, 3)
+    raw = np.load(digits_file)[:8]
+    written = np.load(tmp_path / "digits.tldp.npy")[:8]
+    for row, records in enumerate((raw, written)):
+        for col, record in enumerate(records):
+            y, x = gap + row * (28 * zoom + gap), gap + col * (28 * zoom + gap)
+            tile = strip[y:y + 28 * zoom:zoom, x:x + 28 * zoom:zoom, 0]
+            expected = np.clip(record.astype(np.float64) / 256 * 255, 0, 255).astype(np.uint8)
+            assert np.array_equal(tile, expected)
+    # the same strip from the library, and the manifest does not list the preview
+    assert evaluate.preview(digits_file, tmp_path / "digits.tldp.npy") == preview.read_bytes()
+    manifest = json.loads((tmp_path / "digits.tldp.npy.manifest.json").read_text())
+    assert str(preview) not in json.dumps(manifest)
+
+
+def test_preview_refusals_before_the_run(cli, digits_file, tmp_path):
+    for args, words in ((["--preview", tmp_path / "p.jpg"], ".png"),
+                        (["--preview", tmp_path / "missing" / "p.png"], "does not exist"),
+                        (["--out", tmp_path / "o", "--preview", tmp_path / "o" / "p.png"], "inside the output")):
+        (tmp_path / "o").mkdir(exist_ok=True)
+        before = tree_digest(tmp_path)
+        result = cli("perturb", digits_file, "--eps", "1", *args)
+        assert_one_line_error(result, 2, words)
+        assert tree_digest(tmp_path) == before
+    (tmp_path / "p.png").write_bytes(b"x")
+    result = cli("perturb", digits_file, "--eps", "1", "--preview", tmp_path / "p.png")
+    assert result.exit_code == 2 and "--overwrite" in result.stderr
+    assert (tmp_path / "p.png").read_bytes() == b"x" and not (tmp_path / "digits.tldp.npy").exists()

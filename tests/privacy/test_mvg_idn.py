@@ -289,7 +289,8 @@ def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
             assert row["record_epsilon"] == pytest.approx(accounting.certify(c)["per_record"]["epsilon"])
             # 300 records x 16 elements: 5 standard errors of E||Z||^2 are 10%
             assert row["rms_l2_error"] ** 2 == pytest.approx(c.expected_l2_error() ** 2, rel=0.1)
-    assert result["skipped_methods"] == []
+    # an element sweep: only privunit, whose eps is per record, is left out
+    assert [entry["method"] for entry in result["skipped_methods"]] == ["privunit"]
     np.save(tmp_path / "v.npy", x.reshape(300, 16))
     r = cli("evaluate", tmp_path / "v.npy", "--sweep", "--eps", "1", "--range", "-1:1",
             "--out", tmp_path / "s2", "--json")

@@ -148,11 +148,13 @@ def test_alignment_matches_bhowmick_et_al_in_the_hemisphere_case():
 
 
 def test_default_k_is_a_public_rule_of_eps_and_size():
-    assert privunit.default_k(1, 784) == 16
-    assert privunit.default_k(4, 784) == 64
-    assert privunit.default_k(100, 784) == privunit.K_MAX
-    assert privunit.default_k(0.01, 784) == privunit.K_MIN
+    # min(I, 128) at every eps (docs/choosing-eps.md, "How the default k was chosen")
+    for eps in (0.01, 1, 4, 16, 100):
+        assert privunit.default_k(eps, 784) == 128
+        assert privunit.default_k(eps, 64) == 64  # scikit-learn's 8x8 digits: every coefficient
+        assert privunit.default_k(eps, 28 * 28 * 3 * 100) == 128
     assert privunit.default_k(8, 10) == 10
+    assert privunit.DEFAULT_K_RULE == "min(I, 128)"
 
 
 def test_reference_point_and_output_scale_are_public_rules_of_the_range():

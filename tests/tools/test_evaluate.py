@@ -273,6 +273,40 @@ def test_sweep_repeats_draw_fresh_noise_and_the_first_draw_is_the_single_run():
         ev.sweep(SAMPLE / "digits.npy", [1.0], repeats=0)
 
 
+def test_sweep_takes_privunit_under_budget_record_only():
+    """privunit's --eps is per record: a --budget record sweep has its row (pure, certified
+    at most --eps, with its output scale), an element sweep names it as skipped."""
+    x = SAMPLE / "digits.npy"
+    record = ev.sweep(x, [10.0], budget="record", seed=5, allow_weak_seed=True)
+    assert record["methods"][-1] == "privunit"
+    row = next(r for r in record["rows"] if r["method"] == "privunit")
+    assert row["mechanism"] == "privunit" and row["budget"] == "record"
+    assert row["record_epsilon"] <= 10.0 and row["record_delta"] == 0.0
+    assert row["retain_probability_log10"] is None and row["expected_l2_error"] is None
+    from tldp_cli.privacy import privunit
+
+    assert row["noise_scale"] == pytest.approx(privunit.output_scale(0, 256, 784))  # the output scale c
+    json.dumps(record, allow_nan=False)  # the table has no NaN or Inf
+    element = ev.sweep(x, [1.0], seed=5, allow_weak_seed=True)
+    assert "privunit" not in element["methods"]
+    assert {"method": "privunit", "reason": "its --eps is per record: run the sweep with --budget record"} \
+        in element["skipped_methods"]
+
+
+def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(cli, tmp_path):
+    out = tmp_path / "s"
+    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gaussian,privunit,TLDP-L-w",
+            "--seed", 0, "--allow-weak-seed", "--out", out)
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["methods"] == ["Gaussian"] and [row["method"] for row in result["rows"]] == ["Gaussian"]
+    assert [entry["method"] for entry in result["skipped_methods"]] == ["privunit", "TLDP-L-w"]
+    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gauss", "--out", out)
+    assert r.exit_code == 2 and "--methods" in r.output
+    r = cli("evaluate", SAMPLE / "digits.npy", SAMPLE / "digits.npy", "--methods", "Gaussian")
+    assert r.exit_code == 2 and "--sweep only" in r.output
+
+
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
     assert r.exit_code == 0 and "Examples:" in r.output and "--sweep" in r.output

@@ -105,10 +105,15 @@ def evaluate_command(
         help="Classifier: logistic regression or a small MLP (scikit-learn).")] = Model.logistic,
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Perturb ORIGINAL in memory for every --eps with TLDP-L, TLDP-G, the "
-                        "Laplace and Gaussian baselines, MVG (matrix-shaped records) and IDN; "
-                        "write a table and plots to --out.")] = False,
+                        "Laplace and Gaussian baselines, MVG (matrix-shaped records), IDN and, "
+                        "with --budget record, privunit; write a table and plots to --out.")] = False,
     eps: Annotated[Optional[str], typer.Option(
         "--eps", metavar="E1,E2,...", help="--sweep: the epsilons (see --budget).")] = None,
+    methods: Annotated[Optional[str], typer.Option(
+        "--methods", metavar="M1,M2,...",
+        help="--sweep: only these methods, by their table names (TLDP-L, TLDP-G, Laplace, Gaussian, "
+             "MVG, IDN, TLDP-L-w, TLDP-G-w, privunit). Default: every one that applies.",
+        show_default=False)] = None,
     out: Annotated[Optional[Path], typer.Option(readable=False,
         help="--sweep: folder for sweep.csv, sweep.json and the PNG plots.")] = None,
     value_range: Annotated[Optional[str], typer.Option(
@@ -177,7 +182,8 @@ def evaluate_command(
                                   budget=budget.value, seed=resolve_seed(seed, seed_file, quiet),
                                   allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                                   dataset=dataset, progress=advance,
-                                  input_format=input_format and input_format.value, repeats=repeat)
+                                  input_format=input_format and input_format.value, repeats=repeat,
+                                  named=ev.parse_methods(methods) if methods else None)
             finally:
                 close()
             return result, ev.write_sweep(result, out, overwrite)
@@ -185,7 +191,8 @@ def evaluate_command(
             raise UsageError("give ORIGINAL PERTURBED, or ORIGINAL --sweep")
         for name, given in (("--eps", eps), ("--out", out), ("--range", value_range),
                             ("--weights", weights), ("--seed", seed), ("--seed-file", seed_file),
-                            ("--dataset", dataset), ("--repeat", None if repeat == 1 else repeat)):
+                            ("--dataset", dataset), ("--repeat", None if repeat == 1 else repeat),
+                            ("--methods", methods)):
             if given is not None:
                 raise UsageError(f"{name} applies to --sweep only")
         if per_record and not (json_out or report_path):

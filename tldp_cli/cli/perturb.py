@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption
+from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -121,6 +122,11 @@ def perturb_command(
     overwrite: Annotated[bool, typer.Option(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
+    preview: Annotated[Optional[Path], typer.Option(readable=False,
+        metavar="FILE.png",
+        help="Also write a before/after strip: the first few raw records over their perturbed "
+             "copies as written. It shows raw records: keep it with the raw data, never publish "
+             "it or put it in the output.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Quiet = False,
     block_elements: Annotated[int, typer.Option(min=1, hidden=True,
@@ -152,6 +158,7 @@ def perturb_command(
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     def action():
+        _check_preview(preview, out, overwrite)
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
             input=input, epsilon=eps, mechanism=mechanism.value,
@@ -181,6 +188,45 @@ def perturb_command(
     result = run(debug, action)
     with uninterruptible():  # the output is in place: Ctrl-C while it is reported changes nothing
         _report(result, quiet, json_out)
+    if preview is not None:
+        run(debug, lambda: _write_preview(preview, input, result, name_map, input_format, overwrite, quiet))
+
+
+def _check_preview(preview: Path | None, out: str | None, overwrite: bool) -> None:
+    """--preview, before the run: a .png path in an existing folder, outside --out, new
+    unless --overwrite."""
+    if preview is None:
+        return
+    if preview.suffix.lower() != ".png":
+        raise UsageError(f"--preview {preview}: give a .png file name")
+    if not preview.parent.is_dir():
+        raise UsageError(f"--preview {preview}: folder {preview.parent} does not exist")
+    if preview.exists() and not overwrite:
+        raise UsageError(f"--preview {preview}: exists; pass --overwrite to replace it")
+    if out is not None and _inside(preview, Path(out)):
+        raise UsageError(f"--preview {preview}: inside the output {out}; it shows raw records, "
+                         "keep it with the raw data")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _write_preview(preview: Path, input: Path, result, name_map, input_format, overwrite: bool,
+                   quiet: bool) -> None:
+    from tldp_cli import evaluate
+    from tldp_cli.files.output import write_files
+
+    if result.output.is_dir() and _inside(preview, result.output):
+        raise UsageError(f"--preview {preview}: inside the output {result.output}; it shows raw "
+                         "records, keep it with the raw data")
+    png = evaluate.preview(input, result.output, result.manifest_path, name_map=name_map,
+                           input_format=input_format and input_format.value)
+    write_files({preview: png}, overwrite)
+    if not quiet:
+        typer.echo(f"tldp: wrote the preview {preview} (raw records: keep it with the raw data, "
+                   "never publish it)", err=True)
 
 
 def _report(result, quiet: bool, json_out: bool) -> None:

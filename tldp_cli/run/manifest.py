@@ -130,15 +130,15 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                  "public": "computed from the record's shape and k alone",
                  "description": projection.dct_basis(params.record_shape, params.k).describe()}
         k_rule = ("--basis dct:K" if choice.k is not None else
-                  f"default: min(I, {privunit.K_MAX}, max({privunit.K_MIN}, round({privunit.K_PER_EPS} eps))) "
-                  "(provisional; to be tuned on scikit-learn's 8x8 digits)")
+                  f"default: {privunit.DEFAULT_K_RULE} (chosen without the released data: "
+                  "docs/choosing-eps.md)")
     return {
         "basis": basis, "k": params.k, "k_rule": k_rule, "record_shape": list(params.record_shape),
         "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
         "reference": params.reference,
         "reference_rule": "0, or the end of the declared range nearest to 0 when it does not hold 0",
         "output_scale": {"c": params.output_scale, "kind": "display",
-                         "rule": f"(hi - lo) sqrt(I) / {privunit.OUTPUT_SCALE_DIVISOR} (provisional): the "
+                         "rule": f"(hi - lo) sqrt(I) / {privunit.OUTPUT_SCALE_DIVISOR}: the "
                                  "written deviation c B^T V has that norm; the record's own norm is "
                                  "not released"},
         "zero_record": "a record whose coefficients are all 0 has no direction: it is released "
