@@ -63,3 +63,17 @@ def _manifests_follow_the_published_schema(request):
             continue
         if isinstance(manifest, dict) and manifest.get("schema") == "tldp-manifest/1":
             jsonschema.validate(manifest, schema)
+
+
+@pytest.fixture
+def alarm():
+    """Fails a test whose open or read blocks (a FIFO opened to read waits for a writer)
+    instead of hanging the test run."""
+    def expired(*_):
+        raise TimeoutError("blocked on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

@@ -3,27 +3,12 @@ issue 27): open_regular for the files found by listing a folder, json_value for 
 
 import json
 import os
-import signal
 
 import pytest
 
 from tldp_cli.errors import InputError
 from tldp_cli.files import checked_io
 from tldp_cli.files.checked_io import MAX_JSON_DEPTH, json_value, open_regular
-
-
-@pytest.fixture
-def alarm():
-    """Fails a test whose open blocks (a FIFO opened to read waits for a writer) instead of
-    hanging the test run."""
-    def expired(*_):
-        raise TimeoutError("blocked on a FIFO")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_regular_file_opens_and_reads_as_usual(tmp_path):

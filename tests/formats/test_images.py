@@ -3,7 +3,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -667,20 +666,6 @@ def test_a_file_pillow_does_not_recognise_is_named_not_its_file_object(cli, tmp_
     (masks / "a.png").write_bytes(b"GIF89a")
     result = cli("perturb", src, "--eps", "1", "--weights", masks, "--out", tmp_path / "out")
     assert_one_line_error(result, 1, "a.png: not a readable mask image (not an image format Pillow recognises)")
-
-
-@pytest.fixture
-def alarm():
-    """Fails a test whose read blocks (a FIFO opened to read waits for a writer) instead of
-    hanging the test run."""
-    def expired(*_):
-        raise TimeoutError("blocked on a FIFO")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def test_an_image_swapped_for_a_fifo_after_the_listing_is_an_error(tmp_path, alarm):
