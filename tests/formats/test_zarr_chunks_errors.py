@@ -220,3 +220,57 @@ def test_a_run_over_an_expanding_chunk_stays_small(tmp_path, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
     assert peak < 300 << 20, f"peak RSS {peak >> 20} MB"  # 146 MB here; 660 MB before
     assert "header says it expands to 536870912 bytes, where a chunk holds 40" in lines[0]
+
+
+def sharded_bomb(path: Path, codec, bomb: bytes) -> None:
+    """A sharded array (zarr-python decodes it, not tldp's chunk files) whose first inner
+    chunk is replaced by `bomb`, with the shard's index rewritten to match."""
+    array = zarr.create_array(str(path), shape=(100, 100), chunks=(10, 100), shards=(50, 100), dtype="u1",
+                              compressors=codec)
+    array[:] = 1
+    shard = path / "c" / "0" / "0"
+    data = shard.read_bytes()
+    index = np.frombuffer(data[-84:-4], "<u8").reshape(5, 2)
+    inner = [data[offset:offset + length] for offset, length in index]
+    inner[0] = bomb
+    offsets, body = [], b""
+    for part in inner:
+        offsets.append((len(body), len(part)))
+        body += part
+    table = np.array(offsets, "<u8").tobytes()
+    shard.write_bytes(body + bytes(numcodecs.CRC32C().encode(np.frombuffer(table, np.uint8))))
+
+
+@pytest.mark.parametrize("name", ["zstd", "blosc", "gzip"])
+def test_a_sharded_chunk_that_expands_beyond_its_chunk_is_refused_before_it_is(tmp_path, name):
+    """The second review: chunks that zarr-python decodes (sharded arrays) were decompressed
+    in full before any size check (a 256 MB frame in a 10x100 chunk took 260 MB more); tldp refuses it first."""
+    zeros = np.zeros(64 << 20, np.uint8)
+    codec, bomb = {"zstd": (ZstdCodec(), numcodecs.Zstd(level=19).encode(zeros)),
+                   "blosc": (BloscCodec(), numcodecs.Blosc(cname="zstd").encode(zeros)),
+                   "gzip": (GzipCodec(), numcodecs.GZip(level=9).encode(zeros))}[name]
+    sharded_bomb(tmp_path / "in.zarr", codec, bytes(bomb))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError) as refused:
+            perturb(PerturbOptions(input=tmp_path / "in.zarr", epsilon=1.0, out=str(tmp_path / "out.zarr"),
+                                   workers=1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(refused.value)
+    assert "\n" not in message and ("expands to 67108864 bytes" in message or "expands to more than" in message)
+    assert peak < (64 << 20) // 2, f"{peak} bytes allocated to refuse it"
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_sharded_arrays_read_as_zarr_python_reads_them(tmp_path):
+    """The size-checking codecs decode what zarr-python's own do."""
+    values = np.random.default_rng(2).integers(0, 200, (100, 100)).astype(np.uint16)
+    for name, codec in {"zstd": ZstdCodec(), "blosc": BloscCodec(), "gzip": GzipCodec()}.items():
+        array = zarr.create_array(str(tmp_path / f"{name}.zarr"), shape=values.shape, chunks=(10, 100),
+                                  shards=(50, 100), dtype=values.dtype, compressors=codec)
+        array[:] = values
+        assert type(zarr.open_array(str(tmp_path / f"{name}.zarr"), mode="r").metadata.codecs[0]
+                    .codec_pipeline.bytes_bytes_codecs[0]) in zarr_chunks.CHECKED_CODECS.values()
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / f"{name}.zarr"), mode="r")[:], values)

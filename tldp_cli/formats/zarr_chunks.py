@@ -34,6 +34,9 @@ from typing import Any, Iterator
 
 import numcodecs
 import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+from zarr.registry import register_codec
 
 from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import write_new_file, writing
@@ -294,3 +297,64 @@ def layout(metadata: dict[str, Any], fill_value: Any) -> Layout | None:
     return Layout(shape, chunks, dtype, 0 if fill_value is None else fill_value,
                   None if compressor is None else json.dumps(compressor, sort_keys=True), typed,
                   prefix, separator)
+
+
+# Chunks zarr-python decodes itself (sharded arrays, F order, codecs beside the compressor):
+# its Zstandard, Blosc and gzip codecs decode a chunk to the size its header states, or to
+# the end of its stream, before anything compares it with the chunk. These subclasses,
+# which zarr_store selects in zarr's codec configuration, refuse a chunk that states more
+# than the chunk's bytes (with room for checksums beside it) before decoding it. A
+# Zstandard frame that states no size is decoded as before.
+CODEC_SLACK = 1 << 16
+
+
+def _chunk_limit(chunk_spec) -> int:
+    itemsize = np.dtype(chunk_spec.dtype.to_native_dtype()).itemsize
+    return math.prod(chunk_spec.shape) * itemsize + CODEC_SLACK
+
+
+class _EqualByConfiguration:
+    """zarr's codecs are values: a checked codec equals zarr's own of the same configuration
+    (code that compares an array's compressors with ZstdCodec(level=1) still works)."""
+
+    def __eq__(self, other):
+        return hasattr(other, "to_dict") and self.to_dict() == other.to_dict()
+
+    def __hash__(self):
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
+
+
+class CheckedZstdCodec(_EqualByConfiguration, ZstdCodec):
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        declared = _zstd_content_size(chunk_bytes.to_bytes())
+        if declared is not None and declared > _chunk_limit(chunk_spec):
+            raise wrong_chunk_size(declared, _chunk_limit(chunk_spec) - CODEC_SLACK, "Zstandard")
+        return super()._decode_sync(chunk_bytes, chunk_spec)
+
+
+class CheckedBloscCodec(_EqualByConfiguration, BloscCodec):
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        data = chunk_bytes.to_bytes()
+        _check_blosc_length(data)
+        declared = int.from_bytes(data[4:8], "little")
+        if declared > _chunk_limit(chunk_spec):
+            raise wrong_chunk_size(declared, _chunk_limit(chunk_spec) - CODEC_SLACK, "Blosc")
+        return super()._decode_sync(chunk_bytes, chunk_spec)
+
+
+class CheckedGzipCodec(_EqualByConfiguration, GzipCodec):
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        data = decompressed(lambda: zlib.decompressobj(zlib.MAX_WBITS + 16), chunk_bytes.to_bytes(),
+                            _chunk_limit(chunk_spec))
+        return chunk_spec.prototype.buffer.from_bytes(data)
+
+
+CHECKED_CODECS = {"zstd": CheckedZstdCodec, "blosc": CheckedBloscCodec, "gzip": CheckedGzipCodec}
+
+
+@functools.cache
+def use_checked_codecs() -> None:
+    """Selects the size-checking codecs above in zarr's configuration, once per process."""
+    for key, cls in CHECKED_CODECS.items():
+        register_codec(key, cls)
+        zarr.config.set({f"codecs.{key}": f"{__name__}.{cls.__name__}"})

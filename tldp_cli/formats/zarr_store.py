@@ -61,6 +61,8 @@ from tldp_cli.formats import (
 )
 from tldp_cli.formats import cf, leftovers, zarr_chunks
 
+zarr_chunks.use_checked_codecs()  # chunks zarr-python decodes: sizes checked before decoding
+
 NAME = "zarr"
 METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 # A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".
