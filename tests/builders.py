@@ -26,6 +26,18 @@ from tldp_cli.cli import app
 from tldp_cli.run.manifest import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str):
+    """A script of the repository that is not part of the package (docs/make_cli_reference.py,
+    benchmarks/bench.py), imported as a module."""
+    import importlib.util
+
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 # A good seed (128 bits, as `tldp seed` makes); tests that need several or a particular
 # stream use small integers with --allow-weak-seed / allow_weak_seed=True instead.
 SEED = "3f9c2a7d51e04b8a96d2c07e1fa85b43"

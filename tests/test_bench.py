@@ -1,19 +1,15 @@
 """benchmarks/bench.py keeps running against the library it measures (no timing is
 asserted: the benchmark reports numbers, the tests only check it still works)."""
 
-import importlib.util
 import json
 
 import numpy as np
 
-from tests.builders import REPO
+from tests.builders import load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/bench.py")
 
 
 def test_engine_and_reference_sections_run_on_a_tiny_input():

@@ -1,33 +1,25 @@
 """The documentation stays true to itself: the CLI reference is current, every
 relative link (and anchor) resolves, and README.md stays a front page."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.builders import REPO
+from tests.builders import REPO, load_script
 
 README_MAX_LINES = 220
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def _reference_script():
-    spec = importlib.util.spec_from_file_location("make_cli_reference", REPO / "docs" / "make_cli_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cli_reference_is_current():
-    script = _reference_script()
+    script = load_script("docs/make_cli_reference.py")
     assert (REPO / "docs" / "cli.md").read_text(encoding="utf-8") == script.generate(), (
         "docs/cli.md is stale: run python docs/make_cli_reference.py")
 
 
 def test_cli_reference_covers_every_command():
-    script = _reference_script()
+    script = load_script("docs/make_cli_reference.py")
     from tldp_cli.cli import app
 
     names = script.commands(app)
@@ -39,7 +31,7 @@ def test_cli_reference_covers_every_command():
 
 
 def test_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
-    script = _reference_script()
+    script = load_script("docs/make_cli_reference.py")
     page = tmp_path / "cli.md"
     monkeypatch.setattr(script, "PAGE", page)
     monkeypatch.setattr(script, "REPO", tmp_path)
@@ -50,15 +42,8 @@ def test_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
     assert script.main(["--check"]) == 0
 
 
-def _format_table_script():
-    spec = importlib.util.spec_from_file_location("make_format_table", REPO / "docs" / "make_format_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_format_tables_are_the_registry_s():
-    script = _format_table_script()
+    script = load_script("docs/make_format_table.py")
     page = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
     assert page == script.generate(page), "docs/formats.md is stale: run python docs/make_format_table.py"
 
@@ -66,14 +51,14 @@ def test_format_tables_are_the_registry_s():
 def test_format_tables_list_every_registered_format():
     from tldp_cli import formats
 
-    script = _format_table_script()
+    script = load_script("docs/make_format_table.py")
     text = "\n".join(script.tables())
     for fmt in formats.registered():
         assert f"| `{fmt.name}` |" in text and all(row.example in text for row in fmt.docs)
 
 
 def test_format_table_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
-    script = _format_table_script()
+    script = load_script("docs/make_format_table.py")
     page = tmp_path / "formats.md"
     monkeypatch.setattr(script, "PAGE", page)
     monkeypatch.setattr(script, "REPO", tmp_path)
