@@ -352,6 +352,7 @@ def test_copy_other_never_copies_medical_images_or_data(cli, tmp_path):
     dicom_like(src / "scan")  # no suffix: found by its magic
     dicom_like(src / "sub" / "other.dcm")
     nifti_gz(src / "sub" / "brain.nii.gz")
+    nifti_gz(src / "sub" / "brain2.gz")  # gzipped NIfTI under another name: found by what it holds
     np.save(src / "features.npy", IMAGES)
     out = tmp_path / "out"
     manifest, stderr = perturb(cli, src, out, "--copy-other")
@@ -359,11 +360,12 @@ def test_copy_other_never_copies_medical_images_or_data(cli, tmp_path):
     assert written == ["0.png", "1.png", "2.png", "notes.txt"]
     assert b"Alice" not in file_bytes(out)
     reasons = {d["name"]: d["reason"] for d in manifest["dropped"]}
-    assert set(reasons) == {"scan", "sub/other.dcm", "sub/brain.nii.gz", "features.npy"}
+    assert set(reasons) == {"scan", "sub/other.dcm", "sub/brain.nii.gz", "sub/brain2.gz", "features.npy"}
     assert reasons["scan"].startswith("DICOM") and reasons["sub/brain.nii.gz"].startswith("NIfTI")
+    assert reasons["sub/brain2.gz"].startswith("NIfTI")
     assert reasons["features.npy"].startswith("npy data")
     assert {d["kind"] for d in manifest["dropped"]} == {"file"}
     assert manifest["unperturbed"] == [{"name": "notes.txt", "kind": "file", "reason": "--copy-other: not an image"}]
     lines = [line for line in stderr.splitlines() if "did not copy" in line]
-    assert len(lines) == 1 and "4 files holding data" in lines[0] and "DICOM" in lines[0]
-    assert "dropped 4 files" in stderr
+    assert len(lines) == 1 and "5 files holding data" in lines[0] and "DICOM" in lines[0]
+    assert "dropped 5 files" in stderr
