@@ -142,6 +142,25 @@ def test_hdf5_user_block_is_zeroed_and_listed_unless_kept(cli, tmp_path):
     assert by_name(kept["unperturbed"])["userblock"]["reason"] == "kept by --keep"
 
 
+def test_hdf5_soft_links_to_nothing_are_left_out_and_links_to_data_kept(cli, tmp_path):
+    src = hdf5_study(tmp_path / "study.h5")
+    with h5py.File(src, "a") as f:
+        del f["names"], f["people"]
+        f["latest"] = h5py.SoftLink("/images")
+        f["patient"] = h5py.SoftLink("/scans/Alice Smith 1972-03-04")  # holds nothing: free text
+    out = tmp_path / "out.h5"
+    manifest, _ = perturb(cli, src, out)
+    with h5py.File(out, "r") as f:
+        assert sorted(f) == ["images", "latest"] and f.get("latest", getlink=True).path == "/images"
+    assert b"Alice" not in out.read_bytes()
+    dropped = by_name(manifest["dropped"])
+    assert dropped["/patient"]["kind"] == "soft link" and "holds nothing" in dropped["/patient"]["reason"]
+    kept, _ = perturb(cli, src, tmp_path / "kept.h5", "--keep", "/patient")
+    with h5py.File(tmp_path / "kept.h5", "r") as f:
+        assert f.get("patient", getlink=True).path == "/scans/Alice Smith 1972-03-04"
+    assert by_name(kept["unperturbed"])["/patient"]["kind"] == "soft link"
+
+
 def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
     src = tmp_path / "scaled.h5"
     with h5py.File(src, "w") as f:
