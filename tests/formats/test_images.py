@@ -203,15 +203,50 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {images.PNG_ENCODING}"]
 
 
-def test_mixed_bit_depths_need_a_range(cli, tmp_path):
+def test_each_bit_depth_is_perturbed_at_its_own_range(cli, tmp_path):
+    """8- and 16-bit images in one folder, without --range: each at its dtype's range (noise
+    of scale 256 on the 8-bit image, 65536 on the 16-bit one), each range a calibration of its
+    own, whose figures the manifest states (those of the 8-bit image perturbed alone)."""
+    src = tmp_path / "mixed"
+    save(src / "deep.png", np.full((64, 64), 30000, np.uint16))
+    save(src / "shallow.png", np.full((64, 64), 128, np.uint8))
+    out = tmp_path / "a"
+    # TIFF: the noisy integers unclipped, to measure the noise's scale
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--image-format", "tiff", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    for name, value, scale in (("shallow", 128, 256), ("deep", 30000, 65536)):
+        noise = tifffile.imread(out / f"{name}.tiff").astype(np.int64) - value
+        # median |Laplace| = b ln 2: 177 for b = 256, 45426 for b = 65536 (4096 values: within 10%)
+        assert abs(np.median(np.abs(noise)) / (scale * np.log(2)) - 1) < 0.1, name
+    manifest = manifest_of(out)
+    assert manifest["value_ranges"] == {"deep.png": [0, 65536], "shallow.png": [0, 256]}
+    groups = {tuple(g["value_range"]): g for g in manifest["range_groups"]}
+    assert sorted(groups) == [(0, 256), (0, 65536)]
+    assert groups[0, 256]["input_dtypes"] == ["uint8"] and groups[0, 256]["records"] == 1
+    assert groups[0, 65536]["declared_by"] == ["the uint16 dtype's range (default)"]
+    assert [groups[0, 256]["noise_scale"], groups[0, 65536]["noise_scale"]] == [256, 65536]
+    alone = tmp_path / "alone"
+    save(alone / "shallow.png", np.full((64, 64), 128, np.uint8))
+    assert cli("perturb", alone, "--eps", "1", "--out", tmp_path / "b").exit_code == 0
+    single = manifest_of(tmp_path / "b")["accounting"]
+    assert groups[0, 256]["accounting"] == {scope: single[scope] for scope in ("per_element", "per_record")}
+    # the run's figures: the worst over the groups, which the summary line says
+    worst = max(g["accounting"]["per_record"]["epsilon"] for g in groups.values())
+    assert manifest["accounting"]["per_record"]["epsilon"] == worst
+    assert "the worst of 2 calibrations, over record sizes and 2 ranges" in result.stderr
+    assert "calibrated each declared range on its own: 0:256 for uint8" in result.stderr
+
+
+def test_one_range_for_mixed_bit_depths_still_clips_each_to_its_own(cli, tmp_path):
     src = tmp_path / "mixed"
     save(src / "deep.png", pixels(4, 4, dtype=np.uint16))
     save(src / "shallow.png", pixels(4, 4))
-    assert cli("perturb", src, "--eps", "1", "--out", tmp_path / "a").exit_code == 2
     result = cli("perturb", src, "--eps", "1", "--range", "0:65536", "--out", tmp_path / "b", "--json")
     assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert "range_groups" not in manifest and manifest["value_range"] == [0, 65536]
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
-    assert json.loads(result.stdout)["postprocessing"][1:3] == [
+    assert manifest["postprocessing"][1:3] == [
         "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {images.PNG_ENCODING}"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"

@@ -619,7 +619,7 @@ def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[li
     record is perturbed once, at its group's range, so its figures are its group's; the
     run's per_element and per_record are the worst over the groups."""
     entries = []
-    for group in groups:
+    for group in sorted(groups, key=lambda g: (g.lo, g.hi)):
         members = [job for job in jobs if job.name in group.calib_of]
         calibrations = list(dict.fromkeys(group.calib_of.values()))
         inside = [[group.calib_of[name] for name in row] for row in rows
