@@ -294,20 +294,109 @@ def test_tiff_output_is_float_and_unclipped(cli, tmp_path):
     assert json.loads(result.stdout)["postprocessing"][0] == "write float32 TIFF (unclipped)"
 
 
-def test_palette_is_converted_and_other_modes_refused(cli, tmp_path):
-    src = tmp_path / "photos"
-    src.mkdir()
-    Image.fromarray(pixels(6, 6, 3)).convert("P").save(src / "pal.png")
+def label_map(path: Path, classes: np.ndarray) -> Path:
+    """A palette PNG of class indices, as segmentation datasets (Pascal VOC) store their masks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mask = Image.fromarray(classes.astype(np.uint8), mode="P")
+    mask.putpalette([0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [0] * 756)
+    mask.save(path)
+    return path
+
+
+def test_palette_images_are_label_maps_left_out_or_kept_raw(cli, tmp_path):
+    """A palette PNG is a label map (class indices), not an image to perturb: not turned into
+    RGB and perturbed, but left out and listed (dropped), or copied raw where --keep names it."""
+    src = tmp_path / "voc"
+    save(src / "JPEGImages" / "a.jpg", pixels(16, 16, 3), quality=90)
+    classes = np.arange(256).reshape(16, 16) % 4
+    label_map(src / "SegmentationClass" / "a.png", classes)
     out = tmp_path / "out"
     result = cli("perturb", src, "--eps", "1", "--out", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert Image.open(out / "pal.png").mode == "RGB"
-    assert json.loads(result.stdout)["image_conversions"] == {"pal.png": ["palette (P) -> RGB"]}
+    assert sorted(image_files(out)) == ["JPEGImages/a.png"]
+    manifest = json.loads(result.stdout)
+    assert manifest["dropped"] == [{"name": "SegmentationClass/a.png", "kind": "label map",
+                                    "reason": images.LABEL_MAP_REASON}]
+    assert [i["path"] for i in manifest["inputs"]] == [str(src / "JPEGImages" / "a.jpg")]
+    assert "left out 1 palette image (label maps" in result.stderr and "dropped 1 label map" in result.stderr
 
+    kept = tmp_path / "kept"
+    result = cli("perturb", src, "--eps", "1", "--out", kept, "--keep", "SegmentationClass/*", "--json")
+    assert result.exit_code == 0, result.stderr
+    copy = kept / "SegmentationClass" / "a.png"
+    assert copy.read_bytes() == (src / "SegmentationClass" / "a.png").read_bytes()
+    with Image.open(copy) as im:  # the indices and the palette, as they were
+        assert im.mode == "P" and np.array_equal(np.asarray(im), classes)
+    assert json.loads(result.stdout)["unperturbed"] == [
+        {"name": "SegmentationClass/a.png", "kind": "label map", "reason": "kept by --keep"}]
+    assert "copied unchanged: SegmentationClass/a.png (kept by --keep)" in result.stderr
+    # --keep naming nothing is a typo; --keep with --anonymize-names would name the file
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "x", "--keep", "nope/*"),
+                          2, "--keep nope/*")
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "y", "--keep", "*",
+                              "--anonymize-names"), 2, "--anonymize-names")
+
+
+def test_a_folder_of_label_maps_only_says_so(cli, tmp_path):
+    label_map(tmp_path / "masks" / "a.png", np.zeros((4, 4)))
+    result = cli("perturb", tmp_path / "masks", "--eps", "1")
+    assert_one_line_error(result, 1, "1 palette image (label maps, which tldp does not perturb)")
+
+
+def test_other_modes_are_refused(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
     Image.new("CMYK", (5, 5)).save(src / "print.jpg")
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out2")
     assert result.exit_code == 1
     assert "print.jpg" in one_line(result) and "CMYK" in result.stderr
+
+
+@pytest.mark.parametrize("image_format", ["png", "tiff"])
+def test_a_multi_page_tiff_is_one_record_written_multi_page(cli, tmp_path, image_format):
+    """A z-stack (tifffile's multi-page TIFF) is one record of all its pages (one subject's),
+    and comes out a multi-page TIFF that tifffile and Pillow read page by page."""
+    src = tmp_path / "stacks"
+    src.mkdir()
+    stack = RNG.integers(0, 256, (5, 16, 12), dtype=np.uint8)
+    deep = RNG.integers(0, 65536, (4, 8, 8)).astype(np.uint16)
+    colour = RNG.integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    tifffile.imwrite(src / "z.tif", stack, photometric="minisblack")
+    tifffile.imwrite(src / "deep.tiff", deep, photometric="minisblack")
+    tifffile.imwrite(src / "rgb.tif", colour, photometric="rgb")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "8", "--budget", "record", "--out", out, "--json",
+                 "--image-format", image_format, "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    shapes = {Path(i["path"]).name: i["shape"] for i in manifest["inputs"]}
+    assert shapes == {"z.tif": [1, 5, 16, 12], "deep.tiff": [1, 4, 8, 8], "rgb.tif": [1, 3, 8, 8, 3]}
+    assert manifest["records"] == 3  # one per file, not per page
+    assert manifest["accounting"]["per_record"]["epsilon"] <= 8  # the whole stack gets --eps
+    for name, raw in (("z.tif", stack), ("deep.tiff", deep), ("rgb.tif", colour)):
+        written = tifffile.imread(out / name)
+        assert written.shape == raw.shape and not np.array_equal(written, raw)
+        if image_format == "tiff" and raw.ndim == 4:
+            continue  # 16/32-bit colour, which Pillow cannot open (perturb warns)
+        with Image.open(out / name) as im:
+            assert im.n_frames == raw.shape[0]
+            if image_format == "png":  # clipped to the input's bit depth, as PNG is
+                assert written.dtype == raw.dtype
+                pages = []
+                for page in range(im.n_frames):
+                    im.seek(page)
+                    pages.append(np.asarray(im))
+                np.testing.assert_array_equal(np.stack(pages), written)
+
+
+def test_a_multi_page_tiff_of_unlike_pages_is_refused(cli, tmp_path):
+    src = tmp_path / "stacks"
+    src.mkdir()
+    with tifffile.TiffWriter(src / "pyramid.tif") as tif:  # a page and its half-size thumbnail
+        tif.write(pixels(16, 16), photometric="minisblack")
+        tif.write(pixels(8, 8), photometric="minisblack")
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_error(result, 1, "pyramid.tif", "pages differ", "page 1")
 
 
 def test_16bit_colour_is_refused_not_truncated(cli, tmp_path):
