@@ -1,4 +1,7 @@
-"""Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record.
+"""Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record; a multi-page
+TIFF is one record of all its pages (one specimen's stack), written as a multi-page TIFF.
+Palette images (mode P, PA: segmentation class masks) are label maps, not perturbed: left
+out and listed (dropped), or copied raw where --keep names them.
 
 Images are found recursively and keyed by their relative POSIX path, which also
 keys their random streams. Opening the folder reads each image's header (shape,
@@ -1031,5 +1034,6 @@ FORMAT = Format(
     docs=(DocRow("folder of images (PNG, JPEG, BMP, TIFF, WebP)",
                  "any other directory (subfolders named `0` ... `9` included)",
                  "`tldp perturb sample_data/digits_png --eps 1`",
-                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG"),),
+                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG (a multi-page TIFF: "
+                 "multi-page TIFF); palette images (label maps) left out ([below](#image-folders))"),),
 )
