@@ -576,8 +576,8 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     split = [row for row in rows if len({range_of[name] for name in row}) > 1]
     if split and options.budget == "record":
         raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
-                         "each), which have different --range values; give them one range, or use "
-                         "--budget element")
+                         "each), which have different declared ranges (--range, or their dtypes'); give "
+                         "them one range, or use --budget element")
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE else None
     groups = [_calibrate_group(options, lo, hi, group,
@@ -648,9 +648,14 @@ def range_group_messages(run: Plan) -> list[str]:
     parts = [f"{lo:g}:{hi:g} for {' and '.join(g['input_dtypes'])} ({plural(g['records'], 'record')}; "
              f"per record eps={g['accounting']['per_record']['epsilon']:.4g})"
              for g in run.range_groups for lo, hi in [g["value_range"]]]
-    return [f"calibrated each declared range on its own: {'; '.join(parts)}. Each record is perturbed once, "
-            "at its own range, so its figures are its group's (the manifest's range_groups); the "
-            "guarantee line states the worst of them"]
+    spanning = [row for row in run.rows if len({run.bounds[name][:2] for name in row}) > 1]
+    if spanning:
+        rule = (f"A record spanning several ranges (a row of {', '.join(spanning[0])}) composes its parts: "
+                "the guarantee line's per-record figure")
+    else:
+        rule = ("Each record is perturbed once, at its own range, so its figures are its group's (the "
+                "manifest's range_groups); the guarantee line states the worst of them")
+    return [f"calibrated each declared range on its own: {'; '.join(parts)}. {rule}"]
 
 
 def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
