@@ -235,6 +235,8 @@ def test_each_bit_depth_is_perturbed_at_its_own_range(cli, tmp_path):
     assert manifest["accounting"]["per_record"]["epsilon"] == worst
     assert "the worst of 2 calibrations, over record sizes and 2 ranges" in result.stderr
     assert "calibrated each declared range on its own: 0:256 for uint8" in result.stderr
+    planned = cli("plan", src, "--eps", "1", "--json")  # from the headers, the same groups
+    assert planned.exit_code == 0 and json.loads(planned.stdout)["range_groups"] == manifest["range_groups"]
 
 
 def test_one_range_for_mixed_bit_depths_still_clips_each_to_its_own(cli, tmp_path):
