@@ -77,6 +77,9 @@ class ArrayJob:
     # CF missing-data markers (formats/cf.py): (attribute, value in the units perturbed), e.g.
     # ("_FillValue", 0.0); the pipeline compares them with the declared range (Reader.markers_are_data).
     markers: tuple[tuple[str, float], ...] = ()
+    # Other names that stand for the array in --range NAME=LO:HI, as in --dataset (an OME-Zarr
+    # image's group and lower levels stand for its full resolution).
+    aliases: tuple[str, ...] = ()
 
     @property
     def records(self) -> int:
