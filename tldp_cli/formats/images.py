@@ -258,10 +258,27 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     return sorted(images), sorted(others), sorted(links)
 
 
-def _output_name(rel: str, image_format: str) -> str:
+def output_name(rel: str, image_format: str) -> str:
+    """Where the writer puts the image `rel` (a relative path) with --image-format
+    `image_format`, names kept: the same path, its suffix made that format's."""
     suffixes = OUTPUT_SUFFIXES[image_format]
     path = Path(rel)
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
+
+
+def read_output(path: Path, has_alpha: bool) -> np.ndarray:
+    """The perturbed colour channels of an image the writer wrote: a TIFF read with
+    tifffile (its floating-point samples, without the source's alpha, which the writer
+    copies as the last channel), a PNG decoded as the reader decodes images. `has_alpha`:
+    whether the source image had alpha."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        pixels = tifffile.imread(path)
+        if has_alpha:
+            pixels = pixels[..., :-1]
+            if pixels.shape[-1] == 1:
+                pixels = pixels[..., 0]
+        return pixels
+    return _decode(path).colour
 
 
 def _non_images(n: int) -> str:
@@ -314,7 +331,7 @@ class ImageFolderReader(Reader):
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
         candidates, self.others, self.links = _walk(path)
-        out_names = {rel: _output_name(rel, options.image_format) for rel in candidates}
+        out_names = {rel: output_name(rel, options.image_format) for rel in candidates}
         if not self.anonymized:
             _check_collisions(path, out_names)
         self.images: list[_Image] = []
