@@ -100,7 +100,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     if model not in MODELS:
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
     if not epsilons:
-        raise UsageError("--sweep needs --eps with at least one value")
+        raise UsageError("a sweep needs --eps with at least one value")
     if repeats < 1:
         raise UsageError(f"--repeat must be at least 1, not {repeats}")
     streams = Streams(rng, seed, allow_weak_seed)  # a bad seed fails before the data are read
