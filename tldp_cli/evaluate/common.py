@@ -13,7 +13,6 @@ SENSITIVE = "computed from the raw data: keep it with the raw data, never with t
 Progress = Callable[[int, int], None]
 
 
-
 def finite(x: float | None) -> float | None:
     """JSON has no NaN/Inf: they become null."""
     if x is None:

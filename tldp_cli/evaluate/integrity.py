@@ -25,17 +25,14 @@ class Pair:
         self.calib = calib
 
 
-
 def _image_format(m: dict) -> str:
     """How an image folder's output was written (the manifest's image_output)."""
     return (m.get("image_output") or {}).get("format", "png")
 
 
-
 def is_clipped(m: dict) -> bool:
     """Whether the writer rounded and clipped the noisy values (8/16-bit PNG)."""
     return bool((m.get("image_output") or {}).get("clipped"))
-
 
 
 def open_original(original: Path, m: dict, input_format: str | None):
@@ -46,7 +43,6 @@ def open_original(original: Path, m: dict, input_format: str | None):
                             skip_bad=bool(m.get("skipped_bad_images")),
                             anonymize_names=module.name_map and bool(m.get("anonymized_names")))
     return module, module.open_reader(original, options)
-
 
 
 def pair_up(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
@@ -105,7 +101,6 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrat
     return pairs
 
 
-
 def _output_root(entries: list[str], perturbed: Path) -> Path | None:
     """The output path the manifest recorded for a folder output (Zarr, images)."""
     name = perturbed.resolve().name
@@ -115,7 +110,6 @@ def _output_root(entries: list[str], perturbed: Path) -> Path | None:
     while common is not None and common.name and common.name != name:
         common = common.parent if common != common.parent else None
     return common if common is not None and common.name == name else None
-
 
 
 def check_hashes(m: dict, perturbed: Path) -> list[dict]:
@@ -155,7 +149,6 @@ def check_hashes(m: dict, perturbed: Path) -> list[dict]:
     return checks
 
 
-
 def shape_check(m: dict, jobs, pairs: list[Pair]) -> dict:
     problems = []
     for pair in pairs:
@@ -177,7 +170,6 @@ def shape_check(m: dict, jobs, pairs: list[Pair]) -> dict:
             else f"{len(pairs)} array(s), {records} records, shapes agree"}
 
 
-
 def read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Path]:
     manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
     if not manifest_path.is_file():
@@ -185,7 +177,6 @@ def read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Pa
     m = manifest_mod.read(manifest_path)  # InputError naming it when it is not JSON
     manifest_mod.check(m, manifest_path)
     return m, manifest_path
-
 
 
 def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:

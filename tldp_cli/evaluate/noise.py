@@ -21,17 +21,11 @@ from tldp_cli.run.pipeline import Plan
 from tldp_cli.sampling import engine
 
 ALPHA = 1e-6  # significance level of every statistical check
-
 GOF_MAX_SAMPLES = 200_000  # noise values the KS test sees at most (evenly subsampled)
-
 GOF_MIN_SAMPLES = 20
-
 Z_LIMIT = 5.0  # |z| of the noise's squared norm against Table 5 (two-sided ALPHA ~ 6e-7)
-
 SSIM_WINDOW = 7
-
 BLOCK_ELEMENTS = 1 << 22
-
 
 
 def _summary(values: np.ndarray) -> dict[str, float | None]:
@@ -43,13 +37,11 @@ def _summary(values: np.ndarray) -> dict[str, float | None]:
             "min": float(finite.min()), "max": float(finite.max())}
 
 
-
 def is_image_shaped(record_shape: tuple[int, ...]) -> bool:
     """(H, W) or (H, W, C) with C in 1, 3, 4 and both sides at least the SSIM window."""
     if len(record_shape) == 2 or (len(record_shape) == 3 and record_shape[-1] in (1, 3, 4)):
         return min(record_shape[:2]) >= SSIM_WINDOW
     return False
-
 
 
 def _box_mean(a: np.ndarray, w: int) -> np.ndarray:
@@ -58,7 +50,6 @@ def _box_mean(a: np.ndarray, w: int) -> np.ndarray:
     c = np.pad(c, [(0, 0), (1, 0), (1, 0)] + [(0, 0)] * (a.ndim - 3))
     s = c[:, w:, w:] - c[:, :-w, w:] - c[:, w:, :-w] + c[:, :-w, :-w]
     return s / (w * w)
-
 
 
 def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WINDOW) -> np.ndarray:
@@ -79,7 +70,6 @@ def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WIN
     vxy = cov_norm * (_box_mean(x * y, window) - ux * uy)
     s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
     return s.reshape(s.shape[0], -1).mean(axis=1)
-
 
 
 class NoiseStats:
@@ -173,7 +163,6 @@ class NoiseStats:
         self.expected_kept += equal.size * calib.p
 
 
-
 def privunit_checks(stats: NoiseStats, m: dict) -> list[dict]:
     """privunit: no noise is added, so the noise checks do not apply; the alignment of the
     released records with the raw ones is measured (not tested: the written values are
@@ -192,7 +181,6 @@ def privunit_checks(stats: NoiseStats, m: dict) -> list[dict]:
                            "written records are clipped to the range, which moves them)"
                            if mean is not None and expected is not None else "no records compared")}
     return skipped + [measured]
-
 
 
 def retained_check(stats: NoiseStats, p: float, weighted: bool, clipped: bool) -> dict:
@@ -223,7 +211,6 @@ def retained_check(stats: NoiseStats, p: float, weighted: bool, clipped: bool) -
     return out
 
 
-
 def error_check(stats: NoiseStats, calibs: list[Calibration], weighted: bool, clipped: bool,
                  records: int) -> dict:
     records = max(records, 1)
@@ -249,7 +236,6 @@ def error_check(stats: NoiseStats, calibs: list[Calibration], weighted: bool, cl
                       f"(z = {z:+.2f}" + ("; weights keep more values, so only an excess fails)"
                                            if weighted else ")"))
     return out
-
 
 
 def gof_check(stats: NoiseStats, clipped: bool) -> dict:
@@ -278,7 +264,6 @@ def gof_check(stats: NoiseStats, clipped: bool) -> dict:
                detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} "
                       f"against {stats.noise_name}(scale {stats.noise_scale:.4g})")
     return out
-
 
 
 def _chi_square_check(stats: NoiseStats, groups: dict[float, np.ndarray], out: dict) -> dict:
@@ -315,7 +300,6 @@ def _chi_square_check(stats: NoiseStats, groups: dict[float, np.ndarray], out: d
     return out
 
 
-
 @dataclass
 class Measured:
     stats: NoiseStats
@@ -323,7 +307,6 @@ class Measured:
     data_range: float | None  # image metrics' data range; None: not images
     clean: list[np.ndarray]  # with labels: the records, for the task
     noisy: list[np.ndarray]
-
 
 
 def measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Progress | None) -> Measured:
@@ -356,10 +339,8 @@ def measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Prog
     return measured
 
 
-
 def concatenated(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0)
-
 
 
 def noise_summary(stats: NoiseStats, data_range: float | None,

@@ -12,9 +12,7 @@ from tldp_cli.errors import InputError
 from tldp_cli.evaluate.integrity import name_map_of, open_original, pair_up, read_manifest
 
 PREVIEW_RECORDS = 8
-
 PREVIEW_MIN_SIDE = 64  # small records (a 28 x 28 digit) are enlarged to about this many pixels
-
 
 
 def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
@@ -48,7 +46,6 @@ def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, 
     return _preview_png(raw, released)
 
 
-
 def _preview_tile(record: np.ndarray, lo: float, hi: float) -> np.ndarray:
     """One record as an (H, W, 3) uint8 picture: an image as it is (alpha dropped), a
     1-D record as a bar, other records the middle 2-D slice of their last two axes."""
@@ -63,7 +60,6 @@ def _preview_tile(record: np.ndarray, lo: float, hi: float) -> np.ndarray:
     scaled = np.nan_to_num(scaled, nan=0.0)
     grey = scaled.ndim == 2
     return np.repeat(scaled[..., None], 3, axis=2).astype(np.uint8) if grey else scaled.astype(np.uint8)
-
 
 
 def _preview_png(top: list[np.ndarray], bottom: list[np.ndarray]) -> bytes:

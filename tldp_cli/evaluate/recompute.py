@@ -30,14 +30,12 @@ def _close(a: Any, b: Any, rel: float = 1e-6) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-300)
 
 
-
 def _dtype(name: Any) -> np.dtype:
     """A manifest input's dtype; names NumPy lacks (bfloat16) are floating point."""
     try:
         return np.dtype(name)
     except TypeError:
         return np.dtype(np.float32)
-
 
 
 def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Grid | None:
@@ -54,12 +52,10 @@ def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Gri
                                  float(m["epsilon"]), where)
 
 
-
 def _range_width(m: dict, grid: discrete.Grid | None) -> float:
     """What calibrate takes as range_width: hi - lo, or the grid's width (discrete noises)."""
     lo, hi = (float(v) for v in m["value_range"])
     return hi - lo if grid is None else grid.range_width
-
 
 
 def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, grid: discrete.Grid | None,
@@ -80,7 +76,6 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
     return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
 
 
-
 def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
     """The arrays each subject's record spans, as the manifest states them; refuses names
     the original does not have."""
@@ -89,7 +84,6 @@ def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
     if not (isinstance(rows, list) and all(isinstance(row, list) and set(row) <= names for row in rows)):
         raise InputError(f"the manifest's row_datasets {rows!r} do not name arrays of the original")
     return rows
-
 
 
 def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None = None,
@@ -176,7 +170,6 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
               "inconsistent with its mechanism: " + ", ".join(
                   f"{x['field']} {x['manifest']!r} (recomputed {x['recomputed']!r})" for x in mismatches[:4]))
     return {"check": "parameters", "passed": not mismatches, "detail": detail, "mismatches": mismatches}
-
 
 
 def recompute_plan(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,

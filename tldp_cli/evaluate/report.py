@@ -19,11 +19,7 @@ from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, 
                                        load_records, task_utility)
 
 REPORT_SCHEMA = "tldp-evaluation/1"
-
 PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report
-# Every report and sweep is computed from the raw data (a record's error and relative
-# error give its exact norm), so it says so in its first field.
-
 
 
 def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None, *,
@@ -110,7 +106,6 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     return report
 
 
-
 def _utility(module, original: Path, pairs: list, measured: Measured, labels, test, test_labels,
              model: str, value_range: tuple[float, float]) -> dict[str, Any]:
     if str(labels) == LABELS_FROM_FOLDERS and module.records_are_files:
@@ -123,7 +118,6 @@ def _utility(module, original: Path, pairs: list, measured: Measured, labels, te
         raise UsageError(f"{original}: task utility needs records of one shape")
     check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
     return task_utility(clean, noisy, y, test_x, test_y, model, value_range)
-
 
 
 def epsilon_scope(m: dict) -> str:
@@ -139,7 +133,6 @@ def epsilon_scope(m: dict) -> str:
         delta = (m.get("accounting") or {}).get("dp_delta")
         return f"{eps}, delta={_g(delta)} per record by the mechanism's own design"
     return f"{eps} per record (the paper's calibration of the baseline)"
-
 
 
 def _g(value: Any) -> str:

@@ -28,7 +28,6 @@ from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 
 SWEEP_SCHEMA = "tldp-sweep/1"
-
 SWEEP_METHODS = (  # label, mechanism, noise, weighted
     ("TLDP-L", "tldp", "laplace", False),
     ("TLDP-G", "tldp", "gaussian", False),
@@ -42,14 +41,12 @@ SWEEP_METHODS = (  # label, mechanism, noise, weighted
 )
 
 SWEEP_FILES = ("sweep.csv", "sweep.json", "sweep_nominal_eps.png", "sweep_record_eps.png")
-
 SWEEP_COLUMNS = ("method", "mechanism", "noise", "weighted", "epsilon", "budget",
                  "element_epsilon", "record_epsilon", "record_delta", "noise_scale",
                  "retain_probability_log10", "mean_l2_error", "rms_l2_error",
                  "expected_l2_error", "mse", "f1", "f1_std", "f1_min", "f1_max", "repeats")
 
 TABLE_DIGITS = 6  # significant digits of the numbers in sweep.csv and sweep.json (reruns compare equal)
-
 
 
 def parse_eps_list(text: str) -> list[float]:
@@ -62,7 +59,6 @@ def parse_eps_list(text: str) -> list[float]:
     return sorted(set(values))
 
 
-
 def parse_methods(text: str) -> list[str]:
     """--methods: table names of SWEEP_METHODS, comma-separated."""
     names = [v.strip() for v in text.split(",") if v.strip()]
@@ -71,7 +67,6 @@ def parse_methods(text: str) -> list[str]:
     if not names or unknown:
         raise UsageError(f"--methods takes names from {', '.join(known)}, not {text!r}")
     return names
-
 
 
 def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = None,
@@ -162,7 +157,6 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "reference": reference, "rows": rows}
 
 
-
 def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, elements: int,
                    named: list[str] | None) -> tuple[list, list[dict]]:
     """The SWEEP_METHODS that apply (weighted TLDP with a mask, MVG on matrices, privunit
@@ -182,7 +176,6 @@ def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, e
     return [mm for mm in methods if mm[0] in named], skipped
 
 
-
 def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
                        elements: int) -> tuple[list, list[dict]]:
     """privunit's --eps is each record's figure: it joins --budget record sweeps of records
@@ -196,7 +189,6 @@ def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
         return methods, skipped
     return ([mm for mm in methods if mm[1] != "privunit"],
             skipped + [{"method": "privunit", "reason": reason}])
-
 
 
 def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
@@ -218,7 +210,6 @@ def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses
         row.update(f1=float(np.mean(f1s)), f1_min=min(f1s), f1_max=max(f1s),
                    f1_std=float(np.std(f1s, ddof=1)) if len(f1s) > 1 else None)
     return row
-
 
 
 def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) -> list[Path]:
@@ -245,13 +236,11 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
     return targets
 
 
-
 def _rounded(value: Any) -> Any:
     """A float to TABLE_DIGITS significant digits (other values as they are)."""
     if isinstance(value, float) and math.isfinite(value):
         return float(f"{value:.{TABLE_DIGITS}g}")
     return value
-
 
 
 def _plot(result: dict[str, Any], x_key: str, x_label: str) -> bytes:

@@ -17,7 +17,6 @@ from tldp_cli.formats import FormatOptions
 MODELS = ("logistic", "mlp")
 
 
-
 def load_records(path: Path, dataset: str | None = None, input_format: str | None = None) -> np.ndarray:
     """Every record of a dataset tldp can read, in memory (records along axis 0).
 
@@ -42,11 +41,8 @@ def load_records(path: Path, dataset: str | None = None, input_format: str | Non
         reader.close()
 
 
-
 LABELS_FROM_FOLDERS = "subfolders"
-
 LABELS_DATASET_PREFIX = "dataset="
-
 
 
 def load_labels(spec: Path | str, data: Path | None = None, option: str = "--labels") -> np.ndarray:
@@ -83,7 +79,6 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
     return labels
 
 
-
 def _folder_labels(data: Path | None, option: str) -> np.ndarray:
     if data is None or not formats.detect(Path(data)).records_are_files:
         raise UsageError(f"{option} subfolders: {data} is not a folder of images")
@@ -92,7 +87,6 @@ def _folder_labels(data: Path | None, option: str) -> np.ndarray:
         return folder_labels([job.name for job in reader.arrays()], Path(data))
     finally:
         reader.close()
-
 
 
 def folder_labels(names: list[str], folder: Path) -> np.ndarray:
@@ -107,7 +101,6 @@ def folder_labels(names: list[str], folder: Path) -> np.ndarray:
     return np.array(labels)
 
 
-
 def need(module: str):
     import importlib
 
@@ -116,7 +109,6 @@ def need(module: str):
     except ImportError:
         raise TldpError(f"this needs {module.split('.')[0]}; install the evaluation extra: "
                         "pip install 'tldp-tensors[eval]'") from None
-
 
 
 def _classifier(model: str):
@@ -130,7 +122,6 @@ def _classifier(model: str):
 
         return MLPClassifier(hidden_layer_sizes=(128,), max_iter=200, random_state=0)
     raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
-
 
 
 def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
@@ -157,7 +148,6 @@ def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, te
     return float(f1_score(test_y, predicted, average="weighted"))
 
 
-
 def check_task(train_records: int, labels: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
                 record_shape: tuple[int, ...], labels_path, test_path) -> None:
     if len(labels) != train_records:
@@ -167,7 +157,6 @@ def check_task(train_records: int, labels: np.ndarray, test_x: np.ndarray, test_
     if tuple(test_x.shape[1:]) != tuple(record_shape):
         raise UsageError(f"{test_path}: test records have shape {tuple(test_x.shape[1:])}, "
                          f"the training records {tuple(record_shape)}")
-
 
 
 def task_utility(clean: np.ndarray, perturbed: np.ndarray, labels: np.ndarray, test_x: np.ndarray,
@@ -182,7 +171,6 @@ def task_utility(clean: np.ndarray, perturbed: np.ndarray, labels: np.ndarray, t
             "f1_majority_class": majority_f1(test_y),
             "train_records": int(len(labels)), "test_records": int(len(test_y)),
             "classes": [c.item() for c in classes], "seconds": time.perf_counter() - t0}
-
 
 
 def majority_f1(test_y: np.ndarray) -> float:
