@@ -34,8 +34,10 @@ class _OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         prog_name = prog_name or "tldp"
         words = list(sys.argv[1:] if args is None else args)
-        if not os.environ.get(f"_{prog_name.upper()}_COMPLETE") and self._bare(words):
-            self._help(prog_name, words)  # a bare `tldp` or `tldp perturb`: the help, as is
+        if not os.environ.get(f"_{prog_name.upper()}_COMPLETE"):
+            args = words = self._aliased(words)
+            if self._bare(words):
+                self._help(prog_name, words)  # a bare `tldp` or `tldp perturb`: the help, as is
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
@@ -46,6 +48,20 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _aliased(self, words: list[str]) -> list[str]:
+        """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
+        that command, the flag taken out, after one line on stderr naming it."""
+        options = words[1:words.index("--")] if "--" in words else words[1:]
+        for flag in options if words else ():
+            target = DEPRECATED_FLAGS.get((words[0], flag))
+            if target is not None:
+                typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
+                           f"use 'tldp {target}', which takes the same options", err=True)
+                rest = list(words[1:])
+                rest.remove(flag)
+                return [target, *rest]
+        return words
 
     def _bare(self, words: list[str]) -> bool:
         """No words, or only a command that needs arguments (no_args_is_help)."""
@@ -63,6 +79,15 @@ class _OneLineErrors(TyperGroup):
             else:
                 typer.echo(self.get_help(ctx), err=True)
         sys.exit(2)
+
+
+# (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
+DEPRECATED_FLAGS: dict[tuple[str, str], str] = {}
+
+
+def deprecated_flag(command: str, flag: str, target: str) -> None:
+    """Make `tldp COMMAND FLAG ...` a deprecated alias of `tldp TARGET ...` (the flag dropped)."""
+    DEPRECATED_FLAGS[(command, flag)] = target
 
 
 def fail(message: str, code: int):
@@ -96,6 +121,7 @@ def _root(
       tldp perturb data.npy --eps 1 --range 0:1 --out noisy.npy --json
       tldp weight-mask photos/ --method box --boxes faces.csv --out masks --preview check.png
       tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy
+      tldp sweep sample_data/digits.npy --eps 0.1,1,10 --out sweep/
       tldp audit --eps 1 --elements 4 --range 0:1
       tldp plan --elements 28x28 --range 0:256 --eps 8 --budget record
     """
@@ -142,6 +168,11 @@ def run(debug: bool, action):
         fail(f"unexpected error ({type(exc).__name__}{detail}); please report it, and rerun with "
               "--debug for the traceback", 1)
 
+
+
+def shown(value, spec: str = ".4g") -> str:
+    """A figure in a printed table: formatted with `spec`, or "-" for None."""
+    return "-" if value is None else format(value, spec)
 
 
 def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -> None:

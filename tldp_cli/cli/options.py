@@ -60,6 +60,11 @@ class Scheduler(str, Enum):
     dask = "dask"
 
 
+class Model(str, Enum):
+    logistic = "logistic"
+    mlp = "mlp"
+
+
 class OutDtype(str, Enum):
     float32 = "float32"
     float64 = "float64"
@@ -214,3 +219,17 @@ RngOption = Annotated[RngKind, typer.Option(
          "from its output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)]
+
+# The task-utility options of evaluate and sweep: labels, clean test records, the classifier.
+Labels = Annotated[Optional[str], typer.Option(
+    metavar="LABELS",
+    help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
+         "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
+         "folder's top-level subfolder names).")]
+TestRecords = Annotated[Optional[Path], typer.Option(readable=False,
+    help="Clean test records (any format perturb reads) for the task-utility score.")]
+TestLabels = Annotated[Optional[str], typer.Option(
+    metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
+                           "subfolders refer to --test).")]
+ModelOption = Annotated[Model, typer.Option(
+    help="Classifier: logistic regression or a small MLP (scikit-learn).")]

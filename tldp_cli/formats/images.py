@@ -314,12 +314,28 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     return sorted(images), sorted(others), sorted(links)
 
 
-def _output_name(rel: str, image_format: str, stack: bool = False) -> str:
-    """An image's name in the output: under PNG's or TIFF's suffix; a multi-page TIFF (stack)
-    stays TIFF."""
+def output_name(rel: str, image_format: str, stack: bool = False) -> str:
+    """Where the writer puts the image `rel` (a relative path) with --image-format
+    `image_format`, names kept: the same path, its suffix made that format's; a multi-page
+    TIFF (stack) stays TIFF."""
     suffixes = OUTPUT_SUFFIXES["tiff" if stack else image_format]
     path = Path(rel)
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
+
+
+def read_output(path: Path, has_alpha: bool) -> np.ndarray:
+    """The perturbed colour channels of an image the writer wrote: a TIFF read with
+    tifffile (its floating-point samples, without the source's alpha, which the writer
+    copies as the last channel), a PNG decoded as the reader decodes images. `has_alpha`:
+    whether the source image had alpha."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        pixels = tifffile.imread(path)
+        if has_alpha:
+            pixels = pixels[..., :-1]
+            if pixels.shape[-1] == 1:
+                pixels = pixels[..., 0]
+        return pixels
+    return _decode(path).colour
 
 
 def _non_images(n: int) -> str:
@@ -431,7 +447,7 @@ class ImageFolderReader(Reader):
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
                 reason = f"cannot be decoded as an image ({decode_reason(exc)})"
             else:
-                out_rel = _output_name(rel, options.image_format, header.pages > 1)
+                out_rel = output_name(rel, options.image_format, header.pages > 1)
                 self.images.append(_Image(rel, file, out_rel, (1, *header.shape), header.dtype,
                                           header.has_alpha, header.has_icc, header.pages))
                 if header.notes:

@@ -1103,6 +1103,38 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
 
 
+def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
+    """The inverse of build_manifest for what `plan` reads: the options of the run whose
+    manifest is `m`, over the input `input`, that decide its calibration. The noise is the
+    noise as drawn (sampled_noise); the range is the declared one (--clip's (-C, C) as the
+    range it set) with each array's own (--range NAME=LO:HI); the grid step only where it
+    was given (--granularity); privunit's --basis as the run had it. What a manifest does
+    not state (the seed, the weights' file, the output's paths) keeps its default."""
+    acc = m.get("accounting") or {}
+    automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
+    float_dtype = m.get("output_dtype") if m.get("output_dtype") in ("float32", "float64") else "float32"
+    return PerturbOptions(
+        input=input, epsilon=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
+        budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
+        ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
+        granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
+        dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),
+        allow_raw_release="raw_release_allowed" in m)
+
+
+def _basis_of_manifest(m: dict[str, Any]) -> str | None:
+    """--basis as the privunit run had it: its file (checked against the manifest's sha256
+    when loaded), dct:K where K was given, else dct (the default rule, recomputed); the
+    inverse of manifest.privunit_entry."""
+    unit = m.get("privunit")
+    if m.get("mechanism") != PRIVUNIT or not isinstance(unit, dict):
+        return None
+    basis = unit.get("basis") or {}
+    if basis.get("kind") == "file":
+        return str(basis.get("path"))
+    return f"dct:{unit.get('k')}" if str(unit.get("k_rule", "")).startswith("--basis") else "dct"
+
+
 def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:
     """The subjects' records where rows join arrays: row i of every array of a row is one
     record, so there are as many as the row's arrays have rows, each of their elements."""
