@@ -64,7 +64,7 @@ NAME = "webdataset"
 SHARD_SUFFIX = ".tar"
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4")
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "tif", "tiff", "webp")
-ARRAY_EXTENSION = "npy"
+ARRAY_SUFFIX = ".npy"
 PICKLE_EXTENSIONS = ("pyd", "pickle", "pkl", "pth")
 USTAR_MAGIC = b"ustar"  # at offset 257 of a POSIX (ustar, pax) or GNU tar header
 MAX_SHARDS = 1_000_000  # names a brace pattern may expand to
@@ -190,6 +190,11 @@ class _Member:
     dtype: np.dtype | None = None
     has_alpha: bool = False
 
+    @property
+    def label(self) -> str:
+        """What --keep and the manifest name it by: its extension, or its name without one."""
+        return self.extension if self.extension is not None else self.name
+
 
 @dataclass
 class _Shard:
@@ -241,7 +246,7 @@ def _kind(shard: Path, info: tarfile.TarInfo, extension: str | None) -> tuple[st
         return NEVER, PICKLE_REASON
     if last in IMAGE_EXTENSIONS:
         return IMAGE, ""
-    if last == ARRAY_EXTENSION:
+    if "." + last == ARRAY_SUFFIX:
         return ARRAY, ""
     return LEFTOVER, ""
 
@@ -275,11 +280,11 @@ def _scan(path: Path, rel: str) -> _Shard:
                 key, extension = _key(name)
                 kind, reason = _kind(path, info, extension)
                 shard.members.append(_Member(name, info.offset_data, info.size, int(info.mtime),
-                                             info.mode & 0o7777, kind, key, extension, _out_name(name, kind),
+                                             info.mode & 0o777, kind, key, extension, _out_name(name, kind),
                                              reason=reason))
                 tar.members = []  # flat memory however many members
     except tarfile.TarError as exc:
-        raise InputError(f"{path}: not a readable tar file ({reason_of(exc)})") from None
+        raise InputError(f"{path}: not a readable tar file ({reason_of(exc)}); it may be truncated") from None
     return shard
 
 
@@ -423,7 +428,7 @@ class WebDatasetReader(Reader):
                     self._probe(shard, member)
                     jobs.append(self._job(shard, member))
                 clash = written.get(member.out_name)
-                if clash is not None and member.kind != NEVER:
+                if clash is not None:
                     raise InputError(f"{shard.path}: members {clash} and {member.name} would both be "
                                      f"written as {member.out_name} (images are written as PNG); rename one")
                 written[member.out_name] = member.name
@@ -465,9 +470,8 @@ class WebDatasetReader(Reader):
         for shard in self.shards:
             for member in shard.members:
                 if member.kind in (LEFTOVER, NEVER):
-                    label = member.extension if member.extension is not None else member.name
-                    counts[(label, member.kind if member.kind == LEFTOVER else member.reason)] = \
-                        counts.get((label, member.kind if member.kind == LEFTOVER else member.reason), 0) + 1
+                    what = (member.label, LEFTOVER if member.kind == LEFTOVER else member.reason)
+                    counts[what] = counts.get(what, 0) + 1
         self.kept_extensions: set[str] = set()
         for (label, what), count in counts.items():
             if what != LEFTOVER:
@@ -514,7 +518,15 @@ class WebDatasetReader(Reader):
         return found
 
     def _report(self) -> None:
-        dropped = [e for e in self.left.dropped if e["kind"] == "member"]
+        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] != LABEL_REASON]
+        for entry in never:
+            self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
+                                 f"{entry['reason']}, not even with --keep")
+        files = [e["name"] for e in self.left.dropped if e["kind"] == "file"]
+        if files:
+            self.messages.append(f"dropped {plural(len(files), 'file')} beside the shards: {listing(files)} "
+                                 "(--keep NAME copies one raw)")
+        dropped = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] == LABEL_REASON]
         kept = [e for e in self.left.unperturbed if e["kind"] == "member"]
         if dropped:
             self.messages.append(f"dropped the {', '.join(e['name'] for e in dropped)} members "
@@ -658,7 +670,7 @@ class WebDatasetWriter(Writer):
                 data = self.pending.pop(member.job)
                 with writing(self.root / shard.rel):
                     self.tar.addfile(_tar_info(member.out_name, len(data), member), io.BytesIO(data))
-            elif member.kind == FOLDER or (member.kind == LEFTOVER and member.extension in self.reader.kept_extensions):
+            elif member.kind == FOLDER or (member.kind == LEFTOVER and member.label in self.reader.kept_extensions):
                 self._copy_member(shard, member)
             self.position += 1
 
