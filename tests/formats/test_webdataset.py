@@ -120,8 +120,19 @@ def test_webdataset_iterates_the_output_with_the_same_samples(cli, tmp_path):
     assert manifest["webdataset"] == {"shards": 3, "samples": 7, "perturbed_members": 14, "members_renamed": 7}
     assert len(manifest["inputs"]) == 14 and manifest["inputs"][0]["dataset"] == "sample0000.jpg"
     # a sample's image and array are one subject's record
-    assert manifest["row_datasets"][0] == ["train-000000.tar/sample0000.jpg", "train-000000.tar/sample0000.npy"]
+    assert manifest["row_datasets"][0] == ["train-000000.tar/sample0000.png", "train-000000.tar/sample0000.npy"]
     assert manifest["row_records"]["records"] == 7
+
+
+def test_evaluate_pairs_the_members_of_the_output(cli, tmp_path):
+    src = shards(tmp_path / "shards", samples=4)
+    out = tmp_path / "out"
+    run(cli, src, out)
+    result = cli("evaluate", src, out, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert checks["sha256"]["passed"] and "8 array(s)" in checks["shapes"]["detail"]
 
 
 def test_keep_copies_the_named_labels_raw_and_lists_them(cli, tmp_path):

@@ -10,8 +10,8 @@ with the same key are one sample.
 
 Records. Each image member (its last extension png, jpg, jpeg, bmp, tif, tiff or webp;
 decoded as image folders decode theirs, formats/pixels.py) and each numeric .npy member
-is one record of its own, an array named SHARD/MEMBER (`train-000000.tar/0001.jpg`,
-which keys its random streams and --range). The perturbed members of one sample are one
+is one record of its own, an array named SHARD/MEMBER by the member's name in the output
+(`train-000000.tar/0001.png` for 0001.jpg), which keys its random streams and --range. The perturbed members of one sample are one
 subject's (`rows`): the per-record figure composes them, and --budget record spreads
 --eps over them, as for arrays that share their rows.
 
@@ -454,7 +454,7 @@ class WebDatasetReader(Reader):
         check_numeric_dtype(Path(f"{shard.path}: member {member.name}"), member.dtype)
 
     def _job(self, shard: _Shard, member: _Member) -> ArrayJob:
-        member.job = f"{shard.rel}/{member.name}"
+        member.job = f"{shard.rel}/{member.out_name}"  # as in the output: evaluate pairs them by it
         dtype = member.dtype.newbyteorder("=")
         return ArrayJob(name=member.job, shape=(1, *member.shape), dtype=dtype,
                         read=_ReadMember(shard.path, member.name, member.offset, member.size, member.kind,
@@ -615,6 +615,8 @@ class WebDatasetWriter(Writer):
                      "new headers: each member's name, mode and modification time; no owner; no other "
                      "PAX records")
         self.postprocessing = steps
+        if image_dtypes:  # what evaluate reads back: values rounded and clipped (as image folders say)
+            self.manifest_extra = {"image_output": {"format": "png", "clipped": True}}
         kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
         self.output_dtype = ", ".join(kinds + ([f"{self.dtype} .npy"] if has_arrays else []))
 
