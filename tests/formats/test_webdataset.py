@@ -231,6 +231,12 @@ def test_members_that_escape_or_are_not_files_are_refused(cli, tmp_path, bad, fr
     assert not out.exists() and siblings(tmp_path) == {"bad.tar"}
 
 
+@pytest.mark.parametrize("option", ["--copy-other", "--skip-bad", "--dataset=x", "--image-format=tiff"])
+def test_image_folder_options_are_refused(cli, tmp_path, option):
+    src = shards(tmp_path / "shards", samples=1)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", option), 2, str(src), option.split("=")[0])
+
+
 def test_a_truncated_shard_and_a_compressed_one_are_refused(cli, tmp_path):
     data = png_bytes(image(30, 30))
     src = _tar(tmp_path / "cut.tar", [(_info("0.png", len(data)), data)])
@@ -296,6 +302,11 @@ def test_files_beside_the_shards_are_dropped_or_kept_by_name(cli, tmp_path):
     kept = run(cli, src, tmp_path / "kept", "--keep", "README.md")
     assert (tmp_path / "kept" / "README.md").read_text() == (src / "README.md").read_text()
     assert {"name": "README.md", "kind": "file", "reason": "kept by --keep"} in kept["unperturbed"]
+    (src / "scan.dcm").write_bytes(dicom_bytes())  # a DICOM file beside the shards: never copied
+    dicom = run(cli, src, tmp_path / "dicom", "--keep", "scan.dcm")
+    assert not (tmp_path / "dicom" / "scan.dcm").exists()
+    (entry,) = [e for e in dicom["dropped"] if e["name"] == "scan.dcm"]
+    assert entry["reason"].startswith("DICOM") and "never copied raw" in entry["reason"]
 
 
 @pytest.mark.slow

@@ -395,6 +395,10 @@ class WebDatasetReader(Reader):
         if options.image_format != "png":
             raise UsageError(f"{path}: --image-format {options.image_format}: WebDataset image members "
                              "are written as PNG")
+        if options.copy_other or options.skip_bad:
+            raise UsageError(f"{path}: --{'copy-other' if options.copy_other else 'skip-bad'} applies to "
+                             "folders of images, not WebDataset shards (--keep NAME copies a file beside "
+                             "the shards; a member that cannot be decoded stops the run)")
         self.base, rels, self.others, self.links = _shard_files(path)
         if not rels:
             raise InputError(f"{path}: no .tar shards in the folder")
@@ -651,6 +655,8 @@ class WebDatasetWriter(Writer):
         shard, member = self.by_job[job.name]
         encoded = self._encode(shard, member, block[0])
         with self.lock:
+            if self.failed:  # the shard being written is broken: the run is failing
+                return
             self.pending[job.name] = encoded
             try:
                 self._advance()
