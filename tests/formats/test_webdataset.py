@@ -176,6 +176,12 @@ def test_brace_patterns_expand_as_webdataset_expands_them(pattern):
     assert wds_format.expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
 
 
+@pytest.mark.parametrize("pattern", ["s-{a,{b,c}}.tar", "s-{0..2.tar", "s-0..2}.tar", "s-}{.tar"])
+def test_nested_or_unbalanced_braces_are_refused(cli, tmp_path, pattern):
+    result = cli("perturb", str(tmp_path / pattern), "--eps", "1")
+    assert_one_line_error(result, 2, "braces")
+
+
 def test_one_tar_is_an_input_and_its_output_a_folder(cli, tmp_path):
     src = tmp_path / "one.tar"
     with wds.TarWriter(str(src)) as sink:

@@ -91,11 +91,21 @@ def _key(name: str) -> tuple[str | None, str | None]:
 def expand_braces(text: str) -> list[str]:
     """The names a brace pattern stands for, as WebDataset's braceexpand gives them:
     `{a,b}` lists, `{000..009}` ranges (zero-padded to the wider end when one is), several
-    braces multiplied out. Braces holding neither stay as they are; nested braces are refused."""
+    braces multiplied out. Braces holding neither stay as they are; nested or unbalanced
+    braces are refused."""
+    depth = 0
+    for char in text:
+        depth += (char == "{") - (char == "}")
+        if not 0 <= depth <= 1:
+            break
+    if depth != 0:
+        raise UsageError(f"{text}: nested or unbalanced braces in the pattern of shards")
+    return _expanded(text)
+
+
+def _expanded(text: str) -> list[str]:
     match = _BRACE.search(text)
     if match is None:
-        if "{" in text or "}" in text:
-            raise UsageError(f"{text}: unbalanced or nested braces in the pattern of shards")
         return [text]
     body, head, rest = match.group(1), text[:match.start()], text[match.end():]
     numbers = _RANGE.match(body)
@@ -112,7 +122,7 @@ def expand_braces(text: str) -> list[str]:
         options = body.split(",")
     else:
         options = ["{" + body + "}"]
-    tails = expand_braces(rest)
+    tails = _expanded(rest)
     if len(options) * len(tails) > MAX_SHARDS:
         raise UsageError(f"{text}: the pattern names more than {MAX_SHARDS} shards")
     return [head + option + tail for option in options for tail in tails]
@@ -121,7 +131,7 @@ def expand_braces(text: str) -> list[str]:
 def is_pattern(path: Path) -> bool:
     """A brace pattern of shards: a name with braces that names no file itself."""
     text = str(path)
-    return "{" in text and not os.path.lexists(path) and text.lower().endswith(SHARD_SUFFIX)
+    return ("{" in text or "}" in text) and not os.path.lexists(path) and text.lower().endswith(SHARD_SUFFIX)
 
 
 def _pattern_base(path: Path) -> Path:
