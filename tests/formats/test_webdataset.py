@@ -331,3 +331,16 @@ def test_memory_stays_flat_however_many_members_a_shard_holds(tmp_path):
                                                   "--out", tmp_path / f"o{count}")
         assert code == 0, stderr
     assert peaks[32] < peaks[4] + 24 * 2**20, peaks
+
+
+def test_links_in_a_folder_are_skipped_and_a_pattern_follows_them(cli, tmp_path):
+    """As the Hugging Face cache keeps shards: a snapshot folder of links to blobs."""
+    blobs = shards(tmp_path / "blobs", samples=4)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for shard in sorted(blobs.iterdir()):
+        (snapshot / shard.name).symlink_to(shard)
+    assert_one_line_error(cli("perturb", snapshot, "--eps", "1"), 1, "2 symbolic links", "pattern")
+    out = tmp_path / "out"
+    run(cli, str(snapshot / "train-{000000..000001}.tar"), out)
+    assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar"]

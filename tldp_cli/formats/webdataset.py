@@ -242,12 +242,11 @@ def _unsafe(shard: Path, info: tarfile.TarInfo) -> str | None:
     return None
 
 
-def _kind(shard: Path, info: tarfile.TarInfo, extension: str | None) -> tuple[str, str]:
-    """The member's kind and, for NEVER, the reason."""
+def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[str, str]:
+    """The member's kind and, for NEVER, the reason; `head`: its first bytes (348 at most)."""
     if info.isdir():
         return FOLDER, ""
     last = (extension or "").rsplit(".", 1)[-1]
-    head = _read_at(shard, info.offset_data, min(info.size, 348)) if info.size else b""
     if last == "dcm" or head[128:132] == b"DICM":
         return NEVER, f"DICOM: {DICOM_REASON}"
     if (extension or "").endswith(("nii", "nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0"):
@@ -288,7 +287,8 @@ def _scan(path: Path, rel: str) -> _Shard:
                     raise InputError(f"{path}: member {name!r} runs past the end of the shard; it may be "
                                      "truncated")
                 key, extension = _key(name)
-                kind, reason = _kind(path, info, extension)
+                head = os.pread(raw.fileno(), min(info.size, 348), info.offset_data) if info.isreg() else b""
+                kind, reason = _kind(info, extension, head)
                 shard.members.append(_Member(name, info.offset_data, info.size, int(info.mtime),
                                              info.mode & 0o777, kind, key, extension, _out_name(name, kind),
                                              reason=reason))
@@ -411,7 +411,11 @@ class WebDatasetReader(Reader):
                              "the shards; a member that cannot be decoded stops the run)")
         self.base, rels, self.others, self.links = _shard_files(path)
         if not rels:
-            raise InputError(f"{path}: no .tar shards in the folder")
+            links = [rel for rel in self.links if rel.lower().endswith(SHARD_SUFFIX)]
+            hint = (f" but {plural(len(links), 'symbolic link')} to shards, which tldp does not follow in a "
+                    f"folder: name them with a brace pattern ('{path}/NAME-{{000..009}}.tar'), whose "
+                    "links it follows" if links else "")
+            raise InputError(f"{path}: no .tar shards in the folder{hint}")
         compressed = [rel for rel in rels if _is_compressed_shard(Path(rel))]
         if compressed:
             raise InputError(f"{self.base / compressed[0]}: a compressed shard, which tldp does not read "
