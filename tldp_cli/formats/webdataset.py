@@ -428,7 +428,7 @@ class WebDatasetReader(Reader):
         self.left = self._leftovers(options)
         self.samples = self._samples()
         self.manifest_extra = {**self.left.manifest_extra(), NAME: {
-            "shards": len(self.shards), "samples": sum(len(s) for s in self.samples.values()),
+            "shards": len(self.shards), "samples": self.sample_count,
             "perturbed_members": len(self.jobs),
             "members_renamed": sum(m.out_name != m.name for s in self.shards for m in s.members)}}
         grouped = [row for rows in self.samples.values() for row in rows if len(row) > 1]
@@ -521,6 +521,7 @@ class WebDatasetReader(Reader):
     def _samples(self) -> dict[str, list[list[str]]]:
         """By shard, the perturbed members of each sample (consecutive members of one key)."""
         found: dict[str, list[list[str]]] = {}
+        self.sample_count = 0
         for shard in self.shards:
             rows: list[list[str]] = []
             key = object()
@@ -532,6 +533,7 @@ class WebDatasetReader(Reader):
                     key = member.key
                 if member.job is not None:
                     rows[-1].append(member.job)
+            self.sample_count += len(rows)
             found[shard.rel] = [row for row in rows if row]
         return found
 
@@ -540,10 +542,15 @@ class WebDatasetReader(Reader):
         for entry in never:
             self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
                                  f"{entry['reason']}, not even with --keep")
-        files = [e["name"] for e in self.left.dropped if e["kind"] == "file"]
+        files = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] == OTHER_FILE_REASON]
         if files:
             self.messages.append(f"dropped {plural(len(files), 'file')} beside the shards: {listing(files)} "
                                  "(--keep NAME copies one raw)")
+        data = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON]
+        if data:
+            self.messages.append(f"dropped {plural(len(data), 'file')} holding data beside the shards, never "
+                                 f"copied raw, not even with --keep: {listing(data)} (the manifest's dropped "
+                                 "says why)")
         dropped = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] == LABEL_REASON]
         kept = [e for e in self.left.unperturbed if e["kind"] == "member"]
         if dropped:
@@ -557,7 +564,7 @@ class WebDatasetReader(Reader):
             self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
         renamed = self.manifest_extra[NAME]["members_renamed"]
         if renamed:
-            self.messages.append(f"wrote {plural(renamed, 'image member')} as PNG under the same key "
+            self.messages.append(f"{plural(renamed, 'image member')} written as PNG under the same key "
                                  "(KEY.jpg -> KEY.png)")
 
     def arrays(self) -> list[ArrayJob]:
