@@ -1,6 +1,5 @@
 """Decoding and encoding images, shared by the formats that hold them: image folders
-(formats/images.py' own copy, until it uses this module) and the image members of WebDataset
-shards (formats/webdataset.py).
+(formats/images.py) and the image members of WebDataset shards (formats/webdataset.py).
 
 `header` learns what an opened image (Pillow) decodes to from its header alone, `decode`
 gives its colour channels and alpha apart (EXIF orientation applied, palette and bilevel
@@ -70,7 +69,7 @@ def source_bit_depth(file, im: Image.Image) -> int:
     return 8
 
 
-def orientation(im: Image.Image) -> int:
+def exif_orientation(im: Image.Image) -> int:
     # Pillow's PNG getexif decodes the whole image to look for an eXIf chunk after the
     # pixel data; only the header's (before IDAT, where writers put it) is read here.
     if im.format == "PNG" and "exif" not in im.info:
@@ -84,9 +83,9 @@ def header(file, im: Image.Image) -> Header:
     if frames > 1:
         raise Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
     notes, convert_to = [], None
-    turn = orientation(im)
-    if turn in TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
-        notes.append(f"EXIF orientation {turn} applied")
+    orientation = exif_orientation(im)
+    if orientation in TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
+        notes.append(f"EXIF orientation {orientation} applied")
     if im.mode == "1":
         convert_to = "L"
         notes.append("bilevel (1) -> L")
@@ -102,11 +101,11 @@ def header(file, im: Image.Image) -> Header:
         raise Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
                            "only grayscale may be 16-bit")
     width, height = im.size
-    if turn in (5, 6, 7, 8):
+    if orientation in (5, 6, 7, 8):
         width, height = height, width
     shape = (height, width, 3) if mode in ("RGB", "RGBA") else (height, width)
     dtype = np.dtype(np.uint16 if mode in SIXTEEN_BIT_MODES else np.uint8)
-    return Header(shape, dtype, mode in ("LA", "RGBA"), notes, turn, convert_to,
+    return Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to,
                    bool(im.info.get("icc_profile")))
 
 
