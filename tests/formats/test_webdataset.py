@@ -158,7 +158,6 @@ def test_budget_record_spreads_eps_over_a_samples_members(cli, tmp_path):
 def test_a_brace_pattern_reads_the_shards_it_names(cli, tmp_path):
     src = shards(tmp_path / "shards", samples=9)
     pattern = str(src / "train-{000001..000002}.tar")
-    assert braceexpand.braceexpand(pattern) is not None
     before = tree_digest(src)
     result = cli("perturb", pattern, "--eps", "1", "--seed", SEED)
     assert result.exit_code == 0, result.stderr
