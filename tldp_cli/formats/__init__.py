@@ -10,8 +10,8 @@ and the registry below, FORMAT_MODULES, lists it (name -> module, in detection o
 `Format` names every capability the pipeline, the tools and the CLI ask about, with the
 default of a format that has none of it: which --format NAME it answers to, the suffixes
 that name it, whether it is a folder (and may also read one file, or a pattern of files
-that names no file itself: a brace pattern of WebDataset shards), how it is detected (can_open sniffs the content,
-not the suffix), whether an interrupted run resumes (reopen_writer), which options its
+that names no file itself: a brace pattern of WebDataset shards), how it is detected
+(can_open sniffs the content, not the suffix), whether an interrupted run resumes (reopen_writer), which options its
 reader honours (--dataset, --exclude, --keep, CF markers), whether arrays share rows,
 whether each record is a file of its own, the name map of --anonymize-names, the least
 size of its output, and how an earlier output of its own is recognised (--overwrite
