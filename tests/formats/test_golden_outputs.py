@@ -81,6 +81,21 @@ def _nifti(tmp: Path, digits: np.ndarray) -> Path:
     return path
 
 
+def _webdataset(tmp: Path, digits: np.ndarray) -> Path:
+    """Two shards as webdataset's ShardWriter writes them (a fixed mtime): each sample a
+    digit as PNG, a 7 x 7 .npy of it, its class and a JSON record."""
+    import webdataset as wds
+
+    folder = tmp / "shards"
+    folder.mkdir()
+    labels = np.load(SAMPLES / "digits_labels.npy")
+    with wds.ShardWriter(str(folder / "digits-%03d.tar"), maxcount=4, verbose=0, mtime=1_700_000_000) as sink:
+        for i in range(6):
+            sink.write({"__key__": f"d{i:03d}", "png": digits[i], "npy": digits[i, ::4, ::4].copy(),
+                        "cls": int(labels[i]), "json": {"source": "mnist"}})
+    return folder
+
+
 def _sample(name: str):
     return lambda tmp, digits: SAMPLES / name
 
@@ -96,6 +111,7 @@ CASES = {
     "npz": (_npz, ("--clip", "0.5", "--exclude", "steps")),
     "safetensors": (_safetensors, ("--clip", "0.5", "--keep", "steps")),
     "nifti": (_nifti, ("--range", "0:256")),
+    "webdataset": (_webdataset, ("--keep", "cls")),
 }
 
 

@@ -263,7 +263,8 @@ def unperturbed_note(manifest: dict) -> str:
                                                   for reason, names in by_reason.items())
     kinds: dict[str, int] = {}
     for entry in manifest.get("dropped", []):
-        kinds[entry.get("kind") or "item"] = kinds.get(entry.get("kind") or "item", 0) + 1
+        kind = entry.get("kind") or "item"  # an entry may stand for several (WebDataset members)
+        kinds[kind] = kinds.get(kind, 0) + entry.get("members", 1)
     if kinds:
         counts = [plural(n, kind) for kind, n in kinds.items()]
         counted = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]

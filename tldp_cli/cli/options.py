@@ -178,12 +178,13 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files, NIfTI, image folders: copy this raw instead of leaving it out (repeatable; a "
-         "glob matches several): a dataset or array that is not perturbed, an attribute as "
+    help="HDF5, Zarr, model files, NIfTI, image folders, WebDataset: copy this raw instead of leaving it out "
+         "(repeatable; a glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
          "Zarr store, an HDF5 file's user block as userblock, a palette image (label map) of an "
-         "image folder by its path. By default everything not perturbed is left out (listed in the manifest's "
+         "image folder by its path, a WebDataset shard's label members by their extension (cls, "
+         "meta.json). By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",

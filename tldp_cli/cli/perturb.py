@@ -23,8 +23,10 @@ from tldp_cli.cli.app import (DEBUG_ENV, app, progress_bar, records_phrase, run,
 def perturb_command(
     input: Annotated[Path, typer.Argument(readable=False,
         metavar="INPUT",
-        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
-             "file (.npz, .safetensors; each tensor is one record) (detected).",
+        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, a NIfTI volume, WebDataset "
+             "shards (a folder of .tar files, one .tar, or a quoted brace pattern such as "
+             "'shards/train-{000000..000009}.tar'), or a model-parameter file (.npz, .safetensors; "
+             "each tensor is one record) (detected).",
                                           show_default=False)],
     eps: Eps,
     noise: NoiseOption = None,

@@ -88,7 +88,8 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrat
     if out_module.name != module.name:
         raise InputError(f"{perturbed}: is {out_module.name} but the original is {module.name}")
     datasets = [j.source["dataset"] for j in jobs if "dataset" in j.source]
-    out_reader = out_module.open_reader(perturbed, FormatOptions(datasets=datasets))
+    out_reader = out_module.open_reader(perturbed, FormatOptions(datasets=datasets if out_module.selects_arrays
+                                                                 else []))
     out_jobs = {j.name: j for j in out_reader.arrays()}
     pairs = []
     for job in jobs:

@@ -378,8 +378,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
                          f"HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors), NIfTI volumes and image folders' label maps, not {module.name}: "
-                         "it has nothing else to keep")
+                         f"(.npz, .safetensors), NIfTI volumes, image folders' label maps and WebDataset shards, "
+                         f"not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
