@@ -272,6 +272,7 @@ FORMAT_MODULES = {
     "zarr": "zarr_store",
     "npz": "npz",
     "safetensors": "safetensors_file",
+    "sharded-safetensors": "sharded_safetensors",
     "nifti": "nifti",
     "images": "images",
 }
