@@ -288,6 +288,42 @@ def test_a_bad_folder_is_refused_with_one_line_and_nothing_written(cli, tmp_path
     assert tree_digest(src) == before and siblings(tmp_path) == around
 
 
+def unsharded(tmp_path: Path) -> Path:
+    """save_pretrained's folder of a model that fits in one file: model.safetensors beside config.json."""
+    src = tmp_path / "small"
+    src.mkdir()
+    tensors = {name: value for name, value in gpt2_like().items() if name != "lm_head.weight"}
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "merges.txt", "README.md"):
+        (src / name).write_text(FILES[name])
+    return src
+
+
+def test_an_unsharded_folder_is_a_model_of_one_shard(cli, tmp_path):
+    src = unsharded(tmp_path)
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "small.tldp"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merges.txt", "model.safetensors"]
+    manifest = json.loads(result.stdout)
+    assert [d["name"] for d in manifest["dropped"]] == ["README.md", "config.json@_name_or_path"]
+    single = run(cli, src / "model.safetensors", out=tmp_path / "alone.safetensors")
+    assert single.exit_code == 0, single.stderr
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "alone.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
+    with safe_open(str(out / "model.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_an_unsharded_folder_with_another_safetensors_file_is_refused(cli, tmp_path):
+    src = unsharded(tmp_path)
+    save_file({"w": np.zeros(4, np.float32)}, str(src / "adapter_model.safetensors"))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, "adapter_model.safetensors: a safetensors file beside "
+                                                         "model.safetensors, and no index names the shards")
+    assert siblings(tmp_path) == before
+
+
 def test_data_never_copied_by_keep(cli, tmp_path):
     src = model(tmp_path)
     np.save(src / "training_stats.npy", np.zeros(3))
@@ -319,15 +355,18 @@ def test_plan_reads_the_headers(cli, tmp_path):
     assert plan["accounting"]["per_file"]["records"] == len(json.loads(run(cli, src).stdout)["accounting"]["per_tensor"])
 
 
-def test_from_pretrained_loads_the_output(cli, tmp_path):
-    """transformers' GPT-2 in several shards: the output loads, its head tied to the perturbed embedding."""
+@pytest.mark.parametrize("max_shard_size,shards", [("30KB", 7), ("5GB", 1)])
+def test_from_pretrained_loads_the_output(cli, tmp_path, max_shard_size, shards):
+    """transformers' GPT-2 in 7 shards, and in one file: the output loads, its head tied to the
+    perturbed embedding."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16)
+    config = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
     src = tmp_path / "gpt2_tiny"
-    transformers.GPT2LMHeadModel(config).save_pretrained(src, max_shard_size="20KB")
-    assert len(shard_names(src)) > 1
+    transformers.GPT2LMHeadModel(config).save_pretrained(src, max_shard_size=max_shard_size)
+    assert len(shard_names(src)) == shards
     result = cli("perturb", src, *ARGS, "--seed", SEED)
     assert result.exit_code == 0, result.stderr
     before = transformers.GPT2LMHeadModel.from_pretrained(src)
@@ -335,8 +374,9 @@ def test_from_pretrained_loads_the_output(cli, tmp_path):
     wte = after.transformer.wte.weight
     assert after.lm_head.weight.data_ptr() == wte.data_ptr()
     assert not torch.equal(wte, before.transformer.wte.weight)
-    np.testing.assert_array_equal(wte.detach().numpy(),
-                                  read_sharded_model(tmp_path / "gpt2_tiny.tldp")["transformer.wte.weight"])
+    out = tmp_path / "gpt2_tiny.tldp"
+    written = read_sharded_model(out) if shards > 1 else load_file(str(out / "model.safetensors"))
+    np.testing.assert_array_equal(wte.detach().numpy(), written["transformer.wte.weight"])
     with torch.no_grad():
         logits = after(torch.arange(8)[None]).logits
     assert torch.isfinite(logits).all()

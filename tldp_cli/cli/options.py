@@ -196,8 +196,8 @@ ImageFormatOption = Annotated[ImageFormat, typer.Option(
          "in colour: tldp warns).")]
 InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
-                     "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json a sharded model, any "
-                     "other folder a folder of images).",
+                     "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json (or model.safetensors "
+                     "and config.json) a model folder, any other folder a folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

@@ -3,7 +3,9 @@
 shard files (`model-00001-of-00007.safetensors`, ...) and an index,
 `model.safetensors.index.json`, whose `weight_map` says which shard holds each tensor
 and whose `metadata.total_size` is their bytes; beside them the configuration and the
-tokenizer.
+tokenizer. A model that fits in one file is saved as `model.safetensors` beside
+`config.json`, without an index: such a folder is read too, as a model of one shard (its
+output has no index either).
 
 One folder is one input: one run, one output folder, one manifest. The model is read as
 the single-file safetensors format reads a checkpoint: each tensor, whichever shard holds
@@ -63,6 +65,7 @@ from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADAT
 NAME = "sharded-safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 SHARD_SUFFIX = ".safetensors"
+SINGLE = "model.safetensors"  # save_pretrained's one shard, without an index, beside config.json
 MAX_INDEX = 64 << 20  # an index is names: far below this even for the largest models
 CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -81,11 +84,13 @@ LINK_HINT = ("tldp reads only the regular files inside a model folder (a Hugging
 
 
 def can_open(path: Path) -> bool:
-    """A folder with a `*.safetensors.index.json` at its top (a link too: the reader refuses it)."""
+    """A folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, at
+    its top (links too: the reader refuses them)."""
     try:
-        return path.is_dir() and any(entry.name.endswith(INDEX_SUFFIX) for entry in os.scandir(path))
+        names = {entry.name for entry in os.scandir(path)} if path.is_dir() else set()
     except OSError:
         return False
+    return any(name.endswith(INDEX_SUFFIX) for name in names) or {SINGLE, CONFIG_FILES[0]} <= names
 
 
 def default_output(path: Path) -> Path:
@@ -210,6 +215,18 @@ def _shards(root: Path, index_rel: str, weight_map: dict[str, str], files: list[
     return shards
 
 
+def _single(root: Path, files: list[str]) -> list[_Shard]:
+    """A folder without an index: its one shard, model.safetensors."""
+    if SINGLE not in files:
+        raise InputError(f"{root}: no checkpoint index (*{INDEX_SUFFIX}) and no {SINGLE}; a model folder "
+                         f"holds the index of its shards, or its one {SINGLE}")
+    for rel in files:
+        if rel.lower().endswith(SHARD_SUFFIX) and rel != SINGLE:
+            raise InputError(f"{root / rel}: a safetensors file beside {SINGLE}, and no index names the shards "
+                             f"of the model; remove it, or perturb it on its own")
+    return [_Shard(SINGLE, *parse(root / SINGLE))]
+
+
 def _json_object(path: Path, text: bytes) -> dict | None:
     """A JSON file's top-level object, or None for other files and JSON of other kinds."""
     if not path.name.endswith(".json"):
@@ -234,12 +251,16 @@ class ShardedReader(Reader):
         self.path = path
         files = _files(path)
         indexes = [rel for rel in files if "/" not in rel and rel.endswith(INDEX_SUFFIX)]
-        if len(indexes) != 1:
-            what = f"{len(indexes)} checkpoint indexes ({', '.join(indexes)})" if indexes else "no checkpoint index"
-            raise InputError(f"{path}: {what}; a sharded model folder holds one *{INDEX_SUFFIX}")
-        self.index_rel = indexes[0]
-        self.index = _read_index(path / self.index_rel)
-        self.shards = _shards(path, self.index_rel, self.index["weight_map"], files)
+        if len(indexes) > 1:
+            raise InputError(f"{path}: {len(indexes)} checkpoint indexes ({', '.join(indexes)}); a sharded model "
+                             f"folder holds one *{INDEX_SUFFIX}")
+        self.index_rel = indexes[0] if indexes else None  # None: the one model.safetensors
+        if self.index_rel is None:
+            self.index: dict[str, Any] = {}
+            self.shards = _single(path, files)
+        else:
+            self.index = _read_index(path / self.index_rel)
+            self.shards = _shards(path, self.index_rel, self.index["weight_map"], files)
         tensors = [e.tensor for shard in self.shards for e in shard.entries]
         chosen, messages, unperturbed = tensor_files.select(path, tensors, options.datasets, options.exclude)
         left = leftovers.Leftovers(list(options.keep), unperturbed=unperturbed)
@@ -248,7 +269,7 @@ class ShardedReader(Reader):
             kept = {key: value for key, value in shard.metadata.items()
                     if left.attribute(shard.rel, key, STRUCTURAL_METADATA, "metadata key", METADATA_REASON)}
             shard.out_header = shard.header if kept == shard.metadata else header_with(shard.header, kept)
-        self.index_text, note = self._index_out(left)
+        self.index_text, note = self._index_out(left) if self.index_rel else (b"", [])
         self.copies = self._other_files(files, left)  # rel -> the bytes to write
         left.check(path)
         self.manifest_extra = left.manifest_extra()
@@ -345,7 +366,8 @@ class ShardedWriter(Writer):
         variances = tensor_files.variances(tensors)
         self.postprocessing = tensor_files.postprocessing(tensors, dtype, variances)
         self.output_dtype = tensor_files.output_dtype(tensors)
-        self.expected = [shard.rel for shard in reader.shards] + [reader.index_rel] + list(reader.copies)
+        index = {reader.index_rel: reader.index_text} if reader.index_rel else {}
+        self.expected = [shard.rel for shard in reader.shards] + list(index) + list(reader.copies)
         with writing(tmp_path):
             tmp_path.mkdir()
         shard_of: dict[str, TensorBlocks] = {}
@@ -354,7 +376,7 @@ class ShardedWriter(Writer):
                                   self._target(shard.rel), chosen, variances)
             shard_of.update((e.tensor.name, blocks) for e in shard.entries)
         self.write = _Blocks(shard_of)
-        for rel, data in {reader.index_rel: reader.index_text, **reader.copies}.items():
+        for rel, data in {**index, **reader.copies}.items():
             target = self._target(rel)
             with writing(target), open(target, "xb") as out:
                 out.write(data)
@@ -400,7 +422,7 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 def is_earlier_output(path: Path, reader: ShardedReader) -> bool:
     """A folder whose manifest names it is an earlier output if it holds this input's shards,
     index and copied files, nothing else."""
-    expected = {shard.rel for shard in reader.shards} | {reader.index_rel} | set(reader.copies)
+    expected = ({shard.rel for shard in reader.shards} | {reader.index_rel} | set(reader.copies)) - {None}
     try:
         return set(_files(path)) <= expected
     except InputError:
@@ -413,7 +435,8 @@ FORMAT = Format(
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes, earlier_output=is_earlier_output,
     docs=(DocRow("sharded model folder (`save_pretrained`: safetensors shards and "
-                 "`model.safetensors.index.json`)", "a folder with a `*.safetensors.index.json` at its top",
+                 "`model.safetensors.index.json`, or one `model.safetensors`)",
+                 "a folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, at its top",
                  "`tldp perturb gpt2_tiny --eps 1 --clip 0.1`",
                  "`gpt2_tiny.tldp/`: the same shards (each as a `.safetensors` file is written) and index "
                  "`weight_map`, the configuration and tokenizer copied ([below](#sharded-model-folders))"),),
