@@ -31,7 +31,8 @@ def gpt2_like() -> dict[str, np.ndarray]:
     float16 biases, an integer buffer."""
     rng = np.random.default_rng(7)
     wte = rng.normal(0, 0.02, (64, 16)).astype(np.float32)
-    tensors = {"transformer.wte.weight": wte, "transformer.wpe.weight": rng.normal(0, 0.02, (12, 16)).astype(np.float32)}
+    tensors = {"transformer.wte.weight": wte,
+               "transformer.wpe.weight": rng.normal(0, 0.02, (12, 16)).astype(np.float32)}
     for i in range(3):
         tensors[f"transformer.h.{i}.ln_1.weight"] = np.ones(16, np.float32)
         tensors[f"transformer.h.{i}.attn.c_attn.weight"] = rng.normal(0, 0.02, (16, 48)).astype(np.float32)
@@ -332,6 +333,16 @@ def test_data_never_copied_by_keep(cli, tmp_path):
     assert not (tmp_path / "gpt2_tiny.tldp").exists()
 
 
+def test_a_tokenizer_file_that_holds_a_pickle_is_refused(cli, tmp_path):
+    import pickle
+
+    src = model(tmp_path)
+    (src / "tokenizer.model").write_bytes(pickle.dumps({"vocab": ["he"]}, protocol=4))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, "tokenizer.model: holds a Python pickle")
+    assert siblings(tmp_path) == before
+
+
 def test_resume_is_refused_clearly(cli, tmp_path):
     src = model(tmp_path)
     result = cli("perturb", src, *ARGS, "--resume")
@@ -352,7 +363,8 @@ def test_plan_reads_the_headers(cli, tmp_path):
     result = cli("plan", src, *ARGS, "--json")
     assert result.exit_code == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert plan["accounting"]["per_file"]["records"] == len(json.loads(run(cli, src).stdout)["accounting"]["per_tensor"])
+    perturbed = json.loads(run(cli, src).stdout)["accounting"]["per_tensor"]
+    assert plan["accounting"]["per_file"]["records"] == len(perturbed)
 
 
 @pytest.mark.parametrize("max_shard_size,shards", [("30KB", 7), ("5GB", 1)])

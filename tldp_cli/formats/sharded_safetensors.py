@@ -273,8 +273,8 @@ class ShardedReader(Reader):
         self.copies = self._other_files(files, left)  # rel -> the bytes to write
         left.check(path)
         self.manifest_extra = left.manifest_extra()
-        self.messages = [message.replace(f"of {path.name} ", f"of {path.name} ({formats.plural(len(self.shards), 'shard')}) ")
-                         for message in messages] + note
+        in_shards = f"of {path.name} ({formats.plural(len(self.shards), 'shard')}) "
+        self.messages = [message.replace(f"of {path.name} ", in_shards) for message in messages] + note
         names = {t.name for t in chosen}
         self.jobs = [tensor_files.job(path / shard.rel, NAME, e.tensor, ReadTensor(path / shard.rel, e,
                                                                                    shard.data_start))
@@ -319,8 +319,9 @@ class ShardedReader(Reader):
                 left.drop(rel, "file", FILE_REASON)
                 continue
             data = formats.data_file(self.path / rel)
-            if data is not None:
-                raise UsageError(f"{self.path / rel}: holds {data}; tldp never copies it raw")
+            if data is not None:  # --keep names it (a usage error), or a configuration's name does
+                error = UsageError if reason == leftovers.KEPT else InputError
+                raise error(f"{self.path / rel}: holds {data}; tldp never copies it raw")
             left.copied(rel, "file", reason)
             copies[rel] = self._without_free_text(rel, left)
         return copies
