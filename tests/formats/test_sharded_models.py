@@ -265,6 +265,9 @@ def _break(src: Path, how: str) -> str:
         index["weight_map"]["transformer.wte.weight"] = "pytorch_model.bin"
         (src / INDEX).write_text(json.dumps(index))
         return "shard 'pytorch_model.bin' is not a .safetensors file"
+    if how == "two indexes":
+        (src / "pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+        return "2 checkpoint indexes (model.safetensors.index.json, pytorch_model.safetensors.index.json)"
     if how == "shard cut short":
         (src / shards[2]).write_bytes(b"abc")
         return f"{shards[2]}: not a valid safetensors file (it is shorter than the 8 bytes of its header's length)"
@@ -276,7 +279,7 @@ def _break(src: Path, how: str) -> str:
 
 BAD = ("missing shard", "tensor in two shards", "shard not in index", "tensor not in index",
        "index maps elsewhere", "parent path", "absolute path", "linked shard", "linked config", "not JSON",
-       "no weight_map", "name twice", "not a safetensors name", "shard cut short", "damaged shard")
+       "no weight_map", "name twice", "not a safetensors name", "two indexes", "shard cut short", "damaged shard")
 
 
 @pytest.mark.parametrize("how", BAD)
