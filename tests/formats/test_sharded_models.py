@@ -370,28 +370,31 @@ def test_plan_reads_the_headers(cli, tmp_path):
     assert plan["accounting"]["per_file"]["records"] == len(perturbed)
 
 
-@pytest.mark.parametrize("max_shard_size,shards", [("30KB", 7), ("5GB", 1)])
-def test_from_pretrained_loads_the_output(cli, tmp_path, max_shard_size, shards):
-    """transformers' GPT-2 in 7 shards, and in one file: the output loads, its head tied to the
-    perturbed embedding."""
+@pytest.mark.parametrize("max_shard_size,dtype,shards", [
+    ("30KB", "float32", 7), ("5GB", "float32", 1), ("15KB", "bfloat16", 7)])
+def test_from_pretrained_loads_the_output(cli, tmp_path, max_shard_size, dtype, shards):
+    """transformers' GPT-2 in 7 shards, in one file, and in bfloat16: the output loads, its
+    head tied to the perturbed embedding, every tensor in its dtype."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file as load_torch
+
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)
     src = tmp_path / "gpt2_tiny"
-    transformers.GPT2LMHeadModel(config).save_pretrained(src, max_shard_size=max_shard_size)
+    transformers.GPT2LMHeadModel(config).to(getattr(torch, dtype)).save_pretrained(src, max_shard_size=max_shard_size)
     assert len(shard_names(src)) == shards
     result = cli("perturb", src, *ARGS, "--seed", SEED)
     assert result.exit_code == 0, result.stderr
-    before = transformers.GPT2LMHeadModel.from_pretrained(src)
-    after = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2_tiny.tldp")
-    wte = after.transformer.wte.weight
-    assert after.lm_head.weight.data_ptr() == wte.data_ptr()
-    assert not torch.equal(wte, before.transformer.wte.weight)
     out = tmp_path / "gpt2_tiny.tldp"
-    written = read_sharded_model(out) if shards > 1 else load_file(str(out / "model.safetensors"))
-    np.testing.assert_array_equal(wte.detach().numpy(), written["transformer.wte.weight"])
+    before = transformers.GPT2LMHeadModel.from_pretrained(src, dtype=getattr(torch, dtype))
+    after = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=getattr(torch, dtype))
+    wte = after.transformer.wte.weight
+    assert after.lm_head.weight.data_ptr() == wte.data_ptr() and wte.dtype == getattr(torch, dtype)
+    assert not torch.equal(wte, before.transformer.wte.weight)
+    written = {name: t for shard in shard_names(out) for name, t in load_torch(str(out / shard)).items()}
+    assert torch.equal(wte, written["transformer.wte.weight"])
     with torch.no_grad():
         logits = after(torch.arange(8)[None]).logits
     assert torch.isfinite(logits).all()
