@@ -56,7 +56,7 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
+from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, writing
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files
 from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADATA, Entry, ReadTensor,
