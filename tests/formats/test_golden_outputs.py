@@ -30,7 +30,7 @@ import pytest
 import xarray as xr
 from safetensors.numpy import save_file
 
-from tests.builders import REPO
+from tests.builders import REPO, write_sharded_model
 
 GOLDEN = REPO / "tests" / "fixtures" / "golden_outputs.json"
 SAMPLES = REPO / "sample_data"
@@ -56,6 +56,13 @@ def _safetensors(tmp: Path, digits: np.ndarray) -> Path:
     path = tmp / "model.safetensors"
     save_file(_tensors(digits), str(path), metadata={"format": "pt"})
     return path
+
+
+def _sharded(tmp: Path, digits: np.ndarray) -> Path:
+    """The model of _tensors in two shards (the weight alone in one), a configuration and a model card."""
+    return write_sharded_model(tmp / "model", _tensors(digits), max_shard_size=100_000,
+                               extra_files={"config.json": '{"_name_or_path": "x", "model_type": "mlp"}',
+                                            "README.md": "trained on digits"})
 
 
 def _netcdf(tmp: Path, digits: np.ndarray) -> Path:
@@ -110,6 +117,7 @@ CASES = {
     "images": (_sample("digits_png"), ()),
     "npz": (_npz, ("--clip", "0.5", "--exclude", "steps")),
     "safetensors": (_safetensors, ("--clip", "0.5", "--keep", "steps")),
+    "sharded-safetensors": (_sharded, ("--clip", "0.5")),
     "nifti": (_nifti, ("--range", "0:256")),
     "webdataset": (_webdataset, ("--keep", "cls")),
 }

@@ -167,7 +167,7 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
     help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
-         "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+         "sharded model folders, Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
          "are left out (see --keep).")]
@@ -182,7 +182,8 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "(repeatable; a glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
-         "Zarr store, an HDF5 file's user block as userblock, a palette image (label map) of an "
+         "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
+         "an HDF5 file's user block as userblock, a palette image (label map) of an "
          "image folder by its path, a WebDataset shard's label members by their extension (cls, "
          "meta.json). By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
@@ -204,7 +205,8 @@ ImageFormatOption = Annotated[ImageFormat, typer.Option(
          "in colour: tldp warns).")]
 InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
-                     "folder with Zarr metadata is Zarr, any other folder a folder of images).",
+                     "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json (or model.safetensors "
+                     "and config.json) a model folder, any other folder a folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

@@ -288,6 +288,7 @@ FORMAT_MODULES = {
     "zarr": "zarr_store",
     "npz": "npz",
     "safetensors": "safetensors_file",
+    "sharded-safetensors": "sharded_safetensors",
     "nifti": "nifti",
     "webdataset": "webdataset",
     "images": "images",

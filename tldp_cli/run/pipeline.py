@@ -374,12 +374,12 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     """What the format's reader is told; refuses --exclude and --keep where no reader would
     honour them."""
     if options.exclude and not module.honours_exclude:
-        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
-                         f"HDF5 files, not {module.name}")
+        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
+                         f"folders) and HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors), NIfTI volumes, image folders' label maps and WebDataset shards, "
-                         f"not {module.name}: it has nothing else to keep")
+                         f"(.npz, .safetensors, sharded model folders), NIfTI volumes, image folders' label "
+                         f"maps and WebDataset shards, not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
