@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormat, Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
+from tldp_cli.cli.options import InputFormat, Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed, data_path, file_path, local_text, output_path
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run
@@ -68,38 +68,38 @@ def _print_sweep(result: dict, written: list) -> None:
 
 @app.command("evaluate", no_args_is_help=True)
 def evaluate_command(
-    original: Annotated[Path, typer.Argument(readable=False, metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
+    original: Annotated[Path, typer.Argument(parser=data_path, metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
                                              show_default=False)],
-    perturbed: Annotated[Optional[Path], typer.Argument(readable=False,
+    perturbed: Annotated[Optional[Path], typer.Argument(parser=data_path,
         metavar="PERTURBED", help="perturb's output. Not with --sweep.", show_default=False)] = None,
-    manifest: Annotated[Optional[Path], typer.Option(readable=False,
+    manifest: Annotated[Optional[Path], typer.Option(parser=file_path, metavar="PATH",
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", readable=False, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        "--report", parser=output_path, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
         show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
                              "the JSON report; together they give each record's exact norm. "
                              "Default: only their mean, median, min and max.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(readable=False,
+    name_map: Annotated[Optional[Path], typer.Option(parser=file_path,
         metavar="PATH", help="The name map of a perturb --anonymize-names run, which pairs each "
                              "image with its perturbed copy. Default: ORIGINAL.name-map.json.",
         show_default=False)] = None,
     labels: Annotated[Optional[str], typer.Option(
-        metavar="LABELS",
+        parser=local_text, metavar="LABELS",
         help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
              "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
              "folder's top-level subfolder names).")] = None,
-    test: Annotated[Optional[Path], typer.Option(readable=False,
+    test: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Clean test records (any format perturb reads) for the task-utility score.")] = None,
     input_format: Annotated[Optional[InputFormat], typer.Option(
         "--format", help="Read ORIGINAL (and PERTURBED) as this format instead of detecting it "
                          "from its content.", show_default=False)] = None,
     test_labels: Annotated[Optional[str], typer.Option(
-        metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
+        parser=local_text, metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
                                "subfolders refer to --test).")] = None,
     model: Annotated[Model, typer.Option(
         help="Classifier: logistic regression or a small MLP (scikit-learn).")] = Model.logistic,
@@ -114,11 +114,11 @@ def evaluate_command(
         help="--sweep: only these methods, by their table names (TLDP-L, TLDP-G, Laplace, Gaussian, "
              "MVG, IDN, TLDP-L-w, TLDP-G-w, privunit). Default: every one that applies.",
         show_default=False)] = None,
-    out: Annotated[Optional[Path], typer.Option(readable=False,
+    out: Annotated[Optional[Path], typer.Option(parser=output_path, metavar="PATH",
         help="--sweep: folder for sweep.csv, sweep.json and the PNG plots.")] = None,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI", help="--sweep: declared value range, as for perturb.")] = None,
-    weights: Annotated[Optional[Path], typer.Option(readable=False,
+    weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="--sweep: weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="--sweep: as for perturb.")] = Budget.element,
     repeat: Annotated[int, typer.Option(

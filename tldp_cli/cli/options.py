@@ -4,6 +4,7 @@ where a seed comes from."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from enum import Enum
 from pathlib import Path
@@ -65,8 +66,54 @@ class OutDtype(str, Enum):
     float64 = "float64"
 
 
+# What a path option takes: a local path. `-` (a stream) and URLs are refused while the
+# command line is parsed, before anything is imported or read, and a URL is quoted as
+# given (a Path would fold its '//' into '/').
+_REMOTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _local(text: str, stream: str) -> str:
+    if text == "-":
+        raise typer.BadParameter(stream)
+    if _REMOTE.match(text):
+        raise typer.BadParameter(f"{text}: remote paths are not supported; copy the data locally")
+    return text
+
+
+def data_path(text: str) -> Path:
+    """A data input (perturb's INPUT, a mask, a basis): a local file or folder."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, "reading from stdin is not supported; save the stream to a .npy file first"))
+
+
+def file_path(text: str) -> Path:
+    """Another file read or written (a ledger, a seed file, a name map, boxes)."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, "standard input and output are not supported here; give a file name"))
+
+
+def local_text(text: str) -> str:
+    """A data input that may also be a name (--basis dct:K, --labels dataset=NAME): as given."""
+    return _local(text, "reading from stdin is not supported; save the stream to a .npy file first")
+
+
+def output_path(text: str) -> Path:
+    """A file or folder written."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(output_text(text))
+
+
+def output_text(text: str) -> str:
+    """--out and --manifest as given: a trailing '/' means a folder (an empty one is refused later)."""
+    return _local(text, "writing to stdout is not supported; give a file name (--json prints the "
+                        "manifest or report to stdout)")
+
+
 # --seed-file and --allow-weak-seed, the same for every command that takes a seed.
-SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
+SeedFile = Annotated[Optional[Path], typer.Option(parser=file_path,
     metavar="PATH", help=f"Read the seed from PATH (whitespace around it stripped) instead of "
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
@@ -136,7 +183,7 @@ BudgetOption = Annotated[Optional[Budget], typer.Option(
          "whole record). record: --eps is what each whole record gets (certified). "
          "Default: element; record for privunit, which takes no other.", show_default=False)]
 BasisOption = Annotated[Optional[str], typer.Option(
-    "--basis", metavar="dct|dct:K|FILE.npy",
+    "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
          "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
          "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "

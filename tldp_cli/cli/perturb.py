@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, data_path, file_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
@@ -21,7 +21,7 @@ from tldp_cli.cli.app import (DEBUG_ENV, app, progress_bar, records_phrase, run,
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
-    input: Annotated[Path, typer.Argument(readable=False,
+    input: Annotated[Path, typer.Argument(parser=data_path,
         metavar="INPUT",
         help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
              "file (.npz, .safetensors; each tensor is one record) (detected).",
@@ -33,18 +33,18 @@ def perturb_command(
     budget: BudgetOption = None,
     basis: BasisOption = None,
     value_range: Ranges = None,
-    weights: Annotated[Optional[Path], typer.Option(readable=False,
+    weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
              "of mask PNGs (see tldp weight-mask).")] = None,
     out: Annotated[Optional[str], typer.Option(
-        metavar="PATH",
+        parser=output_text, metavar="PATH",
         help="The output, in the input's format. Default: a sibling, digits.npy -> "
              "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
              "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
              "under the default name.", show_default=False)] = None,
     manifest: Annotated[Optional[str], typer.Option(  # text: a trailing '/' is refused, not dropped
-        metavar="PATH", help="Manifest path. Default: OUTPUT.manifest.json.", show_default=False)] = None,
+        parser=output_text, metavar="PATH", help="Manifest path. Default: OUTPUT.manifest.json.", show_default=False)] = None,
     seed: Annotated[Optional[str], typer.Option(
         metavar="HEX",
         help="Make the run reproducible with this seed: a secret key of at least 32 hex digits "
@@ -75,7 +75,7 @@ def perturb_command(
              "in one flat folder, and keep every input file and folder name out of the manifest "
              "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
              "evaluate needs it. Not with --copy-other.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(readable=False,
+    name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
              "files). Keep it with the raw data; never inside the output. Default: "
@@ -106,7 +106,7 @@ def perturb_command(
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
     allow_raw_release: AllowRawRelease = False,
     public_missing: PublicMissing = False,
-    ledger: Annotated[Optional[Path], typer.Option(readable=False,
+    ledger: Annotated[Optional[Path], typer.Option(parser=file_path,
         metavar="PATH", envvar="TLDP_LEDGER",
         help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): charges this "
              "release to every subject (record) it touches, known by their content, and states "
@@ -122,7 +122,7 @@ def perturb_command(
     overwrite: Annotated[bool, typer.Option(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
-    preview: Annotated[Optional[Path], typer.Option(readable=False,
+    preview: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="FILE.png",
         help="Also write a before/after strip: the first few raw records over their perturbed "
              "copies as written. It shows raw records: keep it with the raw data, never publish "

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, data_path
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
@@ -19,7 +19,7 @@ from tldp_cli.cli.app import DEBUG_ENV, app, privunit_phrase, records_phrase, ru
 
 @app.command("plan", no_args_is_help=True)
 def plan_command(
-    input: Annotated[Optional[Path], typer.Argument(readable=False,
+    input: Annotated[Optional[Path], typer.Argument(parser=data_path,
         metavar="[INPUT]", help="The input perturb would read (headers only); or describe the "
                                 "records with --elements instead.", show_default=False)] = None,
     eps: Eps = None,
