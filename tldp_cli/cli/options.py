@@ -4,7 +4,6 @@ where a seed comes from."""
 from __future__ import annotations
 
 import os
-import re
 import stat
 from enum import Enum
 from pathlib import Path
@@ -15,6 +14,7 @@ import typer
 from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
+from tldp_cli.files import local
 
 
 class Noise(str, Enum):
@@ -66,17 +66,12 @@ class OutDtype(str, Enum):
     float64 = "float64"
 
 
-# What a path option takes: a local path. `-` (a stream) and URLs are refused while the
-# command line is parsed, before anything is imported or read, and a URL is quoted as
-# given (a Path would fold its '//' into '/').
-_REMOTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
+# What a path option takes: a local path (files.local); `-` and URLs are refused while the
+# command line is parsed, before anything is imported or read.
 def _local(text: str, stream: str) -> str:
-    if text == "-":
-        raise typer.BadParameter(stream)
-    if _REMOTE.match(text):
-        raise typer.BadParameter(f"{text}: remote paths are not supported; copy the data locally")
+    problem = local.problem(text, stream)
+    if problem:
+        raise typer.BadParameter(problem)
     return text
 
 
@@ -84,19 +79,26 @@ def data_path(text: str) -> Path:
     """A data input (perturb's INPUT, a mask, a basis): a local file or folder."""
     if not text:
         raise typer.BadParameter("the path is empty")
-    return Path(_local(text, "reading from stdin is not supported; save the stream to a .npy file first"))
+    return Path(_local(text, local.STDIN))
 
 
 def file_path(text: str) -> Path:
     """Another file read or written (a ledger, a seed file, a name map, boxes)."""
     if not text:
         raise typer.BadParameter("the path is empty")
-    return Path(_local(text, "standard input and output are not supported here; give a file name"))
+    return Path(_local(text, local.STREAM))
 
 
 def local_text(text: str) -> str:
     """A data input that may also be a name (--basis dct:K, --labels dataset=NAME): as given."""
-    return _local(text, "reading from stdin is not supported; save the stream to a .npy file first")
+    return _local(text, local.STDIN)
+
+
+def list_path(text: str) -> Path:
+    """--inputs-from: a file listing paths, or `-` for standard input."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(text) if text == "-" else Path(_local(text, local.STREAM))
 
 
 def output_path(text: str) -> Path:
@@ -108,8 +110,7 @@ def output_path(text: str) -> Path:
 
 def output_text(text: str) -> str:
     """--out and --manifest as given: a trailing '/' means a folder (an empty one is refused later)."""
-    return _local(text, "writing to stdout is not supported; give a file name (--json prints the "
-                        "manifest or report to stdout)")
+    return _local(text, local.STDOUT)
 
 
 # --seed-file and --allow-weak-seed, the same for every command that takes a seed.
@@ -258,4 +259,7 @@ RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Verbose = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Say what each phase does as it starts (reading the headers, planning, "
+                            "checking, perturbing, committing), one line each on stderr.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)]

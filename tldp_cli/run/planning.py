@@ -18,11 +18,15 @@ from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
+    Phase,
     PerturbOptions,
+    Report,
     build_manifest,
     checked_format_options,
     checked_options,
+    headers_phrase,
     plan,
+    planning_phrase,
     row_groups,
 )
 
@@ -30,13 +34,17 @@ SCHEMA = "tldp-plan/1"
 DESCRIBED = "records"  # the name of a described (not read) array
 
 
-def plan_input(options: PerturbOptions) -> dict[str, Any]:
-    """The plan of `tldp perturb` with these options on options.input."""
+def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:
+    """The plan of `tldp perturb` with these options on options.input; `phase(label, what)`
+    is told as each phase starts, as perturb tells it."""
+    report = Report(phase=phase)
     options = checked_options(options)
     module = formats.detect(options.input, options.input_format)
+    report.tell("reading", headers_phrase(options.input, module, options))
     reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
         jobs = reader.arrays()
+        report.tell("planning", planning_phrase(options, jobs))
         run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                    per_tensor=reader.records_are_tensors)
         messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing)]
