@@ -153,3 +153,20 @@ def test_verbose_says_each_phase_and_quiet_excludes_it(cli, raw):
               if line.split(":")[1].strip() in ("reading", "planning", "checking", "perturbing", "committing")]
     assert phases == ["reading", "planning", "checking", "perturbing", "committing"]
     assert_one_line_error(cli("perturb", raw / "a.npy", "--eps", "1", "-v", "-q"), 2, "not both")
+
+
+def test_plan_takes_several_inputs(cli, raw):
+    np.save(raw / "f.npy", np.zeros((3, 3), np.float32))  # needs --range
+    result = cli("plan", raw / "a.npy", raw / "f.npy", raw / "c.npy", "--eps", "1", "--json")
+    assert result.exit_code == 1, result.stderr
+    plans = json.loads(result.stdout)
+    assert [p["records"] for p in plans] == [6, 4]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tldp: error: ")]
+    assert len(errors) == 1 and str(raw / "f.npy") in errors[0] and "--range" in errors[0]
+    alone = json.loads(cli("plan", raw / "c.npy", "--eps", "1", "--json", "-q").stdout)
+    assert plans[1] == alone
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "f.npy"}  # plan writes nothing
+
+
+def test_plan_says_a_bad_option_once(cli, raw):
+    assert_one_line_error(cli("plan", raw / "a.npy", raw / "b.npy", "--eps", "-1"), 2, "eps")

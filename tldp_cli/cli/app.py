@@ -285,6 +285,7 @@ class Display:
                 if self._shown is None and time.monotonic() - self._since >= self.DELAY:
                     self._shown = tqdm(total=None, desc=f"tldp: {self.prefix}{self.name}{self._label}",
                                        bar_format="{desc} ({elapsed})", file=sys.stderr, leave=False)
+                    self._shown.start_t -= time.monotonic() - self._since  # the phase's time, not the label's
                 elif self._shown is not None:
                     self._shown.refresh()
 

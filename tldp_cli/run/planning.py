@@ -9,6 +9,8 @@ each image's header) and nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,18 @@ def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str,
         return _report(options, run, jobs, reader, messages)
     finally:
         reader.close()
+
+
+def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None = None
+              ) -> Iterator[tuple[Path, dict[str, Any] | Exception]]:
+    """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
+    its plan, or the exception that stopped it); the next one is planned either way. Inputs
+    of the same calibration share the accountant's work (pipeline.certified_figures)."""
+    for path in inputs:
+        try:
+            yield path, plan_input(dataclasses.replace(options, input=path), phase=phase)
+        except Exception as exc:  # that input's failure: reported, and the next one planned
+            yield path, exc
 
 
 def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
