@@ -170,3 +170,43 @@ def test_plan_takes_several_inputs(cli, raw):
 
 def test_plan_says_a_bad_option_once(cli, raw):
     assert_one_line_error(cli("plan", raw / "a.npy", raw / "b.npy", "--eps", "-1"), 2, "eps")
+
+
+def test_no_input_at_all_is_a_usage_error(cli, tmp_path):
+    assert_one_line_error(cli("perturb", "--eps", "1"), 2, "give INPUT, or --inputs-from FILE")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert_one_line_error(cli("perturb", "--inputs-from", tmp_path / "empty.txt", "--eps", "1"), 2,
+                          "lists no input")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_call_after_an_input_is_written(tmp_path):
+    """Once an input's output is in place its run ignores Ctrl-C until the process exits;
+    with several inputs the next one is a run of its own, which Ctrl-C stops (exit 130,
+    nothing of it left, the one before kept)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = np.random.default_rng(0)
+    for name in "xyz":
+        np.save(tmp_path / f"{name}.npy", rng.integers(0, 256, (3000, 3136), dtype=np.uint8))
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tldp_cli.entry import main; sys.argv[0] = 'tldp'; main()",
+         "perturb", "x.npy", "y.npy", "z.npy", "--eps", "1", "--workers", "1", "--block-elements", "3136"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+
+    def y_running():  # x is in place and y's work file is being written
+        return (tmp_path / "x.tldp.npy.manifest.json").exists() and any(
+            ".tldp-tmp-" in p.name for p in tmp_path.iterdir())
+
+    while not y_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, stderr
+    assert "y.npy: interrupted; nothing was written (1 input before it written, 1 input after it not started)" in stderr
+    assert sorted(os.listdir(tmp_path)) == ["x.npy", "x.tldp.npy", "x.tldp.npy.manifest.json", "y.npy", "z.npy"]

@@ -256,7 +256,7 @@ def _perturb_several(options: PerturbOptions, paths: list[Path], display: Displa
         except KeyboardInterrupt as exc:
             display.close()
             i, where = current
-            fail(f"{where}: {exc or 'interrupted; nothing was written'} ({plural(i - len(failed), 'input')} "
+            fail(f"{where}: {str(exc) or 'interrupted; nothing was written'} ({plural(i - len(failed), 'input')} "
                  f"before it written, {plural(len(each) - i - 1, 'input')} after it not started)", 130)
     if json_out:
         typer.echo(json.dumps(manifests, indent=2))
