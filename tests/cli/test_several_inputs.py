@@ -200,8 +200,7 @@ def test_ctrl_c_stops_the_call_after_an_input_is_written(tmp_path):
     deadline = time.monotonic() + 120
 
     def y_running():  # x is in place and y's work file is being written
-        return (tmp_path / "x.tldp.npy.manifest.json").exists() and any(
-            ".tldp-tmp-" in p.name for p in tmp_path.iterdir())
+        return any(p.name.startswith(".y.tldp.npy.tldp-tmp-") for p in tmp_path.iterdir())
 
     while not y_running() and time.monotonic() < deadline:
         time.sleep(0.01)
