@@ -776,7 +776,7 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
              for start, stop in block_bounds(job, options.block_elements)]
     where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
-                              f"work file beside the output")
+                              f"work copy beside the output")
     report.done(0, total)
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
     writer = open_writer(reader, staged.output, run.out_dtype,
