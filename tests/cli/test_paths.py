@@ -58,7 +58,7 @@ def test_every_path_option_refuses_a_url(cli, data, args):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["perturb", "{data}", "--eps", "1", "--out", "-"], "writing to stdout is not supported"),
+    (["perturb", "{data}", "--eps", "1", "--preview", "-"], "tldp writes files, not standard output"),
     (["perturb", "{data}", "--eps", "1", "--weights", "-"], STDIN),
     (["ledger", "-"], "standard input and output are not supported"),
     (["evaluate", "-", "{data}"], STDIN),

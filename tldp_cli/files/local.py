@@ -8,7 +8,7 @@ import re
 
 REMOTE = "remote paths are not supported; copy the data locally"
 STDIN = "reading from stdin is not supported; save the stream to a .npy file first"
-STDOUT = "writing to stdout is not supported; give a file name (--json prints the manifest or report to stdout)"
+STDOUT = "tldp writes files, not standard output; give a file or folder path (--json prints the manifest or report)"
 STREAM = "standard input and output are not supported here; give a file name"
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
