@@ -221,7 +221,9 @@ def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, ve
     paths = list(inputs or [])
     if inputs_from is not None:
         where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
-        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_text(encoding="utf-8")
+        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
+        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
+            "utf-8", "surrogateescape")
         paths += batch.input_list(text, where)
     if not paths:
         raise UsageError("give INPUT, or --inputs-from FILE")

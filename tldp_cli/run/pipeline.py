@@ -361,7 +361,7 @@ def perturb(options: PerturbOptions, progress: Progress | None = None, phase: Ph
     """Perturb options.input into its output and manifest (see the module docstring). Memory
     running out anywhere in the run is an OutOfMemory naming the input (whatever was
     written is removed, a Zarr partial too). `progress(records, total)` is called as blocks
-    finish (first with 0), `phase(label, what)` as each phase starts."""
+    finish, `phase(label, what)` as each phase starts."""
     try:
         return _perturb_input(options, Report(progress, phase))
     except MemoryError as exc:
@@ -777,7 +777,6 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
                               f"work copy beside the output")
-    report.done(0, total)
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
     writer = open_writer(reader, staged.output, run.out_dtype,
                          dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
