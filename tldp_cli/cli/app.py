@@ -282,12 +282,14 @@ class Display:
             with self._lock:
                 if self._label is None:
                     continue
-                if self._shown is None and time.monotonic() - self._since >= self.DELAY:
-                    self._shown = tqdm(total=None, desc=f"tldp: {self.prefix}{self.name}{self._label}",
-                                       bar_format="{desc} ({elapsed})", file=sys.stderr, leave=False)
-                    self._shown.start_t -= time.monotonic() - self._since  # the phase's time, not the label's
-                elif self._shown is not None:
-                    self._shown.refresh()
+                lasted = time.monotonic() - self._since
+                if self._shown is None and lasted < self.DELAY:
+                    continue
+                text = f"tldp: {self.prefix}{self.name}{self._label} ({tqdm.format_interval(lasted)})"
+                if self._shown is None:
+                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False)
+                else:
+                    self._shown.set_description_str(text)  # and shows it
 
 
 def records_phrase(manifest: dict) -> str:
