@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import Debug, InputFormat, Labels, Model, ModelOption, Quiet, TestLabels, TestRecords
+from tldp_cli.cli.options import (Debug, InputFormat, Labels, Model, ModelOption, Quiet, TestLabels, TestRecords,
+                                  data_path, file_path, output_path)
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run, shown
 
@@ -41,23 +42,23 @@ def _print_report(report: dict) -> None:
 
 @app.command("evaluate", no_args_is_help=True)
 def evaluate_command(
-    original: Annotated[Path, typer.Argument(readable=False, metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
+    original: Annotated[Path, typer.Argument(parser=data_path, metavar="ORIGINAL", help="The data that was perturbed (any format perturb reads).",
                                              show_default=False)],
-    perturbed: Annotated[Path, typer.Argument(readable=False,
+    perturbed: Annotated[Path, typer.Argument(parser=data_path,
         metavar="PERTURBED", help="perturb's output.", show_default=False)],
-    manifest: Annotated[Optional[Path], typer.Option(readable=False,
+    manifest: Annotated[Optional[Path], typer.Option(parser=file_path, metavar="PATH",
         help="The privacy manifest. Default: PERTURBED.manifest.json.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", readable=False, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        "--report", parser=output_path, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
         show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
                              "the JSON report; together they give each record's exact norm. "
                              "Default: only their mean, median, min and max.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(readable=False,
+    name_map: Annotated[Optional[Path], typer.Option(parser=file_path,
         metavar="PATH", help="The name map of a perturb --anonymize-names run, which pairs each "
                              "image with its perturbed copy. Default: ORIGINAL.name-map.json.",
         show_default=False)] = None,

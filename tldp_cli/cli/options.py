@@ -14,6 +14,7 @@ import typer
 from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
+from tldp_cli.files import local
 
 
 class Noise(str, Enum):
@@ -70,8 +71,55 @@ class OutDtype(str, Enum):
     float64 = "float64"
 
 
+# What a path option takes: a local path (files.local); `-` and URLs are refused while the
+# command line is parsed, before anything is imported or read.
+def _local(text: str, stream: str) -> str:
+    problem = local.problem(text, stream)
+    if problem:
+        raise typer.BadParameter(problem)
+    return text
+
+
+def data_path(text: str) -> Path:
+    """A data input (perturb's INPUT, a mask, a basis): a local file or folder."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, local.STDIN))
+
+
+def file_path(text: str) -> Path:
+    """Another file read or written (a ledger, a seed file, a name map, boxes)."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, local.STREAM))
+
+
+def local_text(text: str) -> str:
+    """A data input that may also be a name (--basis dct:K, --labels dataset=NAME): as given."""
+    return _local(text, local.STDIN)
+
+
+def list_path(text: str) -> Path:
+    """--inputs-from: a file listing paths, or `-` for standard input."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(text) if text == "-" else Path(_local(text, local.STREAM))
+
+
+def output_path(text: str) -> Path:
+    """A file or folder written."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(output_text(text))
+
+
+def output_text(text: str) -> str:
+    """--out and --manifest as given: a trailing '/' means a folder (an empty one is refused later)."""
+    return _local(text, local.STDOUT)
+
+
 # --seed-file and --allow-weak-seed, the same for every command that takes a seed.
-SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
+SeedFile = Annotated[Optional[Path], typer.Option(parser=file_path,
     metavar="PATH", help=f"Read the seed from PATH (whitespace around it stripped) instead of "
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
@@ -141,7 +189,7 @@ BudgetOption = Annotated[Optional[Budget], typer.Option(
          "whole record). record: --eps is what each whole record gets (certified). "
          "Default: element; record for privunit, which takes no other.", show_default=False)]
 BasisOption = Annotated[Optional[str], typer.Option(
-    "--basis", metavar="dct|dct:K|FILE.npy",
+    "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
          "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
          "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "
@@ -221,18 +269,21 @@ RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Verbose = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Say what each phase does as it starts (reading the headers, planning, "
+                            "checking, perturbing, committing), one line each on stderr.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)]
 
 # The task-utility options of evaluate and sweep: labels, clean test records, the classifier.
 Labels = Annotated[Optional[str], typer.Option(
-    metavar="LABELS",
+    parser=local_text, metavar="LABELS",
     help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
          "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
          "folder's top-level subfolder names).")]
-TestRecords = Annotated[Optional[Path], typer.Option(readable=False,
+TestRecords = Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
     help="Clean test records (any format perturb reads) for the task-utility score.")]
 TestLabels = Annotated[Optional[str], typer.Option(
-    metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
+    parser=local_text, metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
                            "subfolders refer to --test).")]
 ModelOption = Annotated[Model, typer.Option(
     help="Classifier: logistic regression or a small MLP (scikit-learn).")]

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.cli.options import (AllowWeakSeed, Budget, Debug, InputFormat, Labels, Model, ModelOption, Quiet,
-                                  RngKind, SeedFile, TestLabels, TestRecords, resolve_seed)
+                                  RngKind, SeedFile, TestLabels, TestRecords, data_path, output_path, resolve_seed)
 from tldp_cli.errors import UsageError
 from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, deprecated_flag, emit_json, progress_bar, run, shown
@@ -33,11 +33,11 @@ def _print_sweep(result: dict, written: list) -> None:
 
 @app.command("sweep", no_args_is_help=True)
 def sweep_command(
-    original: Annotated[Path, typer.Argument(readable=False, metavar="ORIGINAL",
+    original: Annotated[Path, typer.Argument(parser=data_path, metavar="ORIGINAL",
         help="The data to perturb in memory (any format perturb reads).", show_default=False)],
     eps: Annotated[str, typer.Option(
         "--eps", metavar="E1,E2,...", help="The epsilons (see --budget).", show_default=False)],
-    out: Annotated[Path, typer.Option(readable=False,
+    out: Annotated[Path, typer.Option(parser=output_path, metavar="PATH",
         help="Folder for sweep.csv, sweep.json and the PNG plots.", show_default=False)],
     methods: Annotated[Optional[str], typer.Option(
         "--methods", metavar="M1,M2,...",
@@ -46,7 +46,7 @@ def sweep_command(
         show_default=False)] = None,
     value_range: Annotated[Optional[str], typer.Option(
         "--range", metavar="LO:HI", help="Declared value range, as for perturb.")] = None,
-    weights: Annotated[Optional[Path], typer.Option(readable=False,
+    weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="As for perturb; privunit needs record.")] = Budget.element,
     repeat: Annotated[int, typer.Option(
@@ -72,7 +72,7 @@ def sweep_command(
         "--json", help="Print the table as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", readable=False, metavar="PATH", help="Write the JSON table to PATH too (as --json "
+        "--report", parser=output_path, metavar="PATH", help="Write the JSON table to PATH too (as --json "
                                                          "prints it).", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing sweep files (and --report).")] = False,
     quiet: Quiet = False,
