@@ -46,7 +46,7 @@ def test_stdin_as_input_is_refused_with_the_reason(cli, command):
     ["evaluate", "URL", "{data}"],
     ["evaluate", "{data}", "URL"],
     ["evaluate", "{data}", "{data}", "--labels", "URL"],
-    ["evaluate", "{data}", "--sweep", "--eps", "1", "--out", "URL"],
+    ["sweep", "{data}", "--eps", "1", "--out", "URL"],
     ["weight-mask", "URL", "--method", "constant", "--weight", "1", "--out", "m.npy"],
     ["weight-mask", "{data}", "--method", "box", "--boxes", "URL", "--out", "m.npy"],
     ["ledger", "URL"],
