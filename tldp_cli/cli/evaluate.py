@@ -11,7 +11,6 @@ import typer
 
 from tldp_cli.cli.options import InputFormat, Quiet, Debug, AllowWeakSeed, Budget, RngKind, SeedFile, resolve_seed
 from tldp_cli.errors import UsageError
-from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run
 
 
@@ -160,6 +159,7 @@ def evaluate_command(
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     from tldp_cli import evaluate as ev
+    from tldp_cli.run.pipeline import parse_range
 
     def action():
         if sweep:

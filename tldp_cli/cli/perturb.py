@@ -12,9 +12,6 @@ import typer
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
-from tldp_cli.privacy import accounting
-from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
 from tldp_cli.cli.app import (DEBUG_ENV, app, progress_bar, records_phrase, run, sigterm_interrupts,
                               unperturbed_note)
 
@@ -129,9 +126,9 @@ def perturb_command(
              "it or put it in the output.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Quiet = False,
-    block_elements: Annotated[int, typer.Option(min=1, hidden=True,
-                                                help="Elements per block (tests, benchmarks).")
-                              ] = BLOCK_ELEMENTS,
+    block_elements: Annotated[Optional[int], typer.Option(min=1, hidden=True,
+                                                          help="Elements per block (tests, benchmarks).")
+                              ] = None,
     debug: Debug = False,
 ):
     """Perturb every record of INPUT with TLDP and write a privacy manifest.
@@ -155,6 +152,11 @@ def perturb_command(
     In a model file (.npz, .safetensors) each tensor is a record, and the line
     adds the whole file, all its tensors composed.
     """
+    # The library is imported here, not at the top: --help, completion and usage errors
+    # stay quick (tests/cli/test_startup.py).
+    from tldp_cli.privacy.mechanisms import default_noise
+    from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     def action():
@@ -177,7 +179,7 @@ def perturb_command(
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
             sampler=sampler.value, basis=basis,
-            block_elements=block_elements)
+            block_elements=block_elements or BLOCK_ELEMENTS)
         advance, close = progress_bar(quiet, "rec")
         try:
             with sigterm_interrupts():
@@ -230,6 +232,8 @@ def _write_preview(preview: Path, input: Path, result, name_map, input_format, o
 
 
 def _report(result, quiet: bool, json_out: bool) -> None:
+    from tldp_cli.privacy import accounting
+
     m = result.manifest
     if not quiet:
         for message in result.messages:

@@ -11,9 +11,6 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy import accounting
-from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
 from tldp_cli.cli.app import DEBUG_ENV, app, privunit_phrase, records_phrase, run, unperturbed_note
 
 
@@ -68,8 +65,9 @@ def plan_command(
       tldp plan big.h5 --eps 1 --dataset images --json > plan.json
       tldp plan sample_data/digits.npy --mechanism privunit --eps 4
     """
+    from tldp_cli.privacy.mechanisms import default_noise
     from tldp_cli.run import planning
-    from tldp_cli.audit import parse_shape
+    from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
@@ -90,9 +88,13 @@ def plan_command(
             input_format=input_format and input_format.value, basis=basis)
         if input is not None:
             return planning.plan_input(options)
+        from tldp_cli.audit import parse_shape
+
         return planning.plan_records(options, parse_shape(elements), records, input_dtype)
 
     report = run(debug, action)
+    from tldp_cli.privacy import accounting  # after the plan: its errors never import it
+
     if not quiet:
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)

@@ -52,13 +52,13 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 from tldp_cli.files import output
-from tldp_cli.files.checked_io import open_regular
 from tldp_cli.errors import InputError, UsageError, reason_of
+
+if TYPE_CHECKING:  # NumPy and the readers' file helpers are imported where used: the CLI's
+    import numpy as np  # --help and usage errors import this registry and nothing heavy
 
 
 @dataclass
@@ -88,6 +88,8 @@ class ArrayJob:
 
     @property
     def elements(self) -> int:
+        import numpy as np
+
         return int(np.prod(self.record_shape, dtype=np.int64)) if self.record_shape else 1
 
 
@@ -190,6 +192,8 @@ class FormatOptions:
 def least_output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
     """The least an output needs on disk: the perturbed values in the engine's dtype (noise
     does not compress)."""
+    import numpy as np
+
     return sum(job.records * job.elements for job in jobs) * np.dtype(dtype).itemsize
 
 
@@ -338,6 +342,8 @@ DICOM_REASON = ("its headers hold patient names and IDs, which tldp does not rea
 def is_dicom(path: Path) -> bool:
     """A DICOM file: the magic DICM after the 128-byte preamble, or the .dcm suffix. False
     for what is not a regular file (never opened: a FIFO would block)."""
+    from tldp_cli.files.checked_io import open_regular
+
     if path.name.lower().endswith(".dcm"):
         return True
     try:
@@ -361,6 +367,8 @@ def data_file(path: Path) -> str | None:
     --copy-other): it holds data tldp reads (a registered format), a Python pickle, or a
     medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
     other file, and for what is not a regular file (never opened: a FIFO would block)."""
+    from tldp_cli.files.checked_io import open_regular
+
     name = path.name.lower()
     try:
         if not path.is_file():
@@ -458,6 +466,8 @@ def padded_chunk(part: np.ndarray, chunk_shape: tuple[int, ...], fill_value: Any
     HDF5 and zarr-python store it); a whole chunk as it is."""
     if part.shape == tuple(chunk_shape):
         return part
+    import numpy as np
+
     padded = np.full(chunk_shape, fill_value, dtype=dtype)
     padded[tuple(slice(0, n) for n in part.shape)] = part
     return padded

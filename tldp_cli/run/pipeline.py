@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.privacy import accounting
 from tldp_cli.run import dask_runner, ledger, privacy_warnings, resume
 from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
@@ -538,9 +537,13 @@ def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
 
 
 def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
-         per_tensor: bool = False) -> Plan:
+         per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None) -> Plan:
     """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
-    sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
+    sampled_noise); refuses, as perturb does, what cannot work or needs consent.
+    `before_accounting` runs once the options are calibrated, before the certified figures
+    are computed (perturb checks its destinations there: a path error comes after the usage
+    errors of the options, but before the accounting, and without importing it)."""
+
     source = options.input
     rows = rows or []
     range_of = ranges_by_array(options, jobs)
@@ -560,6 +563,10 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(options.dtype))
+    if before_accounting is not None:
+        before_accounting()
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+
     # The certified figures are the worst case over every calibration. Computed before the
     # data: a failure costs nothing, and the accountant's peak memory does not stack on the
     # streaming buffers.
@@ -602,14 +609,14 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              progress: Progress | None) -> PerturbResult:
     jobs = reader.arrays()
-    run = plan(options, jobs, rows=row_groups(module, reader, jobs),
-               per_tensor=reader.records_are_tensors)
+    where: list[tuple[Path, Path]] = []  # the destinations, checked before the accounting
+    run = plan(options, jobs, rows=row_groups(module, reader, jobs), per_tensor=reader.records_are_tensors,
+               before_accounting=lambda: where.append(_destinations(options, module, reader)))
+    destination, manifest_path = where[0]
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
-
-    destination, manifest_path = _destinations(options, module, reader)
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
