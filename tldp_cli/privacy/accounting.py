@@ -379,6 +379,7 @@ def _gaussian_rdp_upper(rho: float, delta: float) -> float:
     return float(np.min(orders * rho + math.log(1 / delta) / (orders - 1))) * (1 + _BOUND_MARGIN)
 
 
+CHERNOFF_MAX_ELEMENT_EPSILON = 50.0
 _CHERNOFF_STEPS = tuple(40.0 ** (k / 20) for k in range(-20, 21))  # the t grid, around its centre
 
 
@@ -414,7 +415,10 @@ def _deferred_discrete_laplace(sensitivity: int, scale: float, log_p: float, cou
         return discrete_laplace_approx_epsilon(sensitivity, scale, log_p, count, delta)  # the pure bound
     element = discrete_laplace_element_epsilon(sensitivity, scale, log_p)
     bound = count * element
-    if count > 1:  # one element: its accountant's run is short, and kept for equal elements
+    # One element: its accountant's run is short, and kept for equal elements. Above
+    # CHERNOFF_MAX_ELEMENT_EPSILON the bound is the pure one alone: where the accountant's
+    # numerics fail, its figure is the pure bound, which a Chernoff bound need not reach.
+    if count > 1 and element <= CHERNOFF_MAX_ELEMENT_EPSILON:
         upper, lower = discrete_laplace_log_pmfs(sensitivity, scale, log_p)
         bound = min(bound, _pld_chernoff(upper, lower, _interval(count, element), count, delta))
     return Deferred(bound, lambda: discrete_laplace_approx_epsilon(sensitivity, scale, log_p, count, delta))
