@@ -737,6 +737,9 @@ def targets(results: dict) -> list[dict]:
                                   f"({row['elements'] / 1e9:.2g} G elements)",
                         "measured": f"{row['peak_rss_mb']:.0f} MB", "required": "< 300 MB",
                         "pass": row["peak_rss_mb"] < 300})
+    for row in results.get("startup", [])[1:]:  # issue 30; the first row is the baseline itself
+        out.append({"target": f"start-up: {row['path']} <= 1.5x python -c 'import numpy' (CPU)",
+                    "measured": f"{row['cpu_ratio']:.2f}x", "required": "<= 1.5x", "pass": row["cpu_ratio"] <= 1.5})
     for peer in peers:
         if "ratio" in peer:
             out.append({"target": f"> 300x {peer['peer']}", "measured": f"{peer['ratio']:.0f}x",
@@ -779,6 +782,10 @@ def markdown(results: dict) -> str:
                          f"{r['input_bytes'] / GB:.2f} GB | {r['output_bytes'] / GB:.2f} GB | {r['seconds']:.1f} | "
                          f"{r['cpu_seconds']:.1f} | "
                          f"{r['melem_s']:.1f} | {r['peak_rss_mb']:.0f} MB |")
+    if results.get("startup"):
+        lines += [""] + startup_markdown(results["startup"], results["startup_reps"])
+    if results.get("planning"):
+        lines += [""] + planning_markdown(results["planning"])
     if results.get("privunit"):
         first = results["privunit"][0]
         lines += ["", f"privunit (issue 28; {first['records']:,} of the same records, secure RNG, 1 worker, "
@@ -818,6 +825,24 @@ def privunit_only(reps: int, out: Path | None) -> int:
     return 0
 
 
+def startup_and_planning_only(args, out: Path | None) -> int:
+    """--startup-only, --planning-only: those sections (issue 30), printed and saved."""
+    results = {"machine": machine_info(), "command": " ".join(["python", "benchmarks/bench.py", *sys.argv[1:]])}
+    lines = []
+    if args.startup_only:
+        reps = args.reps or (3 if args.quick else 15)
+        results["startup_reps"], results["startup"] = reps, startup_times(reps)
+        lines += startup_markdown(results["startup"], reps)
+    if args.planning_only:
+        counts = (1, 100) if args.quick else PLAN_SIZES
+        results["planning"] = planning_times(counts)
+        lines += ([""] if lines else []) + planning_markdown(results["planning"])
+    print("\n".join(lines))
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -843,7 +868,15 @@ def main(argv=None) -> int:
                              "'none' for engine, references and peers only)")
     parser.add_argument("--privunit-only", action="store_true",
                         help="measure only the privunit section (and TLDP-L exact on the same records)")
+    parser.add_argument("--startup-only", action="store_true",
+                        help="measure only the start-up of --version, --help, completion and usage errors "
+                             "against python -c 'import numpy' (15 rounds; --reps sets them)")
+    parser.add_argument("--planning-only", action="store_true",
+                        help="measure only tldp plan's accounting on photos of 1, 100 and 10,000 distinct "
+                             "sizes (1 and 100 with --quick)")
     args = parser.parse_args(argv)
+    if args.startup_only or args.planning_only:
+        return startup_and_planning_only(args, args.out)
     if args.privunit_only:
         return privunit_only(args.reps or (1 if args.quick else 3), args.out)
     which = [] if args.formats == "none" else args.formats.split(",")
@@ -896,6 +929,9 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    results["startup_reps"] = 3 if args.quick else 15
+    results["startup"] = startup_times(results["startup_reps"])
+    results["planning"] = planning_times((1, 100) if args.quick else PLAN_SIZES)
     results["targets"] = targets(results)
     table = markdown(results)
     results["markdown"] = table

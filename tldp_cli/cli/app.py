@@ -4,8 +4,6 @@ runs with (the library call in `run`, JSON output, signals, the progress bar).
 Human-readable text goes to stderr; stdout carries only machine output (--json).
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -1,7 +1,5 @@
 """`tldp audit`."""
 
-from __future__ import annotations
-
 import json
 import os
 from enum import Enum

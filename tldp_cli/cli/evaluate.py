@@ -1,7 +1,5 @@
 """`tldp evaluate`."""
 
-from __future__ import annotations
-
 import os
 from enum import Enum
 from pathlib import Path

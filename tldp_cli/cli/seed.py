@@ -1,7 +1,5 @@
 """`tldp seed`."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """`tldp weight-mask`."""
 
-from __future__ import annotations
-
 import json
 import os
 from enum import Enum
