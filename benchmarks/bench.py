@@ -487,7 +487,7 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
 
     for cached in (accounting.discrete_laplace_approx_epsilon, accounting.discrete_gaussian_epsilon):
         cached.cache_clear()
-    accounting._PLD_EPSILONS.clear()
+    getattr(accounting, "_PLD_EPSILONS", {}).clear()  # (absent before issue 30: compare with main)
     jobs = [ArrayJob(name=f"photo{i}.png", shape=(1, *shape), dtype=np.dtype(np.uint8), read=None,
                      source={"path": f"photo{i}.png"}) for i, shape in enumerate(photo_shapes(count))]
     options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), epsilon=EPSILON, noise=noise))
