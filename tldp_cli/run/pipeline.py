@@ -542,8 +542,8 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     sampled_noise); refuses, as perturb does, what cannot work or needs consent.
     `before_accounting` runs once the options are calibrated, before the certified figures
     are computed (perturb checks its destinations there: a path error comes after the usage
-    errors of the options, but before the accounting, and without importing it)."""
-
+    errors of the options and of their calibration, but before the accounting, without
+    importing it, and so before the refusal of a raw release, which needs its figures)."""
     source = options.input
     rows = rows or []
     range_of = ranges_by_array(options, jobs)
