@@ -69,6 +69,7 @@ def assert_same_as_reference(cs):
         assert repr(got[scope]["approx"]) == repr(expected[scope]["approx"]), scope
 
 
+@pytest.mark.slow  # the reference certifies every size of every example in full (about 40 s)
 @PROPERTY
 @given(noise=st.sampled_from(["discrete-laplace", "discrete-gaussian", "laplace", "gaussian"]),
        mechanism=st.sampled_from(["tldp", "baseline"]),
