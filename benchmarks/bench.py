@@ -390,6 +390,139 @@ def privunit_rates(data: np.ndarray, reps: int) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- start-up (issue 30)
+
+# What a shell loop or a CI job pays before tldp does anything: each path as a whole process
+# (python -m tldp_cli, this checkout), against the interpreter's own start-up with NumPy.
+STARTUP_BASELINE = ("python -c 'import numpy'", [sys.executable, "-c", "import numpy"], {})
+STARTUP_CASES = [  # label, arguments of tldp, extra environment
+    ("--version", ["--version"], {}),
+    ("--help", ["--help"], {}),
+    ("perturb --help", ["perturb", "--help"], {}),
+    ("completion (TAB after 'tldp perturb d.npy --no')", [],
+     {"_TLDP_COMPLETE": "complete_bash", "COMP_WORDS": "tldp perturb d.npy --no", "COMP_CWORD": "3"}),
+    ("bad flag", ["perturb", "d.npy", "--eps", "1", "--bogus"], {}),
+    ("usage error (--eps -1)", ["perturb", "d.npy", "--eps", "-1"], {}),
+    ("missing input", ["perturb", "missing.npy", "--eps", "1"], {}),
+    ("output exists", ["perturb", "d.npy", "--eps", "1"], {}),
+]
+
+
+def child_run(argv: list[str], env: dict, cwd: Path) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one process, its output thrown away."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
+
+
+def startup_times(reps: int) -> list[dict]:
+    """Median CPU and wall seconds of each start-up path over `reps` rounds (one warm-up
+    round first); each round runs the baseline and every path in turn, and the ratios are
+    the medians of the per-round ratios to that round's baseline."""
+    with tempfile.TemporaryDirectory(prefix="tldp-startup-") as folder:
+        cwd = Path(folder)
+        np.save(cwd / "d.npy", digits()[:10])
+        (cwd / "d.tldp.npy").write_bytes(b"an earlier output")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("TLDP_SEED", None)
+        runs = [STARTUP_BASELINE] + [(label, [sys.executable, "-m", "tldp_cli", *args], extra)
+                                     for label, args, extra in STARTUP_CASES]
+        samples: list[list[tuple[float, float]]] = [[] for _ in runs]
+        for round_ in range(reps + 1):
+            for i, (_, argv, extra) in enumerate(runs):
+                sample = child_run(argv, {**env, **extra}, cwd)
+                if round_:
+                    samples[i].append(sample)
+    base = samples[0]
+    rows = []
+    for (label, argv, extra), got in zip(runs, samples):
+        row = {"path": label, "command": " ".join(["tldp", *argv[3:]]) if argv[1:3] == ["-m", "tldp_cli"]
+               else label, "cpu_seconds": float(np.median([c for c, _ in got])),
+               "wall_seconds": float(np.median([w for _, w in got])),
+               "cpu_ratio": float(np.median([c / b[0] for (c, _), b in zip(got, base)])),
+               "wall_ratio": float(np.median([w / b[1] for (_, w), b in zip(got, base)]))}
+        rows.append(row)
+        print(f"  start-up {label:48} {row['cpu_seconds']:.3f} s CPU {row['cpu_ratio']:.2f}x", file=sys.stderr)
+    return rows
+
+
+def startup_markdown(rows: list[dict], reps: int) -> list[str]:
+    lines = [f"Start-up (issue 30: each path as a whole process, `python -m tldp_cli` from this checkout; "
+             f"medians of {reps} rounds; ratio: to `python -c 'import numpy'` in the same round, target <= 1.5):",
+             "", "| path | CPU s | wall s | ratio (CPU) | ratio (wall) |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['path']} | {r['cpu_seconds']:.3f} | {r['wall_seconds']:.3f} | {r['cpu_ratio']:.2f} | "
+              f"{r['wall_ratio']:.2f} |" for r in rows]
+    return lines
+
+
+# ---------------------------------------------------------------- planning (issue 30)
+
+PLAN_SIZES = (1, 100, 10_000)  # distinct record sizes planned at once
+PLAN_SIDES = (200, 800)  # the photos' height and width in pixels, RGB
+
+
+def photo_shapes(count: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """`count` RGB photo shapes of distinct sizes (H x W x 3 elements, H and W in PLAN_SIDES)."""
+    rng = np.random.default_rng(seed)
+    shapes, sizes = [], set()
+    while len(shapes) < count:
+        h, w = (int(v) for v in rng.integers(*PLAN_SIDES, size=2, endpoint=True))
+        if h * w not in sizes:
+            sizes.add(h * w)
+            shapes.append((h, w, 3))
+    return shapes
+
+
+def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
+    """pipeline.plan, what `tldp plan photos/ --eps 1` runs once the headers are read, on
+    `count` photos of distinct sizes (one record each, uint8): calibration and the certified
+    figures, every one from the accounting. In this process: the imports are done, the
+    accountant's caches are emptied first."""
+    from tldp_cli.privacy import accounting
+
+    for cached in (accounting.discrete_laplace_approx_epsilon, accounting.discrete_gaussian_epsilon):
+        cached.cache_clear()
+    getattr(accounting, "_PLD_EPSILONS", {}).clear()  # (absent before issue 30: compare with main)
+    jobs = [ArrayJob(name=f"photo{i}.png", shape=(1, *shape), dtype=np.dtype(np.uint8), read=None,
+                     source={"path": f"photo{i}.png"}) for i, shape in enumerate(photo_shapes(count))]
+    options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), epsilon=EPSILON, noise=noise))
+    start, cpu_start = time.perf_counter(), time.process_time()
+    run = pipeline.plan(options, jobs)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"sizes": count, "noise": options.noise, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "calibrations": len(run.calibrations), "elements": [min(j.elements for j in jobs),
+                                                                   max(j.elements for j in jobs)],
+            "per_record_epsilon": run.certified["per_record"]["epsilon"],
+            "per_record_approx_epsilon": run.certified["per_record"]["approx"]["epsilon"]}
+
+
+def planning_times(counts=PLAN_SIZES) -> list[dict]:
+    pipeline.plan(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
+                  [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
+    rows = []
+    for count in counts:
+        rows.append(plan_seconds(count))
+        print(f"  plan {count:6} distinct sizes: {rows[-1]['seconds']:.2f} s ({rows[-1]['cpu_seconds']:.2f} s CPU)",
+              file=sys.stderr)
+    return rows
+
+
+def planning_markdown(rows: list[dict]) -> list[str]:
+    lo, hi = PLAN_SIDES
+    lines = [f"Planning (issue 30: `pipeline.plan` as `tldp plan photos/ --eps 1` runs it after the headers, on "
+             f"RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
+             "| distinct sizes | elements per record | seconds | CPU seconds | per-record eps (approx) |",
+             "|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['sizes']:,} | {r['elements'][0]:,}-{r['elements'][1]:,} | {r['seconds']:.2f} | "
+              f"{r['cpu_seconds']:.2f} | {r['per_record_approx_epsilon']:.6g} |" for r in rows]
+    return lines
+
+
 # ---------------------------------------------------------------- peers
 
 def import_diffprivlib():
@@ -604,6 +737,9 @@ def targets(results: dict) -> list[dict]:
                                   f"({row['elements'] / 1e9:.2g} G elements)",
                         "measured": f"{row['peak_rss_mb']:.0f} MB", "required": "< 300 MB",
                         "pass": row["peak_rss_mb"] < 300})
+    for row in results.get("startup", [])[1:]:  # issue 30; the first row is the baseline itself
+        out.append({"target": f"start-up: {row['path']} <= 1.5x python -c 'import numpy' (CPU)",
+                    "measured": f"{row['cpu_ratio']:.2f}x", "required": "<= 1.5x", "pass": row["cpu_ratio"] <= 1.5})
     for peer in peers:
         if "ratio" in peer:
             out.append({"target": f"> 300x {peer['peer']}", "measured": f"{peer['ratio']:.0f}x",
@@ -646,6 +782,10 @@ def markdown(results: dict) -> str:
                          f"{r['input_bytes'] / GB:.2f} GB | {r['output_bytes'] / GB:.2f} GB | {r['seconds']:.1f} | "
                          f"{r['cpu_seconds']:.1f} | "
                          f"{r['melem_s']:.1f} | {r['peak_rss_mb']:.0f} MB |")
+    if results.get("startup"):
+        lines += [""] + startup_markdown(results["startup"], results["startup_reps"])
+    if results.get("planning"):
+        lines += [""] + planning_markdown(results["planning"])
     if results.get("privunit"):
         first = results["privunit"][0]
         lines += ["", f"privunit (issue 28; {first['records']:,} of the same records, secure RNG, 1 worker, "
@@ -685,6 +825,24 @@ def privunit_only(reps: int, out: Path | None) -> int:
     return 0
 
 
+def startup_and_planning_only(args, out: Path | None) -> int:
+    """--startup-only, --planning-only: those sections (issue 30), printed and saved."""
+    results = {"machine": machine_info(), "command": " ".join(["python", "benchmarks/bench.py", *sys.argv[1:]])}
+    lines = []
+    if args.startup_only:
+        reps = args.reps or (3 if args.quick else 15)
+        results["startup_reps"], results["startup"] = reps, startup_times(reps)
+        lines += startup_markdown(results["startup"], reps)
+    if args.planning_only:
+        counts = (1, 100) if args.quick else PLAN_SIZES
+        results["planning"] = planning_times(counts)
+        lines += ([""] if lines else []) + planning_markdown(results["planning"])
+    print("\n".join(lines))
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -710,7 +868,15 @@ def main(argv=None) -> int:
                              "'none' for engine, references and peers only)")
     parser.add_argument("--privunit-only", action="store_true",
                         help="measure only the privunit section (and TLDP-L exact on the same records)")
+    parser.add_argument("--startup-only", action="store_true",
+                        help="measure only the start-up of --version, --help, completion and usage errors "
+                             "against python -c 'import numpy' (15 rounds; --reps sets them)")
+    parser.add_argument("--planning-only", action="store_true",
+                        help="measure only tldp plan's accounting on photos of 1, 100 and 10,000 distinct "
+                             "sizes (1 and 100 with --quick)")
     args = parser.parse_args(argv)
+    if args.startup_only or args.planning_only:
+        return startup_and_planning_only(args, args.out)
     if args.privunit_only:
         return privunit_only(args.reps or (1 if args.quick else 3), args.out)
     which = [] if args.formats == "none" else args.formats.split(",")
@@ -763,6 +929,9 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    results["startup_reps"] = 3 if args.quick else 15
+    results["startup"] = startup_times(results["startup_reps"])
+    results["planning"] = planning_times((1, 100) if args.quick else PLAN_SIZES)
     results["targets"] = targets(results)
     table = markdown(results)
     results["markdown"] = table

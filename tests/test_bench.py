@@ -63,3 +63,28 @@ def test_privunit_only_prints_its_table_and_writes_its_numbers(tmp_path, capsys)
     assert "| privunit | 10 | 128 |" in capsys.readouterr().out
     saved = json.loads((tmp_path / "r.json").read_text())
     assert [r["case"] for r in saved["privunit"]][:2] == ["TLDP-L exact", "projection"]
+
+
+def test_startup_section_times_each_path_against_the_interpreter(capsys):
+    bench = load_bench()
+    bench.STARTUP_CASES = [case for case in bench.STARTUP_CASES if case[0] in ("--version", "output exists")]
+    rows = bench.startup_times(reps=1)
+    assert [r["path"] for r in rows] == [bench.STARTUP_BASELINE[0], "--version", "output exists"]
+    assert rows[0]["cpu_ratio"] == 1.0 and all(r["cpu_seconds"] > 0 and r["wall_ratio"] > 0 for r in rows)
+    assert rows[2]["command"] == "tldp perturb d.npy --eps 1"
+    bench.MECHANISMS = []  # no engine rows: the start-up targets alone
+    targets = bench.targets({"startup": rows, "engine": [], "end_to_end": [], "peers": [],
+                             "references": {"PCG64 standard_normal float32": {"melem_s": 1.0}}})
+    assert [t["target"] for t in targets] == [
+        "start-up: --version <= 1.5x python -c 'import numpy' (CPU)",
+        "start-up: output exists <= 1.5x python -c 'import numpy' (CPU)"]
+    assert "| output exists |" in "\n".join(bench.startup_markdown(rows, 1))
+
+
+def test_planning_section_plans_photos_of_distinct_sizes():
+    bench = load_bench()
+    rows = bench.planning_times((1, 30))
+    assert [(r["sizes"], r["calibrations"]) for r in rows] == [(1, 1), (30, 30)]
+    assert len({h * w for h, w, _ in bench.photo_shapes(30)}) == 30
+    assert rows[1]["per_record_approx_epsilon"] <= rows[1]["per_record_epsilon"]
+    assert "| 30 |" in "\n".join(bench.planning_markdown(rows))

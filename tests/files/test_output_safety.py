@@ -389,7 +389,7 @@ def test_default_names_keep_compound_suffixes(name, expected):
 INTERRUPTED_RUN = textwrap.dedent("""
     import atexit, contextlib, os, signal, sys
     from tldp_cli.files import output
-    from tldp_cli.run import manifest
+    from tldp_cli.run import manifest, pipeline
     import tldp_cli.cli.perturb as command
     from tldp_cli.entry import main
 
@@ -414,7 +414,7 @@ INTERRUPTED_RUN = textwrap.dedent("""
     elif moment == "after":
         output.Staging.close = signal_before(output.Staging.close)
     elif moment == "returned":
-        command.perturb = signal_after(command.perturb)
+        pipeline.perturb = signal_after(pipeline.perturb)  # the command imports it when it runs
     elif moment == "reported":
         @contextlib.contextmanager
         def then_signal(original=command.uninterruptible):

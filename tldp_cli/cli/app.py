@@ -4,8 +4,6 @@ runs with (the library call in `run`, JSON output, signals, the progress bar).
 Human-readable text goes to stderr; stdout carries only machine output (--json).
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os
@@ -65,6 +63,17 @@ class _OneLineErrors(TyperGroup):
                 return [target, *rest]
         return words
 
+    def get_params(self, ctx):
+        """The root's bare flags (--help, --install-completion, --show-completion) default to
+        False rather than None: Typer skips coercing a flag's bool, and its first coercion
+        imports pydantic (a tenth of a second), which `tldp perturb --help`, completion and a
+        bad flag then never pay (tests/cli/test_startup.py)."""
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.default is None:
+                param.default = False
+        return params
+
     def _bare(self, words: list[str]) -> bool:
         """No words, or only a command that needs arguments (no_args_is_help)."""
         if not words:
@@ -76,7 +85,9 @@ class _OneLineErrors(TyperGroup):
         with self.make_context(prog_name, [], resilient_parsing=True) as ctx:
             if words:
                 command = self.commands[words[0]]
-                with command.make_context(words[0], [], parent=ctx, resilient_parsing=True) as sub:
+                # a context for the help text alone: parsing the command's options would
+                # coerce each one, and Typer's coercion imports pydantic
+                with command.context_class(command, info_name=words[0], parent=ctx) as sub:
                     typer.echo(command.get_help(sub), err=True)
             else:
                 typer.echo(self.get_help(ctx), err=True)

@@ -1,7 +1,5 @@
 """`tldp audit`."""
 
-from __future__ import annotations
-
 import json
 import os
 from enum import Enum
@@ -10,8 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, BasisOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
-from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, fail, run
 
 
@@ -85,6 +81,8 @@ def audit_command(
     (docs/audit.md).
     """
     from tldp_cli import audit as audit_mod
+    from tldp_cli.privacy.mechanisms import default_noise
+    from tldp_cli.run.pipeline import parse_range
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 

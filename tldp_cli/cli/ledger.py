@@ -1,7 +1,5 @@
 """`tldp ledger`."""
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

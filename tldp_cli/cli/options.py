@@ -1,8 +1,6 @@
 """Options that several commands share, defined once: their choices, their help and
 where a seed comes from."""
 
-from __future__ import annotations
-
 import os
 import stat
 from enum import Enum

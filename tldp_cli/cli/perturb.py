@@ -1,23 +1,19 @@
 """`tldp perturb`."""
 
-from __future__ import annotations
-
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
-from tldp_cli.privacy import accounting
-from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.formats import plural
-from tldp_cli.run import batch
-from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+if TYPE_CHECKING:
+    from tldp_cli.run.pipeline import PerturbOptions
+
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
                               records_phrase, run, sigterm_interrupts, unperturbed_note)
 
@@ -142,9 +138,9 @@ def perturb_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Quiet = False,
     verbose: Verbose = False,
-    block_elements: Annotated[int, typer.Option(min=1, hidden=True,
-                                                help="Elements per block (tests, benchmarks).")
-                              ] = BLOCK_ELEMENTS,
+    block_elements: Annotated[Optional[int], typer.Option(min=1, hidden=True,
+                                                          help="Elements per block (tests, benchmarks).")
+                              ] = None,
     debug: Debug = False,
 ):
     """Perturb every record of INPUT with TLDP and write a privacy manifest.
@@ -170,10 +166,15 @@ def perturb_command(
     In a model file (.npz, .safetensors) each tensor is a record, and the line
     adds the whole file, all its tensors composed.
     """
+    # The library is imported here, not at the top: --help, completion and usage errors
+    # stay quick (tests/cli/test_startup.py).
+    from tldp_cli.privacy.mechanisms import default_noise
+    from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
-    def options() -> PerturbOptions:
+    def options() -> "PerturbOptions":
         default_range, ranges = parse_ranges(value_range or [])
         return PerturbOptions(
             input=paths[0], epsilon=eps, mechanism=mechanism.value,
@@ -192,7 +193,7 @@ def perturb_command(
             dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
             sampler=sampler.value, basis=basis,
-            block_elements=block_elements)
+            block_elements=block_elements or BLOCK_ELEMENTS)
 
     display = Display(quiet, verbose)
     if len(paths) > 1 or inputs_from is not None:
@@ -218,6 +219,8 @@ def perturb_command(
 
 def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
     """INPUT... then the paths --inputs-from lists."""
+    from tldp_cli.run import batch
+
     if quiet and verbose:
         raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
     paths = list(inputs or [])
@@ -232,14 +235,17 @@ def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, ve
     return paths
 
 
-def _perturb_several(options: PerturbOptions, paths: list[Path], display: Display, quiet: bool,
+def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Display, quiet: bool,
                      json_out: bool, debug: bool) -> int:
     """Each input its own run, reported as it ends (an error: one line naming it); exit 1
     if any failed. --json prints the manifests written, as one JSON list."""
+    from tldp_cli.formats import plural
+    from tldp_cli.run import batch
+
     each = run(debug, lambda: batch.prepare(options, paths))
     failed, manifests, current = [], [], []
 
-    def start(i: int, options: PerturbOptions) -> None:
+    def start(i: int, options: "PerturbOptions") -> None:
         current[:] = [i, options.input]
         display.prefix, display.name = f"[{i + 1}/{len(each)}] ", f"{options.input}: "
 
@@ -308,6 +314,8 @@ def _write_preview(preview: Path, input: Path, result, name_map, input_format, o
 
 
 def _report(result, quiet: bool, json_out: bool) -> None:
+    from tldp_cli.privacy import accounting
+
     m = result.manifest
     if not quiet:
         for message in result.messages:

@@ -1,19 +1,17 @@
 """`tldp plan`."""
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy import accounting
-from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
+if TYPE_CHECKING:
+    from tldp_cli.run.pipeline import PerturbOptions
+
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
                               run, unperturbed_note)
 
@@ -75,8 +73,9 @@ def plan_command(
     With several inputs, each is planned in turn (a failed one: one line naming it, exit 1
     at the end) and --json prints the plans as one JSON list.
     """
+    from tldp_cli.privacy.mechanisms import default_noise
     from tldp_cli.run import planning
-    from tldp_cli.audit import parse_shape
+    from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
@@ -105,6 +104,8 @@ def plan_command(
         try:
             if inputs:
                 return planning.plan_input(options, phase=display.phase)
+            from tldp_cli.audit import parse_shape
+
             return planning.plan_records(options, parse_shape(elements), records, input_dtype)
         finally:
             display.close()
@@ -117,7 +118,7 @@ def plan_command(
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
 
 
-def _plan_several(options: PerturbOptions, inputs: list[Path], display: Display, quiet: bool,
+def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Display, quiet: bool,
                   json_out: bool, debug: bool) -> int:
     """Each input planned in turn: its plan, or one line naming it; exit 1 if any failed."""
     from tldp_cli.run import planning
@@ -144,6 +145,8 @@ def _plan_several(options: PerturbOptions, inputs: list[Path], display: Display,
 
 
 def _print(report: dict, quiet: bool) -> None:
+    from tldp_cli.privacy import accounting  # after the plan: its errors never import it
+
     if not quiet:
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)

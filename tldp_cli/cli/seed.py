@@ -1,7 +1,5 @@
 """`tldp seed`."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated
 
@@ -9,7 +7,6 @@ import typer
 
 from tldp_cli.cli.app import app
 from tldp_cli.cli.options import Debug, Quiet
-from tldp_cli.sampling.rng import new_seed
 
 
 @app.command("seed")
@@ -32,6 +29,8 @@ def seed_command(
       TLDP_SEED=$(cat release-1.seed) tldp perturb data.npy --eps 1 --range 0:1
       python -c "import secrets; print(secrets.token_hex(16))"    # the same, without tldp
     """
+    from tldp_cli.sampling.rng import new_seed
+
     seed = new_seed()
     typer.echo(json.dumps({"seed": seed}) if json_out else seed)
 

@@ -1,7 +1,5 @@
 """`tldp sweep` (and `tldp evaluate --sweep`, its deprecated alias)."""
 
-from __future__ import annotations
-
 import os
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,7 +9,6 @@ import typer
 from tldp_cli.cli.options import (AllowWeakSeed, Budget, Debug, InputFormat, Labels, Model, ModelOption, Quiet,
                                   RngKind, SeedFile, TestLabels, TestRecords, data_path, output_path, resolve_seed)
 from tldp_cli.errors import UsageError
-from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.app import DEBUG_ENV, app, deprecated_flag, emit_json, progress_bar, run, shown
 
 
@@ -96,6 +93,7 @@ def sweep_command(
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     from tldp_cli import evaluate as ev
+    from tldp_cli.run.pipeline import parse_range
 
     def action():
         epsilons = ev.parse_eps_list(eps)

@@ -1,7 +1,5 @@
 """`tldp weight-mask`."""
 
-from __future__ import annotations
-
 import json
 import os
 from enum import Enum
@@ -10,7 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.run.pipeline import parse_range
 from tldp_cli.cli.options import InputFormatOption, Quiet, Debug, data_path, file_path, output_path
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
@@ -98,6 +95,7 @@ def weight_mask_command(
       tldp weight-mask photos/ --method image --mask-image region.png --resize --out masks
       tldp weight-mask photos/ --method faces --margin 0.3 --feather 8 --out masks --preview check.png
     """
+    from tldp_cli.run.pipeline import parse_range
     from tldp_cli.weight_mask import MaskOptions, make_mask
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))

@@ -54,13 +54,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 from tldp_cli.files import output
-from tldp_cli.files.checked_io import open_regular
 from tldp_cli.errors import InputError, UsageError, reason_of
+
+if TYPE_CHECKING:  # NumPy and the readers' file helpers are imported where used: the CLI's
+    import numpy as np  # --help and usage errors import this registry and nothing heavy
 
 
 @dataclass
@@ -93,6 +93,8 @@ class ArrayJob:
 
     @property
     def elements(self) -> int:
+        import numpy as np
+
         return int(np.prod(self.record_shape, dtype=np.int64)) if self.record_shape else 1
 
 
@@ -195,6 +197,8 @@ class FormatOptions:
 def least_output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
     """The least an output needs on disk: the perturbed values in the engine's dtype (noise
     does not compress)."""
+    import numpy as np
+
     return sum(job.records * job.elements for job in jobs) * np.dtype(dtype).itemsize
 
 
@@ -331,7 +335,9 @@ def detect(path: Path, format_name: str | None = None) -> Format:
     names no file may be a pattern of files (Format.pattern_input)."""
     if format_name is not None and format_name not in FORMAT_MODULES:
         raise UsageError(f"--format must be one of {', '.join(names())}, not {format_name}")
-    if not os.path.lexists(path):
+    # Patterns of files are brace patterns; a missing path without braces imports no format
+    # library to find out that it is missing (tests/cli/test_startup.py).
+    if not os.path.lexists(path) and ("{" in str(path) or "}" in str(path)):
         chosen = next((f for f in registered() if format_name in (None, f.name) and f.pattern_input(path)), None)
         if chosen is not None:
             return chosen
@@ -361,6 +367,8 @@ DICOM_REASON = ("its headers hold patient names and IDs, which tldp does not rea
 def is_dicom(path: Path) -> bool:
     """A DICOM file: the magic DICM after the 128-byte preamble, or the .dcm suffix. False
     for what is not a regular file (never opened: a FIFO would block)."""
+    from tldp_cli.files.checked_io import open_regular
+
     if path.name.lower().endswith(".dcm"):
         return True
     try:
@@ -384,6 +392,8 @@ def data_file(path: Path) -> str | None:
     --copy-other): it holds data tldp reads (a registered format), a Python pickle, or a
     medical image (DICOM, NIfTI), whose headers can also name the patient. None for any
     other file, and for what is not a regular file (never opened: a FIFO would block)."""
+    from tldp_cli.files.checked_io import open_regular
+
     name = path.name.lower()
     try:
         if not path.is_file():
@@ -412,6 +422,8 @@ def _gunzipped_head(path: Path, size: int) -> bytes:
     b"" when it is not valid gzip."""
     import gzip
     import zlib
+
+    from tldp_cli.files.checked_io import open_regular
     try:
         with open_regular(path) as f, gzip.GzipFile(fileobj=f) as unzipped:
             return unzipped.read(size)
@@ -495,6 +507,8 @@ def padded_chunk(part: np.ndarray, chunk_shape: tuple[int, ...], fill_value: Any
     HDF5 and zarr-python store it); a whole chunk as it is."""
     if part.shape == tuple(chunk_shape):
         return part
+    import numpy as np
+
     padded = np.full(chunk_shape, fill_value, dtype=dtype)
     padded[tuple(slice(0, n) for n in part.shape)] = part
     return padded

@@ -216,21 +216,26 @@ def raw_release_scopes(certified: dict[str, Any]) -> list[tuple[str, float]]:
             if certified[name]["point_mass_delta"] > certified["dp_delta"]]
 
 
-def _scope(calib: Calibration, count: int) -> dict[str, Any]:
-    """Guarantee of `count` elements perturbed together (1: an element; I: a record)."""
+def _scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, Any]:
+    """Guarantee of `count` elements perturbed together (1: an element; I: a record).
+    `deferred` (certify_all over many record sizes): the figure that takes an accountant's
+    run is a Deferred, computed only if it can be the worst case."""
     if calib.privunit is not None:
         return _privunit_scope(calib, 1)
     if calib.noise.startswith("discrete-"):
-        return _discrete_scope(calib, count)
+        return _discrete_scope(calib, count, deferred)
     D, scale, target = calib.range_width, calib.scale, calib.dp_delta
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
     at_delta, total = noise_delta(target, pm_delta)  # a union bound; a total of 1 says nothing
     if calib.noise == "laplace":
         pure = scope_epsilon(calib, count)
-        approx_eps = laplace_composed_epsilon(scale / D, count, at_delta)
+        approx_eps = (Deferred(count / (scale / D), lambda: laplace_composed_epsilon(scale / D, count, at_delta))
+                      if deferred else laplace_composed_epsilon(scale / D, count, at_delta))
         return Guarantee.pure(pure, approx_eps, total, (pm_delta, pm_log10)).as_dict()
     rho = count * D**2 / (2 * scale**2)
-    return Guarantee.approximate(scope_epsilon(calib, count), total, rho, (pm_delta, pm_log10)).as_dict()
+    epsilon = (Deferred(_zcdp_epsilon(rho, at_delta), lambda: scope_epsilon(calib, count)) if deferred
+               else scope_epsilon(calib, count))
+    return Guarantee.approximate(epsilon, total, rho, (pm_delta, pm_log10)).as_dict()
 
 
 def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
@@ -260,6 +265,11 @@ def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
 
 
 def certify(calib: Calibration) -> dict[str, Any]:
+    return _certify(calib, deferred=False)
+
+
+def _certify(calib: Calibration, deferred: bool) -> dict[str, Any]:
+    """certify(calib); `deferred`: see _scope."""
     if calib.privunit is not None:
         return certify_privunit(calib)
     notes = discrete_notes(calib) if calib.noise.startswith("discrete-") else []
@@ -281,8 +291,8 @@ def certify(calib: Calibration) -> dict[str, Any]:
                      "designed is the (epsilon, delta) per record its own analysis states for "
                      "that noise, looser than the tight per_record figure.")
     certified = {
-        "per_element": _scope(calib, 1),
-        "per_record": _scope(calib, calib.elements),
+        "per_element": _scope(calib, 1, deferred),
+        "per_record": _scope(calib, calib.elements, deferred),
         "dp_delta": calib.dp_delta,
         "accountant": "closed form (pure eps, zCDP); dp-accounting (Laplace: min of PLD and RDP; analytic Gaussian)",
         "notes": notes,
@@ -304,15 +314,114 @@ def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
     (no zCDP bound) when any scope has none."""
     rhos = [s["rho"] for s in scopes]
     return Guarantee(
-        epsilon=max(s["epsilon"] for s in scopes),
+        epsilon=_worst([s["epsilon"] for s in scopes]),
         delta=max(s["delta"] for s in scopes),
         delta_log10=_top([s["delta_log10"] for s in scopes]),
         rho=None if None in rhos else max(rhos),
         approx_delta=max(s["approx"]["delta"] for s in scopes),
-        approx_epsilon=max(s["approx"]["epsilon"] for s in scopes),
+        approx_epsilon=_worst([s["approx"]["epsilon"] for s in scopes]),
         point_mass_delta=max(s["point_mass_delta"] for s in scopes),
         point_mass_delta_log10=_top([s["point_mass_delta_log10"] for s in scopes]),
     ).as_dict()
+
+
+# --------------------------------------------------------------------------- many record sizes
+# A folder of images of thousands of sizes has a calibration per size, and certify_all states
+# the worst case over them, field by field. The figures that take an accountant's run (the
+# privacy-loss distribution of I elements, the analytic Gaussian) are Deferred there: each
+# carries a cheap upper bound on the very number the accountant would return, and _worst
+# runs the accountant in decreasing order of the bounds, only while a bound exceeds the
+# largest figure found. The result is the same maximum as computing every one (a figure
+# skipped is at most its bound, which is at most that maximum), in the time of a few.
+
+class Deferred:
+    """A figure not computed yet (compute()), and `upper`, an upper bound on it."""
+
+    __slots__ = ("upper", "_compute", "_value")
+
+    def __init__(self, upper: float, compute) -> None:
+        self.upper, self._compute, self._value = float(upper), compute, None
+
+    def value(self) -> float:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+
+def _worst(values: list) -> float:
+    """max(values), where any may be a Deferred (see above)."""
+    known = [v for v in values if not isinstance(v, Deferred)]
+    worst = max(known) if known else -math.inf
+    pending = {id(v): v for v in values if isinstance(v, Deferred)}
+    for figure in sorted(pending.values(), key=lambda v: v.upper, reverse=True):
+        if figure.upper <= worst:
+            break  # this bound and every later one: no figure above the worst found
+        worst = max(worst, figure.value())
+    return worst
+
+
+_BOUND_MARGIN = 1e-9  # relative: the bounds below, raised past their own rounding
+
+
+def _zcdp_epsilon(rho: float, delta: float) -> float:
+    """rho + 2 sqrt(rho ln(1/delta)): above the analytic Gaussian epsilon of a Gaussian
+    mechanism of zCDP rho (Bun and Steinke 2016, Proposition 1.3), which is exact."""
+    return (rho + 2 * math.sqrt(rho * math.log(1 / delta))) * (1 + 1e-6) + 1e-9
+
+
+def _gaussian_rdp_upper(rho: float, delta: float) -> float:
+    """At least what discrete_gaussian_epsilon returns for a total rho: its RDP accountant's
+    epsilon is, at each order a > 1.01 of rdp_orders, r + ln((a-1)/a) - ln(delta a)/(a-1)
+    <= a rho + ln(1/delta)/(a-1) (r = a rho), and it takes the least over the orders."""
+    import numpy as np
+
+    orders = np.array([a for a in rdp_orders() if a > 1.01])
+    return float(np.min(orders * rho + math.log(1 / delta) / (orders - 1))) * (1 + _BOUND_MARGIN)
+
+
+CHERNOFF_MAX_ELEMENT_EPSILON = 50.0
+_CHERNOFF_STEPS = tuple(40.0 ** (k / 20) for k in range(-20, 21))  # the t grid, around its centre
+
+
+def _pld_chernoff(log_upper, log_lower, interval: float, count: int, delta: float) -> float:
+    """An upper bound on what _composed_pld_epsilon returns (when the accountant's numerics
+    hold): the composed loss L of `count` elements of the same pessimistic pair (losses
+    rounded up to multiples of `interval`, as _pld_from_log_pmfs) has hockey-stick
+    delta(eps) <= P(L > eps) <= exp(count K(t) - t eps) for every t > 0 (Chernoff; K the log
+    moment generating function of one element's rounded loss), so eps is at most
+    (count K(t) + ln(1/delta'))/t. delta' leaves delta/1000 for what the accountant's tail
+    truncation (1e-15) and floating point add to its delta."""
+    import numpy as np
+
+    losses = pessimistic_bins(log_upper, log_lower, interval) * interval
+    log_delta = math.log(1 / (delta * (1 - 1e-3)))
+    # Any t gives a bound; the best is near sqrt(2 ln(1/delta) / (count var)) (the loss is
+    # nearly normal once composed), so the grid spans a factor 40 either side of that.
+    weights = np.exp(log_upper)
+    mean = float(weights @ losses) / float(weights.sum())
+    spread = math.sqrt(max(float(weights @ (losses - mean) ** 2) / float(weights.sum()), 1e-300))
+    centre = min(max(math.sqrt(2 * log_delta / count) / spread, 1e-7), 1e5)
+    t = centre * np.array(_CHERNOFF_STEPS)[:, None]
+    exponents = log_upper + t * losses  # ln(p_k) + t l_k, p_k the mass (before its bin's sum)
+    top = exponents.max(axis=1, keepdims=True)
+    K = (top + np.log(np.exp(exponents - top).sum(axis=1, keepdims=True)))[:, 0]
+    bounds = (count * K + log_delta) / t[:, 0]
+    return float(np.min(bounds)) * (1 + _BOUND_MARGIN) + _BOUND_MARGIN
+
+
+def _deferred_discrete_laplace(sensitivity: int, scale: float, log_p: float, count: int, delta: float):
+    """discrete_laplace_approx_epsilon, Deferred where it runs the accountant."""
+    if not (sensitivity + 3 <= DISCRETE_PLD_MAX_OUTCOMES and count <= PLD_MAX_RELEASES):
+        return discrete_laplace_approx_epsilon(sensitivity, scale, log_p, count, delta)  # the pure bound
+    element = discrete_laplace_element_epsilon(sensitivity, scale, log_p)
+    bound = count * element
+    # One element: its accountant's run is short, and kept for equal elements. Above
+    # CHERNOFF_MAX_ELEMENT_EPSILON the bound is the pure one alone: where the accountant's
+    # numerics fail, its figure is the pure bound, which a Chernoff bound need not reach.
+    if count > 1 and element <= CHERNOFF_MAX_ELEMENT_EPSILON:
+        upper, lower = discrete_laplace_log_pmfs(sensitivity, scale, log_p)
+        bound = min(bound, _pld_chernoff(upper, lower, _interval(count, element), count, delta))
+    return Deferred(bound, lambda: discrete_laplace_approx_epsilon(sensitivity, scale, log_p, count, delta))
 
 
 def certify_all(calibrations: list[Calibration],
@@ -348,7 +457,7 @@ def _certify_each(calibrations: list[Calibration]) -> dict[str, Any]:
         raise ValueError("certify_all needs at least one calibration")
     if len(distinct) == 1:
         return certify(distinct[0])
-    certs = [certify(c) for c in distinct]
+    certs = [_certify(c, deferred=True) for c in distinct]
     notes = list(dict.fromkeys(note for cert in certs for note in cert["notes"]))
     notes.append(f"The records have {len(distinct)} calibrations (record sizes): per_element and "
                  "per_record are the worst case over them, field by field (the largest epsilon, "
@@ -649,14 +758,30 @@ DISCRETE_PLD_MAX_OUTCOMES = 1 << 22  # beyond: the pure (Laplace) or RDP (Gaussi
 def _composed_pld_epsilon(log_upper, log_lower, interval: float, count: int, delta: float,
                           infinity_mass: float = 0.0) -> list[float]:
     """[eps at delta of `count` releases of one mechanism given by its two log pmfs], or []
-    where the privacy-loss distribution's numerics fail (pld_bound)."""
+    where the privacy-loss distribution's numerics fail (pld_bound). Kept by the exact
+    bytes of its inputs: records of different sizes whose retain probability is below
+    float64's resolution (every image of a folder) share one element's computation."""
+    import hashlib
+
+    key = (hashlib.blake2b(log_upper.tobytes() + b"|" + log_lower.tobytes(), digest_size=20).digest(),
+           len(log_upper), interval, count, delta, infinity_mass)
+    if key in _PLD_EPSILONS:
+        return list(_PLD_EPSILONS[key])
+
     def composed() -> float:
         pld = _pld_from_log_pmfs(log_upper, log_lower, interval, infinity_mass)
         if count > 1:
             pld = pld.self_compose(count)
         return pld.get_epsilon_for_delta(delta)
 
-    return pld_bound(composed)
+    found = pld_bound(composed)
+    if len(_PLD_EPSILONS) >= 4096:
+        _PLD_EPSILONS.clear()
+    _PLD_EPSILONS[key] = tuple(found)
+    return found
+
+
+_PLD_EPSILONS: dict[tuple, tuple[float, ...]] = {}
 
 
 def _interval(count: int, spread: float) -> float:
@@ -786,15 +911,17 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
     return float(min(bounds))
 
 
-def _discrete_scope(calib: Calibration, count: int) -> dict[str, Any]:
+def _discrete_scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, Any]:
     d, scale, target = calib.grid_values - 1, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
-        approx = discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target)
+        approx = (_deferred_discrete_laplace(d, scale, calib.log_p, count, target) if deferred
+                  else discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target))
         return Guarantee.pure(scope_epsilon(calib, count), approx, target).as_dict()
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
-    _, total = noise_delta(target, pm_delta)
-    return Guarantee.approximate(scope_epsilon(calib, count), total, count * d**2 / (2 * scale**2),
-                                 (pm_delta, pm_log10)).as_dict()
+    at_delta, total = noise_delta(target, pm_delta)
+    epsilon = (Deferred(_gaussian_rdp_upper(count * d**2 / (2 * scale**2), at_delta),
+                        lambda: scope_epsilon(calib, count)) if deferred else scope_epsilon(calib, count))
+    return Guarantee.approximate(epsilon, total, count * d**2 / (2 * scale**2), (pm_delta, pm_log10)).as_dict()
 
 
 def discrete_notes(calib: Calibration) -> list[str]:

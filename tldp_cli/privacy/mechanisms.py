@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import functools
 
-from tldp_cli.privacy import accounting, mvg_idn, privunit
+from tldp_cli.privacy import mvg_idn, privunit
 from tldp_cli.errors import UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
@@ -168,6 +168,8 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
         return _calibrate_discrete(mechanism=mechanism, noise=noise, budget=budget, epsilon=epsilon,
                                    range_width=range_width, elements=elements, dp_delta=dp_delta,
                                    granularity=granularity)
+    from tldp_cli.privacy import accounting  # here: discrete noises' calibration never imports it
+
     if granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, "
                          "discrete-gaussian)")
@@ -277,6 +279,8 @@ def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float,
 def _row_epsilon(calibs: list[Calibration]) -> float:
     """The per-record epsilon of one row of each of several arrays (what --budget record
     calibrates to): pure epsilons add; Gaussians compose."""
+    from tldp_cli.privacy import accounting  # here: option checks never import it
+
     if calibs[0].noise in ("laplace", "discrete-laplace"):
         return sum(accounting.scope_epsilon(c, c.elements) for c in calibs)
     return accounting.compose([(c, 1) for c in calibs])["epsilon"]
@@ -298,6 +302,8 @@ def _within_budget(calib: Calibration) -> Calibration:
     scale is raised by the least relative step, doubled until it holds."""
     if calib.budget != "record":
         return calib
+    from tldp_cli.privacy import accounting  # here: the element budget never imports it
+
     adjusted = calib
     for k in range(64):
         if accounting.scope_epsilon(adjusted, adjusted.elements) <= calib.epsilon:
@@ -368,6 +374,8 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
 
     def sigma_for_record() -> float:
         """The smallest sigma whose certified per-record epsilon at dp_delta is at most --eps."""
+        from tldp_cli.privacy import accounting
+
         def ok(sigma: float) -> bool:
             return accounting.discrete_gaussian_epsilon(sigma, d, I, dp_delta) <= epsilon
         # The continuous Gaussian's sigma is close; each step runs the PLD accountant.
@@ -385,6 +393,8 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
             eps_e = epsilon
         elif noise == "discrete-laplace":
             def record_eps(e: float) -> float:
+                from tldp_cli.privacy import accounting
+
                 b = W / e
                 return I * accounting.discrete_laplace_element_epsilon(
                     d, b, tldp_log_retain_probability(family, e, b, W, I))
@@ -431,6 +441,8 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     maximises E<V, u> with a certified figure at most --eps (privunit_split), and the
     public reference point and output scale. Everything depends on the options and the
     record's shape, never on the data."""
+    from tldp_cli.privacy import accounting  # here: option checks never import it
+
     check_parameters(mechanism=PRIVUNIT, noise=PRIVUNIT, budget="record", epsilon=epsilon,
                      dp_delta=dp_delta)
     lo, hi = value_range
@@ -469,6 +481,8 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
 def _largest_p(epsilon: float, k: int, gamma: float) -> int | None:
     """The largest p_numerator (p >= 1/2) whose certified figure at gamma is at most
     epsilon, or None when even p = 1/2 is above it."""
+    from tldp_cli.privacy import accounting  # here: option checks never import it
+
     q_lo, _ = privunit.cap_probability_bounds(gamma, k)
     if q_lo <= 0:
         return None
@@ -497,6 +511,8 @@ def privunit_split(epsilon: float, k: int, min_cap: float = privunit.MIN_CAP_PRO
     then golden-section search around the best; p is the largest the budget allows at
     each gamma (_largest_p). Deterministic: the same options give the same split."""
     from scipy.special import betaincinv
+
+    from tldp_cli.privacy import accounting  # here: option checks never import it
 
     gamma_max = math.sqrt(1 - float(betaincinv((k - 1) / 2, 0.5, 2 * min_cap)))
 

@@ -43,7 +43,6 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from tldp_cli.privacy import accounting
 from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
 
 SCHEMA_VERSION = 2
@@ -187,6 +186,8 @@ def _spent(ids: Iterable[int], releases: dict[int, _Release], new: _Release | No
     spend together, with `new` (a release being checked) if given."""
     charged = [releases[i] for i in sorted({*ids, *(i for i, r in releases.items() if r.everyone)})
                if i in releases] + ([new] if new else [])
+    from tldp_cli.privacy import accounting  # here: a run's early refusals never import it
+
     epsilon, delta = accounting.compose_releases([(r.per_record, r.dp_delta) for r in charged])
     return Spent(len(charged), sum(r.pending for r in charged), epsilon, delta)
 

@@ -27,7 +27,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import json_value, not_regular, open_regular
@@ -159,6 +158,8 @@ def load_mask(path: Path, record_shape: tuple[int, ...], records: int) -> Mask:
 
 def _read_png_mask(path: Path) -> np.ndarray:
     """An 8-bit grayscale mask PNG as weights in [0, 1]."""
+    from PIL import Image  # here: only mask folders need Pillow
+
     try:
         with open_regular(path) as file, Image.open(file) as im:  # never a FIFO: it would hang
             im.load()

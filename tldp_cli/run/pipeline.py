@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tldp_cli.privacy import accounting
 from tldp_cli.run import dask_runner, ledger, privacy_warnings, resume
 from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
@@ -599,9 +598,13 @@ def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
 
 
 def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
-         per_tensor: bool = False) -> Plan:
+         per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None) -> Plan:
     """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
-    sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
+    sampled_noise); refuses, as perturb does, what cannot work or needs consent.
+    `before_accounting` runs once the options are calibrated, before the certified figures
+    are computed (perturb checks its destinations there: a path error comes after the usage
+    errors of the options and of their calibration, but before the accounting, without
+    importing it, and so before the refusal of a raw release, which needs its figures)."""
     source = options.input
     rows = rows or []
     declared = _declared_ranges(options, jobs)
@@ -622,6 +625,10 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(options.dtype))
+    if before_accounting is not None:
+        before_accounting()
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+
     # The certified figures are the worst case over every calibration. Computed before the
     # data: a failure costs nothing, and the accountant's peak memory does not stack on the
     # streaming buffers.
@@ -654,6 +661,8 @@ def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[li
     the figures of its records (accounting.certify_all over its own calibrations). Each
     record is perturbed once, at its group's range, so its figures are its group's; the
     run's per_element and per_record are the worst over the groups."""
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+
     entries = []
     for group in sorted(groups, key=lambda g: (g.lo, g.hi)):
         members = [job for job in jobs if job.name in group.calib_of]
@@ -709,6 +718,8 @@ def certified_figures(calibrations: list[Calibration], records: list[list[Calibr
 @functools.lru_cache(maxsize=32)
 def _certified(calibrations: tuple[Calibration, ...], records: tuple[tuple[Calibration, ...], ...],
                arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> dict[str, Any]:
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+
     certified = accounting.certify_all(list(calibrations), [list(row) for row in records])
     certified.update(accounting.certify_file([("", calib, n) for calib, n in arrays], per_tensor=per_tensor))
     return certified
@@ -731,16 +742,16 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
              report: Report) -> PerturbResult:
     jobs = reader.arrays()
     report.tell("planning", planning_phrase(options, jobs))
-    run = plan(options, jobs, rows=row_groups(module, reader, jobs),
-               per_tensor=reader.records_are_tensors)
+    where: list[tuple[Path, Path]] = []  # the destinations, checked before the accounting
+    run = plan(options, jobs, rows=row_groups(module, reader, jobs), per_tensor=reader.records_are_tensors,
+               before_accounting=lambda: where.append(_destinations(options, module, reader)))
+    destination, manifest_path = where[0]
     masks: dict[str, Mask] = {}
     weights_info = None
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
-
-    report.tell("checking", "the destination, free space and memory" + (
+    report.tell("checking", "free space and memory" + (
         f"; reading every record once to fingerprint it for the ledger {options.ledger}" if options.ledger else ""))
-    destination, manifest_path = _destinations(options, module, reader)
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,

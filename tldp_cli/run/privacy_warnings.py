@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tldp_cli.formats import ArrayJob, Format, listing, plural
-from tldp_cli.privacy import accounting
 from tldp_cli.privacy.types import Calibration
 from tldp_cli.sampling.engine import retain_probability
 
@@ -43,6 +42,8 @@ def record_name(fmt: Format | None, jobs: list[ArrayJob], rows: list[list[str]],
 
 def large_epsilon(certified: dict[str, Any], record: str, budget: str) -> dict[str, Any] | None:
     """The warning on a subject's certified epsilon above the threshold, if it is."""
+    from tldp_cli.privacy import accounting  # here: a run's early refusals never import it
+
     epsilon = accounting.large_record_epsilon(certified)
     if epsilon is None:
         return None

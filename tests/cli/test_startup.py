@@ -1,0 +1,110 @@
+"""What `tldp` imports before it answers (issue 30): --version, --help, shell completion,
+a bad flag and the usage and path errors of perturb and plan answer without the
+accountant (dp-accounting, SciPy, tldp_cli.privacy.accounting) and without the format
+libraries; --version, --help, completion and a bad flag without NumPy either. Not timed:
+benchmarks/bench.py --startup-only measures the times (docs/performance.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The accountant and every library a format, a tool or an extra brings.
+HEAVY = ("dp_accounting", "scipy", "tldp_cli.privacy.accounting", "h5py", "zarr", "numcodecs", "PIL",
+         "nibabel", "safetensors", "netCDF4", "xarray", "dask", "distributed", "tqdm", "sklearn",
+         "matplotlib", "torch")
+# What the command line alone needs: the parser, not the library. Completion parses the
+# command's options, and Typer's coercion of each imports pydantic: allowed there.
+COMPLETION_ONLY = HEAVY + ("numpy", "tldp_cli.run.pipeline", "tldp_cli.formats.npy", "tldp_cli.sampling.engine")
+CLI_ONLY = COMPLETION_ONLY + ("pydantic",)
+
+PROBE = r"""
+import json, sys
+out, sys.argv = sys.argv[1], ["tldp", *sys.argv[2:]]
+from tldp_cli.entry import main
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+with open(out, "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+
+def imported(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[int, set[str]]:
+    """The exit code of `tldp ARGS` in a fresh interpreter and the modules it had imported."""
+    out = tmp_path / "modules.json"
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environ.pop("TLDP_SEED", None)
+    subprocess.run([sys.executable, "-c", PROBE, str(out), *args], cwd=tmp_path, env=environ,
+                   capture_output=True, timeout=120, check=False)
+    found = json.loads(out.read_text())
+    return found["code"], set(found["modules"])
+
+
+def heavy_among(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    return [name for name in names if name in modules]
+
+
+@pytest.fixture
+def npy(tmp_path):
+    path = tmp_path / "d.npy"
+    np.save(path, np.zeros((4, 3), np.uint8))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ["--version"], ["--help"], ["perturb", "--help"], ["plan", "--help"], ["evaluate", "--help"],
+    ["audit", "--help"], ["weight-mask", "--help"], ["ledger", "--help"], ["seed", "--help"],
+    ["perturb"],  # a bare command: its help, exit 2
+], ids=" ".join)
+def test_version_and_help_import_no_library(tmp_path, args):
+    code, modules = imported(tmp_path, *args)
+    assert code in (0, 2) and heavy_among(modules, CLI_ONLY) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", ["tldp pe", "tldp perturb d.npy --no", "tldp perturb d.npy --format "])
+def test_shell_completion_imports_no_library(tmp_path, npy, words):
+    code, modules = imported(tmp_path, env={"_TLDP_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                                            "COMP_CWORD": str(len(words.split()) - (not words.endswith(" ")))})
+    assert code == 0 and heavy_among(modules, COMPLETION_ONLY) == []
+
+
+@pytest.mark.slow
+def test_a_bad_flag_imports_no_library(tmp_path, npy):
+    code, modules = imported(tmp_path, "perturb", str(npy), "--eps", "1", "--bogus")
+    assert code == 2 and heavy_among(modules, CLI_ONLY) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, code", [
+    (["perturb", "missing.npy", "--eps", "1"], 1),
+    (["plan", "missing.npy", "--eps", "1"], 1),
+    (["perturb", "d.npy", "--eps", "-1"], 2),
+    (["perturb", "d.npy", "--eps", "1", "--noise", "uniform"], 2),
+    (["perturb", "d.npy", "--eps", "1", "--out", ""], 2),
+    (["plan", "--eps", "1"], 2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_usage_and_path_errors_import_no_accountant(tmp_path, npy, args, code):
+    got, modules = imported(tmp_path, *args)
+    assert got == code and heavy_among(modules, HEAVY) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+def test_an_existing_output_is_refused_before_the_accountant(tmp_path, npy, noise):
+    """The options are calibrated (their usage errors first), then the destination is
+    checked, and only then are the certified figures computed."""
+    (tmp_path / "d.tldp.npy").write_bytes(b"earlier")
+    code, modules = imported(tmp_path, "perturb", "d.npy", "--eps", "1", "--noise", noise)
+    assert code == 1 and heavy_among(modules, HEAVY) == []
+    assert (tmp_path / "d.tldp.npy").read_bytes() == b"earlier"
