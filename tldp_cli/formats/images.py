@@ -9,7 +9,7 @@ run. No image is held in memory longer than its own perturbation.
 
 Only colour channels are perturbed; an alpha channel is copied back unchanged.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
-input's integer range (default; written by _png, encoded for noise), or float
+input's integer range (default; written by pixels.png, encoded for noise), or float
 TIFF with the values as perturbed. With --copy-other, index files
 (metadata.jsonl, metadata.csv) get the output names of renamed images, and lose
 the rows naming images the output does not hold (skipped as unreadable, or
@@ -42,15 +42,12 @@ import posixpath
 import re
 import secrets
 import stat
-import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tifffile
-from PIL import ExifTags, Image
-from zlib_ng import zlib_ng
+from PIL import Image
 
 from tldp_cli import __version__
 from tldp_cli.files import output
@@ -58,6 +55,7 @@ from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
                               dicom_refused, is_dicom, listing, plural)
+from tldp_cli.formats.pixels import PNG_ENCODING, Decoded, Header, Unsupported, decode, header, png
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -68,8 +66,6 @@ ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 # files and no image is most likely a store that lost its metadata.
 _ZARR_CHUNK_PATH = re.compile(r"^(c/)?\d+([./]\d+)*$")
 OUTPUT_SUFFIXES = {"png": (".png",), "tiff": (".tiff", ".tif")}  # the first is the one given
-SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
-SUPPORTED_MODES = ("L", "LA", "RGB", "RGBA", *SIXTEEN_BIT_MODES)
 # Index files that name the images, as Hugging Face's imagefolder reads them: a file_name
 # column (or any *_file_name one) of paths relative to the index's own folder.
 INDEX_FILES = ("metadata.jsonl", "metadata.csv")
@@ -78,9 +74,6 @@ INDEX_FILES = ("metadata.jsonl", "metadata.csv")
 PARQUET_INDEX = "metadata.parquet"
 NAME_MAP_SCHEMA = "tldp-name-map/1"
 WITHHELD = "withheld (--anonymize-names)"
-PNG_ENCODING = ("(noisy images: no row filter, Huffman-only deflate, since noise does not "
-                "compress; smooth ones: Sub filter, deflate level 6)")  # see _deflated_rows
-SMOOTH_STEP = 12  # mean |difference| of neighbouring 8-bit samples below which filters pay
 QUEUED_BYTES = 64 << 20  # encoded images waiting for the writer thread, at most (about)
 ANONYMOUS_DIGITS = 6  # 000000.png: at least this many digits
 
@@ -102,121 +95,27 @@ def default_name_map(path: Path) -> Path:
     return path.with_name(path.name + ".name-map.json")
 
 
-class _Unsupported(Exception):
-    """An image Pillow can decode but tldp cannot perturb faithfully."""
-
-
-@dataclass
-class _Header:
-    """What an image will decode to, learnt from its header without decoding it."""
-    shape: tuple[int, ...]  # of the colour channels: (H, W) or (H, W, 3)
-    dtype: np.dtype
-    has_alpha: bool
-    notes: list[str]  # conversions applied, e.g. "palette (P) -> RGB"
-    orientation: int  # EXIF orientation, 1 = as stored
-    convert_to: str | None  # the mode it is converted to after decoding, if any
-    has_icc: bool  # carries an ICC colour profile (kept in the output)
-
-
-@dataclass
-class _Decoded:
-    colour: np.ndarray  # (H, W) or (H, W, 3)
-    alpha: np.ndarray | None  # (H, W) or None
-    notes: list[str]
-
-
-# EXIF orientation -> the transposition that shows the pixels the way viewers do
-_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
-              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
-              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-              8: Image.Transpose.ROTATE_90}
-
-
 def _opened(path: Path):
     """The image file, opened only if it is a regular file and not a symbolic link (one
     put in place of an image after the folder was listed, or a FIFO, which would hang)."""
     return open_regular(path, follow_links=False)
 
 
-def _source_bit_depth(file, im: Image.Image) -> int:
-    """Bits per sample as stored; Pillow reads 16-bit colour PNG and TIFF as 8-bit."""
-    if im.format == "PNG":
-        # signature, IHDR length and type, width, height, bit depth (Pillow's position kept)
-        return os.pread(file.fileno(), 26, 0)[24]
-    if im.format == "TIFF":
-        bits = im.tag_v2.get(258, (8,))
-        return max(bits) if isinstance(bits, tuple) else int(bits)
-    return 8
-
-
-def _orientation(im: Image.Image) -> int:
-    # Pillow's PNG getexif decodes the whole image to look for an eXIf chunk after the
-    # pixel data; only the header's (before IDAT, where writers put it) is read here.
-    if im.format == "PNG" and "exif" not in im.info:
-        return 1
-    return im.getexif().get(ExifTags.Base.Orientation, 1)
-
-
-def _header(file, im: Image.Image) -> _Header:
-    """The shape, dtype and conversions of an opened, not yet decoded image."""
-    frames = getattr(im, "n_frames", 1)
-    if frames > 1:
-        raise _Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
-    notes, convert_to = [], None
-    orientation = _orientation(im)
-    if orientation in _TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
-        notes.append(f"EXIF orientation {orientation} applied")
-    if im.mode == "1":
-        convert_to = "L"
-        notes.append("bilevel (1) -> L")
-    elif im.mode in ("P", "PA"):
-        convert_to = "RGBA" if im.mode == "PA" or im.has_transparency_data else "RGB"
-        notes.append(f"palette ({im.mode}) -> {convert_to}")
-    mode = convert_to or im.mode
-    if mode not in SUPPORTED_MODES:
-        raise _Unsupported(f"colour mode {mode} is not supported "
-                           "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
-    depth = _source_bit_depth(file, im)
-    if depth > 8 and mode not in SIXTEEN_BIT_MODES:
-        raise _Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
-                           "only grayscale may be 16-bit")
-    width, height = im.size
-    if orientation in (5, 6, 7, 8):
-        width, height = height, width
-    shape = (height, width, 3) if mode in ("RGB", "RGBA") else (height, width)
-    dtype = np.dtype(np.uint16 if mode in SIXTEEN_BIT_MODES else np.uint8)
-    return _Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to,
-                   bool(im.info.get("icc_profile")))
-
-
-def _probe(path: Path) -> _Header:
+def _probe(path: Path) -> Header:
     """The image's header only: its pixels are decoded once, when they are perturbed."""
     with _opened(path) as file, Image.open(file) as im:
-        return _header(file, im)
+        return header(file, im)
 
 
-def _decoded_header(path: Path) -> _Header:
+def _decoded_header(path: Path) -> Header:
     """The header of an image that decodes in full (--skip-bad: bad ones are found up front)."""
     _decode(path)
     return _probe(path)
 
 
-def _decode(path: Path) -> _Decoded:
+def _decode(path: Path) -> Decoded:
     with _opened(path) as file, Image.open(file) as im:
-        header = _header(file, im)
-        im.load()
-        if header.orientation in _TRANSPOSE:
-            im = im.transpose(_TRANSPOSE[header.orientation])
-        if header.convert_to:
-            im = im.convert(header.convert_to)
-        mode, pixels = im.mode, np.asarray(im)
-    if mode in SIXTEEN_BIT_MODES:
-        return _Decoded(pixels.astype(np.uint16), None, header.notes)  # native byte order
-    if mode in ("LA", "RGBA"):
-        colour = pixels[..., 0] if mode == "LA" else pixels[..., :3]
-        return _Decoded(np.ascontiguousarray(colour), np.ascontiguousarray(pixels[..., -1]),
-                        header.notes)
-    return _Decoded(pixels, None, header.notes)
+        return decode(file, im)
 
 
 @dataclass
@@ -283,7 +182,7 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
         colour = _decode(image.path).colour
     except InputError:  # no longer a regular file
         raise
-    except _Unsupported as exc:
+    except Unsupported as exc:
         raise InputError(f"{image.path}: {exc}") from None
     except PermissionError as exc:
         raise InputError(f"{image.path}: cannot read ({reason_of(exc)})") from None
@@ -328,7 +227,7 @@ class ImageFolderReader(Reader):
                 header = check(file)
             except InputError:  # replaced by a FIFO or a device since the folder was listed
                 raise
-            except _Unsupported as exc:
+            except Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
                 reason = f"cannot read ({reason_of(exc)})"
@@ -599,53 +498,6 @@ def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
     return images
 
 
-_PNG_COLOUR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> grayscale, gray+alpha, RGB, RGBA
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def _is_smooth(pixels: np.ndarray) -> bool:
-    """Whether neighbouring samples differ little (a large epsilon leaves most of an image
-    as it was), judged on every 8th row and scaled to 8 bits."""
-    if pixels.shape[1] < 2:
-        return False
-    step = np.abs(np.diff(pixels[::8].astype(np.int32), axis=1)).mean()
-    return step / 256 ** (pixels.dtype.itemsize - 1) < SMOOTH_STEP
-
-
-def _deflated_rows(pixels: np.ndarray) -> bytes:
-    """The PNG image data. Noise leaves filters and LZ77 nothing to find: no row filter and
-    Huffman-only deflate take 1 ms on a noisy 224x224 RGB image where Pillow's default
-    (adaptive filters, level 6) takes 10, and come out no larger. A smooth image gets the
-    Sub filter and level 6, close to Pillow's size (a clean photo: 8 kB against 6, where
-    Huffman-only would take 125); zlib-ng deflates twice as fast as zlib."""
-    height = pixels.shape[0]
-    samples = pixels.astype(">u2" if pixels.dtype.itemsize == 2 else np.uint8, copy=False)
-    raw = samples.reshape(height, -1).view(np.uint8)
-    rows = np.empty((height, 1 + raw.shape[1]), np.uint8)
-    if not _is_smooth(pixels):
-        rows[:, 0], rows[:, 1:] = 0, raw
-        deflate = zlib_ng.compressobj(1, zlib_ng.DEFLATED, 15, 9, zlib_ng.Z_HUFFMAN_ONLY)
-        return deflate.compress(rows) + deflate.flush()
-    pixel_bytes = raw.shape[1] // pixels.shape[1]  # Sub: each byte less the one a pixel before
-    rows[:, 0], rows[:, 1:1 + pixel_bytes] = 1, raw[:, :pixel_bytes]
-    np.subtract(raw[:, pixel_bytes:], raw[:, :-pixel_bytes], out=rows[:, 1 + pixel_bytes:])
-    return zlib_ng.compress(rows, 6)
-
-
-def _png(pixels: np.ndarray, icc: bytes | None) -> bytes:
-    """A PNG of 8- or 16-bit (H, W) or (H, W, channels) pixels, encoded for noise."""
-    height, width = pixels.shape[:2]
-    channels = 1 if pixels.ndim == 2 else pixels.shape[2]
-    header = struct.pack(">IIBBBBB", width, height, pixels.dtype.itemsize * 8,
-                         _PNG_COLOUR_TYPES[channels], 0, 0, 0)
-    profile = [_png_chunk(b"iCCP", b"ICC Profile\0\0" + zlib.compress(icc))] if icc else []
-    return b"".join([b"\x89PNG\r\n\x1a\n", _png_chunk(b"IHDR", header), *profile,
-                     _png_chunk(b"IDAT", _deflated_rows(pixels)), _png_chunk(b"IEND", b"")])
-
-
 def _icc_profile(path: Path) -> bytes | None:
     with _opened(path) as file, Image.open(file) as im:  # header only, no decoding
         return im.info.get("icc_profile")
@@ -845,7 +697,7 @@ class ImageFolderWriter(Writer):
             pixels = np.clip(rounded, info.min, info.max).astype(image.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
-            encoded = _png(pixels, icc)
+            encoded = png(pixels, icc)
         # Encoded in memory, then written with checked writes (Pillow and tifffile write to a
         # file descriptor without checking for short writes).
         self._digests[target] = hashlib.sha256(encoded).hexdigest()  # not read back for the manifest
