@@ -714,6 +714,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
+    if module.writes_rows:  # arrays interleaved, in row order (the order does not change the values)
+        tasks.sort(key=lambda task: task[1])
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
     writer = open_writer(reader, staged.output, run.out_dtype,
                          dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
