@@ -201,6 +201,7 @@ class Column:
     type: pa.DataType  # as stored (an extension type's storage)
     dtype: np.dtype | None = None  # of the numbers (tensors, numbers)
     shape: tuple[int, ...] = ()  # a record's (tensors: from the type or the first row; images: after the scan)
+    levels: tuple[int, ...] = ()  # tensors: the lengths of its nested lists (0: variable; () as shape)
     why: str = ""  # OTHER: what it holds, for `dropped`
 
 
@@ -217,7 +218,16 @@ def features_of(schema: pa.Schema) -> dict[str, Any]:
 
 
 def _storage(type_: pa.DataType) -> pa.DataType:
-    return type_.storage_type if isinstance(type_, pa.ExtensionType) else type_
+    return type_.storage_type if isinstance(type_, pa.BaseExtensionType) else type_
+
+
+def _tensor_shape(type_: pa.DataType) -> tuple[int, ...] | None:
+    """pyarrow's fixed_shape_tensor (row-major): its shape; None for any other type."""
+    shape = getattr(type_, "shape", None)
+    if isinstance(type_, pa.FixedShapeTensorType) and not (type_.permutation and
+                                                            list(type_.permutation) != sorted(type_.permutation)):
+        return tuple(shape)
+    return None
 
 
 def _list_shape(type_: pa.DataType) -> tuple[list[int | None], pa.DataType]:
@@ -247,8 +257,9 @@ def classify(field_: pa.Field, feature: Any) -> Column:
         return Column(field_.name, NUMBER, type_, np.dtype(type_.to_pandas_dtype()))
     lengths, leaf = _list_shape(type_)
     if lengths and _numeric(leaf):
+        levels = tuple(n or 0 for n in lengths)
         return Column(field_.name, TENSOR, type_, np.dtype(leaf.to_pandas_dtype()),
-                      tuple(n or 0 for n in lengths))
+                      _tensor_shape(field_.type) or levels, levels)
     if pa.types.is_string(type_) or pa.types.is_large_string(type_):
         why = "text"
     elif lengths:
@@ -266,7 +277,7 @@ def numbers(array: pa.Array | pa.ChunkedArray, column: Column, rows: int, where:
     if isinstance(array, pa.ExtensionArray):
         array = array.storage
     values = array
-    for level, length in enumerate(column.shape):
+    for level, length in enumerate(column.levels):
         if values.null_count:
             raise InputError(f"{where}: column {column.name} holds missing values (nulls); tldp perturbs "
                              "columns without them: fill or drop them first")
@@ -287,7 +298,9 @@ def numbers(array: pa.Array | pa.ChunkedArray, column: Column, rows: int, where:
 
 def to_arrow(values: np.ndarray, type_: pa.DataType) -> pa.Array:
     """Rows of numbers (rows, *shape) as an array of `type_` (its nested lists rebuilt)."""
-    if isinstance(type_, pa.ExtensionType):
+    if isinstance(type_, pa.BaseExtensionType):
+        if _tensor_shape(type_):
+            values = values.reshape(values.shape[0], -1)
         return pa.ExtensionArray.from_storage(type_, to_arrow(values, type_.storage_type))
     if not (pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_)):
         return pa.array(values.reshape(-1), type=type_)
@@ -456,7 +469,7 @@ class TableReader(Reader):
         depth a column), each list's lengths (one shape a column), no nulls. Returns, by image
         column, whether any row names a file (path)."""
         paths = {}
-        scanned = [c for c in self.chosen if c.kind == IMAGE or (c.kind == TENSOR and 0 in c.shape)]
+        scanned = [c for c in self.chosen if c.kind == IMAGE or (c.kind == TENSOR and 0 in c.levels)]
         for column in scanned:
             if column.kind == TENSOR:
                 self._list_shape(column)
@@ -487,7 +500,7 @@ class TableReader(Reader):
         checked against it as it is read."""
         first = self.table.read([column.name], 0, 1).column(0)
         shape, values = [], first.combine_chunks() if isinstance(first, pa.ChunkedArray) else first
-        for _ in column.shape:
+        for _ in column.levels:
             values = values.storage if isinstance(values, pa.ExtensionArray) else values
             shape.append(len(values[0]) if len(values) and values[0].is_valid else 0)
             values = values.flatten()
@@ -497,7 +510,7 @@ class TableReader(Reader):
         self._shapes = {**getattr(self, "_shapes", {}), column.name: tuple(shape)}
         for p, b, first_row, rows in self.table.batches():  # every row: the same lengths
             numbers(self.table.parts[p].read(b, [column.name]).column(0),
-                    Column(column.name, TENSOR, column.type, column.dtype, tuple(shape)), rows,
+                    Column(column.name, TENSOR, column.type, column.dtype, tuple(shape), tuple(shape)), rows,
                     f"{self.path}: rows from {first_row}")
 
     def _shaped(self, column: Column) -> Column:
@@ -506,7 +519,7 @@ class TableReader(Reader):
             dtype, shape = self.images[column.name]
             return Column(column.name, IMAGE, column.type, dtype, tuple(shape))
         if column.name in shapes:
-            return Column(column.name, TENSOR, column.type, column.dtype, shapes[column.name])
+            return Column(column.name, TENSOR, column.type, column.dtype, shapes[column.name], shapes[column.name])
         return column
 
     def _leftovers(self, paths: dict[str, bool]) -> list[str]:
