@@ -279,6 +279,7 @@ FORMAT_MODULES = {
     "nifti": "nifti",
     "parquet": "parquet_file",
     "arrow": "arrow_file",
+    "hf-dataset": "dataset_folder",
     "images": "images",
 }
 

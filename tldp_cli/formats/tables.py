@@ -422,7 +422,9 @@ class TableReader(Reader):
     is left out (formats.leftovers)."""
 
     def __init__(self, path: Path, table: Table, schema: pa.Schema, options: FormatOptions, name: str,
-                 settings: dict[str, Any] | None = None):
+                 settings: dict[str, Any] | None = None, considered: bool = False):
+        """`considered`: the format decides more leftovers (a folder's files), then calls
+        finish_leftovers; else it is called here."""
         self.path, self.table, self.schema, self.format = path, table, schema, name
         self.settings = settings or {}
         if options.exclude:
@@ -439,11 +441,16 @@ class TableReader(Reader):
         self.left = leftovers.Leftovers(list(options.keep))
         self.left.considered(c.name for c in self.chosen)
         self.written = self._leftovers(paths)  # the columns of the output, in order
-        self.left.check(path)
-        self.manifest_extra = self.left.manifest_extra()
+        if not considered:
+            self.finish_leftovers()
         shown = ", ".join(c.name for c in self.chosen)
         self.messages = [f"perturbing column{'s' if len(self.chosen) > 1 else ''} {shown} of {path.name}, "
                          f"{plural(table.rows, 'row')} (one record a row; choose with --dataset)"]
+
+    def finish_leftovers(self) -> None:
+        """Refuses a --keep that matches nothing; the manifest's unperturbed and dropped."""
+        self.left.check(self.path)
+        self.manifest_extra = self.left.manifest_extra()
 
     def _choose(self, requested: list[str]) -> list[Column]:
         by_name = {c.name: c for c in self.columns}
@@ -544,16 +551,16 @@ class TableReader(Reader):
                 kept = self.left.kept(f"{name}.{PATH_FIELD}")
                 self.keep_paths[name] = kept
                 if kept:
-                    self.left.copied(f"{name}.{PATH_FIELD}", "image file names", leftovers.KEPT)
+                    self.left.copied(f"{name}.{PATH_FIELD}", "image path field", leftovers.KEPT)
                 else:
-                    self.left.drop(f"{name}.{PATH_FIELD}", "image file names",
+                    self.left.drop(f"{name}.{PATH_FIELD}", "image path field",
                                    "the images' file names, which can name a person; written as null")
         self.metadata = {key: value for key, value in (self.schema.metadata or {}).items()
                          if key == HF_KEY or self.left.attribute("", key.decode("utf-8", "replace"), (),
                                                                   "schema metadata")}
         self.field_metadata = {f.name: {k: v for k, v in (f.metadata or {}).items()
                                         if k in EXTENSION_KEYS or self.left.attribute(
-                                            f.name, k.decode("utf-8", "replace"), (), "column metadata")}
+                                            f.name, k.decode("utf-8", "replace"), (), "column metadata key")}
                                for f in self.schema if f.name in written}
         return written
 
