@@ -8,6 +8,7 @@ and so does a case of a format the registry does not know.
 import pytest
 
 from tldp_cli import formats
+from tests.formats.test_dataset_folder import DatasetFolderRoundTrip
 from tests.formats.test_hdf5 import Hdf5RoundTrip
 from tests.formats.test_images import ImagesRoundTrip
 from tests.formats.test_nifti import NiftiRoundTrip
@@ -17,7 +18,8 @@ from tests.formats.test_zarr import ZarrV2RoundTrip, ZarrV3RoundTrip
 from tests.run.test_model_params import CompressedNpzRoundTrip, NpzRoundTrip, SafetensorsRoundTrip
 
 CASES = (NpyRoundTrip, Hdf5RoundTrip, ZarrV3RoundTrip, ZarrV2RoundTrip, NpzRoundTrip, CompressedNpzRoundTrip,
-         SafetensorsRoundTrip, NiftiRoundTrip, ParquetRoundTrip, ArrowRoundTrip, ImagesRoundTrip)
+         SafetensorsRoundTrip, NiftiRoundTrip, ParquetRoundTrip, ArrowRoundTrip,
+         DatasetFolderRoundTrip, ImagesRoundTrip)
 
 
 def _registered_cases():

@@ -205,15 +205,19 @@ class Column:
     why: str = ""  # OTHER: what it holds, for `dropped`
 
 
+def _hf_info(schema: pa.Schema) -> dict[str, Any]:
+    """The `info` of the Hugging Face schema metadata ({} for none)."""
+    text = (schema.metadata or {}).get(HF_KEY)
+    try:
+        info = json.loads(text).get("info", {}) if text else {}
+    except (ValueError, AttributeError, RecursionError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def features_of(schema: pa.Schema) -> dict[str, Any]:
     """The Hugging Face features in the schema metadata, by column ({} for none)."""
-    text = (schema.metadata or {}).get(HF_KEY)
-    if not text:
-        return {}
-    try:
-        features = json.loads(text).get("info", {}).get("features", {})
-    except (ValueError, AttributeError):
-        return {}
+    features = _hf_info(schema).get("features", {})
     return features if isinstance(features, dict) else {}
 
 
@@ -555,9 +559,11 @@ class TableReader(Reader):
                 else:
                     self.left.drop(f"{name}.{PATH_FIELD}", "image path field",
                                    "the images' file names, which can name a person; written as null")
+        self.hf_info = {key: value for key, value in _hf_info(self.schema).items() if key == "features"
+                        or self.left.attribute(HF_KEY.decode(), key, (), "huggingface info field")}
         self.metadata = {key: value for key, value in (self.schema.metadata or {}).items()
                          if key == HF_KEY or self.left.attribute("", key.decode("utf-8", "replace"), (),
-                                                                  "schema metadata")}
+                                                                  "schema metadata key")}
         self.field_metadata = {f.name: {k: v for k, v in (f.metadata or {}).items()
                                         if k in EXTENSION_KEYS or self.left.attribute(
                                             f.name, k.decode("utf-8", "replace"), (), "column metadata key")}
@@ -588,7 +594,7 @@ class TableReader(Reader):
         metadata = dict(self.metadata)
         if HF_KEY in metadata:
             features = {name: value for name, value in self.features.items() if name in self.written}
-            metadata[HF_KEY] = json.dumps({"info": {"features": features}}).encode()
+            metadata[HF_KEY] = json.dumps({"info": {**self.hf_info, "features": features}}).encode()
         return pa.schema(fields, metadata=metadata or None)
 
 
