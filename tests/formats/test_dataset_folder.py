@@ -80,3 +80,39 @@ class DatasetFolderRoundTrip(RoundTrip):
     def assert_same_structure(self, original, perturbed):
         assert sorted(p.name for p in perturbed.iterdir()) == sorted(p.name for p in original.iterdir())
         assert list(datasets.load_from_disk(str(perturbed)).features) == ["image", "embedding", "grid", "counts"]
+
+
+def hub_folder(tmp_path):
+    """A dataset as the Hub lays it out: Parquet shards per split under data/, a dataset card."""
+    root = tmp_path / "hub"
+    (root / "data").mkdir(parents=True)
+    train, test = hf_dataset(n=10), hf_dataset(n=4, seed=1)
+    for i in range(2):
+        train.shard(2, i, contiguous=True).to_parquet(str(root / "data" / f"train-0000{i}-of-00002.parquet"))
+    test.to_parquet(str(root / "data" / "test-00000-of-00001.parquet"))
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# Photos of Alice's family\n")
+    return root, train, test
+
+
+def test_a_hub_folder_of_parquet_shards_is_one_table_and_loads_with_its_splits(cli, tmp_path):
+    root, train, test = hub_folder(tmp_path)
+    manifest, _ = run(cli, root, tmp_path / "out")
+    out = datasets.load_dataset(str(tmp_path / "out"))
+    assert set(out) == {"train", "test"} and len(out["train"]) == 10 and len(out["test"]) == 4
+    assert list(out["train"].features) == ["image", "embedding", "grid", "counts"]
+    assert out["train"].features["image"] == FEATURES["image"] and out["test"].features["grid"] == FEATURES["grid"]
+    assert not np.array_equal(pixels(out["test"]), pixels(test))
+    assert not (tmp_path / "out" / "README.md").exists() and "README.md" in {e["name"] for e in manifest["dropped"]}
+    assert manifest["row_records"]["records"] == 14
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.parquet")) == \
+        sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
+
+
+def test_an_imagefolder_with_a_parquet_index_stays_an_image_folder(cli, tmp_path):
+    root, _, _ = hub_folder(tmp_path)
+    from PIL import Image
+
+    Image.new("L", (4, 4)).save(root / "a.png")
+    from tldp_cli import formats
+
+    assert formats.detect(root).name == "images"

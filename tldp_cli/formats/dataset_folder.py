@@ -12,6 +12,14 @@ citation, sizes, checksums of the downloaded files, ...) and the folder's other 
 (cache files of `map`, ...) are left out and listed unless --keep names them
 (dataset_info.json@FIELD, a file's name). `datasets.load_from_disk` loads it with the
 same features.
+
+A folder of Parquet files as the Hugging Face Hub lays a dataset out (`data/train-00000-of-
+00002.parquet`, `data/test-00000-of-00001.parquet`, a README.md dataset card) is read the
+same way: its Parquet files, in the order of their paths, are one table (every row of every
+split is one record); they must share their columns. The output holds them under the same
+paths, each with its row groups; the dataset card and any other file are left out and
+listed unless --keep names them. `datasets.load_dataset("parquet", data_files=...)` and
+`load_dataset(folder)` load it with the same features.
 """
 
 from __future__ import annotations
@@ -32,8 +40,35 @@ STATE, INFO = "state.json", "dataset_info.json"
 STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
 
 
+PARQUET_SUFFIX = ".parquet"
+# A folder holding any of these is an image folder (an imagefolder's metadata.parquet index too).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+INDEX = "metadata.parquet"
+
+
+def _saved(path: Path) -> bool:
+    return (path / STATE).is_file() and (path / INFO).is_file()
+
+
+def _parquet_files(path: Path) -> list[str] | None:
+    """The relative paths of the Parquet files of a folder of them, sorted; None when the
+    folder holds an image (an image folder) or no Parquet file."""
+    found = []
+    for directory, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            lower = name.lower()
+            if lower.endswith(IMAGE_SUFFIXES) or lower == INDEX:
+                return None
+            if lower.endswith(PARQUET_SUFFIX):
+                found.append((Path(directory) / name).relative_to(path).as_posix())
+    return sorted(found) or None
+
+
 def can_open(path: Path) -> bool:
-    return path.is_dir() and (path / STATE).is_file() and (path / INFO).is_file()
+    """A save_to_disk folder (state.json and dataset_info.json), or a folder of Parquet
+    files and no image."""
+    return path.is_dir() and (_saved(path) or _parquet_files(path) is not None)
 
 
 def default_output(path: Path) -> Path:
@@ -69,22 +104,42 @@ def _shards(path: Path, state: dict) -> list[str]:
     return names
 
 
+def _table(path: Path, names: list[str], options: FormatOptions, layout: str):
+    """The shards as one table's reader (tables.TableReader); they must share their columns."""
+    from tldp_cli.formats import tables
+
+    parts, schema, settings = [], None, {}
+    for name in names:
+        if tables.layout_of(path / name) != layout:
+            raise InputError(f"{path / name}: not a {layout} (the folder's other shards are)")
+        part, found, found_settings = tables.open_part(path / name, layout)
+        if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
+            raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "
+                             "configuration's folder on its own")
+        schema, settings = schema or found, settings or found_settings
+        parts.append(part)
+    reader = tables.TableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
+                                considered=True)
+    reader.shards, reader.state, reader.info = names, None, None
+    return reader
+
+
 def open_reader(path: Path, options: FormatOptions) -> Reader:
     from tldp_cli.formats import tables
 
+    if not _saved(path):
+        names = _parquet_files(path)
+        if names is None:
+            raise InputError(f"{path}: no Parquet files, nor a state.json and dataset_info.json (a dataset "
+                             "folder of save_to_disk)")
+        reader = _table(path, names, options, tables.PARQUET)
+        reader.others = _others(path, reader.left, set(names))
+        reader.finish_leftovers()
+        return reader
     state, info = _json(path / STATE), _json(path / INFO)
     names = _shards(path, state)
-    parts, schema = [], None
-    for name in names:
-        if tables.layout_of(path / name) is None:
-            raise InputError(f"{path / name}: not an Arrow file (the shards of save_to_disk are Arrow streams)")
-        part, found, _ = tables.open_part(path / name)
-        if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
-            raise InputError(f"{path / name}: has other columns or types than {names[0]}")
-        schema = schema or found
-        parts.append(part)
-    reader = tables.TableReader(path, tables.Table(tuple(parts)), schema, options, NAME, considered=True)
-    reader.shards, reader.state = names, state
+    reader = _table(path, names, options, tables.IPC_STREAM)
+    reader.state = state
     reader.info = {key: value for key, value in info.items()
                    if key in STRUCTURAL_INFO or reader.left.attribute(INFO, key, (), "dataset_info field")}
     reader.info["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
@@ -121,10 +176,14 @@ class DatasetFolderWriter(Writer):
         self.reader, self.root = reader, tmp_path
         with writing(tmp_path):
             tmp_path.mkdir()
+        for name in reader.shards:
+            with writing(tmp_path / name):
+                (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         self.table = tables.TableWriter(reader, [tmp_path / name for name in reader.shards], dtype)
-        self.postprocessing = [*self.table.postprocessing,
-                               "state.json: _fingerprint (a hash datasets computes from the data) replaced "
-                               "by a random one"]
+        self.postprocessing = list(self.table.postprocessing)
+        if reader.state is not None:
+            self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the data) "
+                                       "replaced by a random one")
         self.output_dtype = self.table.output_dtype
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
@@ -132,8 +191,9 @@ class DatasetFolderWriter(Writer):
 
     def finish(self) -> None:
         self.table.finish()
-        state = dict(self.reader.state, _fingerprint=secrets.token_hex(8))
-        for name, value in ((STATE, state), (INFO, self.reader.info)):
+        saved = self.reader.state is not None
+        state = dict(self.reader.state, _fingerprint=secrets.token_hex(8)) if saved else None
+        for name, value in ((STATE, state), (INFO, self.reader.info)) if saved else ():
             target = self.root / name
             with writing(target), open(target, "x") as f:
                 json.dump(value, f, indent=2)
@@ -160,9 +220,10 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 def is_earlier_output(path: Path, reader) -> bool:
     """A dataset folder that holds the shards, state.json and dataset_info.json and the
     files --keep copies, nothing else."""
-    expected = {STATE, INFO, *reader.shards, *reader.others}
+    saved = {STATE, INFO} if reader.state is not None else set()
+    expected = {*saved, *reader.shards, *reader.others}
     found = {(Path(d) / name).relative_to(path).as_posix() for d, _, files in os.walk(path) for name in files}
-    return found <= expected and {STATE, INFO} <= found
+    return found <= expected and saved <= found and bool(found)
 
 
 FORMAT = Format(
@@ -174,5 +235,10 @@ FORMAT = Format(
                  "a directory with `state.json` and `dataset_info.json`",
                  "`tldp perturb mnist_train --eps 1`",
                  "`mnist_train.tldp/`: same Arrow shards and record batches, features; `datasets.load_from_disk` "
-                 "loads it; columns as in Parquet"),),
+                 "loads it; columns as in Parquet"),
+          DocRow("folder of Parquet files (a Hugging Face Hub dataset: `data/train-00000-of-00002.parquet`, ...)",
+                 "a directory of `.parquet` files and no image (nor an imagefolder's `metadata.parquet`)",
+                 "`tldp perturb mnist --eps 1`",
+                 "`mnist.tldp/`: the same files under the same paths, each with its row groups; the dataset "
+                 "card (README.md) and other files dropped unless --keep")),
 )
