@@ -63,7 +63,7 @@ def create_writer(reader, tmp_path: Path, dtype: np.dtype,
 
 FORMAT = Format(
     name=NAME, title="Arrow file", suffixes=(".arrow",), member_noun="column",
-    selects_arrays=True, honours_keep=True, writes_rows=True,
+    selects_arrays=True, honours_keep=True, shares_rows=True, writes_rows=True,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes,
     docs=(DocRow("Arrow IPC file or stream (`datasets` cache files, pyarrow)",

@@ -6,7 +6,7 @@ file (formats/tables.py has the rules for columns).
 
 The output folder has the same shards, each with its record batches, and a state.json
 naming them, whose `_fingerprint` (a hash `datasets` computes from the data) is replaced
-by a random one; `dataset_info.json` keeps the features of the columns written and the
+by a hash of the shards written; `dataset_info.json` keeps the features of the columns written and the
 dataset's names and version (STRUCTURAL_INFO); its other fields (description,
 citation, sizes, checksums of the downloaded files, ...) and the folder's other files
 (cache files of `map`, ...) are left out and listed unless --keep names them
@@ -24,9 +24,9 @@ listed unless --keep names them. `datasets.load_dataset("parquet", data_files=..
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import secrets
 from pathlib import Path
 
 import numpy as np
@@ -182,8 +182,8 @@ class DatasetFolderWriter(Writer):
         self.table = tables.TableWriter(reader, [tmp_path / name for name in reader.shards], dtype)
         self.postprocessing = list(self.table.postprocessing)
         if reader.state is not None:
-            self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the data) "
-                                       "replaced by a random one")
+            self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the raw data) "
+                                       "replaced by a hash of the shards written")
         self.output_dtype = self.table.output_dtype
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
@@ -192,7 +192,7 @@ class DatasetFolderWriter(Writer):
     def finish(self) -> None:
         self.table.finish()
         saved = self.reader.state is not None
-        state = dict(self.reader.state, _fingerprint=secrets.token_hex(8)) if saved else None
+        state = dict(self.reader.state, _fingerprint=self._fingerprint()) if saved else None
         for name, value in ((STATE, state), (INFO, self.reader.info)) if saved else ():
             target = self.root / name
             with writing(target), open(target, "x") as f:
@@ -203,6 +203,16 @@ class DatasetFolderWriter(Writer):
                 target.parent.mkdir(parents=True, exist_ok=True)
             with open_regular(self.reader.path / rel, follow_links=False) as src, writing(target), open(target, "xb") as dst:
                 copy_bytes(src, self.reader.path / rel, dst, target)
+
+    def _fingerprint(self) -> str:
+        """The output's own fingerprint: a hash of the shards written (of the release, never
+        of the raw data), as datasets' are 16 hex digits."""
+        digest = hashlib.sha256()
+        for name in self.reader.shards:
+            with open(self.root / name, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+        return digest.hexdigest()[:16]
 
     def close(self) -> list[Path]:
         written = self.table.close()
@@ -228,7 +238,7 @@ def is_earlier_output(path: Path, reader) -> bool:
 
 FORMAT = Format(
     name=NAME, title="Hugging Face dataset folder", folder=True, member_noun="column",
-    selects_arrays=True, honours_keep=True, writes_rows=True,
+    selects_arrays=True, honours_keep=True, shares_rows=True, writes_rows=True,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes, earlier_output=is_earlier_output,
     docs=(DocRow("Hugging Face dataset folder (`Dataset.save_to_disk`)",
