@@ -164,7 +164,8 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
          "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
-         "are left out (see --keep).")]
+         "are left out (see --keep). Parquet, Arrow and Hugging Face dataset folders: a column; "
+         "default: every image and tensor (list) column.")]
 Exclude = Annotated[Optional[list[str]], typer.Option(
     "--exclude", metavar="PATTERN",
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
@@ -172,11 +173,13 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files, NIfTI: copy this raw instead of leaving it out (repeatable; a "
+    help="HDF5, Zarr, model files, NIfTI, tables (Parquet, Arrow, Hugging Face dataset folders): copy this "
+         "raw instead of leaving it out (repeatable; a "
          "glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
-         "Zarr store, an HDF5 file's user block as userblock. By default everything not perturbed is left out (listed in the manifest's "
+         "Zarr store, an HDF5 file's user block as userblock, a table's column (e.g. label), an image column's "
+         "file names as COLUMN.path. By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",
@@ -196,7 +199,9 @@ ImageFormatOption = Annotated[ImageFormat, typer.Option(
          "in colour: tldp warns).")]
 InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
-                     "folder with Zarr metadata is Zarr, any other folder a folder of images).",
+                     "folder with Zarr metadata is Zarr, one with save_to_disk's state.json or with "
+                     "Parquet files and no image a Hugging Face dataset folder, any other folder a "
+                     "folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

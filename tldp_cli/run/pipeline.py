@@ -374,7 +374,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
                          f"HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors) and NIfTI volumes, not {module.name}: it has nothing else to keep")
+                         f"(.npz, .safetensors), NIfTI volumes and tables (Parquet, Arrow, Hugging Face dataset "
+                         f"folders), not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
