@@ -250,3 +250,18 @@ class ArrowRoundTrip(RoundTrip):
             ra, rb = pa.ipc.open_file(a), pa.ipc.open_file(b)
             assert rb.schema.names == ["x"] and rb.schema.field("x").type == ra.schema.field("x").type
             assert [rb.get_batch(i).num_rows for i in range(rb.num_record_batches)] == [4, 4, 2]
+
+
+def test_a_damaged_row_group_stops_the_run_in_one_line_and_nothing_is_written(cli, tmp_path):
+    """The footer reads well, a data page does not: the run stops when it reaches it."""
+    src = to_parquet(hf_dataset(), tmp_path / "train.parquet")
+    data = bytearray(src.read_bytes())
+    meta = pq.ParquetFile(src).metadata
+    column = meta.row_group(1).column(0)  # image bytes of the second row group
+    start = column.data_page_offset
+    data[start + 8:start + column.total_compressed_size - 8] = b"\xff" * (column.total_compressed_size - 16)
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(bytes(data))
+    result = cli("perturb", damaged, "--eps", "1", *RANGES, "--out", tmp_path / "o.parquet")
+    assert_one_line_error(result, 1, "damaged.parquet")
+    assert siblings(tmp_path) == {"train.parquet", "damaged.parquet"}

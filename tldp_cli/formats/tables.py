@@ -106,7 +106,17 @@ class Part:
         return sum(self.batches)
 
     def read(self, batch: int, columns: list[str]) -> pa.Table:
-        """Batch `batch` of the columns named."""
+        """Batch `batch` of the columns named; InputError names the file when it cannot be
+        read (a damaged page, a file cut short since it was opened)."""
+        try:
+            return self._read(batch, columns)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise InputError(f"{self.path}: cannot read {'row group' if self.layout == PARQUET else 'record batch'} "
+                             f"{batch} ({reason_of(exc)}); the file may be damaged") from None
+
+    def _read(self, batch: int, columns: list[str]) -> pa.Table:
         if self.layout == PARQUET:
             return pq.ParquetFile(self.path).read_row_group(batch, columns=columns)
         with pa.memory_map(str(self.path)) as source:
@@ -396,15 +406,7 @@ class ColumnRead:
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         where = f"{self.source}: rows {start} to {stop - 1}"
-        try:
-            data = self.table.read([self.column.name], start, stop).column(0)
-        except InputError:
-            raise
-        except MemoryError:
-            raise
-        except Exception as exc:
-            raise InputError(f"{self.source}: cannot read column {self.column.name} ({reason_of(exc)}); "
-                             "the file may be corrupt") from None
+        data = self.table.read([self.column.name], start, stop).column(0)
         if self.column.kind != IMAGE:
             return numbers(data, self.column, stop - start, where).astype(self.dtype, copy=False)
         out = np.empty((stop - start, *self.shape), self.dtype)
@@ -436,6 +438,9 @@ class TableReader(Reader):
                              "with --dataset")
         if not table.rows:
             raise InputError(f"{path}: the table has no rows; nothing to perturb")
+        twice = sorted({name for name in schema.names if schema.names.count(name) > 1})
+        if twice:
+            raise InputError(f"{path}: holds more than one column named {', '.join(twice)}")
         self.features = features_of(schema)
         self.columns = [classify(f, self.features.get(f.name)) for f in schema]
         self.chosen = self._choose(options.datasets)
