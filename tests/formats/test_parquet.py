@@ -138,13 +138,42 @@ def test_jpeg_images_stay_jpeg(cli, tmp_path):
     assert "JPEG as JPEG" in " ".join(manifest["postprocessing"])
 
 
-def test_images_of_different_sizes_are_refused_in_one_line(cli, tmp_path):
+def _mixed_sizes(tmp_path) -> tuple[datasets.Dataset, Path]:
     rng = np.random.default_rng(0)
-    ds = datasets.Dataset.from_dict({"image": _images(2, rng) + _images(1, rng, size=(7, 7))},
-                                    features=datasets.Features({"image": datasets.Image()}))
-    src = to_parquet(ds, tmp_path / "mixed.parquet")
-    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "o.parquet")
-    assert_one_line_error(result, 1, "mixed.parquet", "column image", "2 sizes")
+    images = [image for size in ((6, 5), (7, 7), (4, 9)) for image in _images(3, rng, size=size)]
+    ds = datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(9)],
+                                     "embedding": rng.uniform(0, 1, (9, 4)).tolist()},
+                                    features=datasets.Features({"image": datasets.Image(), "label": FEATURES["label"],
+                                                                "embedding": FEATURES["embedding"]}))
+    return ds, to_parquet(ds, tmp_path / "mixed.parquet", rows_per_group=4)
+
+
+def test_images_of_several_sizes_are_each_a_record(cli, tmp_path):
+    """A column of images of several sizes (most photo datasets): each image a record of its
+    own, as in an image folder; the same output whatever the workers."""
+    ds, src = _mixed_sizes(tmp_path)
+    outputs = []
+    for workers in ("1", "3"):
+        out = tmp_path / f"out{workers}.parquet"
+        result = cli("perturb", src, "--eps", "2", "--seed", SEED, "--out", out, "--dataset", "image",
+                     "--keep", "label", "--workers", workers, "--json")
+        assert result.exit_code == 0, result.stderr
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    manifest = json.loads(result.stdout)
+    assert len(manifest["inputs"]) == 9 and "row_datasets" not in manifest
+    assert manifest["records"] == 9
+    out = datasets.load_dataset("parquet", data_files=str(tmp_path / "out3.parquet"), split="train")
+    assert out.features == datasets.Features({"image": datasets.Image(), "label": FEATURES["label"]})
+    assert [np.asarray(i).shape for i in out["image"]] == [np.asarray(i).shape for i in ds["image"]]
+    assert not any(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out["image"], ds["image"]))
+    assert out["label"] == ds["label"]
+
+
+def test_images_of_several_sizes_beside_other_columns_are_refused_in_one_line(cli, tmp_path):
+    _, src = _mixed_sizes(tmp_path)
+    result = cli("perturb", src, "--eps", "1", "--range", "embedding=0:1", "--out", tmp_path / "o.parquet")
+    assert_one_line_error(result, 1, "mixed.parquet", "column image", "3 sizes", "--dataset image")
     assert not (tmp_path / "o.parquet").exists()
 
 

@@ -9,8 +9,9 @@ batches). Row i of the table is one record: one subject's, across every column p
 Columns, by their Arrow type and their Hugging Face feature (the `huggingface` schema
 metadata that `datasets` writes):
 - image columns (the `Image` feature: a struct of `bytes` and `path`): each row's image
-  decoded (formats/pixels.py), perturbed in its integer range, re-encoded; the images of
-  a column must share one size and bit depth (it is one array of records);
+  decoded (formats/pixels.py), perturbed in its integer range, re-encoded; a column whose
+  images share one size and bit depth is one array of records, a column of several sizes
+  is perturbed alone, each image a record (an array) of its own, as in an image folder;
 - tensor columns: (nested) lists of numbers whose rows have one shape (fixed-size lists,
   `datasets` Sequence(length=...) and Array2D-5D, pyarrow's fixed_shape_tensor, or lists
   whose every row has the same lengths);
@@ -37,6 +38,7 @@ reached its end, so memory holds a few blocks, not the table.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -377,10 +379,11 @@ def image_header(data: bytes | None, where: str):
         raise InputError(f"{where}: cannot be decoded as an image ({decode_reason(exc)})") from None
 
 
-def encode_image(values: np.ndarray, dtype: np.dtype, source: bytes) -> bytes:
+def encode_image(values: np.ndarray, source: bytes) -> bytes:
     """A perturbed image (colour channels) in `source`'s format: its alpha channel and ICC
     profile put back, rounded and clipped to its bit depth; JPEG as JPEG, else PNG."""
     decoded, kind, icc = image_values(source, "an image")
+    dtype = decoded.colour.dtype
     info = np.iinfo(dtype)
     rounded = values if values.dtype.kind in "iu" else np.rint(values)
     out = np.clip(rounded, info.min, info.max).astype(dtype)
@@ -403,10 +406,15 @@ class ColumnRead:
     dtype: np.dtype
     shape: tuple[int, ...]  # a record's
     source: Path
+    first: int = 0  # the table's row of record 0 (an image of a column of several sizes: its row)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
+        start, stop = start + self.first, stop + self.first
         where = f"{self.source}: rows {start} to {stop - 1}"
-        data = self.table.read([self.column.name], start, stop).column(0)
+        if self.first and stop - start == 1:  # one image of a column of several sizes
+            data = _row_of_batch(self.table, self.column.name, start)
+        else:
+            data = self.table.read([self.column.name], start, stop).column(0)
         if self.column.kind != IMAGE:
             return numbers(data, self.column, stop - start, where).astype(self.dtype, copy=False)
         out = np.empty((stop - start, *self.shape), self.dtype)
@@ -421,7 +429,30 @@ class ColumnRead:
         return out
 
 
+def _row_of_batch(table: Table, column: str, row: int) -> pa.Array:
+    """Row `row` of a column, from its batch kept in memory while the rows after it are
+    read (the images of a column of several sizes are each a record: one read a batch)."""
+    for p, b, first, rows in table.batches():
+        if first <= row < first + rows:
+            part = table.parts[p]
+            stat = part.path.stat()
+            batch = _cached_batch(part, b, column, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+            return batch.slice(row - first, 1)
+    raise IndexError(row)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_batch(part: Part, batch: int, column: str, version: tuple[int, int, int]) -> pa.Array:
+    data = part.read(batch, [column]).column(0)
+    return pa.concat_arrays(data.chunks) if data.num_chunks != 1 else data.chunk(0)
+
+
 # --- the reader ------------------------------------------------------------------------
+
+def image_job_name(column: str, row: int) -> str:
+    """The array of one image of a column of several sizes (its random streams' key)."""
+    return f"{column}[{row}]"
+
 
 class TableReader(Reader):
     """The columns of a table to perturb, one ArrayJob each (named by the column), and what
@@ -445,6 +476,8 @@ class TableReader(Reader):
         self.columns = [classify(f, self.features.get(f.name)) for f in schema]
         self.chosen = self._choose(options.datasets)
         self.images: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}  # by column: pixels' dtype, shape
+        # by column of images of several sizes: each row's (dtype, shape); each image a record
+        self.each_image: dict[str, list[tuple[np.dtype, tuple[int, ...]]]] = {}
         self.image_formats: dict[str, list[str]] = {}  # by column: the Pillow formats found
         paths = self._scan()
         self.left = leftovers.Leftovers(list(options.keep))
@@ -490,26 +523,37 @@ class TableReader(Reader):
             if column.kind == TENSOR:
                 self._list_shape(column)
                 continue
-            found, formats, named = set(), set(), False
+            each, formats, named = [], set(), False
             for p, b, first, rows in self.table.batches():
                 data = self.table.parts[p].read(b, [column.name]).column(0)
                 struct = pa.concat_arrays(data.chunks) if data.num_chunks != 1 else data.chunk(0)
                 named = named or struct.field(PATH_FIELD).null_count < len(struct)
                 for i, value in enumerate(struct.field("bytes").to_pylist()):
                     head, kind = image_header(value, f"{self.path}: row {first + i} of column {column.name}")
-                    found.add((head.dtype.str, head.shape))
+                    each.append((head.dtype.str, head.shape))
                     formats.add(kind)
+            found = set(each)
             if len(found) > 1:
-                sizes = sorted(f"{'x'.join(map(str, shape))} {np.dtype(dtype)}" for dtype, shape in found)
-                raise InputError(f"{self.path}: column {column.name} holds images of {len(found)} sizes or bit "
-                                 f"depths ({listing(sizes)}); tldp perturbs an image column whose images "
-                                 "share one size and bit depth")
-            dtype, shape = found.pop()
+                self._several_sizes(column, found, each)
+            dtype, shape = each[0]
             self.images[column.name] = (np.dtype(dtype), shape)
             self.image_formats[column.name] = sorted(formats)
             paths[column.name] = named
         self.chosen = [self._shaped(c) for c in self.chosen]
         return paths
+
+    def _several_sizes(self, column: Column, found: set, each: list) -> None:
+        """An image column of several sizes or bit depths: each image is a record of its own
+        (an array of one record, as in an image folder); refused beside other columns, whose
+        row i could not join image i in one record."""
+        if len(self.chosen) > 1:
+            sizes = sorted(f"{'x'.join(map(str, shape))} {np.dtype(dtype)}" for dtype, shape in found)
+            raise InputError(f"{self.path}: column {column.name} holds images of {len(found)} sizes or bit "
+                             f"depths ({listing(sizes)}), so each image is a record of its own, which "
+                             "cannot join the other columns' rows: perturb it alone (--dataset "
+                             f"{column.name}), or the other columns")
+        self.each_image[column.name] = [(np.dtype(dtype), shape) for dtype, shape in each]
+        self.record_description = f"one image of column {column.name} (its images differ in size)"
 
     def _list_shape(self, column: Column) -> None:
         """The shape of a variable-length list column, from its first row; every row is
@@ -579,6 +623,9 @@ class TableReader(Reader):
         step = max(self.table.parts[0].batches, default=0) or None
         jobs = []
         for column in self.chosen:
+            if column.name in self.each_image:
+                jobs += self._image_jobs(column)
+                continue
             dtype = column.dtype
             jobs.append(ArrayJob(
                 name=column.name, shape=(self.table.rows, *column.shape), dtype=dtype,
@@ -587,8 +634,33 @@ class TableReader(Reader):
                         "shape": [self.table.rows, *column.shape], "dtype": str(dtype)}))
         return jobs
 
+    def _image_jobs(self, column: Column) -> list[ArrayJob]:
+        """One array of one record a row: the images of a column of several sizes."""
+        jobs = []
+        for row, (dtype, shape) in enumerate(self.each_image[column.name]):
+            jobs.append(ArrayJob(
+                name=image_job_name(column.name, row), shape=(1, *shape), dtype=dtype,
+                read=ColumnRead(self.table, column, dtype, shape, self.path, row),
+                source={"path": str(self.path), "format": self.format, "dataset": column.name, "row": row,
+                        "shape": [1, *shape], "dtype": str(dtype)}))
+        return jobs
+
+    def job_rows(self) -> dict[str, tuple[str, int]]:
+        """By array name, its column and the table's row of its record 0."""
+        found = {}
+        for column in self.chosen:
+            if column.name in self.each_image:
+                found.update({image_job_name(column.name, row): (column.name, row)
+                              for row in range(len(self.each_image[column.name]))})
+            else:
+                found[column.name] = (column.name, 0)
+        return found
+
     def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
-        """Row i of every perturbed column is one record."""
+        """Row i of every perturbed column is one record; each image of a column of several
+        sizes is a record of its own (such a column is perturbed alone)."""
+        if self.each_image:
+            return []
         return [[job.name for job in jobs]] if len(jobs) > 1 else []
 
     def output_schema(self) -> pa.Schema:
@@ -654,6 +726,7 @@ class TableWriter(Writer):
         self.table = reader.table
         self.schema = reader.output_schema()
         self.columns = {c.name: c for c in reader.chosen}
+        self.job_rows = reader.job_rows()  # array name -> (column, the table's row of its record 0)
         self.batches = list(self.table.batches())
         self.next = 0  # the next batch to write
         self.pending: dict[str, list[tuple[int, int, Any]]] = {name: [] for name in self.columns}
@@ -668,7 +741,9 @@ class TableWriter(Writer):
 
     def _stored_type(self, column: Column) -> str:
         if column.kind == IMAGE:
-            return f"{column.dtype.itemsize * 8}-bit {' and '.join(self.reader.image_formats[column.name])} images"
+            each = self.reader.each_image.get(column.name, [(column.dtype, column.shape)])
+            depths = " and ".join(f"{d}-bit" for d in sorted({np.dtype(dtype).itemsize * 8 for dtype, _ in each}))
+            return f"{depths} {' and '.join(self.reader.image_formats[column.name])} images"
         return str(column.dtype)
 
     def _steps(self, dtype: np.dtype) -> list[str]:
@@ -694,15 +769,19 @@ class TableWriter(Writer):
         return steps
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
-        column = self.columns[job.name]
+        name, first = self.job_rows[job.name]
+        column = self.columns[name]
+        start += first
         stop = start + len(block)
         if column.kind == IMAGE:
-            sources = _image_bytes(self.table.read([column.name], start, stop).column(0)).to_pylist()
-            payload: Any = [encode_image(values, column.dtype, source) for values, source in zip(block, sources)]
+            sources = (_row_of_batch(self.table, name, start) if first else
+                       self.table.read([name], start, stop).column(0))
+            payload: Any = [encode_image(values, source)
+                            for values, source in zip(block, _image_bytes(sources).to_pylist())]
         else:
             payload = stored(block, column.dtype)
         with self.lock:
-            self.pending[job.name].append((start, stop, payload))
+            self.pending[name].append((start, stop, payload))
             try:
                 self._flush()
             except BaseException:
