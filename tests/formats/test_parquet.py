@@ -294,3 +294,22 @@ def test_a_damaged_row_group_stops_the_run_in_one_line_and_nothing_is_written(cl
     result = cli("perturb", damaged, "--eps", "1", *RANGES, "--out", tmp_path / "o.parquet")
     assert_one_line_error(result, 1, "damaged.parquet")
     assert siblings(tmp_path) == {"train.parquet", "damaged.parquet"}
+
+
+def test_each_columns_compression_and_the_format_version_are_kept(cli, tmp_path):
+    table = pq.read_table(to_parquet(hf_dataset(), tmp_path / "hf.parquet"))
+    src = tmp_path / "train.parquet"
+    pq.write_table(table, src, row_group_size=4, version="1.0",
+                   compression={"image.bytes": "zstd", "embedding.list.element": "gzip", "grid.list.element.list.element":
+                                "snappy", "counts.list.element": "zstd"})
+    run(cli, src, tmp_path / "out.parquet")
+    def codecs(path):
+        meta = pq.ParquetFile(path).metadata
+        group = meta.row_group(0)
+        return meta.format_version, {group.column(i).path_in_schema: group.column(i).compression
+                                     for i in range(group.num_columns)}
+    version, written = codecs(tmp_path / "out.parquet")
+    assert version == codecs(src)[0]
+    assert written == {k: v for k, v in codecs(src)[1].items() if k.split(".")[0] in
+                       ("image", "embedding", "grid", "counts")}
+    assert written["image.bytes"] == "ZSTD" and written["embedding.list.element"] == "GZIP"

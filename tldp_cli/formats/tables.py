@@ -160,18 +160,45 @@ def open_part(path: Path, layout: str | None = None) -> tuple[Part, pa.Schema, d
                          "truncated or corrupt") from None
 
 
+def _leaves(type_: pa.DataType) -> int:
+    """How many Parquet leaf columns an Arrow type is stored in."""
+    type_ = _storage(type_)
+    if pa.types.is_struct(type_):
+        return sum(_leaves(type_.field(i).type) for i in range(type_.num_fields))
+    if pa.types.is_map(type_):
+        return _leaves(type_.key_type) + _leaves(type_.item_type)
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_):
+        return _leaves(type_.value_type)
+    return 1
+
+
 def _parquet_settings(meta, schema: pa.Schema) -> dict[str, Any]:
-    """The writer settings that keep the file's layout: format version, compression of each
-    column (its first leaf's)."""
-    compression: dict[str, str] = {}
+    """The writer settings that keep the file's layout: format version, and the compression
+    of each column's leaves (by the first row group)."""
+    compression: dict[str, list[str]] = {}
     if meta.num_row_groups:
-        group = meta.row_group(0)
-        for i in range(group.num_columns):
-            column = group.column(i)
-            compression.setdefault(column.path_in_schema.split(".")[0], column.compression)
+        group, leaf = meta.row_group(0), 0
+        for field_ in schema:
+            count = _leaves(field_.type)
+            compression[field_.name] = [group.column(i).compression for i in range(leaf, leaf + count)]
+            leaf += count
     return {"version": meta.format_version if meta.format_version in ("1.0", "2.4", "2.6") else "2.6",
-            "compression": {name: ("NONE" if codec == "UNCOMPRESSED" else codec)
-                            for name, codec in compression.items() if name in schema.names}}
+            "compression": compression}
+
+
+def parquet_compression(schema: pa.Schema, by_column: dict[str, list[str]]) -> dict[str, str] | str:
+    """The ParquetWriter compression of the output's leaf columns (by their paths, which
+    its writer names): each as the input's column's."""
+    if not by_column:
+        return "snappy"
+    probe = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), probe)
+    written = pq.ParquetFile(pa.BufferReader(probe.getvalue())).schema
+    paths = [written.column(i).path for i in range(len(written))]
+    codecs = [codec for field_ in schema for codec in by_column.get(field_.name, ["SNAPPY"] * _leaves(field_.type))]
+    if len(codecs) != len(paths):
+        return "snappy"
+    return {path: "NONE" if codec == "UNCOMPRESSED" else codec for path, codec in zip(paths, codecs)}
 
 
 @dataclass(frozen=True)
@@ -687,7 +714,7 @@ class _Sink:
             try:
                 if layout == PARQUET:
                     self.out = pq.ParquetWriter(self.file, schema, version=settings.get("version", "2.6"),
-                                                compression=settings.get("compression") or "snappy")
+                                                compression=parquet_compression(schema, settings.get("compression")))
                 elif layout == IPC_FILE:
                     self.out = pa.ipc.new_file(self.file, schema)
                 else:
