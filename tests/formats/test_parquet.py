@@ -313,3 +313,15 @@ def test_each_columns_compression_and_the_format_version_are_kept(cli, tmp_path)
     assert written == {k: v for k, v in codecs(src)[1].items() if k.split(".")[0] in
                        ("image", "embedding", "grid", "counts")}
     assert written["image.bytes"] == "ZSTD" and written["embedding.list.element"] == "GZIP"
+
+
+def test_evaluate_checks_a_perturbed_table(cli, tmp_path):
+    """The images were clipped to 8 bits (table_output): evaluate reports their noise without
+    testing it against the mechanism's, and the other checks pass."""
+    src = to_parquet(hf_dataset(n=30), tmp_path / "train.parquet")
+    out = tmp_path / "out.parquet"
+    result = cli("perturb", src, "--eps", "2", "--seed", SEED, "--out", out, "--dataset", "image", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["table_output"] == {"clipped": ["image"]}
+    checked = cli("evaluate", src, out, "--json")
+    assert checked.exit_code == 0, checked.stdout + checked.stderr

@@ -185,6 +185,7 @@ class DatasetFolderWriter(Writer):
             self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the raw data) "
                                        "replaced by a hash of the shards written")
         self.output_dtype = self.table.output_dtype
+        self.manifest_extra = self.table.manifest_extra
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         self.table.write(job, start, block)

@@ -763,6 +763,10 @@ class TableWriter(Writer):
         self.written: list[Path] = []
         self.failed = False
         self.postprocessing = self._steps(np.dtype(dtype))
+        # What `evaluate` must know to read the noise back: the columns rounded and clipped to
+        # their type (images and integers), whose noise is not the mechanism's where it was cut.
+        clipped = [c.name for c in reader.chosen if c.kind == IMAGE or c.dtype.kind in "iu"]
+        self.manifest_extra = {"table_output": {"clipped": clipped}} if clipped else {}
         self.output_dtype = ", ".join(f"{c.name}: {self._stored_type(c)}" for c in reader.chosen) + \
             " (each column keeps its type)"
 
