@@ -347,3 +347,22 @@ def test_peak_memory_is_flat_in_the_number_of_rows(tmp_path):
         peaks.append(peak)
     grown_mib = (peaks[1] - peaks[0]) / (1 << 20)
     assert grown_mib < 30, f"peak RSS grew by {grown_mib:.0f} MiB for 10 times the rows"
+
+
+def test_the_alpha_channel_is_copied_back_and_16_bit_images_stay_16_bit(cli, tmp_path):
+    rng = np.random.default_rng(6)
+    rgba = [Image.fromarray(rng.integers(0, 256, (5, 4, 4), dtype=np.uint8), "RGBA") for _ in range(4)]
+    deep = [Image.fromarray(rng.integers(0, 65536, (5, 4), dtype=np.uint16)) for _ in range(4)]
+    features = datasets.Features({"rgba": datasets.Image(), "deep": datasets.Image()})
+    ds = datasets.Dataset.from_dict({"rgba": rgba, "deep": deep}, features=features)
+    src = to_parquet(ds, tmp_path / "t.parquet")
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--range", "rgba=0:256",
+                 "--range", "deep=0:65536")
+    assert result.exit_code == 0, result.stderr
+    out = datasets.load_dataset("parquet", data_files=str(tmp_path / "o.parquet"), split="train")
+    assert out.features == features
+    for a, b in zip(ds["rgba"], out["rgba"]):
+        a, b = np.asarray(a), np.asarray(b)
+        assert b.shape == (5, 4, 4) and np.array_equal(a[..., 3], b[..., 3]) and not np.array_equal(a, b)
+    for a, b in zip(ds["deep"], out["deep"]):
+        assert np.asarray(b).dtype == np.asarray(a).dtype and np.asarray(b).max() > 255

@@ -409,14 +409,17 @@ def image_header(data: bytes | None, where: str):
 def encode_image(values: np.ndarray, source: bytes) -> bytes:
     """A perturbed image (colour channels) in `source`'s format: its alpha channel and ICC
     profile put back, rounded and clipped to its bit depth; JPEG as JPEG, else PNG."""
-    decoded, kind, icc = image_values(source, "an image")
-    dtype = decoded.colour.dtype
+    file = io.BytesIO(source)
+    with Image.open(file) as im:  # the header only, unless the alpha channel is wanted
+        found, kind, icc = header(file, im), im.format, im.info.get("icc_profile")
+        alpha = decode(file, im).alpha if found.has_alpha else None
+    dtype = found.dtype
     info = np.iinfo(dtype)
     rounded = values if values.dtype.kind in "iu" else np.rint(values)
     out = np.clip(rounded, info.min, info.max).astype(dtype)
-    if decoded.alpha is not None:
-        out = np.dstack([out, decoded.alpha])
-    if kind == "JPEG" and decoded.alpha is None and dtype == np.uint8:
+    if alpha is not None:
+        out = np.dstack([out, alpha])
+    if kind == "JPEG" and alpha is None and dtype == np.uint8:
         buffer = io.BytesIO()
         Image.fromarray(out).save(buffer, "JPEG", quality=JPEG_QUALITY, icc_profile=icc)
         return buffer.getvalue()
