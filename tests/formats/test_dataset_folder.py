@@ -91,6 +91,8 @@ def hub_folder(tmp_path):
         train.shard(2, i, contiguous=True).to_parquet(str(root / "data" / f"train-0000{i}-of-00002.parquet"))
     test.to_parquet(str(root / "data" / "test-00000-of-00001.parquet"))
     (root / "README.md").write_text("---\nlicense: mit\n---\n# Photos of Alice's family\n")
+    (root / ".git" / "objects").mkdir(parents=True)  # a clone of the Hub's repository
+    (root / ".git" / "objects" / "ab").write_bytes(b"x")
     return root, train, test
 
 
@@ -102,7 +104,8 @@ def test_a_hub_folder_of_parquet_shards_is_one_table_and_loads_with_its_splits(c
     assert list(out["train"].features) == ["image", "embedding", "grid", "counts"]
     assert out["train"].features["image"] == FEATURES["image"] and out["test"].features["grid"] == FEATURES["grid"]
     assert not np.array_equal(pixels(out["test"]), pixels(test))
-    assert not (tmp_path / "out" / "README.md").exists() and "README.md" in {e["name"] for e in manifest["dropped"]}
+    assert not (tmp_path / "out" / "README.md").exists() and not (tmp_path / "out" / ".git").exists()
+    assert {e["name"] for e in manifest["dropped"]} >= {"README.md", ".git/"}
     assert manifest["row_records"]["records"] == 14
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.parquet")) == \
         sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))

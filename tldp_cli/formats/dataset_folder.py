@@ -18,7 +18,7 @@ A folder of Parquet files as the Hugging Face Hub lays a dataset out (`data/trai
 same way: its Parquet files, in the order of their paths, are one table (every row of every
 split is one record); they must share their columns. The output holds them under the same
 paths, each with its row groups; the dataset card and any other file are left out and
-listed unless --keep names them. `datasets.load_dataset("parquet", data_files=...)` and
+listed unless --keep names them, hidden folders (a clone's .git) are not read. `datasets.load_dataset("parquet", data_files=...)` and
 `load_dataset(folder)` load it with the same features.
 """
 
@@ -152,7 +152,11 @@ def open_reader(path: Path, options: FormatOptions) -> Reader:
 def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]:
     """The folder's other files: copied when --keep names them, else listed as dropped."""
     copied = []
-    for directory, _, files in os.walk(path):
+    for directory, dirs, files in os.walk(path):
+        for hidden in sorted(d for d in dirs if d.startswith(".")):  # .git, .cache: never read
+            rel = (Path(directory) / hidden).relative_to(path).as_posix()
+            left.drop(rel + "/", "folder", "a hidden folder (.git, .cache, ...), not read")
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             rel = (Path(directory) / name).relative_to(path).as_posix()
             if rel in known:
