@@ -266,10 +266,9 @@ def _storage(type_: pa.DataType) -> pa.DataType:
 
 def _tensor_shape(type_: pa.DataType) -> tuple[int, ...] | None:
     """pyarrow's fixed_shape_tensor (row-major): its shape; None for any other type."""
-    shape = getattr(type_, "shape", None)
     if isinstance(type_, pa.FixedShapeTensorType) and not (type_.permutation and
                                                             list(type_.permutation) != sorted(type_.permutation)):
-        return tuple(shape)
+        return tuple(type_.shape)
     return None
 
 
@@ -509,6 +508,7 @@ class TableReader(Reader):
         # by column of images of several sizes: each row's (dtype, shape); each image a record
         self.each_image: dict[str, list[tuple[np.dtype, tuple[int, ...]]]] = {}
         self.image_formats: dict[str, list[str]] = {}  # by column: the Pillow formats found
+        self.list_shapes: dict[str, tuple[int, ...]] = {}  # by variable-length list column: its rows' shape
         paths = self._scan()
         self.left = leftovers.Leftovers(list(options.keep))
         self.left.considered(c.name for c in self.chosen)
@@ -597,14 +597,14 @@ class TableReader(Reader):
         if 0 in shape:
             raise InputError(f"{self.path}: column {column.name} starts with an empty list or a null; tldp "
                              "perturbs list columns whose rows share one shape")
-        self._shapes = {**getattr(self, "_shapes", {}), column.name: tuple(shape)}
+        self.list_shapes[column.name] = tuple(shape)
         for p, b, first_row, rows in self.table.batches():  # every row: the same lengths
             numbers(self.table.parts[p].read(b, [column.name]).column(0),
                     Column(column.name, TENSOR, column.type, column.dtype, tuple(shape), tuple(shape)), rows,
                     f"{self.path}: rows from {first_row}")
 
     def _shaped(self, column: Column) -> Column:
-        shapes = getattr(self, "_shapes", {})
+        shapes = self.list_shapes
         if column.name in self.images:
             dtype, shape = self.images[column.name]
             return Column(column.name, IMAGE, column.type, dtype, tuple(shape))
