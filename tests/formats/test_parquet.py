@@ -366,3 +366,13 @@ def test_the_alpha_channel_is_copied_back_and_16_bit_images_stay_16_bit(cli, tmp
         assert b.shape == (5, 4, 4) and np.array_equal(a[..., 3], b[..., 3]) and not np.array_equal(a, b)
     for a, b in zip(ds["deep"], out["deep"]):
         assert np.asarray(b).dtype == np.asarray(a).dtype and np.asarray(b).max() > 255
+
+
+def test_a_truncated_arrow_stream_is_refused_in_one_line_and_nothing_is_written(cli, tmp_path):
+    hf_dataset().save_to_disk(str(tmp_path / "saved"))
+    data = next((tmp_path / "saved").glob("data-*.arrow")).read_bytes()
+    src = tmp_path / "cut.arrow"
+    src.write_bytes(data[:len(data) * 2 // 3])
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "cut.arrow", "not a readable Arrow IPC stream")
+    assert siblings(tmp_path) == {"saved", "cut.arrow"}

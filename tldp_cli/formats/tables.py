@@ -368,10 +368,8 @@ def stored(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 # --- images ----------------------------------------------------------------------------
 
-def _image_bytes(struct: pa.Array) -> pa.Array:
-    if isinstance(struct, pa.ChunkedArray):
-        struct = pa.concat_arrays(struct.chunks) if struct.num_chunks != 1 else struct.chunk(0)
-    return struct.field("bytes")
+def _image_bytes(struct: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return _image_struct(struct).field("bytes")
 
 
 def image_values(data: bytes, where: str):
