@@ -57,6 +57,20 @@ def test_format_tables_list_every_registered_format():
         assert f"| `{fmt.name}` |" in text and all(row.example in text for row in fmt.docs)
 
 
+def test_every_format_says_what_it_perturbs_keeps_and_drops():
+    """docs/formats.md has a section per registered format, each with its Perturbed, Kept
+    and Dropped lines (a new format adds its own)."""
+    from tldp_cli import formats
+
+    page = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
+    part = page.split("## Perturbed, kept and dropped, format by format\n", 1)[1].split("\n## ", 1)[0]
+    sections = dict(re.findall(r"^### `([^`]+)`\n(.*?)(?=^### |\Z)", part, re.M | re.S))
+    assert set(formats.names()) <= set(sections), sorted(set(formats.names()) - set(sections))
+    for name, text in sections.items():
+        lines = [line for line in text.splitlines() if line.startswith("- **")]
+        assert [line.split(":**")[0] for line in lines] == ["- **Perturbed", "- **Kept", "- **Dropped"], name
+
+
 def test_format_table_check_mode_reports_a_stale_page(tmp_path, monkeypatch):
     script = load_script("docs/make_format_table.py")
     page = tmp_path / "formats.md"

@@ -217,7 +217,7 @@ def _pairs(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibrati
                                "detail": f"{image.rel}: not in the name map"})
                 continue
             out_path = perturbed / (renamed[image.rel] if renamed is not None
-                                    else images._output_name(image.rel, fmt))
+                                    else images._output_name(image.rel, fmt, image.pages > 1))
             if not out_path.is_file():
                 issues.append({"check": "pairing", "passed": False,
                                "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})

@@ -203,15 +203,52 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {images.PNG_ENCODING}"]
 
 
-def test_mixed_bit_depths_need_a_range(cli, tmp_path):
+def test_each_bit_depth_is_perturbed_at_its_own_range(cli, tmp_path):
+    """8- and 16-bit images in one folder, without --range: each at its dtype's range (noise
+    of scale 256 on the 8-bit image, 65536 on the 16-bit one), each range a calibration of its
+    own, whose figures the manifest states (those of the 8-bit image perturbed alone)."""
+    src = tmp_path / "mixed"
+    save(src / "deep.png", np.full((64, 64), 30000, np.uint16))
+    save(src / "shallow.png", np.full((64, 64), 128, np.uint8))
+    out = tmp_path / "a"
+    # TIFF: the noisy integers unclipped, to measure the noise's scale
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--image-format", "tiff", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    for name, value, scale in (("shallow", 128, 256), ("deep", 30000, 65536)):
+        noise = tifffile.imread(out / f"{name}.tiff").astype(np.int64) - value
+        # median |Laplace| = b ln 2: 177 for b = 256, 45426 for b = 65536 (4096 values: within 10%)
+        assert abs(np.median(np.abs(noise)) / (scale * np.log(2)) - 1) < 0.1, name
+    manifest = manifest_of(out)
+    assert manifest["value_ranges"] == {"deep.png": [0, 65536], "shallow.png": [0, 256]}
+    groups = {tuple(g["value_range"]): g for g in manifest["range_groups"]}
+    assert sorted(groups) == [(0, 256), (0, 65536)]
+    assert groups[0, 256]["input_dtypes"] == ["uint8"] and groups[0, 256]["records"] == 1
+    assert groups[0, 65536]["declared_by"] == ["the uint16 dtype's range (default)"]
+    assert [groups[0, 256]["noise_scale"], groups[0, 65536]["noise_scale"]] == [256, 65536]
+    alone = tmp_path / "alone"
+    save(alone / "shallow.png", np.full((64, 64), 128, np.uint8))
+    assert cli("perturb", alone, "--eps", "1", "--out", tmp_path / "b").exit_code == 0
+    single = manifest_of(tmp_path / "b")["accounting"]
+    assert groups[0, 256]["accounting"] == {scope: single[scope] for scope in ("per_element", "per_record")}
+    # the run's figures: the worst over the groups, which the summary line says
+    worst = max(g["accounting"]["per_record"]["epsilon"] for g in groups.values())
+    assert manifest["accounting"]["per_record"]["epsilon"] == worst
+    assert "the worst of 2 calibrations, over record sizes and 2 ranges" in result.stderr
+    assert "calibrated each declared range on its own: 0:256 for uint8" in result.stderr
+    planned = cli("plan", src, "--eps", "1", "--json")  # from the headers, the same groups
+    assert planned.exit_code == 0 and json.loads(planned.stdout)["range_groups"] == manifest["range_groups"]
+
+
+def test_one_range_for_mixed_bit_depths_still_clips_each_to_its_own(cli, tmp_path):
     src = tmp_path / "mixed"
     save(src / "deep.png", pixels(4, 4, dtype=np.uint16))
     save(src / "shallow.png", pixels(4, 4))
-    assert cli("perturb", src, "--eps", "1", "--out", tmp_path / "a").exit_code == 2
     result = cli("perturb", src, "--eps", "1", "--range", "0:65536", "--out", tmp_path / "b", "--json")
     assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert "range_groups" not in manifest and manifest["value_range"] == [0, 65536]
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
-    assert json.loads(result.stdout)["postprocessing"][1:3] == [
+    assert manifest["postprocessing"][1:3] == [
         "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {images.PNG_ENCODING}"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
@@ -259,20 +296,109 @@ def test_tiff_output_is_float_and_unclipped(cli, tmp_path):
     assert json.loads(result.stdout)["postprocessing"][0] == "write float32 TIFF (unclipped)"
 
 
-def test_palette_is_converted_and_other_modes_refused(cli, tmp_path):
-    src = tmp_path / "photos"
-    src.mkdir()
-    Image.fromarray(pixels(6, 6, 3)).convert("P").save(src / "pal.png")
+def label_map(path: Path, classes: np.ndarray) -> Path:
+    """A palette PNG of class indices, as segmentation datasets (Pascal VOC) store their masks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mask = Image.fromarray(classes.astype(np.uint8), mode="P")
+    mask.putpalette([0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [0] * 756)
+    mask.save(path)
+    return path
+
+
+def test_palette_images_are_label_maps_left_out_or_kept_raw(cli, tmp_path):
+    """A palette PNG is a label map (class indices), not an image to perturb: not turned into
+    RGB and perturbed, but left out and listed (dropped), or copied raw where --keep names it."""
+    src = tmp_path / "voc"
+    save(src / "JPEGImages" / "a.jpg", pixels(16, 16, 3), quality=90)
+    classes = np.arange(256).reshape(16, 16) % 4
+    label_map(src / "SegmentationClass" / "a.png", classes)
     out = tmp_path / "out"
     result = cli("perturb", src, "--eps", "1", "--out", out, "--json")
     assert result.exit_code == 0, result.stderr
-    assert Image.open(out / "pal.png").mode == "RGB"
-    assert json.loads(result.stdout)["image_conversions"] == {"pal.png": ["palette (P) -> RGB"]}
+    assert sorted(image_files(out)) == ["JPEGImages/a.png"]
+    manifest = json.loads(result.stdout)
+    assert manifest["dropped"] == [{"name": "SegmentationClass/a.png", "kind": "label map",
+                                    "reason": images.LABEL_MAP_REASON}]
+    assert [i["path"] for i in manifest["inputs"]] == [str(src / "JPEGImages" / "a.jpg")]
+    assert "left out 1 palette image (label maps" in result.stderr and "dropped 1 label map" in result.stderr
 
+    kept = tmp_path / "kept"
+    result = cli("perturb", src, "--eps", "1", "--out", kept, "--keep", "SegmentationClass/*", "--json")
+    assert result.exit_code == 0, result.stderr
+    copy = kept / "SegmentationClass" / "a.png"
+    assert copy.read_bytes() == (src / "SegmentationClass" / "a.png").read_bytes()
+    with Image.open(copy) as im:  # the indices and the palette, as they were
+        assert im.mode == "P" and np.array_equal(np.asarray(im), classes)
+    assert json.loads(result.stdout)["unperturbed"] == [
+        {"name": "SegmentationClass/a.png", "kind": "label map", "reason": "kept by --keep"}]
+    assert "copied unchanged: SegmentationClass/a.png (kept by --keep)" in result.stderr
+    # --keep naming nothing is a typo; --keep with --anonymize-names would name the file
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "x", "--keep", "nope/*"),
+                          2, "--keep nope/*")
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "y", "--keep", "*",
+                              "--anonymize-names"), 2, "--anonymize-names")
+
+
+def test_a_folder_of_label_maps_only_says_so(cli, tmp_path):
+    label_map(tmp_path / "masks" / "a.png", np.zeros((4, 4)))
+    result = cli("perturb", tmp_path / "masks", "--eps", "1")
+    assert_one_line_error(result, 1, "1 palette image (label maps, which tldp does not perturb)")
+
+
+def test_other_modes_are_refused(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 6, 3))
     Image.new("CMYK", (5, 5)).save(src / "print.jpg")
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out2")
     assert result.exit_code == 1
     assert "print.jpg" in one_line(result) and "CMYK" in result.stderr
+
+
+@pytest.mark.parametrize("image_format", ["png", "tiff"])
+def test_a_multi_page_tiff_is_one_record_written_multi_page(cli, tmp_path, image_format):
+    """A z-stack (tifffile's multi-page TIFF) is one record of all its pages (one subject's),
+    and comes out a multi-page TIFF that tifffile and Pillow read page by page."""
+    src = tmp_path / "stacks"
+    src.mkdir()
+    stack = RNG.integers(0, 256, (5, 16, 12), dtype=np.uint8)
+    deep = RNG.integers(0, 65536, (4, 8, 8)).astype(np.uint16)
+    colour = RNG.integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    tifffile.imwrite(src / "z.tif", stack, photometric="minisblack")
+    tifffile.imwrite(src / "deep.tiff", deep, photometric="minisblack")
+    tifffile.imwrite(src / "rgb.tif", colour, photometric="rgb")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "8", "--budget", "record", "--out", out, "--json",
+                 "--image-format", image_format, "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    shapes = {Path(i["path"]).name: i["shape"] for i in manifest["inputs"]}
+    assert shapes == {"z.tif": [1, 5, 16, 12], "deep.tiff": [1, 4, 8, 8], "rgb.tif": [1, 3, 8, 8, 3]}
+    assert manifest["records"] == 3  # one per file, not per page
+    assert manifest["accounting"]["per_record"]["epsilon"] <= 8  # the whole stack gets --eps
+    for name, raw in (("z.tif", stack), ("deep.tiff", deep), ("rgb.tif", colour)):
+        written = tifffile.imread(out / name)
+        assert written.shape == raw.shape and not np.array_equal(written, raw)
+        if image_format == "tiff" and raw.ndim == 4:
+            continue  # 16/32-bit colour, which Pillow cannot open (perturb warns)
+        with Image.open(out / name) as im:
+            assert im.n_frames == raw.shape[0]
+            if image_format == "png":  # clipped to the input's bit depth, as PNG is
+                assert written.dtype == raw.dtype
+                pages = []
+                for page in range(im.n_frames):
+                    im.seek(page)
+                    pages.append(np.asarray(im))
+                np.testing.assert_array_equal(np.stack(pages), written)
+
+
+def test_a_multi_page_tiff_of_unlike_pages_is_refused(cli, tmp_path):
+    src = tmp_path / "stacks"
+    src.mkdir()
+    with tifffile.TiffWriter(src / "pyramid.tif") as tif:  # a page and its half-size thumbnail
+        tif.write(pixels(16, 16), photometric="minisblack")
+        tif.write(pixels(8, 8), photometric="minisblack")
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_error(result, 1, "pyramid.tif", "pages differ", "page 1")
 
 
 def test_16bit_colour_is_refused_not_truncated(cli, tmp_path):

@@ -142,6 +142,25 @@ def test_hdf5_user_block_is_zeroed_and_listed_unless_kept(cli, tmp_path):
     assert by_name(kept["unperturbed"])["userblock"]["reason"] == "kept by --keep"
 
 
+def test_hdf5_soft_links_to_nothing_are_left_out_and_links_to_data_kept(cli, tmp_path):
+    src = hdf5_study(tmp_path / "study.h5")
+    with h5py.File(src, "a") as f:
+        del f["names"], f["people"]
+        f["latest"] = h5py.SoftLink("/images")
+        f["patient"] = h5py.SoftLink("/scans/Alice Smith 1972-03-04")  # holds nothing: free text
+    out = tmp_path / "out.h5"
+    manifest, _ = perturb(cli, src, out)
+    with h5py.File(out, "r") as f:
+        assert sorted(f) == ["images", "latest"] and f.get("latest", getlink=True).path == "/images"
+    assert b"Alice" not in out.read_bytes()
+    dropped = by_name(manifest["dropped"])
+    assert dropped["/patient"]["kind"] == "soft link" and "holds nothing" in dropped["/patient"]["reason"]
+    kept, _ = perturb(cli, src, tmp_path / "kept.h5", "--keep", "/patient")
+    with h5py.File(tmp_path / "kept.h5", "r") as f:
+        assert f.get("patient", getlink=True).path == "/scans/Alice Smith 1972-03-04"
+    assert by_name(kept["unperturbed"])["/patient"]["kind"] == "soft link"
+
+
 def test_a_dimension_scale_of_names_keeps_its_dimension(cli, tmp_path):
     src = tmp_path / "scaled.h5"
     with h5py.File(src, "w") as f:
@@ -352,6 +371,7 @@ def test_copy_other_never_copies_medical_images_or_data(cli, tmp_path):
     dicom_like(src / "scan")  # no suffix: found by its magic
     dicom_like(src / "sub" / "other.dcm")
     nifti_gz(src / "sub" / "brain.nii.gz")
+    nifti_gz(src / "sub" / "brain2.gz")  # gzipped NIfTI under another name: found by what it holds
     np.save(src / "features.npy", IMAGES)
     out = tmp_path / "out"
     manifest, stderr = perturb(cli, src, out, "--copy-other")
@@ -359,11 +379,12 @@ def test_copy_other_never_copies_medical_images_or_data(cli, tmp_path):
     assert written == ["0.png", "1.png", "2.png", "notes.txt"]
     assert b"Alice" not in file_bytes(out)
     reasons = {d["name"]: d["reason"] for d in manifest["dropped"]}
-    assert set(reasons) == {"scan", "sub/other.dcm", "sub/brain.nii.gz", "features.npy"}
+    assert set(reasons) == {"scan", "sub/other.dcm", "sub/brain.nii.gz", "sub/brain2.gz", "features.npy"}
     assert reasons["scan"].startswith("DICOM") and reasons["sub/brain.nii.gz"].startswith("NIfTI")
+    assert reasons["sub/brain2.gz"].startswith("NIfTI")
     assert reasons["features.npy"].startswith("npy data")
     assert {d["kind"] for d in manifest["dropped"]} == {"file"}
     assert manifest["unperturbed"] == [{"name": "notes.txt", "kind": "file", "reason": "--copy-other: not an image"}]
     lines = [line for line in stderr.splitlines() if "did not copy" in line]
-    assert len(lines) == 1 and "4 files holding data" in lines[0] and "DICOM" in lines[0]
-    assert "dropped 4 files" in stderr
+    assert len(lines) == 1 and "5 files holding data" in lines[0] and "DICOM" in lines[0]
+    assert "dropped 5 files" in stderr

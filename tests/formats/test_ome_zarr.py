@@ -159,6 +159,47 @@ def test_a_lower_level_stands_for_the_full_resolution(tmp_path, cli):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_a_range_naming_the_label_group_is_its_full_resolution(tmp_path, cli, fmt):
+    """--range labels/cells=LO:HI names the label image's full resolution, as --dataset does;
+    uint32 labels (as segmentation tools write them) need it, the uint8 image does not."""
+    group = zarr.open_group(tmp_path / "a.ome.zarr", mode="w", zarr_format=fmt.zarr_format)
+    write_image(IMAGE, group, axes="cyx", fmt=fmt)
+    write_labels(CELLS.astype(np.uint32), group, name="cells", axes="yx", fmt=fmt)
+    base = ("perturb", tmp_path / "a.ome.zarr", "--eps", "1", "--seed", SEED)
+    result = cli(*base, "--range", "labels/cells=0:8")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert manifest["value_ranges"] == {"s0": [0, 256], "labels/cells/s0": [0, 8]}
+    groups = {tuple(g["value_range"]): g for g in manifest["range_groups"]}
+    assert groups[0, 8]["input_dtypes"] == ["uint32"] and groups[0, 8]["declared_by"] == ["--range NAME=LO:HI"]
+    assert groups[0, 256]["declared_by"] == ["the uint8 dtype's range (default)"]
+    # a lower level stands for it too; naming the image twice is refused
+    assert cli(*base, "--range", "labels/cells/s1=0:8", "--out", tmp_path / "b.ome.zarr").exit_code == 0
+    result = cli(*base, "--range", "labels/cells=0:8", "--range", "labels/cells/s0=0:8",
+                 "--out", tmp_path / "c.ome.zarr")
+    assert_one_line_error(result, 2, "labels/cells/s0", "has a range already")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_image_and_labels_of_other_integer_dtypes_need_no_range(tmp_path, cli, fmt):
+    """A uint16 image with uint8 labels: each at its dtype's range, without --range."""
+    group = zarr.open_group(tmp_path / "a.ome.zarr", mode="w", zarr_format=fmt.zarr_format)
+    write_image(IMAGE.astype(np.uint16) * 200, group, axes="cyx", fmt=fmt)
+    write_labels(CELLS, group, name="cells", axes="yx", fmt=fmt)
+    result = cli("perturb", tmp_path / "a.ome.zarr", "--eps", "1", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "a.tldp.ome.zarr"
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert manifest["value_ranges"] == {"s0": [0, 65536], "labels/cells/s0": [0, 256]}
+    assert [g["noise_scale"] for g in manifest["range_groups"]] == [256, 65536]
+    noisy = ome_levels(out)
+    # the labels' noise is of scale 256 (median |noise| = 256 ln 2 = 177), not 65536
+    noise = noisy[Label][0].astype(np.int64) - CELLS
+    assert abs(np.median(np.abs(noise)) / (256 * np.log(2)) - 1) < 0.1
+    assert len(noisy[Multiscales]) == 5 and len(noisy[Label]) == 5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_an_image_left_unperturbed_is_refused(tmp_path, cli, fmt):
     src = make_ome(tmp_path / "a.ome.zarr", fmt)
     result = perturb(cli, src, "--dataset", "s0")

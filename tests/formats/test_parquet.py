@@ -376,3 +376,30 @@ def test_a_truncated_arrow_stream_is_refused_in_one_line_and_nothing_is_written(
     result = cli("perturb", src, "--eps", "1", *RANGES)
     assert_one_line_error(result, 1, "cut.arrow", "not a readable Arrow IPC stream")
     assert siblings(tmp_path) == {"saved", "cut.arrow"}
+
+
+def test_a_column_of_palette_masks_is_a_label_map_left_out_or_kept(cli, tmp_path):
+    """Segmentation datasets hold their masks as palette PNGs: class indices, not pixels."""
+    rng = np.random.default_rng(8)
+    masks = []
+    for _ in range(4):
+        mask = Image.fromarray(rng.integers(0, 3, (6, 5), dtype=np.uint8), "P")
+        mask.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0])
+        masks.append(mask)
+    features = datasets.Features({"image": datasets.Image(), "mask": datasets.Image()})
+    ds = datasets.Dataset.from_dict({"image": _images(4, rng), "mask": masks}, features=features)
+    src = to_parquet(ds, tmp_path / "seg.parquet")
+    def perturbed(out, *more):
+        result = cli("perturb", src, "--eps", "2", "--out", out, "--json", *more)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    manifest = perturbed(tmp_path / "dropped.parquet")
+    assert pq.read_table(tmp_path / "dropped.parquet").column_names == ["image"]
+    assert "label maps" in {e["name"]: e["reason"] for e in manifest["dropped"]}["mask"]
+    perturbed(tmp_path / "kept.parquet", "--keep", "mask")
+    out = datasets.load_dataset("parquet", data_files=str(tmp_path / "kept.parquet"), split="train")
+    assert out.features == features
+    assert [np.asarray(m).tolist() for m in out["mask"]] == [np.asarray(m).tolist() for m in ds["mask"]]
+    result = cli("perturb", src, "--eps", "1", "--dataset", "mask")
+    assert_one_line_error(result, 1, "column mask", "palette")

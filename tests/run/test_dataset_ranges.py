@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.builders import assert_one_line_error, siblings, write_safetensors
+from tests.builders import SEED, assert_one_line_error, siblings, write_safetensors
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
 
@@ -71,7 +71,7 @@ def test_values_outside_a_variables_range_name_it(cli, tmp_path):
     (("--range", "t2m=200:330"), "float32 data needs --range"),
     (("--range", "0:1", "--range", "0:2"), "a second LO:HI"),
     (("--range", "t2m=1:0", "--range", "0:1"), "empty or inverted"),
-    (("--range", "t2m=200:330", "--range", "tp=0:1", "--budget", "record"), "different --range values"),
+    (("--range", "t2m=200:330", "--range", "tp=0:1", "--budget", "record"), "different declared ranges"),
     (("--range", "t2m=200:330", "--clip", "1"), "not both")])
 def test_usage_errors(cli, tmp_path, args, fragment):
     src = write_weather(tmp_path / "era.nc")
@@ -127,3 +127,27 @@ def test_arrays_perturbed_together_share_one_output_dtype(dtypes, float_dtype, e
     from tldp_cli.run.pipeline import _shared_dtype
 
     assert _shared_dtype([np.dtype(d) for d in dtypes], np.dtype(float_dtype)) == np.dtype(expected)
+
+
+def test_integer_datasets_of_two_dtypes_need_no_range(cli, tmp_path):
+    """uint8 and uint16 datasets sharing rows (h5py): each at its dtype's range, without
+    --range; a record (one row of each) composes its two parts, which the run says."""
+    h5py = pytest.importorskip("h5py")
+    a = np.full((10, 8, 8), 128, np.uint8)
+    with h5py.File(tmp_path / "two.h5", "w") as f:
+        f["a"] = a
+        f["b"] = RNG.integers(0, 4000, (10, 8, 8)).astype(np.uint16)
+    result = cli("perturb", tmp_path / "two.h5", "--eps", "1", "--json", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert m["value_ranges"] == {"/a": [0, 256], "/b": [0, 65536]}
+    assert [g["value_range"] for g in m["range_groups"]] == [[0, 256], [0, 65536]]
+    calibs = [calibrate(mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=1.0,
+                        range_width=w, elements=64) for w in (256, 65536)]
+    assert m["accounting"]["per_record"] == accounting.certify_all(calibs, [calibs])["per_record"]
+    assert "A record spanning several ranges (a row of /a, /b) composes its parts" in result.stderr
+    with h5py.File(tmp_path / "two.tldp.h5") as f:  # the uint8 dataset's noise is of scale 256
+        noise = f["a"][()].astype(np.int64) - a  # median |Laplace| = b ln 2 (640 values: within 15%)
+    assert abs(np.median(np.abs(noise)) / (256 * np.log(2)) - 1) < 0.15
+    assert_one_line_error(cli("perturb", tmp_path / "two.h5", "--eps", "1", "--budget", "record"), 2,
+                          "different declared ranges")

@@ -128,6 +128,19 @@ def test_fresh_seeds_always_pass(cli):
         assert check_seed(secrets.token_hex(32)) is False and check_seed(secrets.randbits(128) | 1 << 127) is False
 
 
+def test_random_integer_seeds_pass_whatever_their_leading_zeros():
+    """secrets.randbits(128) is under 128 bits long half the time; integer seeds need
+    rng.MIN_INT_SEED_BITS (96): a random 128-bit integer is shorter with probability 2^-32."""
+    assert check_seed(2**127 - 1 - 2**64 - 12345678901234567) is False  # 127 bits, random-looking
+    assert check_seed(0x9F3C_2A7D_51E0_4B8A_96D2_C07E) is False  # 96 bits
+    with pytest.raises(UsageError, match="holds only 95 bits"):
+        check_seed(0x4F3C_2A7D_51E0_4B8A_96D2_C07E)
+    with pytest.raises(UsageError, match="holds only 124 bits"):
+        check_seed("9f3c2a7d51e04b8a96d2c07e1fa85b4")  # a string still needs 32 hex digits
+    for _ in range(200):
+        assert check_seed(secrets.randbits(128) >> 8) is False
+
+
 @pytest.mark.parametrize("bad", ["0x3f9c2a7d51e04b8a96d2c07e1fa85b43", "-42", "my secret passphrase", ""])
 def test_a_seed_that_is_not_hex_digits_is_refused(cli, src, bad):
     result = cli("perturb", src, *PERTURB, "--seed", bad, "--allow-weak-seed")

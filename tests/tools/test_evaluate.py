@@ -204,6 +204,22 @@ def test_image_folders_png_skips_tests_tiff_tests_noise(cli, tmp_path):
     assert r.exit_code == 1 and "sha256" in r.output.splitlines()[-1]
 
 
+def test_multi_page_tiff_and_mixed_bit_depths_are_paired_and_checked(cli, tmp_path):
+    """A multi-page TIFF (one record, written multi-page under its own name) and 8- and
+    16-bit images at their own ranges: evaluate pairs them and recomputes every figure."""
+    src = tmp_path / "imgs"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    tifffile.imwrite(src / "z.tif", rng.integers(0, 256, (4, 16, 16), dtype=np.uint8), photometric="minisblack")
+    Image.fromarray(rng.integers(0, 65536, (16, 16)).astype(np.uint16)).save(src / "deep.png")
+    for fmt in ("png", "tiff"):
+        out = perturb(cli, src, tmp_path / f"out_{fmt}", "--eps", "1", "--image-format", fmt)
+        r = cli("evaluate", src, out, "--json")
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        assert rep["records"] == 2 and checks(rep)["parameters"]["passed"] and checks(rep)["shapes"]["passed"]
+
+
 def test_hdf5_pairs_datasets(cli, tmp_path, digits):
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["images"] = digits[:20]

@@ -146,10 +146,11 @@ BasisOption = Annotated[Optional[str], typer.Option(
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",
     help="Declared value range. Required for float data and integers wider than 16 bits; "
-         "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256). Never "
+         "8- and 16-bit integer data defaults to its dtype's range (uint8 -> 0:256; 8- and 16-bit "
+         "images in one folder: each its own). Never "
          "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
-         "own range (--range t2m=200:330 --range tp=0:0.5); LO:HI is then the range of the "
-         "others.", show_default=False)]
+         "own range (--range t2m=200:330 --range tp=0:0.5; an OME-Zarr image's group names its "
+         "full resolution); LO:HI is then the range of the others.", show_default=False)]
 DpDelta = Annotated[float, typer.Option(
     help="delta at which (epsilon, delta) figures are reported.")]
 Granularity = Annotated[Optional[float], typer.Option(
@@ -173,13 +174,14 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files, NIfTI, tables (Parquet, Arrow, Hugging Face dataset folders): copy this "
-         "raw instead of leaving it out (repeatable; a "
+    help="HDF5, Zarr, model files, NIfTI, image folders, tables (Parquet, Arrow, Hugging Face dataset "
+         "folders): copy this raw instead of leaving it out (repeatable; a "
          "glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
-         "Zarr store, an HDF5 file's user block as userblock, a table's column (e.g. label), an image column's "
-         "file names as COLUMN.path. By default everything not perturbed is left out (listed in the manifest's "
+         "Zarr store, an HDF5 file's user block as userblock, a palette image (label map) of an "
+         "image folder by its path, a table's column (e.g. label), an image column's file names as "
+         "COLUMN.path. By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",

@@ -236,7 +236,8 @@ def _report(result, quiet: bool, json_out: bool) -> None:
             typer.echo(f"tldp: {message}", err=True)
         typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
-        typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"]), err=True)
+        ranges = len(m.get("range_groups", []))
+        typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"], ranges), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))
 

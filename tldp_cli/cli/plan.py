@@ -105,7 +105,8 @@ def plan_command(
                        f"{c['noise_scale']:.4g}, element eps "
                        f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
                        f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
-        typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"]), err=True)
+        ranges = len(report.get("range_groups", []))
+        typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"], ranges), err=True)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
 

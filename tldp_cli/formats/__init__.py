@@ -77,6 +77,9 @@ class ArrayJob:
     # CF missing-data markers (formats/cf.py): (attribute, value in the units perturbed), e.g.
     # ("_FillValue", 0.0); the pipeline compares them with the declared range (Reader.markers_are_data).
     markers: tuple[tuple[str, float], ...] = ()
+    # Other names that stand for the array in --range NAME=LO:HI, as in --dataset (an OME-Zarr
+    # image's group and lower levels stand for its full resolution).
+    aliases: tuple[str, ...] = ()
 
     @property
     def records(self) -> int:
@@ -374,6 +377,8 @@ def data_file(path: Path) -> str | None:
             return None
         with open_regular(path) as f:
             head = f.read(352)
+        if head[:2] == b"\x1f\x8b":  # gzip, whatever the name (brain.gz): judge what it holds
+            head = _gunzipped_head(path, 352)
         if name.endswith(".dcm") or head[128:132] == b"DICM":  # is_dicom, on the head read here
             return "DICOM: a medical image whose headers can name the patient"
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
@@ -387,6 +392,18 @@ def data_file(path: Path) -> str | None:
     except (OSError, InputError):
         return None  # unreadable, or no longer a regular file: copying it fails with the reason
     return None
+
+
+def _gunzipped_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes a gzip file holds (at most that much is decompressed), or
+    b"" when it is not valid gzip."""
+    import gzip
+    import zlib
+    try:
+        with open_regular(path) as f, gzip.GzipFile(fileobj=f) as unzipped:
+            return unzipped.read(size)
+    except (OSError, EOFError, zlib.error):
+        return b""
 
 
 def _is_pickle(path: Path) -> bool:

@@ -453,8 +453,34 @@ class Hdf5Reader(Reader):
             raise InputError(f"{self.path}: cannot read the HDF5 file's attributes ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
         self.keep_userblock = self._userblock(left)
+        self.dangling_links = self._dangling_links(left)
         left.check(self.path)
         return left
+
+    def _dangling_links(self, left: leftovers.Leftovers) -> set[str]:
+        """Soft links to paths that hold nothing: their text is any content (a name, an
+        ID), not structure, so they are left out unless --keep names them; listed either
+        way. Links that resolve are structure, copied as links."""
+        dangling: list[str] = []
+
+        def visit(name, link):
+            if isinstance(link, h5py.SoftLink) and self.file.get("/" + name) is None:
+                dangling.append("/" + name)
+
+        try:
+            self.file.visititems_links(visit)
+        except Exception as exc:
+            raise InputError(f"{self.path}: cannot read the HDF5 file's links ({_reason(exc)}); "
+                             "it may be truncated or corrupt") from None
+        left_out = set()
+        for path in dangling:
+            if left.kept(path):
+                left.copied(path, "soft link", leftovers.KEPT)
+            else:
+                left.drop(path, "soft link", "a link to a path that holds nothing in the file (its "
+                          "text can be any content)")
+                left_out.add(path)
+        return left_out
 
     def _userblock(self, left: leftovers.Leftovers) -> bool:
         """Whether the file's user block (bytes before the HDF5 data, which HDF5 leaves to
@@ -1016,6 +1042,7 @@ class Hdf5Writer(Writer):
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.actions = reader.actions  # object -> DROP or DIMENSION (datasets not perturbed)
         self.left_out_attrs = reader.left_out_attrs  # object -> attributes not written
+        self.dangling_links = reader.dangling_links  # soft links to nothing, left out
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
         fcpl = src.id.get_create_plist()  # user block size, ...
@@ -1089,7 +1116,8 @@ class Hdf5Writer(Writer):
     def _copy_member(self, src: h5py.Group, dst: h5py.Group, name: str) -> None:
         link = src.get(name, getlink=True)
         if isinstance(link, h5py.SoftLink):
-            dst[name] = h5py.SoftLink(link.path)
+            if posixpath.join(src.name, name) not in self.dangling_links:
+                dst[name] = h5py.SoftLink(link.path)
             return
         if isinstance(link, h5py.ExternalLink):
             dst[name] = h5py.ExternalLink(link.filename, link.path)

@@ -1,4 +1,7 @@
-"""Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record.
+"""Folders of images (PNG, JPEG, BMP, TIFF, WebP): one image is one record; a multi-page
+TIFF is one record of all its pages (one specimen's stack), written as a multi-page TIFF.
+Palette images (mode P, PA: segmentation class masks) are label maps, not perturbed: left
+out and listed (dropped), or copied raw where --keep names them.
 
 Images are found recursively and keyed by their relative POSIX path, which also
 keys their random streams. Opening the folder reads each image's header (shape,
@@ -54,8 +57,8 @@ from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
-                              dicom_refused, is_dicom, listing, plural)
-from tldp_cli.formats.pixels import PNG_ENCODING, Decoded, Header, Unsupported, decode, header, png
+                              dicom_refused, is_dicom, leftovers, listing, plural)
+from tldp_cli.formats.pixels import PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header, png
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -74,6 +77,8 @@ INDEX_FILES = ("metadata.jsonl", "metadata.csv")
 PARQUET_INDEX = "metadata.parquet"
 NAME_MAP_SCHEMA = "tldp-name-map/1"
 WITHHELD = "withheld (--anonymize-names)"
+LABEL_MAP_REASON = ("a palette image: class indices (a segmentation's label map), not pixel values to perturb; "
+                    "not written (--keep NAME copies it raw)")
 QUEUED_BYTES = 64 << 20  # encoded images waiting for the writer thread, at most (about)
 ANONYMOUS_DIGITS = 6  # 000000.png: at least this many digits
 
@@ -127,6 +132,11 @@ class _Image:
     dtype: np.dtype
     has_alpha: bool
     has_icc: bool
+    pages: int = 1  # a multi-page TIFF: shape (1, pages, H, W[, 3]), written as multi-page TIFF
+
+    @property
+    def colour(self) -> bool:
+        return len(self.shape) == (5 if self.pages > 1 else 4)
 
 
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
@@ -157,8 +167,10 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     return sorted(images), sorted(others), sorted(links)
 
 
-def _output_name(rel: str, image_format: str) -> str:
-    suffixes = OUTPUT_SUFFIXES[image_format]
+def _output_name(rel: str, image_format: str, stack: bool = False) -> str:
+    """An image's name in the output: under PNG's or TIFF's suffix; a multi-page TIFF (stack)
+    stays TIFF."""
+    suffixes = OUTPUT_SUFFIXES["tiff" if stack else image_format]
     path = Path(rel)
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
 
@@ -213,55 +225,21 @@ class ImageFolderReader(Reader):
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
         candidates, self.others, self.links = _walk(path)
-        out_names = {rel: _output_name(rel, options.image_format) for rel in candidates}
-        if not self.anonymized:
-            _check_collisions(path, out_names)
         self.images: list[_Image] = []
-        bad: list[str] = []
-        conversions: dict[str, list[str]] = {}
-        # Headers only, unless bad images are to be skipped: those are found by decoding.
-        check = _decoded_header if options.skip_bad else _probe
-        for rel in candidates:
-            file = path / rel
-            try:
-                header = check(file)
-            except InputError:  # replaced by a FIFO or a device since the folder was listed
-                raise
-            except Unsupported as exc:
-                reason = str(exc)
-            except PermissionError as exc:
-                reason = f"cannot read ({reason_of(exc)})"
-            except MemoryError:  # not damage: the run says memory ran out
-                raise
-            except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
-                reason = f"cannot be decoded as an image ({decode_reason(exc)})"
-            else:
-                self.images.append(_Image(rel, file, out_names[rel], (1, *header.shape),
-                                          header.dtype, header.has_alpha, header.has_icc))
-                if header.notes:
-                    conversions[rel] = header.notes
-                continue
-            if not options.skip_bad:
-                raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
-            bad.append(rel)
+        self.label_maps: list[str] = []  # palette images: class indices, not perturbed
+        bad, conversions = self._probe_all(candidates, options)
+        if not self.anonymized:
+            _check_collisions(path, self.out_names)
         self.bad = bad
         if not self.images:
-            found = [_non_images(len(self.others))] if self.others else []
-            found += [plural(len(bad), "unreadable image")] if bad else []
-            found += [plural(len(self.links), "symbolic link")] if self.links else []
-            detail = f" (found {' and '.join(found)})" if found else ""
-            dicom = sum(is_dicom(path / rel) for rel in self.others)
-            if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
-                raise dicom_refused(path, dicom)
-            if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
-                raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
-                                 "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
-                                 "(its metadata is missing)")
-            raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+            self._no_images(bad)
+        self.kept_label_maps = self._leave_out_label_maps(options)
         renamed = any(image.out_rel != image.rel for image in self.images)
         # Files that name images not written: an index row naming one is dropped.
         self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
-                          **{rel: "a symbolic link, skipped" for rel in self.links}}
+                          **{rel: "a symbolic link, skipped" for rel in self.links},
+                          **{rel: "a palette image (a label map), left out" for rel in self.label_maps
+                             if rel not in self.kept_label_maps}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and (renamed or self.unwritten) and options.copy_other]
         self.stale_indexes = [rel for rel in self.others if posixpath.basename(rel) == PARQUET_INDEX
@@ -279,6 +257,85 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+
+    def _probe_all(self, candidates: list[str], options: FormatOptions) -> tuple[list[str], dict[str, list[str]]]:
+        """Reads each candidate's header (decodes it with --skip-bad) into self.images, or
+        self.label_maps for palette images; returns the unreadable ones skipped (--skip-bad)
+        and the conversions applied, by image."""
+        bad: list[str] = []
+        conversions: dict[str, list[str]] = {}
+        # Headers only, unless bad images are to be skipped: those are found by decoding.
+        check = _decoded_header if options.skip_bad else _probe
+        for rel in candidates:
+            file = self.path / rel
+            try:
+                found = check(file)
+            except InputError:  # replaced by a FIFO or a device since the folder was listed
+                raise
+            except LabelMap:
+                self.label_maps.append(rel)
+                continue
+            except Unsupported as exc:
+                reason = str(exc)
+            except PermissionError as exc:
+                reason = f"cannot read ({reason_of(exc)})"
+            except MemoryError:  # not damage: the run says memory ran out
+                raise
+            except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
+                reason = f"cannot be decoded as an image ({decode_reason(exc)})"
+            else:
+                out_rel = _output_name(rel, options.image_format, found.pages > 1)
+                self.images.append(_Image(rel, file, out_rel, (1, *found.shape), found.dtype,
+                                          found.has_alpha, found.has_icc, found.pages))
+                if found.notes:
+                    conversions[rel] = found.notes
+                continue
+            if not options.skip_bad:
+                raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
+            bad.append(rel)
+        return bad, conversions
+
+    def _no_images(self, bad: list[str]) -> None:
+        """The error for a folder without an image to perturb, saying what it holds."""
+        path = self.path
+        found = [_non_images(len(self.others))] if self.others else []
+        found += [plural(len(self.label_maps), "palette image") + " (label maps, which tldp does not "
+                  "perturb)"] if self.label_maps else []
+        found += [plural(len(bad), "unreadable image")] if bad else []
+        found += [plural(len(self.links), "symbolic link")] if self.links else []
+        detail = f" (found {' and '.join(found)})" if found else ""
+        dicom = sum(is_dicom(path / rel) for rel in self.others)
+        if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
+            raise dicom_refused(path, dicom)
+        if self.others and all(_ZARR_CHUNK_PATH.match(rel) for rel in self.others):
+            raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
+                             "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
+                             "(its metadata is missing)")
+        raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+
+    def _leave_out_label_maps(self, options: FormatOptions) -> list[str]:
+        """The palette images (label maps) --keep names, copied raw and listed under
+        unperturbed; the others are left out, listed under dropped (leftovers.py's rule)."""
+        left = leftovers.Leftovers(list(options.keep))
+        left.considered(image.rel for image in self.images)  # --keep never stops the noise
+        kept = [rel for rel in self.label_maps if left.kept(rel)]
+        left.check(self.path)
+        if kept and self.anonymized:
+            raise UsageError(f"{self.path}: --keep copies label maps under their own names; it does not "
+                             "go with --anonymize-names")
+        for rel in self.label_maps:
+            if rel in kept:
+                left.copied(rel, "label map", leftovers.KEPT)
+            else:
+                left.drop(WITHHELD if self.anonymized else rel, "label map", LABEL_MAP_REASON)
+        self.manifest_extra.update(left.manifest_extra())
+        left_out = [rel for rel in self.label_maps if rel not in kept]
+        if left_out:
+            names = "" if self.anonymized else f": {listing(left_out)}"
+            self.messages.append(f"left out {plural(len(left_out), 'palette image')} (label maps: class indices, "
+                                 f"not pixels to perturb; the manifest's dropped; --keep NAME copies one "
+                                 f"raw){names}")
+        return kept
 
     def _data_files(self) -> dict[str, str]:
         """The files --copy-other does not copy, by relative path, with the reason: those
@@ -307,12 +364,13 @@ class ImageFolderReader(Reader):
     def _report_copies(self) -> None:
         """--copy-other: the files copied (the manifest's unperturbed) and the data files not
         copied (dropped), each with the reason."""
-        self.manifest_extra["unperturbed"] = [
+        self.manifest_extra["unperturbed"] = [*self.manifest_extra.get("unperturbed", []), *(
             {"name": rel, "kind": "file", "reason": "--copy-other: not an image" if rel not in self.index_files
-             else "--copy-other: an index of the images, rewritten to the output's"} for rel in self.copied]
+             else "--copy-other: an index of the images, rewritten to the output's"} for rel in self.copied)]
         if self.data_files:
-            self.manifest_extra["dropped"] = [{"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
-                                              for rel, reason in self.data_files.items()]
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+                {"name": rel, "kind": "file", "reason": f"{reason}: never copied raw"}
+                for rel, reason in self.data_files.items())]
             kinds = sorted({reason.split(":")[0].split(",")[0] for reason in self.data_files.values()})
             self.messages.append(f"did not copy {plural(len(self.data_files), 'file')} holding data "
                                  f"({'; '.join(kinds)}), which --copy-other never copies raw: "
@@ -349,7 +407,7 @@ class ImageFolderReader(Reader):
     def _warn_tiff_readers(self) -> None:
         # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
         # with Pillow 13); torchvision's and Hugging Face's image loaders go through it.
-        several = [i for i in self.images if len(i.shape) == 4 or i.has_alpha]
+        several = [i for i in self.images if i.colour or i.has_alpha]
         if several:
             self.messages.append(
                 f"warning: {plural(len(several), 'colour or alpha image')} will be TIFF with several "
@@ -367,8 +425,8 @@ class ImageFolderReader(Reader):
         numbers = list(range(len(self.images)))
         secrets.SystemRandom().shuffle(numbers)
         digits = max(ANONYMOUS_DIGITS, len(str(len(self.images) - 1)))
-        suffix = OUTPUT_SUFFIXES[image_format][0]
         for image, number in zip(self.images, numbers):
+            suffix = OUTPUT_SUFFIXES["tiff" if image.pages > 1 else image_format][0]
             image.out_rel = f"{number:0{digits}d}{suffix}"
         self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
 
@@ -442,7 +500,7 @@ class ImageFolderReader(Reader):
                 "tool": {"name": "tldp", "version": __version__}, "name_map_id": self.name_map_id,
                 "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
                 "images": self.out_names, "skipped_bad_images": self.bad, "not_images": self.others,
-                "skipped_symbolic_links": self.links,
+                "skipped_symbolic_links": self.links, "label_maps_left_out": self.label_maps,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
     def close(self) -> None:
@@ -604,16 +662,19 @@ class ImageFolderWriter(Writer):
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         # Every file the output must hold once complete (finish checks they all are there).
         self._expected = [image.out_rel for image in reader.images] + (reader.copied if options.copy_other
-                                                                        else [])
+                                                                        else []) + reader.kept_label_maps
         with writing(tmp_path):
             tmp_path.mkdir()
+        for rel in reader.kept_label_maps:  # --keep: byte for byte, raw (listed under unperturbed)
+            self._copy(reader.path / rel, rel)
         if options.copy_other:
             for rel in reader.copied:
                 if rel in reader.index_files:
                     self._write_index(reader.index_texts[rel], rel)
                 else:
                     self._copy(reader.path / rel, rel)
-        self.postprocessing = self._steps(any(image.has_alpha for image in reader.images))
+        self.postprocessing = self._steps(any(image.has_alpha for image in reader.images),
+                                          any(image.pages > 1 for image in reader.images))
         # What evaluate needs to read the output back, as fields (postprocessing is for people).
         self.manifest_extra = {"image_output": {"format": self.image_format,
                                                 "clipped": self.image_format == "png"}}
@@ -629,9 +690,11 @@ class ImageFolderWriter(Writer):
         self._disk: Background | None = Background(lambda item: _write_image(*item), f"tldp write {tmp_path.name}",
                                                    depth=max(1, min(8, QUEUED_BYTES // largest)))
 
-    def _steps(self, any_alpha: bool) -> list[str]:
+    def _steps(self, any_alpha: bool, any_stack: bool) -> list[str]:
         if self.image_format == "tiff":
             steps = [f"write {self.dtype} TIFF (unclipped)"]
+            if any_stack:
+                steps.append("write each multi-page TIFF as a multi-page TIFF of its pages")
         else:
             depths = sorted({image.dtype.itemsize * 8 for image in self.images.values()})
             ranges = [f"[0, {2**d - 1}]" + (f" ({d}-bit images)" if len(depths) > 1 else "")
@@ -640,6 +703,9 @@ class ImageFolderWriter(Writer):
             rounding = [] if self.dtype.kind in "iu" else ["round to nearest integer (ties to even)"]
             steps = rounding + ["clip to " + ", ".join(ranges),
                                 "write " + " and ".join(f"{d}-bit" for d in depths) + " PNG " + PNG_ENCODING]
+            if any_stack:
+                steps.append("write each multi-page TIFF as an uncompressed multi-page TIFF of its pages, "
+                             "of its own bit depth (clipped as PNG is)")
         if any_alpha:
             steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
         steps.append("keep the ICC colour profile; drop EXIF and text metadata")
@@ -688,18 +754,15 @@ class ImageFolderWriter(Writer):
             pixels = values.astype(self.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha.astype(self.dtype)])
-            tiff = io.BytesIO()
-            tifffile.imwrite(tiff, pixels, photometric="rgb" if len(image.shape) == 4 else "minisblack",
-                             extrasamples=("unassalpha",) if alpha is not None else None,
-                             iccprofile=icc)
-            encoded = tiff.getbuffer()
+            encoded = _tiff(pixels, image.colour, alpha is not None, icc)
         else:
             info = np.iinfo(image.dtype)
             rounded = values if values.dtype.kind in "iu" else np.rint(values)  # exact noise: integers
             pixels = np.clip(rounded, info.min, info.max).astype(image.dtype)
             if alpha is not None:
                 pixels = np.dstack([pixels, alpha])
-            encoded = png(pixels, icc)
+            # a multi-page TIFF stays one (PNG holds one page), clipped to its bit depth as PNG is
+            encoded = _tiff(pixels, image.colour, False, icc) if image.pages > 1 else png(pixels, icc)
         # Encoded in memory, then written with checked writes (Pillow and tifffile write to a
         # file descriptor without checking for short writes).
         self._digests[target] = hashlib.sha256(encoded).hexdigest()  # not read back for the manifest
@@ -731,6 +794,15 @@ class ImageFolderWriter(Writer):
         if self._disk is not None:
             self._disk.close()
         return flushed_files(self.root, self._digests)
+
+
+def _tiff(pixels: np.ndarray, colour: bool, alpha: bool, icc: bytes | None) -> memoryview:
+    """A TIFF of (H, W[, channels]) pixels, or of a multi-page TIFF's (pages, H, W[, 3]): one
+    page each."""
+    tiff = io.BytesIO()
+    tifffile.imwrite(tiff, pixels, photometric="rgb" if colour else "minisblack",
+                     extrasamples=("unassalpha",) if alpha else None, iccprofile=icc)
+    return tiff.getbuffer()
 
 
 def _write_image(target: Path, encoded: bytes) -> None:
@@ -766,9 +838,10 @@ FORMAT = Format(
     name=NAME, title="folder of images", folder=True, records_are_files=True, record_noun="an image",
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     name_map_destination=name_map_destination, write_name_map=write_name_map,
-    output_bytes=output_bytes, earlier_output=is_earlier_output,
+    output_bytes=output_bytes, earlier_output=is_earlier_output, honours_keep=True,
     docs=(DocRow("folder of images (PNG, JPEG, BMP, TIFF, WebP)",
                  "any other directory (subfolders named `0` ... `9` included)",
                  "`tldp perturb sample_data/digits_png --eps 1`",
-                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG"),),
+                 "`digits_png.tldp/` mirroring the relative paths, lossless PNG (a multi-page TIFF: "
+                 "multi-page TIFF); palette images (label maps) left out ([below](#image-folders))"),),
 )

@@ -1,10 +1,11 @@
 """Decoding and encoding images, shared by the formats that hold them: image folders
-(formats/images.py) and the image columns of Parquet and Arrow tables (formats/arrow_tables.py).
+(formats/images.py) and the image columns of Parquet and Arrow tables (formats/tables.py).
 
 `header` learns what an opened image (Pillow) decodes to from its header alone, `decode`
-gives its colour channels and alpha apart (EXIF orientation applied, palette and bilevel
-images converted), and `png` encodes perturbed pixels as PNG, fast for noise. Images
-tldp cannot perturb faithfully raise Unsupported.
+gives its colour channels and alpha apart (EXIF orientation applied, bilevel images
+converted, a multi-page TIFF's pages stacked), and `png` encodes perturbed pixels as PNG,
+fast for noise. Images tldp cannot perturb faithfully raise Unsupported; palette images
+(label maps: class indices, not pixel values) raise LabelMap.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class Unsupported(Exception):
     """An image Pillow can decode but tldp cannot perturb faithfully."""
 
 
+class LabelMap(Exception):
+    """A palette image (mode P or PA): class indices, as segmentation datasets store their
+    masks, not pixel values. It is not perturbed: left out and listed, or copied raw where
+    --keep names it (leftovers.py)."""
+
+
 @dataclass
 class Header:
     """What an image will decode to, learnt from its header without decoding it."""
@@ -40,11 +47,12 @@ class Header:
     orientation: int  # EXIF orientation, 1 = as stored
     convert_to: str | None  # the mode it is converted to after decoding, if any
     has_icc: bool  # carries an ICC colour profile (kept in the output)
+    pages: int = 1  # a multi-page TIFF's pages, one record: shape is then (pages, H, W[, 3])
 
 
 @dataclass
 class Decoded:
-    colour: np.ndarray  # (H, W) or (H, W, 3)
+    colour: np.ndarray  # (H, W) or (H, W, 3); a multi-page TIFF's: (pages, H, W[, 3])
     alpha: np.ndarray | None  # (H, W) or None
     notes: list[str]
 
@@ -78,10 +86,40 @@ def exif_orientation(im: Image.Image) -> int:
 
 
 def header(file, im: Image.Image) -> Header:
-    """The shape, dtype and conversions of an opened, not yet decoded image."""
+    """The shape, dtype and conversions of an opened, not yet decoded image. A multi-page
+    TIFF (a z-stack, a time series: one subject's) is one record of all its pages, which
+    must be alike."""
     frames = getattr(im, "n_frames", 1)
-    if frames > 1:
-        raise Unsupported(f"has {frames} frames; tldp perturbs single-frame images")
+    if frames > 1 and im.format != "TIFF":
+        raise Unsupported(f"has {frames} frames; tldp perturbs single-frame images (and multi-page TIFF)")
+    header = _pageheader(file, im)
+    return _stackheader(file, im, header, frames) if frames > 1 else header
+
+
+def _stackheader(file, im: Image.Image, first: Header, frames: int) -> Header:
+    """A multi-page TIFF's header: its first page's, for every page (each one checked)."""
+    if first.has_alpha:
+        raise Unsupported(f"a multi-page TIFF ({frames} pages) with an alpha channel; tldp perturbs "
+                           "multi-page TIFF of L, RGB or 16-bit grayscale pages")
+    for page in range(1, frames):
+        im.seek(page)
+        try:
+            header = _pageheader(file, im)
+        except LabelMap:
+            header = None
+        if header is None or (header.shape, header.dtype, header.convert_to, header.orientation) != (
+                first.shape, first.dtype, first.convert_to, first.orientation):
+            found = "a palette page" if header is None else f"{header.shape} {header.dtype}"
+            raise Unsupported(f"a multi-page TIFF whose pages differ (page {page}: {found}; page 0: "
+                               f"{first.shape} {first.dtype}); tldp perturbs a multi-page TIFF as one "
+                               "record of pages of one shape and mode")
+    im.seek(0)
+    return Header((frames, *first.shape), first.dtype, False, first.notes, first.orientation,
+                   first.convert_to, first.has_icc, frames)
+
+
+def _pageheader(file, im: Image.Image) -> Header:
+    """_header of the current page (frame)."""
     notes, convert_to = [], None
     orientation = exif_orientation(im)
     if orientation in TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
@@ -90,12 +128,12 @@ def header(file, im: Image.Image) -> Header:
         convert_to = "L"
         notes.append("bilevel (1) -> L")
     elif im.mode in ("P", "PA"):
-        convert_to = "RGBA" if im.mode == "PA" or im.has_transparency_data else "RGB"
-        notes.append(f"palette ({im.mode}) -> {convert_to}")
+        raise LabelMap(im.mode)
     mode = convert_to or im.mode
     if mode not in SUPPORTED_MODES:
         raise Unsupported(f"colour mode {mode} is not supported "
-                           "(supported: L, LA, RGB, RGBA, 16-bit grayscale, palette)")
+                           "(supported: L, LA, RGB, RGBA, 16-bit grayscale; palette images are label maps, "
+                           "not perturbed)")
     depth = source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
         raise Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
@@ -109,16 +147,26 @@ def header(file, im: Image.Image) -> Header:
                    bool(im.info.get("icc_profile")))
 
 
+def page_pixels(im: Image.Image, header: Header, page: int) -> tuple[str, np.ndarray]:
+    """The mode and pixels of one page (of a multi-page TIFF; page 0 of any image), oriented
+    and converted as its header says."""
+    if header.pages > 1:
+        im.seek(page)
+    im.load()
+    shown = im.transpose(TRANSPOSE[header.orientation]) if header.orientation in TRANSPOSE else im
+    if header.convert_to:
+        shown = shown.convert(header.convert_to)
+    return shown.mode, np.asarray(shown)
+
+
 def decode(file, im: Image.Image) -> Decoded:
     """The pixels of an opened image (`file` its source, as header takes it): colour and
-    alpha apart, EXIF orientation and conversions applied."""
+    alpha apart, EXIF orientation and conversions applied; a multi-page TIFF's pages
+    stacked."""
     found = header(file, im)
-    im.load()
-    if found.orientation in TRANSPOSE:
-        im = im.transpose(TRANSPOSE[found.orientation])
-    if found.convert_to:
-        im = im.convert(found.convert_to)
-    mode, values = im.mode, np.asarray(im)
+    decoded = [page_pixels(im, found, page) for page in range(found.pages)]
+    mode = decoded[0][0]
+    values = decoded[0][1] if found.pages == 1 else np.stack([page for _, page in decoded])
     if mode in SIXTEEN_BIT_MODES:
         return Decoded(values.astype(np.uint16), None, found.notes)  # native byte order
     if mode in ("LA", "RGBA"):

@@ -55,7 +55,7 @@ from PIL import Image
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions, Reader, Writer, decode_reason, leftovers, listing, plural
-from tldp_cli.formats.pixels import Unsupported, decode, header, png
+from tldp_cli.formats.pixels import LabelMap, Unsupported, decode, header, png
 from tldp_cli.formats.tensor_files import to_stored
 from tldp_cli.files.checked_io import writing
 
@@ -68,6 +68,7 @@ EXTENSION_KEYS = (b"ARROW:extension:name", b"ARROW:extension:metadata")  # struc
 PARQUET, IPC_FILE, IPC_STREAM = "Parquet file", "Arrow IPC file", "Arrow IPC stream"
 IMAGE, TENSOR, NUMBER, OTHER = "image", "tensor", "number", "other"
 JPEG_QUALITY = 95
+LABEL_MAP_REASON = "label maps (palette images: a segmentation's class indices, not pixel values)"
 PATH_FIELD = "path"  # an image column's field of file names
 
 
@@ -379,8 +380,8 @@ def image_values(data: bytes, where: str):
         file = io.BytesIO(data)
         with Image.open(file) as im:
             return decode(file, im), im.format, im.info.get("icc_profile")
-    except Unsupported as exc:
-        raise InputError(f"{where}: {exc}") from None
+    except (Unsupported, LabelMap) as exc:
+        raise InputError(f"{where}: {exc if isinstance(exc, Unsupported) else 'a palette image'}") from None
     except MemoryError:
         raise
     except Exception as exc:
@@ -388,7 +389,8 @@ def image_values(data: bytes, where: str):
 
 
 def image_header(data: bytes | None, where: str):
-    """The header of a row's image (pixels.Header) and its format, without decoding it."""
+    """The header of a row's image (pixels.Header) and its format, without decoding it; None
+    for a palette image (a label map: class indices, not pixel values)."""
     if data is None:
         raise InputError(f"{where}: holds no image bytes (an image stored by its path only, or a null); "
                          "tldp perturbs images held in the table: embed them first (datasets "
@@ -396,7 +398,12 @@ def image_header(data: bytes | None, where: str):
     try:
         file = io.BytesIO(data)
         with Image.open(file) as im:
-            return header(file, im), im.format
+            found = header(file, im)
+            if found.pages > 1:
+                raise Unsupported(f"a multi-page TIFF ({found.pages} pages); tldp perturbs one image a row")
+            return found, im.format
+    except LabelMap:
+        return None, "palette"
     except Unsupported as exc:
         raise InputError(f"{where}: {exc}") from None
     except Exception as exc:
@@ -501,6 +508,8 @@ class TableReader(Reader):
             raise InputError(f"{path}: holds more than one column named {', '.join(twice)}")
         self.features = features_of(schema)
         self.columns = [classify(f, self.features.get(f.name)) for f in schema]
+        self.requested = list(options.datasets)
+        self.label_maps: list[str] = []  # image columns of palette images (label maps), not perturbed
         self.chosen = self._choose(options.datasets)
         self.images: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}  # by column: pixels' dtype, shape
         # by column of images of several sizes: each row's (dtype, shape); each image a record
@@ -551,15 +560,21 @@ class TableReader(Reader):
             if column.kind == TENSOR:
                 self._list_shape(column)
                 continue
-            each, formats, named = [], set(), False
+            each, formats, named, maps = [], set(), False, []
             for p, b, first, rows in self.table.batches():
                 data = self.table.parts[p].read(b, [column.name]).column(0)
                 struct = pa.concat_arrays(data.chunks) if data.num_chunks != 1 else data.chunk(0)
                 named = named or struct.field(PATH_FIELD).null_count < len(struct)
                 for i, value in enumerate(struct.field("bytes").to_pylist()):
                     head, kind = image_header(value, f"{self.path}: row {first + i} of column {column.name}")
+                    if head is None:
+                        maps.append(first + i)
+                        continue
                     each.append((head.dtype.str, head.shape))
                     formats.add(kind)
+            if maps:
+                self._label_maps(column, maps)
+                continue
             found = set(each)
             if len(found) > 1:
                 self._several_sizes(column, found, each)
@@ -567,8 +582,26 @@ class TableReader(Reader):
             self.images[column.name] = (np.dtype(dtype), shape)
             self.image_formats[column.name] = sorted(formats)
             paths[column.name] = named
-        self.chosen = [self._shaped(c) for c in self.chosen]
+        self.chosen = [self._shaped(c) for c in self.chosen if c.name not in self.label_maps]
+        if not self.chosen:
+            raise InputError(f"{self.path}: no image or tensor column to perturb (the image columns "
+                             f"{listing(self.label_maps)} are label maps: palette images)")
+        self.columns = [Column(c.name, OTHER, c.type, why=LABEL_MAP_REASON) if c.name in self.label_maps else c
+                        for c in self.columns]
         return paths
+
+    def _label_maps(self, column: Column, maps: list[int]) -> None:
+        """A column of palette images: label maps (a segmentation's class indices), not
+        perturbed but left out or kept, as in an image folder; refused where --dataset names
+        it, or where only some of its images are."""
+        if len(maps) < self.table.rows:
+            raise InputError(f"{self.path}: row {maps[0]} of column {column.name} is a palette image (a label "
+                             "map: class indices), among images of pixel values; tldp perturbs a column of "
+                             "one kind")
+        if column.name in self.requested:
+            raise InputError(f"{self.path}: column {column.name} holds palette images ({LABEL_MAP_REASON}); "
+                             "leave it out of --dataset (--keep copies it raw)")
+        self.label_maps.append(column.name)
 
     def _several_sizes(self, column: Column, found: set, each: list) -> None:
         """An image column of several sizes or bit depths: each image is a record of its own

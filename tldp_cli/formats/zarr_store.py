@@ -674,7 +674,18 @@ class ZarrReader(Reader):
             chunk_records=(array.shards or array.chunks)[0],
             row_dimension=row_dimension,
             markers=encoding.labelled() if encoding else (),
+            aliases=self._aliases(name),
         )
+
+    def _aliases(self, name: str) -> tuple[str, ...]:
+        """The names that stand for a multiscale image's full resolution in --range NAME=LO:HI,
+        as in --dataset (_full_resolution): its group (a group with several images: the
+        first) and its lower levels."""
+        for pyramid in self.pyramids:
+            if pyramid.levels[0] == name:
+                first = next(p for p in self.pyramids if p.group == pyramid.group) is pyramid
+                return ((pyramid.group,) if pyramid.group and first else ()) + pyramid.levels[1:]
+        return ()
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs

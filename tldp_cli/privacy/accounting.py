@@ -541,8 +541,9 @@ def large_record_epsilon(accounting: dict[str, Any]) -> float | None:
     return epsilon if epsilon > RECORD_EPSILON_WARNING else None
 
 
-def summary_line(accounting: dict[str, Any], noise: str) -> str:
-    """The one-line statement of the guarantee the CLI prints after a run."""
+def summary_line(accounting: dict[str, Any], noise: str, ranges: int = 1) -> str:
+    """The one-line statement of the guarantee the CLI prints after a run; `ranges`: the
+    declared ranges its records have (the manifest's range_groups)."""
     def fmt(scope: dict[str, Any]) -> str:
         delta = scope["delta"]
         if delta == 0:
@@ -554,7 +555,8 @@ def summary_line(accounting: dict[str, Any], noise: str) -> str:
             text += f"; rho={scope['rho']:.4g} zCDP"
         return text
     worst = accounting.get("worst_case_of")
-    line = ("guarantee" + (f" (the worst of {worst} record sizes)" if worst else "")
+    over = f"calibrations, over record sizes and {ranges} ranges" if ranges > 1 else "record sizes"
+    line = ("guarantee" + (f" (the worst of {worst} {over})" if worst else "")
             + f": each element ({fmt(accounting['per_element'])}); "
             f"each record ({fmt(accounting['per_record'])})")
     designed = accounting.get("designed")

@@ -167,20 +167,24 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     """
     if value_range is not None:
         return value_range
-    defaults = set()
-    for job in jobs:
-        if job.dtype.kind == "f":
-            raise UsageError(f"{input_path}: {job.dtype} data needs --range LO:HI "
-                             "(the range is never inferred from the values)")
-        if job.dtype.itemsize * 8 > DEFAULT_RANGE_BITS:
-            raise UsageError(f"{input_path}: {job.dtype} data needs --range LO:HI (only 8- and "
-                             "16-bit integers default to their dtype's range; the range is never "
-                             "inferred from the values)")
-        info = np.iinfo(job.dtype)
-        defaults.add((float(info.min), float(info.max) + 1.0))
+    defaults = {dtype_range(job.dtype, input_path) for job in jobs}
     if len(defaults) > 1:
         raise UsageError(f"{input_path}: the arrays have different integer dtypes; give --range LO:HI")
     return defaults.pop()
+
+
+def dtype_range(dtype: np.dtype, input_path: Path) -> tuple[float, float]:
+    """The default range of 8- and 16-bit integer data: its dtype's (uint8 -> 0:256); any
+    other dtype needs --range."""
+    if dtype.kind == "f":
+        raise UsageError(f"{input_path}: {dtype} data needs --range LO:HI "
+                         "(the range is never inferred from the values)")
+    if dtype.itemsize * 8 > DEFAULT_RANGE_BITS:
+        raise UsageError(f"{input_path}: {dtype} data needs --range LO:HI (only 8- and "
+                         "16-bit integers default to their dtype's range; the range is never "
+                         "inferred from the values)")
+    info = np.iinfo(dtype)
+    return float(info.min), float(info.max) + 1.0
 
 
 def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path) -> None:
@@ -374,8 +378,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
                          f"HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors), NIfTI volumes and tables (Parquet, Arrow, Hugging Face dataset "
-                         f"folders), not {module.name}: it has nothing else to keep")
+                         f"(.npz, .safetensors), NIfTI volumes, image folders' label maps and tables (Parquet, "
+                         f"Arrow, Hugging Face dataset folders), not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -414,6 +418,8 @@ class Plan:
     in_range_markers: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
     bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by array name
     user_basis: bases_mod.UserBasis | None = None  # privunit: --basis FILE.npy, loaded and checked
+    # Where arrays have different ranges: each range's arrays and figures (the manifest's range_groups)
+    range_groups: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def top(self) -> float:
@@ -432,7 +438,14 @@ def _top(hi: float, grid: discrete.Grid | None) -> float:
 
 def ranges_by_array(options: PerturbOptions, jobs: list[ArrayJob]) -> dict[str, tuple[float, float]]:
     """Each array's declared range: from --clip, its own --range NAME=LO:HI, or the default
-    --range LO:HI (integer data of 8 and 16 bits: its dtype's)."""
+    --range LO:HI; without one, integer data of 8 and 16 bits gets its dtype's (an image
+    folder of 8- and 16-bit images: each bit depth its own)."""
+    return {name: bounds for name, (bounds, _) in _declared_ranges(options, jobs).items()}
+
+
+def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
+                     ) -> dict[str, tuple[tuple[float, float], str]]:
+    """ranges_by_array, each with what declared it (for the manifest's range_groups)."""
     source = options.input
     if options.clip is not None:
         lo, hi = -options.clip, options.clip
@@ -440,18 +453,29 @@ def ranges_by_array(options: PerturbOptions, jobs: list[ArrayJob]) -> dict[str, 
             # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
-        return {job.name: (lo, hi) for job in jobs}
-    by_shown = {job.name.lstrip("/"): job.name for job in jobs}  # HDF5 names with or without "/"
-    own = {}
+        return {job.name: ((lo, hi), "--clip") for job in jobs}
+    by_shown = {}  # HDF5 names with or without "/"; the other names a format gives an array
+    for job in jobs:
+        by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
+    by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
+    own: dict[str, tuple[tuple[float, float], str]] = {}
     for given, bounds in options.ranges.items():
         name = by_shown.get(given.lstrip("/"))
         if name is None:
             raise UsageError(f"{source}: --range {given}={bounds[0]:g}:{bounds[1]:g} names no array this "
                              f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})")
-        own[name] = bounds
-    rest = [job for job in jobs if job.name not in own]
-    default = resolve_range(options.value_range, rest, source) if rest else None
-    return {job.name: own.get(job.name, default) for job in jobs}
+        if name in own:
+            raise UsageError(f"{source}: --range {given}=...: {name} has a range already (one --range "
+                             "names it by another of its names)")
+        own[name] = (bounds, "--range NAME=LO:HI")
+    for job in jobs:
+        if job.name in own:
+            continue
+        if options.value_range is not None:
+            own[job.name] = (options.value_range, "--range LO:HI")
+        else:
+            own[job.name] = (dtype_range(job.dtype, source), f"the {job.dtype} dtype's range (default)")
+    return {job.name: own[job.name] for job in jobs}
 
 
 @dataclass
@@ -544,15 +568,16 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     sampled_noise); refuses, as perturb does, what cannot work or needs consent."""
     source = options.input
     rows = rows or []
-    range_of = ranges_by_array(options, jobs)
+    declared = _declared_ranges(options, jobs)
+    range_of = {name: bounds for name, (bounds, _) in declared.items()}
     members: dict[tuple[float, float], list[ArrayJob]] = {}
     for job in jobs:
         members.setdefault(range_of[job.name], []).append(job)
     split = [row for row in rows if len({range_of[name] for name in row}) > 1]
     if split and options.budget == "record":
         raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
-                         "each), which have different --range values; give them one range, or use "
-                         "--budget element")
+                         "each), which have different declared ranges (--range, or their dtypes'); give "
+                         "them one range, or use --budget element")
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE else None
     groups = [_calibrate_group(options, lo, hi, group,
@@ -584,7 +609,53 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
                 raw_release, bounds if len(groups) > 1 or options.ranges else {},
                 _in_range_markers(jobs, bounds),
-                {name: basis for group in groups for name, basis in group.bases.items()}, user)
+                {name: basis for group in groups for name, basis in group.bases.items()}, user,
+                _range_groups(groups, jobs, rows, declared) if len(groups) > 1 else [])
+
+
+def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[list[str]],
+                  declared: dict[str, tuple[tuple[float, float], str]]) -> list[dict[str, Any]]:
+    """The manifest's range_groups: each declared range, what declared it, its arrays and
+    the figures of its records (accounting.certify_all over its own calibrations). Each
+    record is perturbed once, at its group's range, so its figures are its group's; the
+    run's per_element and per_record are the worst over the groups."""
+    entries = []
+    for group in sorted(groups, key=lambda g: (g.lo, g.hi)):
+        members = [job for job in jobs if job.name in group.calib_of]
+        calibrations = list(dict.fromkeys(group.calib_of.values()))
+        inside = [[group.calib_of[name] for name in row] for row in rows
+                  if all(name in group.calib_of for name in row)]
+        figures = accounting.certify_all(calibrations, inside)
+        sizes = sorted({job.elements for job in members})
+        entry = {"value_range": [group.lo, group.hi],
+                 "declared_by": sorted({declared[job.name][1] for job in members}),
+                 "input_dtypes": sorted({str(job.dtype) for job in members}),
+                 "arrays": len(members), "records": sum(job.records for job in members),
+                 "elements_per_record": sizes[-1] if len(sizes) == 1 else sizes[::len(sizes) - 1],
+                 "noise_scale": max(c.scale for c in calibrations),
+                 "retain_probability": max(c.p for c in calibrations),
+                 "accounting": {"per_element": figures["per_element"], "per_record": figures["per_record"]}}
+        if group.grid is not None:
+            entry["granularity"] = group.grid.granularity
+        entries.append(entry)
+    return entries
+
+
+def range_group_messages(run: Plan) -> list[str]:
+    """The line that says a run's records have ranges of their own (range_groups)."""
+    if not run.range_groups:
+        return []
+    parts = [f"{lo:g}:{hi:g} for {' and '.join(g['input_dtypes'])} ({plural(g['records'], 'record')}; "
+             f"per record eps={g['accounting']['per_record']['epsilon']:.4g})"
+             for g in run.range_groups for lo, hi in [g["value_range"]]]
+    spanning = [row for row in run.rows if len({run.bounds[name][:2] for name in row}) > 1]
+    if spanning:
+        rule = (f"A record spanning several ranges (a row of {', '.join(spanning[0])}) composes its parts: "
+                "the guarantee line's per-record figure")
+    else:
+        rule = ("Each record is perturbed once, at its own range, so its figures are its group's (the "
+                "manifest's range_groups); the guarantee line states the worst of them")
+    return [f"calibrated each declared range on its own: {'; '.join(parts)}. {rule}"]
 
 
 def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
@@ -634,7 +705,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         _abandon(release)
         raise
     notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
-    notes += cf.marker_messages(run.in_range_markers, options.public_missing)
+    notes += cf.marker_messages(run.in_range_markers, options.public_missing) + range_group_messages(run)
     partial = staged.partial
     committing = contextlib.ExitStack()
     try:
@@ -1001,10 +1072,12 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["row_records"] = _row_records(run.rows, jobs)
     if run.grid is not None:
         extra.update(discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype))
-    if run.bounds:  # --range NAME=LO:HI: each array's range (and grid step)
+    if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
         extra["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
         if run.grid is not None:
             extra["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
+    if run.range_groups:
+        extra["range_groups"] = run.range_groups
     sizes = {c.elements for c in run.calibrations}
     if len(sizes) > 1:
         extra["elements_per_record_range"] = [min(sizes), max(sizes)]

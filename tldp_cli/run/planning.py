@@ -23,6 +23,7 @@ from tldp_cli.run.pipeline import (
     checked_format_options,
     checked_options,
     plan,
+    range_group_messages,
     row_groups,
 )
 
@@ -39,7 +40,8 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
         jobs = reader.arrays()
         run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                    per_tensor=reader.records_are_tensors)
-        messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing)]
+        messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing),
+                    *range_group_messages(run)]
         return _report(options, run, jobs, reader, messages)
     finally:
         reader.close()

@@ -52,6 +52,10 @@ STREAM_LAYOUT = 5  # 2: float32 Gaussian noise from ziggurat.py; 3: exact sample
 # probability at most 2^(PATTERN_BITS - b) (the counting argument): 2^-40 for `tldp seed`'s
 # 128 bits. Digits typed by hand or a hash of a password still pass: make seeds with `tldp seed`.
 MIN_SEED_BITS = 128
+# An integer's binary length drops with its leading zero bits: secrets.randbits(128) is
+# under 128 bits long half the time, under 96 with probability 2^-32. So an integer seed
+# needs MIN_INT_SEED_BITS; 2^96 guesses are as far out of reach as 2^128.
+MIN_INT_SEED_BITS = 96
 PATTERN_BITS = 88
 # The models: few distinct symbols, and few distinct steps from one symbol to the next
 # (counting), each on the hex digits and on their groups of 2, 4 and 8 (bytes, 16- and
@@ -142,7 +146,8 @@ def check_seed(seed: str | int, allow_weak_seed: bool = False) -> bool:
     pattern: see PATTERN_BITS); raises UsageError for something that is not a seed, and
     for a weak seed unless allowed."""
     _, bits = seed_text(seed)
-    if bits < MIN_SEED_BITS:
+    least = MIN_SEED_BITS if isinstance(seed, str) else MIN_INT_SEED_BITS
+    if bits < least:
         if not allow_weak_seed:
             raise UsageError(f"the seed is a secret key and holds only {bits} bits of key material, "
                              f"few enough to guess; use at least {MIN_SEED_BITS} bits "
