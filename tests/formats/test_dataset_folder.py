@@ -119,3 +119,14 @@ def test_an_imagefolder_with_a_parquet_index_stays_an_image_folder(cli, tmp_path
     from tldp_cli import formats
 
     assert formats.detect(root).name == "images"
+
+
+def test_a_format_naming_a_dropped_column_still_loads(cli, tmp_path):
+    ds = hf_dataset(n=6).with_format("numpy", columns=["grid", "caption"])
+    ds.save_to_disk(str(tmp_path / "train"))
+    result = cli("perturb", tmp_path / "train", "--eps", "1", "--dataset", "grid", "--range", "0:1",
+                 "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    out = datasets.load_from_disk(str(tmp_path / "out"))
+    assert out.format["type"] == "numpy" and out.format["columns"] == ["grid"]
+    assert out[0]["grid"].shape == (2, 3)

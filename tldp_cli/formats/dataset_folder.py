@@ -198,6 +198,8 @@ class DatasetFolderWriter(Writer):
         self.table.finish()
         saved = self.reader.state is not None
         state = dict(self.reader.state, _fingerprint=self._fingerprint()) if saved else None
+        if saved and isinstance(state.get("_format_columns"), list):  # set_format's columns that are written
+            state["_format_columns"] = [c for c in state["_format_columns"] if c in self.reader.written]
         for name, value in ((STATE, state), (INFO, self.reader.info)) if saved else ():
             target = self.root / name
             with writing(target), open(target, "x") as f:
