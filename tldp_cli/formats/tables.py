@@ -657,7 +657,8 @@ class TableReader(Reader):
             else:
                 why = (f"{column.why}, not perturbed" if column.why else
                        "numbers, perturbed only when --dataset names the column" if column.kind == NUMBER else
-                       f"an {column.kind} column --dataset does not name, not perturbed")
+                       f"{'an' if column.kind == IMAGE else 'a'} {column.kind} column --dataset does not "
+                       "name, not perturbed")
                 self.left.drop(column.name, "column", why)
         self.keep_paths = {}
         for name, named in paths.items():
