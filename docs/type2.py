@@ -6,7 +6,7 @@ shipped MNIST digits (sample_data/digits.npy, 400 digits of classes 0, 1, 6, 9, 
 Its hidden layer is the feature extractor: tanh(x W + b) lies in (-1, 1), so the declared
 range is -1:1 (Delta = 2). The script writes the features of the training and of the test
 digits as .npy files (each record an 8 x 8 matrix, so that MVG applies too) with their
-labels; `tldp evaluate --sweep --range -1:1` then perturbs the training features and trains
+labels; `tldp sweep --range -1:1` then perturbs the training features and trains
 the classifier (the network's last layer: a logistic regression on the features) on them,
 testing on the clean test features (see docs/type2.md for the commands).
 

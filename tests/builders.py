@@ -168,6 +168,51 @@ def write_safetensors(path: Path, tensors: dict, bf16: dict | None = None, metad
     return path
 
 
+def write_sharded_model(folder: Path, tensors: dict[str, np.ndarray], max_shard_size: int,
+                        extra_files: dict[str, str] | None = None) -> Path:
+    """A sharded model folder as huggingface_hub's save_torch_state_dict writes one, with
+    NumPy arrays: split by split_state_dict_into_shards_factory (names sharing an array's
+    storage kept in one shard), a name sharing another's storage left out and named in
+    the index's metadata (a tied weight), each shard saved by safetensors.numpy with
+    {"format": "pt"}, the index as json.dump(indent=2); then `extra_files` (name -> text)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    def storage(array: np.ndarray) -> int:
+        return id(array if array.base is None else array.base)
+
+    # save_torch_state_dict: a name sharing another's storage goes, the index names the weight it shares
+    kept, ties, state = {}, {}, {}
+    for name, array in tensors.items():
+        if storage(array) in kept:
+            ties[name] = kept[storage(array)]
+        else:
+            kept[storage(array)] = name
+            state[name] = array
+    split = split_state_dict_into_shards_factory(
+        state, get_storage_size=lambda t: t.nbytes, get_storage_id=storage,
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    assert split.is_sharded
+    folder.mkdir()
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, str(folder / filename), metadata={"format": "pt"})
+    with open(folder / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {**split.metadata, **ties}, "weight_map": split.tensor_to_filename}, f, indent=2)
+    for name, text in (extra_files or {}).items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def read_sharded_model(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a sharded model folder, as huggingface_hub's loader finds them: each
+    name of the index's weight_map read from its shard with safe_open."""
+    index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for name, shard in index["weight_map"].items():
+        with safe_open(str(Path(folder) / shard), framework="np") as f:
+            tensors[name] = f.get_tensor(name)
+    return tensors
+
+
 def read_safetensors(path: Path) -> tuple[bytes, dict, dict[str, np.ndarray]]:
     """The header bytes, __metadata__ and every tensor (bfloat16 as float32), parsed here
     without tldp's reader."""

@@ -4,6 +4,7 @@ and no long function without a stated reason."""
 
 import ast
 import importlib
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,60 @@ def _long_functions() -> dict[str, int]:
 def test_no_long_function_without_a_reason():
     unexplained = {name: lines for name, lines in _long_functions().items() if name not in ALLOWED_LONG}
     assert not unexplained, f"functions over {LONG_FUNCTION} lines: {unexplained}"
+
+
+def _private_names_crossing(root: Path) -> list[str]:
+    """Every use of another tldp_cli module's private name (one _underscore, not a dunder):
+    `from tldp_cli.x import _name`, or `module._name` where `module` names an imported
+    tldp_cli module (imports inside functions count)."""
+    package = root.name
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        rel = path.relative_to(root.parent).as_posix()
+        modules = set()  # local names bound to tldp_cli modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules |= {alias.asname for alias in node.names
+                            if alias.asname and alias.name.startswith(package + ".")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+                for alias in node.names:
+                    if private(alias.name):
+                        found.append(f"{rel}:{node.lineno}: from {node.module} import {alias.name}")
+                    elif _is_module(f"{node.module}.{alias.name}"):
+                        modules.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and private(node.attr)):
+                found.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def _is_module(name: str) -> bool:
+    """Whether `name` (a.b.c) is a module of the installed package (not a name inside one)."""
+    parent, _, _ = name.rpartition(".")
+    spec = importlib.util.find_spec(parent)
+    return spec.submodule_search_locations is not None and importlib.util.find_spec(name) is not None
+
+
+def test_no_private_name_crosses_modules():
+    """A name with a leading underscore is its module's own: another module that needs it
+    needs a public function (formats/images.py's output_name and read_output, which
+    evaluate pairs images with)."""
+    found = _private_names_crossing(ROOT / "tldp_cli")
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_scan_finds_one(tmp_path):
+    package = tmp_path / "tldp_cli"
+    package.mkdir()
+    (package / "leaky.py").write_text("from tldp_cli.formats import images\n"
+                                      "from tldp_cli.run.pipeline import _row_records\n\n\n"
+                                      "def f(p):\n    return images._decode(p)\n")
+    assert sorted(_private_names_crossing(package)) == [
+        "tldp_cli/leaky.py:2: from tldp_cli.run.pipeline import _row_records",
+        "tldp_cli/leaky.py:6: images._decode"]

@@ -163,7 +163,7 @@ def test_missing_file(cli, tmp_path):
                                   fragments=("nope.npy", "no such file"))
 
 
-@pytest.mark.parametrize("command", ["perturb", "plan", "evaluate"])
+@pytest.mark.parametrize("command", ["perturb", "plan", "sweep"])
 def test_unreadable_input_is_one_line_and_exit_1(cli, tmp_path, monkeypatch, command):
     """Click's own check (os.access, then exit 2 with 'Invalid value for INPUT: ... is not
     readable') used to answer before tldp, which names the file and exits 1 as for any
@@ -194,7 +194,7 @@ def test_unreadable_input_is_one_line_and_exit_1(cli, tmp_path, monkeypatch, com
     monkeypatch.setattr(io, "open", open_)
     monkeypatch.setattr(os, "open", os_open)
     args = {"perturb": ["--eps", "1"], "plan": ["--eps", "1"],
-            "evaluate": ["--sweep", "--eps", "1,2", "--out", tmp_path / "sweep"]}[command]
+            "sweep": ["--eps", "1,2", "--out", tmp_path / "sweep"]}[command]
     result = cli(command, src, *args)
     assert_one_line_error(result, 1, f"{src}: Permission denied")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locked.npy"]
@@ -335,7 +335,7 @@ def test_seed_warns_that_it_fixes_the_noise(cli, digits_file, tmp_path):
     assert "same seed" not in result.stderr
 
 
-@pytest.mark.parametrize("command", [[], ["perturb"], ["weight-mask"], ["evaluate"], ["audit"]])
+@pytest.mark.parametrize("command", [[], ["perturb"], ["weight-mask"], ["evaluate"], ["sweep"], ["audit"]])
 def test_no_arguments_prints_the_help_as_is(cli, command):
     result = cli(*command)
     assert result.exit_code == 2

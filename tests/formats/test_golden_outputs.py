@@ -30,7 +30,7 @@ import pytest
 import xarray as xr
 from safetensors.numpy import save_file
 
-from tests.builders import REPO
+from tests.builders import REPO, write_sharded_model
 
 GOLDEN = REPO / "tests" / "fixtures" / "golden_outputs.json"
 SAMPLES = REPO / "sample_data"
@@ -56,6 +56,13 @@ def _safetensors(tmp: Path, digits: np.ndarray) -> Path:
     path = tmp / "model.safetensors"
     save_file(_tensors(digits), str(path), metadata={"format": "pt"})
     return path
+
+
+def _sharded(tmp: Path, digits: np.ndarray) -> Path:
+    """The model of _tensors in two shards (the weight alone in one), a configuration and a model card."""
+    return write_sharded_model(tmp / "model", _tensors(digits), max_shard_size=100_000,
+                               extra_files={"config.json": '{"_name_or_path": "x", "model_type": "mlp"}',
+                                            "README.md": "trained on digits"})
 
 
 def _netcdf(tmp: Path, digits: np.ndarray) -> Path:
@@ -130,6 +137,21 @@ def _saved(tmp: Path, digits: np.ndarray) -> Path:
     return path
 
 
+def _webdataset(tmp: Path, digits: np.ndarray) -> Path:
+    """Two shards as webdataset's ShardWriter writes them (a fixed mtime): each sample a
+    digit as PNG, a 7 x 7 .npy of it, its class and a JSON record."""
+    import webdataset as wds
+
+    folder = tmp / "shards"
+    folder.mkdir()
+    labels = np.load(SAMPLES / "digits_labels.npy")
+    with wds.ShardWriter(str(folder / "digits-%03d.tar"), maxcount=4, verbose=0, mtime=1_700_000_000) as sink:
+        for i in range(6):
+            sink.write({"__key__": f"d{i:03d}", "png": digits[i], "npy": digits[i, ::4, ::4].copy(),
+                        "cls": int(labels[i]), "json": {"source": "mnist"}})
+    return folder
+
+
 def _sample(name: str):
     return lambda tmp, digits: SAMPLES / name
 
@@ -144,10 +166,12 @@ CASES = {
     "images": (_sample("digits_png"), ()),
     "npz": (_npz, ("--clip", "0.5", "--exclude", "steps")),
     "safetensors": (_safetensors, ("--clip", "0.5", "--keep", "steps")),
+    "sharded-safetensors": (_sharded, ("--clip", "0.5")),
     "nifti": (_nifti, ("--range", "0:256")),
     "parquet": (_parquet, ()),
     "arrow": (_arrow, ("--keep", "label")),
     "hf-dataset": (_saved, ("--keep", "label")),
+    "webdataset": (_webdataset, ("--keep", "cls")),
 }
 
 

@@ -276,7 +276,7 @@ def test_refusals_write_nothing(cli, matrices, tmp_path):
 def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
     x = np.random.default_rng(1).uniform(-1, 1, (300, 4, 4))
     np.save(tmp_path / "x.npy", x)
-    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--range", "-1:1",
+    r = cli("sweep", tmp_path / "x.npy", "--eps", "1,10", "--range", "-1:1",
             "--seed", 0, "--allow-weak-seed", "--out", tmp_path / "s", "--json")
     assert r.exit_code == 0, r.stderr
     result = json.loads(r.stdout)
@@ -292,7 +292,7 @@ def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
     # an element sweep: only privunit, whose eps is per record, is left out
     assert [entry["method"] for entry in result["skipped_methods"]] == ["privunit"]
     np.save(tmp_path / "v.npy", x.reshape(300, 16))
-    r = cli("evaluate", tmp_path / "v.npy", "--sweep", "--eps", "1", "--range", "-1:1",
+    r = cli("sweep", tmp_path / "v.npy", "--eps", "1", "--range", "-1:1",
             "--out", tmp_path / "s2", "--json")
     assert r.exit_code == 0, r.stderr
     result = json.loads(r.stdout)

@@ -274,6 +274,15 @@ def test_corrupt_files_are_refused_with_nothing_written(cli, tmp_path, kind, fra
     assert siblings(tmp_path) == before and tree_digest(src) == digest
 
 
+def test_a_file_shorter_than_its_header_length_is_refused(cli, tmp_path):
+    """--format safetensors on a 3-byte file: was "unexpected error (unpack requires a buffer of 8 bytes)"."""
+    src = tmp_path / "m.safetensors"
+    src.write_bytes(b"abc")
+    line = one_line(cli("perturb", src, "--format", "safetensors", "--eps", "1", "--clip", "1"), 1)
+    assert f"{src}: not a valid safetensors file (it is shorter than the 8 bytes" in line
+    assert siblings(tmp_path) == {"m.safetensors"}
+
+
 def test_nan_in_a_tensor_names_it(cli, tmp_path):
     w = np.zeros((4, 4), np.float32)
     w[2, 1] = np.nan

@@ -187,7 +187,7 @@ def test_sigterm_through_the_cli_then_resume(cli, tmp_path):
             calls.append(done)
             if len(calls) == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
-        cli.perturb.progress_bar = lambda quiet, unit: (advance, lambda: None)
+        cli.perturb.Display.advance = lambda self, done, total: advance(done, total)
         sys.argv = ["tldp", *{args!r}]
         cli.main()
     """)

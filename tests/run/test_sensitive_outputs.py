@@ -184,15 +184,15 @@ def test_per_record_lists_when_asked(cli, digits_file, perturbed, tmp_path, digi
 
 def test_per_record_needs_json_and_is_not_for_sweeps(cli, digits_file, perturbed, tmp_path):
     one_line_error(cli("evaluate", digits_file, perturbed, "--per-record"), 2, "--per-record", "--json")
-    one_line_error(cli("evaluate", digits_file, "--sweep", "--eps", "1", "--out", tmp_path / "s",
-                       "--per-record"), 2, "--per-record", "--sweep")
+    one_line_error(cli("sweep", digits_file, "--eps", "1", "--out", tmp_path / "s",
+                       "--per-record"), 2, "--per-record", "tldp sweep")
     assert not (tmp_path / "s").exists()
 
 
 def test_sweep_json_is_marked_sensitive(cli, tmp_path, digits):
     np.save(tmp_path / "x.npy", digits[:30])
     out = tmp_path / "sweep"
-    result = ok(cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1", "--seed", SEED,
+    result = ok(cli("sweep", tmp_path / "x.npy", "--eps", "1", "--seed", SEED,
                     "--out", out))
     assert "these files are computed from the raw data: keep them" in result.stderr
     assert json.loads((out / "sweep.json").read_text())["sensitive"] == SENSITIVE
@@ -377,7 +377,7 @@ def test_weight_mask_and_sweep_refuse_wide_integers_alike(cli, tmp_path):
     np.save(counts, RNG.integers(0, 100, (40, 8, 8)).astype(np.int64))
     one_line_error(cli("weight-mask", counts, "--method", "intensity", "--out", tmp_path / "m.npy"), 2,
                    "counts.npy", "int64", "--range LO:HI")
-    one_line_error(cli("evaluate", counts, "--sweep", "--eps", "1", "--out", tmp_path / "s"), 2,
+    one_line_error(cli("sweep", counts, "--eps", "1", "--out", tmp_path / "s"), 2,
                    "counts.npy", "int64", "--range LO:HI")
     assert siblings(tmp_path) == {"counts.npy"}
     # A mask that needs no range is made, and its preview is scaled without the dtype's.

@@ -218,7 +218,7 @@ def test_the_seed_is_nowhere(cli, src, tmp_path, monkeypatch):
     assert_nowhere(SEED, out.read_bytes(), manifest, result.stdout, result.stderr, " ".join(siblings(tmp_path)))
     monkeypatch.setenv("TLDP_SEED", SEED)
     audit = cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "20000", "--json")
-    sweep = cli("evaluate", src, "--sweep", "--eps", "1", "--range", "0:1", "--out", tmp_path / "sweep",
+    sweep = cli("sweep", src, "--eps", "1", "--range", "0:1", "--out", tmp_path / "sweep",
                 "--json")
     for result in (audit, sweep):
         assert result.exit_code == 0, result.stderr
@@ -290,7 +290,7 @@ def test_env_and_file_keep_the_seed_out_of_argv(src, tmp_path):
 def test_audit_and_sweep_take_seeds_the_same_way(cli, src, tmp_path, monkeypatch):
     audit = ("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "20000", "--json", "-q")
     assert_one_line_usage_error(cli(*audit, "--seed", "7"), "128 bits")
-    sweep = ("evaluate", src, "--sweep", "--eps", "1", "--range", "0:1", "--json", "-q", "--overwrite")
+    sweep = ("sweep", src, "--eps", "1", "--range", "0:1", "--json", "-q", "--overwrite")
     assert_one_line_usage_error(cli(*sweep, "--seed", "7", "--out", tmp_path / "s"), "128 bits")
     weak = json.loads(cli(*audit, "--seed", "7", "--allow-weak-seed").stdout)
     assert weak["seeded"] is True and weak["weak_seed"] is True
@@ -306,9 +306,9 @@ def test_audit_and_sweep_take_seeds_the_same_way(cli, src, tmp_path, monkeypatch
     errors = [[row["mean_l2_error"] for row in json.loads(r.stdout)["rows"]]
               for r in (sweep_by_file, sweep_by_env)]
     assert errors[0] == errors[1]
-    # TLDP_SEED does not concern an evaluation without --sweep; --seed-file does
+    # TLDP_SEED does not concern an evaluation; --seed-file is not its option
     assert cli("perturb", src, *PERTURB, "--out", tmp_path / "p.npy", "-q").exit_code == 0
     assert cli("evaluate", src, tmp_path / "p.npy", "-q").exit_code == 0
     monkeypatch.delenv("TLDP_SEED")
     assert_one_line_usage_error(cli("evaluate", src, tmp_path / "p.npy", "--seed-file", tmp_path / "key.seed"),
-                                "--seed-file applies to --sweep only")
+                                "No such option: --seed-file")

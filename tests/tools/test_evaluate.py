@@ -246,7 +246,7 @@ def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
     mask[:4] = 1.0
     np.save(tmp_path / "w.npy", mask)
     out = tmp_path / "sweep"
-    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1,10", "--seed", 0, "--allow-weak-seed",
+    r = cli("sweep", tmp_path / "x.npy", "--eps", "1,10", "--seed", 0, "--allow-weak-seed",
             "--weights", tmp_path / "w.npy", "--labels", tmp_path / "y.npy", "--test", TEST_X, "--test-labels",
             TEST_Y, "--out", out)
     assert r.exit_code == 0, r.output
@@ -268,8 +268,25 @@ def test_sweep_writes_table_and_valid_pngs(cli, tmp_path, digits):
     header = (out / "sweep.csv").read_text().splitlines()[0].split(",")
     assert header == list(ev.SWEEP_COLUMNS)
     # the same files again without --overwrite is refused
-    r = cli("evaluate", tmp_path / "x.npy", "--sweep", "--eps", "1", "--out", out)
+    r = cli("sweep", tmp_path / "x.npy", "--eps", "1", "--out", out)
     assert r.exit_code == 1 and "--overwrite" in r.output
+
+
+def test_evaluate_sweep_is_a_deprecated_alias_of_tldp_sweep(cli, tmp_path):
+    """`tldp evaluate --sweep` runs `tldp sweep` (the flag anywhere among the options),
+    after one line on stderr pointing to it; the tables are the same."""
+    args = ("--eps", "1", "--methods", "Gaussian,TLDP-L", "--seed", 0, "--allow-weak-seed", "-q")
+    new = cli("sweep", SAMPLE / "digits.npy", *args, "--out", tmp_path / "new")
+    old = cli("evaluate", SAMPLE / "digits.npy", *args, "--sweep", "--out", tmp_path / "old")
+    assert new.exit_code == 0 and old.exit_code == 0, old.stderr
+    assert new.stderr == ""
+    assert old.stderr.splitlines() == [
+        "tldp: warning: 'tldp evaluate --sweep' is deprecated and will be removed; use 'tldp sweep', "
+        "which takes the same options"]
+    assert (tmp_path / "old" / "sweep.csv").read_text() == (tmp_path / "new" / "sweep.csv").read_text()
+    refused = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--out", tmp_path / "s",
+                  "--manifest", tmp_path / "m.json")  # evaluate's options are not the sweep's
+    assert refused.exit_code == 2 and "No such option: --manifest" in refused.stderr
 
 
 def test_sweep_reproducible_with_seed():
@@ -311,26 +328,28 @@ def test_sweep_takes_privunit_under_budget_record_only():
 
 def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(cli, tmp_path):
     out = tmp_path / "s"
-    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gaussian,privunit,TLDP-L-w",
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "1", "--methods", "Gaussian,privunit,TLDP-L-w",
             "--seed", 0, "--allow-weak-seed", "--out", out)
     assert r.exit_code == 0, r.output
     result = json.loads((out / "sweep.json").read_text())
     assert result["methods"] == ["Gaussian"] and [row["method"] for row in result["rows"]] == ["Gaussian"]
     assert [entry["method"] for entry in result["skipped_methods"]] == ["privunit", "TLDP-L-w"]
-    r = cli("evaluate", SAMPLE / "digits.npy", "--sweep", "--eps", "1", "--methods", "Gauss", "--out", out)
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "1", "--methods", "Gauss", "--out", out)
     assert r.exit_code == 2 and "--methods" in r.output
     r = cli("evaluate", SAMPLE / "digits.npy", SAMPLE / "digits.npy", "--methods", "Gaussian")
-    assert r.exit_code == 2 and "--sweep only" in r.output
+    assert r.exit_code == 2 and "No such option: --methods" in r.output  # an option of tldp sweep
 
 
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
-    assert r.exit_code == 0 and "Examples:" in r.output and "--sweep" in r.output
+    assert r.exit_code == 0 and "Examples:" in r.output and "tldp sweep" in r.output
+    r = cli("sweep", "--help")
+    assert r.exit_code == 0 and "Examples:" in r.output and "--methods" in r.output
     r = cli("evaluate", small / "x.npy")
     assert r.exit_code == 2 and "PERTURBED" in r.output
-    r = cli("evaluate", small / "x.npy", "--sweep", "--eps", "1")
+    r = cli("sweep", small / "x.npy", "--eps", "1")
     assert r.exit_code == 2 and "--out" in r.output
-    r = cli("evaluate", small / "x.npy", "--sweep", "--eps", "1,x", "--out", small / "s")
+    r = cli("sweep", small / "x.npy", "--eps", "1,x", "--out", small / "s")
     assert r.exit_code == 2
     r = cli("evaluate", small / "x.npy", small / "y.npy", "--labels", LABELS)
     assert r.exit_code == 2 and "--test" in r.output

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -34,8 +36,10 @@ class _OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         prog_name = prog_name or "tldp"
         words = list(sys.argv[1:] if args is None else args)
-        if not os.environ.get(f"_{prog_name.upper()}_COMPLETE") and self._bare(words):
-            self._help(prog_name, words)  # a bare `tldp` or `tldp perturb`: the help, as is
+        if not os.environ.get(f"_{prog_name.upper()}_COMPLETE"):
+            args = words = self._aliased(words)
+            if self._bare(words):
+                self._help(prog_name, words)  # a bare `tldp` or `tldp perturb`: the help, as is
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
@@ -46,6 +50,20 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _aliased(self, words: list[str]) -> list[str]:
+        """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
+        that command, the flag taken out, after one line on stderr naming it."""
+        options = words[1:words.index("--")] if "--" in words else words[1:]
+        for flag in options if words else ():
+            target = DEPRECATED_FLAGS.get((words[0], flag))
+            if target is not None:
+                typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
+                           f"use 'tldp {target}', which takes the same options", err=True)
+                rest = list(words[1:])
+                rest.remove(flag)
+                return [target, *rest]
+        return words
 
     def _bare(self, words: list[str]) -> bool:
         """No words, or only a command that needs arguments (no_args_is_help)."""
@@ -63,6 +81,15 @@ class _OneLineErrors(TyperGroup):
             else:
                 typer.echo(self.get_help(ctx), err=True)
         sys.exit(2)
+
+
+# (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
+DEPRECATED_FLAGS: dict[tuple[str, str], str] = {}
+
+
+def deprecated_flag(command: str, flag: str, target: str) -> None:
+    """Make `tldp COMMAND FLAG ...` a deprecated alias of `tldp TARGET ...` (the flag dropped)."""
+    DEPRECATED_FLAGS[(command, flag)] = target
 
 
 def fail(message: str, code: int):
@@ -96,6 +123,7 @@ def _root(
       tldp perturb data.npy --eps 1 --range 0:1 --out noisy.npy --json
       tldp weight-mask photos/ --method box --boxes faces.csv --out masks --preview check.png
       tldp evaluate sample_data/digits.npy sample_data/digits.tldp.npy
+      tldp sweep sample_data/digits.npy --eps 0.1,1,10 --out sweep/
       tldp audit --eps 1 --elements 4 --range 0:1
       tldp plan --elements 28x28 --range 0:256 --eps 8 --budget record
     """
@@ -103,45 +131,54 @@ def _root(
 
 def run(debug: bool, action):
     """Run a library call; a TldpError becomes one line and exit 1 (2 for usage), and so
-    does any other exception (a bug: the traceback with --debug). Warnings from the
-    libraries underneath (NumPy, dp-accounting, zarr) are the tool's internals: shown with
-    --debug only; what the user needs to know the library says in its own messages."""
+    does any other exception (a bug: the traceback with --debug), as `failure` says it."""
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                return action()
-            finally:
-                if debug:
-                    for warning in caught:
-                        typer.echo(f"tldp: debug: {warning.category.__name__}: {warning.message} "
-                                   f"({warning.filename}:{warning.lineno})", err=True)
-    except UsageError as exc:
-        if debug:
-            traceback.print_exc()
-        fail(str(exc), 2)
-    except TldpError as exc:
-        if debug:
-            traceback.print_exc()
-        fail(str(exc), 1)
+        with library_warnings(debug):
+            return action()
     except KeyboardInterrupt as exc:  # an errors.Interrupted says what it kept
         fail(str(exc) or "interrupted; nothing was written", 130)
-    except OSError as exc:
-        if debug:
-            traceback.print_exc()
-        where = exc.filename or "I/O"
-        fail(f"{where}: {reason_of(exc)}", 1)
-    except MemoryError as exc:
-        if debug:
-            traceback.print_exc()
-        fail(f"ran out of memory ({reason_of(exc)}); free memory, or work on less data at once", 1)
-    except Exception as exc:  # a bug, not the user's doing: still one line without --debug
-        if debug:
-            traceback.print_exc()
-        detail = f": {exc}" if str(exc).strip() else ""
-        fail(f"unexpected error ({type(exc).__name__}{detail}); please report it, and rerun with "
-              "--debug for the traceback", 1)
+    except Exception as exc:
+        fail(*failure(exc, debug))
 
+
+@contextlib.contextmanager
+def library_warnings(debug: bool):
+    """Warnings from the libraries underneath (NumPy, dp-accounting, zarr) are the tool's
+    internals: shown with --debug only; what the user needs to know the library says in
+    its own messages."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            if debug:
+                for warning in caught:
+                    typer.echo(f"tldp: debug: {warning.category.__name__}: {warning.message} "
+                               f"({warning.filename}:{warning.lineno})", err=True)
+
+
+def failure(exc: Exception, debug: bool) -> tuple[str, int]:
+    """The one line and the exit code for an exception a library call raised: 2 for a
+    UsageError, 1 for the rest; with --debug the traceback first."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, UsageError):
+        return str(exc), 2
+    if isinstance(exc, TldpError):
+        return str(exc), 1
+    if isinstance(exc, OSError):
+        return f"{exc.filename or 'I/O'}: {reason_of(exc)}", 1
+    if isinstance(exc, MemoryError):
+        return f"ran out of memory ({reason_of(exc)}); free memory, or work on less data at once", 1
+    # a bug, not the user's doing: still one line without --debug
+    detail = f": {exc}" if str(exc).strip() else ""
+    return (f"unexpected error ({type(exc).__name__}{detail}); please report it, and rerun with "
+            "--debug for the traceback"), 1
+
+
+def shown(value, spec: str = ".4g") -> str:
+    """A figure in a printed table: formatted with `spec`, or "-" for None."""
+    return "-" if value is None else format(value, spec)
 
 
 def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -> None:
@@ -176,6 +213,23 @@ def sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def kept_signals():
+    """Yields `restore`, which puts back the Ctrl-C and SIGTERM handlers in place on entry.
+    Once a run's output is in place the run ignores both until the process exits
+    (files.output.uninterruptible); with several inputs the next input is a run of its own,
+    which they stop again."""
+    numbers = (signal.SIGINT, signal.SIGTERM)
+    saved = {n: signal.getsignal(n) for n in numbers}
+
+    def restore():
+        if threading.current_thread() is threading.main_thread():
+            for number, handler in saved.items():
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+    yield restore
+
+
 def progress_bar(quiet: bool, unit: str):
     """A tqdm callback on a terminal, None otherwise (pipes and CI logs stay clean)."""
     if quiet or not sys.stderr.isatty():
@@ -192,6 +246,81 @@ def progress_bar(quiet: bool, unit: str):
 
     return advance, lambda: bar is not None and bar.close()
 
+
+class Display:
+    """perturb's and plan's progress on stderr. With -v, one line as each phase starts,
+    saying what it does. On a terminal (never with -q): the current phase's label once it
+    has lasted a second ("tldp: planning (0:03)"), then, as the records are perturbed, the
+    labelled records bar. `phase` and `advance` are a run's Phase and Progress."""
+
+    DELAY = 1.0  # seconds a phase runs before its label is shown
+
+    def __init__(self, quiet: bool, verbose: bool):
+        self.live = not quiet and sys.stderr.isatty()
+        self.verbose = verbose and not quiet
+        self.prefix = ""  # several inputs: "[2/5] "
+        self.name = ""  # several inputs: "a.npy: ", on the terminal's label and bar
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._label: str | None = None
+        self._since = 0.0
+        self._shown = None  # the tqdm showing the label or the bar
+
+    def phase(self, label: str, what: str) -> None:
+        with self._lock:
+            self._close_shown()
+            self._label, self._since = label, time.monotonic()
+            if self.verbose:
+                typer.echo(f"tldp: {self.prefix}{label}: {what}", err=True)
+        if self.live and self._thread is None:
+            self._thread = threading.Thread(target=self._tick, name="tldp-progress", daemon=True)
+            self._thread.start()
+
+    def advance(self, done: int, total: int) -> None:
+        if not self.live:
+            return
+        from tqdm import tqdm
+
+        with self._lock:
+            if self._label is not None:  # the records bar replaces the phase's label
+                self._close_shown()
+                self._label = None
+                self._shown = tqdm(total=total, desc=f"tldp: {self.prefix}{self.name}perturbing", unit=" records",
+                                   file=sys.stderr, dynamic_ncols=True, leave=False)
+            if self._shown is not None:
+                self._shown.update(done)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            self._close_shown()
+            self._label = None
+        self._stop.clear()
+
+    def _close_shown(self) -> None:
+        if self._shown is not None:
+            self._shown.close()
+            self._shown = None
+
+    def _tick(self) -> None:
+        from tqdm import tqdm
+
+        while not self._stop.wait(0.25):
+            with self._lock:
+                if self._label is None:
+                    continue
+                lasted = time.monotonic() - self._since
+                if self._shown is None and lasted < self.DELAY:
+                    continue
+                text = f"tldp: {self.prefix}{self.name}{self._label} ({tqdm.format_interval(lasted)})"
+                if self._shown is None:
+                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False)
+                else:
+                    self._shown.set_description_str(text)  # and shows it
 
 
 def records_phrase(manifest: dict) -> str:
@@ -232,7 +361,8 @@ def unperturbed_note(manifest: dict) -> str:
                                                   for reason, names in by_reason.items())
     kinds: dict[str, int] = {}
     for entry in manifest.get("dropped", []):
-        kinds[entry.get("kind") or "item"] = kinds.get(entry.get("kind") or "item", 0) + 1
+        kind = entry.get("kind") or "item"  # an entry may stand for several (WebDataset members)
+        kinds[kind] = kinds.get(kind, 0) + entry.get("members", 1)
     if kinds:
         counts = [plural(n, kind) for kind, n in kinds.items()]
         counted = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]

@@ -9,13 +9,13 @@ from typing import Annotated
 
 import typer
 
-from tldp_cli.cli.options import Quiet, Debug
+from tldp_cli.cli.options import Quiet, Debug, file_path
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
 
 @app.command("ledger", no_args_is_help=True)
 def ledger_command(
-    path: Annotated[Path, typer.Argument(readable=False, metavar="LEDGER", help="A ledger written by perturb --ledger.",
+    path: Annotated[Path, typer.Argument(parser=file_path, metavar="LEDGER", help="A ledger written by perturb --ledger.",
                                          show_default=False)],
     json_out: Annotated[bool, typer.Option("--json", help="Print the ledger as JSON to stdout.")] = False,
     quiet: Quiet = False,

@@ -14,6 +14,7 @@ import typer
 from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
+from tldp_cli.files import local
 
 
 class Noise(str, Enum):
@@ -60,13 +61,65 @@ class Scheduler(str, Enum):
     dask = "dask"
 
 
+class Model(str, Enum):
+    logistic = "logistic"
+    mlp = "mlp"
+
+
 class OutDtype(str, Enum):
     float32 = "float32"
     float64 = "float64"
 
 
+# What a path option takes: a local path (files.local); `-` and URLs are refused while the
+# command line is parsed, before anything is imported or read.
+def _local(text: str, stream: str) -> str:
+    problem = local.problem(text, stream)
+    if problem:
+        raise typer.BadParameter(problem)
+    return text
+
+
+def data_path(text: str) -> Path:
+    """A data input (perturb's INPUT, a mask, a basis): a local file or folder."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, local.STDIN))
+
+
+def file_path(text: str) -> Path:
+    """Another file read or written (a ledger, a seed file, a name map, boxes)."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(_local(text, local.STREAM))
+
+
+def local_text(text: str) -> str:
+    """A data input that may also be a name (--basis dct:K, --labels dataset=NAME): as given."""
+    return _local(text, local.STDIN)
+
+
+def list_path(text: str) -> Path:
+    """--inputs-from: a file listing paths, or `-` for standard input."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(text) if text == "-" else Path(_local(text, local.STREAM))
+
+
+def output_path(text: str) -> Path:
+    """A file or folder written."""
+    if not text:
+        raise typer.BadParameter("the path is empty")
+    return Path(output_text(text))
+
+
+def output_text(text: str) -> str:
+    """--out and --manifest as given: a trailing '/' means a folder (an empty one is refused later)."""
+    return _local(text, local.STDOUT)
+
+
 # --seed-file and --allow-weak-seed, the same for every command that takes a seed.
-SeedFile = Annotated[Optional[Path], typer.Option(readable=False,
+SeedFile = Annotated[Optional[Path], typer.Option(parser=file_path,
     metavar="PATH", help=f"Read the seed from PATH (whitespace around it stripped) instead of "
                          f"--seed or ${SEED_ENV}, which keeps it out of the command line; warns "
                          f"when other users may read or write PATH.", show_default=False)]
@@ -136,7 +189,7 @@ BudgetOption = Annotated[Optional[Budget], typer.Option(
          "whole record). record: --eps is what each whole record gets (certified). "
          "Default: element; record for privunit, which takes no other.", show_default=False)]
 BasisOption = Annotated[Optional[str], typer.Option(
-    "--basis", metavar="dct|dct:K|FILE.npy",
+    "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
          "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
          "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "
@@ -162,7 +215,7 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
     help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
-         "Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+         "sharded model folders, Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
          "are left out (see --keep). Parquet, Arrow and Hugging Face dataset folders: a column; "
@@ -174,14 +227,16 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files, NIfTI, image folders, tables (Parquet, Arrow, Hugging Face dataset "
-         "folders): copy this raw instead of leaving it out (repeatable; a "
-         "glob matches several): a dataset or array that is not perturbed, an attribute as "
+    help="HDF5, Zarr, model files, NIfTI, image folders, WebDataset, tables (Parquet, Arrow, Hugging Face "
+         "dataset folders): copy this raw instead of leaving it out "
+         "(repeatable; a glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
-         "Zarr store, an HDF5 file's user block as userblock, a palette image (label map) of an "
-         "image folder by its path, a table's column (e.g. label), an image column's file names as "
-         "COLUMN.path. By default everything not perturbed is left out (listed in the manifest's "
+         "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
+         "an HDF5 file's user block as userblock, a palette image (label map) of an "
+         "image folder by its path, a WebDataset shard's label members by their extension (cls, "
+         "meta.json), a table's column (e.g. label), an image column's file names as COLUMN.path. "
+         "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",
@@ -201,9 +256,9 @@ ImageFormatOption = Annotated[ImageFormat, typer.Option(
          "in colour: tldp warns).")]
 InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
-                     "folder with Zarr metadata is Zarr, one with save_to_disk's state.json or with "
-                     "Parquet files and no image a Hugging Face dataset folder, any other folder a "
-                     "folder of images).",
+                     "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json (or model.safetensors "
+                     "and config.json) a model folder, one with save_to_disk's state.json or with Parquet "
+                     "files and no image a Hugging Face dataset folder, any other folder a folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
@@ -218,4 +273,21 @@ RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Verbose = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Say what each phase does as it starts (reading the headers, planning, "
+                            "checking, perturbing, committing), one line each on stderr.")]
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.", hidden=True)]
+
+# The task-utility options of evaluate and sweep: labels, clean test records, the classifier.
+Labels = Annotated[Optional[str], typer.Option(
+    parser=local_text, metavar="LABELS",
+    help="Class labels of ORIGINAL's records, enabling the task-utility score: a 1-D .npy "
+         "file, dataset=NAME (an array inside ORIGINAL, HDF5/Zarr) or subfolders (an image "
+         "folder's top-level subfolder names).")]
+TestRecords = Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
+    help="Clean test records (any format perturb reads) for the task-utility score.")]
+TestLabels = Annotated[Optional[str], typer.Option(
+    parser=local_text, metavar="LABELS", help="Labels of --test, in the forms --labels takes (dataset=NAME and "
+                           "subfolders refer to --test).")]
+ModelOption = Annotated[Model, typer.Option(
+    help="Classifier: logistic regression or a small MLP (scikit-learn).")]

@@ -4,47 +4,59 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
+from tldp_cli.formats import plural
+from tldp_cli.run import batch
 from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
-from tldp_cli.cli.app import (DEBUG_ENV, app, progress_bar, records_phrase, run, sigterm_interrupts,
-                              unperturbed_note)
+from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
+                              records_phrase, run, sigterm_interrupts, unperturbed_note)
 
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
-    input: Annotated[Path, typer.Argument(readable=False,
-        metavar="INPUT",
-        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, or a model-parameter "
-             "file (.npz, .safetensors; each tensor is one record) (detected).",
-                                          show_default=False)],
     eps: Eps,
+    inputs: Annotated[Optional[list[Path]], typer.Argument(parser=data_path,
+        metavar="INPUT...",
+        help="A .npy file, an HDF5 file, a Zarr store, a folder of images, a NIfTI volume, WebDataset "
+             "shards (a folder of .tar files, one .tar, or a quoted brace pattern such as "
+             "'shards/train-{000000..000009}.tar'), or a model-parameter file (.npz, .safetensors, "
+             "a save_pretrained folder; each tensor is one record) (detected). Several: each is "
+             "its own run, with its own output and manifest.",
+                                          show_default=False)] = None,
     noise: NoiseOption = None,
     sampler: SamplerOption = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
     budget: BudgetOption = None,
     basis: BasisOption = None,
     value_range: Ranges = None,
-    weights: Annotated[Optional[Path], typer.Option(readable=False,
+    weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
              "shape, its spatial shape, or one mask per record; for a folder of images, a folder "
              "of mask PNGs (see tldp weight-mask).")] = None,
     out: Annotated[Optional[str], typer.Option(
-        metavar="PATH",
+        parser=output_text, metavar="PATH",
         help="The output, in the input's format. Default: a sibling, digits.npy -> "
              "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
              "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
-             "under the default name.", show_default=False)] = None,
+             "under the default name. With several inputs (or --inputs-from): the existing "
+             "folder every output goes in, under its default name.", show_default=False)] = None,
+    inputs_from: Annotated[Optional[Path], typer.Option(
+        "--inputs-from", parser=list_path, metavar="FILE",
+        help="Also perturb the inputs listed in FILE, one path per line ('-': read the list from "
+             "standard input), each its own run as for several INPUTs: one line per failed input, "
+             "exit 1 if any failed; nothing is left of a failed one.", show_default=False)] = None,
     manifest: Annotated[Optional[str], typer.Option(  # text: a trailing '/' is refused, not dropped
-        metavar="PATH", help="Manifest path. Default: OUTPUT.manifest.json.", show_default=False)] = None,
+        parser=output_text, metavar="PATH", help="Manifest path. Default: OUTPUT.manifest.json.", show_default=False)] = None,
     seed: Annotated[Optional[str], typer.Option(
         metavar="HEX",
         help="Make the run reproducible with this seed: a secret key of at least 32 hex digits "
@@ -75,7 +87,7 @@ def perturb_command(
              "in one flat folder, and keep every input file and folder name out of the manifest "
              "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
              "evaluate needs it. Not with --copy-other.")] = False,
-    name_map: Annotated[Optional[Path], typer.Option(readable=False,
+    name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
              "files). Keep it with the raw data; never inside the output. Default: "
@@ -106,7 +118,7 @@ def perturb_command(
              "for the remaining blocks). A run without --resume removes such a leftover.")] = False,
     allow_raw_release: AllowRawRelease = False,
     public_missing: PublicMissing = False,
-    ledger: Annotated[Optional[Path], typer.Option(readable=False,
+    ledger: Annotated[Optional[Path], typer.Option(parser=file_path,
         metavar="PATH", envvar="TLDP_LEDGER",
         help="A release ledger (SQLite, created if missing; or TLDP_LEDGER): charges this "
              "release to every subject (record) it touches, known by their content, and states "
@@ -122,13 +134,14 @@ def perturb_command(
     overwrite: Annotated[bool, typer.Option(
         help="Replace an existing output and manifest, once the new ones are complete (a folder "
              "only if it is an earlier output of the same kind).")] = False,
-    preview: Annotated[Optional[Path], typer.Option(readable=False,
+    preview: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="FILE.png",
         help="Also write a before/after strip: the first few raw records over their perturbed "
              "copies as written. It shows raw records: keep it with the raw data, never publish "
              "it or put it in the output.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest to stdout.")] = False,
     quiet: Quiet = False,
+    verbose: Verbose = False,
     block_elements: Annotated[int, typer.Option(min=1, hidden=True,
                                                 help="Elements per block (tests, benchmarks).")
                               ] = BLOCK_ELEMENTS,
@@ -147,6 +160,8 @@ def perturb_command(
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
       tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
       tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
+      tldp perturb day1.npy day2.npy photos/ --eps 1 --out released/
+      find raw -name '*.npy' | tldp perturb --inputs-from - --eps 1 --out released/
 
     The summary line states the certified guarantee per element and per record:
     TLDP's eps is a per-element budget, so a record of I elements gets I*eps.
@@ -156,12 +171,12 @@ def perturb_command(
     adds the whole file, all its tensors composed.
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
+    paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
-    def action():
-        _check_preview(preview, out, overwrite)
+    def options() -> PerturbOptions:
         default_range, ranges = parse_ranges(value_range or [])
-        options = PerturbOptions(
-            input=input, epsilon=eps, mechanism=mechanism.value,
+        return PerturbOptions(
+            input=paths[0], epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
@@ -178,18 +193,81 @@ def perturb_command(
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
             sampler=sampler.value, basis=basis,
             block_elements=block_elements)
-        advance, close = progress_bar(quiet, "rec")
+
+    display = Display(quiet, verbose)
+    if len(paths) > 1 or inputs_from is not None:
+        if preview is not None:
+            fail("--preview shows one input's records; give it with one INPUT", 2)
+        raise typer.Exit(_perturb_several(run(debug, options), paths, display, quiet, json_out, debug))
+
+    def action():
+        _check_preview(preview, out, overwrite)
+        run_options = options()
         try:
             with sigterm_interrupts():
-                return perturb(options, progress=advance)
+                return perturb(run_options, progress=display.advance, phase=display.phase)
         finally:
-            close()
+            display.close()
 
     result = run(debug, action)
     with uninterruptible():  # the output is in place: Ctrl-C while it is reported changes nothing
         _report(result, quiet, json_out)
     if preview is not None:
-        run(debug, lambda: _write_preview(preview, input, result, name_map, input_format, overwrite, quiet))
+        run(debug, lambda: _write_preview(preview, paths[0], result, name_map, input_format, overwrite, quiet))
+
+
+def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
+    """INPUT... then the paths --inputs-from lists."""
+    if quiet and verbose:
+        raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
+    paths = list(inputs or [])
+    if inputs_from is not None:
+        where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
+        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
+        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
+            "utf-8", "surrogateescape")
+        paths += batch.input_list(text, where)
+    if not paths:
+        raise UsageError("give INPUT, or --inputs-from FILE")
+    return paths
+
+
+def _perturb_several(options: PerturbOptions, paths: list[Path], display: Display, quiet: bool,
+                     json_out: bool, debug: bool) -> int:
+    """Each input its own run, reported as it ends (an error: one line naming it); exit 1
+    if any failed. --json prints the manifests written, as one JSON list."""
+    each = run(debug, lambda: batch.prepare(options, paths))
+    failed, manifests, current = [], [], []
+
+    def start(i: int, options: PerturbOptions) -> None:
+        current[:] = [i, options.input]
+        display.prefix, display.name = f"[{i + 1}/{len(each)}] ", f"{options.input}: "
+
+    with kept_signals() as restore, sigterm_interrupts(), library_warnings(debug):
+        try:
+            for outcome in batch.perturb_each(each, display.advance, display.phase, start):
+                display.close()
+                if outcome.result is not None:
+                    with uninterruptible():
+                        _report(outcome.result, quiet, False)
+                    manifests.append(outcome.result.manifest)
+                else:
+                    failed.append(outcome.input)
+                    message = failure(outcome.error, debug)[0]
+                    message = message if str(outcome.input) in message else f"{outcome.input}: {message}"
+                    typer.echo("tldp: error: " + " ".join(message.split()), err=True)
+                restore()  # the next input is a run of its own: Ctrl-C stops it again
+        except KeyboardInterrupt as exc:
+            display.close()
+            i, where = current
+            fail(f"{where}: {str(exc) or 'interrupted; nothing was written'} ({plural(i - len(failed), 'input')} "
+                 f"before it written, {plural(len(each) - i - 1, 'input')} after it not started)", 130)
+    if json_out:
+        typer.echo(json.dumps(manifests, indent=2))
+    if not quiet:
+        typer.echo(f"tldp: {len(each) - len(failed)} of {plural(len(each), 'input')} written"
+                   + (f"; failed: {', '.join(map(str, failed))}" if failed else ""), err=True)
+    return 1 if failed else 0
 
 
 def _check_preview(preview: Path | None, out: str | None, overwrite: bool) -> None:

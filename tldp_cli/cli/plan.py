@@ -9,19 +9,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import default_noise
-from tldp_cli.run.pipeline import PerturbOptions, parse_ranges
-from tldp_cli.cli.app import DEBUG_ENV, app, privunit_phrase, records_phrase, run, unperturbed_note
+from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
+from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
+                              run, unperturbed_note)
 
 
 @app.command("plan", no_args_is_help=True)
 def plan_command(
-    input: Annotated[Optional[Path], typer.Argument(readable=False,
-        metavar="[INPUT]", help="The input perturb would read (headers only); or describe the "
-                                "records with --elements instead.", show_default=False)] = None,
+    inputs: Annotated[Optional[list[Path]], typer.Argument(parser=data_path,
+        metavar="[INPUT]...", help="The input perturb would read (headers only; several: each "
+                                   "planned in turn); or describe the records with --elements "
+                                   "instead.", show_default=False)] = None,
     eps: Eps = None,
     noise: NoiseOption = None,
     sampler: SamplerOption = Sampler.exact,
@@ -50,6 +52,7 @@ def plan_command(
         show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON to stdout.")] = False,
     quiet: Quiet = False,
+    verbose: Verbose = False,
     debug: Debug = False,
 ):
     """State the guarantee perturb would give, before any data is read; write nothing.
@@ -67,20 +70,28 @@ def plan_command(
       tldp plan --elements 28x28 --records 60000 --range 0:256 --eps 8 --budget record --json
       tldp plan big.h5 --eps 1 --dataset images --json > plan.json
       tldp plan sample_data/digits.npy --mechanism privunit --eps 4
+      tldp plan day1.npy day2.npy photos/ --eps 1
+
+    With several inputs, each is planned in turn (a failed one: one line naming it, exit 1
+    at the end) and --json prints the plans as one JSON list.
     """
     from tldp_cli.run import planning
     from tldp_cli.audit import parse_shape
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
+    display = Display(quiet, verbose)
+
     def action():
         if eps is None:
             raise UsageError("--eps is required")
-        if (input is None) == (elements is None):
+        if (not inputs) == (elements is None):
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
+        if quiet and verbose:
+            raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
+            input=inputs[0] if inputs else Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
@@ -88,11 +99,51 @@ def plan_command(
             exclude=exclude or [], keep=keep or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
             public_missing=public_missing,
             input_format=input_format and input_format.value, basis=basis)
-        if input is not None:
-            return planning.plan_input(options)
-        return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+        if inputs and len(inputs) > 1:
+            checked_options(options)  # what is wrong with the options is said once, exit 2
+            return options
+        try:
+            if inputs:
+                return planning.plan_input(options, phase=display.phase)
+            return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+        finally:
+            display.close()
 
     report = run(debug, action)
+    if isinstance(report, PerturbOptions):  # several inputs
+        raise typer.Exit(_plan_several(report, inputs, display, quiet, json_out, debug))
+    _print(report, quiet)
+    if json_out:
+        typer.echo(json.dumps(report, indent=2, allow_nan=False))
+
+
+def _plan_several(options: PerturbOptions, inputs: list[Path], display: Display, quiet: bool,
+                  json_out: bool, debug: bool) -> int:
+    """Each input planned in turn: its plan, or one line naming it; exit 1 if any failed."""
+    from tldp_cli.run import planning
+
+    reports, failed = [], []
+    display.prefix = f"[1/{len(inputs)}] "
+    with library_warnings(debug):
+        for i, (path, report) in enumerate(planning.plan_each(options, inputs, phase=display.phase)):
+            display.close()
+            display.prefix = f"[{i + 2}/{len(inputs)}] "
+            if isinstance(report, Exception):
+                failed.append(path)
+                message = failure(report, debug)[0]
+                message = message if str(path) in message else f"{path}: {message}"
+                typer.echo("tldp: error: " + " ".join(message.split()), err=True)
+                continue
+            if not quiet:
+                typer.echo(f"tldp: {path}:", err=True)
+            _print(report, quiet)
+            reports.append(report)
+    if json_out:
+        typer.echo(json.dumps(reports, indent=2, allow_nan=False))
+    return 1 if failed else 0
+
+
+def _print(report: dict, quiet: bool) -> None:
     if not quiet:
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
@@ -107,7 +158,3 @@ def plan_command(
                        f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         ranges = len(report.get("range_groups", []))
         typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"], ranges), err=True)
-    if json_out:
-        typer.echo(json.dumps(report, indent=2, allow_nan=False))
-
-

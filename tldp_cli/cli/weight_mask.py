@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.run.pipeline import parse_range
-from tldp_cli.cli.options import InputFormatOption, Quiet, Debug
+from tldp_cli.cli.options import InputFormatOption, Quiet, Debug, data_path, file_path, output_path
 from tldp_cli.cli.app import DEBUG_ENV, app, run
 
 
@@ -25,7 +25,7 @@ class MaskMethod(str, Enum):
 
 @app.command("weight-mask", no_args_is_help=True)
 def weight_mask_command(
-    input: Annotated[Path, typer.Argument(readable=False,
+    input: Annotated[Path, typer.Argument(parser=data_path,
         metavar="INPUT",
         help="The data the mask is for: a .npy file, an HDF5 file, a Zarr store or a folder of "
              "images (detected).", show_default=False)],
@@ -37,19 +37,19 @@ def weight_mask_command(
              "faces: face regions found by OpenCV's bundled Haar cascade (pip install "
              "'tldp-tensors[faces]'), also data-derived.",
         show_default=False)],
-    out: Annotated[Path, typer.Option(readable=False,
+    out: Annotated[Path, typer.Option(parser=output_path, metavar="PATH",
         help="The mask: a .npy file, or for a folder of images a folder of mask PNGs (8-bit "
              "grayscale, 0..255 = weight 0..1) named like the images. A sidecar OUT.json "
              "records the method.", show_default=False)],
     weight: Annotated[Optional[float], typer.Option(
         help="constant: the weight, in [0, 1]. box: the weight of boxes that give none; "
              "faces: the weight of faces (default 1).", show_default=False)] = None,
-    boxes: Annotated[Optional[Path], typer.Option(readable=False,
+    boxes: Annotated[Optional[Path], typer.Option(parser=file_path, metavar="PATH",
         help="box: JSON list of {x0, y0, x1, y1, weight?, file?} or CSV x0,y0,x1,y1,weight "
              "(a header may name the columns, with an optional file column). Pixels, x the "
              "column, y the row, x1 and y1 exclusive. A box with a file applies to that image "
              "only; overlapping boxes take the larger weight.", show_default=False)] = None,
-    mask_image: Annotated[Optional[Path], typer.Option(readable=False,
+    mask_image: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="image: a grayscale image, black = weight 0, white = weight 1.",
         show_default=False)] = None,
     resize: Annotated[bool, typer.Option(
@@ -67,7 +67,7 @@ def weight_mask_command(
     feather: Annotated[int, typer.Option(
         metavar="PIXELS", help="Soften the mask's edges: weights ramp down to 0 over PIXELS "
                                "pixels outward (never lowered inside).")] = 0,
-    preview: Annotated[Optional[Path], typer.Option(readable=False,
+    preview: Annotated[Optional[Path], typer.Option(parser=output_path, metavar="PATH",
         help="Write a PNG of the first record or image with the mask tinted red, to check by "
              "eye. It shows the private data: keep it private.", show_default=False)] = None,
     dataset: Annotated[Optional[str], typer.Option(

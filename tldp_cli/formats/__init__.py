@@ -9,8 +9,9 @@ A format module ends with its declaration, a `Format`:
 and the registry below, FORMAT_MODULES, lists it (name -> module, in detection order).
 `Format` names every capability the pipeline, the tools and the CLI ask about, with the
 default of a format that has none of it: which --format NAME it answers to, the suffixes
-that name it, whether it is a folder, how it is detected (can_open sniffs the content,
-not the suffix), whether an interrupted run resumes (reopen_writer), which options its
+that name it, whether it is a folder (and may also read one file, or a pattern of files
+that names no file itself: a brace pattern of WebDataset shards), how it is detected
+(can_open sniffs the content, not the suffix), whether an interrupted run resumes (reopen_writer), which options its
 reader honours (--dataset, --exclude, --keep, CF markers), whether arrays share rows,
 whether each record is a file of its own, the name map of --anonymize-names, the least
 size of its output, and how an earlier output of its own is recognised (--overwrite
@@ -48,6 +49,7 @@ A resumable format (Zarr) also provides
 from __future__ import annotations
 
 import importlib
+import os
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +198,11 @@ def least_output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOpt
     return sum(job.records * job.elements for job in jobs) * np.dtype(dtype).itemsize
 
 
+def never_a_pattern(path: Path) -> bool:
+    """No input is a pattern of files for the format."""
+    return False
+
+
 def never_earlier_output(path: Path, reader: Reader) -> bool:
     """No existing folder is taken for an earlier output of the format (it is no folder)."""
     return False
@@ -230,6 +237,12 @@ class Format:
     # *.weights.h5): the default output's ".tldp" goes before them (tldp_name).
     compound_suffixes: tuple[str, ...] = ()
     folder: bool = False  # an input and its output are folders, not files
+    # A folder format whose input may also be one file (a WebDataset shard): its output is
+    # still a folder.
+    file_input: bool = False
+    # Whether a path that names no file is a pattern of the format's files (a brace pattern
+    # of WebDataset shards), which its reader expands.
+    pattern_input: Callable[[Path], bool] = never_a_pattern
     # Resumable (--resume): reopens the output an interrupted run began, keeping its blocks.
     reopen_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer] | None = None
     selects_arrays: bool = False  # its reader perturbs the arrays --dataset names
@@ -279,10 +292,12 @@ FORMAT_MODULES = {
     "zarr": "zarr_store",
     "npz": "npz",
     "safetensors": "safetensors_file",
+    "sharded-safetensors": "sharded_safetensors",
     "nifti": "nifti",
     "parquet": "parquet_file",
     "arrow": "arrow_file",
     "hf-dataset": "dataset_folder",
+    "webdataset": "webdataset",
     "images": "images",
 }
 
@@ -319,13 +334,18 @@ def named_by(suffix: str, skip: Format | None = None) -> Format | None:
 
 def detect(path: Path, format_name: str | None = None) -> Format:
     """The format that can open `path`; `format_name` (--format) skips the sniffing for
-    inputs it cannot settle, and the chosen reader says what it finds wrong."""
+    inputs it cannot settle, and the chosen reader says what it finds wrong. A path that
+    names no file may be a pattern of files (Format.pattern_input)."""
+    if format_name is not None and format_name not in FORMAT_MODULES:
+        raise UsageError(f"--format must be one of {', '.join(names())}, not {format_name}")
+    if not os.path.lexists(path):
+        chosen = next((f for f in registered() if format_name in (None, f.name) and f.pattern_input(path)), None)
+        if chosen is not None:
+            return chosen
     output.check_input(path)
     if format_name is not None:
-        if format_name not in FORMAT_MODULES:
-            raise UsageError(f"--format must be one of {', '.join(names())}, not {format_name}")
         chosen = get(format_name)
-        if path.is_dir() != chosen.folder:
+        if path.is_dir() != chosen.folder and not (chosen.file_input and path.is_file()):
             kind = "a folder" if path.is_dir() else "a file"
             raise UsageError(f"{path}: is {kind}, which --format {format_name} does not read")
         return chosen
@@ -387,7 +407,7 @@ def data_file(path: Path) -> str | None:
         if _is_pickle(path):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
         for fmt in registered():
-            if not fmt.folder and fmt.can_open(path):
+            if (not fmt.folder or fmt.file_input) and fmt.can_open(path):
                 return f"{fmt.name} data, which tldp perturbs on its own (tldp perturb {path.name})"
     except (OSError, InputError):
         return None  # unreadable, or no longer a regular file: copying it fails with the reason

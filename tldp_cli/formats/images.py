@@ -58,7 +58,8 @@ from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
                               dicom_refused, is_dicom, leftovers, listing, plural)
-from tldp_cli.formats.pixels import PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header, png
+from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
+                                     png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       write_new_file, writing)
 
@@ -167,12 +168,28 @@ def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     return sorted(images), sorted(others), sorted(links)
 
 
-def _output_name(rel: str, image_format: str, stack: bool = False) -> str:
-    """An image's name in the output: under PNG's or TIFF's suffix; a multi-page TIFF (stack)
-    stays TIFF."""
+def output_name(rel: str, image_format: str, stack: bool = False) -> str:
+    """Where the writer puts the image `rel` (a relative path) with --image-format
+    `image_format`, names kept: the same path, its suffix made that format's; a multi-page
+    TIFF (stack) stays TIFF."""
     suffixes = OUTPUT_SUFFIXES["tiff" if stack else image_format]
     path = Path(rel)
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
+
+
+def read_output(path: Path, has_alpha: bool) -> np.ndarray:
+    """The perturbed colour channels of an image the writer wrote: a TIFF read with
+    tifffile (its floating-point samples, without the source's alpha, which the writer
+    copies as the last channel), a PNG decoded as the reader decodes images. `has_alpha`:
+    whether the source image had alpha."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        pixels = tifffile.imread(path)
+        if has_alpha:
+            pixels = pixels[..., :-1]
+            if pixels.shape[-1] == 1:
+                pixels = pixels[..., 0]
+        return pixels
+    return _decode(path).colour
 
 
 def _non_images(n: int) -> str:
@@ -269,7 +286,7 @@ class ImageFolderReader(Reader):
         for rel in candidates:
             file = self.path / rel
             try:
-                found = check(file)
+                header = check(file)
             except InputError:  # replaced by a FIFO or a device since the folder was listed
                 raise
             except LabelMap:
@@ -284,11 +301,11 @@ class ImageFolderReader(Reader):
             except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on bad files
                 reason = f"cannot be decoded as an image ({decode_reason(exc)})"
             else:
-                out_rel = _output_name(rel, options.image_format, found.pages > 1)
-                self.images.append(_Image(rel, file, out_rel, (1, *found.shape), found.dtype,
-                                          found.has_alpha, found.has_icc, found.pages))
-                if found.notes:
-                    conversions[rel] = found.notes
+                out_rel = output_name(rel, options.image_format, header.pages > 1)
+                self.images.append(_Image(rel, file, out_rel, (1, *header.shape), header.dtype,
+                                          header.has_alpha, header.has_icc, header.pages))
+                if header.notes:
+                    conversions[rel] = header.notes
                 continue
             if not options.skip_bad:
                 raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")

@@ -1,11 +1,12 @@
 """Decoding and encoding images, shared by the formats that hold them: image folders
-(formats/images.py) and the image columns of Parquet and Arrow tables (formats/tables.py).
+(formats/images.py), the image members of WebDataset shards (formats/webdataset.py) and the
+image columns of Parquet and Arrow tables (formats/tables.py).
 
 `header` learns what an opened image (Pillow) decodes to from its header alone, `decode`
 gives its colour channels and alpha apart (EXIF orientation applied, bilevel images
 converted, a multi-page TIFF's pages stacked), and `png` encodes perturbed pixels as PNG,
 fast for noise. Images tldp cannot perturb faithfully raise Unsupported; palette images
-(label maps: class indices, not pixel values) raise LabelMap.
+(label maps) raise its subclass LabelMap.
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ class Unsupported(Exception):
     """An image Pillow can decode but tldp cannot perturb faithfully."""
 
 
-class LabelMap(Exception):
+class LabelMap(Unsupported):
     """A palette image (mode P or PA): class indices, as segmentation datasets store their
-    masks, not pixel values. It is not perturbed: left out and listed, or copied raw where
-    --keep names it (leftovers.py)."""
+    masks, not pixel values. It is not perturbed: an image folder leaves it out and lists
+    it, or copies it raw where --keep names it (leftovers.py)."""
+
+    def __init__(self, mode: str):
+        super().__init__(f"a palette ({mode}) image: class indices (a label map), not pixel values "
+                         "to perturb; convert it to RGB first if it is a picture")
+        self.mode = mode
 
 
 @dataclass
@@ -59,9 +65,9 @@ class Decoded:
 
 # EXIF orientation -> the transposition that shows the pixels the way viewers do
 TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
-             4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
-             6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-             8: Image.Transpose.ROTATE_90}
+              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
 
 
 def source_bit_depth(file, im: Image.Image) -> int:
@@ -92,34 +98,34 @@ def header(file, im: Image.Image) -> Header:
     frames = getattr(im, "n_frames", 1)
     if frames > 1 and im.format != "TIFF":
         raise Unsupported(f"has {frames} frames; tldp perturbs single-frame images (and multi-page TIFF)")
-    header = _pageheader(file, im)
-    return _stackheader(file, im, header, frames) if frames > 1 else header
+    first = page_header(file, im)
+    return stack_header(file, im, first, frames) if frames > 1 else first
 
 
-def _stackheader(file, im: Image.Image, first: Header, frames: int) -> Header:
+def stack_header(file, im: Image.Image, first: Header, frames: int) -> Header:
     """A multi-page TIFF's header: its first page's, for every page (each one checked)."""
     if first.has_alpha:
         raise Unsupported(f"a multi-page TIFF ({frames} pages) with an alpha channel; tldp perturbs "
-                           "multi-page TIFF of L, RGB or 16-bit grayscale pages")
+                          "multi-page TIFF of L, RGB or 16-bit grayscale pages")
     for page in range(1, frames):
         im.seek(page)
         try:
-            header = _pageheader(file, im)
+            header = page_header(file, im)
         except LabelMap:
             header = None
         if header is None or (header.shape, header.dtype, header.convert_to, header.orientation) != (
                 first.shape, first.dtype, first.convert_to, first.orientation):
             found = "a palette page" if header is None else f"{header.shape} {header.dtype}"
             raise Unsupported(f"a multi-page TIFF whose pages differ (page {page}: {found}; page 0: "
-                               f"{first.shape} {first.dtype}); tldp perturbs a multi-page TIFF as one "
-                               "record of pages of one shape and mode")
+                              f"{first.shape} {first.dtype}); tldp perturbs a multi-page TIFF as one "
+                              "record of pages of one shape and mode")
     im.seek(0)
     return Header((frames, *first.shape), first.dtype, False, first.notes, first.orientation,
-                   first.convert_to, first.has_icc, frames)
+                  first.convert_to, first.has_icc, frames)
 
 
-def _pageheader(file, im: Image.Image) -> Header:
-    """_header of the current page (frame)."""
+def page_header(file, im: Image.Image) -> Header:
+    """header() of the current page (frame)."""
     notes, convert_to = [], None
     orientation = exif_orientation(im)
     if orientation in TRANSPOSE:  # output carries no EXIF: store the pixels as viewers show them
@@ -132,31 +138,19 @@ def _pageheader(file, im: Image.Image) -> Header:
     mode = convert_to or im.mode
     if mode not in SUPPORTED_MODES:
         raise Unsupported(f"colour mode {mode} is not supported "
-                           "(supported: L, LA, RGB, RGBA, 16-bit grayscale; palette images are label maps, "
-                           "not perturbed)")
+                          "(supported: L, LA, RGB, RGBA, 16-bit grayscale; palette images are label maps, "
+                          "not perturbed)")
     depth = source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
         raise Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
-                           "only grayscale may be 16-bit")
+                          "only grayscale may be 16-bit")
     width, height = im.size
     if orientation in (5, 6, 7, 8):
         width, height = height, width
     shape = (height, width, 3) if mode in ("RGB", "RGBA") else (height, width)
     dtype = np.dtype(np.uint16 if mode in SIXTEEN_BIT_MODES else np.uint8)
     return Header(shape, dtype, mode in ("LA", "RGBA"), notes, orientation, convert_to,
-                   bool(im.info.get("icc_profile")))
-
-
-def page_pixels(im: Image.Image, header: Header, page: int) -> tuple[str, np.ndarray]:
-    """The mode and pixels of one page (of a multi-page TIFF; page 0 of any image), oriented
-    and converted as its header says."""
-    if header.pages > 1:
-        im.seek(page)
-    im.load()
-    shown = im.transpose(TRANSPOSE[header.orientation]) if header.orientation in TRANSPOSE else im
-    if header.convert_to:
-        shown = shown.convert(header.convert_to)
-    return shown.mode, np.asarray(shown)
+                  bool(im.info.get("icc_profile")))
 
 
 def decode(file, im: Image.Image) -> Decoded:
@@ -173,6 +167,18 @@ def decode(file, im: Image.Image) -> Decoded:
         colour = values[..., 0] if mode == "LA" else values[..., :3]
         return Decoded(np.ascontiguousarray(colour), np.ascontiguousarray(values[..., -1]), found.notes)
     return Decoded(values, None, found.notes)
+
+
+def page_pixels(im: Image.Image, header: Header, page: int) -> tuple[str, np.ndarray]:
+    """The mode and pixels of one page (of a multi-page TIFF; page 0 of any image), oriented
+    and converted as its header says."""
+    if header.pages > 1:
+        im.seek(page)
+    im.load()
+    shown = im.transpose(TRANSPOSE[header.orientation]) if header.orientation in TRANSPOSE else im
+    if header.convert_to:
+        shown = shown.convert(header.convert_to)
+    return shown.mode, np.asarray(shown)
 
 
 PNG_COLOUR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> grayscale, gray+alpha, RGB, RGBA

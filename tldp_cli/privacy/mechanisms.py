@@ -242,8 +242,13 @@ def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float,
         result[name] = by_shape[shape]
     if budget != "record":
         return result
+    solved: dict[tuple, list[Calibration]] = {}  # rows of the same record sizes: solved once
     for row in rows or []:
         if len(row) < 2:
+            continue
+        sizes = tuple(arrays[name] for name in row)
+        if sizes in solved:
+            result.update(zip(row, solved[sizes]))
             continue
         whole = one(sum(arrays[name][0] for name in row), 1 if mechanism == "mvg" else None)
         shared = {name: replace(whole, elements=arrays[name][0], rows=arrays[name][1]) for name in row}
@@ -265,6 +270,7 @@ def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float,
                              f"{epsilon:g}; use a larger --eps, --budget element or --mechanism "
                              "baseline")
         result.update(calibs)
+        solved[sizes] = [calibs[name] for name in row]
     return result
 
 

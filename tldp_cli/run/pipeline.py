@@ -15,7 +15,9 @@ on which.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import math
 import os
 from collections import deque
@@ -59,6 +61,24 @@ BLOCK_ELEMENTS = 1 << 21
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
 Progress = Callable[[int, int], None]  # (records just finished, total records)
+Phase = Callable[[str, str], None]  # (a phase's label, what it does): as each phase of a run starts
+
+
+@dataclass
+class Report:
+    """Where a run says how it goes: `records` as blocks finish (the progress bar), `phase`
+    as each phase starts (reading the headers, planning, checking, perturbing, committing)."""
+
+    records: Progress | None = None
+    phase: Phase | None = None
+
+    def tell(self, label: str, what: str) -> None:
+        if self.phase is not None:
+            self.phase(label, what)
+
+    def done(self, records: int, total: int) -> None:
+        if self.records is not None:
+            self.records(records, total)
 
 
 @dataclass
@@ -340,21 +360,24 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     return options
 
 
-def perturb(options: PerturbOptions, progress: Progress | None = None) -> PerturbResult:
+def perturb(options: PerturbOptions, progress: Progress | None = None, phase: Phase | None = None
+            ) -> PerturbResult:
     """Perturb options.input into its output and manifest (see the module docstring). Memory
     running out anywhere in the run is an OutOfMemory naming the input (whatever was
-    written is removed, a Zarr partial too)."""
+    written is removed, a Zarr partial too). `progress(records, total)` is called as blocks
+    finish, `phase(label, what)` as each phase starts."""
     try:
-        return _perturb_input(options, progress)
+        return _perturb_input(options, Report(progress, phase))
     except MemoryError as exc:
         raise OutOfMemory(f"{options.input}: ran out of memory ({reason_of(exc)}); nothing was written: "
                           "free memory, or run with fewer --workers") from None
 
 
-def _perturb_input(options: PerturbOptions, progress: Progress | None) -> PerturbResult:
+def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     source = options.input
     options = checked_options(options)
     module = formats.detect(source, options.input_format)
+    report.tell("reading", headers_phrase(source, module, options))
     if options.resume and not module.resumable:
         raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
                          f"{module.name} run keeps nothing to resume from")
@@ -365,21 +388,35 @@ def _perturb_input(options: PerturbOptions, progress: Progress | None) -> Pertur
     format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
-        return _perturb(options, module, reader, format_options, progress)
+        return _perturb(options, module, reader, format_options, report)
     finally:
         reader.close()
+
+
+def headers_phrase(source: Path, module, options: PerturbOptions) -> str:
+    """What the reading phase does, for -v."""
+    how = "--format" if options.input_format else "detected"
+    return f"{source}: {module.title} ({how}); reading its headers"
+
+
+def planning_phrase(options: PerturbOptions, jobs: list[ArrayJob]) -> str:
+    """What the planning phase does, for -v."""
+    sizes = len({job.elements for job in jobs})
+    return (f"calibrating {options.mechanism} ({options.noise} noise) for {plural(sizes, 'record size')} "
+            f"and certifying the figures (per element, per record, per file)")
 
 
 def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     """What the format's reader is told; refuses --exclude and --keep where no reader would
     honour them."""
     if options.exclude and not module.honours_exclude:
-        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors) and "
-                         f"HDF5 files, not {module.name}")
+        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
+                         f"folders) and HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors), NIfTI volumes, image folders' label maps and tables (Parquet, "
-                         f"Arrow, Hugging Face dataset folders), not {module.name}: it has nothing else to keep")
+                         f"(.npz, .safetensors, sharded model folders), NIfTI volumes, image folders' label "
+                         f"maps, WebDataset shards and tables (Parquet, Arrow, Hugging Face dataset folders), "
+                         f"not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -589,9 +626,8 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     # The certified figures are the worst case over every calibration. Computed before the
     # data: a failure costs nothing, and the accountant's peak memory does not stack on the
     # streaming buffers.
-    certified = accounting.certify_all(calibrations, [[calib_of[name] for name in row] for row in rows])
-    certified.update(accounting.certify_file(
-        [(job.name, calib_of[job.name], job.records) for job in jobs], per_tensor=per_tensor))
+    certified = certified_figures(calibrations, [[calib_of[name] for name in row] for row in rows],
+                                  [(job.name, calib_of[job.name], job.records) for job in jobs], per_tensor)
     raw_release = accounting.raw_release_scopes(certified)
     if raw_release and not options.allow_raw_release:
         scope, delta = next(((s, d) for s, d in raw_release if s == "per_record"), raw_release[0])
@@ -658,6 +694,27 @@ def range_group_messages(run: Plan) -> list[str]:
     return [f"calibrated each declared range on its own: {'; '.join(parts)}. {rule}"]
 
 
+def certified_figures(calibrations: list[Calibration], records: list[list[Calibration]],
+                      arrays: list[tuple[str, Calibration, int]], per_tensor: bool) -> dict[str, Any]:
+    """accounting.certify_all and certify_file for a run (see plan), computed once per distinct
+    calibrations and record counts in a process: the inputs of one `tldp perturb` call
+    that share them (the same shape, the same options) share the accountant's work."""
+    names = [name for name, _, _ in arrays]
+    certified = copy.deepcopy(_certified(tuple(calibrations), tuple(tuple(row) for row in records),
+                                         tuple((calib, n) for _, calib, n in arrays), per_tensor))
+    for entry, name in zip(certified.get("per_tensor", []), names):
+        entry["name"] = name
+    return certified
+
+
+@functools.lru_cache(maxsize=32)
+def _certified(calibrations: tuple[Calibration, ...], records: tuple[tuple[Calibration, ...], ...],
+               arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> dict[str, Any]:
+    certified = accounting.certify_all(list(calibrations), [list(row) for row in records])
+    certified.update(accounting.certify_file([("", calib, n) for calib, n in arrays], per_tensor=per_tensor))
+    return certified
+
+
 def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
                       ) -> dict[str, tuple[tuple[str, float], ...]]:
     """By array, its missing-data markers (ArrayJob.markers) inside its declared range (as
@@ -672,8 +729,9 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
 
 
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
-             progress: Progress | None) -> PerturbResult:
+             report: Report) -> PerturbResult:
     jobs = reader.arrays()
+    report.tell("planning", planning_phrase(options, jobs))
     run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                per_tensor=reader.records_are_tensors)
     masks: dict[str, Mask] = {}
@@ -681,6 +739,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.weights is not None:
         masks, weights_info = load_masks(options.weights, jobs)
 
+    report.tell("checking", "the destination, free space and memory" + (
+        f"; reading every record once to fingerprint it for the ledger {options.ledger}" if options.ledger else ""))
     destination, manifest_path = _destinations(options, module, reader)
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
@@ -710,7 +770,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     committing = contextlib.ExitStack()
     try:
         writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
-                                        streams, staged, notes, progress)
+                                        streams, staged, notes, report)
         for path in written:  # a cleanup script may have removed the output (or its folder)
             if not path.is_file():
                 raise output.removed_during_run(path)
@@ -718,6 +778,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
         outputs = [{"path": str(destination / f.relative_to(staged.output)) if f != staged.output
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
+        report.tell("committing", f"writing the manifest, then moving {destination} and {manifest_path} into place")
         manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs,
                                   masked=list(masks))
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
@@ -779,7 +840,7 @@ def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[
 
 def _write_blocks(options: PerturbOptions, module, reader, format_options: FormatOptions,
                   jobs: list[ArrayJob], run: Plan, masks: dict[str, Mask], streams: Streams,
-                  staged: _Staged, notes: list[str], progress: Progress | None):
+                  staged: _Staged, notes: list[str], report: Report):
     """Perturb every block into a writer on the staged output; (writer, files written).
     Values outside the declared range stop the run once the blocks in flight are done."""
     partial = staged.partial
@@ -788,6 +849,9 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
              for start, stop in block_bounds(job, options.block_elements)]
     if module.writes_rows:  # arrays interleaved, in row order (the order does not change the values)
         tasks.sort(key=lambda task: task[1])
+    where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
+    report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
+                              f"work copy beside the output")
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
     writer = open_writer(reader, staged.output, run.out_dtype,
                          dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
@@ -797,8 +861,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
             writer.resumed({(name, start): note for (name, start, _), note in partial.completed.items()})
             kept = [t for t in tasks if (t[0].name, t[1], t[2]) in partial.completed]
             tasks = [t for t in tasks if (t[0].name, t[1], t[2]) not in partial.completed]
-            if kept and progress:
-                progress(sum(stop - start for _, start, stop in kept), total)
+            if kept:
+                report.done(sum(stop - start for _, start, stop in kept), total)
         # (values outside the range, first record of their block, the array)
         outside_counts: list[tuple[int, int, ArrayJob]] = []
         block_task = BlockTask(
@@ -829,8 +893,7 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
                     writer.block_written(job, start, stop)  # e.g. hash it, or wait until it is written
                     if partial is not None:
                         partial.done(job.name, start, stop, writer.block_note(job, start))
-                if progress:
-                    progress(stop - start, total)
+                report.done(stop - start, total)
         if not outside_counts:
             writer.finish()
     finally:
@@ -901,10 +964,7 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     for flag, value in (("--out", options.out), ("--manifest", options.manifest)):
         if value is not None and str(value) == "":  # a blank shell variable, say: never "."
             raise UsageError(f"{flag} is empty: give a path, or leave {flag} out for the default")
-    default = output.default_beside_store(source, module.default_output(source))
-    out_text = None if options.out is None else str(options.out)
-    destination = output.destination(None if options.out is None else Path(options.out), out_text,
-                                      default, module, lambda suffix: _named_by(suffix, module))
+    destination = output_of(options, module)
     if options.manifest is not None and str(options.manifest) == "-":
         raise UsageError("--manifest -: the manifest is a file; use --json to print it to stdout")
     if options.manifest is not None and str(options.manifest).endswith(("/", os.sep)):
@@ -920,6 +980,16 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     output.check_distinct({"output": destination, "manifest": manifest_path,
                            **{what: Path(p) for what, p in protected.items() if p is not None}})
     return destination, manifest_path
+
+
+def output_of(options: PerturbOptions, module) -> Path:
+    """Where the run of `options` on an input of this format writes its output (--out by the
+    rules of output.destination, or the default beside the input)."""
+    source = options.input
+    default = output.default_beside_store(source, module.default_output(source))
+    out_text = None if options.out is None else str(options.out)
+    return output.destination(None if options.out is None else Path(options.out), out_text,
+                              default, module, lambda suffix: _named_by(suffix, module))
 
 
 def _named_by(suffix: str, module: formats.Format) -> str | None:
@@ -1103,6 +1173,38 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
                                          if run.grid and run.out_dtype.kind == "i" else [])
         + (list(writer.postprocessing) if writer else []),
         output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
+
+
+def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
+    """The inverse of build_manifest for what `plan` reads: the options of the run whose
+    manifest is `m`, over the input `input`, that decide its calibration. The noise is the
+    noise as drawn (sampled_noise); the range is the declared one (--clip's (-C, C) as the
+    range it set) with each array's own (--range NAME=LO:HI); the grid step only where it
+    was given (--granularity); privunit's --basis as the run had it. What a manifest does
+    not state (the seed, the weights' file, the output's paths) keeps its default."""
+    acc = m.get("accounting") or {}
+    automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
+    float_dtype = m.get("output_dtype") if m.get("output_dtype") in ("float32", "float64") else "float32"
+    return PerturbOptions(
+        input=input, epsilon=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
+        budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
+        ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
+        granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
+        dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),
+        allow_raw_release="raw_release_allowed" in m)
+
+
+def _basis_of_manifest(m: dict[str, Any]) -> str | None:
+    """--basis as the privunit run had it: its file (checked against the manifest's sha256
+    when loaded), dct:K where K was given, else dct (the default rule, recomputed); the
+    inverse of manifest.privunit_entry."""
+    unit = m.get("privunit")
+    if m.get("mechanism") != PRIVUNIT or not isinstance(unit, dict):
+        return None
+    basis = unit.get("basis") or {}
+    if basis.get("kind") == "file":
+        return str(basis.get("path"))
+    return f"dct:{unit.get('k')}" if str(unit.get("k_rule", "")).startswith("--basis") else "dct"
 
 
 def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:

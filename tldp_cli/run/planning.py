@@ -9,6 +9,8 @@ each image's header) and nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,15 @@ from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
+    Phase,
     PerturbOptions,
+    Report,
     build_manifest,
     checked_format_options,
     checked_options,
+    headers_phrase,
     plan,
+    planning_phrase,
     range_group_messages,
     row_groups,
 )
@@ -31,13 +37,17 @@ SCHEMA = "tldp-plan/1"
 DESCRIBED = "records"  # the name of a described (not read) array
 
 
-def plan_input(options: PerturbOptions) -> dict[str, Any]:
-    """The plan of `tldp perturb` with these options on options.input."""
+def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:
+    """The plan of `tldp perturb` with these options on options.input; `phase(label, what)`
+    is told as each phase starts, as perturb tells it."""
+    report = Report(phase=phase)
     options = checked_options(options)
     module = formats.detect(options.input, options.input_format)
+    report.tell("reading", headers_phrase(options.input, module, options))
     reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
         jobs = reader.arrays()
+        report.tell("planning", planning_phrase(options, jobs))
         run = plan(options, jobs, rows=row_groups(module, reader, jobs),
                    per_tensor=reader.records_are_tensors)
         messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing),
@@ -45,6 +55,18 @@ def plan_input(options: PerturbOptions) -> dict[str, Any]:
         return _report(options, run, jobs, reader, messages)
     finally:
         reader.close()
+
+
+def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None = None
+              ) -> Iterator[tuple[Path, dict[str, Any] | Exception]]:
+    """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
+    its plan, or the exception that stopped it); the next one is planned either way. Inputs
+    of the same calibration share the accountant's work (pipeline.certified_figures)."""
+    for path in inputs:
+        try:
+            yield path, plan_input(dataclasses.replace(options, input=path), phase=phase)
+        except Exception as exc:  # that input's failure: reported, and the next one planned
+            yield path, exc
 
 
 def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,

@@ -1,0 +1,211 @@
+"""`tldp perturb a.npy b.npy dir/ --eps 1` and `--inputs-from FILE` (issue 30): each input its
+own run, output and manifest; one line per failed input; exit 1 if any failed; nothing left
+of a failed one; --out a folder; with --ledger each input its own release."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.builders import SEED, assert_one_line_error, siblings, tree_digest
+from tldp_cli.run.manifest import sha256_file
+
+
+@pytest.fixture
+def raw(tmp_path):
+    """Three uint8 arrays of two shapes in raw/."""
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name, shape in (("a", (6, 10)), ("b", (6, 10)), ("c", (4, 3, 3))):
+        np.save(folder / f"{name}.npy", rng.integers(0, 256, shape, dtype=np.uint8))
+    return folder
+
+
+def _manifest(path):
+    return json.loads(path.read_text())
+
+
+def test_each_input_gets_its_own_output_and_manifest(cli, raw):
+    inputs = [raw / "a.npy", raw / "b.npy", raw / "c.npy"]
+    result = cli("perturb", *inputs, "--eps", "1")
+    assert result.exit_code == 0, result.stderr
+    for src in inputs:
+        out = src.with_name(src.stem + ".tldp.npy")
+        manifest = _manifest(out.with_name(out.name + ".manifest.json"))
+        assert manifest["inputs"][0]["path"] == str(src)
+        assert manifest["outputs"] == [{"path": str(out), "sha256": sha256_file(out)}]
+        assert np.load(out).shape == np.load(src).shape
+    assert result.stderr.count("tldp: wrote ") == 3
+    assert "3 of 3 inputs written" in result.stderr
+
+
+def test_out_names_the_folder_outputs_go_in(cli, raw, tmp_path):
+    (tmp_path / "released").mkdir()
+    result = cli("perturb", raw / "a.npy", raw / "c.npy", "--eps", "1", "--out", tmp_path / "released", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert siblings(tmp_path / "released") == {"a.tldp.npy", "a.tldp.npy.manifest.json",
+                                               "c.tldp.npy", "c.tldp.npy.manifest.json"}
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}
+
+
+def test_out_must_be_an_existing_folder(cli, raw, tmp_path):
+    before = siblings(tmp_path)
+    result = cli("perturb", raw / "a.npy", raw / "b.npy", "--eps", "1", "--out", tmp_path / "nope")
+    assert_one_line_error(result, 1, "nope", "does not exist")
+    assert siblings(tmp_path) == before and siblings(raw) == {"a.npy", "b.npy", "c.npy"}
+
+
+def test_a_failed_input_is_one_line_and_the_others_still_run(cli, raw):
+    np.save(raw / "f.npy", np.zeros((3, 3), np.float32))  # needs --range: refused
+    before = tree_digest(raw)
+    result = cli("perturb", raw / "f.npy", raw / "missing.npy", raw / "a.npy", "--eps", "1")
+    assert result.exit_code == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tldp: error: ")]
+    assert len(errors) == 2, result.stderr
+    assert str(raw / "f.npy") in errors[0] and "--range" in errors[0]
+    assert str(raw / "missing.npy") in errors[1] and "no such file" in errors[1]
+    assert "Traceback" not in result.stderr
+    # the good one is written; nothing of the failed ones, and no input touched
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "f.npy", "a.tldp.npy", "a.tldp.npy.manifest.json"}
+    assert {k: v for k, v in tree_digest(raw).items() if k in before} == before
+    assert "1 of 3 inputs written" in result.stderr
+
+
+def test_inputs_from_a_file_and_from_stdin(cli, raw, tmp_path):
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"{raw / 'a.npy'}\n\n{raw / 'b.npy'}\n")
+    result = cli("perturb", "--inputs-from", listing, "--eps", "1", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert {"a.tldp.npy", "b.tldp.npy"} <= siblings(raw)
+    result = cli.runner.invoke(cli_app(), ["perturb", "--inputs-from", "-", "--eps", "1", "-q",
+                                           "--out", str(tmp_path)], input=f"{raw / 'c.npy'}\n")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "c.tldp.npy").is_file()
+
+
+def cli_app():
+    from tldp_cli.cli import app
+
+    return app
+
+
+@pytest.mark.parametrize("line, fragment", [("s3://bucket/x.npy", "remote paths are not supported"),
+                                            ("-", "reading from stdin is not supported")])
+def test_inputs_from_refuses_urls_and_dashes_naming_the_line(cli, raw, tmp_path, line, fragment):
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"{raw / 'a.npy'}\n{line}\n")
+    assert_one_line_error(cli("perturb", "--inputs-from", listing, "--eps", "1"), 2, "line 2", fragment)
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--seed", SEED, "--allow-weak-seed"], "a seed is for one release"),
+    (["--manifest", "m.json"], "--manifest names one file"),
+    (["--preview", "p.png"], "--preview"),
+])
+def test_what_cannot_hold_for_several_is_refused_first(cli, raw, extra, fragment):
+    result = cli("perturb", raw / "a.npy", raw / "b.npy", "--eps", "1", *extra)
+    assert_one_line_error(result, 2, fragment)
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}
+
+
+def test_two_outputs_in_one_place_are_refused_before_any_run(cli, raw, tmp_path):
+    (tmp_path / "other").mkdir()
+    np.save(tmp_path / "other" / "a.npy", np.zeros((2, 2), np.uint8))
+    (tmp_path / "out").mkdir()
+    result = cli("perturb", raw / "a.npy", raw / "b.npy", tmp_path / "other" / "a.npy", "--eps", "1",
+                 "--out", tmp_path / "out")
+    assert_one_line_error(result, 2, "would both write", "a.tldp.npy")
+    assert siblings(tmp_path / "out") == set()
+
+
+def test_an_input_given_twice_is_refused(cli, raw):
+    assert_one_line_error(cli("perturb", raw / "a.npy", raw / "a.npy", "--eps", "1"), 2, "given twice")
+
+
+def test_an_output_that_is_another_input_is_refused(cli, raw):
+    np.save(raw / "a.tldp.npy", np.zeros((2, 2), np.uint8))
+    result = cli("perturb", raw / "a.npy", raw / "a.tldp.npy", "--eps", "1", "--overwrite")
+    assert_one_line_error(result, 2, "which is another input")
+
+
+def test_json_lists_the_manifests_written(cli, raw):
+    result = cli("perturb", raw / "a.npy", raw / "c.npy", "--eps", "1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    manifests = json.loads(result.stdout)
+    assert [m["inputs"][0]["path"] for m in manifests] == [str(raw / "a.npy"), str(raw / "c.npy")]
+
+
+def test_with_a_ledger_each_input_is_its_own_release(cli, raw, tmp_path):
+    ledger = tmp_path / "ledger.db"
+    result = cli("perturb", raw / "a.npy", raw / "c.npy", "--eps", "1", "--ledger", ledger, "-q")
+    assert result.exit_code == 0, result.stderr
+    listed = json.loads(cli("ledger", ledger, "--json").stdout)
+    assert sorted(r["input"] for r in listed["releases"]) == sorted(
+        str((raw / name).resolve()) for name in ("a.npy", "c.npy"))
+
+
+def test_verbose_says_each_phase_and_quiet_excludes_it(cli, raw):
+    result = cli("perturb", raw / "a.npy", "--eps", "1", "-v")
+    assert result.exit_code == 0, result.stderr
+    phases = [line.split(":")[1].strip() for line in result.stderr.splitlines()
+              if line.split(":")[1].strip() in ("reading", "planning", "checking", "perturbing", "committing")]
+    assert phases == ["reading", "planning", "checking", "perturbing", "committing"]
+    assert_one_line_error(cli("perturb", raw / "a.npy", "--eps", "1", "-v", "-q"), 2, "not both")
+
+
+def test_plan_takes_several_inputs(cli, raw):
+    np.save(raw / "f.npy", np.zeros((3, 3), np.float32))  # needs --range
+    result = cli("plan", raw / "a.npy", raw / "f.npy", raw / "c.npy", "--eps", "1", "--json")
+    assert result.exit_code == 1, result.stderr
+    plans = json.loads(result.stdout)
+    assert [p["records"] for p in plans] == [6, 4]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tldp: error: ")]
+    assert len(errors) == 1 and str(raw / "f.npy") in errors[0] and "--range" in errors[0]
+    alone = json.loads(cli("plan", raw / "c.npy", "--eps", "1", "--json", "-q").stdout)
+    assert plans[1] == alone
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "f.npy"}  # plan writes nothing
+
+
+def test_plan_says_a_bad_option_once(cli, raw):
+    assert_one_line_error(cli("plan", raw / "a.npy", raw / "b.npy", "--eps", "-1"), 2, "eps")
+
+
+def test_no_input_at_all_is_a_usage_error(cli, tmp_path):
+    assert_one_line_error(cli("perturb", "--eps", "1"), 2, "give INPUT, or --inputs-from FILE")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert_one_line_error(cli("perturb", "--inputs-from", tmp_path / "empty.txt", "--eps", "1"), 2,
+                          "lists no input")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_call_after_an_input_is_written(tmp_path):
+    """Once an input's output is in place its run ignores Ctrl-C until the process exits;
+    with several inputs the next one is a run of its own, which Ctrl-C stops (exit 130,
+    nothing of it left, the one before kept)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = np.random.default_rng(0)
+    for name in "xyz":
+        np.save(tmp_path / f"{name}.npy", rng.integers(0, 256, (3000, 3136), dtype=np.uint8))
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tldp_cli.entry import main; sys.argv[0] = 'tldp'; main()",
+         "perturb", "x.npy", "y.npy", "z.npy", "--eps", "1", "--workers", "1", "--block-elements", "3136"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+
+    def y_running():  # x is in place and y's work file is being written
+        return any(p.name.startswith(".y.tldp.npy.tldp-tmp-") for p in tmp_path.iterdir())
+
+    while not y_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, stderr
+    assert "y.npy: interrupted; nothing was written (1 input before it written, 1 input after it not started)" in stderr
+    assert sorted(os.listdir(tmp_path)) == ["x.npy", "x.tldp.npy", "x.tldp.npy.manifest.json", "y.npy", "z.npy"]

@@ -1,0 +1,400 @@
+"""Sharded model folders (formats/sharded_safetensors.py): save_pretrained's shards and
+model.safetensors.index.json, one input. Inputs are written as huggingface_hub writes them
+(split_state_dict_into_shards_factory, safetensors.numpy; builders.write_sharded_model),
+outputs read back with safe_open through the index's weight_map, and, where torch and
+transformers are installed, with from_pretrained."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from tests.builders import (SEED, RoundTrip, assert_one_line_error, read_sharded_model, siblings, tree_digest,
+                            write_sharded_model)
+from tldp_cli.formats import sharded_safetensors
+
+ARGS = ("--eps", "1", "--clip", "0.1")
+INDEX = "model.safetensors.index.json"
+CONFIG = {"_name_or_path": "/home/alice/patients-model", "architectures": ["GPT2LMHeadModel"],
+          "model_type": "gpt2", "n_embd": 16, "n_layer": 2, "tie_word_embeddings": True}
+FILES = {"config.json": json.dumps(CONFIG, indent=2), "generation_config.json": '{"bos_token_id": 0}',
+         "merges.txt": "#version: 0.2\nh e\n", "vocab.json": '{"he": 0}',
+         "README.md": "Fine-tuned on the clinic's notes of 2023.\n"}
+
+
+def gpt2_like() -> dict[str, np.ndarray]:
+    """A tiny GPT-2's parameters: the embedding shared with the head (one array, two names),
+    float16 biases, an integer buffer."""
+    rng = np.random.default_rng(7)
+    wte = rng.normal(0, 0.02, (64, 16)).astype(np.float32)
+    tensors = {"transformer.wte.weight": wte,
+               "transformer.wpe.weight": rng.normal(0, 0.02, (12, 16)).astype(np.float32)}
+    for i in range(3):
+        tensors[f"transformer.h.{i}.ln_1.weight"] = np.ones(16, np.float32)
+        tensors[f"transformer.h.{i}.attn.c_attn.weight"] = rng.normal(0, 0.02, (16, 48)).astype(np.float32)
+        tensors[f"transformer.h.{i}.attn.c_attn.bias"] = rng.normal(0, 0.02, 48).astype(np.float16)
+        tensors[f"transformer.h.{i}.mlp.c_fc.weight"] = rng.normal(0, 0.02, (16, 64)).astype(np.float32)
+    tensors["transformer.ln_f.weight"] = np.ones(16, np.float32)
+    tensors["transformer.h.0.attn.masked_bias"] = np.array([-1e4], np.float32)
+    tensors["lm_head.weight"] = wte  # tied: the same array
+    tensors["step"] = np.array([5], np.int64)
+    return tensors
+
+
+def model(tmp_path: Path, name: str = "gpt2_tiny", files=FILES) -> Path:
+    return write_sharded_model(tmp_path / name, gpt2_like(), max_shard_size=5000, extra_files=files)
+
+
+def index_of(folder: Path) -> dict:
+    return json.loads((folder / INDEX).read_text())
+
+
+def shard_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def run(cli, src: Path, *more, out: Path | None = None):
+    return cli("perturb", src, *ARGS, "--seed", SEED, *(("--out", out) if out else ()), *more, "--json")
+
+
+class ShardedRoundTrip(RoundTrip):
+    format = "sharded-safetensors"
+    extra_args = ("--clip", "0.1")
+
+    def make_input(self, tmp_path):
+        return model(tmp_path)
+
+    def read_arrays(self, path):
+        tensors = read_sharded_model(path)
+        return {name: tensors[name] for name in ("transformer.wte.weight", "transformer.h.1.attn.c_attn.bias")}
+
+    def assert_same_structure(self, original, perturbed):
+        assert shard_names(perturbed) == shard_names(original)
+        a, b = index_of(original), index_of(perturbed)
+        assert b["weight_map"] == a["weight_map"] and b["metadata"] == a["metadata"]
+        for shard in shard_names(original):
+            with safe_open(str(original / shard), framework="np") as f, \
+                    safe_open(str(perturbed / shard), framework="np") as g:
+                assert g.metadata() == {"format": "pt"} and list(g.keys()) == list(f.keys())
+                for name in f.keys():
+                    assert g.get_slice(name).get_shape() == f.get_slice(name).get_shape()
+                    assert g.get_slice(name).get_dtype() == f.get_slice(name).get_dtype()
+        assert read_sharded_model(perturbed)["step"] == 5
+
+
+def test_one_run_gives_the_same_shards_index_and_one_manifest(cli, tmp_path):
+    src = model(tmp_path)
+    before = tree_digest(src)
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(src) == before
+    out = tmp_path / "gpt2_tiny.tldp"
+    assert siblings(tmp_path) == {"gpt2_tiny", "gpt2_tiny.tldp", "gpt2_tiny.tldp.manifest.json"}
+    assert len(shard_names(src)) >= 5 and shard_names(out) == shard_names(src)
+    index, original = index_of(out), index_of(src)
+    assert index["weight_map"] == original["weight_map"]
+    tensors = read_sharded_model(out)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    # the tied head: left out of the shards and the index, its entry naming the weight it shares kept
+    assert "lm_head.weight" not in index["weight_map"]
+    assert index["metadata"]["lm_head.weight"] == "transformer.wte.weight"
+    manifest = json.loads(result.stdout)
+    assert manifest == json.loads((tmp_path / "gpt2_tiny.tldp.manifest.json").read_text())
+    per_tensor = {t["name"] for t in manifest["accounting"]["per_tensor"]}
+    floats = {n for n, t in read_sharded_model(src).items() if t.dtype.kind == "f"}
+    assert per_tensor == floats  # every tensor of every shard, in one guarantee
+    assert manifest["accounting"]["per_file"]["records"] == len(floats)
+    assert {Path(i["path"]).name for i in manifest["inputs"]} == set(shard_names(src))
+    written = {Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]}
+    assert written == set(shard_names(src)) | {INDEX, "config.json", "generation_config.json", "merges.txt",
+                                                "vocab.json"}
+    for name, value in read_sharded_model(src).items():
+        assert tensors[name].dtype == value.dtype and tensors[name].shape == value.shape
+        assert np.array_equal(tensors[name], value) == (name not in floats), name
+
+
+def test_each_tensor_gets_the_noise_it_gets_in_one_file(cli, tmp_path):
+    """A tensor is one record whichever shard holds it: the sharded model and the same model
+    in one file give the same noise with the same seed, and the same figures."""
+    src = model(tmp_path)
+    single = tmp_path / "model.safetensors"
+    save_file(read_sharded_model(src), str(single), metadata={"format": "pt"})
+    sharded_run, single_run = run(cli, src), run(cli, single)
+    assert sharded_run.exit_code == 0 and single_run.exit_code == 0, sharded_run.stderr + single_run.stderr
+    sharded, one = read_sharded_model(tmp_path / "gpt2_tiny.tldp"), load_file(str(tmp_path / "model.tldp.safetensors"))
+    assert sharded.keys() == one.keys()
+    for name in one:
+        np.testing.assert_array_equal(sharded[name], one[name])
+    a, b = json.loads(sharded_run.stdout)["accounting"], json.loads(single_run.stdout)["accounting"]
+    assert sorted(a["per_tensor"], key=lambda t: t["name"]) == sorted(b["per_tensor"], key=lambda t: t["name"])
+    assert a["per_file"]["epsilon"] == pytest.approx(b["per_file"]["epsilon"], rel=1e-12)
+
+
+def test_configuration_and_tokenizer_copied_and_listed_free_text_dropped(cli, tmp_path):
+    src = model(tmp_path)
+    result = run(cli, src)
+    manifest = json.loads(result.stdout)
+    out = tmp_path / "gpt2_tiny.tldp"
+    reasons = {u["name"]: u["reason"] for u in manifest["unperturbed"]}
+    assert reasons["config.json"] == reasons["generation_config.json"] == sharded_safetensors.CONFIG_REASON
+    assert reasons["merges.txt"] == reasons["vocab.json"] == sharded_safetensors.TOKENIZER_REASON
+    dropped = {d["name"]: d["kind"] for d in manifest["dropped"]}
+    assert dropped == {"README.md": "file", "config.json@_name_or_path": "configuration key"}
+    assert not (out / "README.md").exists()
+    assert json.loads((out / "config.json").read_text()) == {k: v for k, v in CONFIG.items() if k != "_name_or_path"}
+    for name in ("generation_config.json", "merges.txt", "vocab.json"):
+        assert (out / name).read_text() == FILES[name]
+    assert "alice" not in "".join(p.read_text(errors="replace") for p in out.rglob("*") if p.is_file())
+    assert "dropped 1 file and 1 configuration key" in result.stderr
+
+
+def test_keep_copies_the_model_card_and_the_name(cli, tmp_path):
+    src = model(tmp_path)
+    manifest = json.loads(run(cli, src, "--keep", "README.md", "--keep", "config.json@_name_or_path").stdout)
+    out = tmp_path / "gpt2_tiny.tldp"
+    assert (out / "README.md").read_text() == FILES["README.md"]
+    assert (out / "config.json").read_text() == FILES["config.json"]
+    kept = [u["name"] for u in manifest["unperturbed"] if u["reason"] == "kept by --keep"]
+    assert sorted(kept) == ["README.md", "config.json@_name_or_path"] and "dropped" not in manifest
+
+
+def test_shard_metadata_as_in_one_file(cli, tmp_path):
+    """Each shard's __metadata__: format kept, the rest dropped and listed as SHARD@KEY unless kept."""
+    src = model(tmp_path)
+    first = shard_names(src)[0]
+    tensors = load_file(str(src / first))
+    save_file(tensors, str(src / first), metadata={"format": "pt", "source": "clinic notes"})
+    manifest = json.loads(run(cli, src).stdout)
+    assert {"name": f"{first}@source", "kind": "metadata key",
+            "reason": "a __metadata__ entry (free text), not perturbed; only format, which loaders need, "
+                      "is kept"} in manifest["dropped"]
+    with safe_open(str(tmp_path / "gpt2_tiny.tldp" / first), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+    kept = run(cli, src, "--keep", "*@source", out=tmp_path / "kept")
+    assert kept.exit_code == 0, kept.stderr
+    with safe_open(str(tmp_path / "kept" / first), framework="np") as f:
+        assert f.metadata() == {"format": "pt", "source": "clinic notes"}
+
+
+def test_index_total_size_is_the_shards(cli, tmp_path):
+    src = model(tmp_path)
+    index = index_of(src)
+    right = index["metadata"]["total_size"]
+    index["metadata"]["total_size"] = right + 1000
+    index["metadata"]["note"] = "internal run 7"
+    (src / INDEX).write_text(json.dumps(index))
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = index_of(tmp_path / "gpt2_tiny.tldp")
+    assert out["metadata"]["total_size"] == right and "note" not in out["metadata"]
+    assert f"its total_size {right + 1000} is not the shards' {right} bytes" in result.stderr
+    assert {"name": f"{INDEX}@note", "kind": "index metadata key",
+            "reason": sharded_safetensors.INDEX_REASON} in json.loads(result.stdout)["dropped"]
+
+
+def test_dataset_and_exclude_name_tensors_across_shards(cli, tmp_path):
+    src = model(tmp_path)
+    result = run(cli, src, "--dataset", "transformer.wte.weight", "--dataset", "transformer.ln_f.weight")
+    manifest = json.loads(result.stdout)
+    assert sorted(t["name"] for t in manifest["accounting"]["per_tensor"]) == [
+        "transformer.ln_f.weight", "transformer.wte.weight"]
+    result = run(cli, src, "--exclude", "transformer.h.*", out=tmp_path / "ex")
+    manifest = json.loads(result.stdout)
+    assert not any(t["name"].startswith("transformer.h.") for t in manifest["accounting"]["per_tensor"])
+    before, after = read_sharded_model(src), read_sharded_model(tmp_path / "ex")
+    np.testing.assert_array_equal(after["transformer.h.2.mlp.c_fc.weight"], before["transformer.h.2.mlp.c_fc.weight"])
+
+
+def _break(src: Path, how: str) -> str:
+    """Damages the folder `how`; returns what the error must name."""
+    index = index_of(src)
+    shards = shard_names(src)
+    if how == "missing shard":
+        (src / shards[-1]).unlink()
+        return f"names shard {shards[-1]}, which is not in"
+    if how == "tensor in two shards":
+        first = load_file(str(src / shards[0]))
+        second = load_file(str(src / shards[1]))
+        name = next(iter(first))
+        save_file({**second, name: first[name]}, str(src / shards[1]))
+        return f"tensor {name} is in two shards, {shards[0]} and {shards[1]}"
+    if how == "shard not in index":
+        save_file({"extra": np.zeros(3, np.float32)}, str(src / "model.safetensors"))
+        return "model.safetensors: a safetensors file the index"
+    if how == "tensor not in index":
+        name = next(n for n, s in index["weight_map"].items() if s == shards[0])
+        del index["weight_map"][name]
+        (src / INDEX).write_text(json.dumps(index))
+        return f"holds tensor {name}, which the index {INDEX} does not list"
+    if how == "index maps elsewhere":
+        name = next(n for n, s in index["weight_map"].items() if s == shards[0])
+        index["weight_map"][name] = shards[1]
+        (src / INDEX).write_text(json.dumps(index))
+        return f"holds tensor {name}, which the index {INDEX} maps to {shards[1]}"
+    if how in ("parent path", "absolute path"):
+        outside = src.parent / "outside.safetensors"
+        os.replace(src / shards[0], outside)
+        name = "../outside.safetensors" if how == "parent path" else str(outside)
+        index["weight_map"] = {n: (name if s == shards[0] else s) for n, s in index["weight_map"].items()}
+        (src / INDEX).write_text(json.dumps(index))
+        return f"shard {name!r} is not a file inside the folder"
+    if how == "linked shard":
+        os.replace(src / shards[0], src.parent / "blob")
+        os.symlink(src.parent / "blob", src / shards[0])
+        return f"{shards[0]} is a symbolic link"
+    if how == "linked config":
+        os.replace(src / "config.json", src.parent / "blob")
+        os.symlink(src.parent / "blob", src / "config.json")
+        return "config.json is a symbolic link"
+    if how == "not JSON":
+        (src / INDEX).write_text('{"weight_map": ')
+        return "is not valid JSON"
+    if how == "no weight_map":
+        (src / INDEX).write_text(json.dumps({"metadata": index["metadata"]}))
+        return "not a valid checkpoint index (no weight_map"
+    if how == "name twice":
+        text = (src / INDEX).read_text()
+        (src / INDEX).write_text(text.replace('"weight_map": {', '"weight_map": {\n"transformer.wte.weight": '
+                                              f'"{shards[1]}",', 1))
+        return "names transformer.wte.weight twice"
+    if how == "not a safetensors name":
+        index["weight_map"]["transformer.wte.weight"] = "pytorch_model.bin"
+        (src / INDEX).write_text(json.dumps(index))
+        return "shard 'pytorch_model.bin' is not a .safetensors file"
+    if how == "two indexes":
+        (src / "pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+        return "2 checkpoint indexes (model.safetensors.index.json, pytorch_model.safetensors.index.json)"
+    if how == "shard cut short":
+        (src / shards[2]).write_bytes(b"abc")
+        return f"{shards[2]}: not a valid safetensors file (it is shorter than the 8 bytes of its header's length)"
+    if how == "damaged shard":
+        (src / shards[2]).write_bytes((src / shards[2]).read_bytes()[:-7])
+        return f"{shards[2]}: not a valid safetensors file"
+    raise AssertionError(how)
+
+
+BAD = ("missing shard", "tensor in two shards", "shard not in index", "tensor not in index",
+       "index maps elsewhere", "parent path", "absolute path", "linked shard", "linked config", "not JSON",
+       "no weight_map", "name twice", "not a safetensors name", "two indexes", "shard cut short", "damaged shard")
+
+
+@pytest.mark.parametrize("how", BAD)
+def test_a_bad_folder_is_refused_with_one_line_and_nothing_written(cli, tmp_path, how):
+    src = model(tmp_path)
+    fragment = _break(src, how)
+    before, around = tree_digest(src), siblings(tmp_path)
+    result = cli("perturb", src, *ARGS)
+    assert_one_line_error(result, 1, fragment)
+    assert tree_digest(src) == before and siblings(tmp_path) == around
+
+
+def unsharded(tmp_path: Path) -> Path:
+    """save_pretrained's folder of a model that fits in one file: model.safetensors beside config.json."""
+    src = tmp_path / "small"
+    src.mkdir()
+    tensors = {name: value for name, value in gpt2_like().items() if name != "lm_head.weight"}
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "merges.txt", "README.md"):
+        (src / name).write_text(FILES[name])
+    return src
+
+
+def test_an_unsharded_folder_is_a_model_of_one_shard(cli, tmp_path):
+    src = unsharded(tmp_path)
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "small.tldp"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merges.txt", "model.safetensors"]
+    manifest = json.loads(result.stdout)
+    assert [d["name"] for d in manifest["dropped"]] == ["README.md", "config.json@_name_or_path"]
+    single = run(cli, src / "model.safetensors", out=tmp_path / "alone.safetensors")
+    assert single.exit_code == 0, single.stderr
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "alone.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
+    with safe_open(str(out / "model.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_an_unsharded_folder_with_another_safetensors_file_is_refused(cli, tmp_path):
+    src = unsharded(tmp_path)
+    save_file({"w": np.zeros(4, np.float32)}, str(src / "adapter_model.safetensors"))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, "adapter_model.safetensors: a safetensors file beside "
+                                                         "model.safetensors, and no index names the shards")
+    assert siblings(tmp_path) == before
+
+
+def test_data_never_copied_by_keep(cli, tmp_path):
+    src = model(tmp_path)
+    np.save(src / "training_stats.npy", np.zeros(3))
+    result = cli("perturb", src, *ARGS, "--keep", "training_stats.npy")
+    assert_one_line_error(result, 2, "training_stats.npy: holds npy data", "never copies it raw")
+    assert not (tmp_path / "gpt2_tiny.tldp").exists()
+
+
+def test_a_tokenizer_file_that_holds_a_pickle_is_refused(cli, tmp_path):
+    import pickle
+
+    src = model(tmp_path)
+    (src / "tokenizer.model").write_bytes(pickle.dumps({"vocab": ["he"]}, protocol=4))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, "tokenizer.model: holds a Python pickle")
+    assert siblings(tmp_path) == before
+
+
+def test_resume_is_refused_clearly(cli, tmp_path):
+    src = model(tmp_path)
+    result = cli("perturb", src, *ARGS, "--resume")
+    assert_one_line_error(result, 2, "--resume", "not sharded-safetensors")
+
+
+def test_a_failing_run_leaves_nothing(cli, tmp_path):
+    """Values outside the declared range stop the run after shards were begun: no output."""
+    src = model(tmp_path)
+    around = siblings(tmp_path)
+    result = cli("perturb", src, "--eps", "1", "--range", "-0.01:0.01")
+    assert_one_line_error(result, 1, "outside the declared range")
+    assert siblings(tmp_path) == around
+
+
+def test_plan_reads_the_headers(cli, tmp_path):
+    src = model(tmp_path)
+    result = cli("plan", src, *ARGS, "--json")
+    assert result.exit_code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    perturbed = json.loads(run(cli, src).stdout)["accounting"]["per_tensor"]
+    assert plan["accounting"]["per_file"]["records"] == len(perturbed)
+
+
+@pytest.mark.parametrize("max_shard_size,dtype,shards", [
+    ("30KB", "float32", 7), ("5GB", "float32", 1), ("15KB", "bfloat16", 7)])
+def test_from_pretrained_loads_the_output(cli, tmp_path, max_shard_size, dtype, shards):
+    """transformers' GPT-2 in 7 shards, in one file, and in bfloat16: the output loads, its
+    head tied to the perturbed embedding, every tensor in its dtype."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file as load_torch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=100, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    src = tmp_path / "gpt2_tiny"
+    transformers.GPT2LMHeadModel(config).to(getattr(torch, dtype)).save_pretrained(src, max_shard_size=max_shard_size)
+    assert len(shard_names(src)) == shards
+    result = cli("perturb", src, *ARGS, "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "gpt2_tiny.tldp"
+    before = transformers.GPT2LMHeadModel.from_pretrained(src, dtype=getattr(torch, dtype))
+    after = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=getattr(torch, dtype))
+    wte = after.transformer.wte.weight
+    assert after.lm_head.weight.data_ptr() == wte.data_ptr() and wte.dtype == getattr(torch, dtype)
+    assert not torch.equal(wte, before.transformer.wte.weight)
+    written = {name: t for shard in shard_names(out) for name, t in load_torch(str(out / shard)).items()}
+    assert torch.equal(wte, written["transformer.wte.weight"])
+    with torch.no_grad():
+        logits = after(torch.arange(8)[None]).logits
+    assert torch.isfinite(logits).all()

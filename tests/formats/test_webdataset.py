@@ -1,0 +1,345 @@
+"""WebDataset shards, written with webdataset's TarWriter and ShardWriter and read back
+with webdataset.WebDataset: a folder, one .tar or a brace pattern of shards in one run."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import braceexpand
+import jsonschema
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from tests.builders import (MANIFEST_SCHEMA, SEED, RoundTrip, assert_one_line_error, run_measured, siblings,
+                            tree_digest)
+from tldp_cli.formats import webdataset as wds_format
+
+SCHEMA = json.loads(MANIFEST_SCHEMA.read_text())
+MTIME = 1_700_000_000
+SECRET = "Alice Smith"
+
+
+def image(h: int, w: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    shape = (h, w) if channels == 1 else (h, w, channels)
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def png_bytes(values: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(values).save(out, format="PNG")
+    return out.getvalue()
+
+
+def shards(folder: Path, samples: int = 7, per_shard: int = 3, **extra) -> Path:
+    """Samples written as people write them (ShardWriter): an RGB jpg, a .npy array, a
+    class and a JSON record naming a person."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "train-%06d.tar"), maxcount=per_shard, verbose=0, mtime=MTIME) as sink:
+        for i in range(samples):
+            sink.write({"__key__": f"sample{i:04d}", "jpg": image(16, 12, seed=i),
+                        "npy": np.random.default_rng(100 + i).integers(0, 256, (4, 5)).astype(np.uint8),
+                        "cls": i % 3, "json": {"name": SECRET, "age": 40 + i}, **extra})
+    return folder
+
+
+def read_samples(urls, decode: str = "rgb8") -> list[dict]:
+    dataset = wds.WebDataset(urls, shardshuffle=False).decode(decode)
+    return [{k: v for k, v in sample.items() if not k.startswith("__") or k == "__key__"} for sample in dataset]
+
+
+def shard_urls(folder: Path) -> list[str]:
+    return [str(p) for p in sorted(folder.rglob("*.tar"))]
+
+
+def run(cli, src, out: Path, *more) -> dict:
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *more)
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+    jsonschema.validate(manifest, SCHEMA)
+    return manifest
+
+
+class WebDatasetRoundTrip(RoundTrip):
+    format = "webdataset"
+
+    def make_input(self, tmp_path):
+        root = tmp_path / "shards"
+        root.mkdir()
+        with wds.TarWriter(str(root / "a.tar"), mtime=MTIME) as sink:
+            sink.write({"__key__": "x/0", "png": image(9, 7, 3), "depth.npy": np.arange(12, dtype=np.uint8).reshape(3, 4),
+                        "cls": 1})
+            sink.write({"__key__": "x/1", "png": image(5, 6, 1, seed=1), "cls": 2})
+        with wds.TarWriter(str(root / "b.tar"), mtime=MTIME) as sink:
+            sink.write({"__key__": "y", "png": png_bytes(image(4, 4, 4, seed=2)), "txt": SECRET})
+        return root
+
+    def read_arrays(self, path):
+        found = {}
+        for sample in read_samples(shard_urls(path), decode="pil"):
+            for ext, value in sample.items():
+                if ext == "png":
+                    found[f"{sample['__key__']}.png"] = np.asarray(value)[..., :3] if value.mode == "RGBA" \
+                        else np.asarray(value)
+                elif ext.endswith("npy"):
+                    found[f"{sample['__key__']}.{ext}"] = value
+        return found
+
+    def assert_same_structure(self, original, perturbed):
+        assert sorted(p.name for p in perturbed.iterdir()) == ["a.tar", "b.tar"]
+        for name in ("a.tar", "b.tar"):
+            with tarfile.open(original / name) as a, tarfile.open(perturbed / name) as b:
+                kept = [m.name for m in a.getmembers() if not m.name.endswith((".cls", ".txt"))]
+                assert [m.name for m in b.getmembers()] == kept
+                assert all((m.uid, m.gid, m.uname, m.gname, m.mtime) == (0, 0, "", "", MTIME) for m in b)
+        with tarfile.open(perturbed / "b.tar") as tar, Image.open(tar.extractfile("y.png")) as rgba:
+            assert rgba.mode == "RGBA" and np.array_equal(np.asarray(rgba)[..., 3], image(4, 4, 4, seed=2)[..., 3])
+
+
+def test_webdataset_iterates_the_output_with_the_same_samples(cli, tmp_path):
+    src = shards(tmp_path / "shards")
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    manifest = run(cli, src, out)
+    assert tree_digest(src) == before
+    assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar", "train-000002.tar"]
+    original, perturbed = read_samples(shard_urls(src)), read_samples(shard_urls(out))
+    assert [s["__key__"] for s in perturbed] == [s["__key__"] for s in original]
+    for a, b in zip(original, perturbed):
+        assert set(b) == {"__key__", "png", "npy"}  # the jpg is a png now; labels dropped
+        assert b["png"].shape == a["jpg"].shape and b["png"].dtype == np.uint8
+        assert b["npy"].shape == a["npy"].shape and b["npy"].dtype == np.int16  # exact noise on uint8
+        assert not np.array_equal(b["npy"], a["npy"])
+    raw = b"".join(p.read_bytes() for p in out.iterdir())
+    assert SECRET.encode() not in raw and b"bigdata" not in raw  # the JSON label, TarWriter's owner
+    dropped = {e["name"]: e for e in manifest["dropped"]}
+    assert dropped["cls"]["members"] == 7 and dropped["json"]["members"] == 7
+    assert manifest["webdataset"] == {"shards": 3, "samples": 7, "perturbed_members": 14, "members_renamed": 7}
+    assert len(manifest["inputs"]) == 14 and manifest["inputs"][0]["dataset"] == "sample0000.jpg"
+    # a sample's image and array are one subject's record
+    assert manifest["row_datasets"][0] == ["train-000000.tar/sample0000.png", "train-000000.tar/sample0000.npy"]
+    assert manifest["row_records"]["records"] == 7
+
+
+def test_evaluate_pairs_the_members_of_the_output(cli, tmp_path):
+    src = shards(tmp_path / "shards", samples=4)
+    out = tmp_path / "out"
+    run(cli, src, out)
+    result = cli("evaluate", src, out, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert checks["sha256"]["passed"] and "8 array(s)" in checks["shapes"]["detail"]
+
+
+def test_keep_copies_the_named_labels_raw_and_lists_them(cli, tmp_path):
+    src = shards(tmp_path / "shards")
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--keep", "cls")
+    for a, b in zip(read_samples(shard_urls(src)), read_samples(shard_urls(out))):
+        assert b["cls"] == a["cls"] and "json" not in b
+    assert manifest["unperturbed"] == [{"name": "cls", "kind": "member", "members": 7, "reason": "kept by --keep"}]
+    assert [e["name"] for e in manifest["dropped"]] == ["json"]
+    typo = cli("perturb", src, "--eps", "1", "--out", tmp_path / "o2", "--keep", "clss")
+    assert_one_line_error(typo, 2, "--keep clss matches no")
+
+
+def test_budget_record_spreads_eps_over_a_samples_members(cli, tmp_path):
+    src = shards(tmp_path / "shards", samples=4)
+    manifest = run(cli, src, tmp_path / "out", "--budget", "record", "--eps", "50")
+    assert manifest["accounting"]["per_record"]["epsilon"] <= 50 + 1e-9
+    assert manifest["accounting"]["per_record"]["epsilon"] > 40
+
+
+def test_a_brace_pattern_reads_the_shards_it_names(cli, tmp_path):
+    src = shards(tmp_path / "shards", samples=9)
+    pattern = str(src / "train-{000001..000002}.tar")
+    before = tree_digest(src)
+    result = cli("perturb", pattern, "--eps", "1", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "shards.tldp"  # beside the folder that holds the shards
+    assert sorted(siblings(out)) == ["train-000001.tar", "train-000002.tar"]
+    assert [s["__key__"] for s in read_samples(shard_urls(out))] == [f"sample{i:04d}" for i in range(3, 9)]
+    assert tree_digest(src) == before
+    missing = cli("perturb", str(src / "train-{000002..000004}.tar"), "--eps", "1", "--out", tmp_path / "x")
+    assert_one_line_error(missing, 1, "train-000003.tar: no such shard")
+
+
+@pytest.mark.parametrize("pattern", ["s-{0..3}.tar", "s-{00..10}.tar", "{a,b}/s-{1..2}.tar", "s-{3..1}.tar",
+                                     "x{y}.tar", "s-{000000..000002}.tar"])
+def test_brace_patterns_expand_as_webdataset_expands_them(pattern):
+    assert wds_format.expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
+
+
+@pytest.mark.parametrize("pattern", ["s-{a,{b,c}}.tar", "s-{0..2.tar", "s-0..2}.tar", "s-}{.tar"])
+def test_nested_or_unbalanced_braces_are_refused(cli, tmp_path, pattern):
+    result = cli("perturb", str(tmp_path / pattern), "--eps", "1")
+    assert_one_line_error(result, 2, "braces")
+
+
+def test_one_tar_is_an_input_and_its_output_a_folder(cli, tmp_path):
+    src = tmp_path / "one.tar"
+    with wds.TarWriter(str(src)) as sink:
+        sink.write({"__key__": "k", "png": image(6, 6, 1), "cls": 3})
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "one.tldp"
+    assert siblings(out) == {"one.tar"}
+    (sample,) = read_samples(str(out / "one.tar"), "l8")
+    assert sample["png"].shape == (6, 6)
+    again = cli("perturb", src, "--eps", "1", "--format", "webdataset", "--out", tmp_path / "o2")
+    assert again.exit_code == 0, again.stderr
+
+
+def test_a_tar_shard_is_no_longer_refused(cli, tmp_path):
+    """Regression: before, `tldp perturb shard.tar` said "not a dataset tldp can read"."""
+    src = tmp_path / "shard.tar"
+    with wds.TarWriter(str(src)) as sink:
+        sink.write({"__key__": "k", "jpg": image(8, 8)})
+    result = cli("perturb", src, "--eps", "1")
+    assert result.exit_code == 0, result.stderr
+    assert "not a dataset" not in result.stderr
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _info(name: str, size: int = 0, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.type, info.linkname = size, kind, link
+    return info
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (_info("/etc/0.png"), "absolute"),
+    (_info("../0.png"), "climbs out"),
+    (_info("a/../../0.png"), "climbs out"),
+    (_info("1.png", kind=tarfile.SYMTYPE, link="/etc/passwd"), "symbolic link"),
+    (_info("1.png", kind=tarfile.LNKTYPE, link="0.png"), "hard link"),
+    (_info("1.png", kind=tarfile.CHRTYPE), "device"),
+    (_info("1.png", kind=tarfile.FIFOTYPE), "FIFO"),
+])
+def test_members_that_escape_or_are_not_files_are_refused(cli, tmp_path, bad, fragment):
+    data = png_bytes(image(4, 4))
+    src = _tar(tmp_path / "bad.tar", [(_info("0.png", len(data)), data), (bad, None)])
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out)
+    assert_one_line_error(result, 1, str(src), fragment)
+    assert not out.exists() and siblings(tmp_path) == {"bad.tar"}
+
+
+@pytest.mark.parametrize("option", ["--copy-other", "--skip-bad", "--dataset=x", "--image-format=tiff"])
+def test_image_folder_options_are_refused(cli, tmp_path, option):
+    src = shards(tmp_path / "shards", samples=1)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", option), 2, str(src), option.split("=")[0])
+
+
+def test_a_truncated_shard_and_a_compressed_one_are_refused(cli, tmp_path):
+    data = png_bytes(image(30, 30))
+    src = _tar(tmp_path / "cut.tar", [(_info("0.png", len(data)), data)])
+    src.write_bytes(src.read_bytes()[:800])
+    assert_one_line_error(cli("perturb", src, "--eps", "1"), 1, str(src))
+    packed = tmp_path / "packed.tar.gz"
+    with wds.TarWriter(str(packed)) as sink:
+        sink.write({"__key__": "k", "png": image(4, 4)})
+    assert_one_line_error(cli("perturb", packed, "--eps", "1"), 1, "compressed shard", "decompress")
+
+
+def test_two_images_of_one_key_written_as_one_png_are_refused(cli, tmp_path):
+    a, b = png_bytes(image(4, 4)), png_bytes(image(4, 4, seed=1))
+    src = _tar(tmp_path / "s.tar", [(_info("k.jpg", len(a)), a), (_info("k.png", len(b)), b)])
+    assert_one_line_error(cli("perturb", src, "--eps", "1"), 1, "k.jpg and k.png", "k.png")
+
+
+def dicom_bytes() -> bytes:
+    return b"\0" * 128 + b"DICM" + b"\x10\x00\x10\x00PN\x0c\x00" + SECRET.encode() + b" "
+
+
+@pytest.mark.parametrize("name", ["k.dcm", "k.scan"])
+def test_a_dicom_member_is_dropped_with_the_reason_even_when_kept(cli, tmp_path, name):
+    """Issue 29 item 5 inside a shard: never perturbed, never copied, the reason given."""
+    image_data, scan = png_bytes(image(4, 4)), dicom_bytes()
+    src = _tar(tmp_path / "s.tar", [(_info("k.png", len(image_data)), image_data), (_info(name, len(scan)), scan)])
+    out = tmp_path / "out"
+    extension = name.split(".", 1)[1]
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--keep", extension)
+    assert result.exit_code == 0, result.stderr
+    assert "DICOM" in result.stderr and "not even with --keep" in result.stderr
+    with tarfile.open(out / "s.tar") as tar:
+        assert tar.getnames() == ["k.png"]
+    assert SECRET.encode() not in (out / "s.tar").read_bytes()
+    manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+    (entry,) = manifest["dropped"]
+    assert entry["name"] == extension and "DICOM" in entry["reason"] and "never copied" in entry["reason"]
+    assert "unperturbed" not in manifest
+
+
+def test_copy_other_never_copies_a_shard_out_of_an_image_folder(cli, tmp_path):
+    """A .tar beside images holds data tldp reads: --copy-other leaves it out (before, it was copied)."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(image(5, 5)).save(folder / "a.png")
+    with wds.TarWriter(str(folder / "more.tar")) as sink:
+        sink.write({"__key__": "k", "png": image(4, 4)})
+    out = tmp_path / "out"
+    result = cli("perturb", folder, "--eps", "1", "--copy-other", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert siblings(out) == {"a.png"}
+    manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+    assert [e["name"] for e in manifest["dropped"]] == ["more.tar"]
+
+
+def test_files_beside_the_shards_are_dropped_or_kept_by_name(cli, tmp_path):
+    src = shards(tmp_path / "shards", samples=2)
+    (src / "README.md").write_text(f"collected from {SECRET}\n")
+    out = tmp_path / "out"
+    manifest = run(cli, src, out)
+    assert "README.md" not in siblings(out)
+    assert {"name": "README.md", "kind": "file", "reason": "a file beside the shards, not perturbed"} in manifest["dropped"]
+    kept = run(cli, src, tmp_path / "kept", "--keep", "README.md")
+    assert (tmp_path / "kept" / "README.md").read_text() == (src / "README.md").read_text()
+    assert {"name": "README.md", "kind": "file", "reason": "kept by --keep"} in kept["unperturbed"]
+    (src / "scan.dcm").write_bytes(dicom_bytes())  # a DICOM file beside the shards: never copied
+    dicom = run(cli, src, tmp_path / "dicom", "--keep", "scan.dcm")
+    assert not (tmp_path / "dicom" / "scan.dcm").exists()
+    (entry,) = [e for e in dicom["dropped"] if e["name"] == "scan.dcm"]
+    assert entry["reason"].startswith("DICOM") and "never copied raw" in entry["reason"]
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_however_many_members_a_shard_holds(tmp_path):
+    """Members are written as their records come back: 32 members of 4 MB (128 MB of
+    int16 output) peak no higher than 4 of them."""
+    rng = np.random.default_rng(0)
+    peaks = {}
+    for count in (4, 32):
+        src = tmp_path / f"s{count}.tar"
+        with wds.TarWriter(str(src)) as sink:
+            for i in range(count):
+                sink.write({"__key__": f"k{i:03d}", "npy": rng.integers(0, 256, (2048, 2048), dtype=np.uint8),
+                            "cls": i})
+        code, stderr, peaks[count] = run_measured(tmp_path, "perturb", src, "--eps", "1", "--workers", "1",
+                                                  "--out", tmp_path / f"o{count}")
+        assert code == 0, stderr
+    assert peaks[32] < peaks[4] + 24 * 2**20, peaks
+
+
+def test_links_in_a_folder_are_skipped_and_a_pattern_follows_them(cli, tmp_path):
+    """As the Hugging Face cache keeps shards: a snapshot folder of links to blobs."""
+    blobs = shards(tmp_path / "blobs", samples=4)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for shard in sorted(blobs.iterdir()):
+        (snapshot / shard.name).symlink_to(shard)
+    assert_one_line_error(cli("perturb", snapshot, "--eps", "1"), 1, "2 symbolic links", "pattern")
+    out = tmp_path / "out"
+    run(cli, str(snapshot / "train-{000000..000001}.tar"), out)
+    assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar"]

@@ -1,0 +1,197 @@
+"""Pairing and integrity: ORIGINAL paired with PERTURBED the way `perturb` wrote them
+(array by array, or image file by image file through the name map), the outputs' sha256
+against the manifest, and shapes and record counts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tldp_cli import formats
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.formats import FormatOptions
+from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.run import manifest as manifest_mod
+
+
+class Pair:
+    """One array (or one image) of the original and its perturbed counterpart."""
+
+    def __init__(self, name, job, perturbed_shape, read_perturbed, calib):
+        self.name = name
+        self.job = job
+        self.perturbed_shape = tuple(perturbed_shape)
+        self.read_perturbed = read_perturbed
+        self.calib = calib
+
+
+def _image_format(m: dict) -> str:
+    """How an image folder's output was written (the manifest's image_output)."""
+    return (m.get("image_output") or {}).get("format", "png")
+
+
+def is_clipped(m: dict) -> bool:
+    """Whether the writer rounded and clipped the noisy values (8/16-bit PNG; a table's
+    image and integer columns)."""
+    return bool((m.get("image_output") or {}).get("clipped")) or bool((m.get("table_output") or {}).get("clipped"))
+
+
+def open_original(original: Path, m: dict, input_format: str | None):
+    module = formats.detect(original, input_format)
+    datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
+    options = FormatOptions(datasets=datasets if module.selects_arrays else [],
+                            image_format=_image_format(m) if module.records_are_files else "png",
+                            skip_bad=bool(m.get("skipped_bad_images")),
+                            anonymize_names=module.name_map and bool(m.get("anonymized_names")))
+    return module, module.open_reader(original, options)
+
+
+def pair_up(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
+           issues: list[dict], renamed: dict[str, str] | None = None,
+           input_format: str | None = None) -> list[Pair]:
+    """`renamed`: an --anonymize-names run's name map, original name -> output name;
+    `input_format`: --format, which the perturbed data shares with the original."""
+    jobs = reader.arrays()
+    if module.records_are_files:
+        from tldp_cli.formats import images
+
+        fmt = _image_format(m)
+        if not perturbed.is_dir():
+            raise InputError(f"{perturbed}: the original is a folder of images, so the perturbed "
+                             "data must be a folder too")
+        pairs = []
+        for image in reader.images:
+            job = next(j for j in jobs if j.name == image.rel)
+            if renamed is not None and image.rel not in renamed:
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{image.rel}: not in the name map"})
+                continue
+            out_path = perturbed / (renamed[image.rel] if renamed is not None
+                                    else images.output_name(image.rel, fmt, image.pages > 1))
+            if not out_path.is_file():
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})
+                continue
+            try:
+                shape = (1, *images.read_output(out_path, image.has_alpha).shape)
+            except Exception as exc:
+                issues.append({"check": "pairing", "passed": False,
+                               "detail": f"{out_path}: cannot be read ({reason_of(exc)})"})
+                continue
+
+            def read(start, stop, p=out_path, a=image.has_alpha):
+                return images.read_output(p, a)[None]
+
+            pairs.append(Pair(image.rel, job, shape, read, calibs[job.name]))
+        return pairs
+
+    out_module = formats.detect(perturbed, input_format)
+    if out_module.name != module.name:
+        raise InputError(f"{perturbed}: is {out_module.name} but the original is {module.name}")
+    datasets = [j.source["dataset"] for j in jobs if "dataset" in j.source]
+    out_reader = out_module.open_reader(perturbed, FormatOptions(datasets=datasets if out_module.selects_arrays
+                                                                 else []))
+    out_jobs = {j.name: j for j in out_reader.arrays()}
+    pairs = []
+    for job in jobs:
+        out = out_jobs.get(job.name)
+        if out is None:
+            issues.append({"check": "pairing", "passed": False,
+                           "detail": f"{perturbed}: has no array {job.name}"})
+            continue
+        pairs.append(Pair(job.name, job, out.shape, out.read, calibs[job.name]))
+    return pairs
+
+
+def _output_root(entries: list[str], perturbed: Path) -> Path | None:
+    """The output path the manifest recorded for a folder output (Zarr, images)."""
+    name = perturbed.resolve().name
+    common = Path(os.path.commonpath(entries)) if entries else None
+    if len(entries) == 1:
+        common = Path(entries[0]).parent
+    while common is not None and common.name and common.name != name:
+        common = common.parent if common != common.parent else None
+    return common if common is not None and common.name == name else None
+
+
+def check_hashes(m: dict, perturbed: Path) -> list[dict]:
+    checks = []
+    entries = [o.get("path", "") for o in m.get("outputs", []) if isinstance(o, dict)]
+    if not entries:
+        return [{"check": "sha256", "passed": False, "detail": "the manifest lists no outputs"}]
+    if perturbed.is_file():
+        located = {Path(entries[0]): perturbed} if len(entries) == 1 else {}
+        if len(entries) != 1:
+            return [{"check": "sha256", "passed": False,
+                     "detail": f"the manifest lists {len(entries)} outputs but {perturbed} is one file"}]
+    else:
+        root = _output_root(entries, perturbed)
+        if root is None:
+            return [{"check": "sha256", "passed": False,
+                     "detail": f"the manifest's outputs do not lie under a folder named {perturbed.name}"}]
+        located = {Path(e): perturbed / Path(e).relative_to(root) for e in entries}
+    bad, missing = [], []
+    for entry in m["outputs"]:
+        actual = located[Path(entry["path"])]
+        if not actual.is_file():
+            missing.append(str(actual))
+        elif manifest_mod.sha256_file(actual) != entry.get("sha256"):
+            bad.append(str(actual))
+    checks.append({"check": "sha256", "passed": not bad and not missing, "files": len(entries),
+                   "mismatched": bad, "missing": missing,
+                   "detail": (f"{len(bad)} file(s) differ from the manifest's sha256"
+                              + (f", {len(missing)} missing" if missing else "")) if bad or missing
+                   else f"all {len(entries)} output file(s) match"})
+    if perturbed.is_dir():
+        listed = {a.resolve() for a in located.values()}
+        extra = sorted(str(p) for p in perturbed.rglob("*") if p.is_file() and p.resolve() not in listed)
+        checks.append({"check": "unlisted_files", "passed": not extra, "files": extra,
+                       "detail": f"{len(extra)} file(s) not in the manifest" if extra
+                       else "no file outside the manifest"})
+    return checks
+
+
+def shape_check(m: dict, jobs, pairs: list[Pair]) -> dict:
+    problems = []
+    for pair in pairs:
+        if pair.perturbed_shape != pair.job.shape:
+            problems.append(f"{pair.name}: perturbed shape {pair.perturbed_shape}, original {pair.job.shape}")
+    records = sum(j.records for j in jobs)
+    if m.get("records") != records:
+        problems.append(f"manifest says {m.get('records')} records, the original has {records}")
+    elements = max((j.elements for j in jobs), default=0)
+    if m.get("elements_per_record") != elements:
+        problems.append(f"manifest says {m.get('elements_per_record')} elements per record, "
+                        f"the original has {elements}")
+    stated = sorted(tuple(i.get("shape", [])) for i in m.get("inputs", []) if isinstance(i, dict))
+    actual = sorted(tuple(j.source["shape"]) for j in jobs)
+    if stated != actual:
+        problems.append("the manifest's input shapes differ from the original's")
+    return {"check": "shapes", "passed": not problems,
+            "detail": "; ".join(problems[:3]) if problems
+            else f"{len(pairs)} array(s), {records} records, shapes agree"}
+
+
+def read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Path]:
+    manifest_path = Path(manifest_path) if manifest_path else manifest_mod.default_path(perturbed)
+    if not manifest_path.is_file():
+        raise InputError(f"{manifest_path}: manifest not found (give it with --manifest)")
+    m = manifest_mod.read(manifest_path)  # InputError naming it when it is not JSON
+    manifest_mod.check(m, manifest_path)
+    return m, manifest_path
+
+
+def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:
+    """An --anonymize-names run's name map (original name -> output name); None otherwise."""
+    from tldp_cli.formats import images
+
+    anonymized = m.get("anonymized_names")
+    if not anonymized:
+        if name_map is not None:
+            raise UsageError(f"--name-map applies to outputs of perturb --anonymize-names; "
+                             f"{manifest_path} says the names were kept")
+        return None
+    if not isinstance(anonymized, dict) or not isinstance(anonymized.get("name_map_id"), str):
+        raise InputError(f"{manifest_path}: damaged manifest: 'anonymized_names' lacks its name_map_id")
+    return images.read_name_map(name_map or images.default_name_map(original), anonymized["name_map_id"])
+

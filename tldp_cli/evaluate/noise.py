@@ -1,0 +1,360 @@
+"""Noise statistics: per-record MSE, MAE, relative L2 (PSNR and SSIM for image-shaped
+records), the empirical norm of the noise against Table 5, the retained fraction against
+p, and a Kolmogorov-Smirnov (continuous) or chi-square (discrete) test against the
+manifest's noise distribution; privunit's alignment instead.
+
+Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially never fails
+one while a wrong scale or distribution fails at once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tldp_cli.evaluate.common import Progress, finite
+from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
+from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.run.pipeline import Plan
+from tldp_cli.sampling import engine
+
+ALPHA = 1e-6  # significance level of every statistical check
+GOF_MAX_SAMPLES = 200_000  # noise values the KS test sees at most (evenly subsampled)
+GOF_MIN_SAMPLES = 20
+Z_LIMIT = 5.0  # |z| of the noise's squared norm against Table 5 (two-sided ALPHA ~ 6e-7)
+SSIM_WINDOW = 7
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _summary(values: np.ndarray) -> dict[str, float | None]:
+    values = np.asarray(values, np.float64)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return {"mean": None, "median": None, "min": None, "max": None}
+    return {"mean": float(finite.mean()), "median": float(np.median(finite)),
+            "min": float(finite.min()), "max": float(finite.max())}
+
+
+def is_image_shaped(record_shape: tuple[int, ...]) -> bool:
+    """(H, W) or (H, W, C) with C in 1, 3, 4 and both sides at least the SSIM window."""
+    if len(record_shape) == 2 or (len(record_shape) == 3 and record_shape[-1] in (1, 3, 4)):
+        return min(record_shape[:2]) >= SSIM_WINDOW
+    return False
+
+
+def _box_mean(a: np.ndarray, w: int) -> np.ndarray:
+    """Mean over every full w x w window of axes 1 and 2 (a 'valid' uniform filter)."""
+    c = np.cumsum(np.cumsum(a, axis=1), axis=2)
+    c = np.pad(c, [(0, 0), (1, 0), (1, 0)] + [(0, 0)] * (a.ndim - 3))
+    s = c[:, w:, w:] - c[:, :-w, w:] - c[:, w:, :-w] + c[:, :-w, :-w]
+    return s / (w * w)
+
+
+def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WINDOW) -> np.ndarray:
+    """Mean SSIM per record (Wang et al. 2004) with a uniform window, as scikit-image's
+    default: 7 x 7 window, K1 = 0.01, K2 = 0.03, sample covariance, the mean over the
+    windows that lie wholly inside the image, averaged over channels.
+
+    x, y: (n, H, W) or (n, H, W, C).
+    """
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    n_pix = window * window
+    cov_norm = n_pix / (n_pix - 1)
+    ux, uy = _box_mean(x, window), _box_mean(y, window)
+    vx = cov_norm * (_box_mean(x * x, window) - ux * ux)
+    vy = cov_norm * (_box_mean(y * y, window) - uy * uy)
+    vxy = cov_norm * (_box_mean(x * y, window) - ux * uy)
+    s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
+    return s.reshape(s.shape[0], -1).mean(axis=1)
+
+
+class NoiseStats:
+    def __init__(self, total_elements: int):
+        self.step = max(1, total_elements // GOF_MAX_SAMPLES)
+        self.mse, self.mae, self.rel, self.l2, self.psnr, self.ssim = [], [], [], [], [], []
+        self.kept = 0
+        self.expected_kept = 0.0  # sum of p over the elements: records of several sizes differ in p
+        self.elements = 0
+        self.rounding = 0.0  # expected coincidental equalities from float rounding
+        self.sum_sq = 0.0
+        self.expected_sq = 0.0
+        self.var_sq = 0.0
+        # noise samples by scale: continuous noises pooled at the first scale (rescaled),
+        # discrete noises one group per scale (integer noise cannot be rescaled)
+        self.gof: dict[float, list[np.ndarray]] = {}
+        self.noise_name: str | None = None
+        self.noise_scale: float | None = None
+        self.alignment: list[np.ndarray] = []  # privunit: cosines of released and true coefficients
+
+    def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
+            basis=None):
+        n = x.shape[0]
+        if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
+            x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
+        if calib.privunit is not None:
+            self._metrics(x, y, data_range)
+            self._add_alignment(x, y, calib, basis)
+            return
+        sq, z, elements = self._metrics(x, y, data_range)
+        # retained: exact equality in the output dtype
+        equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
+        self._add_noise(x, y, z, sq, elements, equal, calib)
+
+    def _add_alignment(self, x: np.ndarray, y: np.ndarray, calib: Calibration, basis) -> None:
+        """privunit: the cosine between each released record's coefficients and the raw
+        record's, both measured from the reference point (the written values are clipped to
+        the range, so it is a measurement, not E<V, u> itself)."""
+        basis = engine.privunit_basis(calib, basis)
+        released = engine.record_directions(y.astype(np.float64), calib, basis)
+        raw = engine.record_directions(x.astype(np.float64), calib, basis)
+        self.alignment.append(np.einsum("ij,ij->i", released, raw))
+
+    def _metrics(self, x: np.ndarray, y: np.ndarray, data_range: float | None):
+        """Each record's error measures; returns (|z|^2 per record, z, elements)."""
+        n = x.shape[0]
+        xf = x.reshape(n, -1).astype(np.float64)
+        yf = y.reshape(n, -1).astype(np.float64)
+        z = yf - xf
+        sq = (z * z).sum(axis=1)
+        elements = xf.shape[1]
+        self.mse.append(sq / elements)
+        self.mae.append(np.abs(z).mean(axis=1))
+        self.l2.append(np.sqrt(sq))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.rel.append(np.sqrt(sq) / np.sqrt((xf * xf).sum(axis=1)))
+        if data_range is not None:
+            with np.errstate(divide="ignore"):
+                self.psnr.append(10 * np.log10(data_range**2 / (sq / elements)))
+            self.ssim.append(ssim(x.astype(np.float64), y.astype(np.float64), data_range))
+        return sq, z, elements
+
+    def _add_noise(self, x, y, z, sq, elements, equal, calib: Calibration) -> None:
+        """The noise's statistics: kept values, the squared norm against Table 5, a sample for
+        the goodness-of-fit test."""
+        n = x.shape[0]
+        self.kept += int(equal.sum())
+        self.elements += equal.size
+        (m2, m4), f0 = moments(calib.noise, calib.scale), density_at_zero(calib.noise, calib.scale)
+        if calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
+            self.rounding += equal.size * f0
+        elif y.dtype.kind == "f":
+            ulp = np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64)
+            self.rounding += float(np.minimum(ulp * f0, 1.0).sum())
+        q = 1 - calib.p
+        if calib.granularity:  # noise in grid steps
+            m2, m4 = m2 * calib.granularity**2, m4 * calib.granularity**4
+        self.sum_sq += float(sq.sum())
+        self.expected_sq += n * elements * q * m2
+        self.var_sq += n * elements * (q * m4 - (q * m2) ** 2)
+        sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
+        if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
+            sample = np.rint(sample / calib.granularity)
+        if self.noise_name is None:
+            self.noise_name, self.noise_scale = calib.noise, calib.scale
+        scale = calib.scale
+        if scale != self.noise_scale and not calib.noise.startswith("discrete-"):
+            # Records of another size (model tensors, --budget record): same family, rescaled.
+            sample, scale = sample * (self.noise_scale / scale), self.noise_scale
+        self.gof.setdefault(scale, []).append(sample)
+        self.expected_kept += equal.size * calib.p
+
+
+def privunit_checks(stats: NoiseStats, m: dict) -> list[dict]:
+    """privunit: no noise is added, so the noise checks do not apply; the alignment of the
+    released records with the raw ones is measured (not tested: the written values are
+    clipped to the range, which moves their direction)."""
+    skipped = [{"check": name, "passed": None, "status": "skipped",
+                "detail": "privunit releases each record's direction (one PrivUnit draw written back), "
+                          "not the record plus noise"}
+               for name in ("noise_norm", "retained_fraction", "noise_distribution")]
+    cosines = np.concatenate(stats.alignment) if stats.alignment else np.empty(0)
+    expected = ((m.get("accounting") or {}).get("privunit") or {}).get("expected_alignment")
+    mean = float(cosines.mean()) if cosines.size else None
+    measured = {"check": "privunit_alignment", "passed": None, "status": "measured",
+                "records": int(cosines.size), "mean_cosine": mean, "expected_alignment": expected,
+                "detail": (f"mean cosine {mean:.3g} between the released and the raw records' coefficients "
+                           f"(from the reference point); E<V,u> of the mechanism {expected:.3g} (the "
+                           "written records are clipped to the range, which moves them)"
+                           if mean is not None and expected is not None else "no records compared")}
+    return skipped + [measured]
+
+
+def retained_check(stats: NoiseStats, p: float, weighted: bool, clipped: bool) -> dict:
+    from scipy import stats as st
+
+    n, k = stats.elements, stats.kept
+    allowance = stats.rounding / n if n else 0.0
+    p_eff = min(1.0, p + (1 - p) * allowance)
+    ci = st.binomtest(k, n, p_eff).proportion_ci(0.95) if n else None
+    out = {"check": "retained_fraction", "retained": k, "elements": n,
+           "fraction": k / n if n else None, "retain_probability": p,
+           "float_rounding_allowance": allowance, "expected_fraction": p_eff,
+           "ci95": [ci.low, ci.high] if ci else None}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped: equal values also come from rounding and "
+                          "clipping, so the retained fraction is not observable")
+        return out
+    if n == 0:
+        out.update(passed=None, status="skipped", detail="no elements")
+        return out
+    alternative = "greater" if weighted else "two-sided"  # weights only lower p
+    pvalue = float(st.binomtest(k, n, p_eff, alternative=alternative).pvalue)
+    passed = pvalue >= ALPHA
+    out.update(pvalue=pvalue, passed=passed, status="passed" if passed else "failed",
+               detail=f"{k} of {n} values kept unchanged; p = {p:.3g}"
+                      + (" (w = 0; weights lower it)" if weighted else ""))
+    return out
+
+
+def error_check(stats: NoiseStats, calibs: list[Calibration], weighted: bool, clipped: bool,
+                 records: int) -> dict:
+    records = max(records, 1)
+    rms = math.sqrt(stats.sum_sq / records)
+    expected_rms = math.sqrt(stats.expected_sq / records)
+    mean_l2 = float(np.concatenate(stats.l2).mean()) if stats.l2 else None
+    z = (stats.sum_sq - stats.expected_sq) / math.sqrt(stats.var_sq) if stats.var_sq > 0 else None
+    out = {"check": "noise_norm", "mean_l2": mean_l2, "rms_l2": rms,
+           "expected_l2": expected_rms, "expected_l2_per_record": sorted({c.expected_l2_error() for c in calibs}),
+           "ratio": rms / expected_rms if expected_rms > 0 else None, "z": finite(z)}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped: clipping lowers the error below Table 5's "
+                          "figure, rounding adds up to 0.5 per value; reported, not tested")
+        return out
+    if z is None:
+        out.update(passed=None, status="skipped", detail="no noise expected")
+        return out
+    limit = Z_LIMIT
+    passed = z <= limit if weighted else abs(z) <= limit
+    out.update(passed=passed, status="passed" if passed else "failed",
+               detail=f"sqrt(mean ||Z||^2) = {rms:.4g} against Table 5's {expected_rms:.4g} "
+                      f"(z = {z:+.2f}" + ("; weights keep more values, so only an excess fails)"
+                                           if weighted else ")"))
+    return out
+
+
+def gof_check(stats: NoiseStats, clipped: bool) -> dict:
+    from scipy import stats as st
+
+    groups = {scale: np.concatenate(parts) for scale, parts in stats.gof.items()}
+    sample = np.concatenate(list(groups.values())) if groups else np.empty(0)
+    out = {"check": "noise_distribution", "test": "Kolmogorov-Smirnov",
+           "distribution": stats.noise_name, "scale": stats.noise_scale, "samples": int(sample.size)}
+    if clipped:
+        out.update(passed=None, status="skipped",
+                   detail="output rounded and clipped to integers: the noise is not observed "
+                          "exactly, so no goodness-of-fit test")
+        return out
+    if sample.size < GOF_MIN_SAMPLES:
+        out.update(passed=None, status="skipped",
+                   detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
+        return out
+    if stats.noise_name.startswith("discrete-"):
+        return _chi_square_check(stats, groups, out)
+    name = "laplace" if stats.noise_name == "laplace" else "norm"
+    result = st.kstest(sample, name, args=(0.0, stats.noise_scale))
+    passed = bool(result.pvalue >= ALPHA)
+    out.update(statistic=float(result.statistic), pvalue=float(result.pvalue), passed=passed,
+               status="passed" if passed else "failed",
+               detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} "
+                      f"against {stats.noise_name}(scale {stats.noise_scale:.4g})")
+    return out
+
+
+def _chi_square_check(stats: NoiseStats, groups: dict[float, np.ndarray], out: dict) -> dict:
+    """Discrete noises: a chi-square test per noise scale (records of several sizes under
+    --budget record or the baselines get different scales), each against its own exact pmf;
+    the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
+    is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
+    results = []
+    for scale, sample in sorted(groups.items()):
+        entry = {"scale": scale, "samples": int(sample.size)}
+        if sample.size >= GOF_MIN_SAMPLES:
+            statistic, pvalue, dof = chi_square(sample, stats.noise_name, scale,
+                                                exclude_zero=True)
+            entry.update(statistic=statistic, dof=dof, pvalue=pvalue)
+        results.append(entry)
+    tested = [r for r in results if "pvalue" in r]
+    out.update(test="chi-square", groups=results)
+    if not tested:
+        out.update(passed=None, status="skipped",
+                   detail=f"fewer than {GOF_MIN_SAMPLES} perturbed values at every noise scale")
+        return out
+    worst = min(tested, key=lambda r: r["pvalue"])
+    pvalue = min(1.0, worst["pvalue"] * len(tested))
+    passed = bool(pvalue >= ALPHA)
+    out.update(statistic=worst["statistic"], pvalue=pvalue, passed=passed,
+               status="passed" if passed else "failed")
+    if len(results) == 1:
+        out["detail"] = (f"chi-square = {worst['statistic']:.4g} ({worst['dof']} dof), p-value = "
+                         f"{pvalue:.3g} against {stats.noise_name}(scale {worst['scale']:.4g}) without 0")
+    else:
+        out["detail"] = (f"chi-square per noise scale ({len(tested)} of {len(results)} scales tested), "
+                         f"smallest p-value {worst['pvalue']:.3g} (scale {worst['scale']:.4g}; "
+                         f"Bonferroni {pvalue:.3g}) against {stats.noise_name} without 0")
+    return out
+
+
+@dataclass
+class Measured:
+    stats: NoiseStats
+    records: int  # records compared
+    data_range: float | None  # image metrics' data range; None: not images
+    clean: list[np.ndarray]  # with labels: the records, for the task
+    noisy: list[np.ndarray]
+
+
+def measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Progress | None) -> Measured:
+    """Read every pair of records block by block and gather the noise statistics."""
+    lo, hi = run.lo, run.hi
+    total_records = sum(p.job.records for p in pairs)
+    stats = NoiseStats(sum(p.job.records * p.job.elements for p in pairs))
+    image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
+    integer = all(p.job.dtype.kind in "iu" for p in pairs)
+    data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
+    clipped_input = any(step in ("clip", "clip_input") for step in m.get("preprocessing") or [])
+    measured = Measured(stats, 0, data_range, [], [])
+    for pair in pairs:
+        if pair.perturbed_shape != pair.job.shape:
+            continue
+        step = max(1, BLOCK_ELEMENTS // max(1, pair.job.elements))
+        for start in range(0, pair.job.records, step):
+            stop = min(start + step, pair.job.records)
+            x = pair.job.read(start, stop)
+            if clipped_input:  # the noise was added to the clipped values (in the array's range)
+                x = np.clip(x, *run.bounds.get(pair.job.name, (lo, hi, None))[:2])
+            y = np.asarray(pair.read_perturbed(start, stop))
+            stats.add(x, y, pair.calib, data_range, run.bases.get(pair.job.name))
+            if keep_for_task:
+                measured.clean.append(x)
+                measured.noisy.append(y)
+            measured.records += stop - start
+            if progress:
+                progress(stop - start, total_records)
+    return measured
+
+
+def concatenated(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def noise_summary(stats: NoiseStats, data_range: float | None,
+                   clipped: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Each record's error measures, and the report's summary of them."""
+    by_record = {"mse": concatenated(stats.mse), "mae": concatenated(stats.mae),
+                 "relative_l2": concatenated(stats.rel), "l2": concatenated(stats.l2)}
+    if data_range is not None:
+        by_record.update(psnr=concatenated(stats.psnr), ssim=concatenated(stats.ssim))
+    noise: dict[str, Any] = {name: _summary(values) for name, values in by_record.items()}
+    noise["image_metrics"] = (
+        {"data_range": data_range, "ssim": f"mean SSIM, {SSIM_WINDOW}x{SSIM_WINDOW} uniform window, "
+                                           "K1=0.01, K2=0.03"} if data_range is not None
+        else None)
+    noise["clipped_output"] = clipped
+    return by_record, noise
+

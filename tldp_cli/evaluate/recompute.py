@@ -1,0 +1,195 @@
+"""The manifest's parameters recomputed: the plan perturb made for the original's arrays,
+rebuilt from the options the manifest states (pipeline.options_of_manifest), and every
+figure it states (scale, p, expected error, the certified figures) checked against a
+fresh calibration (mechanisms.calibrate) and certification (accounting.certify_all)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.evaluate.common import finite
+from tldp_cli.privacy import accounting
+from tldp_cli.privacy.mechanisms import Calibration, calibrate
+from tldp_cli.run import manifest as manifest_mod
+from tldp_cli.run.pipeline import Plan, options_of_manifest, plan
+from tldp_cli.sampling import discrete
+
+
+def _close(a: Any, b: Any, rel: float = 1e-6) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = float(a), float(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-300)
+
+
+def _dtype(name: Any) -> np.dtype:
+    """A manifest input's dtype; names NumPy lacks (bfloat16) are floating point."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(np.float32)
+
+
+def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Grid | None:
+    """The discrete noises' grid, resolved as the pipeline does from the declared range, the
+    data's dtypes (None: the manifest's inputs) and --granularity (None when the manifest says
+    it was automatic); None for the continuous noises."""
+    if not discrete.is_discrete(m["noise"]):
+        return None
+    lo, hi = (float(v) for v in m["value_range"])
+    if dtypes is None:
+        dtypes = [_dtype(i.get("dtype")) for i in m.get("inputs") or [] if isinstance(i, dict)]
+    automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
+    return discrete.resolve_grid(lo, hi, dtypes, None if automatic else m.get("granularity"),
+                                 float(m["epsilon"]), where)
+
+
+def _range_width(m: dict, grid: discrete.Grid | None) -> float:
+    """What calibrate takes as range_width: hi - lo, or the grid's width (discrete noises)."""
+    lo, hi = (float(v) for v in m["value_range"])
+    return hi - lo if grid is None else grid.range_width
+
+
+def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, grid: discrete.Grid | None,
+                records: list[list[Calibration]] | None = None
+                ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
+    """The largest record's calibration, every calibration with its records, and their
+    certification. `calibrations`: those of the original's arrays; None: one record size,
+    the manifest's elements_per_record."""
+    if not calibrations:
+        acc = m.get("accounting") or {}
+        calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
+                          epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
+                          elements=int(m["elements_per_record"]),
+                          dp_delta=float(acc.get("dp_delta", 1e-5)),
+                          rows=(acc.get("designed") or {}).get("rows"), granularity=grid and grid.granularity)
+        calibrations = [(calib, int(m.get("records") or 0))]
+    largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
+    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
+
+
+def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
+    """The arrays each subject's record spans, as the manifest states them; refuses names
+    the original does not have."""
+    rows = m.get("row_datasets") or []
+    names = {job.name for job in jobs}
+    if not (isinstance(rows, list) and all(isinstance(row, list) and set(row) <= names for row in rows)):
+        raise InputError(f"the manifest's row_datasets {rows!r} do not name arrays of the original")
+    return rows
+
+
+def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None = None,
+                     dtypes: list[np.dtype] | None = None,
+                     records: list[list[Calibration]] | None = None) -> dict:
+    """The manifest's figures against a fresh calibration and certification. `calibrations`:
+    each record size's calibration (from the original's arrays) and its number of records;
+    `dtypes`: the original's arrays' (None: the manifest's inputs'); `records`: the
+    calibrations of the arrays each subject's record spans (accounting.certify_all)."""
+    mismatches = []
+
+    def compare(field: str, stated: Any, expected: Any):
+        if not _close(stated, expected):
+            mismatches.append({"field": field, "manifest": stated, "recomputed": expected})
+
+    try:
+        grid = _grid(m, dtypes, "the manifest")
+        compare("range_width", m["range_width"], _range_width(m, grid))
+        if grid is not None:
+            compare("granularity", m.get("granularity"), grid.granularity)
+        calib, calibrations, cert = _recomputed(m, calibrations, grid, records)
+    except (KeyError, TypeError, ValueError, UsageError) as exc:
+        return {"check": "parameters", "passed": False,
+                "detail": f"the manifest's mechanism cannot be recomputed ({reason_of(exc)})", "mismatches": []}
+    weights = m.get("weights")
+    factor = 1 - float((weights or {}).get("min") or 0.0)  # min may be withheld (data-derived mask)
+    compare("noise_scale", m.get("noise_scale"), calib.scale)
+    compare("calibration_epsilon", m.get("calibration_epsilon"), calib.element_epsilon)
+    compare("retain_probability", m.get("retain_probability"), max(c.p for c, _ in calibrations) * factor)
+    logs = [c.p_log10 for c, _ in calibrations if c.p_log10 is not None]
+    log10 = None if not logs or factor <= 0 else max(logs) + math.log10(factor)
+    compare("retain_probability_log10", m.get("retain_probability_log10"), log10)
+    compare("expected_l2_error_per_record", m.get("expected_l2_error_per_record"),
+            finite(calib.expected_l2_error()))
+    if len(calibrations) > 1 or "calibrations" in m:
+        stated_list = m.get("calibrations") or []
+        expected_list = manifest_mod.calibration_entries(calibrations, weights)
+        if len(stated_list) != len(expected_list):
+            compare("calibrations", len(stated_list), len(expected_list))
+        for i, (s, r) in enumerate(zip(stated_list, expected_list)):
+            for key, value in r.items():
+                if isinstance(value, dict):  # privunit: its split, field by field
+                    for sub, expected in value.items():
+                        stated_value = ((s or {}).get(key) or {}).get(sub)
+                        if isinstance(expected, list):
+                            if stated_value != expected:
+                                mismatches.append({"field": f"calibrations[{i}].{key}.{sub}",
+                                                   "manifest": stated_value, "recomputed": expected})
+                        else:
+                            compare(f"calibrations[{i}].{key}.{sub}", stated_value, expected)
+                else:
+                    compare(f"calibrations[{i}].{key}", (s or {}).get(key), value)
+    stated = m.get("accounting") or {}
+    for scope in ("per_element", "per_record"):
+        s, r = stated.get(scope) or {}, cert[scope]
+        for key in ("epsilon", "delta", "rho", "point_mass_delta"):
+            compare(f"accounting.{scope}.{key}", s.get(key), r[key])
+        for key in ("epsilon", "delta"):
+            compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    # Everything the run released, all its records composed (perturb always states it).
+    s = stated.get("per_file") or {}
+    r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
+    for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
+        compare(f"accounting.per_file.{key}", s.get(key), r[key])
+    for key in ("epsilon", "delta"):
+        compare(f"accounting.per_file.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    if "privunit" in stated or "privunit" in cert:  # the split and its certified figures
+        for key in ("k", "gamma", "p", "epsilon0", "q", "q_lower", "q_upper", "nominal_epsilon", "epsilon",
+                    "margin", "expected_alignment"):
+            compare(f"accounting.privunit.{key}", (stated.get("privunit") or {}).get(key),
+                    (cert.get("privunit") or {}).get(key))
+        for key in ("k", "gamma", "p", "reference"):
+            compare(f"privunit.{key}", (m.get("privunit") or {}).get(key), getattr(calib.privunit, key, None))
+        stated_sha = ((m.get("privunit") or {}).get("basis") or {}).get("sha256")
+        actual_sha = calib.privunit.basis_sha256 if calib.privunit else None
+        if stated_sha != actual_sha:
+            mismatches.append({"field": "privunit.basis.sha256", "manifest": stated_sha, "recomputed": actual_sha})
+    if "designed" in stated or "designed" in cert:  # MVG, IDN
+        for key in ("epsilon", "delta"):
+            compare(f"accounting.designed.{key}", (stated.get("designed") or {}).get(key),
+                    (cert.get("designed") or {}).get(key))
+    detail = ("scale, p, expected error and certified figures agree with the mechanism"
+              if not mismatches else
+              "inconsistent with its mechanism: " + ", ".join(
+                  f"{x['field']} {x['manifest']!r} (recomputed {x['recomputed']!r})" for x in mismatches[:4]))
+    return {"check": "parameters", "passed": not mismatches, "detail": detail, "mismatches": mismatches}
+
+
+def recompute_plan(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
+                  checks: list[dict]) -> tuple[Plan, dict[Calibration, int]]:
+    """The plan perturb made for the original's arrays, recomputed from the manifest's
+    options (pipeline.plan: one calibration per record size and declared range), the
+    records of each calibration, and, first among `checks`, whether the manifest's figures
+    hold for them."""
+    rows = _row_datasets(m, jobs)
+    # an evaluation judges a release, whatever consent it took
+    options = dataclasses.replace(options_of_manifest(m, original), allow_raw_release=True)
+    try:
+        run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
+    except UsageError as exc:
+        raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
+    records_of: dict[Calibration, int] = {}
+    for job in jobs:
+        calib = run.calib_of[job.name]
+        records_of[calib] = records_of.get(calib, 0) + job.records
+    checks.insert(0, check_parameters(m, list(records_of.items()), [job.dtype for job in jobs],
+                                      [[run.calib_of[name] for name in row] for row in rows]))
+    return run, records_of
+

@@ -1,0 +1,791 @@
+"""WebDataset shards: uncompressed .tar files whose members, grouped by key, are samples.
+
+Input. One run reads a folder of shards (every .tar in it, in subfolders too), one .tar
+file, or a brace pattern of shards as WebDataset takes it (`shards/train-{000000..000009}.tar`,
+`{train,val}/part-{0..3}.tar`; quoted, so that the shell leaves the braces alone). A
+shard's members are grouped as WebDataset groups them (webdataset.tariterators): a
+member's key is its path up to the first dot of its base name, its extension the rest
+(`images/0001.seg.png`: key `images/0001`, extension `seg.png`), and consecutive members
+with the same key are one sample.
+
+Records. Each image member (its last extension png, jpg, jpeg, bmp, tif, tiff or webp;
+decoded as image folders decode theirs, formats/pixels.py) and each numeric .npy member
+is one record of its own, an array named SHARD/MEMBER by the member's name in the output
+(`train-000000.tar/0001.png` for 0001.jpg), which keys its random streams and --range. The perturbed members of one sample are one
+subject's (`rows`): the per-record figure composes them, and --budget record spreads
+--eps over them, as for arrays that share their rows.
+
+Everything else is a label or metadata (.cls, .json, .txt, ...): by the rule of
+formats/leftovers.py it is left out of the output and listed in the manifest's `dropped`,
+one entry per extension with the number of members, unless --keep names its extension
+(`--keep cls`, `--keep meta.json`; globs too), which copies those members raw (listed in
+`unperturbed`). Members that hold what tldp never copies raw (DICOM, NIfTI, Python pickles:
+.pyd, .pickle, .pth) are dropped even when --keep names them. Files in the folder beside
+the shards are dropped and listed (kind "file"), or copied raw when --keep names them.
+
+Output. A folder holding each shard under its own relative name, members in the input's
+order: image members as lossless PNG (`0001.jpg` becomes `0001.png`, in the same sample),
+clipped and rounded to the image's integer range, alpha copied, ICC profile kept; .npy
+members as .npy of the run's output dtype and the same shape. Tar headers are written
+anew, deterministic: each member's name, mode and modification time from the input, no
+owner (uid, gid 0, names blank) and none of the input's PAX records but those a long or
+non-ASCII name needs. A shard is written member by member as its records come back, so
+memory holds a few members whatever the shard's size.
+
+Refused, with one line: compressed shards (.tar.gz: decompress them first), members
+whose path is absolute or climbs out with `..`, links (symbolic and hard), devices,
+FIFOs and sparse members, two members of one name, a member that runs past the end of
+its shard, and two image members of a sample that would both be written as KEY.png.
+Symbolic links inside a shard folder are skipped and listed (nothing outside it is read).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import re
+import stat
+import tarfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from PIL import Image
+
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.files.checked_io import open_regular, writing
+from tldp_cli.formats import (DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
+                              check_numeric_dtype, data_file, decode_reason, leftovers, listing, plural, pixels)
+
+NAME = "webdataset"
+SHARD_SUFFIX = ".tar"
+COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4")
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "tif", "tiff", "webp")
+ARRAY_SUFFIX = ".npy"
+PICKLE_EXTENSIONS = ("pyd", "pickle", "pkl", "pth")
+USTAR_MAGIC = b"ustar"  # at offset 257 of a POSIX (ustar, pax) or GNU tar header
+MAX_SHARDS = 1_000_000  # names a brace pattern may expand to
+PROBE_BYTES = 1 << 16  # an image member's head, read to learn its header (all of it if that fails)
+# WebDataset's rule (webdataset.tariterators.base_plus_ext): key, then extension after the
+# first dot of the base name
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never copied", "folder"
+LABEL_REASON = "a label or metadata member, not perturbed"
+OTHER_FILE_REASON = "a file beside the shards, not perturbed"
+PICKLE_REASON = "a Python pickle, data tldp does not load"
+
+
+def _key(name: str) -> tuple[str | None, str | None]:
+    """(key, extension) of a member name by WebDataset's rule; (None, None) for a name
+    without a dot in its base name (webdataset skips it)."""
+    match = _KEY.match(name)
+    return (match.group(1), match.group(2).lower()) if match else (None, None)
+
+
+def expand_braces(text: str) -> list[str]:
+    """The names a brace pattern stands for, as WebDataset's braceexpand gives them:
+    `{a,b}` lists, `{000..009}` ranges (zero-padded to the wider end when one is), several
+    braces multiplied out. Braces holding neither stay as they are; nested or unbalanced
+    braces are refused."""
+    depth = 0
+    for char in text:
+        depth += (char == "{") - (char == "}")
+        if not 0 <= depth <= 1:
+            break
+    if depth != 0:
+        raise UsageError(f"{text}: nested or unbalanced braces in the pattern of shards")
+    return _expanded(text)
+
+
+def _expanded(text: str) -> list[str]:
+    match = _BRACE.search(text)
+    if match is None:
+        return [text]
+    body, head, rest = match.group(1), text[:match.start()], text[match.end():]
+    numbers = _RANGE.match(body)
+    if numbers:
+        a, b = numbers.group(1), numbers.group(2)
+        width = max(len(a), len(b)) if (a.lstrip("-").startswith("0") and len(a) > 1) or \
+            (b.lstrip("-").startswith("0") and len(b) > 1) else 0
+        lo, hi = int(a), int(b)
+        if abs(hi - lo) >= MAX_SHARDS:
+            raise UsageError(f"{text}: the pattern names more than {MAX_SHARDS} shards")
+        step = 1 if hi >= lo else -1
+        options = [f"{n:0{width}d}" for n in range(lo, hi + step, step)]
+    elif "," in body:
+        options = body.split(",")
+    else:
+        options = ["{" + body + "}"]
+    tails = _expanded(rest)
+    if len(options) * len(tails) > MAX_SHARDS:
+        raise UsageError(f"{text}: the pattern names more than {MAX_SHARDS} shards")
+    return [head + option + tail for option in options for tail in tails]
+
+
+def is_pattern(path: Path) -> bool:
+    """A brace pattern of shards: a name with braces that names no file itself."""
+    text = str(path)
+    return ("{" in text or "}" in text) and not os.path.lexists(path) and text.lower().endswith(SHARD_SUFFIX)
+
+
+def _pattern_base(path: Path) -> Path:
+    """The folder the shards a pattern names are relative to: its longest leading folder
+    without a brace."""
+    parts = Path(path).parts
+    fixed = next(i for i, part in enumerate(parts) if "{" in part or "}" in part)
+    return Path(*parts[:fixed]) if fixed else Path(".")
+
+
+def _is_tar(path: Path) -> bool:
+    try:
+        with open_regular(path) as f:
+            return f.read(262)[257:262] == USTAR_MAGIC
+    except (OSError, InputError):
+        return False
+
+
+def _is_compressed_shard(path: Path) -> bool:
+    return path.name.lower().endswith(COMPRESSED_SUFFIXES)
+
+
+def can_open(path: Path) -> bool:
+    """A tar file (the ustar magic), a compressed shard (refused by the reader with the
+    reason), or a folder holding .tar files and no images (not a Zarr store)."""
+    if path.is_file():
+        return _is_tar(path) or _is_compressed_shard(path)
+    if not path.is_dir() or any((path / marker).exists() for marker in ("zarr.json", ".zarray", ".zgroup")):
+        return False
+    found = False
+    for _, _, files in os.walk(path):
+        for name in files:
+            lower = name.lower()
+            if lower.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS:
+                return False
+            found = found or lower.endswith(SHARD_SUFFIX) or lower.endswith(COMPRESSED_SUFFIXES)
+    return found
+
+
+def default_output(path: Path) -> Path:
+    """A folder beside the input: shards/ -> shards.tldp/, train-000.tar -> train-000.tldp/,
+    shards/train-{0..9}.tar -> shards.tldp/."""
+    if is_pattern(path):
+        path = _pattern_base(path)
+    elif path.is_file() and path.name.lower().endswith(SHARD_SUFFIX):
+        return path.with_name(path.name[:-len(SHARD_SUFFIX)] + ".tldp")
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    return path.with_name(path.name + ".tldp")
+
+
+@dataclass
+class _Member:
+    name: str  # as in the tar
+    offset: int  # of its data in the shard
+    size: int
+    mtime: int
+    mode: int
+    kind: str  # IMAGE, ARRAY, LEFTOVER, NEVER or FOLDER
+    key: str | None
+    extension: str | None  # WebDataset's, lower-cased ("seg.png"); None: no dot in the base name
+    out_name: str  # its name in the output (an image's ends .png)
+    job: str | None = None  # the array it is perturbed as
+    reason: str = ""  # NEVER: why it is never copied
+    shape: tuple[int, ...] = ()  # a record's: (H, W), (H, W, 3), an array's shape
+    dtype: np.dtype | None = None
+    has_alpha: bool = False
+
+    @property
+    def label(self) -> str:
+        """What --keep and the manifest name it by: its extension, or its name without one."""
+        return self.extension if self.extension is not None else self.name
+
+
+@dataclass
+class _Shard:
+    path: Path
+    rel: str  # its name in the output folder
+    members: list[_Member] = field(default_factory=list)
+
+
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    """`size` bytes of the shard from `offset` (a member's data)."""
+    with open_regular(path) as f:
+        data = os.pread(f.fileno(), size, offset)
+        while len(data) < size:  # pread may return less; the reader checked the shard's length
+            more = os.pread(f.fileno(), size - len(data), offset + len(data))
+            if not more:
+                raise InputError(f"{path}: ends inside a member's data; the shard may be truncated")
+            data += more
+    return data
+
+
+def _unsafe(shard: Path, info: tarfile.TarInfo) -> str | None:
+    """Why a member is refused (its path escapes, or it is not a file or folder), or None."""
+    name = info.name
+    parts = name.split("/")
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name) or "\\" in name:
+        return f"member {name!r} has an absolute or non-POSIX path"
+    if ".." in parts or name in ("", "."):
+        return f"member {name!r} has a path that climbs out of the shard (..)"
+    if info.issym() or info.islnk():
+        return f"member {name!r} is a {'symbolic' if info.issym() else 'hard'} link"
+    if info.issparse():
+        return f"member {name!r} is a sparse file"
+    if not (info.isreg() or info.isdir()):
+        return f"member {name!r} is a device, FIFO or other special file"
+    return None
+
+
+def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[str, str]:
+    """The member's kind and, for NEVER, the reason; `head`: its first bytes (348 at most)."""
+    if info.isdir():
+        return FOLDER, ""
+    last = (extension or "").rsplit(".", 1)[-1]
+    if last == "dcm" or head[128:132] == b"DICM":
+        return NEVER, f"DICOM: {DICOM_REASON}"
+    if (extension or "").endswith(("nii", "nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0"):
+        return NEVER, "NIfTI: a medical image volume, whose header can name the patient"
+    if last in PICKLE_EXTENSIONS or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return NEVER, PICKLE_REASON
+    if last in IMAGE_EXTENSIONS:
+        return IMAGE, ""
+    if "." + last == ARRAY_SUFFIX:
+        return ARRAY, ""
+    return LEFTOVER, ""
+
+
+def _out_name(member_name: str, kind: str) -> str:
+    if kind != IMAGE:
+        return member_name
+    stem, _ = posixpath.splitext(member_name)
+    return stem + ".png"
+
+
+def _scan(path: Path, rel: str) -> _Shard:
+    """The shard's members, in order, checked (see the module docstring)."""
+    size = os.stat(path).st_size
+    shard = _Shard(path, rel)
+    seen: set[str] = set()
+    try:
+        with open_regular(path) as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+            for info in tar:
+                problem = _unsafe(path, info)
+                if problem:
+                    raise InputError(f"{path}: {problem}; tldp reads only regular files and folders "
+                                     "inside a shard")
+                name = info.name.rstrip("/") if info.isdir() else info.name
+                if name in seen:
+                    raise InputError(f"{path}: two members are named {name!r}")
+                seen.add(name)
+                if info.offset_data + info.size > size:
+                    raise InputError(f"{path}: member {name!r} runs past the end of the shard; it may be "
+                                     "truncated")
+                key, extension = _key(name)
+                head = os.pread(raw.fileno(), min(info.size, 348), info.offset_data) if info.isreg() else b""
+                kind, reason = _kind(info, extension, head)
+                shard.members.append(_Member(name, info.offset_data, info.size, int(info.mtime),
+                                             info.mode & 0o777, kind, key, extension, _out_name(name, kind),
+                                             reason=reason))
+                tar.members = []  # flat memory however many members
+    except tarfile.TarError as exc:
+        raise InputError(f"{path}: not a readable tar file ({reason_of(exc)}); it may be truncated") from None
+    return shard
+
+
+def _probe_image(shard: Path, member: _Member) -> pixels.Header:
+    """The image's header, from the member's head (or all of it when the head is not enough)."""
+    for size in dict.fromkeys((min(member.size, PROBE_BYTES), member.size)):
+        data = io.BytesIO(_read_at(shard, member.offset, size))
+        try:
+            with Image.open(data) as im:
+                found = pixels.header(data, im)
+            if found.pages > 1:
+                raise pixels.Unsupported(f"a multi-page TIFF ({found.pages} pages); a WebDataset image "
+                                         "member is one page")
+            return found
+        except pixels.Unsupported:
+            raise
+        except Exception:
+            if size == member.size:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _probe_array(shard: Path, member: _Member) -> tuple[tuple[int, ...], np.dtype]:
+    data = io.BytesIO(_read_at(shard, member.offset, min(member.size, PROBE_BYTES)))
+    major, _ = np.lib.format.read_magic(data)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(data)
+    if data.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != member.size:
+        raise ValueError("its header states another size than the member holds")
+    return tuple(shape), dtype
+
+
+@dataclass(frozen=True)
+class _ReadMember:
+    """Reads a member as one record. Picklable: opens the shard inside each call."""
+
+    shard: Path
+    name: str
+    offset: int
+    size: int
+    kind: str
+    shape: tuple[int, ...]  # the record's
+    dtype: np.dtype
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        where = f"{self.shard}: member {self.name}"
+        data = _read_at(self.shard, self.offset, self.size)
+        try:
+            if self.kind == IMAGE:
+                stream = io.BytesIO(data)
+                with Image.open(stream) as im:
+                    values = pixels.decode(stream, im).colour
+            else:
+                values = np.load(io.BytesIO(data), allow_pickle=False)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise InputError(f"{where}: cannot be decoded ({decode_reason(exc)})") from None
+        if values.shape != self.shape or values.dtype.kind != self.dtype.kind \
+                or values.dtype.itemsize != self.dtype.itemsize:
+            raise InputError(f"{where}: the member changed while tldp was reading the shard")
+        return np.asarray(values, dtype=self.dtype)[None]
+
+
+def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
+    """Relative POSIX paths of the shards, the other files and the symbolic links, sorted."""
+    def unreadable(exc: OSError):
+        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
+
+    shards, others, links = [], [], []
+    for directory, dirs, files in os.walk(root, onerror=unreadable):
+        for name in files + dirs:
+            path = Path(directory) / name
+            rel = path.relative_to(root).as_posix()
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                links.append(rel)
+            elif stat.S_ISREG(mode):
+                lower = name.lower()
+                (shards if lower.endswith(SHARD_SUFFIX) or lower.endswith(COMPRESSED_SUFFIXES)
+                 else others).append(rel)
+            elif not stat.S_ISDIR(mode):
+                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, "
+                                 "socket or device); tldp reads only regular files")
+    return sorted(shards), sorted(others), sorted(links)
+
+
+def _shard_files(path: Path) -> tuple[Path, list[str], list[str], list[str]]:
+    """(the folder the shards' names are relative to, the shards, other files, links)."""
+    if is_pattern(path):
+        base = _pattern_base(path)
+        names = list(dict.fromkeys(expand_braces(str(path))))
+        for name in names:
+            if not Path(name).is_file():
+                raise InputError(f"{name}: no such shard (named by the pattern {path})")
+        return base, [Path(name).relative_to(base).as_posix() if base != Path(".") else Path(name).as_posix()
+                      for name in names], [], []
+    if path.is_file():
+        return path.parent, [path.name], [], []
+    return (path, *_walk(path))
+
+
+class WebDatasetReader(Reader):
+    format = NAME
+
+    def __init__(self, path: Path, options: FormatOptions):
+        self.path = path
+        self.messages: list[str] = []
+        if options.datasets:
+            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files, not WebDataset "
+                             "shards: every image and .npy member is perturbed")
+        if options.image_format != "png":
+            raise UsageError(f"{path}: --image-format {options.image_format}: WebDataset image members "
+                             "are written as PNG")
+        if options.copy_other or options.skip_bad:
+            raise UsageError(f"{path}: --{'copy-other' if options.copy_other else 'skip-bad'} applies to "
+                             "folders of images, not WebDataset shards (--keep NAME copies a file beside "
+                             "the shards; a member that cannot be decoded stops the run)")
+        self.base, rels, self.others, self.links = _shard_files(path)
+        if not rels:
+            links = [rel for rel in self.links if rel.lower().endswith(SHARD_SUFFIX)]
+            hint = (f" but {plural(len(links), 'symbolic link')} to shards, which tldp does not follow in a "
+                    f"folder: name them with a brace pattern ('{path}/NAME-{{000..009}}.tar'), whose "
+                    "links it follows" if links else "")
+            raise InputError(f"{path}: no .tar shards in the folder{hint}")
+        compressed = [rel for rel in rels if _is_compressed_shard(Path(rel))]
+        if compressed:
+            raise InputError(f"{self.base / compressed[0]}: a compressed shard, which tldp does not read "
+                             "member by member; decompress it first (gunzip, zstd -d) and give the .tar")
+        self.shards = [_scan(self.base / rel, rel) for rel in rels]
+        self.jobs = self._jobs()
+        if not self.jobs:
+            raise InputError(f"{path}: no image or .npy members to perturb in "
+                             f"{plural(len(self.shards), 'shard')}")
+        self.left = self._leftovers(options)
+        self.samples = self._samples()
+        self.manifest_extra = {**self.left.manifest_extra(), NAME: {
+            "shards": len(self.shards), "samples": self.sample_count,
+            "perturbed_members": len(self.jobs),
+            "members_renamed": sum(m.out_name != m.name for s in self.shards for m in s.members)}}
+        grouped = [row for rows in self.samples.values() for row in rows if len(row) > 1]
+        self.record_description = (
+            "a sample: its perturbed members (images, .npy arrays) together, composed" if grouped
+            else "one member of a sample (an image or a .npy array)")
+        self._report()
+
+    def _jobs(self) -> list[ArrayJob]:
+        jobs = []
+        for shard in self.shards:
+            written: dict[str, str] = {}
+            for member in shard.members:
+                if member.kind in (IMAGE, ARRAY):
+                    self._probe(shard, member)
+                    jobs.append(self._job(shard, member))
+                clash = written.get(member.out_name)
+                if clash is not None:
+                    raise InputError(f"{shard.path}: members {clash} and {member.name} would both be "
+                                     f"written as {member.out_name} (images are written as PNG); rename one")
+                written[member.out_name] = member.name
+        return jobs
+
+    def _probe(self, shard: _Shard, member: _Member) -> None:
+        where = f"{shard.path}: member {member.name}"
+        try:
+            if member.kind == IMAGE:
+                header = _probe_image(shard.path, member)
+                member.shape, member.dtype, member.has_alpha = header.shape, header.dtype, header.has_alpha
+            else:
+                member.shape, member.dtype = _probe_array(shard.path, member)
+        except InputError:
+            raise
+        except pixels.Unsupported as exc:
+            raise InputError(f"{where}: {exc}") from None
+        except MemoryError:
+            raise
+        except Exception as exc:
+            what = "an image" if member.kind == IMAGE else "a .npy array"
+            raise InputError(f"{where}: cannot be decoded as {what} ({decode_reason(exc)})") from None
+        check_numeric_dtype(Path(f"{shard.path}: member {member.name}"), member.dtype)
+
+    def _job(self, shard: _Shard, member: _Member) -> ArrayJob:
+        member.job = f"{shard.rel}/{member.out_name}"  # as in the output: evaluate pairs them by it
+        dtype = member.dtype.newbyteorder("=")
+        return ArrayJob(name=member.job, shape=(1, *member.shape), dtype=dtype,
+                        read=_ReadMember(shard.path, member.name, member.offset, member.size, member.kind,
+                                         member.shape, dtype),
+                        source={"path": str(shard.path), "format": NAME, "dataset": member.name,
+                                "shape": list(member.shape), "dtype": str(member.dtype)})
+
+    def _leftovers(self, options: FormatOptions) -> leftovers.Leftovers:
+        """Labels and metadata by extension, and the files beside the shards: dropped and
+        listed, or copied raw where --keep names them."""
+        left = leftovers.Leftovers(list(options.keep))
+        counts: dict[tuple[str, str], int] = {}
+        for shard in self.shards:
+            for member in shard.members:
+                if member.kind in (LEFTOVER, NEVER):
+                    what = (member.label, LEFTOVER if member.kind == LEFTOVER else member.reason)
+                    counts[what] = counts.get(what, 0) + 1
+        self.kept_extensions: set[str] = set()
+        for (label, what), count in counts.items():
+            if what != LEFTOVER:
+                left.kept(label)  # a --keep naming it is used: it is refused below, not unmatched
+                left.dropped.append({"name": label, "kind": "member", "members": count,
+                                     "reason": f"{what}: never copied raw"})
+            elif left.kept(label):
+                self.kept_extensions.add(label)
+                left.unperturbed.append({"name": label, "kind": "member", "members": count,
+                                         "reason": leftovers.KEPT})
+            else:
+                left.dropped.append({"name": label, "kind": "member", "members": count,
+                                     "reason": LABEL_REASON})
+        self.kept_files = []
+        for rel in self.others:
+            never = data_file(self.base / rel)
+            if never:
+                left.kept(rel)
+                left.drop(rel, "file", f"{never}: never copied raw")
+            elif left.kept(rel):
+                self.kept_files.append(rel)
+                left.copied(rel, "file", leftovers.KEPT)
+            else:
+                left.drop(rel, "file", OTHER_FILE_REASON)
+        left.considered(job.name for job in self.jobs)
+        left.check(self.path)
+        return left
+
+    def _samples(self) -> dict[str, list[list[str]]]:
+        """By shard, the perturbed members of each sample (consecutive members of one key)."""
+        found: dict[str, list[list[str]]] = {}
+        self.sample_count = 0
+        for shard in self.shards:
+            rows: list[list[str]] = []
+            key = object()
+            for member in shard.members:
+                if member.key is None or member.kind == FOLDER:
+                    continue
+                if member.key != key:
+                    rows.append([])
+                    key = member.key
+                if member.job is not None:
+                    rows[-1].append(member.job)
+            self.sample_count += len(rows)
+            found[shard.rel] = [row for row in rows if row]
+        return found
+
+    def _report(self) -> None:
+        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] != LABEL_REASON]
+        for entry in never:
+            self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
+                                 f"{entry['reason']}, not even with --keep")
+        files = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] == OTHER_FILE_REASON]
+        if files:
+            self.messages.append(f"dropped {plural(len(files), 'file')} beside the shards: {listing(files)} "
+                                 "(--keep NAME copies one raw)")
+        data = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON]
+        if data:
+            self.messages.append(f"dropped {plural(len(data), 'file')} holding data beside the shards, never "
+                                 f"copied raw, not even with --keep: {listing(data)} (the manifest's dropped "
+                                 "says why)")
+        dropped = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] == LABEL_REASON]
+        kept = [e for e in self.left.unperturbed if e["kind"] == "member"]
+        if dropped:
+            self.messages.append(f"dropped the {', '.join(e['name'] for e in dropped)} members "
+                                 f"({plural(sum(e['members'] for e in dropped), 'member')}; the manifest's "
+                                 "dropped lists them; --keep EXTENSION copies labels raw)")
+        if kept:
+            self.messages.append(f"copied the {', '.join(e['name'] for e in kept)} members raw (--keep)")
+        if self.links:
+            self.manifest_extra["skipped_symbolic_links"] = self.links
+            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
+        renamed = self.manifest_extra[NAME]["members_renamed"]
+        if renamed:
+            self.messages.append(f"{plural(renamed, 'image member')} written as PNG under the same key "
+                                 "(KEY.jpg -> KEY.png)")
+
+    def arrays(self) -> list[ArrayJob]:
+        return self.jobs
+
+    def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
+        """The perturbed members of a sample are one subject's record; every member is in
+        one row (a sample of one member is a row of one)."""
+        wanted = {job.name for job in jobs}
+        rows = [[name for name in row if name in wanted] for shard in self.samples.values() for row in shard]
+        rows = [row for row in rows if row]
+        return rows if any(len(row) > 1 for row in rows) else None
+
+
+def open_reader(path: Path, options: FormatOptions) -> WebDatasetReader:
+    return WebDatasetReader(path, options)
+
+
+def _tar_info(name: str, size: int, member: _Member) -> tarfile.TarInfo:
+    """A deterministic header: the name, size, mode and time; no owner."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, member.mtime, member.mode
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    if member.kind == FOLDER:
+        info.type, info.size = tarfile.DIRTYPE, 0
+    return info
+
+
+class WebDatasetWriter(Writer):
+    """Writes the shards in order, each member once those before it are written: a
+    perturbed member when its record comes back, a kept one copied from the input."""
+
+    def __init__(self, reader: WebDatasetReader, tmp_path: Path, dtype: np.dtype, options: FormatOptions):
+        self.root = tmp_path
+        self.reader = reader
+        self.dtype = np.dtype(dtype)
+        self.by_job = {m.job: (s, m) for s in reader.shards for m in s.members if m.job is not None}
+        self.items: list[tuple[str, _Shard, _Member | None]] = []
+        for shard in reader.shards:
+            self.items.append(("begin", shard, None))
+            self.items += [("member", shard, m) for m in shard.members]
+            self.items.append(("end", shard, None))
+        self.position = 0
+        self.pending: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.failed = False
+        self.file: BinaryIO | None = None
+        self.tar: tarfile.TarFile | None = None
+        self.written: list[Path] = []
+        with writing(tmp_path):
+            tmp_path.mkdir()
+        for rel in reader.kept_files:
+            self._copy_file(reader.base / rel, rel)
+        self._describe(reader)
+
+    def _describe(self, reader: WebDatasetReader) -> None:
+        members = [m for s in reader.shards for m in s.members if m.job is not None]
+        image_dtypes = sorted({str(m.dtype.newbyteorder("=")) for m in members if m.kind == IMAGE})
+        has_arrays = any(m.kind == ARRAY for m in members)
+        steps = []
+        if image_dtypes:
+            depths = sorted({np.dtype(d).itemsize * 8 for d in image_dtypes})
+            rounding = [] if self.dtype.kind in "iu" else ["round image members to the nearest integer (ties to even)"]
+            steps += rounding + [
+                "clip image members to " + ", ".join(f"[0, {2**d - 1}] ({d}-bit images)" for d in depths),
+                "write each image member as a PNG member under its key (KEY.jpg -> KEY.png) " + pixels.PNG_ENCODING,
+                "copy an image's alpha channel unchanged (it is not perturbed); keep its ICC colour profile, "
+                "drop EXIF and text metadata"]
+        if has_arrays:
+            steps.append(f"write each .npy member as a {self.dtype} .npy member of the same shape")
+        steps.append("write each shard as a tar of the same name, its members in the input's order, with "
+                     "new headers: each member's name, mode and modification time; no owner; no other "
+                     "PAX records")
+        self.postprocessing = steps
+        if image_dtypes:  # what evaluate reads back: values rounded and clipped (as image folders say)
+            self.manifest_extra = {"image_output": {"format": "png", "clipped": True}}
+        kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
+        self.output_dtype = ", ".join(kinds + ([f"{self.dtype} .npy"] if has_arrays else []))
+
+    def _copy_file(self, source: Path, rel: str) -> None:
+        target = self.root / rel
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open_regular(source) as src, open(target, "xb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+        self.written.append(target)
+
+    def _encode(self, shard: _Shard, member: _Member, values: np.ndarray) -> bytes:
+        if member.kind == ARRAY:
+            out = io.BytesIO()
+            np.lib.format.write_array(out, np.asarray(values, dtype=self.dtype), allow_pickle=False)
+            return out.getvalue()
+        info = np.iinfo(member.dtype)
+        rounded = values if values.dtype.kind in "iu" else np.rint(values)
+        image = np.clip(rounded, info.min, info.max).astype(member.dtype.newbyteorder("="))
+        data = io.BytesIO(_read_at(shard.path, member.offset, member.size))
+        with Image.open(data) as im:
+            icc = im.info.get("icc_profile")
+            alpha = pixels.decode(data, im).alpha if member.has_alpha else None
+        if alpha is not None:
+            image = np.dstack([image, alpha.astype(image.dtype)])
+        return pixels.png(image, icc)
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        shard, member = self.by_job[job.name]
+        encoded = self._encode(shard, member, block[0])
+        with self.lock:
+            if self.failed:  # the shard being written is broken: the run is failing
+                return
+            self.pending[job.name] = encoded
+            try:
+                self._advance()
+            except BaseException:
+                self.failed = True
+                raise
+
+    def _advance(self) -> None:
+        """Writes the items in order while the next one is ready."""
+        while self.position < len(self.items):
+            what, shard, member = self.items[self.position]
+            if what == "begin":
+                self._open(shard)
+            elif what == "end":
+                self._close_shard()
+            elif member.job is not None:
+                if member.job not in self.pending:
+                    return
+                data = self.pending.pop(member.job)
+                with writing(self.root / shard.rel):
+                    self.tar.addfile(_tar_info(member.out_name, len(data), member), io.BytesIO(data))
+            elif member.kind == FOLDER or (member.kind == LEFTOVER and member.label in self.reader.kept_extensions):
+                self._copy_member(shard, member)
+            self.position += 1
+
+    def _open(self, shard: _Shard) -> None:
+        target = self.root / shard.rel
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(target, "xb")
+            self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.PAX_FORMAT)
+        self.written.append(target)
+
+    def _copy_member(self, shard: _Shard, member: _Member) -> None:
+        info = _tar_info(member.out_name, member.size, member)
+        with open_regular(shard.path) as src, writing(self.root / shard.rel):
+            src.seek(member.offset)
+            try:
+                self.tar.addfile(info, src if info.isreg() else None)
+            except tarfile.ReadError:
+                raise InputError(f"{shard.path}: ends inside member {member.name}; the shard may be "
+                                 "truncated") from None
+
+    def _close_shard(self) -> None:
+        target = self.written[-1]
+        with writing(target):
+            self.tar.close()
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        self.tar = self.file = None
+
+    def finish(self) -> None:
+        with self.lock:
+            self._advance()
+            if self.position < len(self.items) or self.pending:
+                raise AssertionError("a member was not written")
+
+    def close(self) -> list[Path]:
+        with self.lock:
+            if self.file is not None:
+                try:
+                    self.file.close()
+                except OSError:
+                    pass
+                self.tar = self.file = None
+        return list(self.written)
+
+
+def create_writer(reader: WebDatasetReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> WebDatasetWriter:
+    return WebDatasetWriter(reader, tmp_path, dtype, options)
+
+
+def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
+    """The least the output needs: image members 8 or 16 bits a value (noise does not
+    compress), arrays the engine's dtype."""
+    total = 0
+    for job in jobs:
+        is_image = job.source.get("dataset", "").lower().rsplit(".", 1)[-1] in IMAGE_EXTENSIONS
+        total += job.records * job.elements * (job.dtype.itemsize if is_image else np.dtype(dtype).itemsize)
+    return total
+
+
+def is_earlier_output(path: Path, reader: WebDatasetReader) -> bool:
+    """A folder whose manifest names it is an earlier output if it holds only this input's
+    shards (by name) and the files --keep copies."""
+    expected = {shard.rel for shard in reader.shards} | set(reader.kept_files)
+    for directory, _, files in os.walk(path):
+        for name in files:
+            if (Path(directory) / name).relative_to(path).as_posix() not in expected:
+                return False
+    return True
+
+
+FORMAT = Format(
+    name=NAME, title="WebDataset shards", folder=True, file_input=True, pattern_input=is_pattern,
+    honours_keep=True, member_noun="member",
+    can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    output_bytes=output_bytes, earlier_output=is_earlier_output,
+    docs=(DocRow("WebDataset shards: a folder of `.tar` files, one `.tar`, or a brace pattern "
+                 "(`'shards/train-{000000..000009}.tar'`)",
+                 "the tar header's `ustar` magic; a folder holding `.tar` files and no images",
+                 "`tldp perturb shards/ --eps 1`",
+                 "`shards.tldp/`: the same shards and member order, images as PNG, `.npy` arrays; labels "
+                 "left out unless `--keep EXT` ([below](#webdataset-shards-tar))"),),
+)

@@ -1,0 +1,113 @@
+"""Several inputs in one call (`tldp perturb a.npy b.npy dir/ --eps 1`, `--inputs-from FILE`).
+
+Each input is its own run, exactly as if it were given alone: its own output under its
+default name (inside --out, which then names a folder) and its own manifest, complete or
+absent, and with --ledger its own release. They share the process: the start-up, and the
+accountant's work for every calibration they have in common (pipeline.certified_figures).
+A failed input does not stop the others; what each gave is yielded in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tldp_cli import formats
+from tldp_cli.errors import OutputError, TldpError, UsageError
+from tldp_cli.files import local
+from tldp_cli.run.pipeline import Phase, PerturbOptions, PerturbResult, Progress, checked_options, output_of, perturb
+
+
+@dataclass
+class Outcome:
+    """One input's run: its result, or the exception that stopped it (nothing of it written)."""
+
+    input: Path
+    result: PerturbResult | None = None
+    error: Exception | None = None
+
+
+def input_list(text: str, where: str) -> list[Path]:
+    """The inputs listed in `text` (--inputs-from), one path per line; blank lines skipped.
+    A stream (`-`) or a URL is refused, naming the line."""
+    paths = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            continue
+        problem = local.problem(line, stream=local.STDIN)
+        if problem:
+            raise UsageError(f"{where}, line {number}: {problem}")
+        paths.append(Path(line))
+    if not paths:
+        raise UsageError(f"{where}: lists no input (one path per line)")
+    return paths
+
+
+def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]:
+    """The options of each input's run, refusing before any of them what cannot work for
+    several: one --manifest, --preview or --name-map for all, a seed (the same noise on
+    inputs of the same shape), an input given twice, two outputs in one place, an output
+    that is another input, and an --out that is not an existing folder."""
+    options = checked_options(options)
+    for flag, value in (("--manifest", options.manifest), ("--name-map", options.name_map)):
+        if value is not None:
+            raise UsageError(f"{flag} names one file; with several inputs each goes beside its output")
+    if options.seed is not None:
+        raise UsageError("a seed is for one release: with several inputs, inputs of the same shape would "
+                         "get the same noise; run them without a seed, or one by one with a seed each")
+    if options.out is not None:
+        folder = str(options.out)
+        if not Path(folder).is_dir():
+            raise OutputError(f"{folder}: with several inputs --out names the folder their outputs go in, "
+                              "and it does not exist")
+        options = dataclasses.replace(options, out=folder.rstrip("/" + os.sep) + os.sep)
+    each = [dataclasses.replace(options, input=path) for path in inputs]
+    _check_distinct(each)
+    return each
+
+
+def _check_distinct(each: list[PerturbOptions]) -> None:
+    seen: dict[str, Path] = {}
+    for options in each:
+        key = os.path.abspath(options.input)
+        if key in seen:
+            raise UsageError(f"{options.input}: given twice (as {seen[key]} and {options.input})")
+        seen[key] = options.input
+    written: dict[str, Path] = {}
+    for options in each:
+        destination = _destination(options)
+        if destination is None:
+            continue  # its run reports what is wrong with it
+        key = os.path.abspath(destination)
+        if key in written:
+            raise UsageError(f"{written[key]} and {options.input} would both write {destination}; "
+                             "run them separately, or with --out in different folders")
+        if key in seen:
+            raise UsageError(f"{options.input} would write {destination}, which is another input; "
+                             "run them separately")
+        written[key] = options.input
+
+
+def _destination(options: PerturbOptions) -> Path | None:
+    try:
+        return output_of(options, formats.detect(options.input, options.input_format))
+    except (TldpError, OSError):
+        return None
+
+
+def perturb_each(each: list[PerturbOptions], progress: Progress | None = None, phase: Phase | None = None,
+                 start=None) -> Iterator[Outcome]:
+    """Run `prepare`'s options one after the other (`progress` and `phase` as perturb takes
+    them); `start(i, options)` is told before each. An input's failure (any Exception) is
+    its Outcome; Ctrl-C stops the whole call."""
+    for i, options in enumerate(each):
+        if start is not None:
+            start(i, options)
+        try:
+            yield Outcome(options.input, result=perturb(options, progress=progress, phase=phase))
+        except Exception as exc:  # reported as that input's, and the next one runs
+            yield Outcome(options.input, error=exc)
