@@ -88,6 +88,55 @@ def _nifti(tmp: Path, digits: np.ndarray) -> Path:
     return path
 
 
+def _digit_images(digits: np.ndarray):
+    import io
+
+    from PIL import Image
+
+    images = []
+    for digit in digits:
+        buffer = io.BytesIO()
+        Image.fromarray(digit).save(buffer, "PNG")
+        images.append({"bytes": buffer.getvalue(), "path": None})
+    return images
+
+
+def _hf_digits(digits: np.ndarray):
+    """The first 40 digits and their labels as a Hugging Face dataset (Image, ClassLabel)."""
+    import datasets
+
+    labels = np.load(SAMPLES / "digits_labels.npy")[:40]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    return datasets.Dataset.from_dict({"image": _digit_images(digits[:40]), "label": labels.tolist()},
+                                      features=features)
+
+
+def _parquet(tmp: Path, digits: np.ndarray) -> Path:
+    path = tmp / "digits.parquet"
+    _hf_digits(digits).to_parquet(str(path), batch_size=16)
+    return path
+
+
+def _arrow(tmp: Path, digits: np.ndarray) -> Path:
+    """An Arrow IPC file (pyarrow) of 28x28 tensors and labels, in batches of 16."""
+    import pyarrow as pa
+
+    tensors = pa.FixedSizeListArray.from_arrays(
+        pa.FixedSizeListArray.from_arrays(pa.array(digits[:40].reshape(-1)), 28), 28)
+    table = pa.table({"pixels": tensors, "label": np.load(SAMPLES / "digits_labels.npy")[:40]})
+    path = tmp / "digits.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=16):
+            writer.write_batch(batch)
+    return path
+
+
+def _saved(tmp: Path, digits: np.ndarray) -> Path:
+    path = tmp / "digits_saved"
+    _hf_digits(digits).save_to_disk(str(path), num_shards=2)
+    return path
+
+
 def _webdataset(tmp: Path, digits: np.ndarray) -> Path:
     """Two shards as webdataset's ShardWriter writes them (a fixed mtime): each sample a
     digit as PNG, a 7 x 7 .npy of it, its class and a JSON record."""
@@ -119,6 +168,9 @@ CASES = {
     "safetensors": (_safetensors, ("--clip", "0.5", "--keep", "steps")),
     "sharded-safetensors": (_sharded, ("--clip", "0.5")),
     "nifti": (_nifti, ("--range", "0:256")),
+    "parquet": (_parquet, ()),
+    "arrow": (_arrow, ("--keep", "label")),
+    "hf-dataset": (_saved, ("--keep", "label")),
     "webdataset": (_webdataset, ("--keep", "cls")),
 }
 

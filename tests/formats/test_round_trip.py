@@ -8,17 +8,20 @@ and so does a case of a format the registry does not know.
 import pytest
 
 from tldp_cli import formats
+from tests.formats.test_dataset_folder import DatasetFolderRoundTrip
 from tests.formats.test_hdf5 import Hdf5RoundTrip
 from tests.formats.test_images import ImagesRoundTrip
 from tests.formats.test_nifti import NiftiRoundTrip
 from tests.formats.test_sharded_models import ShardedRoundTrip
 from tests.formats.test_npy_roundtrip import NpyRoundTrip
+from tests.formats.test_parquet import ArrowRoundTrip, ParquetRoundTrip
 from tests.formats.test_webdataset import WebDatasetRoundTrip
 from tests.formats.test_zarr import ZarrV2RoundTrip, ZarrV3RoundTrip
 from tests.run.test_model_params import CompressedNpzRoundTrip, NpzRoundTrip, SafetensorsRoundTrip
 
 CASES = (NpyRoundTrip, Hdf5RoundTrip, ZarrV3RoundTrip, ZarrV2RoundTrip, NpzRoundTrip, CompressedNpzRoundTrip,
-         SafetensorsRoundTrip, ShardedRoundTrip, NiftiRoundTrip, WebDatasetRoundTrip, ImagesRoundTrip)
+         SafetensorsRoundTrip, ShardedRoundTrip, NiftiRoundTrip, ParquetRoundTrip, ArrowRoundTrip,
+         DatasetFolderRoundTrip, WebDatasetRoundTrip, ImagesRoundTrip)
 
 
 def _registered_cases():

@@ -216,7 +216,8 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
          "sharded model folders, Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
-         "are left out (see --keep).")]
+         "are left out (see --keep). Parquet, Arrow and Hugging Face dataset folders: a column; "
+         "default: every image and tensor (list) column.")]
 Exclude = Annotated[Optional[list[str]], typer.Option(
     "--exclude", metavar="PATTERN",
     help="Model files and HDF5: leave out the tensors or datasets whose name matches this "
@@ -224,14 +225,16 @@ Exclude = Annotated[Optional[list[str]], typer.Option(
     show_default=False)]
 Keep = Annotated[Optional[list[str]], typer.Option(
     "--keep", metavar="NAME",
-    help="HDF5, Zarr, model files, NIfTI, image folders, WebDataset: copy this raw instead of leaving it out "
+    help="HDF5, Zarr, model files, NIfTI, image folders, WebDataset, tables (Parquet, Arrow, Hugging Face "
+         "dataset folders): copy this raw instead of leaving it out "
          "(repeatable; a glob matches several): a dataset or array that is not perturbed, an attribute as "
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
          "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
          "an HDF5 file's user block as userblock, a palette image (label map) of an "
          "image folder by its path, a WebDataset shard's label members by their extension (cls, "
-         "meta.json). By default everything not perturbed is left out (listed in the manifest's "
+         "meta.json), a table's column (e.g. label), an image column's file names as COLUMN.path. "
+         "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
          "'@history'. It never stops a dataset being perturbed (--exclude does).",
@@ -252,7 +255,8 @@ ImageFormatOption = Annotated[ImageFormat, typer.Option(
 InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
                      "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json (or model.safetensors "
-                     "and config.json) a model folder, any other folder a folder of images).",
+                     "and config.json) a model folder, one with save_to_disk's state.json or with Parquet "
+                     "files and no image a Hugging Face dataset folder, any other folder a folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

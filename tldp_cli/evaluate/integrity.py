@@ -31,8 +31,9 @@ def _image_format(m: dict) -> str:
 
 
 def is_clipped(m: dict) -> bool:
-    """Whether the writer rounded and clipped the noisy values (8/16-bit PNG)."""
-    return bool((m.get("image_output") or {}).get("clipped"))
+    """Whether the writer rounded and clipped the noisy values (8/16-bit PNG; a table's
+    image and integer columns)."""
+    return bool((m.get("image_output") or {}).get("clipped")) or bool((m.get("table_output") or {}).get("clipped"))
 
 
 def open_original(original: Path, m: dict, input_format: str | None):

@@ -260,6 +260,10 @@ class Format:
     # PNGs, evaluate pairs the outputs file by file, labels can come from subfolders.
     records_are_files: bool = False
     record_noun: str | None = None  # one record in words when it is a file: "an image"
+    # Its writer writes whole rows, all its arrays' row i together (a table's columns): the
+    # pipeline hands blocks over in the order of their first record, arrays interleaved, so
+    # that the writer holds a few blocks, not whole arrays.
+    writes_rows: bool = False
     single_array: bool = False  # the file is one array: messages do not name it
     member_noun: str = "dataset"  # an array inside it in messages: "dataset /x", "tensor w"
     # --anonymize-names: where the name map goes (checked), and how it is written.
@@ -294,6 +298,9 @@ FORMAT_MODULES = {
     "safetensors": "safetensors_file",
     "sharded-safetensors": "sharded_safetensors",
     "nifti": "nifti",
+    "parquet": "parquet_file",
+    "arrow": "arrow_file",
+    "hf-dataset": "dataset_folder",
     "webdataset": "webdataset",
     "images": "images",
 }

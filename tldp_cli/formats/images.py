@@ -364,8 +364,10 @@ class ImageFolderReader(Reader):
                 parents.append(posixpath.dirname(parents[-1]))
             store = next((p for p in parents if p and any((self.path / p / m).is_file() for m in ZARR_MARKERS)),
                          None)
+            # imagefolder's metadata.parquet is an index of the images (as metadata.jsonl), not data
+            index = posixpath.basename(rel) == PARQUET_INDEX
             reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
-                      else data_file(self.path / rel))
+                      else None if index else data_file(self.path / rel))
             if reason:
                 found[rel] = reason
         return found

@@ -1,5 +1,6 @@
 """Decoding and encoding images, shared by the formats that hold them: image folders
-(formats/images.py) and the image members of WebDataset shards (formats/webdataset.py).
+(formats/images.py), the image members of WebDataset shards (formats/webdataset.py) and the
+image columns of Parquet and Arrow tables (formats/tables.py).
 
 `header` learns what an opened image (Pillow) decodes to from its header alone, `decode`
 gives its colour channels and alpha apart (EXIF orientation applied, bilevel images

@@ -414,7 +414,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     if options.keep and not module.honours_keep:
         raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
                          f"(.npz, .safetensors, sharded model folders), NIfTI volumes, image folders' label "
-                         f"maps and WebDataset shards, not {module.name}: it has nothing else to keep")
+                         f"maps, WebDataset shards and tables (Parquet, Arrow, Hugging Face dataset folders), "
+                         f"not {module.name}: it has nothing else to keep")
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -857,6 +858,8 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
+    if module.writes_rows:  # arrays interleaved, in row order (the order does not change the values)
+        tasks.sort(key=lambda task: task[1])
     where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
                               f"work copy beside the output")

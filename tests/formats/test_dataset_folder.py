@@ -1,0 +1,132 @@
+"""Hugging Face dataset folders (formats/dataset_folder.py) written by `Dataset.save_to_disk`
+and read back with `datasets.load_from_disk`."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pyarrow as pa
+
+from tests.builders import RoundTrip, assert_one_line_error, tree_digest
+from tests.formats.test_parquet import FEATURES, RANGES, hf_dataset, pixels, run
+
+
+def saved(tmp_path, shards: int = 2):
+    ds = hf_dataset(n=14)
+    ds.save_to_disk(str(tmp_path / "train"), num_shards=shards)
+    return ds, tmp_path / "train"
+
+
+def test_a_save_to_disk_folder_is_perturbed_and_loads_with_its_features(cli, tmp_path):
+    """Regression: a save_to_disk folder was "no images in train (found 4 files that are not images)"."""
+    ds, src = saved(tmp_path)
+    before = tree_digest(src)
+    manifest, _ = run(cli, src, tmp_path / "out", "--keep", "label")
+    assert tree_digest(src) == before
+    out = datasets.load_from_disk(str(tmp_path / "out"))
+    assert out.features == datasets.Features({k: v for k, v in FEATURES.items()
+                                              if k in ("image", "label", "embedding", "grid", "counts")})
+    assert out["label"] == ds["label"] and len(out) == len(ds)
+    assert pixels(out).shape == pixels(ds).shape and not np.array_equal(pixels(out), pixels(ds))
+    assert not np.array_equal(np.asarray(out["grid"]), np.asarray(ds["grid"]))
+    shards = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert shards == sorted(p.name for p in src.iterdir())
+    state, original = json.loads((tmp_path / "out" / "state.json").read_text()), json.loads((src / "state.json").read_text())
+    assert state["_data_files"] == original["_data_files"] and state["_fingerprint"] != original["_fingerprint"]
+    with pa.memory_map(str(tmp_path / "out" / "data-00001-of-00002.arrow")) as f:
+        assert pa.ipc.open_stream(f).read_all().num_rows == 7
+    assert {e["name"] for e in manifest["dropped"]} >= {"age", "caption"}
+    assert manifest["row_records"]["records"] == 14
+
+
+def test_other_files_and_dataset_info_fields_follow_the_keep_rule(cli, tmp_path):
+    _, src = saved(tmp_path, shards=1)
+    info = json.loads((src / "dataset_info.json").read_text())
+    info["description"] = "photos of Alice's family"
+    (src / "dataset_info.json").write_text(json.dumps(info))
+    (src / "cache-0123.arrow").write_bytes((src / "data-00000-of-00001.arrow").read_bytes())
+    manifest, _ = run(cli, src, tmp_path / "out")
+    dropped = {e["name"] for e in manifest["dropped"]}
+    assert {"cache-0123.arrow", "dataset_info.json@description"} <= dropped
+    assert not (tmp_path / "out" / "cache-0123.arrow").exists()
+    assert "Alice" not in (tmp_path / "out" / "dataset_info.json").read_text()
+    manifest, _ = run(cli, src, tmp_path / "kept", "--keep", "dataset_info.json@description")
+    assert json.loads((tmp_path / "kept" / "dataset_info.json").read_text())["description"] == info["description"]
+    assert datasets.load_from_disk(str(tmp_path / "kept")).info.description == info["description"]
+
+
+def test_a_state_naming_a_missing_shard_is_refused_in_one_line(cli, tmp_path):
+    _, src = saved(tmp_path)
+    (src / "data-00001-of-00002.arrow").unlink()
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "state.json", "data-00001-of-00002.arrow", "not a file of the folder")
+    assert not (tmp_path / "train.tldp").exists()
+
+
+class DatasetFolderRoundTrip(RoundTrip):
+    format = "hf-dataset"
+    extra_args = RANGES
+
+    def make_input(self, tmp_path):
+        return saved(tmp_path)[1]
+
+    def read_arrays(self, path):
+        ds = datasets.load_from_disk(str(path))
+        return {"image": pixels(ds), "embedding": np.asarray(ds["embedding"]), "grid": np.asarray(ds["grid"]),
+                "counts": np.asarray(ds["counts"])}
+
+    def assert_same_structure(self, original, perturbed):
+        assert sorted(p.name for p in perturbed.iterdir()) == sorted(p.name for p in original.iterdir())
+        assert list(datasets.load_from_disk(str(perturbed)).features) == ["image", "embedding", "grid", "counts"]
+
+
+def hub_folder(tmp_path):
+    """A dataset as the Hub lays it out: Parquet shards per split under data/, a dataset card."""
+    root = tmp_path / "hub"
+    (root / "data").mkdir(parents=True)
+    train, test = hf_dataset(n=10), hf_dataset(n=4, seed=1)
+    for i in range(2):
+        train.shard(2, i, contiguous=True).to_parquet(str(root / "data" / f"train-0000{i}-of-00002.parquet"))
+    test.to_parquet(str(root / "data" / "test-00000-of-00001.parquet"))
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# Photos of Alice's family\n")
+    (root / ".git" / "objects").mkdir(parents=True)  # a clone of the Hub's repository
+    (root / ".git" / "objects" / "ab").write_bytes(b"x")
+    return root, train, test
+
+
+def test_a_hub_folder_of_parquet_shards_is_one_table_and_loads_with_its_splits(cli, tmp_path):
+    root, train, test = hub_folder(tmp_path)
+    manifest, _ = run(cli, root, tmp_path / "out")
+    out = datasets.load_dataset(str(tmp_path / "out"))
+    assert set(out) == {"train", "test"} and len(out["train"]) == 10 and len(out["test"]) == 4
+    assert list(out["train"].features) == ["image", "embedding", "grid", "counts"]
+    assert out["train"].features["image"] == FEATURES["image"] and out["test"].features["grid"] == FEATURES["grid"]
+    assert not np.array_equal(pixels(out["test"]), pixels(test))
+    assert not (tmp_path / "out" / "README.md").exists() and not (tmp_path / "out" / ".git").exists()
+    assert {e["name"] for e in manifest["dropped"]} >= {"README.md", ".git/"}
+    assert manifest["row_records"]["records"] == 14
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.parquet")) == \
+        sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
+
+
+def test_an_imagefolder_with_a_parquet_index_stays_an_image_folder(cli, tmp_path):
+    root, _, _ = hub_folder(tmp_path)
+    from PIL import Image
+
+    Image.new("L", (4, 4)).save(root / "a.png")
+    from tldp_cli import formats
+
+    assert formats.detect(root).name == "images"
+
+
+def test_a_format_naming_a_dropped_column_still_loads(cli, tmp_path):
+    ds = hf_dataset(n=6).with_format("numpy", columns=["grid", "caption"])
+    ds.save_to_disk(str(tmp_path / "train"))
+    result = cli("perturb", tmp_path / "train", "--eps", "1", "--dataset", "grid", "--range", "0:1",
+                 "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    out = datasets.load_from_disk(str(tmp_path / "out"))
+    assert out.format["type"] == "numpy" and out.format["columns"] == ["grid"]
+    assert out[0]["grid"].shape == (2, 3)
