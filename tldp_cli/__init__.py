@@ -20,9 +20,9 @@ __all__ = [
 
 _WHERE = {
     "perturb_array": "tldp_cli.run.arrays", "Perturbed": "tldp_cli.run.arrays",
-    "perturb": "tldp_cli.run.pipeline", "PerturbOptions": "tldp_cli.run.pipeline",
+    "perturb": "tldp_cli.run.library", "PerturbOptions": "tldp_cli.run.pipeline",
     "PerturbResult": "tldp_cli.run.pipeline",
-    "calibrate": "tldp_cli.privacy.mechanisms", "certify": "tldp_cli.privacy.accounting", "compose": "tldp_cli.privacy.accounting",
+    "calibrate": "tldp_cli.run.library", "certify": "tldp_cli.privacy.accounting", "compose": "tldp_cli.privacy.accounting",
     "TldpError": "tldp_cli.errors", "UsageError": "tldp_cli.errors", "InputError": "tldp_cli.errors",
     "DataError": "tldp_cli.errors", "OutputError": "tldp_cli.errors",
 }

@@ -161,7 +161,7 @@ def perturb_command(
         _check_preview(preview, out, overwrite)
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=input, epsilon=eps, mechanism=mechanism.value,
+            input=input, eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),

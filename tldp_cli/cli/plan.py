@@ -80,7 +80,7 @@ def plan_command(
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=input or Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
+            input=input or Path(planning.DESCRIBED), eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
