@@ -38,6 +38,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(pipeline.PerturbOptions)}
 _PARAMETERS = {**{"--" + name.replace("_", "-"): name for name in _FIELDS},
                **{flag: name for name, flag in pipeline.OPTION_FLAGS.items() if name != "ranges"}}
 _SWITCHES = {name for name, f in _FIELDS.items() if isinstance(f.default, bool)}  # --overwrite: overwrite=True
+_COMMAND_ONLY = {"--json": "PerturbResult.manifest"}  # flags of the command alone: what the library has instead
 
 _NUMBER = r"-?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?|-?inf|nan"
 _FLAG = re.compile(r"(?<![\w-])--(?P<flag>[a-z][a-z0-9-]*)(?: (?P<value>(?!--)[^\s,;()]+))?")
@@ -59,7 +60,8 @@ def python_words(text: str, renamed: Mapping[str, str] | None = None) -> str:
         tail = value[len(core):]  # the sentence's punctuation
         if flag == "--range":
             return _range_words(core, tail, value)
-        name = renamed.get(flag) or _PARAMETERS.get(flag) or match["flag"].replace("-", "_")
+        name = (renamed.get(flag) or _PARAMETERS.get(flag) or _COMMAND_ONLY.get(flag)
+                or match["flag"].replace("-", "_"))
         if name in _SWITCHES:
             return f"{name}=True" + (f" {value}" if value else "")
         if value and (re.fullmatch(_NUMBER, core) or _METAVAR.fullmatch(core)):
