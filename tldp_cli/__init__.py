@@ -4,9 +4,13 @@ The public API, imported on first use (so that `import tldp_cli` and the command
 quick):
 
     perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
-    perturb(PerturbOptions(...)) -> PerturbResult                 files, as `tldp perturb`
+    perturb(PerturbOptions(input, eps, ...)) -> PerturbResult     files, as `tldp perturb`
     calibrate(...), certify(calibration), compose([(calibration, records)])
     TldpError, UsageError, InputError, DataError, OutputError     the errors raised
+
+The parameters are the command's options without their dashes (eps, dp_delta,
+allow_weak_seed=True; --range is value_range, (lo, hi) or "lo:hi", and ranges for single
+arrays), and the errors of perturb_array, perturb and calibrate name them, not the flags.
 """
 
 from importlib import import_module
