@@ -35,7 +35,7 @@ BAD_ARRAY_CALLS = {
                         ["mechanism='mvg'", "noise='gaussian'"]),
     "exact noise, float sampler": (dict(value_range=(0, 1), sampler="float", noise="discrete-laplace"),
                                    ["noise='discrete-laplace'", "sampler='float'"]),
-    "bad basis": (dict(value_range=(0, 1), mechanism="privunit", basis="dct:1"), ["basis dct:1"]),
+    "bad basis": (dict(value_range=(0, 1), mechanism="privunit", basis="dct:1"), ["basis='dct:1'"]),
     "basis without privunit": (dict(value_range=(0, 1), basis="dct"), ["basis applies to mechanism='privunit'"]),
     "dp_delta": (dict(value_range=(0, 1), dp_delta=2), ["dp_delta must lie"]),
     "dtype": (dict(value_range=(0, 1), dtype="int8"), ["dtype must be"]),

@@ -50,8 +50,8 @@ _METAVAR = re.compile(r"[A-Z][A-Z0-9_]*(?:\.[a-z]+)?")
 def python_words(text: str, renamed: Mapping[str, str] | None = None) -> str:
     """`text` with each --flag (and the value a message gives it) in the library's words:
     the parameter's name (`renamed`: flag -> name where an entry point names it otherwise,
-    calibrate's epsilon), =True for a switch, =VALUE for a number, a choice or a
-    placeholder (C, PATH)."""
+    calibrate's epsilon), =True for a switch, =VALUE for a number or a placeholder (C,
+    PATH), ='VALUE' for a choice or a value the message follows with a colon."""
     renamed = renamed or {}
 
     def word(match: re.Match) -> str:
@@ -66,7 +66,7 @@ def python_words(text: str, renamed: Mapping[str, str] | None = None) -> str:
             return f"{name}=True" + (f" {value}" if value else "")
         if value and (re.fullmatch(_NUMBER, core) or _METAVAR.fullmatch(core)):
             return f"{name}={core}{tail}"
-        if value and core in CHOICES.get(name, ()):
+        if value and (core in CHOICES.get(name, ()) or tail.startswith(":")):  # "--basis dct:1: ..."
             return f"{name}={core!r}{tail}"
         return name + (f" {value}" if value else "")
 
