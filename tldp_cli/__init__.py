@@ -4,9 +4,13 @@ The public API, imported on first use (so that `import tldp_cli` and the command
 quick):
 
     perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
-    perturb(PerturbOptions(...)) -> PerturbResult                 files, as `tldp perturb`
+    perturb(PerturbOptions(input, eps, ...)) -> PerturbResult     files, as `tldp perturb`
     calibrate(...), certify(calibration), compose([(calibration, records)])
     TldpError, UsageError, InputError, DataError, OutputError     the errors raised
+
+The parameters are the command's options without their dashes (eps, dp_delta,
+allow_weak_seed=True; --range is value_range, (lo, hi) or "lo:hi", and ranges for single
+arrays), and the errors of perturb_array, perturb and calibrate name them, not the flags.
 """
 
 from importlib import import_module
@@ -20,9 +24,9 @@ __all__ = [
 
 _WHERE = {
     "perturb_array": "tldp_cli.run.arrays", "Perturbed": "tldp_cli.run.arrays",
-    "perturb": "tldp_cli.run.pipeline", "PerturbOptions": "tldp_cli.run.pipeline",
+    "perturb": "tldp_cli.run.library", "PerturbOptions": "tldp_cli.run.pipeline",
     "PerturbResult": "tldp_cli.run.pipeline",
-    "calibrate": "tldp_cli.privacy.mechanisms", "certify": "tldp_cli.privacy.accounting", "compose": "tldp_cli.privacy.accounting",
+    "calibrate": "tldp_cli.run.library", "certify": "tldp_cli.privacy.accounting", "compose": "tldp_cli.privacy.accounting",
     "TldpError": "tldp_cli.errors", "UsageError": "tldp_cli.errors", "InputError": "tldp_cli.errors",
     "DataError": "tldp_cli.errors", "OutputError": "tldp_cli.errors",
 }

@@ -131,7 +131,7 @@ def netcdf_file(path: Path) -> np.ndarray:
 
 def test_netcdf_output_equals_hdf5s_filters_and_opens_in_netcdf4_and_xarray(tmp_path, monkeypatch):
     data = netcdf_file(tmp_path / "era.nc")
-    options = dict(input=tmp_path / "era.nc", epsilon=1.0, seed=SEED, value_range=(200.0, 350.0), workers=2)
+    options = dict(input=tmp_path / "era.nc", eps=1.0, seed=SEED, value_range=(200.0, 350.0), workers=2)
     perturb(PerturbOptions(out=tmp_path / "here.nc", **options))
     monkeypatch.setattr(hdf5_chunks, "deflated", lambda *args, **kwargs: None)
     perturb(PerturbOptions(out=tmp_path / "hdf5.nc", **options))

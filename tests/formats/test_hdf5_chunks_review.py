@@ -29,7 +29,7 @@ RNG = np.random.default_rng(12)
 
 def run_both(tmp_path: Path, monkeypatch, source: Path, value_range) -> tuple[Path, Path]:
     """The output of the direct-chunk path and of HDF5's filters, same seed."""
-    options = {"input": source, "epsilon": 1.0, "seed": SEED, "value_range": value_range, "workers": 2}
+    options = {"input": source, "eps": 1.0, "seed": SEED, "value_range": value_range, "workers": 2}
     perturb(PerturbOptions(out=tmp_path / "direct.h5", **options))
     with monkeypatch.context() as m:
         m.setattr(hdf5_chunks, "deflated", lambda *args, **kwargs: None)

@@ -42,7 +42,7 @@ def test_every_output_file_is_flushed_to_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "out"
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True, workers=2,
+    perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=5, allow_weak_seed=True, workers=2,
                            copy_other=True))
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) == 8  # six images, the README and the index
@@ -66,7 +66,7 @@ def test_output_removed_during_the_run_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(images.ImageFolderWriter, "write", write_then_remove)
     with pytest.raises(OutputError, match="removed while tldp wrote the output"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+        perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, workers=1))
     assert siblings(tmp_path) == {"gone", "in"}
 
@@ -105,7 +105,7 @@ def test_a_writer_that_fails_to_start_leaves_no_thread(tmp_path, monkeypatch):
 
     monkeypatch.setattr(images.ImageFolderWriter, "_copy", unreadable)
     with pytest.raises(InputError, match="README.txt"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+        perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, copy_other=True))
     assert not [t for t in threading.enumerate() if t.name.startswith("tldp write")]
     assert siblings(tmp_path) == {"in"}
@@ -124,7 +124,7 @@ def test_an_image_removed_during_the_run_fails_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(images.ImageFolderWriter, "finish", remove_one_then_finish)
     with pytest.raises(OutputError, match=r"out/cats/2\.png: removed while tldp wrote the output"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", seed=5,
+        perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, workers=2))
     assert siblings(tmp_path) == {"in"}
 

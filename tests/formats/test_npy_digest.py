@@ -20,7 +20,7 @@ def test_manifest_sha256_is_the_output_file(tmp_path, workers):
     src = tmp_path / "x.npy"
     np.save(src, np.random.default_rng(0).integers(0, 256, (1000, 7, 3), dtype=np.uint8))
     out = tmp_path / "y.npy"
-    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=2, allow_weak_seed=True, workers=workers,
+    result = perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=2, allow_weak_seed=True, workers=workers,
                                     block_elements=700))  # many blocks
     [entry] = json.loads(result.manifest_path.read_text())["outputs"]
     assert entry["sha256"] == sha256(out)

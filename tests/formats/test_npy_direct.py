@@ -25,7 +25,7 @@ def run(tmp_path, name, data, **options):
     out = tmp_path / f"{name}-out.npy"
     # Records of a few uint8 values keep raw values with probability above dp_delta, which needs
     # consent (tests/privacy/test_raw_release.py); these tests are about the writer.
-    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+    result = perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=5, allow_weak_seed=True,
                                     allow_raw_release=True, **options))
     return out, json.loads(result.manifest_path.read_text())
 

@@ -247,7 +247,7 @@ def test_resume_regenerates_the_levels(tmp_path):
                 storage_options={"chunks": (1, 64, 48)})
 
     def run(out, progress=None, **more):
-        return run_perturb(PerturbOptions(input=tmp_path / "a.ome.zarr", out=out, epsilon=1.0, seed=SEED,
+        return run_perturb(PerturbOptions(input=tmp_path / "a.ome.zarr", out=out, eps=1.0, seed=SEED,
                                           block_elements=64 * 48, **more), progress=progress)
 
     def stop_after_one_block(done, total):

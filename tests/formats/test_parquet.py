@@ -212,7 +212,7 @@ def test_blocks_come_in_row_order_so_the_writer_holds_few(tmp_path, monkeypatch)
         flush(self)
 
     monkeypatch.setattr(tables.TableWriter, "_flush", watched)
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "o.parquet", block_elements=40, workers=1))
+    perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "o.parquet", block_elements=40, workers=1))
     assert max(held) <= 2
     out = pq.read_table(tmp_path / "o.parquet")
     assert out.num_rows == n and pq.ParquetFile(tmp_path / "o.parquet").metadata.num_row_groups == 40

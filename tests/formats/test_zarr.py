@@ -138,7 +138,7 @@ def test_sharded_output_keeps_shards_and_matches_any_chunking(tmp_path):
                                   compressors=BloscCodec(cname="zstd"), **layout)
         array[:] = images
         # Small blocks, so the pipeline splits the two layouts differently (20 vs 7 records).
-        perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True,
+        perturb(PerturbOptions(input=src, eps=1.0, seed=7, allow_weak_seed=True,
                                out=tmp_path / f"{name}.out.zarr", block_elements=8 * 64 * 64))
         out = zarr.open_array(tmp_path / f"{name}.out.zarr", mode="r")
         assert (out.chunks, out.shards) == (array.chunks, array.shards)
@@ -202,7 +202,7 @@ def test_fill_value_is_written_as_zarr_python_writes_it(tmp_path, zarr_format, d
                       zarr_format=zarr_format)[:] = np.arange(80).reshape(20, 4) % 50
     out = tmp_path / "out.zarr"
     bounds = {} if np.dtype(dtype).kind in "iu" else {"value_range": (0.0, 50.0)}
-    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out, **bounds))
+    perturb(PerturbOptions(input=src, eps=1.0, seed=7, allow_weak_seed=True, out=out, **bounds))
     written = metadata_json(out, zarr_format)["fill_value"]
     output_dtype = zarr.open_array(out, mode="r").dtype
     reference = tmp_path / "reference.zarr"  # zarr-python's own writing of that dtype and fill
@@ -383,7 +383,7 @@ def test_a_fill_value_the_output_dtype_cannot_hold_is_its_least_value(tmp_path, 
     zarr.create_array(src, shape=(8, 4), dtype="uint32", chunks=(4, 4), fill_value=2**32 - 1,
                       zarr_format=zarr_format)[:] = np.arange(32).reshape(8, 4) % 50
     out = tmp_path / "out.zarr"
-    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out,
+    perturb(PerturbOptions(input=src, eps=1.0, seed=7, allow_weak_seed=True, out=out,
                            value_range=(0.0, 100.0), allow_raw_release=True))
     assert zarr.open_array(out, mode="r").dtype == np.int16
     assert metadata_json(out, zarr_format)["fill_value"] == -32768
@@ -397,7 +397,7 @@ def test_blosc_shuffles_the_output_elements_not_the_inputs(tmp_path, shards):
     zarr.create_array(src, shape=IMAGES.shape, dtype="uint8", chunks=(10, 8, 8), shards=shards,
                       compressors=BloscCodec(cname="zstd", shuffle="shuffle"))[:] = IMAGES
     out = tmp_path / "out.zarr"
-    perturb(PerturbOptions(input=src, epsilon=1.0, seed=7, allow_weak_seed=True, out=out,
+    perturb(PerturbOptions(input=src, eps=1.0, seed=7, allow_weak_seed=True, out=out,
                            allow_raw_release=True))
     codecs = metadata_json(out, 3)["codecs"]
     if shards:

@@ -125,7 +125,7 @@ def test_perturb_output_reads_back_and_its_manifest_hashes_hold(tmp_path, name):
     source = create(tmp_path / "in.zarr", (PLAIN | NOT_PLAIN)[name], dtype=np.uint8, fill_value=0)
     source[:] = (VALUES % 256).astype(np.uint8)
     out = tmp_path / "out.zarr"
-    perturb(PerturbOptions(input=tmp_path / "in.zarr", epsilon=1.0, out=out, seed="ab13c892a8c04073b2e03853143751e3"))
+    perturb(PerturbOptions(input=tmp_path / "in.zarr", eps=1.0, out=out, seed="ab13c892a8c04073b2e03853143751e3"))
     result = zarr.open_array(str(out), mode="r")
     assert result.shape == SHAPE and result.dtype == np.int16
     noise = result[:].astype(np.int64) - (VALUES % 256)

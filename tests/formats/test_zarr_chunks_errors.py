@@ -79,7 +79,7 @@ def test_an_encoding_error_is_an_input_error_and_leaves_nothing(tmp_path):
     (source / ".zarray").write_text(json.dumps(meta))
     out = tmp_path / "out.zarr"
     with pytest.raises(InputError, match="cannot encode"):
-        perturb(PerturbOptions(input=source, epsilon=1.0, out=out, seed="ab13c892a8c04073b2e03853143751e3", workers=1))
+        perturb(PerturbOptions(input=source, eps=1.0, out=out, seed="ab13c892a8c04073b2e03853143751e3", workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]
 
 
@@ -253,7 +253,7 @@ def test_a_sharded_chunk_that_expands_beyond_its_chunk_is_refused_before_it_is(t
     tracemalloc.start()
     try:
         with pytest.raises(InputError) as refused:
-            perturb(PerturbOptions(input=tmp_path / "in.zarr", epsilon=1.0, out=str(tmp_path / "out.zarr"),
+            perturb(PerturbOptions(input=tmp_path / "in.zarr", eps=1.0, out=str(tmp_path / "out.zarr"),
                                    workers=1))
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -45,7 +45,7 @@ def run(tmp_path, name, **options):
     if not src.exists():
         make_store(src)
     out = tmp_path / f"{name}.zarr"
-    result = perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+    result = perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=5, allow_weak_seed=True,
                                     block_elements=100 * 784, **options))
     return out, json.loads(result.manifest_path.read_text())
 
@@ -200,7 +200,7 @@ def test_an_output_removed_during_the_run_fails(tmp_path, monkeypatch, sharded):
     after_the_second_block(monkeypatch, lambda blocks, job: os.rename(blocks.root.parent, tmp_path / "gone"))
     out = tmp_path / "out.zarr"  # its .out.zarr.tldp-partial went at once
     with pytest.raises(OutputError, match=r"out\.zarr"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+        perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=5, allow_weak_seed=True,
                                block_elements=100 * 784, workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.zarr"]
 
@@ -223,7 +223,7 @@ def test_every_output_file_is_flushed_to_disk(tmp_path, monkeypatch, sharded):
 
     monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "out.zarr"
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=5, allow_weak_seed=True,
+    perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=5, allow_weak_seed=True,
                            block_elements=100 * 784, workers=2))
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 7  # zarr.json and 6 shards, or 12 chunk files
@@ -241,6 +241,6 @@ def test_a_chunk_file_removed_during_the_run_fails_it(tmp_path, monkeypatch):
 
     after_the_second_block(monkeypatch, remove_the_first_chunk)
     with pytest.raises(OutputError, match=r"out\.zarr/c/0/0/0: removed while tldp wrote the output"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out.zarr", seed=5,
+        perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out.zarr", seed=5,
                                allow_weak_seed=True, block_elements=100 * 784, workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.zarr"]

@@ -31,7 +31,7 @@ def test_inputs_of_one_calibration_are_certified_once(tmp_path, monkeypatch):
     inputs.append(tmp_path / "y.npy")
     pipeline._certified.cache_clear()
     calls = _counting(monkeypatch, "certify_file")
-    options = PerturbOptions(input=inputs[0], epsilon=1, sampler="float", noise="laplace", value_range=(0.0, 1.0),
+    options = PerturbOptions(input=inputs[0], eps=1, sampler="float", noise="laplace", value_range=(0.0, 1.0),
                              allow_raw_release=True)
     outcomes = list(batch.perturb_each(batch.prepare(options, inputs)))
     assert [o.error for o in outcomes] == [None] * 4
@@ -39,7 +39,7 @@ def test_inputs_of_one_calibration_are_certified_once(tmp_path, monkeypatch):
     figures = [o.result.manifest["accounting"] for o in outcomes]
     assert figures[0] == figures[1] == figures[2] != figures[3]
     pipeline._certified.cache_clear()  # alone, without the cache: the same figures
-    alone = pipeline.perturb(PerturbOptions(input=inputs[2], epsilon=1, sampler="float", noise="laplace",
+    alone = pipeline.perturb(PerturbOptions(input=inputs[2], eps=1, sampler="float", noise="laplace",
                                             value_range=(0.0, 1.0), allow_raw_release=True,
                                             out=tmp_path / "alone.npy"))
     assert alone.manifest["accounting"] == figures[2]
@@ -49,7 +49,7 @@ def test_model_files_keep_their_own_tensor_names(tmp_path):
     """Tensors of the same shapes under other names share the figures, not the names."""
     np.savez(tmp_path / "m1.npz", w=np.zeros((4, 4), np.float32), b=np.zeros(4, np.float32))
     np.savez(tmp_path / "m2.npz", kernel=np.zeros((4, 4), np.float32), bias=np.zeros(4, np.float32))
-    options = PerturbOptions(input=tmp_path / "m1.npz", epsilon=1, clip=0.1, allow_raw_release=True)
+    options = PerturbOptions(input=tmp_path / "m1.npz", eps=1, clip=0.1, allow_raw_release=True)
     outcomes = list(batch.perturb_each(batch.prepare(options, [tmp_path / "m1.npz", tmp_path / "m2.npz"])))
     names = [[t["name"] for t in o.result.manifest["accounting"]["per_tensor"]] for o in outcomes]
     assert sorted(names[0]) == ["b", "w"] and sorted(names[1]) == ["bias", "kernel"]

@@ -59,7 +59,7 @@ def test_dask_equals_serial_and_threads(tmp_path, cluster, make, extra):
         if how.get("scheduler") == "dask":
             how = {**how, "dask_address": cluster.scheduler_address}
         out = tmp_path / f"out-{name}{src.suffix}"
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=SEED, block_elements=640, **how, **extra))
+        perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=SEED, block_elements=640, **how, **extra))
         results[name] = read(out)
     for name in RUNS:
         np.testing.assert_array_equal(results[name], results["serial"], err_msg=name)
@@ -79,7 +79,7 @@ def test_weights_and_several_arrays_on_dask(tmp_path, cluster):
                       ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
         out = tmp_path / f"{name}.zarr"
         # eps 20 on 64 elements: p is large enough that the weights decide real keep/noise choices
-        perturb(PerturbOptions(input=src, epsilon=20.0, out=out, seed=SEED, weights=mask, block_elements=640,
+        perturb(PerturbOptions(input=src, eps=20.0, out=out, seed=SEED, weights=mask, block_elements=640,
                                **how))
         outputs.append({k: zarr.open_array(str(out), path=k, mode="r")[...] for k in ("a", "b")})
     for key in ("a", "b"):
@@ -95,7 +95,7 @@ def test_worker_errors_reach_the_caller_and_nothing_is_left(tmp_path, cluster):
     # Records of 4 floats in 0:1 keep raw values with probability above dp_delta, which needs
     # consent (tests/privacy/test_raw_release.py); this test is about the worker's error.
     with pytest.raises(InputError, match=r"NaN or Inf at record 77, element 2"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=out, block_elements=40,
+        perturb(PerturbOptions(input=src, eps=1.0, value_range=(0, 1), out=out, block_elements=40,
                                scheduler="dask", dask_address=cluster.scheduler_address,
                                allow_raw_release=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.npy"]
@@ -105,7 +105,7 @@ def test_task_keys_do_not_derive_from_the_arguments(tmp_path, cluster):
     """Dask names a task by a hash of its arguments unless told otherwise; ours hold the
     stream key (from the seed), so the names must be random."""
     src, _ = make_npy(tmp_path)
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "o.npy", seed=SEED, block_elements=640,
+    perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "o.npy", seed=SEED, block_elements=640,
                            scheduler="dask", dask_address=cluster.scheduler_address))
     prefixes = set(cluster.scheduler.task_prefixes)
     assert "tldp-block" in prefixes

@@ -165,7 +165,7 @@ def test_distributed_logs_only_with_dask_logs(tmp_path, cluster, show):
     logger.addHandler(seen)
     try:
         with pytest.raises(InputError, match="NaN or Inf at record 77"):
-            perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.npy",
+            perturb(PerturbOptions(input=src, eps=1.0, value_range=(0, 1), out=tmp_path / "o.npy",
                                    scheduler="dask", dask_address=cluster.scheduler_address,
                                    dask_logs=show, allow_raw_release=True))
     finally:

@@ -98,5 +98,5 @@ def test_perturb_options_take_str_paths(tmp_path):
     from tldp_cli import PerturbOptions, perturb
 
     np.save(tmp_path / "x.npy", np.arange(12, dtype=np.uint8).reshape(3, 4))
-    result = perturb(PerturbOptions(input=str(tmp_path / "x.npy"), epsilon=1.0, out=str(tmp_path / "y.npy")))
+    result = perturb(PerturbOptions(input=str(tmp_path / "x.npy"), eps=1.0, out=str(tmp_path / "y.npy")))
     assert result.output == tmp_path / "y.npy" and result.output.exists()

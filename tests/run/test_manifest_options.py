@@ -27,21 +27,21 @@ CASES = {  # options (besides input and eps), the arrays
     "discrete grid given": (dict(noise="discrete-laplace", value_range=(-1, 1), granularity=2**-6), FLOATS),
     "float64 output, dp delta": (dict(noise="gaussian", value_range=(0, 4), dtype="float64", dp_delta=1e-7), FLOATS),
     "a range per array": (dict(ranges={"a": (0.0, 1.0), "b": (-5.0, 5.0)}), TWO),
-    "record budget": (dict(budget="record", value_range=(-1, 1), epsilon=50.0), TWO),
+    "record budget": (dict(budget="record", value_range=(-1, 1), eps=50.0), TWO),
     "clip": (dict(clip=0.5), FLOATS),
     "mvg": (dict(mechanism="mvg", sampler="float", value_range=(-1, 1)), FLOATS),
     "idn": (dict(mechanism="idn", sampler="float", value_range=(0, 255)), IMAGES),
     "baseline": (dict(mechanism="baseline", noise="gaussian", value_range=(0, 255)), IMAGES),
     "privunit default k": (dict(mechanism="privunit", value_range=(0, 255)), IMAGES),
     "privunit dct:K": (dict(mechanism="privunit", basis="dct:5", value_range=(-1, 1)), FLOATS),
-    "raw release allowed": (dict(value_range=(0, 1e6), allow_raw_release=True, epsilon=8.0), IMAGES),
+    "raw release allowed": (dict(value_range=(0, 1e6), allow_raw_release=True, eps=8.0), IMAGES),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_manifest_read_back_plans_what_the_run_planned(case):
     given, jobs = CASES[case]
-    options = checked_options(PerturbOptions(**{"input": Path("x"), "epsilon": 1.0, **given}))
+    options = checked_options(PerturbOptions(**{"input": Path("x"), "eps": 1.0, **given}))
     run = plan(options, jobs)
     manifest = build_manifest(options, run, jobs, None, None, None, None, outputs=[])
     again = options_of_manifest(manifest, Path("x"))
@@ -52,7 +52,7 @@ def test_a_manifest_read_back_plans_what_the_run_planned(case):
     assert rerun.bounds == run.bounds
     assert build_manifest(again, rerun, jobs, None, None, None, None, outputs=[])["accounting"] == \
         manifest["accounting"]
-    for field in ("epsilon", "mechanism", "noise", "budget", "dp_delta", "granularity", "ranges"):
+    for field in ("eps", "mechanism", "noise", "budget", "dp_delta", "granularity", "ranges"):
         assert getattr(again, field) == getattr(options, field), field
     if options.mechanism == "privunit":  # no --basis is dct
         assert parse_basis(again.basis) == parse_basis(options.basis)
@@ -64,7 +64,7 @@ def test_a_manifest_read_back_plans_what_the_run_planned(case):
 def test_a_basis_file_is_read_back_as_the_file(tmp_path):
     rows = np.linalg.qr(np.random.default_rng(0).normal(size=(30, 4)))[0].T
     np.save(tmp_path / "basis.npy", rows)
-    options = checked_options(PerturbOptions(input=Path("x"), epsilon=2.0, mechanism="privunit",
+    options = checked_options(PerturbOptions(input=Path("x"), eps=2.0, mechanism="privunit",
                                              basis=str(tmp_path / "basis.npy"), value_range=(-1, 1)))
     run = plan(options, FLOATS)
     again = options_of_manifest(build_manifest(options, run, FLOATS, None, None, None, None, outputs=[]),

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from tldp_cli.run.pipeline import PerturbOptions, perturb
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
-    perturb(PerturbOptions(input=src, epsilon=1.0, out=out, rng="fast", seed=1, allow_weak_seed=True, workers=2,
+    perturb(PerturbOptions(input=src, eps=1.0, out=out, rng="fast", seed=1, allow_weak_seed=True, workers=2,
                            block_elements=1 << 18))
     # VmHWM belongs to this process image; ru_maxrss would include the forking parent's.
     status = Path("/proc/self/status").read_text().splitlines()
@@ -71,7 +71,7 @@ def test_block_size_does_not_change_the_output(tmp_path):
     outs = []
     for i, block in enumerate([1 << 12, 1 << 16, 1 << 22]):
         out = tmp_path / f"o{i}.npy"
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=11, allow_weak_seed=True,
+        perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=11, allow_weak_seed=True,
                                block_elements=block))
         outs.append(np.load(out))
     np.testing.assert_array_equal(outs[0], outs[1])

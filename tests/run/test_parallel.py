@@ -13,7 +13,7 @@ def test_threads_equal_serial(tmp_path, make):
     results = []
     for workers in (1, 3):
         out = tmp_path / f"out{workers}{src.suffix}"
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=out, seed=SEED, workers=workers,
+        perturb(PerturbOptions(input=src, eps=1.0, out=out, seed=SEED, workers=workers,
                                block_elements=640))  # 10 records a block: many blocks
         results.append(read(out))
     np.testing.assert_array_equal(results[0], results[1])

@@ -72,7 +72,7 @@ def test_threads_and_blocking_do_not_change_seeded_output(tmp_path, make):
     results = []
     for workers, block in ((1, 1 << 21), (3, 640)):
         out = tmp_path / f"out{workers}{src.suffix}"
-        perturb(PerturbOptions(input=src, epsilon=3.0, mechanism="privunit", out=out, seed=SEED,
+        perturb(PerturbOptions(input=src, eps=3.0, mechanism="privunit", out=out, seed=SEED,
                                workers=workers, block_elements=block))
         results.append(read(out))
     np.testing.assert_array_equal(results[0], results[1])
@@ -285,7 +285,7 @@ def test_dask_equals_threads(tmp_path):
                                   dashboard_address="127.0.0.1:0") as cluster:
         for name, how in (("threads", {"workers": 2}),
                           ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
-            perturb(PerturbOptions(input=src, epsilon=3.0, mechanism="privunit", out=tmp_path / f"{name}.zarr",
+            perturb(PerturbOptions(input=src, eps=3.0, mechanism="privunit", out=tmp_path / f"{name}.zarr",
                                    seed=SEED, block_elements=640, **how))
     np.testing.assert_array_equal(read(tmp_path / "threads.zarr"), read(tmp_path / "dask.zarr"))
 

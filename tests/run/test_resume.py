@@ -63,7 +63,7 @@ def stop_after(blocks):
 
 
 def options(src, out, **more):
-    return PerturbOptions(input=src, out=out, block_elements=BLOCK, **{"epsilon": 1.0, "seed": SEED, **more})
+    return PerturbOptions(input=src, out=out, block_elements=BLOCK, **{"eps": 1.0, "seed": SEED, **more})
 
 
 def journal_blocks(out):
@@ -125,7 +125,7 @@ def test_killed_run_resumes(tmp_path):
             seen.append(done)
             if len(seen) == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
-        perturb(PerturbOptions(input=Path({str(src)!r}), epsilon=1.0, out=Path({str(out)!r}), seed={SEED!r},
+        perturb(PerturbOptions(input=Path({str(src)!r}), eps=1.0, out=Path({str(out)!r}), seed={SEED!r},
                                workers=2, block_elements={BLOCK}), progress=progress)
     """)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -213,7 +213,7 @@ def interrupted(tmp_path, **more):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"epsilon": 2.0}, "--eps 1.0 (now 2.0)"),
+    ({"eps": 2.0}, "--eps 1.0 (now 2.0)"),
     # the noise drawn (the default exact sampler's)
     ({"noise": "gaussian"}, '--noise "discrete-laplace" (now "discrete-gaussian")'),
     ({"sampler": "float"}, '--noise "discrete-laplace" (now "laplace")'),
@@ -289,7 +289,7 @@ def test_bad_data_removes_the_partial(tmp_path):
     # Records of 4 floats in 0:1 keep raw values with probability above dp_delta: consent
     # (tests/privacy/test_raw_release.py), so the run reaches the bad block.
     with pytest.raises(Exception, match="outside the declared range"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0, 1), out=tmp_path / "o.zarr",
+        perturb(PerturbOptions(input=src, eps=1.0, value_range=(0, 1), out=tmp_path / "o.zarr",
                                block_elements=80, allow_raw_release=True))
     assert siblings(tmp_path) == {"in.zarr"}
 
@@ -328,7 +328,7 @@ def test_a_failure_that_a_rerun_will_not_fix_removes_the_partial(cli, tmp_path, 
 def test_interrupted_run_leaves_nothing(tmp_path, make):
     src, _ = make(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        perturb(PerturbOptions(input=src, epsilon=1.0, out=tmp_path / "out", block_elements=BLOCK, workers=2),
+        perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", block_elements=BLOCK, workers=2),
                 progress=stop_after(1))
     assert siblings(tmp_path) == {src.name}
 
@@ -348,7 +348,7 @@ def test_resume_with_weights_checks_the_mask(tmp_path):
         masks[name] = tmp_path / name
         np.save(masks[name], np.random.default_rng(seed).random((200, 8, 8)))
     out, reference = tmp_path / "out.zarr", tmp_path / "reference.zarr"
-    weighted = {"weights": masks["m1.npy"], "epsilon": 20.0}
+    weighted = {"weights": masks["m1.npy"], "eps": 20.0}
     with pytest.raises(Interrupted):
         perturb(options(src, out, **weighted), progress=stop_after(3))
     with pytest.raises(UsageError, match="--weights"):

@@ -74,7 +74,7 @@ def _blockwise(x: np.ndarray, options: dict, seed: str, rng: str, weights: np.nd
                cut: list[tuple[int, int]]) -> np.ndarray:
     """The plan perturb_array makes, then the engine on each block [a, b) at its position."""
     run_options = checked_options(PerturbOptions(
-        input=Path(ARRAY_NAME), epsilon=options["eps"], value_range=options["value_range"], seed=seed,
+        input=Path(ARRAY_NAME), eps=options["eps"], value_range=options["value_range"], seed=seed,
         allow_weak_seed=True, rng=rng, allow_raw_release=True, noise=options.get("noise"),
         mechanism=options.get("mechanism", "tldp"), budget=options.get("budget"),
         sampler=options.get("sampler", "exact")))
@@ -120,7 +120,7 @@ def workdir():
 
 
 def _file_options(mechanism: str, eps: float = 2.0) -> dict:
-    return {"epsilon": eps, "allow_weak_seed": True, **({"mechanism": "privunit"} if mechanism == "privunit" else
+    return {"eps": eps, "allow_weak_seed": True, **({"mechanism": "privunit"} if mechanism == "privunit" else
                                {"noise": MECHANISMS[mechanism]["noise"]}), "allow_raw_release": True}
 
 

@@ -181,20 +181,20 @@ def test_env_and_file_give_the_bytes_of_seed(cli, src, tmp_path, monkeypatch):
 
 def test_the_library_and_the_cli_agree(cli, src, tmp_path):
     assert cli("perturb", src, *PERTURB, "--seed", SEED, "--out", tmp_path / "cli.npy").exit_code == 0
-    perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0.0, 1.0), mechanism="baseline",
+    perturb(PerturbOptions(input=src, eps=1.0, value_range=(0.0, 1.0), mechanism="baseline",
                            out=tmp_path / "lib.npy", seed=SEED))
     assert (tmp_path / "cli.npy").read_bytes() == (tmp_path / "lib.npy").read_bytes()
     # An integer keys the streams as its decimal digits, as --seed N does.
     assert cli("perturb", src, *PERTURB, "--seed", "42", "--allow-weak-seed", "--out",
                tmp_path / "cli42.npy").exit_code == 0
-    perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0.0, 1.0), mechanism="baseline",
+    perturb(PerturbOptions(input=src, eps=1.0, value_range=(0.0, 1.0), mechanism="baseline",
                            out=tmp_path / "lib42.npy", seed=42, allow_weak_seed=True))
     assert (tmp_path / "cli42.npy").read_bytes() == (tmp_path / "lib42.npy").read_bytes()
 
 
 def test_the_library_enforces_the_rule(src, tmp_path):
     with pytest.raises(UsageError, match="holds only 6 bits.*128 bits"):
-        perturb(PerturbOptions(input=src, epsilon=1.0, value_range=(0.0, 1.0), mechanism="baseline",
+        perturb(PerturbOptions(input=src, eps=1.0, value_range=(0.0, 1.0), mechanism="baseline",
                                out=tmp_path / "o.npy", seed=42))
     assert not (tmp_path / "o.npy").exists()
     with pytest.raises(UsageError, match="128 bits"):

@@ -177,7 +177,7 @@ def perturb_command(
     def options() -> "PerturbOptions":
         default_range, ranges = parse_ranges(value_range or [])
         return PerturbOptions(
-            input=paths[0], epsilon=eps, mechanism=mechanism.value,
+            input=paths[0], eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),

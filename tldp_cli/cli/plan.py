@@ -90,7 +90,7 @@ def plan_command(
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=inputs[0] if inputs else Path(planning.DESCRIBED), epsilon=eps, mechanism=mechanism.value,
+            input=inputs[0] if inputs else Path(planning.DESCRIBED), eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,

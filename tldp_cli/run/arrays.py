@@ -22,6 +22,7 @@ from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import Calibration, default_noise
+from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
 from tldp_cli.sampling.rng import Streams
 
@@ -43,7 +44,8 @@ class Perturbed:
     dtype: np.dtype  # of the perturbed values before any conversion back to torch
 
 
-def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | None = None,
+@speaks_python()
+def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | str | None = None,
                   noise: str | None = None, mechanism: str = "tldp", budget: str | None = None,
                   sampler: str = "exact", weights: Any = None, seed: str | int | None = None,
                   allow_weak_seed: bool = False, allow_raw_release: bool = False,
@@ -54,10 +56,11 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
 
     The options mean what `tldp perturb`'s do (`noise` None: the mechanism's default,
     laplace for tldp; `budget` None: element, record for privunit; `basis`: privunit's
-    --basis). `value_range` (lo, hi) is required for
+    --basis). `value_range`, (lo, hi) or "lo:hi", is required for
     float data; `weights` (values in [0, 1]) has the record's shape or one mask per record.
     Raises UsageError for options that cannot work (a TldpError), DataError for values
-    that are not finite or lie outside the range (unless clip_input).
+    that are not finite or lie outside the range (unless clip_input); their messages name
+    these parameters (run/library.py).
     """
     torch_dtype, torch_device = None, None
     if type(array).__module__.split(".")[0] == "torch":
@@ -69,9 +72,9 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     if values.dtype.kind not in "iuf":
         raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
     options = checked_options(PerturbOptions(
-        input=Path(ARRAY_NAME), epsilon=eps, noise=default_noise(mechanism) if noise is None else noise,
+        input=Path(ARRAY_NAME), eps=eps, noise=default_noise(mechanism) if noise is None else noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
-        value_range=None if value_range is None else (float(value_range[0]), float(value_range[1])),
+        value_range=value_range,
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
         basis=basis))

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,12 +84,12 @@ class Report:
 @dataclass
 class PerturbOptions:
     input: Path
-    epsilon: float
+    eps: float  # --eps (epsilon=, its old name, is deprecated: see _renamed_keywords)
     noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)
     mechanism: str = "tldp"
     budget: str | None = None  # None: the mechanism's own (element; record for privunit)
-    value_range: tuple[float, float] | None = None  # --range LO:HI: every array without its own
-    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # --range NAME=LO:HI
+    value_range: tuple[float, float] | str | None = None  # --range LO:HI: every array without its own
+    ranges: dict[str, tuple[float, float] | str] = field(default_factory=dict)  # --range NAME=LO:HI
     weights: Path | None = None
     out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
     manifest: Path | str | None = None  # a str keeps a trailing "/", which is refused
@@ -132,6 +133,30 @@ class PerturbOptions:
             if isinstance(getattr(self, name), str):
                 setattr(self, name, Path(getattr(self, name)))
 
+    @property
+    def epsilon(self) -> float:
+        """Deprecated: `eps`, as perturb_array and the command have it."""
+        warnings.warn("PerturbOptions.epsilon is deprecated; use eps", DeprecationWarning, stacklevel=2)
+        return self.eps
+
+
+def _renamed_keywords(init, **old_names: str):
+    """`init` also taking each parameter's old keyword, with a DeprecationWarning (for one
+    release: PerturbOptions(epsilon=...) is PerturbOptions(eps=...))."""
+    @functools.wraps(init)
+    def taking_old_names(self, *args, **kwargs):
+        for old, new in old_names.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"give {new}= (the new name of {old}=), not both")
+                warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+    return taking_old_names
+
+
+PerturbOptions.__init__ = _renamed_keywords(PerturbOptions.__init__, epsilon="eps")  # type: ignore[method-assign]
+
 
 @dataclass
 class PerturbResult:
@@ -154,6 +179,20 @@ def parse_range(text: str) -> tuple[float, float]:
         raise UsageError(f"--range must be finite, not {text!r}")
     if hi <= lo:
         raise UsageError(f"--range {text} is empty or inverted: HI must be greater than LO")
+    return lo, hi
+
+
+def as_range(value: tuple[float, float] | str, flag: str = "--range") -> tuple[float, float]:
+    """The library's ranges: a pair (lo, hi) or a string 'lo:hi', refused as parse_range
+    refuses --range (`flag`: the option the message names)."""
+    try:
+        lo, hi = (float(bound) for bound in (value.split(":") if isinstance(value, str) else value))
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag} must be two numbers, (lo, hi) or 'lo:hi', not {value!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise UsageError(f"{flag} must be finite, not {value!r}")
+    if hi <= lo:
+        raise UsageError(f"{flag} {value!r} is empty or inverted: hi must be greater than lo")
     return lo, hi
 
 
@@ -316,9 +355,12 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     returns the options with the noise as drawn (sampled_noise) and the budget resolved
     (resolve_budget)."""
     options = dataclasses.replace(options, budget=resolve_budget(options.mechanism, options.budget),
-                                  noise=default_noise(options.mechanism) if options.noise is None else options.noise)
+                                  noise=default_noise(options.mechanism) if options.noise is None else options.noise,
+                                  value_range=None if options.value_range is None else as_range(options.value_range),
+                                  ranges={name: as_range(bounds, f"--range {name}=...")
+                                          for name, bounds in options.ranges.items()})
     check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
-                     epsilon=options.epsilon, dp_delta=options.dp_delta)
+                     epsilon=options.eps, dp_delta=options.dp_delta)
     if options.mechanism == PRIVUNIT:
         bases_mod.parse_basis(options.basis)
         if options.weights is not None:
@@ -542,7 +584,7 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
         if key not in made:
             try:
                 made[key] = calibrate_privunit(
-                    epsilon=options.epsilon / key[1], record_shape=job.record_shape, value_range=(lo, hi),
+                    epsilon=options.eps / key[1], record_shape=job.record_shape, value_range=(lo, hi),
                     dp_delta=options.dp_delta, k=user.k if user else choice.k, basis=choice.kind,
                     basis_sha256=user.sha256 if user else None)
             except UsageError as exc:
@@ -564,11 +606,11 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
     grid = None  # discrete noises: the integers, or the grid G*Z that float data is snapped to
     if discrete.is_discrete(options.noise):
         grid = discrete.resolve_grid(lo, hi, [job.dtype for job in jobs], options.granularity,
-                                     options.epsilon, source)
+                                     options.eps, source)
     elif options.granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
     calib_of = calibrate_arrays(
-        mechanism=options.mechanism, noise=options.noise, budget=options.budget, epsilon=options.epsilon,
+        mechanism=options.mechanism, noise=options.noise, budget=options.budget, epsilon=options.eps,
         range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
         granularity=grid and grid.granularity, rows=rows,
         arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
@@ -638,7 +680,7 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     raw_release = accounting.raw_release_scopes(certified)
     if raw_release and not options.allow_raw_release:
         scope, delta = next(((s, d) for s, d in raw_release if s == "per_record"), raw_release[0])
-        unmet = (f"--eps {options.epsilon:g} per record cannot be met at --dp-delta {options.dp_delta:g}"
+        unmet = (f"--eps {options.eps:g} per record cannot be met at --dp-delta {options.dp_delta:g}"
                  if options.budget == "record" else f"above --dp-delta {options.dp_delta:g}")
         raise UsageError(
             f"{source}: TLDP would keep each raw value with probability "
@@ -1138,7 +1180,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
-                                              options.epsilon, options.budget)]
+                                              options.eps, options.budget)]
     if any(warnings):
         extra["warnings"] = [w for w in warnings if w]
     extra["sampler"] = options.sampler
@@ -1164,7 +1206,7 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["elements_per_record_range"] = [min(sizes), max(sizes)]
     postprocessing = []
     if run.largest.privunit is not None:
-        extra["epsilon"] = options.epsilon  # a record spanning n arrays gets --eps / n in each
+        extra["epsilon"] = options.eps  # a record spanning n arrays gets --eps / n in each
         extra["privunit"] = manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
                                                         run.user_basis)
         postprocessing = [f"write back reference + c B^T V in the record's shape (c: privunit.output_scale), "
@@ -1197,7 +1239,7 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
     automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
     float_dtype = m.get("output_dtype") if m.get("output_dtype") in ("float32", "float64") else "float32"
     return PerturbOptions(
-        input=input, epsilon=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
+        input=input, eps=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
         budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
@@ -1252,7 +1294,10 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 _NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
                  "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
                  "seed_file", "name_map"}
-_OPTION_NAMES = {"epsilon": "--eps", "value_range": "--range", "datasets": "--dataset"}
+# Each option's flag where it is not its field's name with "-" for "_" (eps: --eps). Both
+# ways: a resume record's keys, and the library's messages (run/library.py: --range LO:HI
+# reads value_range=(lo, hi) there).
+OPTION_FLAGS = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
 
 
 def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_range: tuple[float, float],
@@ -1268,7 +1313,7 @@ def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_
     for f in dataclasses.fields(options):
         if f.name not in _NOT_RECORDED and f.name != "weights":
             value = getattr(options, f.name)
-            record[_OPTION_NAMES.get(f.name, "--" + f.name.replace("_", "-"))] = (
+            record[OPTION_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))] = (
                 str(value) if isinstance(value, Path) else value)
     record["--range"] = list(value_range)  # as resolved (integer data: its dtype's range)
     record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
