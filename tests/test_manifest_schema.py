@@ -27,13 +27,16 @@ def test_the_schema_is_a_valid_json_schema():
 
 def _inputs(tmp_path):
     """A uint8 stack, a float stack, an HDF5 file of a uint8 and a uint16 array (two ranges),
-    a weight mask made by tldp weight-mask and a basis file for PrivUnit."""
+    one of two float arrays of different record sizes, and a basis file for PrivUnit."""
     rng = np.random.default_rng(0)
     np.save(tmp_path / "x.npy", rng.integers(0, 256, (10, 8, 8), dtype=np.uint8))
     np.save(tmp_path / "f.npy", rng.uniform(-1, 1, (10, 8, 8)).astype(np.float32))
     with h5py.File(tmp_path / "two.h5", "w") as f:
         f["a"] = rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)
         f["b"] = rng.integers(0, 65536, (6, 3, 3), dtype=np.uint16)
+    with h5py.File(tmp_path / "sizes.h5", "w") as f:
+        f["a"] = rng.uniform(-1, 1, (6, 4, 4))
+        f["b"] = rng.uniform(-1, 1, (6, 3, 6))
     basis, _ = np.linalg.qr(rng.normal(size=(64, 8)))
     np.save(tmp_path / "basis.npy", basis.T.copy())
     (tmp_path / "out").mkdir()
@@ -51,6 +54,9 @@ RUNS = {
     "privunit basis file": ("x.npy", ("--mechanism", "privunit", "--eps", "10", "--basis", "basis.npy")),
     "clip": ("f.npy", ("--clip", "0.5", "--clip-input")),
     "several ranges": ("two.h5", ()),
+    "mvg, record sizes": ("sizes.h5", ("--mechanism", "mvg", "--sampler", "float", "--range", "-1:1",
+                                       "--budget", "element")),
+    "privunit, record sizes": ("sizes.h5", ("--mechanism", "privunit", "--eps", "10", "--range", "-1:1")),
     "a range per array": ("two.h5", ("--range", "a=0:256", "--range", "b=0:65536")),
     "raw release": ("x.npy", ("--sampler", "float", "--range", "0:1e6", "--eps", "8", "--allow-raw-release")),
     "seeded with a ledger": ("x.npy", ("--seed", SEED, "--ledger", "releases.db")),
