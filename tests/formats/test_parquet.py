@@ -346,7 +346,7 @@ def test_peak_memory_is_flat_in_the_number_of_rows(tmp_path):
         assert code == 0, stderr
         peaks.append(peak)
     grown_mib = (peaks[1] - peaks[0]) / (1 << 20)
-    assert grown_mib < 30, f"peak RSS grew by {grown_mib:.0f} MiB for 10 times the rows"
+    assert grown_mib < 45, f"peak RSS grew by {grown_mib:.0f} MiB for 10 times the rows"
 
 
 def test_the_alpha_channel_is_copied_back_and_16_bit_images_stay_16_bit(cli, tmp_path):

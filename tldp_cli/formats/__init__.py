@@ -36,6 +36,11 @@ reader's), `postprocessing` and `manifest_extra` for the manifest, `output_dtype
 `block_writer()` (a picklable function that writes a block from any process; None:
 blocks computed on Dask come back and `write` stores them), `block_written()` and
 `digests()` (hashing while writing), `finish()`.
+A reader's and a writer's `manifest_extra` are parts of the manifest that
+run/manifest.py's `build` joins with the others: a key another part writes raises
+KeyCollision (but for `unperturbed` and `dropped`, whose entries are joined), and every
+key is declared in docs/manifest.schema.json and named in docs/manifest.md (how:
+docs/architecture.md).
 Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
 picklable and open its file inside each call (never hold an open handle).
 `write` may keep the block and write it later (the .npy writer does, on a thread of

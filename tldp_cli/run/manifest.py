@@ -3,6 +3,14 @@
 It travels with the perturbed data, so it holds no hash or statistic of the raw
 input, and never the seed. `certified` is what accounting.certify_all returned for
 the run's calibrations.
+
+`build` is the one place a manifest is put together: its own fields (the calibration,
+the accounting, the inputs and outputs) and the `Part`s others contribute (a format's
+reader and writer, the sampler's grid, the missing-data markers, the rows, the ranges,
+PrivUnit), joined by `assemble`. Each key comes from one part: a part writing a key
+another part wrote raises KeyCollision (a bug, never a silent overwrite), except the
+lists of SHARED_LISTS, which every part may add entries to. Every key any part writes
+is declared in docs/manifest.schema.json and named in docs/manifest.md.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError, reason_of
@@ -24,6 +32,37 @@ from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.sampling import projection
 
 SCHEMA = "tldp-manifest/1"
+
+
+# Keys several parts add entries to (a format's reader and writer, the missing-data
+# markers): their lists are joined, in the order of the parts.
+SHARED_LISTS = frozenset({"unperturbed", "dropped"})
+
+
+class Part(NamedTuple):
+    """Fields a contributor adds to the manifest; `owner` names it in a KeyCollision."""
+    owner: str
+    fields: Mapping[str, Any]
+
+
+class KeyCollision(RuntimeError):
+    """Two parts of a manifest wrote the same key: a bug in tldp, not in the input."""
+
+
+def assemble(parts: Sequence[Part]) -> dict[str, Any]:
+    """The manifest of `parts`, keys in the order the parts give them. Raises KeyCollision
+    when a key (not one of SHARED_LISTS, whose lists are joined) comes from two parts."""
+    manifest: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for owner, fields in parts:
+        for key, value in fields.items():
+            if key not in owners:
+                owners[key], manifest[key] = owner, value
+            elif key in SHARED_LISTS:
+                manifest[key] = [*manifest[key], *value]
+            else:
+                raise KeyCollision(f"manifest key {key!r} written by both {owners[key]} and {owner}")
+    return manifest
 
 
 def sha256_file(path: Path) -> str:
@@ -41,11 +80,14 @@ def default_path(output: Path) -> Path:
 def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[float, float], records: int,
           rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
           outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
-          output_dtype: str, extra: dict | None = None,
+          output_dtype: str, parts: Sequence[Part] = (),
           calibrations: list[tuple[Calibration, int]] | None = None,
-          weak_seed: bool = False) -> dict[str, Any]:
-    """`calib`: the calibration of the largest record, which the scalar fields
-    (elements_per_record, noise_scale, calibration_epsilon, expected error) describe.
+          weak_seed: bool = False, epsilon: float | None = None) -> dict[str, Any]:
+    """The manifest: its own fields, then those of `parts` (assemble: no key twice).
+    `calib`: the calibration of the largest record, which the scalar fields
+    (elements_per_record, noise_scale, calibration_epsilon, expected error) describe;
+    `epsilon`: --eps where it is not calib's (PrivUnit: a record spanning n arrays gets
+    --eps / n in each).
     `calibrations`: every calibration of the run with its number of records, when records
     differ in size; the retain probability is the largest of any, and more than one are
     listed under `calibrations`. `weak_seed`: the seed held fewer than rng.MIN_SEED_BITS
@@ -58,7 +100,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "mechanism": calib.mechanism,
         "noise": calib.noise,
         "budget": calib.budget,
-        "epsilon": calib.epsilon,
+        "epsilon": calib.epsilon if epsilon is None else epsilon,
         "value_range": [value_range[0], value_range[1]],
         "range_width": calib.range_width,
         "elements_per_record": calib.elements,
@@ -84,9 +126,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
     }
     if calibrations and len(dict.fromkeys(every)) > 1:
         manifest["calibrations"] = calibration_entries(calibrations, weights)
-    if extra:
-        manifest.update(extra)
-    return manifest
+    return assemble([Part("the calibration and accounting", manifest), *parts])
 
 
 def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: dict | None) -> list[dict]:

@@ -1171,44 +1171,10 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
                    masked: list[str] | None = None) -> dict[str, Any]:
     """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
     comes from the plan, the reader and the writer, never from the data. `masked`: the
-    arrays a weight mask covers."""
-    extra = dict(reader.manifest_extra if reader else {})
-    for key, value in (writer.manifest_extra if writer else {}).items():  # e.g. dropped_filters
-        # what is written raw and left out: the reader's and the writer's together
-        extra[key] = [*extra[key], *value] if key in ("unperturbed", "dropped") and key in extra else value
-    record = (reader and reader.record_description) or privacy_warnings.record_name(
-        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
-    warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
-                privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked or [],
-                                              options.eps, options.budget)]
-    if any(warnings):
-        extra["warnings"] = [w for w in warnings if w]
-    extra["sampler"] = options.sampler
-    if options.clip is not None:
-        extra["clip"] = {"norm": "linf", "bound": options.clip}
-    if run.raw_release:
-        extra["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
-    for key, value in cf.marker_fields(run.in_range_markers, options.public_missing).items():
-        extra[key] = [*extra.get(key, []), *value] if key == "dropped" else value
-    if any(len(row) > 1 for row in run.rows):
-        extra["row_datasets"] = [row for row in run.rows if len(row) > 1]
-        extra["row_records"] = _row_records(run.rows, jobs)
-    if run.grid is not None:
-        extra.update(discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype))
-    if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
-        extra["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
-        if run.grid is not None:
-            extra["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
-    if run.range_groups:
-        extra["range_groups"] = run.range_groups
-    sizes = {c.elements for c in run.calibrations}
-    if len(sizes) > 1:
-        extra["elements_per_record_range"] = [min(sizes), max(sizes)]
+    arrays a weight mask covers. manifest.build joins the parts (manifest_parts), none
+    writing a key another wrote."""
     postprocessing = []
     if run.largest.privunit is not None:
-        extra["epsilon"] = options.eps  # a record spanning n arrays gets --eps / n in each
-        extra["privunit"] = manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
-                                                        run.user_basis)
         postprocessing = [f"write back reference + c B^T V in the record's shape (c: privunit.output_scale), "
                           f"clip to [{run.lo:g}, {run.hi:g}], cast to {run.out_dtype}"]
     records_of: dict[Calibration, int] = {}
@@ -1218,6 +1184,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         calib=run.largest, certified=run.certified, value_range=(run.lo, run.hi),
         records=sum(job.records for job in jobs), rng=options.rng,
         calibrations=list(records_of.items()),
+        # PrivUnit: a record spanning n arrays gets --eps / n in each
+        epsilon=options.epsilon if run.largest.privunit is not None else None,
         seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=weights_info,
         inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
         preprocessing=(["clip"] if options.clip is not None else [])
@@ -1225,7 +1193,52 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         postprocessing=postprocessing + ([discrete.saturation_note(run.out_dtype)]
                                          if run.grid and run.out_dtype.kind == "i" else [])
         + (list(writer.postprocessing) if writer else []),
-        output_dtype=(writer and writer.output_dtype) or str(run.out_dtype), extra=extra)
+        output_dtype=(writer and writer.output_dtype) or str(run.out_dtype),
+        parts=manifest_parts(options, run, jobs, reader, writer, masked or []))
+
+
+def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
+                   masked: list[str]) -> list[manifest_mod.Part]:
+    """What the format's reader and writer, the privacy warnings, the options, the
+    missing-data markers, the rows, the sampler's grid, the ranges and PrivUnit add to
+    the manifest, in the order the manifest lists them."""
+    Part = manifest_mod.Part
+    record = (reader and reader.record_description) or privacy_warnings.record_name(
+        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
+    warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
+                privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked,
+                                              options.eps, options.budget)]
+    chosen: dict[str, Any] = {"sampler": options.sampler}
+    if options.clip is not None:
+        chosen["clip"] = {"norm": "linf", "bound": options.clip}
+    if run.raw_release:
+        chosen["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
+    rows: dict[str, Any] = {}
+    if any(len(row) > 1 for row in run.rows):
+        rows = {"row_datasets": [row for row in run.rows if len(row) > 1], "row_records": _row_records(run.rows, jobs)}
+    ranges: dict[str, Any] = {}
+    if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
+        ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
+        if run.grid is not None:
+            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
+    if run.range_groups:
+        ranges["range_groups"] = run.range_groups
+    sizes = {c.elements for c in run.calibrations}
+    return [
+        Part("the reader", reader.manifest_extra if reader else {}),
+        Part("the writer", writer.manifest_extra if writer else {}),  # e.g. dropped_filters
+        Part("the privacy warnings", {"warnings": [w for w in warnings if w]} if any(warnings) else {}),
+        Part("the options", chosen),
+        Part("the missing-data markers", cf.marker_fields(run.in_range_markers, options.public_missing)),
+        Part("the rows", rows),
+        Part("the sampler's grid", discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype)
+             if run.grid is not None else {}),
+        Part("the ranges", ranges),
+        Part("the record sizes", {"elements_per_record_range": [min(sizes), max(sizes)]} if len(sizes) > 1 else {}),
+        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
+                                                                  run.user_basis)}
+             if run.largest.privunit is not None else {}),
+    ]
 
 
 def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
