@@ -219,8 +219,21 @@ def release_tldp(x: np.ndarray, k: int, eps: float, value_range: tuple[float, fl
         product.OUTPUT_SCALE_DIVISOR = saved
 
 
+def wiener_weights(shape: tuple[int, ...], k: int, m: float, alpha: float = 2.0) -> np.ndarray:
+    """Public per-coefficient weights of a write-back W V: the Wiener filter of a signal m u
+    whose energy follows a 1/(1 + f)^alpha power spectrum (alpha = 2: natural images') (f: the
+    coefficient's frequency in cycles per record) in noise of 1/k per coefficient, scaled so
+    that the mean of the squared weights is 1 (the written deviation keeps its size)."""
+    pairs = frequency_order(*shape)[:k]
+    f = np.hypot(pairs[:, 0], pairs[:, 1]) / 2.0
+    prior = (1.0 + f) ** -alpha
+    prior /= prior.sum()
+    w = m * m * prior / (m * m * prior + (1 - m * m) / k)
+    return w / math.sqrt(np.mean(w * w))
+
+
 def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str, norm: float,
-            rng: np.random.Generator, cal: dict | None = None) -> np.ndarray:
+            rng: np.random.Generator, cal: dict | None = None, v: np.ndarray | None = None) -> np.ndarray:
     """x (n, ...) -> lo + B^T (c V), c = norm / m ("unbiased"), norm ("display") or
     |z| * m per record ("oracle", research only: it uses each record's norm).
     """
@@ -230,13 +243,19 @@ def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str,
     r = np.linalg.norm(z, axis=1)
     u = np.where(r[:, None] > 0, z / np.where(r > 0, r, 1.0)[:, None], np.eye(basis.shape[0])[0])
     cal = cal or calibrate(eps, basis.shape[0])
-    v = privunit(u, cal, rng)
+    v = privunit(u, cal, rng) if v is None else v
+    if scale.startswith("wiener/"):  # wiener/D/A: clip/D of W V, Wiener weights of a public 1/(1+f)^A prior
+        _, divisor, alpha = scale.split("/")
+        v = v * wiener_weights(x.shape[1:], basis.shape[0], cal["m"], float(alpha))
+        return release(x, basis, eps, lo, f"clip/{divisor}", norm, rng, cal, v)
     if scale.startswith("clip/") or scale.startswith("noclip/"):  # the package's display scale, /D
         kind, divisor = scale.split("/")
+        divisor, _, at = divisor.partition("@")  # clip/D@T: written from lo + T (hi - lo)
+        width = 2 * norm / math.sqrt(basis.shape[1])  # hi - lo
         c = np.full(len(x), 2 * norm / float(divisor))  # (hi - lo) sqrt(I) / D
-        out = lo + (c[:, None] * v) @ basis
+        out = lo + float(at or 0) * width + (c[:, None] * v) @ basis
         if kind == "clip":
-            out = np.clip(out, lo, lo + 2 * norm / math.sqrt(basis.shape[1]))  # to [lo, hi]
+            out = np.clip(out, lo, lo + width)  # to [lo, hi]
         return out.reshape(shape)
     c = {"unbiased": np.full(len(x), norm / cal["m"]), "display": np.full(len(x), norm),
          "oracle": r * cal["m"]}[scale]
@@ -279,7 +298,7 @@ def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
 # --------------------------------------------------------------------------- experiments
 
 def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int] | None,
-         skip_dc: bool = False) -> dict:
+         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS) -> dict:
     """Mean F1 over `repeats` releases for every (k, eps, scale). Each release covers the
     records of every training fold at once (with cross-validation: every record, each fold
     then trains on its released training part and tests on its clean test part)."""
@@ -296,7 +315,7 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
     for k in ks or K_GRID[data]:
         basis = dct_basis(*shape, k + skip_dc, ordering)[int(skip_dc):]
         offset = (lo + hi) / 2 if skip_dc else lo  # without the DC, the release is centred on mid-range
-        for eps in EPSILONS:
+        for eps in epsilons:
             cal = calibrate(eps, k)
             for scale in scales:
                 t0 = time.perf_counter()
@@ -363,13 +382,14 @@ def grid_table(result: dict, scale: str) -> str:
     """Mean F1 by k (rows) and eps (columns) for one output scale; the best k per eps in bold."""
     rows = [r for r in result["rows"] if r["scale"] == scale]
     ks = sorted({r["k"] for r in rows})
-    best = {e: max((r for r in rows if r["eps"] == e), key=lambda r: r["f1"])["k"] for e in EPSILONS}
+    epsilons = sorted({r["eps"] for r in rows})
+    best = {e: max((r for r in rows if r["eps"] == e), key=lambda r: r["f1"])["k"] for e in epsilons}
     f1 = {(r["k"], r["eps"]): r["f1"] for r in rows}
-    lines = ["| k | " + " | ".join(f"eps {e:g}" for e in EPSILONS) + " |",
-             "|---:|" + "---:|" * len(EPSILONS)]
+    lines = ["| k | " + " | ".join(f"eps {e:g}" for e in epsilons) + " |",
+             "|---:|" + "---:|" * len(epsilons)]
     for k in ks:
         cells = [(f"**{f1[k, e]:.3f}**" if best[e] == k else f"{f1[k, e]:.3f}") if (k, e) in f1 else ""
-                 for e in EPSILONS]
+                 for e in epsilons]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -442,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ordering", choices=("radial", "diagonal", "square"), default="radial")
     g.add_argument("--skip-dc", action="store_true", help="leave the DC coefficient out (k from (0, 1) on)")
     g.add_argument("--k", default="", help="comma-separated k values (default: the data's grid)")
+    g.add_argument("--eps", default=",".join(f"{e:g}" for e in EPSILONS), help="comma-separated per-record eps")
     g.add_argument("--name", default="", help="output name (default: the data's name and ordering)")
     c = sub.add_parser("colour", help="PSNR/SSIM of RGB against luminance/chroma releases")
     c.add_argument("--repeats", type=int, default=2)
@@ -473,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "grid":
         scales = args.scales.split(",")
         result = grid(args.data, args.repeats, scales, args.ordering,
-                      [int(k) for k in args.k.split(",") if k] or None, args.skip_dc)
+                      [int(k) for k in args.k.split(",") if k] or None, args.skip_dc,
+                      tuple(float(e) for e in args.eps.split(",")))
         path = _save(args.name or f"{args.data}-{args.ordering}" + ("-nodc" if args.skip_dc else ""), result)
         for scale in scales:
             print(f"\n{args.data} ({args.ordering}, {scale} scale; clean F1 {result['f1_clean']:.3f}):\n")

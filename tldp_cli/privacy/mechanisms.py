@@ -453,7 +453,9 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
                             record_shape=tuple(int(n) for n in record_shape),
                             reference=privunit.reference_point(lo, hi),
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
-                            high=float(hi), basis_sha256=basis_sha256)
+                            high=float(hi), basis_sha256=basis_sha256,
+                            alignment=privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53),
+                            prior_exponent=privunit.SPECTRAL_PRIOR_EXPONENT if basis == "dct" else None)
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

@@ -36,6 +36,8 @@ class PrivUnitParams:
     low: float  # the declared range, which the written values are clipped to
     high: float
     basis_sha256: str | None = None  # a user's basis file
+    alignment: float = 0.0  # m = E<V, u> of the split (the write-back's weights use it)
+    prior_exponent: float | None = None  # the write-back's spectral prior (None: unweighted, a user's basis)
 
     @property
     def p(self) -> float:
