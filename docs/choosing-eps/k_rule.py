@@ -1,7 +1,7 @@
-"""Research: the public rule for privunit's number of DCT coefficients k, and its colour handling.
+"""Research: the public rules of privunit: its number of DCT coefficients k, its write-back, its colour handling.
 
-This script chose the default k rule of `--mechanism privunit` and how colour records are
-projected. It uses ONLY scikit-learn's bundled data (the 8x8 digits of `load_digits` and the
+This script chose the default k rule of `--mechanism privunit`, its write-back (the weights
+w of reference + c B^T (w * V)) and how colour records are projected. It uses ONLY scikit-learn's bundled data (the 8x8 digits of `load_digits` and the
 two photos of `load_sample_images`) and, for a sanity check, cross-validation folds of the
 400 shipped MNIST *training* digits (sample_data/digits.npy). It never reads an MNIST test
 digit: the rule is chosen without the data the issue's targets are measured on.
@@ -21,7 +21,11 @@ Protocol (docs/choosing-eps.md, "How the default k was chosen"):
    eps0 + ln((1 - q) / q) = eps, q the cap's share of the sphere S^{k-1}.
 3. Written back as x_out = lo + B^T (c V): at the package's display scale
    c = (hi - lo) sqrt(I) / D (clipped to the range, as the package writes, or not), or
-   c = s / m ("unbiased": E[x_out - lo] = s B^T u, s = (hi - lo) sqrt(I) / 2, a public norm).
+   c = s / m ("unbiased": E[x_out - lo] = s B^T u, s = (hi - lo) sqrt(I) / 2, a public norm);
+   "clip/D@T" writes from lo + T (hi - lo) instead of lo (T = 0.5: mid-range; T < 0: a
+   threshold, values below -T (hi - lo) above lo written as lo); "wiener/D/A" writes
+   lo + c B^T (w * V), clipped, with the Wiener weights w of a public 1/(1 + f)^A spectral
+   prior (wiener_weights; the package's write-back is wiener/8/2).
 4. Utility: tldp_cli.evaluate.weighted_f1 (what `tldp evaluate` runs: logistic regression
    on (x - lo) / (hi - lo), weighted F1) trained on the releases of the training records,
    tested on the clean test records.
@@ -49,6 +53,31 @@ commands (a few minutes each on an idle core; the 28x28 ones longer):
     python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3 --k 32,64,128,256 --scales clip/8 --name digits28-clip
     python docs/choosing-eps/k_rule.py colour --repeats 2 --shares rgb,0.5,0.6666666666666666
     python docs/choosing-eps/k_rule.py fit --tables digits8-tldp:tldp/8,mnist400-scales:clip/8,digits28-clip:clip/8
+
+The write-back (docs/choosing-eps.md, "How the write-back was chosen"; these tables are
+from before the weighted write-back, so "tldp/D" rows in them used c B^T V):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 2 --k 128 --eps 1,2 --scales clip/8,clip/8@0.5,noclip/8 --name writeback-mid-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 1 --k 128 --eps 2,4,8 --scales clip/8,clip/8@-0.0625,clip/8@-0.125,clip/8@-0.25 --name writeback-threshold-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 3 --k 64 --eps 2,4,8 --scales clip/8,clip/8@-0.0625,clip/8@-0.125,clip/8@-0.25,clip/8@0.5 --name writeback-threshold-digits8
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 2 --k 128 --eps 2,4,8 --scales clip/8,clip/16,clip/32 --name writeback-divisor-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,clip/16,clip/32,clip/4 --name writeback-divisor-digits8
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 128 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-digits8
+
+k re-examined (with the unweighted write-back, then with the weighted one; --train-fraction
+0.5 trains each fold on half its records, to see how the best k moves with the number of
+records):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales clip/8 --name k-clip-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales clip/8 --name k-clip-digits28
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales wiener/8/2 --name k-wiener-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 5 --k 64,128 --eps 1,2 --scales wiener/8/2 --name k-wiener-small-eps-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,128 --eps 2,4 --scales wiener/8/2 --train-fraction 0.5 --name k-wiener-half-mnist400
+
+Each grid's random draws follow from the data set's name and --repeats, in the order of
+its cells, so a command gives its table again (on another machine, up to the solver's
+floating point).
 
 Scales: "tldp/D" releases with the package's own mechanism (tldp_cli.perturb_array,
 --basis dct:k) at display divisor D; "clip/D" and "noclip/D" are this script's PrivUnit2
@@ -298,7 +327,7 @@ def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
 # --------------------------------------------------------------------------- experiments
 
 def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int] | None,
-         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS) -> dict:
+         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS, train_fraction: float = 1.0) -> dict:
     """Mean F1 over `repeats` releases for every (k, eps, scale). Each release covers the
     records of every training fold at once (with cross-validation: every record, each fold
     then trains on its released training part and tests on its clean test part)."""
@@ -306,6 +335,9 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
     from tldp_cli.evaluate import weighted_f1
 
     x, y, folds, (lo, hi) = DATA[data]()
+    if train_fraction < 1:  # each fold trains on a fixed random share of its training records
+        pick = np.random.default_rng([SEED, 7])
+        folds = [(np.sort(pick.permutation(a)[:round(train_fraction * len(a))]), b) for a, b in folds]
     shape = x.shape[1:]
     norm = public_norm(shape, lo, hi)
     rng = np.random.default_rng([SEED, len(data), repeats])
@@ -334,7 +366,7 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
                 print(f"{data} k={k} eps={eps:g} {scale}: F1 {rows[-1]['f1']:.3f} (m={cal['m']:.3f})",
                       file=sys.stderr)
     return {"data": data, "shape": list(shape), "range": [lo, hi], "ordering": ordering, "skip_dc": skip_dc,
-            "repeats": repeats, "folds": len(folds), "public_norm": norm, "f1_clean": clean, "rows": rows}
+            "repeats": repeats, "folds": len(folds), "train_fraction": train_fraction, "public_norm": norm, "f1_clean": clean, "rows": rows}
 
 
 def colour(repeats: int, shares: list[float | None], ks: list[int], patch: int = 32) -> dict:
@@ -462,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ordering", choices=("radial", "diagonal", "square"), default="radial")
     g.add_argument("--skip-dc", action="store_true", help="leave the DC coefficient out (k from (0, 1) on)")
     g.add_argument("--k", default="", help="comma-separated k values (default: the data's grid)")
+    g.add_argument("--train-fraction", type=float, default=1.0, help="train each fold on this share of its records")
     g.add_argument("--eps", default=",".join(f"{e:g}" for e in EPSILONS), help="comma-separated per-record eps")
     g.add_argument("--name", default="", help="output name (default: the data's name and ordering)")
     c = sub.add_parser("colour", help="PSNR/SSIM of RGB against luminance/chroma releases")
@@ -495,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         scales = args.scales.split(",")
         result = grid(args.data, args.repeats, scales, args.ordering,
                       [int(k) for k in args.k.split(",") if k] or None, args.skip_dc,
-                      tuple(float(e) for e in args.eps.split(",")))
+                      tuple(float(e) for e in args.eps.split(",")), args.train_fraction)
         path = _save(args.name or f"{args.data}-{args.ordering}" + ("-nodc" if args.skip_dc else ""), result)
         for scale in scales:
             print(f"\n{args.data} ({args.ordering}, {scale} scale; clean F1 {result['f1_clean']:.3f}):\n")

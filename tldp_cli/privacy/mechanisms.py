@@ -431,10 +431,11 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
         raise UsageError(f"the value range must be finite and not empty, not {lo:g}:{hi:g}")
     elements = math.prod(record_shape)
-    # A record's coefficients reach sqrt(I) (hi - lo), as does the written deviation c B^T V
-    # (c = output_scale); past float64's largest value they would be inf, and an inf or NaN
-    # direction is never accepted by the cap test.
-    if not math.isfinite(4 * math.sqrt(elements) * (hi - lo)):
+    # A record's coefficients reach sqrt(I) (hi - lo), and the written deviation c B^T (w * V)
+    # c max(w) <= c sqrt(k) <= (hi - lo) I / 8 (c = output_scale; w's mean square is 1); past
+    # float64's largest value they would be inf, and an inf or NaN direction is never
+    # accepted by the cap test.
+    if not math.isfinite(4 * elements * (hi - lo)):
         raise UsageError(f"the value range {lo:g}:{hi:g} is too wide for --mechanism privunit's float64 "
                          f"arithmetic on records of {elements} elements; express the values in larger units")
     if elements < 2:
@@ -455,7 +456,7 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
                             high=float(hi), basis_sha256=basis_sha256,
                             alignment=privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53),
-                            prior_exponent=privunit.SPECTRAL_PRIOR_EXPONENT if basis == "dct" else None)
+                            prior_exponent=privunit.prior_exponent(basis, record_shape))
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

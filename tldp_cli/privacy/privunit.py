@@ -234,7 +234,7 @@ def default_k(epsilon: float, elements: int) -> int:
 def reference_point(lo: float, hi: float) -> float:
     """The value a record is measured from: 0, or the end of the declared range nearest to
     it when the range does not hold 0 (public: the range only). The record projected is
-    x - reference, and the output is reference + c B^T V."""
+    x - reference, and the output is reference + c B^T (w * V)."""
     return min(max(0.0, lo), hi)
 
 
@@ -246,13 +246,16 @@ def reference_point(lo: float, hi: float) -> float:
 # and the unbiased scale (hi - lo) sqrt(I) / (2 E<V,u>), whose large values at small eps
 # let the classifier fit the noise; on scikit-learn's 8x8 digits the larger scales did
 # better above eps 4 (by up to 0.1). It keeps the written values mostly inside the range.
+# Re-measured with the weighted write-back's predecessor (reference + c B^T V, clipped) at
+# D = 4, 16 and 32: within the noise of D = 8 on both data sets (k_rule.py, clip/D).
 OUTPUT_SCALE_DIVISOR = 8
 
 
 def output_scale(lo: float, hi: float, elements: int) -> float:
-    """c, the norm of the written deviation c B^T V (|B^T V| = 1 for orthonormal rows): a
-    public display scale, (hi - lo) sqrt(I) / OUTPUT_SCALE_DIVISOR, so that values land
-    mostly inside the declared range. The record's own norm is never released."""
+    """c, the norm of the written deviation c B^T V (|B^T V| = 1 for orthonormal rows; with the
+    write-back's weights w, of mean square 1, c B^T (w * V) has about that norm): a public
+    display scale, (hi - lo) sqrt(I) / OUTPUT_SCALE_DIVISOR, so that values land mostly inside
+    the declared range. The record's own norm is never released."""
     return (hi - lo) * math.sqrt(elements) / OUTPUT_SCALE_DIVISOR
 
 
@@ -275,9 +278,31 @@ def output_scale(lo: float, hi: float, elements: int) -> float:
 # clean records' (F1 0.19 and 0.35 at eps 1 and 2 on the MNIST folds, against 0.41 and 0.63),
 # and other display scales (hi - lo)/D with D = 4, 16, 32 (within the noise of D = 8).
 # A user's basis (--basis FILE.npy) has no frequencies: its coefficients are written unweighted.
+# Only records the DCT runs over two axes of (an image's rows and columns, per channel) are
+# weighted: the prior is a statistic of images, and every record measured was one. A 1-D
+# record (a feature vector, a series) is written unweighted.
 SPECTRAL_PRIOR_EXPONENT = 2.0
 WRITE_BACK_RULE = ("w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to (1 + f_j)^-2, "
                    "mean square 1 (f_j: coefficient j's frequency in cycles per record)")
+
+
+def spatial_axes(record_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes' lengths the DCT basis runs over (sampling/projection.layout's rule): the
+    first two of a (H, W, C) record with C in 1, 3, 4 (channels last), else the last two
+    (the last one of a 1-D record)."""
+    shape = tuple(record_shape)
+    if len(shape) == 3 and shape[2] in (1, 3, 4):
+        return shape[:2]
+    return shape[-2:]
+
+
+def prior_exponent(basis: str, record_shape: tuple[int, ...]) -> float | None:
+    """The write-back's spectral prior exponent: SPECTRAL_PRIOR_EXPONENT for the DCT basis
+    over two axes of more than one element, None (unweighted) otherwise."""
+    spatial = spatial_axes(record_shape)
+    if basis != "dct" or len(spatial) < 2 or min(spatial) < 2:
+        return None
+    return SPECTRAL_PRIOR_EXPONENT
 
 
 def write_back_weights(frequencies, alignment: float, exponent: float = SPECTRAL_PRIOR_EXPONENT):

@@ -31,7 +31,7 @@ class PrivUnitParams:
     p_numerator: int  # P(V from the cap) = p_numerator / 2^53 exactly
     basis: str  # "dct" or "file"
     record_shape: tuple[int, ...]
-    reference: float  # a record is measured from this value; the output written is reference + c B^T V
+    reference: float  # a record is measured from this value; the output written is reference + c B^T (w * V)
     output_scale: float  # c
     low: float  # the declared range, which the written values are clipped to
     high: float

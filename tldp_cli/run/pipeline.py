@@ -1010,7 +1010,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         extra["epsilon"] = options.epsilon  # a record spanning n arrays gets --eps / n in each
         extra["privunit"] = manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
                                                         run.user_basis)
-        postprocessing = [f"write back reference + c B^T V in the record's shape (c: privunit.output_scale), "
+        postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
+                          f"w: privunit.write_back), "
                           f"clip to [{run.lo:g}, {run.hi:g}], cast to {run.out_dtype}"]
     records_of: dict[Calibration, int] = {}
     for job in jobs:
