@@ -266,12 +266,14 @@ def privunit_basis(calib: Calibration, basis=None):
     return basis
 
 
-def record_directions(block: np.ndarray, calib: Calibration, basis) -> np.ndarray:
+def record_directions(block: np.ndarray, calib: Calibration, basis, scale: np.ndarray | None = None) -> np.ndarray:
     """u: each record's coefficients in the basis, measured from the public reference
-    point, divided by their norm ((n, k) float64; a record of zero coefficients: e_1)."""
+    point (times `scale` per coefficient when given), divided by their norm ((n, k)
+    float64; a record of zero coefficients: e_1)."""
     params = calib.privunit
     x = block.reshape(block.shape[0], *params.record_shape).astype(np.float64) - params.reference
-    return privunit.unit_directions(basis.project(x))
+    z = basis.project(x)
+    return privunit.unit_directions(z if scale is None else z * scale)
 
 
 def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: Calibration,
