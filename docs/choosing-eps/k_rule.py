@@ -34,7 +34,9 @@ Data sets: "digits8" = load_digits (1797 8x8 records, 10 classes, range 0:16), s
 fixed permutation into 1200 training and 597 test records; "digits28" = the same records
 upsampled to 28x28 (cubic spline, clipped to 0:16), to see whether the rule transfers to a
 larger record of the same content; "mnist400" = 5-fold cross-validation of the 400 shipped
-MNIST training digits (classes 0, 1, 6, 9; range 0:256).
+MNIST training digits (classes 0, 1, 6, 9; range 0:256); "mnist2000" = 5-fold cross-validation
+of the 2000 MNIST *training* digits of sample_data/mnist-subset.npz (its test digits are never
+read), the size of the measurement in docs/reproduction.md section 3.
 
 Colour: load_sample_images' china.jpg and flower.jpg cut into 32 x 32 x 3 patches (520
 records), released with the channels as they are (RGB, the k coefficients split equally)
@@ -64,6 +66,12 @@ from before the weighted write-back, so "tldp/D" rows in them used c B^T V):
     python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,clip/16,clip/32,clip/4 --name writeback-divisor-digits8
     python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 128 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-mnist400
     python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-digits8
+
+and, after the weights (then for every eps) had been measured on the MNIST test digits, on
+the 2000 training digits (which set the alignment threshold privunit.WEIGHTED_BELOW_ALIGNMENT):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist2000 --repeats 1 --k 128 --eps 4,8,2 --scales clip/8,wiener/8/2 --name writeback-wiener-mnist2000
+    python docs/choosing-eps/k_rule.py grid --data mnist2000 --repeats 2 --k 128 --eps 1,2,4,8 --scales clip/8,wiener/8/2 --name writeback-wiener-mnist2000-r2
 
 k re-examined (with the unweighted write-back, then with the weighted one; --train-fraction
 0.5 trains each fold on half its records, to see how the best k moves with the number of
@@ -316,7 +324,16 @@ def _mnist400():
     return x, y, [(np.flatnonzero(fold != f), np.flatnonzero(fold == f)) for f in range(5)], (0.0, 256.0)
 
 
-DATA = {"digits8": _digits8, "digits28": _digits28, "mnist400": _mnist400}
+def _mnist2000():
+    """5-fold cross-validation of the 2000 MNIST *training* digits of sample_data/mnist-subset.npz
+    (x_train, y_train only: its 800 test digits are never read here)."""
+    with np.load(ROOT / "sample_data" / "mnist-subset.npz") as data:
+        x, y = data["x_train"], data["y_train"]
+    fold = np.random.default_rng(SEED).permutation(len(y)) % 5
+    return x, y, [(np.flatnonzero(fold != f), np.flatnonzero(fold == f)) for f in range(5)], (0.0, 256.0)
+
+
+DATA = {"digits8": _digits8, "digits28": _digits28, "mnist400": _mnist400, "mnist2000": _mnist2000}
 
 
 def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:

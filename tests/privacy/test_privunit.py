@@ -184,15 +184,20 @@ def test_write_back_weights_are_a_wiener_filter_of_a_public_spectral_prior():
 
 
 def test_a_calibration_carries_its_write_back_rule():
-    calib = mechanisms.calibrate_privunit(epsilon=4, record_shape=(28, 28), value_range=(0, 256))
+    calib = mechanisms.calibrate_privunit(epsilon=2, record_shape=(28, 28), value_range=(0, 256))
     params = calib.privunit
     assert params.prior_exponent == privunit.SPECTRAL_PRIOR_EXPONENT == 2
     assert params.alignment == pytest.approx(privunit.expected_alignment(params.k, params.gamma, params.p))
-    user = mechanisms.calibrate_privunit(epsilon=4, record_shape=(28, 28), value_range=(0, 256), k=16,
+    assert params.alignment < privunit.WEIGHTED_BELOW_ALIGNMENT == 0.1
+    # from m = 0.1 up (eps 3 at k = 128) the write-back is unweighted
+    for eps in (3, 4, 8, 32):
+        assert mechanisms.calibrate_privunit(epsilon=eps, record_shape=(28, 28), value_range=(0, 256)) \
+            .privunit.prior_exponent is None
+    user = mechanisms.calibrate_privunit(epsilon=2, record_shape=(28, 28), value_range=(0, 256), k=16,
                                          basis="file", basis_sha256="ab" * 32)
     assert user.privunit.prior_exponent is None  # a user's basis has no frequencies: unweighted
     for shape in ((784,), (1, 784), (28, 1)):  # 1-D records: the prior is an image statistic
-        assert mechanisms.calibrate_privunit(epsilon=4, record_shape=shape, value_range=(0, 256)).privunit \
+        assert mechanisms.calibrate_privunit(epsilon=1, record_shape=shape, value_range=(0, 256)).privunit \
             .prior_exponent is None
 
 
@@ -202,7 +207,8 @@ def test_the_spatial_axes_are_the_projections():
     for shape in ((784,), (28, 28), (1, 784), (28, 28, 3), (28, 28, 1), (3, 28, 28), (2, 5, 7, 9), (9, 9, 4)):
         _, h, w, _ = projection.layout(shape)
         assert privunit.spatial_axes(shape)[-2:] == ((h, w) if len(shape) > 1 else (w,))[-2:]
-        assert (privunit.prior_exponent("dct", shape) is not None) == (h > 1 and w > 1)
+        assert (privunit.prior_exponent("dct", shape, 0.05) is not None) == (h > 1 and w > 1)
+        assert privunit.prior_exponent("dct", shape, 0.1) is None
 
 
 def test_refusals():

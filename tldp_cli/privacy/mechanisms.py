@@ -450,13 +450,14 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
         raise UsageError(f"--basis: k = {k} coefficients; PrivUnit's figures are certified for k up to "
                          f"{privunit.MAX_K} (docs/guarantee.md); give --basis dct:K with a smaller K")
     gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
+    alignment = privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53)
     params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
                             record_shape=tuple(int(n) for n in record_shape),
                             reference=privunit.reference_point(lo, hi),
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
                             high=float(hi), basis_sha256=basis_sha256,
-                            alignment=privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53),
-                            prior_exponent=privunit.prior_exponent(basis, record_shape))
+                            alignment=alignment,
+                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment))
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

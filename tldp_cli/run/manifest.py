@@ -152,11 +152,14 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
 def write_back_entry(params: Any) -> dict[str, Any]:
     """The write-back's public weights w of the released coefficients (post-processing)."""
     if params.prior_exponent is None:
-        return {"weights": "none", "rule": "w = 1: a user's basis has no frequencies, and the "
-                                           "prior is an image statistic, not applied to 1-D records"}
+        return {"weights": "none", "alignment": params.alignment,
+                "rule": f"w = 1: weights only for the DCT basis over two axes (an image statistic) at "
+                        f"an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     return {"weights": "wiener", "prior_exponent": params.prior_exponent, "alignment": params.alignment,
-            "rule": privunit.WRITE_BACK_RULE + "; m = alignment = E<V, u>",
-            "chosen": "without the released data: docs/choosing-eps.md"}
+            "rule": privunit.WRITE_BACK_RULE + "; m = alignment = E<V, u>, below "
+                    f"{privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+            "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
 
 
 def _min_weight(weights: dict | None) -> float:
