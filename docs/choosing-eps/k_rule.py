@@ -1,7 +1,7 @@
-"""Research: the public rule for privunit's number of DCT coefficients k, and its colour handling.
+"""Research: the public rules of privunit: its number of DCT coefficients k, its write-back, its colour handling.
 
-This script chose the default k rule of `--mechanism privunit` and how colour records are
-projected. It uses ONLY scikit-learn's bundled data (the 8x8 digits of `load_digits` and the
+This script chose the default k rule of `--mechanism privunit`, its write-back (the weights
+w of reference + c B^T (w * V)) and how colour records are projected. It uses ONLY scikit-learn's bundled data (the 8x8 digits of `load_digits` and the
 two photos of `load_sample_images`) and, for a sanity check, cross-validation folds of the
 400 shipped MNIST *training* digits (sample_data/digits.npy). It never reads an MNIST test
 digit: the rule is chosen without the data the issue's targets are measured on.
@@ -21,7 +21,11 @@ Protocol (docs/choosing-eps.md, "How the default k was chosen"):
    eps0 + ln((1 - q) / q) = eps, q the cap's share of the sphere S^{k-1}.
 3. Written back as x_out = lo + B^T (c V): at the package's display scale
    c = (hi - lo) sqrt(I) / D (clipped to the range, as the package writes, or not), or
-   c = s / m ("unbiased": E[x_out - lo] = s B^T u, s = (hi - lo) sqrt(I) / 2, a public norm).
+   c = s / m ("unbiased": E[x_out - lo] = s B^T u, s = (hi - lo) sqrt(I) / 2, a public norm);
+   "clip/D@T" writes from lo + T (hi - lo) instead of lo (T = 0.5: mid-range; T < 0: a
+   threshold, values below -T (hi - lo) above lo written as lo); "wiener/D/A" writes
+   lo + c B^T (w * V), clipped, with the Wiener weights w of a public 1/(1 + f)^A spectral
+   prior (wiener_weights; the package's write-back is wiener/8/2).
 4. Utility: tldp_cli.evaluate.weighted_f1 (what `tldp evaluate` runs: logistic regression
    on (x - lo) / (hi - lo), weighted F1) trained on the releases of the training records,
    tested on the clean test records.
@@ -30,7 +34,9 @@ Data sets: "digits8" = load_digits (1797 8x8 records, 10 classes, range 0:16), s
 fixed permutation into 1200 training and 597 test records; "digits28" = the same records
 upsampled to 28x28 (cubic spline, clipped to 0:16), to see whether the rule transfers to a
 larger record of the same content; "mnist400" = 5-fold cross-validation of the 400 shipped
-MNIST training digits (classes 0, 1, 6, 9; range 0:256).
+MNIST training digits (classes 0, 1, 6, 9; range 0:256); "mnist2000" = 5-fold cross-validation
+of the 2000 MNIST *training* digits of sample_data/mnist-subset.npz (its test digits are never
+read), the size of the measurement in docs/reproduction.md section 3.
 
 Colour: load_sample_images' china.jpg and flower.jpg cut into 32 x 32 x 3 patches (520
 records), released with the channels as they are (RGB, the k coefficients split equally)
@@ -49,6 +55,37 @@ commands (a few minutes each on an idle core; the 28x28 ones longer):
     python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3 --k 32,64,128,256 --scales clip/8 --name digits28-clip
     python docs/choosing-eps/k_rule.py colour --repeats 2 --shares rgb,0.5,0.6666666666666666
     python docs/choosing-eps/k_rule.py fit --tables digits8-tldp:tldp/8,mnist400-scales:clip/8,digits28-clip:clip/8
+
+The write-back (docs/choosing-eps.md, "How the write-back was chosen"; these tables are
+from before the weighted write-back, so "tldp/D" rows in them used c B^T V):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 2 --k 128 --eps 1,2 --scales clip/8,clip/8@0.5,noclip/8 --name writeback-mid-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 1 --k 128 --eps 2,4,8 --scales clip/8,clip/8@-0.0625,clip/8@-0.125,clip/8@-0.25 --name writeback-threshold-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 3 --k 64 --eps 2,4,8 --scales clip/8,clip/8@-0.0625,clip/8@-0.125,clip/8@-0.25,clip/8@0.5 --name writeback-threshold-digits8
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 2 --k 128 --eps 2,4,8 --scales clip/8,clip/16,clip/32 --name writeback-divisor-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,clip/16,clip/32,clip/4 --name writeback-divisor-digits8
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 128 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits8 --repeats 5 --k 64 --eps 2,4,8 --scales clip/8,wiener/8/2,wiener/8/1 --name writeback-wiener-digits8
+
+and, after the weights (then for every eps) had been measured on the MNIST test digits, on
+the 2000 training digits (which set the alignment threshold privunit.WEIGHTED_BELOW_ALIGNMENT):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist2000 --repeats 1 --k 128 --eps 4,8,2 --scales clip/8,wiener/8/2 --name writeback-wiener-mnist2000
+    python docs/choosing-eps/k_rule.py grid --data mnist2000 --repeats 2 --k 128 --eps 1,2,4,8 --scales clip/8,wiener/8/2 --name writeback-wiener-mnist2000-r2
+
+k re-examined (with the unweighted write-back, then with the weighted one; --train-fraction
+0.5 trains each fold on half its records, to see how the best k moves with the number of
+records):
+
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales clip/8 --name k-clip-mnist400
+    python docs/choosing-eps/k_rule.py grid --data digits28 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales clip/8 --name k-clip-digits28
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,96,128 --eps 2,4,8 --scales wiener/8/2 --name k-wiener-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 5 --k 64,128 --eps 1,2 --scales wiener/8/2 --name k-wiener-small-eps-mnist400
+    python docs/choosing-eps/k_rule.py grid --data mnist400 --repeats 3 --k 64,128 --eps 2,4 --scales wiener/8/2 --train-fraction 0.5 --name k-wiener-half-mnist400
+
+Each grid's random draws follow from the data set's name and --repeats, in the order of
+its cells, so a command gives its table again (on another machine, up to the solver's
+floating point).
 
 Scales: "tldp/D" releases with the package's own mechanism (tldp_cli.perturb_array,
 --basis dct:k) at display divisor D; "clip/D" and "noclip/D" are this script's PrivUnit2
@@ -219,8 +256,21 @@ def release_tldp(x: np.ndarray, k: int, eps: float, value_range: tuple[float, fl
         product.OUTPUT_SCALE_DIVISOR = saved
 
 
+def wiener_weights(shape: tuple[int, ...], k: int, m: float, alpha: float = 2.0) -> np.ndarray:
+    """Public per-coefficient weights of a write-back W V: the Wiener filter of a signal m u
+    whose energy follows a 1/(1 + f)^alpha power spectrum (alpha = 2: natural images') (f: the
+    coefficient's frequency in cycles per record) in noise of 1/k per coefficient, scaled so
+    that the mean of the squared weights is 1 (the written deviation keeps its size)."""
+    pairs = frequency_order(*shape)[:k]
+    f = np.hypot(pairs[:, 0], pairs[:, 1]) / 2.0
+    prior = (1.0 + f) ** -alpha
+    prior /= prior.sum()
+    w = m * m * prior / (m * m * prior + (1 - m * m) / k)
+    return w / math.sqrt(np.mean(w * w))
+
+
 def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str, norm: float,
-            rng: np.random.Generator, cal: dict | None = None) -> np.ndarray:
+            rng: np.random.Generator, cal: dict | None = None, v: np.ndarray | None = None) -> np.ndarray:
     """x (n, ...) -> lo + B^T (c V), c = norm / m ("unbiased"), norm ("display") or
     |z| * m per record ("oracle", research only: it uses each record's norm).
     """
@@ -230,13 +280,19 @@ def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str,
     r = np.linalg.norm(z, axis=1)
     u = np.where(r[:, None] > 0, z / np.where(r > 0, r, 1.0)[:, None], np.eye(basis.shape[0])[0])
     cal = cal or calibrate(eps, basis.shape[0])
-    v = privunit(u, cal, rng)
+    v = privunit(u, cal, rng) if v is None else v
+    if scale.startswith("wiener/"):  # wiener/D/A: clip/D of W V, Wiener weights of a public 1/(1+f)^A prior
+        _, divisor, alpha = scale.split("/")
+        v = v * wiener_weights(x.shape[1:], basis.shape[0], cal["m"], float(alpha))
+        return release(x, basis, eps, lo, f"clip/{divisor}", norm, rng, cal, v)
     if scale.startswith("clip/") or scale.startswith("noclip/"):  # the package's display scale, /D
         kind, divisor = scale.split("/")
+        divisor, _, at = divisor.partition("@")  # clip/D@T: written from lo + T (hi - lo)
+        width = 2 * norm / math.sqrt(basis.shape[1])  # hi - lo
         c = np.full(len(x), 2 * norm / float(divisor))  # (hi - lo) sqrt(I) / D
-        out = lo + (c[:, None] * v) @ basis
+        out = lo + float(at or 0) * width + (c[:, None] * v) @ basis
         if kind == "clip":
-            out = np.clip(out, lo, lo + 2 * norm / math.sqrt(basis.shape[1]))  # to [lo, hi]
+            out = np.clip(out, lo, lo + width)  # to [lo, hi]
         return out.reshape(shape)
     c = {"unbiased": np.full(len(x), norm / cal["m"]), "display": np.full(len(x), norm),
          "oracle": r * cal["m"]}[scale]
@@ -268,7 +324,16 @@ def _mnist400():
     return x, y, [(np.flatnonzero(fold != f), np.flatnonzero(fold == f)) for f in range(5)], (0.0, 256.0)
 
 
-DATA = {"digits8": _digits8, "digits28": _digits28, "mnist400": _mnist400}
+def _mnist2000():
+    """5-fold cross-validation of the 2000 MNIST *training* digits of sample_data/mnist-subset.npz
+    (x_train, y_train only: its 800 test digits are never read here)."""
+    with np.load(ROOT / "sample_data" / "mnist-subset.npz") as data:
+        x, y = data["x_train"], data["y_train"]
+    fold = np.random.default_rng(SEED).permutation(len(y)) % 5
+    return x, y, [(np.flatnonzero(fold != f), np.flatnonzero(fold == f)) for f in range(5)], (0.0, 256.0)
+
+
+DATA = {"digits8": _digits8, "digits28": _digits28, "mnist400": _mnist400, "mnist2000": _mnist2000}
 
 
 def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
@@ -279,7 +344,7 @@ def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
 # --------------------------------------------------------------------------- experiments
 
 def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int] | None,
-         skip_dc: bool = False) -> dict:
+         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS, train_fraction: float = 1.0) -> dict:
     """Mean F1 over `repeats` releases for every (k, eps, scale). Each release covers the
     records of every training fold at once (with cross-validation: every record, each fold
     then trains on its released training part and tests on its clean test part)."""
@@ -287,6 +352,9 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
     from tldp_cli.evaluate import weighted_f1
 
     x, y, folds, (lo, hi) = DATA[data]()
+    if train_fraction < 1:  # each fold trains on a fixed random share of its training records
+        pick = np.random.default_rng([SEED, 7])
+        folds = [(np.sort(pick.permutation(a)[:round(train_fraction * len(a))]), b) for a, b in folds]
     shape = x.shape[1:]
     norm = public_norm(shape, lo, hi)
     rng = np.random.default_rng([SEED, len(data), repeats])
@@ -296,7 +364,7 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
     for k in ks or K_GRID[data]:
         basis = dct_basis(*shape, k + skip_dc, ordering)[int(skip_dc):]
         offset = (lo + hi) / 2 if skip_dc else lo  # without the DC, the release is centred on mid-range
-        for eps in EPSILONS:
+        for eps in epsilons:
             cal = calibrate(eps, k)
             for scale in scales:
                 t0 = time.perf_counter()
@@ -315,7 +383,7 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
                 print(f"{data} k={k} eps={eps:g} {scale}: F1 {rows[-1]['f1']:.3f} (m={cal['m']:.3f})",
                       file=sys.stderr)
     return {"data": data, "shape": list(shape), "range": [lo, hi], "ordering": ordering, "skip_dc": skip_dc,
-            "repeats": repeats, "folds": len(folds), "public_norm": norm, "f1_clean": clean, "rows": rows}
+            "repeats": repeats, "folds": len(folds), "train_fraction": train_fraction, "public_norm": norm, "f1_clean": clean, "rows": rows}
 
 
 def colour(repeats: int, shares: list[float | None], ks: list[int], patch: int = 32) -> dict:
@@ -363,13 +431,14 @@ def grid_table(result: dict, scale: str) -> str:
     """Mean F1 by k (rows) and eps (columns) for one output scale; the best k per eps in bold."""
     rows = [r for r in result["rows"] if r["scale"] == scale]
     ks = sorted({r["k"] for r in rows})
-    best = {e: max((r for r in rows if r["eps"] == e), key=lambda r: r["f1"])["k"] for e in EPSILONS}
+    epsilons = sorted({r["eps"] for r in rows})
+    best = {e: max((r for r in rows if r["eps"] == e), key=lambda r: r["f1"])["k"] for e in epsilons}
     f1 = {(r["k"], r["eps"]): r["f1"] for r in rows}
-    lines = ["| k | " + " | ".join(f"eps {e:g}" for e in EPSILONS) + " |",
-             "|---:|" + "---:|" * len(EPSILONS)]
+    lines = ["| k | " + " | ".join(f"eps {e:g}" for e in epsilons) + " |",
+             "|---:|" + "---:|" * len(epsilons)]
     for k in ks:
         cells = [(f"**{f1[k, e]:.3f}**" if best[e] == k else f"{f1[k, e]:.3f}") if (k, e) in f1 else ""
-                 for e in EPSILONS]
+                 for e in epsilons]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -442,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ordering", choices=("radial", "diagonal", "square"), default="radial")
     g.add_argument("--skip-dc", action="store_true", help="leave the DC coefficient out (k from (0, 1) on)")
     g.add_argument("--k", default="", help="comma-separated k values (default: the data's grid)")
+    g.add_argument("--train-fraction", type=float, default=1.0, help="train each fold on this share of its records")
+    g.add_argument("--eps", default=",".join(f"{e:g}" for e in EPSILONS), help="comma-separated per-record eps")
     g.add_argument("--name", default="", help="output name (default: the data's name and ordering)")
     c = sub.add_parser("colour", help="PSNR/SSIM of RGB against luminance/chroma releases")
     c.add_argument("--repeats", type=int, default=2)
@@ -473,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "grid":
         scales = args.scales.split(",")
         result = grid(args.data, args.repeats, scales, args.ordering,
-                      [int(k) for k in args.k.split(",") if k] or None, args.skip_dc)
+                      [int(k) for k in args.k.split(",") if k] or None, args.skip_dc,
+                      tuple(float(e) for e in args.eps.split(",")), args.train_fraction)
         path = _save(args.name or f"{args.data}-{args.ordering}" + ("-nodc" if args.skip_dc else ""), result)
         for scale in scales:
             print(f"\n{args.data} ({args.ordering}, {scale} scale; clean F1 {result['f1_clean']:.3f}):\n")

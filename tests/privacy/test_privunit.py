@@ -165,6 +165,52 @@ def test_reference_point_and_output_scale_are_public_rules_of_the_range():
     assert privunit.output_scale(0, 256, 784) == 256 * 28 / privunit.OUTPUT_SCALE_DIVISOR
 
 
+def test_write_back_weights_are_a_wiener_filter_of_a_public_spectral_prior():
+    """w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to (1 + f_j)^-2, mean square 1:
+    the low frequencies weigh more the noisier V is, and an exact direction (m = 1) is
+    written unweighted."""
+    f = [0.0, 0.5, 0.5, 0.7071, 1.0, 3.0, 10.0]
+    k = len(f)
+    for m in (0.05, 0.2, 0.6):
+        w = privunit.write_back_weights(f, m)
+        assert math.fsum(x * x for x in w) / k == pytest.approx(1.0, rel=1e-12)
+        assert all(a >= b for a, b in zip(w, w[1:]))  # falls with the frequency
+        prior = [(1 + x) ** -2.0 for x in f]
+        raw = [m * m * (p / sum(prior)) / (m * m * (p / sum(prior)) + (1 - m * m) / k) for p in prior]
+        scale = math.sqrt(math.fsum(x * x for x in raw) / k)
+        assert list(w) == pytest.approx([x / scale for x in raw], rel=1e-12)
+    assert w[0] / w[-1] < privunit.write_back_weights(f, 0.05)[0] / privunit.write_back_weights(f, 0.05)[-1]
+    assert list(privunit.write_back_weights(f, 1.0)) == pytest.approx([1.0] * k, rel=1e-12)
+
+
+def test_a_calibration_carries_its_write_back_rule():
+    calib = mechanisms.calibrate_privunit(epsilon=2, record_shape=(28, 28), value_range=(0, 256))
+    params = calib.privunit
+    assert params.prior_exponent == privunit.SPECTRAL_PRIOR_EXPONENT == 2
+    assert params.alignment == pytest.approx(privunit.expected_alignment(params.k, params.gamma, params.p))
+    assert params.alignment < privunit.WEIGHTED_BELOW_ALIGNMENT == 0.1
+    # from m = 0.1 up (eps 3 at k = 128) the write-back is unweighted
+    for eps in (3, 4, 8, 32):
+        assert mechanisms.calibrate_privunit(epsilon=eps, record_shape=(28, 28), value_range=(0, 256)) \
+            .privunit.prior_exponent is None
+    user = mechanisms.calibrate_privunit(epsilon=2, record_shape=(28, 28), value_range=(0, 256), k=16,
+                                         basis="file", basis_sha256="ab" * 32)
+    assert user.privunit.prior_exponent is None  # a user's basis has no frequencies: unweighted
+    for shape in ((784,), (1, 784), (28, 1)):  # 1-D records: the prior is an image statistic
+        assert mechanisms.calibrate_privunit(epsilon=1, record_shape=shape, value_range=(0, 256)).privunit \
+            .prior_exponent is None
+
+
+def test_the_spatial_axes_are_the_projections():
+    from tldp_cli.sampling import projection
+
+    for shape in ((784,), (28, 28), (1, 784), (28, 28, 3), (28, 28, 1), (3, 28, 28), (2, 5, 7, 9), (9, 9, 4)):
+        _, h, w, _ = projection.layout(shape)
+        assert privunit.spatial_axes(shape)[-2:] == ((h, w) if len(shape) > 1 else (w,))[-2:]
+        assert (privunit.prior_exponent("dct", shape, 0.05) is not None) == (h > 1 and w > 1)
+        assert privunit.prior_exponent("dct", shape, 0.1) is None
+
+
 def test_refusals():
     with pytest.raises(UsageError, match="2 or more elements"):
         mechanisms.calibrate_privunit(epsilon=1, record_shape=(1,), value_range=(0, 1))

@@ -62,7 +62,8 @@ def test_the_sample_image_folder(cli, tmp_path):
     assert len(written) == m["records"] == 40
     pixels = np.asarray(Image.open(written[0]))
     assert pixels.shape == (28, 28) and pixels.dtype == np.uint8
-    assert any("write back reference + c B^T V" in step for step in m["postprocessing"])
+    assert any("write back reference + c B^T (w * V)" in step for step in m["postprocessing"])
+    assert m["privunit"]["write_back"]["weights"] == "none"  # eps 4: m above the threshold
     assert any("clip to [0, 255]" in step for step in m["postprocessing"])
 
 

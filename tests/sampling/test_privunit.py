@@ -221,6 +221,71 @@ def test_written_values_lie_in_the_range_in_the_output_dtype(digits):
     assert np.allclose(np.linalg.norm(raw.reshape(10, -1), axis=1), calib.privunit.output_scale)
 
 
+def test_the_write_back_weighs_the_released_coefficients_by_the_public_rule(digits):
+    """What is written is reference + c B^T (w * V), w the Wiener weights of the public
+    spectral prior (privacy/privunit.write_back_weights of the basis's frequencies and
+    E<V, u>): clip(reference + c B^T (w * V)) exactly, and on the records that clipping left
+    alone, projecting the output back on the basis gives c w V, with the high frequencies
+    damped (the unweighted write-back, c V, failed this)."""
+    calib = calibration(epsilon=2, value_range=(-1e6, 1e6))
+    params = calib.privunit
+    basis = engine.privunit_basis(calib)
+    streams = Streams("secure", SEED)
+    out = engine.perturb_records(digits[:20], 0, "a", calib, streams, dtype=np.float64)
+    v = engine.sample_directions(engine.record_directions(digits[:20], calib, basis), 0, "a", calib, streams)
+    w = privunit.write_back_weights(np.hypot(basis.index[1], basis.index[2]) / 2, params.alignment)
+    expected = np.clip(basis.synthesize((params.output_scale * w) * v) + params.reference, -1e6, 1e6)
+    assert np.array_equal(out, expected)
+    whole = np.flatnonzero((np.abs(out) < 1e6).reshape(20, -1).all(axis=1))  # records not clipped
+    assert len(whole) >= 3
+    assert np.allclose(basis.project(out[whole]) / params.output_scale, (w * v)[whole], rtol=0, atol=1e-9)
+    assert w[0] > 2 and w[-1] < 0.5 and np.mean(w * w) == pytest.approx(1)
+    # a function of V and public values only: the same V written by write_back gives the same bytes
+    assert engine.write_back(v, calib, basis, np.float64).tobytes() == out.tobytes()
+
+
+def test_the_weighted_write_back_points_closer_to_the_record(digits):
+    """The write-back's weights denoise the direction: over 200 digits at eps 2 (a range
+    wide enough that almost nothing is clipped) the written records' coefficients have a
+    mean cosine with the raw records' well above E<V, u> (the unweighted write-back's), and
+    dividing the weights out (what tldp evaluate's privunit_alignment does) gives E<V, u>
+    back."""
+    calib = calibration(epsilon=2, value_range=(-3e4, 3e4))
+    basis = engine.privunit_basis(calib)
+    out = engine.perturb_records(digits[:200], 0, "a", calib, Streams("secure", SEED), dtype=np.float64)
+    raw = engine.record_directions(digits[:200], calib, basis)
+    weights = engine.write_back_weights(calib, basis)
+    m = calib.privunit.alignment
+    unweighted = np.einsum("ij,ij->i", engine.record_directions(out, calib, basis, 1 / weights), raw)
+    weighted = np.einsum("ij,ij->i", engine.record_directions(out, calib, basis), raw)
+    assert abs(unweighted.mean() - m) < 0.02
+    assert weighted.mean() > m + 0.04  # 0.133 against m = 0.070
+
+
+def test_from_the_threshold_alignment_up_the_write_back_is_unweighted(digits):
+    """At eps 4 (m = 0.134 at k = 128, above privunit.WEIGHTED_BELOW_ALIGNMENT) the written
+    record is reference + c B^T V, clipped: the bytes of the write-back before the weights."""
+    calib = calibration(epsilon=4)
+    assert calib.privunit.alignment > privunit.WEIGHTED_BELOW_ALIGNMENT
+    basis = engine.privunit_basis(calib)
+    streams = Streams("secure", SEED)
+    out = engine.perturb_records(digits[:5], 0, "a", calib, streams, dtype=np.float64)
+    v = engine.sample_directions(engine.record_directions(digits[:5], calib, basis), 0, "a", calib, streams)
+    assert engine.write_back_weights(calib, basis) is None
+    assert np.array_equal(out, np.clip(basis.synthesize(calib.privunit.output_scale * v), 0, 256))
+
+
+def test_a_user_basis_is_written_back_unweighted(digits):
+    q, _ = np.linalg.qr(np.random.default_rng(3).standard_normal((784, 784)))
+    basis = projection.MatrixBasis(q[:16], (28, 28), "cd" * 32)
+    calib = mechanisms.calibrate_privunit(epsilon=4, record_shape=(28, 28), value_range=(-1e6, 1e6), k=16,
+                                          basis="file", basis_sha256="cd" * 32)
+    streams = Streams("secure", SEED)
+    out = engine.perturb_records(digits[:5], 0, "a", calib, streams, basis=basis, dtype=np.float64)
+    v = engine.sample_directions(engine.record_directions(digits[:5], calib, basis), 0, "a", calib, streams)
+    assert np.allclose(basis.project(out) / calib.privunit.output_scale, v, rtol=0, atol=1e-9)
+
+
 def test_a_user_basis_must_match_the_calibration():
     calib = calibration(k=4)
     q, _ = np.linalg.qr(np.random.default_rng(14).standard_normal((784, 784)))

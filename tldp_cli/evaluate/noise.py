@@ -105,11 +105,14 @@ class NoiseStats:
         self._add_noise(x, y, z, sq, elements, equal, calib)
 
     def _add_alignment(self, x: np.ndarray, y: np.ndarray, calib: Calibration, basis) -> None:
-        """privunit: the cosine between each released record's coefficients and the raw
-        record's, both measured from the reference point (the written values are clipped to
-        the range, so it is a measurement, not E<V, u> itself)."""
+        """privunit: the cosine between each released record's coefficients (divided by the
+        write-back's public weights) and the raw record's, both measured from the reference
+        point (the written values are clipped to the range, so it is a measurement, not
+        E<V, u> itself)."""
         basis = engine.privunit_basis(calib, basis)
-        released = engine.record_directions(y.astype(np.float64), calib, basis)
+        weights = engine.write_back_weights(calib, basis)
+        released = engine.record_directions(y.astype(np.float64), calib, basis,
+                                            None if weights is None else 1.0 / weights)
         raw = engine.record_directions(x.astype(np.float64), calib, basis)
         self.alignment.append(np.einsum("ij,ij->i", released, raw))
 

@@ -449,10 +449,11 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
         raise UsageError(f"the value range must be finite and not empty, not {lo:g}:{hi:g}")
     elements = math.prod(record_shape)
-    # A record's coefficients reach sqrt(I) (hi - lo), as does the written deviation c B^T V
-    # (c = output_scale); past float64's largest value they would be inf, and an inf or NaN
-    # direction is never accepted by the cap test.
-    if not math.isfinite(4 * math.sqrt(elements) * (hi - lo)):
+    # A record's coefficients reach sqrt(I) (hi - lo), and the written deviation c B^T (w * V)
+    # c max(w) <= c sqrt(k) <= (hi - lo) I / 8 (c = output_scale; w's mean square is 1); past
+    # float64's largest value they would be inf, and an inf or NaN direction is never
+    # accepted by the cap test.
+    if not math.isfinite(4 * elements * (hi - lo)):
         raise UsageError(f"the value range {lo:g}:{hi:g} is too wide for --mechanism privunit's float64 "
                          f"arithmetic on records of {elements} elements; express the values in larger units")
     if elements < 2:
@@ -467,11 +468,14 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
         raise UsageError(f"--basis: k = {k} coefficients; PrivUnit's figures are certified for k up to "
                          f"{privunit.MAX_K} (docs/guarantee.md); give --basis dct:K with a smaller K")
     gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
+    alignment = privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53)
     params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
                             record_shape=tuple(int(n) for n in record_shape),
                             reference=privunit.reference_point(lo, hi),
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
-                            high=float(hi), basis_sha256=basis_sha256)
+                            high=float(hi), basis_sha256=basis_sha256,
+                            alignment=alignment,
+                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment))
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

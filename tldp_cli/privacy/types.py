@@ -31,11 +31,13 @@ class PrivUnitParams:
     p_numerator: int  # P(V from the cap) = p_numerator / 2^53 exactly
     basis: str  # "dct" or "file"
     record_shape: tuple[int, ...]
-    reference: float  # a record is measured from this value; the output written is reference + c B^T V
+    reference: float  # a record is measured from this value; the output written is reference + c B^T (w * V)
     output_scale: float  # c
     low: float  # the declared range, which the written values are clipped to
     high: float
     basis_sha256: str | None = None  # a user's basis file
+    alignment: float = 0.0  # m = E<V, u> of the split (the write-back's weights use it)
+    prior_exponent: float | None = None  # the write-back's spectral prior (None: unweighted, a user's basis)
 
     @property
     def p(self) -> float:

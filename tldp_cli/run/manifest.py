@@ -179,12 +179,27 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
         "reference_rule": "0, or the end of the declared range nearest to 0 when it does not hold 0",
         "output_scale": {"c": params.output_scale, "kind": "display",
                          "rule": f"(hi - lo) sqrt(I) / {privunit.OUTPUT_SCALE_DIVISOR}: the "
-                                 "written deviation c B^T V has that norm; the record's own norm is "
-                                 "not released"},
+                                 "written deviation c B^T V has that norm (c B^T (w * V) about that "
+                                 "norm); the record's own norm is not released"},
         "zero_record": "a record whose coefficients are all 0 has no direction: it is released "
                        "as the direction e_1 (the first coefficient)",
-        "written": "reference + c B^T V, clipped to the declared range",
+        "write_back": write_back_entry(params),
+        "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
+                    is not None else "reference + c B^T V, clipped to the declared range"),
     }
+
+
+def write_back_entry(params: Any) -> dict[str, Any]:
+    """The write-back's public weights w of the released coefficients (post-processing)."""
+    if params.prior_exponent is None:
+        return {"weights": "none", "alignment": params.alignment,
+                "rule": f"w = 1: weights only for the DCT basis over two axes (an image statistic) at "
+                        f"an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
+    return {"weights": "wiener", "prior_exponent": params.prior_exponent, "alignment": params.alignment,
+            "rule": privunit.WRITE_BACK_RULE + "; m = alignment = E<V, u>, below "
+                    f"{privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+            "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
 
 
 def _min_weight(weights: dict | None) -> float:

@@ -1175,7 +1175,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     writing a key another wrote."""
     postprocessing = []
     if run.largest.privunit is not None:
-        postprocessing = [f"write back reference + c B^T V in the record's shape (c: privunit.output_scale), "
+        postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
+                          f"w: privunit.write_back), "
                           f"clip to [{run.lo:g}, {run.hi:g}], cast to {run.out_dtype}"]
     records_of: dict[Calibration, int] = {}
     for job in jobs:

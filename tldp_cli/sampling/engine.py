@@ -23,6 +23,7 @@ import numpy as np
 from tldp_cli.sampling import discrete, privunit, projection, ziggurat
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.privunit import cap_probability
+from tldp_cli.privacy.privunit import write_back_weights as write_back_weights_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
 from tldp_cli.sampling.rng import Streams, records_per_unit
 
@@ -265,12 +266,14 @@ def privunit_basis(calib: Calibration, basis=None):
     return basis
 
 
-def record_directions(block: np.ndarray, calib: Calibration, basis) -> np.ndarray:
+def record_directions(block: np.ndarray, calib: Calibration, basis, scale: np.ndarray | None = None) -> np.ndarray:
     """u: each record's coefficients in the basis, measured from the public reference
-    point, divided by their norm ((n, k) float64; a record of zero coefficients: e_1)."""
+    point (times `scale` per coefficient when given), divided by their norm ((n, k)
+    float64; a record of zero coefficients: e_1)."""
     params = calib.privunit
     x = block.reshape(block.shape[0], *params.record_shape).astype(np.float64) - params.reference
-    return privunit.unit_directions(basis.project(x))
+    z = basis.project(x)
+    return privunit.unit_directions(z if scale is None else z * scale)
 
 
 def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: Calibration,
@@ -285,11 +288,23 @@ def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: 
     return released
 
 
-def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype | type) -> np.ndarray:
-    """The records written: reference + c B^T V, clipped to the declared range, in `dtype`
-    (a function of V alone, and of public values: post-processing)."""
+def write_back_weights(calib: Calibration, basis) -> np.ndarray | None:
+    """w, the public weight of each released coefficient in the write-back (a DCT basis:
+    privacy/privunit.write_back_weights of its frequencies and E<V, u>; a user's basis: None,
+    unweighted)."""
     params = calib.privunit
-    values = basis.synthesize(params.output_scale * released)
+    if params.prior_exponent is None or getattr(basis, "kind", None) != "dct":
+        return None
+    return write_back_weights_of(basis.frequencies(), params.alignment, params.prior_exponent)
+
+
+def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype | type) -> np.ndarray:
+    """The records written: reference + c B^T (w * V), clipped to the declared range, in
+    `dtype` (a function of V alone, and of public values: post-processing)."""
+    params = calib.privunit
+    weights = write_back_weights(calib, basis)
+    scale = params.output_scale if weights is None else params.output_scale * weights
+    values = basis.synthesize(scale * released)
     values += params.reference
     np.clip(values, params.low, params.high, out=values)
     out = page_aligned_empty(values.shape, dtype)
@@ -300,7 +315,7 @@ def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype 
 def perturb_privunit(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                      streams: Streams, basis=None, dtype: np.dtype | type = np.float32) -> np.ndarray:
     """--mechanism privunit on a block of whole records: project on the basis, normalise,
-    draw V (sampling/privunit.py), write back reference + c B^T V in the record's shape."""
+    draw V (sampling/privunit.py), write back reference + c B^T (w * V) in the record's shape."""
     dtype = np.dtype(dtype)
     basis = privunit_basis(calib, basis)
     if block.shape[0] == 0:

@@ -111,6 +111,11 @@ class DctBasis:
     def describe(self) -> str:
         return f"the {self.k} lowest frequencies of the {describe_layout(self.record_shape)}"
 
+    def frequencies(self) -> np.ndarray:
+        """Each coefficient's spatial frequency in cycles per record, sqrt(i^2 + j^2) / 2 for
+        DCT-II row i and column j (row f of the DCT has f/2 cycles over the axis)."""
+        return np.hypot(self.index[1], self.index[2]) / 2.0
+
 
 @functools.lru_cache(maxsize=32)
 def dct_basis(record_shape: tuple[int, ...], k: int) -> DctBasis:
