@@ -456,6 +456,37 @@ def _is_pickle(path: Path) -> bool:
 LISTED = 5  # names shown in a message before "... and N more"
 
 
+def folder_files(root: Path) -> tuple[list[str], list[str]]:
+    """The regular files and the symbolic links below `root`, as sorted relative POSIX
+    paths, for the formats that are folders. Links are listed, never followed (os.walk
+    lists a linked folder among the folders without entering it). A folder that cannot be
+    listed (os.walk would skip it, and its files, in silence) or an entry that is neither a
+    regular file nor a folder (a FIFO, which would never end a read, a socket, a device)
+    is an InputError naming it."""
+    import stat
+
+    def unreadable(exc: OSError):
+        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
+
+    files, links = [], []
+    for directory, dirs, names in os.walk(root, onerror=unreadable):
+        for name in names + dirs:
+            path = Path(directory) / name
+            rel = path.relative_to(root).as_posix()
+            try:
+                mode = path.lstat().st_mode
+            except OSError as exc:
+                raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
+            if stat.S_ISLNK(mode):
+                links.append(rel)
+            elif stat.S_ISREG(mode):
+                files.append(rel)
+            elif not stat.S_ISDIR(mode):
+                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, socket or "
+                                 "device); tldp reads only regular files: remove it or move it out of the folder")
+    return sorted(files), sorted(links)
+
+
 def listing(names: list[str]) -> str:
     shown = ", ".join(names[:LISTED])
     return shown if len(names) <= LISTED else f"{shown}, ... and {len(names) - LISTED} more"

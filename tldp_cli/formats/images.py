@@ -44,7 +44,6 @@ import os
 import posixpath
 import re
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +56,7 @@ from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
-                              dicom_refused, is_dicom, leftovers, listing, plural)
+                              dicom_refused, folder_files, is_dicom, leftovers, listing, plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
                                      png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -142,30 +141,11 @@ class _Image:
 
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
-    links, sorted. os.walk lists a linked directory among the directories without
-    entering it. An entry that is neither a regular file nor a directory (a FIFO, which
-    would never end a read, a socket, a device) is refused, as inside a Zarr store."""
-    def unreadable(exc: OSError):  # os.walk would skip the folder, and its images, in silence
-        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
-
-    images, others, links = [], [], []
-    for directory, dirs, files in os.walk(root, onerror=unreadable):
-        for name in files + dirs:
-            path = Path(directory) / name
-            rel = path.relative_to(root).as_posix()
-            try:
-                mode = path.lstat().st_mode
-            except OSError as exc:
-                raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
-            if stat.S_ISLNK(mode):
-                links.append(rel)
-            elif stat.S_ISREG(mode):
-                (images if Path(name).suffix.lower() in IMAGE_SUFFIXES else others).append(rel)
-            elif not stat.S_ISDIR(mode):
-                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, "
-                                 "socket or device); tldp reads only regular files: remove it or "
-                                 "move it out of the folder")
-    return sorted(images), sorted(others), sorted(links)
+    links, sorted (formats.folder_files: links not followed, FIFOs and devices refused)."""
+    files, links = folder_files(root)
+    images = [rel for rel in files if Path(rel).suffix.lower() in IMAGE_SUFFIXES]
+    others = [rel for rel in files if Path(rel).suffix.lower() not in IMAGE_SUFFIXES]
+    return images, others, links
 
 
 def output_name(rel: str, image_format: str, stack: bool = False) -> str:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -58,7 +57,8 @@ from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, writing
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_files, leftovers,
+                              tensor_files)
 from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADATA, Entry, ReadTensor,
                                              TensorBlocks, header_with, parse, start_output)
 
@@ -101,27 +101,11 @@ def default_output(path: Path) -> Path:
 
 def _files(root: Path) -> list[str]:
     """The relative POSIX paths of the regular files under `root`, sorted; a link or
-    anything but a file or folder is refused."""
-    def unreadable(exc: OSError):
-        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
-
-    files = []
-    for directory, dirs, names in os.walk(root, onerror=unreadable):
-        for name in names + dirs:
-            path = Path(directory) / name
-            rel = path.relative_to(root).as_posix()
-            try:
-                mode = path.lstat().st_mode
-            except OSError as exc:
-                raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
-            if stat.S_ISLNK(mode):
-                raise InputError(f"{root}: {rel} is a symbolic link; {LINK_HINT}")
-            if stat.S_ISREG(mode):
-                files.append(rel)
-            elif not stat.S_ISDIR(mode):
-                raise InputError(f"{root}: {rel} is neither a regular file nor a folder (a pipe, socket or "
-                                 "device); tldp reads only regular files")
-    return sorted(files)
+    anything but a file or folder is refused (formats.folder_files)."""
+    files, links = folder_files(root)
+    if links:
+        raise InputError(f"{root}: {links[0]} is a symbolic link; {LINK_HINT}")
+    return files
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

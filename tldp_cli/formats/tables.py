@@ -41,12 +41,11 @@ from __future__ import annotations
 import functools
 import io
 import json
-import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

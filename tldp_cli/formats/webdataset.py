@@ -45,12 +45,11 @@ import io
 import os
 import posixpath
 import re
-import stat
 import tarfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -58,7 +57,8 @@ from PIL import Image
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
 from tldp_cli.formats import (DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
-                              check_numeric_dtype, data_file, decode_reason, leftovers, listing, plural, pixels)
+                              check_numeric_dtype, data_file, decode_reason, folder_files, leftovers, listing, plural,
+                              pixels)
 
 NAME = "webdataset"
 SHARD_SUFFIX = ".tar"
@@ -360,26 +360,12 @@ class _ReadMember:
 
 
 def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
-    """Relative POSIX paths of the shards, the other files and the symbolic links, sorted."""
-    def unreadable(exc: OSError):
-        raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
-
-    shards, others, links = [], [], []
-    for directory, dirs, files in os.walk(root, onerror=unreadable):
-        for name in files + dirs:
-            path = Path(directory) / name
-            rel = path.relative_to(root).as_posix()
-            mode = path.lstat().st_mode
-            if stat.S_ISLNK(mode):
-                links.append(rel)
-            elif stat.S_ISREG(mode):
-                lower = name.lower()
-                (shards if lower.endswith(SHARD_SUFFIX) or lower.endswith(COMPRESSED_SUFFIXES)
-                 else others).append(rel)
-            elif not stat.S_ISDIR(mode):
-                raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, "
-                                 "socket or device); tldp reads only regular files")
-    return sorted(shards), sorted(others), sorted(links)
+    """Relative POSIX paths of the shards, the other files and the symbolic links, sorted
+    (formats.folder_files: links not followed, FIFOs and devices refused)."""
+    files, links = folder_files(root)
+    is_shard = [rel.lower().endswith(SHARD_SUFFIX) or rel.lower().endswith(COMPRESSED_SUFFIXES) for rel in files]
+    return ([rel for rel, shard in zip(files, is_shard) if shard],
+            [rel for rel, shard in zip(files, is_shard) if not shard], links)
 
 
 def _shard_files(path: Path) -> tuple[Path, list[str], list[str], list[str]]:
