@@ -213,14 +213,21 @@ def write_new_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+# zarr-python's LocalStore writes each chunk as NAME.<uuid>.partial, then renames it: a run
+# stopped early (Ctrl-C on Dask) can list one a worker renames a moment later.
+ATOMIC_WRITE_SUFFIX = ".partial"
+
+
 def flushed_files(root: Path, flushed_already) -> list[Path]:
     """The files under `root`, sorted, each flushed to disk (fsync_file) unless it is in
     `flushed_already` (written and flushed one by one, as a writer thread does)."""
     files = sorted(p for p in root.rglob("*") if p.is_file())
     for path in files:
         if path not in flushed_already:
+            if path.name.endswith(ATOMIC_WRITE_SUFFIX) and not path.exists():
+                continue  # a store's write in flight when the run stopped early, since renamed
             fsync_file(path)
-    return files
+    return [path for path in files if not path.name.endswith(ATOMIC_WRITE_SUFFIX) or path.exists()]
 
 
 class Background:
