@@ -22,8 +22,8 @@ def test_ci_runs_the_quick_start_commands():
 
 
 def test_the_dev_extra_holds_only_what_the_tests_use():
-    """Every package of the dev extra is imported by the tests or runs them (pytest,
-    import-linter); none repeats a runtime dependency."""
+    """Every package of the dev extra is imported by the tests, runs them (pytest,
+    import-linter) or is run by CI (.ci/run: mypy); none repeats a runtime dependency."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     runtime = {re.split(r"[<>=\[;]", r)[0].lower() for r in project["dependencies"]}
     dev = [re.split(r"[<>=\[;]", r)[0].lower() for r in project["optional-dependencies"]["dev"]]
@@ -32,8 +32,11 @@ def test_the_dev_extra_holds_only_what_the_tests_use():
                    "netcdf4": "netCDF4", "ome-zarr": "ome_zarr", "scikit-image": "skimage",
                    "ome-zarr-models": "ome_zarr_models", "import-linter": "lint-imports"}
     tests = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
+    ci = (REPO / ".ci" / "run").read_text()
 
     def used(module: str) -> bool:
+        if re.search(rf"^python -m {module}\b", ci, re.M):  # a check CI runs beside the tests
+            return True
         if module == "lint-imports":  # import-linter's command, run by tests/test_architecture.py
             return '"lint-imports"' in tests
         return re.search(rf"^\s*(import|from) {module}\b|importorskip\(\"{module}[\".]", tests, re.M) is not None

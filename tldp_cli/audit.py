@@ -434,7 +434,7 @@ def privunit_neighbours(calib: Calibration, basis, scope: str) -> tuple[np.ndarr
     the most); when it is an end of the range, the record at the reference (direction e_1)
     and the record at the far end wherever the second basis vector is positive. element:
     the record at the reference and the same with its first element at the far end."""
-    params = calib.privunit
+    params = calib.privunit_params()
     lo, hi, ref = params.low, params.high, params.reference
     far = hi if hi - ref >= ref - lo else lo
     unit = np.zeros((2, params.k))
@@ -462,12 +462,13 @@ def audit_privunit(calib: Calibration, *, samples: int, confidence: float, scope
     (cap(u) without cap(u') is where the privacy loss reaches epsilon). The released V
     is audited before the write-back, which is a function of it."""
     basis = engine.privunit_basis(calib, basis)
-    params = calib.privunit
+    params = calib.privunit_params()
     certified = accounting.certify(claimed)
     plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
     alpha = (1 - confidence) / max(sum(len(c) for _, c in plan), 1) / 2
     records = max(2, samples // calib.elements)
-    results, pairs = [], {}
+    results: list[dict[str, Any]] = []
+    pairs: dict[str, dict[str, Any]] = {}
     for scope, claims in plan:
         x, x_prime, described = privunit_neighbours(calib, basis, scope)
         directions = engine.record_directions(np.stack([x, x_prime]), calib, basis)
@@ -574,7 +575,7 @@ def _run_privunit(*, epsilon: float, value_range: tuple[float, float], shape: tu
     check_parameters(mechanism=PRIVUNIT, noise=noise, budget="record", epsilon=epsilon, dp_delta=dp_delta)
     sampled_noise(noise, sampler, PRIVUNIT)
     choice = bases.parse_basis(basis)
-    user = bases.load_basis(choice.path) if choice.kind == bases.FILE else None
+    user = bases.load_basis(choice.path) if choice.path is not None else None  # kind FILE: a path
     matrix = user.for_records(shape, "--elements") if user else None
     calib = calibrate_privunit(epsilon=epsilon, record_shape=shape, value_range=value_range,
                                dp_delta=dp_delta, k=user.k if user else choice.k, basis=choice.kind,

@@ -238,7 +238,7 @@ def available_memory() -> int | None:
     """About how many bytes this process can still allocate and use: the least of the
     memory the system has available (with free swap), what its cgroup's limit leaves, and
     what its address-space limit (ulimit -v) leaves; None where none can be read."""
-    limits = []
+    limits: list[int | None] = []
     with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
         info = {line.split(":")[0]: int(line.split()[1]) * 1024
                 for line in Path("/proc/meminfo").read_text().splitlines()}
@@ -253,8 +253,8 @@ def available_memory() -> int | None:
             status = Path("/proc/self/status").read_text().splitlines()
             used = int(next(line for line in status if line.startswith("VmSize:")).split()[1]) * 1024
             limits.append(soft - used)
-    limits = [limit for limit in limits if limit is not None]
-    return max(0, min(limits)) if limits else None
+    known = [limit for limit in limits if limit is not None]
+    return max(0, min(known)) if known else None
 
 
 def _cgroup_room() -> int | None:
@@ -356,7 +356,7 @@ def _take_dead(folder: Path, new: bool) -> int | None:
 def remove_dead_work(final: Path) -> list[str]:
     """Removes the work folders that killed runs left beside `final`, first finishing a
     move into place that a run was killed in the middle of; returns notes."""
-    notes = []
+    notes: list[str] = []
     try:
         entries = list(final.parent.iterdir())
     except OSError:
@@ -468,6 +468,7 @@ class WorkFolder:
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
+_renameat2: Callable[..., int] | None
 try:
     _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
 except (AttributeError, OSError):
@@ -528,7 +529,7 @@ class Staging:
     """The files of one run, written under work folders and moved into place together:
     all of them or none (a failure puts back whatever was replaced)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._folders: dict[Path, WorkFolder] = {}  # by destination folder
         self._targets: list[tuple[Path, Path]] = []  # (temporary, final)
         self._inodes: dict[Path, int] = {}  # final -> the inode moved there

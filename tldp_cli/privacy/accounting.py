@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tldp_cli.privacy import mvg_idn, privunit
 from tldp_cli.privacy.types import PRIVUNIT, Calibration
+
+if TYPE_CHECKING:  # NumPy is imported where used: the CLI starts without it
+    import numpy as np
 
 LN10 = math.log(10)
 # What a manifest says of figures computed for float-sampled (continuous) noise.
@@ -46,24 +49,24 @@ class Guarantee:
     `approx_*` an (epsilon, delta) pair at dp_delta for every noise; `rho` the zCDP of
     the Gaussian noise (None otherwise); `point_mass_*` what kept raw values cost."""
 
-    epsilon: float
+    epsilon: float | Deferred
     delta: float
     delta_log10: float | None
     rho: float | None
     approx_delta: float
-    approx_epsilon: float
+    approx_epsilon: float | Deferred
     point_mass_delta: float
     point_mass_delta_log10: float | None
 
     @classmethod
-    def pure(cls, epsilon: float, approx_epsilon: float, approx_delta: float,
+    def pure(cls, epsilon: float, approx_epsilon: float | Deferred, approx_delta: float,
              point_mass: tuple[float, float | None] = (0.0, None)) -> "Guarantee":
         """Laplace noise: pure epsilon, whose delta is the point mass of kept values."""
         pm_delta, pm_log10 = point_mass
         return cls(epsilon, pm_delta, pm_log10, None, approx_delta, approx_epsilon, pm_delta, pm_log10)
 
     @classmethod
-    def approximate(cls, epsilon: float, delta: float, rho: float | None,
+    def approximate(cls, epsilon: float | Deferred, delta: float, rho: float | None,
                     point_mass: tuple[float, float | None]) -> "Guarantee":
         """Gaussian noise: (epsilon, delta), delta including the point mass of kept values."""
         return cls(epsilon, delta, math.log10(delta), rho, delta, epsilon, *point_mass)
@@ -200,7 +203,7 @@ def scope_epsilon(calib: Calibration, count: int) -> float:
     at_delta, _ = noise_delta(calib.dp_delta, point_mass_delta(calib.log_p, count)[0])
     if calib.noise == "gaussian":
         return gaussian_epsilon(calib.scale / (calib.range_width * math.sqrt(count)), at_delta)
-    d = calib.grid_values - 1
+    d = calib.grid_steps
     if calib.noise == "discrete-laplace":
         return count * discrete_laplace_element_epsilon(d, calib.scale, calib.log_p)
     return discrete_gaussian_epsilon(calib.scale, d, count, at_delta)
@@ -248,6 +251,7 @@ def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
 
     I, D, sigma, delta = calib.elements, calib.range_width, calib.scale, calib.dp_delta
     if calib.mechanism == "mvg":
+        assert calib.rows is not None  # calibrate refuses MVG without its rows
         params = mvg_idn.mvg_parameters(calib.rows, I, D, delta)
         budget = math.sqrt(I) / sigma**2
         eps = (params.alpha * budget + params.beta * math.sqrt(budget)) / 2
@@ -340,7 +344,8 @@ class Deferred:
     __slots__ = ("upper", "_compute", "_value")
 
     def __init__(self, upper: float, compute) -> None:
-        self.upper, self._compute, self._value = float(upper), compute, None
+        self.upper, self._compute = float(upper), compute
+        self._value: float | None = None
 
     def value(self) -> float:
         if self._value is None:
@@ -563,13 +568,13 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
         return Guarantee.approximate(approx_eps, total, rho, (pm_delta, pm_log10)).as_dict()
     if noises == {"discrete-laplace"}:
         # the pure bound covers the kept values: no point-mass delta
-        items = [(c.grid_values - 1, c.scale, c.log_p, m) for c, m in releases]
+        items = [(c.grid_steps, c.scale, c.log_p, m) for c, m in releases]
         pure = sum(m * discrete_laplace_element_epsilon(d, b, log_p) for d, b, log_p, m in items)
         return Guarantee.pure(pure, discrete_laplace_composed_epsilon(items, target), target).as_dict()
     if noises == {"discrete-gaussian"}:
         groups: dict[tuple[float, int], int] = {}
         for c, m in releases:
-            key = (c.scale, c.grid_values - 1)
+            key = (c.scale, c.grid_steps)
             groups[key] = groups.get(key, 0) + m
         rho = sum(m * d**2 / (2 * sigma**2) for (sigma, d), m in groups.items())
         if len(groups) == 1:
@@ -701,7 +706,7 @@ def discrete_laplace_element_epsilon(sensitivity: int, scale: float, log_p: floa
                    else math.log1p(math.exp(log_ratio)))
 
 
-def discrete_laplace_log_pmfs(sensitivity: int, scale: float, log_p: float):
+def discrete_laplace_log_pmfs(sensitivity: int, scale: float, log_p: float) -> tuple[np.ndarray, np.ndarray]:
     """log P(y | x = 0) and log P(y | x = d) of the TLDP mixture with discrete Laplace noise.
 
     Outcomes: y = 0..d, then y < 0 and y > d lumped (the privacy loss is constant on
@@ -834,6 +839,7 @@ def discrete_laplace_composed_epsilon(items: list[tuple[int, float, float, int]]
                 part = _pld_from_log_pmfs(*discrete_laplace_log_pmfs(d, b, log_p), interval)
                 part = part.self_compose(n) if n > 1 else part
                 pld = part if pld is None else pld.compose(part)
+            assert pld is not None  # more than one kind here (one alone took the branch above)
             return pld.get_epsilon_for_delta(delta)
 
         bounds += pld_bound(composed)
@@ -912,7 +918,7 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
 
 
 def _discrete_scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, Any]:
-    d, scale, target = calib.grid_values - 1, calib.scale, calib.dp_delta
+    d, scale, target = calib.grid_steps, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
         approx = (_deferred_discrete_laplace(d, scale, calib.log_p, count, target) if deferred
                   else discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target))
@@ -928,7 +934,7 @@ def discrete_notes(calib: Calibration) -> list[str]:
     grid = ("the integers" if calib.granularity is None
             else f"the grid {calib.granularity:g}*Z (input rounded to it; one more grid value in the range)")
     notes = [f"Discrete noise on {grid}: W = {calib.grid_values} values, sensitivity W-1 = "
-             f"{calib.grid_values - 1} steps; noise_scale is in grid steps. Exact samplers: "
+             f"{calib.grid_steps} steps; noise_scale is in grid steps. Exact samplers: "
              "nothing is added to delta for sampling error."]
     if calib.noise == "discrete-laplace":
         notes.append("Discrete Laplace (a = e^(-1/b)): the kept raw value is covered by the exact "
@@ -970,7 +976,7 @@ def privunit_epsilon(k: int, gamma: float, p_numerator: int) -> float:
 
 
 def privunit_record_epsilon(calib: Calibration) -> float:
-    params = calib.privunit
+    params = calib.privunit_params()
     return privunit_epsilon(params.k, params.gamma, params.p_numerator)
 
 
@@ -979,7 +985,7 @@ def privunit_figures(calib: Calibration) -> dict[str, Any]:
     exact share q, its bounds for the sampler as implemented, the nominal epsilon
     eps0 + ln((1-q)/q) of the real-valued mechanism, the certified one and the margin
     between them, and the expected alignment E<V, u>."""
-    params = calib.privunit
+    params = calib.privunit_params()
     k, gamma, p = params.k, params.gamma, params.p
     q = privunit.cap_probability(gamma, k)
     q_lo, q_hi = privunit.cap_probability_bounds(gamma, k)

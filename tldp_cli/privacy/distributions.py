@@ -22,7 +22,7 @@ def gaussian_norm(sigma: float) -> float:
     return 1 + 2 * float(np.exp(-span**2 / (2 * sigma**2)).sum())
 
 
-def noise_pmf(noise: str, scale: float, z: np.ndarray) -> np.ndarray:
+def noise_pmf(noise: str, scale: float, z: np.ndarray | int) -> np.ndarray:
     """The probability mass function (in float64) of the noise at integers z."""
     z = np.abs(np.asarray(z, dtype=np.float64))
     if noise == "discrete-laplace":

@@ -199,6 +199,7 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
         if budget == "record":
             scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
         elif mechanism == "mvg":
+            assert rows is not None  # refused above
             scale = mvg_idn.mvg_sigma(rows, I, D, epsilon, dp_delta)
         else:
             scale = mvg_idn.idn_sigma(I, D, epsilon, dp_delta)
@@ -288,7 +289,8 @@ def _row_epsilon(calibs: list[Calibration]) -> float:
 
 def _rescaled(calib: Calibration, scale: float) -> Calibration:
     """The calibration with another noise scale: its element epsilon and p follow from it."""
-    width = calib.grid_values if calib.noise in DISCRETE_NOISES else calib.range_width
+    grid_values = calib.grid_values  # None unless the noise is discrete
+    width = calib.range_width if grid_values is None else grid_values
     family = "laplace" if calib.noise.endswith("laplace") else "gaussian"
     eps_e = width / scale if family == "laplace" else width**2 / (2 * scale**2)
     log_p = (tldp_log_retain_probability(family, eps_e, scale, width, calib.elements)
@@ -545,4 +547,6 @@ def privunit_split(epsilon: float, k: int, min_cap: float = privunit.MIN_CAP_PRO
             d = a + ratio * (b - a)
             fd = alignment(d)
     gamma = max([(values[best], grid[best]), (fc, c), (fd, d)])[1]
-    return float(gamma), int(_largest_p(epsilon, k, gamma))
+    numerator = _largest_p(epsilon, k, gamma)
+    assert numerator is not None  # gamma's alignment is at least values[best] >= 0: some p fits
+    return float(gamma), int(numerator)

@@ -75,8 +75,21 @@ class Calibration:
         return round(self.range_width / self.granularity) + 1
 
     @property
+    def grid_steps(self) -> int:
+        """Discrete noises: W - 1, the sensitivity in grid steps."""
+        if self.grid_values is None:
+            raise ValueError(f"{self.noise} noise has no grid")
+        return self.grid_values - 1
+
+    @property
     def p(self) -> float:
         return math.exp(self.log_p)
+
+    def privunit_params(self) -> PrivUnitParams:
+        """The PrivUnit parameters, for code that serves --mechanism privunit only."""
+        if self.privunit is None:
+            raise ValueError(f"a {self.mechanism} calibration has no PrivUnit parameters")
+        return self.privunit
 
     @property
     def p_log10(self) -> float | None:

@@ -79,8 +79,9 @@ _EMAX = 999_999_999
 
 def _contexts(bits: int) -> tuple[Context, Context, Context]:
     digits = bits * 30103 // 100000 + 30  # bits * log10(2) and a margin
-    return tuple(Context(prec=digits, rounding=r, Emin=-_EMAX, Emax=_EMAX)
-                 for r in (ROUND_FLOOR, ROUND_CEILING, None))
+    floor, ceiling, unrounded = (Context(prec=digits, rounding=r, Emin=-_EMAX, Emax=_EMAX)
+                                 for r in (ROUND_FLOOR, ROUND_CEILING, None))
+    return floor, ceiling, unrounded
 
 
 def _decimal_bounds(q: Fraction, down: Context, up: Context) -> tuple[Decimal, Decimal]:
@@ -688,10 +689,10 @@ def output_dtype(grid: Grid, noise: str, scale: float, float_dtype: str) -> np.d
     t = tail_bound(noise, scale)
     low, high = grid.low - t, grid.high + t
     if grid.granularity is None:
-        for dtype in (np.int8, np.int16, np.int32, np.int64):
-            info = np.iinfo(dtype)
+        for int_type in (np.int8, np.int16, np.int32, np.int64):
+            info = np.iinfo(int_type)
             if info.min <= low and high <= info.max:
-                return np.dtype(dtype)
+                return np.dtype(int_type)
         raise UsageError(f"the range {grid.low}..{grid.high} and noise of scale {scale:.4g} do not fit "
                          "int64; declare a narrower --range")
     dtype = np.dtype(float_dtype)
@@ -752,7 +753,7 @@ def snap(values: np.ndarray, granularity: float | None, grid: Grid | None = None
         return units.astype(np.int64)
     if values.dtype.kind in "iu":
         return values.astype(np.int64)
-    grid = np.rint(values)
-    if not np.array_equal(grid, values):
+    rounded = np.rint(values)
+    if not np.array_equal(rounded, values):
         raise DataError("discrete noise without a granularity needs integer values")
-    return grid.astype(np.int64)
+    return rounded.astype(np.int64)

@@ -256,7 +256,7 @@ PRIVUNIT_STREAMS = "privunit/"
 def privunit_basis(calib: Calibration, basis=None):
     """The basis a PrivUnit calibration projects on: `basis` (a user's, which must match
     the calibration's k and sha256), else the DCT basis of its record shape and k."""
-    params = calib.privunit
+    params = calib.privunit_params()
     if basis is None:
         if params.basis != "dct":
             raise ValueError("a privunit calibration with a user's basis needs that basis")
@@ -270,7 +270,7 @@ def record_directions(block: np.ndarray, calib: Calibration, basis, scale: np.nd
     """u: each record's coefficients in the basis, measured from the public reference
     point (times `scale` per coefficient when given), divided by their norm ((n, k)
     float64; a record of zero coefficients: e_1)."""
-    params = calib.privunit
+    params = calib.privunit_params()
     x = block.reshape(block.shape[0], *params.record_shape).astype(np.float64) - params.reference
     z = basis.project(x)
     return privunit.unit_directions(z if scale is None else z * scale)
@@ -279,7 +279,7 @@ def record_directions(block: np.ndarray, calib: Calibration, basis, scale: np.nd
 def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                       streams: Streams) -> np.ndarray:
     """One PrivUnit draw per row of u, record i (global index first_record + i) from its own stream."""
-    params = calib.privunit
+    params = calib.privunit_params()
     q = cap_probability(params.gamma, params.k)  # the batch size only
     released = np.empty_like(u)
     for i in range(u.shape[0]):
@@ -292,7 +292,7 @@ def write_back_weights(calib: Calibration, basis) -> np.ndarray | None:
     """w, the public weight of each released coefficient in the write-back (a DCT basis:
     privacy/privunit.write_back_weights of its frequencies and E<V, u>; a user's basis: None,
     unweighted)."""
-    params = calib.privunit
+    params = calib.privunit_params()
     if params.prior_exponent is None or getattr(basis, "kind", None) != "dct":
         return None
     return write_back_weights_of(basis.frequencies(), params.alignment, params.prior_exponent)
@@ -301,7 +301,7 @@ def write_back_weights(calib: Calibration, basis) -> np.ndarray | None:
 def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype | type) -> np.ndarray:
     """The records written: reference + c B^T (w * V), clipped to the declared range, in
     `dtype` (a function of V alone, and of public values: post-processing)."""
-    params = calib.privunit
+    params = calib.privunit_params()
     weights = write_back_weights(calib, basis)
     scale = params.output_scale if weights is None else params.output_scale * weights
     values = basis.synthesize(scale * released)

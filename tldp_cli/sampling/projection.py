@@ -76,8 +76,8 @@ class DctBasis:
             raise ValueError(f"k = {k} coefficients for records of {total} elements")
         frequencies = -(-self.k // self.channels)
         rows, cols = min(self.height, frequencies), min(self.width, frequencies)
-        i, j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-        i, j = i.ravel(), j.ravel()
+        grid_i, grid_j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+        i, j = grid_i.ravel(), grid_j.ravel()
         order = np.lexsort((i, i + j, (i / self.height) ** 2 + (j / self.width) ** 2))[:frequencies]
         i, j = i[order], j[order]
         channel = np.tile(np.arange(self.channels), frequencies)
