@@ -140,6 +140,12 @@ def open_part(path: Path, layout: str | None = None) -> tuple[Part, pa.Schema, d
         if layout == PARQUET:
             meta = pq.ParquetFile(path).metadata
             schema = pq.ParquetFile(path).schema_arrow
+            # The footer's key-value metadata outside the Arrow schema (written by Spark, DuckDB,
+            # add_key_value_metadata) follows the schema metadata's rule: dropped and listed.
+            extra = {k: v for k, v in (meta.metadata or {}).items()
+                     if k != b"ARROW:schema" and k not in (schema.metadata or {})}
+            if extra:
+                schema = schema.with_metadata({**extra, **(schema.metadata or {})})
             batches = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
             return Part(path, layout, batches), schema, _parquet_settings(meta, schema)
         with pa.memory_map(str(path)) as source:
