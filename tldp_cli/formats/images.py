@@ -503,6 +503,10 @@ class ImageFolderReader(Reader):
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
 
+    def manifest_name(self, name: str) -> str:
+        """Anonymized: the output's name (the input's is in the name map only)."""
+        return self.out_names.get(name, WITHHELD) if self.anonymized else name
+
     def manifest_inputs(self) -> list[dict]:
         """The manifest's inputs entries; anonymized: by output name, no input path."""
         if not self.anonymized:

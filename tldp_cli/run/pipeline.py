@@ -1219,9 +1219,12 @@ def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         rows = {"row_datasets": [row for row in run.rows if len(row) > 1], "row_records": _row_records(run.rows, jobs)}
     ranges: dict[str, Any] = {}
     if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
-        ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
+        named = reader.manifest_name if reader else str
+        # sorted by the name written: withheld names' order would tell who is who
+        bounds = sorted(((named(name), bound) for name, bound in run.bounds.items()), key=lambda item: item[0])
+        ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in bounds}
         if run.grid is not None:
-            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
+            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in bounds}
     if run.range_groups:
         ranges["range_groups"] = run.range_groups
     sizes = {c.elements for c in run.calibrations}
