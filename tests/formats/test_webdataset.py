@@ -195,6 +195,18 @@ def test_one_tar_is_an_input_and_its_output_a_folder(cli, tmp_path):
     assert again.exit_code == 0, again.stderr
 
 
+def test_an_output_named_like_a_tar_file_is_refused(cli, tmp_path):
+    """Regression: `--out released.tar` on one shard made a folder named released.tar (holding
+    one.tar), which webdataset.WebDataset("released.tar") cannot open."""
+    src = tmp_path / "one.tar"
+    with wds.TarWriter(str(src)) as sink:
+        sink.write({"__key__": "k", "png": image(6, 6, 1)})
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "released.tar"), 2,
+                          "released.tar", "is a folder", "one.tldp")
+    assert siblings(tmp_path) == before
+
+
 def test_a_tar_shard_is_no_longer_refused(cli, tmp_path):
     """Regression: before, `tldp perturb shard.tar` said "not a dataset tldp can read"."""
     src = tmp_path / "shard.tar"
