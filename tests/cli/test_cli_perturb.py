@@ -326,6 +326,8 @@ def test_help_names_every_kind_of_input_it_detects(cli):
     text = re.sub(r"\s+", " ", cli("perturb", "--help").stdout)
     assert ".parquet" in text and ".arrow" in text and "Hugging Face dataset folder;" in text
     assert "one with .tar files and no image WebDataset shards" in text
+    text = re.sub(r"\s+", " ", cli("weight-mask", "--help").stdout)  # it reads tables and shards too
+    assert "a table (.parquet, .arrow, a dataset folder), WebDataset shards" in text
 
 
 def test_seed_warns_that_it_fixes_the_noise(cli, digits_file, tmp_path):
