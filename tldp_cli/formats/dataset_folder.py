@@ -84,9 +84,9 @@ def _refuse_dataset_dict(path: Path) -> None:
         splits = None
     if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
         splits = sorted(d.name for d in path.iterdir() if _saved(d))
-    folders = " ".join(str(path / s) for s in splits) or f"{path}/SPLIT"
+    folders = ", ".join(str(path / s) for s in splits) or f"{path}/SPLIT"
     raise InputError(f"{path}: a DatasetDict folder ({DICT}), one dataset folder per split; perturb "
-                     f"the splits' folders: tldp perturb {folders} --eps ...")
+                     f"the splits' folders instead ({folders}), each a release of its own")
 
 
 def default_output(path: Path) -> Path:
