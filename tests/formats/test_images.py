@@ -902,3 +902,21 @@ def test_names_that_are_not_utf8_key_their_noise_by_their_bytes(cli, tmp_path):
     assert np.array_equal(runs[b"caf\xc3\xa9.png"], colour_channels(tmp_path / "utf8-out" / "café.png"))
     assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xe8.png"])
     assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xc3\xa9.png"])
+
+
+def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
+    """Regression: the alpha channel is written raw (copied back, not perturbed), but only a
+    postprocessing step said so: `unperturbed` and the summary line, which list every raw
+    value, did not name it (a matting dataset's alpha is the subject's outline)."""
+    src = tmp_path / "cutouts"
+    save(src / "a.png", pixels(8, 8, 4))
+    save(src / "b.png", pixels(8, 8, 3))
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    (entry,) = json.loads(result.stdout)["unperturbed"]
+    assert entry["name"] == "alpha channel" and "1 image" in entry["reason"]
+    assert "copied unchanged: alpha channel" in result.stderr
+    alone = tmp_path / "opaque"
+    save(alone / "b.png", pixels(8, 8, 3))
+    result = cli("perturb", alone, "--eps", "1", "--out", tmp_path / "o2", "--json")
+    assert "unperturbed" not in json.loads(result.stdout)
