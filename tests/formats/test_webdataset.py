@@ -355,3 +355,18 @@ def test_links_in_a_folder_are_skipped_and_a_pattern_follows_them(cli, tmp_path)
     out = tmp_path / "out"
     run(cli, str(snapshot / "train-{000000..000001}.tar"), out)
     assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar"]
+
+
+def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
+    """Regression: an image member's alpha channel is written raw (not perturbed), but neither
+    `unperturbed` nor the summary line, which list every raw value, named it."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "a.tar")) as sink:
+        sink.write({"__key__": "k", "png": png_bytes(image(6, 6, 4))})
+        sink.write({"__key__": "j", "png": png_bytes(image(6, 6, 3))})
+    result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    (entry,) = json.loads(result.stdout)["unperturbed"]
+    assert entry["name"] == "alpha channel" and "1 image member" in entry["reason"]
+    assert "copied unchanged: alpha channel" in result.stderr

@@ -518,6 +518,10 @@ class WebDatasetReader(Reader):
                 left.copied(rel, "file", leftovers.KEPT)
             else:
                 left.drop(rel, "file", OTHER_FILE_REASON)
+        alpha = sum(member.has_alpha for shard in self.shards for member in shard.members if member.job)
+        if alpha:  # written raw, as in image folders: listed, so the summary line names it
+            left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
+                                                    "(transparency can outline the subject)")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
         return left
