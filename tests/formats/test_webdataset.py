@@ -370,3 +370,19 @@ def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
     (entry,) = json.loads(result.stdout)["unperturbed"]
     assert entry["name"] == "alpha channel" and "1 image member" in entry["reason"]
     assert "copied unchanged: alpha channel" in result.stderr
+
+
+def test_a_key_that_comes_back_later_in_its_shard_is_one_record(cli, tmp_path):
+    """Regression: members of one key apart in the shard (k0.png, k1.png, k0.depth.png) were
+    two records, each with the figure of one member, though they are one subject's."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    members = [(name, png_bytes(image(4, 4, 1, seed=i))) for i, name in
+               enumerate(("k0.png", "k1.png", "k0.depth.png"))]
+    _tar(folder / "a.tar", [(_info(name, len(data)), data) for name, data in members])
+    result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert manifest["row_datasets"] == [["a.tar/k0.png", "a.tar/k0.depth.png"]]
+    assert manifest["row_records"]["elements_per_record"] == 32
+    assert manifest["webdataset"]["samples"] == 2
