@@ -318,6 +318,18 @@ def test_help_has_examples(cli):
     assert result.exit_code == 0 and "Examples:" in result.stdout and "--eps" in result.stdout
 
 
+def test_help_names_every_kind_of_input_it_detects(cli):
+    """Regression: INPUT's help left out tables (Parquet, Arrow, dataset folders) and --format's
+    said every folder without Zarr, model or dataset metadata is read as images (shards too)."""
+    import re
+
+    text = re.sub(r"\s+", " ", cli("perturb", "--help").stdout)
+    assert ".parquet" in text and ".arrow" in text and "Hugging Face dataset folder;" in text
+    assert "one with .tar files and no image WebDataset shards" in text
+    text = re.sub(r"\s+", " ", cli("weight-mask", "--help").stdout)  # it reads tables and shards too
+    assert "a table (.parquet, .arrow, a dataset folder), WebDataset shards" in text
+
+
 def test_seed_warns_that_it_fixes_the_noise(cli, digits_file, tmp_path):
     """The noise depends on the seed and positions only: two inputs of one shape under one
     seed get the same noise (documented, and warned about)."""

@@ -124,6 +124,17 @@ def test_an_input_given_twice_is_refused(cli, raw):
     assert_one_line_error(cli("perturb", raw / "a.npy", raw / "a.npy", "--eps", "1"), 2, "given twice")
 
 
+def test_one_file_by_two_names_or_an_input_inside_another_is_refused(cli, raw, tmp_path):
+    """Regression: a symbolic link to an input, or a shard beside its folder of shards, was a
+    second release of the same data with noise of its own, each manifest stating one release."""
+    (raw / "link.npy").symlink_to(raw / "a.npy")
+    assert_one_line_error(cli("perturb", raw / "a.npy", raw / "link.npy", "--eps", "1"), 2, "given twice")
+    assert_one_line_error(cli("perturb", raw, raw / "b.npy", "--eps", "1", "--format", "npy"), 2,
+                          "inside another input")
+    assert_one_line_error(cli("perturb", raw / "b.npy", raw, "--eps", "1"), 2, "inside another input")
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "link.npy"}
+
+
 def test_an_output_that_is_another_input_is_refused(cli, raw):
     np.save(raw / "a.tldp.npy", np.zeros((2, 2), np.uint8))
     result = cli("perturb", raw / "a.npy", raw / "a.tldp.npy", "--eps", "1", "--overwrite")

@@ -130,3 +130,15 @@ def test_a_format_naming_a_dropped_column_still_loads(cli, tmp_path):
     out = datasets.load_from_disk(str(tmp_path / "out"))
     assert out.format["type"] == "numpy" and out.format["columns"] == ["grid"]
     assert out[0]["grid"].shape == (2, 3)
+
+
+def test_a_dataset_dict_folder_is_refused_naming_its_splits(cli, tmp_path):
+    """Regression: DatasetDict.save_to_disk's folder (dataset_dict.json and a folder per split)
+    was "no images in dd (found 7 files that are not images)"."""
+    datasets.DatasetDict({"train": hf_dataset(n=4), "test": hf_dataset(n=2, seed=1)}).save_to_disk(str(tmp_path / "dd"))
+    before = tree_digest(tmp_path / "dd")
+    for command in ("perturb", "plan"):
+        result = cli(command, tmp_path / "dd", "--eps", "1", *RANGES)
+        assert_one_line_error(result, 1, "DatasetDict", str(tmp_path / "dd" / "train"), str(tmp_path / "dd" / "test"))
+    assert tree_digest(tmp_path / "dd") == before
+    assert not (tmp_path / "dd.tldp").exists()

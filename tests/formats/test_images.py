@@ -239,6 +239,27 @@ def test_each_bit_depth_is_perturbed_at_its_own_range(cli, tmp_path):
     assert planned.exit_code == 0 and json.loads(planned.stdout)["range_groups"] == manifest["range_groups"]
 
 
+def test_anonymized_mixed_bit_depths_name_no_input_file(cli, tmp_path):
+    """Regression: with --anonymize-names, a folder of 8- and 16-bit images (each depth its
+    own range) wrote the input's file names as the keys of the manifest's value_ranges and
+    granularities, which --anonymize-names withholds; evaluate maps them back via the name map."""
+    src = tmp_path / "mixed"
+    names = ("alice_smith.png", "bob_jones.png", "carol_white.png")
+    save(src / names[0], pixels(8, 8, dtype=np.uint16))
+    save(src / names[1], pixels(8, 8))
+    save(src / names[2], pixels(8, 8, dtype=np.uint16))
+    out, name_map = tmp_path / "out", tmp_path / "names.json"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--anonymize-names", "--name-map", name_map)
+    assert result.exit_code == 0, result.stderr
+    text = (tmp_path / "out.manifest.json").read_text()
+    assert not any(word in text for word in ("alice", "bob", "carol")), text
+    manifest = json.loads(text)
+    assert sorted(manifest["value_ranges"]) == sorted(p.name for p in out.iterdir())
+    assert list(manifest["value_ranges"]) == sorted(manifest["value_ranges"])  # order tells nothing
+    evaluated = cli("evaluate", src, out, "--name-map", name_map)
+    assert evaluated.exit_code == 0, evaluated.stderr
+
+
 def test_one_range_for_mixed_bit_depths_still_clips_each_to_its_own(cli, tmp_path):
     src = tmp_path / "mixed"
     save(src / "deep.png", pixels(4, 4, dtype=np.uint16))
@@ -881,3 +902,21 @@ def test_names_that_are_not_utf8_key_their_noise_by_their_bytes(cli, tmp_path):
     assert np.array_equal(runs[b"caf\xc3\xa9.png"], colour_channels(tmp_path / "utf8-out" / "café.png"))
     assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xe8.png"])
     assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xc3\xa9.png"])
+
+
+def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
+    """Regression: the alpha channel is written raw (copied back, not perturbed), but only a
+    postprocessing step said so: `unperturbed` and the summary line, which list every raw
+    value, did not name it (a matting dataset's alpha is the subject's outline)."""
+    src = tmp_path / "cutouts"
+    save(src / "a.png", pixels(8, 8, 4))
+    save(src / "b.png", pixels(8, 8, 3))
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    (entry,) = json.loads(result.stdout)["unperturbed"]
+    assert entry["name"] == "alpha channel" and "1 image" in entry["reason"]
+    assert "copied unchanged: alpha channel" in result.stderr
+    alone = tmp_path / "opaque"
+    save(alone / "b.png", pixels(8, 8, 3))
+    result = cli("perturb", alone, "--eps", "1", "--out", tmp_path / "o2", "--json")
+    assert "unperturbed" not in json.loads(result.stdout)

@@ -403,3 +403,23 @@ def test_a_column_of_palette_masks_is_a_label_map_left_out_or_kept(cli, tmp_path
     assert [np.asarray(m).tolist() for m in out["mask"]] == [np.asarray(m).tolist() for m in ds["mask"]]
     result = cli("perturb", src, "--eps", "1", "--dataset", "mask")
     assert_one_line_error(result, 1, "column mask", "palette")
+
+
+def test_footer_metadata_outside_the_arrow_schema_is_listed_as_dropped_or_kept(cli, tmp_path):
+    """Regression: key-value metadata a writer puts in the Parquet footer beside the Arrow
+    schema (Spark, DuckDB, ParquetWriter.add_key_value_metadata) was left out unlisted, so
+    the manifest's `dropped` did not say what the run left out, and --keep could not name it."""
+    src = tmp_path / "t.parquet"
+    table = pa.table({"x": pa.array([[1, 2], [3, 4]], type=pa.list_(pa.uint8(), 2))})
+    with pq.ParquetWriter(src, table.schema) as writer:
+        writer.write_table(table)
+        writer.add_key_value_metadata({"origin": "notes of Alice's clinic"})
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert {"name": "@origin", "kind": "schema metadata key"}.items() <= \
+        next(d for d in json.loads(result.stdout)["dropped"] if d["name"] == "@origin").items()
+    assert b"origin" not in pq.ParquetFile(tmp_path / "o.parquet").metadata.metadata
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "k.parquet", "--keep", "@origin", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert pq.ParquetFile(tmp_path / "k.parquet").metadata.metadata[b"origin"] == b"notes of Alice's clinic"
+    assert "@origin" in [u["name"] for u in json.loads(result.stdout)["unperturbed"]]

@@ -162,6 +162,26 @@ def test_keep_copies_the_model_card_and_the_name(cli, tmp_path):
     assert sorted(kept) == ["README.md", "config.json@_name_or_path"] and "dropped" not in manifest
 
 
+def test_a_composite_configuration_s_nested_names_are_dropped_too(cli, tmp_path):
+    """Regression: a multimodal model's config.json (LLaVA, CLIP, BLIP) nests a configuration
+    per part, each with its own _name_or_path; only the top-level one was left out, so
+    text_config._name_or_path (a local path naming a person) was copied raw, unlisted."""
+    nested = {**CONFIG, "text_config": {"_name_or_path": "/home/alice/text-model", "vocab_size": 64},
+              "vision_config": {"name_or_path": "/home/alice/vision", "image_size": 8}}
+    src = model(tmp_path, files={**FILES, "config.json": json.dumps(nested, indent=2)})
+    manifest = json.loads(run(cli, src).stdout)
+    out = tmp_path / "gpt2_tiny.tldp"
+    assert "alice" not in (out / "config.json").read_text()
+    written = json.loads((out / "config.json").read_text())
+    assert written["text_config"] == {"vocab_size": 64} and written["vision_config"] == {"image_size": 8}
+    dropped = {d["name"] for d in manifest["dropped"]}
+    assert {"config.json@text_config._name_or_path", "config.json@vision_config.name_or_path"} <= dropped
+    kept_out = tmp_path / "kept"
+    manifest = json.loads(run(cli, src, "--keep", "config.json@text_config._name_or_path", out=kept_out).stdout)
+    assert json.loads((kept_out / "config.json").read_text())["text_config"] == nested["text_config"]
+    assert "config.json@text_config._name_or_path" in [u["name"] for u in manifest["unperturbed"]]
+
+
 def test_shard_metadata_as_in_one_file(cli, tmp_path):
     """Each shard's __metadata__: format kept, the rest dropped and listed as SHARD@KEY unless kept."""
     src = model(tmp_path)

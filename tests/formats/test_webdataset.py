@@ -195,6 +195,18 @@ def test_one_tar_is_an_input_and_its_output_a_folder(cli, tmp_path):
     assert again.exit_code == 0, again.stderr
 
 
+def test_an_output_named_like_a_tar_file_is_refused(cli, tmp_path):
+    """Regression: `--out released.tar` on one shard made a folder named released.tar (holding
+    one.tar), which webdataset.WebDataset("released.tar") cannot open."""
+    src = tmp_path / "one.tar"
+    with wds.TarWriter(str(src)) as sink:
+        sink.write({"__key__": "k", "png": image(6, 6, 1)})
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "released.tar"), 2,
+                          "released.tar", "is a folder", "one.tldp")
+    assert siblings(tmp_path) == before
+
+
 def test_a_tar_shard_is_no_longer_refused(cli, tmp_path):
     """Regression: before, `tldp perturb shard.tar` said "not a dataset tldp can read"."""
     src = tmp_path / "shard.tar"
@@ -343,3 +355,34 @@ def test_links_in_a_folder_are_skipped_and_a_pattern_follows_them(cli, tmp_path)
     out = tmp_path / "out"
     run(cli, str(snapshot / "train-{000000..000001}.tar"), out)
     assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar"]
+
+
+def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
+    """Regression: an image member's alpha channel is written raw (not perturbed), but neither
+    `unperturbed` nor the summary line, which list every raw value, named it."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "a.tar")) as sink:
+        sink.write({"__key__": "k", "png": png_bytes(image(6, 6, 4))})
+        sink.write({"__key__": "j", "png": png_bytes(image(6, 6, 3))})
+    result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    (entry,) = json.loads(result.stdout)["unperturbed"]
+    assert entry["name"] == "alpha channel" and "1 image member" in entry["reason"]
+    assert "copied unchanged: alpha channel" in result.stderr
+
+
+def test_a_key_that_comes_back_later_in_its_shard_is_one_record(cli, tmp_path):
+    """Regression: members of one key apart in the shard (k0.png, k1.png, k0.depth.png) were
+    two records, each with the figure of one member, though they are one subject's."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    members = [(name, png_bytes(image(4, 4, 1, seed=i))) for i, name in
+               enumerate(("k0.png", "k1.png", "k0.depth.png"))]
+    _tar(folder / "a.tar", [(_info(name, len(data)), data) for name, data in members])
+    result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert manifest["row_datasets"] == [["a.tar/k0.png", "a.tar/k0.depth.png"]]
+    assert manifest["row_records"]["elements_per_record"] == 32
+    assert manifest["webdataset"]["samples"] == 2

@@ -151,3 +151,12 @@ def test_integer_datasets_of_two_dtypes_need_no_range(cli, tmp_path):
     assert abs(np.median(np.abs(noise)) / (256 * np.log(2)) - 1) < 0.15
     assert_one_line_error(cli("perturb", tmp_path / "two.h5", "--eps", "1", "--budget", "record"), 2,
                           "different declared ranges")
+
+
+def test_an_array_without_a_range_is_named_where_there_are_several(cli, tmp_path):
+    """Regression: "era.nc: float32 data needs --range LO:HI" did not say which of the arrays
+    (a WebDataset's .npy member, a variable) needs one, nor the --range NAME=LO:HI naming it."""
+    src = write_weather(tmp_path / "era.nc")
+    for command in ("perturb", "plan"):
+        assert_one_line_error(cli(command, src, "--eps", "1", "--range", "t2m=200:330"), 2,
+                              "era.nc: /tp: float32 data needs --range LO:HI (or --range /tp=LO:HI")

@@ -21,7 +21,7 @@ def reader(**extra):
     """A reader as build_manifest asks it (formats.Reader's defaults), with `extra` as its
     manifest_extra."""
     return SimpleNamespace(manifest_extra=extra, record_description=None, format="npy", records_are_tensors=False,
-                           manifest_inputs=lambda: [job.source for job in JOBS])
+                           manifest_inputs=lambda: [job.source for job in JOBS], manifest_name=lambda name: name)
 
 
 def writer(**extra):

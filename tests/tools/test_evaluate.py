@@ -415,3 +415,23 @@ def test_label_source_errors(cli, small, tmp_path):
     Image.fromarray(np.zeros((4, 4), np.uint8)).save(flat / "a.png")
     with pytest.raises(ev.InputError, match="not inside a subfolder"):
         ev.load_labels("subfolders", flat)
+
+
+def test_sweep_of_several_arrays_without_dataset_says_what_works(cli, tmp_path):
+    """Regression: sweeping WebDataset shards said "name one with --dataset", and --dataset was
+    then refused ("applies to HDF5, Zarr and model files")."""
+    import io
+    import tarfile
+
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w") as tar:
+        for key in ("a", "b"):
+            data = io.BytesIO()
+            Image.fromarray(np.zeros((4, 4), np.uint8)).save(data, format="PNG")
+            info = tarfile.TarInfo(f"{key}.png")
+            info.size = len(data.getvalue())
+            tar.addfile(info, io.BytesIO(data.getvalue()))
+    r = cli("sweep", shard, "--eps", "1", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "Traceback" not in r.stderr
+    assert "name one with --dataset" not in r.stderr and "does not apply to WebDataset shards" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -256,7 +256,8 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
     "--format", help="Read INPUT as this format instead of detecting it from its content (a "
                      "folder with Zarr metadata is Zarr, one with a *.safetensors.index.json (or model.safetensors "
                      "and config.json) a model folder, one with save_to_disk's state.json or with Parquet "
-                     "files and no image a Hugging Face dataset folder, any other folder a folder of images).",
+                     "files and no image a Hugging Face dataset folder, one with .tar files and no image "
+                     "WebDataset shards, any other folder a folder of images).",
     show_default=False)]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

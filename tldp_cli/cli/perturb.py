@@ -25,7 +25,8 @@ def perturb_command(
         metavar="INPUT...",
         help="A .npy file, an HDF5 file, a Zarr store, a folder of images, a NIfTI volume, WebDataset "
              "shards (a folder of .tar files, one .tar, or a quoted brace pattern such as "
-             "'shards/train-{000000..000009}.tar'), or a model-parameter file (.npz, .safetensors, "
+             "'shards/train-{000000..000009}.tar'), a table (.parquet, .arrow, a Hugging Face dataset "
+             "folder; each row is one record) or a model-parameter file (.npz, .safetensors, "
              "a save_pretrained folder; each tensor is one record) (detected). Several: each is "
              "its own run, with its own output and manifest.",
                                           show_default=False)] = None,

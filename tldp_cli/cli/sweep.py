@@ -31,7 +31,9 @@ def _print_sweep(result: dict, written: list) -> None:
 @app.command("sweep", no_args_is_help=True)
 def sweep_command(
     original: Annotated[Path, typer.Argument(parser=data_path, metavar="ORIGINAL",
-        help="The data to perturb in memory (any format perturb reads).", show_default=False)],
+        help="The data to perturb in memory: one array (a .npy file, an array of an HDF5 file or "
+        "Zarr store chosen with --dataset, a table's column) or a folder of images of one shape.",
+        show_default=False)],
     eps: Annotated[str, typer.Option(
         "--eps", metavar="E1,E2,...", help="The epsilons (see --budget).", show_default=False)],
     out: Annotated[Path, typer.Option(parser=output_path, metavar="PATH",

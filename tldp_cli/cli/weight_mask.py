@@ -24,8 +24,9 @@ class MaskMethod(str, Enum):
 def weight_mask_command(
     input: Annotated[Path, typer.Argument(parser=data_path,
         metavar="INPUT",
-        help="The data the mask is for: a .npy file, an HDF5 file, a Zarr store or a folder of "
-             "images (detected).", show_default=False)],
+        help="The data the mask is for, any input perturb reads: a .npy file, an HDF5 file, a "
+             "Zarr store, a table (.parquet, .arrow, a dataset folder), WebDataset shards or a "
+             "folder of images (detected).", show_default=False)],
     method: Annotated[MaskMethod, typer.Option(
         help="constant: one weight everywhere (--weight). box: rectangles from a JSON or CSV "
              "file (--boxes). image: a grayscale picture of the weights (--mask-image). "

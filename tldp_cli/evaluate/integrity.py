@@ -181,6 +181,17 @@ def read_manifest(perturbed: Path, manifest_path: Path | None) -> tuple[dict, Pa
     return m, manifest_path
 
 
+def input_named(m: dict, renamed: dict[str, str] | None) -> dict:
+    """`m` with the arrays it keys figures by (value_ranges, granularities) under the input's
+    names again, which an --anonymize-names manifest gives by output name (name map:
+    input name -> output name)."""
+    if not renamed:
+        return m
+    back = {out: name for name, out in renamed.items()}
+    return {**m, **{key: {back.get(name, name): value for name, value in m[key].items()}
+                    for key in ("value_ranges", "granularities") if isinstance(m.get(key), dict)}}
+
+
 def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:
     """An --anonymize-names run's name map (original name -> output name); None otherwise."""
     from tldp_cli.formats import images

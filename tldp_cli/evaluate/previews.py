@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.evaluate.integrity import name_map_of, open_original, pair_up, read_manifest
+from tldp_cli.evaluate.integrity import input_named, name_map_of, open_original, pair_up, read_manifest
 
 PREVIEW_RECORDS = 8
 PREVIEW_MIN_SIDE = 64  # small records (a 28 x 28 digit) are enlarged to about this many pixels
@@ -24,6 +24,7 @@ def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, 
     file to keep with the raw data, never with the release."""
     m, manifest_path = read_manifest(Path(perturbed), manifest_path)
     renamed = name_map_of(m, Path(original), name_map, manifest_path)
+    m = input_named(m, renamed)
     ranges = {name: tuple(float(v) for v in r) for name, r in (m.get("value_ranges") or {}).items()}
     default = tuple(float(v) for v in m["value_range"])
     module, reader = open_original(Path(original), m, input_format)

@@ -10,7 +10,7 @@ from typing import Any
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
-from tldp_cli.evaluate.integrity import (check_hashes, is_clipped, name_map_of, open_original, pair_up,
+from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, name_map_of, open_original, pair_up,
                                          read_manifest, shape_check)
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
@@ -42,6 +42,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         raise InputError(f"{perturbed}: no such file or directory")
     m, manifest_path = read_manifest(perturbed, manifest_path)
     renamed = name_map_of(m, original, name_map, manifest_path)
+    m = input_named(m, renamed)
     lo, hi = (float(v) for v in m["value_range"])
 
     checks: list[dict] = list(check_hashes(m, perturbed))

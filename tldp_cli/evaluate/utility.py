@@ -35,6 +35,10 @@ def load_records(path: Path, dataset: str | None = None, input_format: str | Non
             return np.concatenate([j.read(0, 1) for j in jobs])
         if len(jobs) > 1:
             names = ", ".join(j.name for j in jobs)
+            if not module.selects_arrays:  # --dataset would be refused: say what works instead
+                raise UsageError(f"{path}: holds several arrays ({names}), and --dataset, which would "
+                                 f"choose one, does not apply to {module.title}; save the records as one "
+                                 ".npy array to sweep or score them")
             raise UsageError(f"{path}: holds several arrays ({names}); name one with --dataset")
         return jobs[0].read(0, jobs[0].records)
     finally:

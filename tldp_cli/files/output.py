@@ -51,6 +51,11 @@ _NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run
 LOCK_FILE = "lock"
 
 
+# Names of one archive file: a folder output under such a name (`--out shard.tar` on one
+# WebDataset shard) would be a folder no tar reader opens.
+ARCHIVE_SUFFIXES = (".tar", ".tgz", ".zip")
+
+
 class OutputKind(Protocol):
     """What the output is, as the rules above need it (the formats layer declares it:
     formats.Format)."""
@@ -123,6 +128,9 @@ def destination(out: Path | None, out_text: str | None, default: Path, kind: Out
             raise OutputError(f"{text}: --out names a folder that does not exist")
         return _resolve(out, "output") / default.name
     suffix = out.suffix.lower()
+    if kind.folder and suffix in ARCHIVE_SUFFIXES:
+        raise UsageError(f"{out}: the output of {kind.title} is a folder (each shard or file in it under "
+                         f"its own name), not one {suffix} file; name a folder, such as {default.name}")
     other = None if suffix in kind.suffixes else named_by(suffix)
     if other is not None:
         raise UsageError(f"{out}: the name says {other}, but the input is a {kind.title} and tldp "

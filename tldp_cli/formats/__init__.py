@@ -130,6 +130,12 @@ class Reader:
         """The manifest's `inputs` entries: the arrays' sources."""
         return [job.source for job in self.arrays()]
 
+    def manifest_name(self, name: str) -> str:
+        """How the manifest names array `name` where it keys figures by array (value_ranges):
+        its own name, or the output's where the input's names are withheld (image folders'
+        --anonymize-names)."""
+        return name
+
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         """Told before any block is read: by array name, the markers of ArrayJob.markers that
         are data (inside the declared range): their values are read and perturbed like any

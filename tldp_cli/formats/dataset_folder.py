@@ -37,6 +37,7 @@ from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Wr
 
 NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
+DICT = "dataset_dict.json"  # DatasetDict.save_to_disk: one save_to_disk folder per split
 STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
 
 
@@ -68,7 +69,24 @@ def _parquet_files(path: Path) -> list[str] | None:
 def can_open(path: Path) -> bool:
     """A save_to_disk folder (state.json and dataset_info.json), or a folder of Parquet
     files and no image."""
-    return path.is_dir() and (_saved(path) or _parquet_files(path) is not None)
+    return path.is_dir() and (_saved(path) or (path / DICT).is_file() or _parquet_files(path) is not None)
+
+
+def _refuse_dataset_dict(path: Path) -> None:
+    """A DatasetDict's folder holds a folder per split, each a dataset folder of its own:
+    say so, naming them, rather than take it for an image folder."""
+    if _saved(path) or not (path / DICT).is_file():
+        return
+    try:
+        with open_regular(path / DICT) as f:
+            splits = json.loads(f.read()).get("splits")
+    except (OSError, InputError, ValueError, AttributeError):
+        splits = None
+    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+        splits = sorted(d.name for d in path.iterdir() if _saved(d))
+    folders = ", ".join(str(path / s) for s in splits) or f"{path}/SPLIT"
+    raise InputError(f"{path}: a DatasetDict folder ({DICT}), one dataset folder per split; perturb "
+                     f"the splits' folders instead ({folders}), each a release of its own")
 
 
 def default_output(path: Path) -> Path:
@@ -127,6 +145,7 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str):
 def open_reader(path: Path, options: FormatOptions) -> Reader:
     from tldp_cli.formats import tables
 
+    _refuse_dataset_dict(path)
     if not _saved(path):
         names = _parquet_files(path)
         if names is None:

@@ -254,6 +254,17 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+        self._report_alpha()
+
+    def _report_alpha(self) -> None:
+        """The alpha channels are written raw (copied back, not perturbed): listed under
+        unperturbed, so the summary line names them, as every raw value is."""
+        alpha = sum(image.has_alpha for image in self.images)
+        if alpha:
+            self.manifest_extra["unperturbed"] = [*self.manifest_extra.get("unperturbed", []), {
+                "name": "alpha channel", "kind": "channel",
+                "reason": f"not perturbed, copied from {plural(alpha, 'image')} (transparency can outline "
+                          "the subject)"}]
 
     def _probe_all(self, candidates: list[str], options: FormatOptions) -> tuple[list[str], dict[str, list[str]]]:
         """Reads each candidate's header (decodes it with --skip-bad) into self.images, or
@@ -482,6 +493,10 @@ class ImageFolderReader(Reader):
                          source={"path": str(image.path), "format": NAME,
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
+
+    def manifest_name(self, name: str) -> str:
+        """Anonymized: the output's name (the input's is in the name map only)."""
+        return self.out_names.get(name, WITHHELD) if self.anonymized else name
 
     def manifest_inputs(self) -> list[dict]:
         """The manifest's inputs entries; anonymized: by output name, no input path."""

@@ -313,11 +313,9 @@ class ShardedReader(Reader):
     def _without_free_text(self, rel: str, left: leftovers.Leftovers) -> bytes:
         text = _read(self.path / rel)
         document = _json_object(self.path / rel, text)
-        if document is None or not any(key in document for key in FREE_TEXT_KEYS):
+        if document is None:
             return text
-        structural = [key for key in document if key not in FREE_TEXT_KEYS]
-        kept = {key: value for key, value in document.items()
-                if left.attribute(rel, key, structural, "configuration key", FREE_TEXT_REASON)}
+        kept = _without_keys(rel, document, "", left)
         if kept == document:
             return text
         return (json.dumps(kept, indent=2, ensure_ascii=False) + "\n").encode()
@@ -327,6 +325,18 @@ class ShardedReader(Reader):
 
     def close(self) -> None:
         pass
+
+
+def _without_keys(rel: str, document: dict, prefix: str, left: leftovers.Leftovers) -> dict:
+    """`document` without its FREE_TEXT_KEYS, at any depth: a composite model's configuration
+    nests one per part (text_config._name_or_path), named `rel@text_config._name_or_path`."""
+    structural = [prefix + key for key in document if key not in FREE_TEXT_KEYS]
+    kept = {}
+    for key, value in document.items():
+        if not left.attribute(rel, prefix + key, structural, "configuration key", FREE_TEXT_REASON):
+            continue
+        kept[key] = _without_keys(rel, value, f"{prefix}{key}.", left) if isinstance(value, dict) else value
+    return kept
 
 
 def open_reader(path: Path, options: FormatOptions) -> ShardedReader:

@@ -61,6 +61,7 @@ from tldp_cli.files.checked_io import writing
 PARQUET_MAGIC = b"PAR1"
 IPC_FILE_MAGIC = b"ARROW1"
 IPC_CONTINUATION = b"\xff\xff\xff\xff"
+PYARROW_FOOTER_KEYS = (b"ARROW:schema", b"content_defined_chunking")  # how pyarrow wrote it
 HF_KEY = b"huggingface"  # the schema metadata key of `datasets`' features
 EXTENSION_KEYS = (b"ARROW:extension:name", b"ARROW:extension:metadata")  # structural: the column's type
 # Layouts of a part (how its batches are read and written)
@@ -139,6 +140,13 @@ def open_part(path: Path, layout: str | None = None) -> tuple[Part, pa.Schema, d
         if layout == PARQUET:
             meta = pq.ParquetFile(path).metadata
             schema = pq.ParquetFile(path).schema_arrow
+            # The footer's key-value metadata outside the Arrow schema (written by Spark, DuckDB,
+            # add_key_value_metadata) follows the schema metadata's rule: dropped and listed;
+            # pyarrow's own (the schema; the content-defined chunking datasets turns on) is not.
+            extra = {k: v for k, v in (meta.metadata or {}).items()
+                     if k not in PYARROW_FOOTER_KEYS and k not in (schema.metadata or {})}
+            if extra:
+                schema = schema.with_metadata({**extra, **(schema.metadata or {})})
             batches = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
             return Part(path, layout, batches), schema, _parquet_settings(meta, schema)
         with pa.memory_map(str(path)) as source:

@@ -504,27 +504,31 @@ class WebDatasetReader(Reader):
                 left.copied(rel, "file", leftovers.KEPT)
             else:
                 left.drop(rel, "file", OTHER_FILE_REASON)
+        alpha = sum(member.has_alpha for shard in self.shards for member in shard.members if member.job)
+        if alpha:  # written raw, as in image folders: listed, so the summary line names it
+            left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
+                                                    "(transparency can outline the subject)")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
         return left
 
     def _samples(self) -> dict[str, list[list[str]]]:
-        """By shard, the perturbed members of each sample (consecutive members of one key)."""
+        """By shard, the perturbed members of each sample: the members of one key. A key
+        that comes back after other keys' members (which webdataset reads as a second
+        sample) is the same subject's, so its members join the first ones' record: counted
+        apart, each would carry a figure that leaves the other out."""
         found: dict[str, list[list[str]]] = {}
         self.sample_count = 0
         for shard in self.shards:
-            rows: list[list[str]] = []
-            key = object()
+            rows: dict[str, list[str]] = {}
             for member in shard.members:
                 if member.key is None or member.kind == FOLDER:
                     continue
-                if member.key != key:
-                    rows.append([])
-                    key = member.key
+                row = rows.setdefault(member.key, [])
                 if member.job is not None:
-                    rows[-1].append(member.job)
+                    row.append(member.job)
             self.sample_count += len(rows)
-            found[shard.rel] = [row for row in rows if row]
+            found[shard.rel] = [row for row in rows.values() if row]
         return found
 
     def _report(self) -> None:

@@ -72,11 +72,14 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
 
 def _check_distinct(each: list[PerturbOptions]) -> None:
     seen: dict[str, Path] = {}
+    real: dict[str, Path] = {}  # by the path with its links resolved: one file by two names
     for options in each:
-        key = os.path.abspath(options.input)
-        if key in seen:
-            raise UsageError(f"{options.input}: given twice (as {seen[key]} and {options.input})")
-        seen[key] = options.input
+        key, resolved = os.path.abspath(options.input), os.path.realpath(options.input)
+        twice = seen.get(key) or real.get(resolved)
+        if twice is not None:
+            raise UsageError(f"{options.input}: given twice (as {twice} and {options.input})")
+        seen[key], real[resolved] = options.input, options.input
+    _check_not_inside(real)
     written: dict[str, Path] = {}
     for options in each:
         destination = _destination(options)
@@ -90,6 +93,17 @@ def _check_distinct(each: list[PerturbOptions]) -> None:
             raise UsageError(f"{options.input} would write {destination}, which is another input; "
                              "run them separately")
         written[key] = options.input
+
+
+def _check_not_inside(real: dict[str, Path]) -> None:
+    """Refuses an input inside another (a shard and its folder of shards): its data would be
+    released twice, with noise of its own each time, and each manifest state one release."""
+    for resolved, path in real.items():
+        for parent in Path(resolved).parents:
+            outer = real.get(str(parent))
+            if outer is not None:
+                raise UsageError(f"{path}: inside another input, {outer}, which releases it too; "
+                                 "give one of them")
 
 
 def _destination(options: PerturbOptions) -> Path | None:

@@ -231,14 +231,16 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     return defaults.pop()
 
 
-def dtype_range(dtype: np.dtype, input_path: Path) -> tuple[float, float]:
+def dtype_range(dtype: np.dtype, input_path: Path, name: str | None = None) -> tuple[float, float]:
     """The default range of 8- and 16-bit integer data: its dtype's (uint8 -> 0:256); any
-    other dtype needs --range."""
+    other dtype needs --range. `name`: the array's, said where an input holds several."""
+    where = f"{input_path}: {name}:" if name else f"{input_path}:"
+    own = f" (or --range {name}=LO:HI for it alone)" if name else ""
     if dtype.kind == "f":
-        raise UsageError(f"{input_path}: {dtype} data needs --range LO:HI "
+        raise UsageError(f"{where} {dtype} data needs --range LO:HI{own} "
                          "(the range is never inferred from the values)")
     if dtype.itemsize * 8 > DEFAULT_RANGE_BITS:
-        raise UsageError(f"{input_path}: {dtype} data needs --range LO:HI (only 8- and "
+        raise UsageError(f"{where} {dtype} data needs --range LO:HI{own} (only 8- and "
                          "16-bit integers default to their dtype's range; the range is never "
                          "inferred from the values)")
     info = np.iinfo(dtype)
@@ -552,7 +554,8 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
         if options.value_range is not None:
             own[job.name] = (options.value_range, "--range LO:HI")
         else:
-            own[job.name] = (dtype_range(job.dtype, source), f"the {job.dtype} dtype's range (default)")
+            own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
+                             f"the {job.dtype} dtype's range (default)")
     return {job.name: own[job.name] for job in jobs}
 
 
@@ -1219,9 +1222,12 @@ def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         rows = {"row_datasets": [row for row in run.rows if len(row) > 1], "row_records": _row_records(run.rows, jobs)}
     ranges: dict[str, Any] = {}
     if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
-        ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in run.bounds.items()}
+        named = reader.manifest_name if reader else str
+        # sorted by the name written: withheld names' order would tell who is who
+        bounds = sorted(((named(name), bound) for name, bound in run.bounds.items()), key=lambda item: item[0])
+        ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in bounds}
         if run.grid is not None:
-            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in run.bounds.items()}
+            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in bounds}
     if run.range_groups:
         ranges["range_groups"] = run.range_groups
     sizes = {c.elements for c in run.calibrations}
