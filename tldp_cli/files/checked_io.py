@@ -213,6 +213,18 @@ def write_new_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def path_in_output(root: Path, rel: str) -> Path:
+    """`rel`'s path in the output folder `root`, making the folders it goes in below
+    `root`, never `root` itself: an output removed during the run fails, rather than come
+    back without the files written before."""
+    target = root / rel
+    if not root.is_dir():
+        raise removed_during_run(root)
+    with writing(target.parent):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
 # zarr-python's LocalStore writes each chunk as NAME.<uuid>.partial, then renames it: a run
 # stopped early (Ctrl-C on Dask) can list one a worker renames a moment later.
 ATOMIC_WRITE_SUFFIX = ".partial"

@@ -60,7 +60,7 @@ from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, W
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
                                      png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
-                                      write_new_file, writing)
+                                      path_in_output, write_new_file, writing)
 
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
@@ -730,15 +730,7 @@ class ImageFolderWriter(Writer):
         self.__dict__.update(state, _digests={}, _disk=None)
 
     def _target(self, rel: str) -> Path:
-        """`rel`'s path in the output, making the folders it goes in below the output's own
-        folder, never that folder itself: an output removed during the run fails, rather
-        than come back without the images written before."""
-        target = self.root / rel
-        if not self.root.is_dir():
-            raise removed_during_run(self.root)
-        with writing(target.parent):
-            target.parent.mkdir(parents=True, exist_ok=True)
-        return target
+        return path_in_output(self.root, rel)
 
     def _copy(self, source: Path, rel: str) -> Path:
         target = self._target(rel)

@@ -55,7 +55,7 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, writing
+from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, path_in_output, writing
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_files, leftovers,
                               tensor_files)
@@ -377,13 +377,7 @@ class ShardedWriter(Writer):
                 out.write(data)
 
     def _target(self, rel: str) -> Path:
-        """`rel`'s path in the output, its folders made below the output's own."""
-        target = self.root / rel
-        if not self.root.is_dir():
-            raise removed_during_run(self.root)
-        with writing(target.parent):
-            target.parent.mkdir(parents=True, exist_ok=True)
-        return target
+        return path_in_output(self.root, rel)
 
     def block_writer(self) -> _Blocks:
         return self.write
