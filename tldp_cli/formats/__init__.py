@@ -525,6 +525,14 @@ def tldp_name(path: Path, suffix: str, compound: Sequence[str] = ()) -> Path:
     return path.with_name(name + ".tldp")
 
 
+def folder_output(path: Path) -> Path:
+    """The default output of a folder format: a folder beside the input, NAME.tldp (the
+    current folder, `.` or `..`, by its own name)."""
+    if path.name in ("", ".", ".."):
+        path = path.resolve()
+    return path.with_name(path.name + ".tldp")
+
+
 def member_name(source: dict[str, Any]) -> str | None:
     """How a message names the array inside a file (an ArrayJob's source): "tensor w" in a
     model file, "dataset x" in HDF5/Zarr; None for a whole-file array or an image."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
-from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers
+from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_output, leftovers
 
 NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
@@ -45,6 +45,10 @@ PARQUET_SUFFIX = ".parquet"
 # A folder holding any of these is an image folder (an imagefolder's metadata.parquet index too).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 INDEX = "metadata.parquet"
+
+
+def default_output(path: Path) -> Path:
+    return folder_output(path)
 
 
 def _saved(path: Path) -> bool:
@@ -87,12 +91,6 @@ def _refuse_dataset_dict(path: Path) -> None:
     folders = ", ".join(str(path / s) for s in splits) or f"{path}/SPLIT"
     raise InputError(f"{path}: a DatasetDict folder ({DICT}), one dataset folder per split; perturb "
                      f"the splits' folders instead ({folders}), each a release of its own")
-
-
-def default_output(path: Path) -> Path:
-    if path.name in ("", ".", ".."):
-        path = path.resolve()
-    return path.with_name(path.name + ".tldp")
 
 
 def _json(path: Path) -> dict:

@@ -56,7 +56,7 @@ from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
-                              dicom_refused, folder_files, is_dicom, leftovers, listing, plural)
+                              dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing, plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
                                      png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -88,9 +88,7 @@ def can_open(path: Path) -> bool:
 
 
 def default_output(path: Path) -> Path:
-    if path.name in ("", ".", ".."):
-        path = path.resolve()
-    return path.with_name(path.name + ".tldp")
+    return folder_output(path)
 
 
 def default_name_map(path: Path) -> Path:

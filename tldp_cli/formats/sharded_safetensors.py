@@ -57,8 +57,8 @@ from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, path_in_output, writing
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_files, leftovers,
-                              tensor_files)
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_files,
+                              folder_output, leftovers, tensor_files)
 from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADATA, Entry, ReadTensor,
                                              TensorBlocks, header_with, parse, start_output)
 
@@ -83,6 +83,10 @@ LINK_HINT = ("tldp reads only the regular files inside a model folder (a Hugging
              "its blobs: download with local_dir=, or copy it with cp -rL)")
 
 
+def default_output(path: Path) -> Path:
+    return folder_output(path)
+
+
 def can_open(path: Path) -> bool:
     """A folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, at
     its top (links too: the reader refuses them)."""
@@ -91,12 +95,6 @@ def can_open(path: Path) -> bool:
     except OSError:
         return False
     return any(name.endswith(INDEX_SUFFIX) for name in names) or {SINGLE, CONFIG_FILES[0]} <= names
-
-
-def default_output(path: Path) -> Path:
-    if path.name in ("", ".", ".."):
-        path = path.resolve()
-    return path.with_name(path.name + ".tldp")
 
 
 def _files(root: Path) -> list[str]:

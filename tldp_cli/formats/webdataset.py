@@ -57,8 +57,8 @@ from PIL import Image
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
 from tldp_cli.formats import (DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
-                              check_numeric_dtype, data_file, decode_reason, folder_files, leftovers, listing, plural,
-                              pixels)
+                              check_numeric_dtype, data_file, decode_reason, folder_files, folder_output,
+                              leftovers, listing, pixels, plural)
 
 NAME = "webdataset"
 SHARD_SUFFIX = ".tar"
@@ -178,9 +178,7 @@ def default_output(path: Path) -> Path:
         path = _pattern_base(path)
     elif path.is_file() and path.name.lower().endswith(SHARD_SUFFIX):
         return path.with_name(path.name[:-len(SHARD_SUFFIX)] + ".tldp")
-    if path.name in ("", ".", ".."):
-        path = path.resolve()
-    return path.with_name(path.name + ".tldp")
+    return folder_output(path)
 
 
 @dataclass
