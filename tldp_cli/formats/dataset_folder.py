@@ -248,7 +248,9 @@ def create_writer(reader, tmp_path: Path, dtype: np.dtype, options: FormatOption
 
 
 def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) -> int:
-    return sum(job.records * job.elements * job.dtype.itemsize for job in jobs)
+    from tldp_cli.formats import tables
+
+    return tables.output_bytes(jobs, dtype, options)
 
 
 def is_earlier_output(path: Path, reader) -> bool:
