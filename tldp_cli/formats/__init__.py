@@ -161,9 +161,9 @@ class Writer:
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         raise NotImplementedError
 
-    def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], None] | None:
-        """A picklable function that writes a block from any process (Dask workers), or
-        None: blocks come back and `write` stores them."""
+    def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], object] | None:
+        """A picklable function that writes a block from any process (Dask workers; what
+        it returns is not used), or None: blocks come back and `write` stores them."""
         return None
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
