@@ -576,7 +576,8 @@ class Hdf5Reader(Reader):
         if both:
             raise UsageError(f"{self.path}: dataset {both[0]} is named by --dataset and matched by --exclude")
         if requested:
-            chosen: dict[tuple[int, int], tuple[str, h5py.Dataset]] = {}  # object -> (name, dataset): two names of one dataset perturb it once
+            # object -> (name, dataset): two names of one dataset perturb it once
+            chosen: dict[tuple[int, int], tuple[str, h5py.Dataset]] = {}
             for name in requested:
                 name = posixpath.normpath("/" + name.strip("/"))
                 ds = self._requested(name, found)

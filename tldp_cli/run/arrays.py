@@ -94,6 +94,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    _weights(weights, values.shape), run.out_dtype, run.grid, len(values),
                                    run.bases.get(ARRAY_NAME))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
+    assert options.noise is not None  # checked_options resolved it
     return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
 
 

@@ -81,6 +81,7 @@ class Mask:
             if mask.shape != (self.record_shape[:-1] if self.channels else self.record_shape):
                 raise InputError(f"{self.png}: the mask changed while tldp was reading it")
             return self._flatten(mask, None)
+        assert self.per_record is not None  # the mask is one of values, png and per_record
         mm = np.load(self.per_record, mmap_mode="r", allow_pickle=False)  # a fresh map per block
         try:
             return self._flatten(np.asarray(mm[start:stop], dtype=np.float64), stop - start)
