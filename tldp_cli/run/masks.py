@@ -258,9 +258,10 @@ def load_masks(path: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[
     return masks, info
 
 
-def weights_warning(path: Path, info: dict[str, Any] | None) -> str | None:
-    """The line perturb shows about a data-derived (or unknown) mask, if any."""
-    if not info or not info["data_derived"]:
+def weights_warning(path: Path | None, info: dict[str, Any] | None) -> str | None:
+    """The line perturb shows about a data-derived (or unknown) mask, if any (none without
+    --weights: `path` None, and no `info`)."""
+    if path is None or not info or not info["data_derived"]:
         return None
     if "origin" in info:
         return (f"warning: {path} has no readable sidecar {sidecar_path(path).name} from tldp "

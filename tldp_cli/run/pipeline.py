@@ -998,7 +998,7 @@ def _messages(options: PerturbOptions, reader, writer, notes: list[str], name_ma
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
-    warning = weights_warning(options.weights, weights_info) if options.weights is not None else None
+    warning = weights_warning(options.weights, weights_info)
     if warning:
         messages.append(warning)
     if options.seed is not None:
