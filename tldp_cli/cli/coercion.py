@@ -19,7 +19,8 @@ from types import SimpleNamespace
 from enum import Enum
 from typing import Any, get_args, get_origin
 
-from typer import _coercion, _param_types
+from typer import BadParameter, _coercion, _param_types
+from typer._click.utils import _escape_control_characters
 
 # Numbers as people write them on a command line; anything else (inf, 1_000, " 1") goes to Typer.
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?")
@@ -30,6 +31,22 @@ class _Unknown(Exception):
     """The value is not one this module judges: Typer's own coercion decides."""
 
 
+class _Refused(Exception):
+    """The value is refused, with the words pydantic's validation gives Typer (checked against
+    it: tests/cli/test_coercion.py)."""
+
+
+def _not_a_number(value: str, annotation: type) -> None:
+    """Refuses text that is no number even to Python (pydantic refuses it too), else _Unknown."""
+    try:
+        float(value)
+    except ValueError:
+        if annotation is float:
+            raise _Refused("Input should be a valid number, unable to parse string as a number") from None
+        raise _Refused("Input should be a valid integer, unable to parse string as an integer") from None
+    raise _Unknown
+
+
 def _number(value: Any, annotation: type, info: Any) -> Any:
     if annotation is float:
         if type(value) is float:
@@ -38,14 +55,20 @@ def _number(value: Any, annotation: type, info: Any) -> Any:
             number = float(value)
         elif isinstance(value, str) and _FLOAT.fullmatch(value):
             number = float(value)
+        elif isinstance(value, str):
+            _not_a_number(value, float)
         else:
             raise _Unknown
     elif type(value) is int:
         number = value
     elif isinstance(value, str) and _INT.fullmatch(value):
         number = int(value)
+    elif isinstance(value, str):
+        _not_a_number(value, int)
     else:
         raise _Unknown
+    if annotation is int and type(info.min) is int and info.max is None and not info.clamp and number < info.min:
+        raise _Refused(f"Input should be greater than or equal to {info.min}")
     if info.clamp or (info.min is not None and number < info.min) or (info.max is not None and number > info.max):
         raise _Unknown  # out of bounds: Typer's message, or its clamping
     return number
@@ -64,8 +87,8 @@ def _leaf(value: Any, annotation: Any, info: Any, ctx: Any) -> Any:
         try:
             return _param_types.coerce_cli_choice(value, choices=list(annotation),
                                                   case_sensitive=info.case_sensitive, ctx=ctx)
-        except ValueError:
-            raise _Unknown from None
+        except ValueError as exc:  # pydantic's words for a validator's ValueError
+            raise _Refused(f"Value error, {exc}") from None
     if annotation in (float, int):
         return _number(value, annotation, info)
     if annotation is str and isinstance(value, str):
@@ -84,6 +107,8 @@ class _Quick(_coercion.RuntimeParam):
                 (item,) = get_args(self.annotation)
                 return [_leaf(v, item, self.parameter_info, ctx) for v in value]
             return _leaf(value, self.annotation, self.parameter_info, ctx)
+        except _Refused as exc:  # as Typer raises pydantic's ValidationError (AdapterRuntimeParam)
+            raise BadParameter(_escape_control_characters(str(exc)), ctx=ctx, param=param) from None
         except _Unknown:
             typer_own = _coercion.build_runtime_param(param.type_descriptor)
             return typer_own._coerce_value(value, param=param, ctx=ctx)
