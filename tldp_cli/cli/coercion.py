@@ -15,12 +15,18 @@ agree; tests/cli/test_startup.py that pydantic is not imported.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 from enum import Enum
+from types import SimpleNamespace
 from typing import Any, get_args, get_origin
 
-from typer import BadParameter, _coercion, _param_types
-from typer._click.utils import _escape_control_characters
+from typer import BadParameter
+
+try:  # Typer's internals as of 0.29; another Typer keeps its own coercion throughout (install)
+    from typer import _coercion, _param_types
+    from typer._click.utils import _escape_control_characters
+    _RuntimeParam: Any = _coercion.RuntimeParam
+except (ImportError, AttributeError):
+    _RuntimeParam = None
 
 # Numbers as people write them on a command line; anything else (inf, 1_000, " 1") goes to Typer.
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?")
@@ -96,7 +102,7 @@ def _leaf(value: Any, annotation: Any, info: Any, ctx: Any) -> Any:
     raise _Unknown
 
 
-class _Quick(_coercion.RuntimeParam):
+class _Quick(_RuntimeParam or object):  # type: ignore[misc]
     """A parameter's coercion: the plain cases here, the rest by Typer's (built when needed)."""
 
     def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
@@ -125,6 +131,8 @@ def install(command: Any, help_names: list[str] | None = None) -> None:
     """Give every parameter of `command` and of its subcommands the quick coercion, their
     --help too (Click makes it when the command is parsed: made here, with the names the
     context would give it)."""
+    if _RuntimeParam is None:
+        return
     settings = getattr(command, "context_settings", None) or {}
     help_names = settings.get("help_option_names", help_names) or ["--help"]
     for param in getattr(command, "params", ()):
