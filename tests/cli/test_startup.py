@@ -126,3 +126,16 @@ def test_an_existing_output_is_refused_before_the_accountant(tmp_path, npy, nois
     code, modules = imported(tmp_path, "perturb", "d.npy", "--eps", "1", "--noise", noise)
     assert code == 1 and heavy_among(modules, HEAVY + ("pydantic",)) == []
     assert (tmp_path / "d.tldp.npy").read_bytes() == b"earlier"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, code", [
+    (["evaluate", "missing.npy", "d.npy"], 1),
+    (["sweep", "missing.npy", "--eps", "1,2", "--out", "sweep/"], 1),
+    (["sweep", "d.npy", "--eps", "abc", "--out", "sweep/"], 2),
+    (["audit", "--eps", "-1", "--elements", "4", "--range", "0:1"], 2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_the_tools_usage_and_path_errors_import_no_accountant(tmp_path, npy, args, code):
+    """evaluate, sweep and audit import the accountant where they certify a figure."""
+    got, modules = imported(tmp_path, *args)
+    assert got == code and heavy_among(modules, HEAVY + ("pydantic",)) == []
