@@ -3,7 +3,8 @@ a bad flag, a bad option value and a missing input answer with Typer, the format
 registry and the option checks only (no NumPy, no pydantic, no accountant, no format
 library); an existing output, found once the input's header is read and its calibration
 made, without pydantic, the accountant (dp-accounting, SciPy,
-tldp_cli.privacy.accounting) or another format's library. Not timed:
+tldp_cli.privacy.accounting) or another format's library; the usage and path errors
+of evaluate, sweep and audit without the accountant. Not timed:
 benchmarks/bench.py --startup-only measures the times (docs/performance.md)."""
 
 import json
