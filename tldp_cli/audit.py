@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli.privacy import accounting
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.errors import UsageError
@@ -349,6 +348,7 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
         a, b, dtype = int(a), int(b), np.dtype(np.int64)
     # a kept raw value, as the output dtype holds it (0.1 is not a float32)
     ya, yb = (float(np.asarray(v).astype(dtype)) for v in (a, b))
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     certified = accounting.certify(claimed)
     plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
     pairs = sum(len(claims) for _, claims in plan)
@@ -416,6 +416,7 @@ def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, An
             mechanism=calib.mechanism, noise=calib.noise, budget=calib.budget, epsilon=calib.epsilon,
             range_width=calib.range_width, elements=calib.elements, dp_delta=calib.dp_delta,
             rows=calib.rows, granularity=calib.granularity)
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     requested = accounting.certify(fresh)
     rows = []
     for scope in ("per_element", "per_record"):
@@ -463,6 +464,7 @@ def audit_privunit(calib: Calibration, *, samples: int, confidence: float, scope
     is audited before the write-back, which is a function of it."""
     basis = engine.privunit_basis(calib, basis)
     params = calib.privunit_params()
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     certified = accounting.certify(claimed)
     plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
     alpha = (1 - confidence) / max(sum(len(c) for _, c in plan), 1) / 2

@@ -12,7 +12,7 @@ from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOpt
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
-    from tldp_cli.run.pipeline import PerturbOptions
+    from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
                               records_phrase, run, sigterm_interrupts, unperturbed_note)
@@ -170,7 +170,7 @@ def perturb_command(
     # The library is imported here, not at the top: --help, completion and usage errors
     # stay quick (tests/cli/test_startup.py).
     from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+    from tldp_cli.run.options import BLOCK_ELEMENTS, PerturbOptions, checked_input, parse_ranges
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
@@ -205,6 +205,9 @@ def perturb_command(
     def action():
         _check_preview(preview, out, overwrite)
         run_options = options()
+        checked_input(run_options)  # the run's first refusals, before the pipeline (NumPy) is imported
+        from tldp_cli.run.pipeline import perturb
+
         try:
             with sigterm_interrupts():
                 return perturb(run_options, progress=display.advance, phase=display.phase)
@@ -220,12 +223,12 @@ def perturb_command(
 
 def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
     """INPUT... then the paths --inputs-from lists."""
-    from tldp_cli.run import batch
-
     if quiet and verbose:
         raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
     paths = list(inputs or [])
     if inputs_from is not None:
+        from tldp_cli.run import batch
+
         where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
         # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
         text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(

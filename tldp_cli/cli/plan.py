@@ -10,7 +10,7 @@ import typer
 from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
 from tldp_cli.errors import UsageError
 if TYPE_CHECKING:
-    from tldp_cli.run.pipeline import PerturbOptions
+    from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
                               run, unperturbed_note)
@@ -74,8 +74,7 @@ def plan_command(
     at the end) and --json prints the plans as one JSON list.
     """
     from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run import planning
-    from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
+    from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options, parse_ranges
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
@@ -90,7 +89,7 @@ def plan_command(
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=inputs[0] if inputs else Path(planning.DESCRIBED), eps=eps, mechanism=mechanism.value,
+            input=inputs[0] if inputs else Path(DESCRIBED), eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
@@ -101,6 +100,10 @@ def plan_command(
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             return options
+        if inputs:
+            checked_input(options)  # the plan's first refusals, before the pipeline (NumPy) is imported
+        from tldp_cli.run import planning
+
         try:
             if inputs:
                 return planning.plan_input(options, phase=display.phase)

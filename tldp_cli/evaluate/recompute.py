@@ -14,7 +14,6 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.evaluate.common import finite
-from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.pipeline import Plan, options_of_manifest, plan
@@ -74,6 +73,7 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                           granularity=grid.granularity if grid is not None else None)
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
 
 
@@ -146,6 +146,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
             compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
     # Everything the run released, all its records composed (perturb always states it).
     s = stated.get("per_file") or {}
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
     for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
         compare(f"accounting.per_file.{key}", s.get(key), r[key])

@@ -21,7 +21,6 @@ from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
 from tldp_cli.evaluate.utility import (MODELS, check_task, load_labels, load_records, majority_f1, need,
                                        weighted_f1)
 from tldp_cli.files import output
-from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
 from tldp_cli.run.pipeline import resolve_range
 from tldp_cli.sampling import engine
@@ -131,6 +130,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
                 calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
                                   range_width=hi - lo, elements=elements, dp_delta=dp_delta,
                                   rows=rows_mvg if mechanism == "mvg" else None)
+            from tldp_cli.privacy import accounting  # here: usage and path errors never import it
             cert = accounting.certify(calib)
             norms, mses, f1s = [], [], []
             for r in range(repeats):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import functools
 
-from tldp_cli.privacy import mvg_idn, privunit
+from tldp_cli.privacy import privunit
 from tldp_cli.errors import UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
@@ -199,9 +199,13 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
         if budget == "record":
             scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
         elif mechanism == "mvg":
+            from tldp_cli.privacy import mvg_idn  # NumPy: imported by the calibration that needs it
+
             assert rows is not None  # refused above
             scale = mvg_idn.mvg_sigma(rows, I, D, epsilon, dp_delta)
         else:
+            from tldp_cli.privacy import mvg_idn
+
             scale = mvg_idn.idn_sigma(I, D, epsilon, dp_delta)
         eps_e = D**2 / (2 * scale**2)
         log_p = -math.inf

@@ -32,17 +32,16 @@ from tldp_cli.run.pipeline import (
     range_group_messages,
     row_groups,
 )
+from tldp_cli.run.options import DESCRIBED, checked_input
 
 SCHEMA = "tldp-plan/1"
-DESCRIBED = "records"  # the name of a described (not read) array
 
 
 def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:
     """The plan of `tldp perturb` with these options on options.input; `phase(label, what)`
     is told as each phase starts, as perturb tells it."""
     report = Report(phase=phase)
-    options = checked_options(options)
-    module = formats.detect(options.input, options.input_format)
+    options, module = checked_input(options)
     report.tell("reading", headers_phrase(options.input, module, options))
     reader = module.open_reader(options.input, checked_format_options(options, module))
     try:
