@@ -74,7 +74,7 @@ def plan_command(
     at the end) and --json prints the plans as one JSON list.
     """
     from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run import planning
+    from tldp_cli.run import plan
     from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
@@ -90,7 +90,7 @@ def plan_command(
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         default_range, ranges = parse_ranges(value_range or [])
         options = PerturbOptions(
-            input=inputs[0] if inputs else Path(planning.DESCRIBED), eps=eps, mechanism=mechanism.value,
+            input=inputs[0] if inputs else Path(plan.DESCRIBED), eps=eps, mechanism=mechanism.value,
             noise=noise.value if noise is not None else default_noise(mechanism.value),
             sampler=sampler.value, budget=budget.value if budget else None,
             value_range=default_range, ranges=ranges, dtype=dtype.value,
@@ -103,10 +103,10 @@ def plan_command(
             return options
         try:
             if inputs:
-                return planning.plan_input(options, phase=display.phase)
+                return plan.plan_input(options, phase=display.phase)
             from tldp_cli.audit import parse_shape
 
-            return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+            return plan.plan_records(options, parse_shape(elements), records, input_dtype)
         finally:
             display.close()
 
@@ -121,12 +121,12 @@ def plan_command(
 def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Display, quiet: bool,
                   json_out: bool, debug: bool) -> int:
     """Each input planned in turn: its plan, or one line naming it; exit 1 if any failed."""
-    from tldp_cli.run import planning
+    from tldp_cli.run import plan
 
     reports, failed = [], []
     display.prefix = f"[1/{len(inputs)}] "
     with library_warnings(debug):
-        for i, (path, report) in enumerate(planning.plan_each(options, inputs, phase=display.phase)):
+        for i, (path, report) in enumerate(plan.plan_each(options, inputs, phase=display.phase)):
             display.close()
             display.prefix = f"[{i + 2}/{len(inputs)}] "
             if isinstance(report, Exception):
