@@ -9,7 +9,7 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.bases import parse_basis
-from tldp_cli.run.pipeline import (PerturbOptions, build_manifest, calibrate_run, checked_options,
+from tldp_cli.run.pipeline import (PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options,
                                    options_of_manifest)
 
 
@@ -44,7 +44,7 @@ def test_a_manifest_read_back_calibrates_as_the_run_did(case):
     given, jobs = CASES[case]
     options = checked_options(PerturbOptions(**{"input": Path("x"), "eps": 1.0, **given}))
     calibrated = calibrate_run(options, jobs)
-    manifest = build_manifest(options, calibrated, jobs, None, None, None, None, outputs=[])
+    manifest = build_manifest(RunContext(options, jobs, calibrated))
     again = options_of_manifest(manifest, Path("x"))
     rerun = calibrate_run(again, jobs)
     assert rerun.calib_of == calibrated.calib_of
@@ -52,7 +52,7 @@ def test_a_manifest_read_back_calibrates_as_the_run_did(case):
                                                                  calibrated.out_dtype)
     assert rerun.certified == calibrated.certified
     assert rerun.bounds == calibrated.bounds
-    assert build_manifest(again, rerun, jobs, None, None, None, None, outputs=[])["accounting"] == \
+    assert build_manifest(RunContext(again, jobs, rerun))["accounting"] == \
         manifest["accounting"]
     for field in ("eps", "mechanism", "noise", "budget", "dp_delta", "granularity", "ranges"):
         assert getattr(again, field) == getattr(options, field), field
@@ -69,7 +69,7 @@ def test_a_basis_file_is_read_back_as_the_file(tmp_path):
     options = checked_options(PerturbOptions(input=Path("x"), eps=2.0, mechanism="privunit",
                                              basis=str(tmp_path / "basis.npy"), value_range=(-1, 1)))
     calibrated = calibrate_run(options, FLOATS)
-    again = options_of_manifest(build_manifest(options, calibrated, FLOATS, None, None, None, None, outputs=[]),
+    again = options_of_manifest(build_manifest(RunContext(options, FLOATS, calibrated)),
                                 Path("x"))
     assert again.basis == str(tmp_path / "basis.npy")
     assert calibrate_run(again, FLOATS).calib_of == calibrated.calib_of

@@ -786,6 +786,29 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
     return found
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What the steps of a run share once it is calibrated, in place of long parameter
+    lists: the checked options (checked_options), the input's arrays and their calibration,
+    the format and its open reader, what the reader was told, and where the run says how
+    it goes. A run that writes (_perturb) adds its destinations, weight masks and random
+    streams; `tldp plan` (run/plan.py) writes nothing and has none of them, and described
+    records (tldp plan --elements) have no format or reader either."""
+
+    options: PerturbOptions
+    jobs: list[ArrayJob]
+    calibrated: Calibrated
+    module: formats.Format | None = None
+    reader: Any = None  # the format's Reader
+    format_options: FormatOptions = field(default_factory=FormatOptions)
+    report: Report = field(default_factory=Report)
+    destination: Path | None = None  # the output's final path (_destinations)
+    manifest_path: Path | None = None
+    masks: dict[str, Mask] = field(default_factory=dict)  # --weights, by array name (load_masks)
+    weights_info: dict[str, Any] | None = None  # --weights as the manifest and --resume state them
+    streams: Streams | None = None  # the run's random streams: they hold its secret key
+
+
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              report: Report) -> PerturbResult:
     jobs = reader.arrays()
@@ -795,10 +818,10 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                per_tensor=reader.records_are_tensors,
                                before_accounting=lambda: where.append(_destinations(options, module, reader)))
     destination, manifest_path = where[0]
-    masks: dict[str, Mask] = {}
-    weights_info = None
-    if options.weights is not None:
-        masks, weights_info = load_masks(options.weights, jobs)
+    masks, weights_info = load_masks(options.weights, jobs) if options.weights is not None else ({}, None)
+    run = RunContext(options, jobs, calibrated, module=module, reader=reader, format_options=format_options,
+                     report=report, destination=destination, manifest_path=manifest_path, masks=masks,
+                     weights_info=weights_info, streams=Streams(options.rng, options.seed, options.allow_weak_seed))
     report.tell("checking", "free space and memory" + (
         f"; reading every record once to fingerprint it for the ledger {options.ledger}" if options.ledger else ""))
     name_map = None  # --anonymize-names: the name map, written with the output
@@ -807,18 +830,16 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                                                manifest_path, options.overwrite)
     output.check_free_space(destination.parent, module.output_bytes(jobs, calibrated.out_dtype, format_options),
                             destination)
-    _check_memory(options, jobs, calibrated)
+    _check_memory(run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
-    release = _begin_release(options, module, reader, calibrated, jobs, weights_info, destination, manifest_path)
+    release = _begin_release(run)
     if calibrated.in_range_markers and not options.public_missing:
         # Before any block is read, after the ledger's fingerprint: the same data either way.
         reader.markers_are_data(calibrated.in_range_markers)
-    streams = Streams(options.rng, options.seed, options.allow_weak_seed)
     staging = output.Staging()
     try:
-        staged = _stage(staging, options, module, jobs, calibrated, weights_info, destination, manifest_path,
-                        name_map)
+        staged = _stage(staging, run, name_map)
     except BaseException:
         staging.discard()
         _abandon(release)
@@ -828,8 +849,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     partial = staged.partial
     committing = contextlib.ExitStack()
     try:
-        writer, written = _write_blocks(options, module, reader, format_options, jobs, calibrated, masks,
-                                        streams, staged, notes, report)
+        writer, written = _write_blocks(run, staged, notes)
         for path in written:  # a cleanup script may have removed the output (or its folder)
             if not path.is_file():
                 raise output.removed_during_run(path)
@@ -838,8 +858,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         report.tell("committing", f"writing the manifest, then moving {destination} and {manifest_path} into place")
-        manifest = build_manifest(options, calibrated, jobs, reader, writer, streams, weights_info, outputs,
-                                  masked=list(masks))
+        manifest = build_manifest(run, writer, outputs)
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
@@ -865,7 +884,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             partial.remove()  # only its emptied folder and journal are left
         staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, writer, notes, name_map, weights_info, manifest))
+                             _messages(run, writer, notes, name_map, manifest))
 
 
 @dataclass
@@ -880,40 +899,37 @@ class _Staged:
     notes: list[str]
 
 
-def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[ArrayJob], calibrated: Calibrated,
-           weights_info, destination: Path, manifest_path: Path, name_map: Path | None) -> _Staged:
+def _stage(staging: output.Staging, run: RunContext, name_map: Path | None) -> _Staged:
     partial = None
     notes: list[str] = []
-    if module.resumable:
-        partial = resume.Partial(destination,
-                                 _resume_record(options, module, jobs, (calibrated.lo, calibrated.hi), weights_info),
-                                 options.resume)
+    if run.module.resumable:
+        partial = resume.Partial(run.destination, _resume_record(run), run.options.resume)
         notes += partial.messages
         tmp_output = partial.store
-        staging.adopt(tmp_output, destination)
+        staging.adopt(tmp_output, run.destination)
     else:
-        tmp_output = staging.temporary(destination)
-    return _Staged(tmp_output, staging.temporary(manifest_path),
+        tmp_output = staging.temporary(run.destination)
+    return _Staged(tmp_output, staging.temporary(run.manifest_path),
                    staging.temporary(name_map) if name_map else None, partial, notes)
 
 
-def _write_blocks(options: PerturbOptions, module, reader, format_options: FormatOptions,
-                  jobs: list[ArrayJob], calibrated: Calibrated, masks: dict[str, Mask], streams: Streams,
-                  staged: _Staged, notes: list[str], report: Report):
+def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
     """Perturb every block into a writer on the staged output; (writer, files written).
-    Values outside the declared range stop the run once the blocks in flight are done."""
+    Values outside the declared range stop the run once the blocks in flight are done.
+    `notes`: the run's messages, which a Dask run adds to."""
+    options, jobs, calibrated, report = run.options, run.jobs, run.calibrated, run.report
     partial = staged.partial
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
              for start, stop in block_bounds(job, options.block_elements)]
-    if module.writes_rows:  # arrays interleaved, in row order (the order does not change the values)
+    if run.module.writes_rows:  # arrays interleaved, in row order (the order does not change the values)
         tasks.sort(key=lambda task: task[1])
     where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
                               f"work copy beside the output")
-    open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-    writer = open_writer(reader, staged.output, calibrated.out_dtype,
-                         dataclasses.replace(format_options, value_bounds=_value_bounds(calibrated, jobs)))
+    open_writer = run.module.reopen_writer if partial and partial.resuming else run.module.create_writer
+    writer = open_writer(run.reader, staged.output, calibrated.out_dtype,
+                         dataclasses.replace(run.format_options, value_bounds=_value_bounds(calibrated, jobs)))
     try:
         if partial is not None:
             partial.begin()
@@ -925,17 +941,16 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
         # (values outside the range, first record of their block, the array)
         outside_counts: list[tuple[int, int, ArrayJob]] = []
         block_task = BlockTask(
-            calibrations=calibrated.calib_of, streams=streams,
+            calibrations=calibrated.calib_of, streams=run.streams,
             # integer data under discrete noise: [lo, hi) holds lo..hi-1
-            masks=masks, lo=calibrated.lo, hi=calibrated.top,
+            masks=run.masks, lo=calibrated.lo, hi=calibrated.top,
             clip_input=options.clip_input or options.clip is not None,
             dtype=calibrated.out_dtype,
             source=options.input, write=writer.write, grid=calibrated.grid, bounds=calibrated.checked_bounds(),
             bases=calibrated.bases)
         if options.scheduler == "dask":
-            needed = [options.input] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
-            results = _run_dask(block_task, tasks, writer, staged.output, needed, options,
-                                lambda: bool(outside_counts), notes)
+            results = _run_dask(run, dataclasses.replace(block_task, write=writer.block_writer()), tasks,
+                                staged.output, lambda: bool(outside_counts), notes)
         else:
             results = _run_tasks(
                 lambda job, start, stop: block_task(job, start, stop, bool(outside_counts)),
@@ -983,16 +998,16 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], calibrated: 
         "clip them into range")
 
 
-def _messages(options: PerturbOptions, reader, writer, notes: list[str], name_map: Path | None,
-              weights_info, manifest: dict[str, Any]) -> list[str]:
-    messages = [*reader.messages, *writer.messages, *notes]
+def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
+              manifest: dict[str, Any]) -> list[str]:
+    messages = [*run.reader.messages, *writer.messages, *notes]
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
-    warning = weights_warning(options.weights, weights_info)
+    warning = weights_warning(run.options.weights, run.weights_info)
     if warning:
         messages.append(warning)
-    if options.seed is not None:
+    if run.options.seed is not None:
         messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
@@ -1076,10 +1091,11 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     return module.earlier_output(path, reader)
 
 
-def _check_memory(options: PerturbOptions, jobs: list[ArrayJob], calibrated: Calibrated) -> None:
+def _check_memory(run: RunContext) -> None:
     """Refuses, before any data is read, a record that cannot fit in this process's memory
     (a model file's tensor is one record): a block holds at least one, read, its noise and
     its output side by side. Blocks computed on a cluster's workers are theirs to hold."""
+    options, jobs, calibrated = run.options, run.jobs, run.calibrated
     if options.scheduler == "dask" and options.dask_address:
         return
     noise_bytes = 8 if calibrated.grid is not None else calibrated.out_dtype.itemsize  # exact noise: int64
@@ -1097,11 +1113,11 @@ class _Release:
     subjects: int
 
 
-def _begin_release(options: PerturbOptions, module, reader, calibrated: Calibrated, jobs: list[ArrayJob],
-                   weights_info: dict | None, destination: Path, manifest_path: Path) -> _Release | None:
+def _begin_release(run: RunContext) -> _Release | None:
     """With --ledger: fingerprint the records the release touches (one more pass over
     them), check the caps and record the release as pending (ledger.begin); None without
     a ledger."""
+    options = run.options
     if options.ledger is None:
         return None
     path = Path(options.ledger)
@@ -1111,11 +1127,11 @@ def _begin_release(options: PerturbOptions, module, reader, calibrated: Calibrat
         raise UsageError(f"{path}: the ledger cannot be inside the input {source}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
-        touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
-        figures = {scope: calibrated.certified[scope] for scope in ("per_element", "per_record", "per_file")}
-        record = _resume_record(options, module, jobs, (calibrated.lo, calibrated.hi), weights_info)
+        touched = _touched_records(options, run.module, run.reader, run.jobs, ledger.Fingerprints(db))
+        figures = {scope: run.calibrated.certified[scope] for scope in ("per_element", "per_record", "per_file")}
+        record = _resume_record(run)
         release_id, total, subjects = ledger.begin(
-            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
+            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(run.destination),
             options={**record, "--dp-delta": options.dp_delta}, max_epsilon=options.max_record_eps,
             max_delta=options.max_record_delta, dp_delta=options.dp_delta)
     except BaseException:
@@ -1174,13 +1190,11 @@ def _abandon(release: _Release | None) -> None:
         release.db.close()
 
 
-def build_manifest(options: PerturbOptions, calibrated: Calibrated, jobs: list[ArrayJob], reader, writer,
-                   streams: Streams | None, weights_info: dict | None, outputs: list[dict],
-                   masked: list[str] | None = None) -> dict[str, Any]:
-    """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
-    comes from the calibration, the reader and the writer, never from the data. `masked`: the
-    arrays a weight mask covers. manifest.build joins the parts (manifest_parts), none
-    writing a key another wrote."""
+def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = None) -> dict[str, Any]:
+    """The manifest of a run (`tldp plan`: no writer, no outputs): everything it states
+    comes from the calibration, the reader and the writer, never from the data.
+    manifest.build joins the parts (manifest_parts), none writing a key another wrote."""
+    options, calibrated, jobs, reader, streams = run.options, run.calibrated, run.jobs, run.reader, run.streams
     postprocessing = []
     if calibrated.largest.privunit is not None:
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
@@ -1197,15 +1211,15 @@ def build_manifest(options: PerturbOptions, calibrated: Calibrated, jobs: list[A
         calibrations=list(records_of.items()),
         # PrivUnit: a record spanning n arrays gets --eps / n in each
         epsilon=options.epsilon if calibrated.largest.privunit is not None else None,
-        seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=weights_info,
-        inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
+        seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=run.weights_info,
+        inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs or [],
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
         postprocessing=postprocessing + ([discrete.saturation_note(calibrated.out_dtype)]
                                          if calibrated.grid and calibrated.out_dtype.kind == "i" else [])
         + (list(writer.postprocessing) if writer else []),
         output_dtype=(writer and writer.output_dtype) or str(calibrated.out_dtype),
-        parts=manifest_parts(options, calibrated, jobs, reader, writer, masked or []))
+        parts=manifest_parts(options, calibrated, jobs, reader, writer, list(run.masks)))
 
 
 def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[ArrayJob], reader, writer,
@@ -1332,34 +1346,34 @@ _NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwri
 OPTION_FLAGS = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
 
 
-def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_range: tuple[float, float],
-                   weights_info: dict | None) -> dict[str, Any]:
+def _resume_record(run: RunContext) -> dict[str, Any]:
     """What a resumed run must share with the interrupted one, keyed by option name: every
     option that can change the output, whether a seed was given (never the seed nor anything
     derived from it), the input's arrays and the weights."""
+    options = run.options
     record: dict[str, Any] = {
-        "input": str(options.input.resolve()), "format": module.name,
-        "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in jobs],
-        "--seed": options.seed is not None, "--weights": weights_info,
+        "input": str(options.input.resolve()), "format": run.module.name,
+        "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in run.jobs],
+        "--seed": options.seed is not None, "--weights": run.weights_info,
     }
     for f in dataclasses.fields(options):
         if f.name not in _NOT_RECORDED and f.name != "weights":
             value = getattr(options, f.name)
             record[OPTION_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))] = (
                 str(value) if isinstance(value, Path) else value)
-    record["--range"] = list(value_range)  # as resolved (integer data: its dtype's range)
+    record["--range"] = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
     record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
     return record
 
 
-def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Path, needed: list[Path],
-              options: PerturbOptions, count_only: Callable[[], bool], messages: list[str]):
+def _run_dask(run: RunContext, task: BlockTask, tasks: list[tuple], tmp_output: Path,
+              count_only: Callable[[], bool], messages: list[str]):
     """BlockTask on Dask. Blocks are written by the workers when the format has a block
-    writer, else sent back and written here (the caller does that)."""
+    writer (task.write), else sent back and written here (the caller does that)."""
     from distributed.protocol.pickle import dumps
 
-    block_writer = writer.block_writer()
-    task = dataclasses.replace(block_task, write=block_writer)
+    options = run.options
+    needed = [options.input] + [m.per_record or m.png for m in run.masks.values() if m.per_record or m.png]
     if tasks:
         try:
             dumps((task, tasks[0]))
@@ -1373,7 +1387,7 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
     with dask_runner.quiet_logs(options.dask_logs), \
             dask_runner.connect(address, options.workers, options.dask_logs) as client:
         if address is not None:
-            paths = [str(p) for p in needed] + ([str(tmp_output)] if block_writer is not None else [])
+            paths = [str(p) for p in needed] + ([str(tmp_output)] if task.write is not None else [])
             missing = dask_runner.check_visible(client, paths)
             if missing:
                 path, worker = missing

@@ -21,10 +21,10 @@ from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
-    Calibrated,
     Phase,
     PerturbOptions,
     Report,
+    RunContext,
     build_manifest,
     calibrate_run,
     checked_format_options,
@@ -46,7 +46,8 @@ def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str,
     options = checked_options(options)
     module = formats.detect(options.input, options.input_format)
     report.tell("reading", headers_phrase(options.input, module, options))
-    reader = module.open_reader(options.input, checked_format_options(options, module))
+    format_options = checked_format_options(options, module)
+    reader = module.open_reader(options.input, format_options)
     try:
         jobs = reader.arrays()
         report.tell("planning", planning_phrase(options, jobs))
@@ -54,7 +55,7 @@ def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str,
                                    per_tensor=reader.records_are_tensors)
         messages = [*reader.messages, *cf.marker_messages(calibrated.in_range_markers, options.public_missing),
                     *range_group_messages(calibrated)]
-        return _report(options, calibrated, jobs, reader, messages)
+        return _report(RunContext(options, jobs, calibrated, module, reader, format_options), messages)
     finally:
         reader.close()
 
@@ -95,16 +96,17 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     full = (records, *shape)
     job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
                    source={"format": "described", "shape": list(full), "dtype": str(dtype)})
-    return _report(options, calibrate_run(options, [job]), [job], None, [])
+    return _report(RunContext(options, [job], calibrate_run(options, [job])), [])
 
 
 def _never_read(start: int, stop: int) -> np.ndarray:
     raise AssertionError("a plan reads no data")
 
 
-def _report(options: PerturbOptions, calibrated: Calibrated, jobs: list[ArrayJob], reader,
-            messages: list[str]) -> dict[str, Any]:
-    manifest = build_manifest(options, calibrated, jobs, reader, None, None, None, outputs=[])
+def _report(run: RunContext, messages: list[str]) -> dict[str, Any]:
+    """The plan of `run`: its manifest without what only writing decides, and its calibration."""
+    calibrated, jobs = run.calibrated, run.jobs
+    manifest = build_manifest(run)
     # What the writer does (PNG's 8 bits, a model file's tensor dtypes, its postprocessing)
     # is known only to the writer: the plan states the perturbed values' dtype instead.
     for field in ("outputs", "created", "seeded", "weak_seed", "output_dtype", "postprocessing"):
