@@ -21,7 +21,7 @@ import numpy as np
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
-from tldp_cli.privacy.mechanisms import Calibration, default_noise
+from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, validate_block
 from tldp_cli.sampling.rng import Streams
@@ -72,7 +72,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     if values.dtype.kind not in "iuf":
         raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
     options = checked_options(PerturbOptions(
-        input=Path(ARRAY_NAME), eps=eps, noise=default_noise(mechanism) if noise is None else noise,
+        input=Path(ARRAY_NAME), eps=eps, noise=noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=value_range,
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,

@@ -157,6 +157,26 @@ def _renamed_keywords(init, **old_names: str):
 
 PerturbOptions.__init__ = _renamed_keywords(PerturbOptions.__init__, epsilon="eps")  # type: ignore[method-assign]
 
+# What `--resume` compares (_resume_record; the ledger states it for each release too). Each
+# field of PerturbOptions is in exactly one of the three lists below, so a new option is
+# decided on, never compared or ignored by default (tests/run/test_resume.py fails until it is).
+# Compared as given: they can change the output.
+RESUME_COMPARED = (
+    "eps", "noise", "mechanism", "budget", "value_range", "ranges", "rng", "dtype", "dp_delta", "granularity",
+    "clip_input", "clip", "datasets", "exclude", "keep", "input_format", "image_format", "copy_other",
+    "skip_bad", "block_elements", "allow_raw_release", "sampler", "anonymize_names", "public_missing", "basis",
+)
+# Compared in another form: the input by its resolved path, the seed by whether one was given
+# (never the seed nor anything derived from it: a hash would confirm guesses of a weak seed),
+# the weights by what load_masks states of them.
+RESUME_COMPARED_AS = ("input", "seed", "weights")
+# Not compared: where the output and its files go, how the blocks are run, whether to resume
+# or overwrite, and the ledger's own bookkeeping; none changes the values written.
+RESUME_NOT_COMPARED = (
+    "out", "manifest", "seed_file", "name_map", "allow_weak_seed", "overwrite", "resume", "workers", "scheduler",
+    "dask_address", "dask_logs", "ledger", "max_record_eps", "max_record_delta",
+)
+
 
 @dataclass
 class PerturbResult:
@@ -1336,10 +1356,6 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
         raise dask_runner.ClusterError(f"{exc}; {kept}") from None
 
 
-# PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
-_NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
-                 "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
-                 "seed_file", "name_map"}
 # Each option's flag where it is not its field's name with "-" for "_" (eps: --eps). Both
 # ways: a resume record's keys, and the library's messages (run/library.py: --range LO:HI
 # reads value_range=(lo, hi) there).
@@ -1356,12 +1372,13 @@ def _resume_record(run: RunContext) -> dict[str, Any]:
         "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in run.jobs],
         "--seed": options.seed is not None, "--weights": run.weights_info,
     }
-    for f in dataclasses.fields(options):
-        if f.name not in _NOT_RECORDED and f.name != "weights":
-            value = getattr(options, f.name)
-            record[OPTION_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))] = (
-                str(value) if isinstance(value, Path) else value)
-    record["--range"] = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
+    for name in RESUME_COMPARED:
+        value = getattr(options, name)
+        if name == "value_range":
+            value = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
+        elif name == "ranges":
+            continue  # under a key of its own, last
+        record[OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))] = str(value) if isinstance(value, Path) else value
     record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
     return record
 
