@@ -160,7 +160,8 @@ PerturbOptions.__init__ = _renamed_keywords(PerturbOptions.__init__, epsilon="ep
 # What `--resume` compares (_resume_record; the ledger states it for each release too). Each
 # field of PerturbOptions is in exactly one of the three lists below, so a new option is
 # decided on, never compared or ignored by default (tests/run/test_resume.py fails until it is).
-# Compared as given: they can change the output.
+# Compared as given: they can change the output (block_elements: how its blocks are cut,
+# which the journal lists).
 RESUME_COMPARED = (
     "eps", "noise", "mechanism", "budget", "value_range", "ranges", "rng", "dtype", "dp_delta", "granularity",
     "clip_input", "clip", "datasets", "exclude", "keep", "input_format", "image_format", "copy_other",
@@ -1378,7 +1379,8 @@ def _resume_record(run: RunContext) -> dict[str, Any]:
             value = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
         elif name == "ranges":
             continue  # under a key of its own, last
-        record[OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))] = str(value) if isinstance(value, Path) else value
+        flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+        record[flag] = str(value) if isinstance(value, Path) else value
     record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
     return record
 
