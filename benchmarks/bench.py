@@ -486,8 +486,14 @@ def photo_shapes(count: int, seed: int = 0) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def _calibrate_run(options, jobs):
+    """pipeline.calibrate_run (pipeline.plan before issue 31: the benchmark runs on older checkouts too)."""
+    calibrate = getattr(pipeline, "calibrate_run", None) or pipeline.plan
+    return calibrate(options, jobs)
+
+
 def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
-    """pipeline.plan, what `tldp plan photos/ --eps 1` runs once the headers are read, on
+    """pipeline.calibrate_run, what `tldp plan photos/ --eps 1` runs once the headers are read, on
     `count` photos of distinct sizes (one record each, uint8): calibration and the certified
     figures, every one from the accounting. In this process: the imports are done, the
     accountant's caches are emptied first."""
@@ -500,18 +506,18 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
                      source={"path": f"photo{i}.png"}) for i, shape in enumerate(photo_shapes(count))]
     options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), epsilon=EPSILON, noise=noise))
     start, cpu_start = time.perf_counter(), time.process_time()
-    run = pipeline.plan(options, jobs)
+    calibrated = _calibrate_run(options, jobs)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return {"sizes": count, "noise": options.noise, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "calibrations": len(run.calibrations), "elements": [min(j.elements for j in jobs),
-                                                                   max(j.elements for j in jobs)],
-            "per_record_epsilon": run.certified["per_record"]["epsilon"],
-            "per_record_approx_epsilon": run.certified["per_record"]["approx"]["epsilon"]}
+            "calibrations": len(calibrated.calibrations), "elements": [min(j.elements for j in jobs),
+                                                                          max(j.elements for j in jobs)],
+            "per_record_epsilon": calibrated.certified["per_record"]["epsilon"],
+            "per_record_approx_epsilon": calibrated.certified["per_record"]["approx"]["epsilon"]}
 
 
 def planning_times(counts=PLAN_SIZES) -> list[dict]:
-    pipeline.plan(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
-                  [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
+    _calibrate_run(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
+                   [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
     rows = []
     for count in counts:
         rows.append(plan_seconds(count))
@@ -522,8 +528,8 @@ def planning_times(counts=PLAN_SIZES) -> list[dict]:
 
 def planning_markdown(rows: list[dict]) -> list[str]:
     lo, hi = PLAN_SIDES
-    lines = [f"Planning (issue 30: `pipeline.plan` as `tldp plan photos/ --eps 1` runs it after the headers, on "
-             f"RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
+    lines = [f"Planning (issue 30: `pipeline.calibrate_run` as `tldp plan photos/ --eps 1` runs it after the "
+             f"headers, on RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
              "| distinct sizes | elements per record | seconds | CPU seconds | per-record eps (approx) |",
              "|---:|---|---:|---:|---:|"]
     lines += [f"| {r['sizes']:,} | {r['elements'][0]:,}-{r['elements'][1]:,} | {r['seconds']:.2f} | "

@@ -88,6 +88,50 @@ def test_no_long_function_without_a_reason():
     assert not unexplained, f"functions over {LONG_FUNCTION} lines: {unexplained}"
 
 
+# A run's steps share a run.pipeline.RunContext rather than long lists of parameters:
+# at most this many before the keyword-only ones (an API's options named at each call).
+MANY_PARAMETERS = 6
+
+
+def _positional_parameters(folder: Path) -> dict[str, int]:
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                found[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = len(names)
+    return found
+
+
+def test_no_long_parameter_list_in_run():
+    long = {name: n for name, n in _positional_parameters(ROOT / "tldp_cli" / "run").items()
+            if n > MANY_PARAMETERS}
+    assert not long, f"more than {MANY_PARAMETERS} positional parameters (pass a RunContext): {long}"
+
+
+# Where PerturbOptions are made, one function per source: the command's values
+# (cli/options.py's perturb_options), a manifest (run/pipeline.py's options_of_manifest) and
+# perturb_array's keywords (run/arrays.py); a library caller makes its own.
+OPTIONS_MADE_IN = {"tldp_cli/cli/options.py:perturb_options", "tldp_cli/run/pipeline.py:options_of_manifest",
+                   "tldp_cli/run/arrays.py:perturb_array"}
+
+
+def _options_made() -> set[str]:
+    found = set()
+    for path in sorted((ROOT / "tldp_cli").rglob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call) and "PerturbOptions" in (
+                            getattr(node.func, "id", None), getattr(node.func, "attr", None)):
+                        found.add(f"{path.relative_to(ROOT).as_posix()}:{function.name}")
+    return found
+
+
+def test_perturb_options_are_made_once_per_source():
+    assert _options_made() == OPTIONS_MADE_IN
+
+
 def _private_names_crossing(root: Path) -> list[str]:
     """Every use of another tldp_cli module's private name (one _underscore, not a dunder):
     `from tldp_cli.x import _name`, or `module._name` where `module` names an imported

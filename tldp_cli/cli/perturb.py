@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
@@ -169,32 +169,24 @@ def perturb_command(
     """
     # The library is imported here, not at the top: --help, completion and usage errors
     # stay quick (tests/cli/test_startup.py).
-    from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run.options import BLOCK_ELEMENTS, PerturbOptions, checked_input, parse_ranges
+    from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
     def options() -> "PerturbOptions":
-        default_range, ranges = parse_ranges(value_range or [])
-        return PerturbOptions(
-            input=paths[0], eps=eps, mechanism=mechanism.value,
-            noise=noise.value if noise is not None else default_noise(mechanism.value),
-            budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
+        return perturb_options(
+            paths[0], value_range, eps=eps, mechanism=mechanism, noise=noise, budget=budget,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
-            seed_file=seed_file,
-            allow_weak_seed=allow_weak_seed, rng=rng.value,
-            dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
-            clip_input=clip_input, clip=clip,
-            workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], exclude=exclude or [], keep=keep or [], input_format=input_format and input_format.value,
-            image_format=image_format.value,
+            seed_file=seed_file, allow_weak_seed=allow_weak_seed, rng=rng,
+            dtype=dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            clip_input=clip_input, clip=clip, workers=workers or os.cpu_count() or 1,
+            datasets=dataset, exclude=exclude, keep=keep, input_format=input_format, image_format=image_format,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
-            scheduler=scheduler.value, dask_address=dask_address,
-            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release, public_missing=public_missing,
+            scheduler=scheduler, dask_address=dask_address, dask_logs=debug, resume=resume,
+            allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
-            sampler=sampler.value, basis=basis,
-            block_elements=block_elements or BLOCK_ELEMENTS)
+            sampler=sampler, basis=basis, block_elements=block_elements or BLOCK_ELEMENTS)
 
     display = Display(quiet, verbose)
     if len(paths) > 1 or inputs_from is not None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path, perturb_options
 from tldp_cli.errors import UsageError
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
@@ -73,8 +73,7 @@ def plan_command(
     With several inputs, each is planned in turn (a failed one: one line naming it, exit 1
     at the end) and --json prints the plans as one JSON list.
     """
-    from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options, parse_ranges
+    from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
@@ -87,29 +86,25 @@ def plan_command(
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         if quiet and verbose:
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
-        default_range, ranges = parse_ranges(value_range or [])
-        options = PerturbOptions(
-            input=inputs[0] if inputs else Path(DESCRIBED), eps=eps, mechanism=mechanism.value,
-            noise=noise.value if noise is not None else default_noise(mechanism.value),
-            sampler=sampler.value, budget=budget.value if budget else None,
-            value_range=default_range, ranges=ranges, dtype=dtype.value,
-            granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            exclude=exclude or [], keep=keep or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
-            public_missing=public_missing,
-            input_format=input_format and input_format.value, basis=basis)
+        options = perturb_options(
+            inputs[0] if inputs else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
+            noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
+            dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
+            image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
+            input_format=input_format, basis=basis)
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             return options
         if inputs:
             checked_input(options)  # the plan's first refusals, before the pipeline (NumPy) is imported
-        from tldp_cli.run import planning
+        from tldp_cli.run import plan
 
         try:
             if inputs:
-                return planning.plan_input(options, phase=display.phase)
+                return plan.plan_input(options, phase=display.phase)
             from tldp_cli.audit import parse_shape
 
-            return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+            return plan.plan_records(options, parse_shape(elements), records, input_dtype)
         finally:
             display.close()
 
@@ -124,12 +119,12 @@ def plan_command(
 def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Display, quiet: bool,
                   json_out: bool, debug: bool) -> int:
     """Each input planned in turn: its plan, or one line naming it; exit 1 if any failed."""
-    from tldp_cli.run import planning
+    from tldp_cli.run import plan
 
     reports, failed = [], []
     display.prefix = f"[1/{len(inputs)}] "
     with library_warnings(debug):
-        for i, (path, report) in enumerate(planning.plan_each(options, inputs, phase=display.phase)):
+        for i, (path, report) in enumerate(plan.plan_each(options, inputs, phase=display.phase)):
             display.close()
             display.prefix = f"[{i + 2}/{len(inputs)}] "
             if isinstance(report, Exception):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # float32 output, small enough that the blocks in flight and Zarr's encoding copies of
 # them stay well inside a few hundred MB, large enough that per-block costs vanish.
 BLOCK_ELEMENTS = 1 << 21
-DESCRIBED = "records"  # the name of a described (not read) array: `tldp plan --elements` (planning.py)
+DESCRIBED = "records"  # the name of a described (not read) array: `tldp plan --elements` (run/plan.py)
 
 
 @dataclass
