@@ -62,7 +62,7 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                 records: list[list[Calibration]] | None = None
                 ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
     """The largest record's calibration, every calibration with its records, and their
-    certification. `calibrations`: those of the original's arrays; None: one record size,
+    certification as a manifest's accounting states it. `calibrations`: those of the original's arrays; None: one record size,
     the manifest's elements_per_record."""
     if not calibrations:
         acc = m.get("accounting") or {}
@@ -73,7 +73,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                           rows=(acc.get("designed") or {}).get("rows"), granularity=grid and grid.granularity)
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
-    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
+    certified = accounting.certify_all([c for c, _ in calibrations], records or None)
+    return largest, calibrations, manifest_mod.accounting_entry(certified)
 
 
 def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
@@ -145,7 +146,8 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
             compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
     # Everything the run released, all its records composed (perturb always states it).
     s = stated.get("per_file") or {}
-    r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
+    r = manifest_mod.file_entry(
+        accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
     for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
         compare(f"accounting.per_file.{key}", s.get(key), r[key])
     for key in ("epsilon", "delta"):

@@ -22,6 +22,7 @@ from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import Calibration, default_noise
+from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
 from tldp_cli.sampling.rng import Streams
@@ -94,7 +95,8 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    _weights(weights, values.shape), run.out_dtype, run.grid, len(values),
                                    run.bases.get(ARRAY_NAME))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
-    return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
+    return Perturbed(result, manifest.accounting_entry(run.certified), calib, options.noise, sampler,
+                     (run.lo, run.hi), noisy.dtype)
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:
