@@ -215,7 +215,7 @@ def subject_scopes(certified: Certificate) -> list[tuple[str, Guarantee]]:
     a dataset, which holds many subjects."""
     scopes = [("per_element", certified.per_element), ("per_record", certified.per_record)]
     if certified.per_tensor is not None and certified.per_file is not None:
-        scopes.append(("per_file", certified.per_file.guarantee))
+        scopes.append(("per_file", certified.per_file))
     return scopes
 
 
@@ -631,8 +631,8 @@ def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool
     records) per array. `per_file` composes every record and, with per_tensor (model
     files: each tensor is one record), `per_tensor` holds each tensor's calibration and
     per-record figures."""
-    per_file = FileGuarantee(compose([(calib, records) for _, calib, records in arrays]),
-                             records=sum(n for _, _, n in arrays),
+    composed = compose([(calib, records) for _, calib, records in arrays])
+    per_file = FileGuarantee(**dataclasses.asdict(composed), records=sum(n for _, _, n in arrays),
                              elements=sum(n * c.elements for _, c, n in arrays))
     if not per_tensor:
         return FileCertificate(per_file)

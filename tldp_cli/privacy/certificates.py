@@ -72,11 +72,10 @@ class PrivUnitFigures:
 
 
 @dataclass(frozen=True)
-class FileGuarantee:
-    """Everything a run released, composed: the guarantee, and how many records and
+class FileGuarantee(Guarantee):
+    """Everything a run released, composed: its Guarantee, and how many records and
     elements it covers."""
 
-    guarantee: Guarantee
     records: int
     elements: int
 

@@ -180,7 +180,7 @@ def ledger_figures(certified: Certificate) -> dict[str, Any]:
 
 def file_entry(per_file: FileGuarantee) -> dict[str, Any]:
     """`accounting.per_file`: everything the run released, composed, and what it covers."""
-    return {**scope_entry(per_file.guarantee), "records": per_file.records, "elements": per_file.elements}
+    return {**scope_entry(per_file), "records": per_file.records, "elements": per_file.elements}
 
 
 def tensor_entry(tensor: TensorFigures) -> dict[str, Any]:
