@@ -872,6 +872,13 @@ def compose_releases(releases: list[tuple[Guarantee, float]]) -> tuple[float, fl
     return by_rho if by_rho[0] < basic[0] else basic
 
 
+def epsilon_left(cap: float, spent: float) -> float:
+    """What a subject that has spent `spent` (compose_releases) has left under an epsilon
+    cap: the epsilon of a further pure release that basic composition keeps under the cap
+    (never below 0; composing Gaussian releases through zCDP can leave more)."""
+    return max(0.0, cap - spent)
+
+
 def discrete_gaussian_log_pmfs(sigma: float, sensitivity: int):
     """log P(y | x = 0), log P(y | x = d) of discrete Gaussian noise N_Z(0, sigma^2) on
     y = -T..T + d, and a bound on the upper distribution's mass outside (|y| > T)."""

@@ -346,7 +346,10 @@ def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: fl
     if max_delta is not None and worst_delta > max_delta * (1 + CAP_ROUNDING):
         over.append(f"delta {worst_delta:.3g} > --max-record-delta {max_delta:g}")
     if over:
-        left = "" if max_epsilon is None else f"; eps left under the cap: {max(0.0, max_epsilon - before.epsilon):.4g}"
+        from tldp_cli.privacy import accounting  # imported already: _spent computed `after`
+
+        left = ("" if max_epsilon is None else
+                f"; eps left under the cap: {accounting.epsilon_left(max_epsilon, before.epsilon):.4g}")
         raise LedgerError(f"the ledger refuses this release: with it, the most-spent subject it touches "
                           f"would spend {', '.join(over)} per record (that subject so far: {before.describe()}"
                           f"{left}); nothing was written")
