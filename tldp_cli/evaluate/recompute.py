@@ -62,8 +62,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                 records: list[list[Calibration]] | None = None
                 ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
     """The largest record's calibration, every calibration with its records, and their
-    certification as a manifest's accounting states it. `calibrations`: those of the original's arrays; None: one record size,
-    the manifest's elements_per_record."""
+    certification as a manifest's accounting states it. `calibrations`: those of the
+    original's arrays; None: one record size, the manifest's elements_per_record."""
     if not calibrations:
         acc = m.get("accounting") or {}
         calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
