@@ -497,8 +497,8 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
     return {"sizes": count, "noise": options.noise, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "calibrations": len(run.calibrations), "elements": [min(j.elements for j in jobs),
                                                                    max(j.elements for j in jobs)],
-            "per_record_epsilon": run.certified["per_record"]["epsilon"],
-            "per_record_approx_epsilon": run.certified["per_record"]["approx"]["epsilon"]}
+            "per_record_epsilon": run.certified.per_record.epsilon,
+            "per_record_approx_epsilon": run.certified.per_record.approx_epsilon}
 
 
 def planning_times(counts=PLAN_SIZES) -> list[dict]:
