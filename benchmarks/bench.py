@@ -510,9 +510,9 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return {"sizes": count, "noise": options.noise, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "calibrations": len(calibrated.calibrations), "elements": [min(j.elements for j in jobs),
-                                                                          max(j.elements for j in jobs)],
-            "per_record_epsilon": calibrated.certified["per_record"]["epsilon"],
-            "per_record_approx_epsilon": calibrated.certified["per_record"]["approx"]["epsilon"]}
+                                                                   max(j.elements for j in jobs)],
+            "per_record_epsilon": calibrated.certified.per_record.epsilon,
+            "per_record_approx_epsilon": calibrated.certified.per_record.approx_epsilon}
 
 
 def planning_times(counts=PLAN_SIZES) -> list[dict]:

@@ -120,10 +120,10 @@ def test_margin_bounds_cover_the_exact_share_and_stay_close():
 def test_calibration_certifies_at_most_the_request_and_keeps_the_cap_affordable(k, epsilon):
     calib = mechanisms.calibrate_privunit(epsilon=epsilon, record_shape=(k * 2,), value_range=(0, 1), k=k)
     figures = accounting.privunit_figures(calib)
-    assert figures["epsilon"] <= epsilon
-    assert calib.element_epsilon == figures["epsilon"]
-    assert figures["epsilon"] > epsilon - 1e-3  # the budget is spent, not wasted
-    assert figures["q"] >= privunit.MIN_CAP_PROBABILITY * (1 - 1e-9)
+    assert figures.epsilon <= epsilon
+    assert calib.element_epsilon == figures.epsilon
+    assert figures.epsilon > epsilon - 1e-3  # the budget is spent, not wasted
+    assert figures.q >= privunit.MIN_CAP_PROBABILITY * (1 - 1e-9)
     assert calib.privunit.p >= 0.5 and 0 <= calib.privunit.gamma < 1
     assert calib.budget == "record" and calib.mechanism == PRIVUNIT and calib.log_p == -math.inf
 
@@ -230,17 +230,17 @@ def test_refusals():
 def test_scopes_compose_by_addition():
     calib = mechanisms.calibrate_privunit(epsilon=2, record_shape=(8, 8), value_range=(0, 1))
     certified = accounting.certify(calib)
-    assert certified["per_element"]["epsilon"] == certified["per_record"]["epsilon"] <= 2
-    assert certified["per_record"]["delta"] == 0 and certified["per_record"]["rho"] is None
-    file = accounting.certify_file([("a", calib, 10)])["per_file"]
-    assert file["epsilon"] == pytest.approx(10 * certified["per_record"]["epsilon"])
-    assert file["delta"] == 0
+    assert certified.per_element.epsilon == certified.per_record.epsilon <= 2
+    assert certified.per_record.delta == 0 and certified.per_record.rho is None
+    file = accounting.certify_file([("a", calib, 10)]).per_file
+    assert file.epsilon == pytest.approx(10 * certified.per_record.epsilon)
+    assert file.delta == 0
     # the zCDP that pure eps implies (eps^2/2 per record) is the tighter (eps, delta) for many records
     small = mechanisms.calibrate_privunit(epsilon=0.5, record_shape=(8, 8), value_range=(0, 1))
     many = accounting.compose([(small, 10_000)])
     rho = 10_000 * small.element_epsilon ** 2 / 2
-    assert many["epsilon"] == pytest.approx(10_000 * small.element_epsilon)
-    assert many["approx"]["epsilon"] == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))
+    assert many.epsilon == pytest.approx(10_000 * small.element_epsilon)
+    assert many.approx_epsilon == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))
 
 
 @pytest.mark.parametrize("k,epsilon", [(8, 1), (64, 4), (200, 6)])

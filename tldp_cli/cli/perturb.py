@@ -10,6 +10,7 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
+from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
@@ -312,8 +313,6 @@ def _write_preview(preview: Path, input: Path, result, name_map, input_format, o
 
 
 def _report(result, quiet: bool, json_out: bool) -> None:
-    from tldp_cli.privacy import accounting
-
     m = result.manifest
     if not quiet:
         for message in result.messages:
@@ -321,7 +320,7 @@ def _report(result, quiet: bool, json_out: bool) -> None:
         typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
         ranges = len(m.get("range_groups", []))
-        typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"], ranges), err=True)
+        typer.echo("tldp: " + guarantee_line(m["accounting"], m["noise"], ranges), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))
 

@@ -9,6 +9,7 @@ import typer
 
 from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path, perturb_options
 from tldp_cli.errors import UsageError
+from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
@@ -143,8 +144,6 @@ def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Displa
 
 
 def _print(report: dict, quiet: bool) -> None:
-    from tldp_cli.privacy import accounting  # after the plan: its errors never import it
-
     if not quiet:
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
@@ -158,4 +157,4 @@ def _print(report: dict, quiet: bool) -> None:
                        f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
                        f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         ranges = len(report.get("range_groups", []))
-        typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"], ranges), err=True)
+        typer.echo("tldp: " + guarantee_line(report["accounting"], report["noise"], ranges), err=True)

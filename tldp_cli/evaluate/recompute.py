@@ -61,8 +61,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                 records: list[list[Calibration]] | None = None
                 ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
     """The largest record's calibration, every calibration with its records, and their
-    certification. `calibrations`: those of the original's arrays; None: one record size,
-    the manifest's elements_per_record."""
+    certification as a manifest's accounting states it. `calibrations`: those of the
+    original's arrays; None: one record size, the manifest's elements_per_record."""
     if not calibrations:
         acc = m.get("accounting") or {}
         calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
@@ -74,7 +74,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
-    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
+    certified = accounting.certify_all([c for c, _ in calibrations], records or None)
+    return largest, calibrations, manifest_mod.accounting_entry(certified)
 
 
 def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
@@ -147,7 +148,8 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
     # Everything the run released, all its records composed (perturb always states it).
     s = stated.get("per_file") or {}
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
-    r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
+    r = manifest_mod.file_entry(
+        accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
     for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
         compare(f"accounting.per_file.{key}", s.get(key), r[key])
     for key in ("epsilon", "delta"):

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privun
 from tldp_cli.run.pipeline import resolve_range
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
+if TYPE_CHECKING:
+    from tldp_cli.privacy.certificates import Certificate
 
 SWEEP_SCHEMA = "tldp-sweep/1"
 SWEEP_METHODS = (  # label, mechanism, noise, weighted
@@ -192,15 +194,15 @@ def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
             skipped + [{"method": "privunit", "reason": reason}])
 
 
-def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
+def _sweep_row(calib: Calibration, cert: Certificate, norms: np.ndarray, mses: list[float],
                f1s: list[float]) -> dict[str, Any]:
     """One (method, epsilon) point of a sweep: its calibration, certified figures, the
     noise's measured size over every draw and F1's mean and spread (None without labels)."""
     row = {"method": None, "mechanism": calib.mechanism, "noise": calib.noise, "weighted": None,
            "epsilon": calib.epsilon, "budget": calib.budget,
-           "element_epsilon": cert["per_element"]["epsilon"],
-           "record_epsilon": cert["per_record"]["epsilon"],
-           "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
+           "element_epsilon": cert.per_element.epsilon,
+           "record_epsilon": cert.per_record.epsilon,
+           "record_delta": cert.per_record.delta, "noise_scale": calib.scale,
            "retain_probability_log10": finite(calib.p_log10),
            "mean_l2_error": float(norms.mean()),
            "rms_l2_error": float(math.sqrt((norms**2).mean())),

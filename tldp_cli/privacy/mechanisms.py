@@ -288,7 +288,7 @@ def _row_epsilon(calibs: list[Calibration]) -> float:
 
     if calibs[0].noise in ("laplace", "discrete-laplace"):
         return sum(accounting.scope_epsilon(c, c.elements) for c in calibs)
-    return accounting.compose([(c, 1) for c in calibs])["epsilon"]
+    return accounting.compose([(c, 1) for c in calibs]).epsilon
 
 
 def _rescaled(calib: Calibration, scale: float) -> Calibration:

@@ -22,6 +22,7 @@ from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, validate_block
 from tldp_cli.sampling.rng import Streams
@@ -95,8 +96,8 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    _weights(weights, values.shape), calibrated.out_dtype, calibrated.grid,
                                    len(values), calibrated.bases.get(ARRAY_NAME))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
-    return Perturbed(result, calibrated.certified, calib, options.noise, sampler, (calibrated.lo, calibrated.hi),
-                     noisy.dtype)
+    return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
+                     (calibrated.lo, calibrated.hi), noisy.dtype)
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:

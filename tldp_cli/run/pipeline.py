@@ -15,7 +15,6 @@ on which.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import math
@@ -24,7 +23,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -45,6 +44,7 @@ from tldp_cli.privacy.mechanisms import (
     raw_release_advice,
 )
 from tldp_cli.run import bases as bases_mod
+from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
@@ -327,7 +327,7 @@ class Calibrated:
     calibrations: list[Calibration]  # the distinct ones
     largest: Calibration  # the largest record's: the manifest's scalar fields describe it
     out_dtype: np.dtype
-    certified: dict[str, Any]
+    certified: Certificate
     rows: list[list[str]]
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
     # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
@@ -565,7 +565,8 @@ def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[li
                  "elements_per_record": sizes[-1] if len(sizes) == 1 else sizes[::len(sizes) - 1],
                  "noise_scale": max(c.scale for c in calibrations),
                  "retain_probability": max(c.p for c in calibrations),
-                 "accounting": {"per_element": figures["per_element"], "per_record": figures["per_record"]}}
+                 "accounting": {"per_element": manifest_mod.scope_entry(figures.per_element),
+                                "per_record": manifest_mod.scope_entry(figures.per_record)}}
         if group.grid is not None:
             entry["granularity"] = group.grid.granularity
         entries.append(entry)
@@ -590,26 +591,25 @@ def range_group_messages(calibrated: Calibrated) -> list[str]:
 
 
 def certified_figures(calibrations: list[Calibration], records: list[list[Calibration]],
-                      arrays: list[tuple[str, Calibration, int]], per_tensor: bool) -> dict[str, Any]:
-    """accounting.certify_all and certify_file for a run (see calibrate_run), computed once per distinct
-    calibrations and record counts in a process: the inputs of one `tldp perturb` call
-    that share them (the same shape, the same options) share the accountant's work."""
-    names = [name for name, _, _ in arrays]
-    certified = copy.deepcopy(_certified(tuple(calibrations), tuple(tuple(row) for row in records),
-                                         tuple((calib, n) for _, calib, n in arrays), per_tensor))
-    for entry, name in zip(certified.get("per_tensor", []), names):
-        entry["name"] = name
-    return certified
+                      arrays: list[tuple[str, Calibration, int]], per_tensor: bool) -> Certificate:
+    """accounting.certify_run for a run (see calibrate_run), computed once per distinct calibrations
+    and record counts in a process: the inputs of one `tldp perturb` call that share them
+    (the same shape, the same options) share the accountant's work."""
+    certified = _certified(tuple(calibrations), tuple(tuple(row) for row in records),
+                           tuple((calib, n) for _, calib, n in arrays), per_tensor)
+    if certified.per_tensor is None:
+        return certified
+    return dataclasses.replace(certified, per_tensor=tuple(
+        dataclasses.replace(tensor, name=name) for tensor, (name, _, _) in zip(certified.per_tensor, arrays)))
 
 
 @functools.lru_cache(maxsize=32)
 def _certified(calibrations: tuple[Calibration, ...], records: tuple[tuple[Calibration, ...], ...],
-               arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> dict[str, Any]:
+               arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> Certificate:
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
 
-    certified = accounting.certify_all(list(calibrations), [list(row) for row in records])
-    certified.update(accounting.certify_file([("", calib, n) for calib, n in arrays], per_tensor=per_tensor))
-    return certified
+    return accounting.certify_run(list(calibrations), [list(row) for row in records],
+                                  [("", calib, n) for calib, n in arrays], per_tensor=per_tensor)
 
 
 def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
@@ -977,7 +977,7 @@ def _begin_release(run: RunContext) -> _Release | None:
     db = ledger.open_ledger(path)
     try:
         touched = _touched_records(options, run.module, run.reader, run.jobs, ledger.Fingerprints(db))
-        figures = {scope: run.calibrated.certified[scope] for scope in ("per_element", "per_record", "per_file")}
+        figures = manifest_mod.ledger_figures(run.calibrated.certified)
         record = _resume_record(run)
         release_id, total, subjects = ledger.begin(
             db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(run.writing()[1]),
