@@ -211,8 +211,8 @@ def write_back_entry(params: Any) -> dict[str, Any]:
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     if params.prior_exponent is None:
         return {"weights": "none", "alignment": params.alignment,
-                "rule": f"w = 1: weights only for the DCT basis over two axes (an image statistic) at "
-                        f"an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "rule": "w = 1: weights only for the DCT basis over two axes (an image statistic: 1/d, and "
+                        f"the Wiener filter at an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g})",
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     emphasised = "" if params.emphasis_exponent is None else (
         "; with the pre-emphasis d: P_j proportional to d_j^2 (1 + f_j)^-2, and w times 1/d")
