@@ -38,6 +38,10 @@ mean per (eps, variant):
     python docs/choosing-eps/emphasis.py --eps 2 --variants a0/wiener,a0.5/inverse+wiener,a0.5/inverse+wiener/D16
     python docs/choosing-eps/emphasis.py --eps 2 --variants a1/inverse+wiener
 
+and, after the rule was fixed and measured on the test digits (so it chose nothing):
+
+    python docs/choosing-eps/emphasis.py --eps 1 --variants a0/wiener,a0.5/inverse+wiener
+
 (their output, as run: docs/choosing-eps/k_rule/emphasis-mnist2000.txt; some runs were
 stopped before their last variants, which the file says).
 """
