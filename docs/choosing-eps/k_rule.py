@@ -91,7 +91,10 @@ Scales: "tldp/D" releases with the package's own mechanism (tldp_cli.perturb_arr
 --basis dct:k) at display divisor D; "clip/D" and "noclip/D" are this script's PrivUnit2
 written back at the package's display scale (hi - lo) sqrt(I) / D, clipped to the range
 or not (its calibration has no floor on the cap's share, the package's has 2^-10);
-"unbiased" is c = (hi - lo) sqrt(I) / (2 m), unclipped.
+"unbiased" is c = (hi - lo) sqrt(I) / (2 m), unclipped; "pre/B/D" releases the direction of
+d * z with d_j = (1 + f_j)^-B (pre-emphasis: B = -0.5 is the package's a = 0.5) and writes back
+lo + c B^T (w * V), w = 1/d of mean square 1, clipped, at divisor D (docs/choosing-eps.md,
+"Pre-emphasis"). --paired draws every scale of a (k, eps) cell from the same stream.
 
 Every command writes its table as JSON under docs/choosing-eps/k_rule/ and prints it as markdown.
 """
