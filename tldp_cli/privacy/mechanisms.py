@@ -481,7 +481,8 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
                             high=float(hi), basis_sha256=basis_sha256,
                             alignment=alignment,
-                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment))
+                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment),
+                            emphasis_exponent=privunit.emphasis_exponent(basis, record_shape))
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

@@ -38,6 +38,7 @@ class PrivUnitParams:
     basis_sha256: str | None = None  # a user's basis file
     alignment: float = 0.0  # m = E<V, u> of the split (the write-back's weights use it)
     prior_exponent: float | None = None  # the write-back's spectral prior (None: unweighted, a user's basis)
+    emphasis_exponent: float | None = None  # pre-emphasis d_j = (1 + f_j)^a before normalising (None: none)
 
     @property
     def p(self) -> float:

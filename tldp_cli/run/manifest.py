@@ -265,21 +265,41 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                                  "norm); the record's own norm is not released"},
         "zero_record": "a record whose coefficients are all 0 has no direction: it is released "
                        "as the direction e_1 (the first coefficient)",
+        "pre_emphasis": pre_emphasis_entry(params),
         "write_back": write_back_entry(params),
         "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
-                    is not None else "reference + c B^T V, clipped to the declared range"),
+                    is not None or params.emphasis_exponent is not None
+                    else "reference + c B^T V, clipped to the declared range"),
     }
+
+
+def pre_emphasis_entry(params: Any) -> dict[str, Any]:
+    """The public weight d of each coefficient before the normalisation (u = d z / |d z|)."""
+    if params.emphasis_exponent is None:
+        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two axes "
+                                           "(an image statistic)"}
+    return {"weights": "spectral", "exponent": params.emphasis_exponent,
+            "rule": privunit.EMPHASIS_RULE + "; u = d z / |d z|, and the write-back's w carries 1/d",
+            "chosen": "on public digit data and MNIST training digits, not on the data this run "
+                      "releases: docs/choosing-eps.md"}
 
 
 def write_back_entry(params: Any) -> dict[str, Any]:
     """The write-back's public weights w of the released coefficients (post-processing)."""
+    if params.prior_exponent is None and params.emphasis_exponent is not None:
+        return {"weights": "inverse_emphasis", "alignment": params.alignment,
+                "rule": f"w = 1/d (the pre-emphasis undone), mean square 1; the Wiener filter only at an "
+                        f"alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     if params.prior_exponent is None:
         return {"weights": "none", "alignment": params.alignment,
-                "rule": f"w = 1: weights only for the DCT basis over two axes (an image statistic) at "
-                        f"an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "rule": "w = 1: weights only for the DCT basis over two axes (an image statistic: 1/d, and "
+                        f"the Wiener filter at an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g})",
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
+    emphasised = "" if params.emphasis_exponent is None else (
+        "; with the pre-emphasis d: P_j proportional to d_j^2 (1 + f_j)^-2, and w times 1/d")
     return {"weights": "wiener", "prior_exponent": params.prior_exponent, "alignment": params.alignment,
-            "rule": privunit.WRITE_BACK_RULE + "; m = alignment = E<V, u>, below "
+            "rule": privunit.WRITE_BACK_RULE + emphasised + "; m = alignment = E<V, u>, below "
                     f"{privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
             "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
 
