@@ -219,6 +219,18 @@ def test_weights_are_refused(cli, tmp_path):
     assert_one_line_error(result, 2, "takes no weights")
 
 
+@pytest.mark.parametrize("mechanism,extra", [("privunit", {}), ("mvg", {"sampler": "float"}),
+                                             ("idn", {"sampler": "float"})])
+def test_perturb_array_refuses_weights_as_perturb_does(mechanism, extra):
+    """perturb_array took `weights` with privunit (and mvg, idn), ignored them and returned
+    the unweighted release: a caller who asked for weighted output was not told."""
+    from tldp_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="mechanism='" + mechanism + "' keeps no raw value, so it takes no weights"):
+        perturb_array(DATA[:10], eps=4, mechanism=mechanism, budget="record", weights=np.full(DATA.shape[1:], 0.5),
+                      **extra)
+
+
 def test_releases_compose_by_addition_in_the_ledger(cli, tmp_path):
     src = tmp_path / "raw" / "x.npy"
     src.parent.mkdir()
