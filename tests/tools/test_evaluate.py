@@ -435,3 +435,24 @@ def test_sweep_of_several_arrays_without_dataset_says_what_works(cli, tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.stderr
     assert "name one with --dataset" not in r.stderr and "does not apply to WebDataset shards" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_psnr_and_ssim_of_images_at_their_own_ranges(cli, tmp_path):
+    """8- and 16-bit images in one folder are released at their own ranges: each record's
+    PSNR and SSIM are measured against its own (255 or 65535), not the first range's (a
+    16-bit image's PSNR came out about 48 dB too low, below 0)."""
+    src = tmp_path / "imgs"
+    src.mkdir()
+    rng = np.random.default_rng(2)
+    gray = rng.integers(0, 256, (24, 24)).astype(np.uint8)
+    Image.fromarray(gray).save(src / "a8.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(src / "b16.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "4", "--mechanism", "privunit")
+    r = cli("evaluate", src, out, "--json", "--per-record")
+    assert r.exit_code == 0, r.output
+    per_record = json.loads(r.stdout)["per_record"]
+    (mse8, mse16), (psnr8, psnr16) = per_record["mse"], per_record["psnr"]
+    assert psnr8 == pytest.approx(10 * np.log10(255**2 / mse8))
+    assert psnr16 == pytest.approx(10 * np.log10(65535**2 / mse16))
+    # the same pixels released at the same eps and display scale: comparable figures
+    assert abs(psnr8 - psnr16) < 10 and abs(per_record["ssim"][0] - per_record["ssim"][1]) < 0.3
