@@ -340,6 +340,22 @@ def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(c
     assert r.exit_code == 2 and "No such option: --methods" in r.output  # an option of tldp sweep
 
 
+def test_sweep_methods_that_all_skip_is_a_usage_error(cli, tmp_path):
+    """`--methods privunit` without --budget record (privunit implies it for perturb, not
+    for a sweep) skipped the one method named and wrote an empty table, exit 0."""
+    from tests.builders import assert_one_line_error
+
+    out = tmp_path / "s"
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--methods", "privunit,TLDP-L-w", "--out", out)
+    assert_one_line_error(r, 2, "--methods", "privunit: its --eps is per record: run the sweep with --budget record",
+                          "TLDP-L-w: weighted TLDP needs --weights")
+    assert not out.exists()
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--methods", "privunit", "--budget", "record",
+            "--seed", 0, "--allow-weak-seed", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert [row["method"] for row in json.loads(r.stdout)["rows"]] == ["privunit"]
+
+
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
     assert r.exit_code == 0 and "Examples:" in r.output and "tldp sweep" in r.output
