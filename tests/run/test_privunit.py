@@ -15,7 +15,8 @@ import pytest
 import zarr
 from PIL import Image
 
-from tests.builders import DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
+from tests.builders import (DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr,
+                            tree_digest)
 from tldp_cli import perturb_array
 from tldp_cli.run import model_params
 from tldp_cli.run.pipeline import PerturbOptions, perturb
@@ -131,6 +132,22 @@ def test_a_user_basis_is_checked_hashed_and_used(cli, tmp_path):
     evaluated = cli("evaluate", src, tmp_path / "o.npy", "--json", "-q")
     assert evaluated.exit_code == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["integrity_ok"]
+
+
+@pytest.mark.parametrize("flag,words", [("--out", "the basis and the output name the same file"),
+                                        ("--manifest", "the basis and the manifest name the same file")])
+def test_the_output_never_replaces_the_basis_it_reads(cli, tmp_path, flag, words):
+    """--out B.npy --basis B.npy --overwrite replaced the user's basis with the release, and
+    the manifest named that path with the basis's former sha256."""
+    src, _ = make_npy(tmp_path)
+    q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((64, 64)))
+    basis = tmp_path / "basis.npy"
+    np.save(basis, q[:12])
+    before = tree_digest(tmp_path)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--basis", basis, "--overwrite",
+                 *(["--out", basis] if flag == "--out" else ["--out", tmp_path / "o.npy", "--manifest", basis]))
+    assert_one_line_error(result, 2, words)
+    assert tree_digest(tmp_path) == before
 
 
 @pytest.mark.parametrize("matrix,fragment", [
