@@ -291,8 +291,9 @@ def test_model_parameters_in_memory():
 def test_evaluate_checks_a_privunit_manifest(cli, tmp_path):
     src, _ = make_npy(tmp_path)
     privunit(cli, src, tmp_path / "o.npy")
-    result = cli("evaluate", src, tmp_path / "o.npy", "--json", "-q")
+    result = cli("evaluate", src, tmp_path / "o.npy", "--json")
     assert result.exit_code == 0, result.stderr
+    assert "; privunit, eps=4 per record" in result.stderr.splitlines()[0]  # named once, not "privunit privunit"
     report = json.loads(result.stdout)
     checks = {c["check"]: c for c in report["checks"]}
     assert report["ok"] and checks["parameters"]["passed"]
