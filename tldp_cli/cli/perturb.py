@@ -204,7 +204,8 @@ def perturb_command(
 
     def action():
         _check_preview(preview, out, overwrite, paths[0],
-                       {"weights": weights, "seed file": seed_file, "ledger": ledger, "name map": name_map})
+                       {"weights": weights, "seed file": seed_file, "ledger": ledger, "name map": name_map,
+                        "manifest": manifest if manifest and not manifest.endswith(("/", os.sep)) else None})
         run_options = options()
         try:
             with sigterm_interrupts():
