@@ -588,10 +588,14 @@ def _run_privunit(*, epsilon: float, value_range: tuple[float, float], shape: tu
 def format_report(report: dict[str, Any]) -> list[str]:
     """The human table: one line per certified (eps, delta) pair."""
     lo, hi = report["value_range"]
+    # privunit adds no noise (its noise is named privunit too) and draws whole records
+    mechanism = " ".join(dict.fromkeys((report["mechanism"], report["noise"])))
+    draws = (f"{report['scopes'][0]['draws']} releases ({report['samples']} // I)"
+             if "privunit" in report and report["scopes"] else f"{report['samples']} draws")
     lines = [
-        f"audit of {report['mechanism']} {report['noise']} (budget {report['budget']}, "
+        f"audit of {mechanism} (budget {report['budget']}, "
         f"eps={report['epsilon']:g}, range {lo:g}:{hi:g}, I={report['elements_per_record']}): "
-        f"{report['samples']} draws per neighbour and scope, confidence {report['confidence']:g} "
+        f"{draws} per neighbour and scope, confidence {report['confidence']:g} "
         f"for the whole table",
         f"  {'scope':<9}{'delta':>10}{'certified eps':>15}{'audited eps >=':>16}{'reach':>8}  "
         f"{'verdict':<11}event",

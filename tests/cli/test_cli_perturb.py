@@ -436,3 +436,26 @@ def test_preview_refusals_before_the_run(cli, digits_file, tmp_path):
     result = cli("perturb", digits_file, "--eps", "1", "--preview", tmp_path / "p.png")
     assert result.exit_code == 2 and "--overwrite" in result.stderr
     assert (tmp_path / "p.png").read_bytes() == b"x" and not (tmp_path / "digits.tldp.npy").exists()
+
+
+def test_preview_never_replaces_an_input_or_a_file_the_run_reads(cli, tmp_path):
+    """--overwrite --preview photos/a.png replaced the raw photo a.png of the folder it
+    released with the strip (exit 0); a preview named like the ledger or the manifest replaced it."""
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(3)
+    for name in ("a", "b"):
+        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(photos / f"{name}.png")
+    cases = ((photos / "a.png", "the preview would be written inside the input"),
+             (photos / "new.png", "the preview would be written inside the input"),
+             (tmp_path / "l.png", "the ledger and the preview name the same file"),
+             (tmp_path / "m.png", "the manifest and the preview name the same file"))
+    for preview, words in cases:
+        before = tree_digest(tmp_path)
+        result = cli("perturb", photos, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / "out",
+                     "--overwrite", "--ledger", tmp_path / "l.png", "--manifest", tmp_path / "m.png",
+                     "--preview", preview)
+        assert_one_line_error(result, 2, words)
+        assert tree_digest(tmp_path) == before

@@ -15,7 +15,8 @@ import pytest
 import zarr
 from PIL import Image
 
-from tests.builders import DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
+from tests.builders import (DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr,
+                            tree_digest)
 from tldp_cli import perturb_array
 from tldp_cli.privacy import privunit as privunit_rules
 from tldp_cli.run import model_params
@@ -137,6 +138,22 @@ def test_a_user_basis_is_checked_hashed_and_used(cli, tmp_path):
     assert json.loads(evaluated.stdout)["integrity_ok"]
 
 
+@pytest.mark.parametrize("flag,words", [("--out", "the basis and the output name the same file"),
+                                        ("--manifest", "the basis and the manifest name the same file")])
+def test_the_output_never_replaces_the_basis_it_reads(cli, tmp_path, flag, words):
+    """--out B.npy --basis B.npy --overwrite replaced the user's basis with the release, and
+    the manifest named that path with the basis's former sha256."""
+    src, _ = make_npy(tmp_path)
+    q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((64, 64)))
+    basis = tmp_path / "basis.npy"
+    np.save(basis, q[:12])
+    before = tree_digest(tmp_path)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--basis", basis, "--overwrite",
+                 *(["--out", basis] if flag == "--out" else ["--out", tmp_path / "o.npy", "--manifest", basis]))
+    assert_one_line_error(result, 2, words)
+    assert tree_digest(tmp_path) == before
+
+
 @pytest.mark.parametrize("matrix,fragment", [
     (np.ones((3, 64)), "not orthonormal"),
     (np.eye(64)[:3, :60], "rows of 60 values"),
@@ -223,6 +240,18 @@ def test_weights_are_refused(cli, tmp_path):
     assert_one_line_error(result, 2, "takes no weights")
 
 
+@pytest.mark.parametrize("mechanism,extra", [("privunit", {}), ("mvg", {"sampler": "float"}),
+                                             ("idn", {"sampler": "float"})])
+def test_perturb_array_refuses_weights_as_perturb_does(mechanism, extra):
+    """perturb_array took `weights` with privunit (and mvg, idn), ignored them and returned
+    the unweighted release: a caller who asked for weighted output was not told."""
+    from tldp_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="mechanism='" + mechanism + "' keeps no raw value, so it takes no weights"):
+        perturb_array(DATA[:10], eps=4, mechanism=mechanism, budget="record", weights=np.full(DATA.shape[1:], 0.5),
+                      **extra)
+
+
 def test_releases_compose_by_addition_in_the_ledger(cli, tmp_path):
     src = tmp_path / "raw" / "x.npy"
     src.parent.mkdir()
@@ -266,8 +295,9 @@ def test_model_parameters_in_memory():
 def test_evaluate_checks_a_privunit_manifest(cli, tmp_path):
     src, _ = make_npy(tmp_path)
     privunit(cli, src, tmp_path / "o.npy")
-    result = cli("evaluate", src, tmp_path / "o.npy", "--json", "-q")
+    result = cli("evaluate", src, tmp_path / "o.npy", "--json")
     assert result.exit_code == 0, result.stderr
+    assert "; privunit, eps=4 per record" in result.stderr.splitlines()[0]  # named once, not "privunit privunit"
     report = json.loads(result.stdout)
     checks = {c["check"]: c for c in report["checks"]}
     assert report["ok"] and checks["parameters"]["passed"]

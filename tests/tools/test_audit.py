@@ -343,3 +343,14 @@ def test_cli_audits_privunit(cli):
     report = json.loads(result.stdout)
     assert report["verdict"] == "consistent" and report["privunit"]["k"] == 8
     assert report["request"]["consistent"]
+
+
+def test_cli_privunit_header_names_the_mechanism_once_and_counts_releases(cli):
+    """The header said "audit of privunit privunit" and "32000 draws" where privunit draws
+    32000 // I whole releases per neighbour."""
+    result = cli("audit", "--eps", "2", "--mechanism", "privunit", "--elements", "4x4", "--range", "-1:1",
+                 "--samples", "32000", "--basis", "dct:8")
+    assert result.exit_code == 0, result.stderr
+    header = result.stderr.splitlines()[0]
+    assert header.startswith("tldp: audit of privunit (budget record, eps=2, ") and "privunit privunit" not in header
+    assert "2000 releases (32000 // I) per neighbour and scope" in header

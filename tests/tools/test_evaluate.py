@@ -340,6 +340,22 @@ def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(c
     assert r.exit_code == 2 and "No such option: --methods" in r.output  # an option of tldp sweep
 
 
+def test_sweep_methods_that_all_skip_is_a_usage_error(cli, tmp_path):
+    """`--methods privunit` without --budget record (privunit implies it for perturb, not
+    for a sweep) skipped the one method named and wrote an empty table, exit 0."""
+    from tests.builders import assert_one_line_error
+
+    out = tmp_path / "s"
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--methods", "privunit,TLDP-L-w", "--out", out)
+    assert_one_line_error(r, 2, "--methods", "privunit: its --eps is per record: run the sweep with --budget record",
+                          "TLDP-L-w: weighted TLDP needs --weights")
+    assert not out.exists()
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--methods", "privunit", "--budget", "record",
+            "--seed", 0, "--allow-weak-seed", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert [row["method"] for row in json.loads(r.stdout)["rows"]] == ["privunit"]
+
+
 def test_help_and_usage_errors(cli, small):
     r = cli("evaluate", "--help")
     assert r.exit_code == 0 and "Examples:" in r.output and "tldp sweep" in r.output
@@ -435,3 +451,24 @@ def test_sweep_of_several_arrays_without_dataset_says_what_works(cli, tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.stderr
     assert "name one with --dataset" not in r.stderr and "does not apply to WebDataset shards" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_psnr_and_ssim_of_images_at_their_own_ranges(cli, tmp_path):
+    """8- and 16-bit images in one folder are released at their own ranges: each record's
+    PSNR and SSIM are measured against its own (255 or 65535), not the first range's (a
+    16-bit image's PSNR came out about 48 dB too low, below 0)."""
+    src = tmp_path / "imgs"
+    src.mkdir()
+    rng = np.random.default_rng(2)
+    gray = rng.integers(0, 256, (24, 24)).astype(np.uint8)
+    Image.fromarray(gray).save(src / "a8.png")
+    Image.fromarray(gray.astype(np.uint16) * 257).save(src / "b16.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "4", "--mechanism", "privunit")
+    r = cli("evaluate", src, out, "--json", "--per-record")
+    assert r.exit_code == 0, r.output
+    per_record = json.loads(r.stdout)["per_record"]
+    (mse8, mse16), (psnr8, psnr16) = per_record["mse"], per_record["psnr"]
+    assert psnr8 == pytest.approx(10 * np.log10(255**2 / mse8))
+    assert psnr16 == pytest.approx(10 * np.log10(65535**2 / mse16))
+    # the same pixels released at the same eps and display scale: comparable figures
+    assert abs(psnr8 - psnr16) < 10 and abs(per_record["ssim"][0] - per_record["ssim"][1]) < 0.3

@@ -18,7 +18,7 @@ def _print_report(report: dict) -> None:
     echo(f"tldp: {report['perturbed']} against {report['original']} ({report['format']}, "
          f"{report['records']} records {'of up to' if report.get('record_sizes', 1) > 1 else 'x'} "
          f"{report['elements_per_record']} elements; "
-         f"{report['mechanism']} {report['noise']}, {report['epsilon_scope']}; "
+         f"{' '.join(dict.fromkeys((report['mechanism'], report['noise'])))}, {report['epsilon_scope']}; "
          f"certified per record eps={shown(acc['per_record']['epsilon'])})")
     echo(f"tldp: this report is {report['sensitive']}")
     echo(f"  {'check':<20}{'result':<9}detail")

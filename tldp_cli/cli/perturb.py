@@ -196,7 +196,9 @@ def perturb_command(
         raise typer.Exit(_perturb_several(run(debug, options), paths, display, quiet, json_out, debug))
 
     def action():
-        _check_preview(preview, out, overwrite)
+        _check_preview(preview, out, overwrite, paths[0],
+                       {"weights": weights, "seed file": seed_file, "ledger": ledger, "name map": name_map,
+                        "manifest": manifest if manifest and not manifest.endswith(("/", os.sep)) else None})
         run_options = options()
         checked_input(run_options)  # the run's first refusals, before the pipeline (NumPy) is imported
         from tldp_cli.run.pipeline import perturb
@@ -275,9 +277,12 @@ def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Disp
     return 1 if failed else 0
 
 
-def _check_preview(preview: Path | None, out: str | None, overwrite: bool) -> None:
-    """--preview, before the run: a .png path in an existing folder, outside --out, new
-    unless --overwrite."""
+def _check_preview(preview: Path | None, out: str | None, overwrite: bool, source: Path,
+                   reads: dict[str, Path | None]) -> None:
+    """--preview, before the run: a .png path in an existing folder, outside --out and the
+    input, not a file the run reads or writes (`reads`), new unless --overwrite."""
+    from tldp_cli.files import output
+
     if preview is None:
         return
     if preview.suffix.lower() != ".png":
@@ -286,6 +291,8 @@ def _check_preview(preview: Path | None, out: str | None, overwrite: bool) -> No
         raise UsageError(f"--preview {preview}: folder {preview.parent} does not exist")
     if preview.exists() and not overwrite:
         raise UsageError(f"--preview {preview}: exists; pass --overwrite to replace it")
+    output.check_destination(preview, source, overwrite, "preview", folder=False)  # not the input
+    output.check_distinct({"preview": preview, **{what: Path(p) for what, p in reads.items() if p is not None}})
     if out is not None and _inside(preview, Path(out)):
         raise UsageError(f"--preview {preview}: inside the output {out}; it shows raw records, "
                          "keep it with the raw data")

@@ -340,7 +340,8 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
             if clipped_input:  # the noise was added to the clipped values (in the array's range)
                 x = np.clip(x, *calibrated.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
-            stats.add(x, y, pair.calib, data_range, calibrated.bases.get(pair.job.name))
+            stats.add(x, y, pair.calib, _pair_range(calibrated, pair, data_range, integer),
+                      calibrated.bases.get(pair.job.name))
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)
@@ -348,6 +349,15 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
             if progress:
                 progress(stop - start, total_records)
     return measured
+
+
+def _pair_range(calibrated: Calibrated, pair, data_range: float | None, integer: bool) -> float | None:
+    """The image metrics' data range of one pair: its own declared range where arrays have
+    ranges of their own (8- and 16-bit images in one folder), else the run's."""
+    if data_range is None or pair.job.name not in calibrated.bounds:
+        return data_range
+    lo, hi = calibrated.bounds[pair.job.name][:2]
+    return (hi - lo - 1) if integer else (hi - lo)
 
 
 def concatenated(parts: list[np.ndarray]) -> np.ndarray:

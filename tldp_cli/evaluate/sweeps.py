@@ -110,6 +110,9 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     elements = job.elements
     mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
     methods, skipped = _sweep_methods(mask is not None, job.record_shape, budget, elements, named)
+    if not methods:  # every method --methods named is skipped: an empty table is no sweep
+        raise UsageError("--methods: no named method applies to this sweep: "
+                         + "; ".join(f"{entry['method']}: {entry['reason']}" for entry in skipped))
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
     if labels and test and test_labels:  # (all three or none, checked above)

@@ -21,7 +21,7 @@ import numpy as np
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
-from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, validate_block
@@ -58,7 +58,8 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     The options mean what `tldp perturb`'s do (`noise` None: the mechanism's default,
     laplace for tldp; `budget` None: element, record for privunit; `basis`: privunit's
     --basis). `value_range`, (lo, hi) or "lo:hi", is required for
-    float data; `weights` (values in [0, 1]) has the record's shape or one mask per record.
+    float data; `weights` (values in [0, 1]; not with privunit, mvg or idn, as for perturb)
+    has the record's shape or one mask per record.
     Raises UsageError for options that cannot work (a TldpError), DataError for values
     that are not finite or lie outside the range (unless clip_input); their messages name
     these parameters (run/library.py).
@@ -80,6 +81,9 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
         basis=basis))
     assert options.noise is not None  # checked_options resolved it
+    if weights is not None and options.mechanism in (PRIVUNIT, *GAUSSIAN_ONLY):  # as perturb refuses --weights
+        raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} keeps "
+                         "no raw value, so it takes no weights")
     job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
                    read=lambda start, stop: values[start:stop],
                    source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})

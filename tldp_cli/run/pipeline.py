@@ -900,8 +900,9 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
                                                                             manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
-    # Neither may replace a file the run reads: the weights, the seed file, the ledger.
-    protected = {"weights": options.weights, "seed file": options.seed_file, "ledger": options.ledger}
+    # Neither may replace a file the run reads: the weights, the seed file, the ledger, a user's basis.
+    protected = {"weights": options.weights, "seed file": options.seed_file, "ledger": options.ledger,
+                 "basis": bases_mod.parse_basis(options.basis).path if options.mechanism == PRIVUNIT else None}
     output.check_distinct({"output": destination, "manifest": manifest_path,
                            **{what: Path(p) for what, p in protected.items() if p is not None}})
     return destination, manifest_path
