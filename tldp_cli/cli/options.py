@@ -237,7 +237,8 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
-         "'@history'. It never stops a dataset being perturbed (--exclude does).",
+         "'@history'. It never stops a dataset being perturbed (--exclude does). With several "
+         "inputs, each keeps what it holds of what --keep names; a name no input holds is refused.",
     show_default=False)]
 Clip = Annotated[Optional[float], typer.Option(
     "--clip", metavar="C",

@@ -1,5 +1,6 @@
 """`tldp plan`."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -100,6 +101,9 @@ def plan_command(
             input_format=input_format and input_format.value, basis=basis)
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
+            from tldp_cli.run import batch
+
+            batch.check_keep([dataclasses.replace(options, input=path) for path in inputs])
             return options
         try:
             if inputs:

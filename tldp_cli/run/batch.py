@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from pathlib import Path
 from tldp_cli import formats
 from tldp_cli.errors import OutputError, TldpError, UsageError
 from tldp_cli.files import local
-from tldp_cli.run.pipeline import Phase, PerturbOptions, PerturbResult, Progress, checked_options, output_of, perturb
+from tldp_cli.formats import leftovers
+from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, checked_format_options,
+                                   checked_options, output_of, perturb)
 
 
 @dataclass
@@ -51,7 +54,8 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
     """The options of each input's run, refusing before any of them what cannot work for
     several: one --manifest, --preview or --name-map for all, a seed (the same noise on
     inputs of the same shape), an input given twice, two outputs in one place, an output
-    that is another input, and an --out that is not an existing folder."""
+    that is another input, an --out that is not an existing folder, and a --keep that
+    matches nothing in any input."""
     options = checked_options(options)
     for flag, value in (("--manifest", options.manifest), ("--name-map", options.name_map)):
         if value is not None:
@@ -67,7 +71,33 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
         options = dataclasses.replace(options, out=folder.rstrip("/" + os.sep) + os.sep)
     each = [dataclasses.replace(options, input=path) for path in inputs]
     _check_distinct(each)
+    check_keep(each)
     return each
+
+
+def check_keep(each: list[PerturbOptions]) -> None:
+    """Refuses a --keep pattern that matches nothing in any input (a typo would drop what
+    the user meant to keep); one that some input holds is fine for the others, which keep
+    what they hold of it (leftovers.without_unmatched_keep). Opens the inputs' readers in
+    turn until every pattern has matched; an input that cannot be opened matches nothing
+    here (its own run says why)."""
+    unmatched = list(each[0].keep) if each else []
+    for options in each:
+        if not unmatched:
+            return
+        try:
+            module = formats.detect(options.input, options.input_format)
+            reader = module.open_reader(options.input, checked_format_options(
+                dataclasses.replace(options, keep=unmatched), module))
+            reader.close()
+            unmatched = []
+        except leftovers.UnmatchedKeep as exc:
+            unmatched = [p for p in unmatched if p in exc.patterns]
+        except (TldpError, OSError):
+            continue
+    if unmatched:
+        raise UsageError(f"--keep {unmatched[0]} matches no dataset, attribute, column or file of any input "
+                         "(give a path, PATH@ATTRIBUTE, or a glob of them)")
 
 
 def _check_distinct(each: list[PerturbOptions]) -> None:
@@ -80,6 +110,7 @@ def _check_distinct(each: list[PerturbOptions]) -> None:
             raise UsageError(f"{options.input}: given twice (as {twice} and {options.input})")
         seen[key], real[resolved] = options.input, options.input
     _check_not_inside(real)
+    _check_no_hard_links(each)
     written: dict[str, Path] = {}
     for options in each:
         destination = _destination(options)
@@ -106,6 +137,40 @@ def _check_not_inside(real: dict[str, Path]) -> None:
                                  "give one of them")
 
 
+def _check_no_hard_links(each: list[PerturbOptions]) -> None:
+    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, or
+    an input and a file inside a folder input, which paths alone do not show."""
+    owner: dict[tuple[int, int], tuple[Path, Path]] = {}  # file -> (its input, its path)
+    for options in each:
+        for identity, path in _files_of(options.input):
+            first = owner.setdefault(identity, (options.input, path))
+            if first[0] != options.input:
+                raise UsageError(f"{options.input}: given twice ({first[1]} and {path} are the same file, "
+                                 "hard links to it); give one of them")
+
+
+def _files_of(path: Path) -> Iterator[tuple[tuple[int, int], Path]]:
+    """(st_dev, st_ino) and path of the files an input is: a file, or the regular files in a
+    folder that other names may share (hard links: more than one link). Symbolic links are
+    not followed (folder formats never read through them)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # its own run says what is wrong with it
+    if not os.path.isdir(path):
+        yield (info.st_dev, info.st_ino), path
+        return
+    for directory, _, names in os.walk(path):
+        for name in names:
+            inner = os.path.join(directory, name)
+            try:
+                info = os.lstat(inner)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                yield (info.st_dev, info.st_ino), Path(inner)
+
+
 def _destination(options: PerturbOptions) -> Path | None:
     try:
         return output_of(options, formats.detect(options.input, options.input_format))
@@ -122,6 +187,7 @@ def perturb_each(each: list[PerturbOptions], progress: Progress | None = None, p
         if start is not None:
             start(i, options)
         try:
-            yield Outcome(options.input, result=perturb(options, progress=progress, phase=phase))
+            yield Outcome(options.input, result=leftovers.without_unmatched_keep(
+                lambda o: perturb(o, progress=progress, phase=phase), options))
         except Exception as exc:  # reported as that input's, and the next one runs
             yield Outcome(options.input, error=exc)

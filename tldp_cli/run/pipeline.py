@@ -36,7 +36,7 @@ from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.errors import (DataError, InputError, Interrupted, OutOfMemory, OutputError, TldpError, UsageError,
                               reason_of)
-from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
+from tldp_cli.formats import ArrayJob, FormatOptions, cf, leftovers, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     PRIVUNIT,
@@ -456,10 +456,11 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
                          f"folders) and HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
-        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors, sharded model folders), NIfTI volumes, image folders' label "
-                         f"maps, WebDataset shards and tables (Parquet, Arrow, Hugging Face dataset folders), "
-                         f"not {module.name}: it has nothing else to keep")
+        raise leftovers.UnmatchedKeep(
+            f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files (.npz, .safetensors, "
+            f"sharded model folders), NIfTI volumes, image folders' label maps, WebDataset shards and tables "
+            f"(Parquet, Arrow, Hugging Face dataset folders), not {module.name}: it has nothing else to keep",
+            list(options.keep))
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")

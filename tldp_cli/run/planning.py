@@ -18,7 +18,7 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
-from tldp_cli.formats import ArrayJob, cf
+from tldp_cli.formats import ArrayJob, cf, leftovers
 from tldp_cli.run.pipeline import (
     Phase,
     PerturbOptions,
@@ -61,10 +61,13 @@ def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None =
               ) -> Iterator[tuple[Path, dict[str, Any] | Exception]]:
     """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
     its plan, or the exception that stopped it); the next one is planned either way. Inputs
-    of the same calibration share the accountant's work (pipeline.certified_figures)."""
+    of the same calibration share the accountant's work (pipeline.certified_figures). Each
+    keeps what it holds of what --keep names (batch.check_keep refuses a pattern no input
+    holds)."""
     for path in inputs:
         try:
-            yield path, plan_input(dataclasses.replace(options, input=path), phase=phase)
+            yield path, leftovers.without_unmatched_keep(lambda o: plan_input(o, phase=phase),
+                                                         dataclasses.replace(options, input=path))
         except Exception as exc:  # that input's failure: reported, and the next one planned
             yield path, exc
 
