@@ -93,7 +93,7 @@ def check_keep(each: list[PerturbOptions]) -> None:
             unmatched = []
         except leftovers.UnmatchedKeep as exc:
             unmatched = [p for p in unmatched if p in exc.patterns]
-        except (TldpError, OSError):
+        except Exception:  # noqa: BLE001 (any failure is that input's own run's to report)
             continue
     if unmatched:
         raise UsageError(f"--keep {unmatched[0]} matches no dataset, attribute, column or file of any input "
