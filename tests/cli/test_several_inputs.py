@@ -184,6 +184,22 @@ def test_keep_applies_to_the_inputs_that_hold_what_it_names(cli, tmp_path):
     assert "3 of 3 inputs written" in result.stderr
 
 
+def test_a_named_range_applies_to_the_inputs_that_hold_the_array(cli, raw, tmp_path):
+    """Regression: --range NAME=LO:HI across several inputs failed every input without an
+    array of that name (`tldp perturb era.nc photos/ --range t2m=200:330`); now an input
+    without it takes the other ranges, and a name no input holds is refused first."""
+    with h5py.File(tmp_path / "era.h5", "w") as f:
+        f["t2m"] = np.full((3, 4), 280, np.float32)
+    before = siblings(raw)
+    assert_one_line_error(cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1",
+                              "--range", "t2n=200:330"), 2, "--range t2n=", "any input")
+    assert siblings(raw) == before
+    result = cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1", "--range", "t2m=200:330", "--json")
+    assert result.exit_code == 0, result.stderr
+    ranges = [m["value_range"] for m in json.loads(result.stdout)]
+    assert ranges == [[200, 330], [0, 256]]
+
+
 def test_an_output_that_is_another_input_is_refused(cli, raw):
     np.save(raw / "a.tldp.npy", np.zeros((2, 2), np.uint8))
     result = cli("perturb", raw / "a.npy", raw / "a.tldp.npy", "--eps", "1", "--overwrite")

@@ -103,7 +103,7 @@ def plan_command(
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch
 
-            batch.check_keep([dataclasses.replace(options, input=path) for path in inputs])
+            batch.check_names([dataclasses.replace(options, input=path) for path in inputs])
             return options
         try:
             if inputs:

@@ -23,11 +23,11 @@ globs of them, with or without the leading "/".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from tldp_cli.errors import UsageError
+from tldp_cli.errors import NotHeld
 from tldp_cli.formats.tensor_files import matching
 
 KEPT = "kept by --keep"
@@ -84,26 +84,6 @@ def attribute_name(owner: str, key: str) -> str:
     return f"{owner}@{key}"
 
 
-class UnmatchedKeep(UsageError):
-    """--keep names what the input does not hold (`patterns`, the --keep patterns that match
-    nothing in it, or all of them where its format keeps nothing). Raised before anything is
-    written; with several inputs a pattern another input holds is fine (run/batch.py)."""
-
-    def __init__(self, message: str, patterns: list[str]):
-        super().__init__(message)
-        self.patterns = patterns
-
-
-def without_unmatched_keep(call, options):
-    """call(options), or where it raises UnmatchedKeep, call again without the --keep patterns
-    this input does not hold: with several inputs, each keeps what it holds of what --keep
-    names (each pattern checked to match some input first, run/batch.check_keep)."""
-    try:
-        return call(options)
-    except UnmatchedKeep as exc:
-        return call(replace(options, keep=[p for p in options.keep if p not in exc.patterns]))
-
-
 @dataclass
 class Leftovers:
     """The manifest's `unperturbed` (written raw, each with its reason) and `dropped` (left
@@ -152,8 +132,8 @@ class Leftovers:
         what the user meant to keep)."""
         unused = [p for p in self.keep if p not in self._used]
         if unused:
-            raise UnmatchedKeep(f"{path}: --keep {unused[0]} matches no dataset, attribute or file of the input "
-                                "(give a path, PATH@ATTRIBUTE, or a glob of them)", unused)
+            raise NotHeld(f"{path}: --keep {unused[0]} matches no dataset, attribute or file of the input "
+                          "(give a path, PATH@ATTRIBUTE, or a glob of them)", "keep", unused)
 
     def manifest_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}

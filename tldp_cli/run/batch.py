@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tldp_cli import formats
-from tldp_cli.errors import OutputError, TldpError, UsageError
+from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
-from tldp_cli.formats import leftovers
-from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, checked_format_options,
-                                   checked_options, output_of, perturb)
+from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, array_names,
+                                   checked_format_options, checked_options, output_of, perturb, without_unheld)
 
 
 @dataclass
@@ -54,8 +53,8 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
     """The options of each input's run, refusing before any of them what cannot work for
     several: one --manifest, --preview or --name-map for all, a seed (the same noise on
     inputs of the same shape), an input given twice, two outputs in one place, an output
-    that is another input, an --out that is not an existing folder, and a --keep that
-    matches nothing in any input."""
+    that is another input, an --out that is not an existing folder, and a --keep or
+    --range NAME=LO:HI that matches nothing in any input."""
     options = checked_options(options)
     for flag, value in (("--manifest", options.manifest), ("--name-map", options.name_map)):
         if value is not None:
@@ -71,33 +70,44 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
         options = dataclasses.replace(options, out=folder.rstrip("/" + os.sep) + os.sep)
     each = [dataclasses.replace(options, input=path) for path in inputs]
     _check_distinct(each)
-    check_keep(each)
+    check_names(each)
     return each
 
 
-def check_keep(each: list[PerturbOptions]) -> None:
-    """Refuses a --keep pattern that matches nothing in any input (a typo would drop what
-    the user meant to keep); one that some input holds is fine for the others, which keep
-    what they hold of it (leftovers.without_unmatched_keep). Opens the inputs' readers in
-    turn until every pattern has matched; an input that cannot be opened matches nothing
-    here (its own run says why)."""
-    unmatched = list(each[0].keep) if each else []
+def check_names(each: list[PerturbOptions]) -> None:
+    """Refuses a --keep pattern or a --range NAME=LO:HI that matches nothing in any input (a
+    typo would drop what the user meant to keep, or perturb an array at another range);
+    one that some input holds is fine for the others, which take what they hold of them
+    (pipeline.without_unheld). Opens the inputs' readers in turn until every name has
+    matched; an input that cannot be opened matches nothing here (its own run says why)."""
+    keep = list(each[0].keep) if each else []
+    ranges = list(each[0].ranges) if each and each[0].clip is None else []
     for options in each:
-        if not unmatched:
+        if not keep and not ranges:
             return
         try:
             module = formats.detect(options.input, options.input_format)
-            reader = module.open_reader(options.input, checked_format_options(
-                dataclasses.replace(options, keep=unmatched), module))
-            reader.close()
-            unmatched = []
-        except leftovers.UnmatchedKeep as exc:
-            unmatched = [p for p in unmatched if p in exc.patterns]
+            try:
+                reader = module.open_reader(options.input, checked_format_options(
+                    dataclasses.replace(options, keep=keep), module))
+                keep = []
+            except NotHeld as exc:
+                keep = [p for p in keep if p in exc.names]
+                reader = module.open_reader(options.input, checked_format_options(
+                    dataclasses.replace(options, keep=[]), module)) if ranges else None
+            if reader is not None:
+                try:
+                    shown = array_names(reader.arrays())
+                finally:
+                    reader.close()
+                ranges = [name for name in ranges if name.lstrip("/") not in shown]
         except Exception:  # noqa: BLE001 (any failure is that input's own run's to report)
             continue
-    if unmatched:
-        raise UsageError(f"--keep {unmatched[0]} matches no dataset, attribute, column or file of any input "
+    if keep:
+        raise UsageError(f"--keep {keep[0]} matches no dataset, attribute, column or file of any input "
                          "(give a path, PATH@ATTRIBUTE, or a glob of them)")
+    if ranges:
+        raise UsageError(f"--range {ranges[0]}=... names no array of any input")
 
 
 def _check_distinct(each: list[PerturbOptions]) -> None:
@@ -187,7 +197,7 @@ def perturb_each(each: list[PerturbOptions], progress: Progress | None = None, p
         if start is not None:
             start(i, options)
         try:
-            yield Outcome(options.input, result=leftovers.without_unmatched_keep(
+            yield Outcome(options.input, result=without_unheld(
                 lambda o: perturb(o, progress=progress, phase=phase), options))
         except Exception as exc:  # reported as that input's, and the next one runs
             yield Outcome(options.input, error=exc)

@@ -34,9 +34,9 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.errors import (DataError, InputError, Interrupted, OutOfMemory, OutputError, TldpError, UsageError,
-                              reason_of)
-from tldp_cli.formats import ArrayJob, FormatOptions, cf, leftovers, plural
+from tldp_cli.errors import (DataError, InputError, Interrupted, NotHeld, OutOfMemory, OutputError, TldpError,
+                              UsageError, reason_of)
+from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     GAUSSIAN_ONLY,
     PRIVUNIT,
@@ -456,11 +456,11 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
                          f"folders) and HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
-        raise leftovers.UnmatchedKeep(
+        raise NotHeld(
             f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files (.npz, .safetensors, "
             f"sharded model folders), NIfTI volumes, image folders' label maps, WebDataset shards and tables "
             f"(Parquet, Arrow, Hugging Face dataset folders), not {module.name}: it has nothing else to keep",
-            list(options.keep))
+            "keep", list(options.keep))
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -535,16 +535,15 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
         return {job.name: ((lo, hi), "--clip") for job in jobs}
-    by_shown = {}  # HDF5 names with or without "/"; the other names a format gives an array
-    for job in jobs:
-        by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
-    by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
+    by_shown = array_names(jobs)
+    unheld = [given for given in options.ranges if given.lstrip("/") not in by_shown]
+    if unheld:
+        bounds = options.ranges[unheld[0]]
+        raise NotHeld(f"{source}: --range {unheld[0]}={bounds[0]:g}:{bounds[1]:g} names no array this "
+                      f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})", "ranges", unheld)
     own: dict[str, tuple[tuple[float, float], str]] = {}
     for given, bounds in options.ranges.items():
-        name = by_shown.get(given.lstrip("/"))
-        if name is None:
-            raise UsageError(f"{source}: --range {given}={bounds[0]:g}:{bounds[1]:g} names no array this "
-                             f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})")
+        name = by_shown[given.lstrip("/")]
         if name in own:
             raise UsageError(f"{source}: --range {given}=...: {name} has a range already (one --range "
                              "names it by another of its names)")
@@ -558,6 +557,37 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
                              f"the {job.dtype} dtype's range (default)")
     return {job.name: own[job.name] for job in jobs}
+
+
+def array_names(jobs: list[ArrayJob]) -> dict[str, str]:
+    """The names --range NAME=LO:HI may give each array (HDF5 names with or without "/"; the
+    other names a format gives an array), to its name."""
+    by_shown = {}
+    for job in jobs:
+        by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
+    by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
+    return by_shown
+
+
+def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOptions) -> Any:
+    """call(options); where it raises NotHeld (nothing written yet), call again without the
+    names this input does not hold (--keep patterns, --range NAME=LO:HI): with several
+    inputs each input takes what it holds of them (batch.check_names has checked that some
+    input holds each)."""
+    for _ in range(len(NOT_HELD_OPTIONS)):
+        try:
+            return call(options)
+        except NotHeld as exc:
+            given = getattr(options, exc.option)
+            left = ([name for name in given if name not in exc.names] if isinstance(given, list) else
+                    {name: value for name, value in given.items() if name not in exc.names})
+            if len(left) == len(given):
+                raise
+            options = dataclasses.replace(options, **{exc.option: left})
+    return call(options)
+
+
+NOT_HELD_OPTIONS = ("keep", "ranges")  # what NotHeld may name
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
-from tldp_cli.formats import ArrayJob, cf, leftovers
+from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
     Phase,
     PerturbOptions,
@@ -31,6 +31,7 @@ from tldp_cli.run.pipeline import (
     planning_phrase,
     range_group_messages,
     row_groups,
+    without_unheld,
 )
 
 SCHEMA = "tldp-plan/1"
@@ -62,12 +63,11 @@ def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None =
     """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
     its plan, or the exception that stopped it); the next one is planned either way. Inputs
     of the same calibration share the accountant's work (pipeline.certified_figures). Each
-    keeps what it holds of what --keep names (batch.check_keep refuses a pattern no input
-    holds)."""
+    takes what it holds of what --keep and --range NAME=LO:HI name (batch.check_names
+    refuses a name no input holds)."""
     for path in inputs:
         try:
-            yield path, leftovers.without_unmatched_keep(lambda o: plan_input(o, phase=phase),
-                                                         dataclasses.replace(options, input=path))
+            yield path, without_unheld(lambda o: plan_input(o, phase=phase), dataclasses.replace(options, input=path))
         except Exception as exc:  # that input's failure: reported, and the next one planned
             yield path, exc
 
