@@ -201,7 +201,8 @@ Ranges = Annotated[Optional[list[str]], typer.Option(
          "images in one folder: each its own). Never "
          "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
          "own range (--range t2m=200:330 --range tp=0:0.5; an OME-Zarr image's group names its "
-         "full resolution); LO:HI is then the range of the others. With several inputs, a NAME "
+         "full resolution; a glob names every array it matches: --range '*.npy=0:1'); LO:HI is "
+         "then the range of the others. With several inputs, a NAME "
          "applies to the inputs that hold it; a NAME no input holds is refused.", show_default=False)]
 DpDelta = Annotated[float, typer.Option(
     help="delta at which (epsilon, delta) figures are reported.")]

@@ -19,7 +19,7 @@ from pathlib import Path
 from tldp_cli import formats
 from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
-from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, array_names,
+from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, arrays_named,
                                    checked_format_options, checked_options, output_of, perturb, without_unheld)
 
 
@@ -97,10 +97,10 @@ def check_names(each: list[PerturbOptions]) -> None:
                     dataclasses.replace(options, keep=[]), module)) if ranges else None
             if reader is not None:
                 try:
-                    shown = array_names(reader.arrays())
+                    jobs = reader.arrays()
                 finally:
                     reader.close()
-                ranges = [name for name in ranges if name.lstrip("/") not in shown]
+                ranges = [name for name in ranges if not arrays_named(name, jobs)]
         except Exception:  # noqa: BLE001 (any failure is that input's own run's to report)
             continue
     if keep:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import fnmatch
 import functools
 import math
 import os
@@ -535,19 +536,19 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
         return {job.name: ((lo, hi), "--clip") for job in jobs}
-    by_shown = array_names(jobs)
-    unheld = [given for given in options.ranges if given.lstrip("/") not in by_shown]
+    named = {given: arrays_named(given, jobs) for given in options.ranges}
+    unheld = [given for given, names in named.items() if not names]
     if unheld:
         bounds = options.ranges[unheld[0]]
         raise NotHeld(f"{source}: --range {unheld[0]}={bounds[0]:g}:{bounds[1]:g} names no array this "
                       f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})", "ranges", unheld)
     own: dict[str, tuple[tuple[float, float], str]] = {}
     for given, bounds in options.ranges.items():
-        name = by_shown[given.lstrip("/")]
-        if name in own:
-            raise UsageError(f"{source}: --range {given}=...: {name} has a range already (one --range "
-                             "names it by another of its names)")
-        own[name] = (bounds, "--range NAME=LO:HI")
+        for name in named[given]:
+            if name in own:
+                raise UsageError(f"{source}: --range {given}=...: {name} has a range already (another --range "
+                                 "names it, by another of its names or a glob)")
+            own[name] = (bounds, "--range NAME=LO:HI")
     for job in jobs:
         if job.name in own:
             continue
@@ -559,14 +560,19 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
     return {job.name: own[job.name] for job in jobs}
 
 
-def array_names(jobs: list[ArrayJob]) -> dict[str, str]:
-    """The names --range NAME=LO:HI may give each array (HDF5 names with or without "/"; the
-    other names a format gives an array), to its name."""
+def arrays_named(given: str, jobs: list[ArrayJob]) -> list[str]:
+    """The arrays --range NAME=LO:HI names: by any of their names (HDF5 names with or
+    without "/"; the other names a format gives an array), or every array a glob matches
+    (--range '*.npy=0:1')."""
     by_shown = {}
     for job in jobs:
         by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
     by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
-    return by_shown
+    given = given.lstrip("/")
+    if not any(c in given for c in "*?["):
+        return [by_shown[given]] if given in by_shown else []
+    found = {name for shown, name in by_shown.items() if fnmatch.fnmatchcase(shown, given)}
+    return [job.name for job in jobs if job.name in found]
 
 
 def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOptions) -> Any:
