@@ -111,15 +111,17 @@ def check_names(each: list[PerturbOptions]) -> None:
 
 
 def _check_distinct(each: list[PerturbOptions]) -> None:
-    seen: dict[str, Path] = {}
-    real: dict[str, Path] = {}  # by the path with its links resolved: one file by two names
-    for options in each:
-        key, resolved = os.path.abspath(options.input), os.path.realpath(options.input)
-        twice = seen.get(key) or real.get(resolved)
-        if twice is not None:
-            raise UsageError(f"{options.input}: given twice (as {twice} and {options.input})")
-        seen[key], real[resolved] = options.input, options.input
-    _check_not_inside(real)
+    seen: dict[str, tuple[int, Path]] = {}  # by absolute path: the input (its index) that names it
+    real: dict[str, tuple[int, Path]] = {}  # by the path with its links resolved: one file by two names
+    for i, options in enumerate(each):
+        for path in _named_paths(options):
+            key, resolved = os.path.abspath(path), os.path.realpath(path)
+            twice = seen.get(key) or real.get(resolved)
+            if twice is not None and twice[0] != i:
+                also = f", which names {path}" if path != options.input else ""
+                raise UsageError(f"{options.input}: given twice (as {twice[1]} and {options.input}{also})")
+            seen[key] = real[resolved] = (i, options.input)
+    _check_not_inside({resolved: path for resolved, (_, path) in real.items()})
     _check_no_hard_links(each)
     written: dict[str, Path] = {}
     for options in each:
@@ -147,14 +149,25 @@ def _check_not_inside(real: dict[str, Path]) -> None:
                                  "give one of them")
 
 
+def _named_paths(options: PerturbOptions) -> list[Path]:
+    """The paths an input names: itself, or the files a pattern names (the shards of a brace
+    pattern), so that a shard given beside its pattern is caught as given twice."""
+    if os.path.lexists(options.input):
+        return [options.input]
+    try:
+        return formats.detect(options.input, options.input_format).pattern_files(options.input) or [options.input]
+    except Exception:  # noqa: BLE001 (its own run says what is wrong with it)
+        return [options.input]
+
+
 def _check_no_hard_links(each: list[PerturbOptions]) -> None:
     """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, or
     an input and a file inside a folder input, which paths alone do not show."""
-    owner: dict[tuple[int, int], tuple[Path, Path]] = {}  # file -> (its input, its path)
-    for options in each:
-        for identity, path in _files_of(options.input):
-            first = owner.setdefault(identity, (options.input, path))
-            if first[0] != options.input:
+    owner: dict[tuple[int, int], tuple[int, Path]] = {}  # file -> (its input's index, its path)
+    for i, options in enumerate(each):
+        for identity, path in (found for named in _named_paths(options) for found in _files_of(named)):
+            first = owner.setdefault(identity, (i, path))
+            if first[0] != i:
                 raise UsageError(f"{options.input}: given twice ({first[1]} and {path} are the same file, "
                                  "hard links to it); give one of them")
 
