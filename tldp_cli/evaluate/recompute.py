@@ -47,7 +47,8 @@ def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Gri
     lo, hi = (float(v) for v in m["value_range"])
     # Several declared ranges: each range group has its own grid, from its own arrays'
     # dtypes; the top-level fields describe the group of the largest record.
-    groups = [g for g in m.get("range_groups") or [] if isinstance(g, dict) and g.get("value_range") == m["value_range"]]
+    groups = [g for g in m.get("range_groups") or []
+              if isinstance(g, dict) and g.get("value_range") == m["value_range"]]
     if groups:
         dtypes = [_dtype(d) for g in groups for d in g.get("input_dtypes") or []]
     elif dtypes is None:
