@@ -176,3 +176,13 @@ def test_an_array_without_a_range_is_named_where_there_are_several(cli, tmp_path
     for command in ("perturb", "plan"):
         assert_one_line_error(cli(command, src, "--eps", "1", "--range", "t2m=200:330"), 2,
                               "era.nc: /tp: float32 data needs --range LO:HI (or --range /tp=LO:HI")
+
+
+def test_privunit_over_a_row_of_two_ranges_does_not_suggest_an_element_budget(cli, tmp_path):
+    """Regression: privunit on a record spanning two declared ranges (a WebDataset sample's
+    image and float embedding) said "or use --budget element", which privunit refuses."""
+    src = write_weather(tmp_path / "era.nc")
+    result = cli("perturb", src, "--eps", "4", "--mechanism", "privunit", "--range", "t2m=200:330",
+                 "--range", "tp=0:0.5")
+    assert_one_line_error(result, 2, "--mechanism privunit: a record spans", "different declared ranges")
+    assert "--budget element" not in result.stderr

@@ -697,9 +697,10 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
         members.setdefault(range_of[job.name], []).append(job)
     split = [row for row in rows if len({range_of[name] for name in row}) > 1]
     if split and options.budget == "record":
-        raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
+        budget = ("--mechanism privunit" if options.mechanism == PRIVUNIT else "--budget record")
+        raise UsageError(f"{source}: {budget}: a record spans {', '.join(split[0])} (one row of "
                          "each), which have different declared ranges (--range, or their dtypes'); give "
-                         "them one range, or use --budget element")
+                         "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE else None
     groups = [_calibrate_group(options, lo, hi, group,
