@@ -194,10 +194,13 @@ def test_a_named_range_applies_to_the_inputs_that_hold_the_array(cli, raw, tmp_p
     assert_one_line_error(cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1",
                               "--range", "t2n=200:330"), 2, "--range t2n=", "any input")
     assert siblings(raw) == before
-    result = cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1", "--range", "t2m=200:330", "--json")
+    result = cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1", "--range", "t2m=200:330", "--json",
+                 "-v")
     assert result.exit_code == 0, result.stderr
     ranges = [m["value_range"] for m in json.loads(result.stdout)]
     assert ranges == [[200, 330], [0, 256]]
+    # a.npy's run, begun again without t2m's range, tells each phase once
+    assert result.stderr.count("] reading: ") == 2 and result.stderr.count("] planning: ") == 2
 
 
 def test_an_output_that_is_another_input_is_refused(cli, raw):

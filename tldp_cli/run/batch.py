@@ -20,7 +20,8 @@ from tldp_cli import formats
 from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
 from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, arrays_named,
-                                   checked_format_options, checked_options, output_of, perturb, without_unheld)
+                                   checked_format_options, checked_options, once_each, output_of, perturb,
+                                   without_unheld)
 
 
 @dataclass
@@ -210,7 +211,8 @@ def perturb_each(each: list[PerturbOptions], progress: Progress | None = None, p
         if start is not None:
             start(i, options)
         try:
+            told = once_each(phase)
             yield Outcome(options.input, result=without_unheld(
-                lambda o: perturb(o, progress=progress, phase=phase), options))
+                lambda o: perturb(o, progress=progress, phase=told), options))
         except Exception as exc:  # reported as that input's, and the next one runs
             yield Outcome(options.input, error=exc)

@@ -579,7 +579,8 @@ def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOption
     """call(options); where it raises NotHeld (nothing written yet), call again without the
     names this input does not hold (--keep patterns, --range NAME=LO:HI): with several
     inputs each input takes what it holds of them (batch.check_names has checked that some
-    input holds each)."""
+    input holds each). `call` should tell its phases through once_each(phase), so that the
+    phase begun again is not told twice."""
     for _ in range(len(NOT_HELD_OPTIONS)):
         try:
             return call(options)
@@ -594,6 +595,20 @@ def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOption
 
 
 NOT_HELD_OPTIONS = ("keep", "ranges")  # what NotHeld may name
+
+
+def once_each(phase: Phase | None) -> Phase | None:
+    """`phase`, telling each phase once (a run begun again by without_unheld goes through
+    the phases it had begun again)."""
+    if phase is None:
+        return None
+    told: set[tuple[str, str]] = set()
+
+    def tell(label: str, what: str) -> None:
+        if (label, what) not in told:
+            told.add((label, what))
+            phase(label, what)
+    return tell
 
 
 @dataclass

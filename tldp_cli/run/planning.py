@@ -30,6 +30,7 @@ from tldp_cli.run.pipeline import (
     plan,
     planning_phrase,
     range_group_messages,
+    once_each,
     row_groups,
     without_unheld,
 )
@@ -67,7 +68,8 @@ def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None =
     refuses a name no input holds)."""
     for path in inputs:
         try:
-            yield path, without_unheld(lambda o: plan_input(o, phase=phase), dataclasses.replace(options, input=path))
+            told = once_each(phase)
+            yield path, without_unheld(lambda o: plan_input(o, phase=told), dataclasses.replace(options, input=path))
         except Exception as exc:  # that input's failure: reported, and the next one planned
             yield path, exc
 
