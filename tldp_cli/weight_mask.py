@@ -174,15 +174,15 @@ def _csv_boxes(path: Path, text: str) -> list[tuple[str, dict]]:
              if row and any(c.strip() for c in row) and not row[0].lstrip().startswith("#")]
     if not lines:
         return []
-    header = [c.strip().lower() for c in lines[0][1]]
-    if set(header) & set(CSV_COLUMNS):
-        unknown = [c for c in header if c not in CSV_COLUMNS]
+    first = [c.strip().lower() for c in lines[0][1]]
+    header: list[str] | None = None  # the column names, when the first line names them
+    if set(first) & set(CSV_COLUMNS):
+        unknown = [c for c in first if c not in CSV_COLUMNS]
         if unknown:
             raise InputError(f"{path}: line {lines[0][0]}: unknown column {unknown[0]!r} "
                              f"(columns: {', '.join(CSV_COLUMNS)})")
+        header = first
         lines = lines[1:]
-    else:
-        header = None
     rows = []
     for n, row in lines:
         cells = [c.strip() for c in row]
@@ -299,7 +299,7 @@ class FaceDetector:
         equalised = self.cv2.equalizeHist(np.ascontiguousarray(gray, dtype=np.uint8))
         found = self.cascade.detectMultiScale(equalised, scaleFactor=1.1, minNeighbors=5,
                                               minSize=(24, 24))
-        return [tuple(int(v) for v in box) for box in found]
+        return [(int(x), int(y), int(w), int(h)) for x, y, w, h in found]
 
 
 def face_mask(pixels: np.ndarray, lo: float, hi: float, detector: FaceDetector, weight: float,
@@ -321,7 +321,7 @@ def to_png_levels(mask: np.ndarray) -> np.ndarray:
 
 def _spatial(record_shape: tuple[int, ...], where: Path, method: str) -> tuple[int, int]:
     if len(record_shape) in (2, 3):
-        return record_shape[:2]
+        return record_shape[0], record_shape[1]
     raise InputError(f"{where}: records of shape {record_shape} are not images; --method {method} "
                      "needs records of 2 axes (H, W) or 3 (H, W, channels)")
 
@@ -361,14 +361,21 @@ class _Maker:
         self.weight = o.weight if o.weight is not None else 1.0
         self.gamma = o.gamma if o.gamma is not None else 1.0
         self.margin = o.margin if o.margin is not None else 0.2
-        self.boxes = read_boxes(o.boxes, self.weight) if o.method == "box" else []
-        self.picture = read_mask_image(o.mask_image) if o.method == "image" else None
+        # (check_options requires --boxes for box, --mask-image for image)
+        self.boxes = read_boxes(o.boxes, self.weight) if o.method == "box" and o.boxes is not None else []
+        self.picture = read_mask_image(o.mask_image) if o.method == "image" and o.mask_image is not None else None
         self.detector = FaceDetector() if o.method == "faces" else None
         self.faces = [0, 0]  # faces found, images with at least one (shown, never stored)
         self.range = self._range()
         self.preview: Image.Image | None = None
         if o.method == "box":
             self._match_box_files()
+
+    @property
+    def data_range(self) -> tuple[float, float]:
+        """The range of the methods computed from the values (intensity, faces)."""
+        assert self.range is not None  # _range resolved it for them
+        return self.range
 
     def _range(self) -> tuple[float, float] | None:
         if self.o.method in DATA_DERIVED_METHODS:
@@ -397,15 +404,19 @@ class _Maker:
         """Methods constant, box and image: the same for any values."""
         if self.o.method == "constant":
             return np.full(shape, self.weight)
+        spatial = shape[0], shape[1]  # box and image: _spatial's (H, W)
         if self.o.method == "box":
+            assert self.o.boxes is not None  # check_options requires --boxes
             boxes = [box for box in self.boxes if box.file in (None, name)]
-            return draw_boxes(shape, boxes, self.o.boxes, what)
-        return fit_mask_image(self.picture, shape, self.o.resize, self.o.mask_image, what)
+            return draw_boxes(spatial, boxes, self.o.boxes, what)
+        assert self.picture is not None and self.o.mask_image is not None  # --method image: --mask-image
+        return fit_mask_image(self.picture, spatial, self.o.resize, self.o.mask_image, what)
 
     def _from_pixels(self, pixels: np.ndarray) -> np.ndarray:
         """Methods intensity and faces on one image: a spatial (H, W) mask."""
-        lo, hi = self.range
+        lo, hi = self.data_range
         if self.o.method == "faces":
+            assert self.detector is not None  # made for --method faces
             mask, found = face_mask(pixels, lo, hi, self.detector, self.weight, self.margin)
             self.faces[0] += found
             self.faces[1] += found > 0
@@ -462,7 +473,7 @@ class _Maker:
             raise UsageError(f"{self.o.input}: holds several arrays ({names}); a {self.o.method} "
                              "mask is made for one: choose it with --dataset")
         job = self.jobs[0]
-        lo, hi = self.range
+        lo, hi = self.data_range
         shape = job.shape if self.o.method == "intensity" else (job.records, *job.record_shape[:2])
         target = dataclasses.replace(job, shape=shape)
         writer = NpyWriter(target, tmp, np.dtype(np.float32))
@@ -489,13 +500,13 @@ class _Maker:
             shape = _spatial(job.record_shape, self.o.input, self.o.method)
             pixels = job.read(0, 1)[0] if from_pixels or (self.o.preview and self.preview is None) \
                 else None
-            mask = self._from_pixels(pixels) if from_pixels else \
+            mask = self._from_pixels(pixels) if from_pixels and pixels is not None else \
                 self._static(shape, job.name, f"image {job.name}")
             levels = to_png_levels(self._finish(mask))
             target = tmp / PurePosixPath(job.name).with_suffix(".png")
             target.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(levels, "L").save(target, format="PNG")
-            if self.o.preview and self.preview is None:
+            if self.o.preview and self.preview is None and pixels is not None:  # (read for it above)
                 self.preview = preview_image(pixels, levels / 255.0, lo, hi)
         count = len(self.jobs)
         return f"{count} mask PNG{'s' if count != 1 else ''}"
@@ -532,6 +543,7 @@ def make_mask(o: MaskOptions) -> MaskResult:
                     "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
             temps[sidecar].write_text(json.dumps(meta, indent=2) + "\n")
             if o.preview:
+                assert maker.preview is not None  # the maker makes one when asked
                 maker.preview.save(temps[o.preview], format="PNG")
             staging.commit(o.overwrite)
         except BaseException:
@@ -562,11 +574,11 @@ def _parameters(o: MaskOptions, maker: _Maker) -> dict[str, Any]:
     if o.method == "image":
         p.update(mask_image=str(o.mask_image), resize=o.resize)
     if o.method == "intensity":
-        p.update(value_range=list(maker.range), gamma=maker.gamma)
+        p.update(value_range=list(maker.data_range), gamma=maker.gamma)
         if maker.folder:
             p["colour"] = "max over channels"
     if o.method == "faces":
-        p.update(value_range=list(maker.range), margin=maker.margin, detector=FACE_DETECTOR)
+        p.update(value_range=list(maker.data_range), margin=maker.margin, detector=FACE_DETECTOR)
     if o.dataset:
         p["dataset"] = o.dataset
     return p

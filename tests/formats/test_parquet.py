@@ -281,6 +281,25 @@ class ArrowRoundTrip(RoundTrip):
             assert [rb.get_batch(i).num_rows for i in range(rb.num_record_batches)] == [4, 4, 2]
 
 
+def test_an_empty_batch_beside_a_kept_column_is_written_empty(cli, tmp_path):
+    """A batch of no rows (pyarrow writes one as asked) between others: the output keeps it,
+    the kept column's values as they were (it crashed: no rows read to copy from)."""
+    schema = pa.schema([("x", pa.float32()), ("label", pa.int64())])
+    batches = [pa.record_batch([pa.array(np.arange(n, dtype=np.float32)), pa.array([i % 2 for i in range(n)])],
+                               schema=schema) for n in (4, 0, 3)]
+    src = tmp_path / "t.arrow"
+    with pa.OSFile(str(src), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    result = cli("perturb", src, "--eps", "2", "--seed", SEED, "--out", tmp_path / "o.arrow", "--dataset", "x",
+                 "--range", "0:10", "--keep", "label")
+    assert result.exit_code == 0, result.stderr
+    with pa.memory_map(str(tmp_path / "o.arrow")) as source:
+        out = pa.ipc.open_file(source)
+        assert [out.get_batch(i).num_rows for i in range(out.num_record_batches)] == [4, 0, 3]
+        assert out.read_all()["label"].to_pylist() == [0, 1, 0, 1, 0, 1, 0]
+
+
 def test_a_damaged_row_group_stops_the_run_in_one_line_and_nothing_is_written(cli, tmp_path):
     """The footer reads well, a data page does not: the run stops when it reaches it."""
     src = to_parquet(hf_dataset(), tmp_path / "train.parquet")

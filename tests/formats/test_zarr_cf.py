@@ -112,3 +112,23 @@ def test_a_fill_value_the_output_dtype_cannot_hold_stays_missing(cli, tmp_path, 
     after = xr.open_zarr(out)["v"]
     assert after.encoding["_FillValue"] == -32768
     np.testing.assert_array_equal(after.isnull().values, np.isnan(values))
+
+
+def test_a_null_fill_value_attribute_is_kept_beside_the_markers_rewritten(cli, tmp_path):
+    """A packed Zarr 2 array whose _FillValue attribute is JSON null (no fill value) and whose
+    missing_value marks the missing codes: the null stays, the marker is rewritten and still
+    marks them (the null crashed the run)."""
+    zarr = pytest.importorskip("zarr")
+    src = tmp_path / "packed.zarr"
+    codes = np.arange(30, dtype=np.int16).reshape(10, 3)
+    codes[0, 0] = -1
+    array = zarr.open_array(src, mode="w", shape=codes.shape, dtype="i2", zarr_format=2, fill_value=None)
+    array[:] = codes
+    array.attrs.update({"_ARRAY_DIMENSIONS": ["t", "x"], "scale_factor": 0.5, "_FillValue": None,
+                        "missing_value": -1})
+    out = tmp_path / "out.zarr"
+    perturb(cli, src, out, "--range", "0:20")
+    after = zarr.open_array(out, mode="r")
+    assert after.attrs["_FillValue"] is None
+    marker = after.attrs["missing_value"]
+    assert after[0, 0] == marker and np.count_nonzero(after[:] == marker) == 1

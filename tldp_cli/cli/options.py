@@ -51,7 +51,8 @@ class ImageFormat(str, Enum):
 
 
 # --format's choices: the registered formats, in detection order (no format module is imported).
-InputFormat = Enum("InputFormat", {name: name for name in formats.names()}, type=str)
+# (mypy reads no members from a mapping built at runtime: it knows the class, not its members)
+InputFormat = Enum("InputFormat", {name: name for name in formats.names()}, type=str)  # type: ignore[misc]
 
 
 class Scheduler(str, Enum):
@@ -160,7 +161,9 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
 
 
 # The options several commands take, defined once.
-Eps = Annotated[float, typer.Option("--eps", help="Privacy budget epsilon (see --budget).", show_default=False)]
+EPS_HELP = "Privacy budget epsilon (see --budget)."
+Eps = Annotated[float, typer.Option("--eps", help=EPS_HELP, show_default=False)]
+OptionalEps = Annotated[Optional[float], typer.Option("--eps", help=EPS_HELP, show_default=False)]  # tldp plan
 NoiseOption = Annotated[Optional[Noise], typer.Option(
     help="Noise distribution. Default: laplace; gaussian for mvg and idn, which take no "
          "other. With the default --sampler exact, laplace and gaussian are drawn as "

@@ -244,10 +244,11 @@ def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Disp
     from tldp_cli.run import batch
 
     each = run(debug, lambda: batch.prepare(options, paths))
-    failed, manifests, current = [], [], []
+    failed, manifests = [], []
+    current: list[tuple[int, Path]] = []  # the input under way, and its index
 
     def start(i: int, options: "PerturbOptions") -> None:
-        current[:] = [i, options.input]
+        current[:] = [(i, options.input)]
         display.prefix, display.name = f"[{i + 1}/{len(each)}] ", f"{options.input}: "
 
     with kept_signals() as restore, sigterm_interrupts(), library_warnings(debug):
@@ -259,6 +260,7 @@ def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Disp
                         _report(outcome.result, quiet, False)
                     manifests.append(outcome.result.manifest)
                 else:
+                    assert outcome.error is not None  # a run ends with its result or its error
                     failed.append(outcome.input)
                     message = failure(outcome.error, debug)[0]
                     message = message if str(outcome.input) in message else f"{outcome.input}: {message}"
@@ -266,7 +268,7 @@ def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Disp
                 restore()  # the next input is a run of its own: Ctrl-C stops it again
         except KeyboardInterrupt as exc:
             display.close()
-            i, where = current
+            i, where = current[0]
             fail(f"{where}: {str(exc) or 'interrupted; nothing was written'} ({plural(i - len(failed), 'input')} "
                  f"before it written, {plural(len(each) - i - 1, 'input')} after it not started)", 130)
     if json_out:

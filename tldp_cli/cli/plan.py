@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
 from tldp_cli.errors import UsageError
 if TYPE_CHECKING:
     from tldp_cli.run.pipeline import PerturbOptions
@@ -23,7 +23,7 @@ def plan_command(
         metavar="[INPUT]...", help="The input perturb would read (headers only; several: each "
                                    "planned in turn); or describe the records with --elements "
                                    "instead.", show_default=False)] = None,
-    eps: Eps = None,
+    eps: OptionalEps = None,
     noise: NoiseOption = None,
     sampler: SamplerOption = Sampler.exact,
     mechanism: MechanismOption = Mechanism.tldp,
@@ -115,7 +115,7 @@ def plan_command(
             display.close()
 
     report = run(debug, action)
-    if isinstance(report, PerturbOptions):  # several inputs
+    if isinstance(report, PerturbOptions) and inputs is not None:  # several inputs
         raise typer.Exit(_plan_several(report, inputs, display, quiet, json_out, debug))
     _print(report, quiet)
     if json_out:

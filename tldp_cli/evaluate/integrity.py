@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping
 
 from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
@@ -46,7 +47,7 @@ def open_original(original: Path, m: dict, input_format: str | None):
     return module, module.open_reader(original, options)
 
 
-def pair_up(module, reader, perturbed: Path, m: dict, calibs: dict[str, Calibration],
+def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calibration | None],
            issues: list[dict], renamed: dict[str, str] | None = None,
            input_format: str | None = None) -> list[Pair]:
     """`renamed`: an --anonymize-names run's name map, original name -> output name;

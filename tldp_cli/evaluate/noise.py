@@ -75,7 +75,13 @@ def ssim(x: np.ndarray, y: np.ndarray, data_range: float, window: int = SSIM_WIN
 class NoiseStats:
     def __init__(self, total_elements: int):
         self.step = max(1, total_elements // GOF_MAX_SAMPLES)
-        self.mse, self.mae, self.rel, self.l2, self.psnr, self.ssim = [], [], [], [], [], []
+        # per block, each record's figure
+        self.mse: list[np.ndarray] = []
+        self.mae: list[np.ndarray] = []
+        self.rel: list[np.ndarray] = []
+        self.l2: list[np.ndarray] = []
+        self.psnr: list[np.ndarray] = []
+        self.ssim: list[np.ndarray] = []
         self.kept = 0
         self.expected_kept = 0.0  # sum of p over the elements: records of several sizes differ in p
         self.elements = 0
@@ -156,7 +162,7 @@ class NoiseStats:
         sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
         if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
             sample = np.rint(sample / calib.granularity)
-        if self.noise_name is None:
+        if self.noise_name is None or self.noise_scale is None:  # (set together)
             self.noise_name, self.noise_scale = calib.noise, calib.scale
         scale = calib.scale
         if scale != self.noise_scale and not calib.noise.startswith("discrete-"):
@@ -257,6 +263,7 @@ def gof_check(stats: NoiseStats, clipped: bool) -> dict:
         out.update(passed=None, status="skipped",
                    detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
         return out
+    assert stats.noise_name is not None and stats.noise_scale is not None  # set with the first sample
     if stats.noise_name.startswith("discrete-"):
         return _chi_square_check(stats, groups, out)
     name = "laplace" if stats.noise_name == "laplace" else "norm"
@@ -274,6 +281,7 @@ def _chi_square_check(stats: NoiseStats, groups: dict[float, np.ndarray], out: d
     --budget record or the baselines get different scales), each against its own exact pmf;
     the run fails if the smallest p-value, times the number of scales tested (Bonferroni),
     is below ALPHA. Scales with fewer than GOF_MIN_SAMPLES perturbed values are not tested."""
+    assert stats.noise_name is not None  # set with the first sample
     results = []
     for scale, sample in sorted(groups.items()):
         entry = {"scale": scale, "samples": int(sample.size)}

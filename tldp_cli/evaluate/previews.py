@@ -28,7 +28,8 @@ def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, 
     ranges = {name: tuple(float(v) for v in r) for name, r in (m.get("value_ranges") or {}).items()}
     default = tuple(float(v) for v in m["value_range"])
     module, reader = open_original(Path(original), m, input_format)
-    raw, released = [], []
+    raw: list[np.ndarray] = []
+    released: list[np.ndarray] = []
     try:
         jobs = reader.arrays()
         pairs = pair_up(module, reader, Path(perturbed), m, {job.name: None for job in jobs}, [],

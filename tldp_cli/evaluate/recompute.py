@@ -76,7 +76,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                           epsilon=float(m["epsilon"]), range_width=_range_width(m, grid),
                           elements=int(m["elements_per_record"]),
                           dp_delta=float(acc.get("dp_delta", 1e-5)),
-                          rows=(acc.get("designed") or {}).get("rows"), granularity=grid and grid.granularity)
+                          rows=(acc.get("designed") or {}).get("rows"),
+                          granularity=grid.granularity if grid is not None else None)
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
     return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)

@@ -111,7 +111,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     methods, skipped = _sweep_methods(mask is not None, job.record_shape, budget, elements, named)
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
     reference = None
-    if labels:
+    if labels and test and test_labels:  # (all three or none, checked above)
         y = load_labels(labels, original)
         test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
         check_task(len(x), y, test_x, test_y, job.record_shape, labels, test)
@@ -136,7 +136,8 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             for r in range(repeats):
                 key = f"sweep/{label}/{eps!r}" + (f"/{r}" if r else "")
                 noisy = engine.perturb_records(x, 0, key, calib, streams,
-                                               mask.values if weighted else None, np.float32)
+                                               mask.values if weighted and mask is not None else None,
+                                               np.float32)
                 z = noisy.reshape(len(x), -1).astype(np.float64) - xf
                 norms.append(np.sqrt((z * z).sum(axis=1)))
                 mses.append(float((z * z).mean()))

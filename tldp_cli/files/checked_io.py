@@ -196,7 +196,7 @@ def write_direct(path: Path, data: np.ndarray, position: int) -> bool:
     return True
 
 
-def write_new_file(path: Path, data: bytes) -> None:
+def write_new_file(path: Path, data: bytes | memoryview) -> None:
     """Writes `data` as the whole of file `path` (created, or emptied first) and flushes
     it to disk (fsync): its whole pages with direct I/O where the filesystem takes it
     (write_direct), the last partial page through the page cache. Copying many megabytes

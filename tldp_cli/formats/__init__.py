@@ -59,7 +59,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, Sequence, TypeVar
 
 from tldp_cli.files import output
 from tldp_cli.errors import InputError, UsageError, reason_of
@@ -161,9 +161,9 @@ class Writer:
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         raise NotImplementedError
 
-    def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], None] | None:
-        """A picklable function that writes a block from any process (Dask workers), or
-        None: blocks come back and `write` stores them."""
+    def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], object] | None:
+        """A picklable function that writes a block from any process (Dask workers; what
+        it returns is not used), or None: blocks come back and `write` stores them."""
         return None
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:
@@ -228,6 +228,12 @@ def never_earlier_output(path: Path, reader: Reader) -> bool:
     return False
 
 
+# The reader a format's functions take: its own reader class (create_writer(reader: NpyReader,
+# ...)). A Format is generic in it so that open_reader, create_writer, reopen_writer and
+# earlier_output are checked to agree; the registry holds Format[Any].
+R = TypeVar("R", bound=Reader)
+
+
 class DocRow(NamedTuple):
     """A row of the formats table in docs/formats.md (make_format_table.py writes it)."""
 
@@ -238,7 +244,7 @@ class DocRow(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Format:
+class Format(Generic[R]):
     """A format plug-in: what it is, what it can do, and its functions. The defaults are
     those of a format that can do none of it."""
 
@@ -246,8 +252,8 @@ class Format:
     title: str  # how messages name an input of it: "HDF5 file"
     can_open: Callable[[Path], bool]  # detection: sniffs the content, not the suffix
     default_output: Callable[[Path], Path]  # the sibling the output goes to without --out
-    open_reader: Callable[[Path, FormatOptions], Reader]
-    create_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer]
+    open_reader: Callable[[Path, FormatOptions], R]
+    create_writer: Callable[[R, Path, np.dtype, FormatOptions], Writer]
     docs: tuple[DocRow, ...]  # its rows of the formats table, the first one the format itself
     suffixes: tuple[str, ...] = ()  # names that say this format: --out x.h5 on a .npy input is refused
     # Where its readers know it by the name's suffix alone (nibabel.load): --out must end
@@ -267,7 +273,7 @@ class Format:
     # releases no file twice (run/batch.py).
     pattern_files: Callable[[Path], list[Path]] = no_pattern_files
     # Resumable (--resume): reopens the output an interrupted run began, keeping its blocks.
-    reopen_writer: Callable[[Reader, Path, np.dtype, FormatOptions], Writer] | None = None
+    reopen_writer: Callable[[R, Path, np.dtype, FormatOptions], Writer] | None = None
     selects_arrays: bool = False  # its reader perturbs the arrays --dataset names
     honours_exclude: bool = False  # its reader leaves out the arrays --exclude names
     honours_keep: bool = False  # its reader copies raw what --keep names instead of dropping it
@@ -292,7 +298,7 @@ class Format:
     output_bytes: Callable[[list[ArrayJob], np.dtype, FormatOptions], int] = least_output_bytes
     # Whether an existing folder (whose manifest, where this run's goes, names it) is an
     # earlier output of this format, which --overwrite may replace: (folder, reader) -> bool.
-    earlier_output: Callable[[Path, Reader], bool] = never_earlier_output
+    earlier_output: Callable[[Path, R], bool] = never_earlier_output
 
     @property
     def resumable(self) -> bool:

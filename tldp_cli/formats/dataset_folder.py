@@ -28,12 +28,18 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
 from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_output, leftovers
+
+if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
+    import pyarrow as pa
+
+    from tldp_cli.formats import tables
 
 NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
@@ -120,11 +126,13 @@ def _shards(path: Path, state: dict) -> list[str]:
     return names
 
 
-def _table(path: Path, names: list[str], options: FormatOptions, layout: str):
-    """The shards as one table's reader (tables.TableReader); they must share their columns."""
+def _table(path: Path, names: list[str], options: FormatOptions, layout: str) -> tables.FolderTableReader:
+    """The shards as one table's reader; they must share their columns."""
     from tldp_cli.formats import tables
 
-    parts, schema, settings = [], None, {}
+    parts: list[tables.Part] = []
+    schema: pa.Schema | None = None
+    settings: dict[str, Any] = {}
     for name in names:
         if tables.layout_of(path / name) != layout:
             raise InputError(f"{path / name}: not a {layout} (the folder's other shards are)")
@@ -134,13 +142,13 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str):
                              "configuration's folder on its own")
         schema, settings = schema or found, settings or found_settings
         parts.append(part)
-    reader = tables.TableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
-                                considered=True)
-    reader.shards, reader.state, reader.info = names, None, None
+    reader = tables.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
+                                      considered=True)
+    reader.shards = names
     return reader
 
 
-def open_reader(path: Path, options: FormatOptions) -> Reader:
+def open_reader(path: Path, options: FormatOptions) -> tables.FolderTableReader:
     from tldp_cli.formats import tables
 
     _refuse_dataset_dict(path)
@@ -157,10 +165,11 @@ def open_reader(path: Path, options: FormatOptions) -> Reader:
     names = _shards(path, state)
     reader = _table(path, names, options, tables.IPC_STREAM)
     reader.state = state
-    reader.info = {key: value for key, value in info.items()
-                   if key in STRUCTURAL_INFO or reader.left.attribute(INFO, key, (), "dataset_info field")}
-    reader.info["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
+    written_info = {key: value for key, value in info.items()
+                    if key in STRUCTURAL_INFO or reader.left.attribute(INFO, key, (), "dataset_info field")}
+    written_info["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
         if isinstance(info.get("features"), dict) else info.get("features")
+    reader.info = written_info
     reader.others = _others(path, reader.left, {STATE, INFO, *names})
     reader.finish_leftovers()
     return reader
@@ -191,7 +200,7 @@ class DatasetFolderWriter(Writer):
     """The shards (tables.TableWriter), then state.json, dataset_info.json and the files
     --keep names."""
 
-    def __init__(self, reader, tmp_path: Path, dtype: np.dtype):
+    def __init__(self, reader: tables.FolderTableReader, tmp_path: Path, dtype: np.dtype):
         from tldp_cli.formats import tables
 
         self.reader, self.root = reader, tmp_path
@@ -213,11 +222,11 @@ class DatasetFolderWriter(Writer):
 
     def finish(self) -> None:
         self.table.finish()
-        saved = self.reader.state is not None
-        state = dict(self.reader.state, _fingerprint=self._fingerprint()) if saved else None
-        if saved and isinstance(state.get("_format_columns"), list):  # set_format's columns that are written
+        saved = self.reader.state
+        state = None if saved is None else dict(saved, _fingerprint=self._fingerprint())
+        if state is not None and isinstance(state.get("_format_columns"), list):  # set_format's columns written
             state["_format_columns"] = [c for c in state["_format_columns"] if c in self.reader.written]
-        for name, value in ((STATE, state), (INFO, self.reader.info)) if saved else ():
+        for name, value in ((STATE, state), (INFO, self.reader.info)) if state is not None else ():
             target = self.root / name
             with writing(target), open(target, "x") as f:
                 json.dump(value, f, indent=2)
@@ -243,7 +252,8 @@ class DatasetFolderWriter(Writer):
         return flushed_files(self.root, set(written)) if self.root.is_dir() else written
 
 
-def create_writer(reader, tmp_path: Path, dtype: np.dtype, options: FormatOptions) -> Writer:
+def create_writer(reader: tables.FolderTableReader, tmp_path: Path, dtype: np.dtype,
+                  options: FormatOptions) -> Writer:
     return DatasetFolderWriter(reader, tmp_path, dtype)
 
 
@@ -253,7 +263,7 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
     return tables.output_bytes(jobs, dtype, options)
 
 
-def is_earlier_output(path: Path, reader) -> bool:
+def is_earlier_output(path: Path, reader: tables.FolderTableReader) -> bool:
     """A dataset folder that holds the shards, state.json and dataset_info.json and the
     files --keep copies, nothing else."""
     saved = {STATE, INFO} if reader.state is not None else set()

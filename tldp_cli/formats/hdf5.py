@@ -68,6 +68,7 @@ import threading
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -240,7 +241,7 @@ class _Placement:
         """Records start:stop (stop past the end: up to the end, as h5py slices)."""
         stop = max(start, min(stop, self.records))
         out = np.empty((stop - start, *self.record_shape), self.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         size = self.record_bytes
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -356,6 +357,7 @@ class _Records:
 
     def _present_value(self) -> np.generic:
         """The first value of the dataset that is not missing."""
+        assert self.encoding is not None  # asked by cf.decoded_records, for an encoded dataset only
         key = (self.path, self.dataset, self.size)
         if key not in _PRESENT:
             with h5py.File(self.path, "r") as f:
@@ -574,7 +576,8 @@ class Hdf5Reader(Reader):
         if both:
             raise UsageError(f"{self.path}: dataset {both[0]} is named by --dataset and matched by --exclude")
         if requested:
-            chosen = {}  # object -> (name, dataset): two names of one dataset perturb it once
+            # object -> (name, dataset): two names of one dataset perturb it once
+            chosen: dict[tuple[int, int], tuple[str, h5py.Dataset]] = {}
             for name in requested:
                 name = posixpath.normpath("/" + name.strip("/"))
                 ds = self._requested(name, found)
@@ -833,7 +836,7 @@ def _attr_names(obj) -> list[bytes]:
     return names
 
 
-def _copy_attrs(src, dst, replaced: dict[bytes, np.ndarray | None] | None = None) -> None:
+def _copy_attrs(src, dst, replaced: Mapping[bytes, np.ndarray | None] | None = None) -> None:
     """Copies every attribute in its stored type and shape; `replaced` gives new values
     for some (None: left out)."""
     src, dst = (obj["/"] if isinstance(obj, h5py.File) else obj for obj in (src, dst))
@@ -925,12 +928,18 @@ class _Output:
         self.position = 0
         self.failure: BaseException | None = None
 
+    def open_fd(self) -> int:
+        """The file's descriptor (ValueError once closed, as a closed Python file)."""
+        if self.fd is None:
+            raise ValueError("I/O operation on closed file")
+        return self.fd
+
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         if whence == os.SEEK_CUR:
             offset += self.position
         elif whence == os.SEEK_END:
             try:
-                offset += os.fstat(self.fd).st_size
+                offset += os.fstat(self.open_fd()).st_size
             except BaseException as exc:
                 self.failure = self.failure or exc
         self.position = offset
@@ -943,7 +952,7 @@ class _Output:
         size = memoryview(data).nbytes
         if self.failure is None:
             try:
-                pwrite_all(self.fd, data, self.position)
+                pwrite_all(self.open_fd(), data, self.position)
             except BaseException as exc:
                 self.failure = exc
         self.position += size
@@ -954,7 +963,7 @@ class _Output:
         done = 0
         try:
             while done < len(view):
-                count = os.preadv(self.fd, [view[done:]], self.position + done)
+                count = os.preadv(self.open_fd(), [view[done:]], self.position + done)
                 if count == 0:
                     break
                 done += count
@@ -967,7 +976,7 @@ class _Output:
     def truncate(self, size: int) -> int:
         if self.failure is None:
             try:
-                os.ftruncate(self.fd, size)
+                os.ftruncate(self.open_fd(), size)
             except BaseException as exc:
                 self.failure = exc
         return size
@@ -976,7 +985,10 @@ class _Output:
         pass  # every write is in the file already; the writer syncs it when done
 
     def error(self) -> BaseException:
-        return write_error(self.path, self.failure) if isinstance(self.failure, OSError) else self.failure
+        """The error to raise for the failure kept (asked only once there is one)."""
+        failure = self.failure
+        assert failure is not None
+        return write_error(self.path, failure) if isinstance(failure, OSError) else failure
 
     def close(self) -> None:
         if self.fd is not None:
@@ -996,7 +1008,7 @@ def _create_output(output: _Output, fcpl: h5p.PropFCID) -> h5py.File:
 
 
 @contextmanager
-def _signals_held():
+def _signals_held() -> Iterator[None]:
     """Holds SIGINT and SIGTERM (Python handlers, which raise KeyboardInterrupt) until the
     block ends: inside a driver callback, HDF5 would take the exception for a failed write."""
     if threading.current_thread() is not threading.main_thread():
@@ -1032,6 +1044,8 @@ class Hdf5Writer(Writer):
         self.placements: dict[str, _Placement] = {}  # job name -> where its records go
         self.deflated: dict[str, hdf5_chunks.Deflated] = {}  # job name -> its chunks, deflated here
         self._disk: Background | None = None  # writes the placed blocks on a thread of its own
+        self.postprocessing: list[str]
+        self.manifest_extra: dict[str, Any]
         self.dropped: dict[str, list[str]] = {}  # job name -> lossy filters left off
         self.size = reader.size
         self.encodings = reader.encodings
@@ -1060,7 +1074,7 @@ class Hdf5Writer(Writer):
             raise InputError(f"{reader.path}: cannot read ({reason_of(exc)})") from None
         with writing(tmp_path):
             self.output = _Output(tmp_path)
-        self.file = None
+        self.file: h5py.File | None = None
         try:
             with self._hdf5():
                 try:
@@ -1085,6 +1099,12 @@ class Hdf5Writer(Writer):
             with suppress(Exception):
                 self.close()
             raise
+
+    @property
+    def _created(self) -> h5py.File:
+        """The output file: created in __init__ before anything is copied into it."""
+        assert self.file is not None
+        return self.file
 
     @contextmanager
     def _hdf5(self):
@@ -1125,7 +1145,7 @@ class Hdf5Writer(Writer):
         obj = src[name]
         key = _object_key(obj)
         if key in self.copied:  # another hard link to an object already written
-            dst[name] = self.file[self.copied[key]]
+            dst[name] = self._created[self.copied[key]]
             return
         if self.actions.get(key) == DROP:  # under every name (references to it become null)
             return
@@ -1151,7 +1171,7 @@ class Hdf5Writer(Writer):
 
     def _fix_references(self) -> None:
         for src_path, dst_path in self.pairs:
-            src, dst = self.src[src_path], self.file[dst_path]
+            src, dst = self.src[src_path], self._created[dst_path]
             with self._copying(f"the references in {src_path}"):
                 for key in src.attrs:
                     if key in dst.attrs and _has_refs(src.attrs.get_id(key).get_type()):
@@ -1212,9 +1232,9 @@ class Hdf5Writer(Writer):
         if path is None:  # an object no name leads to: nothing in the output to point at
             return null
         if region:
-            return h5r.create(self.file.id, path.encode(), h5r.DATASET_REGION,
+            return h5r.create(self._created.id, path.encode(), h5r.DATASET_REGION,
                               h5r.get_region(ref, target.id))
-        return self.file[path].ref
+        return self._created[path].ref
 
     def _create_perturbed(self, src: h5py.Dataset, dst: h5py.Group, name: str, job_name: str) -> None:
         plist = src.id.get_create_plist()
@@ -1239,9 +1259,9 @@ class Hdf5Writer(Writer):
             plist = fresh
             space = h5s.create_simple(src.shape) if src.shape else h5s.create(h5s.SCALAR)
         replaced = {**self.left_out_attrs.get(_object_key(src), {}), **self._cf_attrs(src, job_name)}
-        fill = replaced.get(b"_FillValue")
-        if fill is not None and fill.size:  # HDF5's fill value, as netCDF-C sets it
-            plist.set_fill_value(np.array(fill.flat[0], dtype=self.dtype))
+        fill_attr = replaced.get(b"_FillValue")
+        if fill_attr is not None and fill_attr.size:  # HDF5's fill value, as netCDF-C sets it
+            plist.set_fill_value(np.array(fill_attr.flat[0], dtype=self.dtype))
         elif b"_FillValue" in replaced and plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
             # An in-range _FillValue left off: netCDF-C would still take HDF5's for the variable's
             # fill value, so it becomes one no noisy value takes (NaN, or the least integer).
@@ -1285,14 +1305,15 @@ class Hdf5Writer(Writer):
         self.missing[job_name] = [(marker, cf.output_marker(marker, self.dtype))
                                   for marker in encoding.markers]
         for key in cf.MISSING:
-            if key in src.attrs:
-                values = _attr_numbers(self.source, job_name, src, key)
-                kept = cf.output_values(key, values, encoding, self.dtype)
-                if kept is None:  # every marker of it taken as data
-                    replaced[key.encode()] = None
-                    continue
-                shape = src.attrs.get_id(key).shape if len(kept) == len(values) else (len(kept),)
-                replaced[key.encode()] = np.array(kept, dtype=self.dtype).reshape(shape)
+            values = _attr_numbers(self.source, job_name, src, key)
+            if values is None:  # no such attribute
+                continue
+            kept = cf.output_values(key, values, encoding, self.dtype)
+            if kept is None:  # every marker of it taken as data
+                replaced[key.encode()] = None
+                continue
+            shape = src.attrs.get_id(key).shape if len(kept) == len(values) else (len(kept),)
+            replaced[key.encode()] = np.array(kept, dtype=self.dtype).reshape(shape)
         return replaced
 
     def _describe_cf(self) -> None:
@@ -1304,7 +1325,7 @@ class Hdf5Writer(Writer):
 
     def _drop_lossy_filters(self, plist: h5p.PropDCID, job_name: str) -> None:
         """Removes the filters that may not store the noisy values exactly."""
-        dropped = []
+        dropped: list[str] = []
         for index in reversed(range(plist.get_nfilters())):
             code = plist.get_filter(index)[0]
             if code in LOSSY_FILTERS:
@@ -1322,7 +1343,9 @@ class Hdf5Writer(Writer):
         markers = self.missing.get(job.name)
         if markers:
             # The block holds noise where the input is missing: read which positions those are.
-            stored = job.read.stored(start, start + len(block))  # the input's _Records
+            records = job.read
+            assert isinstance(records, _Records)  # the input's: markers come from its encodings
+            stored = records.stored(start, start + len(block))
             block = block.copy()  # the caller's block is not ours to change
             moved, held = cf.keep_missing(block, stored, markers, self._bounds(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
@@ -1330,6 +1353,7 @@ class Hdf5Writer(Writer):
                 self.held_missing.add(job.name)
         placement = self.placements.get(job.name)
         if placement is not None:  # beside HDF5: the storage is allocated
+            assert self._disk is not None  # started in __init__ when there are placements
             self._disk.put((placement, start, np.ascontiguousarray(block, dtype=placement.dtype)))
             return
         deflated = self.deflated.get(job.name)
@@ -1358,7 +1382,7 @@ class Hdf5Writer(Writer):
     def _write_placed(self, item: tuple[_Placement, int, np.ndarray]) -> None:
         placement, start, block = item
         with writing(self.path):
-            placement.write(self.path, self.output.fd, start, block)
+            placement.write(self.path, self.output.open_fd(), start, block)
 
     def close(self) -> list[Path]:
         try:
@@ -1377,8 +1401,8 @@ class Hdf5Writer(Writer):
                 with self._hdf5():
                     file.close()
                 with writing(self.path):
-                    pwrite_all(self.output.fd, self.userblock, 0)
-                    os.fsync(self.output.fd)
+                    pwrite_all(self.output.open_fd(), self.userblock, 0)
+                    os.fsync(self.output.open_fd())
         finally:
             self.output.close()
         return [self.path]

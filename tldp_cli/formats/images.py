@@ -752,6 +752,7 @@ class ImageFolderWriter(Writer):
         alpha = _decode(image.path).alpha if image.has_alpha else None
         icc = _icc_profile(image.path) if image.has_icc else None
         target = self._target(image.out_rel)
+        encoded: bytes | memoryview
         if self.image_format == "tiff":
             pixels = values.astype(self.dtype)
             if alpha is not None:
@@ -807,7 +808,7 @@ def _tiff(pixels: np.ndarray, colour: bool, alpha: bool, icc: bytes | None) -> m
     return tiff.getbuffer()
 
 
-def _write_image(target: Path, encoded: bytes) -> None:
+def _write_image(target: Path, encoded: bytes | memoryview) -> None:
     with writing(target):
         write_new_file(target, encoded)
 

@@ -212,6 +212,7 @@ class _GzipFrames:
         self.next, self.waiting = index, {}
 
     def _read(self) -> bytes:
+        assert self.stream is not None  # opened by _open
         data = self.stream.read(self.frame_bytes)
         if len(data) < self.frame_bytes:
             raise EOFError(f"the stream ends {self.frame_bytes - len(data)} bytes into {frame_name(self.next)}")

@@ -79,7 +79,7 @@ class _Records:
         row_bytes = block[:1].nbytes
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            view, position = memoryview(block.reshape(-1).view(np.uint8)), self.offset + start * row_bytes
+            view, position = block.reshape(-1).view(np.uint8).data, self.offset + start * row_bytes
             while view:
                 count = os.preadv(fd, [view], position)
                 if count == 0:
@@ -228,7 +228,7 @@ class NpyWriter(Writer):
                 if data is None:
                     self._hash_from_file(self._hashed, stop)
                 else:
-                    self._sha256.update(data)
+                    self._sha256.update(data.data)  # contiguous (write); .data: a memoryview of it
                 self._hashed = stop
 
     def _hash_from_file(self, start: int, stop: int) -> None:

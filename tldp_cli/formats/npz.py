@@ -215,7 +215,7 @@ class NpzWriter(Writer):
         except BaseException:
             self.src.close()
             raise
-        self.out = zipfile.ZipFile(self.file, "w", allowZip64=True)
+        self.out: zipfile.ZipFile | None = zipfile.ZipFile(self.file, "w", allowZip64=True)  # None: closed
         self.out.comment = reader.comment if reader.keep_comment else b""
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
@@ -235,6 +235,7 @@ class NpzWriter(Writer):
             raise
 
     def _write_members(self) -> None:
+        assert self.out is not None  # written until close()
         while self.next < len(self.members):
             info = self.members[self.next]
             name = _key(info.filename)

@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import ExifTags, Image
+from PIL import ExifTags, Image, TiffImagePlugin
 from zlib_ng import zlib_ng
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -77,7 +77,7 @@ def source_bit_depth(file, im: Image.Image) -> int:
         if isinstance(file, io.BytesIO):
             return file.getbuffer()[24]
         return os.pread(file.fileno(), 26, 0)[24]
-    if im.format == "TIFF":
+    if im.format == "TIFF" and isinstance(im, TiffImagePlugin.TiffImageFile):
         bits = im.tag_v2.get(258, (8,))
         return max(bits) if isinstance(bits, tuple) else int(bits)
     return 8

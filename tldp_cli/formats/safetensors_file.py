@@ -90,11 +90,14 @@ class SafetensorsWriter(Writer):
         variances = tensor_files.variances(tensors)
         self.postprocessing = tensor_files.postprocessing(tensors, dtype, variances)
         self.output_dtype = tensor_files.output_dtype(tensors)
-        self.write = start_output(reader.path, reader.data_start, reader.entries, reader.out_header, tmp_path,
-                                  chosen, variances)
+        self._blocks = start_output(reader.path, reader.data_start, reader.entries, reader.out_header, tmp_path,
+                                    chosen, variances)
+
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        self._blocks(job, start, block)
 
     def block_writer(self) -> TensorBlocks:
-        return self.write
+        return self._blocks
 
     def close(self) -> list[Path]:
         fsync_file(self.path)

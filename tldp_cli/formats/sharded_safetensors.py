@@ -191,9 +191,9 @@ def _shards(root: Path, index_rel: str, weight_map: dict[str, str], files: list[
             if weight_map.get(name) != shard.rel:
                 where = "does not list" if name not in weight_map else f"maps to {weight_map[name]}"
                 raise InputError(f"{root / shard.rel}: holds tensor {name}, which the index {index_rel} {where}")
-    for name, shard in weight_map.items():
+    for name, rel in weight_map.items():
         if name not in holder:
-            raise InputError(f"{index}: maps tensor {name} to {shard}, which does not hold it")
+            raise InputError(f"{index}: maps tensor {name} to {rel}, which does not hold it")
     return shards
 
 
@@ -251,7 +251,7 @@ class ShardedReader(Reader):
             kept = {key: value for key, value in shard.metadata.items()
                     if left.attribute(shard.rel, key, STRUCTURAL_METADATA, "metadata key", METADATA_REASON)}
             shard.out_header = shard.header if kept == shard.metadata else header_with(shard.header, kept)
-        self.index_text, note = self._index_out(left) if self.index_rel else (b"", [])
+        self.index_text, note = self._index_out(self.index_rel, left) if self.index_rel else (b"", [])
         self.copies = self._other_files(files, left)  # rel -> the bytes to write
         left.check(path)
         self.manifest_extra = left.manifest_extra()
@@ -262,7 +262,7 @@ class ShardedReader(Reader):
                                                                                    shard.data_start))
                      for shard in self.shards for e in shard.entries if e.tensor.name in names]
 
-    def _index_out(self, left: leftovers.Leftovers) -> tuple[bytes, list[str]]:
+    def _index_out(self, index_rel: str, left: leftovers.Leftovers) -> tuple[bytes, list[str]]:
         """The output's index: the same weight_map, total_size the shards' tensors' bytes, the
         structural metadata (tied weights' entries too); and the message if total_size changed."""
         weight_map = self.index["weight_map"]
@@ -270,18 +270,18 @@ class ShardedReader(Reader):
         metadata, notes = {}, []
         for key, value in self.index.get("metadata", {}).items():
             tie = key not in weight_map and isinstance(value, str) and value in weight_map
-            if left.attribute(self.index_rel, key, (*STRUCTURAL_INDEX, *([key] if tie else [])),
+            if left.attribute(index_rel, key, (*STRUCTURAL_INDEX, *([key] if tie else [])),
                               "index metadata key", INDEX_REASON):
                 metadata[key] = value
         if metadata.get("total_size", total) != total:
-            notes.append(f"{self.path / self.index_rel}: its total_size {metadata['total_size']} is not the "
+            notes.append(f"{self.path / index_rel}: its total_size {metadata['total_size']} is not the "
                          f"shards' {total} bytes of tensors; the output's index says {total}")
         metadata["total_size"] = total
         out: dict[str, Any] = {}
         for key, value in self.index.items():
             if key in ("metadata", "weight_map"):
                 out[key] = metadata if key == "metadata" else value
-            elif left.attribute(self.index_rel, key, (), "index key", INDEX_REASON):
+            elif left.attribute(index_rel, key, (), "index key", INDEX_REASON):
                 out[key] = value
         out.setdefault("metadata", metadata)
         return (json.dumps(out, indent=2) + "\n").encode(), notes
@@ -368,7 +368,7 @@ class ShardedWriter(Writer):
             blocks = start_output(reader.path / shard.rel, shard.data_start, shard.entries, shard.out_header,
                                   self._target(shard.rel), chosen, variances)
             shard_of.update((e.tensor.name, blocks) for e in shard.entries)
-        self.write = _Blocks(shard_of)
+        self._blocks = _Blocks(shard_of)
         for rel, data in {**index, **reader.copies}.items():
             target = self._target(rel)
             with writing(target), open(target, "xb") as out:
@@ -377,8 +377,11 @@ class ShardedWriter(Writer):
     def _target(self, rel: str) -> Path:
         return path_in_output(self.root, rel)
 
+    def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        self._blocks(job, start, block)
+
     def block_writer(self) -> _Blocks:
-        return self.write
+        return self._blocks
 
     def finish(self) -> None:
         """Every file of the output is there (one removed during the run fails it)."""

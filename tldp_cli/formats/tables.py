@@ -195,7 +195,7 @@ def _parquet_settings(meta, schema: pa.Schema) -> dict[str, Any]:
             "compression": compression}
 
 
-def parquet_compression(schema: pa.Schema, by_column: dict[str, list[str]]) -> dict[str, str] | str:
+def parquet_compression(schema: pa.Schema, by_column: dict[str, list[str]] | None) -> dict[str, str] | str:
     """The ParquetWriter compression of the output's leaf columns (by their paths, which
     its writer names): each as the input's column's."""
     if not by_column:
@@ -251,6 +251,12 @@ class Column:
     shape: tuple[int, ...] = ()  # a record's (tensors: from the type or the first row; images: after the scan)
     levels: tuple[int, ...] = ()  # tensors: the lengths of its nested lists (0: variable; () as shape)
     why: str = ""  # OTHER: what it holds, for `dropped`
+
+    @property
+    def values_dtype(self) -> np.dtype:
+        """The dtype of a column perturbed as numbers (a tensor or number column)."""
+        assert self.dtype is not None
+        return self.dtype
 
 
 def _hf_info(schema: pa.Schema) -> dict[str, Any]:
@@ -705,7 +711,7 @@ class TableReader(Reader):
             if column.name in self.each_image:
                 jobs += self._image_jobs(column)
                 continue
-            dtype = column.dtype
+            dtype = column.values_dtype
             jobs.append(ArrayJob(
                 name=column.name, shape=(self.table.rows, *column.shape), dtype=dtype,
                 read=ColumnRead(self.table, column, dtype, column.shape, self.path), chunk_records=step,
@@ -755,6 +761,19 @@ class TableReader(Reader):
 
 
 # --- the writer ------------------------------------------------------------------------
+
+
+class FolderTableReader(TableReader):
+    """The shards of a dataset folder read as one table (dataset_folder.py), with what its
+    writer needs besides: the shards (relative paths, in row order), save_to_disk's
+    state.json and dataset_info.json (None for a folder of Parquet files), and the folder's
+    other files that are copied."""
+
+    shards: list[str]
+    state: dict[str, Any] | None = None
+    info: dict[str, Any] | None = None
+    others: list[str]
+
 
 class _Sink:
     """One output part being written, batch by batch, in its input's layout."""
@@ -817,7 +836,7 @@ class TableWriter(Writer):
         self.postprocessing = self._steps(np.dtype(dtype))
         # What `evaluate` must know to read the noise back: the columns rounded and clipped to
         # their type (images and integers), whose noise is not the mechanism's where it was cut.
-        clipped = [c.name for c in reader.chosen if c.kind == IMAGE or c.dtype.kind in "iu"]
+        clipped = [c.name for c in reader.chosen if c.kind == IMAGE or c.values_dtype.kind in "iu"]
         self.manifest_extra = {"table_output": {"clipped": clipped}} if clipped else {}
         self.output_dtype = ", ".join(f"{c.name}: {self._stored_type(c)}" for c in reader.chosen) + \
             " (each column keeps its type)"
@@ -831,8 +850,8 @@ class TableWriter(Writer):
 
     def _steps(self, dtype: np.dtype) -> list[str]:
         steps = []
-        ints = [c.name for c in self.columns.values() if c.kind != IMAGE and c.dtype.kind in "iu"]
-        floats = [c.name for c in self.columns.values() if c.kind != IMAGE and c.dtype.kind == "f"]
+        ints = [c.name for c in self.columns.values() if c.kind != IMAGE and c.values_dtype.kind in "iu"]
+        floats = [c.name for c in self.columns.values() if c.kind != IMAGE and c.values_dtype.kind == "f"]
         images = [c for c in self.columns.values() if c.kind == IMAGE]
         if ints:
             steps.append(f"integer columns ({', '.join(ints)}): "
@@ -862,7 +881,7 @@ class TableWriter(Writer):
             payload: Any = [encode_image(values, source)
                             for values, source in zip(block, _image_bytes(sources).to_pylist())]
         else:
-            payload = stored(block, column.dtype)
+            payload = stored(block, column.values_dtype)
         with self.lock:
             self.pending[name].append((start, stop, payload))
             try:
@@ -915,20 +934,22 @@ class TableWriter(Writer):
         arrays = []
         for field_ in self.schema:
             column = self.columns.get(field_.name)
-            if column is None:
-                kept = source.column(field_.name)
+            if column is None:  # copied raw (an empty batch has no rows to copy)
+                kept = source.column(field_.name) if source is not None else pa.array([], type=field_.type)
                 arrays.append(kept if self.reader.keep_paths.get(field_.name, True) else _without_paths(kept))
             elif column.kind == IMAGE:
                 arrays.append(self._images(field_, values[field_.name] or [], source, rows))
             else:
                 arrays.append(to_arrow(values[field_.name], field_.type) if rows
                               else pa.array([], type=field_.type))
+        assert self.sink is not None  # part p's, opened above
         self.sink.write(pa.Table.from_arrays(arrays, schema=self.schema))
 
     def _images(self, field_: pa.Field, encoded: list[bytes], source: pa.Table | None, rows: int) -> pa.Array:
         type_ = _storage(field_.type)
         names = (_image_struct(source.column(field_.name)).field(PATH_FIELD)
-                 if self.reader.keep_paths.get(field_.name) else pa.nulls(rows, type_.field(PATH_FIELD).type))
+                 if self.reader.keep_paths.get(field_.name) and source is not None
+                 else pa.nulls(rows, type_.field(PATH_FIELD).type))
         data = pa.array(encoded, type=type_.field("bytes").type)
         return pa.StructArray.from_arrays([data if type_.field(i).name == "bytes" else names
                                            for i in range(type_.num_fields)],

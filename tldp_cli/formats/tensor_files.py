@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def matching(name: str, patterns: list[str]) -> str | None:
                 None)
 
 
-def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: list[str] = (),
+def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Sequence[str] = (),
            norm_stats: set[str] | None = None) -> tuple[list[Tensor], list[str], list[dict]]:
     """The tensors to perturb (in file order), the messages that say what was chosen, and
     the tensors copied unchanged, each with the reason (the manifest's `unperturbed`).
@@ -179,7 +180,7 @@ def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None =
     return np.asarray(values).astype(byteorder_dtype or np.dtype(dtype))
 
 
-def postprocessing(tensors: list[Tensor], noise_dtype: np.dtype, variances: set[str] = frozenset()
+def postprocessing(tensors: list[Tensor], noise_dtype: np.dtype, variances: Collection[str] = frozenset()
                    ) -> list[str]:
     """The steps after the noise, for the manifest; `variances`: the perturbed variances."""
     steps = []

@@ -49,7 +49,7 @@ import tarfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -208,6 +208,12 @@ class _Member:
         """What --keep and the manifest name it by: its extension, or its name without one."""
         return self.extension if self.extension is not None else self.name
 
+    @property
+    def decoded_dtype(self) -> np.dtype:
+        """Its dtype, known once it is decoded (every member perturbed is, when it is read)."""
+        assert self.dtype is not None
+        return self.dtype
+
 
 @dataclass
 class _Shard:
@@ -295,7 +301,8 @@ def _scan(path: Path, rel: str) -> _Shard:
                 shard.members.append(_Member(name, info.offset_data, info.size, int(info.mtime),
                                              info.mode & 0o777, kind, key, extension, _out_name(name, kind),
                                              reason=reason))
-                tar.members = []  # flat memory however many members
+                # flat memory however many members (typeshed does not declare TarFile.members)
+                tar.members = []  # type: ignore[attr-defined]
     except tarfile.TarError as exc:
         raise InputError(f"{path}: not a readable tar file ({reason_of(exc)}); it may be truncated") from None
     return shard
@@ -420,7 +427,7 @@ class WebDatasetReader(Reader):
                              f"{plural(len(self.shards), 'shard')}")
         self.left = self._leftovers(options)
         self.samples = self._samples()
-        self.manifest_extra = {**self.left.manifest_extra(), NAME: {
+        self.manifest_extra: dict[str, Any] = {**self.left.manifest_extra(), NAME: {
             "shards": len(self.shards), "samples": self.sample_count,
             "perturbed_members": len(self.jobs),
             "members_renamed": sum(m.out_name != m.name for s in self.shards for m in s.members)}}
@@ -466,7 +473,7 @@ class WebDatasetReader(Reader):
 
     def _job(self, shard: _Shard, member: _Member) -> ArrayJob:
         member.job = f"{shard.rel}/{member.out_name}"  # as in the output: evaluate pairs them by it
-        dtype = member.dtype.newbyteorder("=")
+        dtype = member.decoded_dtype.newbyteorder("=")
         return ArrayJob(name=member.job, shape=(1, *member.shape), dtype=dtype,
                         read=_ReadMember(shard.path, member.name, member.offset, member.size, member.kind,
                                          member.shape, dtype),
@@ -481,8 +488,8 @@ class WebDatasetReader(Reader):
         for shard in self.shards:
             for member in shard.members:
                 if member.kind in (LEFTOVER, NEVER):
-                    what = (member.label, LEFTOVER if member.kind == LEFTOVER else member.reason)
-                    counts[what] = counts.get(what, 0) + 1
+                    key = (member.label, LEFTOVER if member.kind == LEFTOVER else member.reason)
+                    counts[key] = counts.get(key, 0) + 1
         self.kept_extensions: set[str] = set()
         for (label, what), count in counts.items():
             if what != LEFTOVER:
@@ -620,7 +627,7 @@ class WebDatasetWriter(Writer):
 
     def _describe(self, reader: WebDatasetReader) -> None:
         members = [m for s in reader.shards for m in s.members if m.job is not None]
-        image_dtypes = sorted({str(m.dtype.newbyteorder("=")) for m in members if m.kind == IMAGE})
+        image_dtypes = sorted({str(m.decoded_dtype.newbyteorder("=")) for m in members if m.kind == IMAGE})
         has_arrays = any(m.kind == ARRAY for m in members)
         steps = []
         if image_dtypes:
@@ -658,9 +665,9 @@ class WebDatasetWriter(Writer):
             out = io.BytesIO()
             np.lib.format.write_array(out, np.asarray(values, dtype=self.dtype), allow_pickle=False)
             return out.getvalue()
-        info = np.iinfo(member.dtype)
+        info = np.iinfo(member.decoded_dtype)
         rounded = values if values.dtype.kind in "iu" else np.rint(values)
-        image = np.clip(rounded, info.min, info.max).astype(member.dtype.newbyteorder("="))
+        image = np.clip(rounded, info.min, info.max).astype(member.decoded_dtype.newbyteorder("="))
         data = io.BytesIO(_read_at(shard.path, member.offset, member.size))
         with Image.open(data) as im:
             icc = im.info.get("icc_profile")
@@ -690,15 +697,24 @@ class WebDatasetWriter(Writer):
                 self._open(shard)
             elif what == "end":
                 self._close_shard()
-            elif member.job is not None:
-                if member.job not in self.pending:
-                    return
-                data = self.pending.pop(member.job)
-                with writing(self.root / shard.rel):
-                    self.tar.addfile(_tar_info(member.out_name, len(data), member), io.BytesIO(data))
-            elif member.kind == FOLDER or (member.kind == LEFTOVER and member.label in self.reader.kept_extensions):
-                self._copy_member(shard, member)
+            else:
+                assert member is not None  # a "member" item
+                if member.job is not None:
+                    if member.job not in self.pending:
+                        return
+                    data = self.pending.pop(member.job)
+                    with writing(self.root / shard.rel):
+                        self._shard_tar().addfile(_tar_info(member.out_name, len(data), member),
+                                                  io.BytesIO(data))
+                elif member.kind == FOLDER or (member.kind == LEFTOVER
+                                               and member.label in self.reader.kept_extensions):
+                    self._copy_member(shard, member)
             self.position += 1
+
+    def _shard_tar(self) -> tarfile.TarFile:
+        """The shard being written (between its "begin" and "end" items)."""
+        assert self.tar is not None
+        return self.tar
 
     def _open(self, shard: _Shard) -> None:
         target = self.root / shard.rel
@@ -713,18 +729,20 @@ class WebDatasetWriter(Writer):
         with open_regular(shard.path) as src, writing(self.root / shard.rel):
             src.seek(member.offset)
             try:
-                self.tar.addfile(info, src if info.isreg() else None)
+                self._shard_tar().addfile(info, src if info.isreg() else None)
             except tarfile.ReadError:
                 raise InputError(f"{shard.path}: ends inside member {member.name}; the shard may be "
                                  "truncated") from None
 
     def _close_shard(self) -> None:
         target = self.written[-1]
+        tar, file = self._shard_tar(), self.file
+        assert file is not None  # opened with the tar
         with writing(target):
-            self.tar.close()
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
+            tar.close()
+            file.flush()
+            os.fsync(file.fileno())
+            file.close()
         self.tar = self.file = None
 
     def finish(self) -> None:

@@ -122,9 +122,9 @@ def _decompressed(codec, data: bytes, size: int):
         if declared != size:
             raise wrong_chunk_size(declared, size, "Blosc" if name == "blosc" else "LZ4")
     elif name == "zstd":
-        declared = _zstd_content_size(data)
-        if declared is not None and declared != size:
-            raise wrong_chunk_size(declared, size, "Zstandard")
+        stated = _zstd_content_size(data)
+        if stated is not None and stated != size:
+            raise wrong_chunk_size(stated, size, "Zstandard")
         # Without a stated size numcodecs decodes a stream: into `out`, it stops at its size.
         return codec.decode(data, out=np.empty(size, np.uint8))
     elif name in ("zlib", "gzip"):
@@ -255,7 +255,8 @@ def _v3_compressor(codecs: list[dict[str, Any]], dtype: np.dtype) -> tuple[dict 
     if name not in _V3_COMPRESSORS:
         return None
     if name == "blosc":
-        config["shuffle"] = _BLOSC_SHUFFLE.get(config.get("shuffle"), config.get("shuffle"))
+        shuffle = config.get("shuffle")  # a name, or Blosc's number
+        config["shuffle"] = _BLOSC_SHUFFLE.get(shuffle, shuffle) if isinstance(shuffle, str) else shuffle
         if not isinstance(config["shuffle"], int):
             return None
     return {"id": name, **config}, stored

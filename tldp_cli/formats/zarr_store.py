@@ -38,7 +38,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -108,7 +108,11 @@ def _read_json(store: Path, file: Path) -> dict[str, Any]:
     return meta
 
 
-def _zarr_format(store: Path) -> int:
+# The Zarr format versions zarr-python reads and writes.
+ZarrFormat = Literal[2, 3]
+
+
+def _zarr_format(store: Path) -> ZarrFormat:
     if (store / "zarr.json").is_file():
         return 3
     if (store / ".zarray").is_file() or (store / ".zgroup").is_file():
@@ -117,7 +121,7 @@ def _zarr_format(store: Path) -> int:
                      "(its metadata is missing)")
 
 
-def _node_at(store: Path, directory: Path, zarr_format: int) -> _Node | None:
+def _node_at(store: Path, directory: Path, zarr_format: ZarrFormat) -> _Node | None:
     rel = directory.relative_to(store).as_posix()
     rel = "" if rel == "." else rel
     if zarr_format == 3:
@@ -161,11 +165,13 @@ def _files(store: Path) -> list[str]:
     return sorted(files)
 
 
-def _walk(store: Path, zarr_format: int) -> list[_Node]:
+def _walk(store: Path, zarr_format: ZarrFormat) -> list[_Node]:
     """Every node of the store, read from its own metadata file (never from consolidated
     metadata, which may be stale)."""
-    nodes = [_node_at(store, store, zarr_format)]
-    pending = [nodes[0]]
+    root = _node_at(store, store, zarr_format)
+    assert root is not None  # _zarr_format found its metadata
+    nodes = [root]
+    pending = [root]
     while pending:
         group = pending.pop()
         if group.kind != "group":
@@ -213,7 +219,8 @@ def _not_zarr(files: list[str], nodes: list[_Node]) -> dict[str, str | None]:
     return others
 
 
-def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: int, mode: str = "r"):
+def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: ZarrFormat,
+          mode: Literal["r", "r+"] = "r"):
     try:
         if kind == "group":
             return zarr.open_group(store=store, path=node, mode=mode, zarr_format=zarr_format,
@@ -235,7 +242,7 @@ class _Records:
 
     store: Path
     name: str  # the array's path in the store, "" for a single-array store
-    zarr_format: int
+    zarr_format: ZarrFormat
     encoding: cf.Encoding | None = None  # CF: missing values and packing (xarray's stores)
     chunk_files: zarr_chunks.Layout | None = None  # plain chunk files are read without zarr-python
 
@@ -247,6 +254,7 @@ class _Records:
 
     def _present_value(self) -> np.generic:
         """The first value of the array that is not missing."""
+        assert self.encoding is not None  # asked by cf.decoded_records, for an encoded array only
         key = (self.store, self.name)
         if key not in _PRESENT:
             shape = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
@@ -313,10 +321,12 @@ def _multiscales(attrs: dict[str, Any]) -> tuple[list | None, bool, bool]:
 def _declared_method(entry: dict[str, Any], label: bool) -> tuple[str, str | None]:
     """The downsampling tldp applies (nearest for labels and where declared, else the mean)
     and the one the metadata declares, as text."""
-    metadata = entry.get("metadata") if isinstance(entry.get("metadata"), dict) else {}
+    metadata = entry.get("metadata")
+    metadata = metadata if isinstance(metadata, dict) else {}
     parts = [str(p) for p in (entry.get("type"), metadata.get("method")) if p]
     declared = " / ".join(parts) or None
-    kwargs = metadata.get("kwargs") if isinstance(metadata.get("kwargs"), dict) else {}
+    kwargs = metadata.get("kwargs")
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
     text = (declared or "").lower()
     if label or any(word in text for word in (NEAREST, "subsample", "pick")) or kwargs.get("order") == 0:
         return NEAREST, declared
@@ -496,8 +506,11 @@ def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Enco
         return out, dropped, []
     stored = array.dtype
     for key in (k for k in cf.MISSING if k in out):
+        attribute = _cf_attribute(where, array, key)
+        if attribute is None:  # null: no marker to rewrite
+            continue
         with np.errstate(invalid="ignore", over="ignore"):
-            own = [np.asarray(v).astype(stored) for v in _cf_attribute(where, array, key)]
+            own = [np.asarray(v).astype(stored) for v in attribute]
             values = cf.output_values(key, own, encoding, dtype)
         if values is None:  # every marker of it taken as data
             del out[key]
@@ -719,7 +732,7 @@ def _json_fill(value: np.generic) -> int | float | str:
     if np.isnan(value):
         return "NaN"
     if np.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
+        return "Infinity" if float(value) > 0 else "-Infinity"
     return float(value)
 
 
@@ -771,7 +784,9 @@ def _fast_level(codec: dict[str, Any], config: dict[str, Any], levels: list[dict
     """Lowers a compressor's level in `config` (in place) to FAST_LEVEL, noted in `levels`;
     levels at or below it (and zstd's fast negative levels) stay."""
     key = _LEVELS.get(_codec_id(codec))
-    level = config.get(key) if key else None
+    if key is None:
+        return
+    level = config.get(key)
     if not isinstance(level, int) or isinstance(level, bool):
         return
     effective = _ZSTD_DEFAULT if _codec_id(codec) == "zstd" and level == 0 else level
@@ -785,11 +800,11 @@ def _output_codecs(codecs: list, dtype: np.dtype, where: str, dropped: list[str]
     """Zarr 3 codecs for the output: lossy ones dropped (named in `dropped`), compression
     levels lowered (noted in `levels`), the rest checked against the output dtype."""
     result = []
-    for codec in codecs:
-        codec = {"name": codec} if isinstance(codec, str) else copy.deepcopy(codec)
+    for entry in codecs:
+        codec: dict[str, Any] = {"name": entry} if isinstance(entry, str) else copy.deepcopy(entry)
         config = codec.get("configuration") or {}
         if _codec_id(codec) in LOSSY_CODECS:
-            dropped.append(codec.get("name"))
+            dropped.append(codec["name"])  # Zarr 3 codecs have one (zarr-python opened the array)
             if _codec_id(codec) in _LOSSY_SERIALIZERS:
                 result.append({"name": "bytes", "configuration": {"endian": "little"}})
             continue
@@ -805,7 +820,7 @@ def _output_codecs(codecs: list, dtype: np.dtype, where: str, dropped: list[str]
     return result
 
 
-def _output_metadata(node: _Node, fill_value: Any, zarr_format: int, dtype: np.dtype,
+def _output_metadata(node: _Node, fill_value: Any, zarr_format: ZarrFormat, dtype: np.dtype,
                      where: str) -> tuple[dict[str, Any], list[str], list[dict[str, Any]]]:
     """A perturbed array's metadata for the output dtype, the lossy codecs dropped and the
     compression levels lowered."""
@@ -851,12 +866,12 @@ class _Blocks:
     root: Path
     source: Path  # the input, named in messages
     paths: dict[str, str]  # job name -> the array's path in the store
-    zarr_format: int
+    zarr_format: ZarrFormat
     dtype: np.dtype
     missing: dict[str, list[tuple]] = field(default_factory=dict)  # job name -> CF (stored, output) markers
     bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)  # FormatOptions.value_bounds
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._arrays: dict[str, Any] = {}
         self.digests: dict[Path, str] = {}  # chunk files written here; in Dask workers it stays empty
         # Chunk files go to disk from a thread of their own, so that the workers go on
@@ -933,7 +948,9 @@ class _Blocks:
     def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
         """Puts the markers back where the input is missing (the block holds noise there) and
         moves the noisy values that equal a marker off it (cf.move_off_markers)."""
-        stored = job.read.stored(start, start + len(block))  # the input's _Records
+        records = job.read
+        assert isinstance(records, _Records)  # the input's: markers come from its encodings
+        stored = records.stored(start, start + len(block))
         return cf.keep_missing(block, stored, self.missing[job.name],
                                self.bounds.get(job.name) or (-math.inf, math.inf, None))
 
@@ -974,7 +991,7 @@ def _regeneration_step(pyramid: _Pyramid) -> str:
             "factors of the level above (multiscale_images; post-processing, no privacy cost)")
 
 
-def _regenerate(root: Path, source: Path, pyramid: _Pyramid, zarr_format: int, dtype: np.dtype) -> None:
+def _regenerate(root: Path, source: Path, pyramid: _Pyramid, zarr_format: ZarrFormat, dtype: np.dtype) -> None:
     """Writes every lower level of `pyramid` in the output from the level above it, one
     tile (shard, or chunk) at a time: memory holds one tile and the block above it."""
     store = LocalStore(root)
@@ -995,12 +1012,12 @@ def _regenerate(root: Path, source: Path, pyramid: _Pyramid, zarr_format: int, d
         above = level
 
 
-def _describe_multiscale(root: Path, pyramid: _Pyramid, zarr_format: int) -> None:
+def _describe_multiscale(root: Path, pyramid: _Pyramid, zarr_format: ZarrFormat) -> None:
     """The output's multiscales entry says how its lower levels were made (NGFF's
     type and metadata fields)."""
     group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
                             use_consolidated=False)
-    attrs = copy.deepcopy(group.attrs.asdict())
+    attrs: dict[str, Any] = copy.deepcopy(group.attrs.asdict())  # any JSON
     entries = attrs["ome"]["multiscales"] if pyramid.in_ome else attrs["multiscales"]
     entries[pyramid.index]["type"] = pyramid.method
     entries[pyramid.index]["metadata"] = {
@@ -1040,13 +1057,13 @@ def _declared_window(bounds: tuple[float, float, float | None] | None,
     return {"min": lo, "max": hi, "start": lo, "end": hi}
 
 
-def _drop_raw_statistics(root: Path, pyramid: _Pyramid, zarr_format: int,
+def _drop_raw_statistics(root: Path, pyramid: _Pyramid, zarr_format: ZarrFormat,
                          window: dict[str, float] | None) -> None:
     """Replaces the omero channel windows with `window` (or drops them, when None) and drops
     the label properties."""
     group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
                             use_consolidated=False)
-    attrs = copy.deepcopy(group.attrs.asdict())
+    attrs: dict[str, Any] = copy.deepcopy(group.attrs.asdict())  # any JSON
     ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
     for channel in (ngff.get("omero") or {}).get("channels") or []:
         if isinstance(channel, dict) and "window" in channel:
@@ -1114,6 +1131,8 @@ class ZarrWriter(Writer):
         self.root = tmp_path
         self.dtype = np.dtype(dtype)
         self.messages: list[str] = []  # a line added in finish() is shown too
+        self.postprocessing: list[str]
+        self.manifest_extra: dict[str, Any]
         if tmp_path.resolve().is_relative_to(reader.path.resolve()):
             raise OutputError(f"{tmp_path.parent}: the output cannot go inside the input store "
                               f"{reader.path}")

@@ -78,6 +78,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
         basis=basis))
+    assert options.noise is not None  # checked_options resolved it
     job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
                    read=lambda start, stop: values[start:stop],
                    source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})

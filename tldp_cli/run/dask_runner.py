@@ -123,7 +123,7 @@ def _signals_deferred() -> Iterator[Callable[[], bool]]:
     An interruption inside LocalCluster's constructor leaves a half-built cluster that
     distributed's exit hook then fails to close, with a traceback."""
     received: list[int] = []
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     try:
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))

@@ -157,7 +157,7 @@ class Fingerprints:
         digests = bytearray()
         for row in rows:
             mac = base.copy()
-            mac.update(row)
+            mac.update(row.data)  # (a contiguous row: .data is its memoryview)
             digests += mac.digest()
         return np.frombuffer(bytes(digests), dtype="<i8").astype(np.int64)
 
@@ -325,13 +325,15 @@ def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, A
             "INSERT INTO releases (status, created, input, output, options, figures, subjects) "
             "VALUES ('pending', ?, ?, ?, ?, ?, ?)",
             (created, input, output, json.dumps(options, default=str), json.dumps(figures), touched.count))
-        _charge(db, touched, charged, cursor.lastrowid, set(releases))
+        release_id = cursor.lastrowid
+        assert release_id is not None  # the INSERT's
+        _charge(db, touched, charged, release_id, set(releases))
         db.execute("DELETE FROM seen")
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
         raise
-    return cursor.lastrowid, after, touched.count
+    return release_id, after, touched.count
 
 
 def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: float | None,
@@ -437,7 +439,7 @@ def _subjects(db: sqlite3.Connection) -> dict[str, Any]:
         if ids:
             by_set[ids] = by_set.get(ids, 0) + count
     everyone = sorted(i for i, r in releases.items() if r.everyone)
-    groups = []
+    groups: list[dict[str, Any]] = []
     for ids, count in by_set.items():
         spent = _spent(ids, releases)
         groups.append({"subjects": count, "releases": sorted({*ids, *everyone}), "per_record": _as_dict(spent)})

@@ -133,7 +133,7 @@ def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: di
     """One entry per calibration (record size), smallest records first."""
     entries = []
     for calib, records in sorted(calibrations, key=lambda cn: (cn[0].elements, cn[0].rows or 0)):
-        entry = {"elements_per_record": calib.elements, "records": records, "noise_scale": calib.scale,
+        entry: dict[str, Any] = {"elements_per_record": calib.elements, "records": records, "noise_scale": calib.scale,
                  "calibration_epsilon": calib.element_epsilon,
                  "retain_probability": calib.p * (1 - _min_weight(weights)),
                  "retain_probability_log10": _log10_retain([calib], weights),
@@ -148,7 +148,7 @@ def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: di
 
 def privunit_split(calib: Calibration) -> dict[str, Any]:
     """One record size's PrivUnit parameters: its shape, k, the split and the write-back."""
-    params = calib.privunit
+    params = calib.privunit_params()
     return {"record_shape": list(params.record_shape), "k": params.k, "epsilon": calib.epsilon,
             "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
             "output_scale": params.output_scale}
@@ -158,7 +158,7 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
     """The manifest's `privunit` object (the largest record's; `calibrations` lists every
     size): the public basis, the reference point, the output scale and the rules that
     chose them (the certified figures are under accounting.privunit)."""
-    params = calib.privunit
+    params = calib.privunit_params()
     if user_basis is not None:
         basis = {"kind": "file", "k": params.k, "path": str(user_basis.path), "sha256": user_basis.sha256,
                  "public": "declared public by the user (--basis FILE.npy); a basis learned from "
@@ -246,10 +246,10 @@ def read(path: Path) -> dict[str, Any]:
 
 _NUMBER = (int, float)
 # The fields a reader of a manifest (tldp evaluate) relies on, with their JSON types.
-_REQUIRED = {"mechanism": str, "noise": str, "budget": str, "epsilon": _NUMBER,
-             "value_range": list, "range_width": _NUMBER, "elements_per_record": int,
-             "records": int, "noise_scale": _NUMBER, "accounting": dict, "inputs": list,
-             "outputs": list}
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "mechanism": str, "noise": str, "budget": str, "epsilon": _NUMBER, "value_range": list, "range_width": _NUMBER,
+    "elements_per_record": int, "records": int, "noise_scale": _NUMBER, "accounting": dict, "inputs": list,
+    "outputs": list}
 
 
 def check(m: Any, path: Path) -> None:

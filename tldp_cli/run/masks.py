@@ -81,6 +81,7 @@ class Mask:
             if mask.shape != (self.record_shape[:-1] if self.channels else self.record_shape):
                 raise InputError(f"{self.png}: the mask changed while tldp was reading it")
             return self._flatten(mask, None)
+        assert self.per_record is not None  # the mask is one of values, png and per_record
         mm = np.load(self.per_record, mmap_mode="r", allow_pickle=False)  # a fresh map per block
         try:
             return self._flatten(np.asarray(mm[start:stop], dtype=np.float64), stop - start)
@@ -257,9 +258,10 @@ def load_masks(path: Path, jobs: list[ArrayJob]) -> tuple[dict[str, Mask], dict[
     return masks, info
 
 
-def weights_warning(path: Path, info: dict[str, Any] | None) -> str | None:
-    """The line perturb shows about a data-derived (or unknown) mask, if any."""
-    if not info or not info["data_derived"]:
+def weights_warning(path: Path | None, info: dict[str, Any] | None) -> str | None:
+    """The line perturb shows about a data-derived (or unknown) mask, if any (none without
+    --weights: `path` None, and no `info`)."""
+    if path is None or not info or not info["data_derived"]:
         return None
     if "origin" in info:
         return (f"warning: {path} has no readable sidecar {sidecar_path(path).name} from tldp "

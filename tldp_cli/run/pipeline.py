@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class PerturbOptions:
     mechanism: str = "tldp"
     budget: str | None = None  # None: the mechanism's own (element; record for privunit)
     value_range: tuple[float, float] | str | None = None  # --range LO:HI: every array without its own
-    ranges: dict[str, tuple[float, float] | str] = field(default_factory=dict)  # --range NAME=LO:HI
+    ranges: Mapping[str, tuple[float, float] | str] = field(default_factory=dict)  # --range NAME=LO:HI
     weights: Path | None = None
     out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
     manifest: Path | str | None = None  # a str keeps a trailing "/", which is refused
@@ -353,16 +353,29 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
                 future.cancel()
 
 
+def checked_noise(options: PerturbOptions) -> str:
+    """The noise of options checked_options returned (it resolves the mechanism's default)."""
+    assert options.noise is not None
+    return options.noise
+
+
+def checked_budget(options: PerturbOptions) -> str:
+    """The budget of options checked_options returned (it resolves the mechanism's own)."""
+    assert options.budget is not None
+    return options.budget
+
+
 def checked_options(options: PerturbOptions) -> PerturbOptions:
     """Refuses option values that cannot work (usage errors), before any file is read;
     returns the options with the noise as drawn (sampled_noise) and the budget resolved
     (resolve_budget)."""
-    options = dataclasses.replace(options, budget=resolve_budget(options.mechanism, options.budget),
-                                  noise=default_noise(options.mechanism) if options.noise is None else options.noise,
+    noise = default_noise(options.mechanism) if options.noise is None else options.noise
+    budget = resolve_budget(options.mechanism, options.budget)
+    options = dataclasses.replace(options, budget=budget, noise=noise,
                                   value_range=None if options.value_range is None else as_range(options.value_range),
                                   ranges={name: as_range(bounds, f"--range {name}=...")
                                           for name, bounds in options.ranges.items()})
-    check_parameters(mechanism=options.mechanism, noise=options.noise, budget=options.budget,
+    check_parameters(mechanism=options.mechanism, noise=noise, budget=budget,
                      epsilon=options.eps, dp_delta=options.dp_delta)
     if options.mechanism == PRIVUNIT:
         bases_mod.parse_basis(options.basis)
@@ -373,8 +386,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
             raise UsageError("--granularity applies to the discrete noises; --mechanism privunit adds no noise")
     elif options.basis is not None:
         raise UsageError("--basis applies to --mechanism privunit")
-    options = dataclasses.replace(options, noise=sampled_noise(options.noise, options.sampler,
-                                                               options.mechanism))
+    options = dataclasses.replace(options, noise=sampled_noise(noise, options.sampler, options.mechanism))
     if options.seed is not None:
         check_seed(options.seed, options.allow_weak_seed)
     if options.dtype not in ("float32", "float64"):
@@ -531,7 +543,7 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
     source = options.input
     if options.clip is not None:
         lo, hi = -options.clip, options.clip
-        if discrete.is_discrete(options.noise) and all(job.dtype.kind in "iu" for job in jobs):
+        if discrete.is_discrete(checked_noise(options)) and all(job.dtype.kind in "iu" for job in jobs):
             # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
@@ -539,8 +551,8 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
     named = {given: arrays_named(given, jobs) for given in options.ranges}
     unheld = [given for given, names in named.items() if not names]
     if unheld:
-        bounds = options.ranges[unheld[0]]
-        raise NotHeld(f"{source}: --range {unheld[0]}={bounds[0]:g}:{bounds[1]:g} names no array this "
+        lo, hi = as_range(options.ranges[unheld[0]])
+        raise NotHeld(f"{source}: --range {unheld[0]}={lo:g}:{hi:g} names no array this "
                       f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})", "ranges", unheld)
     own: dict[str, tuple[tuple[float, float], str]] = {}
     for given, bounds in options.ranges.items():
@@ -548,12 +560,12 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             if name in own:
                 raise UsageError(f"{source}: --range {given}=...: {name} has a range already (another --range "
                                  "names it, by another of its names or a glob)")
-            own[name] = (bounds, "--range NAME=LO:HI")
+            own[name] = (as_range(bounds), "--range NAME=LO:HI")  # (a pair already: checked_options)
     for job in jobs:
         if job.name in own:
             continue
         if options.value_range is not None:
-            own[job.name] = (options.value_range, "--range LO:HI")
+            own[job.name] = (as_range(options.value_range), "--range LO:HI")
         else:
             own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
                              f"the {job.dtype} dtype's range (default)")
@@ -585,12 +597,16 @@ def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOption
         try:
             return call(options)
         except NotHeld as exc:
-            given = getattr(options, exc.option)
-            left = ([name for name in given if name not in exc.names] if isinstance(given, list) else
-                    {name: value for name, value in given.items() if name not in exc.names})
-            if len(left) == len(given):
-                raise
-            options = dataclasses.replace(options, **{exc.option: left})
+            if exc.option == "keep":
+                keep = [name for name in options.keep if name not in exc.names]
+                if len(keep) == len(options.keep):
+                    raise
+                options = dataclasses.replace(options, keep=keep)
+            else:
+                ranges = {name: value for name, value in options.ranges.items() if name not in exc.names}
+                if len(ranges) == len(options.ranges):
+                    raise
+                options = dataclasses.replace(options, ranges=ranges)
     return call(options)
 
 
@@ -659,15 +675,16 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
         return _privunit_group(options, lo, hi, jobs, rows, user)
     source = options.input
     grid = None  # discrete noises: the integers, or the grid G*Z that float data is snapped to
-    if discrete.is_discrete(options.noise):
+    if discrete.is_discrete(checked_noise(options)):
         grid = discrete.resolve_grid(lo, hi, [job.dtype for job in jobs], options.granularity,
                                      options.eps, source)
     elif options.granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
     calib_of = calibrate_arrays(
-        mechanism=options.mechanism, noise=options.noise, budget=options.budget, epsilon=options.eps,
+        mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
+        epsilon=options.eps,
         range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
-        granularity=grid and grid.granularity, rows=rows,
+        granularity=None if grid is None else grid.granularity, rows=rows,
         arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
                 for job in jobs})
     out_dtype = np.dtype(options.dtype)
@@ -679,7 +696,7 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, options.noise, max(scales), options.dtype)
+        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), options.dtype)
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
@@ -717,7 +734,7 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
                          "each), which have different declared ranges (--range, or their dtypes'); give "
                          "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
-    user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE else None
+    user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
     groups = [_calibrate_group(options, lo, hi, group,
                                [row for row in rows if all(range_of[name] == (lo, hi) for name in row)], user)
               for (lo, hi), group in members.items()]
@@ -742,7 +759,8 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
             f"{source}: TLDP would keep each raw value with probability "
             f"{max(c.p for c in calibrations):.3g}, so the {scope.replace('_', ' ')} delta "
             f"is {delta:.3g}, {unmet} (the retain probability depends on the data's units). "
-            f"{raw_release_advice(options.noise)}; or pass --allow-raw-release to accept it (the manifest records it)")
+            f"{raw_release_advice(checked_noise(options))}; "
+            "or pass --allow-raw-release to accept it (the manifest records it)")
     largest = max(calibrations, key=lambda c: (c.elements, -c.scale))
     # The scalar fields (value_range, grid) describe the largest record's range, as its calibration
     main = next(group for group in groups if largest in group.calib_of.values())
@@ -983,7 +1001,7 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
             source=options.input, write=writer.write, grid=run.grid, bounds=run.checked_bounds(),
             bases=run.bases)
         if options.scheduler == "dask":
-            needed = [options.input] + [m.per_record or m.png for m in masks.values() if m.per_record or m.png]
+            needed = [options.input] + [path for m in masks.values() if (path := m.per_record or m.png) is not None]
             results = _run_dask(block_task, tasks, writer, staged.output, needed, options,
                                 lambda: bool(outside_counts), notes)
         else:
@@ -1247,8 +1265,8 @@ def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
-        postprocessing=postprocessing + ([discrete.saturation_note(run.out_dtype)]
-                                         if run.grid and run.out_dtype.kind == "i" else [])
+        postprocessing=postprocessing + ([note] if run.grid and (note := discrete.saturation_note(run.out_dtype))
+                                         else [])  # (a note for integer output only)
         + (list(writer.postprocessing) if writer else []),
         output_dtype=(writer and writer.output_dtype) or str(run.out_dtype),
         parts=manifest_parts(options, run, jobs, reader, writer, masked or []))
@@ -1262,9 +1280,9 @@ def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
     Part = manifest_mod.Part
     record = (reader and reader.record_description) or privacy_warnings.record_name(
         formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
-    warnings = [privacy_warnings.large_epsilon(run.certified, record, options.budget),
+    warnings = [privacy_warnings.large_epsilon(run.certified, record, checked_budget(options)),
                 privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked,
-                                              options.eps, options.budget)]
+                                              options.eps, checked_budget(options))]
     chosen: dict[str, Any] = {"sampler": options.sampler}
     if options.clip is not None:
         chosen["clip"] = {"norm": "linf", "bound": options.clip}
@@ -1280,7 +1298,7 @@ def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], rea
         bounds = sorted(((named(name), bound) for name, bound in run.bounds.items()), key=lambda item: item[0])
         ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in bounds}
         if run.grid is not None:
-            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in bounds}
+            ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in bounds if grid is not None}
     if run.range_groups:
         ranges["range_groups"] = run.range_groups
     sizes = {c.elements for c in run.calibrations}
@@ -1310,10 +1328,10 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
     not state (the seed, the weights' file, the output's paths) keeps its default."""
     acc = m.get("accounting") or {}
     automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
-    float_dtype = m.get("output_dtype") if m.get("output_dtype") in ("float32", "float64") else "float32"
+    float_dtype = m["output_dtype"] if m.get("output_dtype") in ("float32", "float64") else "float32"
     return PerturbOptions(
         input=input, eps=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
-        budget=m["budget"], value_range=tuple(float(v) for v in m["value_range"]),
+        budget=m["budget"], value_range=(float(m["value_range"][0]), float(m["value_range"][1])),
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
         dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),

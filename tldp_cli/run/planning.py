@@ -82,7 +82,7 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
         raise UsageError("--records and --elements/--shape must be positive")
     options = checked_options(options)
     if input_dtype is None:
-        lo_hi = options.value_range or (0.0, 0.0)
+        lo_hi = options.value_range if isinstance(options.value_range, tuple) else (0.0, 0.0)  # (checked: a pair)
         whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
         input_dtype = "int64" if whole and options.value_range else "float64"
         if input_dtype == "int64" and lo_hi[1] - lo_hi[0] <= 1:

@@ -169,6 +169,7 @@ class Partial:
         self._append({"array": array, "start": start, "stop": stop, **({"note": note} if note else {})})
 
     def _append(self, entry: dict[str, Any]) -> None:
+        assert self._fd is not None  # open from begin() (or the resumed journal's) until release()
         os.write(self._fd, (json.dumps(entry) + "\n").encode())  # one write: whole lines
 
     def release(self) -> None:
