@@ -45,7 +45,7 @@ def perturb_command(
         help="The output, in the input's format. Default: a sibling, digits.npy -> "
              "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
              "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
-             "under the default name. With several inputs (or --inputs-from): the existing "
+             "under the default name; tldp makes no folders, so it must exist. With several inputs (or --inputs-from): the existing "
              "folder every output goes in, under its default name.", show_default=False)] = None,
     inputs_from: Annotated[Optional[Path], typer.Option(
         "--inputs-from", parser=list_path, metavar="FILE",
