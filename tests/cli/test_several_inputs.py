@@ -203,6 +203,20 @@ def test_a_named_range_applies_to_the_inputs_that_hold_the_array(cli, raw, tmp_p
     assert result.stderr.count("] reading: ") == 2 and result.stderr.count("] planning: ") == 2
 
 
+def test_resume_continues_the_zarr_inputs_and_runs_the_others(cli, raw, tmp_path):
+    """Regression: after Ctrl-C, "run the same command with --resume" failed every input of
+    a format that keeps nothing to resume from (--resume applies to Zarr output); with
+    several inputs --resume now continues the Zarr ones and runs the others as usual."""
+    import zarr
+
+    store = zarr.open_array(str(tmp_path / "s.zarr"), mode="w", shape=(6, 4), chunks=(2, 4), dtype="uint8")
+    store[:] = np.arange(24, dtype=np.uint8).reshape(6, 4)
+    result = cli("perturb", raw / "a.npy", tmp_path / "s.zarr", "--eps", "1", "--resume", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert (raw / "a.tldp.npy").is_file() and (tmp_path / "s.tldp.zarr").is_dir()
+    assert_one_line_error(cli("perturb", raw / "b.npy", "--eps", "1", "--resume"), 2, "--resume applies to Zarr")
+
+
 def test_an_output_that_is_another_input_is_refused(cli, raw):
     np.save(raw / "a.tldp.npy", np.zeros((2, 2), np.uint8))
     result = cli("perturb", raw / "a.npy", raw / "a.tldp.npy", "--eps", "1", "--overwrite")
@@ -286,5 +300,7 @@ def test_ctrl_c_stops_the_call_after_an_input_is_written(tmp_path):
     process.send_signal(signal.SIGINT)
     stderr = process.communicate(timeout=120)[1]
     assert process.returncode == 130, stderr
-    assert "y.npy: interrupted; nothing was written (1 input before it written, 1 input after it not started)" in stderr
+    # Regression: the inputs were counted, not named, so a rerun could not say which to give
+    assert ("y.npy: interrupted; nothing was written (1 input before it written: x.npy, 1 input after it not "
+            "started: z.npy)") in stderr
     assert sorted(os.listdir(tmp_path)) == ["x.npy", "x.tldp.npy", "x.tldp.npy.manifest.json", "y.npy", "z.npy"]

@@ -70,6 +70,8 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
                               "and it does not exist")
         options = dataclasses.replace(options, out=folder.rstrip("/" + os.sep) + os.sep)
     each = [dataclasses.replace(options, input=path) for path in inputs]
+    if options.resume:  # continues the inputs that can be continued; the others run as usual
+        each = [_resume_if_resumable(o) for o in each]
     _check_distinct(each)
     check_names(each)
     return each
@@ -109,6 +111,16 @@ def check_names(each: list[PerturbOptions]) -> None:
                          "(give a path, PATH@ATTRIBUTE, or a glob of them)")
     if ranges:
         raise UsageError(f"--range {ranges[0]}=... names no array of any input")
+
+
+def _resume_if_resumable(options: PerturbOptions) -> PerturbOptions:
+    """--resume for an input whose format keeps an interrupted run's blocks (Zarr); none for
+    the others, whose interrupted runs left nothing to continue."""
+    try:
+        module = formats.detect(options.input, options.input_format)
+    except Exception:  # noqa: BLE001 (its own run says what is wrong with it)
+        return options
+    return options if module.resumable else dataclasses.replace(options, resume=False)
 
 
 def _check_distinct(each: list[PerturbOptions]) -> None:
