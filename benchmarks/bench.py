@@ -403,6 +403,7 @@ STARTUP_CASES = [  # label, arguments of tldp, extra environment
      {"_TLDP_COMPLETE": "complete_bash", "COMP_WORDS": "tldp perturb d.npy --no", "COMP_CWORD": "3"}),
     ("bad flag", ["perturb", "d.npy", "--eps", "1", "--bogus"], {}),
     ("usage error (--eps -1)", ["perturb", "d.npy", "--eps", "-1"], {}),
+    ("bad value (--eps abc)", ["perturb", "d.npy", "--eps", "abc"], {}),
     ("missing input", ["perturb", "missing.npy", "--eps", "1"], {}),
     ("output exists", ["perturb", "d.npy", "--eps", "1"], {}),
 ]
@@ -420,16 +421,22 @@ def child_run(argv: list[str], env: dict, cwd: Path) -> tuple[float, float]:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
 
 
-def startup_times(reps: int) -> list[dict]:
+def startup_times(reps: int, cached_bytecode: bool = True) -> list[dict]:
     """Median CPU and wall seconds of each start-up path over `reps` rounds (one warm-up
     round first); each round runs the baseline and every path in turn, and the ratios are
-    the medians of the per-round ratios to that round's baseline."""
+    the medians of the per-round ratios to that round's baseline. `cached_bytecode`: the
+    checkout's modules run from bytecode the warm-up round writes (in the scratch folder),
+    as those of an installed tool do (pip compiles them) and NumPy's do; without it, with
+    PYTHONDONTWRITEBYTECODE set, each run compiles every tldp module it imports."""
     with tempfile.TemporaryDirectory(prefix="tldp-startup-") as folder:
         cwd = Path(folder)
         np.save(cwd / "d.npy", digits()[:10])
         (cwd / "d.tldp.npy").write_bytes(b"an earlier output")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("TLDP_SEED", None)
+        if cached_bytecode:  # as an installed tool runs: pip compiles its modules; the warm-up round here
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(cwd / "pycache")
         runs = [STARTUP_BASELINE] + [(label, [sys.executable, "-m", "tldp_cli", *args], extra)
                                      for label, args, extra in STARTUP_CASES]
         samples: list[list[tuple[float, float]]] = [[] for _ in runs]
@@ -451,8 +458,9 @@ def startup_times(reps: int) -> list[dict]:
     return rows
 
 
-def startup_markdown(rows: list[dict], reps: int) -> list[str]:
-    lines = [f"Start-up (issue 30: each path as a whole process, `python -m tldp_cli` from this checkout; "
+def startup_markdown(rows: list[dict], reps: int, cached: bool = True) -> list[str]:
+    bytecode = "its bytecode cached, as installed" if cached else "every tldp module compiled on each run"
+    lines = [f"Start-up (issue 30: each path as a whole process, `python -m tldp_cli` from this checkout, {bytecode}; "
              f"medians of {reps} rounds; ratio: to `python -c 'import numpy'` in the same round, target <= 1.5):",
              "", "| path | CPU s | wall s | ratio (CPU) | ratio (wall) |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['path']} | {r['cpu_seconds']:.3f} | {r['wall_seconds']:.3f} | {r['cpu_ratio']:.2f} | "
@@ -478,8 +486,14 @@ def photo_shapes(count: int, seed: int = 0) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def _calibrate_run(options, jobs):
+    """pipeline.calibrate_run (pipeline.plan before issue 31: the benchmark runs on older checkouts too)."""
+    calibrate = getattr(pipeline, "calibrate_run", None) or pipeline.plan
+    return calibrate(options, jobs)
+
+
 def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
-    """pipeline.plan, what `tldp plan photos/ --eps 1` runs once the headers are read, on
+    """pipeline.calibrate_run, what `tldp plan photos/ --eps 1` runs once the headers are read, on
     `count` photos of distinct sizes (one record each, uint8): calibration and the certified
     figures, every one from the accounting. In this process: the imports are done, the
     accountant's caches are emptied first."""
@@ -492,18 +506,18 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
                      source={"path": f"photo{i}.png"}) for i, shape in enumerate(photo_shapes(count))]
     options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), epsilon=EPSILON, noise=noise))
     start, cpu_start = time.perf_counter(), time.process_time()
-    run = pipeline.plan(options, jobs)
+    calibrated = _calibrate_run(options, jobs)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return {"sizes": count, "noise": options.noise, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "calibrations": len(run.calibrations), "elements": [min(j.elements for j in jobs),
+            "calibrations": len(calibrated.calibrations), "elements": [min(j.elements for j in jobs),
                                                                    max(j.elements for j in jobs)],
-            "per_record_epsilon": run.certified["per_record"]["epsilon"],
-            "per_record_approx_epsilon": run.certified["per_record"]["approx"]["epsilon"]}
+            "per_record_epsilon": calibrated.certified.per_record.epsilon,
+            "per_record_approx_epsilon": calibrated.certified.per_record.approx_epsilon}
 
 
 def planning_times(counts=PLAN_SIZES) -> list[dict]:
-    pipeline.plan(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
-                  [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
+    _calibrate_run(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
+                   [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
     rows = []
     for count in counts:
         rows.append(plan_seconds(count))
@@ -514,8 +528,8 @@ def planning_times(counts=PLAN_SIZES) -> list[dict]:
 
 def planning_markdown(rows: list[dict]) -> list[str]:
     lo, hi = PLAN_SIDES
-    lines = [f"Planning (issue 30: `pipeline.plan` as `tldp plan photos/ --eps 1` runs it after the headers, on "
-             f"RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
+    lines = [f"Planning (issue 30: `pipeline.calibrate_run` as `tldp plan photos/ --eps 1` runs it after the "
+             f"headers, on RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
              "| distinct sizes | elements per record | seconds | CPU seconds | per-record eps (approx) |",
              "|---:|---|---:|---:|---:|"]
     lines += [f"| {r['sizes']:,} | {r['elements'][0]:,}-{r['elements'][1]:,} | {r['seconds']:.2f} | "
@@ -831,8 +845,10 @@ def startup_and_planning_only(args, out: Path | None) -> int:
     lines = []
     if args.startup_only:
         reps = args.reps or (3 if args.quick else 15)
-        results["startup_reps"], results["startup"] = reps, startup_times(reps)
-        lines += startup_markdown(results["startup"], reps)
+        cached = not args.startup_uncached
+        results["startup_reps"], results["startup"] = reps, startup_times(reps, cached)
+        results["startup_bytecode"] = "cached" if cached else "compiled on every run"
+        lines += startup_markdown(results["startup"], reps, cached)
     if args.planning_only:
         counts = (1, 100) if args.quick else PLAN_SIZES
         results["planning"] = planning_times(counts)
@@ -871,6 +887,10 @@ def main(argv=None) -> int:
     parser.add_argument("--startup-only", action="store_true",
                         help="measure only the start-up of --version, --help, completion and usage errors "
                              "against python -c 'import numpy' (15 rounds; --reps sets them)")
+    parser.add_argument("--startup-uncached", action="store_true",
+                        help="start-up with PYTHONDONTWRITEBYTECODE as the environment has it: each run "
+                             "compiles the tldp modules it imports (default: their bytecode cached, as "
+                             "an installed tool has it)")
     parser.add_argument("--planning-only", action="store_true",
                         help="measure only tldp plan's accounting on photos of 1, 100 and 10,000 distinct "
                              "sizes (1 and 100 with --quick)")

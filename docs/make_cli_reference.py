@@ -10,7 +10,6 @@ made in. tests/test_docs.py checks that the page is current.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -65,21 +64,9 @@ def generate() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="do not write; exit 1 if docs/cli.md differs from what would be written")
-    args = parser.parse_args(argv)
-    text = generate()
-    if args.check:
-        current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else None
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} is stale: run python docs/make_cli_reference.py", file=sys.stderr)
-            return 1
-        print(f"{PAGE.relative_to(REPO)} is current", file=sys.stderr)
-        return 0
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE.relative_to(REPO)}", file=sys.stderr)
-    return 0
+    from page_writer import check_or_write  # beside this script
+
+    return check_or_write(argv, __doc__.splitlines()[0], PAGE, REPO, "docs/make_cli_reference.py", lambda current: generate())
 
 
 if __name__ == "__main__":

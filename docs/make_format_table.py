@@ -10,7 +10,6 @@ the rest of the page as it is. tests/test_docs.py checks that the tables are cur
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -69,22 +68,16 @@ def generate(page: str) -> str:
     return "\n".join([head + BEGIN, "", *tables(), "", END]) + tail
 
 
+def _render(current: str | None) -> str:
+    if current is None:
+        raise SystemExit(f"{PAGE.relative_to(REPO)} is missing")
+    return generate(current)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="do not write; exit 1 if the tables in docs/formats.md differ from the registry's")
-    args = parser.parse_args(argv)
-    current = PAGE.read_text(encoding="utf-8")
-    text = generate(current)
-    if args.check:
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} is stale: run python docs/make_format_table.py", file=sys.stderr)
-            return 1
-        print(f"{PAGE.relative_to(REPO)} is current", file=sys.stderr)
-        return 0
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE.relative_to(REPO)}", file=sys.stderr)
-    return 0
+    from page_writer import check_or_write  # beside this script
+
+    return check_or_write(argv, __doc__.splitlines()[0], PAGE, REPO, "docs/make_format_table.py", _render)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import sys
 from pathlib import Path
 
 import h5py
@@ -34,6 +35,8 @@ def load_script(relative: str):
     import importlib.util
 
     path = REPO / relative
+    if str(path.parent) not in sys.path:  # as when it runs: it imports the scripts beside it
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

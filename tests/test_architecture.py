@@ -88,6 +88,84 @@ def test_no_long_function_without_a_reason():
     assert not unexplained, f"functions over {LONG_FUNCTION} lines: {unexplained}"
 
 
+# A run's steps share a run.pipeline.RunContext rather than long lists of parameters:
+# at most this many before the keyword-only ones (an API's options named at each call).
+MANY_PARAMETERS = 6
+
+
+def _positional_parameters(folder: Path) -> dict[str, int]:
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                found[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = len(names)
+    return found
+
+
+def test_no_long_parameter_list_in_run():
+    long = {name: n for name, n in _positional_parameters(ROOT / "tldp_cli" / "run").items()
+            if n > MANY_PARAMETERS}
+    assert not long, f"more than {MANY_PARAMETERS} positional parameters (pass a RunContext): {long}"
+
+
+# Where PerturbOptions are made, one function per source: the command's values
+# (cli/options.py's perturb_options), a manifest (run/pipeline.py's options_of_manifest) and
+# perturb_array's keywords (run/arrays.py); a library caller makes its own.
+OPTIONS_MADE_IN = {"tldp_cli/cli/options.py:perturb_options", "tldp_cli/run/pipeline.py:options_of_manifest",
+                   "tldp_cli/run/arrays.py:perturb_array"}
+
+
+def _options_made() -> set[str]:
+    found = set()
+    for path in sorted((ROOT / "tldp_cli").rglob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call) and "PerturbOptions" in (
+                            getattr(node.func, "id", None), getattr(node.func, "attr", None)):
+                        found.add(f"{path.relative_to(ROOT).as_posix()}:{function.name}")
+    return found
+
+
+def test_perturb_options_are_made_once_per_source():
+    assert _options_made() == OPTIONS_MADE_IN
+
+
+# The accounting returns typed results (privacy/certificates.py): the manifest's keys are
+# spelled where the manifest is built (run/manifest.py), the guarantee line in cli/summary.py.
+ACCOUNTING = ("tldp_cli/privacy/accounting.py", "tldp_cli/privacy/certificates.py")
+
+
+def _manifest_shapes(path: Path) -> list[str]:
+    """What in `path` has the shape of a manifest's object: a function annotated to return a
+    dict, a dict display with a string key, dict(key=...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None
+                and "dict" in ast.unparse(node.returns)):
+            found.append(f"{node.lineno}: {node.name} returns {ast.unparse(node.returns)}")
+        elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                                for k in node.keys):
+            found.append(f"{node.lineno}: a dict with the keys {[ast.unparse(k) for k in node.keys if k]}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+              and node.keywords):
+            found.append(f"{node.lineno}: dict({', '.join(k.arg or '**' for k in node.keywords)})")
+    return found
+
+
+@pytest.mark.parametrize("module", ACCOUNTING)
+def test_the_accounting_returns_typed_results_not_manifest_objects(module):
+    found = _manifest_shapes(ROOT / module)
+    assert not found, f"{module}: render figures in run/manifest.py, not here:\n" + "\n".join(found)
+
+
+def test_the_manifest_shape_scan_finds_one(tmp_path):
+    (tmp_path / "leaky.py").write_text('def certify(c) -> dict[str, float]:\n    return {"epsilon": c}\n'
+                                       "def scope(c):\n    return dict(epsilon=c)\n")
+    assert len(_manifest_shapes(tmp_path / "leaky.py")) == 3
+
+
 def _private_names_crossing(root: Path) -> list[str]:
     """Every use of another tldp_cli module's private name (one _underscore, not a dunder):
     `from tldp_cli.x import _name`, or `module._name` where `module` names an imported

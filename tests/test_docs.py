@@ -155,3 +155,26 @@ def test_readme_links_every_docs_page():
     linked = {(REPO / target.partition("#")[0]).resolve() for target in _links(REPO / "README.md")}
     missing = [p.name for p in sorted((REPO / "docs").glob("*.md")) if p.resolve() not in linked]
     assert not missing, f"README.md does not link {missing}"
+
+
+def test_architecture_drawings_are_the_code_s():
+    script = load_script("docs/make_architecture_graph.py")
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert page == script.generate(page), "docs/architecture.md is stale: run python docs/make_architecture_graph.py"
+
+
+def test_architecture_drawings_have_no_arrow_up_and_one_per_imported_layer():
+    script = load_script("docs/make_architecture_graph.py")
+    drawn = "\n".join(script.drawings())
+    arrows = [(int(a), int(b)) for a, b in re.findall(r"L(\d+) -->\|\d+\| L(\d+)", drawn)]
+    assert arrows and all(a < b for a, b in arrows), arrows
+    assert '"cli"' in drawn and "L1 -->" in drawn  # the command line imports the layers below it
+
+
+def test_architecture_drawing_draws_an_import_that_runs_up(tmp_path):
+    """The drawing is of the imports the code has, not of the contract: an import of a
+    higher layer is drawn as an arrow up."""
+    script = load_script("docs/make_architecture_graph.py")
+    layers = [["tldp_cli.cli"], ["tldp_cli.run"], ["tldp_cli.errors"]]
+    lines = script.flowchart(layers, {"tldp_cli.errors": {"tldp_cli.cli.app"}, "tldp_cli.cli.app": {"tldp_cli.run.x"}})
+    assert "    L2 -->|1| L0" in lines and "    L0 -->|1| L1" in lines

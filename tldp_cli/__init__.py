@@ -5,7 +5,7 @@ quick):
 
     perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
     perturb(PerturbOptions(input, eps, ...)) -> PerturbResult     files, as `tldp perturb`
-    calibrate(...), certify(calibration), compose([(calibration, records)])
+    calibrate(...), certify(calibration) -> Certificate, compose([(calibration, records)]) -> Guarantee
     TldpError, UsageError, InputError, DataError, OutputError     the errors raised
 
 The parameters are the command's options without their dashes (eps, dp_delta,

@@ -44,17 +44,18 @@ contradicted at that sample size.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tldp_cli.privacy import accounting
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.discrete import is_discrete
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.mechanisms import (PRIVUNIT, Calibration, calibrate, calibrate_privunit,
                                          check_parameters, matrix_rows, resolve_budget, sampled_noise)
 from tldp_cli.sampling.rng import Streams, records_per_unit
+if TYPE_CHECKING:
+    from tldp_cli.privacy.certificates import Certificate, Guarantee
 
 SCOPES = ("element", "record")
 DEFAULT_SAMPLES = 1_000_000
@@ -299,13 +300,10 @@ def _describe(event: dict[str, Any], a: float, b: float, scope: str, spread: flo
     return f"({count}, {yc}) {op} ({level}, {inner:.6g}) in lexicographic order"
 
 
-def _claims(scope: dict[str, Any]) -> list[tuple[float, float]]:
+def _claims(scope: Guarantee) -> list[tuple[float, float]]:
     """The certified (eps, delta) pairs of a scope, less those another pair implies
     (no smaller eps, no smaller delta): each pair audited costs confidence."""
-    pairs = {(float(scope["epsilon"]), float(scope["delta"]))}
-    approx = scope.get("approx")
-    if approx:
-        pairs.add((float(approx["epsilon"]), float(approx["delta"])))
+    pairs = {(float(scope.epsilon), float(scope.delta)), (float(scope.approx_epsilon), float(scope.approx_delta))}
     pairs = {(e, d) for e, d in pairs if math.isfinite(e) and d < 1}
     return sorted((e, d) for e, d in pairs
                   if not any((e2, d2) != (e, d) and e2 <= e and d2 <= d for e2, d2 in pairs))
@@ -349,8 +347,9 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
         a, b, dtype = int(a), int(b), np.dtype(np.int64)
     # a kept raw value, as the output dtype holds it (0.1 is not a float32)
     ya, yb = (float(np.asarray(v).astype(dtype)) for v in (a, b))
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     certified = accounting.certify(claimed)
-    plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
+    plan = [(scope, _claims(getattr(certified, f"per_{scope}"))) for scope in SCOPES if scope in scopes]
     pairs = sum(len(claims) for _, claims in plan)
     # Each pair's bound uses two one-sided intervals: the miss probability is split evenly.
     alpha = (1 - confidence) / max(pairs, 1) / 2
@@ -401,7 +400,7 @@ def audit(calib: Calibration, *, value_range: tuple[float, float] | None = None,
     }
 
 
-def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, Any]:
+def check_request(calib: Calibration, certified: Certificate) -> dict[str, Any]:
     """The figures the request itself implies (its mechanism, noise, budget, --eps, range
     and record size, calibrated afresh) against the ones certified for the audited
     calibration: a calibration with too little noise certifies its own, larger, figures,
@@ -416,10 +415,11 @@ def check_request(calib: Calibration, certified: dict[str, Any]) -> dict[str, An
             mechanism=calib.mechanism, noise=calib.noise, budget=calib.budget, epsilon=calib.epsilon,
             range_width=calib.range_width, elements=calib.elements, dp_delta=calib.dp_delta,
             rows=calib.rows, granularity=calib.granularity)
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     requested = accounting.certify(fresh)
     rows = []
     for scope in ("per_element", "per_record"):
-        stated, implied = certified[scope]["epsilon"], requested[scope]["epsilon"]
+        stated, implied = getattr(certified, scope).epsilon, getattr(requested, scope).epsilon
         rows.append({"scope": scope, "certified_epsilon": stated, "requested_epsilon": implied,
                      "consistent": stated <= implied * (1 + 1e-9)})
     return {"epsilon": calib.epsilon, "budget": calib.budget, "scopes": rows,
@@ -463,8 +463,9 @@ def audit_privunit(calib: Calibration, *, samples: int, confidence: float, scope
     is audited before the write-back, which is a function of it."""
     basis = engine.privunit_basis(calib, basis)
     params = calib.privunit_params()
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
     certified = accounting.certify(claimed)
-    plan = [(scope, _claims(certified[f"per_{scope}"])) for scope in SCOPES if scope in scopes]
+    plan = [(scope, _claims(getattr(certified, f"per_{scope}"))) for scope in SCOPES if scope in scopes]
     alpha = (1 - confidence) / max(sum(len(c) for _, c in plan), 1) / 2
     records = max(2, samples // calib.elements)
     results: list[dict[str, Any]] = []

@@ -91,7 +91,10 @@ Scales: "tldp/D" releases with the package's own mechanism (tldp_cli.perturb_arr
 --basis dct:k) at display divisor D; "clip/D" and "noclip/D" are this script's PrivUnit2
 written back at the package's display scale (hi - lo) sqrt(I) / D, clipped to the range
 or not (its calibration has no floor on the cap's share, the package's has 2^-10);
-"unbiased" is c = (hi - lo) sqrt(I) / (2 m), unclipped.
+"unbiased" is c = (hi - lo) sqrt(I) / (2 m), unclipped; "pre/B/D" releases the direction of
+d * z with d_j = (1 + f_j)^-B (pre-emphasis: B = -0.5 is the package's a = 0.5) and writes back
+lo + c B^T (w * V), w = 1/d of mean square 1, clipped, at divisor D (docs/choosing-eps.md,
+"Pre-emphasis"). --paired draws every scale of a (k, eps) cell from the same stream.
 
 Every command writes its table as JSON under docs/choosing-eps/k_rule/ and prints it as markdown.
 """
@@ -269,14 +272,43 @@ def wiener_weights(shape: tuple[int, ...], k: int, m: float, alpha: float = 2.0)
     return w / math.sqrt(np.mean(w * w))
 
 
+def frequencies(shape: tuple[int, ...], k: int) -> np.ndarray:
+    """Each of the k coefficients' spatial frequency in cycles per record, sqrt(i^2 + j^2) / 2."""
+    pairs = frequency_order(*shape)[:k]
+    return np.hypot(pairs[:, 0], pairs[:, 1]) / 2.0
+
+
+def emphasis(shape: tuple[int, ...], k: int, beta: float) -> np.ndarray:
+    """Public pre-emphasis d_j = (1 + f_j)^-beta of each coefficient (beta = 0: none)."""
+    return (1.0 + frequencies(shape, k)) ** -beta
+
+
 def release(x: np.ndarray, basis: np.ndarray, eps: float, lo: float, scale: str, norm: float,
             rng: np.random.Generator, cal: dict | None = None, v: np.ndarray | None = None) -> np.ndarray:
     """x (n, ...) -> lo + B^T (c V), c = norm / m ("unbiased"), norm ("display") or
     |z| * m per record ("oracle", research only: it uses each record's norm).
+
+    "pre/BETA/D[/WRITE]": pre-emphasis. The direction released is that of d * z, d_j = (1 +
+    f_j)^-BETA (a public weight per coefficient), and the record is written back as
+    lo + c B^T (w * V), clipped, with w = 1/d scaled to a mean square of 1 and c the display
+    scale /D ("pre/BETA/D/noclip": not clipped; "pre/BETA/D/flat": w = 1, V written as released).
     """
     shape = x.shape
     flat = x.reshape(len(x), -1).astype(np.float64) - lo
     z = flat @ basis.T
+    if scale.startswith("pre/") and v is None:
+        parts = scale.split("/")
+        d = emphasis(x.shape[1:], basis.shape[0], float(parts[1]))
+        write = parts[3] if len(parts) > 3 else "clip"
+        w = np.ones_like(d) if write == "flat" else 1.0 / d
+        w = w / math.sqrt(np.mean(w * w))
+        zd = z * d
+        r = np.linalg.norm(zd, axis=1)
+        u = np.where(r[:, None] > 0, zd / np.where(r > 0, r, 1.0)[:, None], np.eye(basis.shape[0])[0])
+        cal = cal or calibrate(eps, basis.shape[0])
+        v = privunit(u, cal, rng) * w
+        kind = "noclip" if write == "noclip" else "clip"
+        return release(x, basis, eps, lo, f"{kind}/{parts[2]}", norm, rng, cal, v)
     r = np.linalg.norm(z, axis=1)
     u = np.where(r[:, None] > 0, z / np.where(r > 0, r, 1.0)[:, None], np.eye(basis.shape[0])[0])
     cal = cal or calibrate(eps, basis.shape[0])
@@ -344,7 +376,8 @@ def public_norm(shape: tuple[int, ...], lo: float, hi: float) -> float:
 # --------------------------------------------------------------------------- experiments
 
 def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int] | None,
-         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS, train_fraction: float = 1.0) -> dict:
+         skip_dc: bool = False, epsilons: tuple[float, ...] = EPSILONS, train_fraction: float = 1.0,
+         paired: bool = False) -> dict:
     """Mean F1 over `repeats` releases for every (k, eps, scale). Each release covers the
     records of every training fold at once (with cross-validation: every record, each fold
     then trains on its released training part and tests on its clean test part)."""
@@ -369,7 +402,9 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
             for scale in scales:
                 t0 = time.perf_counter()
                 f1s = []
-                for _ in range(repeats):
+                for r in range(repeats):
+                    if paired:  # the same stream for every scale of a cell: paired comparisons
+                        rng = np.random.default_rng([SEED, len(data), k, round(eps * 1000), r])
                     released = np.array(x, dtype=np.float64)
                     if scale.startswith("tldp/"):  # the package's mechanism, display divisor D
                         released[trained] = release_tldp(x[trained], k, eps, (lo, hi),
@@ -379,11 +414,13 @@ def grid(data: str, repeats: int, scales: list[str], ordering: str, ks: list[int
                     f1s += [weighted_f1(released[a], y[a], x[b], y[b], "logistic", (lo, hi)) for a, b in folds]
                 rows.append({"k": k, "eps": eps, "scale": scale, "m": cal["m"], "gamma": cal["gamma"],
                              "f1": float(np.mean(f1s)), "f1_sd": float(np.std(f1s, ddof=1)) if len(f1s) > 1 else None,
-                             "n": len(f1s), "seconds": round(time.perf_counter() - t0, 2)})
+                             "n": len(f1s), "f1s": [round(f, 5) for f in f1s] if paired else None,
+                             "seconds": round(time.perf_counter() - t0, 2)})
                 print(f"{data} k={k} eps={eps:g} {scale}: F1 {rows[-1]['f1']:.3f} (m={cal['m']:.3f})",
                       file=sys.stderr)
     return {"data": data, "shape": list(shape), "range": [lo, hi], "ordering": ordering, "skip_dc": skip_dc,
-            "repeats": repeats, "folds": len(folds), "train_fraction": train_fraction, "public_norm": norm, "f1_clean": clean, "rows": rows}
+            "repeats": repeats, "folds": len(folds), "train_fraction": train_fraction, "public_norm": norm,
+            "paired": paired, "f1_clean": clean, "rows": rows}
 
 
 def colour(repeats: int, shares: list[float | None], ks: list[int], patch: int = 32) -> dict:
@@ -514,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--train-fraction", type=float, default=1.0, help="train each fold on this share of its records")
     g.add_argument("--eps", default=",".join(f"{e:g}" for e in EPSILONS), help="comma-separated per-record eps")
     g.add_argument("--name", default="", help="output name (default: the data's name and ordering)")
+    g.add_argument("--paired", action="store_true",
+                   help="draw every scale of a (k, eps) cell from the same stream (paired comparisons)")
     c = sub.add_parser("colour", help="PSNR/SSIM of RGB against luminance/chroma releases")
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--k", default="3,4,6,8,12,16,24,48", help="comma-separated total k values")
@@ -545,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         scales = args.scales.split(",")
         result = grid(args.data, args.repeats, scales, args.ordering,
                       [int(k) for k in args.k.split(",") if k] or None, args.skip_dc,
-                      tuple(float(e) for e in args.eps.split(",")), args.train_fraction)
+                      tuple(float(e) for e in args.eps.split(",")), args.train_fraction, args.paired)
         path = _save(args.name or f"{args.data}-{args.ordering}" + ("-nodc" if args.skip_dc else ""), result)
         for scale in scales:
             print(f"\n{args.data} ({args.ordering}, {scale} scale; clean F1 {result['f1_clean']:.3f}):\n")

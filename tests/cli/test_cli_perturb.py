@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.builders import SEED, assert_one_line_error, siblings, tree_digest
-from tldp_cli.privacy import accounting
+from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.run.manifest import sha256_file
 
@@ -100,11 +100,11 @@ def test_manifest_figures_reproduce_from_design(cli, digits_file, tmp_path, nois
 
 
 @pytest.mark.parametrize("sampler,noise", [([], "discrete-laplace"), (["--sampler", "float"], "laplace")])
-def test_summary_line_comes_from_the_accounting_module(cli, digits_file, sampler, noise):
+def test_summary_line_states_the_manifests_figures(cli, digits_file, sampler, noise):
     result = cli("perturb", digits_file, "--eps", "1", "--json", *sampler)
     m = json.loads(result.stdout)
     assert m["noise"] == noise
-    assert accounting.summary_line(m["accounting"], noise) in result.stderr
+    assert guarantee_line(m["accounting"], noise) in result.stderr
     # only the float sampler's figures are limited to the real-valued mechanism
     assert ("real-valued mechanism only" in result.stderr) == (noise == "laplace")
 

@@ -1,7 +1,10 @@
 """What `tldp` imports before it answers (issue 30): --version, --help, shell completion,
-a bad flag and the usage and path errors of perturb and plan answer without the
-accountant (dp-accounting, SciPy, tldp_cli.privacy.accounting) and without the format
-libraries; --version, --help, completion and a bad flag without NumPy either. Not timed:
+a bad flag, a bad option value and a missing input answer with Typer, the format
+registry and the option checks only (no NumPy, no pydantic, no accountant, no format
+library); an existing output, found once the input's header is read and its calibration
+made, without pydantic, the accountant (dp-accounting, SciPy,
+tldp_cli.privacy.accounting) or another format's library; the usage and path errors
+of evaluate, sweep and audit without the accountant. Not timed:
 benchmarks/bench.py --startup-only measures the times (docs/performance.md)."""
 
 import json
@@ -18,10 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("dp_accounting", "scipy", "tldp_cli.privacy.accounting", "h5py", "zarr", "numcodecs", "PIL",
          "nibabel", "safetensors", "netCDF4", "xarray", "dask", "distributed", "tqdm", "sklearn",
          "matplotlib", "torch")
-# What the command line alone needs: the parser, not the library. Completion parses the
-# command's options, and Typer's coercion of each imports pydantic: allowed there.
-COMPLETION_ONLY = HEAVY + ("numpy", "tldp_cli.run.pipeline", "tldp_cli.formats.npy", "tldp_cli.sampling.engine")
-CLI_ONLY = COMPLETION_ONLY + ("pydantic",)
+# What the command line alone needs: the parser and the option checks, not the library.
+# Typer coerces option values through pydantic: tldp_cli.cli.coercion does it without.
+CLI_ONLY = HEAVY + ("numpy", "pydantic", "tldp_cli.run.pipeline", "tldp_cli.formats.npy", "tldp_cli.sampling.engine")
 
 PROBE = r"""
 import json, sys
@@ -76,7 +78,7 @@ def test_version_and_help_import_no_library(tmp_path, args):
 def test_shell_completion_imports_no_library(tmp_path, npy, words):
     code, modules = imported(tmp_path, env={"_TLDP_COMPLETE": "complete_bash", "COMP_WORDS": words,
                                             "COMP_CWORD": str(len(words.split()) - (not words.endswith(" ")))})
-    assert code == 0 and heavy_among(modules, COMPLETION_ONLY) == []
+    assert code == 0 and heavy_among(modules, CLI_ONLY) == []
 
 
 @pytest.mark.slow
@@ -90,13 +92,30 @@ def test_a_bad_flag_imports_no_library(tmp_path, npy):
     (["perturb", "missing.npy", "--eps", "1"], 1),
     (["plan", "missing.npy", "--eps", "1"], 1),
     (["perturb", "d.npy", "--eps", "-1"], 2),
+    (["plan", "d.npy", "--eps", "-1"], 2),
+    (["perturb", "d.npy", "--eps", "abc"], 2),
     (["perturb", "d.npy", "--eps", "1", "--noise", "uniform"], 2),
-    (["perturb", "d.npy", "--eps", "1", "--out", ""], 2),
+    (["perturb", "d.npy", "--eps", "1", "--workers", "0"], 2),
+    (["perturb", "d.npy", "--eps", "1", "--range", "1:0"], 2),
+    (["perturb", "d.npy", "--eps", "1", "--max-record-eps", "1"], 2),
+    (["perturb", "-", "--eps", "1"], 2),
+    (["perturb", "s3://bucket/era.zarr", "--eps", "1"], 2),
+    (["perturb", "d.npy", "--eps", "1", "--out", "-"], 2),
     (["plan", "--eps", "1"], 2),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
-def test_usage_and_path_errors_import_no_accountant(tmp_path, npy, args, code):
+def test_usage_and_path_errors_import_no_library(tmp_path, npy, args, code):
+    """Refused by the option checks and formats.detect, before the pipeline is imported."""
     got, modules = imported(tmp_path, *args)
-    assert got == code and heavy_among(modules, HEAVY) == []
+    assert got == code and heavy_among(modules, CLI_ONLY) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, code", [
+    (["perturb", "d.npy", "--eps", "1", "--out", ""], 2),  # checked with the destinations
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_destination_errors_import_no_accountant(tmp_path, npy, args, code):
+    got, modules = imported(tmp_path, *args)
+    assert got == code and heavy_among(modules, HEAVY + ("pydantic",)) == []
 
 
 @pytest.mark.slow
@@ -106,5 +125,18 @@ def test_an_existing_output_is_refused_before_the_accountant(tmp_path, npy, nois
     checked, and only then are the certified figures computed."""
     (tmp_path / "d.tldp.npy").write_bytes(b"earlier")
     code, modules = imported(tmp_path, "perturb", "d.npy", "--eps", "1", "--noise", noise)
-    assert code == 1 and heavy_among(modules, HEAVY) == []
+    assert code == 1 and heavy_among(modules, HEAVY + ("pydantic",)) == []
     assert (tmp_path / "d.tldp.npy").read_bytes() == b"earlier"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, code", [
+    (["evaluate", "missing.npy", "d.npy"], 1),
+    (["sweep", "missing.npy", "--eps", "1,2", "--out", "sweep/"], 1),
+    (["sweep", "d.npy", "--eps", "abc", "--out", "sweep/"], 2),
+    (["audit", "--eps", "-1", "--elements", "4", "--range", "0:1"], 2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_the_tools_usage_and_path_errors_import_no_accountant(tmp_path, npy, args, code):
+    """evaluate, sweep and audit import the accountant where they certify a figure."""
+    got, modules = imported(tmp_path, *args)
+    assert got == code and heavy_among(modules, HEAVY + ("pydantic",)) == []

@@ -8,6 +8,7 @@ import pytest
 from tests.builders import analytic_gaussian_delta
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting
+from tldp_cli.privacy.certificates import Guarantee
 from tldp_cli.privacy.mechanisms import calibrate
 
 
@@ -65,20 +66,20 @@ def test_bad_epsilon_is_a_usage_error(bad):
 def test_laplace_per_element_and_per_record_pure_figures():
     c = cal(epsilon=0.5)
     acc = accounting.certify(c)
-    assert acc["per_element"]["epsilon"] == pytest.approx(0.5)
-    assert acc["per_record"]["epsilon"] == pytest.approx(784 * 0.5)
-    assert acc["per_element"]["rho"] is None
+    assert acc.per_element.epsilon == pytest.approx(0.5)
+    assert acc.per_record.epsilon == pytest.approx(784 * 0.5)
+    assert acc.per_element.rho is None
     # the point mass: delta underflows, its log10 is log10(p) and log10(I p) to first order
-    assert acc["per_element"]["delta_log10"] == pytest.approx(c.p_log10)
-    assert acc["per_record"]["delta_log10"] == pytest.approx(c.p_log10 + math.log10(784))
+    assert acc.per_element.delta_log10 == pytest.approx(c.p_log10)
+    assert acc.per_record.delta_log10 == pytest.approx(c.p_log10 + math.log10(784))
 
 
 def test_point_mass_delta_for_a_non_negligible_p():
     c = cal(range_width=1.0, elements=3, epsilon=3.0)
     acc = accounting.certify(c)
-    assert acc["per_element"]["delta"] == pytest.approx(c.p)
-    assert acc["per_record"]["delta"] == pytest.approx(1 - (1 - c.p) ** 3)
-    assert acc["per_record"]["approx"]["delta"] == pytest.approx(1e-5 + 1 - (1 - c.p) ** 3)
+    assert acc.per_element.delta == pytest.approx(c.p)
+    assert acc.per_record.delta == pytest.approx(1 - (1 - c.p) ** 3)
+    assert acc.per_record.approx_delta == pytest.approx(1e-5 + 1 - (1 - c.p) ** 3)
 
 
 def test_laplace_approx_matches_the_closed_form_for_one_element():
@@ -86,7 +87,7 @@ def test_laplace_approx_matches_the_closed_form_for_one_element():
     for eps in [0.1, 1.0, 4.0]:
         acc = accounting.certify(cal(epsilon=eps, elements=1, range_width=1e6))
         closed = eps + 2 * math.log(1 - 1e-5)
-        assert acc["per_element"]["approx"]["epsilon"] == pytest.approx(closed, abs=2e-3)
+        assert acc.per_element.approx_epsilon == pytest.approx(closed, abs=2e-3)
 
 
 def test_laplace_composed_approx_is_below_pure_and_near_rdp():
@@ -94,7 +95,7 @@ def test_laplace_composed_approx_is_below_pure_and_near_rdp():
     from dp_accounting.rdp import RdpAccountant
 
     acc = accounting.certify(cal())
-    pld = acc["per_record"]["approx"]["epsilon"]
+    pld = acc.per_record.approx_epsilon
     rdp = RdpAccountant()
     rdp.compose(LaplaceDpEvent(noise_multiplier=1.0), 784)
     assert pld < 784
@@ -105,41 +106,41 @@ def test_laplace_composed_approx_is_below_pure_and_near_rdp():
 def test_gaussian_figures_against_analytic_gaussian_and_zcdp(eps, elements):
     c = cal(noise="gaussian", epsilon=eps, elements=elements)
     acc = accounting.certify(c)
-    rec, el = acc["per_record"], acc["per_element"]
-    assert el["rho"] == pytest.approx(eps)
-    assert rec["rho"] == pytest.approx(eps * elements)
+    rec, el = acc.per_record, acc.per_element
+    assert el.rho == pytest.approx(eps)
+    assert rec.rho == pytest.approx(eps * elements)
     for scope, count in [(el, 1), (rec, elements)]:
         # the reported eps is exactly where the analytic Gaussian reaches dp_delta
-        got = analytic_gaussian_delta(scope["approx"]["epsilon"], c.scale, 256 * math.sqrt(count))
+        got = analytic_gaussian_delta(scope.approx_epsilon, c.scale, 256 * math.sqrt(count))
         assert got == pytest.approx(1e-5, rel=1e-3)
-        rho = scope["rho"]
-        assert scope["epsilon"] <= rho + 2 * math.sqrt(rho * math.log(1e5))
+        rho = scope.rho
+        assert scope.epsilon <= rho + 2 * math.sqrt(rho * math.log(1e5))
 
 
 def test_mnist_gaussian_record_figure_is_about_952():
     acc = accounting.certify(cal(noise="gaussian"))
-    assert acc["per_record"]["epsilon"] == pytest.approx(952, abs=1.0)
+    assert acc.per_record.epsilon == pytest.approx(952, abs=1.0)
 
 
 def test_record_budget_laplace_gives_the_record_eps():
     c = cal(budget="record", epsilon=2.0)
     assert c.scale == pytest.approx(784 * 256 / 2.0)
-    assert accounting.certify(c)["per_record"]["epsilon"] == pytest.approx(2.0)
+    assert accounting.certify(c).per_record.epsilon == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("mechanism", ["tldp", "baseline"])
 def test_record_budget_gaussian_gives_the_record_eps(mechanism):
     c = cal(noise="gaussian", budget="record", epsilon=3.0, mechanism=mechanism)
-    rec = accounting.certify(c)["per_record"]
-    assert rec["approx"]["epsilon"] == pytest.approx(3.0, rel=1e-6)
+    rec = accounting.certify(c).per_record
+    assert rec.approx_epsilon == pytest.approx(3.0, rel=1e-6)
     assert analytic_gaussian_delta(3.0, c.scale, 256 * math.sqrt(784)) == pytest.approx(1e-5, rel=1e-3)
 
 
 def test_baseline_has_no_point_mass_and_composes_to_the_record_eps():
     acc = accounting.certify(cal(mechanism="baseline", epsilon=2.0))
-    assert acc["per_record"]["epsilon"] == pytest.approx(2.0)
-    assert acc["per_element"]["epsilon"] == pytest.approx(2.0 / 784)
-    assert acc["per_record"]["delta"] == 0.0 and acc["per_record"]["delta_log10"] is None
+    assert acc.per_record.epsilon == pytest.approx(2.0)
+    assert acc.per_element.epsilon == pytest.approx(2.0 / 784)
+    assert acc.per_record.delta == 0.0 and acc.per_record.delta_log10 is None
 
 
 def test_expected_error_table5():
@@ -152,18 +153,23 @@ def test_expected_error_table5():
     assert np.isfinite(c.expected_l2_error())
 
 
+def _scope(epsilon, delta, rho=None, point_mass=0.0):
+    """A release's per-record scope (what the ledger reads back)."""
+    return Guarantee(epsilon, delta, None, rho, delta, epsilon, point_mass, None)
+
+
 def _gaussian_scope(rho, dp_delta=1e-5, point_mass=0.0):
     """A Gaussian release's per-record scope: its analytic (eps, delta) at dp_delta and its rho."""
     sigma = 1 / math.sqrt(2 * rho)  # sensitivity 1
     eps = accounting.gaussian_epsilon(sigma, dp_delta)
-    return {"epsilon": eps, "delta": dp_delta + point_mass, "rho": rho, "point_mass_delta": point_mass}
+    return _scope(eps, dp_delta + point_mass, rho, point_mass)
 
 
 def test_releases_compose_pure_figures_by_addition():
-    laplace = [({"epsilon": e, "delta": d, "rho": None}, 1e-5) for e, d in [(1.5, 0.0), (2.25, 1e-7), (4.0, 3e-7)]]
+    laplace = [(_scope(e, d), 1e-5) for e, d in [(1.5, 0.0), (2.25, 1e-7), (4.0, 3e-7)]]
     assert accounting.compose_releases(laplace) == (pytest.approx(7.75), pytest.approx(4e-7))
     assert accounting.compose_releases([]) == (0.0, 0.0)
-    assert accounting.compose_releases([({"epsilon": 1.0, "delta": 0.7, "rho": None}, 1e-5)] * 2)[1] == 1.0
+    assert accounting.compose_releases([(_scope(1.0, 0.7), 1e-5)] * 2)[1] == 1.0
 
 
 @pytest.mark.parametrize("rhos, dp_delta", [([0.5] * 4, 1e-5), ([0.1, 2.0, 0.4], 1e-9), ([3.0] * 10, 1e-6)])
@@ -175,16 +181,16 @@ def test_gaussian_releases_compose_through_zcdp(rhos, dp_delta):
     rho = sum(rhos)
     assert analytic_gaussian_delta(eps, 1 / math.sqrt(2 * rho), 1.0) <= dp_delta
     assert eps <= rho + 2 * math.sqrt(rho * math.log(1 / dp_delta))
-    assert eps < sum(_gaussian_scope(r, dp_delta)["epsilon"] for r in rhos)  # below basic composition
+    assert eps < sum(_gaussian_scope(r, dp_delta).epsilon for r in rhos)  # below basic composition
     assert delta == pytest.approx(dp_delta + len(rhos) * point_mass)
 
 
 def test_one_release_composes_to_its_own_figure_and_a_mix_adds():
     scope = _gaussian_scope(0.5)
-    assert accounting.compose_releases([(scope, 1e-5)]) == (scope["epsilon"], scope["delta"])
-    laplace = {"epsilon": 2.0, "delta": 0.0, "rho": None}
+    assert accounting.compose_releases([(scope, 1e-5)]) == (scope.epsilon, scope.delta)
+    laplace = _scope(2.0, 0.0)
     assert accounting.compose_releases([(scope, 1e-5), (laplace, 1e-5)]) == (
-        pytest.approx(scope["epsilon"] + 2.0), pytest.approx(scope["delta"]))
+        pytest.approx(scope.epsilon + 2.0), pytest.approx(scope.delta))
 
 
 def test_gaussian_releases_are_stated_at_their_smallest_dp_delta():

@@ -132,8 +132,8 @@ def test_no_setting_crashes_or_stalls_and_no_warning_escapes(p):
             certified = accounting.certify(calib)
         assert time.process_time() - started < 30
         for scope in ("per_element", "per_record"):
-            assert math.isfinite(certified[scope]["epsilon"])
-            assert 0 <= certified[scope]["delta"] <= 1
+            assert math.isfinite(getattr(certified, scope).epsilon)
+            assert 0 <= getattr(certified, scope).delta <= 1
 
 
 @PROPERTY
@@ -150,10 +150,10 @@ def test_record_budget_never_certifies_above_eps(p):
 @given(calibration_space)
 def test_figures_grow_with_eps_and_with_the_record(p):
     try:
-        low = accounting.certify(_calibrate(p, "element", p["epsilon"] / 2))["per_record"]["epsilon"]
-        high = accounting.certify(_calibrate(p, "element"))["per_record"]["epsilon"]
+        low = accounting.certify(_calibrate(p, "element", p["epsilon"] / 2)).per_record.epsilon
+        high = accounting.certify(_calibrate(p, "element")).per_record.epsilon
         bigger = dict(p, elements=2 * p["elements"])
-        larger = accounting.certify(_calibrate(bigger, "element"))["per_record"]["epsilon"]
+        larger = accounting.certify(_calibrate(bigger, "element")).per_record.epsilon
     except UsageError:
         return
     assert low <= high * (1 + 1e-9)
@@ -186,4 +186,4 @@ def test_the_library_matches_the_accounting_module(epsilon, elements, noise):
     calib = calibrate(mechanism="tldp", noise=result.noise, budget="element", epsilon=epsilon,
                       range_width=256, elements=elements)
     assert result.accounting["per_record"]["epsilon"] == pytest.approx(
-        accounting.certify(calib)["per_record"]["epsilon"])
+        accounting.certify(calib).per_record.epsilon)

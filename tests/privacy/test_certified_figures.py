@@ -15,6 +15,7 @@ from tests.builders import (
     mixture_loss_atoms,
 )
 from tldp_cli.privacy import accounting
+from tldp_cli.run import manifest
 from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.sampling import discrete
 
@@ -136,18 +137,16 @@ def test_every_scope_field_is_the_worst_over_the_calibrations(noise, budget):
     width = 3.0 if noise.startswith("discrete") else 2.0
     cs = [_cal(noise=noise, budget=budget, elements=i, range_width=width, epsilon=3.0) for i in (1, 2, 40)]
     worst = accounting.certify_all(cs)
-    assert worst["worst_case_of"] == 3
+    assert worst.worst_case_of == 3
     for scope in ("per_element", "per_record"):
-        each = [accounting.certify(c)[scope] for c in cs]
-        for key in ("epsilon", "delta", "point_mass_delta"):
-            assert worst[scope][key] == max(e[key] for e in each), (scope, key)
-        for key in ("epsilon", "delta"):
-            assert worst[scope]["approx"][key] == max(e["approx"][key] for e in each)
+        each = [getattr(accounting.certify(c), scope) for c in cs]
+        for key in ("epsilon", "delta", "point_mass_delta", "approx_epsilon", "approx_delta"):
+            assert getattr(getattr(worst, scope), key) == max(getattr(e, key) for e in each), (scope, key)
         if noise != "laplace":
-            assert worst[scope]["rho"] == max(e["rho"] for e in each)
+            assert getattr(worst, scope).rho == max(e.rho for e in each)
     # the figures differ between the calibrations, so no single one would do
-    first = accounting.certify(cs[0])["per_element"]
-    last = accounting.certify(cs[-1])["per_element"]
+    first = accounting.certify(cs[0]).per_element
+    last = accounting.certify(cs[-1]).per_element
     assert first != last
 
 
@@ -210,7 +209,7 @@ def test_images_of_several_sizes_state_the_largest_p_and_evaluate(cli, tmp_path)
     assert code == 0
     # the old statement, the largest image's figures, is refused
     old = accounting.certify(_cal(epsilon=300.0, range_width=256.0, elements=30))
-    m["accounting"]["per_element"] = old["per_element"]
+    m["accounting"]["per_element"] = manifest.scope_entry(old.per_element)
     (tmp_path / "old.json").write_text(json.dumps(m))
     code, checks = _evaluate_checks(cli, folder, tmp_path / "photos.tldp", tmp_path / "old.json")
     assert code == 1 and not checks["parameters"]["passed"]
@@ -250,9 +249,9 @@ def test_single_size_manifest_is_unchanged(cli, tmp_path):
              granularity=m["granularity"])
     assert "calibrations" not in m and "worst_case_of" not in m["accounting"]
     m["accounting"].pop("per_file")
-    assert m["accounting"] == json.loads(json.dumps(accounting.certify(c)))
+    assert m["accounting"] == json.loads(json.dumps(manifest.accounting_entry(accounting.certify(c))))
     assert m["retain_probability"] == c.p and m["retain_probability_log10"] == c.p_log10
-    element_epsilon = accounting.certify(c)["per_element"]["epsilon"]  # 2.0015: W - 1 steps
+    element_epsilon = accounting.certify(c).per_element.epsilon  # 2.0015: W - 1 steps
     assert f"guarantee: each element (eps={element_epsilon:.4g}, " in result.stderr
 
 
@@ -302,7 +301,7 @@ def test_record_budget_never_certifies_more_than_eps():
         except UsageError:  # mvg/idn with non-Gaussian noise; TLDP discrete-laplace whose p costs more
             continue
         checked += 1
-        certified = accounting.certify(c)["per_record"]["epsilon"] if checked % 25 == 0 else None
+        certified = accounting.certify(c).per_record.epsilon if checked % 25 == 0 else None
         record = accounting.scope_epsilon(c, I)
         assert certified is None or certified == record
         over += record > eps
@@ -324,21 +323,21 @@ def test_discrete_gaussian_records_compose_by_rho():
                     range_width=256, elements=100)
     rho = 255**2 / (2 * c.scale**2)
     f = accounting.compose([(c, 100)])
-    assert f["rho"] == pytest.approx(100 * 784 * rho, rel=1e-12)
-    assert f["epsilon"] == accounting.discrete_gaussian_epsilon(c.scale, 255, 100 * 784, 1e-5)
-    closed = f["rho"] + 2 * math.sqrt(f["rho"] * math.log(1e5))  # zCDP to (eps, delta)
-    assert 13 < f["epsilon"] < min(closed, 16) and f["delta"] == 1e-5
+    assert f.rho == pytest.approx(100 * 784 * rho, rel=1e-12)
+    assert f.epsilon == accounting.discrete_gaussian_epsilon(c.scale, 255, 100 * 784, 1e-5)
+    closed = f.rho + 2 * math.sqrt(f.rho * math.log(1e5))  # zCDP to (eps, delta)
+    assert 13 < f.epsilon < min(closed, 16) and f.delta == 1e-5
     # two noise scales: the RDP of one Gaussian of the summed rho
     mixed = accounting.compose([(c, 100), (one, 30)])
-    total = f["rho"] + 30 * 100 * 255**2 / (2 * one.scale**2)
-    assert mixed["rho"] == pytest.approx(total, rel=1e-12)
+    total = f.rho + 30 * 100 * 255**2 / (2 * one.scale**2)
+    assert mixed.rho == pytest.approx(total, rel=1e-12)
     rdp = RdpAccountant(accounting.rdp_orders())  # more orders than dp-accounting's defaults
     rdp.compose(GaussianDpEvent(1 / math.sqrt(2 * total)))
-    assert mixed["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-12)
+    assert mixed.epsilon == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-12)
     default = RdpAccountant()
     default.compose(GaussianDpEvent(1 / math.sqrt(2 * total)))
-    assert mixed["epsilon"] <= default.get_epsilon(1e-5)  # the extra orders only tighten it
-    assert mixed["epsilon"] <= total + 2 * math.sqrt(total * math.log(1e5))
+    assert mixed.epsilon <= default.get_epsilon(1e-5)  # the extra orders only tighten it
+    assert mixed.epsilon <= total + 2 * math.sqrt(total * math.log(1e5))
 
 
 def test_discrete_gaussian_composition_keeps_the_point_mass_as_a_union_term():
@@ -346,8 +345,8 @@ def test_discrete_gaussian_composition_keeps_the_point_mass_as_a_union_term():
                     range_width=4, elements=i) for i in (1, 3)]
     f = accounting.compose([(cs[0], 5), (cs[1], 2)])
     closed = 1 - (1 - cs[0].p) ** 5 * (1 - cs[1].p) ** 6
-    assert cs[0].p > 0.05 and f["point_mass_delta"] == pytest.approx(closed, rel=1e-12)
-    assert f["delta"] == pytest.approx(1e-5 + closed, rel=1e-12)
+    assert cs[0].p > 0.05 and f.point_mass_delta == pytest.approx(closed, rel=1e-12)
+    assert f.delta == pytest.approx(1e-5 + closed, rel=1e-12)
 
 
 def test_discrete_laplace_records_compose_against_brute_force():
@@ -359,14 +358,14 @@ def test_discrete_laplace_records_compose_against_brute_force():
                     range_width=3, elements=i) for i in (2, 3)]
     f = accounting.compose([(cs[0], 3), (cs[1], 2)])
     elements = [accounting.discrete_laplace_element_epsilon(2, c.scale, c.log_p) for c in cs]
-    assert cs[0].p > 0.05 and f["delta"] == 0 and f["point_mass_delta"] == 0
-    assert f["epsilon"] == pytest.approx(6 * elements[0] + 6 * elements[1], rel=1e-12)
+    assert cs[0].p > 0.05 and f.delta == 0 and f.point_mass_delta == 0
+    assert f.epsilon == pytest.approx(6 * elements[0] + 6 * elements[1], rel=1e-12)
     dist = composed_losses([mixture_loss_atoms(2, c.scale, c.p) for c in cs for _ in range(6)])
-    certified, exact = f["approx"]["epsilon"], exact_epsilon(dist, 1e-5)
+    certified, exact = f.approx_epsilon, exact_epsilon(dist, 1e-5)
     assert exact_delta(dist, certified) <= 1e-5
     rho = sum(6 * e**2 / 2 for e in elements)
     interval = max(1e-4, math.sqrt(2 * rho) / 2000)
-    assert exact <= certified <= exact + 2 * 12 * interval < 0.95 * f["epsilon"]
+    assert exact <= certified <= exact + 2 * 12 * interval < 0.95 * f.epsilon
 
 
 def test_many_discrete_laplace_records_compose_below_basic_composition():
@@ -378,5 +377,5 @@ def test_many_discrete_laplace_records_compose_below_basic_composition():
     f = accounting.compose([(c, 2000)])
     element = accounting.discrete_laplace_element_epsilon(255, c.scale, c.log_p)
     rho = 2000 * 784 * element**2 / 2
-    assert f["epsilon"] == pytest.approx(2000.0, rel=1e-9)
-    assert f["approx"]["epsilon"] <= rho + 2 * math.sqrt(rho * math.log(1e5)) < 100
+    assert f.epsilon == pytest.approx(2000.0, rel=1e-9)
+    assert f.approx_epsilon <= rho + 2 * math.sqrt(rho * math.log(1e5)) < 100

@@ -4,6 +4,7 @@ size and taking the worst field by field, with the accountant run for a few size
 Property tests run a bounded number of examples; TLDP_HYPOTHESIS_EXAMPLES raises it.
 """
 
+import dataclasses
 import math
 import os
 
@@ -27,19 +28,16 @@ def reference_certify_all(calibrations):
     if len(distinct) == 1:
         return accounting.certify(distinct[0])
     certs = [accounting.certify(c) for c in distinct]
-    notes = list(dict.fromkeys(note for cert in certs for note in cert["notes"]))
+    notes = list(dict.fromkeys(note for cert in certs for note in cert.notes))
     notes.append(f"The records have {len(distinct)} calibrations (record sizes): per_element and "
                  "per_record are the worst case over them, field by field (the largest epsilon, "
                  "delta, rho, approx and point_mass_delta of any), each a bound for every element "
                  "and every record.")
-    result = {"per_element": accounting.worst_scope([c["per_element"] for c in certs]),
-              "per_record": accounting.worst_scope([c["per_record"] for c in certs]),
-              "dp_delta": certs[0]["dp_delta"], "accountant": certs[0]["accountant"], "notes": notes,
-              "worst_case_of": len(distinct)}
-    designed = [c["designed"] for c in certs if "designed" in c]
-    if designed:
-        result["designed"] = max(designed, key=lambda d: d["epsilon"])
-    return result
+    designed = [c.designed for c in certs if c.designed is not None]
+    return dataclasses.replace(
+        certs[0], per_element=accounting.worst_scope([c.per_element for c in certs]),
+        per_record=accounting.worst_scope([c.per_record for c in certs]), notes=tuple(notes),
+        worst_case_of=len(distinct), designed=max(designed, key=lambda d: d.epsilon) if designed else None)
 
 
 def forget_computed_figures():
@@ -64,9 +62,9 @@ def assert_same_as_reference(cs):
     assert got == expected
     # bit for bit, not just ==: the manifest's JSON is the same
     for scope in ("per_element", "per_record"):
-        for key in ("epsilon", "delta", "rho", "point_mass_delta"):
-            assert repr(got[scope][key]) == repr(expected[scope][key]), (scope, key)
-        assert repr(got[scope]["approx"]) == repr(expected[scope]["approx"]), scope
+        for key in ("epsilon", "delta", "rho", "point_mass_delta", "approx_epsilon", "approx_delta"):
+            assert repr(getattr(getattr(got, scope), key)) == repr(getattr(getattr(expected, scope), key)), \
+                (scope, key)
 
 
 @pytest.mark.slow  # the reference certifies every size of every example in full (about 40 s)
@@ -115,7 +113,7 @@ def test_many_sizes_run_the_accountant_for_a_few(monkeypatch, noise):
     forget_computed_figures()
     monkeypatch.setattr(accounting, "_composed_pld_epsilon", counting)
     worst = accounting.certify_all(cs)
-    assert worst["worst_case_of"] == 200
+    assert worst.worst_case_of == 200
     assert 1 <= len(composed) <= 10, composed
     assert max(composed) == max(c.elements for c in cs)  # the largest record is among them
 
@@ -129,6 +127,6 @@ def test_a_bound_is_never_below_the_figure_it_stands_for():
                 calib = calibrations(noise, "element", epsilon, [size])[0]
                 for count in (1, size):
                     scope = accounting._scope(calib, count, deferred=True)
-                    for figure in (scope["epsilon"], scope["approx"]["epsilon"]):
+                    for figure in (scope.epsilon, scope.approx_epsilon):
                         if isinstance(figure, accounting.Deferred):
                             assert figure.upper >= figure.value() and math.isfinite(figure.upper)

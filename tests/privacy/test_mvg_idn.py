@@ -14,6 +14,8 @@ from scipy.special import gammaln
 from tests.builders import analytic_gaussian_delta, siblings, tree_digest
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting, mvg_idn
+from tldp_cli.cli.summary import guarantee_line
+from tldp_cli.run import manifest
 from tldp_cli.privacy.mechanisms import calibrate
 from tldp_cli.sampling.engine import perturb_records
 from tldp_cli.sampling.rng import Streams
@@ -173,25 +175,26 @@ def test_manifest_figures_against_closed_forms(mechanism, rows, budget):
     c = cal(mechanism, I, rows=rows, budget=budget, epsilon=eps)
     acc = accounting.certify(c)
     sigma = c.scale
-    el, rec, designed = acc["per_element"], acc["per_record"], acc["designed"]
-    assert el["rho"] == pytest.approx(D**2 / (2 * sigma**2), rel=1e-12)
-    assert rec["rho"] == pytest.approx(I * D**2 / (2 * sigma**2), rel=1e-12)
+    el, rec, designed = acc.per_element, acc.per_record, acc.designed
+    assert el.rho == pytest.approx(D**2 / (2 * sigma**2), rel=1e-12)
+    assert rec.rho == pytest.approx(I * D**2 / (2 * sigma**2), rel=1e-12)
     # the tight eps at dp_delta: Balle and Wang's exact delta of the Gaussian mechanism
     for scope, sens in ((el, D), (rec, D * math.sqrt(I))):
-        assert scope["delta"] == DELTA and scope["point_mass_delta"] == 0.0
-        assert scope["epsilon"] > 0
-        assert analytic_gaussian_delta(scope["epsilon"], sigma, sens) == pytest.approx(DELTA, rel=1e-3)
-    assert designed["delta"] == DELTA and designed["scope"] == "record"
+        assert scope.delta == DELTA and scope.point_mass_delta == 0.0
+        assert scope.epsilon > 0
+        assert analytic_gaussian_delta(scope.epsilon, sigma, sens) == pytest.approx(DELTA, rel=1e-3)
+    assert designed.delta == DELTA and manifest.designed_entry(designed)["scope"] == "record"
     if budget == "element":  # the mechanism's design: --eps for the record at dp_delta
-        assert designed["epsilon"] == pytest.approx(eps, rel=1e-9)
+        assert designed.epsilon == pytest.approx(eps, rel=1e-9)
     else:  # tight calibration: the Gaussian baseline's sigma; the design claims more
-        assert rec["epsilon"] == pytest.approx(eps, rel=1e-6)
+        assert rec.epsilon == pytest.approx(eps, rel=1e-6)
         assert sigma == pytest.approx(cal("baseline", I, budget="record", epsilon=eps).scale)
     # the design's own claim is never tighter than the exact analysis of the same noise
-    assert designed["epsilon"] > rec["epsilon"]
+    assert designed.epsilon > rec.epsilon
     if mechanism == "mvg":
-        assert (designed["rows"], designed["columns"], designed["unfolding"]) == (4, 6, "mode-1")
-    assert "as designed, each record (eps=" in accounting.summary_line(acc, "gaussian")
+        entry = manifest.designed_entry(designed)
+        assert (entry["rows"], entry["columns"], entry["unfolding"]) == (4, 6, "mode-1")
+    assert "as designed, each record (eps=" in guarantee_line(manifest.accounting_entry(acc), "gaussian")
 
 
 def test_library_refusals():
@@ -232,7 +235,7 @@ def test_perturb_round_trip_and_evaluate(cli, matrices, tmp_path, mechanism):
     assert m["noise_scale"] == pytest.approx(c.scale, rel=1e-12)
     assert m["retain_probability"] == 0.0 and m["retain_probability_log10"] is None
     assert m["accounting"]["designed"]["epsilon"] == pytest.approx(2.0)
-    certified = json.loads(json.dumps(accounting.certify(c)))
+    certified = json.loads(json.dumps(manifest.accounting_entry(accounting.certify(c))))
     for scope in ("per_element", "per_record", "designed", "dp_delta"):
         assert m["accounting"][scope] == certified[scope]
     if mechanism == "mvg":
@@ -286,7 +289,7 @@ def test_sweep_has_mvg_and_idn_and_skips_mvg_for_vectors(cli, tmp_path):
             row = rows[method, eps]
             c = cal(mechanism, 16, rows=4 if mechanism == "mvg" else None, epsilon=eps)
             assert row["noise_scale"] == pytest.approx(c.scale)
-            assert row["record_epsilon"] == pytest.approx(accounting.certify(c)["per_record"]["epsilon"])
+            assert row["record_epsilon"] == pytest.approx(accounting.certify(c).per_record.epsilon)
             # 300 records x 16 elements: 5 standard errors of E||Z||^2 are 10%
             assert row["rms_l2_error"] ** 2 == pytest.approx(c.expected_l2_error() ** 2, rel=0.1)
     # an element sweep: only privunit, whose eps is per record, is left out

@@ -120,10 +120,10 @@ def test_margin_bounds_cover_the_exact_share_and_stay_close():
 def test_calibration_certifies_at_most_the_request_and_keeps_the_cap_affordable(k, epsilon):
     calib = mechanisms.calibrate_privunit(epsilon=epsilon, record_shape=(k * 2,), value_range=(0, 1), k=k)
     figures = accounting.privunit_figures(calib)
-    assert figures["epsilon"] <= epsilon
-    assert calib.element_epsilon == figures["epsilon"]
-    assert figures["epsilon"] > epsilon - 1e-3  # the budget is spent, not wasted
-    assert figures["q"] >= privunit.MIN_CAP_PROBABILITY * (1 - 1e-9)
+    assert figures.epsilon <= epsilon
+    assert calib.element_epsilon == figures.epsilon
+    assert figures.epsilon > epsilon - 1e-3  # the budget is spent, not wasted
+    assert figures.q >= privunit.MIN_CAP_PROBABILITY * (1 - 1e-9)
     assert calib.privunit.p >= 0.5 and 0 <= calib.privunit.gamma < 1
     assert calib.budget == "record" and calib.mechanism == PRIVUNIT and calib.log_p == -math.inf
 
@@ -201,6 +201,41 @@ def test_a_calibration_carries_its_write_back_rule():
             .prior_exponent is None
 
 
+def test_the_pre_emphasis_is_a_public_rule_of_the_shape_and_leaves_the_figure_alone():
+    """d = (1 + f)^a for the DCT basis over two axes of images, whatever the eps and the data;
+    none for 1-D records or a user's basis. The record enters only through its direction, so the
+    split and the certified figure are those of the same calibration without pre-emphasis."""
+    from dataclasses import replace
+
+    assert privunit.EMPHASIS_EXPONENT > 0
+    for shape in ((28, 28), (28, 28, 3), (3, 8, 8), (8, 8)):
+        assert privunit.emphasis_exponent("dct", shape) == privunit.EMPHASIS_EXPONENT
+    for shape in ((784,), (1, 784), (28, 1)):
+        assert privunit.emphasis_exponent("dct", shape) is None
+    assert privunit.emphasis_exponent("file", (28, 28)) is None
+    assert list(privunit.emphasis([0.0, 1.0, 3.0], 0.5)) == pytest.approx([1.0, math.sqrt(2), 2.0], rel=1e-15)
+    for eps in (1, 4, 8, 16):
+        calib = mechanisms.calibrate_privunit(epsilon=eps, record_shape=(28, 28), value_range=(0, 256))
+        assert calib.privunit.emphasis_exponent == privunit.EMPHASIS_EXPONENT
+        plain = replace(calib, privunit=replace(calib.privunit, emphasis_exponent=None))
+        assert accounting.privunit_record_epsilon(calib) == accounting.privunit_record_epsilon(plain) <= eps
+
+
+def test_under_pre_emphasis_the_wiener_prior_is_that_of_the_emphasised_direction():
+    """w = Wiener(m, P_j proportional to d_j^2 (1 + f_j)^-2) / d_j, mean square 1."""
+    f = [0.0, 0.5, 0.5, 0.7071, 1.0, 3.0, 10.0]
+    k, a, m = len(f), 0.5, 0.07
+    d = [(1 + x) ** a for x in f]
+    prior = [dj * dj * (1 + x) ** -2.0 for dj, x in zip(d, f)]
+    raw = [m * m * (p / sum(prior)) / (m * m * (p / sum(prior)) + (1 - m * m) / k) / dj for p, dj in zip(prior, d)]
+    scale = math.sqrt(math.fsum(x * x for x in raw) / k)
+    assert list(privunit.write_back_weights(f, m, emphasis_exponent=a)) == pytest.approx([x / scale for x in raw],
+                                                                                         rel=1e-12)
+    inverse = [1 / dj for dj in d]
+    scale = math.sqrt(math.fsum(x * x for x in inverse) / k)
+    assert list(privunit.write_back_weights(f, m, None, a)) == pytest.approx([x / scale for x in inverse], rel=1e-12)
+
+
 def test_the_spatial_axes_are_the_projections():
     from tldp_cli.sampling import projection
 
@@ -230,17 +265,17 @@ def test_refusals():
 def test_scopes_compose_by_addition():
     calib = mechanisms.calibrate_privunit(epsilon=2, record_shape=(8, 8), value_range=(0, 1))
     certified = accounting.certify(calib)
-    assert certified["per_element"]["epsilon"] == certified["per_record"]["epsilon"] <= 2
-    assert certified["per_record"]["delta"] == 0 and certified["per_record"]["rho"] is None
-    file = accounting.certify_file([("a", calib, 10)])["per_file"]
-    assert file["epsilon"] == pytest.approx(10 * certified["per_record"]["epsilon"])
-    assert file["delta"] == 0
+    assert certified.per_element.epsilon == certified.per_record.epsilon <= 2
+    assert certified.per_record.delta == 0 and certified.per_record.rho is None
+    file = accounting.certify_file([("a", calib, 10)]).per_file
+    assert file.epsilon == pytest.approx(10 * certified.per_record.epsilon)
+    assert file.delta == 0
     # the zCDP that pure eps implies (eps^2/2 per record) is the tighter (eps, delta) for many records
     small = mechanisms.calibrate_privunit(epsilon=0.5, record_shape=(8, 8), value_range=(0, 1))
     many = accounting.compose([(small, 10_000)])
     rho = 10_000 * small.element_epsilon ** 2 / 2
-    assert many["epsilon"] == pytest.approx(10_000 * small.element_epsilon)
-    assert many["approx"]["epsilon"] == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))
+    assert many.epsilon == pytest.approx(10_000 * small.element_epsilon)
+    assert many.approx_epsilon == pytest.approx(rho + 2 * math.sqrt(rho * math.log(1e5)))
 
 
 @pytest.mark.parametrize("k,epsilon", [(8, 1), (64, 4), (200, 6)])

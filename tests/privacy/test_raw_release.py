@@ -86,17 +86,17 @@ def test_a_small_point_mass_comes_out_of_the_noise_delta(noise):
     """Total delta = dp_delta: the Gaussian's epsilon is taken at dp_delta - point mass."""
     calib = calibrate(mechanism="tldp", noise=noise, budget="element", epsilon=1.0,
                       range_width=256.0 if noise == "gaussian" else 256, elements=10)
-    record = accounting.certify(calib)["per_record"]
-    pm = record["point_mass_delta"]
+    record = accounting.certify(calib).per_record
+    pm = record.point_mass_delta
     assert 0 < pm < 1e-5
-    assert record["delta"] == pytest.approx(1e-5)
+    assert record.delta == pytest.approx(1e-5)
     def eps_at(delta):
         if noise == "gaussian":
             return accounting.gaussian_epsilon(calib.scale / (256 * math.sqrt(10)), delta)
         return accounting.discrete_gaussian_epsilon(calib.scale, 255, 10, delta)
 
-    assert record["epsilon"] == pytest.approx(eps_at(1e-5 - pm), rel=1e-12)
-    assert record["epsilon"] > eps_at(1e-5)  # the kept values' share really is paid for
+    assert record.epsilon == pytest.approx(eps_at(1e-5 - pm), rel=1e-12)
+    assert record.epsilon > eps_at(1e-5)  # the kept values' share really is paid for
 
 
 def test_noise_delta_splits_the_target():

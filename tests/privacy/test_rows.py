@@ -93,7 +93,7 @@ def test_zarr_arrays_sharing_rows_compose_too(cli, tmp_path):
     expected = accounting.compose([(x, 1), (y, 1)])
     # rho = 255^2 / (2 sigma^2) per element, sigma = 256 / sqrt(2 eps): 68 elements of (255/256)^2
     assert m["accounting"]["per_record"]["rho"] == pytest.approx(68 * (255 / 256) ** 2)
-    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(expected["epsilon"])
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(expected.epsilon)
 
 
 @pytest.mark.parametrize("writer", ["netcdf4", "h5netcdf", "zarr2", "zarr3"])

@@ -10,6 +10,7 @@ import pytest
 from tests.builders import SEED, assert_one_line_error, siblings, write_safetensors
 from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import calibrate
+from tldp_cli.run import manifest
 
 netCDF4 = pytest.importorskip("netCDF4")
 
@@ -43,7 +44,7 @@ def test_each_variable_gets_its_own_range(cli, tmp_path):
     # row i of t2m and of tp is one subject's record: the two compose
     certified = accounting.certify_all(calibs, [calibs])
     assert m["row_datasets"] == [["/t2m", "/tp"]]
-    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(certified["per_record"]["epsilon"])
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(certified.per_record.epsilon)
     with netCDF4.Dataset(tmp_path / "era.tldp.nc") as nc:
         t2m, tp = nc["t2m"][:].filled(np.nan), nc["tp"][:].filled(np.nan)
     # kept values are the raw ones; the noise on tp is on the scale of 0.5, not of 130
@@ -160,7 +161,7 @@ def test_integer_datasets_of_two_dtypes_need_no_range(cli, tmp_path):
     assert [g["value_range"] for g in m["range_groups"]] == [[0, 256], [0, 65536]]
     calibs = [calibrate(mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=1.0,
                         range_width=w, elements=64) for w in (256, 65536)]
-    assert m["accounting"]["per_record"] == accounting.certify_all(calibs, [calibs])["per_record"]
+    assert m["accounting"]["per_record"] == manifest.scope_entry(accounting.certify_all(calibs, [calibs]).per_record)
     assert "A record spanning several ranges (a row of /a, /b) composes its parts" in result.stderr
     with h5py.File(tmp_path / "two.tldp.h5") as f:  # the uint8 dataset's noise is of scale 256
         noise = f["a"][()].astype(np.int64) - a  # median |Laplace| = b ln 2 (640 values: within 15%)

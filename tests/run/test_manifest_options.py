@@ -1,5 +1,5 @@
 """A manifest read back into options (pipeline.options_of_manifest, the inverse of
-build_manifest beside it): the plan they make is the plan the run made, which is what
+build_manifest beside it): the calibration they make is the one the run made, which is what
 tldp evaluate recomputes and checks."""
 
 from pathlib import Path
@@ -9,7 +9,8 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.bases import parse_basis
-from tldp_cli.run.pipeline import PerturbOptions, build_manifest, checked_options, options_of_manifest, plan
+from tldp_cli.run.pipeline import (PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options,
+                                   options_of_manifest)
 
 
 def job(name, shape, dtype):
@@ -39,18 +40,19 @@ CASES = {  # options (besides input and eps), the arrays
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_manifest_read_back_plans_what_the_run_planned(case):
+def test_a_manifest_read_back_calibrates_as_the_run_did(case):
     given, jobs = CASES[case]
     options = checked_options(PerturbOptions(**{"input": Path("x"), "eps": 1.0, **given}))
-    run = plan(options, jobs)
-    manifest = build_manifest(options, run, jobs, None, None, None, None, outputs=[])
+    calibrated = calibrate_run(options, jobs)
+    manifest = build_manifest(RunContext(options, jobs, calibrated))
     again = options_of_manifest(manifest, Path("x"))
-    rerun = plan(again, jobs)
-    assert rerun.calib_of == run.calib_of
-    assert (rerun.lo, rerun.hi, rerun.grid, rerun.out_dtype) == (run.lo, run.hi, run.grid, run.out_dtype)
-    assert rerun.certified == run.certified
-    assert rerun.bounds == run.bounds
-    assert build_manifest(again, rerun, jobs, None, None, None, None, outputs=[])["accounting"] == \
+    rerun = calibrate_run(again, jobs)
+    assert rerun.calib_of == calibrated.calib_of
+    assert (rerun.lo, rerun.hi, rerun.grid, rerun.out_dtype) == (calibrated.lo, calibrated.hi, calibrated.grid,
+                                                                 calibrated.out_dtype)
+    assert rerun.certified == calibrated.certified
+    assert rerun.bounds == calibrated.bounds
+    assert build_manifest(RunContext(again, jobs, rerun))["accounting"] == \
         manifest["accounting"]
     for field in ("eps", "mechanism", "noise", "budget", "dp_delta", "granularity", "ranges"):
         assert getattr(again, field) == getattr(options, field), field
@@ -58,7 +60,7 @@ def test_a_manifest_read_back_plans_what_the_run_planned(case):
         assert parse_basis(again.basis) == parse_basis(options.basis)
     else:
         assert again.basis is None
-    assert again.allow_raw_release == bool(run.raw_release)
+    assert again.allow_raw_release == bool(calibrated.raw_release)
 
 
 def test_a_basis_file_is_read_back_as_the_file(tmp_path):
@@ -66,8 +68,8 @@ def test_a_basis_file_is_read_back_as_the_file(tmp_path):
     np.save(tmp_path / "basis.npy", rows)
     options = checked_options(PerturbOptions(input=Path("x"), eps=2.0, mechanism="privunit",
                                              basis=str(tmp_path / "basis.npy"), value_range=(-1, 1)))
-    run = plan(options, FLOATS)
-    again = options_of_manifest(build_manifest(options, run, FLOATS, None, None, None, None, outputs=[]),
+    calibrated = calibrate_run(options, FLOATS)
+    again = options_of_manifest(build_manifest(RunContext(options, FLOATS, calibrated)),
                                 Path("x"))
     assert again.basis == str(tmp_path / "basis.npy")
-    assert plan(again, FLOATS).calib_of == run.calib_of
+    assert calibrate_run(again, FLOATS).calib_of == calibrated.calib_of

@@ -11,7 +11,7 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run import manifest
-from tldp_cli.run.pipeline import PerturbOptions, build_manifest, checked_options, plan
+from tldp_cli.run.pipeline import PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options
 
 JOBS = [ArrayJob("x", (20, 4, 4), np.dtype("uint8"), lambda a, b: np.zeros((b - a, 4, 4), np.uint8),
                  {"path": "x.npy", "format": "npy", "shape": [20, 4, 4], "dtype": "uint8"})]
@@ -30,7 +30,7 @@ def writer(**extra):
 
 def run_manifest(reader_part, writer_part, **options):
     opts = checked_options(PerturbOptions(input=Path("x.npy"), eps=1.0, **options))
-    return build_manifest(opts, plan(opts, JOBS), JOBS, reader_part, writer_part, None, None, outputs=[])
+    return build_manifest(RunContext(opts, JOBS, calibrate_run(opts, JOBS), reader=reader_part), writer_part)
 
 
 @pytest.mark.parametrize("key", ["epsilon", "accounting", "sampler", "granularity", "grid", "records"])

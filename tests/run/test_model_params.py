@@ -404,11 +404,11 @@ def test_compose_one_record_is_the_per_record_figure():
     for noise in ("laplace", "gaussian"):
         c = calibrate(mechanism="tldp", noise=noise, budget="element", epsilon=1.0, range_width=2.0,
                       elements=300)
-        one, rec = accounting.compose([(c, 1)]), accounting.certify(c)["per_record"]
+        one, rec = accounting.compose([(c, 1)]), accounting.certify(c).per_record
         for key in ("epsilon", "delta", "point_mass_delta") + (("rho",) if noise == "gaussian" else ()):
-            assert one[key] == pytest.approx(rec[key], rel=1e-9), (noise, key)
-        assert one["rho"] is rec["rho"] is None or noise == "gaussian"
-        assert one["approx"]["epsilon"] == pytest.approx(rec["approx"]["epsilon"], rel=1e-9)
+            assert getattr(one, key) == pytest.approx(getattr(rec, key), rel=1e-9), (noise, key)
+        assert one.rho is rec.rho is None or noise == "gaussian"
+        assert one.approx_epsilon == pytest.approx(rec.approx_epsilon, rel=1e-9)
 
 
 def test_composed_laplace_against_dp_accounting():
@@ -420,12 +420,12 @@ def test_composed_laplace_against_dp_accounting():
     cs = [calibrate(mechanism="tldp", noise="laplace", budget="record", epsilon=1.0, range_width=2.0,
                     elements=i) for i in (4, 16)]
     f = accounting.compose([(cs[0], 3), (cs[1], 2)])  # 3 tensors of 4 elements, 2 of 16
-    assert f["epsilon"] == pytest.approx(5.0)  # pure: 5 records of eps 1
+    assert f.epsilon == pytest.approx(5.0)  # pure: 5 records of eps 1
     pld = PLDAccountant(value_discretization_interval=1e-5)
     pld.compose(ComposedDpEvent([SelfComposedDpEvent(LaplaceDpEvent(c.scale / 2.0), n * c.elements)
                                  for c, n in zip(cs, (3, 2))]))
-    assert f["approx"]["epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=1e-2)
-    assert f["approx"]["epsilon"] < 5.0
+    assert f.approx_epsilon == pytest.approx(pld.get_epsilon(1e-5), rel=1e-2)
+    assert f.approx_epsilon < 5.0
 
 
 def test_composed_gaussian_is_one_gaussian_of_the_summed_rho():
@@ -436,14 +436,14 @@ def test_composed_gaussian_is_one_gaussian_of_the_summed_rho():
           for b, e, i in (("element", 0.5, 10), ("record", 3.0, 40))]
     f = accounting.compose([(cs[0], 2), (cs[1], 1)])
     rho = 2 * 10 * 0.5 + 40 / (2 * cs[1].scale**2)
-    assert f["rho"] == pytest.approx(rho)
+    assert f.rho == pytest.approx(rho)
     # Closed form: the composition is a Gaussian of sensitivity/sigma = sqrt(2 rho).
-    assert analytic_gaussian_delta(f["approx"]["epsilon"], 1.0, math.sqrt(2 * rho)) == pytest.approx(1e-5, rel=1e-3)
-    assert f["epsilon"] <= rho + 2 * math.sqrt(rho * math.log(1e5))
+    assert analytic_gaussian_delta(f.approx_epsilon, 1.0, math.sqrt(2 * rho)) == pytest.approx(1e-5, rel=1e-3)
+    assert f.epsilon <= rho + 2 * math.sqrt(rho * math.log(1e5))
     pld = PLDAccountant(value_discretization_interval=1e-3)
     pld.compose(ComposedDpEvent([SelfComposedDpEvent(GaussianDpEvent(c.scale / 1.0), n * c.elements)
                                  for c, n in zip(cs, (2, 1))]))
-    assert f["epsilon"] == pytest.approx(pld.get_epsilon(1e-5), rel=1e-2)
+    assert f.epsilon == pytest.approx(pld.get_epsilon(1e-5), rel=1e-2)
 
 
 def test_training_rounds_compose():

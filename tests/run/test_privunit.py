@@ -17,6 +17,7 @@ from PIL import Image
 
 from tests.builders import DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli import perturb_array
+from tldp_cli.privacy import privunit as privunit_rules
 from tldp_cli.run import model_params
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.rng import Streams
@@ -63,7 +64,10 @@ def test_the_sample_image_folder(cli, tmp_path):
     pixels = np.asarray(Image.open(written[0]))
     assert pixels.shape == (28, 28) and pixels.dtype == np.uint8
     assert any("write back reference + c B^T (w * V)" in step for step in m["postprocessing"])
-    assert m["privunit"]["write_back"]["weights"] == "none"  # eps 4: m above the threshold
+    # eps 4: m above the Wiener threshold, so the write-back only undoes the public pre-emphasis
+    assert m["privunit"]["write_back"]["weights"] == "inverse_emphasis"
+    assert m["privunit"]["pre_emphasis"]["weights"] == "spectral"
+    assert m["privunit"]["pre_emphasis"]["exponent"] == privunit_rules.EMPHASIS_EXPONENT
     assert any("clip to [0, 255]" in step for step in m["postprocessing"])
 
 

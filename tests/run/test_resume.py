@@ -1,6 +1,7 @@
 """Interrupted runs and --resume: nothing at the destination, and a resumed Zarr run
 equals an uninterrupted one with the same seed."""
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -17,7 +18,8 @@ import zarr
 from tests.builders import DATA, SEED, make_hdf5, make_images, make_npy, siblings
 from tldp_cli import __version__
 from tldp_cli.errors import Interrupted, OutputError, UsageError
-from tldp_cli.run.pipeline import PerturbOptions, perturb
+from tldp_cli.run.pipeline import (OPTION_FLAGS, RESUME_COMPARED, RESUME_COMPARED_AS, RESUME_NOT_COMPARED,
+                                   PerturbOptions, perturb)
 from tldp_cli.run.resume import partial_path
 from tldp_cli.sampling import rng
 
@@ -230,6 +232,28 @@ def test_resume_refuses_other_options(tmp_path, change, named):
         perturb(PerturbOptions(**{**vars(options(src, out, resume=True)), **change}))
     assert named in str(error.value)
     assert sorted(p.name for p in partial_path(out).rglob("*")) == before  # kept for a correct rerun
+
+
+def test_every_option_is_compared_or_not_by_decision():
+    """Each PerturbOptions field is in exactly one of pipeline's lists of what --resume
+    compares: a new option fails here until it is put in one (compared as given, in
+    another form, or not compared), never compared or ignored by default."""
+    lists = (RESUME_COMPARED, RESUME_COMPARED_AS, RESUME_NOT_COMPARED)
+    listed = [name for names in lists for name in names]
+    fields = [f.name for f in dataclasses.fields(PerturbOptions)]
+    assert sorted(set(fields) - set(listed)) == [], "options neither compared nor declared not compared"
+    assert sorted(set(listed) - set(fields)) == [], "listed names that are no option"
+    assert len(listed) == len(set(listed)), "an option in two lists, or twice in one"
+
+
+def test_the_journal_states_each_compared_option_and_no_other(tmp_path):
+    """The options a journal records are RESUME_COMPARED's, by flag, beside the input, its
+    format and arrays, whether a seed was given and the weights: nothing of
+    RESUME_NOT_COMPARED (the output's paths, workers, the ledger)."""
+    _, out = interrupted(tmp_path, workers=2)
+    recorded = set(header(out)["options"])
+    flags = {OPTION_FLAGS.get(name, "--" + name.replace("_", "-")) for name in RESUME_COMPARED}
+    assert recorded == flags | {"input", "format", "arrays", "--seed", "--weights", "--ranges"}
 
 
 def test_refusal_through_the_cli_is_one_line_exit_2(cli, tmp_path):

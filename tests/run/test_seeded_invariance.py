@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.arrays import ARRAY_NAME, perturb_array
-from tldp_cli.run.pipeline import PerturbOptions, checked_options, perturb, plan
+from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, perturb
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS, Streams
 
@@ -79,12 +79,13 @@ def _blockwise(x: np.ndarray, options: dict, seed: str, rng: str, weights: np.nd
         mechanism=options.get("mechanism", "tldp"), budget=options.get("budget"),
         sampler=options.get("sampler", "exact")))
     job = ArrayJob(ARRAY_NAME, x.shape, x.dtype, lambda a, b: x[a:b], {"format": "array"})
-    run = plan(run_options, [job])
+    calibrated = calibrate_run(run_options, [job])
     streams = Streams(rng, seed, allow_weak_seed=True)
     return np.concatenate([
-        engine.perturb_records(x[a:b], a, ARRAY_NAME, run.calib_of[ARRAY_NAME], streams,
+        engine.perturb_records(x[a:b], a, ARRAY_NAME, calibrated.calib_of[ARRAY_NAME], streams,
                                None if weights is None else weights[a:b].reshape(b - a, -1),
-                               run.out_dtype, run.grid, len(x), run.bases.get(ARRAY_NAME))
+                               calibrated.out_dtype, calibrated.grid, len(x),
+                               calibrated.bases.get(ARRAY_NAME))
         for a, b in cut])
 
 

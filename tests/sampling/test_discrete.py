@@ -282,8 +282,8 @@ def test_discrete_laplace_pure_bound_is_the_largest_privacy_loss(W, I, eps):
     closed = (W - 1) / c.scale + math.log1p(c.p * (1 + a) / ((1 - c.p) * (1 - a)))
     assert element == pytest.approx(closed, rel=1e-12)
     acc = accounting.certify(c)
-    assert acc["per_element"]["epsilon"] == element and acc["per_element"]["delta"] == 0
-    assert acc["per_record"]["epsilon"] == pytest.approx(I * element, rel=1e-12)
+    assert acc.per_element.epsilon == element and acc.per_element.delta == 0
+    assert acc.per_record.epsilon == pytest.approx(I * element, rel=1e-12)
 
 
 def test_closer_pairs_are_dominated():
@@ -318,7 +318,7 @@ def test_discrete_laplace_approx_matches_dp_accounting():
         assert expected * (1 - 1e-6) <= ours <= expected + interval
     c = cal()
     acc = accounting.certify(c)
-    assert acc["per_record"]["approx"]["epsilon"] < 0.6 * acc["per_record"]["epsilon"]
+    assert acc.per_record.approx_epsilon < 0.6 * acc.per_record.epsilon
 
 
 @pytest.mark.parametrize("W, I, eps, budget", [
@@ -332,13 +332,13 @@ def test_discrete_laplace_mixture_approx_against_brute_force(W, I, eps, budget):
     c = cal(budget=budget, epsilon=eps, range_width=W, elements=I)
     assert c.p > 0.01
     dist = composed_losses([mixture_loss_atoms(W - 1, c.scale, c.p)] * I)
-    record = accounting.certify(c)["per_record"]
-    certified = record["approx"]["epsilon"]
+    record = accounting.certify(c).per_record
+    certified = record.approx_epsilon
     exact = exact_epsilon(dist, 1e-5)
     interval = accounting._interval(I, accounting.discrete_laplace_element_epsilon(W - 1, c.scale, c.log_p))
     assert exact_delta(dist, certified) <= 1e-5
     assert exact <= certified <= exact + 2 * I * interval
-    assert record["epsilon"] == pytest.approx(max(dist.keys() - {math.inf}), rel=1e-8)  # pure: the largest loss
+    assert record.epsilon == pytest.approx(max(dist.keys() - {math.inf}), rel=1e-8)  # pure: the largest loss
 
 
 def cks_delta(eps, sigma, d):
@@ -354,9 +354,9 @@ def test_discrete_gaussian_element_against_closed_form_and_dp_accounting():
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     c = cal(noise="discrete-gaussian")
-    acc = accounting.certify(c)["per_element"]
-    assert acc["rho"] == pytest.approx(255**2 / (2 * c.scale**2), rel=1e-12)
-    eps = acc["epsilon"]
+    acc = accounting.certify(c).per_element
+    assert acc.rho == pytest.approx(255**2 / (2 * c.scale**2), rel=1e-12)
+    eps = acc.epsilon
     assert cks_delta(eps, c.scale, 255) <= 1e-5 < cks_delta(0.995 * eps, c.scale, 255)
     theirs = pld.from_discrete_gaussian_mechanism(c.scale, sensitivity=255).get_epsilon_for_delta(1e-5)
     assert eps == pytest.approx(theirs, rel=1e-3)
@@ -398,8 +398,8 @@ def test_discrete_gaussian_record_against_dp_accounting_and_rdp():
 ])
 def test_record_budget_certifies_exactly_eps(mechanism, noise, eps):
     c = cal(mechanism=mechanism, noise=noise, budget="record", epsilon=eps, range_width=256, elements=50)
-    record = accounting.certify(c)["per_record"]
-    assert record["epsilon"] <= eps and record["epsilon"] == pytest.approx(eps, rel=1e-6)
+    record = accounting.certify(c).per_record
+    assert record.epsilon <= eps and record.epsilon == pytest.approx(eps, rel=1e-6)
 
 
 def test_record_budget_tldp_discrete_laplace_refuses_what_p_alone_exceeds():
@@ -409,9 +409,9 @@ def test_record_budget_tldp_discrete_laplace_refuses_what_p_alone_exceeds():
 
 def test_point_mass_of_the_discrete_gaussian_enters_delta():
     c = cal(noise="discrete-gaussian", range_width=4, elements=1)
-    acc = accounting.certify(c)["per_element"]
-    assert c.p > 0.01 and acc["point_mass_delta"] == pytest.approx(c.p, rel=1e-12)
-    assert acc["delta"] == pytest.approx(1e-5 + c.p, rel=1e-12)
+    acc = accounting.certify(c).per_element
+    assert c.p > 0.01 and acc.point_mass_delta == pytest.approx(c.p, rel=1e-12)
+    assert acc.delta == pytest.approx(1e-5 + c.p, rel=1e-12)
 
 
 def test_grid_calibration_uses_one_more_value():
@@ -420,7 +420,7 @@ def test_grid_calibration_uses_one_more_value():
     grid = cal(range_width=1.0, granularity=1 / 64, elements=10)
     ints = cal(range_width=65, elements=10)
     assert grid.grid_values == 65 and grid.scale == ints.scale
-    assert accounting.certify(grid)["per_record"] == accounting.certify(ints)["per_record"]
+    assert accounting.certify(grid).per_record == accounting.certify(ints).per_record
 
 
 # --------------------------------------------------------------------------- every format

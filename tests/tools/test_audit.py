@@ -157,8 +157,8 @@ def test_half_the_noise_scale_is_caught(mechanism, noise):
     # judged against the real figures, not the broken calibration's
     certified = accounting.certify(calib)
     for scope, row in rows(report):
-        figures = certified[f"per_{scope}"]
-        assert row["certified_epsilon"] in (figures["epsilon"], figures["approx"]["epsilon"])
+        figures = getattr(certified, f"per_{scope}")
+        assert row["certified_epsilon"] in (figures.epsilon, figures.approx_epsilon)
 
 
 @pytest.mark.parametrize("mechanism,noise", COMBINATIONS)

@@ -1,11 +1,11 @@
-"""Options that several commands share, defined once: their choices, their help and
-where a seed comes from."""
+"""Options that several commands share, defined once: their choices, their help,
+where a seed comes from, and the library's PerturbOptions that perturb's and plan's make."""
 
 import os
 import stat
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -13,6 +13,9 @@ from tldp_cli import formats
 from tldp_cli.cli.app import SEED_ENV
 from tldp_cli.errors import UsageError
 from tldp_cli.files import local
+
+if TYPE_CHECKING:
+    from tldp_cli.run.pipeline import PerturbOptions
 
 
 class Noise(str, Enum):
@@ -158,6 +161,24 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
                    f"(mode {stat.S_IMODE(mode):04o}); it holds a secret key: chmod 600 {seed_file}",
                    err=True)
     return text
+
+
+def perturb_options(input: Path, value_range: Optional[list[str]], **values: Any) -> "PerturbOptions":
+    """The PerturbOptions of a command's values as Typer parsed them, keyed by field name:
+    the one place the command line becomes the library's options (perturb and plan; a
+    manifest becomes them in pipeline.options_of_manifest, the library's own keywords are
+    PerturbOptions' fields). A choice (an Enum) gives its value, a repeatable option given
+    none an empty list, and --range's texts (`value_range`) the default range and each
+    array's own (pipeline.parse_ranges). The noise and the budget left None are the
+    mechanism's (pipeline.checked_options)."""
+    from tldp_cli.run.options import PerturbOptions, parse_ranges
+
+    default_range, ranges = parse_ranges(value_range or [])
+    fields = {name: value.value if isinstance(value, Enum) else value for name, value in values.items()}
+    for name in ("datasets", "exclude", "keep"):
+        if name in fields:
+            fields[name] = fields[name] or []
+    return PerturbOptions(input=input, value_range=default_range, ranges=ranges, **fields)
 
 
 # The options several commands take, defined once.

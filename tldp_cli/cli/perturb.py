@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
+from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
-    from tldp_cli.run.pipeline import PerturbOptions
+    from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
                               records_phrase, run, sigterm_interrupts, unperturbed_note)
@@ -169,32 +170,24 @@ def perturb_command(
     """
     # The library is imported here, not at the top: --help, completion and usage errors
     # stay quick (tests/cli/test_startup.py).
-    from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run.pipeline import BLOCK_ELEMENTS, PerturbOptions, parse_ranges, perturb
+    from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
     def options() -> "PerturbOptions":
-        default_range, ranges = parse_ranges(value_range or [])
-        return PerturbOptions(
-            input=paths[0], eps=eps, mechanism=mechanism.value,
-            noise=noise.value if noise is not None else default_noise(mechanism.value),
-            budget=budget.value if budget else None, value_range=default_range, ranges=ranges,
+        return perturb_options(
+            paths[0], value_range, eps=eps, mechanism=mechanism, noise=noise, budget=budget,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
-            seed_file=seed_file,
-            allow_weak_seed=allow_weak_seed, rng=rng.value,
-            dtype=dtype.value, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
-            clip_input=clip_input, clip=clip,
-            workers=workers or os.cpu_count() or 1,
-            datasets=dataset or [], exclude=exclude or [], keep=keep or [], input_format=input_format and input_format.value,
-            image_format=image_format.value,
+            seed_file=seed_file, allow_weak_seed=allow_weak_seed, rng=rng,
+            dtype=dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            clip_input=clip_input, clip=clip, workers=workers or os.cpu_count() or 1,
+            datasets=dataset, exclude=exclude, keep=keep, input_format=input_format, image_format=image_format,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
-            scheduler=scheduler.value, dask_address=dask_address,
-            dask_logs=debug, resume=resume, allow_raw_release=allow_raw_release, public_missing=public_missing,
+            scheduler=scheduler, dask_address=dask_address, dask_logs=debug, resume=resume,
+            allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
-            sampler=sampler.value, basis=basis,
-            block_elements=block_elements or BLOCK_ELEMENTS)
+            sampler=sampler, basis=basis, block_elements=block_elements or BLOCK_ELEMENTS)
 
     display = Display(quiet, verbose)
     if len(paths) > 1 or inputs_from is not None:
@@ -205,6 +198,9 @@ def perturb_command(
     def action():
         _check_preview(preview, out, overwrite)
         run_options = options()
+        checked_input(run_options)  # the run's first refusals, before the pipeline (NumPy) is imported
+        from tldp_cli.run.pipeline import perturb
+
         try:
             with sigterm_interrupts():
                 return perturb(run_options, progress=display.advance, phase=display.phase)
@@ -220,12 +216,12 @@ def perturb_command(
 
 def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
     """INPUT... then the paths --inputs-from lists."""
-    from tldp_cli.run import batch
-
     if quiet and verbose:
         raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
     paths = list(inputs or [])
     if inputs_from is not None:
+        from tldp_cli.run import batch
+
         where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
         # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
         text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
@@ -327,8 +323,6 @@ def _write_preview(preview: Path, input: Path, result, name_map, input_format, o
 
 
 def _report(result, quiet: bool, json_out: bool) -> None:
-    from tldp_cli.privacy import accounting
-
     m = result.manifest
     if not quiet:
         for message in result.messages:
@@ -336,7 +330,7 @@ def _report(result, quiet: bool, json_out: bool) -> None:
         typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
         ranges = len(m.get("range_groups", []))
-        typer.echo("tldp: " + accounting.summary_line(m["accounting"], m["noise"], ranges), err=True)
+        typer.echo("tldp: " + guarantee_line(m["accounting"], m["noise"], ranges), err=True)
     if json_out:
         typer.echo(json.dumps(m, indent=2))
 

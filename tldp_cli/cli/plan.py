@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path, perturb_options
 from tldp_cli.errors import UsageError
+from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
-    from tldp_cli.run.pipeline import PerturbOptions
+    from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
                               run, unperturbed_note)
@@ -74,9 +75,7 @@ def plan_command(
     With several inputs, each is planned in turn (a failed one: one line naming it, exit 1
     at the end) and --json prints the plans as one JSON list.
     """
-    from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run import planning
-    from tldp_cli.run.pipeline import PerturbOptions, checked_options, parse_ranges
+    from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
@@ -89,28 +88,28 @@ def plan_command(
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         if quiet and verbose:
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
-        default_range, ranges = parse_ranges(value_range or [])
-        options = PerturbOptions(
-            input=inputs[0] if inputs else Path(planning.DESCRIBED), eps=eps, mechanism=mechanism.value,
-            noise=noise.value if noise is not None else default_noise(mechanism.value),
-            sampler=sampler.value, budget=budget.value if budget else None,
-            value_range=default_range, ranges=ranges, dtype=dtype.value,
-            granularity=granularity, dp_delta=dp_delta, clip=clip, datasets=dataset or [],
-            exclude=exclude or [], keep=keep or [], image_format=image_format.value, allow_raw_release=allow_raw_release,
-            public_missing=public_missing,
-            input_format=input_format and input_format.value, basis=basis)
+        options = perturb_options(
+            inputs[0] if inputs else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
+            noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
+            dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
+            image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
+            input_format=input_format, basis=basis)
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch
 
             batch.check_names([dataclasses.replace(options, input=path) for path in inputs])
             return options
+        if inputs:
+            checked_input(options)  # the plan's first refusals, before the pipeline (NumPy) is imported
+        from tldp_cli.run import plan
+
         try:
             if inputs:
-                return planning.plan_input(options, phase=display.phase)
+                return plan.plan_input(options, phase=display.phase)
             from tldp_cli.audit import parse_shape
 
-            return planning.plan_records(options, parse_shape(elements), records, input_dtype)
+            return plan.plan_records(options, parse_shape(elements), records, input_dtype)
         finally:
             display.close()
 
@@ -125,12 +124,12 @@ def plan_command(
 def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Display, quiet: bool,
                   json_out: bool, debug: bool) -> int:
     """Each input planned in turn: its plan, or one line naming it; exit 1 if any failed."""
-    from tldp_cli.run import planning
+    from tldp_cli.run import plan
 
     reports, failed = [], []
     display.prefix = f"[1/{len(inputs)}] "
     with library_warnings(debug):
-        for i, (path, report) in enumerate(planning.plan_each(options, inputs, phase=display.phase)):
+        for i, (path, report) in enumerate(plan.plan_each(options, inputs, phase=display.phase)):
             display.close()
             display.prefix = f"[{i + 2}/{len(inputs)}] "
             if isinstance(report, Exception):
@@ -149,8 +148,6 @@ def _plan_several(options: "PerturbOptions", inputs: list[Path], display: Displa
 
 
 def _print(report: dict, quiet: bool) -> None:
-    from tldp_cli.privacy import accounting  # after the plan: its errors never import it
-
     if not quiet:
         for message in report["messages"]:
             typer.echo(f"tldp: {message}", err=True)
@@ -164,4 +161,4 @@ def _print(report: dict, quiet: bool) -> None:
                        f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
                        f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
         ranges = len(report.get("range_groups", []))
-        typer.echo("tldp: " + accounting.summary_line(report["accounting"], report["noise"], ranges), err=True)
+        typer.echo("tldp: " + guarantee_line(report["accounting"], report["noise"], ranges), err=True)

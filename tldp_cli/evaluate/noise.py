@@ -17,7 +17,7 @@ import numpy as np
 from tldp_cli.evaluate.common import Progress, finite
 from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
 from tldp_cli.privacy.mechanisms import Calibration
-from tldp_cli.run.pipeline import Plan
+from tldp_cli.run.pipeline import Calibrated
 from tldp_cli.sampling import engine
 
 ALPHA = 1e-6  # significance level of every statistical check
@@ -320,9 +320,9 @@ class Measured:
     noisy: list[np.ndarray]
 
 
-def measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Progress | None) -> Measured:
+def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, progress: Progress | None) -> Measured:
     """Read every pair of records block by block and gather the noise statistics."""
-    lo, hi = run.lo, run.hi
+    lo, hi = calibrated.lo, calibrated.hi
     total_records = sum(p.job.records for p in pairs)
     stats = NoiseStats(sum(p.job.records * p.job.elements for p in pairs))
     image_like = all(is_image_shaped(p.job.record_shape) for p in pairs) and bool(pairs)
@@ -338,9 +338,9 @@ def measure(pairs: list, m: dict, run: Plan, keep_for_task: bool, progress: Prog
             stop = min(start + step, pair.job.records)
             x = pair.job.read(start, stop)
             if clipped_input:  # the noise was added to the clipped values (in the array's range)
-                x = np.clip(x, *run.bounds.get(pair.job.name, (lo, hi, None))[:2])
+                x = np.clip(x, *calibrated.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
-            stats.add(x, y, pair.calib, data_range, run.bases.get(pair.job.name))
+            stats.add(x, y, pair.calib, data_range, calibrated.bases.get(pair.job.name))
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)

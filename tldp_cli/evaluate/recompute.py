@@ -1,4 +1,4 @@
-"""The manifest's parameters recomputed: the plan perturb made for the original's arrays,
+"""The manifest's parameters recomputed: the calibration perturb made for the original's arrays,
 rebuilt from the options the manifest states (pipeline.options_of_manifest), and every
 figure it states (scale, p, expected error, the certified figures) checked against a
 fresh calibration (mechanisms.calibrate) and certification (accounting.certify_all)."""
@@ -14,10 +14,9 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.evaluate.common import finite
-from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.run.pipeline import Plan, options_of_manifest, plan
+from tldp_cli.run.pipeline import Calibrated, calibrate_run, options_of_manifest
 from tldp_cli.sampling import discrete
 
 
@@ -68,8 +67,8 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                 records: list[list[Calibration]] | None = None
                 ) -> tuple[Calibration, list[tuple[Calibration, int]], dict]:
     """The largest record's calibration, every calibration with its records, and their
-    certification. `calibrations`: those of the original's arrays; None: one record size,
-    the manifest's elements_per_record."""
+    certification as a manifest's accounting states it. `calibrations`: those of the
+    original's arrays; None: one record size, the manifest's elements_per_record."""
     if not calibrations:
         acc = m.get("accounting") or {}
         calib = calibrate(mechanism=m["mechanism"], noise=m["noise"], budget=m["budget"],
@@ -80,7 +79,9 @@ def _recomputed(m: dict, calibrations: list[tuple[Calibration, int]] | None, gri
                           granularity=grid.granularity if grid is not None else None)
         calibrations = [(calib, int(m.get("records") or 0))]
     largest = max((c for c, _ in calibrations), key=lambda c: (c.elements, -c.scale))
-    return largest, calibrations, accounting.certify_all([c for c, _ in calibrations], records or None)
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+    certified = accounting.certify_all([c for c, _ in calibrations], records or None)
+    return largest, calibrations, manifest_mod.accounting_entry(certified)
 
 
 def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
@@ -152,7 +153,9 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
             compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
     # Everything the run released, all its records composed (perturb always states it).
     s = stated.get("per_file") or {}
-    r = accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)])["per_file"]
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+    r = manifest_mod.file_entry(
+        accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
     for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
         compare(f"accounting.per_file.{key}", s.get(key), r[key])
     for key in ("epsilon", "delta"):
@@ -179,24 +182,24 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
     return {"check": "parameters", "passed": not mismatches, "detail": detail, "mismatches": mismatches}
 
 
-def recompute_plan(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
-                  checks: list[dict]) -> tuple[Plan, dict[Calibration, int]]:
-    """The plan perturb made for the original's arrays, recomputed from the manifest's
-    options (pipeline.plan: one calibration per record size and declared range), the
+def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
+                          checks: list[dict]) -> tuple[Calibrated, dict[Calibration, int]]:
+    """The calibration perturb made for the original's arrays, recomputed from the manifest's
+    options (pipeline.calibrate_run: one calibration per record size and declared range), the
     records of each calibration, and, first among `checks`, whether the manifest's figures
     hold for them."""
     rows = _row_datasets(m, jobs)
     # an evaluation judges a release, whatever consent it took
     options = dataclasses.replace(options_of_manifest(m, original), allow_raw_release=True)
     try:
-        run = plan(options, jobs, rows=rows, per_tensor=per_tensor)
+        calibrated = calibrate_run(options, jobs, rows=rows, per_tensor=per_tensor)
     except UsageError as exc:
         raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
     records_of: dict[Calibration, int] = {}
     for job in jobs:
-        calib = run.calib_of[job.name]
+        calib = calibrated.calib_of[job.name]
         records_of[calib] = records_of.get(calib, 0) + job.records
     checks.insert(0, check_parameters(m, list(records_of.items()), [job.dtype for job in jobs],
-                                      [[run.calib_of[name] for name in row] for row in rows]))
-    return run, records_of
+                                      [[calibrated.calib_of[name] for name in row] for row in rows]))
+    return calibrated, records_of
 

@@ -14,7 +14,7 @@ from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, 
                                          read_manifest, shape_check)
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
-from tldp_cli.evaluate.recompute import recompute_plan
+from tldp_cli.evaluate.recompute import recompute_calibration
 from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, folder_labels, load_labels,
                                        load_records, task_utility)
 
@@ -49,15 +49,16 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     module, reader = open_original(original, m, input_format)
     try:
         jobs = reader.arrays()
-        run, records_of = recompute_plan(m, jobs, original, manifest_path, reader.records_are_tensors,
-                                        checks)
-        if run.in_range_markers and "public_missing" not in m:
-            reader.markers_are_data(run.in_range_markers)  # values perturb read as data, as it did
+        calibrated, records_of = recompute_calibration(m, jobs, original, manifest_path,
+                                                       reader.records_are_tensors, checks)
+        if calibrated.in_range_markers and "public_missing" not in m:
+            reader.markers_are_data(calibrated.in_range_markers)  # values perturb read as data, as it did
         pairing_issues: list[dict] = []
-        pairs = pair_up(module, reader, perturbed, m, run.calib_of, pairing_issues, renamed, input_format)
+        pairs = pair_up(module, reader, perturbed, m, calibrated.calib_of, pairing_issues, renamed,
+                        input_format)
         checks.extend(pairing_issues)
         checks.append(shape_check(m, jobs, pairs))
-        measured = measure(pairs, m, run, bool(labels), progress)
+        measured = measure(pairs, m, calibrated, bool(labels), progress)
     finally:
         reader.close()
 

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,11 +21,12 @@ from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
 from tldp_cli.evaluate.utility import (MODELS, check_task, load_labels, load_records, majority_f1, need,
                                        weighted_f1)
 from tldp_cli.files import output
-from tldp_cli.privacy import accounting
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
 from tldp_cli.run.pipeline import resolve_range
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
+if TYPE_CHECKING:
+    from tldp_cli.privacy.certificates import Certificate
 
 SWEEP_SCHEMA = "tldp-sweep/1"
 SWEEP_METHODS = (  # label, mechanism, noise, weighted
@@ -131,6 +132,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
                 calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
                                   range_width=hi - lo, elements=elements, dp_delta=dp_delta,
                                   rows=rows_mvg if mechanism == "mvg" else None)
+            from tldp_cli.privacy import accounting  # here: usage and path errors never import it
             cert = accounting.certify(calib)
             norms, mses, f1s = [], [], []
             for r in range(repeats):
@@ -192,15 +194,15 @@ def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,
             skipped + [{"method": "privunit", "reason": reason}])
 
 
-def _sweep_row(calib: Calibration, cert: dict[str, Any], norms: np.ndarray, mses: list[float],
+def _sweep_row(calib: Calibration, cert: Certificate, norms: np.ndarray, mses: list[float],
                f1s: list[float]) -> dict[str, Any]:
     """One (method, epsilon) point of a sweep: its calibration, certified figures, the
     noise's measured size over every draw and F1's mean and spread (None without labels)."""
     row = {"method": None, "mechanism": calib.mechanism, "noise": calib.noise, "weighted": None,
            "epsilon": calib.epsilon, "budget": calib.budget,
-           "element_epsilon": cert["per_element"]["epsilon"],
-           "record_epsilon": cert["per_record"]["epsilon"],
-           "record_delta": cert["per_record"]["delta"], "noise_scale": calib.scale,
+           "element_epsilon": cert.per_element.epsilon,
+           "record_epsilon": cert.per_record.epsilon,
+           "record_delta": cert.per_record.delta, "noise_scale": calib.scale,
            "retain_probability_log10": finite(calib.p_log10),
            "mean_l2_error": float(norms.mean()),
            "rms_l2_error": float(math.sqrt((norms**2).mean())),

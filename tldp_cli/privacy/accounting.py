@@ -2,8 +2,11 @@
 
 Every number a manifest states about the guarantee comes from `certify` (one
 calibration), `certify_all` (records of several sizes: the worst case over them),
-`compose` and `certify_file` (everything a run released); `compose_releases` what
-several releases spend together on one subject (the release ledger).
+`compose` and `certify_file` (everything a run released), `certify_run` (a run's:
+certify_all with certify_file's); `compose_releases` what several releases spend
+together on one subject (the release ledger). They return the typed results of
+certificates.py (`Certificate`, `Guarantee`, ...); the manifest (run/manifest.py) and the
+command line (cli/summary.py) render them, and no figure is computed outside this module.
 
 - Laplace noise of scale b on values of range width Delta is pure (Delta/b)-DP per
   element and pure I*Delta/b per record (basic composition, tight for product
@@ -25,10 +28,12 @@ several releases spend together on one subject (the release ledger).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from tldp_cli.privacy import mvg_idn, privunit
+from tldp_cli.privacy.certificates import (Certificate, Designed, FileCertificate, FileGuarantee, Guarantee,
+                                           PrivUnitFigures, TensorFigures)
 from tldp_cli.privacy.types import PRIVUNIT, Calibration
 
 if TYPE_CHECKING:  # NumPy is imported where used: the CLI starts without it
@@ -41,13 +46,9 @@ FLOAT_SAMPLER_NOTE = ("float sampler: the noise is computed in floating point, w
                       "mechanism only, not for the bytes written")
 
 
-@dataclass(frozen=True)
-class Guarantee:
-    """What one scope (an element, a record, a file) is certified; the manifest's scope
-    object is `as_dict()`. `epsilon`/`delta` is the headline: pure epsilon with the
-    point-mass delta for Laplace noise, (epsilon, delta) at dp_delta for Gaussian noise;
-    `approx_*` an (epsilon, delta) pair at dp_delta for every noise; `rho` the zCDP of
-    the Gaussian noise (None otherwise); `point_mass_*` what kept raw values cost."""
+class _Scope(NamedTuple):
+    """A Guarantee (certificates.py) while it is computed: in certify_all over many record
+    sizes, its epsilon and approx epsilon may still be Deferred (see Deferred)."""
 
     epsilon: float | Deferred
     delta: float
@@ -58,24 +59,23 @@ class Guarantee:
     point_mass_delta: float
     point_mass_delta_log10: float | None
 
-    @classmethod
-    def pure(cls, epsilon: float, approx_epsilon: float | Deferred, approx_delta: float,
-             point_mass: tuple[float, float | None] = (0.0, None)) -> "Guarantee":
-        """Laplace noise: pure epsilon, whose delta is the point mass of kept values."""
-        pm_delta, pm_log10 = point_mass
-        return cls(epsilon, pm_delta, pm_log10, None, approx_delta, approx_epsilon, pm_delta, pm_log10)
+    def final(self) -> Guarantee:
+        """The Guarantee, every Deferred figure computed."""
+        return Guarantee(_value(self.epsilon), self.delta, self.delta_log10, self.rho, self.approx_delta,
+                         _value(self.approx_epsilon), self.point_mass_delta, self.point_mass_delta_log10)
 
-    @classmethod
-    def approximate(cls, epsilon: float | Deferred, delta: float, rho: float | None,
-                    point_mass: tuple[float, float | None]) -> "Guarantee":
-        """Gaussian noise: (epsilon, delta), delta including the point mass of kept values."""
-        return cls(epsilon, delta, math.log10(delta), rho, delta, epsilon, *point_mass)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"epsilon": self.epsilon, "delta": self.delta, "delta_log10": self.delta_log10,
-                "rho": self.rho, "approx": {"delta": self.approx_delta, "epsilon": self.approx_epsilon},
-                "point_mass_delta": self.point_mass_delta,
-                "point_mass_delta_log10": self.point_mass_delta_log10}
+def _pure(epsilon: float, approx_epsilon: float | Deferred, approx_delta: float,
+          point_mass: tuple[float, float | None] = (0.0, None)) -> _Scope:
+    """Laplace noise: pure epsilon, whose delta is the point mass of kept values."""
+    pm_delta, pm_log10 = point_mass
+    return _Scope(epsilon, pm_delta, pm_log10, None, approx_delta, approx_epsilon, pm_delta, pm_log10)
+
+
+def _approximate(epsilon: float | Deferred, delta: float, rho: float | None,
+                 point_mass: tuple[float, float | None]) -> _Scope:
+    """Gaussian noise: (epsilon, delta), delta including the point mass of kept values."""
+    return _Scope(epsilon, delta, math.log10(delta), rho, delta, epsilon, *point_mass)
 
 
 def gaussian_sigma_for(epsilon: float, delta: float) -> float:
@@ -209,17 +209,24 @@ def scope_epsilon(calib: Calibration, count: int) -> float:
     return discrete_gaussian_epsilon(calib.scale, d, count, at_delta)
 
 
-def raw_release_scopes(certified: dict[str, Any]) -> list[tuple[str, float]]:
-    """The scopes whose kept raw values alone cost more than --dp-delta: (name, their delta).
+def subject_scopes(certified: Certificate) -> list[tuple[str, Guarantee]]:
+    """The scopes of one subject, by their names in Certificate: an element and a record,
+    and in a model file (one client's tensors, per_tensor) the whole file; not the file of
+    a dataset, which holds many subjects."""
+    scopes = [("per_element", certified.per_element), ("per_record", certified.per_record)]
+    if certified.per_tensor is not None and certified.per_file is not None:
+        scopes.append(("per_file", certified.per_file))
+    return scopes
 
-    The scopes of one subject: an element and a record, and in a model file (one client's
-    tensors) the whole file; not the file of a dataset, which holds many subjects."""
-    names = ["per_element", "per_record"] + (["per_file"] if "per_tensor" in certified else [])
-    return [(name, certified[name]["point_mass_delta"]) for name in names
-            if certified[name]["point_mass_delta"] > certified["dp_delta"]]
+
+def raw_release_scopes(certified: Certificate) -> list[tuple[str, float]]:
+    """The scopes of one subject (subject_scopes) whose kept raw values alone cost more
+    than --dp-delta: (name, their delta)."""
+    return [(name, scope.point_mass_delta) for name, scope in subject_scopes(certified)
+            if scope.point_mass_delta > certified.dp_delta]
 
 
-def _scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, Any]:
+def _scope(calib: Calibration, count: int, deferred: bool = False) -> _Scope:
     """Guarantee of `count` elements perturbed together (1: an element; I: a record).
     `deferred` (certify_all over many record sizes): the figure that takes an accountant's
     run is a Deferred, computed only if it can be the worst case."""
@@ -234,14 +241,14 @@ def _scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, 
         pure = scope_epsilon(calib, count)
         approx_eps = (Deferred(count / (scale / D), lambda: laplace_composed_epsilon(scale / D, count, at_delta))
                       if deferred else laplace_composed_epsilon(scale / D, count, at_delta))
-        return Guarantee.pure(pure, approx_eps, total, (pm_delta, pm_log10)).as_dict()
+        return _pure(pure, approx_eps, total, (pm_delta, pm_log10))
     rho = count * D**2 / (2 * scale**2)
     epsilon = (Deferred(_zcdp_epsilon(rho, at_delta), lambda: scope_epsilon(calib, count)) if deferred
                else scope_epsilon(calib, count))
-    return Guarantee.approximate(epsilon, total, rho, (pm_delta, pm_log10)).as_dict()
+    return _approximate(epsilon, total, rho, (pm_delta, pm_log10))
 
 
-def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
+def designed_guarantee(calib: Calibration) -> Designed | None:
     """MVG, IDN: the (eps, delta) per record that the mechanism's design gives its sigma.
 
     The calibration formulas of mvg_idn solved for eps (--eps itself under the element
@@ -255,27 +262,41 @@ def designed_guarantee(calib: Calibration) -> dict[str, Any] | None:
         params = mvg_idn.mvg_parameters(calib.rows, I, D, delta)
         budget = math.sqrt(I) / sigma**2
         eps = (params.alpha * budget + params.beta * math.sqrt(budget)) / 2
-        return {"epsilon": eps, "delta": delta, "scope": "record",
-                "condition": "MVG sufficient condition (Chanyaswad et al., CCS 2018, Theorem 3) "
-                             "with identity covariances",
-                "precision_budget": budget, **params.as_dict()}
+        return Designed("mvg", eps, delta, "MVG sufficient condition (Chanyaswad et al., CCS 2018, "
+                        "Theorem 3) with identity covariances", precision_budget=budget, mvg=params)
     if calib.mechanism == "idn":
         z, s2 = mvg_idn.zeta(I, delta), mvg_idn.sensitivity(I, D)
         u = s2 / sigma
-        return {"epsilon": u * u / 2 + z * u, "delta": delta, "scope": "record",
-                "condition": "IDN with W = identity: sigma = s2/(-zeta + sqrt(zeta^2 + 2 eps))",
-                "s2": s2, "zeta": z}
+        return Designed("idn", u * u / 2 + z * u, delta,
+                        "IDN with W = identity: sigma = s2/(-zeta + sqrt(zeta^2 + 2 eps))", s2=s2, zeta=z)
     return None
 
 
-def certify(calib: Calibration) -> dict[str, Any]:
-    return _certify(calib, deferred=False)
+class _Draft(NamedTuple):
+    """A Certificate of one calibration while it is computed (its scopes may be Deferred)."""
+
+    per_element: _Scope
+    per_record: _Scope
+    accountant: str
+    notes: list[str]
+    designed: Designed | None = None
+    privunit: PrivUnitFigures | None = None
+
+    def final(self, dp_delta: float) -> Certificate:
+        return Certificate(self.per_element.final(), self.per_record.final(), dp_delta, self.accountant,
+                           tuple(self.notes), designed=self.designed, privunit=self.privunit)
 
 
-def _certify(calib: Calibration, deferred: bool) -> dict[str, Any]:
+def certify(calib: Calibration) -> Certificate:
+    """The certified figures of one calibration: per element, per record, and what applies
+    (MVG and IDN's designed figure, PrivUnit's split)."""
+    return _certify(calib, deferred=False).final(calib.dp_delta)
+
+
+def _certify(calib: Calibration, deferred: bool) -> _Draft:
     """certify(calib); `deferred`: see _scope."""
     if calib.privunit is not None:
-        return certify_privunit(calib)
+        return _privunit_draft(calib)
     notes = discrete_notes(calib) if calib.noise.startswith("discrete-") else []
     if calib.log_p != -math.inf and calib.noise != "discrete-laplace":
         notes.append(
@@ -294,16 +315,9 @@ def _certify(calib: Calibration, deferred: bool) -> dict[str, Any]:
         notes.append(f"{calib.mechanism.upper()} adds i.i.d. Gaussian noise to every element; "
                      "designed is the (epsilon, delta) per record its own analysis states for "
                      "that noise, looser than the tight per_record figure.")
-    certified = {
-        "per_element": _scope(calib, 1, deferred),
-        "per_record": _scope(calib, calib.elements, deferred),
-        "dp_delta": calib.dp_delta,
-        "accountant": "closed form (pure eps, zCDP); dp-accounting (Laplace: min of PLD and RDP; analytic Gaussian)",
-        "notes": notes,
-    }
-    if designed is not None:
-        certified["designed"] = designed
-    return certified
+    return _Draft(_scope(calib, 1, deferred), _scope(calib, calib.elements, deferred),
+                  "closed form (pure eps, zCDP); dp-accounting (Laplace: min of PLD and RDP; analytic Gaussian)",
+                  notes, designed)
 
 
 def _top(values: list[float | None]) -> float | None:
@@ -311,22 +325,22 @@ def _top(values: list[float | None]) -> float | None:
     return max(live) if live else None
 
 
-def worst_scope(scopes: list[dict[str, Any]]) -> dict[str, Any]:
+def worst_scope(scopes: Sequence[Guarantee | _Scope]) -> Guarantee:
     """Field by field the weakest of several scopes' figures: the largest epsilon, delta,
     rho, approx epsilon and delta, and point-mass delta. Each is a valid bound for every
     one of them (an (eps_t, delta_t) guarantee implies (max eps, max delta)); rho is None
     (no zCDP bound) when any scope has none."""
-    rhos = [s["rho"] for s in scopes]
+    rhos = [s.rho for s in scopes]
     return Guarantee(
-        epsilon=_worst([s["epsilon"] for s in scopes]),
-        delta=max(s["delta"] for s in scopes),
-        delta_log10=_top([s["delta_log10"] for s in scopes]),
-        rho=None if None in rhos else max(rhos),
-        approx_delta=max(s["approx"]["delta"] for s in scopes),
-        approx_epsilon=_worst([s["approx"]["epsilon"] for s in scopes]),
-        point_mass_delta=max(s["point_mass_delta"] for s in scopes),
-        point_mass_delta_log10=_top([s["point_mass_delta_log10"] for s in scopes]),
-    ).as_dict()
+        epsilon=_worst([s.epsilon for s in scopes]),
+        delta=max(s.delta for s in scopes),
+        delta_log10=_top([s.delta_log10 for s in scopes]),
+        rho=None if any(r is None for r in rhos) else max(r for r in rhos if r is not None),
+        approx_delta=max(s.approx_delta for s in scopes),
+        approx_epsilon=_worst([s.approx_epsilon for s in scopes]),
+        point_mass_delta=max(s.point_mass_delta for s in scopes),
+        point_mass_delta_log10=_top([s.point_mass_delta_log10 for s in scopes]),
+    )
 
 
 # --------------------------------------------------------------------------- many record sizes
@@ -351,6 +365,10 @@ class Deferred:
         if self._value is None:
             self._value = self._compute()
         return self._value
+
+
+def _value(figure: float | Deferred) -> float:
+    return figure.value() if isinstance(figure, Deferred) else figure
 
 
 def _worst(values: list) -> float:
@@ -430,7 +448,7 @@ def _deferred_discrete_laplace(sensitivity: int, scale: float, log_p: float, cou
 
 
 def certify_all(calibrations: list[Calibration],
-                records: list[list[Calibration]] | None = None) -> dict[str, Any]:
+                records: list[list[Calibration]] | None = None) -> Certificate:
     """`certify` for a run whose records have several calibrations (records of different
     sizes: images, the arrays of an HDF5 or Zarr group, the tensors of a model file).
 
@@ -448,41 +466,39 @@ def certify_all(calibrations: list[Calibration],
     if records:
         # Each kind of record once: a WebDataset's thousands of samples are a few kinds.
         kinds = list(dict.fromkeys(tuple(row) for row in records))
-        result["per_record"] = worst_scope([compose([(c, 1) for c in row]) if len(row) > 1
-                                            else certify(row[0])["per_record"] for row in kinds])
-        result["notes"] = result["notes"] + [
-            "A record spans row i of every array that shares the first axis (one subject): "
-            "per_record composes one row of each (row_datasets lists them)."]
+        result = dataclasses.replace(
+            result, per_record=worst_scope([compose([(c, 1) for c in row]) if len(row) > 1
+                                            else certify(row[0]).per_record for row in kinds]),
+            notes=result.notes + (
+                "A record spans row i of every array that shares the first axis (one subject): "
+                "per_record composes one row of each (row_datasets lists them).",))
     return result
 
 
-def _certify_each(calibrations: list[Calibration]) -> dict[str, Any]:
+def _certify_each(calibrations: list[Calibration]) -> Certificate:
     distinct = list(dict.fromkeys(calibrations))
     if not distinct:
         raise ValueError("certify_all needs at least one calibration")
     if len(distinct) == 1:
         return certify(distinct[0])
-    certs = [_certify(c, deferred=True) for c in distinct]
-    notes = list(dict.fromkeys(note for cert in certs for note in cert["notes"]))
+    drafts = [_certify(c, deferred=True) for c in distinct]
+    notes = list(dict.fromkeys(note for draft in drafts for note in draft.notes))
     notes.append(f"The records have {len(distinct)} calibrations (record sizes): per_element and "
                  "per_record are the worst case over them, field by field (the largest epsilon, "
                  "delta, rho, approx and point_mass_delta of any), each a bound for every element "
                  "and every record.")
-    result = {
-        "per_element": worst_scope([c["per_element"] for c in certs]),
-        "per_record": worst_scope([c["per_record"] for c in certs]),
-        "dp_delta": certs[0]["dp_delta"],
-        "accountant": certs[0]["accountant"],
-        "notes": notes,
-        "worst_case_of": len(distinct),
-    }
-    designed = [c["designed"] for c in certs if "designed" in c]
-    if designed:
-        result["designed"] = max(designed, key=lambda d: d["epsilon"])
-    split = [c["privunit"] for c in certs if "privunit" in c]
-    if split:  # the record size of the largest figure (calibrations lists each)
-        result["privunit"] = max(split, key=lambda d: d["epsilon"])
-    return result
+    designed = [d.designed for d in drafts if d.designed is not None]
+    split = [d.privunit for d in drafts if d.privunit is not None]
+    return Certificate(
+        per_element=worst_scope([d.per_element for d in drafts]),
+        per_record=worst_scope([d.per_record for d in drafts]),
+        dp_delta=distinct[0].dp_delta,
+        accountant=drafts[0].accountant,
+        notes=tuple(notes),
+        worst_case_of=len(distinct),
+        designed=max(designed, key=lambda d: d.epsilon) if designed else None,
+        # the record size of the largest figure (calibrations lists each)
+        privunit=max(split, key=lambda d: d.epsilon) if split else None)
 
 
 def laplace_mixture_epsilon(events: list[tuple[float, int]], delta: float) -> float:
@@ -532,7 +548,7 @@ def composed_point_mass_delta(items: list[tuple[float, int]]) -> tuple[float, fl
     return delta, (top + math.log(sum(math.exp(t - top) for t in terms))) / LN10
 
 
-def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
+def compose(parts: list[tuple[Calibration, int]]) -> Guarantee:
     """Guarantee of several records released together: all the tensors of a model file,
     all the records of a file, every round of a training run.
 
@@ -557,20 +573,20 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
     noises = {c.noise for c, _ in parts}
     at_delta, total = noise_delta(target, pm_delta)
     if noises == {PRIVUNIT}:
-        return _privunit_composed([(c, n) for c, n in parts], target)
+        return _privunit_composed([(c, n) for c, n in parts], target).final()
     if noises == {"laplace"}:
         pure = sum(m * c.range_width / c.scale for c, m in releases)
         approx_eps = laplace_mixture_epsilon([(c.scale / c.range_width, m) for c, m in releases], at_delta)
-        return Guarantee.pure(pure, approx_eps, total, (pm_delta, pm_log10)).as_dict()
+        return _pure(pure, approx_eps, total, (pm_delta, pm_log10)).final()
     if noises == {"gaussian"}:
         rho = sum(m * c.range_width**2 / (2 * c.scale**2) for c, m in releases)
         approx_eps = gaussian_epsilon(1 / math.sqrt(2 * rho), at_delta)
-        return Guarantee.approximate(approx_eps, total, rho, (pm_delta, pm_log10)).as_dict()
+        return _approximate(approx_eps, total, rho, (pm_delta, pm_log10)).final()
     if noises == {"discrete-laplace"}:
         # the pure bound covers the kept values: no point-mass delta
         items = [(c.grid_steps, c.scale, c.log_p, m) for c, m in releases]
         pure = sum(m * discrete_laplace_element_epsilon(d, b, log_p) for d, b, log_p, m in items)
-        return Guarantee.pure(pure, discrete_laplace_composed_epsilon(items, target), target).as_dict()
+        return _pure(pure, discrete_laplace_composed_epsilon(items, target), target).final()
     if noises == {"discrete-gaussian"}:
         groups: dict[tuple[float, int], int] = {}
         for c, m in releases:
@@ -582,20 +598,19 @@ def compose(parts: list[tuple[Calibration, int]]) -> dict[str, Any]:
             eps = discrete_gaussian_epsilon(sigma, d, m, at_delta)
         else:
             eps = discrete_gaussian_rdp_epsilon(rho, at_delta)
-        return Guarantee.approximate(eps, total, rho, (pm_delta, pm_log10)).as_dict()
+        return _approximate(eps, total, rho, (pm_delta, pm_log10)).final()
     # Basic composition of each record's (eps, delta) as its own scope states them.
-    records = [(certify(c)["per_record"], n) for c, n in parts]
-    delta, delta_log10 = _union_delta([(r["delta"], r["delta_log10"], n) for r, n in records])
-    pm_delta, pm_log10 = _union_delta([(r["point_mass_delta"], r["point_mass_delta_log10"], n)
-                                       for r, n in records])
-    rhos = [r["rho"] for r, _ in records]
+    records = [(certify(c).per_record, n) for c, n in parts]
+    delta, delta_log10 = _union_delta([(r.delta, r.delta_log10, n) for r, n in records])
+    pm_delta, pm_log10 = _union_delta([(r.point_mass_delta, r.point_mass_delta_log10, n) for r, n in records])
+    rhos = [(r.rho, n) for r, n in records]
     return Guarantee(
-        epsilon=sum(n * r["epsilon"] for r, n in records), delta=delta, delta_log10=delta_log10,
-        rho=None if None in rhos else sum(n * r["rho"] for r, n in records),
-        approx_delta=_union_delta([(r["approx"]["delta"], None, n) for r, n in records])[0],
-        approx_epsilon=sum(n * r["approx"]["epsilon"] for r, n in records),
+        epsilon=sum(n * r.epsilon for r, n in records), delta=delta, delta_log10=delta_log10,
+        rho=None if any(rho is None for rho, _ in rhos) else sum(n * (rho or 0.0) for rho, n in rhos),
+        approx_delta=_union_delta([(r.approx_delta, None, n) for r, n in records])[0],
+        approx_epsilon=sum(n * r.approx_epsilon for r, n in records),
         point_mass_delta=pm_delta, point_mass_delta_log10=pm_log10,
-    ).as_dict()
+    )
 
 
 def _union_delta(items: list[tuple[float, float | None, int]]) -> tuple[float, float | None]:
@@ -611,27 +626,31 @@ def _union_delta(items: list[tuple[float, float | None, int]]) -> tuple[float, f
     return delta, top + math.log10(sum(10 ** (lg - top) for lg in logs))
 
 
-def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool = False) -> dict[str, Any]:
+def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool = False) -> FileCertificate:
     """Figures for everything one run released: `arrays` holds (name, calibration,
-    records) per array. Returns {"per_file": ...} (compose over every record) and, with
-    per_tensor (model files: each tensor is one record), {"per_tensor": [...]} with
-    each tensor's calibration and per-record figures."""
-    per_file = compose([(calib, records) for _, calib, records in arrays])
-    per_file.update(records=sum(n for _, _, n in arrays),
-                    elements=sum(n * c.elements for _, c, n in arrays))
-    result: dict[str, Any] = {"per_file": per_file}
-    if per_tensor:
-        scopes: dict[Calibration, dict[str, Any]] = {}
-        entries = []
-        for name, calib, _ in arrays:
-            if calib not in scopes:
-                scopes[calib] = _scope(calib, calib.elements)
-            entries.append({"name": name, "elements": calib.elements, "noise_scale": calib.scale,
-                            "calibration_epsilon": calib.element_epsilon,
-                            "retain_probability": calib.p,
-                            "retain_probability_log10": calib.p_log10, **scopes[calib]})
-        result["per_tensor"] = entries
-    return result
+    records) per array. `per_file` composes every record and, with per_tensor (model
+    files: each tensor is one record), `per_tensor` holds each tensor's calibration and
+    per-record figures."""
+    composed = compose([(calib, records) for _, calib, records in arrays])
+    per_file = FileGuarantee(**dataclasses.asdict(composed), records=sum(n for _, _, n in arrays),
+                             elements=sum(n * c.elements for _, c, n in arrays))
+    if not per_tensor:
+        return FileCertificate(per_file)
+    scopes: dict[Calibration, Guarantee] = {}
+    for _, calib, _ in arrays:
+        if calib not in scopes:
+            scopes[calib] = _scope(calib, calib.elements).final()
+    return FileCertificate(per_file, tuple(TensorFigures(name, calib, scopes[calib]) for name, calib, _ in arrays))
+
+
+def certify_run(calibrations: list[Calibration], records: list[list[Calibration]] | None,
+                arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool = False) -> Certificate:
+    """What a run states: certify_all over its calibrations (`records`: the calibrations
+    each kind of subject's record spans) with certify_file's per_file and per_tensor over
+    its arrays (name, calibration, records)."""
+    file = certify_file(arrays, per_tensor=per_tensor)
+    return dataclasses.replace(certify_all(calibrations, records), per_file=file.per_file,
+                               per_tensor=file.per_tensor)
 
 
 # A subject's certified epsilon above which perturb and plan warn (docs/choosing-eps.md).
@@ -643,47 +662,18 @@ def certify_file(arrays: list[tuple[str, Calibration, int]], *, per_tensor: bool
 RECORD_EPSILON_WARNING = 100.0
 
 
-def subject_scope(accounting: dict[str, Any]) -> str:
-    """The scope of one subject's data: a record (an image, a row of the arrays that share
-    it), or in a model file (one party's tensors, as raw_release_scopes counts it) the
-    whole file."""
-    return "per_file" if "per_tensor" in accounting else "per_record"
+def subject_scope(certified: Certificate) -> tuple[str, Guarantee]:
+    """The scope of one subject's data, by its name in Certificate: a record (an image, a
+    row of the arrays that share it), or in a model file (one party's tensors, as
+    subject_scopes counts it) the whole file."""
+    return subject_scopes(certified)[-1]
 
 
-def large_record_epsilon(accounting: dict[str, Any]) -> float | None:
+def large_record_epsilon(certified: Certificate) -> float | None:
     """The subject's certified epsilon (subject_scope) when it exceeds
     RECORD_EPSILON_WARNING, else None."""
-    epsilon = accounting[subject_scope(accounting)]["epsilon"]
+    epsilon = subject_scope(certified)[1].epsilon
     return epsilon if epsilon > RECORD_EPSILON_WARNING else None
-
-
-def summary_line(accounting: dict[str, Any], noise: str, ranges: int = 1) -> str:
-    """The one-line statement of the guarantee the CLI prints after a run; `ranges`: the
-    declared ranges its records have (the manifest's range_groups)."""
-    def fmt(scope: dict[str, Any]) -> str:
-        delta = scope["delta"]
-        if delta == 0:
-            d = "0" if scope["delta_log10"] is None else f"1e{scope['delta_log10']:.0f}"
-        else:
-            d = f"{delta:.3g}"
-        text = f"eps={scope['epsilon']:.4g}, delta={d}"
-        if scope.get("rho") is not None:
-            text += f"; rho={scope['rho']:.4g} zCDP"
-        return text
-    worst = accounting.get("worst_case_of")
-    over = f"calibrations, over record sizes and {ranges} ranges" if ranges > 1 else "record sizes"
-    line = ("guarantee" + (f" (the worst of {worst} {over})" if worst else "")
-            + f": each element ({fmt(accounting['per_element'])}); "
-            f"each record ({fmt(accounting['per_record'])})")
-    designed = accounting.get("designed")
-    if designed:
-        line += f"; as designed, each record (eps={designed['epsilon']:.4g}, delta={designed['delta']:.3g})"
-    if "per_tensor" in accounting:  # model files: a record is a tensor; the file is one release
-        count = len(accounting['per_tensor'])
-        line += f"; whole file, {count} tensor{'s' if count != 1 else ''} ({fmt(accounting['per_file'])})"
-    if noise in ("laplace", "gaussian"):
-        line += "; float sampler: these figures hold for the real-valued mechanism only"
-    return line
 
 
 # --------------------------------------------------------------------------- discrete noises
@@ -858,9 +848,9 @@ def discrete_gaussian_rdp_epsilon(rho: float, delta: float) -> float:
     return float(rdp.get_epsilon(delta))
 
 
-def compose_releases(releases: list[tuple[dict[str, Any], float]]) -> tuple[float, float]:
+def compose_releases(releases: list[tuple[Guarantee, float]]) -> tuple[float, float]:
     """(epsilon, delta) that several releases spend together on one subject, from each
-    release's per-record scope (a manifest's `per_record`) and its --dp-delta.
+    release's per-record scope (a manifest's `per_record`, read back) and its --dp-delta.
 
     Pure epsilons and deltas add (basic composition, valid for every release). When every
     release states a zCDP rho, the rhos add too, and the epsilon of their sum (the RDP
@@ -871,14 +861,22 @@ def compose_releases(releases: list[tuple[dict[str, Any], float]]) -> tuple[floa
     if not releases:
         return 0.0, 0.0
     scopes = [scope for scope, _ in releases]
-    basic = (sum(s["epsilon"] for s in scopes), min(1.0, sum(s["delta"] for s in scopes)))
-    if any(s.get("rho") is None for s in scopes):
+    basic = (sum(s.epsilon for s in scopes), min(1.0, sum(s.delta for s in scopes)))
+    rhos = [s.rho for s in scopes]
+    if any(rho is None for rho in rhos):
         return basic
     dp_delta = min(delta for _, delta in releases)
-    kept = sum(s.get("point_mass_delta") or 0.0 for s in scopes)
-    by_rho = (discrete_gaussian_rdp_epsilon(sum(s["rho"] for s in scopes), dp_delta),
+    kept = sum(s.point_mass_delta for s in scopes)
+    by_rho = (discrete_gaussian_rdp_epsilon(sum(rho or 0.0 for rho in rhos), dp_delta),
               min(1.0, dp_delta + kept))
     return by_rho if by_rho[0] < basic[0] else basic
+
+
+def epsilon_left(cap: float, spent: float) -> float:
+    """What a subject that has spent `spent` (compose_releases) has left under an epsilon
+    cap: the epsilon of a further pure release that basic composition keeps under the cap
+    (never below 0; composing Gaussian releases through zCDP can leave more)."""
+    return max(0.0, cap - spent)
 
 
 def discrete_gaussian_log_pmfs(sigma: float, sensitivity: int):
@@ -917,17 +915,17 @@ def discrete_gaussian_epsilon(sigma: float, sensitivity: int, count: int, delta:
     return float(min(bounds))
 
 
-def _discrete_scope(calib: Calibration, count: int, deferred: bool = False) -> dict[str, Any]:
+def _discrete_scope(calib: Calibration, count: int, deferred: bool = False) -> _Scope:
     d, scale, target = calib.grid_steps, calib.scale, calib.dp_delta
     if calib.noise == "discrete-laplace":
         approx = (_deferred_discrete_laplace(d, scale, calib.log_p, count, target) if deferred
                   else discrete_laplace_approx_epsilon(d, scale, calib.log_p, count, target))
-        return Guarantee.pure(scope_epsilon(calib, count), approx, target).as_dict()
+        return _pure(scope_epsilon(calib, count), approx, target)
     pm_delta, pm_log10 = point_mass_delta(calib.log_p, count)
     at_delta, total = noise_delta(target, pm_delta)
     epsilon = (Deferred(_gaussian_rdp_upper(count * d**2 / (2 * scale**2), at_delta),
                         lambda: scope_epsilon(calib, count)) if deferred else scope_epsilon(calib, count))
-    return Guarantee.approximate(epsilon, total, count * d**2 / (2 * scale**2), (pm_delta, pm_log10)).as_dict()
+    return _approximate(epsilon, total, count * d**2 / (2 * scale**2), (pm_delta, pm_log10))
 
 
 def discrete_notes(calib: Calibration) -> list[str]:
@@ -980,8 +978,8 @@ def privunit_record_epsilon(calib: Calibration) -> float:
     return privunit_epsilon(params.k, params.gamma, params.p_numerator)
 
 
-def privunit_figures(calib: Calibration) -> dict[str, Any]:
-    """What the manifest states of the PrivUnit split (accounting.privunit): the cap's
+def privunit_figures(calib: Calibration) -> PrivUnitFigures:
+    """The figures of the PrivUnit split (the manifest's accounting.privunit): the cap's
     exact share q, its bounds for the sampler as implemented, the nominal epsilon
     eps0 + ln((1-q)/q) of the real-valued mechanism, the certified one and the margin
     between them, and the expected alignment E<V, u>."""
@@ -992,34 +990,37 @@ def privunit_figures(calib: Calibration) -> dict[str, Any]:
     margin = privunit.float_margin(k)
     nominal = params.epsilon0 + math.log1p(-q) - math.log(q)
     certified = privunit_record_epsilon(calib)
-    return {"k": k, "gamma": gamma, "p": p, "p_numerator": params.p_numerator,
-            "epsilon0": params.epsilon0, "q": q, "q_lower": q_lo, "q_upper": q_hi,
-            "inner_product_error": margin.inner, "excluded_probability": margin.excluded,
-            "nominal_epsilon": nominal, "epsilon": certified, "margin": certified - nominal,
-            "expected_alignment": privunit.expected_alignment(k, gamma, p)}
+    return PrivUnitFigures(k=k, gamma=gamma, p=p, p_numerator=params.p_numerator, epsilon0=params.epsilon0,
+                           q=q, q_lower=q_lo, q_upper=q_hi, inner_product_error=margin.inner,
+                           excluded_probability=margin.excluded, nominal_epsilon=nominal, epsilon=certified,
+                           margin=certified - nominal,
+                           expected_alignment=privunit.expected_alignment(k, gamma, p))
 
 
-def _privunit_scope(calib: Calibration, records: int) -> dict[str, Any]:
+def _privunit_scope(calib: Calibration, records: int) -> _Scope:
     """`records` records released by PrivUnit: pure epsilons add; (eps, delta) at dp_delta
     is the smaller of that and the zCDP that pure eps implies (eps^2/2 per record; Bun and
     Steinke 2016, Propositions 1.3 and 1.4)."""
     return _privunit_composed([(calib, records)], calib.dp_delta)
 
 
-def _privunit_composed(parts: list[tuple[Calibration, int]], delta: float) -> dict[str, Any]:
+def _privunit_composed(parts: list[tuple[Calibration, int]], delta: float) -> _Scope:
     epsilons = [(privunit_record_epsilon(c), n) for c, n in parts]
     pure = sum(n * e for e, n in epsilons)
     rho = sum(n * e * e / 2 for e, n in epsilons)
     approx = min(pure, rho + 2 * math.sqrt(rho * math.log(1 / delta)))
-    return Guarantee.pure(pure, approx, delta).as_dict()
+    return _pure(pure, approx, delta)
 
 
-def certify_privunit(calib: Calibration) -> dict[str, Any]:
+def certify_privunit(calib: Calibration) -> Certificate:
     """certify() for --mechanism privunit: per_record is the certified pure epsilon;
     per_element is the same figure (changing one element can move the record's direction
     anywhere, so no smaller bound is claimed for it)."""
+    return _privunit_draft(calib).final(calib.dp_delta)
+
+
+def _privunit_draft(calib: Calibration) -> _Draft:
     record = _privunit_scope(calib, 1)
-    figures = privunit_figures(calib)
     notes = [
         "PrivUnit (Bhowmick et al. 2018): the record is projected on a public basis, normalised "
         "to a unit vector u, and released as one unit vector V, from the cap {<v,u> >= gamma} "
@@ -1034,6 +1035,5 @@ def certify_privunit(calib: Calibration) -> dict[str, Any]:
         "bound is claimed for it. approx is the smaller of the pure figure and the zCDP it "
         "implies, at dp_delta.",
     ]
-    return {"per_element": dict(record), "per_record": record, "dp_delta": calib.dp_delta,
-            "accountant": "closed form (PrivUnit, pure eps, with the sampler's floating-point margin)",
-            "notes": notes, "privunit": figures}
+    return _Draft(record, record, "closed form (PrivUnit, pure eps, with the sampler's floating-point margin)",
+                  notes, privunit=privunit_figures(calib))

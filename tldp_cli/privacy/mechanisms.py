@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import functools
 
-from tldp_cli.privacy import mvg_idn, privunit
+from tldp_cli.privacy import privunit
 from tldp_cli.errors import UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
@@ -199,9 +199,13 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
         if budget == "record":
             scale = D * math.sqrt(I) * accounting.gaussian_sigma_for(epsilon, dp_delta)
         elif mechanism == "mvg":
+            from tldp_cli.privacy import mvg_idn  # NumPy: imported by the calibration that needs it
+
             assert rows is not None  # refused above
             scale = mvg_idn.mvg_sigma(rows, I, D, epsilon, dp_delta)
         else:
+            from tldp_cli.privacy import mvg_idn
+
             scale = mvg_idn.idn_sigma(I, D, epsilon, dp_delta)
         eps_e = D**2 / (2 * scale**2)
         log_p = -math.inf
@@ -284,7 +288,7 @@ def _row_epsilon(calibs: list[Calibration]) -> float:
 
     if calibs[0].noise in ("laplace", "discrete-laplace"):
         return sum(accounting.scope_epsilon(c, c.elements) for c in calibs)
-    return accounting.compose([(c, 1) for c in calibs])["epsilon"]
+    return accounting.compose([(c, 1) for c in calibs]).epsilon
 
 
 def _rescaled(calib: Calibration, scale: float) -> Calibration:
@@ -477,7 +481,8 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
                             high=float(hi), basis_sha256=basis_sha256,
                             alignment=alignment,
-                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment))
+                            prior_exponent=privunit.prior_exponent(basis, record_shape, alignment),
+                            emphasis_exponent=privunit.emphasis_exponent(basis, record_shape))
     calib = Calibration(PRIVUNIT, PRIVUNIT, "record", float(epsilon), float(hi - lo), int(elements),
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)

@@ -77,11 +77,6 @@ class MvgParameters:
     alpha: float
     beta: float
 
-    def as_dict(self) -> dict:
-        return {"unfolding": f"mode-{MODE}", "rows": self.rows, "columns": self.columns, "r": self.r,
-                "H_r": self.h_r, "H_r_half": self.h_r_half, "gamma": self.gamma, "s2": self.s2,
-                "zeta": self.zeta, "alpha": self.alpha, "beta": self.beta}
-
 
 def mvg_parameters(rows: int, elements: int, range_width: float, delta: float) -> MvgParameters:
     columns = elements // rows

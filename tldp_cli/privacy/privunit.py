@@ -15,8 +15,9 @@ numerically (privacy/mechanisms.py), against the certified figure of accounting.
 Here: the law of t = <V, u> for V uniform on S^{k-1} (its density, the cap's share q,
 the cap's first moment), the expected alignment, the bound on the floating-point error of
 the sampler's cap test (`float_margin`, the argument is in docs/guarantee.md), and the
-public rules of the mechanism (the default dimension k, the reference point, the output
-scale), which depend on the options and the record's shape only, never on the data.
+public rules of the mechanism (the default dimension k, the pre-emphasis, the reference
+point, the output scale, the write-back's weights), which depend on the options and the
+record's shape only, never on the data.
 """
 
 from __future__ import annotations
@@ -310,6 +311,44 @@ def spatial_axes(record_shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[-2:]
 
 
+# Pre-emphasis (a public weight per coefficient before the normalisation): the direction
+# released is that of d * z, d_j = (1 + f_j)^EMPHASIS_EXPONENT (f_j: coefficient j's frequency in
+# cycles per record), and the write-back divides it out again (the weights w below carry 1/d), so
+# the written record's expected coefficients are those of the record itself, up to a scale.
+# The record enters only through u = d z / |d z|, a fixed public function of it (d > 0, so
+# d z = 0 only when z = 0), and PrivUnit's figure holds for every u: the guarantee is that of
+# the same mechanism without d (docs/guarantee.md). What it changes is how PrivUnit's fixed
+# alignment is shared among the coefficients: a digit's (or a photo's) energy lies mostly in the
+# lowest frequencies (mean brightness, broad shape), so |z| is dominated by them and the finer
+# detail that tells records apart gets little of the released direction; d evens the spectrum
+# out. Chosen without the MNIST test digits (docs/choosing-eps.md, "Pre-emphasis", and its
+# research script docs/choosing-eps/emphasis.py): on two folds of the 2000 MNIST *training*
+# digits (1600 training records, 2 paired releases) a = 0.5 raised the mean F1 from 0.839/0.923/
+# 0.956 to 0.852/0.936/0.959 at eps 2/4/8, and on scikit-learn's 8x8 digits (k = 64, 5 releases)
+# from 0.603/0.815 to 0.687/0.839 at eps 4/8; a = 1 did better on the 8x8 digits but lost at eps 2
+# on the MNIST folds (0.830), a < 0 (the low frequencies emphasised) lost everywhere. Measured once
+# afterwards on the 800 MNIST test digits, the gain did not carry over (-0.003 to +0.005 from eps 2
+# on, within the releases' spread; -0.037 at eps 1).
+EMPHASIS_EXPONENT = 0.5
+EMPHASIS_RULE = "d_j = (1 + f_j)^a (f_j: coefficient j's frequency in cycles per record)"
+
+
+def emphasis_exponent(basis: str, record_shape: tuple[int, ...]) -> float | None:
+    """The pre-emphasis exponent a of the DCT basis over two axes of more than one element
+    (the records the spectral statistics are about: images), None (no pre-emphasis) otherwise."""
+    spatial = spatial_axes(record_shape)
+    if basis != "dct" or len(spatial) < 2 or min(spatial) < 2:
+        return None
+    return EMPHASIS_EXPONENT
+
+
+def emphasis(frequencies, exponent: float):
+    """d: the pre-emphasis of each coefficient, (1 + f_j)^exponent (public values only)."""
+    import numpy as np
+
+    return (1.0 + np.asarray(frequencies, dtype=np.float64)) ** float(exponent)
+
+
 def prior_exponent(basis: str, record_shape: tuple[int, ...], alignment: float) -> float | None:
     """The write-back's spectral prior exponent: SPECTRAL_PRIOR_EXPONENT for the DCT basis
     over two axes of more than one element at an alignment m = E<V, u> below
@@ -320,14 +359,21 @@ def prior_exponent(basis: str, record_shape: tuple[int, ...], alignment: float) 
     return SPECTRAL_PRIOR_EXPONENT
 
 
-def write_back_weights(frequencies, alignment: float, exponent: float = SPECTRAL_PRIOR_EXPONENT):
-    """w: the write-back's weight of each coefficient (see SPECTRAL_PRIOR_EXPONENT), from the
-    coefficients' spatial frequencies (cycles per record) and m = E<V, u>: public values only."""
+def write_back_weights(frequencies, alignment: float, exponent: float | None = SPECTRAL_PRIOR_EXPONENT,
+                       emphasis_exponent: float | None = None):
+    """w: the write-back's weight of each coefficient, from the coefficients' spatial
+    frequencies (cycles per record) and m = E<V, u>: public values only. The Wiener filter of
+    SPECTRAL_PRIOR_EXPONENT's prior when `exponent` is given (with pre-emphasis d, the prior of
+    the emphasised direction, d_j^2 (1 + f_j)^-exponent), times 1/d when `emphasis_exponent`
+    is given (EMPHASIS_EXPONENT), scaled to a mean square of 1."""
     import numpy as np
 
     f = np.asarray(frequencies, dtype=np.float64)
-    prior = (1.0 + f) ** -float(exponent)
-    prior /= prior.sum()
-    signal = alignment * alignment * prior
-    w = signal / (signal + (1.0 - alignment * alignment) / f.size)
+    d = np.ones_like(f) if emphasis_exponent is None else emphasis(f, emphasis_exponent)
+    w = 1.0 / d
+    if exponent is not None:
+        prior = d * d * (1.0 + f) ** -float(exponent)
+        prior /= prior.sum()
+        signal = alignment * alignment * prior
+        w = w * signal / (signal + (1.0 - alignment * alignment) / f.size)
     return w / math.sqrt(float(np.mean(w * w)))

@@ -1,7 +1,8 @@
 """The types every layer shares: a calibrated mechanism and the names of the noises.
 
-It imports only the noise distributions, so calibration (mechanisms.py), accounting
-and the engine can all use `Calibration` without importing each other.
+It imports only the noise distributions (where a figure needs them: the option checks
+load without NumPy), so calibration (mechanisms.py), accounting and the engine can all
+use `Calibration` without importing each other.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tldp_cli.privacy.distributions import moments
 
 DISCRETE_NOISES = ("discrete-laplace", "discrete-gaussian")
 PRIVUNIT = "privunit"  # the mechanism, and the name of what it draws (no additive noise)
@@ -38,6 +38,7 @@ class PrivUnitParams:
     basis_sha256: str | None = None  # a user's basis file
     alignment: float = 0.0  # m = E<V, u> of the split (the write-back's weights use it)
     prior_exponent: float | None = None  # the write-back's spectral prior (None: unweighted, a user's basis)
+    emphasis_exponent: float | None = None  # pre-emphasis d_j = (1 + f_j)^a before normalising (None: none)
 
     @property
     def p(self) -> float:
@@ -108,6 +109,8 @@ class Calibration:
             if self.noise == "discrete-gaussian":  # at most sigma^2 (CKS20), in grid steps
                 variance = (self.scale * (self.granularity or 1.0)) ** 2
             else:  # discrete Laplace: in grid steps
+                from tldp_cli.privacy.distributions import moments  # NumPy: not for the option checks
+
                 variance = moments(self.noise, self.scale)[0] * (
                     (self.granularity or 1.0) ** 2 if self.noise == "discrete-laplace" else 1.0)
             return math.sqrt(variance * (1 - self.p) * self.elements)

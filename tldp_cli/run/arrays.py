@@ -1,6 +1,6 @@
 """Perturbing an array in memory: the library's entry point for data that is not in a file.
 
-The same plan, engine and accounting as `tldp perturb`, on one array whose axis 0
+The same calibration, engine and accounting as `tldp perturb`, on one array whose axis 0
 indexes records. Safe to call in a loop: without a seed every call draws fresh
 noise (rng.Streams), so two calls on the same batch, or on two batches at the same
 position, never share noise. With a seed the same call repeats exactly.
@@ -21,9 +21,10 @@ import numpy as np
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
-from tldp_cli.privacy.mechanisms import Calibration, default_noise
+from tldp_cli.privacy.mechanisms import Calibration
+from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
-from tldp_cli.run.pipeline import PerturbOptions, checked_options, plan, validate_block
+from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, validate_block
 from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]
@@ -72,7 +73,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     if values.dtype.kind not in "iuf":
         raise UsageError(f"perturb_array perturbs integer and floating-point data, not {values.dtype}")
     options = checked_options(PerturbOptions(
-        input=Path(ARRAY_NAME), eps=eps, noise=default_noise(mechanism) if noise is None else noise,
+        input=Path(ARRAY_NAME), eps=eps, noise=noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=value_range,
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
@@ -82,20 +83,21 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     job = ArrayJob(name=ARRAY_NAME, shape=tuple(values.shape), dtype=values.dtype,
                    read=lambda start, stop: values[start:stop],
                    source={"format": "array", "shape": list(values.shape), "dtype": str(values.dtype)})
-    run = plan(options, [job])
+    calibrated = calibrate_run(options, [job])
     streams = Streams(rng, seed, allow_weak_seed)  # checks the seed before any work
-    outside = validate_block(values, job, 0, run.lo, run.top, options.input)  # NaN, Inf: DataError
+    outside = validate_block(values, job, 0, calibrated.lo, calibrated.top, options.input)  # NaN, Inf: DataError
     if options.clip is not None or clip_input:
-        values = np.clip(values, run.lo, run.top)
+        values = np.clip(values, calibrated.lo, calibrated.top)
     elif outside:
         raise DataError(f"{ARRAY_NAME}: {plural(outside, 'value')} outside the declared range "
-                        f"[{run.lo:g}, {run.top:g}]; fix value_range or pass clip_input=True")
-    calib = run.calib_of[ARRAY_NAME]
+                        f"[{calibrated.lo:g}, {calibrated.top:g}]; fix value_range or pass clip_input=True")
+    calib = calibrated.calib_of[ARRAY_NAME]
     noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,
-                                   _weights(weights, values.shape), run.out_dtype, run.grid, len(values),
-                                   run.bases.get(ARRAY_NAME))
+                                   _weights(weights, values.shape), calibrated.out_dtype, calibrated.grid,
+                                   len(values), calibrated.bases.get(ARRAY_NAME))
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
-    return Perturbed(result, run.certified, calib, options.noise, sampler, (run.lo, run.hi), noisy.dtype)
+    return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
+                     (calibrated.lo, calibrated.hi), noisy.dtype)
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:

@@ -44,6 +44,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
+from tldp_cli.privacy.certificates import Guarantee
+from tldp_cli.run import manifest
 
 SCHEMA_VERSION = 2
 _BUSY_MS = 60_000  # a concurrent run holds the write lock for milliseconds
@@ -168,7 +170,7 @@ class Fingerprints:
 
 @dataclass(frozen=True)
 class _Release:
-    per_record: dict[str, Any]
+    per_record: Guarantee
     dp_delta: float
     pending: bool
     everyone: bool
@@ -176,7 +178,7 @@ class _Release:
 
 def _releases(db: sqlite3.Connection) -> dict[int, _Release]:
     rows = db.execute("SELECT id, status, options, figures, everyone FROM releases").fetchall()
-    return {rid: _Release(json.loads(figures)["per_record"],
+    return {rid: _Release(manifest.guarantee_of(json.loads(figures)["per_record"]),
                           json.loads(options).get("--dp-delta", _DEFAULT_DP_DELTA), status == "pending",
                           bool(everyone)) for rid, status, options, figures, everyone in rows}
 
@@ -314,7 +316,7 @@ def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, A
         touched = _touched(db, groups)
         charged = _charged(db, touched)
         releases = _releases(db)
-        new = _Release(figures["per_record"], dp_delta, False, False)  # stated once complete
+        new = _Release(manifest.guarantee_of(figures["per_record"]), dp_delta, False, False)  # stated once complete
         by_set = {ids: (_spent(ids, releases), _spent(ids, releases, new)) for ids in charged.sets()}
         before = max((b for b, _ in by_set.values()), key=lambda s: (s.epsilon, s.delta))
         after = max((a for _, a in by_set.values()), key=lambda s: (s.epsilon, s.delta))
@@ -346,7 +348,10 @@ def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: fl
     if max_delta is not None and worst_delta > max_delta * (1 + CAP_ROUNDING):
         over.append(f"delta {worst_delta:.3g} > --max-record-delta {max_delta:g}")
     if over:
-        left = "" if max_epsilon is None else f"; eps left under the cap: {max(0.0, max_epsilon - before.epsilon):.4g}"
+        from tldp_cli.privacy import accounting  # imported already: _spent computed `after`
+
+        left = ("" if max_epsilon is None else
+                f"; eps left under the cap: {accounting.epsilon_left(max_epsilon, before.epsilon):.4g}")
         raise LedgerError(f"the ledger refuses this release: with it, the most-spent subject it touches "
                           f"would spend {', '.join(over)} per record (that subject so far: {before.describe()}"
                           f"{left}); nothing was written")

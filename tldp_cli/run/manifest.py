@@ -1,8 +1,9 @@
 """The privacy manifest: build, write, read.
 
 It travels with the perturbed data, so it holds no hash or statistic of the raw
-input, and never the seed. `certified` is what accounting.certify_all returned for
-the run's calibrations.
+input, and never the seed. `certified` is what accounting.certify_run returned for
+the run (a Certificate); `accounting_entry` renders it as the manifest's `accounting`
+object, the one place its keys are spelled (`guarantee_of` reads a scope back).
 
 `build` is the one place a manifest is put together: its own fields (the calibration,
 the accounting, the inputs and outputs) and the `Part`s others contribute (a format's
@@ -15,6 +16,7 @@ is declared in docs/manifest.schema.json and named in docs/manifest.md.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -27,7 +29,9 @@ from tldp_cli import __version__
 from tldp_cli.errors import InputError, OutputError, reason_of
 from tldp_cli.files.checked_io import json_value
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.privacy import privunit
+from tldp_cli.privacy import mvg_idn, privunit
+from tldp_cli.privacy.certificates import (Certificate, Designed, FileGuarantee, Guarantee, PrivUnitFigures,
+                                           TensorFigures)
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.sampling import projection
 
@@ -77,7 +81,7 @@ def default_path(output: Path) -> Path:
     return output.with_name(output.name + ".manifest.json")
 
 
-def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[float, float], records: int,
+def build(*, calib: Calibration, certified: Certificate, value_range: tuple[float, float], records: int,
           rng: str, seeded: bool, weights: dict | None, inputs: list[dict],
           outputs: list[dict], postprocessing: list[str], preprocessing: list[str],
           output_dtype: str, parts: Sequence[Part] = (),
@@ -116,7 +120,7 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
         "rng": rng,
         "seeded": seeded,
         "weak_seed": weak_seed,
-        "accounting": certified,
+        "accounting": accounting_entry(certified),
         "inputs": inputs,
         "outputs": outputs,
         "output_dtype": output_dtype,
@@ -127,6 +131,84 @@ def build(*, calib: Calibration, certified: dict[str, Any], value_range: tuple[f
     if calibrations and len(dict.fromkeys(every)) > 1:
         manifest["calibrations"] = calibration_entries(calibrations, weights)
     return assemble([Part("the calibration and accounting", manifest), *parts])
+
+
+def accounting_entry(certified: Certificate) -> dict[str, Any]:
+    """The manifest's `accounting` object: the certified figures (docs/manifest.md)."""
+    entry: dict[str, Any] = {"per_element": scope_entry(certified.per_element),
+                             "per_record": scope_entry(certified.per_record),
+                             "dp_delta": certified.dp_delta, "accountant": certified.accountant,
+                             "notes": list(certified.notes)}
+    if certified.worst_case_of is not None:
+        entry["worst_case_of"] = certified.worst_case_of
+    if certified.designed is not None:
+        entry["designed"] = designed_entry(certified.designed)
+    if certified.privunit is not None:
+        entry["privunit"] = privunit_figures_entry(certified.privunit)
+    if certified.per_file is not None:
+        entry["per_file"] = file_entry(certified.per_file)
+    if certified.per_tensor is not None:
+        entry["per_tensor"] = [tensor_entry(tensor) for tensor in certified.per_tensor]
+    return entry
+
+
+def scope_entry(scope: Guarantee) -> dict[str, Any]:
+    """A scope's figures (per_element, per_record, ...), as the manifest states them."""
+    return {"epsilon": scope.epsilon, "delta": scope.delta, "delta_log10": scope.delta_log10,
+            "rho": scope.rho, "approx": {"delta": scope.approx_delta, "epsilon": scope.approx_epsilon},
+            "point_mass_delta": scope.point_mass_delta,
+            "point_mass_delta_log10": scope.point_mass_delta_log10}
+
+
+def guarantee_of(entry: Mapping[str, Any]) -> Guarantee:
+    """The Guarantee a scope's entry states (scope_entry read back: the release ledger's
+    figures). A field an older entry lacks: no rho, no kept values, approx the headline."""
+    approx = entry.get("approx") or {}
+    return Guarantee(epsilon=entry["epsilon"], delta=entry["delta"], delta_log10=entry.get("delta_log10"),
+                     rho=entry.get("rho"), approx_delta=approx.get("delta", entry["delta"]),
+                     approx_epsilon=approx.get("epsilon", entry["epsilon"]),
+                     point_mass_delta=entry.get("point_mass_delta") or 0.0,
+                     point_mass_delta_log10=entry.get("point_mass_delta_log10"))
+
+
+def ledger_figures(certified: Certificate) -> dict[str, Any]:
+    """What the release ledger records of a run's figures: its accounting's per_element,
+    per_record and per_file entries."""
+    entry = accounting_entry(certified)
+    return {scope: entry[scope] for scope in ("per_element", "per_record", "per_file")}
+
+
+def file_entry(per_file: FileGuarantee) -> dict[str, Any]:
+    """`accounting.per_file`: everything the run released, composed, and what it covers."""
+    return {**scope_entry(per_file), "records": per_file.records, "elements": per_file.elements}
+
+
+def tensor_entry(tensor: TensorFigures) -> dict[str, Any]:
+    """An entry of `accounting.per_tensor`: a tensor's calibration and per-record figures."""
+    calib = tensor.calibration
+    return {"name": tensor.name, "elements": calib.elements, "noise_scale": calib.scale,
+            "calibration_epsilon": calib.element_epsilon, "retain_probability": calib.p,
+            "retain_probability_log10": calib.p_log10, **scope_entry(tensor.per_record)}
+
+
+def designed_entry(designed: Designed) -> dict[str, Any]:
+    """`accounting.designed` (MVG, IDN): the figure of the mechanism's own design condition."""
+    entry: dict[str, Any] = {"epsilon": designed.epsilon, "delta": designed.delta, "scope": "record",
+                             "condition": designed.condition}
+    if designed.mvg is not None:
+        params = designed.mvg
+        entry.update(precision_budget=designed.precision_budget, unfolding=f"mode-{mvg_idn.MODE}",
+                     rows=params.rows, columns=params.columns, r=params.r, H_r=params.h_r,
+                     H_r_half=params.h_r_half, gamma=params.gamma, s2=params.s2, zeta=params.zeta,
+                     alpha=params.alpha, beta=params.beta)
+    else:
+        entry.update(s2=designed.s2, zeta=designed.zeta)
+    return entry
+
+
+def privunit_figures_entry(figures: PrivUnitFigures) -> dict[str, Any]:
+    """`accounting.privunit`: PrivUnit's split and its certified figures."""
+    return dataclasses.asdict(figures)
 
 
 def calibration_entries(calibrations: list[tuple[Calibration, int]], weights: dict | None) -> list[dict]:
@@ -183,21 +265,41 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                                  "norm); the record's own norm is not released"},
         "zero_record": "a record whose coefficients are all 0 has no direction: it is released "
                        "as the direction e_1 (the first coefficient)",
+        "pre_emphasis": pre_emphasis_entry(params),
         "write_back": write_back_entry(params),
         "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
-                    is not None else "reference + c B^T V, clipped to the declared range"),
+                    is not None or params.emphasis_exponent is not None
+                    else "reference + c B^T V, clipped to the declared range"),
     }
+
+
+def pre_emphasis_entry(params: Any) -> dict[str, Any]:
+    """The public weight d of each coefficient before the normalisation (u = d z / |d z|)."""
+    if params.emphasis_exponent is None:
+        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two axes "
+                                           "(an image statistic)"}
+    return {"weights": "spectral", "exponent": params.emphasis_exponent,
+            "rule": privunit.EMPHASIS_RULE + "; u = d z / |d z|, and the write-back's w carries 1/d",
+            "chosen": "on public digit data and MNIST training digits, not on the data this run "
+                      "releases: docs/choosing-eps.md"}
 
 
 def write_back_entry(params: Any) -> dict[str, Any]:
     """The write-back's public weights w of the released coefficients (post-processing)."""
+    if params.prior_exponent is None and params.emphasis_exponent is not None:
+        return {"weights": "inverse_emphasis", "alignment": params.alignment,
+                "rule": f"w = 1/d (the pre-emphasis undone), mean square 1; the Wiener filter only at an "
+                        f"alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     if params.prior_exponent is None:
         return {"weights": "none", "alignment": params.alignment,
-                "rule": f"w = 1: weights only for the DCT basis over two axes (an image statistic) at "
-                        f"an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
+                "rule": "w = 1: weights only for the DCT basis over two axes (an image statistic: 1/d, and "
+                        f"the Wiener filter at an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g})",
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
+    emphasised = "" if params.emphasis_exponent is None else (
+        "; with the pre-emphasis d: P_j proportional to d_j^2 (1 + f_j)^-2, and w times 1/d")
     return {"weights": "wiener", "prior_exponent": params.prior_exponent, "alignment": params.alignment,
-            "rule": privunit.WRITE_BACK_RULE + "; m = alignment = E<V, u>, below "
+            "rule": privunit.WRITE_BACK_RULE + emphasised + "; m = alignment = E<V, u>, below "
                     f"{privunit.WEIGHTED_BELOW_ALIGNMENT:g}",
             "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
 

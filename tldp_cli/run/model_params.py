@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from tldp_cli.privacy import accounting
+from tldp_cli.run import manifest
 from tldp_cli.sampling import engine
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration, calibrate_arrays, calibrate_privunit, matrix_rows
@@ -70,12 +71,11 @@ def perturb_tensors(tensors: Mapping[str, np.ndarray], calibrations: Mapping[str
 
 
 def certify_tensors(calibrations: Mapping[str, Calibration], releases: int = 1) -> dict[str, Any]:
-    """Certified figures: per element and per record (the worst case over the tensors),
-    per tensor, and per_file = all tensors released `releases` times (e.g. every round of
-    a training run)."""
+    """Certified figures, as a manifest's accounting states them: per element and per
+    record (the worst case over the tensors), per tensor, and per_file = all tensors
+    released `releases` times (e.g. every round of a training run)."""
     if releases < 1:
         raise UsageError(f"releases must be at least 1, not {releases}")
-    certified = accounting.certify_all(list(calibrations.values()))
-    certified.update(accounting.certify_file(
-        [(name, calib, releases) for name, calib in calibrations.items()], per_tensor=True))
-    return certified
+    return manifest.accounting_entry(accounting.certify_run(
+        list(calibrations.values()), None, [(name, calib, releases) for name, calib in calibrations.items()],
+        per_tensor=True))

@@ -15,18 +15,16 @@ on which.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import fnmatch
 import functools
 import math
 import os
-import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,26 +37,21 @@ from tldp_cli.errors import (DataError, InputError, Interrupted, NotHeld, OutOfM
                               UsageError, reason_of)
 from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
-    GAUSSIAN_ONLY,
     PRIVUNIT,
     Calibration,
     calibrate_arrays,
     calibrate_privunit,
-    check_parameters,
-    default_noise,
     matrix_rows,
     raw_release_advice,
-    resolve_budget,
-    sampled_noise,
 )
 from tldp_cli.run import bases as bases_mod
-from tldp_cli.sampling.rng import Streams, check_seed, records_per_unit
+from tldp_cli.privacy.certificates import Certificate
+from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
+from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
+    BLOCK_ELEMENTS, PerturbOptions, as_range, checked_budget, checked_input, checked_noise, checked_options,
+    parse_range, parse_ranges)
 
-# Records per block are chosen so a block holds about this many elements: 8 MB of
-# float32 output, small enough that the blocks in flight and Zarr's encoding copies of
-# them stay well inside a few hundred MB, large enough that per-block costs vanish.
-BLOCK_ELEMENTS = 1 << 21
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
 Progress = Callable[[int, int], None]  # (records just finished, total records)
@@ -82,81 +75,26 @@ class Report:
             self.records(records, total)
 
 
-@dataclass
-class PerturbOptions:
-    input: Path
-    eps: float  # --eps (epsilon=, its old name, is deprecated: see _renamed_keywords)
-    noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)
-    mechanism: str = "tldp"
-    budget: str | None = None  # None: the mechanism's own (element; record for privunit)
-    value_range: tuple[float, float] | str | None = None  # --range LO:HI: every array without its own
-    ranges: Mapping[str, tuple[float, float] | str] = field(default_factory=dict)  # --range NAME=LO:HI
-    weights: Path | None = None
-    out: Path | str | None = None  # a str keeps a trailing "/" ("write inside this folder")
-    manifest: Path | str | None = None  # a str keeps a trailing "/", which is refused
-    seed: str | int | None = None  # a secret key: hex digits (see rng.py)
-    allow_weak_seed: bool = False  # accept a seed of fewer than rng.MIN_SEED_BITS bits (tests, demos)
-    rng: str = "secure"
-    dtype: str = "float32"
-    dp_delta: float = 1e-5
-    granularity: float | None = None  # discrete noises on float data: the grid step (None: automatic)
-    overwrite: bool = False
-    clip_input: bool = False
-    clip: float | None = None  # --clip C: clip to [-C, C] (L-infinity) and take (-C, C) as the range
-    datasets: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)  # globs of arrays left out (model files, HDF5)
-    keep: list[str] = field(default_factory=list)  # what is copied raw rather than dropped (formats.leftovers)
-    input_format: str | None = None  # --format: the format's NAME, None: detected
-    image_format: str = "png"
-    copy_other: bool = False
-    skip_bad: bool = False
-    workers: int = 1
-    block_elements: int = BLOCK_ELEMENTS
-    scheduler: str = "threads"  # or "dask"
-    dask_address: str | None = None  # an existing cluster; None: a local one of `workers` processes
-    dask_logs: bool = False  # show dask.distributed's own log output (the CLI's --debug)
-    resume: bool = False  # continue an interrupted run's resumable (Zarr) output
-    allow_raw_release: bool = False  # consent to kept raw values costing more than dp_delta
-    ledger: Path | None = None  # the release ledger (ledger.py) that counts releases of this data
-    seed_file: Path | None = None  # where the seed came from (--seed-file): never to be overwritten
-    max_record_eps: float | None = None  # caps on what the data's releases spend together, per record
-    max_record_delta: float | None = None
-    sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
-    anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
-    name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
-    # CF missing-data markers inside the declared range: values equal to one are missing data,
-    # copied (the missingness pattern declared public), instead of data, perturbed
-    public_missing: bool = False
-    basis: str | None = None  # --mechanism privunit: dct (default), dct:K or FILE.npy (run/bases.py)
-
-    def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
-        for name in ("input", "weights", "ledger", "seed_file", "name_map"):
-            if isinstance(getattr(self, name), str):
-                setattr(self, name, Path(getattr(self, name)))
-
-    @property
-    def epsilon(self) -> float:
-        """Deprecated: `eps`, as perturb_array and the command have it."""
-        warnings.warn("PerturbOptions.epsilon is deprecated; use eps", DeprecationWarning, stacklevel=2)
-        return self.eps
-
-
-def _renamed_keywords(init, **old_names: str):
-    """`init` also taking each parameter's old keyword, with a DeprecationWarning (for one
-    release: PerturbOptions(epsilon=...) is PerturbOptions(eps=...))."""
-    @functools.wraps(init)
-    def taking_old_names(self, *args, **kwargs):
-        for old, new in old_names.items():
-            if old in kwargs:
-                if new in kwargs:
-                    raise TypeError(f"give {new}= (the new name of {old}=), not both")
-                warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
-                kwargs[new] = kwargs.pop(old)
-        init(self, *args, **kwargs)
-    return taking_old_names
-
-
-PerturbOptions.__init__ = _renamed_keywords(PerturbOptions.__init__, epsilon="eps")  # type: ignore[method-assign]
+# What `--resume` compares (_resume_record; the ledger states it for each release too). Each
+# field of PerturbOptions is in exactly one of the three lists below, so a new option is
+# decided on, never compared or ignored by default (tests/run/test_resume.py fails until it is).
+# Compared as given: they can change the output (block_elements: how its blocks are cut,
+# which the journal lists).
+RESUME_COMPARED = (
+    "eps", "noise", "mechanism", "budget", "value_range", "ranges", "rng", "dtype", "dp_delta", "granularity",
+    "clip_input", "clip", "datasets", "exclude", "keep", "input_format", "image_format", "copy_other",
+    "skip_bad", "block_elements", "allow_raw_release", "sampler", "anonymize_names", "public_missing", "basis",
+)
+# Compared in another form: the input by its resolved path, the seed by whether one was given
+# (never the seed nor anything derived from it: a hash would confirm guesses of a weak seed),
+# the weights by what load_masks states of them.
+RESUME_COMPARED_AS = ("input", "seed", "weights")
+# Not compared: where the output and its files go, how the blocks are run, whether to resume
+# or overwrite, and the ledger's own bookkeeping; none changes the values written.
+RESUME_NOT_COMPARED = (
+    "out", "manifest", "seed_file", "name_map", "allow_weak_seed", "overwrite", "resume", "workers", "scheduler",
+    "dask_address", "dask_logs", "ledger", "max_record_eps", "max_record_delta",
+)
 
 
 @dataclass
@@ -165,55 +103,6 @@ class PerturbResult:
     manifest_path: Path
     manifest: dict[str, Any]
     messages: list[str] = field(default_factory=list)
-
-
-def parse_range(text: str) -> tuple[float, float]:
-    """'LO:HI' -> (lo, hi); refuses empty, inverted and non-finite ranges."""
-    parts = text.split(":")
-    if len(parts) != 2:
-        raise UsageError(f"--range must be LO:HI (for example 0:256), not {text!r}")
-    try:
-        lo, hi = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise UsageError(f"--range must be two numbers LO:HI, not {text!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise UsageError(f"--range must be finite, not {text!r}")
-    if hi <= lo:
-        raise UsageError(f"--range {text} is empty or inverted: HI must be greater than LO")
-    return lo, hi
-
-
-def as_range(value: tuple[float, float] | str, flag: str = "--range") -> tuple[float, float]:
-    """The library's ranges: a pair (lo, hi) or a string 'lo:hi', refused as parse_range
-    refuses --range (`flag`: the option the message names)."""
-    try:
-        lo, hi = (float(bound) for bound in (value.split(":") if isinstance(value, str) else value))
-    except (TypeError, ValueError):
-        raise UsageError(f"{flag} must be two numbers, (lo, hi) or 'lo:hi', not {value!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise UsageError(f"{flag} must be finite, not {value!r}")
-    if hi <= lo:
-        raise UsageError(f"{flag} {value!r} is empty or inverted: hi must be greater than lo")
-    return lo, hi
-
-
-def parse_ranges(texts: list[str]) -> tuple[tuple[float, float] | None, dict[str, tuple[float, float]]]:
-    """--range values: at most one LO:HI (the default), and NAME=LO:HI for single arrays."""
-    default, own = None, {}
-    for text in texts:
-        name, sep, bounds = text.rpartition("=")
-        if not sep:
-            if default is not None:
-                raise UsageError(f"--range {text}: a second LO:HI; give one default range, and "
-                                 "NAME=LO:HI for single datasets or tensors")
-            default = parse_range(text)
-        elif not name:
-            raise UsageError(f"--range {text}: NAME=LO:HI needs the dataset's or tensor's name")
-        elif name in own:
-            raise UsageError(f"--range {name}=...: given twice")
-        else:
-            own[name] = parse_range(bounds)
-    return default, own
 
 
 def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
@@ -285,7 +174,7 @@ class BlockTask:
     clip_input: bool
     dtype: np.dtype
     source: Path
-    write: Callable[[ArrayJob, int, np.ndarray], None] | None  # None: return the block instead
+    write: Callable[[ArrayJob, int, np.ndarray], object] | None  # None: return the block instead
     grid: discrete.Grid | None = None  # discrete noises: snapped values are clipped into it
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)  # (lo, top, grid)
     bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by job name
@@ -353,69 +242,6 @@ def _run_tasks(process, tasks: list[tuple], workers: int):
                 future.cancel()
 
 
-def checked_noise(options: PerturbOptions) -> str:
-    """The noise of options checked_options returned (it resolves the mechanism's default)."""
-    assert options.noise is not None
-    return options.noise
-
-
-def checked_budget(options: PerturbOptions) -> str:
-    """The budget of options checked_options returned (it resolves the mechanism's own)."""
-    assert options.budget is not None
-    return options.budget
-
-
-def checked_options(options: PerturbOptions) -> PerturbOptions:
-    """Refuses option values that cannot work (usage errors), before any file is read;
-    returns the options with the noise as drawn (sampled_noise) and the budget resolved
-    (resolve_budget)."""
-    noise = default_noise(options.mechanism) if options.noise is None else options.noise
-    budget = resolve_budget(options.mechanism, options.budget)
-    options = dataclasses.replace(options, budget=budget, noise=noise,
-                                  value_range=None if options.value_range is None else as_range(options.value_range),
-                                  ranges={name: as_range(bounds, f"--range {name}=...")
-                                          for name, bounds in options.ranges.items()})
-    check_parameters(mechanism=options.mechanism, noise=noise, budget=budget,
-                     epsilon=options.eps, dp_delta=options.dp_delta)
-    if options.mechanism == PRIVUNIT:
-        bases_mod.parse_basis(options.basis)
-        if options.weights is not None:
-            raise UsageError("--weights lower TLDP's retain probability; --mechanism privunit keeps no "
-                             "raw value, so it takes no weights")
-        if options.granularity is not None:
-            raise UsageError("--granularity applies to the discrete noises; --mechanism privunit adds no noise")
-    elif options.basis is not None:
-        raise UsageError("--basis applies to --mechanism privunit")
-    options = dataclasses.replace(options, noise=sampled_noise(noise, options.sampler, options.mechanism))
-    if options.seed is not None:
-        check_seed(options.seed, options.allow_weak_seed)
-    if options.dtype not in ("float32", "float64"):
-        raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
-    if options.clip is not None:
-        if not (math.isfinite(options.clip) and options.clip > 0):
-            raise UsageError(f"--clip must be a finite number > 0, not {options.clip}")
-        if options.value_range is not None or options.ranges:
-            raise UsageError("--clip C sets the range to (-C, C); give --clip or --range, not both")
-    if options.weights is not None and options.mechanism in GAUSSIAN_ONLY:
-        raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} "
-                         "keeps no raw value, so it takes no weights")
-    if options.scheduler not in ("threads", "dask"):
-        raise UsageError(f"--scheduler must be threads or dask, not {options.scheduler}")
-    if options.dask_address is not None and options.scheduler != "dask":
-        raise UsageError("--dask-address applies to --scheduler dask")
-    if options.scheduler == "dask":
-        dask_runner.require()
-        if options.dask_address is not None:
-            dask_runner.check_address(dask_runner.parse_address(options.dask_address))
-    for flag, cap, top in (("--max-record-eps", options.max_record_eps, math.inf),
-                           ("--max-record-delta", options.max_record_delta, 1.0)):
-        if cap is not None and not 0 <= cap <= top:  # NaN too: it would turn the cap off
-            raise UsageError(f"{flag} must be a number in [0, {top:g}], not {cap:g}")
-    if options.ledger is None and (options.max_record_eps is not None or options.max_record_delta is not None):
-        raise UsageError("--max-record-eps and --max-record-delta cap what a ledger counts: give --ledger PATH")
-    return options
-
-
 def perturb(options: PerturbOptions, progress: Progress | None = None, phase: Phase | None = None
             ) -> PerturbResult:
     """Perturb options.input into its output and manifest (see the module docstring). Memory
@@ -431,8 +257,7 @@ def perturb(options: PerturbOptions, progress: Progress | None = None, phase: Ph
 
 def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     source = options.input
-    options = checked_options(options)
-    module = formats.detect(source, options.input_format)
+    options, module = checked_input(options)
     report.tell("reading", headers_phrase(source, module, options))
     if options.resume and not module.resumable:
         raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
@@ -491,10 +316,11 @@ def _where(job: ArrayJob, source: Path) -> str:
 
 
 @dataclass
-class Plan:
-    """What a run will do, decided from the options and the arrays' shapes and dtypes
-    alone (no data values): the range, the grid, each array's calibration, the output
-    dtype and the certified figures."""
+class Calibrated:
+    """A run calibrated and certified (calibrate_run): what it will do, decided from the
+    options and the arrays' shapes and dtypes alone (no data values): the range, the grid,
+    each array's calibration, the output dtype and the certified figures. `tldp plan`
+    prints it (run/plan.py), perturb writes by it, evaluate recomputes it."""
 
     lo: float
     hi: float
@@ -503,7 +329,7 @@ class Plan:
     calibrations: list[Calibration]  # the distinct ones
     largest: Calibration  # the largest record's: the manifest's scalar fields describe it
     out_dtype: np.dtype
-    certified: dict[str, Any]
+    certified: Certificate
     rows: list[list[str]]
     raw_release: list[tuple[str, float]]  # scopes whose kept raw values cost more than dp_delta
     # by array name, where arrays have different ranges (--range NAME=LO:HI): (lo, hi, grid)
@@ -712,10 +538,11 @@ def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64)
 
 
-def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
-         per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None) -> Plan:
+def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
+                  per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None) -> Calibrated:
     """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
-    sampled_noise); refuses, as perturb does, what cannot work or needs consent.
+    sampled_noise); refuses, as perturb does, what cannot work or needs consent. What
+    `tldp plan` states, perturb writes by and evaluate checks against.
     `before_accounting` runs once the options are calibrated, before the certified figures
     are computed (perturb checks its destinations there: a path error comes after the usage
     errors of the options and of their calibration, but before the accounting, without
@@ -765,11 +592,11 @@ def plan(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | 
     # The scalar fields (value_range, grid) describe the largest record's range, as its calibration
     main = next(group for group in groups if largest in group.calib_of.values())
     bounds = {name: (group.lo, group.hi, group.grid) for group in groups for name in group.calib_of}
-    return Plan(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
-                raw_release, bounds if len(groups) > 1 or options.ranges else {},
-                _in_range_markers(jobs, bounds),
-                {name: basis for group in groups for name, basis in group.bases.items()}, user,
-                _range_groups(groups, jobs, rows, declared) if len(groups) > 1 else [])
+    return Calibrated(main.lo, main.hi, main.grid, calib_of, calibrations, largest, out_dtype, certified, rows,
+                      raw_release, bounds if len(groups) > 1 or options.ranges else {},
+                      _in_range_markers(jobs, bounds),
+                      {name: basis for group in groups for name, basis in group.bases.items()}, user,
+                      _range_groups(groups, jobs, rows, declared) if len(groups) > 1 else [])
 
 
 def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[list[str]],
@@ -795,21 +622,22 @@ def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[li
                  "elements_per_record": sizes[-1] if len(sizes) == 1 else sizes[::len(sizes) - 1],
                  "noise_scale": max(c.scale for c in calibrations),
                  "retain_probability": max(c.p for c in calibrations),
-                 "accounting": {"per_element": figures["per_element"], "per_record": figures["per_record"]}}
+                 "accounting": {"per_element": manifest_mod.scope_entry(figures.per_element),
+                                "per_record": manifest_mod.scope_entry(figures.per_record)}}
         if group.grid is not None:
             entry["granularity"] = group.grid.granularity
         entries.append(entry)
     return entries
 
 
-def range_group_messages(run: Plan) -> list[str]:
+def range_group_messages(calibrated: Calibrated) -> list[str]:
     """The line that says a run's records have ranges of their own (range_groups)."""
-    if not run.range_groups:
+    if not calibrated.range_groups:
         return []
     parts = [f"{lo:g}:{hi:g} for {' and '.join(g['input_dtypes'])} ({plural(g['records'], 'record')}; "
              f"per record eps={g['accounting']['per_record']['epsilon']:.4g})"
-             for g in run.range_groups for lo, hi in [g["value_range"]]]
-    spanning = [row for row in run.rows if len({run.bounds[name][:2] for name in row}) > 1]
+             for g in calibrated.range_groups for lo, hi in [g["value_range"]]]
+    spanning = [row for row in calibrated.rows if len({calibrated.bounds[name][:2] for name in row}) > 1]
     if spanning:
         rule = (f"A record spanning several ranges (a row of {', '.join(spanning[0])}) composes its parts: "
                 "the guarantee line's per-record figure")
@@ -820,26 +648,25 @@ def range_group_messages(run: Plan) -> list[str]:
 
 
 def certified_figures(calibrations: list[Calibration], records: list[list[Calibration]],
-                      arrays: list[tuple[str, Calibration, int]], per_tensor: bool) -> dict[str, Any]:
-    """accounting.certify_all and certify_file for a run (see plan), computed once per distinct
-    calibrations and record counts in a process: the inputs of one `tldp perturb` call
-    that share them (the same shape, the same options) share the accountant's work."""
-    names = [name for name, _, _ in arrays]
-    certified = copy.deepcopy(_certified(tuple(calibrations), tuple(tuple(row) for row in records),
-                                         tuple((calib, n) for _, calib, n in arrays), per_tensor))
-    for entry, name in zip(certified.get("per_tensor", []), names):
-        entry["name"] = name
-    return certified
+                      arrays: list[tuple[str, Calibration, int]], per_tensor: bool) -> Certificate:
+    """accounting.certify_run for a run (see calibrate_run), computed once per distinct calibrations
+    and record counts in a process: the inputs of one `tldp perturb` call that share them
+    (the same shape, the same options) share the accountant's work."""
+    certified = _certified(tuple(calibrations), tuple(tuple(row) for row in records),
+                           tuple((calib, n) for _, calib, n in arrays), per_tensor)
+    if certified.per_tensor is None:
+        return certified
+    return dataclasses.replace(certified, per_tensor=tuple(
+        dataclasses.replace(tensor, name=name) for tensor, (name, _, _) in zip(certified.per_tensor, arrays)))
 
 
 @functools.lru_cache(maxsize=32)
 def _certified(calibrations: tuple[Calibration, ...], records: tuple[tuple[Calibration, ...], ...],
-               arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> dict[str, Any]:
+               arrays: tuple[tuple[Calibration, int], ...], per_tensor: bool) -> Certificate:
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
 
-    certified = accounting.certify_all(list(calibrations), [list(row) for row in records])
-    certified.update(accounting.certify_file([("", calib, n) for calib, n in arrays], per_tensor=per_tensor))
-    return certified
+    return accounting.certify_run(list(calibrations), [list(row) for row in records],
+                                  [("", calib, n) for calib, n in arrays], per_tensor=per_tensor)
 
 
 def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float, discrete.Grid | None]]
@@ -855,49 +682,77 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
     return found
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """What the steps of a run share once it is calibrated, in place of long parameter
+    lists: the checked options (checked_options), the input's arrays and their calibration,
+    the format and its open reader, what the reader was told, and where the run says how
+    it goes. A run that writes (_perturb) adds its destinations, weight masks and random
+    streams; `tldp plan` (run/plan.py) writes nothing and has none of them, and described
+    records (tldp plan --elements) have no format or reader either."""
+
+    options: PerturbOptions
+    jobs: list[ArrayJob]
+    calibrated: Calibrated
+    module: formats.Format | None = None
+    reader: Any = None  # the format's Reader
+    format_options: FormatOptions = field(default_factory=FormatOptions)
+    report: Report = field(default_factory=Report)
+    destination: Path | None = None  # the output's final path (_destinations)
+    manifest_path: Path | None = None
+    masks: dict[str, Mask] = field(default_factory=dict)  # --weights, by array name (load_masks)
+    weights_info: dict[str, Any] | None = None  # --weights as the manifest and --resume state them
+    streams: Streams | None = None  # the run's random streams: they hold its secret key
+
+    def writing(self) -> tuple[formats.Format, Path, Path, Streams]:
+        """The format, destination, manifest path and streams of a run that writes (_perturb
+        sets them all; `tldp plan`'s context has none)."""
+        assert self.module is not None and self.destination is not None
+        assert self.manifest_path is not None and self.streams is not None
+        return self.module, self.destination, self.manifest_path, self.streams
+
+
 def _perturb(options: PerturbOptions, module, reader, format_options: FormatOptions,
              report: Report) -> PerturbResult:
     jobs = reader.arrays()
     report.tell("planning", planning_phrase(options, jobs))
     where: list[tuple[Path, Path]] = []  # the destinations, checked before the accounting
-    run = plan(options, jobs, rows=row_groups(module, reader, jobs), per_tensor=reader.records_are_tensors,
-               before_accounting=lambda: where.append(_destinations(options, module, reader)))
+    calibrated = calibrate_run(options, jobs, rows=row_groups(module, reader, jobs),
+                               per_tensor=reader.records_are_tensors,
+                               before_accounting=lambda: where.append(_destinations(options, module, reader)))
     destination, manifest_path = where[0]
-    masks: dict[str, Mask] = {}
-    weights_info = None
-    if options.weights is not None:
-        masks, weights_info = load_masks(options.weights, jobs)
+    masks, weights_info = load_masks(options.weights, jobs) if options.weights is not None else ({}, None)
+    run = RunContext(options, jobs, calibrated, module=module, reader=reader, format_options=format_options,
+                     report=report, destination=destination, manifest_path=manifest_path, masks=masks,
+                     weights_info=weights_info, streams=Streams(options.rng, options.seed, options.allow_weak_seed))
     report.tell("checking", "free space and memory" + (
         f"; reading every record once to fingerprint it for the ledger {options.ledger}" if options.ledger else ""))
     name_map = None  # --anonymize-names: the name map, written with the output
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
                                                manifest_path, options.overwrite)
-    output.check_free_space(destination.parent, module.output_bytes(jobs, run.out_dtype, format_options),
+    output.check_free_space(destination.parent, module.output_bytes(jobs, calibrated.out_dtype, format_options),
                             destination)
-    _check_memory(options, jobs, run)
+    _check_memory(run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
-    release = _begin_release(options, module, reader, run, jobs, weights_info, destination, manifest_path)
-    if run.in_range_markers and not options.public_missing:
+    release = _begin_release(run)
+    if calibrated.in_range_markers and not options.public_missing:
         # Before any block is read, after the ledger's fingerprint: the same data either way.
-        reader.markers_are_data(run.in_range_markers)
-    streams = Streams(options.rng, options.seed, options.allow_weak_seed)
+        reader.markers_are_data(calibrated.in_range_markers)
     staging = output.Staging()
     try:
-        staged = _stage(staging, options, module, jobs, run, weights_info, destination, manifest_path,
-                        name_map)
+        staged = _stage(staging, run, name_map)
     except BaseException:
         staging.discard()
         _abandon(release)
         raise
     notes = staging.notes + staged.notes  # shown after the reader's and writer's messages
-    notes += cf.marker_messages(run.in_range_markers, options.public_missing) + range_group_messages(run)
+    notes += cf.marker_messages(calibrated.in_range_markers, options.public_missing) + range_group_messages(calibrated)
     partial = staged.partial
     committing = contextlib.ExitStack()
     try:
-        writer, written = _write_blocks(options, module, reader, format_options, jobs, run, masks,
-                                        streams, staged, notes, report)
+        writer, written = _write_blocks(run, staged, notes)
         for path in written:  # a cleanup script may have removed the output (or its folder)
             if not path.is_file():
                 raise output.removed_during_run(path)
@@ -906,8 +761,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
                     else str(destination),
                     "sha256": digests.get(f) or manifest_mod.sha256_file(f)} for f in written]
         report.tell("committing", f"writing the manifest, then moving {destination} and {manifest_path} into place")
-        manifest = build_manifest(options, run, jobs, reader, writer, streams, weights_info, outputs,
-                                  masked=list(masks))
+        manifest = build_manifest(run, writer, outputs)
         manifest_mod.write(manifest, staged.manifest, shown_as=manifest_path)
         if name_map:
             module.write_name_map(reader.name_map(destination, manifest_path), staged.name_map, name_map)
@@ -933,7 +787,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
             partial.remove()  # only its emptied folder and journal are left
         staging.check_in_place()  # never report an output another program has just removed
         return PerturbResult(destination, manifest_path, manifest,
-                             _messages(options, reader, writer, notes, name_map, weights_info, manifest))
+                             _messages(run, writer, notes, name_map, manifest))
 
 
 @dataclass
@@ -948,14 +802,12 @@ class _Staged:
     notes: list[str]
 
 
-def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[ArrayJob], run: Plan,
-           weights_info, destination: Path, manifest_path: Path, name_map: Path | None) -> _Staged:
+def _stage(staging: output.Staging, run: RunContext, name_map: Path | None) -> _Staged:
+    module, destination, manifest_path, _ = run.writing()
     partial = None
     notes: list[str] = []
     if module.resumable:
-        partial = resume.Partial(destination,
-                                 _resume_record(options, module, jobs, (run.lo, run.hi), weights_info),
-                                 options.resume)
+        partial = resume.Partial(destination, _resume_record(run), run.options.resume)
         notes += partial.messages
         tmp_output = partial.store
         staging.adopt(tmp_output, destination)
@@ -965,11 +817,12 @@ def _stage(staging: output.Staging, options: PerturbOptions, module, jobs: list[
                    staging.temporary(name_map) if name_map else None, partial, notes)
 
 
-def _write_blocks(options: PerturbOptions, module, reader, format_options: FormatOptions,
-                  jobs: list[ArrayJob], run: Plan, masks: dict[str, Mask], streams: Streams,
-                  staged: _Staged, notes: list[str], report: Report):
+def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
     """Perturb every block into a writer on the staged output; (writer, files written).
-    Values outside the declared range stop the run once the blocks in flight are done."""
+    Values outside the declared range stop the run once the blocks in flight are done.
+    `notes`: the run's messages, which a Dask run adds to."""
+    options, jobs, calibrated, report = run.options, run.jobs, run.calibrated, run.report
+    module, _, _, streams = run.writing()
     partial = staged.partial
     total = sum(job.records for job in jobs)
     tasks = [(job, start, stop) for job in jobs
@@ -980,8 +833,9 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
                               f"work copy beside the output")
     open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-    writer = open_writer(reader, staged.output, run.out_dtype,
-                         dataclasses.replace(format_options, value_bounds=_value_bounds(run, jobs)))
+    assert open_writer is not None  # a resuming run's format is resumable (resume.Partial)
+    writer = open_writer(run.reader, staged.output, calibrated.out_dtype,
+                         dataclasses.replace(run.format_options, value_bounds=_value_bounds(calibrated, jobs)))
     try:
         if partial is not None:
             partial.begin()
@@ -993,17 +847,16 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
         # (values outside the range, first record of their block, the array)
         outside_counts: list[tuple[int, int, ArrayJob]] = []
         block_task = BlockTask(
-            calibrations=run.calib_of, streams=streams,
+            calibrations=calibrated.calib_of, streams=streams,
             # integer data under discrete noise: [lo, hi) holds lo..hi-1
-            masks=masks, lo=run.lo, hi=run.top,
+            masks=run.masks, lo=calibrated.lo, hi=calibrated.top,
             clip_input=options.clip_input or options.clip is not None,
-            dtype=run.out_dtype,
-            source=options.input, write=writer.write, grid=run.grid, bounds=run.checked_bounds(),
-            bases=run.bases)
+            dtype=calibrated.out_dtype,
+            source=options.input, write=writer.write, grid=calibrated.grid, bounds=calibrated.checked_bounds(),
+            bases=calibrated.bases)
         if options.scheduler == "dask":
-            needed = [options.input] + [path for m in masks.values() if (path := m.per_record or m.png) is not None]
-            results = _run_dask(block_task, tasks, writer, staged.output, needed, options,
-                                lambda: bool(outside_counts), notes)
+            results = _run_dask(run, dataclasses.replace(block_task, write=writer.block_writer()), tasks,
+                                staged.output, lambda: bool(outside_counts), notes)
         else:
             results = _run_tasks(
                 lambda job, start, stop: block_task(job, start, stop, bool(outside_counts)),
@@ -1026,22 +879,24 @@ def _write_blocks(options: PerturbOptions, module, reader, format_options: Forma
     finally:
         written = writer.close()
     if outside_counts:
-        raise _outside_error(outside_counts, run, options.input)
+        raise _outside_error(outside_counts, calibrated, options.input)
     return writer, written
 
 
-def _value_bounds(run: Plan, jobs: list[ArrayJob]) -> dict[str, tuple[float, float, float | None]]:
+def _value_bounds(calibrated: Calibrated, jobs: list[ArrayJob]
+                  ) -> dict[str, tuple[float, float, float | None]]:
     """Each array's declared range and grid step (None: no grid) as FormatOptions.value_bounds."""
     bounds = {}
     for job in jobs:
-        lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
+        lo, hi, grid = calibrated.bounds.get(job.name, (calibrated.lo, calibrated.hi, calibrated.grid))
         bounds[job.name] = (lo, hi, None if grid is None else grid.granularity or 1)
     return bounds
 
 
-def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, source: Path) -> DataError:
+def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], calibrated: Calibrated,
+                   source: Path) -> DataError:
     _, first, job = min(outside_counts, key=lambda count: (count[2].name, count[1]))
-    lo, hi, grid = run.bounds.get(job.name, (run.lo, run.hi, run.grid))
+    lo, hi, grid = calibrated.bounds.get(job.name, (calibrated.lo, calibrated.hi, calibrated.grid))
     return DataError(
         f"{_where(job, source)}: {plural(sum(n for n, _, _ in outside_counts), 'value')} outside the "
         f"declared range [{lo:g}, {hi:g}{']' if grid is None or grid.granularity else ')'} (the "
@@ -1049,16 +904,16 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], run: Plan, s
         "clip them into range")
 
 
-def _messages(options: PerturbOptions, reader, writer, notes: list[str], name_map: Path | None,
-              weights_info, manifest: dict[str, Any]) -> list[str]:
-    messages = [*reader.messages, *writer.messages, *notes]
+def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
+              manifest: dict[str, Any]) -> list[str]:
+    messages = [*run.reader.messages, *writer.messages, *notes]
     if name_map:
         messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
                         "output's, so keep it with the raw data, never with the release")
-    warning = weights_warning(options.weights, weights_info)
+    warning = weights_warning(run.options.weights, run.weights_info)
     if warning:
         messages.append(warning)
-    if options.seed is not None:
+    if run.options.seed is not None:
         messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
                         "of the same shape gives the same noise, so use it for one release only")
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
@@ -1142,15 +997,16 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
     return module.earlier_output(path, reader)
 
 
-def _check_memory(options: PerturbOptions, jobs: list[ArrayJob], run: Plan) -> None:
+def _check_memory(run: RunContext) -> None:
     """Refuses, before any data is read, a record that cannot fit in this process's memory
     (a model file's tensor is one record): a block holds at least one, read, its noise and
     its output side by side. Blocks computed on a cluster's workers are theirs to hold."""
+    options, jobs, calibrated = run.options, run.jobs, run.calibrated
     if options.scheduler == "dask" and options.dask_address:
         return
-    noise_bytes = 8 if run.grid is not None else run.out_dtype.itemsize  # exact noise: int64
+    noise_bytes = 8 if calibrated.grid is not None else calibrated.out_dtype.itemsize  # exact noise: int64
     job = max(jobs, key=lambda j: j.elements * j.dtype.itemsize)
-    needed = job.elements * (job.dtype.itemsize + noise_bytes + run.out_dtype.itemsize)
+    needed = job.elements * (job.dtype.itemsize + noise_bytes + calibrated.out_dtype.itemsize)
     output.check_free_memory(needed, f"{_where(job, options.input)}: a record of "
                                      f"{job.elements:,} elements (read, noised and written whole)")
 
@@ -1163,11 +1019,11 @@ class _Release:
     subjects: int
 
 
-def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: list[ArrayJob],
-                   weights_info: dict | None, destination: Path, manifest_path: Path) -> _Release | None:
+def _begin_release(run: RunContext) -> _Release | None:
     """With --ledger: fingerprint the records the release touches (one more pass over
     them), check the caps and record the release as pending (ledger.begin); None without
     a ledger."""
+    options = run.options
     if options.ledger is None:
         return None
     path = Path(options.ledger)
@@ -1177,11 +1033,11 @@ def _begin_release(options: PerturbOptions, module, reader, run: Plan, jobs: lis
         raise UsageError(f"{path}: the ledger cannot be inside the input {source}: keep it beside the raw data")
     db = ledger.open_ledger(path)
     try:
-        touched = _touched_records(options, module, reader, jobs, ledger.Fingerprints(db))
-        figures = {scope: run.certified[scope] for scope in ("per_element", "per_record", "per_file")}
-        record = _resume_record(options, module, jobs, (run.lo, run.hi), weights_info)
+        touched = _touched_records(options, run.module, run.reader, run.jobs, ledger.Fingerprints(db))
+        figures = manifest_mod.ledger_figures(run.calibrated.certified)
+        record = _resume_record(run)
         release_id, total, subjects = ledger.begin(
-            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(destination),
+            db, touched, figures, input=os.path.abspath(options.input), output=os.path.abspath(run.writing()[1]),
             options={**record, "--dp-delta": options.dp_delta}, max_epsilon=options.max_record_eps,
             max_delta=options.max_record_delta, dp_delta=options.dp_delta)
     except BaseException:
@@ -1240,87 +1096,92 @@ def _abandon(release: _Release | None) -> None:
         release.db.close()
 
 
-def build_manifest(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
-                   streams: Streams | None, weights_info: dict | None, outputs: list[dict],
-                   masked: list[str] | None = None) -> dict[str, Any]:
-    """The manifest of a run (`tldp plan`: writer None, no outputs): everything it states
-    comes from the plan, the reader and the writer, never from the data. `masked`: the
-    arrays a weight mask covers. manifest.build joins the parts (manifest_parts), none
-    writing a key another wrote."""
+def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = None) -> dict[str, Any]:
+    """The manifest of a run (`tldp plan`: no writer, no outputs): everything it states
+    comes from the calibration, the reader and the writer, never from the data.
+    manifest.build joins the parts (manifest_parts), none writing a key another wrote."""
+    options, calibrated, jobs, reader, streams = run.options, run.calibrated, run.jobs, run.reader, run.streams
     postprocessing = []
-    if run.largest.privunit is not None:
+    if calibrated.largest.privunit is not None:
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
                           f"w: privunit.write_back), "
-                          f"clip to [{run.lo:g}, {run.hi:g}], cast to {run.out_dtype}"]
+                          f"clip to [{calibrated.lo:g}, {calibrated.hi:g}], cast to {calibrated.out_dtype}"]
     records_of: dict[Calibration, int] = {}
     for job in jobs:
-        records_of[run.calib_of[job.name]] = records_of.get(run.calib_of[job.name], 0) + job.records
+        calib = calibrated.calib_of[job.name]
+        records_of[calib] = records_of.get(calib, 0) + job.records
     return manifest_mod.build(
-        calib=run.largest, certified=run.certified, value_range=(run.lo, run.hi),
+        calib=calibrated.largest, certified=calibrated.certified,
+        value_range=(calibrated.lo, calibrated.hi),
         records=sum(job.records for job in jobs), rng=options.rng,
         calibrations=list(records_of.items()),
         # PrivUnit: a record spanning n arrays gets --eps / n in each
-        epsilon=options.epsilon if run.largest.privunit is not None else None,
-        seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=weights_info,
-        inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs,
+        epsilon=options.eps if calibrated.largest.privunit is not None else None,
+        seeded=options.seed is not None, weak_seed=bool(streams and streams.weak_seed), weights=run.weights_info,
+        inputs=reader.manifest_inputs() if reader else [job.source for job in jobs], outputs=outputs or [],
         preprocessing=(["clip"] if options.clip is not None else [])
         + (["clip_input"] if options.clip_input else []),
-        postprocessing=postprocessing + ([note] if run.grid and (note := discrete.saturation_note(run.out_dtype))
+        postprocessing=postprocessing + ([note] if calibrated.grid and (note := discrete.saturation_note(calibrated.out_dtype))
                                          else [])  # (a note for integer output only)
         + (list(writer.postprocessing) if writer else []),
-        output_dtype=(writer and writer.output_dtype) or str(run.out_dtype),
-        parts=manifest_parts(options, run, jobs, reader, writer, masked or []))
+        output_dtype=(writer and writer.output_dtype) or str(calibrated.out_dtype),
+        parts=manifest_parts(options, calibrated, jobs, reader, writer, list(run.masks)))
 
 
-def manifest_parts(options: PerturbOptions, run: Plan, jobs: list[ArrayJob], reader, writer,
+def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[ArrayJob], reader, writer,
                    masked: list[str]) -> list[manifest_mod.Part]:
     """What the format's reader and writer, the privacy warnings, the options, the
     missing-data markers, the rows, the sampler's grid, the ranges and PrivUnit add to
     the manifest, in the order the manifest lists them."""
     Part = manifest_mod.Part
     record = (reader and reader.record_description) or privacy_warnings.record_name(
-        formats.get(reader.format) if reader else None, jobs, run.rows, bool(reader and reader.records_are_tensors))
-    warnings = [privacy_warnings.large_epsilon(run.certified, record, checked_budget(options)),
-                privacy_warnings.idle_weights(options.weights, jobs, run.calib_of, masked,
+        formats.get(reader.format) if reader else None, jobs, calibrated.rows,
+        bool(reader and reader.records_are_tensors))
+    warnings = [privacy_warnings.large_epsilon(calibrated.certified, record, checked_budget(options)),
+                privacy_warnings.idle_weights(options.weights, jobs, calibrated.calib_of, masked,
                                               options.eps, checked_budget(options))]
     chosen: dict[str, Any] = {"sampler": options.sampler}
     if options.clip is not None:
         chosen["clip"] = {"norm": "linf", "bound": options.clip}
-    if run.raw_release:
-        chosen["raw_release_allowed"] = {scope: delta for scope, delta in run.raw_release}
+    if calibrated.raw_release:
+        chosen["raw_release_allowed"] = {scope: delta for scope, delta in calibrated.raw_release}
     rows: dict[str, Any] = {}
-    if any(len(row) > 1 for row in run.rows):
-        rows = {"row_datasets": [row for row in run.rows if len(row) > 1], "row_records": _row_records(run.rows, jobs)}
+    if any(len(row) > 1 for row in calibrated.rows):
+        rows = {"row_datasets": [row for row in calibrated.rows if len(row) > 1],
+                "row_records": _row_records(calibrated.rows, jobs)}
     ranges: dict[str, Any] = {}
-    if run.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
+    if calibrated.bounds:  # --range NAME=LO:HI, or dtypes of their own ranges: each array's range (and grid step)
         named = reader.manifest_name if reader else str
         # sorted by the name written: withheld names' order would tell who is who
-        bounds = sorted(((named(name), bound) for name, bound in run.bounds.items()), key=lambda item: item[0])
+        bounds = sorted(((named(name), bound) for name, bound in calibrated.bounds.items()),
+                        key=lambda item: item[0])
         ranges["value_ranges"] = {name: [lo, hi] for name, (lo, hi, _) in bounds}
-        if run.grid is not None:
+        if calibrated.grid is not None:
             ranges["granularities"] = {name: grid.granularity for name, (_, _, grid) in bounds if grid is not None}
-    if run.range_groups:
-        ranges["range_groups"] = run.range_groups
-    sizes = {c.elements for c in run.calibrations}
+    if calibrated.range_groups:
+        ranges["range_groups"] = calibrated.range_groups
+    sizes = {c.elements for c in calibrated.calibrations}
     return [
         Part("the reader", reader.manifest_extra if reader else {}),
         Part("the writer", writer.manifest_extra if writer else {}),  # e.g. dropped_filters
         Part("the privacy warnings", {"warnings": [w for w in warnings if w]} if any(warnings) else {}),
         Part("the options", chosen),
-        Part("the missing-data markers", cf.marker_fields(run.in_range_markers, options.public_missing)),
+        Part("the missing-data markers", cf.marker_fields(calibrated.in_range_markers, options.public_missing)),
         Part("the rows", rows),
-        Part("the sampler's grid", discrete.manifest_fields(run.grid, options.granularity is None, run.out_dtype)
-             if run.grid is not None else {}),
+        Part("the sampler's grid", discrete.manifest_fields(calibrated.grid, options.granularity is None,
+                                                            calibrated.out_dtype)
+             if calibrated.grid is not None else {}),
         Part("the ranges", ranges),
         Part("the record sizes", {"elements_per_record_range": [min(sizes), max(sizes)]} if len(sizes) > 1 else {}),
-        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(run.largest, bases_mod.parse_basis(options.basis),
-                                                                  run.user_basis)}
-             if run.largest.privunit is not None else {}),
+        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(calibrated.largest,
+                                                                  bases_mod.parse_basis(options.basis),
+                                                                  calibrated.user_basis)}
+             if calibrated.largest.privunit is not None else {}),
     ]
 
 
 def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
-    """The inverse of build_manifest for what `plan` reads: the options of the run whose
+    """The inverse of build_manifest for what `calibrate_run` reads: the options of the run whose
     manifest is `m`, over the input `input`, that decide its calibration. The noise is the
     noise as drawn (sampled_noise); the range is the declared one (--clip's (-C, C) as the
     range it set) with each array's own (--range NAME=LO:HI); the grid step only where it
@@ -1381,44 +1242,43 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
         raise dask_runner.ClusterError(f"{exc}; {kept}") from None
 
 
-# PerturbOptions fields that do not change the output (or, the seed, must never be recorded).
-_NOT_RECORDED = {"input", "out", "manifest", "seed", "allow_weak_seed", "overwrite", "workers", "scheduler",
-                 "dask_address", "dask_logs", "resume", "ledger", "max_record_eps", "max_record_delta",
-                 "seed_file", "name_map"}
 # Each option's flag where it is not its field's name with "-" for "_" (eps: --eps). Both
 # ways: a resume record's keys, and the library's messages (run/library.py: --range LO:HI
 # reads value_range=(lo, hi) there).
 OPTION_FLAGS = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
 
 
-def _resume_record(options: PerturbOptions, module, jobs: list[ArrayJob], value_range: tuple[float, float],
-                   weights_info: dict | None) -> dict[str, Any]:
+def _resume_record(run: RunContext) -> dict[str, Any]:
     """What a resumed run must share with the interrupted one, keyed by option name: every
     option that can change the output, whether a seed was given (never the seed nor anything
     derived from it), the input's arrays and the weights."""
+    options = run.options
     record: dict[str, Any] = {
-        "input": str(options.input.resolve()), "format": module.name,
-        "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in jobs],
-        "--seed": options.seed is not None, "--weights": weights_info,
+        "input": str(options.input.resolve()), "format": run.writing()[0].name,
+        "arrays": [[job.name, list(job.shape), str(job.dtype)] for job in run.jobs],
+        "--seed": options.seed is not None, "--weights": run.weights_info,
     }
-    for f in dataclasses.fields(options):
-        if f.name not in _NOT_RECORDED and f.name != "weights":
-            value = getattr(options, f.name)
-            record[OPTION_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))] = (
-                str(value) if isinstance(value, Path) else value)
-    record["--range"] = list(value_range)  # as resolved (integer data: its dtype's range)
+    for name in RESUME_COMPARED:
+        value = getattr(options, name)
+        if name == "value_range":
+            value = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
+        elif name == "ranges":
+            continue  # under a key of its own, last
+        flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
+        record[flag] = str(value) if isinstance(value, Path) else value
     record["--ranges"] = {name: list(bounds) for name, bounds in options.ranges.items()}
     return record
 
 
-def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Path, needed: list[Path],
-              options: PerturbOptions, count_only: Callable[[], bool], messages: list[str]):
+def _run_dask(run: RunContext, task: BlockTask, tasks: list[tuple], tmp_output: Path,
+              count_only: Callable[[], bool], messages: list[str]):
     """BlockTask on Dask. Blocks are written by the workers when the format has a block
-    writer, else sent back and written here (the caller does that)."""
+    writer (task.write), else sent back and written here (the caller does that)."""
     from distributed.protocol.pickle import dumps
 
-    block_writer = writer.block_writer()
-    task = dataclasses.replace(block_task, write=block_writer)
+    options = run.options
+    needed = [options.input] + [mask_path for m in run.masks.values()
+                                if (mask_path := m.per_record or m.png) is not None]
     if tasks:
         try:
             dumps((task, tasks[0]))
@@ -1432,11 +1292,11 @@ def _run_dask(block_task: BlockTask, tasks: list[tuple], writer, tmp_output: Pat
     with dask_runner.quiet_logs(options.dask_logs), \
             dask_runner.connect(address, options.workers, options.dask_logs) as client:
         if address is not None:
-            paths = [str(p) for p in needed] + ([str(tmp_output)] if block_writer is not None else [])
+            paths = [str(p) for p in needed] + ([str(tmp_output)] if task.write is not None else [])
             missing = dask_runner.check_visible(client, paths)
             if missing:
-                path, worker = missing
-                error = OutputError if path == str(tmp_output) else InputError
-                raise error(f"{path}: Dask worker {worker} cannot see it; the input and output must be "
+                unseen, worker = missing
+                error = OutputError if unseen == str(tmp_output) else InputError
+                raise error(f"{unseen}: Dask worker {worker} cannot see it; the input and output must be "
                             "on a filesystem every worker shares, at the same path (give absolute paths)")
         yield from dask_runner.run(client, task, tasks, count_only, local=address is None)

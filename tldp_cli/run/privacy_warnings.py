@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tldp_cli.formats import ArrayJob, Format, listing, plural
+from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.privacy.types import Calibration
 from tldp_cli.sampling.engine import retain_probability
 
@@ -40,14 +41,14 @@ def record_name(fmt: Format | None, jobs: list[ArrayJob], rows: list[list[str]],
     return f"a row of {listing([job.name for job in jobs])}"
 
 
-def large_epsilon(certified: dict[str, Any], record: str, budget: str) -> dict[str, Any] | None:
+def large_epsilon(certified: Certificate, record: str, budget: str) -> dict[str, Any] | None:
     """The warning on a subject's certified epsilon above the threshold, if it is."""
     from tldp_cli.privacy import accounting  # here: a run's early refusals never import it
 
     epsilon = accounting.large_record_epsilon(certified)
     if epsilon is None:
         return None
-    threshold, scope = accounting.RECORD_EPSILON_WARNING, accounting.subject_scope(certified)
+    threshold, scope = accounting.RECORD_EPSILON_WARNING, accounting.subject_scope(certified)[0]
     unit, what = ("file", "the file is") if scope == "per_file" else ("record", "a record is")
     advice = ("lower --eps" if budget == "record" and scope == "per_record" else
               "--budget record sets eps per tensor, the file composes them" if scope == "per_file" else

@@ -23,6 +23,7 @@ import numpy as np
 from tldp_cli.sampling import discrete, privunit, projection, ziggurat
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.privunit import cap_probability
+from tldp_cli.privacy.privunit import emphasis as emphasis_of
 from tldp_cli.privacy.privunit import write_back_weights as write_back_weights_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
 from tldp_cli.sampling.rng import Streams, records_per_unit
@@ -266,13 +267,25 @@ def privunit_basis(calib: Calibration, basis=None):
     return basis
 
 
+def emphasis_weights(calib: Calibration, basis) -> np.ndarray | None:
+    """d, the public pre-emphasis of each coefficient before the normalisation (a DCT basis
+    over two axes: privacy/privunit.emphasis of its frequencies; otherwise None, none)."""
+    params = calib.privunit_params()
+    if params.emphasis_exponent is None or getattr(basis, "kind", None) != "dct":
+        return None
+    return emphasis_of(basis.frequencies(), params.emphasis_exponent)
+
+
 def record_directions(block: np.ndarray, calib: Calibration, basis, scale: np.ndarray | None = None) -> np.ndarray:
     """u: each record's coefficients in the basis, measured from the public reference
-    point (times `scale` per coefficient when given), divided by their norm ((n, k)
-    float64; a record of zero coefficients: e_1)."""
+    point, times the public pre-emphasis d (emphasis_weights; `scale` per coefficient in its
+    place when given), divided by their norm ((n, k) float64; a record of zero
+    coefficients: e_1)."""
     params = calib.privunit_params()
     x = block.reshape(block.shape[0], *params.record_shape).astype(np.float64) - params.reference
     z = basis.project(x)
+    if scale is None:
+        scale = emphasis_weights(calib, basis)
     return privunit.unit_directions(z if scale is None else z * scale)
 
 
@@ -290,12 +303,14 @@ def sample_directions(u: np.ndarray, first_record: int, array_name: str, calib: 
 
 def write_back_weights(calib: Calibration, basis) -> np.ndarray | None:
     """w, the public weight of each released coefficient in the write-back (a DCT basis:
-    privacy/privunit.write_back_weights of its frequencies and E<V, u>; a user's basis: None,
-    unweighted)."""
+    privacy/privunit.write_back_weights of its frequencies, E<V, u> and the pre-emphasis; a
+    user's basis: None, unweighted)."""
     params = calib.privunit_params()
-    if params.prior_exponent is None or getattr(basis, "kind", None) != "dct":
+    if getattr(basis, "kind", None) != "dct" or (params.prior_exponent is None
+                                                 and params.emphasis_exponent is None):
         return None
-    return write_back_weights_of(basis.frequencies(), params.alignment, params.prior_exponent)
+    return write_back_weights_of(basis.frequencies(), params.alignment, params.prior_exponent,
+                                 params.emphasis_exponent)
 
 
 def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype | type) -> np.ndarray:

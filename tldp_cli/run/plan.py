@@ -1,8 +1,9 @@
-"""`tldp plan`: the guarantee a run would carry, before any data is read.
+"""`tldp plan`: the plan of a run, the guarantee it would carry, before any data is read.
 
-The same option checks, calibration, accounting and refusals as `tldp perturb`
-(pipeline.checked_options, pipeline.plan, pipeline.build_manifest), from the
-input's headers alone, or from a description of its records (elements per record,
+A plan is what `tldp plan` prints (schema tldp-plan/1): a manifest without outputs, and
+the calibration. The same option checks, calibration, accounting and refusals as `tldp
+perturb` (pipeline.checked_options, pipeline.calibrate_run, pipeline.build_manifest),
+from the input's headers alone, or from a description of its records (elements per record,
 number of records, range). Nothing is read beyond the headers (image folders open
 each image's header) and nothing is written.
 """
@@ -23,38 +24,39 @@ from tldp_cli.run.pipeline import (
     Phase,
     PerturbOptions,
     Report,
+    RunContext,
     build_manifest,
+    calibrate_run,
     checked_format_options,
     checked_options,
     headers_phrase,
-    plan,
     planning_phrase,
     range_group_messages,
     once_each,
     row_groups,
     without_unheld,
 )
+from tldp_cli.run.options import DESCRIBED, checked_input
 
 SCHEMA = "tldp-plan/1"
-DESCRIBED = "records"  # the name of a described (not read) array
 
 
 def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:
     """The plan of `tldp perturb` with these options on options.input; `phase(label, what)`
     is told as each phase starts, as perturb tells it."""
     report = Report(phase=phase)
-    options = checked_options(options)
-    module = formats.detect(options.input, options.input_format)
+    options, module = checked_input(options)
     report.tell("reading", headers_phrase(options.input, module, options))
-    reader = module.open_reader(options.input, checked_format_options(options, module))
+    format_options = checked_format_options(options, module)
+    reader = module.open_reader(options.input, format_options)
     try:
         jobs = reader.arrays()
         report.tell("planning", planning_phrase(options, jobs))
-        run = plan(options, jobs, rows=row_groups(module, reader, jobs),
-                   per_tensor=reader.records_are_tensors)
-        messages = [*reader.messages, *cf.marker_messages(run.in_range_markers, options.public_missing),
-                    *range_group_messages(run)]
-        return _report(options, run, jobs, reader, messages)
+        calibrated = calibrate_run(options, jobs, rows=row_groups(module, reader, jobs),
+                                   per_tensor=reader.records_are_tensors)
+        messages = [*reader.messages, *cf.marker_messages(calibrated.in_range_markers, options.public_missing),
+                    *range_group_messages(calibrated)]
+        return _report(RunContext(options, jobs, calibrated, module, reader, format_options), messages)
     finally:
         reader.close()
 
@@ -98,27 +100,29 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     full = (records, *shape)
     job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
                    source={"format": "described", "shape": list(full), "dtype": str(dtype)})
-    return _report(options, plan(options, [job]), [job], None, [])
+    return _report(RunContext(options, [job], calibrate_run(options, [job])), [])
 
 
 def _never_read(start: int, stop: int) -> np.ndarray:
     raise AssertionError("a plan reads no data")
 
 
-def _report(options: PerturbOptions, run, jobs: list[ArrayJob], reader, messages: list[str]) -> dict[str, Any]:
-    manifest = build_manifest(options, run, jobs, reader, None, None, None, outputs=[])
+def _report(run: RunContext, messages: list[str]) -> dict[str, Any]:
+    """The plan of `run`: its manifest without what only writing decides, and its calibration."""
+    calibrated, jobs = run.calibrated, run.jobs
+    manifest = build_manifest(run)
     # What the writer does (PNG's 8 bits, a model file's tensor dtypes, its postprocessing)
     # is known only to the writer: the plan states the perturbed values' dtype instead.
     for field in ("outputs", "created", "seeded", "weak_seed", "output_dtype", "postprocessing"):
         manifest.pop(field, None)
-    calib = run.largest
+    calib = calibrated.largest
     manifest["schema"] = SCHEMA
     manifest["calibration"] = {
         "noise_scale": calib.scale, "calibration_epsilon": calib.element_epsilon,
         # the worst record size's, as the manifest's own (calib is the largest record's)
         "retain_probability": manifest["retain_probability"],
         "retain_probability_log10": manifest.get("retain_probability_log10"),
-        "values_dtype": str(run.out_dtype),
+        "values_dtype": str(calibrated.out_dtype),
         "records": sum(job.records for job in jobs),
         "elements": sum(job.records * job.elements for job in jobs),
     }
