@@ -10,6 +10,17 @@ class UsageError(TldpError):
     """An option value that cannot work (exit code 2)."""
 
 
+class NotHeld(UsageError):
+    """An option names what the input does not hold: `names`, given to the PerturbOptions
+    field `option` (keep: --keep patterns; ranges: --range NAME=LO:HI). Raised before
+    anything is written; with several inputs a name another input holds is dropped for
+    this one (run/batch.py)."""
+
+    def __init__(self, message: str, option: str, names: list[str]):
+        super().__init__(message)
+        self.option, self.names = option, names
+
+
 class InputError(TldpError):
     """The input cannot be read or is not what it must be."""
 

@@ -3,8 +3,12 @@ own run, output and manifest; one line per failed input; exit 1 if any failed; n
 of a failed one; --out a folder; with --ledger each input its own release."""
 
 import json
+import os
 
+import h5py
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.builders import SEED, assert_one_line_error, siblings, tree_digest
@@ -135,6 +139,84 @@ def test_one_file_by_two_names_or_an_input_inside_another_is_refused(cli, raw, t
     assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "link.npy"}
 
 
+def test_hard_links_to_one_file_are_refused_as_given_twice(cli, raw, tmp_path):
+    """Regression: two hard links to one file (two inputs, or an input and a file inside a
+    folder input) were released twice, with noise of their own each time, while each
+    manifest stated one release."""
+    (tmp_path / "elsewhere").mkdir()
+    os.link(raw / "a.npy", tmp_path / "elsewhere" / "copy.npy")
+    before = siblings(raw)
+    assert_one_line_error(cli("perturb", raw / "a.npy", tmp_path / "elsewhere" / "copy.npy", "--eps", "1"), 2,
+                          "given twice", "same file")
+    assert_one_line_error(cli("perturb", tmp_path / "elsewhere" / "copy.npy", raw, "--eps", "1",
+                              "--format", "npy"), 2, "given twice", "same file")
+    assert siblings(raw) == before and siblings(tmp_path / "elsewhere") == {"copy.npy"}
+    result = cli("perturb", raw / "b.npy", tmp_path / "elsewhere" / "copy.npy", "--eps", "1", "-q")
+    assert result.exit_code == 0, result.stderr  # distinct files: both written
+
+
+def test_keep_applies_to_the_inputs_that_hold_what_it_names(cli, tmp_path):
+    """Regression: --keep across inputs of different formats failed every input that did not
+    hold what it names (and every format without a --keep); now a name some input holds is
+    kept there and the others run without it, and a name no input holds is refused first."""
+    table = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"x": pa.array([[1, 2], [3, 4]], type=pa.list_(pa.uint8(), 2)),
+                             "label": ["cat", "dog"]}), table)
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["data"] = np.arange(12, dtype=np.uint8).reshape(4, 3)
+        f["notes"] = np.arange(4, dtype=np.int64)
+    np.save(tmp_path / "c.npy", np.zeros((3, 3), np.uint8))
+    inputs = [table, tmp_path / "b.h5", tmp_path / "c.npy"]
+    before = siblings(tmp_path)
+    for command in ("plan", "perturb"):
+        result = cli(command, *inputs, "--eps", "1", "--keep", "lable")
+        assert_one_line_error(result, 2, "--keep lable", "any input")
+        assert siblings(tmp_path) == before
+    result = cli("plan", *inputs, "--eps", "1", "--keep", "label", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert len(json.loads(result.stdout)) == 3
+    result = cli("perturb", *inputs, "--eps", "1", "--keep", "label", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifests = {m["inputs"][0]["path"]: m for m in json.loads(result.stdout)}
+    assert [e["name"] for e in manifests[str(table)]["unperturbed"]] == ["label"]
+    assert pq.read_table(tmp_path / "a.tldp.parquet")["label"].to_pylist() == ["cat", "dog"]
+    assert "/notes" in {e["name"] for e in manifests[str(tmp_path / "b.h5")]["dropped"]}
+    assert "3 of 3 inputs written" in result.stderr
+
+
+def test_a_named_range_applies_to_the_inputs_that_hold_the_array(cli, raw, tmp_path):
+    """Regression: --range NAME=LO:HI across several inputs failed every input without an
+    array of that name (`tldp perturb era.nc photos/ --range t2m=200:330`); now an input
+    without it takes the other ranges, and a name no input holds is refused first."""
+    with h5py.File(tmp_path / "era.h5", "w") as f:
+        f["t2m"] = np.full((3, 4), 280, np.float32)
+    before = siblings(raw)
+    assert_one_line_error(cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1",
+                              "--range", "t2n=200:330"), 2, "--range t2n=", "any input")
+    assert siblings(raw) == before
+    result = cli("perturb", tmp_path / "era.h5", raw / "a.npy", "--eps", "1", "--range", "t2m=200:330", "--json",
+                 "-v")
+    assert result.exit_code == 0, result.stderr
+    ranges = [m["value_range"] for m in json.loads(result.stdout)]
+    assert ranges == [[200, 330], [0, 256]]
+    # a.npy's run, begun again without t2m's range, tells each phase once
+    assert result.stderr.count("] reading: ") == 2 and result.stderr.count("] planning: ") == 2
+
+
+def test_resume_continues_the_zarr_inputs_and_runs_the_others(cli, raw, tmp_path):
+    """Regression: after Ctrl-C, "run the same command with --resume" failed every input of
+    a format that keeps nothing to resume from (--resume applies to Zarr output); with
+    several inputs --resume now continues the Zarr ones and runs the others as usual."""
+    import zarr
+
+    store = zarr.open_array(str(tmp_path / "s.zarr"), mode="w", shape=(6, 4), chunks=(2, 4), dtype="uint8")
+    store[:] = np.arange(24, dtype=np.uint8).reshape(6, 4)
+    result = cli("perturb", raw / "a.npy", tmp_path / "s.zarr", "--eps", "1", "--resume", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert (raw / "a.tldp.npy").is_file() and (tmp_path / "s.tldp.zarr").is_dir()
+    assert_one_line_error(cli("perturb", raw / "b.npy", "--eps", "1", "--resume"), 2, "--resume applies to Zarr")
+
+
 def test_an_output_that_is_another_input_is_refused(cli, raw):
     np.save(raw / "a.tldp.npy", np.zeros((2, 2), np.uint8))
     result = cli("perturb", raw / "a.npy", raw / "a.tldp.npy", "--eps", "1", "--overwrite")
@@ -218,5 +300,7 @@ def test_ctrl_c_stops_the_call_after_an_input_is_written(tmp_path):
     process.send_signal(signal.SIGINT)
     stderr = process.communicate(timeout=120)[1]
     assert process.returncode == 130, stderr
-    assert "y.npy: interrupted; nothing was written (1 input before it written, 1 input after it not started)" in stderr
+    # Regression: the inputs were counted, not named, so a rerun could not say which to give
+    assert ("y.npy: interrupted; nothing was written (1 input before it written: x.npy, 1 input after it not "
+            "started: z.npy)") in stderr
     assert sorted(os.listdir(tmp_path)) == ["x.npy", "x.tldp.npy", "x.tldp.npy.manifest.json", "y.npy", "z.npy"]

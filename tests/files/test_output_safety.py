@@ -62,6 +62,9 @@ def test_trailing_slash_means_inside_an_unrelated_folder(cli, proj, tmp_path):
     assert siblings(results) == {"old.csv", "x.tldp.npy", "x.tldp.npy.manifest.json"}
     missing = cli("perturb", proj / "x.npy", "--eps", "1", "--out", f"{tmp_path}/nowhere/")
     assert missing.exit_code == 1 and "does not exist" in one_line(missing)
+    # Regression: --help's "any PATH ending in '/'" read as if tldp made the folder; it does not
+    assert "tldp makes no folders: create it first" in one_line(missing)
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_a_folder_output_never_replaces_the_folder_holding_its_input(cli, proj):

@@ -1,6 +1,7 @@
 """NumPy .npz archives: what the header of a member promises is checked before its data is
 read (the members are read whole, one tensor at a time)."""
 
+import json
 import zipfile
 
 import numpy as np
@@ -41,3 +42,26 @@ def test_an_honest_archive_still_passes(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     with np.load(tmp_path / "ok.tldp.npz") as out:
         assert out["w"].shape == (1000,) and out["w"].dtype == np.float32
+
+
+def test_arrays_of_strings_are_left_out_and_listed_unless_kept(cli, tmp_path):
+    """Regression: an .npz member of strings (class names, file names, a patient's ID) was
+    copied raw unasked, listed under `unperturbed` as if it were an integer tensor; text is
+    left out unless --keep names it, as in an HDF5 file."""
+    src = tmp_path / "m.npz"
+    np.savez(src, w=np.linspace(-0.1, 0.1, 8, dtype=np.float32), step=np.array([7]),
+             subjects=np.array(["alice_smith", "bob_jones"]), ids=np.array([b"id-0042"]))
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--out", tmp_path / "o.npz", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    with np.load(tmp_path / "o.npz") as out:
+        assert sorted(out.files) == ["step", "w"] and out["step"].tolist() == [7]
+    assert b"alice" not in (tmp_path / "o.npz").read_bytes()
+    assert {e["name"]: e["kind"] for e in manifest["dropped"]} == {"subjects": "array", "ids": "array"}
+    assert [e["name"] for e in manifest["unperturbed"]] == ["step"]
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--out", tmp_path / "k.npz", "--json",
+                 "--keep", "subjects")
+    assert result.exit_code == 0, result.stderr
+    with np.load(tmp_path / "k.npz") as out:
+        assert out["subjects"].tolist() == ["alice_smith", "bob_jones"] and "ids" not in out.files
+    assert {e["name"] for e in json.loads(result.stdout)["unperturbed"]} == {"step", "subjects"}

@@ -442,3 +442,57 @@ def test_footer_metadata_outside_the_arrow_schema_is_listed_as_dropped_or_kept(c
     assert result.exit_code == 0, result.stderr
     assert pq.ParquetFile(tmp_path / "k.parquet").metadata.metadata[b"origin"] == b"notes of Alice's clinic"
     assert "@origin" in [u["name"] for u in json.loads(result.stdout)["unperturbed"]]
+
+
+def test_a_tables_alpha_channels_are_listed_as_unperturbed(cli, tmp_path):
+    """Regression: the alpha channels of an image column were copied raw but named only in
+    `postprocessing`, not in `unperturbed` (as image folders and WebDataset list theirs), so
+    the summary line did not say raw transparency was written."""
+    rng = np.random.default_rng(11)
+    images = [Image.fromarray(rng.integers(0, 256, (5, 4, 4), dtype=np.uint8), "RGBA") for _ in range(3)]
+    images.append(Image.fromarray(rng.integers(0, 256, (5, 4, 3), dtype=np.uint8), "RGB"))
+    ds = datasets.Dataset.from_dict({"photo": images}, features=datasets.Features({"photo": datasets.Image()}))
+    src = to_parquet(ds, tmp_path / "t.parquet")
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--range", "0:256", "--json")
+    assert result.exit_code == 0, result.stderr
+    entry = {e["name"]: e for e in json.loads(result.stdout).get("unperturbed", [])}.get("photo alpha channel")
+    assert entry is not None and entry["kind"] == "channel" and "3 images" in entry["reason"]
+    assert "photo alpha channel" in result.stderr  # the summary line names it
+    out = pq.read_table(tmp_path / "o.parquet")["photo"].combine_chunks().field("bytes").to_pylist()
+    assert [Image.open(io.BytesIO(data)).mode for data in out] == ["RGBA"] * 3 + ["RGB"]
+
+
+def test_a_kept_image_column_writes_its_file_names_only_when_named(cli, tmp_path):
+    """Regression: --keep COLUMN on an image column that is not perturbed copied the structs'
+    `path` field (file names) raw while the manifest listed only the column; its paths now
+    follow a perturbed column's rule: written as null and listed as dropped unless --keep
+    names COLUMN.path."""
+    rng = np.random.default_rng(12)
+    features = datasets.Features({"embedding": datasets.Sequence(datasets.Value("float32"), length=4),
+                                  "annotation": datasets.Image()})
+    ds = datasets.Dataset.from_dict({"embedding": rng.uniform(0, 1, (4, 4)).astype(np.float32).tolist(),
+                                     "annotation": _images(4, rng)}, features=features)
+    src = to_parquet(ds, tmp_path / "t.parquet")
+    table = pq.read_table(src)
+    structs = table["annotation"].combine_chunks()
+    names = pa.array([f"alice_{i}.png" for i in range(4)])
+    with_names = pa.StructArray.from_arrays([structs.field("bytes"), names], ["bytes", "path"])
+    pq.write_table(table.set_column(1, "annotation", with_names), src)
+
+    def kept(out, *more):
+        result = cli("perturb", src, "--eps", "2", "--out", out, "--dataset", "embedding", "--range", "0:1",
+                     "--keep", "annotation", *more, "--json")
+        assert result.exit_code == 0, result.stderr
+        column = pq.read_table(out)["annotation"].combine_chunks()
+        assert column.field("bytes").to_pylist() == structs.field("bytes").to_pylist()
+        return json.loads(result.stdout), column.field("path").to_pylist()
+
+    manifest, paths = kept(tmp_path / "o.parquet")
+    assert paths == [None] * 4 and b"alice" not in (tmp_path / "o.parquet").read_bytes()
+    assert {"name": "annotation.path", "kind": "image path field"}.items() <= \
+        next(e for e in manifest["dropped"] if e["name"] == "annotation.path").items()
+    manifest, paths = kept(tmp_path / "named.parquet", "--keep", "annotation.path")
+    assert paths == names.to_pylist()
+    assert {"annotation", "annotation.path"} <= {e["name"] for e in manifest["unperturbed"]}
+    out = datasets.load_dataset("parquet", data_files=str(tmp_path / "o.parquet"), split="train")
+    assert out.features == features

@@ -386,3 +386,34 @@ def test_a_key_that_comes_back_later_in_its_shard_is_one_record(cli, tmp_path):
     assert manifest["row_datasets"] == [["a.tar/k0.png", "a.tar/k0.depth.png"]]
     assert manifest["row_records"]["elements_per_record"] == 32
     assert manifest["webdataset"]["samples"] == 2
+
+
+def test_a_glob_gives_every_float_member_its_range(cli, tmp_path):
+    """Regression: shards of images and float `.npy` members (embeddings) could be perturbed
+    only with one --range NAME=LO:HI per member (a bare --range applies to the images too,
+    which then lie outside it); --range '*.npy=0:1' names them all, the images keep their
+    dtype's range."""
+    src = shards(tmp_path / "shards", samples=4, per_shard=2, **{"emb.npy": np.full(3, 0.5, np.float32)})
+    manifest = run(cli, src, tmp_path / "out", "--range", "*.emb.npy=0:1")
+    ranges = manifest["value_ranges"]
+    assert {name: r for name, r in ranges.items() if name.endswith(".emb.npy")} == {
+        f"train-00000{i // 2}.tar/sample{i:04d}.emb.npy": [0.0, 1.0] for i in range(4)}
+    assert all(r == [0.0, 256.0] for name, r in ranges.items() if not name.endswith(".emb.npy"))
+    result = cli("perturb", src, "--eps", "1", "--range", "*.emb.npy=0:1", "--range", "train-000000.tar/*=0:2")
+    assert_one_line_error(result, 2, "has a range already")
+
+
+def test_a_shard_given_beside_its_brace_pattern_is_refused_as_given_twice(cli, tmp_path):
+    """Regression: `tldp perturb 'shards/train-{000000..000002}.tar' shards/train-000000.tar`
+    released the shard twice, with noise of its own each time, each manifest stating one
+    release (the check of inputs given twice compared the pattern's text, not its shards)."""
+    src = shards(tmp_path / "shards")
+    (tmp_path / "out").mkdir()
+    pattern = f"{src}/train-{{000000..000002}}.tar"
+    for second in (src / "train-000001.tar", src):
+        result = cli("perturb", pattern, second, "--eps", "1", "--out", tmp_path / "out")
+        assert_one_line_error(result, 2, "given twice" if second != src else "inside another input")
+    assert siblings(tmp_path / "out") == set()
+    result = cli("perturb", f"{src}/train-{{000000..000001}}.tar", src / "train-000002.tar", "--eps", "1",
+                 "--out", tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.stderr

@@ -117,6 +117,22 @@ def test_evaluate_checks_each_variable_against_its_own_range(cli, tmp_path, samp
     assert not {c["check"]: c["passed"] for c in json.loads(tampered.stdout)["checks"]}["parameters"]
 
 
+def test_evaluate_passes_a_run_of_integer_and_float_arrays(cli, tmp_path):
+    """Regression: an 8-bit array at its dtype's range beside a float one with --range NAME
+    (a dataset of images and embeddings) made evaluate's parameters check fail on a true
+    manifest: it resolved the top-level grid from every array's dtype, not from the largest
+    record's range group's (granularity None, recomputed 0.25)."""
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "m.h5", "w") as f:
+        f["img"] = RNG.integers(0, 256, (5, 4, 4), dtype=np.uint8)
+        f["emb"] = RNG.random((5, 3)).astype(np.float32)
+    result = cli("perturb", tmp_path / "m.h5", "--eps", "1", "--range", "emb=0:1")
+    assert result.exit_code == 0, result.stderr
+    report = cli("evaluate", tmp_path / "m.h5", tmp_path / "m.tldp.h5", "--json")
+    assert report.exit_code == 0, report.stdout + report.stderr
+    assert {c["check"]: c["passed"] for c in json.loads(report.stdout)["checks"]}["parameters"]
+
+
 @pytest.mark.parametrize("dtypes,float_dtype,expected", [
     (["int16", "int32"], "float32", "int32"),  # all integer: widened as needed
     (["int16", "float32"], "float32", "float32"),  # int16 values are exact in float32
@@ -161,3 +177,13 @@ def test_an_array_without_a_range_is_named_where_there_are_several(cli, tmp_path
     for command in ("perturb", "plan"):
         assert_one_line_error(cli(command, src, "--eps", "1", "--range", "t2m=200:330"), 2,
                               "era.nc: /tp: float32 data needs --range LO:HI (or --range /tp=LO:HI")
+
+
+def test_privunit_over_a_row_of_two_ranges_does_not_suggest_an_element_budget(cli, tmp_path):
+    """Regression: privunit on a record spanning two declared ranges (a WebDataset sample's
+    image and float embedding) said "or use --budget element", which privunit refuses."""
+    src = write_weather(tmp_path / "era.nc")
+    result = cli("perturb", src, "--eps", "4", "--mechanism", "privunit", "--range", "t2m=200:330",
+                 "--range", "tp=0:0.5")
+    assert_one_line_error(result, 2, "--mechanism privunit: a record spans", "different declared ranges")
+    assert "--budget element" not in result.stderr

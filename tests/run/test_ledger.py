@@ -451,3 +451,10 @@ def test_links_merge_subjects_and_their_histories(tmp_path):
         assert counts == {"records": 8, "subjects": 3, "histories": 3}
     finally:
         db.close()
+
+
+def test_a_folder_given_as_the_ledger_is_named_as_a_folder(cli, tmp_path):
+    """Regression: `tldp ledger some_folder/` said "no such ledger" of a folder that exists."""
+    result = cli("ledger", tmp_path)
+    assert result.exit_code == 1
+    assert f"{tmp_path}: a folder, not a ledger" in result.stderr

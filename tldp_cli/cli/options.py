@@ -225,7 +225,9 @@ Ranges = Annotated[Optional[list[str]], typer.Option(
          "images in one folder: each its own). Never "
          "inferred from the data. NAME=LO:HI (repeatable) gives one dataset or tensor its "
          "own range (--range t2m=200:330 --range tp=0:0.5; an OME-Zarr image's group names its "
-         "full resolution); LO:HI is then the range of the others.", show_default=False)]
+         "full resolution; a glob names every array it matches: --range '*.npy=0:1'); LO:HI is "
+         "then the range of the others. With several inputs, a NAME "
+         "applies to the inputs that hold it; a NAME no input holds is refused.", show_default=False)]
 DpDelta = Annotated[float, typer.Option(
     help="delta at which (epsilon, delta) figures are reported.")]
 Granularity = Annotated[Optional[float], typer.Option(
@@ -261,7 +263,8 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
-         "'@history'. It never stops a dataset being perturbed (--exclude does).",
+         "'@history'. It never stops a dataset being perturbed (--exclude does). With several "
+         "inputs, each keeps what it holds of what --keep names; a name no input holds is refused.",
     show_default=False)]
 Clip = Annotated[Optional[float], typer.Option(
     "--clip", metavar="C",

@@ -46,7 +46,7 @@ def perturb_command(
         help="The output, in the input's format. Default: a sibling, digits.npy -> "
              "digits.tldp.npy (an array inside a Zarr store: beside the store). A folder "
              "(an existing one for file outputs, or any PATH ending in '/') means: inside it, "
-             "under the default name. With several inputs (or --inputs-from): the existing "
+             "under the default name; tldp makes no folders, so it must exist. With several inputs (or --inputs-from): the existing "
              "folder every output goes in, under its default name.", show_default=False)] = None,
     inputs_from: Annotated[Optional[Path], typer.Option(
         "--inputs-from", parser=list_path, metavar="FILE",
@@ -267,14 +267,24 @@ def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Disp
         except KeyboardInterrupt as exc:
             display.close()
             i, where = current[0]
-            fail(f"{where}: {str(exc) or 'interrupted; nothing was written'} ({plural(i - len(failed), 'input')} "
-                 f"before it written, {plural(len(each) - i - 1, 'input')} after it not started)", 130)
+            written = [o.input for o in each[:i] if o.input not in failed]
+            later = [o.input for o in each[i + 1:]]
+            fail(f"{where}: {str(exc) or 'interrupted; nothing was written'} ({plural(len(written), 'input')} "
+                 f"before it written{_named(written)}, {plural(len(later), 'input')} after it not "
+                 f"started{_named(later)})", 130)
     if json_out:
         typer.echo(json.dumps(manifests, indent=2))
     if not quiet:
         typer.echo(f"tldp: {len(each) - len(failed)} of {plural(len(each), 'input')} written"
                    + (f"; failed: {', '.join(map(str, failed))}" if failed else ""), err=True)
     return 1 if failed else 0
+
+
+def _named(paths: list[Path]) -> str:
+    """": a.npy, b.npy" (a few, then how many more), or nothing for none."""
+    from tldp_cli.formats import listing
+
+    return f": {listing([str(p) for p in paths])}" if paths else ""
 
 
 def _check_preview(preview: Path | None, out: str | None, overwrite: bool, source: Path,

@@ -1,5 +1,6 @@
 """`tldp plan`."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -95,6 +96,9 @@ def plan_command(
             input_format=input_format, basis=basis)
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
+            from tldp_cli.run import batch
+
+            batch.check_names([dataclasses.replace(options, input=path) for path in inputs])
             return options
         if inputs:
             checked_input(options)  # the plan's first refusals, before the pipeline (NumPy) is imported

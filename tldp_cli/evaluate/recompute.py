@@ -44,7 +44,13 @@ def _grid(m: dict, dtypes: list[np.dtype] | None, where: object) -> discrete.Gri
     if not discrete.is_discrete(m["noise"]):
         return None
     lo, hi = (float(v) for v in m["value_range"])
-    if dtypes is None:
+    # Several declared ranges: each range group has its own grid, from its own arrays'
+    # dtypes; the top-level fields describe the group of the largest record.
+    groups = [g for g in m.get("range_groups") or []
+              if isinstance(g, dict) and g.get("value_range") == m["value_range"]]
+    if groups:
+        dtypes = [_dtype(d) for g in groups for d in g.get("input_dtypes") or []]
+    elif dtypes is None:
         dtypes = [_dtype(i.get("dtype")) for i in m.get("inputs") or [] if isinstance(i, dict)]
     automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
     return discrete.resolve_grid(lo, hi, dtypes, None if automatic else m.get("granularity"),

@@ -125,7 +125,8 @@ def destination(out: Path | None, out_text: str | None, default: Path, kind: Out
         raise UsageError("--out -: tldp writes files, not standard output; give a file or folder path")
     if _names_folder(text) or (not kind.folder and out.is_dir()):
         if not out.is_dir():
-            raise OutputError(f"{text}: --out names a folder that does not exist")
+            raise OutputError(f"{text}: --out names a folder that does not exist (tldp makes no folders: "
+                              "create it first)")
         return _resolve(out, "output") / default.name
     suffix = out.suffix.lower()
     if kind.folder and suffix in ARCHIVE_SUFFIXES:

@@ -218,6 +218,11 @@ def never_a_pattern(path: Path) -> bool:
     return False
 
 
+def no_pattern_files(path: Path) -> list[Path]:
+    """No input is a pattern of files for the format: it names no files but itself."""
+    return []
+
+
 def never_earlier_output(path: Path, reader: Reader) -> bool:
     """No existing folder is taken for an earlier output of the format (it is no folder)."""
     return False
@@ -264,6 +269,9 @@ class Format(Generic[R]):
     # Whether a path that names no file is a pattern of the format's files (a brace pattern
     # of WebDataset shards), which its reader expands.
     pattern_input: Callable[[Path], bool] = never_a_pattern
+    # The files a pattern input names ([] for a path that is not a pattern), so that one call
+    # releases no file twice (run/batch.py).
+    pattern_files: Callable[[Path], list[Path]] = no_pattern_files
     # Resumable (--resume): reopens the output an interrupted run began, keeping its blocks.
     reopen_writer: Callable[[R, Path, np.dtype, FormatOptions], Writer] | None = None
     selects_arrays: bool = False  # its reader perturbs the arrays --dataset names

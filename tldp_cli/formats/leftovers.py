@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from tldp_cli.errors import UsageError
+from tldp_cli.errors import NotHeld
 from tldp_cli.formats.tensor_files import matching
 
 KEPT = "kept by --keep"
@@ -132,8 +132,8 @@ class Leftovers:
         what the user meant to keep)."""
         unused = [p for p in self.keep if p not in self._used]
         if unused:
-            raise UsageError(f"{path}: --keep {unused[0]} matches no dataset, attribute or file of the input "
-                             "(give a path, PATH@ATTRIBUTE, or a glob of them)")
+            raise NotHeld(f"{path}: --keep {unused[0]} matches no dataset, attribute or file of the input "
+                          "(give a path, PATH@ATTRIBUTE, or a glob of them)", "keep", unused)
 
     def manifest_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}

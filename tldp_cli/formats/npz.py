@@ -4,8 +4,9 @@ model-parameter file: each member is one tensor, one record (see tensor_files).
 The output is the same archive: every array member in its order, under its name,
 with its compression, date and attributes; perturbed members keep their dtype,
 shape and byte order, and the other arrays (integer arrays, ...) are copied
-unchanged. Members that are not .npy arrays and zip comments (free text) are left
-out unless --keep names them (formats.leftovers). A zip member is written in one piece, so perturbed tensors wait in
+unchanged. Members that are not .npy arrays, arrays of strings, bytes, objects or
+records (text, not parameters) and zip comments (free text) are left out unless --keep
+names them (formats.leftovers). A zip member is written in one piece, so perturbed tensors wait in
 memory until the members before them are written (at most a few blocks in flight).
 """
 
@@ -131,9 +132,20 @@ class NpzReader(Reader):
         """What is written besides the tensors (formats.leftovers): members that are not .npy
         arrays and comments (the archive's, a member's as MEMBER@comment) only when --keep
         names them."""
-        left = leftovers.Leftovers(list(options.keep), unperturbed=unperturbed)
-        left.considered(t.name for t in self.tensors)
+        # Arrays of strings, bytes, objects or records are not parameters but text (class
+        # names, file names, IDs): left out unless named, as an HDF5 file's are.
+        text = {name: dtype for name, dtype in self.dtypes.items() if dtype.kind in "USOV"}
+        left = leftovers.Leftovers(list(options.keep), unperturbed=[u for u in unperturbed if u["name"] not in text])
+        left.considered(t.name for t in self.tensors if t.name not in text)
         self.left_out: set[str] = set()  # members not written
+        for tensor in self.tensors:
+            if tensor.name not in text:
+                continue
+            if left.kept(tensor.name):
+                left.copied(tensor.name, "array", leftovers.KEPT, shape=list(tensor.shape), dtype=tensor.dtype)
+            else:
+                left.drop(tensor.name, "array", f"holds {leftovers.not_numbers(text[tensor.name])}, not perturbed")
+                self.left_out.add(tensor.name + ".npy")
         for info in self.members:
             if not info.filename.endswith(".npy"):
                 if left.kept(info.filename):

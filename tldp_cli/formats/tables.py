@@ -21,8 +21,9 @@ numeric column only when --dataset names it (a lone number per row is often a la
 an identifier). Every other column (labels, ClassLabel, text, numbers not chosen), the
 images' `path` field (file names, which may name a person) and the schema's other
 metadata are left out and listed in the manifest's `dropped`, unless --keep names them
-(formats.leftovers): a column by its name, an image column's paths as COLUMN.path, a
-schema metadata key as @KEY.
+(formats.leftovers): a column by its name, an image column's paths as COLUMN.path (a
+kept column's too), a schema metadata key as @KEY. The alpha channels of the images
+perturbed are copied unchanged and listed in `unperturbed`.
 
 The output has the input's parts, batches (row group sizes), column order and types, and
 the Hugging Face features of the columns it holds, so `datasets` loads it with the same
@@ -306,8 +307,7 @@ def classify(field_: pa.Field, feature: Any) -> Column:
     kind_of = feature.get("_type") if isinstance(feature, dict) else None
     if kind_of == "ClassLabel":
         return Column(field_.name, OTHER, type_, why="a label column (ClassLabel)")
-    if pa.types.is_struct(type_) and {type_.field(i).name for i in range(type_.num_fields)} == {"bytes", PATH_FIELD} \
-            and kind_of in (None, "Image"):
+    if _holds_file_names(type_) and kind_of in (None, "Image"):
         return Column(field_.name, IMAGE, type_)
     if _numeric(type_):
         return Column(field_.name, NUMBER, type_, np.dtype(type_.to_pandas_dtype()))
@@ -529,6 +529,7 @@ class TableReader(Reader):
         self.each_image: dict[str, list[tuple[np.dtype, tuple[int, ...]]]] = {}
         self.image_formats: dict[str, list[str]] = {}  # by column: the Pillow formats found
         self.list_shapes: dict[str, tuple[int, ...]] = {}  # by variable-length list column: its rows' shape
+        self.alpha: dict[str, int] = {}  # by image column: how many of its images have an alpha channel
         paths = self._scan()
         self.left = leftovers.Leftovers(list(options.keep))
         self.left.considered(c.name for c in self.chosen)
@@ -573,7 +574,7 @@ class TableReader(Reader):
             if column.kind == TENSOR:
                 self._list_shape(column)
                 continue
-            each, formats, named, maps = [], set(), False, []
+            each, formats, named, maps, alpha = [], set(), False, [], 0
             for p, b, first, rows in self.table.batches():
                 data = self.table.parts[p].read(b, [column.name]).column(0)
                 struct = pa.concat_arrays(data.chunks) if data.num_chunks != 1 else data.chunk(0)
@@ -585,6 +586,7 @@ class TableReader(Reader):
                         continue
                     each.append((head.dtype.str, head.shape))
                     formats.add(kind)
+                    alpha += head.has_alpha
             if maps:
                 self._label_maps(column, maps)
                 continue
@@ -594,6 +596,7 @@ class TableReader(Reader):
             dtype, shape = each[0]
             self.images[column.name] = (np.dtype(dtype), shape)
             self.image_formats[column.name] = sorted(formats)
+            self.alpha[column.name] = alpha
             paths[column.name] = named
         self.chosen = [self._shaped(c) for c in self.chosen if c.name not in self.label_maps]
         if not self.chosen:
@@ -667,6 +670,8 @@ class TableReader(Reader):
             elif self.left.kept(column.name):
                 self.left.copied(column.name, "column", leftovers.KEPT)
                 written.append(column.name)
+                if _holds_file_names(column.type):  # its paths follow the rule of a perturbed column's
+                    paths[column.name] = _names_files(self.table, column.name)
             else:
                 why = (f"{column.why}, not perturbed" if column.why else
                        "numbers, perturbed only when --dataset names the column" if column.kind == NUMBER else
@@ -683,6 +688,11 @@ class TableReader(Reader):
                 else:
                     self.left.drop(f"{name}.{PATH_FIELD}", "image path field",
                                    "the images' file names, which can name a person; written as null")
+        for name, count in self.alpha.items():  # written raw, as in image folders: listed
+            if count:
+                self.left.copied(f"{name} alpha channel", "channel",
+                                 f"not perturbed, copied from {plural(count, 'image')} of column {name} "
+                                 "(transparency can outline the subject)")
         self.hf_info = {key: value for key, value in _hf_info(self.schema).items() if key == "features"
                         or self.left.attribute(HF_KEY.decode(), key, (), "huggingface info field")}
         self.metadata = {key: value for key, value in (self.schema.metadata or {}).items()
@@ -925,8 +935,8 @@ class TableWriter(Writer):
         for field_ in self.schema:
             column = self.columns.get(field_.name)
             if column is None:  # copied raw (an empty batch has no rows to copy)
-                arrays.append(source.column(field_.name) if source is not None
-                              else pa.array([], type=field_.type))
+                kept = source.column(field_.name) if source is not None else pa.array([], type=field_.type)
+                arrays.append(kept if self.reader.keep_paths.get(field_.name, True) else _without_paths(kept))
             elif column.kind == IMAGE:
                 arrays.append(self._images(field_, values[field_.name] or [], source, rows))
             else:
@@ -960,6 +970,32 @@ class TableWriter(Writer):
             self.sink.close(False)
             self.sink = None
         return list(self.written)
+
+
+def _holds_file_names(type_: pa.DataType) -> bool:
+    """A struct of `bytes` and `path` (datasets' Image and Audio features): its paths are
+    file names."""
+    return pa.types.is_struct(type_) and {type_.field(i).name for i in range(type_.num_fields)} == {"bytes", PATH_FIELD}
+
+
+def _names_files(table: Table, name: str) -> bool:
+    """Whether any row of a column of `bytes` and `path` structs names a file."""
+    for p, b, _, _ in table.batches():
+        part = table.parts[p]
+        nested = part.layout == PARQUET and "." not in name  # Parquet reads the one field
+        paths = _image_struct(part.read(b, [f"{name}.{PATH_FIELD}" if nested else name]).column(0)).field(PATH_FIELD)
+        if paths.null_count < len(paths):
+            return True
+    return False
+
+
+def _without_paths(array: pa.Array | pa.ChunkedArray) -> pa.StructArray:
+    """A column of `bytes` and `path` structs with its paths written as null."""
+    struct = _image_struct(array)
+    fields = [struct.type.field(i) for i in range(struct.type.num_fields)]
+    children = [pa.nulls(len(struct), f.type) if f.name == PATH_FIELD else struct.field(i)
+                for i, f in enumerate(fields)]
+    return pa.StructArray.from_arrays(children, fields=fields, mask=struct.is_null() if struct.null_count else None)
 
 
 def _image_struct(array: pa.Array | pa.ChunkedArray) -> pa.StructArray:

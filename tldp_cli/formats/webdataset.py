@@ -134,6 +134,11 @@ def is_pattern(path: Path) -> bool:
     return ("{" in text or "}" in text) and not os.path.lexists(path) and text.lower().endswith(SHARD_SUFFIX)
 
 
+def pattern_files(path: Path) -> list[Path]:
+    """The shards a brace pattern names ([] for a path that is not one)."""
+    return [Path(name) for name in dict.fromkeys(expand_braces(str(path)))] if is_pattern(path) else []
+
+
 def _pattern_base(path: Path) -> Path:
     """The folder the shards a pattern names are relative to: its longest leading folder
     without a brace."""
@@ -785,6 +790,7 @@ def is_earlier_output(path: Path, reader: WebDatasetReader) -> bool:
 
 FORMAT = Format(
     name=NAME, title="WebDataset shards", folder=True, file_input=True, pattern_input=is_pattern,
+    pattern_files=pattern_files,
     honours_keep=True, member_noun="member",
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes, earlier_output=is_earlier_output,

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tldp_cli import formats
-from tldp_cli.errors import OutputError, TldpError, UsageError
+from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
-from tldp_cli.run.pipeline import Phase, PerturbOptions, PerturbResult, Progress, checked_options, output_of, perturb
+from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, arrays_named,
+                                   checked_format_options, checked_options, once_each, output_of, perturb,
+                                   without_unheld)
 
 
 @dataclass
@@ -51,7 +54,8 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
     """The options of each input's run, refusing before any of them what cannot work for
     several: one --manifest, --preview or --name-map for all, a seed (the same noise on
     inputs of the same shape), an input given twice, two outputs in one place, an output
-    that is another input, and an --out that is not an existing folder."""
+    that is another input, an --out that is not an existing folder, and a --keep or
+    --range NAME=LO:HI that matches nothing in any input."""
     options = checked_options(options)
     for flag, value in (("--manifest", options.manifest), ("--name-map", options.name_map)):
         if value is not None:
@@ -66,20 +70,72 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
                               "and it does not exist")
         options = dataclasses.replace(options, out=folder.rstrip("/" + os.sep) + os.sep)
     each = [dataclasses.replace(options, input=path) for path in inputs]
+    if options.resume:  # continues the inputs that can be continued; the others run as usual
+        each = [_resume_if_resumable(o) for o in each]
     _check_distinct(each)
+    check_names(each)
     return each
 
 
-def _check_distinct(each: list[PerturbOptions]) -> None:
-    seen: dict[str, Path] = {}
-    real: dict[str, Path] = {}  # by the path with its links resolved: one file by two names
+def check_names(each: list[PerturbOptions]) -> None:
+    """Refuses a --keep pattern or a --range NAME=LO:HI that matches nothing in any input (a
+    typo would drop what the user meant to keep, or perturb an array at another range);
+    one that some input holds is fine for the others, which take what they hold of them
+    (pipeline.without_unheld). Opens the inputs' readers in turn until every name has
+    matched; an input that cannot be opened matches nothing here (its own run says why)."""
+    keep = list(each[0].keep) if each else []
+    ranges = list(each[0].ranges) if each and each[0].clip is None else []
     for options in each:
-        key, resolved = os.path.abspath(options.input), os.path.realpath(options.input)
-        twice = seen.get(key) or real.get(resolved)
-        if twice is not None:
-            raise UsageError(f"{options.input}: given twice (as {twice} and {options.input})")
-        seen[key], real[resolved] = options.input, options.input
-    _check_not_inside(real)
+        if not keep and not ranges:
+            return
+        try:
+            module = formats.detect(options.input, options.input_format)
+            try:
+                reader = module.open_reader(options.input, checked_format_options(
+                    dataclasses.replace(options, keep=keep), module))
+                keep = []
+            except NotHeld as exc:
+                keep = [p for p in keep if p in exc.names]
+                reader = module.open_reader(options.input, checked_format_options(
+                    dataclasses.replace(options, keep=[]), module)) if ranges else None
+            if reader is not None:
+                try:
+                    jobs = reader.arrays()
+                finally:
+                    reader.close()
+                ranges = [name for name in ranges if not arrays_named(name, jobs)]
+        except Exception:  # noqa: BLE001 (any failure is that input's own run's to report)
+            continue
+    if keep:
+        raise UsageError(f"--keep {keep[0]} matches no dataset, attribute, column or file of any input "
+                         "(give a path, PATH@ATTRIBUTE, or a glob of them)")
+    if ranges:
+        raise UsageError(f"--range {ranges[0]}=... names no array of any input")
+
+
+def _resume_if_resumable(options: PerturbOptions) -> PerturbOptions:
+    """--resume for an input whose format keeps an interrupted run's blocks (Zarr); none for
+    the others, whose interrupted runs left nothing to continue."""
+    try:
+        module = formats.detect(options.input, options.input_format)
+    except Exception:  # noqa: BLE001 (its own run says what is wrong with it)
+        return options
+    return options if module.resumable else dataclasses.replace(options, resume=False)
+
+
+def _check_distinct(each: list[PerturbOptions]) -> None:
+    seen: dict[str, tuple[int, Path]] = {}  # by absolute path: the input (its index) that names it
+    real: dict[str, tuple[int, Path]] = {}  # by the path with its links resolved: one file by two names
+    for i, options in enumerate(each):
+        for path in _named_paths(options):
+            key, resolved = os.path.abspath(path), os.path.realpath(path)
+            twice = seen.get(key) or real.get(resolved)
+            if twice is not None and twice[0] != i:
+                also = f", which names {path}" if path != options.input else ""
+                raise UsageError(f"{options.input}: given twice (as {twice[1]} and {options.input}{also})")
+            seen[key] = real[resolved] = (i, options.input)
+    _check_not_inside({resolved: path for resolved, (_, path) in real.items()})
+    _check_no_hard_links(each)
     written: dict[str, Path] = {}
     for options in each:
         destination = _destination(options)
@@ -106,6 +162,51 @@ def _check_not_inside(real: dict[str, Path]) -> None:
                                  "give one of them")
 
 
+def _named_paths(options: PerturbOptions) -> list[Path]:
+    """The paths an input names: itself, or the files a pattern names (the shards of a brace
+    pattern), so that a shard given beside its pattern is caught as given twice."""
+    if os.path.lexists(options.input):
+        return [options.input]
+    try:
+        return formats.detect(options.input, options.input_format).pattern_files(options.input) or [options.input]
+    except Exception:  # noqa: BLE001 (its own run says what is wrong with it)
+        return [options.input]
+
+
+def _check_no_hard_links(each: list[PerturbOptions]) -> None:
+    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, or
+    an input and a file inside a folder input, which paths alone do not show."""
+    owner: dict[tuple[int, int], tuple[int, Path]] = {}  # file -> (its input's index, its path)
+    for i, options in enumerate(each):
+        for identity, path in (found for named in _named_paths(options) for found in _files_of(named)):
+            first = owner.setdefault(identity, (i, path))
+            if first[0] != i:
+                raise UsageError(f"{options.input}: given twice ({first[1]} and {path} are the same file, "
+                                 "hard links to it); give one of them")
+
+
+def _files_of(path: Path) -> Iterator[tuple[tuple[int, int], Path]]:
+    """(st_dev, st_ino) and path of the files an input is: a file, or the regular files in a
+    folder that other names may share (hard links: more than one link). Symbolic links are
+    not followed (folder formats never read through them)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return  # its own run says what is wrong with it
+    if not os.path.isdir(path):
+        yield (info.st_dev, info.st_ino), path
+        return
+    for directory, _, names in os.walk(path):
+        for name in names:
+            inner = os.path.join(directory, name)
+            try:
+                info = os.lstat(inner)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                yield (info.st_dev, info.st_ino), Path(inner)
+
+
 def _destination(options: PerturbOptions) -> Path | None:
     try:
         return output_of(options, formats.detect(options.input, options.input_format))
@@ -122,6 +223,8 @@ def perturb_each(each: list[PerturbOptions], progress: Progress | None = None, p
         if start is not None:
             start(i, options)
         try:
-            yield Outcome(options.input, result=perturb(options, progress=progress, phase=phase))
+            told = once_each(phase)
+            yield Outcome(options.input, result=without_unheld(
+                lambda o: perturb(o, progress=progress, phase=told), options))
         except Exception as exc:  # reported as that input's, and the next one runs
             yield Outcome(options.input, error=exc)

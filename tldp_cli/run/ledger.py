@@ -416,7 +416,8 @@ def listing(path: Path) -> dict[str, Any]:
     """The ledger's releases, and its subjects grouped by the releases charged to them, with
     what those spend together, most-spent first."""
     if not path.is_file():
-        raise InputError(f"{path}: no such ledger")
+        raise InputError(f"{path}: {'a folder, not a' if path.is_dir() else 'no such'} ledger (give the file "
+                         "perturb --ledger wrote)")
     db = open_ledger(path)
     try:
         rows = db.execute("SELECT id, status, created, input, output, options, figures, subjects, everyone "

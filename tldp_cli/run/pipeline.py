@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import math
 import os
@@ -32,8 +33,8 @@ from tldp_cli.sampling import discrete, engine
 from tldp_cli import formats
 from tldp_cli.files import output
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.errors import (DataError, InputError, Interrupted, OutOfMemory, OutputError, TldpError, UsageError,
-                              reason_of)
+from tldp_cli.errors import (DataError, InputError, Interrupted, NotHeld, OutOfMemory, OutputError, TldpError,
+                              UsageError, reason_of)
 from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import (
     PRIVUNIT,
@@ -293,10 +294,11 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
         raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
                          f"folders) and HDF5 files, not {module.name}")
     if options.keep and not module.honours_keep:
-        raise UsageError(f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files "
-                         f"(.npz, .safetensors, sharded model folders), NIfTI volumes, image folders' label "
-                         f"maps, WebDataset shards and tables (Parquet, Arrow, Hugging Face dataset folders), "
-                         f"not {module.name}: it has nothing else to keep")
+        raise NotHeld(
+            f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files (.npz, .safetensors, "
+            f"sharded model folders), NIfTI volumes, image folders' label maps, WebDataset shards and tables "
+            f"(Parquet, Arrow, Hugging Face dataset folders), not {module.name}: it has nothing else to keep",
+            "keep", list(options.keep))
     if options.public_missing and not module.cf_markers:
         raise UsageError(f"{options.input}: --public-missing applies to the missing-data markers of netCDF/HDF5 "
                          f"files and xarray's Zarr stores, not {module.name}")
@@ -372,20 +374,19 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
         return {job.name: ((lo, hi), "--clip") for job in jobs}
-    by_shown = {}  # HDF5 names with or without "/"; the other names a format gives an array
-    for job in jobs:
-        by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
-    by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
+    named = {given: arrays_named(given, jobs) for given in options.ranges}
+    unheld = [given for given, names in named.items() if not names]
+    if unheld:
+        lo, hi = as_range(options.ranges[unheld[0]])
+        raise NotHeld(f"{source}: --range {unheld[0]}={lo:g}:{hi:g} names no array this "
+                      f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})", "ranges", unheld)
     own: dict[str, tuple[tuple[float, float], str]] = {}
     for given, bounds in options.ranges.items():
-        name = by_shown.get(given.lstrip("/"))
-        if name is None:
-            raise UsageError(f"{source}: --range {given}={bounds[0]:g}:{bounds[1]:g} names no array this "
-                             f"run perturbs (it perturbs {formats.listing([job.name for job in jobs])})")
-        if name in own:
-            raise UsageError(f"{source}: --range {given}=...: {name} has a range already (one --range "
-                             "names it by another of its names)")
-        own[name] = (as_range(bounds), "--range NAME=LO:HI")  # (a pair already: checked_options)
+        for name in named[given]:
+            if name in own:
+                raise UsageError(f"{source}: --range {given}=...: {name} has a range already (another --range "
+                                 "names it, by another of its names or a glob)")
+            own[name] = (as_range(bounds), "--range NAME=LO:HI")  # (a pair already: checked_options)
     for job in jobs:
         if job.name in own:
             continue
@@ -395,6 +396,61 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
                              f"the {job.dtype} dtype's range (default)")
     return {job.name: own[job.name] for job in jobs}
+
+
+def arrays_named(given: str, jobs: list[ArrayJob]) -> list[str]:
+    """The arrays --range NAME=LO:HI names: by any of their names (HDF5 names with or
+    without "/"; the other names a format gives an array), or every array a glob matches
+    (--range '*.npy=0:1')."""
+    by_shown = {}
+    for job in jobs:
+        by_shown.update({alias.lstrip("/"): job.name for alias in job.aliases})
+    by_shown.update({job.name.lstrip("/"): job.name for job in jobs})
+    given = given.lstrip("/")
+    if not any(c in given for c in "*?["):
+        return [by_shown[given]] if given in by_shown else []
+    found = {name for shown, name in by_shown.items() if fnmatch.fnmatchcase(shown, given)}
+    return [job.name for job in jobs if job.name in found]
+
+
+def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOptions) -> Any:
+    """call(options); where it raises NotHeld (nothing written yet), call again without the
+    names this input does not hold (--keep patterns, --range NAME=LO:HI): with several
+    inputs each input takes what it holds of them (batch.check_names has checked that some
+    input holds each). `call` should tell its phases through once_each(phase), so that the
+    phase begun again is not told twice."""
+    for _ in range(len(NOT_HELD_OPTIONS)):
+        try:
+            return call(options)
+        except NotHeld as exc:
+            if exc.option == "keep":
+                keep = [name for name in options.keep if name not in exc.names]
+                if len(keep) == len(options.keep):
+                    raise
+                options = dataclasses.replace(options, keep=keep)
+            else:
+                ranges = {name: value for name, value in options.ranges.items() if name not in exc.names}
+                if len(ranges) == len(options.ranges):
+                    raise
+                options = dataclasses.replace(options, ranges=ranges)
+    return call(options)
+
+
+NOT_HELD_OPTIONS = ("keep", "ranges")  # what NotHeld may name
+
+
+def once_each(phase: Phase | None) -> Phase | None:
+    """`phase`, telling each phase once (a run begun again by without_unheld goes through
+    the phases it had begun again)."""
+    if phase is None:
+        return None
+    told: set[tuple[str, str]] = set()
+
+    def tell(label: str, what: str) -> None:
+        if (label, what) not in told:
+            told.add((label, what))
+            phase(label, what)
+    return tell
 
 
 @dataclass
@@ -500,9 +556,10 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
         members.setdefault(range_of[job.name], []).append(job)
     split = [row for row in rows if len({range_of[name] for name in row}) > 1]
     if split and options.budget == "record":
-        raise UsageError(f"{source}: --budget record: a record spans {', '.join(split[0])} (one row of "
+        budget = ("--mechanism privunit" if options.mechanism == PRIVUNIT else "--budget record")
+        raise UsageError(f"{source}: {budget}: a record spans {', '.join(split[0])} (one row of "
                          "each), which have different declared ranges (--range, or their dtypes'); give "
-                         "them one range, or use --budget element")
+                         "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
     groups = [_calibrate_group(options, lo, hi, group,

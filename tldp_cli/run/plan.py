@@ -32,7 +32,9 @@ from tldp_cli.run.pipeline import (
     headers_phrase,
     planning_phrase,
     range_group_messages,
+    once_each,
     row_groups,
+    without_unheld,
 )
 from tldp_cli.run.options import DESCRIBED, checked_input
 
@@ -63,10 +65,13 @@ def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None =
               ) -> Iterator[tuple[Path, dict[str, Any] | Exception]]:
     """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
     its plan, or the exception that stopped it); the next one is planned either way. Inputs
-    of the same calibration share the accountant's work (pipeline.certified_figures)."""
+    of the same calibration share the accountant's work (pipeline.certified_figures). Each
+    takes what it holds of what --keep and --range NAME=LO:HI name (batch.check_names
+    refuses a name no input holds)."""
     for path in inputs:
         try:
-            yield path, plan_input(dataclasses.replace(options, input=path), phase=phase)
+            told = once_each(phase)
+            yield path, without_unheld(lambda o: plan_input(o, phase=told), dataclasses.replace(options, input=path))
         except Exception as exc:  # that input's failure: reported, and the next one planned
             yield path, exc
 
