@@ -8,14 +8,15 @@ manifest lists under `dropped`; with --keep '*' nothing is left out and what is 
 perturbed comes through with the same values. The input is never touched.
 
 Every registered format has a case here (test_every_registered_format_has_a_property_case).
-Few examples and no deadline (each runs the CLI in-process), derandomized: a run of the
-suite is repeatable.
+Few examples (TLDP_HYPOTHESIS_EXAMPLES raises the number) and no deadline (each runs the
+CLI in-process), derandomized: a run of the suite is repeatable.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 import tempfile
 from pathlib import Path
@@ -33,9 +34,10 @@ from safetensors.numpy import save_file
 from tests.builders import SEED, Cli, read_sharded_model, tree_digest, write_sharded_model
 from tldp_cli import formats
 
-PROPERTY = settings(max_examples=12, deadline=None, derandomize=True,
+EXAMPLES = int(os.environ.get("TLDP_HYPOTHESIS_EXAMPLES", "12"))
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-FEWER = settings(PROPERTY, max_examples=6)  # a dataset folder or model folder per example
+FEWER = settings(PROPERTY, max_examples=max(1, EXAMPLES // 2))  # a folder of files per example
 
 CLI = Cli()
 

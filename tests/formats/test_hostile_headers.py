@@ -8,13 +8,15 @@ error" (a bug's line), the input's bytes unchanged and nothing written beside it
 output, no manifest, no temporary file). A header that cannot be right (cut short,
 garbage) is always refused.
 
-Few examples and no deadline, derandomized: a run of the suite is repeatable.
+Few examples (TLDP_HYPOTHESIS_EXAMPLES raises the number) and no deadline, derandomized: a
+run of the suite is repeatable.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import tempfile
 import warnings
@@ -31,7 +33,8 @@ from safetensors.numpy import save_file
 
 from tests.builders import SEED, Cli, siblings, tree_digest
 
-PROPERTY = settings(max_examples=25, deadline=None, derandomize=True,
+EXAMPLES = int(os.environ.get("TLDP_HYPOTHESIS_EXAMPLES", "25"))
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 CLI = Cli()
