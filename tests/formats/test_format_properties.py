@@ -44,9 +44,10 @@ CLI = Cli()
 # Names no reader gives a meaning to (not CF, not netCDF's or xarray's bookkeeping): "u_" first.
 names = st.text("abcdefgh", min_size=1, max_size=4).map(lambda s: "u_" + s)
 attribute_values = st.one_of(
-    st.integers(-1000, 1000), st.floats(-1e6, 1e6, allow_nan=False, width=32),
-    st.text("abcdefghijklmnop xyz", max_size=12),
-    st.lists(st.integers(-100, 100), min_size=1, max_size=4).map(lambda v: np.array(v, dtype=np.int32)))
+    st.integers(-1000, 1000), st.floats(-1e6, 1e6, allow_nan=False, width=32), st.booleans(),
+    st.text("abcdefghijklmnop xyzäé€", max_size=12),
+    st.lists(st.integers(-100, 100), min_size=1, max_size=4).map(lambda v: np.array(v, dtype=np.int32)),
+    st.lists(st.floats(-1, 1, width=32), min_size=1, max_size=3).map(lambda v: np.array(v, dtype=np.float64)))
 attributes = st.dictionaries(names, attribute_values, max_size=3)
 
 
@@ -151,8 +152,9 @@ def trees(draw):
     perturbed: dropped or kept), and attributes on the root, the group and the arrays."""
     n = draw(st.integers(1, 5))
     arrays = {}
-    for name in draw(st.lists(st.sampled_from(["x", "g/y", "g/h/z"]), min_size=1, max_size=3, unique=True)):
-        dtype = draw(st.sampled_from(["uint8", "int16", "float32", "float64"]))
+    for name in draw(st.lists(st.sampled_from(["x", "g/y", "g/h/z", "g/a b", "é"]), min_size=1, max_size=3,
+                              unique=True)):
+        dtype = draw(st.sampled_from(["uint8", "int8", "int16", "uint16", "float32", "float64", ">f4", ">i2"]))
         arrays[name] = values(draw, (n, *draw(records())), dtype)
     if draw(st.booleans()):
         arrays["labels"] = np.arange(n, dtype=np.int64)
@@ -242,7 +244,7 @@ def test_zarr(tmp_path, tree, keep, zarr_format, data):
 # --------------------------------------------------------------------------- model files
 
 MODEL_ARGS = ("--clip", "0.5", "--allow-raw-release")
-tensor_names = st.lists(st.sampled_from(["w", "layer.0.weight", "layer.0.bias", "head", "step", "emb"]),
+tensor_names = st.lists(st.sampled_from(["w", "layer.0.weight", "layer.0.bias", "head", "step", "enc/emb", "ü"]),
                         min_size=1, max_size=4, unique=True)
 
 
@@ -288,7 +290,7 @@ def safetensors_tree(path: Path) -> dict:
 
 @PROPERTY
 @given(arrays=tensors(("float32", "float64", "float16", "int64", "bool")),
-       metadata=st.dictionaries(names, st.text("abcxyz ", max_size=8), max_size=3), keep=keep_modes)
+       metadata=st.dictionaries(names, st.text("abcxyz äé€\n", max_size=8), max_size=3), keep=keep_modes)
 def test_safetensors(tmp_path, arrays, metadata, keep):
     folder = workdir(tmp_path)
     save_file(arrays, str(folder / "in.safetensors"), metadata={"format": "pt", **metadata})
