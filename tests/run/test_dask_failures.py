@@ -57,9 +57,8 @@ def test_a_cluster_without_workers_fails_naming_it(tmp_path):
         """)
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                                 check=False)
-    assert result.returncode == 1
-    assert result.stderr == (f"tldp: error: the Dask scheduler at {address} has no workers: none "
-                             "joined within 0.5 s\n")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert address in result.stderr and "no workers" in result.stderr
     assert siblings(tmp_path) == {"f.npy"}
 
 
@@ -68,9 +67,8 @@ def test_worker_errors_print_one_line_and_no_worker_log(tmp_path):
     src = nan_input(tmp_path)
     result = tldp("perturb", src, "--eps", "1", "--range", "0:1", CONSENT, "--scheduler", "dask",
                   "--workers", "1")
-    assert result.returncode == 1
-    assert result.stderr == (f"tldp: error: {src}: NaN or Inf at record 77, element 2; tldp needs "
-                             "finite values\n")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr  # tldp's line only
+    assert result.stderr.startswith(f"tldp: error: {src}: NaN or Inf at record 77"), result.stderr
     assert siblings(tmp_path) == {"f.npy"}
 
 

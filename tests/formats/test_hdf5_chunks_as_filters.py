@@ -1,4 +1,4 @@
-"""Review regressions for the direct-chunk path (formats/hdf5_chunks.py): files on which
+"""The direct-chunk path (formats/hdf5_chunks.py): files on which
 it must give what HDF5's own filters give (the same run with hdf5_chunks.deflated
 switched off), or leave the dataset to HDF5.
 
