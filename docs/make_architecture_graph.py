@@ -19,6 +19,8 @@ import tomllib
 from collections import defaultdict
 from pathlib import Path
 
+from page_writer import between_markers, check_or_write  # beside this script
+
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "architecture.md"
 PACKAGE = "tldp_cli"
@@ -102,25 +104,13 @@ def drawings() -> list[str]:
     return lines
 
 
-def generate(page: str) -> str:
+def generate(page: str | None) -> str:
     """`page` with the text between its markers replaced by the drawings."""
-    if page.count(BEGIN) != 1 or page.count(END) != 1:
-        raise SystemExit(f"{PAGE.relative_to(REPO)}: needs the marker comments, once each:\n{BEGIN}\n{END}")
-    head, rest = page.split(BEGIN)
-    _, tail = rest.split(END)
-    return "\n".join([head + BEGIN, *drawings(), "", END]) + tail
-
-
-def _render(current: str | None) -> str:
-    if current is None:
-        raise SystemExit(f"{PAGE.relative_to(REPO)} is missing")
-    return generate(current)
+    return between_markers(page, BEGIN, END, [*drawings(), ""], PAGE.relative_to(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from page_writer import check_or_write  # beside this script
-
-    return check_or_write(argv, __doc__.splitlines()[0], PAGE, REPO, "docs/make_architecture_graph.py", _render)
+    return check_or_write(argv, __doc__.splitlines()[0], PAGE, REPO, "docs/make_architecture_graph.py", generate)
 
 
 if __name__ == "__main__":

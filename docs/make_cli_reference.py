@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from page_writer import check_or_write  # beside this script
+
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "cli.md"
 WIDTH = 100  # the help formatter caps its width at 80 columns anyway; this fixes it below that too
@@ -64,8 +66,6 @@ def generate() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from page_writer import check_or_write  # beside this script
-
     return check_or_write(argv, __doc__.splitlines()[0], PAGE, REPO, "docs/make_cli_reference.py", lambda current: generate())
 
 

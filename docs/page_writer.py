@@ -30,3 +30,15 @@ def check_or_write(argv: list[str] | None, description: str, page: Path, repo: P
     page.write_text(text, encoding="utf-8")
     print(f"wrote {name}", file=sys.stderr)
     return 0
+
+
+def between_markers(page: str | None, begin: str, end: str, lines: list[str], name: object) -> str:
+    """`page` (the text of the page `name`) with what stands between its two marker comments
+    replaced by `lines`."""
+    if page is None:
+        raise SystemExit(f"{name} is missing")
+    if page.count(begin) != 1 or page.count(end) != 1:
+        raise SystemExit(f"{name}: needs the marker comments, once each:\n{begin}\n{end}")
+    head, rest = page.split(begin)
+    _, tail = rest.split(end)
+    return "\n".join([head + begin, *lines, end]) + tail
