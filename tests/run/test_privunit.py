@@ -432,6 +432,8 @@ def test_the_reference_goes_through_plan_evaluate_and_resume_options(cli, tmp_pa
     report = json.loads(cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--reference", "40",
                             "--json", "-q").stdout)
     assert report["privunit"]["reference"] == 40 and report["privunit"]["reference_rule"].startswith("value: ")
+    said = cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--reference", "40")
+    assert said.exit_code == 0 and "around 40 (--reference 40.0)" in said.stderr, said.stderr
     m, _ = privunit(cli, src, tmp_path / "o.npy", "--reference", "40")
     assert options_of_manifest(m, src).reference == "40.0"
     assert json.loads(cli("evaluate", src, tmp_path / "o.npy", "--json", "-q").stdout)["ok"]

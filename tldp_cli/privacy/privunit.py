@@ -322,8 +322,9 @@ def output_scale(lo: float, hi: float, elements: int) -> float:
 # (5 releases) from 0.305/0.623/0.800 to 0.297/0.682/0.820; exponent 1 did no better (0.646/
 # 0.824/0.931 and 0.385/0.608/0.805). Also measured and rejected: writing from mid-range,
 # (lo + hi)/2 + c B^T V, which clips fewer values but moves every release's mean away from the
-# clean records' (F1 0.196 and 0.385 at eps 1 and 2 on the MNIST folds, against 0.409 and 0.616),
-# and other display scales (hi - lo)/D with D = 4, 16, 32 (within the noise of D = 8).
+# clean records' (F1 0.196 and 0.385 at eps 1 and 2 on the MNIST folds, against 0.409 and 0.616;
+# for colour photos, whose prior mean is mid-grey, --reference auto does write from mid-range:
+# REFERENCE_CHOICES above), and other display scales (hi - lo)/D with D = 4, 16, 32 (within the noise of D = 8).
 # A user's basis (--basis FILE.npy) has no frequencies: its coefficients are written unweighted.
 # Only records the DCT runs over two axes of (an image's rows and columns, per channel) are
 # weighted: the prior is a statistic of images, and every record measured was one. A 1-D
