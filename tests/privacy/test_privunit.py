@@ -165,6 +165,48 @@ def test_reference_point_and_output_scale_are_public_rules_of_the_range():
     assert privunit.output_scale(0, 256, 784) == 256 * 28 / privunit.OUTPUT_SCALE_DIVISOR
 
 
+def test_reference_is_a_public_rule_of_the_option_the_shape_and_the_range():
+    """--reference: auto is mid-range for colour images (H, W, 3 or 4) and the zero rule for
+    every other record; zero, low, mid and a value mean the same for every shape."""
+    ref = privunit.reference_point
+    assert ref(0, 256, (28, 28), "auto") == ref(0, 256, (28, 28), None) == 0  # a digit: unchanged
+    assert ref(0, 256, (107, 160, 3), "auto") == ref(0, 256, (32, 32, 4), "auto") == 128  # colour photos
+    for shape in ((64,), (28, 28, 1), (3, 32, 32), (200, 32, 32), (1, 5, 3), (28, 28, 2)):
+        assert ref(0, 256, shape, "auto") == 0, shape  # grayscale, channels first, volumes, vectors
+    assert ref(10, 20, (28, 28), "auto") == 10 and ref(-20, -10, (64,), "auto") == -10
+    assert ref(-1, 3, (107, 160, 3), "auto") == 1
+    for shape in ((28, 28), (107, 160, 3), (64,)):
+        assert ref(0, 256, shape, "zero") == 0 and ref(-1, 1, shape, "low") == -1
+        assert ref(0, 256, shape, "mid") == 128 and ref(0, 256, shape, 37.5) == 37.5
+    assert privunit.reference_choice("auto", (107, 160, 3)) == "mid"
+    assert privunit.reference_choice(None, (28, 28)) == "zero"
+    assert privunit.reference_choice(3.0, (28, 28)) == "value"
+
+
+@pytest.mark.parametrize("shape", [(28, 28), (24, 36, 3)])
+def test_the_reference_changes_no_figure(shape):
+    """The reference moves the written records only: k, the split and every certified figure
+    are those of the default, whatever --reference says."""
+    base = mechanisms.calibrate_privunit(epsilon=4, record_shape=shape, value_range=(0, 256))
+    for option in ("auto", "zero", "low", "mid", "200", 12.5):
+        calib = mechanisms.calibrate_privunit(epsilon=4, record_shape=shape, value_range=(0, 256),
+                                              reference=option)
+        a, b = calib.privunit_params(), base.privunit_params()
+        assert (a.k, a.gamma, a.p_numerator, a.output_scale) == (b.k, b.gamma, b.p_numerator, b.output_scale)
+        assert calib.element_epsilon == base.element_epsilon
+        assert accounting.certify(calib).per_record == accounting.certify(base).per_record
+    mid = mechanisms.calibrate_privunit(epsilon=4, record_shape=shape, value_range=(0, 256), reference="mid")
+    assert mid.privunit_params().reference == 128 and mid.privunit_params().reference_rule == "mid"
+
+
+@pytest.mark.parametrize("option,fragment", [("bright", "give auto, zero, low, mid or a number"),
+                                             ("nan", "a finite number"), ("300", "outside the declared range"),
+                                             ("-1", "outside the declared range")])
+def test_a_bad_reference_is_refused(option, fragment):
+    with pytest.raises(UsageError, match=fragment):
+        mechanisms.calibrate_privunit(epsilon=4, record_shape=(28, 28), value_range=(0, 256), reference=option)
+
+
 def test_write_back_weights_are_a_wiener_filter_of_a_public_spectral_prior():
     """w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to (1 + f_j)^-2, mean square 1:
     the low frequencies weigh more the noisier V is, and an exact direction (m = 1) is

@@ -178,6 +178,9 @@ def test_a_bad_user_basis_is_refused(cli, tmp_path, matrix, fragment):
     (("--mechanism", "privunit", "--basis", "dct:65"), "2 <= k <= 64", 2),
     (("--mechanism", "privunit", "--basis", "eigen.txt"), "give dct, dct:K, or a .npy", 2),
     (("--mechanism", "privunit", "--granularity", "0.5"), "--granularity applies", 2),
+    (("--reference", "mid"), "--reference applies to --mechanism privunit", 2),
+    (("--mechanism", "privunit", "--reference", "grey"), "give auto, zero, low, mid or a number", 2),
+    (("--mechanism", "privunit", "--reference", "300"), "outside the declared range", 2),
 ])
 def test_refusals(cli, tmp_path, args, fragment, code):
     src, _ = make_npy(tmp_path)
@@ -368,3 +371,87 @@ def test_the_default_k_rule_gives_useful_digits_at_eps_10():
 
     assert f1() >= 0.85
     assert f1(basis="dct:2") < 0.85
+
+
+def sample_photo(tmp_path, size=(160, 107)):
+    """scikit-learn's china.jpg, resized, as a PNG in a folder of its own: a photo, not MNIST."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.fromarray(datasets.load_sample_images().images[0]).resize(size, Image.LANCZOS).save(folder / "china.png")
+    return folder
+
+
+def test_a_colour_photo_is_written_around_mid_grey(cli, tmp_path):
+    """The reviewer's photo: with the zero rule a release at per-record eps 8 had a mean
+    brightness near 15 of 255 and about half its values black; --reference auto measures a
+    colour image from mid-range, so its release is about as bright as mid-grey, and the
+    certified figure is the same."""
+    folder = sample_photo(tmp_path)
+    m, _ = privunit(cli, folder, tmp_path / "auto", "--eps", "8", "--seed", SEED)
+    zero, _ = privunit(cli, folder, tmp_path / "zero", "--eps", "8", "--seed", SEED, "--reference", "zero")
+    assert m["privunit"]["reference"] == 128 and m["privunit"]["reference_option"] == "auto"
+    assert m["privunit"]["reference_rule"].startswith("mid: ") and "are colour images" in m["privunit"]["reference_rule"]
+    assert zero["privunit"]["reference"] == 0 and zero["privunit"]["reference_rule"].startswith("zero: ")
+    assert m["accounting"] == zero["accounting"]
+    with Image.open(tmp_path / "auto" / "china.png") as image:
+        released = np.asarray(image, np.float64)
+    with Image.open(tmp_path / "zero" / "china.png") as image:
+        dark = np.asarray(image, np.float64)
+    assert abs(released.mean() - 128) < 20 and (released == 0).mean() < 0.01
+    assert dark.mean() < 40 and (dark == 0).mean() > 0.2  # what the zero rule writes
+    evaluated = json.loads(cli("evaluate", folder, tmp_path / "auto", "--json", "-q").stdout)
+    assert evaluated["ok"] and evaluated["error"]["ssim"]["mean"] > 0.15
+
+
+def test_grayscale_records_keep_the_zero_rule_by_default(cli, tmp_path):
+    """auto changes nothing for records that are not colour images: the MNIST tables stay
+    true (the same bytes as --reference zero); mid is a different release."""
+    src = tmp_path / "x.npy"
+    np.save(src, DATA)
+    default, _ = privunit(cli, src, tmp_path / "auto.npy", "--seed", SEED)
+    privunit(cli, src, tmp_path / "zero.npy", "--seed", SEED, "--reference", "zero")
+    mid, _ = privunit(cli, src, tmp_path / "mid.npy", "--seed", SEED, "--reference", "mid")
+    assert default["privunit"]["reference"] == 0 and mid["privunit"]["reference"] == 128
+    assert np.load(tmp_path / "auto.npy").tobytes() == np.load(tmp_path / "zero.npy").tobytes()
+    assert np.load(tmp_path / "auto.npy").tobytes() != np.load(tmp_path / "mid.npy").tobytes()
+    assert default["accounting"] == mid["accounting"]
+    array = perturb_array(DATA, eps=4, mechanism="privunit", seed=SEED, reference="mid")
+    assert array.array.tobytes() == np.load(tmp_path / "mid.npy").tobytes()
+    assert array.calibration.privunit.reference == 128
+
+
+def test_the_reference_goes_through_plan_evaluate_and_resume_options(cli, tmp_path):
+    """plan states it; evaluate recomputes it from the manifest (options_of_manifest) and
+    finds a manifest whose reference was changed; --reference VALUE is kept as given."""
+    from tldp_cli.run.pipeline import RESUME_COMPARED, options_of_manifest
+
+    assert "reference" in RESUME_COMPARED
+    src = tmp_path / "x.npy"
+    np.save(src, DATA)
+    report = json.loads(cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--reference", "40",
+                            "--json", "-q").stdout)
+    assert report["privunit"]["reference"] == 40 and report["privunit"]["reference_rule"].startswith("value: ")
+    said = cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--reference", "40")
+    assert said.exit_code == 0 and "around 40 (--reference 40.0)" in said.stderr, said.stderr
+    m, _ = privunit(cli, src, tmp_path / "o.npy", "--reference", "40")
+    assert options_of_manifest(m, src).reference == "40.0"
+    assert json.loads(cli("evaluate", src, tmp_path / "o.npy", "--json", "-q").stdout)["ok"]
+    manifest_path = tmp_path / "o.npy.manifest.json"
+    m["privunit"]["reference_option"] = "zero"
+    manifest_path.write_text(json.dumps(m))
+    broken = json.loads(cli("evaluate", src, tmp_path / "o.npy", "--json", "-q").stdout)
+    parameters = next(c for c in broken["checks"] if c["check"] == "parameters")
+    assert not parameters["passed"] and "privunit.reference" in parameters["detail"]
+
+
+def test_the_sweep_takes_the_reference(cli, tmp_path):
+    src = tmp_path / "x.npy"
+    np.save(src, DATA)
+    rows = {}
+    for option in ("auto", "zero", "mid"):
+        result = cli("sweep", src, "--budget", "record", "--methods", "privunit", "--eps", "4", "--seed", SEED,
+                     "--allow-weak-seed", "--reference", option, "--out", tmp_path / option, "--json", "-q")
+        assert result.exit_code == 0, result.stderr
+        rows[option] = json.loads(result.stdout)["rows"][0]["mse"]
+    assert rows["auto"] == rows["zero"] != rows["mid"]

@@ -352,14 +352,16 @@ def records_phrase(manifest: dict) -> str:
 
 
 def privunit_phrase(manifest: dict) -> str:
-    """--mechanism privunit, as plan's summary line says it: the basis, k and the split."""
+    """--mechanism privunit, as plan's summary line says it: the basis, k, the split and the
+    write-back's scale and reference point."""
     unit = manifest["privunit"]
     figures = manifest["accounting"].get("privunit") or {}
     basis = "DCT-II" if unit["basis"]["kind"] == "dct" else "user"
     return (f"privunit on {unit['k']} {basis} coefficients (eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
-            f"{unit['output_scale']['c']:.4g}")
+            f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "
+            f"{unit.get('reference_option', 'zero')})")
 
 
 def unperturbed_note(manifest: dict) -> str:

@@ -218,6 +218,15 @@ BasisOption = Annotated[Optional[str], typer.Option(
          "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
          "manifest; a basis learned from the data released is not public).",
     show_default=False)]
+ReferenceOption = Annotated[Optional[str], typer.Option(
+    "--reference", metavar="auto|zero|low|mid|VALUE",
+    help="--mechanism privunit: the value records are measured from and written back around "
+         "(x - r projected, r + c B^T (w V) written; public, the guarantee does not depend on it). "
+         "zero: 0, or the range end nearest 0; low: the range's lower end; mid: its middle; "
+         "VALUE: a number in the range. auto (default): mid for colour images (records of shape "
+         "H x W x 3 or 4: a photo written from 0 comes out dark), zero for every other record "
+         "(digits on black, volumes, vectors). The manifest states it.",
+    show_default=False)]
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",
     help="Declared value range. Required for float data and integers wider than 16 bits; "

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -36,6 +36,7 @@ def perturb_command(
     mechanism: MechanismOption = Mechanism.tldp,
     budget: BudgetOption = None,
     basis: BasisOption = None,
+    reference: ReferenceOption = None,
     value_range: Ranges = None,
     weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
@@ -187,7 +188,7 @@ def perturb_command(
             scheduler=scheduler, dask_address=dask_address, dask_logs=debug, resume=resume,
             allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
-            sampler=sampler, basis=basis, block_elements=block_elements or BLOCK_ELEMENTS)
+            sampler=sampler, basis=basis, reference=reference, block_elements=block_elements or BLOCK_ELEMENTS)
 
     display = Display(quiet, verbose)
     if len(paths) > 1 or inputs_from is not None:

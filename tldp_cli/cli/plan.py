@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, Verbose, data_path, perturb_options
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Verbose, data_path, perturb_options
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def plan_command(
     mechanism: MechanismOption = Mechanism.tldp,
     budget: BudgetOption = None,
     basis: BasisOption = None,
+    reference: ReferenceOption = None,
     value_range: Ranges = None,
     dp_delta: DpDelta = 1e-5,
     granularity: Granularity = None,
@@ -93,7 +94,7 @@ def plan_command(
             noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
-            input_format=input_format, basis=basis)
+            input_format=input_format, basis=basis, reference=reference)
         if inputs and len(inputs) > 1:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch

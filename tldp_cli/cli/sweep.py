@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import (AllowWeakSeed, Budget, Debug, InputFormat, Labels, Model, ModelOption, Quiet,
+from tldp_cli.cli.options import (AllowWeakSeed, ReferenceOption, Budget, Debug, InputFormat, Labels, Model, ModelOption, Quiet,
                                   RngKind, SeedFile, TestLabels, TestRecords, data_path, output_path, resolve_seed)
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.app import DEBUG_ENV, app, deprecated_flag, emit_json, progress_bar, run, shown
@@ -48,6 +48,7 @@ def sweep_command(
     weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy; adds weighted TLDP (TLDP-L-w, TLDP-G-w).")] = None,
     budget: Annotated[Budget, typer.Option(help="As for perturb; privunit needs record.")] = Budget.element,
+    reference: ReferenceOption = None,
     repeat: Annotated[int, typer.Option(
         metavar="N", help="Perturb and score every point N times with independent noise; "
                           "the table gives the mean and F1's standard deviation, min and max.")] = 1,
@@ -110,7 +111,7 @@ def sweep_command(
                               allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                               dataset=dataset, progress=advance,
                               input_format=input_format and input_format.value, repeats=repeat,
-                              named=ev.parse_methods(methods) if methods else None)
+                              named=ev.parse_methods(methods) if methods else None, reference=reference)
         finally:
             close()
         return result, ev.write_sweep(result, out, overwrite)

@@ -77,7 +77,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
           dp_delta: float = 1e-5, dataset: str | None = None,
           progress: Progress | None = None, allow_weak_seed: bool = False,
           input_format: str | None = None, repeats: int = 1,
-          named: list[str] | None = None) -> dict[str, Any]:
+          named: list[str] | None = None, reference: str | float | None = None) -> dict[str, Any]:
     """Perturb ORIGINAL in memory for every (method, epsilon) and measure error and F1.
 
     `named`: table names of SWEEP_METHODS to run (None: every one that applies); a
@@ -86,7 +86,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
 
     `repeats`: independent noise draws per point (stream keys sweep/METHOD/EPS, then
     sweep/METHOD/EPS/1, /2, ...); a row gives the mean over them and F1's sample standard
-    deviation, min and max."""
+    deviation, min and max. `reference`: privunit's --reference (None: auto)."""
     from tldp_cli.run.masks import load_mask
 
     original = Path(original)
@@ -114,12 +114,12 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
         raise UsageError("--methods: no named method applies to this sweep: "
                          + "; ".join(f"{entry['method']}: {entry['reason']}" for entry in skipped))
     rows_mvg = job.record_shape[0] if len(job.record_shape) >= 2 else None
-    reference = None
+    clean = None
     if labels and test and test_labels:  # (all three or none, checked above)
         y = load_labels(labels, original)
         test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
         check_task(len(x), y, test_x, test_y, job.record_shape, labels, test)
-        reference = {"f1_clean": weighted_f1(x, y, test_x, test_y, model, (lo, hi)),
+        clean = {"f1_clean": weighted_f1(x, y, test_x, test_y, model, (lo, hi)),
                      "f1_majority_class": majority_f1(test_y), "model": model,
                      "train_records": int(len(x)), "test_records": int(len(test_y))}
     rows = []
@@ -130,7 +130,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             t0 = time.perf_counter()
             if mechanism == "privunit":
                 calib = calibrate_privunit(epsilon=eps, record_shape=job.record_shape,
-                                           value_range=(lo, hi), dp_delta=dp_delta)
+                                           value_range=(lo, hi), dp_delta=dp_delta, reference=reference)
             else:
                 calib = calibrate(mechanism=mechanism, noise=noise, budget=budget, epsilon=eps,
                                   range_width=hi - lo, elements=elements, dp_delta=dp_delta,
@@ -160,7 +160,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
             "seeded": streams.seeded,
             "weak_seed": streams.weak_seed, "weights": mask.info if mask is not None else None,
             "epsilons": epsilons, "repeats": repeats, "methods": [mm[0] for mm in methods], "skipped_methods": skipped,
-            "reference": reference, "rows": rows}
+            "reference": clean, "rows": rows}
 
 
 def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, elements: int,

@@ -440,13 +440,13 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
 
 def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_range: tuple[float, float],
                        dp_delta: float = 1e-5, k: int | None = None, basis: str = "dct",
-                       basis_sha256: str | None = None,
+                       basis_sha256: str | None = None, reference: str | float | None = None,
                        min_cap: float = privunit.MIN_CAP_PROBABILITY) -> Calibration:
     """--mechanism privunit for records of `record_shape` in `value_range`: k coefficients
     (`k`, else the public default rule), the PrivUnit split of the record's --eps that
     maximises E<V, u> with a certified figure at most --eps (privunit_split), and the
-    public reference point and output scale. Everything depends on the options and the
-    record's shape, never on the data."""
+    public reference point (--reference `reference`, None: auto) and output scale. Everything
+    depends on the options and the record's shape, never on the data."""
     from tldp_cli.privacy import accounting  # here: option checks never import it
 
     check_parameters(mechanism=PRIVUNIT, noise=PRIVUNIT, budget="record", epsilon=epsilon,
@@ -473,11 +473,16 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
     if k > privunit.MAX_K:
         raise UsageError(f"--basis: k = {k} coefficients; PrivUnit's figures are certified for k up to "
                          f"{privunit.MAX_K} (docs/guarantee.md); give --basis dct:K with a smaller K")
+    option = parse_reference(reference)
+    rule = privunit.reference_choice(option, tuple(record_shape))
+    if rule == "value" and not lo <= float(option) <= hi:
+        raise UsageError(f"--reference {option:g} lies outside the declared range {lo:g}:{hi:g}")
     gamma, p_numerator = privunit_split(float(epsilon), int(k), float(min_cap))
     alignment = privunit.expected_alignment(int(k), gamma, p_numerator / 2.0**53)
     params = PrivUnitParams(k=int(k), gamma=gamma, p_numerator=p_numerator, basis=basis,
                             record_shape=tuple(int(n) for n in record_shape),
-                            reference=privunit.reference_point(lo, hi),
+                            reference=privunit.reference_point(lo, hi, tuple(record_shape), option),
+                            reference_rule=rule, reference_option=reference_text(option),
                             output_scale=privunit.output_scale(lo, hi, elements), low=float(lo),
                             high=float(hi), basis_sha256=basis_sha256,
                             alignment=alignment,
@@ -487,6 +492,29 @@ def calibrate_privunit(*, epsilon: float, record_shape: tuple[int, ...], value_r
                         float(dp_delta), 0.0, params.output_scale, -math.inf, privunit=params)
     certified = accounting.privunit_record_epsilon(calib)
     return replace(calib, element_epsilon=certified)
+
+
+def parse_reference(reference: str | float | None) -> str | float:
+    """--reference, parsed: auto (also for None), zero, low, mid, or a finite number."""
+    if reference is None:
+        return "auto"
+    if isinstance(reference, str):
+        if reference in privunit.REFERENCE_CHOICES:
+            return reference
+        try:
+            value = float(reference)
+        except ValueError:
+            raise UsageError(f"--reference {reference}: give auto, zero, low, mid or a number") from None
+    else:
+        value = float(reference)
+    if not math.isfinite(value):
+        raise UsageError(f"--reference {reference}: give a finite number")
+    return value
+
+
+def reference_text(option: str | float) -> str:
+    """--reference as the manifest states it (parse_reference's inverse)."""
+    return option if isinstance(option, str) else repr(float(option))
 
 
 def _largest_p(epsilon: float, k: int, gamma: float) -> int | None:

@@ -232,11 +232,57 @@ def default_k(epsilon: float, elements: int) -> int:
     return int(min(elements, DEFAULT_K))
 
 
-def reference_point(lo: float, hi: float) -> float:
-    """The value a record is measured from: 0, or the end of the declared range nearest to
-    it when the range does not hold 0 (public: the range only). The record projected is
-    x - reference, and the output is reference + c B^T (w * V)."""
-    return min(max(0.0, lo), hi)
+# --reference: the value a record is measured from (the record projected is x - r, the record
+# written r + c B^T (w * V)). A public rule of the option, the declared range and the record's
+# shape, never of the data; the guarantee does not depend on it (PrivUnit's figure holds for
+# every direction u, docs/guarantee.md). zero: 0, or the end of the range nearest 0 when the range
+# does not hold 0 (what a digit's black background wants: the F1 tables of docs/choosing-eps.md
+# and docs/reproduction.md were measured with it); low: the range's lower end; mid: its middle
+# (a photo's prior mean: written from 0 a photo comes out dark, its mean brightness about a tenth
+# of the input's); a number: that value, inside the declared range. auto (the default): mid for
+# colour images, records of shape (H, W, 3) or (H, W, 4) (the channels-last layout the DCT basis
+# recognises), zero for every other record (grayscale images, volumes, vectors). Measured on
+# scikit-learn's sample photos (docs/choosing-eps.md, "Photos: the reference point").
+REFERENCE_CHOICES = ("auto", "zero", "low", "mid")
+REFERENCE_RULES = {
+    "zero": "0, or the end of the declared range nearest to 0 when it does not hold 0",
+    "low": "the declared range's lower end",
+    "mid": "the middle of the declared range, (lo + hi) / 2",
+    "value": "the value --reference gave",
+}
+COLOUR_CHANNELS = (3, 4)
+
+
+def is_colour_image(record_shape: tuple[int, ...]) -> bool:
+    """A colour image record: (H, W, 3) or (H, W, 4), H and W at least 2 (its shape only)."""
+    shape = tuple(record_shape)
+    return len(shape) == 3 and shape[2] in COLOUR_CHANNELS and min(shape[:2]) >= 2
+
+
+def reference_choice(option: str | float | None, record_shape: tuple[int, ...]) -> str:
+    """The rule --reference `option` picks for records of `record_shape`: zero, low, mid or
+    value (auto, or None: mid for a colour image, zero otherwise)."""
+    if option is None or option == "auto":
+        return "mid" if is_colour_image(record_shape) else "zero"
+    if isinstance(option, str) and option in REFERENCE_CHOICES:
+        return option
+    return "value"
+
+
+def reference_point(lo: float, hi: float, record_shape: tuple[int, ...] = (),
+                    option: str | float | None = "zero") -> float:
+    """The value a record is measured from, by --reference `option` (see REFERENCE_RULES; public:
+    the option, the range and the record's shape only). The record projected is x - reference,
+    and the output is reference + c B^T (w * V). The default `option` is the zero rule."""
+    rule = reference_choice(option, record_shape)
+    if rule == "zero":
+        return min(max(0.0, lo), hi)
+    if rule == "low":
+        return float(lo)
+    if rule == "mid":
+        return (lo + hi) / 2.0
+    assert option is not None  # "value": a number (run/options.py checked it and the range)
+    return float(option)
 
 
 # The display scale: the written record's deviation from the reference has a root mean
@@ -276,8 +322,9 @@ def output_scale(lo: float, hi: float, elements: int) -> float:
 # (5 releases) from 0.305/0.623/0.800 to 0.297/0.682/0.820; exponent 1 did no better (0.646/
 # 0.824/0.931 and 0.385/0.608/0.805). Also measured and rejected: writing from mid-range,
 # (lo + hi)/2 + c B^T V, which clips fewer values but moves every release's mean away from the
-# clean records' (F1 0.196 and 0.385 at eps 1 and 2 on the MNIST folds, against 0.409 and 0.616),
-# and other display scales (hi - lo)/D with D = 4, 16, 32 (within the noise of D = 8).
+# clean records' (F1 0.196 and 0.385 at eps 1 and 2 on the MNIST folds, against 0.409 and 0.616;
+# for colour photos, whose prior mean is mid-grey, --reference auto does write from mid-range:
+# REFERENCE_CHOICES above), and other display scales (hi - lo)/D with D = 4, 16, 32 (within the noise of D = 8).
 # A user's basis (--basis FILE.npy) has no frequencies: its coefficients are written unweighted.
 # Only records the DCT runs over two axes of (an image's rows and columns, per channel) are
 # weighted: the prior is a statistic of images, and every record measured was one. A 1-D

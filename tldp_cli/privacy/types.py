@@ -39,6 +39,8 @@ class PrivUnitParams:
     alignment: float = 0.0  # m = E<V, u> of the split (the write-back's weights use it)
     prior_exponent: float | None = None  # the write-back's spectral prior (None: unweighted, a user's basis)
     emphasis_exponent: float | None = None  # pre-emphasis d_j = (1 + f_j)^a before normalising (None: none)
+    reference_rule: str = "zero"  # which --reference rule gave `reference` (privunit.REFERENCE_RULES)
+    reference_option: str = "auto"  # --reference as given: auto, zero, low, mid or a number
 
     @property
     def p(self) -> float:

@@ -52,12 +52,13 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                   allow_weak_seed: bool = False, allow_raw_release: bool = False,
                   dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
                   dtype: str = "float32", clip: float | None = None,
-                  clip_input: bool = False, basis: str | None = None) -> Perturbed:
+                  clip_input: bool = False, basis: str | None = None,
+                  reference: str | float | None = None) -> Perturbed:
     """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
 
     The options mean what `tldp perturb`'s do (`noise` None: the mechanism's default,
     laplace for tldp; `budget` None: element, record for privunit; `basis`: privunit's
-    --basis). `value_range`, (lo, hi) or "lo:hi", is required for
+    --basis; `reference`: its --reference, auto (None), zero, low, mid or a number). `value_range`, (lo, hi) or "lo:hi", is required for
     float data; `weights` (values in [0, 1]; not with privunit, mvg or idn, as for perturb)
     has the record's shape or one mask per record.
     Raises UsageError for options that cannot work (a TldpError), DataError for values
@@ -79,7 +80,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         value_range=value_range,
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
-        basis=basis))
+        basis=basis, reference=None if reference is None else str(reference)))
     assert options.noise is not None  # checked_options resolved it
     if weights is not None and options.mechanism in (PRIVUNIT, *GAUSSIAN_ONLY):  # as perturb refuses --weights
         raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} keeps "

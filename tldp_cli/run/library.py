@@ -18,7 +18,7 @@ import re
 from typing import Callable, Mapping, TypeVar
 
 from tldp_cli.errors import Interrupted, TldpError
-from tldp_cli.privacy import mechanisms
+from tldp_cli.privacy import mechanisms, privunit
 from tldp_cli.run import pipeline
 from tldp_cli.sampling.rng import RNG_KINDS
 
@@ -31,7 +31,7 @@ F = TypeVar("F", bound=Callable)
 CHOICES: dict[str, tuple[str, ...]] = {
     "mechanism": mechanisms.MECHANISMS, "noise": mechanisms.NOISES, "budget": mechanisms.BUDGETS,
     "sampler": mechanisms.SAMPLERS, "rng": RNG_KINDS, "dtype": ("float32", "float64"),
-    "scheduler": ("threads", "dask"),
+    "scheduler": ("threads", "dask"), "reference": privunit.REFERENCE_CHOICES,
 }
 _FIELDS = {f.name: f for f in dataclasses.fields(pipeline.PerturbOptions)}
 # flag -> parameter: the table's exceptions, else the field's name with "_" for "-"

@@ -233,7 +233,7 @@ def privunit_split(calib: Calibration) -> dict[str, Any]:
     params = calib.privunit_params()
     return {"record_shape": list(params.record_shape), "k": params.k, "epsilon": calib.epsilon,
             "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
-            "output_scale": params.output_scale}
+            "output_scale": params.output_scale, "reference": params.reference}
 
 
 def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str, Any]:
@@ -257,8 +257,8 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
     return {
         "basis": basis, "k": params.k, "k_rule": k_rule, "record_shape": list(params.record_shape),
         "gamma": params.gamma, "p": params.p, "epsilon0": params.epsilon0,
-        "reference": params.reference,
-        "reference_rule": "0, or the end of the declared range nearest to 0 when it does not hold 0",
+        "reference": params.reference, "reference_option": params.reference_option,
+        "reference_rule": reference_rule(params),
         "output_scale": {"c": params.output_scale, "kind": "display",
                          "rule": f"(hi - lo) sqrt(I) / {privunit.OUTPUT_SCALE_DIVISOR}: the "
                                  "written deviation c B^T V has that norm (c B^T (w * V) about that "
@@ -271,6 +271,16 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                     is not None or params.emphasis_exponent is not None
                     else "reference + c B^T V, clipped to the declared range"),
     }
+
+
+def reference_rule(params: Any) -> str:
+    """How --reference chose the reference point of records of this shape."""
+    rule = f"{params.reference_rule}: {privunit.REFERENCE_RULES[params.reference_rule]}"
+    if params.reference_option == "auto":
+        colour = privunit.is_colour_image(params.record_shape)
+        rule += (" (--reference auto: mid for colour images (H, W, 3 or 4), zero for other records; "
+                 f"these records are {'' if colour else 'not '}colour images)")
+    return rule
 
 
 def pre_emphasis_entry(params: Any) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
-from tldp_cli.privacy.mechanisms import (GAUSSIAN_ONLY, PRIVUNIT, check_parameters, default_noise, resolve_budget,
-                                         sampled_noise)
+from tldp_cli.privacy.mechanisms import (GAUSSIAN_ONLY, PRIVUNIT, check_parameters, default_noise, parse_reference,
+                                         resolve_budget, sampled_noise)
 
 if TYPE_CHECKING:
     from tldp_cli.formats import Format
@@ -77,6 +77,7 @@ class PerturbOptions:
     # copied (the missingness pattern declared public), instead of data, perturbed
     public_missing: bool = False
     basis: str | None = None  # --mechanism privunit: dct (default), dct:K or FILE.npy (run/bases.py)
+    reference: str | None = None  # --mechanism privunit: auto (None), zero, low, mid or a number
 
     def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
@@ -186,6 +187,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         from tldp_cli.run import bases as bases_mod
 
         bases_mod.parse_basis(options.basis)
+        parse_reference(options.reference)
         if options.weights is not None:
             raise UsageError("--weights lower TLDP's retain probability; --mechanism privunit keeps no "
                              "raw value, so it takes no weights")
@@ -193,6 +195,8 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
             raise UsageError("--granularity applies to the discrete noises; --mechanism privunit adds no noise")
     elif options.basis is not None:
         raise UsageError("--basis applies to --mechanism privunit")
+    elif options.reference is not None:
+        raise UsageError("--reference applies to --mechanism privunit")
     options = dataclasses.replace(options, noise=sampled_noise(noise, options.sampler, options.mechanism))
     if options.seed is not None:
         from tldp_cli.sampling.rng import check_seed

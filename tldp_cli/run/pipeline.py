@@ -84,6 +84,7 @@ RESUME_COMPARED = (
     "eps", "noise", "mechanism", "budget", "value_range", "ranges", "rng", "dtype", "dp_delta", "granularity",
     "clip_input", "clip", "datasets", "exclude", "keep", "input_format", "image_format", "copy_other",
     "skip_bad", "block_elements", "allow_raw_release", "sampler", "anonymize_names", "public_missing", "basis",
+    "reference",
 )
 # Compared in another form: the input by its resolved path, the seed by whether one was given
 # (never the seed nor anything derived from it: a hash would confirm guesses of a weak seed),
@@ -483,7 +484,7 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
                 made[key] = calibrate_privunit(
                     epsilon=options.eps / key[1], record_shape=job.record_shape, value_range=(lo, hi),
                     dp_delta=options.dp_delta, k=user.k if user else choice.k, basis=choice.kind,
-                    basis_sha256=user.sha256 if user else None)
+                    basis_sha256=user.sha256 if user else None, reference=options.reference)
             except UsageError as exc:
                 raise UsageError(f"{_where(job, options.input)}: {exc}") from None
         calib_of[job.name] = made[key]
@@ -1197,7 +1198,7 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
         dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),
-        allow_raw_release="raw_release_allowed" in m)
+        reference=_reference_of_manifest(m), allow_raw_release="raw_release_allowed" in m)
 
 
 def _basis_of_manifest(m: dict[str, Any]) -> str | None:
@@ -1211,6 +1212,15 @@ def _basis_of_manifest(m: dict[str, Any]) -> str | None:
     if basis.get("kind") == "file":
         return str(basis.get("path"))
     return f"dct:{unit.get('k')}" if str(unit.get("k_rule", "")).startswith("--basis") else "dct"
+
+
+def _reference_of_manifest(m: dict[str, Any]) -> str | None:
+    """--reference as the privunit run had it (manifest.privunit_entry's reference_option); a
+    manifest from before the option had the zero rule for every record."""
+    unit = m.get("privunit")
+    if m.get("mechanism") != PRIVUNIT or not isinstance(unit, dict):
+        return None
+    return str(unit.get("reference_option", "zero"))
 
 
 def _row_records(rows: list[list[str]], jobs: list[ArrayJob]) -> dict[str, Any]:
