@@ -9,7 +9,10 @@ is, in each format,
 - coordinates (dimension scales, the variables a CF attribute names as coordinates)
   and CF grid mappings, when they hold numbers: public grids such as lat, lon and
   time, copied raw and listed in the manifest's `unperturbed` with the reason
-  "coordinate" (or "grid mapping");
+  "coordinate" (or "grid mapping"); but a coordinate that is not a dimension's own
+  (CF's auxiliary coordinates, named by a `coordinates` attribute) and whose one axis
+  is the record axis of a perturbed array holds a value per record, not a grid: it is
+  left out and listed in `dropped` (RECORD_COORDINATE);
 - anything the user names with --keep (a dataset or array, an attribute as
   PATH@NAME, a file): copied raw and listed in `unperturbed` ("kept by --keep");
 - everything else (datasets that are not perturbed, strings, tables, free-text and
@@ -33,6 +36,11 @@ from tldp_cli.formats.tensor_files import matching
 KEPT = "kept by --keep"
 COORDINATE = "coordinate"
 GRID_MAPPING = "grid mapping"  # a CF grid mapping variable: the projection the data lies on
+# A non-dimension coordinate whose one axis is the record axis (xarray's elev(station), an ID
+# subject_id(record)): a value per record, not a grid, so it is left out unless --keep names it.
+RECORD_COORDINATE = "record coordinate"
+RECORD_COORDINATE_REASON = ("a coordinate along the record axis (not a dimension's own coordinate): values "
+                            "per record, not a grid (--keep copies it)")
 # Attributes readers need to interpret the values, by name, in every format.
 CF_ATTRIBUTES = (
     "Conventions", "units", "standard_name", "long_name", "axis", "calendar", "positive", "coordinates",
