@@ -578,7 +578,7 @@ class ZarrReader(Reader):
         left.considered(_display(name) for name in written)
         roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
         roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
-        records = {job.row_dimension for job in self.jobs} - {None}
+        records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
         roles.update(dict.fromkeys(_record_coordinates(self.handles, records), leftovers.RECORD_COORDINATE))
         self.left_out: set[str] = set()
         for path, array in self.handles.items():
