@@ -417,3 +417,28 @@ def test_a_shard_given_beside_its_brace_pattern_is_refused_as_given_twice(cli, t
     result = cli("perturb", f"{src}/train-{{000000..000001}}.tar", src / "train-000002.tar", "--eps", "1",
                  "--out", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.stderr
+
+
+def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
+    """An image member's ICC profile can hold free text (its description and copyright tags):
+    left out and listed in dropped; --keep icc_profile writes it, listed under unperturbed."""
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "shards"
+    src.mkdir()
+    with wds.ShardWriter(str(src / "train-%06d.tar"), maxcount=3, verbose=0, mtime=MTIME) as sink:
+        for i in range(4):
+            buffer = io.BytesIO()
+            Image.fromarray(image(8, 6, seed=i)).save(buffer, "PNG", icc_profile=icc)
+            sink.write({"__key__": f"s{i}", "png": buffer.getvalue()})
+    for out, keep in ((tmp_path / "out", ()), (tmp_path / "kept", ("--keep", "icc_profile"))):
+        manifest = run(cli, src, out, "--range", "0:256", *keep)
+        entries = manifest["unperturbed" if keep else "dropped"]
+        assert [(e["name"], e["kind"]) for e in entries] == [("icc_profile", "colour profile")]
+        assert "4 image members" in entries[0]["reason"]
+        for url in shard_urls(out):
+            with tarfile.open(url) as tar:
+                for member in tar.getmembers():
+                    with Image.open(tar.extractfile(member)) as im:
+                        assert im.info.get("icc_profile") == (icc if keep else None)

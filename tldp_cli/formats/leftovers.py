@@ -69,6 +69,10 @@ ZARR_ATTRIBUTES = ("_ARRAY_DIMENSIONS", "multiscales", "omero", "ome", "image-la
                    "bioformats2raw.layout", "plate", "well")
 STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES + ZARR_ATTRIBUTES)
 
+# Images' ICC colour profiles (Pillow's info["icc_profile"]), by the name --keep and the
+# manifest give them: Pillow's key (a table's: COLUMN icc_profile).
+ICC_PROFILE = "icc_profile"
+
 ATTRIBUTE_REASON = "metadata tldp does not perturb, not among the structural attributes readers need"
 
 
@@ -128,6 +132,20 @@ class Leftovers:
         if key in structural:
             return True
         self.drop(name, kind, reason)
+        return False
+
+    def icc_profiles(self, count: int, what: str = "image", name: str = ICC_PROFILE) -> bool:
+        """Whether the ICC colour profiles `count` images carry are written: only where --keep
+        names them (a profile can hold free text: its description and copyright tags, and
+        a camera's or scanner's own calibration); either way listed."""
+        if not count:
+            return False
+        images = f"{count} {what}" + ("s" if count != 1 else "")
+        if self.kept(name):
+            self.copied(name, "colour profile", f"{KEPT}; copied raw from {images}")
+            return True
+        self.drop(name, "colour profile", f"the ICC colour profiles of {images}: they can hold free text (the "
+                                          f"profile's description and copyright tags); --keep {name} copies them")
         return False
 
     def considered(self, names: Iterable[str]) -> None:

@@ -202,6 +202,7 @@ class _Member:
     shape: tuple[int, ...] = ()  # a record's: (H, W), (H, W, 3), an array's shape
     dtype: np.dtype | None = None
     has_alpha: bool = False
+    has_icc: bool = False  # carries an ICC colour profile (written where --keep icc_profile names it)
 
     @property
     def label(self) -> str:
@@ -458,6 +459,7 @@ class WebDatasetReader(Reader):
             if member.kind == IMAGE:
                 header = _probe_image(shard.path, member)
                 member.shape, member.dtype, member.has_alpha = header.shape, header.dtype, header.has_alpha
+                member.has_icc = header.has_icc
             else:
                 member.shape, member.dtype = _probe_array(shard.path, member)
         except InputError:
@@ -518,6 +520,8 @@ class WebDatasetReader(Reader):
         if alpha:  # written raw, as in image folders: listed, so the summary line names it
             left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
                                                     "(transparency can outline the subject)")
+        self.keep_icc = left.icc_profiles(sum(member.has_icc for shard in self.shards
+                                              for member in shard.members if member.job), "image member")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
         return left
@@ -636,8 +640,8 @@ class WebDatasetWriter(Writer):
             steps += rounding + [
                 "clip image members to " + ", ".join(f"[0, {2**d - 1}] ({d}-bit images)" for d in depths),
                 "write each image member as a PNG member under its key (KEY.jpg -> KEY.png) " + pixels.PNG_ENCODING,
-                "copy an image's alpha channel unchanged (it is not perturbed); keep its ICC colour profile, "
-                "drop EXIF and text metadata"]
+                "copy an image's alpha channel unchanged (it is not perturbed); "
+                + ("keep" if reader.keep_icc else "drop") + " its ICC colour profile, drop EXIF and text metadata"]
         if has_arrays:
             steps.append(f"write each .npy member as a {self.dtype} .npy member of the same shape")
         steps.append("write each shard as a tar of the same name, its members in the input's order, with "
@@ -670,7 +674,7 @@ class WebDatasetWriter(Writer):
         image = np.clip(rounded, info.min, info.max).astype(member.decoded_dtype.newbyteorder("="))
         data = io.BytesIO(_read_at(shard.path, member.offset, member.size))
         with Image.open(data) as im:
-            icc = im.info.get("icc_profile")
+            icc = im.info.get("icc_profile") if self.reader.keep_icc else None
             alpha = pixels.decode(data, im).alpha if member.has_alpha else None
         if alpha is not None:
             image = np.dstack([image, alpha.astype(image.dtype)])
