@@ -155,6 +155,21 @@ def test_hard_links_to_one_file_are_refused_as_given_twice(cli, raw, tmp_path):
     assert result.exit_code == 0, result.stderr  # distinct files: both written
 
 
+def test_hard_links_inside_one_folder_input_are_refused_before_any_run(cli, raw, tmp_path):
+    """Regression: two hard links to one image inside one folder input were two records,
+    released twice; refused (exit 2) before any input runs."""
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.zeros((4, 5, 3), np.uint8)).save(photos / "a.png")
+    os.link(photos / "a.png", photos / "b.png")
+    before = siblings(raw)
+    result = cli("perturb", raw / "a.npy", photos, "--eps", "1")
+    assert_one_line_error(result, 2, f"{photos / 'a.png'} and {photos / 'b.png'} are the same file")
+    assert siblings(raw) == before and siblings(tmp_path) == {"raw", "photos"}
+
+
 def test_keep_applies_to_the_inputs_that_hold_what_it_names(cli, tmp_path):
     """Regression: --keep across inputs of different formats failed every input that did not
     hold what it names (and every format without a --keep); now a name some input holds is

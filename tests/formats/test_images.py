@@ -942,3 +942,20 @@ def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
         for name in ("a", "b"):
             with Image.open(out / f"{name}.png") as im:
                 assert im.info.get("icc_profile") == (icc if keep else None)
+
+
+def test_hard_links_inside_the_folder_are_refused(cli, tmp_path):
+    """Regression: two names of one image (hard links) inside a folder became two records,
+    one subject's image released twice with noise of its own each time, while the manifest
+    states one release per record."""
+    import os
+
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 5, 3))
+    save(src / "c.png", pixels(6, 5, 3))
+    (src / "sub").mkdir()
+    os.link(src / "a.png", src / "sub" / "b.png")
+    before = tree_digest(src)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert_one_line_error(result, 2, f"{src / 'a.png'} and {src / 'sub' / 'b.png'} are the same file")
+    assert tree_digest(src) == before and siblings(tmp_path) == {"photos"}

@@ -174,8 +174,9 @@ def _named_paths(options: PerturbOptions) -> list[Path]:
 
 
 def _check_no_hard_links(each: list[PerturbOptions]) -> None:
-    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, or
-    an input and a file inside a folder input, which paths alone do not show."""
+    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, an
+    input and a file inside a folder input, or two files inside one folder input, which
+    paths alone do not show."""
     owner: dict[tuple[int, int], tuple[int, Path]] = {}  # file -> (its input's index, its path)
     for i, options in enumerate(each):
         for identity, path in (found for named in _named_paths(options) for found in _files_of(named)):
@@ -183,6 +184,9 @@ def _check_no_hard_links(each: list[PerturbOptions]) -> None:
             if first[0] != i:
                 raise UsageError(f"{options.input}: given twice ({first[1]} and {path} are the same file, "
                                  "hard links to it); give one of them")
+            if first[1] != path:  # inside one folder input (formats.folder_files refuses it alone too)
+                raise UsageError(f"{options.input}: {first[1]} and {path} are the same file (hard links to "
+                                 "it), which would be released twice, as two records; give one of them")
 
 
 def _files_of(path: Path) -> Iterator[tuple[tuple[int, int], Path]]:
