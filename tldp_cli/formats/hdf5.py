@@ -74,7 +74,7 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
+from tldp_cli.errors import InputError, NotHeld, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import (
     ArrayJob,
     DocRow,
@@ -571,7 +571,8 @@ class Hdf5Reader(Reader):
         unmatched = [p for p in options.exclude
                      if not any(tensor_files.matching(name, [p]) for name in found)]
         if unmatched:
-            raise InputError(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file")
+            raise NotHeld(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file", "exclude",
+                          unmatched)
         excluded = {name for name in found if tensor_files.matching(name, options.exclude)}
         both = sorted(excluded & {posixpath.normpath("/" + n.strip("/")) for n in requested})
         if both:
