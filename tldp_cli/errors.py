@@ -12,7 +12,7 @@ class UsageError(TldpError):
 
 class NotHeld(UsageError):
     """An option names what the input does not hold: `names`, given to the PerturbOptions
-    field `option` (keep: --keep patterns; ranges: --range NAME=LO:HI). Raised before
+    field `option` (keep, exclude: --keep, --exclude patterns; ranges: --range NAME=LO:HI). Raised before
     anything is written; with several inputs a name another input holds is dropped for
     this one (run/batch.py)."""
 

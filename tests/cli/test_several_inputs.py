@@ -155,6 +155,51 @@ def test_hard_links_to_one_file_are_refused_as_given_twice(cli, raw, tmp_path):
     assert result.exit_code == 0, result.stderr  # distinct files: both written
 
 
+def test_hard_links_inside_one_folder_input_are_refused_before_any_run(cli, raw, tmp_path):
+    """Regression: two hard links to one image inside one folder input were two records,
+    released twice; refused (exit 2) before any input runs."""
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.zeros((4, 5, 3), np.uint8)).save(photos / "a.png")
+    os.link(photos / "a.png", photos / "b.png")
+    before = siblings(raw)
+    result = cli("perturb", raw / "a.npy", photos, "--eps", "1")
+    assert_one_line_error(result, 2, f"{photos / 'a.png'} and {photos / 'b.png'} are the same file")
+    assert siblings(raw) == before and siblings(tmp_path) == {"raw", "photos"}
+
+
+def test_exclude_applies_to_the_inputs_that_hold_what_it_names(cli, tmp_path):
+    """Regression: --exclude across several model and HDF5 inputs failed every input without
+    the pattern (exit 1 from an HDF5 file, 2 from a model file); now each input leaves out
+    what it holds of it, and a pattern no input holds is refused once (exit 2)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["data"] = rng.uniform(0, 1, (4, 3))
+        f["bias_stats"] = rng.uniform(0, 1, (4, 3))
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["data"] = rng.uniform(0, 1, (4, 3))
+    save_file({"w": rng.uniform(0, 1, (3, 3)).astype(np.float32)}, str(tmp_path / "c.safetensors"))
+    np.save(tmp_path / "d.npy", rng.uniform(0, 1, (4, 3)))
+    inputs = [tmp_path / n for n in ("a.h5", "b.h5", "c.safetensors", "d.npy")]
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", *inputs, "--eps", "1", "--range", "0:1", "--exclude", "bias*",
+                              "--exclude", "typo*"), 2, "--exclude typo* matches no dataset or tensor of any input")
+    assert siblings(tmp_path) == before
+    assert_one_line_error(cli("perturb", inputs[1], "--eps", "1", "--range", "0:1", "--exclude", "bias*"), 2,
+                          "--exclude bias* matches no dataset in the file")  # alone: a usage error, as in a model file
+    result = cli("perturb", *inputs, "--eps", "1", "--range", "0:1", "--exclude", "bias*", "-q")
+    assert result.exit_code == 0, result.stderr
+    manifest = _manifest(tmp_path / "a.tldp.h5.manifest.json")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/bias_stats": "--exclude bias*"}
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/data"]
+    for name in ("b.tldp.h5", "c.tldp.safetensors", "d.tldp.npy"):
+        assert (tmp_path / name).exists(), name
+
+
 def test_keep_applies_to_the_inputs_that_hold_what_it_names(cli, tmp_path):
     """Regression: --keep across inputs of different formats failed every input that did not
     hold what it names (and every format without a --keep); now a name some input holds is

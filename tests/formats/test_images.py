@@ -511,7 +511,7 @@ def test_folder_without_images(cli, tmp_path):
 
 def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):
     """The PNG writer is tldp's own (noise-suited encoding): OpenCV's libpng must read what
-    Pillow reads, for every mode written, with the ICC profile kept."""
+    Pillow reads, for every mode written, with the ICC profile kept (--keep icc_profile)."""
     cv2 = pytest.importorskip("cv2")
     from PIL import ImageCms
 
@@ -523,7 +523,7 @@ def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):
     save(src / "rgba.png", pixels(5, 9, 4))
     save(src / "deep.png", pixels(7, 6, dtype=np.uint16))
     out = tmp_path / "out"
-    result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "0:65536")
+    result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "0:65536", "--keep", "icc_profile")
     assert result.exit_code == 0, result.stderr
     for name in ("gray", "la", "rgb", "rgba", "deep"):
         path = out / f"{name}.png"
@@ -918,3 +918,42 @@ def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
     save(alone / "b.png", pixels(8, 8, 3))
     result = cli("perturb", alone, "--eps", "1", "--out", tmp_path / "o2", "--json")
     assert "unperturbed" not in json.loads(result.stdout)
+
+
+def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
+    """An ICC profile can hold free text (its description and copyright tags): left out and
+    listed in dropped; --keep icc_profile writes it, listed under unperturbed."""
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 9, 3), icc_profile=icc)
+    save(src / "b.jpg", pixels(8, 9, 3), icc_profile=icc)
+    save(src / "c.png", pixels(8, 9, 3))
+    for out, keep in ((tmp_path / "out", ()), (tmp_path / "kept", ("--keep", "icc_profile"))):
+        result = cli("perturb", src, "--eps", "2", "--out", out, *keep)
+        assert result.exit_code == 0, result.stderr
+        manifest = json.loads(Path(f"{out}.manifest.json").read_text())
+        entries = manifest["unperturbed" if keep else "dropped"]
+        assert [(e["name"], e["kind"]) for e in entries] == [("icc_profile", "colour profile")]
+        assert "2 images" in entries[0]["reason"]
+        for name in ("a", "b"):
+            with Image.open(out / f"{name}.png") as im:
+                assert im.info.get("icc_profile") == (icc if keep else None)
+
+
+def test_hard_links_inside_the_folder_are_refused(cli, tmp_path):
+    """Regression: two names of one image (hard links) inside a folder became two records,
+    one subject's image released twice with noise of its own each time, while the manifest
+    states one release per record."""
+    import os
+
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 5, 3))
+    save(src / "c.png", pixels(6, 5, 3))
+    (src / "sub").mkdir()
+    os.link(src / "a.png", src / "sub" / "b.png")
+    before = tree_digest(src)
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert_one_line_error(result, 2, f"{src / 'a.png'} and {src / 'sub' / 'b.png'} are the same file")
+    assert tree_digest(src) == before and siblings(tmp_path) == {"photos"}

@@ -427,3 +427,31 @@ def test_every_output_opens_in_xarray(cli, tmp_path, engine):
             assert list(after.variables) == list(before.variables)
             assert after.attrs == before.attrs
             after.load()
+
+
+def station_file(path: Path, engine: str) -> Path:
+    """xarray's stations: a dimension coordinate (time) and per-station ones (elev, subject_id)."""
+    xr.Dataset({"temp": (("station", "time"), RNG.uniform(0, 1, (5, 3)))},
+               coords={"time": np.arange(3), "elev": ("station", np.arange(5.0) * 100),
+                       "subject_id": ("station", np.arange(1001, 1006))}).to_netcdf(path, engine=engine)
+    return path
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, engine):
+    """elev(station) and subject_id(station) hold a value per record, not a grid: left out and
+    listed as dropped unless --keep names them; time, a dimension's own coordinate, stays."""
+    src = station_file(tmp_path / "stations.nc", engine)
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "0:1")
+    assert [u["name"] for u in manifest["unperturbed"]] == ["/time"]
+    assert {d["name"] for d in manifest["dropped"]} == {"/elev", "/subject_id"}
+    for read in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=read) as ds:
+            assert set(ds.variables) == {"temp", "time"}
+            np.testing.assert_array_equal(ds["time"].values, np.arange(3))
+    manifest = run(cli, src, tmp_path / "kept.nc", "--range", "0:1", "--keep", "elev")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/elev": "kept by --keep",
+                                                                         "/time": "coordinate"}
+    with xr.open_dataset(tmp_path / "kept.nc") as ds:
+        np.testing.assert_array_equal(ds["elev"].values, np.arange(5.0) * 100)
+        assert "subject_id" not in ds.variables

@@ -496,3 +496,27 @@ def test_a_kept_image_column_writes_its_file_names_only_when_named(cli, tmp_path
     assert {"annotation", "annotation.path"} <= {e["name"] for e in manifest["unperturbed"]}
     out = datasets.load_dataset("parquet", data_files=str(tmp_path / "o.parquet"), split="train")
     assert out.features == features
+
+
+def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
+    """An ICC profile can hold free text (its description and copyright tags): left out and
+    listed in dropped; --keep COLUMN.icc_profile writes it, listed under unperturbed."""
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    rng = np.random.default_rng(8)
+    images = []
+    for _ in range(3):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (5, 4, 3), dtype=np.uint8)).save(buffer, "PNG", icc_profile=icc)
+        images.append({"bytes": buffer.getvalue(), "path": None})
+    features = datasets.Features({"photo": datasets.Image()})
+    src = to_parquet(datasets.Dataset.from_dict({"photo": images}, features=features), tmp_path / "t.parquet")
+    for out, keep in ((tmp_path / "o.parquet", ()), (tmp_path / "k.parquet", ("--keep", "photo.icc_profile"))):
+        result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "0:256", "--json", *keep)
+        assert result.exit_code == 0, result.stderr
+        entries = json.loads(result.stdout)["unperturbed" if keep else "dropped"]
+        assert [(e["name"], e["kind"]) for e in entries] == [("photo.icc_profile", "colour profile")]
+        for row in pq.read_table(out)["photo"].combine_chunks().field("bytes").to_pylist():
+            with Image.open(io.BytesIO(row)) as im:
+                assert im.info.get("icc_profile") == (icc if keep else None)

@@ -132,3 +132,25 @@ def test_a_null_fill_value_attribute_is_kept_beside_the_markers_rewritten(cli, t
     assert after.attrs["_FillValue"] is None
     marker = after.attrs["missing_value"]
     assert after[0, 0] == marker and np.count_nonzero(after[:] == marker) == 1
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, zarr_format):
+    """xarray's elev(station) and subject_id(station) hold a value per record, not a grid: left
+    out and listed as dropped unless --keep names them; time, a dimension coordinate, stays."""
+    src = tmp_path / "stations.zarr"
+    xr.Dataset({"temp": (("station", "time"), np.random.default_rng(1).uniform(0, 1, (5, 3)))},
+               coords={"time": np.arange(3), "elev": ("station", np.arange(5.0) * 100),
+                       "subject_id": ("station", np.arange(1001, 1006))}).to_zarr(src, zarr_format=zarr_format)
+    manifest, _ = perturb(cli, src, tmp_path / "out.zarr", "--range", "0:1")
+    assert [u["name"] for u in manifest["unperturbed"]] == ["time"]
+    assert {d["name"] for d in manifest["dropped"]} == {"elev", "subject_id"}
+    with xr.open_zarr(tmp_path / "out.zarr") as ds:
+        assert set(ds.variables) == {"temp", "time"}
+        np.testing.assert_array_equal(ds["time"].values, np.arange(3))
+    manifest, _ = perturb(cli, src, tmp_path / "kept.zarr", "--range", "0:1", "--keep", "subject_id")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"subject_id": "kept by --keep",
+                                                                         "time": "coordinate"}
+    with xr.open_zarr(tmp_path / "kept.zarr") as ds:
+        np.testing.assert_array_equal(ds["subject_id"].values, np.arange(1001, 1006))
+        assert "elev" not in ds.variables

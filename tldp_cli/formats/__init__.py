@@ -482,24 +482,32 @@ def folder_files(root: Path) -> tuple[list[str], list[str]]:
     lists a linked folder among the folders without entering it). A folder that cannot be
     listed (os.walk would skip it, and its files, in silence) or an entry that is neither a
     regular file nor a folder (a FIFO, which would never end a read, a socket, a device)
-    is an InputError naming it."""
+    is an InputError naming it. Two files that are one (hard links: the same st_dev and
+    st_ino) are a UsageError naming both: each would be a record released on its own, one
+    subject's data twice, with noise of its own each time."""
     import stat
 
     def unreadable(exc: OSError):
         raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
 
     files, links = [], []
+    linked: dict[tuple[int, int], Path] = {}  # the files with more than one name, by (st_dev, st_ino)
     for directory, dirs, names in os.walk(root, onerror=unreadable):
         for name in names + dirs:
             path = Path(directory) / name
             rel = path.relative_to(root).as_posix()
             try:
-                mode = path.lstat().st_mode
+                info = path.lstat()
             except OSError as exc:
                 raise InputError(f"{root}: cannot list {rel} ({reason_of(exc)})") from None
+            mode = info.st_mode
             if stat.S_ISLNK(mode):
                 links.append(rel)
             elif stat.S_ISREG(mode):
+                first = linked.setdefault((info.st_dev, info.st_ino), path) if info.st_nlink > 1 else path
+                if first != path:
+                    raise UsageError(f"{root}: {first} and {path} are the same file (hard links to it), which "
+                                     "would be released twice, as two records; give one of them")
                 files.append(rel)
             elif not stat.S_ISDIR(mode):
                 raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, socket or "

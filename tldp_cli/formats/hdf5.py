@@ -74,7 +74,7 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5f, h5fd, h5g, h5o, h5p, h5r, h5s, h5t, h5z
 
-from tldp_cli.errors import InputError, OutputError, TldpError, UsageError, reason_of
+from tldp_cli.errors import InputError, NotHeld, OutputError, TldpError, UsageError, reason_of
 from tldp_cli.formats import (
     ArrayJob,
     DocRow,
@@ -434,6 +434,7 @@ class Hdf5Reader(Reader):
         if not self.keras:  # a Keras file's datasets are all weights, copied when not perturbed
             roles = dict.fromkeys(self._grid_mappings(found), leftovers.GRID_MAPPING)
             roles.update(dict.fromkeys(self._coordinates(found), leftovers.COORDINATE))
+            roles.update(dict.fromkeys(self._record_coordinates(found), leftovers.RECORD_COORDINATE))
             for name, ds in found.items():
                 key = _object_key(ds)
                 if key not in perturbed:
@@ -570,7 +571,8 @@ class Hdf5Reader(Reader):
         unmatched = [p for p in options.exclude
                      if not any(tensor_files.matching(name, [p]) for name in found)]
         if unmatched:
-            raise InputError(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file")
+            raise NotHeld(f"{self.path}: --exclude {unmatched[0]} matches no dataset in the file", "exclude",
+                          unmatched)
         excluded = {name for name in found if tensor_files.matching(name, options.exclude)}
         both = sorted(excluded & {posixpath.normpath("/" + n.strip("/")) for n in requested})
         if both:
@@ -613,6 +615,20 @@ class Hdf5Reader(Reader):
                 for word in cf.referenced(_attr_text(ds, attr)):
                     target = cf.variable(word, posixpath.dirname(name), found)
                     if target is not None:
+                        keys.add(_object_key(target))
+        return keys
+
+    def _record_coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
+        """The coordinates a dataset's coordinates attribute names that are not dimension
+        scales and have one axis, the record dimension of a perturbed dataset (leftovers.py)."""
+        records = {job.row_dimension for job in self.jobs} - {None}
+        keys = set()
+        for name, ds in found.items():
+            for word in cf.referenced(_attr_text(ds, "coordinates")):
+                target = cf.variable(word, posixpath.dirname(name), found)
+                with suppress(Exception):  # malformed dimension-scale metadata: not a scale
+                    if target is not None and not h5ds.is_scale(target.id) and target.ndim == 1 \
+                            and _row_dimension(target) in records:
                         keys.add(_object_key(target))
         return keys
 
@@ -766,6 +782,9 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         left.copied(name, "dataset", leftovers.KEPT, **fields)
         return None
     problem = _not_numbers(ds.dtype)
+    if role == leftovers.RECORD_COORDINATE and problem is None:
+        left.drop(name, "dataset", leftovers.RECORD_COORDINATE_REASON)
+        return DROP
     if role and problem is None:
         if not _bare_dimension(ds):
             left.copied(name, "dataset", role, **fields)

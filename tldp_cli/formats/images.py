@@ -325,6 +325,7 @@ class ImageFolderReader(Reader):
         left = leftovers.Leftovers(list(options.keep))
         left.considered(image.rel for image in self.images)  # --keep never stops the noise
         kept = [rel for rel in self.label_maps if left.kept(rel)]
+        self.keep_icc = left.icc_profiles(sum(image.has_icc for image in self.images))
         left.check(self.path)
         if kept and self.anonymized:
             raise UsageError(f"{self.path}: --keep copies label maps under their own names; it does not "
@@ -669,6 +670,7 @@ class ImageFolderWriter(Writer):
         self.image_format = options.image_format
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
+        self.keep_icc = reader.keep_icc  # --keep icc_profile (leftovers.py)
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         # Every file the output must hold once complete (finish checks they all are there).
         self._expected = [image.out_rel for image in reader.images] + (reader.copied if options.copy_other
@@ -718,7 +720,7 @@ class ImageFolderWriter(Writer):
                              "of its own bit depth (clipped as PNG is)")
         if any_alpha:
             steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
-        steps.append("keep the ICC colour profile; drop EXIF and text metadata")
+        steps.append(("keep" if self.keep_icc else "drop") + " the ICC colour profile; drop EXIF and text metadata")
         return steps
 
     def __getstate__(self):
@@ -750,7 +752,7 @@ class ImageFolderWriter(Writer):
         image = self.images[job.name]
         values = block[0]
         alpha = _decode(image.path).alpha if image.has_alpha else None
-        icc = _icc_profile(image.path) if image.has_icc else None
+        icc = _icc_profile(image.path) if image.has_icc and self.keep_icc else None
         target = self._target(image.out_rel)
         encoded: bytes | memoryview
         if self.image_format == "tiff":

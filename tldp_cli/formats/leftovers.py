@@ -9,7 +9,10 @@ is, in each format,
 - coordinates (dimension scales, the variables a CF attribute names as coordinates)
   and CF grid mappings, when they hold numbers: public grids such as lat, lon and
   time, copied raw and listed in the manifest's `unperturbed` with the reason
-  "coordinate" (or "grid mapping");
+  "coordinate" (or "grid mapping"); but a coordinate that is not a dimension's own
+  (CF's auxiliary coordinates, named by a `coordinates` attribute) and whose one axis
+  is the record axis of a perturbed array holds a value per record, not a grid: it is
+  left out and listed in `dropped` (RECORD_COORDINATE);
 - anything the user names with --keep (a dataset or array, an attribute as
   PATH@NAME, a file): copied raw and listed in `unperturbed` ("kept by --keep");
 - everything else (datasets that are not perturbed, strings, tables, free-text and
@@ -33,6 +36,11 @@ from tldp_cli.formats.tensor_files import matching
 KEPT = "kept by --keep"
 COORDINATE = "coordinate"
 GRID_MAPPING = "grid mapping"  # a CF grid mapping variable: the projection the data lies on
+# A non-dimension coordinate whose one axis is the record axis (xarray's elev(station), an ID
+# subject_id(record)): a value per record, not a grid, so it is left out unless --keep names it.
+RECORD_COORDINATE = "record coordinate"
+RECORD_COORDINATE_REASON = ("a coordinate along the record axis (not a dimension's own coordinate): values "
+                            "per record, not a grid (--keep copies it)")
 # Attributes readers need to interpret the values, by name, in every format.
 CF_ATTRIBUTES = (
     "Conventions", "units", "standard_name", "long_name", "axis", "calendar", "positive", "coordinates",
@@ -60,6 +68,10 @@ HDF5_ATTRIBUTES = ("CLASS", "NAME", "DIMENSION_LIST", "REFERENCE_LIST", "DIMENSI
 ZARR_ATTRIBUTES = ("_ARRAY_DIMENSIONS", "multiscales", "omero", "ome", "image-label", "labels",
                    "bioformats2raw.layout", "plate", "well")
 STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES + ZARR_ATTRIBUTES)
+
+# Images' ICC colour profiles (Pillow's info["icc_profile"]), by the name --keep and the
+# manifest give them: Pillow's key (a table's: COLUMN icc_profile).
+ICC_PROFILE = "icc_profile"
 
 ATTRIBUTE_REASON = "metadata tldp does not perturb, not among the structural attributes readers need"
 
@@ -120,6 +132,20 @@ class Leftovers:
         if key in structural:
             return True
         self.drop(name, kind, reason)
+        return False
+
+    def icc_profiles(self, count: int, what: str = "image", name: str = ICC_PROFILE) -> bool:
+        """Whether the ICC colour profiles `count` images carry are written: only where --keep
+        names them (a profile can hold free text: its description and copyright tags, and
+        a camera's or scanner's own calibration); either way listed."""
+        if not count:
+            return False
+        images = f"{count} {what}" + ("s" if count != 1 else "")
+        if self.kept(name):
+            self.copied(name, "colour profile", f"{KEPT}; copied raw from {images}")
+            return True
+        self.drop(name, "colour profile", f"the ICC colour profiles of {images}: they can hold free text (the "
+                                          f"profile's description and copyright tags); --keep {name} copies them")
         return False
 
     def considered(self, names: Iterable[str]) -> None:

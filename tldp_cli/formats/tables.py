@@ -423,12 +423,13 @@ def image_header(data: bytes | None, where: str):
         raise InputError(f"{where}: cannot be decoded as an image ({decode_reason(exc)})") from None
 
 
-def encode_image(values: np.ndarray, source: bytes) -> bytes:
-    """A perturbed image (colour channels) in `source`'s format: its alpha channel and ICC
-    profile put back, rounded and clipped to its bit depth; JPEG as JPEG, else PNG."""
+def encode_image(values: np.ndarray, source: bytes, keep_icc: bool) -> bytes:
+    """A perturbed image (colour channels) in `source`'s format: its alpha channel put back,
+    and its ICC profile where `keep_icc` (--keep COLUMN.icc_profile), rounded and clipped to its bit depth; JPEG as JPEG, else PNG."""
     file = io.BytesIO(source)
     with Image.open(file) as im:  # the header only, unless the alpha channel is wanted
-        found, kind, icc = header(file, im), im.format, im.info.get("icc_profile")
+        found, kind = header(file, im), im.format
+        icc = im.info.get("icc_profile") if keep_icc else None
         alpha = decode(file, im).alpha if found.has_alpha else None
     dtype = found.dtype
     info = np.iinfo(dtype)
@@ -530,6 +531,7 @@ class TableReader(Reader):
         self.image_formats: dict[str, list[str]] = {}  # by column: the Pillow formats found
         self.list_shapes: dict[str, tuple[int, ...]] = {}  # by variable-length list column: its rows' shape
         self.alpha: dict[str, int] = {}  # by image column: how many of its images have an alpha channel
+        self.icc: dict[str, int] = {}  # by image column: how many of its images carry an ICC profile
         paths = self._scan()
         self.left = leftovers.Leftovers(list(options.keep))
         self.left.considered(c.name for c in self.chosen)
@@ -574,7 +576,7 @@ class TableReader(Reader):
             if column.kind == TENSOR:
                 self._list_shape(column)
                 continue
-            each, formats, named, maps, alpha = [], set(), False, [], 0
+            each, formats, named, maps, alpha, icc = [], set(), False, [], 0, 0
             for p, b, first, rows in self.table.batches():
                 data = self.table.parts[p].read(b, [column.name]).column(0)
                 struct = pa.concat_arrays(data.chunks) if data.num_chunks != 1 else data.chunk(0)
@@ -587,6 +589,7 @@ class TableReader(Reader):
                     each.append((head.dtype.str, head.shape))
                     formats.add(kind)
                     alpha += head.has_alpha
+                    icc += head.has_icc
             if maps:
                 self._label_maps(column, maps)
                 continue
@@ -597,6 +600,7 @@ class TableReader(Reader):
             self.images[column.name] = (np.dtype(dtype), shape)
             self.image_formats[column.name] = sorted(formats)
             self.alpha[column.name] = alpha
+            self.icc[column.name] = icc
             paths[column.name] = named
         self.chosen = [self._shaped(c) for c in self.chosen if c.name not in self.label_maps]
         if not self.chosen:
@@ -693,6 +697,9 @@ class TableReader(Reader):
                 self.left.copied(f"{name} alpha channel", "channel",
                                  f"not perturbed, copied from {plural(count, 'image')} of column {name} "
                                  "(transparency can outline the subject)")
+        # By image column: whether --keep COLUMN.icc_profile keeps its images' ICC profiles.
+        self.keep_icc = {name: self.left.icc_profiles(count, name=f"{name}.{leftovers.ICC_PROFILE}")
+                         for name, count in self.icc.items()}
         self.hf_info = {key: value for key, value in _hf_info(self.schema).items() if key == "features"
                         or self.left.attribute(HF_KEY.decode(), key, (), "huggingface info field")}
         self.metadata = {key: value for key, value in (self.schema.metadata or {}).items()
@@ -863,7 +870,8 @@ class TableWriter(Writer):
         if images:
             steps.append(f"image columns ({', '.join(c.name for c in images)}): "
                          + ("" if dtype.kind in "iu" else "round to nearest integer (ties to even), ")
-                         + "clip to the image's bit depth, copy the alpha channel unchanged, keep the ICC "
+                         + "clip to the image's bit depth, copy the alpha channel unchanged, "
+                         + ("keep" if any(self.reader.keep_icc.values()) else "drop") + " the ICC "
                          f"profile (EXIF and text dropped); PNG written as PNG, JPEG as JPEG (quality "
                          f"{JPEG_QUALITY}, lossy, after the noise), any other format as PNG")
         steps.append("write the input's row groups (record batches) and column types; the columns not "
@@ -878,7 +886,8 @@ class TableWriter(Writer):
         if column.kind == IMAGE:
             sources = (_row_of_batch(self.table, name, start) if first else
                        self.table.read([name], start, stop).column(0))
-            payload: Any = [encode_image(values, source)
+            keep_icc = self.reader.keep_icc.get(name, False)
+            payload: Any = [encode_image(values, source, keep_icc)
                             for values, source in zip(block, _image_bytes(sources).to_pylist())]
         else:
             payload = stored(block, column.values_dtype)

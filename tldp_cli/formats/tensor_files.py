@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tldp_cli.errors import InputError, UsageError
+from tldp_cli.errors import InputError, NotHeld, UsageError
 from tldp_cli.formats import ArrayJob
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -74,7 +74,7 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
         norm_stats = {t.name for t in tensors if leaf(t.name) in NORM_STATS}
     unmatched = [p for p in exclude if not any(matching(t.name, [p]) for t in tensors)]
     if unmatched:
-        raise UsageError(f"{path}: --exclude {unmatched[0]} matches no tensor in the file")
+        raise NotHeld(f"{path}: --exclude {unmatched[0]} matches no tensor in the file", "exclude", unmatched)
     if requested:
         wanted = {_requested(path, tensors, name).name for name in requested}
         both = [(n, matching(n, list(exclude))) for n in wanted if matching(n, list(exclude))]

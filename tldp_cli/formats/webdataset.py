@@ -25,11 +25,14 @@ the shards are dropped and listed (kind "file"), or copied raw when --keep names
 
 Output. A folder holding each shard under its own relative name, members in the input's
 order: image members as lossless PNG (`0001.jpg` becomes `0001.png`, in the same sample),
-clipped and rounded to the image's integer range, alpha copied, ICC profile kept; .npy
-members as .npy of the run's output dtype and the same shape. Tar headers are written
-anew, deterministic: each member's name, mode and modification time from the input, no
+clipped and rounded to the image's integer range, alpha copied, ICC profile dropped
+unless --keep icc_profile; .npy members as .npy of the run's output dtype and the same
+shape. Tar headers are written anew, deterministic: each member's name and mode from the
+input, a constant modification time (MTIME: the input's can date a recording), no
 owner (uid, gid 0, names blank) and none of the input's PAX records but those a long or
-non-ASCII name needs. A shard is written member by member as its records come back, so
+non-ASCII name needs. The sample keys are written as they are (often file names, which
+can name a person): listed in `unperturbed` as "sample keys"; --anonymize-names does not
+apply to WebDataset. A shard is written member by member as its records come back, so
 memory holds a few members whatever the shard's size.
 
 Refused, with one line: compressed shards (.tar.gz: decompress them first), members
@@ -66,6 +69,9 @@ COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".t
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "bmp", "tif", "tiff", "webp")
 ARRAY_SUFFIX = ".npy"
 PICKLE_EXTENSIONS = ("pyd", "pickle", "pkl", "pth")
+# Every output member's modification time: a constant (the epoch), as reproducible tar
+# builds write, since the input's times can date when and where a subject was recorded.
+MTIME = 0
 USTAR_MAGIC = b"ustar"  # at offset 257 of a POSIX (ustar, pax) or GNU tar header
 MAX_SHARDS = 1_000_000  # names a brace pattern may expand to
 PROBE_BYTES = 1 << 16  # an image member's head, read to learn its header (all of it if that fails)
@@ -191,7 +197,6 @@ class _Member:
     name: str  # as in the tar
     offset: int  # of its data in the shard
     size: int
-    mtime: int
     mode: int
     kind: str  # IMAGE, ARRAY, LEFTOVER, NEVER or FOLDER
     key: str | None
@@ -202,6 +207,7 @@ class _Member:
     shape: tuple[int, ...] = ()  # a record's: (H, W), (H, W, 3), an array's shape
     dtype: np.dtype | None = None
     has_alpha: bool = False
+    has_icc: bool = False  # carries an ICC colour profile (written where --keep icc_profile names it)
 
     @property
     def label(self) -> str:
@@ -298,8 +304,8 @@ def _scan(path: Path, rel: str) -> _Shard:
                 key, extension = _key(name)
                 head = os.pread(raw.fileno(), min(info.size, 348), info.offset_data) if info.isreg() else b""
                 kind, reason = _kind(info, extension, head)
-                shard.members.append(_Member(name, info.offset_data, info.size, int(info.mtime),
-                                             info.mode & 0o777, kind, key, extension, _out_name(name, kind),
+                shard.members.append(_Member(name, info.offset_data, info.size, info.mode & 0o777, kind, key,
+                                             extension, _out_name(name, kind),
                                              reason=reason))
                 # flat memory however many members (typeshed does not declare TarFile.members)
                 tar.members = []  # type: ignore[attr-defined]
@@ -458,6 +464,7 @@ class WebDatasetReader(Reader):
             if member.kind == IMAGE:
                 header = _probe_image(shard.path, member)
                 member.shape, member.dtype, member.has_alpha = header.shape, header.dtype, header.has_alpha
+                member.has_icc = header.has_icc
             else:
                 member.shape, member.dtype = _probe_array(shard.path, member)
         except InputError:
@@ -518,6 +525,13 @@ class WebDatasetReader(Reader):
         if alpha:  # written raw, as in image folders: listed, so the summary line names it
             left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
                                                     "(transparency can outline the subject)")
+        keys = len({(shard.path, member.key) for shard in self.shards for member in shard.members if member.job})
+        if keys:  # written as they are: listed, so the summary line names them
+            left.copied("sample keys", "name", f"the keys of {plural(keys, 'sample')} (member names without their "
+                                               "extensions), written as they are: often file names, which can "
+                                               "name a person; --anonymize-names does not rename WebDataset samples")
+        self.keep_icc = left.icc_profiles(sum(member.has_icc for shard in self.shards
+                                              for member in shard.members if member.job), "image member")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
         return left
@@ -588,9 +602,9 @@ def open_reader(path: Path, options: FormatOptions) -> WebDatasetReader:
 
 
 def _tar_info(name: str, size: int, member: _Member) -> tarfile.TarInfo:
-    """A deterministic header: the name, size, mode and time; no owner."""
+    """A deterministic header: the name, size, mode and a constant time (MTIME); no owner."""
     info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = size, member.mtime, member.mode
+    info.size, info.mtime, info.mode = size, MTIME, member.mode
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     if member.kind == FOLDER:
@@ -636,13 +650,13 @@ class WebDatasetWriter(Writer):
             steps += rounding + [
                 "clip image members to " + ", ".join(f"[0, {2**d - 1}] ({d}-bit images)" for d in depths),
                 "write each image member as a PNG member under its key (KEY.jpg -> KEY.png) " + pixels.PNG_ENCODING,
-                "copy an image's alpha channel unchanged (it is not perturbed); keep its ICC colour profile, "
-                "drop EXIF and text metadata"]
+                "copy an image's alpha channel unchanged (it is not perturbed); "
+                + ("keep" if reader.keep_icc else "drop") + " its ICC colour profile, drop EXIF and text metadata"]
         if has_arrays:
             steps.append(f"write each .npy member as a {self.dtype} .npy member of the same shape")
         steps.append("write each shard as a tar of the same name, its members in the input's order, with "
-                     "new headers: each member's name, mode and modification time; no owner; no other "
-                     "PAX records")
+                     "new headers: each member's name and mode, modification time 0 (1970-01-01); no owner; "
+                     "no other PAX records")
         self.postprocessing = steps
         if image_dtypes:  # what evaluate reads back: values rounded and clipped (as image folders say)
             self.manifest_extra = {"image_output": {"format": "png", "clipped": True}}
@@ -670,7 +684,7 @@ class WebDatasetWriter(Writer):
         image = np.clip(rounded, info.min, info.max).astype(member.decoded_dtype.newbyteorder("="))
         data = io.BytesIO(_read_at(shard.path, member.offset, member.size))
         with Image.open(data) as im:
-            icc = im.info.get("icc_profile")
+            icc = im.info.get("icc_profile") if self.reader.keep_icc else None
             alpha = pixels.decode(data, im).alpha if member.has_alpha else None
         if alpha is not None:
             image = np.dstack([image, alpha.astype(image.dtype)])

@@ -480,6 +480,24 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
+def _record_coordinates(arrays: dict[str, Any], records: set[str]) -> set[str]:
+    """The arrays a CF coordinates attribute names (xarray's non-dimension coordinates)
+    whose one dimension is the record dimension of a perturbed array (`records`, as
+    ArrayJob.row_dimension) and that are not a dimension's own coordinate (leftovers.py)."""
+    by_path = {"/" + path: path for path in arrays}
+    found = set()
+    for path, array in arrays.items():
+        text = array.attrs.get("coordinates")
+        for word in cf.referenced(text if isinstance(text, str) else None):
+            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
+            dimensions = _dimension_names(arrays[target]) if target is not None else None
+            if target is not None and dimensions and len(dimensions) == 1 \
+                    and posixpath.basename(target) not in dimensions \
+                    and posixpath.join("/" + posixpath.dirname(target), dimensions[0]) in records:
+                found.add(target)
+    return found
+
+
 def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
     """The arrays a CF grid_mapping attribute of an array names."""
     by_path = {"/" + path: path for path in arrays}
@@ -560,6 +578,8 @@ class ZarrReader(Reader):
         left.considered(_display(name) for name in written)
         roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
         roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
+        records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
+        roles.update(dict.fromkeys(_record_coordinates(self.handles, records), leftovers.RECORD_COORDINATE))
         self.left_out: set[str] = set()
         for path, array in self.handles.items():
             if path in written:
@@ -567,6 +587,9 @@ class ZarrReader(Reader):
             name, fields = _display(path), {"shape": list(array.shape), "dtype": str(array.dtype)}
             if left.kept(name):
                 left.copied(name, "array", leftovers.KEPT, **fields)
+            elif roles.get(path) == leftovers.RECORD_COORDINATE and array.dtype.kind in "iuf":
+                left.drop(name, "array", leftovers.RECORD_COORDINATE_REASON)
+                self.left_out.add(path)
             elif path in roles and array.dtype.kind in "iuf":
                 left.copied(name, "array", roles[path], **fields)
             else:

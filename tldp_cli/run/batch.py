@@ -13,6 +13,7 @@ import dataclasses
 import os
 import stat
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,39 +79,53 @@ def prepare(options: PerturbOptions, inputs: list[Path]) -> list[PerturbOptions]
 
 
 def check_names(each: list[PerturbOptions]) -> None:
-    """Refuses a --keep pattern or a --range NAME=LO:HI that matches nothing in any input (a
-    typo would drop what the user meant to keep, or perturb an array at another range);
-    one that some input holds is fine for the others, which take what they hold of them
-    (pipeline.without_unheld). Opens the inputs' readers in turn until every name has
-    matched; an input that cannot be opened matches nothing here (its own run says why)."""
-    keep = list(each[0].keep) if each else []
+    """Refuses a --keep or --exclude pattern or a --range NAME=LO:HI that matches nothing in
+    any input (a typo would drop what the user meant to keep, perturb what was meant to be
+    left out, or perturb an array at another range); one that some input holds is fine for
+    the others, which take what they hold of them (pipeline.without_unheld). Opens the
+    inputs' readers in turn until every name has matched; an input that cannot be opened
+    matches nothing here (its own run says why)."""
+    pending = {"keep": list(each[0].keep), "exclude": list(each[0].exclude)} if each else {}
     ranges = list(each[0].ranges) if each and each[0].clip is None else []
     for options in each:
-        if not keep and not ranges:
+        if not any(pending.values()) and not ranges:
             return
         try:
             module = formats.detect(options.input, options.input_format)
+            reader, unheld = _reader_without_unheld(
+                dataclasses.replace(options, keep=pending["keep"], exclude=pending["exclude"]), module)
             try:
-                reader = module.open_reader(options.input, checked_format_options(
-                    dataclasses.replace(options, keep=keep), module))
-                keep = []
-            except NotHeld as exc:
-                keep = [p for p in keep if p in exc.names]
-                reader = module.open_reader(options.input, checked_format_options(
-                    dataclasses.replace(options, keep=[]), module)) if ranges else None
-            if reader is not None:
-                try:
-                    jobs = reader.arrays()
-                finally:
-                    reader.close()
-                ranges = [name for name in ranges if not arrays_named(name, jobs)]
+                jobs = reader.arrays()
+            finally:
+                reader.close()
+            pending = unheld
+            ranges = [name for name in ranges if not arrays_named(name, jobs)]
         except Exception:  # noqa: BLE001 (any failure is that input's own run's to report)
             continue
-    if keep:
-        raise UsageError(f"--keep {keep[0]} matches no dataset, attribute, column or file of any input "
-                         "(give a path, PATH@ATTRIBUTE, or a glob of them)")
+    if pending.get("keep"):
+        raise UsageError(f"--keep {pending['keep'][0]} matches no dataset, attribute, column or file of any "
+                         "input (give a path, PATH@ATTRIBUTE, or a glob of them)")
+    if pending.get("exclude"):
+        raise UsageError(f"--exclude {pending['exclude'][0]} matches no dataset or tensor of any input")
     if ranges:
         raise UsageError(f"--range {ranges[0]}=... names no array of any input")
+
+
+def _reader_without_unheld(options: PerturbOptions, module) -> tuple[Any, dict[str, list[str]]]:
+    """The input's reader, opened without the --keep and --exclude patterns it does not hold
+    (errors.NotHeld), and those patterns by option."""
+    unheld: dict[str, list[str]] = {"keep": [], "exclude": []}
+    for _ in range(len(unheld)):
+        try:
+            return module.open_reader(options.input, checked_format_options(options, module)), unheld
+        except NotHeld as exc:
+            if exc.option not in unheld:
+                raise
+            unheld[exc.option] += exc.names
+            patterns = [p for p in getattr(options, exc.option) if p not in exc.names]
+            options = (dataclasses.replace(options, keep=patterns) if exc.option == "keep"
+                       else dataclasses.replace(options, exclude=patterns))
+    return module.open_reader(options.input, checked_format_options(options, module)), unheld
 
 
 def _resume_if_resumable(options: PerturbOptions) -> PerturbOptions:
@@ -174,8 +189,9 @@ def _named_paths(options: PerturbOptions) -> list[Path]:
 
 
 def _check_no_hard_links(each: list[PerturbOptions]) -> None:
-    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, or
-    an input and a file inside a folder input, which paths alone do not show."""
+    """Refuses two names of one file by (st_dev, st_ino): hard links given as two inputs, an
+    input and a file inside a folder input, or two files inside one folder input, which
+    paths alone do not show."""
     owner: dict[tuple[int, int], tuple[int, Path]] = {}  # file -> (its input's index, its path)
     for i, options in enumerate(each):
         for identity, path in (found for named in _named_paths(options) for found in _files_of(named)):
@@ -183,6 +199,9 @@ def _check_no_hard_links(each: list[PerturbOptions]) -> None:
             if first[0] != i:
                 raise UsageError(f"{options.input}: given twice ({first[1]} and {path} are the same file, "
                                  "hard links to it); give one of them")
+            if first[1] != path:  # inside one folder input (formats.folder_files refuses it alone too)
+                raise UsageError(f"{options.input}: {first[1]} and {path} are the same file (hard links to "
+                                 "it), which would be released twice, as two records; give one of them")
 
 
 def _files_of(path: Path) -> Iterator[tuple[tuple[int, int], Path]]:

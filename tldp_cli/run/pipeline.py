@@ -292,8 +292,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
     """What the format's reader is told; refuses --exclude and --keep where no reader would
     honour them."""
     if options.exclude and not module.honours_exclude:
-        raise UsageError(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
-                         f"folders) and HDF5 files, not {module.name}")
+        raise NotHeld(f"{options.input}: --exclude applies to model files (.npz, .safetensors, sharded model "
+                      f"folders) and HDF5 files, not {module.name}", "exclude", list(options.exclude))
     if options.keep and not module.honours_keep:
         raise NotHeld(
             f"{options.input}: --keep applies to HDF5 files, Zarr stores, model files (.npz, .safetensors, "
@@ -416,7 +416,7 @@ def arrays_named(given: str, jobs: list[ArrayJob]) -> list[str]:
 
 def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOptions) -> Any:
     """call(options); where it raises NotHeld (nothing written yet), call again without the
-    names this input does not hold (--keep patterns, --range NAME=LO:HI): with several
+    names this input does not hold (--keep and --exclude patterns, --range NAME=LO:HI): with several
     inputs each input takes what it holds of them (batch.check_names has checked that some
     input holds each). `call` should tell its phases through once_each(phase), so that the
     phase begun again is not told twice."""
@@ -424,11 +424,12 @@ def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOption
         try:
             return call(options)
         except NotHeld as exc:
-            if exc.option == "keep":
-                keep = [name for name in options.keep if name not in exc.names]
-                if len(keep) == len(options.keep):
+            if exc.option in ("keep", "exclude"):
+                patterns = [name for name in getattr(options, exc.option) if name not in exc.names]
+                if len(patterns) == len(getattr(options, exc.option)):
                     raise
-                options = dataclasses.replace(options, keep=keep)
+                options = (dataclasses.replace(options, keep=patterns) if exc.option == "keep"
+                           else dataclasses.replace(options, exclude=patterns))
             else:
                 ranges = {name: value for name, value in options.ranges.items() if name not in exc.names}
                 if len(ranges) == len(options.ranges):
@@ -437,7 +438,7 @@ def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOption
     return call(options)
 
 
-NOT_HELD_OPTIONS = ("keep", "ranges")  # what NotHeld may name
+NOT_HELD_OPTIONS = ("keep", "exclude", "ranges")  # what NotHeld may name
 
 
 def once_each(phase: Phase | None) -> Phase | None:
