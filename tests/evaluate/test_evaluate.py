@@ -340,6 +340,19 @@ def test_sweep_methods_runs_the_named_ones_and_says_why_a_named_one_is_skipped(c
     assert r.exit_code == 2 and "No such option: --methods" in r.output  # an option of tldp sweep
 
 
+def test_sweep_refuses_a_reference_it_cannot_use(cli, tmp_path):
+    """`tldp sweep --reference zz` (a bad value) and --reference on a sweep that runs no
+    privunit ran the sweep and ignored it, exit 0; perturb and plan refuse both, exit 2."""
+    from tests.builders import assert_one_line_error
+
+    out = tmp_path / "s"
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--budget", "record", "--reference", "zz", "--out", out)
+    assert_one_line_error(r, 2, "--reference zz")
+    r = cli("sweep", SAMPLE / "digits.npy", "--eps", "4", "--reference", "mid", "--out", out)
+    assert_one_line_error(r, 2, "--reference applies to privunit", "--budget record")
+    assert not out.exists()
+
+
 def test_sweep_methods_that_all_skip_is_a_usage_error(cli, tmp_path):
     """`--methods privunit` without --budget record (privunit implies it for perturb, not
     for a sweep) skipped the one method named and wrote an empty table, exit 0."""

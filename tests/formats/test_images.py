@@ -942,6 +942,20 @@ def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
                 assert im.info.get("icc_profile") == (icc if keep else None)
 
 
+def test_the_summary_does_not_count_the_dropped_profiles_as_one(cli, tmp_path):
+    """One `dropped` entry stands for the profiles of every image: the summary line said
+    "dropped 1 colour profile" of two images' profiles."""
+    from PIL import ImageCms
+
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 9, 3), icc_profile=icc)
+    save(src / "b.png", pixels(8, 9, 3), icc_profile=icc)
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    assert "1 colour profile" not in result.stderr and "dropped colour profiles" in result.stderr
+
+
 def test_hard_links_inside_the_folder_are_refused(cli, tmp_path):
     """Regression: two names of one image (hard links) inside a folder became two records,
     one subject's image released twice with noise of its own each time, while the manifest

@@ -455,3 +455,20 @@ def test_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, engine):
     with xr.open_dataset(tmp_path / "kept.nc") as ds:
         np.testing.assert_array_equal(ds["elev"].values, np.arange(5.0) * 100)
         assert "subject_id" not in ds.variables
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_coordinates_attribute_names_no_dataset_left_out(cli, tmp_path, engine):
+    """temp's `coordinates` named elev and subject_id after the run left them out (CF readers
+    look for each): it names what is written, and is left out when nothing it names is."""
+    import netCDF4
+
+    src = station_file(tmp_path / "stations.nc", engine)
+    run(cli, src, tmp_path / "out.nc", "--range", "0:1")
+    run(cli, src, tmp_path / "kept.nc", "--range", "0:1", "--keep", "elev")
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert "coordinates" not in ds["temp"].ncattrs()
+    with netCDF4.Dataset(tmp_path / "kept.nc") as ds:
+        assert ds["temp"].getncattr("coordinates") == "elev"
+    with xr.open_dataset(tmp_path / "kept.nc", decode_coords="all") as ds:
+        assert set(ds.coords) == {"time", "elev"}

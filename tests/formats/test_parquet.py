@@ -118,6 +118,14 @@ def test_keep_copies_labels_text_and_image_paths(cli, tmp_path):
     assert {entry["name"] for entry in manifest["dropped"]} == {"age"}
 
 
+def test_a_keep_naming_no_column_says_column(cli, tmp_path):
+    """A table's --keep names columns: the refusal said "no dataset, attribute or file"."""
+    src = to_parquet(hf_dataset(), tmp_path / "train.parquet")
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--keep", "lable")
+    assert result.exit_code == 2 and "--keep lable matches no dataset, attribute, column or file" in result.stderr
+    assert not (tmp_path / "o.parquet").exists()
+
+
 def test_a_numeric_column_is_perturbed_when_named(cli, tmp_path):
     ds = hf_dataset()
     src = to_parquet(ds, tmp_path / "train.parquet")

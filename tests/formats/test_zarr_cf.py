@@ -154,3 +154,21 @@ def test_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, zarr_form
     with xr.open_zarr(tmp_path / "kept.zarr") as ds:
         np.testing.assert_array_equal(ds["subject_id"].values, np.arange(1001, 1006))
         assert "elev" not in ds.variables
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_the_coordinates_attribute_names_no_array_left_out(cli, tmp_path, zarr_format):
+    """temp's `coordinates` named elev and subject_id after the run left them out (CF readers
+    look for each): it names what is written, and is left out when nothing it names is."""
+    import zarr
+
+    src = tmp_path / "stations.zarr"
+    xr.Dataset({"temp": (("station", "time"), np.random.default_rng(1).uniform(0, 1, (5, 3)))},
+               coords={"time": np.arange(3), "elev": ("station", np.arange(5.0) * 100),
+                       "subject_id": ("station", np.arange(1001, 1006))}).to_zarr(src, zarr_format=zarr_format)
+    perturb(cli, src, tmp_path / "out.zarr", "--range", "0:1")
+    perturb(cli, src, tmp_path / "kept.zarr", "--range", "0:1", "--keep", "elev")
+    assert "coordinates" not in zarr.open_array(tmp_path / "out.zarr/temp", mode="r").attrs
+    assert zarr.open_array(tmp_path / "kept.zarr/temp", mode="r").attrs["coordinates"] == "elev"
+    with xr.open_zarr(tmp_path / "kept.zarr", decode_coords="all") as ds:
+        assert set(ds.coords) == {"time", "elev"}

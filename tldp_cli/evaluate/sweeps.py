@@ -21,7 +21,7 @@ from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
 from tldp_cli.evaluate.utility import (MODELS, check_task, load_labels, load_records, majority_f1, need,
                                        weighted_f1)
 from tldp_cli.files import output
-from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit
+from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit, parse_reference
 from tldp_cli.run.pipeline import resolve_range
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
@@ -110,6 +110,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     elements = job.elements
     mask = load_mask(Path(weights), job.record_shape, job.records) if weights else None
     methods, skipped = _sweep_methods(mask is not None, job.record_shape, budget, elements, named)
+    _check_reference(reference, methods, skipped)
     if not methods:  # every method --methods named is skipped: an empty table is no sweep
         raise UsageError("--methods: no named method applies to this sweep: "
                          + "; ".join(f"{entry['method']}: {entry['reason']}" for entry in skipped))
@@ -180,6 +181,17 @@ def _sweep_methods(weighted: bool, record_shape: tuple[int, ...], budget: str, e
     skipped += [{"method": mm[0], "reason": "weighted TLDP needs --weights"}
                 for mm in SWEEP_METHODS if mm[3] and not weighted and mm[0] in named]
     return [mm for mm in methods if mm[0] in named], skipped
+
+
+def _check_reference(reference: str | float | None, methods: list, skipped: list[dict]) -> None:
+    """--reference is privunit's: a bad value, or a sweep that runs no privunit, is a usage
+    error (as for perturb, where it needs --mechanism privunit)."""
+    if reference is None:
+        return
+    parse_reference(reference)
+    if not any(mm[1] == "privunit" for mm in methods):
+        why = next((entry["reason"] for entry in skipped if entry["method"] == "privunit"), "--methods leaves it out")
+        raise UsageError(f"--reference applies to privunit, which this sweep does not run ({why})")
 
 
 def _privunit_in_sweep(methods: list, skipped: list[dict], budget: str,

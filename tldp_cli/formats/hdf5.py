@@ -441,7 +441,7 @@ class Hdf5Reader(Reader):
                     action = _dataset_action(left, name, ds, roles.get(key), options.exclude)
                     if action is not None:
                         self.actions[key] = action
-        self.left_out_attrs: dict[tuple[int, int], dict[bytes, None]] = {}  # object -> attributes left out
+        self.left_out_attrs: dict[tuple[int, int], dict[bytes, np.ndarray | None]] = {}  # object -> left out (None) or rewritten
         objects = [self.file["/"]]
         try:
             self.file.visititems(lambda name, obj: objects.append(obj))
@@ -455,6 +455,7 @@ class Hdf5Reader(Reader):
         except Exception as exc:
             raise InputError(f"{self.path}: cannot read the HDF5 file's attributes ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
+        self._unname_dropped_coordinates(found)
         self.keep_userblock = self._userblock(left)
         self.dangling_links = self._dangling_links(left)
         left.check(self.path)
@@ -617,6 +618,21 @@ class Hdf5Reader(Reader):
                     if target is not None:
                         keys.add(_object_key(target))
         return keys
+
+    def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
+        """A `coordinates` attribute naming datasets the run leaves out (a record coordinate,
+        --exclude) is written naming only the others (left out if none is left): CF readers
+        look for every variable it names."""
+        gone = {key for key, action in self.actions.items() if action == DROP}
+        for name, ds in found.items():
+            key, words = _object_key(ds), cf.referenced(_attr_text(ds, "coordinates"))
+            if key in self.actions or b"coordinates" in self.left_out_attrs.get(key, {}):
+                continue
+            targets = [cf.variable(word, posixpath.dirname(name), found) for word in words]
+            left = [word for word, target in zip(words, targets) if target is None or _object_key(target) not in gone]
+            if len(left) < len(words):
+                self.left_out_attrs.setdefault(key, {})[b"coordinates"] = (
+                    np.array(" ".join(left).encode()) if left else None)
 
     def _record_coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
         """The coordinates a dataset's coordinates attribute names that are not dimension
@@ -897,7 +913,7 @@ def _vlen_fill(ds: h5py.Dataset) -> bool:
 
 
 def _copy_vlen_filled(src: h5py.Dataset, dst: h5py.Group, name: str,
-                      left_out: dict[bytes, None] | None) -> None:
+                      left_out: dict[bytes, np.ndarray | None] | None) -> None:
     """Copies a dataset with a variable-length fill value (_vlen_fill) without HDF5's object
     copy: created anew with its chunks and filters but no fill value, its values written
     through h5py."""

@@ -158,7 +158,7 @@ class Leftovers:
         what the user meant to keep)."""
         unused = [p for p in self.keep if p not in self._used]
         if unused:
-            raise NotHeld(f"{path}: --keep {unused[0]} matches no dataset, attribute or file of the input "
+            raise NotHeld(f"{path}: --keep {unused[0]} matches no dataset, attribute, column or file of the input "
                           "(give a path, PATH@ATTRIBUTE, or a glob of them)", "keep", unused)
 
     def manifest_extra(self) -> dict[str, Any]:

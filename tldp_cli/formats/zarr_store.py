@@ -498,6 +498,19 @@ def _record_coordinates(arrays: dict[str, Any], records: set[str]) -> set[str]:
     return found
 
 
+def _unnamed(arrays: dict[str, Any], path: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
+    """A node's attributes, its CF coordinates attribute naming only the arrays written (left
+    out when it names none of them): CF readers look for every variable it names."""
+    text = attrs.get("coordinates")
+    words = cf.referenced(text if isinstance(text, str) else None)
+    by_path = {"/" + name: name for name in arrays}
+    written = [word for word in words if cf.variable(word, posixpath.dirname("/" + path), by_path) not in left_out]
+    if len(written) == len(words):
+        return attrs
+    return {key: " ".join(written) if key == "coordinates" else value for key, value in attrs.items()
+            if key != "coordinates" or written}
+
+
 def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
     """The arrays a CF grid_mapping attribute of an array names."""
     by_path = {"/" + path: path for path in arrays}
@@ -611,8 +624,8 @@ class ZarrReader(Reader):
         for path, node in {**self.group_handles, **self.handles}.items():
             if path not in self.left_out:
                 attrs = node.attrs.asdict()
-                kept = {key: value for key, value in attrs.items()
-                        if left.attribute(_display(path), key)}
+                kept = _unnamed(self.handles, path, self.left_out, {key: value for key, value in attrs.items()
+                                                                  if left.attribute(_display(path), key)})
                 if kept != attrs:
                     self.attributes[path] = kept
         left.check(self.path)
