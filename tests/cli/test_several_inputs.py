@@ -306,6 +306,20 @@ def test_plan_takes_several_inputs(cli, raw):
     assert siblings(raw) == {"a.npy", "b.npy", "c.npy", "f.npy"}  # plan writes nothing
 
 
+def test_plan_takes_inputs_from_a_file_and_from_stdin(cli, raw, tmp_path):
+    """As perturb does: the listed inputs planned in turn, one JSON list (a list of one too)."""
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"{raw / 'a.npy'}\n\n{raw / 'c.npy'}\n")
+    result = cli("plan", "--inputs-from", listing, "--eps", "1", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert [p["records"] for p in json.loads(result.stdout)] == [6, 4]
+    result = cli.runner.invoke(cli_app(), ["plan", str(raw / "b.npy"), "--inputs-from", "-", "--eps", "1", "--json",
+                                           "-q"], input=f"{raw / 'c.npy'}\n")
+    assert result.exit_code == 0, result.stderr
+    assert len(json.loads(result.stdout)) == 2
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}  # plan writes nothing
+
+
 def test_plan_says_a_bad_option_once(cli, raw):
     assert_one_line_error(cli("plan", raw / "a.npy", raw / "b.npy", "--eps", "-1"), 2, "eps")
 

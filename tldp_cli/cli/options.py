@@ -1,6 +1,7 @@
 """Options that several commands share, defined once: their choices, their help,
 where a seed comes from, and the library's PerturbOptions that perturb's and plan's make."""
 
+import sys
 import os
 import stat
 from enum import Enum
@@ -326,3 +327,19 @@ TestLabels = Annotated[Optional[str], typer.Option(
                            "subfolders refer to --test).")]
 ModelOption = Annotated[Model, typer.Option(
     help="Classifier: logistic regression or a small MLP (scikit-learn).")]
+
+
+def input_paths(inputs: list[Path] | None, inputs_from: Path | None) -> list[Path]:
+    """INPUT... then the paths --inputs-from lists (perturb and plan)."""
+    paths = list(inputs or [])
+    if inputs_from is not None:
+        from tldp_cli.run import batch
+
+        where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
+        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
+        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
+            "utf-8", "surrogateescape")
+        paths += batch.input_list(text, where)
+    if not paths:
+        raise UsageError("give INPUT, or --inputs-from FILE")
+    return paths

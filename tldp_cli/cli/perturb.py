@@ -2,13 +2,12 @@
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Verbose, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, Budget, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -221,18 +220,7 @@ def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, ve
     """INPUT... then the paths --inputs-from lists."""
     if quiet and verbose:
         raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
-    paths = list(inputs or [])
-    if inputs_from is not None:
-        from tldp_cli.run import batch
-
-        where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
-        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
-        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
-            "utf-8", "surrogateescape")
-        paths += batch.input_list(text, where)
-    if not paths:
-        raise UsageError("give INPUT, or --inputs-from FILE")
-    return paths
+    return input_paths(inputs, inputs_from)
 
 
 def _perturb_several(options: "PerturbOptions", paths: list[Path], display: Display, quiet: bool,

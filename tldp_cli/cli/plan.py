@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Verbose, data_path, perturb_options
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, Budget, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Verbose, data_path, input_paths, list_path, perturb_options
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
@@ -51,6 +51,10 @@ def plan_command(
         metavar="DTYPE", help="Without INPUT: the data's dtype (uint8, float32, ...). Default: "
                               "integers when --range has integer ends, else float64.",
         show_default=False)] = None,
+    inputs_from: Annotated[Optional[Path], typer.Option(
+        "--inputs-from", parser=list_path, metavar="FILE",
+        help="Also plan the inputs listed in FILE, one path per line ('-': read the list from "
+             "standard input), each in turn as for several INPUTs.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON to stdout.")] = False,
     quiet: Quiet = False,
     verbose: Verbose = False,
@@ -72,6 +76,7 @@ def plan_command(
       tldp plan big.h5 --eps 1 --dataset images --json > plan.json
       tldp plan sample_data/digits.npy --mechanism privunit --eps 4
       tldp plan day1.npy day2.npy photos/ --eps 1
+      find raw -name '*.npy' | tldp plan --inputs-from - --eps 1 --json
 
     With several inputs, each is planned in turn (a failed one: one line naming it, exit 1
     at the end) and --json prints the plans as one JSON list.
@@ -81,32 +86,35 @@ def plan_command(
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     display = Display(quiet, verbose)
+    paths: list[Path] = []
 
     def action():
         if eps is None:
             raise UsageError("--eps is required")
-        if (not inputs) == (elements is None):
+        if inputs or inputs_from is not None:
+            paths.extend(input_paths(inputs, inputs_from))
+        if (not paths) == (elements is None):
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         if quiet and verbose:
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         options = perturb_options(
-            inputs[0] if inputs else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
+            paths[0] if paths else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
             noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
             input_format=input_format, basis=basis, reference=reference)
-        if inputs and len(inputs) > 1:
+        if len(paths) > 1 or inputs_from is not None:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch
 
-            batch.check_names([dataclasses.replace(options, input=path) for path in inputs])
+            batch.check_names([dataclasses.replace(options, input=path) for path in paths])
             return options
-        if inputs:
+        if paths:
             checked_input(options)  # the plan's first refusals, before the pipeline (NumPy) is imported
         from tldp_cli.run import plan
 
         try:
-            if inputs:
+            if paths:
                 return plan.plan_input(options, phase=display.phase)
             from tldp_cli.audit import parse_shape
 
@@ -115,8 +123,8 @@ def plan_command(
             display.close()
 
     report = run(debug, action)
-    if isinstance(report, PerturbOptions) and inputs is not None:  # several inputs
-        raise typer.Exit(_plan_several(report, inputs, display, quiet, json_out, debug))
+    if isinstance(report, PerturbOptions):  # several inputs
+        raise typer.Exit(_plan_several(report, paths, display, quiet, json_out, debug))
     _print(report, quiet)
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
