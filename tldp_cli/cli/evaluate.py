@@ -92,7 +92,6 @@ def evaluate_command(
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     from tldp_cli import evaluate as ev
-    from tldp_cli.run.pipeline import parse_range
 
     def action():
         if per_record and not (json_out or report_path):

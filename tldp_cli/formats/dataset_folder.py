@@ -34,7 +34,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
-from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_output, leftovers
+from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Writer, folder_output, leftovers
 
 if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
     import pyarrow as pa
