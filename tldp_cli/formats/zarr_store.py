@@ -480,48 +480,50 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
+def _text(arrays: dict[str, Any]):
+    """cf.named's `text` for Zarr arrays (by path without the leading "/"): a string attribute."""
+    def text(path: str, key: str) -> str | None:
+        value = arrays[path.lstrip("/")].attrs.get(key)
+        return value if isinstance(value, str) else None
+    return text
+
+
+def _dimensions(arrays: dict[str, Any]):
+    """cf.record_coordinates' `dimensions` for Zarr arrays: xarray's, named within their group."""
+    def dimensions(path: str) -> tuple[str, ...]:
+        names = _dimension_names(arrays[path.lstrip("/")]) or ()
+        return tuple(posixpath.join(posixpath.dirname(path), name) for name in names)
+    return dimensions
+
+
 def _record_coordinates(arrays: dict[str, Any], records: set[str]) -> set[str]:
-    """The arrays a CF coordinates attribute names (xarray's non-dimension coordinates)
-    whose one dimension is the record dimension of a perturbed array (`records`, as
-    ArrayJob.row_dimension) and that are not a dimension's own coordinate (leftovers.py)."""
-    by_path = {"/" + path: path for path in arrays}
-    found = set()
-    for path, array in arrays.items():
-        text = array.attrs.get("coordinates")
-        for word in cf.referenced(text if isinstance(text, str) else None):
-            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
-            dimensions = _dimension_names(arrays[target]) if target is not None else None
-            if target is not None and dimensions and len(dimensions) == 1 \
-                    and posixpath.basename(target) not in dimensions \
-                    and posixpath.join("/" + posixpath.dirname(target), dimensions[0]) in records:
-                found.add(target)
-    return found
+    """The arrays that hold a value per record along the record dimension of a perturbed array
+    (`records`, as ArrayJob.row_dimension), not a grid (cf.record_coordinates, leftovers.py)."""
+    paths = ["/" + path for path in arrays]
+    return {path.lstrip("/") for path in cf.record_coordinates(paths, _text(arrays), _dimensions(arrays), records)}
 
 
 def _unnamed(arrays: dict[str, Any], path: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
-    """A node's attributes, its CF coordinates attribute naming only the arrays written (left
-    out when it names none of them): CF readers look for every variable it names."""
-    text = attrs.get("coordinates")
-    words = cf.referenced(text if isinstance(text, str) else None)
+    """A node's attributes, its CF coordinates, bounds, climatology and cell_measures attributes
+    naming only the arrays written (each left out when it names none of them): CF readers
+    look for every variable they name."""
     by_path = {"/" + name: name for name in arrays}
-    written = [word for word in words if cf.variable(word, posixpath.dirname("/" + path), by_path) not in left_out]
-    if len(written) == len(words):
-        return attrs
-    return {key: " ".join(written) if key == "coordinates" else value for key, value in attrs.items()
-            if key != "coordinates" or written}
+    out = dict(attrs)
+    for key in cf.COORDINATE_REFERENCES:
+        text = attrs.get(key)
+        rewritten = cf.unnamed(text if isinstance(text, str) else None, lambda word: cf.variable(
+            word, posixpath.dirname("/" + path), by_path) in left_out)
+        if rewritten == "":
+            del out[key]
+        elif rewritten is not None:
+            out[key] = rewritten
+    return out
 
 
 def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
     """The arrays a CF grid_mapping attribute of an array names."""
-    by_path = {"/" + path: path for path in arrays}
-    found = set()
-    for path, array in arrays.items():
-        text = array.attrs.get("grid_mapping")
-        for word in leftovers.grid_mappings(text if isinstance(text, str) else None):
-            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
-            if target is not None:
-                found.add(target)
-    return found
+    named = cf.named(["/" + path for path in arrays], _text(arrays), ["grid_mapping"], leftovers.grid_mappings)
+    return {target.lstrip("/") for _, _, target in named}
 
 
 def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encoding | None,
