@@ -163,11 +163,12 @@ def _print(report: dict, quiet: bool) -> None:
         c = report["calibration"]
         if "privunit" in report:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, values "
-                       f"{c['values_dtype']}{unperturbed_note(report)}", err=True)
+                       f"{report.get('output_dtype', c['values_dtype'])}{unperturbed_note(report)}", err=True)
         else:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
                        f"{c['noise_scale']:.4g}, element eps "
                        f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
-                       f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
+                       f"values {report.get('output_dtype', c['values_dtype'])}{unperturbed_note(report)}",
+                       err=True)
         ranges = len(report.get("range_groups", []))
         typer.echo("tldp: " + guarantee_line(report["accounting"], report["noise"], ranges), err=True)

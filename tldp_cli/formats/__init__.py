@@ -136,6 +136,12 @@ class Reader:
         --anonymize-names)."""
         return name
 
+    def output_dtype(self, dtype: np.dtype) -> str | None:
+        """What its writer writes when the engine's values are of `dtype` (Writer.output_dtype),
+        where the reader knows it before anything is written (images: their PNG bit depth),
+        for `tldp plan`; None where it does not."""
+        return None
+
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         """Told before any block is read: by array name, the markers of ArrayJob.markers that
         are data (inside the declared range): their values are read and perturbed like any

@@ -216,6 +216,7 @@ class ImageFolderReader(Reader):
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
         self.anonymized = options.anonymize_names
+        self.image_format = options.image_format
         if self.anonymized and options.copy_other:
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
@@ -493,6 +494,12 @@ class ImageFolderReader(Reader):
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
 
+    def output_dtype(self, dtype: np.dtype) -> str:
+        """TIFF holds the engine's values; PNG each image's own bit depth (rounded and clipped)."""
+        if self.image_format == "tiff":
+            return str(np.dtype(dtype))
+        return " and ".join(sorted({str(image.dtype) for image in self.images}))
+
     def manifest_name(self, name: str) -> str:
         """Anonymized: the output's name (the input's is in the name map only)."""
         return self.out_names.get(name, WITHHELD) if self.anonymized else name
@@ -690,8 +697,7 @@ class ImageFolderWriter(Writer):
         # What evaluate needs to read the output back, as fields (postprocessing is for people).
         self.manifest_extra = {"image_output": {"format": self.image_format,
                                                 "clipped": self.image_format == "png"}}
-        png_dtypes = sorted({str(image.dtype) for image in reader.images})
-        self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
+        self.output_dtype = reader.output_dtype(self.dtype)
         # Images are encoded by the workers and written, each flushed to disk, by a thread of
         # its own, so that the workers do not wait for the disk (none in Dask workers). The
         # queue holds at most QUEUED_BYTES of encoded images (one, however large it is).

@@ -588,6 +588,13 @@ class WebDatasetReader(Reader):
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
 
+    def output_dtype(self, dtype: np.dtype) -> str:
+        """Image members as PNG of their own bit depth, .npy members of the engine's dtype."""
+        members = [m for s in self.shards for m in s.members if m.job is not None]
+        image_dtypes = sorted({str(m.decoded_dtype.newbyteorder("=")) for m in members if m.kind == IMAGE})
+        kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
+        return ", ".join(kinds + ([f"{np.dtype(dtype)} .npy"] if any(m.kind == ARRAY for m in members) else []))
+
     def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
         """The perturbed members of a sample are one subject's record; every member is in
         one row (a sample of one member is a row of one)."""
@@ -660,8 +667,7 @@ class WebDatasetWriter(Writer):
         self.postprocessing = steps
         if image_dtypes:  # what evaluate reads back: values rounded and clipped (as image folders say)
             self.manifest_extra = {"image_output": {"format": "png", "clipped": True}}
-        kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
-        self.output_dtype = ", ".join(kinds + ([f"{self.dtype} .npy"] if has_arrays else []))
+        self.output_dtype = reader.output_dtype(self.dtype)
 
     def _copy_file(self, source: Path, rel: str) -> None:
         target = self.root / rel
