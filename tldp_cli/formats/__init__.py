@@ -205,7 +205,7 @@ class FormatOptions:
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
-    anonymize_names: bool = False  # image folders: neutral output names, no input names in the manifest
+    anonymize_names: bool = False  # image folders, WebDataset: neutral output names, none of the input's
     # Set by the pipeline for the writer: each array's declared range and the noise's grid
     # step (None: no grid), for writers that move a noisy value off a missing-data marker.
     value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)

@@ -71,7 +71,7 @@ class PerturbOptions:
     max_record_eps: float | None = None  # caps on what the data's releases spend together, per record
     max_record_delta: float | None = None
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
-    anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
+    anonymize_names: bool = False  # image folders, WebDataset: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
     # CF missing-data markers inside the declared range: values equal to one are missing data,
     # copied (the missingness pattern declared public), instead of data, perturbed

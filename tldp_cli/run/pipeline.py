@@ -266,7 +266,8 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
     if options.anonymize_names and not module.name_map:
-        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.name}")
+        raise UsageError(f"{source}: --anonymize-names applies to folders of images and WebDataset shards, "
+                         f"not {module.name}")
     format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
