@@ -639,7 +639,7 @@ class WebDatasetReader(Reader):
             self.messages.append(f"renamed the keys of {plural(len(self.new_keys), 'sample')} to their numbers "
                                  "in order, 000000, 000001, ... (the name map pairs them)")
         renamed = self.manifest_extra[NAME]["members_renamed"]
-        if renamed:
+        if renamed and not self.anonymized:
             self.messages.append(f"{plural(renamed, 'image member')} written as PNG under the same key "
                                  "(KEY.jpg -> KEY.png)")
 
