@@ -204,3 +204,21 @@ def test_a_trajectorys_track_is_left_out(cli, tmp_path, zarr_format):
     with xr.open_zarr(tmp_path / "kept.zarr") as ds:
         assert set(ds["temp"].coords) == {"time"}
         assert ds["time"].values[2, 3] == start + np.timedelta64(11, "m")
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_parent_groups_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, zarr_format):
+    """xarray's DataTree: elev(station) in the root group, named by the root's own coordinates
+    attribute, runs along the record dimension of /child/temp(station, time), which the child
+    takes from its parent: left out, the root's coordinates attribute left out with it."""
+    src = tmp_path / "tree.zarr"
+    xr.DataTree.from_dict({"/": xr.Dataset(coords={"elev": ("station", np.arange(5.0) * 100)}),
+                           "/child": xr.Dataset({"temp": (("station", "time"), np.random.default_rng(4).uniform(
+                               0, 1, (5, 3)))})}).to_zarr(src, zarr_format=zarr_format)
+    manifest, _ = perturb(cli, src, tmp_path / "out.zarr", "--range", "0:1")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["child/temp"]
+    assert "unperturbed" not in manifest
+    assert {d["name"]: d["reason"] for d in manifest["dropped"]}["elev"].startswith("a coordinate along the record")
+    tree = xr.open_datatree(tmp_path / "out.zarr", engine="zarr")
+    assert "elev" not in tree.variables and "coordinates" not in tree.attrs
+    assert tree["child/temp"].shape == (5, 3)

@@ -309,31 +309,37 @@ def variable(word: str, group: str, found: Mapping[str, T]) -> T | None:
 
 
 def named(paths: Collection[str], text: Callable[[str, str], str | None], keys: Iterable[str],
-          words: Callable[[str | None], list[str]] = referenced) -> Iterator[tuple[str, str, str]]:
-    """(path, key, target) for each variable that attribute `key` of a variable names (`paths`:
-    the variables by absolute path, "/grp/name"; `text(path, key)`: an attribute's text, None
-    if absent; `words`: the variable names in it), target by its absolute path."""
+          words: Callable[[str | None], list[str]] = referenced,
+          groups: Collection[str] = ()) -> Iterator[tuple[str, str, str]]:
+    """(path, key, target) for each variable that attribute `key` of a variable or of one of
+    `groups` names (`paths`, `groups`: by absolute path, "/grp/name"; `text(path, key)`: an
+    attribute's text, None if absent; `words`: the variable names in it), target by its
+    absolute path."""
     found = {path: path for path in paths}
-    for path in paths:
+    for path in (*paths, *groups):
+        where = path if path in groups else posixpath.dirname(path)
         for key in keys:
             for word in words(text(path, key)):
-                target = variable(word, posixpath.dirname(path), found)
+                target = variable(word, where, found)
                 if target is not None:
                     yield path, key, target
 
 
 def record_coordinates(paths: Collection[str], text: Callable[[str, str], str | None],
-                       dimensions: Callable[[str], tuple[str, ...]], records: set[str]) -> set[str]:
+                       dimensions: Callable[[str], tuple[str, ...]], records: set[str],
+                       groups: Collection[str] = ()) -> set[str]:
     """The variables (by absolute path) that hold a value per record, not a grid: those a
     coordinates, bounds, climatology or cell_measures attribute names (CF's auxiliary
     coordinates, such as a trajectory's lat(trajectory, obs), a station's elev(station)) and
     those with a cf_role (the identifier of a feature: a trajectory, a station), that have
     the record dimension of a perturbed variable (`records`) among their `dimensions`
     (absolute names, "/grp/dim"); not a dimension's own coordinate (time(time)) unless it
-    has a cf_role, nor the bounds of one (time_bnds(time, nv)), which delimit its grid."""
+    has a cf_role, nor the bounds of one (time_bnds(time, nv)), which delimit its grid.
+    `groups`: groups whose own attributes name variables too (xarray's, for coordinates no
+    data variable takes)."""
     own = {path for path in paths if dimensions(path) == (path,)}
     found = {path for path in paths if text(path, "cf_role") is not None and records.intersection(dimensions(path))}
-    for path, key, target in named(paths, text, COORDINATE_REFERENCES):
+    for path, key, target in named(paths, text, COORDINATE_REFERENCES, groups=groups):
         if target not in own and not (key in BOUNDS and path in own) and records.intersection(dimensions(target)):
             found.add(target)
     return found

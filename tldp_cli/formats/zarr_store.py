@@ -480,10 +480,11 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found
 
 
-def _text(arrays: dict[str, Any]):
-    """cf.named's `text` for Zarr arrays (by path without the leading "/"): a string attribute."""
+def _text(nodes: dict[str, Any]):
+    """cf.named's `text` for Zarr arrays and groups (by path without the leading "/"): a
+    string attribute."""
     def text(path: str, key: str) -> str | None:
-        value = arrays[path.lstrip("/")].attrs.get(key)
+        value = nodes[path.strip("/")].attrs.get(key)
         return value if isinstance(value, str) else None
     return text
 
@@ -496,23 +497,40 @@ def _dimensions(arrays: dict[str, Any]):
     return dimensions
 
 
-def _record_coordinates(arrays: dict[str, Any], records: set[str]) -> set[str]:
+def _inherited(records: set[str]) -> set[str]:
+    """The record dimensions, each also under its name in every group above its own: a
+    group sees its parents' dimensions (xarray's DataTree), named alike."""
+    found = set()
+    for dimension in records:
+        group, name = posixpath.split(dimension)
+        found.add(dimension)
+        while group != "/":
+            group = posixpath.dirname(group)
+            found.add(posixpath.join(group, name))
+    return found
+
+
+def _record_coordinates(arrays: dict[str, Any], groups: dict[str, Any], records: set[str]) -> set[str]:
     """The arrays that hold a value per record along the record dimension of a perturbed array
-    (`records`, as ArrayJob.row_dimension), not a grid (cf.record_coordinates, leftovers.py)."""
-    paths = ["/" + path for path in arrays]
-    return {path.lstrip("/") for path in cf.record_coordinates(paths, _text(arrays), _dimensions(arrays), records)}
+    (`records`, as ArrayJob.row_dimension), not a grid (cf.record_coordinates, leftovers.py);
+    a group's coordinates attribute names them too (xarray's, for coordinates no data
+    variable takes)."""
+    found = cf.record_coordinates(["/" + path for path in arrays], _text({**groups, **arrays}), _dimensions(arrays),
+                                  _inherited(records), groups=[posixpath.normpath("/" + path) for path in groups])
+    return {path.lstrip("/") for path in found}
 
 
-def _unnamed(arrays: dict[str, Any], path: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
+def _unnamed(arrays: dict[str, Any], group: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
     """A node's attributes, its CF coordinates, bounds, climatology and cell_measures attributes
     naming only the arrays written (each left out when it names none of them): CF readers
-    look for every variable they name."""
+    look for every variable they name. `group`: the group its names are looked up in (an
+    array's, or a group itself), by absolute path."""
     by_path = {"/" + name: name for name in arrays}
     out = dict(attrs)
     for key in cf.COORDINATE_REFERENCES:
         text = attrs.get(key)
-        rewritten = cf.unnamed(text if isinstance(text, str) else None, lambda word: cf.variable(
-            word, posixpath.dirname("/" + path), by_path) in left_out)
+        rewritten = cf.unnamed(text if isinstance(text, str) else None,
+                               lambda word: cf.variable(word, group, by_path) in left_out)
         if rewritten == "":
             del out[key]
         elif rewritten is not None:
@@ -594,7 +612,8 @@ class ZarrReader(Reader):
         roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
         roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
         records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
-        roles.update(dict.fromkeys(_record_coordinates(self.handles, records), leftovers.RECORD_COORDINATE))
+        roles.update(dict.fromkeys(_record_coordinates(self.handles, self.group_handles, records),
+                                   leftovers.RECORD_COORDINATE))
         self.left_out: set[str] = set()
         for path, array in self.handles.items():
             if path in written:
@@ -626,8 +645,10 @@ class ZarrReader(Reader):
         for path, node in {**self.group_handles, **self.handles}.items():
             if path not in self.left_out:
                 attrs = node.attrs.asdict()
-                kept = _unnamed(self.handles, path, self.left_out, {key: value for key, value in attrs.items()
-                                                                  if left.attribute(_display(path), key)})
+                group = posixpath.normpath("/" + path)
+                group = group if path in self.group_handles else posixpath.dirname(group)
+                kept = _unnamed(self.handles, group, self.left_out, {key: value for key, value in attrs.items()
+                                                                   if left.attribute(_display(path), key)})
                 if kept != attrs:
                     self.attributes[path] = kept
         left.check(self.path)
