@@ -525,7 +525,9 @@ def test_a_trajectorys_track_is_left_out(cli, tmp_path):
     manifest = run(cli, src, tmp_path / "kept.nc", "--range", "270:290", "--keep", "lat", "--keep", "lon")
     assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/lat": "kept by --keep",
                                                                          "/lon": "kept by --keep"}
-    assert nc_attributes(tmp_path / "kept.nc")["/temp"] == [("units", plain("K")), ("coordinates", plain("lat lon"))]
+    kept = nc_attributes(tmp_path / "kept.nc")
+    assert kept["/temp"] == [("units", plain("K")), ("coordinates", plain("lat lon"))]
+    assert kept["/lat"] == [("units", plain("degrees_north"))]  # its bounds, lat_bnds, left out
     with xr.open_dataset(tmp_path / "kept.nc") as ds, netCDF4.Dataset(src) as before:
         assert set(ds["temp"].coords) == {"lat", "lon"}
         np.testing.assert_array_equal(ds["lat"].values, before["lat"][:])
