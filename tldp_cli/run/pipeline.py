@@ -911,7 +911,7 @@ def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
               manifest: dict[str, Any]) -> list[str]:
     messages = [*run.reader.messages, *writer.messages, *notes]
     if name_map:
-        messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
+        messages.append(f"wrote the name map {name_map}: it pairs the original names with the "
                         "output's, so keep it with the raw data, never with the release")
     warning = weights_warning(run.options.weights, run.weights_info)
     if warning:
