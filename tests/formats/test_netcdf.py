@@ -542,3 +542,20 @@ def test_wrf_coordinates_along_the_time_axis_are_left_out(cli, tmp_path):
     for engine in ENGINES:
         with xr.open_dataset(tmp_path / "out.nc", engine=engine) as ds:
             assert set(ds.variables) == {"T2"} and ds["T2"].shape == (12, 4, 5)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_trajectory_dimension_of_text_identifiers_stays_a_dimension(cli, tmp_path, engine):
+    """xarray's trajectories named by text (cf_role): the names are left out, their dimension
+    stays, so every reader opens the output with the data's shape."""
+    src = tmp_path / "tracks.nc"
+    xr.Dataset({"temp": (("trajectory", "obs"), RNG.uniform(270, 290, (3, 4)))},
+               coords={"trajectory": ("trajectory", ["alice", "bob", "carol"], {"cf_role": "trajectory_id"}),
+                       "lat": (("trajectory", "obs"), RNG.uniform(40, 50, (3, 4)))}).to_netcdf(src, engine=engine)
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "270:290")
+    assert {d["name"] for d in manifest["dropped"] if d["kind"] == "dataset"} == {"/trajectory", "/lat"}
+    for read in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=read) as ds:
+            assert set(ds.variables) == {"temp"} and dict(ds.sizes) == {"trajectory": 3, "obs": 4}
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert set(ds.variables) == {"temp"} and ds["temp"].dimensions == ("trajectory", "obs")

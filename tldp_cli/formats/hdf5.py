@@ -816,7 +816,7 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         return DROP
     reason = f"holds {problem}, which tldp does not perturb"
     with suppress(Exception):  # malformed dimension-scale metadata: not a scale
-        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id):
+        if role in (leftovers.COORDINATE, leftovers.RECORD_COORDINATE) and h5ds.is_scale(ds.id):
             left.drop(name, "dataset", f"{reason}; {SCALE_STAYS}")
             return DIMENSION
     left.drop(name, "dataset", reason)
