@@ -501,7 +501,7 @@ def trajectory_file(path: Path) -> Path:
         ds["lat"].bounds = "lat_bnds"
         ds.createVariable("lat_bnds", "f8", ("trajectory", "obs", "nv"))[:] = 48 + RNG.uniform(0, 1, (3, 4, 2))
         temp = ds.createVariable("temp", "f4", ("trajectory", "obs"))
-        temp.units, temp.coordinates, temp.cell_measures = "K", "time lat lon", "area: area"
+        temp.units, temp.coordinates, temp.cell_measures = "K", "trajectory time lat lon", "area: area"
         temp[:] = RNG.uniform(270, 290, (3, 4))
     return path
 

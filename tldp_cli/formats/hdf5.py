@@ -621,9 +621,10 @@ class Hdf5Reader(Reader):
 
     def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
         """A coordinates, bounds, climatology or cell_measures attribute naming datasets the run
-        leaves out (a record coordinate, --exclude) is written naming only the others (left
-        out if none is left): CF readers look for every variable it names."""
-        dropped = {key for key, action in self.actions.items() if action == DROP}
+        leaves out (a record coordinate; one written as a bare dimension is no variable either)
+        is written naming only the others (left out if none is left): CF readers look for every
+        variable it names."""
+        dropped = set(self.actions)  # DROP or DIMENSION
         for name, ds in found.items():
             key = _object_key(ds)
             if key in self.actions:
