@@ -608,16 +608,12 @@ class Hdf5Reader(Reader):
         scales (netCDF dimensions and coordinate variables) and the variables named in
         a dataset's coordinates, bounds, climatology or cell_measures attribute."""
         keys = set()
-        for name, ds in found.items():
+        for ds in found.values():
             with suppress(Exception):  # a malformed CLASS attribute: not a scale
                 if h5ds.is_scale(ds.id):
                     keys.add(_object_key(ds))
-            for attr in cf.COORDINATE_REFERENCES:
-                for word in cf.referenced(_attr_text(ds, attr)):
-                    target = cf.variable(word, posixpath.dirname(name), found)
-                    if target is not None:
-                        keys.add(_object_key(target))
-        return keys
+        named = cf.named(found, lambda path, key: _attr_text(found[path], key), cf.COORDINATE_REFERENCES)
+        return keys | {_object_key(found[target]) for _, _, target in named}
 
     def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
         """A coordinates, bounds, climatology or cell_measures attribute naming datasets the run
@@ -652,13 +648,9 @@ class Hdf5Reader(Reader):
     @staticmethod
     def _grid_mappings(found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
         """The CF grid mapping variables the datasets name (grid_mapping attributes)."""
-        keys = set()
-        for name, ds in found.items():
-            for word in leftovers.grid_mappings(_attr_text(ds, "grid_mapping")):
-                target = cf.variable(word, posixpath.dirname(name), found)
-                if target is not None:
-                    keys.add(_object_key(target))
-        return keys
+        named = cf.named(found, lambda path, key: _attr_text(found[path], key), ["grid_mapping"],
+                         leftovers.grid_mappings)
+        return {_object_key(found[target]) for _, _, target in named}
 
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"

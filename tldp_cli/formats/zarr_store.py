@@ -464,20 +464,11 @@ def _output_fill(array, encoding: cf.Encoding | None):
 def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[str]:
     """The arrays that locate or delimit the data rather than hold it: those named like one
     of their own dimensions (xarray's coordinates) and those a CF coordinates, bounds,
-    climatology or cell_measures attribute names."""
-    by_path = {"/" + path: path for path in arrays}
-    found = set()
-    for path, node in (*arrays.items(), *groups.items()):
-        if path in arrays and posixpath.basename(path) in (_dimension_names(node) or ()):
-            found.add(path)
-        for key in cf.COORDINATE_REFERENCES:
-            text = node.attrs.get(key)
-            group = posixpath.dirname("/" + path) if path in arrays else "/" + path
-            for word in cf.referenced(text if isinstance(text, str) else None):
-                target = cf.variable(word, posixpath.normpath(group), by_path)
-                if target is not None:
-                    found.add(target)
-    return found
+    climatology or cell_measures attribute of an array or group names."""
+    found = {path for path, array in arrays.items() if posixpath.basename(path) in (_dimension_names(array) or ())}
+    named = cf.named(["/" + path for path in arrays], _text({**groups, **arrays}), cf.COORDINATE_REFERENCES,
+                     groups=[posixpath.normpath("/" + path) for path in groups])
+    return found | {target.lstrip("/") for _, _, target in named}
 
 
 def _text(nodes: dict[str, Any]):
