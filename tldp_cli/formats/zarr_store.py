@@ -38,7 +38,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import zarr
@@ -471,7 +471,7 @@ def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[st
     return found | {target.lstrip("/") for _, _, target in named}
 
 
-def _text(nodes: dict[str, Any]):
+def _text(nodes: dict[str, Any]) -> Callable[[str, str], str | None]:
     """cf.named's `text` for Zarr arrays and groups (by path without the leading "/"): a
     string attribute."""
     def text(path: str, key: str) -> str | None:
@@ -480,7 +480,7 @@ def _text(nodes: dict[str, Any]):
     return text
 
 
-def _dimensions(arrays: dict[str, Any]):
+def _dimensions(arrays: dict[str, Any]) -> Callable[[str], tuple[str, ...]]:
     """cf.record_coordinates' `dimensions` for Zarr arrays: xarray's, named within their group."""
     def dimensions(path: str) -> tuple[str, ...]:
         names = _dimension_names(arrays[path.lstrip("/")]) or ()
