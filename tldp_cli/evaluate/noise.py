@@ -188,18 +188,19 @@ def privunit_checks(stats: NoiseStats) -> list[dict]:
     mean = float(sum(cosines.sum() for _, _, cosines in groups) / records) if records else None
     # the pooled mean's expectation: each size's E<V, u>, weighted by its records
     expected = sum(e * cosines.size for _, e, cosines in groups) / records if records else None
-    measured = {"check": "privunit_alignment", "passed": None, "status": "measured",
-                "records": records, "mean_cosine": mean, "expected_alignment": expected,
-                "detail": (f"mean cosine {mean:.3g} between the released and the raw records' coefficients "
-                           f"(from the reference point); E<V,u> of the mechanism {expected:.3g}"
-                           + (f" (the mean over {len(groups)} calibrations of their own k, each weighted "
-                              "by its records)"
-                              if len(groups) > 1 else "")
-                           + " (the written records are clipped to the range, which moves them)"
-                           if mean is not None and expected is not None else "no records compared")}
+    detail = "no records compared"
+    if mean is not None and expected is not None:
+        over = (f" (the mean over {len(groups)} calibrations of their own k, each weighted by its records)"
+                if len(groups) > 1 else "")
+        detail = (f"mean cosine {mean:.3g} between the released and the raw records' coefficients (from the "
+                  f"reference point); E<V,u> of the mechanism {expected:.3g}{over} (the written records are "
+                  "clipped to the range, which moves them)")
+    measured: dict[str, Any] = {"check": "privunit_alignment", "passed": None, "status": "measured",
+                                "records": records, "mean_cosine": mean, "expected_alignment": expected,
+                                "detail": detail}
     if len(groups) > 1:
         measured["calibrations"] = [{"k": k, "records": int(cosines.size), "mean_cosine": float(cosines.mean()),
-                             "expected_alignment": e} for k, e, cosines in groups]
+                                     "expected_alignment": e} for k, e, cosines in groups]
     return skipped + [measured]
 
 

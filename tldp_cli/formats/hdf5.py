@@ -640,7 +640,7 @@ class Hdf5Reader(Reader):
     def _record_coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
         """The datasets that hold a value per record along the record dimension of a perturbed
         dataset, not a grid (cf.record_coordinates, leftovers.py)."""
-        records = {job.row_dimension for job in self.jobs} - {None}
+        records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
         paths = cf.record_coordinates(found, lambda path, key: _attr_text(found[path], key),
                                       lambda path: _dimensions(path, found[path]), records)
         return {_object_key(found[path]) for path in paths}
