@@ -349,13 +349,16 @@ WRITE_BACK_RULE = ("w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to
 
 
 def spatial_axes(record_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes' lengths the DCT basis runs over (sampling/projection.layout's rule): the
-    first two of a (H, W, C) record with C in 1, 3, 4 (channels last), else the last two
-    (the last one of a 1-D record)."""
+    """The axes' lengths the DCT basis runs over (sampling/projection's rule, is_volume and
+    layout): the first two of a (H, W, C) record with C in 1, 3, 4 (channels last), the last
+    two of a (C, H, W) record with C in 1, 3, 4 and of a 2-D record (the last one of a 1-D
+    record), else the last three (a volume: any other record of three axes or more)."""
     shape = tuple(record_shape)
     if len(shape) == 3 and shape[2] in (1, 3, 4):
         return shape[:2]
-    return shape[-2:]
+    if len(shape) < 3 or (len(shape) == 3 and shape[0] in (1, 3, 4)):
+        return shape[-2:]
+    return shape[-3:]
 
 
 # Pre-emphasis (a public weight per coefficient before the normalisation): the direction
