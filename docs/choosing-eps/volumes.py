@@ -7,17 +7,19 @@ downloaded): `anatomical.nii` (a T1 brain scan, 33 x 41 x 25 voxels of 2 mm, int
 `example4d.nii.gz` (an EPI series: its 2 frames of 128 x 96 x 24 voxels, int16) and
 `small.mnc` (a MINC brain scan, 18 x 28 x 29, float). Each is one record, released with the
 package's own mechanism (sampling/engine.perturb_records with privacy/mechanisms'
-calibration, the default k = 128 and --reference auto, here 0) at per-record eps 2, 4, 8 and
-16, seeds 0 to 39 (published weak seeds: right for a table in the docs, never for a release).
-The declared range is the one a user gives: 0 to the next power of two at or above the
-record's maximum (int16 scans: that is smaller than int16's default range, which only scales
-the written deviation: the correlations below do not depend on it). The variants:
+calibration, the default k = 128) with --reference auto (here zero: 0) and mid at per-record
+eps 2, 4, 8 and 16, seeds 0 to 39 (published weak seeds: right for a table in the docs, never for a release).
+The declared range is one a user could give from what such scans hold: from 0 (or, for
+anatomical.nii, whose values reach -610, from -1024) to the next power of two at or above the
+scan's maximum (for the int16 scans narrower than int16's default range: the range scales the
+written deviation and sets where it is clipped). The variants:
 
-- old: the basis before this change, the 2-D DCT over the last two axes with every leading
-  axis a channel (projection.DctBasis), and the weights the 2-D basis gets (pre-emphasis
-  a = 0.5; Wiener below E<V, u> = 0.1);
-- new: the 3-D DCT (projection.VolumeDctBasis), unweighted (what the package now does);
-- new+weights: the 3-D DCT with the 2-D rule's weights (pre-emphasis, Wiener below 0.1).
+- old: the basis before the 3-D DCT, the 2-D DCT over the last two axes with every leading
+  axis a channel (projection.DctBasis), with the weights it had then (pre-emphasis a = 0.5;
+  the Wiener filter below E<V, u> = 0.1);
+- new-unweighted: the 3-D DCT (projection.VolumeDctBasis) without pre-emphasis or weights;
+- new: the 3-D DCT with the same weights rule as old, on the 3-D frequencies (what the
+  package does).
 
 Measured per release against its record: `corr`, the Pearson correlation of the voxels;
 `slices`, the Pearson correlation of the profile of per-slice means along each of the three
@@ -50,7 +52,8 @@ import numpy as np
 
 EPSILONS = (2.0, 4.0, 8.0, 16.0)
 SEEDS = tuple(range(40))
-VARIANTS = ("old", "new", "new+weights")
+VARIANTS = ("old", "new-unweighted", "new")
+REFERENCES = ("auto", "mid")
 
 
 def volumes() -> dict[str, np.ndarray]:
@@ -66,27 +69,24 @@ def volumes() -> dict[str, np.ndarray]:
     return out
 
 
-def calibration(variant: str, epsilon: float, shape: tuple[int, ...], value_range: tuple[float, float]):
+def calibration(variant: str, epsilon: float, shape: tuple[int, ...], value_range: tuple[float, float],
+                reference: str):
     from tldp_cli.privacy import mechanisms, privunit
 
-    calib = mechanisms.calibrate_privunit(epsilon=epsilon, record_shape=shape, value_range=value_range)
-    params = calib.privunit
-    if variant == "new":
-        params = replace(params, emphasis_exponent=None, prior_exponent=None)
-    else:  # the 2-D rule's weights
-        weighted = params.alignment < privunit.WEIGHTED_BELOW_ALIGNMENT
-        params = replace(params, emphasis_exponent=privunit.EMPHASIS_EXPONENT,
-                         prior_exponent=privunit.SPECTRAL_PRIOR_EXPONENT if weighted else None)
-    return replace(calib, privunit=params)
+    calib = mechanisms.calibrate_privunit(epsilon=epsilon, record_shape=shape, value_range=value_range,
+                                          reference=reference)
+    if variant == "new-unweighted":
+        return replace(calib, privunit=replace(calib.privunit, emphasis_exponent=None, prior_exponent=None))
+    return calib  # old and new: the same weights rule (pre-emphasis; Wiener below E<V, u> = 0.1)
 
 
 def release(variant: str, records: np.ndarray, epsilon: float, seed: int,
-            value_range: tuple[float, float]) -> np.ndarray:
+            value_range: tuple[float, float], reference: str) -> np.ndarray:
     from tldp_cli.sampling import engine, projection
     from tldp_cli.sampling.rng import Streams
 
     shape = records.shape[1:]
-    calib = calibration(variant, epsilon, shape, value_range)
+    calib = calibration(variant, epsilon, shape, value_range, reference)
     saved = projection.dct_basis
     if variant == "old":  # the per-slice 2-D DCT of before, for this run only
         projection.dct_basis = lambda s, k: projection.DctBasis(s, k)
@@ -103,11 +103,12 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum() / norm) if norm > 0 else 0.0
 
 
-def ceiling(variant: str, records: np.ndarray, epsilon: float, value_range: tuple[float, float]) -> float:
+def ceiling(variant: str, records: np.ndarray, epsilon: float, value_range: tuple[float, float],
+            reference: str) -> float:
     """The mean correlation of each record with r + B^T B (x - r), its projection on the basis."""
     from tldp_cli.sampling import projection
 
-    params = calibration(variant, epsilon, records.shape[1:], value_range).privunit
+    params = calibration(variant, epsilon, records.shape[1:], value_range, reference).privunit
     basis = (projection.DctBasis if variant == "old" else projection.dct_basis)(records.shape[1:], params.k)
     x = records - params.reference
     return float(np.mean([pearson(a, b) for a, b in zip(basis.synthesize(basis.project(x)), x)]))
@@ -124,27 +125,37 @@ def scores(out: np.ndarray, record: np.ndarray) -> dict[str, float]:
     return {"corr": pearson(out, record), "slices": float(np.mean(profiles)), "flat": flat / slices}
 
 
+def declared_range(records: np.ndarray) -> tuple[float, float]:
+    """0, or minus the next power of two below a negative minimum, to the next power of two."""
+    low = 0.0 if records.min() >= 0 else -(2.0 ** math.ceil(math.log2(-records.min())))
+    return low, 2.0 ** math.ceil(math.log2(records.max()))
+
+
+def row(name: str, records: np.ndarray, epsilon: float, variant: str, reference: str) -> dict:
+    value_range = declared_range(records)
+    outs = np.stack([release(variant, records, epsilon, seed, value_range, reference) for seed in SEEDS])
+    cells = [scores(out, record) for per_seed in outs for out, record in zip(per_seed, records)]
+    means = [scores(mean, record) for mean, record in zip(outs.mean(axis=0), records)]
+    return {"volume": name, "shape": list(records.shape[1:]), "records": len(records), "range": list(value_range),
+            "epsilon": epsilon, "variant": variant, "reference": reference,
+            **{key: float(np.mean([c[key] for c in cells])) for key in cells[0]},
+            "corr_se": float(np.std([c["corr"] for c in cells]) / math.sqrt(len(cells))),
+            "mean_corr": float(np.mean([c["corr"] for c in means])),
+            "mean_slices": float(np.mean([c["slices"] for c in means])),
+            "ceiling": ceiling(variant, records, epsilon, value_range, reference)}
+
+
 def measure() -> list[dict]:
     rows = []
     for name, records in volumes().items():
-        top = 2.0 ** math.ceil(math.log2(records.max()))
-        for epsilon in EPSILONS:
-            for variant in VARIANTS:
-                outs = np.stack([release(variant, records, epsilon, seed, (0.0, top)) for seed in SEEDS])
-                cells = [scores(out, record) for per_seed in outs for out, record in zip(per_seed, records)]
-                means = [scores(mean, record) for mean, record in zip(outs.mean(axis=0), records)]
-                row = {"volume": name, "shape": list(records.shape[1:]), "records": len(records),
-                       "range": [0.0, top], "epsilon": epsilon, "variant": variant,
-                       **{key: float(np.mean([c[key] for c in cells])) for key in cells[0]},
-                       "corr_se": float(np.std([c["corr"] for c in cells]) / math.sqrt(len(cells))),
-                       "mean_corr": float(np.mean([c["corr"] for c in means])),
-                       "mean_slices": float(np.mean([c["slices"] for c in means])),
-                       "ceiling": ceiling(variant, records, epsilon, (0.0, top))}
-                rows.append(row)
-                print(f"{name:18} eps {epsilon:4g} {variant:12} corr {row['corr']:.3f} ± {row['corr_se']:.3f} "
-                      f"slices {row['slices']:.3f} flat {row['flat']:.3f} | mean of {len(SEEDS)}: corr "
-                      f"{row['mean_corr']:.3f} slices {row['mean_slices']:.3f} | ceiling {row['ceiling']:.3f}",
-                      flush=True)
+        for reference in REFERENCES:
+            for epsilon in EPSILONS:
+                for variant in VARIANTS:
+                    rows.append(r := row(name, records, epsilon, variant, reference))
+                    print(f"{name:17} {reference:4} eps {epsilon:4g} {variant:11} corr {r['corr']:.3f} ± "
+                          f"{r['corr_se']:.3f} slices {r['slices']:.3f} flat {r['flat']:.3f} | mean of "
+                          f"{len(SEEDS)}: corr {r['mean_corr']:.3f} slices {r['mean_slices']:.3f} | ceiling "
+                          f"{r['ceiling']:.3f}", flush=True)
     return rows
 
 
