@@ -14,8 +14,8 @@ products per block of records, whatever the record's size:
   axes, whose last three are the spatial axes and whose leading axes count as channels
   (torch's (C, D, H, W)). Its coefficients are ordered by normalised frequency
   (i/D)^2 + (j/H)^2 + (l/W)^2 (ties: the lower i + j + l, then the lower i, then the
-  lower j; compared exactly, in integers), each frequency for every channel in turn, and
-  the first k are kept.
+  lower j; compared exactly, in integers, for records of up to 1.7e9 elements), each
+  frequency for every channel in turn, and the first k are kept.
 - `DctBasis`, a 2-D DCT-II over two spatial axes, for every other record. The spatial axes
   are the last two; a 1-D record is one row (a 1-D DCT); a record of shape (H, W, C) with
   C in 1, 3, 4 is an image with its channels last (image folders deliver them so); the
