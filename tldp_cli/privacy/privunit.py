@@ -328,7 +328,7 @@ def output_scale(lo: float, hi: float, elements: int) -> float:
 # A user's basis (--basis FILE.npy) has no frequencies: its coefficients are written unweighted.
 # Only records the DCT runs over two axes of (an image's rows and columns, per channel) or over
 # three (a volume, with the frequencies of its 3-D DCT) are weighted: the prior is a statistic of
-# images, and every record measured was one; on three real scans (docs/choosing-eps.md,
+# images, and the constants were chosen on digits; on three real scans (docs/choosing-eps.md,
 # "Volumes: the 3-D basis", docs/choosing-eps/volumes.py) the same weights raised the
 # correlation of the releases with their records in 23 of 24 cases. A 1-D record (a feature
 # vector, a series) is written unweighted.
