@@ -78,8 +78,8 @@ def test_the_order_is_the_normalised_frequency_then_the_documented_ties():
                                       sum(f), f[0], f[1]))
         _, i, j, l = projection.dct_basis(shape, k).index
         assert list(zip(i.tolist(), j.tolist(), l.tolist())) == every[:k]
-    # equal axes tie: (0, 0, 1) before (0, 1, 0) (the lower j), both before (1, 0, 0) (the lower i comes
-    # after the lower sum, which is equal here, so the lower i: (0, ...) first)
+    # equal axes: (0, 0, 1), (0, 1, 0) and (1, 0, 0) tie on the key and on the sum; the lower i puts
+    # (1, 0, 0) last, the lower j puts (0, 0, 1) first
     _, i, j, l = projection.dct_basis((9, 9, 9), 4).index
     assert list(zip(i.tolist(), j.tolist(), l.tolist())) == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0)]
 
