@@ -214,8 +214,9 @@ BudgetOption = Annotated[Optional[Budget], typer.Option(
 BasisOption = Annotated[Optional[str], typer.Option(
     "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
-         "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
-         "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "
+         "low-pass block of the DCT-II over the record's spatial axes (3-D for a volume, "
+         "2-D for an image, docs/choosing-eps.md), k from a public rule of --eps and the "
+         "record's size; dct:K: K coefficients; FILE.npy: your own k x I "
          "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
          "manifest; a basis learned from the data released is not public).",
     show_default=False)]

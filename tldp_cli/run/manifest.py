@@ -286,8 +286,8 @@ def reference_rule(params: Any) -> str:
 def pre_emphasis_entry(params: Any) -> dict[str, Any]:
     """The public weight d of each coefficient before the normalisation (u = d z / |d z|)."""
     if params.emphasis_exponent is None:
-        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two axes "
-                                           "(an image statistic)"}
+        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two or "
+                                           "three axes (an image and volume statistic)"}
     return {"weights": "spectral", "exponent": params.emphasis_exponent,
             "rule": privunit.EMPHASIS_RULE + "; u = d z / |d z|, and the write-back's w carries 1/d",
             "chosen": "on public digit data and MNIST training digits, not on the data this run "
@@ -303,7 +303,8 @@ def write_back_entry(params: Any) -> dict[str, Any]:
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     if params.prior_exponent is None:
         return {"weights": "none", "alignment": params.alignment,
-                "rule": "w = 1: weights only for the DCT basis over two axes (an image statistic: 1/d, and "
+                "rule": "w = 1: weights only for the DCT basis over two or three axes (an image and volume "
+                        "statistic: 1/d, and "
                         f"the Wiener filter at an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g})",
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     emphasised = "" if params.emphasis_exponent is None else (

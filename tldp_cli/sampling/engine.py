@@ -269,7 +269,7 @@ def privunit_basis(calib: Calibration, basis=None):
 
 def emphasis_weights(calib: Calibration, basis) -> np.ndarray | None:
     """d, the public pre-emphasis of each coefficient before the normalisation (a DCT basis
-    over two axes: privacy/privunit.emphasis of its frequencies; otherwise None, none)."""
+    over two or three axes: privacy/privunit.emphasis of its frequencies; otherwise None, none)."""
     params = calib.privunit_params()
     if params.emphasis_exponent is None or getattr(basis, "kind", None) != "dct":
         return None
