@@ -162,11 +162,11 @@ def lowest_frequencies(shape: tuple[int, int, int], count: int) -> tuple[np.ndar
     first `count`."""
     d, h, w = shape
     parts = []
-    for i in range(min(d, count)):
-        rest = count // (i + 1)
+    for depth_row in range(min(d, count)):
+        rest = count // (depth_row + 1)
         grid_j, grid_l = np.meshgrid(np.arange(min(h, rest)), np.arange(min(w, rest)), indexing="ij")
         keep = (grid_j + 1) * (grid_l + 1) <= rest
-        parts.append((np.full(int(keep.sum()), i), grid_j[keep], grid_l[keep]))
+        parts.append((np.full(int(keep.sum()), depth_row), grid_j[keep], grid_l[keep]))
     i, j, l = (np.concatenate(axis).astype(np.int64) for axis in zip(*parts))
     # (i/D)^2 + (j/H)^2 + (l/W)^2 times (D H W)^2, exact in int64 below 2^63 (records of up
     # to about 1.7e9 elements), in float64 above.
