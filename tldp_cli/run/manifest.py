@@ -308,6 +308,39 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
     return entry
 
 
+def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) -> Any:
+    """The records a --store records run writes (before its cast to the output dtype), from
+    the rows a --store coefficients run stored and its manifest `m`: reference + c B^T (w * V),
+    clipped to the range (privunit.stored.rebuild; docs/choosing-eps.md#storing-the-coefficients).
+    `basis`: a user's basis (--basis FILE.npy), its k x I rows, which the manifest names but
+    does not hold. A function of the stored rows and public values only."""
+    import numpy as np
+
+    unit = m.get("privunit") if isinstance(m.get("privunit"), Mapping) else {}
+    stored = unit.get("stored")
+    if not isinstance(stored, Mapping):
+        raise InputError("the manifest states no stored coefficients (privunit.stored): it is not of a "
+                         "--store coefficients run")
+    k, shape = int(unit["k"]), tuple(int(n) for n in unit["record_shape"])
+    rows = np.asarray(coefficients, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != k:
+        raise InputError(f"the stored coefficients have shape {rows.shape}; the manifest says (records, {k})")
+    if unit["basis"]["kind"] == "dct":
+        synthesis = projection.dct_basis(shape, k)
+        if [[int(c), int(i), int(j)] for c, i, j in zip(*synthesis.index)] != stored.get("coefficient_order"):
+            raise InputError("the manifest's privunit.stored.coefficient_order is not this version's DCT order; "
+                             "build B from it (docs/choosing-eps.md#storing-the-coefficients)")
+    elif basis is None:
+        raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
+    else:
+        synthesis = projection.MatrixBasis(np.asarray(basis, dtype=np.float64), shape, "")
+    weights = np.asarray(stored["write_back_weights"], dtype=np.float64)
+    lo, hi = (float(v) for v in m["value_range"])
+    records = synthesis.synthesize(float(unit["output_scale"]["c"]) * (weights * rows))
+    records += float(unit["reference"])
+    return np.clip(records, lo, hi, out=records)
+
+
 def reference_rule(params: Any) -> str:
     """How --reference chose the reference point of records of this shape."""
     rule = f"{params.reference_rule}: {privunit.REFERENCE_RULES[params.reference_rule]}"

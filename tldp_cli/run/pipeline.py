@@ -49,7 +49,7 @@ from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
-    BLOCK_ELEMENTS, COEFFICIENTS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input, checked_noise, checked_options,
+    BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input, checked_noise, checked_options,
     parse_range, parse_ranges)
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
@@ -1228,7 +1228,8 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
         dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),
-        reference=_reference_of_manifest(m), allow_raw_release="raw_release_allowed" in m)
+        reference=_reference_of_manifest(m), allow_raw_release="raw_release_allowed" in m,
+        store=COEFFICIENTS if isinstance((m.get("privunit") or {}).get("stored"), dict) else RECORDS)
 
 
 def _basis_of_manifest(m: dict[str, Any]) -> str | None:
