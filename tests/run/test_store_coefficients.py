@@ -236,3 +236,48 @@ def test_several_record_shapes_are_refused(cli, tmp_path):
                  "--store", "coefficients", "--dataset", "a", "--dataset", "b")
     assert_one_line_error(result, 2, "--store coefficients", "one --dataset at a time")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two.h5"]
+
+
+def test_evaluate_compares_the_records_the_rows_rebuild(cli, tmp_path):
+    src, _ = make_npy(tmp_path)
+    run(cli, src, tmp_path / "coef.npy")
+    run(cli, src, tmp_path / "rec.npy", store="records")
+    reports = {}
+    for name in ("coef.npy", "rec.npy"):
+        result = cli("evaluate", src, tmp_path / name, "--json", "--per-record")
+        assert result.exit_code == 0, result.stderr
+        reports[name] = json.loads(result.stdout)
+    coef, rec = reports["coef.npy"], reports["rec.npy"]
+    checks = {c["check"]: c for c in coef["checks"]}
+    assert coef["ok"] and checks["shapes"]["passed"] and checks["coefficients"]["passed"]
+    assert "coefficients" not in {c["check"] for c in rec["checks"]}
+    assert np.allclose(coef["per_record"]["mse"], rec["per_record"]["mse"], rtol=1e-4)
+    assert checks["privunit_alignment"]["mean_cosine"] == pytest.approx(
+        next(c for c in rec["checks"] if c["check"] == "privunit_alignment")["mean_cosine"], abs=1e-4)
+
+
+def test_the_preview_shows_the_rebuilt_records(cli, tmp_path):
+    from PIL import Image
+
+    src, _ = make_npy(tmp_path)
+    preview = tmp_path / "p.png"
+    run(cli, src, tmp_path / "coef.npy", "--preview", preview)
+    run(cli, src, tmp_path / "rec.npy", "--preview", tmp_path / "q.png", store="records")
+    shown, expected = (np.asarray(Image.open(p), dtype=np.int16) for p in (preview, tmp_path / "q.png"))
+    assert shown.shape == expected.shape and np.abs(shown - expected).max() <= 1
+
+
+def test_rebuild_records_is_the_library_s(cli, tmp_path):
+    import tldp_cli
+    from tldp_cli.errors import InputError
+
+    src, read = make_npy(tmp_path)
+    m, _ = run(cli, src, tmp_path / "coef.npy")
+    records_m, _ = run(cli, src, tmp_path / "rec.npy", store="records")
+    rows = np.load(tmp_path / "coef.npy")
+    assert np.abs(tldp_cli.rebuild_records(m, rows) - read(tmp_path / "rec.npy")).max() < 1e-3
+    assert np.allclose(tldp_cli.rebuild_records(m, rows), rebuilt(m, rows), atol=1e-9)
+    with pytest.raises(InputError, match="not of a --store coefficients run"):
+        tldp_cli.rebuild_records(records_m, rows)
+    with pytest.raises(InputError, match=r"shape \(200, 3\)"):
+        tldp_cli.rebuild_records(m, rows[:, :3])
