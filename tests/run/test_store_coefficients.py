@@ -1,6 +1,6 @@
 """--mechanism privunit --store coefficients: each record written as its k released
 coefficients (V, the released unit vector) instead of the record written back. The formats
-that take a (records, k) array (.npy, HDF5, netCDF), read back with the libraries people use;
+that take a (records, k) array (.npy, HDF5, netCDF, Zarr), read back with the libraries people use;
 the rows are unit vectors; the manifest's privunit.stored rebuilds the records a --store
 records run of the same seed writes; the refusals, in one line, with nothing left behind."""
 
@@ -9,6 +9,7 @@ import json
 import h5py
 import numpy as np
 import pytest
+import zarr
 
 from tests.builders import DATA, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
 from tldp_cli import perturb_array
@@ -185,19 +186,47 @@ def test_resume_compares_the_option():
     assert "store" in RESUME_COMPARED
 
 
-def _zarr_store(tmp_path):
-    return make_zarr(tmp_path)
+def test_zarr_array_becomes_records_by_k(cli, tmp_path):
+    src, read = make_zarr(tmp_path)  # Zarr 3, sharded
+    m, _ = run(cli, src, tmp_path / "coef.zarr")
+    array = zarr.open_array(str(tmp_path / "coef.zarr"), mode="r")
+    V = array[...]
+    check_rows(V, len(DATA), m["privunit"]["k"])
+    assert array.metadata.zarr_format == 3 and not dict(array.attrs)
+    run(cli, src, tmp_path / "rec.zarr", store="records")
+    assert np.abs(rebuilt(m, V) - read(tmp_path / "rec.zarr")).max() < 1e-3
 
 
-@pytest.mark.parametrize("make,fragment", [
-    (make_images, "images (folder of images)"),
-    (_zarr_store, "zarr (Zarr store)"),
-])
-def test_formats_that_hold_records_only_are_refused(cli, tmp_path, make, fragment):
-    src, _ = make(tmp_path)
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_xarray_zarr_keeps_the_record_dimension_and_adds_a_coefficient_dimension(cli, tmp_path, zarr_format):
+    import xarray as xr
+
+    values = DATA[:, :, :6].astype(np.float32)
+    time = np.arange(len(values), dtype=np.float64)
+    xr.Dataset({"t2m": (("time", "lat", "lon"), values, {"units": "K"})},
+               coords={"time": time, "lat": np.linspace(-10, 10, 8), "lon": np.linspace(0, 5, 6)}
+               ).to_zarr(tmp_path / "t.zarr", zarr_format=zarr_format, consolidated=zarr_format == 2)
+    m, _ = run(cli, tmp_path / "t.zarr", tmp_path / "coef.zarr", "--range", "0:256")
+    with xr.open_zarr(tmp_path / "coef.zarr", consolidated=zarr_format == 2) as ds:
+        assert ds["t2m"].dims == ("time", "coefficient") and ds["t2m"].dtype == np.float32
+        assert np.array_equal(ds["time"].values, time) and "units" not in ds["t2m"].attrs
+        V = ds["t2m"].values
+    check_rows(V, len(values), m["privunit"]["k"])
+
+
+def test_resume_is_refused_for_coefficients(cli, tmp_path):
+    src, _ = make_zarr(tmp_path)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--store", "coefficients", "--resume")
+    assert_one_line_error(result, 2, "--resume", "--store coefficients run is written whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.zarr"]
+
+
+def test_an_image_folder_is_refused(cli, tmp_path):
+    src, _ = make_images(tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
     result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--store", "coefficients")
-    assert_one_line_error(result, 2, "--store coefficients does not apply to", fragment, "npy", "hdf5")
+    assert_one_line_error(result, 2, "--store coefficients does not apply to images (folder of images)",
+                          "npy (.npy array), hdf5 (HDF5 file), zarr (Zarr store)")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
@@ -281,3 +310,16 @@ def test_rebuild_records_is_the_library_s(cli, tmp_path):
         tldp_cli.rebuild_records(records_m, rows)
     with pytest.raises(InputError, match=r"shape \(200, 3\)"):
         tldp_cli.rebuild_records(m, rows[:, :3])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_a_multiscale_image_is_refused_with_nothing_left(cli, tmp_path):
+    from ome_zarr.format import FormatV05
+
+    from tests.formats.test_ome_zarr import make_ome
+
+    src = make_ome(tmp_path / "cells.ome.zarr", FormatV05(), labels=False)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--store", "coefficients",
+                 "--range", "0:256")
+    assert_one_line_error(result, 2, "--store coefficients applies to arrays of records, not to multiscale images")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells.ome.zarr"]

@@ -238,7 +238,7 @@ StoreOption = Annotated[Store, typer.Option(
     help="--mechanism privunit: what each record is written as. records (default): written back in "
          "the record's shape and the input's format. coefficients: its k released coefficients "
          "(V, the released unit vector, in --dtype), one row of k values per record, with what rebuilds "
-         "the records in the manifest (privunit.stored); .npy, .npz, HDF5/netCDF and Zarr outputs. "
+         "the records in the manifest (privunit.stored); .npy, HDF5/netCDF and Zarr outputs. "
          "The guarantee is the same.")]
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",

@@ -261,6 +261,9 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     source = options.input
     options, module = checked_input(options)
     report.tell("reading", headers_phrase(source, module, options))
+    if options.resume and options.store == COEFFICIENTS:
+        raise UsageError("--resume continues an interrupted records run: a --store coefficients run is "
+                         "written whole, and keeps nothing to resume from; run it again without --resume")
     if options.resume and not module.resumable:
         raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
                          f"{module.name} run keeps nothing to resume from")
@@ -814,7 +817,7 @@ def _stage(staging: output.Staging, run: RunContext, name_map: Path | None) -> _
     module, destination, manifest_path, _ = run.writing()
     partial = None
     notes: list[str] = []
-    if module.resumable:
+    if module.resumable and run.options.store != COEFFICIENTS:  # coefficients: written whole
         partial = resume.Partial(destination, _resume_record(run), run.options.resume)
         notes += partial.messages
         tmp_output = partial.store
