@@ -250,5 +250,5 @@ def checked_input(options: PerturbOptions) -> tuple[PerturbOptions, Format]:
     if checked.store == COEFFICIENTS and module.create_coefficient_writer is None:
         held = ", ".join(f"{fmt.name} ({fmt.title})" for fmt in formats.registered() if fmt.create_coefficient_writer)
         raise UsageError(f"{options.input}: --store coefficients does not apply to {module.name} ({module.title}), "
-                         f"whose output holds records; it applies to {held}")
+                         f"whose output keeps its input's shapes; it applies to {held}")
     return checked, module
