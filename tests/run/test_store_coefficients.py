@@ -323,3 +323,19 @@ def test_a_multiscale_image_is_refused_with_nothing_left(cli, tmp_path):
                  "--range", "0:256")
     assert_one_line_error(result, 2, "--store coefficients applies to arrays of records, not to multiscale images")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cells.ome.zarr"]
+
+
+@pytest.mark.dask
+@pytest.mark.parametrize("make,suffix", [(make_npy, ".npy"), (make_zarr, ".zarr"), (make_hdf5, ".h5")])
+def test_dask_equals_threads(tmp_path, make, suffix):
+    distributed = pytest.importorskip("distributed")
+    src, read = make(tmp_path)
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address="127.0.0.1:0") as cluster:
+        for name, how in (("threads", {"workers": 2}),
+                          ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
+            perturb(PerturbOptions(input=src, eps=3.0, mechanism="privunit", store="coefficients", seed=SEED,
+                                   out=tmp_path / f"{name}{suffix}", block_elements=640, **how))
+    threads, dask = read(tmp_path / f"threads{suffix}"), read(tmp_path / f"dask{suffix}")
+    assert threads.ndim == 2 and threads.dtype == np.float32
+    np.testing.assert_array_equal(threads, dask)
