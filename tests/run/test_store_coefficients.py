@@ -61,7 +61,7 @@ def test_npy_rows_are_the_released_unit_vectors_and_rebuild_the_records(cli, tmp
     assert stored["kind"] == "coefficients" and stored["dtype"] == "float32" and m["output_dtype"] == "float32"
     assert len(stored["write_back_weights"]) == len(stored["coefficient_order"]) == k
     assert stored["coefficient_order"][0] == [0, 0, 0]
-    assert any("no write-back" in step for step in m["postprocessing"])
+    assert any("no write-back" in step for step in m["postprocessing"]) and "no write-back" in m["privunit"]["written"]
     assert m["accounting"]["per_record"]["epsilon"] <= 4 and m["accounting"]["per_record"]["delta"] == 0
     # the same seed draws the same V: the records run is the write-back of these rows
     records_m, _ = run(cli, src, tmp_path / "rec.npy", "--basis", "dct:20", store="records")

@@ -268,7 +268,8 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any, stored: str
                        "as the direction e_1 (the first coefficient)",
         "pre_emphasis": pre_emphasis_entry(params),
         "write_back": write_back_entry(params),
-        "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
+        "written": (f"V itself, k {stored} values per record (stored): no write-back" if stored
+                    else "reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
                     is not None or params.emphasis_exponent is not None
                     else "reference + c B^T V, clipped to the declared range"),
         **({"stored": stored_entry(calib, user_basis, stored)} if stored else {}),
