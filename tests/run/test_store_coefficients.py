@@ -339,3 +339,14 @@ def test_dask_equals_threads(tmp_path, make, suffix):
     threads, dask = read(tmp_path / f"threads{suffix}"), read(tmp_path / f"dask{suffix}")
     assert threads.ndim == 2 and threads.dtype == np.float32
     np.testing.assert_array_equal(threads, dask)
+
+
+def test_keras_weights_are_refused_by_plan_and_perturb(cli, tmp_path):
+    from tests.formats.test_model_checkpoints import write_keras_weights
+
+    src = write_keras_weights(tmp_path / "model.weights.h5")
+    for command in ("plan", "perturb"):
+        result = cli(command, src, "--mechanism", "privunit", "--eps", "4", "--clip", "0.5",
+                     "--store", "coefficients")
+        assert_one_line_error(result, 2, "--store coefficients", "each tensor is one record")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.weights.h5"]

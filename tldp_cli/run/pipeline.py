@@ -573,6 +573,9 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
               for (lo, hi), group in members.items()]
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
+    if options.store == COEFFICIENTS and per_tensor:
+        raise UsageError(f"{source}: --store coefficients applies to arrays of records along their first axis; "
+                         "in a model file each tensor is one record, written in its own shape")
     if options.store == COEFFICIENTS and len(calibrations) > 1:
         shapes = sorted({"x".join(map(str, job.record_shape)) or "()" for job in jobs})
         raise UsageError(f"{source}: --store coefficients: the arrays hold records of several shapes or "
