@@ -1364,7 +1364,7 @@ class ZarrCoefficientWriter(ZarrWriter):
                                  f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
             try:
                 zarr.create_array(
-                    store=store, name=path, shape=job.shape, dtype=self.dtype, fill_value=0,
+                    store=store, name=path, shape=job.shape, dtype=self.dtype, fill_value=np.nan,  # (V is never NaN)
                     chunks=(min(job.records, job.chunk_records or job.records), job.shape[1]),
                     zarr_format=reader.zarr_format, overwrite=True,
                     **({"dimension_names": dimensions} if dimensions and reader.zarr_format == 3 else {}),

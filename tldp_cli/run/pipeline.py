@@ -49,8 +49,8 @@ from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
-    BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input, checked_noise, checked_options,
-    parse_range, parse_ranges)
+    BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input,
+    checked_noise, checked_options, parse_range, parse_ranges)
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
