@@ -350,3 +350,20 @@ def test_keras_weights_are_refused_by_plan_and_perturb(cli, tmp_path):
                      "--store", "coefficients")
         assert_one_line_error(result, 2, "--store coefficients", "each tensor is one record")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.weights.h5"]
+
+
+def test_netcdf4_unlimited_dimension_without_a_coordinate_variable(cli, tmp_path):
+    import netCDF4
+    import xarray as xr
+
+    with netCDF4.Dataset(tmp_path / "bare.nc", "w") as nc:
+        nc.createDimension("sample", None)
+        nc.createDimension("y", 8)
+        nc.createDimension("x", 8)
+        nc.createVariable("img", "f4", ("sample", "y", "x"))[:] = DATA / 256
+    m, _ = run(cli, tmp_path / "bare.nc", tmp_path / "coef.nc", "--range", "0:1")
+    with netCDF4.Dataset(tmp_path / "coef.nc") as nc:
+        assert nc.variables["img"].dimensions == ("sample", "coefficient")
+        assert nc.dimensions["sample"].isunlimited() and len(nc.dimensions["sample"]) == len(DATA)
+    with xr.open_dataset(tmp_path / "coef.nc", engine="netcdf4") as ds:
+        check_rows(ds["img"].values, len(DATA), m["privunit"]["k"])
