@@ -367,3 +367,16 @@ def test_netcdf4_unlimited_dimension_without_a_coordinate_variable(cli, tmp_path
         assert nc.dimensions["sample"].isunlimited() and len(nc.dimensions["sample"]) == len(DATA)
     with xr.open_dataset(tmp_path / "coef.nc", engine="netcdf4") as ds:
         check_rows(ds["img"].values, len(DATA), m["privunit"]["k"])
+
+
+def test_a_coefficients_run_removes_an_interrupted_run_s_partial(cli, tmp_path):
+    from tests.run.test_resume import BLOCK, interrupted
+    from tldp_cli.run.resume import partial_path
+
+    src, out = interrupted(tmp_path)
+    assert partial_path(out).is_dir()
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--store", "coefficients", "--out", out,
+                 "--block-elements", BLOCK)
+    assert result.exit_code == 0, result.stderr
+    assert "partial output of an interrupted run" in result.stderr
+    assert not partial_path(out).exists() and zarr.open_array(str(out), mode="r").ndim == 2

@@ -826,6 +826,10 @@ def _stage(staging: output.Staging, run: RunContext, name_map: Path | None) -> _
         tmp_output = partial.store
         staging.adopt(tmp_output, destination)
     else:
+        if module.resumable and resume.partial_path(destination).exists():
+            leftover = resume.Partial(destination, _resume_record(run), False)  # an interrupted run's: removed,
+            notes += leftover.messages  # as any run without --resume does (or refused while another runs)
+            leftover.remove()
         tmp_output = staging.temporary(destination)
     return _Staged(tmp_output, staging.temporary(manifest_path),
                    staging.temporary(name_map) if name_map else None, partial, notes)
