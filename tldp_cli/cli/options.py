@@ -39,6 +39,11 @@ class Mechanism(str, Enum):
     privunit = "privunit"
 
 
+class Store(str, Enum):
+    records = "records"
+    coefficients = "coefficients"
+
+
 class Budget(str, Enum):
     element = "element"
     record = "record"
@@ -229,6 +234,13 @@ ReferenceOption = Annotated[Optional[str], typer.Option(
          "H x W x 3 or 4: a photo written from 0 comes out dark), zero for every other record "
          "(digits on black, volumes, vectors). The manifest states it.",
     show_default=False)]
+StoreOption = Annotated[Store, typer.Option(
+    "--store",
+    help="--mechanism privunit: what each record is written as. records (default): written back in "
+         "the record's shape and the input's format. coefficients: its k released coefficients "
+         "(V, the released unit vector, in --dtype), one row of k values per record, with what rebuilds "
+         "the records in the manifest (privunit.stored); .npy, HDF5/netCDF and Zarr outputs. "
+         "The guarantee is the same.")]
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",
     help="Declared value range. Required for float data and integers wider than 16 bits; "

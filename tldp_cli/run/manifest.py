@@ -236,10 +236,11 @@ def privunit_split(calib: Calibration) -> dict[str, Any]:
             "output_scale": params.output_scale, "reference": params.reference}
 
 
-def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str, Any]:
+def privunit_entry(calib: Calibration, choice: Any, user_basis: Any, stored: str | None = None) -> dict[str, Any]:
     """The manifest's `privunit` object (the largest record's; `calibrations` lists every
     size): the public basis, the reference point, the output scale and the rules that
-    chose them (the certified figures are under accounting.privunit)."""
+    chose them (the certified figures are under accounting.privunit). `stored`: with
+    --store coefficients, the dtype the coefficients are stored in (stored_entry)."""
     params = calib.privunit_params()
     if user_basis is not None:
         basis = {"kind": "file", "k": params.k, "path": str(user_basis.path), "sha256": user_basis.sha256,
@@ -267,10 +268,78 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                        "as the direction e_1 (the first coefficient)",
         "pre_emphasis": pre_emphasis_entry(params),
         "write_back": write_back_entry(params),
-        "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
+        "written": (f"V itself, k {stored} values per record (stored): no write-back" if stored
+                    else "reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
                     is not None or params.emphasis_exponent is not None
                     else "reference + c B^T V, clipped to the declared range"),
+        **({"stored": stored_entry(calib, user_basis, stored)} if stored else {}),
     }
+
+
+def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, Any]:
+    """--store coefficients: what each row of the output holds, the order of its k values,
+    the weights w, and how to rebuild the records --store records writes (public values only;
+    docs/choosing-eps.md#storing-the-coefficients)."""
+    from tldp_cli.sampling import engine
+
+    params = calib.privunit_params()
+    basis = engine.privunit_basis(calib) if user_basis is None else None
+    weights = engine.write_back_weights(calib, basis)  # a user's basis: None, unweighted
+    entry: dict[str, Any] = {
+        "kind": "coefficients",
+        "values": f"V, each record's released unit vector (PrivUnit's output, float64), rounded once to {dtype}",
+        "dtype": dtype,
+        "shape": "(records, k): row i holds record i's k coefficients, in the basis's order",
+        "write_back_weights": [1.0] * params.k if weights is None else [float(w) for w in weights],
+        "rebuild": "record = clip(reference + output_scale.c * (write_back_weights * V) @ B, value_range), "
+                   "reshaped to record_shape (B: the k x I basis, one row per coefficient in order): the "
+                   "record --store records writes, before its cast to the output dtype",
+    }
+    if user_basis is None:
+        channels, height, width, channels_last = projection.layout(params.record_shape)
+        entry["layout"] = {"channels": channels, "height": height, "width": width, "channels_last": channels_last}
+        entry["coefficient_order"] = [[int(c), int(i), int(j)] for c, i, j in zip(*basis.index)]
+        entry["basis_rows"] = ("row r of B is DCT-II row i (height) times DCT-II row j (width) in channel c, "
+                               "[c, i, j] = coefficient_order[r], DCT-II row f of size n at x = 0..n-1: "
+                               "sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the record's "
+                               "elements in layout order (channels, height, width), channels moved last "
+                               "when layout.channels_last")
+    else:
+        entry["basis_rows"] = "the rows of the basis file, in order (privunit.basis.path, its sha256)"
+    return entry
+
+
+def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) -> Any:
+    """The records a --store records run writes (before its cast to the output dtype), from
+    the rows a --store coefficients run stored and its manifest `m`: reference + c B^T (w * V),
+    clipped to the range (privunit.stored.rebuild; docs/choosing-eps.md#storing-the-coefficients).
+    `basis`: a user's basis (--basis FILE.npy), its k x I rows, which the manifest names but
+    does not hold. A function of the stored rows and public values only."""
+    import numpy as np
+
+    unit = m.get("privunit") if isinstance(m.get("privunit"), Mapping) else {}
+    stored = unit.get("stored")
+    if not isinstance(stored, Mapping):
+        raise InputError("the manifest states no stored coefficients (privunit.stored): it is not of a "
+                         "--store coefficients run")
+    k, shape = int(unit["k"]), tuple(int(n) for n in unit["record_shape"])
+    rows = np.asarray(coefficients, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != k:
+        raise InputError(f"the stored coefficients have shape {rows.shape}; the manifest says (records, {k})")
+    if unit["basis"]["kind"] == "dct":
+        synthesis = projection.dct_basis(shape, k)
+        if [[int(c), int(i), int(j)] for c, i, j in zip(*synthesis.index)] != stored.get("coefficient_order"):
+            raise InputError("the manifest's privunit.stored.coefficient_order is not this version's DCT order; "
+                             "build B from it (docs/choosing-eps.md#storing-the-coefficients)")
+    elif basis is None:
+        raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
+    else:
+        synthesis = projection.MatrixBasis(np.asarray(basis, dtype=np.float64), shape, "")
+    weights = np.asarray(stored["write_back_weights"], dtype=np.float64)
+    lo, hi = (float(v) for v in m["value_range"])
+    records = synthesis.synthesize(float(unit["output_scale"]["c"]) * (weights * rows))
+    records += float(unit["reference"])
+    return np.clip(records, lo, hi, out=records)
 
 
 def reference_rule(params: Any) -> str:
