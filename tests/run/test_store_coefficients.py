@@ -380,3 +380,31 @@ def test_a_coefficients_run_removes_an_interrupted_run_s_partial(cli, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "partial output of an interrupted run" in result.stderr
     assert not partial_path(out).exists() and zarr.open_array(str(out), mode="r").ndim == 2
+
+
+def test_a_volume_s_rows_rebuild_from_the_manifest_s_3d_order(cli, tmp_path):
+    """Volumes take the 3-D DCT (projection.VolumeDctBasis): the manifest's layout has a depth
+    and its coefficient order [c, i, j, l], from which B is built as for images."""
+    rng = np.random.default_rng(3)
+    src = tmp_path / "vol.npy"
+    np.save(src, rng.integers(0, 256, size=(12, 6, 8, 10)).astype(np.uint8))
+    m, _ = run(cli, src, tmp_path / "coef.npy", "--basis", "dct:30")
+    stored = m["privunit"]["stored"]
+    layout = stored["layout"]
+    assert (layout["depth"], layout["height"], layout["width"]) == (6, 8, 10)
+    assert all(len(entry) == 4 for entry in stored["coefficient_order"])
+    V = np.load(tmp_path / "coef.npy")
+    check_rows(V, 12, 30)
+
+    def dct(n, f):
+        x = np.arange(n)
+        return np.sqrt((1 if f == 0 else 2) / n) * np.cos(np.pi * (2 * x + 1) * f / (2 * n))
+
+    basis = np.stack([np.einsum("a,b,c->abc", dct(6, i), dct(8, j), dct(10, l)).ravel()
+                      for c, i, j, l in stored["coefficient_order"]])
+    run(cli, src, tmp_path / "rec.npy", "--basis", "dct:30", store="records")
+    written = np.load(tmp_path / "rec.npy").astype(np.float64)
+    import tldp_cli
+
+    assert np.abs(rebuilt(m, V, basis) - written).max() <= 0.5 + 1e-3  # the uint8 write rounds
+    assert np.abs(tldp_cli.rebuild_records(m, V) - written).max() <= 0.5 + 1e-3

@@ -1367,7 +1367,7 @@ class ZarrCoefficientWriter(ZarrWriter):
                     store=store, name=path, shape=job.shape, dtype=self.dtype, fill_value=np.nan,  # (V is never NaN)
                     chunks=(min(job.records, job.chunk_records or job.records), job.shape[1]),
                     zarr_format=reader.zarr_format, overwrite=True,
-                    **({"dimension_names": dimensions} if dimensions and reader.zarr_format == 3 else {}),
+                    dimension_names=dimensions if reader.zarr_format == 3 else None,
                     attributes={"_ARRAY_DIMENSIONS": dimensions} if dimensions and reader.zarr_format == 2 else {})
             except OSError as exc:
                 raise OutputError(f"{shown(tmp_path)}: cannot write array {_display(path)} ({reason_of(exc)})") from None

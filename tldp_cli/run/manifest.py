@@ -295,17 +295,26 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
                    "reshaped to record_shape (B: the k x I basis, one row per coefficient in order): the "
                    "record --store records writes, before its cast to the output dtype",
     }
-    if user_basis is None:
+    if basis is None:
+        entry["basis_rows"] = "the rows of the basis file, in order (privunit.basis.path, its sha256)"
+        return entry
+    entry["coefficient_order"] = [[int(n) for n in row] for row in zip(*basis.index)]
+    if projection.is_volume(params.record_shape):
+        channels, depth, height, width = projection.volume_layout(params.record_shape)
+        entry["layout"] = {"channels": channels, "depth": depth, "height": height, "width": width,
+                           "channels_last": False}
+        entry["basis_rows"] = ("row r of B is DCT-II row i (depth) times row j (height) times row l (width) "
+                               "in channel c, [c, i, j, l] = coefficient_order[r], DCT-II row f of size n at "
+                               "x = 0..n-1: sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the "
+                               "record's elements in layout order (channels, depth, height, width)")
+    else:
         channels, height, width, channels_last = projection.layout(params.record_shape)
         entry["layout"] = {"channels": channels, "height": height, "width": width, "channels_last": channels_last}
-        entry["coefficient_order"] = [[int(c), int(i), int(j)] for c, i, j in zip(*basis.index)]
         entry["basis_rows"] = ("row r of B is DCT-II row i (height) times DCT-II row j (width) in channel c, "
                                "[c, i, j] = coefficient_order[r], DCT-II row f of size n at x = 0..n-1: "
                                "sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the record's "
                                "elements in layout order (channels, height, width), channels moved last "
                                "when layout.channels_last")
-    else:
-        entry["basis_rows"] = "the rows of the basis file, in order (privunit.basis.path, its sha256)"
     return entry
 
 
@@ -317,7 +326,7 @@ def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) 
     does not hold. A function of the stored rows and public values only."""
     import numpy as np
 
-    unit = m.get("privunit") if isinstance(m.get("privunit"), Mapping) else {}
+    unit: Mapping[str, Any] = m["privunit"] if isinstance(m.get("privunit"), Mapping) else {}
     stored = unit.get("stored")
     if not isinstance(stored, Mapping):
         raise InputError("the manifest states no stored coefficients (privunit.stored): it is not of a "
@@ -326,9 +335,10 @@ def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) 
     rows = np.asarray(coefficients, dtype=np.float64)
     if rows.ndim != 2 or rows.shape[1] != k:
         raise InputError(f"the stored coefficients have shape {rows.shape}; the manifest says (records, {k})")
+    synthesis: Any
     if unit["basis"]["kind"] == "dct":
         synthesis = projection.dct_basis(shape, k)
-        if [[int(c), int(i), int(j)] for c, i, j in zip(*synthesis.index)] != stored.get("coefficient_order"):
+        if [[int(n) for n in row] for row in zip(*synthesis.index)] != stored.get("coefficient_order"):
             raise InputError("the manifest's privunit.stored.coefficient_order is not this version's DCT order; "
                              "build B from it (docs/choosing-eps.md#storing-the-coefficients)")
     elif basis is None:
