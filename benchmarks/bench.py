@@ -346,13 +346,17 @@ def engine_and_references(data: np.ndarray, reps: int) -> tuple[list[dict], dict
 
 PRIVUNIT_EPSILONS = (4.0, 10.0)  # per-record eps: below and above the cap's floor (2^-10)
 PRIVUNIT_RECORDS = 4096  # the first records of the engine's data (the sampler loops per record)
+# The same values as volumes: 16 digits stacked into one (16, 28, 28) record (the default
+# basis is then the 3-D DCT: sampling/projection.VolumeDctBasis), at the first eps.
+VOLUME_DEPTH = 16
 
 
 def privunit_cases(data: np.ndarray) -> list[tuple[dict, object]]:
     """--mechanism privunit on the same 784-element records as the engine, one worker,
     secure RNG: the projection alone (one matrix product for all the records: the
     default DCT basis at the default k), the whole mechanism (engine.perturb_records:
-    projection, PrivUnit draw, write-back), and TLDP-L exact on the same records."""
+    projection, PrivUnit draw, write-back), and TLDP-L exact on the same records; and
+    both again on the same values as (16, 28, 28) volumes (the 3-D DCT, `elements`)."""
     from tldp_cli.privacy.mechanisms import calibrate_privunit
     from tldp_cli.sampling import projection
 
@@ -372,6 +376,15 @@ def privunit_cases(data: np.ndarray) -> list[tuple[dict, object]]:
         cases.append(({"case": "privunit", "epsilon": eps, "k": k},
                       lambda calib=calib: engine.perturb_records(records, 0, "bench", calib, streams,
                                                                  None, np.float32)))
+    volume_shape = (VOLUME_DEPTH, *RECORD_SHAPE)
+    volumes = records[:len(records) // VOLUME_DEPTH * VOLUME_DEPTH].reshape(-1, *volume_shape)
+    calib = calibrate_privunit(epsilon=PRIVUNIT_EPSILONS[0], record_shape=volume_shape, value_range=(0.0, 256.0))
+    basis = projection.dct_basis(volume_shape, calib.privunit.k)
+    cases.append(({"case": "projection 3-D", "epsilon": PRIVUNIT_EPSILONS[0], "k": calib.privunit.k,
+                   "elements": volumes.size}, lambda: basis.project(volumes)))
+    cases.append(({"case": "privunit 3-D", "epsilon": PRIVUNIT_EPSILONS[0], "k": calib.privunit.k,
+                   "elements": volumes.size},
+                  lambda: engine.perturb_records(volumes, 0, "bench", calib, streams, None, np.float32)))
     return cases
 
 
@@ -381,8 +394,8 @@ def privunit_rates(data: np.ndarray, reps: int) -> list[dict]:
     cases = privunit_cases(data)
     seconds = interleaved_best([run for _, run in cases], reps)
     elements = min(len(data), PRIVUNIT_RECORDS) * ELEMENTS
-    rows = [{**row, "records": elements // ELEMENTS, "seconds": sec, "melem_s": rate(elements, sec)}
-            for (row, _), sec in zip(cases, seconds)]
+    rows = [{**row, "records": row.get("elements", elements) // ELEMENTS, "seconds": sec,
+             "melem_s": rate(row.get("elements", elements), sec)} for (row, _), sec in zip(cases, seconds)]
     for row in rows:
         row["ratio_to_tldp"] = row["melem_s"] / rows[0]["melem_s"]
         print(f"  privunit {row['case']:12} eps {row['epsilon']:g} {row['melem_s']:9.1f} M/s "

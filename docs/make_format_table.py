@@ -50,12 +50,12 @@ def tables() -> list[str]:
               "honour is refused, exit 2); where arrays share rows, row i of the arrays perturbed together "
               "that share their first axis is one subject's record:", "",
               "| `--format` | names ending in | file or folder | `--dataset` | `--exclude` | `--keep` | "
-              "`--public-missing` | `--resume` | `--anonymize-names` | arrays share rows |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "`--public-missing` | `--resume` | `--anonymize-names` | `--store coefficients` | arrays share rows |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for fmt in registered:
         names = ", ".join(f"`{s}`" for s in (*fmt.compound_suffixes, *fmt.suffixes)) or "(any)"
         flags = (fmt.selects_arrays, fmt.honours_exclude, fmt.honours_keep, fmt.cf_markers, fmt.resumable,
-                 fmt.name_map, fmt.shares_rows)
+                 fmt.name_map, fmt.create_coefficient_writer is not None, fmt.shares_rows)
         lines.append(f"| `{fmt.name}` | {names} | {_kind(fmt)} | "
                      + " | ".join(_yes(flag) for flag in flags) + " |")
     return lines

@@ -44,8 +44,10 @@ def test_privunit_section_runs_and_reports_ratios_to_tldp():
     data = bench.mnist_like(np.random.default_rng(0), 40, bench.digits()).reshape(40, bench.ELEMENTS)
     rows = bench.privunit_rates(data, reps=1)
     assert [(r["case"], r["epsilon"]) for r in rows] == [("TLDP-L exact", 1.0)] + [
-        (case, eps) for eps in bench.PRIVUNIT_EPSILONS for case in ("projection", "privunit")]
-    assert rows[0]["ratio_to_tldp"] == 1.0 and all(r["melem_s"] > 0 and r["records"] == 40 for r in rows)
+        (case, eps) for eps in bench.PRIVUNIT_EPSILONS for case in ("projection", "privunit")] + [
+        ("projection 3-D", bench.PRIVUNIT_EPSILONS[0]), ("privunit 3-D", bench.PRIVUNIT_EPSILONS[0])]
+    assert rows[0]["ratio_to_tldp"] == 1.0 and all(r["melem_s"] > 0 for r in rows)
+    assert [r["records"] for r in rows] == [40] * 5 + [32] * 2  # the 3-D cases: 2 volumes of 16 digits
     results = {"machine": bench.machine_info(), "engine": [], "references": {}, "end_to_end": [], "peers": [],
                "privunit": rows, "targets": [], "engine_elements": data.size, "reps": 1, "workers": 1}
     bench.MECHANISMS, saved = [], bench.MECHANISMS

@@ -202,3 +202,29 @@ def test_the_library_page_s_examples_run(tmp_path, monkeypatch):
     names = {}
     exec(compile(top_level[0], "docs/library.md", "exec"), names)
     assert isinstance(names["cert"], Certificate) and isinstance(names["total"], Guarantee)
+
+
+def test_the_coefficients_rebuild_runs_and_gives_the_records_run(cli, tmp_path, monkeypatch):
+    """docs/choosing-eps.md's rebuild from --store coefficients runs as written on the output of
+    the command beside it, and gives the records a --store records run of the same seed writes."""
+    import numpy as np
+
+    from tests.builders import SEED
+
+    page = (REPO / "docs" / "choosing-eps.md").read_text(encoding="utf-8")
+    section = page.split("### Storing the coefficients", 1)[1].split("\n## ", 1)[0]
+    command = re.findall(r"^```sh\n(tldp perturb .*?)\n```", section, flags=re.S | re.M)[0].split()
+    (block,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    (tmp_path / "sample_data").mkdir()
+    (tmp_path / "sample_data" / "digits.npy").symlink_to(REPO / "sample_data" / "digits.npy")
+    monkeypatch.chdir(tmp_path)
+    assert command[:2] == ["tldp", "perturb"] and "--store" in command
+    result = cli(*command[1:], "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    names: dict = {}
+    exec(compile(block, "docs/choosing-eps.md", "exec"), names)
+    records = cli(*command[1:-2], "--seed", SEED, "--out", "records.npy")
+    assert records.exit_code == 0, records.stderr
+    written = np.load("records.npy")
+    assert names["records"].shape == written.shape == (400, 28, 28)
+    assert np.abs(names["records"] - written).max() < 1e-3

@@ -6,6 +6,7 @@ quick):
     perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
     perturb(PerturbOptions(input, eps, ...)) -> PerturbResult     files, as `tldp perturb`
     calibrate(...), certify(calibration) -> Certificate, compose([(calibration, records)]) -> Guarantee
+    rebuild_records(manifest, rows) -> records                   from perturb's --store coefficients
     TldpError, UsageError, InputError, DataError, OutputError     the errors raised
 
 The parameters are the command's options without their dashes (eps, dp_delta,
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataError", "InputError", "OutputError", "PerturbOptions", "PerturbResult", "Perturbed",
-    "TldpError", "UsageError", "calibrate", "certify", "compose", "perturb", "perturb_array",
+    "TldpError", "UsageError", "calibrate", "certify", "compose", "perturb", "perturb_array", "rebuild_records",
 ]
 
 _WHERE = {
@@ -28,7 +29,7 @@ _WHERE = {
     "PerturbResult": "tldp_cli.run.pipeline",
     "calibrate": "tldp_cli.run.library", "certify": "tldp_cli.privacy.accounting", "compose": "tldp_cli.privacy.accounting",
     "TldpError": "tldp_cli.errors", "UsageError": "tldp_cli.errors", "InputError": "tldp_cli.errors",
-    "DataError": "tldp_cli.errors", "OutputError": "tldp_cli.errors",
+    "DataError": "tldp_cli.errors", "OutputError": "tldp_cli.errors", "rebuild_records": "tldp_cli.run.manifest",
 }
 
 

@@ -39,6 +39,11 @@ class Mechanism(str, Enum):
     privunit = "privunit"
 
 
+class Store(str, Enum):
+    records = "records"
+    coefficients = "coefficients"
+
+
 class Budget(str, Enum):
     element = "element"
     record = "record"
@@ -214,8 +219,9 @@ BudgetOption = Annotated[Optional[Budget], typer.Option(
 BasisOption = Annotated[Optional[str], typer.Option(
     "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
-         "low-pass block of the 2-D DCT-II over the record's spatial axes, k from a public "
-         "rule of --eps and the record's size; dct:K: K coefficients; FILE.npy: your own k x I "
+         "low-pass block of the DCT-II over the record's spatial axes (3-D for a volume, "
+         "2-D for an image, docs/choosing-eps.md), k from a public rule of --eps and the "
+         "record's size; dct:K: K coefficients; FILE.npy: your own k x I "
          "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
          "manifest; a basis learned from the data released is not public).",
     show_default=False)]
@@ -228,6 +234,13 @@ ReferenceOption = Annotated[Optional[str], typer.Option(
          "H x W x 3 or 4: a photo written from 0 comes out dark), zero for every other record "
          "(digits on black, volumes, vectors). The manifest states it.",
     show_default=False)]
+StoreOption = Annotated[Store, typer.Option(
+    "--store",
+    help="--mechanism privunit: what each record is written as. records (default): written back in "
+         "the record's shape and the input's format. coefficients: its k released coefficients "
+         "(V, the released unit vector, in --dtype), one row of k values per record, with what rebuilds "
+         "the records in the manifest (privunit.stored); .npy, HDF5/netCDF and Zarr outputs. "
+         "The guarantee is the same.")]
 Ranges = Annotated[Optional[list[str]], typer.Option(
     "--range", metavar="[NAME=]LO:HI",
     help="Declared value range. Required for float data and integers wider than 16 bits; "

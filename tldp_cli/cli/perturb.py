@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -36,6 +36,7 @@ def perturb_command(
     budget: BudgetOption = None,
     basis: BasisOption = None,
     reference: ReferenceOption = None,
+    store: StoreOption = Store.records,
     value_range: Ranges = None,
     weights: Annotated[Optional[Path], typer.Option(parser=data_path, metavar="PATH",
         help="Weight mask .npy in [0, 1] (weighted TLDP; not with mvg or idn): the record's "
@@ -156,6 +157,7 @@ def perturb_command(
       tldp perturb features.npy --eps 1 --range -1:1 --json > manifest.json
       tldp perturb sample_data/digits.npy --eps 8 --budget record
       tldp perturb sample_data/digits.npy --mechanism privunit --eps 4
+      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4 --store coefficients
       tldp perturb sample_data/digits.npy --eps 1 --mechanism mvg --sampler float --out mvg.npy
       tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
       tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
@@ -189,7 +191,7 @@ def perturb_command(
             scheduler=scheduler, dask_address=dask_address, dask_logs=debug, resume=resume,
             allow_raw_release=allow_raw_release, public_missing=public_missing,
             ledger=ledger, max_record_eps=max_record_eps, max_record_delta=max_record_delta,
-            sampler=sampler, basis=basis, reference=reference, block_elements=block_elements or BLOCK_ELEMENTS)
+            sampler=sampler, basis=basis, reference=reference, store=store, block_elements=block_elements or BLOCK_ELEMENTS)
 
     display = Display(quiet, verbose)
     if len(paths) > 1 or inputs_from is not None:
@@ -325,7 +327,9 @@ def _report(result, quiet: bool, json_out: bool) -> None:
     if not quiet:
         for message in result.messages:
             typer.echo(f"tldp: {message}", err=True)
-        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{unperturbed_note(m)}) and "
+        stored = m.get("privunit", {}).get("stored")
+        what = f"; stored as {m['privunit']['k']} {stored['dtype']} coefficients each" if stored else ""
+        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
         ranges = len(m.get("range_groups", []))
         typer.echo("tldp: " + guarantee_line(m["accounting"], m["noise"], ranges), err=True)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Verbose, data_path, input_paths, list_path, perturb_options
+from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Store, StoreOption, Verbose, data_path, input_paths, list_path, perturb_options
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ def plan_command(
     budget: BudgetOption = None,
     basis: BasisOption = None,
     reference: ReferenceOption = None,
+    store: StoreOption = Store.records,
     value_range: Ranges = None,
     dp_delta: DpDelta = 1e-5,
     granularity: Granularity = None,
@@ -102,7 +103,7 @@ def plan_command(
             noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
-            input_format=input_format, basis=basis, reference=reference)
+            input_format=input_format, basis=basis, reference=reference, store=store)
         if len(paths) > 1 or inputs_from is not None:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch
@@ -162,8 +163,11 @@ def _print(report: dict, quiet: bool) -> None:
             typer.echo(f"tldp: {message}", err=True)
         c = report["calibration"]
         if "privunit" in report:
-            typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, values "
-                       f"{report.get('output_dtype', c['values_dtype'])}{unperturbed_note(report)}", err=True)
+            written = report.get("output_dtype", c["values_dtype"])
+            stored = (f"stored as {report['privunit']['k']} {c['values_dtype']} coefficients per record"
+                      if "stored" in report["privunit"] else f"values {written}")
+            typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, {stored}"
+                       f"{unperturbed_note(report)}", err=True)
         else:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
                        f"{c['noise_scale']:.4g}, element eps "

@@ -101,7 +101,40 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calib
                            "detail": f"{perturbed}: has no array {job.name}"})
             continue
         pairs.append(Pair(job.name, job, out.shape, out.read, calibs[job.name]))
+    if isinstance((m.get("privunit") or {}).get("stored"), dict):
+        return rebuilt_pairs(pairs, m, issues)
     return pairs
+
+
+def rebuilt_pairs(pairs: list[Pair], m: dict, issues: list[dict]) -> list[Pair]:
+    """A --store coefficients output: each pair reads the records its stored rows rebuild
+    (manifest.rebuild_records, the records --store records writes), so the perturbed data is
+    compared record by record as that of a records run; a pair whose rows are not
+    (records, k) keeps its shape, which the shape check fails."""
+    unit = m["privunit"]
+    basis = None
+    if unit["basis"]["kind"] == "file":
+        from tldp_cli.run import bases
+
+        user = bases.load_basis(Path(unit["basis"]["path"]))
+        if user.sha256 != unit["basis"].get("sha256"):
+            raise InputError(f"{user.path}: its sha256 differs from the manifest's privunit.basis.sha256")
+        basis = user.matrix
+    issues.append({"check": "coefficients", "passed": True,
+                   "detail": "PERTURBED holds each record's k released coefficients (--store coefficients): "
+                             "compared as the records they rebuild (privunit.stored.rebuild)"})
+    rebuilt = []
+    for pair in pairs:
+        if len(pair.perturbed_shape) != 2 or pair.perturbed_shape[1] != unit["k"]:
+            rebuilt.append(pair)
+            continue
+
+        def read(start, stop, rows=pair.read_perturbed):
+            return manifest_mod.rebuild_records(m, rows(start, stop), basis)
+
+        rebuilt.append(Pair(pair.name, pair.job, (pair.perturbed_shape[0], *pair.job.record_shape), read,
+                            pair.calib))
+    return rebuilt
 
 
 def _output_root(entries: list[str], perturbed: Path) -> Path | None:

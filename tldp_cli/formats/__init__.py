@@ -305,6 +305,11 @@ class Format(Generic[R]):
     # Whether an existing folder (whose manifest, where this run's goes, names it) is an
     # earlier output of this format, which --overwrite may replace: (folder, reader) -> bool.
     earlier_output: Callable[[Path, R], bool] = never_earlier_output
+    # --store coefficients (--mechanism privunit): a writer of each array's released
+    # coefficients, one row of k values per record, in place of the records: (reader, the
+    # arrays as written, of shape (records, k), tmp_path, dtype, options) -> Writer. None:
+    # the format holds records only, and the option is refused.
+    create_coefficient_writer: Callable[[R, list[ArrayJob], Path, np.dtype, FormatOptions], Writer] | None = None
 
     @property
     def resumable(self) -> bool:

@@ -1456,11 +1456,77 @@ def create_writer(reader: Hdf5Reader, tmp_path: Path, dtype: np.dtype,
     return Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)
 
 
+COEFFICIENT_DIMENSION = "coefficient"
+
+
+class Hdf5CoefficientWriter(Hdf5Writer):
+    """--store coefficients: the output the records writer makes (the same groups, links,
+    kept attributes, datasets and coordinates), but each perturbed dataset holds its records'
+    released coefficients, (records, k) in the engine's dtype, with none of the input
+    dataset's attributes (its units, fill values and dimensions describe records). In a
+    netCDF file (axis 0 a dimension) axis 0 keeps its dimension and axis 1 is a new
+    `coefficient` dimension (its coordinate variable: 0 .. k-1), so netCDF4 and xarray read
+    the variable as (record dimension, coefficient); the record's own dimensions and their
+    coordinates stay in the file, unused by it. Missing values cannot be marked in
+    coefficients: each record is one released vector."""
+
+    def __init__(self, reader: Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
+        assert not reader.records_are_tensors  # Keras weights: refused by pipeline.calibrate_run
+        self.shapes = {job.name: job.shape for job in jobs}
+        self.coefficients: list[tuple[h5py.Dataset, h5py.Dataset]] = []  # (input dataset, output dataset)
+        super().__init__(reader, tmp_path, dtype)
+        try:
+            with self._hdf5():
+                self._attach_dimensions()
+        except BaseException:
+            with suppress(Exception):
+                self.close()
+            raise
+
+    def _create_perturbed(self, src: h5py.Dataset, dst: h5py.Group, name: str, job_name: str) -> None:
+        plist = h5p.create(h5p.DATASET_CREATE)
+        plist.set_attr_creation_order(src.id.get_create_plist().get_attr_creation_order())
+        space = h5s.create_simple(self.shapes[job_name])
+        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=plist))
+        self.datasets[job_name] = out
+        self.coefficients.append((src, out))
+
+    def _cf_attrs(self, src: h5py.Dataset, job_name: str) -> dict[bytes, np.ndarray | None]:
+        return {}  # no attribute of the input dataset is written, and no marker put back
+
+    def _attach_dimensions(self) -> None:
+        """netCDF: axis 0 on the record dimension's scale as written, axis 1 on the group's
+        `coefficient` dimension (made once per group)."""
+        made: dict[str, h5py.Dataset] = {}
+        for src, out in self.coefficients:
+            row = _row_dimension(src)
+            written = self.copied.get(_object_key(self.src[row])) if row else None
+            if written is None:
+                continue  # plain HDF5: no dimensions
+            group = out.parent
+            if group.name not in made:
+                if COEFFICIENT_DIMENSION in group:
+                    raise UsageError(f"{self.source}: --store coefficients names the new dimension "
+                                     f"{COEFFICIENT_DIMENSION}, which {group.name} holds already")
+                scale = group.create_dataset(COEFFICIENT_DIMENSION, data=np.arange(out.shape[1], dtype=np.int32))
+                scale.attrs["long_name"] = "index of the released coefficient (privunit.stored in the manifest)"
+                scale.make_scale(COEFFICIENT_DIMENSION)
+                made[group.name] = scale
+            out.dims[0].attach_scale(self._created[written])
+            out.dims[1].attach_scale(made[group.name])
+
+
+def create_coefficient_writer(reader: Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
+                              options: FormatOptions) -> Hdf5CoefficientWriter:
+    return Hdf5CoefficientWriter(reader, jobs, tmp_path, dtype)
+
+
 FORMAT = Format(
     name=NAME, title="HDF5 file", suffixes=(".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".cdf"),
     compound_suffixes=(".weights.h5",),
     selects_arrays=True, honours_exclude=True, honours_keep=True, cf_markers=True, shares_rows=True,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    create_coefficient_writer=create_coefficient_writer,
     docs=(DocRow("HDF5 file", "the HDF5 signature (any suffix)",
                  "`tldp perturb sample_data/digits.h5 --eps 1 --dataset images`",
                  "`digits.tldp.h5`: same groups, structural attributes, chunks, filters; labels and other "

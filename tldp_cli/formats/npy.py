@@ -267,9 +267,16 @@ def create_writer(reader: NpyReader, tmp_path: Path, dtype: np.dtype,
     return NpyWriter(reader.job, tmp_path, dtype)
 
 
+def create_coefficient_writer(reader: NpyReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
+                              options: FormatOptions) -> NpyWriter:
+    """--store coefficients: one (records, k) array, written as the records are."""
+    return NpyWriter(jobs[0], tmp_path, dtype)
+
+
 FORMAT = Format(
     name=NAME, title=".npy array", suffixes=(".npy",), single_array=True,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
+    create_coefficient_writer=create_coefficient_writer,
     docs=(DocRow("`.npy` array", "the NumPy magic bytes", "`tldp perturb sample_data/digits.npy --eps 1`",
                  "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input"),),
 )

@@ -1350,6 +1350,55 @@ def reopen_writer(reader: ZarrReader, tmp_path: Path, dtype: np.dtype,
     return ZarrWriter(reader, tmp_path, dtype, reopen=True, bounds=options.value_bounds)
 
 
+COEFFICIENT_DIMENSION = "coefficient"
+
+
+class ZarrCoefficientWriter(ZarrWriter):
+    """--store coefficients: the store the records writer makes (the same groups, kept
+    arrays, attributes and files), but each perturbed array holds its records' released
+    coefficients, (records, k) in the engine's dtype, chunked along axis 0 as the input (no
+    shards), with none of the input array's attributes (its units and fill values describe
+    records). Where the array names its dimensions (xarray), axis 0 keeps its name and axis 1
+    is `coefficient`. Missing values cannot be marked in coefficients, and multiscale images
+    (OME-Zarr), whose lower levels are images, are refused."""
+
+    def __init__(self, reader: ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
+        if any(job.name.strip("/") in p.levels for p in reader.pyramids for job in jobs):
+            raise UsageError(f"{reader.path}: --store coefficients applies to arrays of records, not to "
+                             "multiscale images (OME-Zarr), whose lower levels are images")
+        super().__init__(reader, tmp_path, dtype)
+        self.blocks.flush()  # the records-shaped arrays' writer: replaced below
+        store = LocalStore(tmp_path)
+        for job in jobs:
+            path = job.name.strip("/")
+            names = _dimension_names(reader.handles[path])
+            dimensions = None if names is None else [names[0], COEFFICIENT_DIMENSION]
+            if dimensions and posixpath.join(posixpath.dirname(path), COEFFICIENT_DIMENSION) in reader.handles:
+                raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
+                                 f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
+            try:
+                zarr.create_array(
+                    store=store, name=path, shape=job.shape, dtype=self.dtype, fill_value=np.nan,  # (V is never NaN)
+                    chunks=(min(job.records, job.chunk_records or job.records), job.shape[1]),
+                    zarr_format=reader.zarr_format, overwrite=True,
+                    dimension_names=dimensions if reader.zarr_format == 3 else None,
+                    attributes={"_ARRAY_DIMENSIONS": dimensions} if dimensions and reader.zarr_format == 2 else {})
+            except OSError as exc:
+                raise OutputError(f"{shown(tmp_path)}: cannot write array {_display(path)} ({reason_of(exc)})") from None
+        self.blocks = _Blocks(tmp_path, reader.path, self.blocks.paths, reader.zarr_format, self.dtype)
+        self.blocks.open_arrays()
+
+    def _cf_attributes(self, reader: ZarrReader, names: dict[str, str],
+                       metadata: dict[str, dict]) -> dict[str, dict]:
+        self.missing = {}  # no attribute of the input array is written, and no marker put back
+        return {}
+
+
+def create_coefficient_writer(reader: ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
+                              options: FormatOptions) -> ZarrCoefficientWriter:
+    return ZarrCoefficientWriter(reader, jobs, tmp_path, dtype)
+
+
 def is_earlier_output(path: Path, reader: ZarrReader) -> bool:
     """A folder whose manifest names it is an earlier output if it is a Zarr store."""
     return any((path / name).is_file() for name in METADATA_FILES)
@@ -1359,7 +1408,7 @@ FORMAT = Format(
     name=NAME, title="Zarr store", suffixes=(".zarr",), compound_suffixes=(".ome.zarr",), folder=True,
     selects_arrays=True, honours_keep=True, cf_markers=True, shares_rows=True,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
-    reopen_writer=reopen_writer, earlier_output=is_earlier_output,
+    reopen_writer=reopen_writer, earlier_output=is_earlier_output, create_coefficient_writer=create_coefficient_writer,
     docs=(DocRow("Zarr store (format 2 or 3)",
                  "`zarr.json`, `.zarray`, `.zgroup`, `.zattrs` or `.zmetadata` at its root",
                  "`tldp perturb sample_data/digits.zarr --eps 1`",

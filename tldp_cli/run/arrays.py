@@ -24,7 +24,7 @@ from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
-from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, validate_block
+from tldp_cli.run.pipeline import COEFFICIENTS, PerturbOptions, calibrate_run, checked_options, validate_block
 from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]
@@ -53,12 +53,13 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                   dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
                   dtype: str = "float32", clip: float | None = None,
                   clip_input: bool = False, basis: str | None = None,
-                  reference: str | float | None = None) -> Perturbed:
+                  reference: str | float | None = None, store: str = "records") -> Perturbed:
     """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
 
     The options mean what `tldp perturb`'s do (`noise` None: the mechanism's default,
     laplace for tldp; `budget` None: element, record for privunit; `basis`: privunit's
-    --basis; `reference`: its --reference, auto (None), zero, low, mid or a number). `value_range`, (lo, hi) or "lo:hi", is required for
+    --basis; `reference`: its --reference, auto (None), zero, low, mid or a number; `store`: its
+    --store, "coefficients" returns each record's k released coefficients, (n, k)). `value_range`, (lo, hi) or "lo:hi", is required for
     float data; `weights` (values in [0, 1]; not with privunit, mvg or idn, as for perturb)
     has the record's shape or one mask per record.
     Raises UsageError for options that cannot work (a TldpError), DataError for values
@@ -80,7 +81,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         value_range=value_range,
         seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
-        basis=basis, reference=None if reference is None else str(reference)))
+        basis=basis, reference=None if reference is None else str(reference), store=store))
     assert options.noise is not None  # checked_options resolved it
     if weights is not None and options.mechanism in (PRIVUNIT, *GAUSSIAN_ONLY):  # as perturb refuses --weights
         raise UsageError(f"--weights lower TLDP's retain probability; --mechanism {options.mechanism} keeps "
@@ -99,7 +100,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     calib = calibrated.calib_of[ARRAY_NAME]
     noisy = engine.perturb_records(values, 0, ARRAY_NAME, calib, streams,
                                    _weights(weights, values.shape), calibrated.out_dtype, calibrated.grid,
-                                   len(values), calibrated.bases.get(ARRAY_NAME))
+                                   len(values), calibrated.bases.get(ARRAY_NAME), options.store == COEFFICIENTS)
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
     return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
                      (calibrated.lo, calibrated.hi), noisy.dtype)

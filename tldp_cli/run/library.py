@@ -31,7 +31,7 @@ F = TypeVar("F", bound=Callable)
 CHOICES: dict[str, tuple[str, ...]] = {
     "mechanism": mechanisms.MECHANISMS, "noise": mechanisms.NOISES, "budget": mechanisms.BUDGETS,
     "sampler": mechanisms.SAMPLERS, "rng": RNG_KINDS, "dtype": ("float32", "float64"),
-    "scheduler": ("threads", "dask"), "reference": privunit.REFERENCE_CHOICES,
+    "scheduler": ("threads", "dask"), "reference": privunit.REFERENCE_CHOICES, "store": pipeline.STORE_CHOICES,
 }
 _FIELDS = {f.name: f for f in dataclasses.fields(pipeline.PerturbOptions)}
 # flag -> parameter: the table's exceptions, else the field's name with "_" for "-"

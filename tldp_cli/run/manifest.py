@@ -236,10 +236,11 @@ def privunit_split(calib: Calibration) -> dict[str, Any]:
             "output_scale": params.output_scale, "reference": params.reference}
 
 
-def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str, Any]:
+def privunit_entry(calib: Calibration, choice: Any, user_basis: Any, stored: str | None = None) -> dict[str, Any]:
     """The manifest's `privunit` object (the largest record's; `calibrations` lists every
     size): the public basis, the reference point, the output scale and the rules that
-    chose them (the certified figures are under accounting.privunit)."""
+    chose them (the certified figures are under accounting.privunit). `stored`: with
+    --store coefficients, the dtype the coefficients are stored in (stored_entry)."""
     params = calib.privunit_params()
     if user_basis is not None:
         basis = {"kind": "file", "k": params.k, "path": str(user_basis.path), "sha256": user_basis.sha256,
@@ -267,10 +268,88 @@ def privunit_entry(calib: Calibration, choice: Any, user_basis: Any) -> dict[str
                        "as the direction e_1 (the first coefficient)",
         "pre_emphasis": pre_emphasis_entry(params),
         "write_back": write_back_entry(params),
-        "written": ("reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
+        "written": (f"V itself, k {stored} values per record (stored): no write-back" if stored
+                    else "reference + c B^T (w * V), clipped to the declared range" if params.prior_exponent
                     is not None or params.emphasis_exponent is not None
                     else "reference + c B^T V, clipped to the declared range"),
+        **({"stored": stored_entry(calib, user_basis, stored)} if stored else {}),
     }
+
+
+def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, Any]:
+    """--store coefficients: what each row of the output holds, the order of its k values,
+    the weights w, and how to rebuild the records --store records writes (public values only;
+    docs/choosing-eps.md#storing-the-coefficients)."""
+    from tldp_cli.sampling import engine
+
+    params = calib.privunit_params()
+    basis = engine.privunit_basis(calib) if user_basis is None else None
+    weights = engine.write_back_weights(calib, basis)  # a user's basis: None, unweighted
+    entry: dict[str, Any] = {
+        "kind": "coefficients",
+        "values": f"V, each record's released unit vector (PrivUnit's output, float64), rounded once to {dtype}",
+        "dtype": dtype,
+        "shape": "(records, k): row i holds record i's k coefficients, in the basis's order",
+        "write_back_weights": [1.0] * params.k if weights is None else [float(w) for w in weights],
+        "rebuild": "record = clip(reference + output_scale.c * (write_back_weights * V) @ B, value_range), "
+                   "reshaped to record_shape (B: the k x I basis, one row per coefficient in order): the "
+                   "record --store records writes, before its cast to the output dtype",
+    }
+    if basis is None:
+        entry["basis_rows"] = "the rows of the basis file, in order (privunit.basis.path, its sha256)"
+        return entry
+    entry["coefficient_order"] = [[int(n) for n in row] for row in zip(*basis.index)]
+    if projection.is_volume(params.record_shape):
+        channels, depth, height, width = projection.volume_layout(params.record_shape)
+        entry["layout"] = {"channels": channels, "depth": depth, "height": height, "width": width,
+                           "channels_last": False}
+        entry["basis_rows"] = ("row r of B is DCT-II row i (depth) times row j (height) times row l (width) "
+                               "in channel c, [c, i, j, l] = coefficient_order[r], DCT-II row f of size n at "
+                               "x = 0..n-1: sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the "
+                               "record's elements in layout order (channels, depth, height, width)")
+    else:
+        channels, height, width, channels_last = projection.layout(params.record_shape)
+        entry["layout"] = {"channels": channels, "height": height, "width": width, "channels_last": channels_last}
+        entry["basis_rows"] = ("row r of B is DCT-II row i (height) times DCT-II row j (width) in channel c, "
+                               "[c, i, j] = coefficient_order[r], DCT-II row f of size n at x = 0..n-1: "
+                               "sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the record's "
+                               "elements in layout order (channels, height, width), channels moved last "
+                               "when layout.channels_last")
+    return entry
+
+
+def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) -> Any:
+    """The records a --store records run writes (before its cast to the output dtype), from
+    the rows a --store coefficients run stored and its manifest `m`: reference + c B^T (w * V),
+    clipped to the range (privunit.stored.rebuild; docs/choosing-eps.md#storing-the-coefficients).
+    `basis`: a user's basis (--basis FILE.npy), its k x I rows, which the manifest names but
+    does not hold. A function of the stored rows and public values only."""
+    import numpy as np
+
+    unit: Mapping[str, Any] = m["privunit"] if isinstance(m.get("privunit"), Mapping) else {}
+    stored = unit.get("stored")
+    if not isinstance(stored, Mapping):
+        raise InputError("the manifest states no stored coefficients (privunit.stored): it is not of a "
+                         "--store coefficients run")
+    k, shape = int(unit["k"]), tuple(int(n) for n in unit["record_shape"])
+    rows = np.asarray(coefficients, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != k:
+        raise InputError(f"the stored coefficients have shape {rows.shape}; the manifest says (records, {k})")
+    synthesis: Any
+    if unit["basis"]["kind"] == "dct":
+        synthesis = projection.dct_basis(shape, k)
+        if [[int(n) for n in row] for row in zip(*synthesis.index)] != stored.get("coefficient_order"):
+            raise InputError("the manifest's privunit.stored.coefficient_order is not this version's DCT order; "
+                             "build B from it (docs/choosing-eps.md#storing-the-coefficients)")
+    elif basis is None:
+        raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
+    else:
+        synthesis = projection.MatrixBasis(np.asarray(basis, dtype=np.float64), shape, "")
+    weights = np.asarray(stored["write_back_weights"], dtype=np.float64)
+    lo, hi = (float(v) for v in m["value_range"])
+    records = synthesis.synthesize(float(unit["output_scale"]["c"]) * (weights * rows))
+    records += float(unit["reference"])
+    return np.clip(records, lo, hi, out=records)
 
 
 def reference_rule(params: Any) -> str:
@@ -286,8 +365,8 @@ def reference_rule(params: Any) -> str:
 def pre_emphasis_entry(params: Any) -> dict[str, Any]:
     """The public weight d of each coefficient before the normalisation (u = d z / |d z|)."""
     if params.emphasis_exponent is None:
-        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two axes "
-                                           "(an image statistic)"}
+        return {"weights": "none", "rule": "d = 1: pre-emphasis only for the DCT basis over two or "
+                                           "three axes (an image and volume statistic)"}
     return {"weights": "spectral", "exponent": params.emphasis_exponent,
             "rule": privunit.EMPHASIS_RULE + "; u = d z / |d z|, and the write-back's w carries 1/d",
             "chosen": "on public digit data and MNIST training digits, not on the data this run "
@@ -303,7 +382,8 @@ def write_back_entry(params: Any) -> dict[str, Any]:
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     if params.prior_exponent is None:
         return {"weights": "none", "alignment": params.alignment,
-                "rule": "w = 1: weights only for the DCT basis over two axes (an image statistic: 1/d, and "
+                "rule": "w = 1: weights only for the DCT basis over two or three axes (an image and volume "
+                        "statistic: 1/d, and "
                         f"the Wiener filter at an alignment m = E<V, u> below {privunit.WEIGHTED_BELOW_ALIGNMENT:g})",
                 "chosen": "on public digit data, not on the data this run releases: docs/choosing-eps.md"}
     emphasised = "" if params.emphasis_exponent is None else (

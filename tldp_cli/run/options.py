@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 # them stay well inside a few hundred MB, large enough that per-block costs vanish.
 BLOCK_ELEMENTS = 1 << 21
 DESCRIBED = "records"  # the name of a described (not read) array: `tldp plan --elements` (run/plan.py)
+# --store: what a --mechanism privunit run writes for each record. records: the record written
+# back in the input's shape; coefficients: the k released coefficients (V, the released unit
+# vector), one row of k values per record, in formats whose Format.create_coefficient_writer is set.
+RECORDS, COEFFICIENTS = "records", "coefficients"
+STORE_CHOICES = (RECORDS, COEFFICIENTS)
 
 
 @dataclass
@@ -78,6 +83,7 @@ class PerturbOptions:
     public_missing: bool = False
     basis: str | None = None  # --mechanism privunit: dct (default), dct:K or FILE.npy (run/bases.py)
     reference: str | None = None  # --mechanism privunit: auto (None), zero, low, mid or a number
+    store: str = RECORDS  # --mechanism privunit: records (written back) or coefficients (V itself)
 
     def __post_init__(self):  # the library takes str paths too (out and manifest stay str: see above)
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
@@ -200,6 +206,11 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         raise UsageError("--basis applies to --mechanism privunit")
     elif options.reference is not None:
         raise UsageError("--reference applies to --mechanism privunit")
+    if options.store not in STORE_CHOICES:
+        raise UsageError(f"--store must be {' or '.join(STORE_CHOICES)}, not {options.store}")
+    if options.store == COEFFICIENTS and options.mechanism != PRIVUNIT:
+        raise UsageError("--store coefficients applies to --mechanism privunit (the k released coefficients "
+                         f"of each record); --mechanism {options.mechanism} writes records")
     options = dataclasses.replace(options, noise=sampled_noise(noise, options.sampler, options.mechanism))
     if options.seed is not None:
         from tldp_cli.sampling.rng import check_seed
@@ -238,4 +249,9 @@ def checked_input(options: PerturbOptions) -> tuple[PerturbOptions, Format]:
     """checked_options, then the input's format (formats.detect): what a run refuses first,
     in this order, before it reads anything but the input's name and first bytes."""
     checked = checked_options(options)
-    return checked, formats.detect(options.input, checked.input_format)
+    module = formats.detect(options.input, checked.input_format)
+    if checked.store == COEFFICIENTS and module.create_coefficient_writer is None:
+        held = ", ".join(f"{fmt.name} ({fmt.title})" for fmt in formats.registered() if fmt.create_coefficient_writer)
+        raise UsageError(f"{options.input}: --store coefficients does not apply to {module.name} ({module.title}), "
+                         f"whose output keeps its input's shapes; it applies to {held}")
+    return checked, module

@@ -49,8 +49,8 @@ from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
-    BLOCK_ELEMENTS, PerturbOptions, as_range, checked_budget, checked_input, checked_noise, checked_options,
-    parse_range, parse_ranges)
+    BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input,
+    checked_noise, checked_options, parse_range, parse_ranges)
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
@@ -84,7 +84,7 @@ RESUME_COMPARED = (
     "eps", "noise", "mechanism", "budget", "value_range", "ranges", "rng", "dtype", "dp_delta", "granularity",
     "clip_input", "clip", "datasets", "exclude", "keep", "input_format", "image_format", "copy_other",
     "skip_bad", "block_elements", "allow_raw_release", "sampler", "anonymize_names", "public_missing", "basis",
-    "reference",
+    "reference", "store",
 )
 # Compared in another form: the input by its resolved path, the seed by whether one was given
 # (never the seed nor anything derived from it: a hash would confirm guesses of a weak seed),
@@ -179,6 +179,7 @@ class BlockTask:
     grid: discrete.Grid | None = None  # discrete noises: snapped values are clipped into it
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)  # (lo, top, grid)
     bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by job name
+    coefficients: bool = False  # --store coefficients: each record's released (k) coefficients, not the record
 
     def __call__(self, job: ArrayJob, start: int, stop: int,
                  count_only: bool = False) -> tuple[int, np.ndarray | None]:
@@ -195,7 +196,7 @@ class BlockTask:
         weights = None if mask is None else mask.for_block(start, stop)
         noisy = engine.perturb_records(block, start, job.name, self.calibrations[job.name],
                                        self.streams, weights, self.dtype, grid, job.records,
-                                       self.bases.get(job.name))
+                                       self.bases.get(job.name), self.coefficients)
         if self.write is None:
             return 0, noisy
         self.write(job, start, noisy)
@@ -260,6 +261,9 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     source = options.input
     options, module = checked_input(options)
     report.tell("reading", headers_phrase(source, module, options))
+    if options.resume and options.store == COEFFICIENTS:
+        raise UsageError("--resume continues an interrupted records run: a --store coefficients run is "
+                         "written whole, and keeps nothing to resume from; run it again without --resume")
     if options.resume and not module.resumable:
         raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
                          f"{module.name} run keeps nothing to resume from")
@@ -570,6 +574,14 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
               for (lo, hi), group in members.items()]
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
+    if options.store == COEFFICIENTS and per_tensor:
+        raise UsageError(f"{source}: --store coefficients applies to arrays of records along their first axis; "
+                         "in a model file each tensor is one record, written in its own shape")
+    if options.store == COEFFICIENTS and len(calibrations) > 1:
+        shapes = sorted({"x".join(map(str, job.record_shape)) or "()" for job in jobs})
+        raise UsageError(f"{source}: --store coefficients: the arrays hold records of several shapes or "
+                         f"budgets ({', '.join(shapes)}), each with its own basis; the manifest describes one: "
+                         "store them one --dataset at a time")
     out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(options.dtype))
     if before_accounting is not None:
         before_accounting()
@@ -734,8 +746,8 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if options.anonymize_names:
         name_map = module.name_map_destination(options.name_map, options.input, destination,
                                                manifest_path, options.overwrite)
-    output.check_free_space(destination.parent, module.output_bytes(jobs, calibrated.out_dtype, format_options),
-                            destination)
+    output.check_free_space(destination.parent, module.output_bytes(written_jobs(run), calibrated.out_dtype,
+                                                                     format_options), destination)
     _check_memory(run)
     # Before anything is written: the ledger's cap, and the pending record that keeps a
     # concurrent run from passing it too.
@@ -809,12 +821,16 @@ def _stage(staging: output.Staging, run: RunContext, name_map: Path | None) -> _
     module, destination, manifest_path, _ = run.writing()
     partial = None
     notes: list[str] = []
-    if module.resumable:
+    if module.resumable and run.options.store != COEFFICIENTS:  # coefficients: written whole
         partial = resume.Partial(destination, _resume_record(run), run.options.resume)
         notes += partial.messages
         tmp_output = partial.store
         staging.adopt(tmp_output, destination)
     else:
+        if module.resumable and resume.partial_path(destination).exists():
+            leftover = resume.Partial(destination, _resume_record(run), False)  # an interrupted run's: removed,
+            notes += leftover.messages  # as any run without --resume does (or refused while another runs)
+            leftover.remove()
         tmp_output = staging.temporary(destination)
     return _Staged(tmp_output, staging.temporary(manifest_path),
                    staging.temporary(name_map) if name_map else None, partial, notes)
@@ -835,10 +851,7 @@ def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
     where = f"{options.workers} thread{'s' if options.workers != 1 else ''}" if options.scheduler == "threads" else "Dask"
     report.tell("perturbing", f"{plural(total, 'record')} in {plural(len(tasks), 'block')} on {where}, into a "
                               f"work copy beside the output")
-    open_writer = module.reopen_writer if partial and partial.resuming else module.create_writer
-    assert open_writer is not None  # a resuming run's format is resumable (resume.Partial)
-    writer = open_writer(run.reader, staged.output, calibrated.out_dtype,
-                         dataclasses.replace(run.format_options, value_bounds=_value_bounds(calibrated, jobs)))
+    writer = _open_writer(run, staged)
     try:
         if partial is not None:
             partial.begin()
@@ -856,7 +869,7 @@ def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
             clip_input=options.clip_input or options.clip is not None,
             dtype=calibrated.out_dtype,
             source=options.input, write=writer.write, grid=calibrated.grid, bounds=calibrated.checked_bounds(),
-            bases=calibrated.bases)
+            bases=calibrated.bases, coefficients=options.store == COEFFICIENTS)
         if options.scheduler == "dask":
             results = _run_dask(run, dataclasses.replace(block_task, write=writer.block_writer()), tasks,
                                 staged.output, lambda: bool(outside_counts), notes)
@@ -884,6 +897,29 @@ def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
     if outside_counts:
         raise _outside_error(outside_counts, calibrated, options.input)
     return writer, written
+
+
+def written_jobs(run: RunContext) -> list[ArrayJob]:
+    """The arrays as the run writes them: the input's, or with --store coefficients each of
+    shape (records, k), one row of its records' k released coefficients."""
+    if run.options.store != COEFFICIENTS:
+        return run.jobs
+    return [dataclasses.replace(job, shape=(job.records, run.calibrated.calib_of[job.name].privunit_params().k))
+            for job in run.jobs]
+
+
+def _open_writer(run: RunContext, staged: _Staged):
+    """The format's writer on the staged output: a new one, a resumed one (--resume), or with
+    --store coefficients its writer of coefficients (checked_input refused the formats without)."""
+    module = run.writing()[0]
+    options = dataclasses.replace(run.format_options, value_bounds=_value_bounds(run.calibrated, run.jobs))
+    if run.options.store == COEFFICIENTS:
+        assert module.create_coefficient_writer is not None  # checked_input
+        return module.create_coefficient_writer(run.reader, written_jobs(run), staged.output,
+                                                run.calibrated.out_dtype, options)
+    open_writer = module.reopen_writer if staged.partial and staged.partial.resuming else module.create_writer
+    assert open_writer is not None  # a resuming run's format is resumable (resume.Partial)
+    return open_writer(run.reader, staged.output, run.calibrated.out_dtype, options)
 
 
 def _value_bounds(calibrated: Calibrated, jobs: list[ArrayJob]
@@ -1106,7 +1142,10 @@ def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = No
     manifest.build joins the parts (manifest_parts), none writing a key another wrote."""
     options, calibrated, jobs, reader, streams = run.options, run.calibrated, run.jobs, run.reader, run.streams
     postprocessing = []
-    if calibrated.largest.privunit is not None:
+    if options.store == COEFFICIENTS:
+        postprocessing = [f"store V, each record's released unit vector, as its k coefficients in "
+                          f"{calibrated.out_dtype} (one rounding; privunit.stored): no write-back"]
+    elif calibrated.largest.privunit is not None:
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
                           f"w: privunit.write_back), "
                           f"clip to [{calibrated.lo:g}, {calibrated.hi:g}], cast to {calibrated.out_dtype}"]
@@ -1177,9 +1216,9 @@ def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[A
              if calibrated.grid is not None else {}),
         Part("the ranges", ranges),
         Part("the record sizes", {"elements_per_record_range": [min(sizes), max(sizes)]} if len(sizes) > 1 else {}),
-        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(calibrated.largest,
-                                                                  bases_mod.parse_basis(options.basis),
-                                                                  calibrated.user_basis)}
+        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(
+            calibrated.largest, bases_mod.parse_basis(options.basis), calibrated.user_basis,
+            stored=str(calibrated.out_dtype) if options.store == COEFFICIENTS else None)}
              if calibrated.largest.privunit is not None else {}),
     ]
 
@@ -1200,7 +1239,8 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
         ranges={name: (float(lo), float(hi)) for name, (lo, hi) in (m.get("value_ranges") or {}).items()},
         granularity=None if automatic else m.get("granularity"), dtype=float_dtype,
         dp_delta=float(acc.get("dp_delta", 1e-5)), basis=_basis_of_manifest(m),
-        reference=_reference_of_manifest(m), allow_raw_release="raw_release_allowed" in m)
+        reference=_reference_of_manifest(m), allow_raw_release="raw_release_allowed" in m,
+        store=COEFFICIENTS if isinstance((m.get("privunit") or {}).get("stored"), dict) else RECORDS)
 
 
 def _basis_of_manifest(m: dict[str, Any]) -> str | None:

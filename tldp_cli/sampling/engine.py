@@ -157,7 +157,7 @@ def _records_and_output(block: np.ndarray, elements: int, dtype: np.dtype) -> tu
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
                     dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None,
-                    array_records: int | None = None, basis=None) -> np.ndarray:
+                    array_records: int | None = None, basis=None, coefficients: bool = False) -> np.ndarray:
     """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
 
     `array_records`: how many records the whole array has (rng.records_per_unit), the
@@ -168,10 +168,13 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
     Discrete noises go to perturb_discrete (exact integer samplers; an integer
     dtype gets grid values, a float dtype G times them; `grid`, the run's grid, bounds the
     snapped values). --mechanism privunit goes to perturb_privunit (`basis`: a user's
-    basis; None, the DCT basis of the calibration).
+    basis; None, the DCT basis of the calibration; `coefficients`: the released (n, k)
+    coefficients instead of the records, --store coefficients).
     """
     if calib.privunit is not None:
-        return perturb_privunit(block, first_record, array_name, calib, streams, basis, dtype)
+        return perturb_privunit(block, first_record, array_name, calib, streams, basis, dtype, coefficients)
+    if coefficients:
+        raise ValueError("coefficients are released by --mechanism privunit only")
     if calib.noise in DISCRETE_NOISES:
         return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid,
                                 array_records)
@@ -269,7 +272,7 @@ def privunit_basis(calib: Calibration, basis=None):
 
 def emphasis_weights(calib: Calibration, basis) -> np.ndarray | None:
     """d, the public pre-emphasis of each coefficient before the normalisation (a DCT basis
-    over two axes: privacy/privunit.emphasis of its frequencies; otherwise None, none)."""
+    over two or three axes: privacy/privunit.emphasis of its frequencies; otherwise None, none)."""
     params = calib.privunit_params()
     if params.emphasis_exponent is None or getattr(basis, "kind", None) != "dct":
         return None
@@ -328,13 +331,20 @@ def write_back(released: np.ndarray, calib: Calibration, basis, dtype: np.dtype 
 
 
 def perturb_privunit(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
-                     streams: Streams, basis=None, dtype: np.dtype | type = np.float32) -> np.ndarray:
+                     streams: Streams, basis=None, dtype: np.dtype | type = np.float32,
+                     coefficients: bool = False) -> np.ndarray:
     """--mechanism privunit on a block of whole records: project on the basis, normalise,
-    draw V (sampling/privunit.py), write back reference + c B^T (w * V) in the record's shape."""
+    draw V (sampling/privunit.py), write back reference + c B^T (w * V) in the record's shape;
+    with `coefficients` (--store coefficients), V itself: (n, k) in `dtype`, each row the
+    released unit vector rounded once (a function of V alone: post-processing)."""
     dtype = np.dtype(dtype)
     basis = privunit_basis(calib, basis)
     if block.shape[0] == 0:
-        return page_aligned_empty(block.shape, dtype)
+        return page_aligned_empty((0, basis.k) if coefficients else block.shape, dtype)
     u = record_directions(block, calib, basis)
     released = sample_directions(u, first_record, array_name, calib, streams)
+    if coefficients:
+        out = page_aligned_empty(released.shape, dtype)
+        out[...] = released
+        return out
     return write_back(released, calib, basis, dtype).reshape(block.shape)
