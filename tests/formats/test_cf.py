@@ -44,3 +44,28 @@ def test_markers_the_output_dtype_cannot_hold_saturate_never_wrap():
     assert cf.output_marker(-9999.0, int16) == -9999 and cf.output_marker(np.uint8(255), int16) == 255
     assert np.isnan(cf.output_marker(1e300, float32)) and np.isnan(cf.output_marker(0.1, float32))
     assert cf.output_marker(np.float64(0.5), float32) == 0.5 and np.isnan(cf.output_marker(np.nan, float32))
+
+
+def test_unnamed_leaves_out_the_variables_gone_and_their_measures():
+    gone = {"lat", "cell_area"}.__contains__
+    assert cf.unnamed("time lat lon", gone) == "time lon"
+    assert cf.unnamed("area: cell_area volume: cell_volume", gone) == "volume: cell_volume"
+    assert cf.unnamed("area: cell_area", gone) == ""  # names nothing written: left out
+    assert cf.unnamed("time  lon", gone) is None  # names none of them: written as it is
+    assert cf.unnamed(None, gone) is None
+
+
+def test_record_coordinates_follow_the_record_dimension():
+    """A trajectory's track and identifier, and a station's elevation, run along the record
+    dimension; a dimension coordinate, its bounds and a grid off that dimension do not."""
+    dims = {"/trajectory": ("/trajectory",), "/obs": ("/obs",), "/time": ("/time",),
+            "/lat": ("/trajectory", "/obs"), "/lat_bnds": ("/trajectory", "/obs", "/nv"),
+            "/temp": ("/trajectory", "/obs"), "/time_bnds": ("/time", "/nv"), "/x_edge": ("/obs",),
+            "/elev": ("/trajectory",)}
+    attrs = {("/temp", "coordinates"): "lat x_edge elev time", ("/lat", "bounds"): "lat_bnds",
+             ("/time", "bounds"): "time_bnds", ("/trajectory", "cf_role"): "trajectory_id"}
+    found = cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
+                                  {"/trajectory"})
+    assert found == {"/lat", "/lat_bnds", "/elev", "/trajectory"}
+    assert cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
+                                 {"/time"}) == set()  # time(time) and its bounds: the grid
