@@ -34,6 +34,10 @@ A variant is a comma-free string of options joined by "+":
     python docs/choosing-eps/k_eps.py grid --data mnist2000 --folds 5 --releases 1 \
         --eps 8 --variants exact+k64,exact+k128,exact+k256,exact+k784 --name ceiling-mnist2000
 
+The tables of docs/choosing-eps.md ("Issue 28's gap: k with eps, the display scale and the
+cap's floor, re-examined") come from the commands listed there; each JSON under
+docs/choosing-eps/k_rule/ also stores the command that wrote it.
+
 Every variant of one (eps, release) draws V from the same stream (paired differences).
 Prints one line per (eps, variant) and writes JSON under docs/choosing-eps/k_rule/.
 RESEARCH CODE, NOT THE PRODUCT: NumPy's PCG64 with a fixed seed.
