@@ -28,6 +28,9 @@ A variant is a comma-free string of options joined by "+":
   exact   no noise: V = u (the pipeline's ceiling: projection, emphasis, normalisation,
           write-back at the display scale, clipping)
   noclip  the write-back without the clip to the range
+  diagonal, square  the k coefficients kept are the lowest by i/H + j/W ("diagonal", zig-zag-like)
+          or max(i/H, j/W) ("square") instead of the package's (i/H)^2 + (j/W)^2 (ties as the
+          package's: the lower i + j, then the lower i)
   unit    c such that the written deviation has the norm of the mean training record (a
           public constant of this research only, to see what the fixed display scale costs)
 
@@ -66,10 +69,13 @@ OUT = HERE / "k_rule"
 
 
 def parse(variant: str) -> dict:
-    opts = {"k": None, "D": None, "cap": None, "a": None, "exact": False, "noclip": False, "unit": False}
+    opts = {"k": None, "D": None, "cap": None, "a": None, "exact": False, "noclip": False, "unit": False,
+            "order": "radial"}
     for part in filter(None, variant.split("+")):
         if part in ("exact", "noclip", "unit"):
             opts[part] = True
+        elif part in ("diagonal", "square"):
+            opts["order"] = part
         elif part.startswith("cap"):
             opts["cap"] = float(part[3:])
         elif part[0] in "kDa":
@@ -96,6 +102,25 @@ def calibration(eps: float, shape: tuple[int, ...], value_range: tuple[float, fl
     return dataclasses.replace(calib, privunit=params)
 
 
+def ordered_basis(record_shape: tuple[int, ...], k: int, order: str):
+    """The package's DCT basis (sampling/projection.DctBasis) with its k coefficients picked by
+    another ordering of the frequencies (one channel: the records measured here)."""
+    from tldp_cli.sampling import projection
+
+    basis = projection.DctBasis(record_shape, k)
+    if order == "radial":
+        return basis
+    h, w = basis.height, basis.width
+    grid_i, grid_j = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    i, j = grid_i.ravel(), grid_j.ravel()
+    key = i / h + j / w if order == "diagonal" else np.maximum(i / h, j / w)
+    pick = np.lexsort((i, i + j, np.round(key, 12)))[:k]
+    basis.index = (np.zeros(k, dtype=int), i[pick], j[pick])
+    basis.rows_h = projection.dct_matrix(h, int(i[pick].max()) + 1)
+    basis.rows_w = projection.dct_matrix(w, int(j[pick].max()) + 1)
+    return basis
+
+
 def release(x: np.ndarray, eps: float, value_range, opts: dict, rng: np.random.Generator,
             unit_norm: float | None = None) -> tuple[np.ndarray, float]:
     """(the records written, the mean <V, u>) through the package's pipeline (module docstring)."""
@@ -108,7 +133,7 @@ def release(x: np.ndarray, eps: float, value_range, opts: dict, rng: np.random.G
     if opts["unit"]:
         calib = dataclasses.replace(calib, privunit=dataclasses.replace(params, output_scale=unit_norm))
         params = calib.privunit
-    basis = engine.privunit_basis(calib)
+    basis = engine.privunit_basis(calib, ordered_basis(shape, params.k, opts["order"]))
     u = engine.record_directions(x, calib, basis)
     if opts["exact"]:
         v = u
