@@ -12,6 +12,9 @@ from PIL import Image
 
 from tests.builders import REPO, siblings
 from tldp_cli import evaluate as ev
+from tldp_cli.privacy import privunit
+
+DIGITS = np.load(REPO / "sample_data" / "digits.npy")
 
 
 def perturb(cli, src, out, *args):
@@ -245,3 +248,28 @@ def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged
     line = one_line(cli("evaluate", src, out), 1)
     assert line.startswith(f"tldp: error: {file}: not a readable ") and "it is not valid JSON (it nests lists " \
         "and objects more than 100 levels deep" in line, line
+
+
+def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
+    """Two record sizes of two k: each record's cosine is set beside its own calibration's
+    E<V, u>, and the expected mean is theirs weighted by the records, not the largest k's."""
+    src = tmp_path / "two.h5"
+    with h5py.File(src, "w") as f:
+        f["big"] = DIGITS[:40]
+        f["small"] = DIGITS[40:100, :4, :4]
+    perturb(cli, src, tmp_path / "out.h5", "--mechanism", "privunit", "--eps", "4", "--dataset", "big",
+            "--dataset", "small")
+    m = json.loads((tmp_path / "out.h5.manifest.json").read_text())
+    sizes = {entry["records"]: entry["privunit"] for entry in m["calibrations"]}
+    assert sorted(sizes) == [40, 60] and sizes[40]["k"] != sizes[60]["k"]
+    own = {n: privunit.expected_alignment(c["k"], c["gamma"], c["p"]) for n, c in sizes.items()}
+    result, report = evaluate(cli, src, tmp_path / "out.h5", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    check = checks(report)["privunit_alignment"]
+    assert check["records"] == 100
+    assert check["expected_alignment"] == pytest.approx((40 * own[40] + 60 * own[60]) / 100)
+    assert {(c["k"], c["records"]) for c in check["calibrations"]} == {(sizes[n]["k"], n) for n in sizes}
+    for c in check["calibrations"]:
+        assert c["expected_alignment"] == pytest.approx(own[c["records"]])
+    weighted = sum(c["mean_cosine"] * c["records"] for c in check["calibrations"]) / 100
+    assert check["mean_cosine"] == pytest.approx(weighted)

@@ -48,6 +48,31 @@ def test_markers_the_output_dtype_cannot_hold_saturate_never_wrap():
     assert cf.output_marker(np.float64(0.5), float32) == 0.5 and np.isnan(cf.output_marker(np.nan, float32))
 
 
+def test_unnamed_leaves_out_the_variables_gone_and_their_measures():
+    gone = {"lat", "cell_area"}.__contains__
+    assert cf.unnamed("time lat lon", gone) == "time lon"
+    assert cf.unnamed("area: cell_area volume: cell_volume", gone) == "volume: cell_volume"
+    assert cf.unnamed("area: cell_area", gone) == ""  # names nothing written: left out
+    assert cf.unnamed("time  lon", gone) is None  # names none of them: written as it is
+    assert cf.unnamed(None, gone) is None
+
+
+def test_record_coordinates_follow_the_record_dimension():
+    """A trajectory's track and identifier, and a station's elevation, run along the record
+    dimension; a dimension coordinate, its bounds and a grid off that dimension do not."""
+    dims = {"/trajectory": ("/trajectory",), "/obs": ("/obs",), "/time": ("/time",),
+            "/lat": ("/trajectory", "/obs"), "/lat_bnds": ("/trajectory", "/obs", "/nv"),
+            "/temp": ("/trajectory", "/obs"), "/time_bnds": ("/time", "/nv"), "/x_edge": ("/obs",),
+            "/elev": ("/trajectory",)}
+    attrs = {("/temp", "coordinates"): "lat x_edge elev time", ("/lat", "bounds"): "lat_bnds",
+             ("/time", "bounds"): "time_bnds", ("/trajectory", "cf_role"): "trajectory_id"}
+    found = cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
+                                  {"/trajectory"})
+    assert found == {"/lat", "/lat_bnds", "/elev", "/trajectory"}
+    assert cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
+                                 {"/time"}) == set()  # time(time) and its bounds: the grid
+
+
 def test_missing_positions_hold_the_public_fill_never_a_value_of_the_data():
     """Until told, a read returns the markers as stored; told a fill, every missing position
     holds it, whatever the other records hold (it was the block's first present value)."""

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tldp_cli.formats import FormatOptions, hdf5
+from tldp_cli.formats import FormatOptions, hdf5, leftovers
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 netCDF4 = pytest.importorskip("netCDF4")
@@ -167,8 +167,9 @@ def test_netcdf4_opens_the_output_for_writing_and_keeps_the_order(cli, tmp_path)
             assert list(ds.data_vars) == ["zeta", "alpha", "new"]
 
 
-def wrf_file(path: Path) -> Path:
-    """WRF's layout: 2-D coordinates with a Time axis, named by the data's coordinates."""
+def wrf_file(path: Path, time_axis: bool = True) -> Path:
+    """WRF's layout: 2-D coordinates with a Time axis (wrfout files; without one, a grid like
+    geo_em's), named by the data's coordinates."""
     with netCDF4.Dataset(path, "w") as ds:
         ds.TITLE = " OUTPUT FROM WRF V4.5 MODEL"
         ds.createDimension("Time", None)
@@ -178,12 +179,12 @@ def wrf_file(path: Path) -> Path:
         times = ds.createVariable("Times", "S1", ("Time", "DateStrLen"))
         times[:] = netCDF4.stringtochar(np.array([f"2000-01-01_{h:02d}:00:00" for h in range(12)], "S19"))
         for name, low, units in [("XLAT", 30, "degree_north"), ("XLONG", -100, "degree_east")]:
-            var = ds.createVariable(name, "f4", ("Time", "south_north", "west_east"))
+            var = ds.createVariable(name, "f4", ("Time", "south_north", "west_east")[not time_axis:])
             var.FieldType = np.int32(104)
             var.MemoryOrder = "XY "
             var.units = units
             var.stagger = ""
-            var[:] = low + RNG.uniform(0, 10, (12, 4, 5))
+            var[:] = low + RNG.uniform(0, 10, (12, 4, 5)[not time_axis:])
         t2 = ds.createVariable("T2", "f4", ("Time", "south_north", "west_east"))
         t2.MemoryOrder = "XY "
         t2.units = "K"
@@ -192,17 +193,21 @@ def wrf_file(path: Path) -> Path:
     return path
 
 
-def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path):
-    src = wrf_file(tmp_path / "wrfout.nc")
+@pytest.mark.parametrize("time_axis", [False, True])
+def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path, time_axis):
+    """XLAT(south_north, west_east), a grid, is copied raw as a coordinate; XLAT(Time, ...)
+    runs along the record axis (a value per record), so it is copied only where --keep names it."""
+    src = wrf_file(tmp_path / "wrfout.nc", time_axis)
     out = tmp_path / "out.nc"
+    keep = ["--keep", "XLAT", "--keep", "XLONG"] if time_axis else []
     result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "250:310", "--seed", "7",
-                 "--allow-weak-seed", "--allow-raw-release")
+                 "--allow-weak-seed", "--allow-raw-release", *keep)
     assert result.exit_code == 0, result.stderr
     assert "left out the coordinate datasets /XLAT, /XLONG" in result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
-    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/XLAT": "coordinate",
-                                                                         "/XLONG": "coordinate"}
+    reason = "kept by --keep" if time_axis else "coordinate"
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/XLAT": reason, "/XLONG": reason}
     assert "/Times" in {d["name"] for d in manifest["dropped"]}  # text, not perturbed: left out
     # The structural attributes stay; WRF's free-text and statistical ones are left out.
     assert nc_attributes(out) == {"/": [], "/XLAT": [("units", plain("degree_north"))],
@@ -544,3 +549,85 @@ def test_the_coordinates_attribute_names_no_dataset_left_out(cli, tmp_path, engi
         assert ds["temp"].getncattr("coordinates") == "elev"
     with xr.open_dataset(tmp_path / "kept.nc", decode_coords="all") as ds:
         assert set(ds.coords) == {"time", "elev"}
+
+
+def trajectory_file(path: Path) -> Path:
+    """A CF discrete sampling geometry as netCDF4 writes it (CF H.4.1, trajectories of one
+    length): each trajectory's identifier (cf_role), its track time, lat, lon (trajectory, obs)
+    with the bounds of lat, and a cell measure (trajectory, obs), all named by the data."""
+    with netCDF4.Dataset(path, "w") as ds:
+        ds.Conventions, ds.featureType = "CF-1.8", "trajectory"
+        ds.createDimension("trajectory", 3)
+        ds.createDimension("obs", 4)
+        ds.createDimension("nv", 2)
+        ident = ds.createVariable("trajectory", "i4", ("trajectory",))
+        ident.cf_role = "trajectory_id"
+        ident[:] = [1001, 1002, 1003]
+        for name, units, values in [("time", "seconds since 2026-01-01", np.arange(12.0).reshape(3, 4) * 60),
+                                    ("lat", "degrees_north", 48 + RNG.uniform(0, 1, (3, 4))),
+                                    ("lon", "degrees_east", 2 + RNG.uniform(0, 1, (3, 4))),
+                                    ("area", "m2", RNG.uniform(1, 2, (3, 4)))]:
+            var = ds.createVariable(name, "f8", ("trajectory", "obs"))
+            var.units = units
+            var[:] = values
+        ds["lat"].bounds = "lat_bnds"
+        ds.createVariable("lat_bnds", "f8", ("trajectory", "obs", "nv"))[:] = 48 + RNG.uniform(0, 1, (3, 4, 2))
+        temp = ds.createVariable("temp", "f4", ("trajectory", "obs"))
+        temp.units, temp.coordinates, temp.cell_measures = "K", "trajectory time lat lon", "area: area"
+        temp[:] = RNG.uniform(270, 290, (3, 4))
+    return path
+
+
+def test_a_trajectorys_track_is_left_out(cli, tmp_path):
+    """lat, lon and time (trajectory, obs) hold each record's track, lat_bnds and area its cells,
+    trajectory its identifier: left out and listed as dropped, the data's coordinates and
+    cell_measures attributes naming none of them, unless --keep names them."""
+    src = trajectory_file(tmp_path / "tracks.nc")
+    track = {"/time", "/lat", "/lon", "/lat_bnds", "/area", "/trajectory"}
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "270:290")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/temp"]
+    assert "unperturbed" not in manifest
+    assert {d["name"] for d in manifest["dropped"] if d["kind"] == "dataset"} == track
+    assert all(d["reason"].startswith(leftovers.RECORD_COORDINATE_REASON) for d in manifest["dropped"]
+               if d["name"] in track)
+    assert nc_attributes(tmp_path / "out.nc")["/temp"] == [("units", plain("K"))]
+    for engine in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=engine, decode_coords="all") as ds:
+            assert set(ds.variables) == {"temp"} and ds["temp"].shape == (3, 4)
+    manifest = run(cli, src, tmp_path / "kept.nc", "--range", "270:290", "--keep", "lat", "--keep", "lon")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/lat": "kept by --keep",
+                                                                         "/lon": "kept by --keep"}
+    kept = nc_attributes(tmp_path / "kept.nc")
+    assert kept["/temp"] == [("units", plain("K")), ("coordinates", plain("lat lon"))]
+    assert kept["/lat"] == [("units", plain("degrees_north"))]  # its bounds, lat_bnds, left out
+    with xr.open_dataset(tmp_path / "kept.nc") as ds, netCDF4.Dataset(src) as before:
+        assert set(ds["temp"].coords) == {"lat", "lon"}
+        np.testing.assert_array_equal(ds["lat"].values, before["lat"][:])
+
+
+def test_wrf_coordinates_along_the_time_axis_are_left_out(cli, tmp_path):
+    """wrfout's XLAT(Time, south_north, west_east) has a value per record (per time step)."""
+    manifest = run(cli, wrf_file(tmp_path / "wrfout.nc"), tmp_path / "out.nc", "--range", "250:310")
+    assert "unperturbed" not in manifest
+    reasons = {d["name"]: d["reason"] for d in manifest["dropped"]}
+    assert reasons["/XLAT"] == reasons["/XLONG"] == leftovers.RECORD_COORDINATE_REASON
+    for engine in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=engine) as ds:
+            assert set(ds.variables) == {"T2"} and ds["T2"].shape == (12, 4, 5)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_trajectory_dimension_of_text_identifiers_stays_a_dimension(cli, tmp_path, engine):
+    """xarray's trajectories named by text (cf_role): the names are left out, their dimension
+    stays, so every reader opens the output with the data's shape."""
+    src = tmp_path / "tracks.nc"
+    xr.Dataset({"temp": (("trajectory", "obs"), RNG.uniform(270, 290, (3, 4)))},
+               coords={"trajectory": ("trajectory", ["alice", "bob", "carol"], {"cf_role": "trajectory_id"}),
+                       "lat": (("trajectory", "obs"), RNG.uniform(40, 50, (3, 4)))}).to_netcdf(src, engine=engine)
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "270:290")
+    assert {d["name"] for d in manifest["dropped"] if d["kind"] == "dataset"} == {"/trajectory", "/lat"}
+    for read in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=read) as ds:
+            assert set(ds.variables) == {"temp"} and dict(ds.sizes) == {"trajectory": 3, "obs": 4}
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert set(ds.variables) == {"temp"} and ds["temp"].dimensions == ("trajectory", "obs")

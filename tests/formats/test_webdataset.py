@@ -463,3 +463,70 @@ def test_member_times_are_constant_and_sample_keys_are_listed(cli, tmp_path):
         assert [(m.name, m.mtime) for m in tar.getmembers()] == [("alice_smith.png", 0), ("bob_jones.png", 0)]
     keys = [e for e in manifest["unperturbed"] if e["name"] == "sample keys"]
     assert len(keys) == 1 and keys[0]["kind"] == "name" and "2 samples" in keys[0]["reason"]
+
+
+def named_shards(folder: Path) -> Path:
+    """ShardWriter's shards whose keys are people's names, in a folder per person: 5 samples
+    over 2 shards, each a jpg, a .npy and a class."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "train-%06d.tar"), maxcount=3, verbose=0, mtime=MTIME) as sink:
+        for i, person in enumerate(["alice_smith", "bob_jones", "carol_white", "dan_brown", "eve_black"]):
+            sink.write({"__key__": f"{person}/photo", "jpg": image(8, 6, seed=i),
+                        "npy": np.full((2, 3), i, np.uint8), "cls": i})
+    return folder
+
+
+def test_anonymize_names_numbers_the_samples_in_order(cli, tmp_path):
+    """--anonymize-names: each sample's key becomes its number in order across the shards, in
+    every one of its members' names (webdataset groups them as before, the kept class with its
+    image); no key is in the manifest or the output; the name map beside the input pairs them."""
+    src = named_shards(tmp_path / "shards")
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--range", "0:256", "--keep", "cls", "--anonymize-names")
+    samples = read_samples(shard_urls(out))
+    assert [s["__key__"] for s in samples] == [f"{i:06d}" for i in range(5)]
+    assert [s["cls"] for s in samples] == list(range(5))  # each sample's members stay together
+    assert all(s["png"].shape == (8, 6, 3) and s["npy"].shape == (2, 3) for s in samples)
+    with tarfile.open(src / "train-000001.tar") as before, tarfile.open(out / "train-000001.tar") as after:
+        renamed = {"dan_brown/photo": "000003", "eve_black/photo": "000004"}
+        assert after.getnames() == [renamed[name.split(".")[0]] + "." + name.split(".")[1].replace("jpg", "png")
+                                    for name in before.getnames()]  # in the input's order
+    text = json.dumps(manifest) + "".join(Path(u).read_bytes().decode("latin-1") for u in shard_urls(out))
+    for person in ["alice_smith", "bob_jones", "carol_white", "dan_brown", "eve_black", "photo"]:
+        assert person not in text
+    assert "sample keys" not in {e["name"] for e in manifest["unperturbed"]}
+    assert manifest["inputs"][0]["dataset"] == "000000.png"
+    assert manifest["row_datasets"][0] == ["train-000000.tar/000000.png", "train-000000.tar/000000.npy"]
+    name_map = tmp_path / "shards.name-map.json"
+    document = json.loads(name_map.read_text())
+    assert document["name_map_id"] == manifest["anonymized_names"]["name_map_id"]
+    assert document["samples"] == {"train-000000.tar/alice_smith/photo": "000000",
+                                   "train-000000.tar/bob_jones/photo": "000001",
+                                   "train-000000.tar/carol_white/photo": "000002",
+                                   "train-000001.tar/dan_brown/photo": "000003",
+                                   "train-000001.tar/eve_black/photo": "000004"}
+    assert name_map.stat().st_mode & 0o777 == 0o600
+    evaluated = cli("evaluate", src, out, "--json", "-q")  # pairs the members without the name map
+    assert evaluated.exit_code == 0, evaluated.stderr
+    report = json.loads(evaluated.stdout)
+    assert report["ok"] and {c["check"]: c for c in report["checks"]}["shapes"]["passed"]
+
+
+def test_anonymize_names_leaves_out_folder_entries_and_members_without_a_key(cli, tmp_path):
+    """A shard made by tar from a folder: its folder entries and a README (no extension, no
+    key) carry the input's names, so neither is written; both are listed as dropped."""
+    people = tmp_path / "people"
+    (people / "alice_smith").mkdir(parents=True)
+    (people / "alice_smith" / "0001.png").write_bytes(png_bytes(image(5, 4)))
+    (people / "alice_smith" / "README").write_text("Alice Smith's photos")
+    src = tmp_path / "shards"
+    src.mkdir()
+    with tarfile.open(src / "a.tar", "w") as tar:
+        tar.add(people / "alice_smith", arcname="alice_smith")
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names")
+    with tarfile.open(out / "a.tar") as tar:
+        assert tar.getnames() == ["000000.png"]
+    dropped = {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"}
+    assert dropped == {"folder entries": 1, "(no extension)": 1}
+    assert "alice" not in json.dumps(manifest)

@@ -177,6 +177,56 @@ def test_the_coordinates_attribute_names_no_array_left_out(cli, tmp_path, zarr_f
 
 
 @pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_trajectorys_track_is_left_out(cli, tmp_path, zarr_format):
+    """xarray's CF trajectories (discrete sampling geometry): time, lat and lon (trajectory, obs)
+    hold each record's track and trajectory(trajectory) its identifier (cf_role): left out and
+    listed as dropped unless --keep names them, the data's coordinates attribute naming the rest;
+    x(x), a dimension coordinate, and a grid not along the record axis, stay."""
+    src, rng = tmp_path / "tracks.zarr", np.random.default_rng(2)
+    start = np.datetime64("2026-01-01T00:00")
+    xr.Dataset({"temp": (("trajectory", "obs"), rng.uniform(270, 290, (3, 4)), {"units": "K"}),
+                "depth": (("trajectory", "obs", "x"), rng.uniform(0, 1, (3, 4, 2)))},
+               coords={"trajectory": ("trajectory", [1001, 1002, 1003], {"cf_role": "trajectory_id"}),
+                       "time": (("trajectory", "obs"), start + np.arange(12).reshape(3, 4) * np.timedelta64(1, "m")),
+                       "lat": (("trajectory", "obs"), 48 + rng.uniform(0, 1, (3, 4)), {"units": "degrees_north"}),
+                       "lon": (("trajectory", "obs"), 2 + rng.uniform(0, 1, (3, 4)), {"units": "degrees_east"}),
+                       "x": ("x", [0.5, 1.5]), "x_edge": (("x",), [0.0, 1.0])},
+               attrs={"featureType": "trajectory"}).to_zarr(src, zarr_format=zarr_format)
+    manifest, _ = perturb(cli, src, tmp_path / "out.zarr", "--range", "0:300")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["depth", "temp"]
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"x": "coordinate", "x_edge": "coordinate"}
+    assert {d["name"] for d in manifest["dropped"] if d["kind"] == "array"} == {"trajectory", "time", "lat", "lon"}
+    with xr.open_zarr(tmp_path / "out.zarr") as ds:
+        assert set(ds.variables) == {"temp", "depth", "x", "x_edge"}
+        assert set(ds["temp"].coords) == set() and ds["temp"].shape == (3, 4)
+        np.testing.assert_array_equal(ds["x_edge"].values, [0.0, 1.0])
+    manifest, _ = perturb(cli, src, tmp_path / "kept.zarr", "--range", "0:300", "--keep", "time")
+    assert {"name": "time", "kind": "array", "shape": [3, 4], "dtype": "int64",
+            "reason": "kept by --keep"} in manifest["unperturbed"]
+    with xr.open_zarr(tmp_path / "kept.zarr") as ds:
+        assert set(ds["temp"].coords) == {"time"}
+        assert ds["time"].values[2, 3] == start + np.timedelta64(11, "m")
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_parent_groups_coordinates_along_the_record_axis_are_left_out(cli, tmp_path, zarr_format):
+    """xarray's DataTree: elev(station) in the root group, named by the root's own coordinates
+    attribute, runs along the record dimension of /child/temp(station, time), which the child
+    takes from its parent: left out, the root's coordinates attribute left out with it."""
+    src = tmp_path / "tree.zarr"
+    xr.DataTree.from_dict({"/": xr.Dataset(coords={"elev": ("station", np.arange(5.0) * 100)}),
+                           "/child": xr.Dataset({"temp": (("station", "time"), np.random.default_rng(4).uniform(
+                               0, 1, (5, 3)))})}).to_zarr(src, zarr_format=zarr_format)
+    manifest, _ = perturb(cli, src, tmp_path / "out.zarr", "--range", "0:1")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["child/temp"]
+    assert "unperturbed" not in manifest
+    assert {d["name"]: d["reason"] for d in manifest["dropped"]}["elev"].startswith("a coordinate along the record")
+    tree = xr.open_datatree(tmp_path / "out.zarr", engine="zarr")
+    assert "elev" not in tree.variables and "coordinates" not in tree.attrs
+    assert tree["child/temp"].shape == (5, 3)
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
 def test_privunit_releases_a_record_with_missing_values_from_its_own_values(tmp_path, zarr_format):
     """privunit projects whole records: record 3's missing positions held its block's first
     present value, record 0's, so its release depended on record 0's raw value and on the

@@ -1,5 +1,6 @@
 """tldp plan: the manifest's figures before the data, from headers alone, writing nothing."""
 
+import io
 import json
 import shutil
 import time
@@ -7,7 +8,10 @@ import time
 import h5py
 import numpy as np
 import pytest
+import tifffile
+import webdataset as wds
 import zarr
+from PIL import Image
 from safetensors.numpy import save_file
 
 from tests.builders import REPO, siblings
@@ -121,3 +125,38 @@ def test_a_unit_range_without_a_dtype_points_to_input_dtype(cli):
     result = cli("plan", "--elements", "784", "--range", "0.0:1.0", "--eps", "1")
     assert result.exit_code == 2 and "--input-dtype float32" in result.stderr
     assert cli("plan", "--elements", "784", "--range", "0:1", "--eps", "1", "--input-dtype", "float32").exit_code == 0
+
+
+@pytest.mark.parametrize("image_format", ["png", "tiff"])
+def test_plan_names_the_dtype_perturb_writes_for_images(cli, tmp_path, image_format):
+    """Images are written as PNG of their own bit depth (uint8), not as the engine's values
+    (int16): the plan's summary line and output_dtype say what the run's files hold."""
+    src = make_input("images", tmp_path)
+    planned = cli("plan", src, "--eps", "2", "--image-format", image_format)
+    assert planned.exit_code == 0, planned.stderr
+    plan_json = json_of(cli("plan", src, "--eps", "2", "--image-format", image_format, "--json", "-q"))
+    ran = json_of(cli("perturb", src, "--eps", "2", "--json", "-q", "--image-format", image_format,
+                      "--out", tmp_path / "out"))
+    first = next(p for p in sorted((tmp_path / "out").rglob("*")) if p.is_file())
+    if image_format == "png":
+        with Image.open(first) as im:
+            written = np.asarray(im).dtype
+    else:
+        written = tifffile.imread(first).dtype
+    assert plan_json["output_dtype"] == ran["output_dtype"] == str(written)
+    assert f", values {written}" in planned.stderr
+    assert (written == np.uint8) == (image_format == "png")
+
+
+def test_plan_names_the_dtype_perturb_writes_for_webdataset(cli, tmp_path):
+    src = tmp_path / "shards"
+    src.mkdir()
+    with wds.TarWriter(str(src / "a.tar")) as sink:
+        sink.write({"__key__": "s0", "png": DIGITS[0], "npy": DIGITS[1]})
+    planned = cli("plan", src, "--eps", "2")
+    ran = json_of(cli("perturb", src, "--eps", "2", "--json", "-q", "--out", tmp_path / "out"))
+    sample = next(iter(wds.WebDataset(str(tmp_path / "out" / "a.tar"), shardshuffle=False)))
+    with Image.open(io.BytesIO(sample["png"])) as im:
+        written = [np.asarray(im).dtype, np.load(io.BytesIO(sample["npy"])).dtype]
+    assert ran["output_dtype"] == f"{written[0]} PNG, {written[1]} .npy"
+    assert f", values {ran['output_dtype']}" in planned.stderr

@@ -84,8 +84,10 @@ def perturb_command(
     anonymize_names: Annotated[bool, typer.Option(
         help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
              "in one flat folder, and keep every input file and folder name out of the manifest "
-             "(skipped files are counted, not named). The name map (--name-map) pairs the names; "
-             "evaluate needs it. Not with --copy-other.")] = False,
+             "(skipped files are counted, not named); evaluate needs the name map. Not with "
+             "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
+             "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
+             "(--name-map) pairs the names.")] = False,
     name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "

@@ -163,14 +163,16 @@ def _print(report: dict, quiet: bool) -> None:
             typer.echo(f"tldp: {message}", err=True)
         c = report["calibration"]
         if "privunit" in report:
+            written = report.get("output_dtype", c["values_dtype"])
             stored = (f"stored as {report['privunit']['k']} {c['values_dtype']} coefficients per record"
-                      if "stored" in report["privunit"] else f"values {c['values_dtype']}")
+                      if "stored" in report["privunit"] else f"values {written}")
             typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, {stored}"
                        f"{unperturbed_note(report)}", err=True)
         else:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
                        f"{c['noise_scale']:.4g}, element eps "
                        f"{c['calibration_epsilon']:.4g}, retain probability {c['retain_probability']:.3g}, "
-                       f"values {c['values_dtype']}{unperturbed_note(report)}", err=True)
+                       f"values {report.get('output_dtype', c['values_dtype'])}{unperturbed_note(report)}",
+                       err=True)
         ranges = len(report.get("range_groups", []))
         typer.echo("tldp: " + guarantee_line(report["accounting"], report["noise"], ranges), err=True)

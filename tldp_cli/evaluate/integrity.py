@@ -231,6 +231,10 @@ def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: P
     from tldp_cli.formats import images
 
     anonymized = m.get("anonymized_names")
+    sources = [formats.of_source(i) for i in m.get("inputs") or [] if isinstance(i, dict)]
+    if anonymized and not any(f is not None and f.records_are_files for f in sources):
+        # WebDataset: the original's reader, anonymizing too, names the samples as perturb did
+        return None
     if not anonymized:
         if name_map is not None:
             raise UsageError(f"--name-map applies to outputs of perturb --anonymize-names; "

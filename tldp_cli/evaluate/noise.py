@@ -94,7 +94,9 @@ class NoiseStats:
         self.gof: dict[float, list[np.ndarray]] = {}
         self.noise_name: str | None = None
         self.noise_scale: float | None = None
-        self.alignment: list[np.ndarray] = []  # privunit: cosines of released and true coefficients
+        # privunit: cosines of released and true coefficients, by the records' (k, E<V, u>):
+        # records of several sizes have a k each, and an expected alignment each
+        self.alignment: dict[tuple[int, float], list[np.ndarray]] = {}
 
     def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
             basis=None):
@@ -120,7 +122,8 @@ class NoiseStats:
         released = engine.record_directions(y.astype(np.float64), calib, basis,
                                             None if weights is None else 1.0 / weights)
         raw = engine.record_directions(x.astype(np.float64), calib, basis)
-        self.alignment.append(np.einsum("ij,ij->i", released, raw))
+        params = calib.privunit_params()
+        self.alignment.setdefault((params.k, params.alignment), []).append(np.einsum("ij,ij->i", released, raw))
 
     def _metrics(self, x: np.ndarray, y: np.ndarray, data_range: float | None):
         """Each record's error measures; returns (|z|^2 per record, z, elements)."""
@@ -172,7 +175,7 @@ class NoiseStats:
         self.expected_kept += equal.size * calib.p
 
 
-def privunit_checks(stats: NoiseStats, m: dict) -> list[dict]:
+def privunit_checks(stats: NoiseStats) -> list[dict]:
     """privunit: no noise is added, so the noise checks do not apply; the alignment of the
     released records with the raw ones is measured (not tested: the written values are
     clipped to the range, which moves their direction)."""
@@ -180,15 +183,24 @@ def privunit_checks(stats: NoiseStats, m: dict) -> list[dict]:
                 "detail": "privunit releases each record's direction (one PrivUnit draw written back), "
                           "not the record plus noise"}
                for name in ("noise_norm", "retained_fraction", "noise_distribution")]
-    cosines = np.concatenate(stats.alignment) if stats.alignment else np.empty(0)
-    expected = ((m.get("accounting") or {}).get("privunit") or {}).get("expected_alignment")
-    mean = float(cosines.mean()) if cosines.size else None
-    measured = {"check": "privunit_alignment", "passed": None, "status": "measured",
-                "records": int(cosines.size), "mean_cosine": mean, "expected_alignment": expected,
-                "detail": (f"mean cosine {mean:.3g} between the released and the raw records' coefficients "
-                           f"(from the reference point); E<V,u> of the mechanism {expected:.3g} (the "
-                           "written records are clipped to the range, which moves them)"
-                           if mean is not None and expected is not None else "no records compared")}
+    groups = [(k, expected, np.concatenate(parts)) for (k, expected), parts in sorted(stats.alignment.items())]
+    records = sum(cosines.size for _, _, cosines in groups)
+    mean = float(sum(cosines.sum() for _, _, cosines in groups) / records) if records else None
+    # the pooled mean's expectation: each size's E<V, u>, weighted by its records
+    expected = sum(e * cosines.size for _, e, cosines in groups) / records if records else None
+    detail = "no records compared"
+    if mean is not None and expected is not None:
+        over = (f" (the mean over {len(groups)} calibrations of their own k, each weighted by its records)"
+                if len(groups) > 1 else "")
+        detail = (f"mean cosine {mean:.3g} between the released and the raw records' coefficients (from the "
+                  f"reference point); E<V,u> of the mechanism {expected:.3g}{over} (the written records are "
+                  "clipped to the range, which moves them)")
+    measured: dict[str, Any] = {"check": "privunit_alignment", "passed": None, "status": "measured",
+                                "records": records, "mean_cosine": mean, "expected_alignment": expected,
+                                "detail": detail}
+    if len(groups) > 1:
+        measured["calibrations"] = [{"k": k, "records": int(cosines.size), "mean_cosine": float(cosines.mean()),
+                                     "expected_alignment": e} for k, e, cosines in groups]
     return skipped + [measured]
 
 

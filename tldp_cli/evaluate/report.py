@@ -71,7 +71,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     weighted = bool(m.get("weights"))
     p = stats.expected_kept / stats.elements if stats.elements else 0.0
     if m.get("mechanism") == "privunit":
-        checks.extend(privunit_checks(stats, m))
+        checks.extend(privunit_checks(stats))
     else:
         checks.append(error_check(stats, list(records_of), weighted, clipped, done))
         checks.append(retained_check(stats, p, weighted, clipped))

@@ -137,6 +137,12 @@ class Reader:
         --anonymize-names)."""
         return name
 
+    def output_dtype(self, dtype: np.dtype) -> str | None:
+        """What its writer writes when the engine's values are of `dtype` (Writer.output_dtype),
+        where the reader knows it before anything is written (images: their PNG bit depth),
+        for `tldp plan`; None where it does not."""
+        return None
+
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         """Told before any block is read: by array name, the markers of ArrayJob.markers that
         are data (inside the declared range): their values are read and perturbed like any
@@ -209,7 +215,7 @@ class FormatOptions:
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
-    anonymize_names: bool = False  # image folders: neutral output names, no input names in the manifest
+    anonymize_names: bool = False  # image folders, WebDataset: neutral output names, none of the input's
     # Set by the pipeline for the writer: each array's declared range and the noise's grid
     # step (None: no grid), for writers that move a noisy value off a missing-data marker.
     value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)

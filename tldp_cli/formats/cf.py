@@ -30,7 +30,7 @@ import math
 import posixpath
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 
@@ -107,6 +107,7 @@ PACKING = ("scale_factor", "add_offset", "_Unsigned")
 # CF attributes naming the variables that locate or delimit the data (coordinates,
 # cell bounds, cell areas): never perturbed unless named with --dataset.
 COORDINATE_REFERENCES = ("coordinates", "bounds", "climatology", "cell_measures")
+BOUNDS = ("bounds", "climatology")  # of these, the variables delimiting the cells of the one naming them
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,59 @@ def variable(word: str, group: str, found: Mapping[str, T]) -> T | None:
         if target is not None or group == "/":
             return target
         group = posixpath.dirname(group)
+
+
+def named(paths: Collection[str], text: Callable[[str, str], str | None], keys: Iterable[str],
+          words: Callable[[str | None], list[str]] = referenced,
+          groups: Collection[str] = ()) -> Iterator[tuple[str, str, str]]:
+    """(path, key, target) for each variable that attribute `key` of a variable or of one of
+    `groups` names (`paths`, `groups`: by absolute path, "/grp/name"; `text(path, key)`: an
+    attribute's text, None if absent; `words`: the variable names in it), target by its
+    absolute path."""
+    found = {path: path for path in paths}
+    for path in (*paths, *groups):
+        where = path if path in groups else posixpath.dirname(path)
+        for key in keys:
+            for word in words(text(path, key)):
+                target = variable(word, where, found)
+                if target is not None:
+                    yield path, key, target
+
+
+def record_coordinates(paths: Collection[str], text: Callable[[str, str], str | None],
+                       dimensions: Callable[[str], tuple[str, ...]], records: set[str],
+                       groups: Collection[str] = ()) -> set[str]:
+    """The variables (by absolute path) that hold a value per record, not a grid: those a
+    coordinates, bounds, climatology or cell_measures attribute names (CF's auxiliary
+    coordinates, such as a trajectory's lat(trajectory, obs), a station's elev(station)) and
+    those with a cf_role (the identifier of a feature: a trajectory, a station), that have
+    the record dimension of a perturbed variable (`records`) among their `dimensions`
+    (absolute names, "/grp/dim"); not a dimension's own coordinate (time(time)) unless it
+    has a cf_role, nor the bounds of one (time_bnds(time, nv)), which delimit its grid.
+    `groups`: groups whose own attributes name variables too (xarray's, for coordinates no
+    data variable takes)."""
+    own = {path for path in paths if dimensions(path) == (path,)}
+    found = {path for path in paths if text(path, "cf_role") is not None and records.intersection(dimensions(path))}
+    for path, key, target in named(paths, text, COORDINATE_REFERENCES, groups=groups):
+        if target not in own and not (key in BOUNDS and path in own) and records.intersection(dimensions(target)):
+            found.add(target)
+    return found
+
+
+def unnamed(text: str | None, gone: Callable[[str], bool]) -> str | None:
+    """A coordinates, bounds, climatology or cell_measures attribute's text without the
+    variables `gone` says the output leaves out (cell_measures: each with its measure, "area:"),
+    "" if it names no other; None if it names none of them (the attribute is left as it is)."""
+    kept: list[str] = []
+    removed = False
+    for word in (text or "").split():
+        if word.endswith(":") or not gone(word):
+            kept.append(word)
+            continue
+        removed = True
+        if kept and kept[-1].endswith(":"):
+            kept.pop()
+    return " ".join(kept) if removed else None
 
 
 def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],

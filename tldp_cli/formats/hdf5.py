@@ -594,56 +594,49 @@ class Hdf5Reader(Reader):
         scales (netCDF dimensions and coordinate variables) and the variables named in
         a dataset's coordinates, bounds, climatology or cell_measures attribute."""
         keys = set()
-        for name, ds in found.items():
+        for ds in found.values():
             with suppress(Exception):  # a malformed CLASS attribute: not a scale
                 if h5ds.is_scale(ds.id):
                     keys.add(_object_key(ds))
-            for attr in cf.COORDINATE_REFERENCES:
-                for word in cf.referenced(_attr_text(ds, attr)):
-                    target = cf.variable(word, posixpath.dirname(name), found)
-                    if target is not None:
-                        keys.add(_object_key(target))
-        return keys
+        named = cf.named(found, lambda path, key: _attr_text(found[path], key), cf.COORDINATE_REFERENCES)
+        return keys | {_object_key(found[target]) for _, _, target in named}
 
     def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
-        """A `coordinates` attribute naming datasets the run leaves out (a record coordinate,
-        --exclude) is written naming only the others (left out if none is left): CF readers
-        look for every variable it names."""
-        gone = {key for key, action in self.actions.items() if action == DROP}
+        """A coordinates, bounds, climatology or cell_measures attribute naming datasets the run
+        leaves out (a record coordinate; one written as a bare dimension is no variable either)
+        is written naming only the others (left out if none is left): CF readers look for every
+        variable it names."""
+        dropped = set(self.actions)  # DROP or DIMENSION
         for name, ds in found.items():
-            key, words = _object_key(ds), cf.referenced(_attr_text(ds, "coordinates"))
-            if key in self.actions or b"coordinates" in self.left_out_attrs.get(key, {}):
+            key = _object_key(ds)
+            if key in self.actions:
                 continue
-            targets = [cf.variable(word, posixpath.dirname(name), found) for word in words]
-            left = [word for word, target in zip(words, targets) if target is None or _object_key(target) not in gone]
-            if len(left) < len(words):
-                self.left_out_attrs.setdefault(key, {})[b"coordinates"] = (
-                    np.array(" ".join(left).encode()) if left else None)
+
+            def gone(word: str, group: str = posixpath.dirname(name)) -> bool:
+                target = cf.variable(word, group, found)
+                return target is not None and _object_key(target) in dropped
+
+            for attr in cf.COORDINATE_REFERENCES:
+                if attr.encode() in self.left_out_attrs.get(key, {}):
+                    continue
+                text = cf.unnamed(_attr_text(ds, attr), gone)
+                if text is not None:
+                    self.left_out_attrs.setdefault(key, {})[attr.encode()] = np.array(text.encode()) if text else None
 
     def _record_coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
-        """The coordinates a dataset's coordinates attribute names that are not dimension
-        scales and have one axis, the record dimension of a perturbed dataset (leftovers.py)."""
-        records = {job.row_dimension for job in self.jobs} - {None}
-        keys = set()
-        for name, ds in found.items():
-            for word in cf.referenced(_attr_text(ds, "coordinates")):
-                target = cf.variable(word, posixpath.dirname(name), found)
-                with suppress(Exception):  # malformed dimension-scale metadata: not a scale
-                    if target is not None and not h5ds.is_scale(target.id) and target.ndim == 1 \
-                            and _row_dimension(target) in records:
-                        keys.add(_object_key(target))
-        return keys
+        """The datasets that hold a value per record along the record dimension of a perturbed
+        dataset, not a grid (cf.record_coordinates, leftovers.py)."""
+        records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
+        paths = cf.record_coordinates(found, lambda path, key: _attr_text(found[path], key),
+                                      lambda path: _dimensions(path, found[path]), records)
+        return {_object_key(found[path]) for path in paths}
 
     @staticmethod
     def _grid_mappings(found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
         """The CF grid mapping variables the datasets name (grid_mapping attributes)."""
-        keys = set()
-        for name, ds in found.items():
-            for word in leftovers.grid_mappings(_attr_text(ds, "grid_mapping")):
-                target = cf.variable(word, posixpath.dirname(name), found)
-                if target is not None:
-                    keys.add(_object_key(target))
-        return keys
+        named = cf.named(found, lambda path, key: _attr_text(found[path], key), ["grid_mapping"],
+                         leftovers.grid_mappings)
+        return {_object_key(found[target]) for _, _, target in named}
 
     def _requested(self, name: str, found: dict[str, h5py.Dataset]) -> h5py.Dataset:
         where = f"{self.path}: dataset {name}"
@@ -752,6 +745,8 @@ def _keras_norm_stats(found: dict[str, h5py.Dataset], variances_only: bool = Fal
 
 
 DROP, DIMENSION = "drop", "dimension"  # what the writer does with a dataset it does not perturb
+SCALE_STAYS = ("a dimension scale, so its dimension stays (a scale holding no data, as netCDF writes a "
+               "dimension without a variable)")
 # netCDF-C's NAME of a dimension scale that is a dimension without a variable.
 BARE_DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
 
@@ -788,6 +783,10 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         return None
     problem = _not_numbers(ds.dtype)
     if role == leftovers.RECORD_COORDINATE and problem is None:
+        with suppress(Exception):  # malformed dimension-scale metadata: not a scale
+            if h5ds.is_scale(ds.id):  # a feature's identifier, trajectory(trajectory)
+                left.drop(name, "dataset", f"{leftovers.RECORD_COORDINATE_REASON}; {SCALE_STAYS}")
+                return DIMENSION
         left.drop(name, "dataset", leftovers.RECORD_COORDINATE_REASON)
         return DROP
     if role and problem is None:
@@ -799,12 +798,21 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         return DROP
     reason = f"holds {problem}, which tldp does not perturb"
     with suppress(Exception):  # malformed dimension-scale metadata: not a scale
-        if role == leftovers.COORDINATE and h5ds.is_scale(ds.id):
-            left.drop(name, "dataset", f"{reason}; a dimension scale, so its dimension stays (a scale "
-                                       "holding no data, as netCDF writes a dimension without a variable)")
+        if role in (leftovers.COORDINATE, leftovers.RECORD_COORDINATE) and h5ds.is_scale(ds.id):
+            left.drop(name, "dataset", f"{reason}; {SCALE_STAYS}")
             return DIMENSION
     left.drop(name, "dataset", reason)
     return DROP
+
+
+def _dimensions(path: str, ds: h5py.Dataset) -> tuple[str, ...]:
+    """The dimensions of a dataset's axes (netCDF's): the dimension scale attached to each
+    axis that has one, or (path,) for a dimension scale itself; () in plain HDF5."""
+    with suppress(Exception):  # malformed dimension-scale metadata: no names
+        if h5ds.is_scale(ds.id):
+            return (path,)
+        return tuple(scales[0].name for scales in (list(dim.values()) for dim in ds.dims) if scales)
+    return ()
 
 
 def _row_dimension(ds: h5py.Dataset) -> str | None:

@@ -52,11 +52,11 @@ import tifffile
 from PIL import Image
 
 from tldp_cli import __version__
-from tldp_cli.files import output
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
-                              dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing, plural)
+                              dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing, name_maps,
+                              plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
                                      png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -75,7 +75,7 @@ INDEX_FILES = ("metadata.jsonl", "metadata.csv")
 # imagefolder's third index, which tldp cannot rewrite (Parquet): not copied when it would
 # name images the output does not hold.
 PARQUET_INDEX = "metadata.parquet"
-NAME_MAP_SCHEMA = "tldp-name-map/1"
+NAME_MAP_SCHEMA = name_maps.SCHEMA
 WITHHELD = "withheld (--anonymize-names)"
 LABEL_MAP_REASON = ("a palette image: class indices (a segmentation's label map), not pixel values to perturb; "
                     "not written (--keep NAME copies it raw)")
@@ -93,9 +93,7 @@ def default_output(path: Path) -> Path:
 
 def default_name_map(path: Path) -> Path:
     """photos/ -> photos.name-map.json beside it: with the raw data, outside the output."""
-    if path.name in ("", ".", ".."):
-        path = path.resolve()
-    return path.with_name(path.name + ".name-map.json")
+    return name_maps.default_path(path)
 
 
 def _opened(path: Path):
@@ -216,6 +214,7 @@ class ImageFolderReader(Reader):
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
         self.anonymized = options.anonymize_names
+        self.image_format = options.image_format
         if self.anonymized and options.copy_other:
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
@@ -493,6 +492,12 @@ class ImageFolderReader(Reader):
                                  "shape": list(image.shape), "dtype": str(image.dtype)})
                 for image in self.images]
 
+    def output_dtype(self, dtype: np.dtype) -> str:
+        """TIFF holds the engine's values; PNG each image's own bit depth (rounded and clipped)."""
+        if self.image_format == "tiff":
+            return str(np.dtype(dtype))
+        return " and ".join(sorted({str(image.dtype) for image in self.images}))
+
     def manifest_name(self, name: str) -> str:
         """Anonymized: the output's name (the input's is in the name map only)."""
         return self.out_names.get(name, WITHHELD) if self.anonymized else name
@@ -520,28 +525,6 @@ class ImageFolderReader(Reader):
 
 def open_reader(path: Path, options: FormatOptions) -> ImageFolderReader:
     return ImageFolderReader(path, options)
-
-
-def name_map_destination(name_map: Path | None, source: Path, destination: Path, manifest: Path,
-                         overwrite: bool) -> Path:
-    """Where the name map goes (default: beside the input), checked as the output is: never
-    inside the input or the output, never the output or manifest itself."""
-    path = Path(name_map) if name_map is not None else default_name_map(source)
-    output.check_destination(path, source, overwrite, "name map", folder=False)
-    output.check_distinct({"output": destination, "manifest": manifest, "name map": path})
-    return path
-
-
-def write_name_map(document: dict, tmp: Path, shown_as: Path) -> None:
-    """Writes the name map to `tmp` (a temporary that becomes `shown_as`), readable by its
-    owner only: it names the people in the data."""
-    data = (json.dumps(document, indent=2) + "\n").encode()
-    with writing(shown_as):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
 
 
 def read_name_map(path: Path, name_map_id: str) -> dict[str, str]:
@@ -690,8 +673,7 @@ class ImageFolderWriter(Writer):
         # What evaluate needs to read the output back, as fields (postprocessing is for people).
         self.manifest_extra = {"image_output": {"format": self.image_format,
                                                 "clipped": self.image_format == "png"}}
-        png_dtypes = sorted({str(image.dtype) for image in reader.images})
-        self.output_dtype = str(self.dtype) if self.image_format == "tiff" else " and ".join(png_dtypes)
+        self.output_dtype = reader.output_dtype(self.dtype)
         # Images are encoded by the workers and written, each flushed to disk, by a thread of
         # its own, so that the workers do not wait for the disk (none in Dask workers). The
         # queue holds at most QUEUED_BYTES of encoded images (one, however large it is).
@@ -842,7 +824,7 @@ def is_earlier_output(path: Path, reader: ImageFolderReader) -> bool:
 FORMAT = Format(
     name=NAME, title="folder of images", folder=True, records_are_files=True, record_noun="an image",
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
-    name_map_destination=name_map_destination, write_name_map=write_name_map,
+    name_map_destination=name_maps.destination, write_name_map=name_maps.write,
     output_bytes=output_bytes, earlier_output=is_earlier_output, honours_keep=True,
     docs=(DocRow("folder of images (PNG, JPEG, BMP, TIFF, WebP)",
                  "any other directory (subfolders named `0` ... `9` included)",

@@ -9,10 +9,12 @@ is, in each format,
 - coordinates (dimension scales, the variables a CF attribute names as coordinates)
   and CF grid mappings, when they hold numbers: public grids such as lat, lon and
   time, copied raw and listed in the manifest's `unperturbed` with the reason
-  "coordinate" (or "grid mapping"); but a coordinate that is not a dimension's own
-  (CF's auxiliary coordinates, named by a `coordinates` attribute) and whose one axis
-  is the record axis of a perturbed array holds a value per record, not a grid: it is
-  left out and listed in `dropped` (RECORD_COORDINATE);
+  "coordinate" (or "grid mapping"); but a variable that runs along the record axis of a
+  perturbed array (the record dimension among its dimensions) and is not a dimension's
+  own coordinate (CF's auxiliary coordinates, named by a `coordinates` attribute, such as
+  a trajectory's lat(trajectory, obs), their bounds and cell measures), or is a feature's
+  identifier (a cf_role), holds a value per record, not a grid: it is left out and listed
+  in `dropped` (RECORD_COORDINATE), and the attributes naming it name the rest;
 - anything the user names with --keep (a dataset or array, an attribute as
   PATH@NAME, a file): copied raw and listed in `unperturbed` ("kept by --keep");
 - everything else (datasets that are not perturbed, strings, tables, free-text and
@@ -36,11 +38,14 @@ from tldp_cli.formats.tensor_files import matching
 KEPT = "kept by --keep"
 COORDINATE = "coordinate"
 GRID_MAPPING = "grid mapping"  # a CF grid mapping variable: the projection the data lies on
-# A non-dimension coordinate whose one axis is the record axis (xarray's elev(station), an ID
-# subject_id(record)): a value per record, not a grid, so it is left out unless --keep names it.
+# A variable along the record axis that CF names as a coordinate, bounds or cell measure
+# (xarray's elev(station), an ID subject_id(record), a trajectory's lat(trajectory, obs)), or a
+# feature's identifier (cf_role): a value per record, not a grid, so it is left out unless
+# --keep names it (cf.record_coordinates).
 RECORD_COORDINATE = "record coordinate"
-RECORD_COORDINATE_REASON = ("a coordinate along the record axis (not a dimension's own coordinate): values "
-                            "per record, not a grid (--keep copies it)")
+RECORD_COORDINATE_REASON = ("a coordinate along the record axis (an auxiliary coordinate, bounds or cell "
+                            "measure, or a feature's cf_role identifier): values per record, not a grid "
+                            "(--keep copies it)")
 # Attributes readers need to interpret the values, by name, in every format.
 CF_ATTRIBUTES = (
     "Conventions", "units", "standard_name", "long_name", "axis", "calendar", "positive", "coordinates",

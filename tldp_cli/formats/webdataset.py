@@ -31,8 +31,12 @@ shape. Tar headers are written anew, deterministic: each member's name and mode 
 input, a constant modification time (MTIME: the input's can date a recording), no
 owner (uid, gid 0, names blank) and none of the input's PAX records but those a long or
 non-ASCII name needs. The sample keys are written as they are (often file names, which
-can name a person): listed in `unperturbed` as "sample keys"; --anonymize-names does not
-apply to WebDataset. A shard is written member by member as its records come back, so
+can name a person): listed in `unperturbed` as "sample keys". With --anonymize-names each
+sample's key becomes its number in the samples' order across the shards (000000,
+000001, ...: the order the output holds them in anyway), the same for all its members,
+so webdataset groups them as before; the name map, kept with the raw data, pairs the
+keys. Folder entries and members without a key (no extension) are then not written,
+their names being the input's; the shards keep their names. A shard is written member by member as its records come back, so
 memory holds a few members whatever the shard's size.
 
 Refused, with one line: compressed shards (.tar.gz: decompress them first), members
@@ -44,10 +48,12 @@ Symbolic links inside a shard folder are skipped and listed (nothing outside it 
 
 from __future__ import annotations
 
+import datetime as _dt
 import io
 import os
 import posixpath
 import re
+import secrets
 import tarfile
 import threading
 from dataclasses import dataclass, field
@@ -57,11 +63,12 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
+from tldp_cli import __version__
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
 from tldp_cli.formats import (DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
                               check_numeric_dtype, data_file, decode_reason, folder_files, folder_output,
-                              leftovers, listing, pixels, plural)
+                              leftovers, listing, name_maps, pixels, plural)
 
 NAME = "webdataset"
 SHARD_SUFFIX = ".tar"
@@ -85,6 +92,12 @@ IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never cop
 LABEL_REASON = "a label or metadata member, not perturbed"
 OTHER_FILE_REASON = "a file beside the shards, not perturbed"
 PICKLE_REASON = "a Python pickle, data tldp does not load"
+ANONYMOUS_DIGITS = 6  # --anonymize-names: keys 000000, 000001, ...: at least this many digits
+NO_KEY = "(no extension)"  # how the manifest names members without a key, anonymized
+NO_KEY_REASON = ("a member without an extension, so of no sample: its name is the input's "
+                 "(--anonymize-names writes none)")
+FOLDER_ENTRIES = "folder entries"
+FOLDER_REASON = "tar folder entries, whose names are the input's: not written (--anonymize-names)"
 
 
 def _key(name: str) -> tuple[str | None, str | None]:
@@ -208,10 +221,14 @@ class _Member:
     dtype: np.dtype | None = None
     has_alpha: bool = False
     has_icc: bool = False  # carries an ICC colour profile (written where --keep icc_profile names it)
+    withheld: bool = False  # --anonymize-names: a member without a key, named by no name of its own
 
     @property
     def label(self) -> str:
-        """What --keep and the manifest name it by: its extension, or its name without one."""
+        """What --keep and the manifest name it by: its extension, or its name without one
+        (NO_KEY where --anonymize-names withholds it)."""
+        if self.withheld:
+            return NO_KEY
         return self.extension if self.extension is not None else self.name
 
     @property
@@ -427,6 +444,8 @@ class WebDatasetReader(Reader):
             raise InputError(f"{self.base / compressed[0]}: a compressed shard, which tldp does not read "
                              "member by member; decompress it first (gunzip, zstd -d) and give the .tar")
         self.shards = [_scan(self.base / rel, rel) for rel in rels]
+        self.anonymized = options.anonymize_names
+        self.new_keys = self._anonymize() if self.anonymized else {}
         self.jobs = self._jobs()
         if not self.jobs:
             raise InputError(f"{path}: no image or .npy members to perturb in "
@@ -436,12 +455,42 @@ class WebDatasetReader(Reader):
         self.manifest_extra: dict[str, Any] = {**self.left.manifest_extra(), NAME: {
             "shards": len(self.shards), "samples": self.sample_count,
             "perturbed_members": len(self.jobs),
-            "members_renamed": sum(m.out_name != m.name for s in self.shards for m in s.members)}}
+            "members_renamed": sum(_out_name(m.name, m.kind) != m.name for s in self.shards for m in s.members)}}
+        if self.anonymized:
+            self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
+            self.manifest_extra["anonymized_names"] = {
+                "name_map_id": self.name_map_id,
+                "rule": "each sample's key renamed to its number in the samples' order across the shards "
+                        "(000000, 000001, ...), the same for all its members; folder entries and members "
+                        "without a key left out; the shards keep their names; the name map kept with the "
+                        "raw data pairs the keys"}
         grouped = [row for rows in self.samples.values() for row in rows if len(row) > 1]
         self.record_description = (
             "a sample: its perturbed members (images, .npy arrays) together, composed" if grouped
             else "one member of a sample (an image or a .npy array)")
         self._report()
+
+    def _anonymize(self) -> dict[str, str]:
+        """--anonymize-names: each sample's key becomes its number in the samples' order across
+        the shards, in each of its members' names (a key that comes back in its shard keeps
+        its number: one subject, _samples); a member without a key is never written. Returns
+        the name map's pairs, "SHARD/KEY" -> the new key."""
+        numbers: dict[tuple[str, str], int] = {}
+        for shard in self.shards:
+            for member in shard.members:
+                if member.key is not None and member.kind != FOLDER:
+                    numbers.setdefault((shard.rel, member.key), len(numbers))
+        digits = max(ANONYMOUS_DIGITS, len(str(len(numbers) - 1)))
+        for shard in self.shards:
+            for member in shard.members:
+                if member.kind == FOLDER:
+                    continue  # not written (WebDatasetWriter)
+                if member.key is None:
+                    member.kind, member.reason, member.withheld = NEVER, NO_KEY_REASON, True
+                    continue
+                # its name is the key, then what follows it (".seg.png")
+                member.out_name = f"{numbers[shard.rel, member.key]:0{digits}d}{member.out_name[len(member.key):]}"
+        return {f"{rel}/{key}": f"{number:0{digits}d}" for (rel, key), number in numbers.items()}
 
     def _jobs(self) -> list[ArrayJob]:
         jobs = []
@@ -484,7 +533,8 @@ class WebDatasetReader(Reader):
         return ArrayJob(name=member.job, shape=(1, *member.shape), dtype=dtype,
                         read=_ReadMember(shard.path, member.name, member.offset, member.size, member.kind,
                                          member.shape, dtype),
-                        source={"path": str(shard.path), "format": NAME, "dataset": member.name,
+                        source={"path": str(shard.path), "format": NAME,
+                                "dataset": member.out_name if self.anonymized else member.name,
                                 "shape": list(member.shape), "dtype": str(member.dtype)})
 
     def _leftovers(self, options: FormatOptions) -> leftovers.Leftovers:
@@ -526,10 +576,14 @@ class WebDatasetReader(Reader):
             left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
                                                     "(transparency can outline the subject)")
         keys = len({(shard.path, member.key) for shard in self.shards for member in shard.members if member.job})
-        if keys:  # written as they are: listed, so the summary line names them
+        if keys and not self.anonymized:  # written as they are: listed, so the summary line names them
             left.copied("sample keys", "name", f"the keys of {plural(keys, 'sample')} (member names without their "
                                                "extensions), written as they are: often file names, which can "
-                                               "name a person; --anonymize-names does not rename WebDataset samples")
+                                               "name a person; --anonymize-names numbers them")
+        folders = sum(member.kind == FOLDER for shard in self.shards for member in shard.members)
+        if folders and self.anonymized:
+            left.dropped.append({"name": FOLDER_ENTRIES, "kind": "member", "members": folders,
+                                 "reason": FOLDER_REASON})
         self.keep_icc = left.icc_profiles(sum(member.has_icc for shard in self.shards
                                               for member in shard.members if member.job), "image member")
         left.considered(job.name for job in self.jobs)
@@ -556,7 +610,8 @@ class WebDatasetReader(Reader):
         return found
 
     def _report(self) -> None:
-        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] != LABEL_REASON]
+        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] not in (LABEL_REASON,
+                                                                                             FOLDER_REASON)]
         for entry in never:
             self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
                                  f"{entry['reason']}, not even with --keep")
@@ -580,13 +635,31 @@ class WebDatasetReader(Reader):
         if self.links:
             self.manifest_extra["skipped_symbolic_links"] = self.links
             self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
+        if self.anonymized:
+            self.messages.append(f"renamed the keys of {plural(len(self.new_keys), 'sample')} to their numbers "
+                                 "in order, 000000, 000001, ... (the name map pairs them)")
         renamed = self.manifest_extra[NAME]["members_renamed"]
-        if renamed:
+        if renamed and not self.anonymized:
             self.messages.append(f"{plural(renamed, 'image member')} written as PNG under the same key "
                                  "(KEY.jpg -> KEY.png)")
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def name_map(self, output_path: Path, manifest_path: Path) -> dict:
+        """The name map: the sample keys the output withholds. It can name the people in the data."""
+        return {"schema": name_maps.SCHEMA, "sensitive": name_maps.SENSITIVE,
+                "tool": {"name": "tldp", "version": __version__}, "name_map_id": self.name_map_id,
+                "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
+                "samples": self.new_keys,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+    def output_dtype(self, dtype: np.dtype) -> str:
+        """Image members as PNG of their own bit depth, .npy members of the engine's dtype."""
+        members = [m for s in self.shards for m in s.members if m.job is not None]
+        image_dtypes = sorted({str(m.decoded_dtype.newbyteorder("=")) for m in members if m.kind == IMAGE})
+        kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
+        return ", ".join(kinds + ([f"{np.dtype(dtype)} .npy"] if any(m.kind == ARRAY for m in members) else []))
 
     def rows(self, jobs: list[ArrayJob]) -> list[list[str]] | None:
         """The perturbed members of a sample are one subject's record; every member is in
@@ -599,6 +672,13 @@ class WebDatasetReader(Reader):
 
 def open_reader(path: Path, options: FormatOptions) -> WebDatasetReader:
     return WebDatasetReader(path, options)
+
+
+def name_map_destination(name_map: Path | None, source: Path, output_path: Path, manifest: Path,
+                         overwrite: bool) -> Path:
+    """name_maps.destination; a brace pattern's goes beside the folder of its shards."""
+    return name_maps.destination(name_map, _pattern_base(source) if is_pattern(source) else source, output_path,
+                                 manifest, overwrite)
 
 
 def _tar_info(name: str, size: int, member: _Member) -> tarfile.TarInfo:
@@ -657,11 +737,13 @@ class WebDatasetWriter(Writer):
         steps.append("write each shard as a tar of the same name, its members in the input's order, with "
                      "new headers: each member's name and mode, modification time 0 (1970-01-01); no owner; "
                      "no other PAX records")
+        if reader.anonymized:
+            steps.append("name each member by its sample's number in the samples' order (000000, 000001, ...) "
+                         "and its extension, instead of its key (--anonymize-names)")
         self.postprocessing = steps
         if image_dtypes:  # what evaluate reads back: values rounded and clipped (as image folders say)
             self.manifest_extra = {"image_output": {"format": "png", "clipped": True}}
-        kinds = [" and ".join(f"{d} PNG" for d in image_dtypes)] if image_dtypes else []
-        self.output_dtype = ", ".join(kinds + ([f"{self.dtype} .npy"] if has_arrays else []))
+        self.output_dtype = reader.output_dtype(self.dtype)
 
     def _copy_file(self, source: Path, rel: str) -> None:
         target = self.root / rel
@@ -720,8 +802,8 @@ class WebDatasetWriter(Writer):
                     with writing(self.root / shard.rel):
                         self._shard_tar().addfile(_tar_info(member.out_name, len(data), member),
                                                   io.BytesIO(data))
-                elif member.kind == FOLDER or (member.kind == LEFTOVER
-                                               and member.label in self.reader.kept_extensions):
+                elif (member.kind == FOLDER and not self.reader.anonymized) or (
+                        member.kind == LEFTOVER and member.label in self.reader.kept_extensions):
                     self._copy_member(shard, member)
             self.position += 1
 
@@ -806,6 +888,7 @@ FORMAT = Format(
     name=NAME, title="WebDataset shards", folder=True, file_input=True, pattern_input=is_pattern,
     pattern_files=pattern_files,
     honours_keep=True, member_noun="member",
+    name_map_destination=name_map_destination, write_name_map=name_maps.write,
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes, earlier_output=is_earlier_output,
     docs=(DocRow("WebDataset shards: a folder of `.tar` files, one `.tar`, or a brace pattern "

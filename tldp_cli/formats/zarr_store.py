@@ -38,7 +38,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import zarr
@@ -450,64 +450,75 @@ def _output_fill(array, encoding: cf.Encoding | None):
 def _coordinate_arrays(arrays: dict[str, Any], groups: dict[str, Any]) -> set[str]:
     """The arrays that locate or delimit the data rather than hold it: those named like one
     of their own dimensions (xarray's coordinates) and those a CF coordinates, bounds,
-    climatology or cell_measures attribute names."""
-    by_path = {"/" + path: path for path in arrays}
+    climatology or cell_measures attribute of an array or group names."""
+    found = {path for path, array in arrays.items() if posixpath.basename(path) in (_dimension_names(array) or ())}
+    named = cf.named(["/" + path for path in arrays], _text({**groups, **arrays}), cf.COORDINATE_REFERENCES,
+                     groups=[posixpath.normpath("/" + path) for path in groups])
+    return found | {target.lstrip("/") for _, _, target in named}
+
+
+def _text(nodes: dict[str, Any]) -> Callable[[str, str], str | None]:
+    """cf.named's `text` for Zarr arrays and groups (by path without the leading "/"): a
+    string attribute."""
+    def text(path: str, key: str) -> str | None:
+        value = nodes[path.strip("/")].attrs.get(key)
+        return value if isinstance(value, str) else None
+    return text
+
+
+def _dimensions(arrays: dict[str, Any]) -> Callable[[str], tuple[str, ...]]:
+    """cf.record_coordinates' `dimensions` for Zarr arrays: xarray's, named within their group."""
+    def dimensions(path: str) -> tuple[str, ...]:
+        names = _dimension_names(arrays[path.lstrip("/")]) or ()
+        return tuple(posixpath.join(posixpath.dirname(path), name) for name in names)
+    return dimensions
+
+
+def _inherited(records: set[str]) -> set[str]:
+    """The record dimensions, each also under its name in every group above its own: a
+    group sees its parents' dimensions (xarray's DataTree), named alike."""
     found = set()
-    for path, node in (*arrays.items(), *groups.items()):
-        if path in arrays and posixpath.basename(path) in (_dimension_names(node) or ()):
-            found.add(path)
-        for key in cf.COORDINATE_REFERENCES:
-            text = node.attrs.get(key)
-            group = posixpath.dirname("/" + path) if path in arrays else "/" + path
-            for word in cf.referenced(text if isinstance(text, str) else None):
-                target = cf.variable(word, posixpath.normpath(group), by_path)
-                if target is not None:
-                    found.add(target)
+    for dimension in records:
+        group, name = posixpath.split(dimension)
+        found.add(dimension)
+        while group != "/":
+            group = posixpath.dirname(group)
+            found.add(posixpath.join(group, name))
     return found
 
 
-def _record_coordinates(arrays: dict[str, Any], records: set[str]) -> set[str]:
-    """The arrays a CF coordinates attribute names (xarray's non-dimension coordinates)
-    whose one dimension is the record dimension of a perturbed array (`records`, as
-    ArrayJob.row_dimension) and that are not a dimension's own coordinate (leftovers.py)."""
-    by_path = {"/" + path: path for path in arrays}
-    found = set()
-    for path, array in arrays.items():
-        text = array.attrs.get("coordinates")
-        for word in cf.referenced(text if isinstance(text, str) else None):
-            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
-            dimensions = _dimension_names(arrays[target]) if target is not None else None
-            if target is not None and dimensions and len(dimensions) == 1 \
-                    and posixpath.basename(target) not in dimensions \
-                    and posixpath.join("/" + posixpath.dirname(target), dimensions[0]) in records:
-                found.add(target)
-    return found
+def _record_coordinates(arrays: dict[str, Any], groups: dict[str, Any], records: set[str]) -> set[str]:
+    """The arrays that hold a value per record along the record dimension of a perturbed array
+    (`records`, as ArrayJob.row_dimension), not a grid (cf.record_coordinates, leftovers.py);
+    a group's coordinates attribute names them too (xarray's, for coordinates no data
+    variable takes)."""
+    found = cf.record_coordinates(["/" + path for path in arrays], _text({**groups, **arrays}), _dimensions(arrays),
+                                  _inherited(records), groups=[posixpath.normpath("/" + path) for path in groups])
+    return {path.lstrip("/") for path in found}
 
 
-def _unnamed(arrays: dict[str, Any], path: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
-    """A node's attributes, its CF coordinates attribute naming only the arrays written (left
-    out when it names none of them): CF readers look for every variable it names."""
-    text = attrs.get("coordinates")
-    words = cf.referenced(text if isinstance(text, str) else None)
+def _unnamed(arrays: dict[str, Any], group: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
+    """A node's attributes, its CF coordinates, bounds, climatology and cell_measures attributes
+    naming only the arrays written (each left out when it names none of them): CF readers
+    look for every variable they name. `group`: the group its names are looked up in (an
+    array's, or a group itself), by absolute path."""
     by_path = {"/" + name: name for name in arrays}
-    written = [word for word in words if cf.variable(word, posixpath.dirname("/" + path), by_path) not in left_out]
-    if len(written) == len(words):
-        return attrs
-    return {key: " ".join(written) if key == "coordinates" else value for key, value in attrs.items()
-            if key != "coordinates" or written}
+    out = dict(attrs)
+    for key in cf.COORDINATE_REFERENCES:
+        text = attrs.get(key)
+        rewritten = cf.unnamed(text if isinstance(text, str) else None,
+                               lambda word: cf.variable(word, group, by_path) in left_out)
+        if rewritten == "":
+            del out[key]
+        elif rewritten is not None:
+            out[key] = rewritten
+    return out
 
 
 def _grid_mapping_arrays(arrays: dict[str, Any]) -> set[str]:
     """The arrays a CF grid_mapping attribute of an array names."""
-    by_path = {"/" + path: path for path in arrays}
-    found = set()
-    for path, array in arrays.items():
-        text = array.attrs.get("grid_mapping")
-        for word in leftovers.grid_mappings(text if isinstance(text, str) else None):
-            target = cf.variable(word, posixpath.dirname("/" + path), by_path)
-            if target is not None:
-                found.add(target)
-    return found
+    named = cf.named(["/" + path for path in arrays], _text(arrays), ["grid_mapping"], leftovers.grid_mappings)
+    return {target.lstrip("/") for _, _, target in named}
 
 
 def _cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encoding | None,
@@ -578,7 +589,8 @@ class ZarrReader(Reader):
         roles = dict.fromkeys(_grid_mapping_arrays(self.handles), leftovers.GRID_MAPPING)
         roles.update(dict.fromkeys(_coordinate_arrays(self.handles, self.group_handles), leftovers.COORDINATE))
         records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
-        roles.update(dict.fromkeys(_record_coordinates(self.handles, records), leftovers.RECORD_COORDINATE))
+        roles.update(dict.fromkeys(_record_coordinates(self.handles, self.group_handles, records),
+                                   leftovers.RECORD_COORDINATE))
         self.left_out: set[str] = set()
         for path, array in self.handles.items():
             if path in written:
@@ -610,8 +622,10 @@ class ZarrReader(Reader):
         for path, node in {**self.group_handles, **self.handles}.items():
             if path not in self.left_out:
                 attrs = node.attrs.asdict()
-                kept = _unnamed(self.handles, path, self.left_out, {key: value for key, value in attrs.items()
-                                                                  if left.attribute(_display(path), key)})
+                group = posixpath.normpath("/" + path)
+                group = group if path in self.group_handles else posixpath.dirname(group)
+                kept = _unnamed(self.handles, group, self.left_out, {key: value for key, value in attrs.items()
+                                                                   if left.attribute(_display(path), key)})
                 if kept != attrs:
                     self.attributes[path] = kept
         left.check(self.path)

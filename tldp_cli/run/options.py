@@ -76,7 +76,7 @@ class PerturbOptions:
     max_record_eps: float | None = None  # caps on what the data's releases spend together, per record
     max_record_delta: float | None = None
     sampler: str = "exact"  # exact: laplace/gaussian drawn as their discrete counterparts; float
-    anonymize_names: bool = False  # image folders: neutral output names, names kept in the name map
+    anonymize_names: bool = False  # image folders, WebDataset: neutral output names, names kept in the name map
     name_map: Path | None = None  # --anonymize-names: where the name map goes (None: beside the input)
     # CF missing-data markers inside the declared range: values equal to one are missing data,
     # copied (the missingness pattern declared public), instead of data, perturbed
@@ -125,11 +125,7 @@ def parse_range(text: str) -> tuple[float, float]:
         lo, hi = float(parts[0]), float(parts[1])
     except ValueError:
         raise UsageError(f"--range must be two numbers LO:HI, not {text!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise UsageError(f"--range must be finite, not {text!r}")
-    if hi <= lo:
-        raise UsageError(f"--range {text} is empty or inverted: HI must be greater than LO")
-    return lo, hi
+    return _checked_bounds(lo, hi, "--range", text, command_line=True)
 
 
 def as_range(value: tuple[float, float] | str, flag: str = "--range") -> tuple[float, float]:
@@ -139,10 +135,17 @@ def as_range(value: tuple[float, float] | str, flag: str = "--range") -> tuple[f
         lo, hi = (float(bound) for bound in (value.split(":") if isinstance(value, str) else value))
     except (TypeError, ValueError):
         raise UsageError(f"{flag} must be two numbers, (lo, hi) or 'lo:hi', not {value!r}") from None
+    return _checked_bounds(lo, hi, flag, value, command_line=False)
+
+
+def _checked_bounds(lo: float, hi: float, flag: str, value: object, command_line: bool) -> tuple[float, float]:
+    """(lo, hi), refused when not finite, empty or inverted, in the words of the command line
+    (`value`: --range's text; its ends LO and HI) or of the library (`value` as given; lo, hi)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise UsageError(f"{flag} must be finite, not {value!r}")
+    shown, low, high = (value, "LO", "HI") if command_line else (repr(value), "lo", "hi")
     if hi <= lo:
-        raise UsageError(f"{flag} {value!r} is empty or inverted: hi must be greater than lo")
+        raise UsageError(f"{flag} {shown} is empty or inverted: {high} must be greater than {low}")
     return lo, hi
 
 

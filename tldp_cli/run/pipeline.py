@@ -270,7 +270,8 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
     if options.anonymize_names and not module.name_map:
-        raise UsageError(f"{source}: --anonymize-names applies to folders of images, not {module.name}")
+        raise UsageError(f"{source}: --anonymize-names applies to folders of images and WebDataset shards, "
+                         f"not {module.name}")
     format_options = checked_format_options(options, module)
     reader = module.open_reader(source, format_options)
     try:
@@ -980,7 +981,7 @@ def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
               manifest: dict[str, Any]) -> list[str]:
     messages = [*run.reader.messages, *writer.messages, *notes]
     if name_map:
-        messages.append(f"wrote the name map {name_map}: it pairs the original image names with the "
+        messages.append(f"wrote the name map {name_map}: it pairs the original names with the "
                         "output's, so keep it with the raw data, never with the release")
     warning = weights_warning(run.options.weights, run.weights_info)
     if warning:

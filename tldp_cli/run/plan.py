@@ -111,10 +111,14 @@ def _report(run: RunContext, messages: list[str]) -> dict[str, Any]:
     """The plan of `run`: its manifest without what only writing decides, and its calibration."""
     calibrated, jobs = run.calibrated, run.jobs
     manifest = build_manifest(run)
-    # What the writer does (PNG's 8 bits, a model file's tensor dtypes, its postprocessing)
-    # is known only to the writer: the plan states the perturbed values' dtype instead.
+    # What the writer does (a model file's tensor dtypes, its postprocessing) is known only
+    # to the writer: the plan states the perturbed values' dtype, and what is written where
+    # the reader knows it (Reader.output_dtype: images' PNG bit depth).
     for field in ("outputs", "created", "seeded", "weak_seed", "output_dtype", "postprocessing"):
         manifest.pop(field, None)
+    written = run.reader.output_dtype(calibrated.out_dtype) if run.reader is not None else None
+    if written:
+        manifest["output_dtype"] = written
     calib = calibrated.largest
     manifest["schema"] = SCHEMA
     manifest["calibration"] = {
