@@ -15,9 +15,9 @@ from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, 
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
 from tldp_cli.evaluate.recompute import recompute_calibration
-from tldp_cli.run.pipeline import missing_fills
 from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, folder_labels, load_labels,
                                        load_records, task_utility)
+from tldp_cli.run.pipeline import missing_fills
 
 REPORT_SCHEMA = "tldp-evaluation/1"
 PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report
