@@ -1,5 +1,7 @@
 """The CF helpers shared by the netCDF (hdf5) and Zarr formats, on their own."""
 
+import dataclasses
+
 import numpy as np
 
 from tldp_cli.formats import cf
@@ -69,3 +71,32 @@ def test_record_coordinates_follow_the_record_dimension():
     assert found == {"/lat", "/lat_bnds", "/elev", "/trajectory"}
     assert cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
                                  {"/time"}) == set()  # time(time) and its bounds: the grid
+
+
+def test_missing_positions_hold_the_public_fill_never_a_value_of_the_data():
+    """Until told, a read returns the markers as stored; told a fill, every missing position
+    holds it, whatever the other records hold (it was the block's first present value)."""
+    encoding = cf.Encoding((np.float32(-1.0), np.float32(np.nan)), False, None, None, np.dtype(np.float32),
+                           ("_FillValue", "NaN"))
+    raw = np.array([[0.75, -1.0], [np.nan, 0.25]], np.float32)
+    np.testing.assert_array_equal(cf.decoded_records(raw.copy(), encoding), raw)
+    filled = cf.decoded_records(raw.copy(), dataclasses.replace(encoding, fill=0.5))
+    assert filled.dtype == np.float32
+    np.testing.assert_array_equal(filled, np.array([[0.75, 0.5], [0.5, 0.25]], np.float32))
+    other = raw.copy()
+    other[0, 0] = 0.125  # another record's value: the fill does not follow it
+    np.testing.assert_array_equal(cf.decoded_records(other, dataclasses.replace(encoding, fill=0.5))[1],
+                                  filled[1])
+
+
+def test_a_fill_the_values_dtype_cannot_hold_reads_the_block_as_float64():
+    """privunit's reference 127.5 (--reference mid on 0:256) in an int16 block with a _FillValue:
+    the block comes back in float64, so that a missing position adds exactly nothing."""
+    encoding = cf.Encoding((np.int16(-999),), False, None, None, np.dtype(np.int16), ("_FillValue",), fill=127.5)
+    block = cf.decoded_records(np.array([[3, -999, 200]], np.int16), encoding)
+    assert block.dtype == np.float64
+    np.testing.assert_array_equal(block, [[3.0, 127.5, 200.0]])
+    whole = cf.decoded_records(np.array([[3, 4]], np.int16), encoding)  # nothing missing: as stored
+    assert whole.dtype == np.int16
+    taken = encoding.as_data((("_FillValue", -999.0),))  # markers taken as data keep the fill
+    assert taken.fill == 127.5 and taken.markers == ()

@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from tldp_cli.errors import InputError
 from tldp_cli.formats import FormatOptions, hdf5, leftovers
+from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 netCDF4 = pytest.importorskip("netCDF4")
 xr = pytest.importorskip("xarray")
@@ -340,16 +340,88 @@ def test_noisy_values_never_land_on_the_fill_value(cli, tmp_path, writer):
         assert result.exit_code == 0, result.stderr
 
 
-def test_a_dataset_of_missing_values_only_is_refused(tmp_path):
-    src = tmp_path / "in.nc"
+def test_a_dataset_of_missing_values_only_comes_back_missing(cli, tmp_path):
+    """Missing positions hold a public value, so a variable with no value present perturbs
+    like any other (it was refused: no value of its own to stand in) and stays all missing."""
+    src, out = tmp_path / "in.nc", tmp_path / "out.nc"
     xr.Dataset({"T2": (("time", "y"), np.full((4, 3), np.nan, np.float32))}).to_netcdf(src)
     reader = hdf5.open_reader(src, FormatOptions(datasets=["T2"]))
     try:
         (job,) = reader.arrays()
-        with pytest.raises(InputError, match=r"in\.nc: dataset /T2 holds only missing values"):
-            job.read(0, 2)
+        assert np.isnan(job.read(0, 2)).all()  # untold, the markers as stored
     finally:
         reader.close()
+    for mechanism in ("tldp", "privunit"):
+        manifest = run(cli, src, out, "--range", "0:1", "--mechanism", mechanism, "--overwrite")
+        assert manifest["missing_values"]["/T2"]["input"] == ["nan"]
+        with netCDF4.Dataset(out) as ds:
+            assert np.ma.getmaskarray(ds["T2"][:]).all()
+
+
+def records_with_gaps(path: Path, writer: str, first: float) -> Path:
+    """8 records of 16 x 16, record 3 half missing, the first value of record 0 (which the
+    records missing values took from their block) `first`. xarray: float32, NaN as its
+    _FillValue, chunked one record per chunk; netCDF4: int16 codes 0..50 with _FillValue -999."""
+    rng = np.random.default_rng(1)
+    if writer == "xarray":
+        data = rng.uniform(0, 1, (8, 16, 16)).astype(np.float32)
+        data[3, :8] = np.nan
+        data[0, 0, 0] = first
+        xr.Dataset({"v": (("t", "y", "x"), data)}).to_netcdf(
+            path, engine="h5netcdf", encoding={"v": {"chunksizes": (1, 16, 16)}})
+        return path
+    codes = rng.integers(0, 51, (8, 16, 16)).astype(np.int16)
+    codes[3, :8] = -999
+    codes[0, 0, 0] = first
+    with netCDF4.Dataset(path, "w") as ds:
+        for name, size in (("t", 8), ("y", 16), ("x", 16)):
+            ds.createDimension(name, size)
+        var = ds.createVariable("v", "i2", ("t", "y", "x"), fill_value=np.int16(-999))
+        var.set_auto_mask(False)
+        var[:] = codes
+    return path
+
+
+PRIVUNIT_GAPS = {"xarray": ("--range", "0:1"),
+                 # the reference 25.5 is no int16: the blocks with missing values read as float64
+                 "netCDF4": ("--range", "0:51", "--reference", "mid")}
+
+
+@pytest.mark.parametrize("writer", list(PRIVUNIT_GAPS))
+def test_privunit_releases_a_record_with_missing_values_from_its_own_values(cli, tmp_path, writer):
+    """privunit projects whole records: missing positions held the block's first present value,
+    another record's, so that record 3's release depended on record 0's raw value (outside
+    record 0's certificate). Now they hold privunit's public reference point."""
+    outputs = {}
+    for first in (0.1, 0.9) if writer == "xarray" else (2, 48):
+        src = records_with_gaps(tmp_path / f"in{first}.nc", writer, first)
+        for seed in ("1", "2", "3"):
+            out = tmp_path / f"out{first}-{seed}.nc"
+            result = cli("perturb", src, "--out", out, "--mechanism", "privunit", "--eps", "4", "--seed", seed,
+                         "--allow-weak-seed", *PRIVUNIT_GAPS[writer])
+            assert result.exit_code == 0, result.stderr
+            with netCDF4.Dataset(out) as ds:
+                outputs[first, seed] = ds["v"][:]
+    for seed in ("1", "2", "3"):
+        a, b = (value for (_, s), value in outputs.items() if s == seed)
+        for values in (a, b):  # the markers come back where values were missing, and only there
+            assert np.ma.getmaskarray(values)[3, :8].all() and np.ma.count_masked(values) == 128
+        np.testing.assert_array_equal(a[1:].filled(-1), b[1:].filled(-1))  # every record but record 0
+
+
+def test_privunit_with_missing_values_does_not_depend_on_blocks_or_workers(tmp_path):
+    """One record per chunk: blocks of one record each on two threads gave record 3 its own
+    first present value, one block record 0's."""
+    src = records_with_gaps(tmp_path / "in.nc", "xarray", 0.9)
+    written = []
+    for name, more in (("whole", {}), ("cut", {"block_elements": 256, "workers": 2})):
+        out = tmp_path / f"{name}.nc"
+        perturb(PerturbOptions(input=src, out=out, mechanism="privunit", eps=4.0, value_range=(0.0, 1.0),
+                               seed="3", allow_weak_seed=True, **more))
+        with xr.open_dataset(out) as ds:
+            written.append(ds["v"].values)
+    np.testing.assert_array_equal(written[0], written[1])
+    assert np.isnan(written[0][3, :8]).all() and not np.isnan(written[0][3, 8:]).any()
 
 
 def packed_file(path: Path) -> tuple[Path, np.ndarray]:

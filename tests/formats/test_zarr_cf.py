@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tldp_cli.run.pipeline import PerturbOptions, perturb as perturb_file
+
 xr = pytest.importorskip("xarray")
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
@@ -222,3 +224,30 @@ def test_a_parent_groups_coordinates_along_the_record_axis_are_left_out(cli, tmp
     tree = xr.open_datatree(tmp_path / "out.zarr", engine="zarr")
     assert "elev" not in tree.variables and "coordinates" not in tree.attrs
     assert tree["child/temp"].shape == (5, 3)
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_privunit_releases_a_record_with_missing_values_from_its_own_values(tmp_path, zarr_format):
+    """privunit projects whole records: record 3's missing positions held its block's first
+    present value, record 0's, so its release depended on record 0's raw value and on the
+    blocks. Two stores that differ in that value alone, cut into one block or into blocks of
+    one record (one chunk each) on two threads, now give record 3 the same release."""
+    values = np.random.default_rng(1).uniform(0, 1, (8, 16, 16)).astype(np.float32)
+    values[3, :8] = np.nan
+    written = []
+    for first in (0.1, 0.9):
+        values[0, 0, 0] = first
+        src = tmp_path / f"in{first}.zarr"
+        xr.Dataset({"v": (("t", "y", "x"), values)}).to_zarr(
+            src, zarr_format=zarr_format, encoding={"v": {"chunks": (1, 16, 16)}})
+        for cut in ({}, {"block_elements": 256, "workers": 2}):
+            for seed in ("1", "2", "3"):
+                out = tmp_path / f"out{first}-{len(cut)}-{seed}.zarr"
+                perturb_file(PerturbOptions(input=src, out=out, mechanism="privunit", eps=4.0, value_range=(0.0, 1.0),
+                                            seed=seed, allow_weak_seed=True, **cut))
+                written.append(xr.open_zarr(out)["v"].values)
+    for seed in range(3):
+        runs = written[seed::3]
+        for after in runs:
+            np.testing.assert_array_equal(np.isnan(after), np.isnan(values))  # the markers come back
+            np.testing.assert_array_equal(after[1:], runs[0][1:])  # every record but record 0

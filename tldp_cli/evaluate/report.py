@@ -17,6 +17,7 @@ from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check,
 from tldp_cli.evaluate.recompute import recompute_calibration
 from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, folder_labels, load_labels,
                                        load_records, task_utility)
+from tldp_cli.run.pipeline import missing_fills
 
 REPORT_SCHEMA = "tldp-evaluation/1"
 PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report
@@ -53,6 +54,9 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
                                                        reader.records_are_tensors, checks)
         if calibrated.in_range_markers and "public_missing" not in m:
             reader.markers_are_data(calibrated.in_range_markers)  # values perturb read as data, as it did
+        fills = missing_fills(calibrated, jobs)
+        if fills:  # missing positions hold what perturb read there
+            reader.missing_fill(fills)
         pairing_issues: list[dict] = []
         pairs = pair_up(module, reader, perturbed, m, calibrated.calib_of, pairing_issues, renamed,
                         input_format)

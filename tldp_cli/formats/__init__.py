@@ -28,7 +28,8 @@ e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e
 the files skipped), `records_are_tensors`, `record_description` (what one subject's
 record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
 arrays whose row i is one subject's record, where the format knows) and
-`markers_are_data()` (CF missing-data markers inside the declared range) with defaults.
+`markers_are_data()` (CF missing-data markers inside the declared range) and `missing_fill()`
+(the public value missing positions hold before the noise) with defaults.
 
 Every writer subclasses `Writer`, which declares what the pipeline may use and the
 defaults of a writer that needs none of it: `messages` (its own lines, shown after the
@@ -148,6 +149,15 @@ class Reader:
         other, and the writer leaves them off the output. A reader that declares no markers
         is never told."""
         if data:
+            raise NotImplementedError
+
+    def missing_fill(self, fills: dict[str, float]) -> None:
+        """Told before any block is perturbed: by array name (arrays with ArrayJob.markers), the
+        public value the records read hold where values are missing, in place of any value
+        of the data (a record-level mechanism projects the whole record: a value of another
+        record there would make this record's release depend on it). Until told, the reader
+        returns the markers as stored, decoded. A reader that declares no markers is never told."""
+        if fills:
             raise NotImplementedError
 
     def close(self) -> None:

@@ -2,7 +2,13 @@
 formats that honour them (hdf5, zarr_store); no I/O here.
 
 Missing data: values equal to a variable's _FillValue or missing_value are missing,
-copied rather than perturbed, and the writer puts its markers back. A noisy value
+copied rather than perturbed, and the writer puts its markers back. Before the noise a
+missing position holds a public value the pipeline chooses (Reader.missing_fill, through
+Encoding.fill), never a value of the data: a record-level mechanism (privunit) projects the
+whole record, so a value taken from another record (or from anywhere but public options)
+would make this record's release depend on it, outside that record's certificate, and on
+how the records were cut into blocks. Until told, a read returns the markers decoded, as
+stored (what the release ledger fingerprints). A noisy value
 may land on a marker too (a fill value of -1 sits on the grid just below a range
 starting at 0): every reader would take it for missing data, so the writer moves it
 to the nearest value that is not a marker (move_off_markers), a deterministic
@@ -118,6 +124,9 @@ class Encoding:
     sources: tuple = ()  # the attribute each marker comes from (NAN_LABEL: NaN without one)
     # (attribute, stored marker) of the markers taken as data (as_data): no longer in `markers`
     data: tuple = ()
+    # The public value missing positions hold in the values perturbed (fill_missing); None: the
+    # markers, decoded, as stored
+    fill: float | None = None
 
     @property
     def packed(self) -> bool:
@@ -137,10 +146,10 @@ class Encoding:
         `labelled`) taken as data: no longer missing, recorded in `data`."""
         chosen = set(data)
         keep = [i for i, pair in enumerate(self.labelled()) if pair not in chosen]
-        return Encoding(tuple(self.markers[i] for i in keep), self.unsigned, self.scale, self.offset,
-                        self.dtype, tuple(self.sources[i] for i in keep),
-                        self.data + tuple((self.sources[i], self.markers[i])
-                                          for i in range(len(self.markers)) if i not in keep))
+        return dataclasses.replace(
+            self, markers=tuple(self.markers[i] for i in keep), sources=tuple(self.sources[i] for i in keep),
+            data=self.data + tuple((self.sources[i], self.markers[i])
+                                   for i in range(len(self.markers)) if i not in keep))
 
     def is_data(self, key: str, value) -> bool:
         """Whether `value` of the attribute `key` (in its own type) is a marker taken as data."""
@@ -241,30 +250,40 @@ def take_as_data(jobs: list, encodings: dict[str, Encoding], data: dict[str, tup
             job.markers = encodings[job.name].labelled()
 
 
-def decoded_records(raw: np.ndarray, encoding: Encoding, present: Callable[[], np.generic]) -> np.ndarray:
-    """Stored records as the values perturbed. Missing positions get a value the data holds
-    (the block's first, else `present()`), so that they pass the range check; the writer
-    puts the markers back, so their noisy values are never written."""
+def fill_missing(jobs: list, encodings: dict[str, Encoding], fills: dict[str, float]) -> None:
+    """Reader.missing_fill for a format whose jobs read through a frozen dataclass with an
+    `encoding` field: each array's missing positions hold its value in `fills`."""
+    for job in jobs:
+        if job.name in fills:
+            encodings[job.name] = dataclasses.replace(encodings[job.name], fill=fills[job.name])
+            job.read = dataclasses.replace(job.read, encoding=encodings[job.name])
+
+
+def _holds(dtype: np.dtype, value: float) -> bool:
+    """Whether `dtype` holds `value` exactly."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return float(value).is_integer() and info.min <= value <= info.max
+    with np.errstate(over="ignore"):
+        return float(dtype.type(value)) == value
+
+
+def decoded_records(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
+    """Stored records as the values perturbed. Missing positions hold the encoding's public
+    `fill` (in float64 where the values' dtype cannot hold it exactly: privunit measures
+    records from it in float64), so that they pass the range check and, under privunit, add
+    nothing to the record's direction; never another value of the data, which would make a
+    record's release depend on another's. The writer puts the markers back, so their noisy
+    values are never written. Without a fill, the markers as stored, decoded."""
     values = encoding.decode(raw)
+    if encoding.fill is None:
+        return values
     missing = encoding.missing(raw)
     if missing is not None:
-        kept = values[~missing]
-        values[missing] = kept[0] if kept.size else present()
+        if not _holds(values.dtype, encoding.fill):
+            values = values.astype(np.float64)
+        values[missing] = encoding.fill
     return values
-
-
-def first_present(stored: Callable[[int, int], np.ndarray], records: int, record_elements: int,
-                  encoding: Encoding, where: str) -> np.generic:
-    """The first value of a variable (read by `stored(start, stop)`) that is not missing."""
-    step = max(1, (1 << 20) // max(1, record_elements))
-    for start in range(0, records, step):
-        raw = stored(start, start + step)
-        missing = encoding.missing(raw)
-        if missing is None or not missing.all():
-            values = encoding.decode(raw)
-            return values.flat[0] if missing is None else values[~missing][0]
-    raise InputError(f"{where} holds only missing values (its _FillValue or missing_value); there is "
-                     "nothing to perturb, so leave it out (choose the datasets with --dataset)")
 
 
 def output_marker(marker, dtype: np.dtype):

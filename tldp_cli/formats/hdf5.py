@@ -204,9 +204,6 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
                        _attr_text(ds, "_Unsigned"))
 
 
-_PRESENT: dict[tuple, np.generic] = {}  # (path, dataset, size) -> a value the dataset holds
-
-
 # Datasets of more chunks than this are read and written through HDF5: listing where
 # each chunk lies would cost more than the lock it saves.
 MAX_PLACED_CHUNKS = 1 << 16
@@ -335,7 +332,7 @@ class _Records:
         raw = self.stored(start, stop)
         if self.encoding is None:
             return raw
-        return cf.decoded_records(raw, self.encoding, self._present_value)
+        return cf.decoded_records(raw, self.encoding)
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
@@ -354,17 +351,6 @@ class _Records:
                              f"{self.dataset} ({_reason(exc)})") from None
         _check_not_shrunk(self.path, self.size)  # a part cut off during the read came back as zeros
         return block
-
-    def _present_value(self) -> np.generic:
-        """The first value of the dataset that is not missing."""
-        assert self.encoding is not None  # asked by cf.decoded_records, for an encoded dataset only
-        key = (self.path, self.dataset, self.size)
-        if key not in _PRESENT:
-            with h5py.File(self.path, "r") as f:
-                shape = f[self.dataset].shape
-            _PRESENT[key] = cf.first_present(self.stored, shape[0], math.prod(shape[1:]), self.encoding,
-                                             f"{self.path}: dataset {self.dataset}")
-        return _PRESENT[key]
 
 
 def _check_storage(path: Path, size: int, name: str, ds: h5py.Dataset, perturbed: bool) -> None:
@@ -716,6 +702,9 @@ class Hdf5Reader(Reader):
 
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         cf.take_as_data(self.jobs, self.encodings, data)
+
+    def missing_fill(self, fills: dict[str, float]) -> None:
+        cf.fill_missing(self.jobs, self.encodings, fills)
 
     def close(self) -> None:
         self.file.close()

@@ -232,9 +232,6 @@ def _open(store: LocalStore, where: Path, node: str, kind: str, zarr_format: Zar
                          f"metadata ({detail})") from None
 
 
-_PRESENT: dict[tuple, np.generic] = {}  # (store, array) -> a value the array holds
-
-
 @dataclass(frozen=True)
 class _Records:
     """Reads records of one array. Picklable: opens the store inside each call, so it can
@@ -250,18 +247,7 @@ class _Records:
         raw = self.stored(start, stop)
         if self.encoding is None:
             return raw
-        return cf.decoded_records(raw, self.encoding, self._present_value)
-
-    def _present_value(self) -> np.generic:
-        """The first value of the array that is not missing."""
-        assert self.encoding is not None  # asked by cf.decoded_records, for an encoded array only
-        key = (self.store, self.name)
-        if key not in _PRESENT:
-            shape = _open(LocalStore(self.store, read_only=True), self.store, self.name, "array",
-                          self.zarr_format).shape
-            _PRESENT[key] = cf.first_present(self.stored, shape[0], math.prod(shape[1:]), self.encoding,
-                                             f"{self.store}: array {_display(self.name)}")
-        return _PRESENT[key]
+        return cf.decoded_records(raw, self.encoding)
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
@@ -755,6 +741,9 @@ class ZarrReader(Reader):
 
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         cf.take_as_data(self.jobs, self.encodings, data)
+
+    def missing_fill(self, fills: dict[str, float]) -> None:
+        cf.fill_missing(self.jobs, self.encodings, fills)
 
     def close(self) -> None:
         self.store.close()

@@ -697,6 +697,37 @@ def _in_range_markers(jobs: list[ArrayJob], bounds: dict[str, tuple[float, float
     return found
 
 
+def missing_fills(calibrated: Calibrated, jobs: list[ArrayJob]) -> dict[str, float]:
+    """By array with missing-data markers (ArrayJob.markers), the value its missing positions
+    hold before the noise (Reader.missing_fill): public (the options, the declared range and
+    the dtype), never a value of the data, since privunit projects the whole record and a
+    value of another record there would make this record's release depend on it (and on
+    the blocks). Under privunit, its reference point: a missing position then adds nothing
+    to the record's direction. Under the per-element mechanisms, whose noisy values at a
+    missing position are never written (the marker goes back) and whose draws do not depend
+    on the values, the least value of the array's dtype inside its declared range."""
+    fills = {}
+    for job in jobs:
+        if not job.markers:
+            continue
+        calib = calibrated.calib_of[job.name]
+        if calib.privunit is not None:
+            fills[job.name] = calib.privunit.reference
+        else:
+            lo, _, _ = calibrated.bounds.get(job.name, (calibrated.lo, calibrated.hi, calibrated.grid))
+            fills[job.name] = _least_held(lo, np.dtype(job.dtype))
+    return fills
+
+
+def _least_held(lo: float, dtype: np.dtype) -> float:
+    """The least value of `dtype` not below `lo`."""
+    if dtype.kind in "iu":
+        return float(max(math.ceil(lo), np.iinfo(dtype).min))
+    with np.errstate(over="ignore"):
+        value = dtype.type(lo)
+    return float(value if value >= lo else np.nextafter(value, dtype.type(np.inf)))
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What the steps of a run share once it is calibrated, in place of long parameter
@@ -755,6 +786,9 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     if calibrated.in_range_markers and not options.public_missing:
         # Before any block is read, after the ledger's fingerprint: the same data either way.
         reader.markers_are_data(calibrated.in_range_markers)
+    fills = missing_fills(calibrated, jobs)
+    if fills:  # after the ledger's fingerprint too, which hashes the markers as stored
+        reader.missing_fill(fills)
     staging = output.Staging()
     try:
         staged = _stage(staging, run, name_map)
