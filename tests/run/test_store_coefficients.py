@@ -150,6 +150,10 @@ def test_dtype_float64_stores_v_unrounded(cli, tmp_path):
     assert V64.dtype == np.float64 and m["privunit"]["stored"]["dtype"] == "float64"
     assert np.array_equal(V64.astype(np.float32), V32)  # one rounding of the same V
     assert np.allclose(np.linalg.norm(V64, axis=1), 1, atol=1e-12)
+    # V is float64 already: the manifest claims no rounding (it did: "rounded once to float64")
+    assert "rounded" not in m["privunit"]["stored"]["values"]
+    assert "no rounding" in m["postprocessing"][0] and "one rounding" not in m["postprocessing"][0]
+    assert "rounded once to float32" in run(cli, src, tmp_path / "again.npy")[0]["privunit"]["stored"]["values"]
 
 
 def test_workers_and_blocking_do_not_change_the_rows(cli, tmp_path):

@@ -287,7 +287,8 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
     weights = engine.write_back_weights(calib, basis)  # a user's basis: None, unweighted
     entry: dict[str, Any] = {
         "kind": "coefficients",
-        "values": f"V, each record's released unit vector (PrivUnit's output, float64), rounded once to {dtype}",
+        "values": f"V, each record's released unit vector (PrivUnit's output, float64), "
+                  + ("stored as computed (no rounding)" if dtype == "float64" else f"rounded once to {dtype}"),
         "dtype": dtype,
         "shape": "(records, k): row i holds record i's k coefficients, in the basis's order",
         "write_back_weights": [1.0] * params.k if weights is None else [float(w) for w in weights],
