@@ -345,7 +345,11 @@ def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) 
     elif basis is None:
         raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
     else:
-        synthesis = projection.MatrixBasis(np.asarray(basis, dtype=np.float64), shape, "")
+        matrix = np.asarray(basis, dtype=np.float64)
+        if matrix.shape != (k, math.prod(shape)):
+            raise InputError(f"the basis has shape {matrix.shape}; the manifest's records need ({k}, "
+                             f"{math.prod(shape)}): k rows of the record's elements (np.load(privunit.basis.path))")
+        synthesis = projection.MatrixBasis(matrix, shape, "")
     weights = np.asarray(stored["write_back_weights"], dtype=np.float64)
     lo, hi = (float(v) for v in m["value_range"])
     records = synthesis.synthesize(float(unit["output_scale"]["c"]) * (weights * rows))
