@@ -551,6 +551,33 @@ def test_the_coordinates_attribute_names_no_dataset_left_out(cli, tmp_path, engi
         assert set(ds.coords) == {"time", "elev"}
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_global_coordinates_attribute_names_record_coordinates_too(cli, tmp_path, engine):
+    """xarray writes the coordinates a variable's own `coordinates` leaves unnamed in the root
+    group's (here lat, lon): they are the track along the record axis, left out (not taken as
+    data and perturbed), and the root's attribute names only what is written."""
+    src = tmp_path / "tracks.nc"
+    data = xr.Dataset({"temp": (("trajectory", "obs"), RNG.uniform(270, 290, (3, 4)))},
+                      coords={"lat": (("trajectory", "obs"), RNG.uniform(40, 50, (3, 4))),
+                              "lon": (("trajectory", "obs"), RNG.uniform(0, 5, (3, 4))),
+                              "time": (("trajectory", "obs"), np.arange(12.0).reshape(3, 4))})
+    data["temp"].encoding["coordinates"] = "time"
+    data.to_netcdf(src, engine=engine)
+    with netCDF4.Dataset(src) as ds:
+        assert ds.getncattr("coordinates") == "lat lon"  # the file is what this test is about
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "270:290")
+    assert [i["dataset"] for i in manifest["inputs"]] == ["/temp"]
+    assert {d["name"]: d["reason"] for d in manifest["dropped"]} == dict.fromkeys(
+        ["/lat", "/lon", "/time"], leftovers.RECORD_COORDINATE_REASON)
+    assert nc_attributes(tmp_path / "out.nc")["/"] == []
+    manifest = run(cli, src, tmp_path / "kept.nc", "--range", "270:290", "--keep", "lon")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/lon": "kept by --keep"}
+    assert nc_attributes(tmp_path / "kept.nc")["/"] == [("coordinates", plain("lon"))]
+    with xr.open_dataset(tmp_path / "kept.nc", decode_coords="all") as ds, xr.open_dataset(src) as before:
+        assert set(ds.variables) == {"temp", "lon"} and set(ds.coords) == {"lon"}
+        np.testing.assert_array_equal(ds["lon"].values, before["lon"].values)
+
+
 def trajectory_file(path: Path) -> Path:
     """A CF discrete sampling geometry as netCDF4 writes it (CF H.4.1, trajectories of one
     length): each trajectory's identifier (cf_role), its track time, lat, lon (trajectory, obs)

@@ -110,6 +110,20 @@ def test_plan_states_the_split_before_reading_data(cli, tmp_path):
     assert described.exit_code == 0 and "privunit on 10 DCT-II coefficients" in described.stderr
 
 
+def test_plan_names_the_basis_the_manifest_states(cli, tmp_path):
+    """A volume's basis is the 3-D DCT, an image's the 2-D one: plan's line says which, in the
+    manifest's words (it said "DCT-II" for both)."""
+    for shape, words in [((3, 12, 10, 8), "3-D DCT-II over the last three axes (a volume), 12 x 10 x 8"),
+                         ((3, 12, 10), "2-D DCT-II over the last two axes, 12 x 10")]:
+        src = tmp_path / f"{len(shape)}.npy"
+        np.save(src, np.zeros(shape, np.float32))
+        result = cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--range", "0:1")
+        assert result.exit_code == 0, result.stderr
+        manifest, _ = privunit(cli, src, tmp_path / f"{len(shape)}.out.npy", "--range", "0:1")
+        assert manifest["privunit"]["basis"]["layout"] == words
+        assert f"DCT-II coefficients ({words}; eps0" in result.stderr
+
+
 def test_basis_dct_k(cli, tmp_path):
     m, _ = privunit(cli, SAMPLES / "digits.npy", tmp_path / "o.npy", "--basis", "dct:20")
     check_manifest(m, k=20)

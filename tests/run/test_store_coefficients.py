@@ -140,6 +140,13 @@ def test_a_user_basis_is_rebuilt_from_its_file(cli, tmp_path):
     check_rows(V, len(DATA), 10)
     run(cli, src, tmp_path / "rec.npy", "--basis", tmp_path / "basis.npy", store="records")
     assert np.abs(rebuilt(m, V, np.load(tmp_path / "basis.npy")) - read(tmp_path / "rec.npy")).max() < 1e-3
+    import tldp_cli
+    from tldp_cli.errors import InputError
+
+    assert np.abs(tldp_cli.rebuild_records(m, V, q.T) - read(tmp_path / "rec.npy")).max() < 1e-3
+    for wrong in (q.T[:, :60], q.T[:9]):  # another record size, another k: named, not a NumPy error
+        with pytest.raises(InputError, match=r"the basis has shape .*need \(10, 64\)"):
+            tldp_cli.rebuild_records(m, V, wrong)
 
 
 def test_dtype_float64_stores_v_unrounded(cli, tmp_path):
@@ -150,6 +157,10 @@ def test_dtype_float64_stores_v_unrounded(cli, tmp_path):
     assert V64.dtype == np.float64 and m["privunit"]["stored"]["dtype"] == "float64"
     assert np.array_equal(V64.astype(np.float32), V32)  # one rounding of the same V
     assert np.allclose(np.linalg.norm(V64, axis=1), 1, atol=1e-12)
+    # V is float64 already: the manifest claims no rounding (it did: "rounded once to float64")
+    assert "rounded" not in m["privunit"]["stored"]["values"]
+    assert "no rounding" in m["postprocessing"][0] and "one rounding" not in m["postprocessing"][0]
+    assert "rounded once to float32" in run(cli, src, tmp_path / "again.npy")[0]["privunit"]["stored"]["values"]
 
 
 def test_workers_and_blocking_do_not_change_the_rows(cli, tmp_path):

@@ -357,7 +357,8 @@ def privunit_phrase(manifest: dict) -> str:
     unit = manifest["privunit"]
     figures = manifest["accounting"].get("privunit") or {}
     basis = "DCT-II" if unit["basis"]["kind"] == "dct" else "user"
-    return (f"privunit on {unit['k']} {basis} coefficients (eps0 {unit['epsilon0']:.4g}, cap share "
+    layout = f"{unit['basis']['layout']}; " if unit["basis"].get("layout") else ""  # 1-, 2- or 3-D, over which axes
+    return (f"privunit on {unit['k']} {basis} coefficients ({layout}eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
             f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "

@@ -68,7 +68,7 @@ import threading
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -166,6 +166,18 @@ def _check_not_shrunk(path: Path, size: int) -> None:
     if now < size:
         raise InputError(f"{path}: the file shrank from {size} to {now} bytes while tldp was "
                          "reading it")
+
+
+def _groups(file: h5py.File) -> dict[str, h5py.Group]:
+    """The file's groups by absolute path ("/", "/grp"), the root's included."""
+    found = {"/": file["/"]}
+    file.visititems(lambda name, obj: found.update({"/" + name: obj}) if isinstance(obj, h5py.Group) else None)
+    return found
+
+
+def _text(nodes: Mapping[str, Any]) -> Callable[[str, str], str | None]:
+    """cf.named's `text` for HDF5 datasets and groups (by absolute path): a string attribute."""
+    return lambda path, key: _attr_text(nodes[path], key)
 
 
 def _attr_text(obj, key: str) -> str | None:
@@ -598,7 +610,8 @@ class Hdf5Reader(Reader):
             with suppress(Exception):  # a malformed CLASS attribute: not a scale
                 if h5ds.is_scale(ds.id):
                     keys.add(_object_key(ds))
-        named = cf.named(found, lambda path, key: _attr_text(found[path], key), cf.COORDINATE_REFERENCES)
+        groups = _groups(self.file)
+        named = cf.named(found, _text({**groups, **found}), cf.COORDINATE_REFERENCES, groups=groups)
         return keys | {_object_key(found[target]) for _, _, target in named}
 
     def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
@@ -607,12 +620,13 @@ class Hdf5Reader(Reader):
         is written naming only the others (left out if none is left): CF readers look for every
         variable it names."""
         dropped = set(self.actions)  # DROP or DIMENSION
-        for name, ds in found.items():
+        groups = _groups(self.file)  # a group's own attributes name variables too (xarray's)
+        for name, ds in [*found.items(), *groups.items()]:
             key = _object_key(ds)
             if key in self.actions:
                 continue
 
-            def gone(word: str, group: str = posixpath.dirname(name)) -> bool:
+            def gone(word: str, group: str = name if name in groups else posixpath.dirname(name)) -> bool:
                 target = cf.variable(word, group, found)
                 return target is not None and _object_key(target) in dropped
 
@@ -627,8 +641,9 @@ class Hdf5Reader(Reader):
         """The datasets that hold a value per record along the record dimension of a perturbed
         dataset, not a grid (cf.record_coordinates, leftovers.py)."""
         records = {job.row_dimension for job in self.jobs if job.row_dimension is not None}
-        paths = cf.record_coordinates(found, lambda path, key: _attr_text(found[path], key),
-                                      lambda path: _dimensions(path, found[path]), records)
+        groups = _groups(self.file)
+        paths = cf.record_coordinates(found, _text({**groups, **found}),
+                                      lambda path: _dimensions(path, found[path]), records, groups=groups)
         return {_object_key(found[path]) for path in paths}
 
     @staticmethod

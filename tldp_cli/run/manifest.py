@@ -287,7 +287,8 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
     weights = engine.write_back_weights(calib, basis)  # a user's basis: None, unweighted
     entry: dict[str, Any] = {
         "kind": "coefficients",
-        "values": f"V, each record's released unit vector (PrivUnit's output, float64), rounded once to {dtype}",
+        "values": f"V, each record's released unit vector (PrivUnit's output, float64), "
+                  + ("stored as computed (no rounding)" if dtype == "float64" else f"rounded once to {dtype}"),
         "dtype": dtype,
         "shape": "(records, k): row i holds record i's k coefficients, in the basis's order",
         "write_back_weights": [1.0] * params.k if weights is None else [float(w) for w in weights],
@@ -344,7 +345,11 @@ def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) 
     elif basis is None:
         raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
     else:
-        synthesis = projection.MatrixBasis(np.asarray(basis, dtype=np.float64), shape, "")
+        matrix = np.asarray(basis, dtype=np.float64)
+        if matrix.shape != (k, math.prod(shape)):
+            raise InputError(f"the basis has shape {matrix.shape}; the manifest's records need ({k}, "
+                             f"{math.prod(shape)}): k rows of the record's elements (np.load(privunit.basis.path))")
+        synthesis = projection.MatrixBasis(matrix, shape, "")
     weights = np.asarray(stored["write_back_weights"], dtype=np.float64)
     lo, hi = (float(v) for v in m["value_range"])
     records = synthesis.synthesize(float(unit["output_scale"]["c"]) * (weights * rows))

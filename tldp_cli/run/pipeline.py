@@ -1177,8 +1177,9 @@ def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = No
     options, calibrated, jobs, reader, streams = run.options, run.calibrated, run.jobs, run.reader, run.streams
     postprocessing = []
     if options.store == COEFFICIENTS:
+        rounding = "no rounding" if calibrated.out_dtype == "float64" else "one rounding"
         postprocessing = [f"store V, each record's released unit vector, as its k coefficients in "
-                          f"{calibrated.out_dtype} (one rounding; privunit.stored): no write-back"]
+                          f"{calibrated.out_dtype} ({rounding}; privunit.stored): no write-back"]
     elif calibrated.largest.privunit is not None:
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
                           f"w: privunit.write_back), "
