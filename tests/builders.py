@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -45,6 +46,28 @@ def load_script(relative: str):
 # stream use small integers with --allow-weak-seed / allow_weak_seed=True instead.
 SEED = "3f9c2a7d51e04b8a96d2c07e1fa85b43"
 MANIFEST_SCHEMA = REPO / "docs" / "manifest.schema.json"
+
+
+def validate_manifest(manifest: dict) -> None:
+    """jsonschema.validate(manifest, docs/manifest.schema.json): the same check and error
+    (jsonschema.ValidationError), with the schema checked and its validator built once a
+    session instead of at every call (0.1 to 0.2 s each, paid by every test that leaves a
+    manifest)."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(_manifest_validator().iter_errors(manifest))
+    if error is not None:
+        raise error
+
+
+@functools.cache
+def _manifest_validator():
+    import jsonschema
+
+    schema = json.loads(MANIFEST_SCHEMA.read_text())
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    return validator(schema)
 
 
 class Cli:

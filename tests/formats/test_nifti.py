@@ -7,16 +7,14 @@ import json
 import math
 from pathlib import Path
 
-import jsonschema
 import nibabel as nib
 import numpy as np
 import pytest
 
-from tests.builders import (MANIFEST_SCHEMA, SEED, RoundTrip, assert_one_line_error, run_measured, siblings,
-                            tree_digest)
+from tests.builders import (SEED, RoundTrip, assert_one_line_error, run_measured, siblings, tree_digest,
+                            validate_manifest)
 from tldp_cli.formats import FormatOptions, nifti
 
-SCHEMA = json.loads(MANIFEST_SCHEMA.read_text())
 AFFINE = np.array([[-2.0, 0.0, 0.0, 90.0], [0.0, 2.5, 0.0, -126.0], [0.0, 0.0, 3.0, -72.0], [0.0, 0.0, 0.0, 1.0]])
 SECRET = b"Alice Smith 1970-01-01"
 
@@ -65,7 +63,7 @@ def run(cli, src: Path, out: Path, *more) -> dict:
     result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *more)
     assert result.exit_code == 0, result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
-    jsonschema.validate(manifest, SCHEMA)
+    validate_manifest(manifest)
     return manifest
 
 
