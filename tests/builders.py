@@ -103,30 +103,71 @@ def siblings(directory: Path) -> set[str]:
     return {p.name for p in Path(directory).iterdir()}
 
 
-# `tldp ARGS` that writes its peak resident memory (VmHWM, kB) to REPORT as it exits.
+# `tldp ARGS` that writes, as it exits, its peak resident memory (VmHWM, KiB) to REPORT;
+# with a PHASE, also its resident memory as the run's phase PHASE started (pipeline.Report)
+# and its peak from then on (the peak is reset there, through /proc/self/clear_refs).
 _MEASURED = """import atexit, sys
+def status(key):
+    with open("/proc/self/status") as lines:
+        return int(next(line for line in lines if line.startswith(key + ":")).split()[1])
+marks = []
 def report(path=sys.argv[1]):
-    with open("/proc/self/status") as status, open(path, "w") as out:
-        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+    with open(path, "w") as out:
+        out.write(" ".join(map(str, [*marks, status("VmHWM")])))
 atexit.register(report)
-sys.argv = ["tldp", *sys.argv[2:]]
+phase = sys.argv[2]
+if phase:
+    from tldp_cli.run import pipeline
+    tell = pipeline.Report.tell
+    def marked(self, label, what):
+        if label == phase and not marks:
+            marks.extend([status("VmHWM"), status("VmRSS")])
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        tell(self, label, what)
+    pipeline.Report.tell = marked
+sys.argv = ["tldp", *sys.argv[3:]]
 from tldp_cli.entry import main
 main()
 """
+# The allocators give freed memory back at once, so that a peak is what the process held,
+# not what its allocators kept: pyarrow's mimalloc purges freed pages after a delay (1 s), so
+# what it keeps depends on how many batches were read in the last second (on the machine's
+# speed); glibc raises its mmap threshold after the first large free, after which large
+# blocks are kept in the heap when freed.
+MEASURED_ENV = {"MIMALLOC_PURGE_DELAY": "0", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
 def run_measured(tmp_path: Path, *args, timeout: float = 300) -> tuple[int, str, int]:
     """`tldp *args` in a process of its own: (exit code, stderr, its peak resident memory in
     bytes). Linux only: the peak is the process's own VmHWM, read as it exits (wait4's
-    ru_maxrss would count the test process's memory, which the child had before exec).
-    Mark tests that use it slow."""
+    ru_maxrss would count the test process's memory, which the child had before exec), with
+    MEASURED_ENV. Mark tests that use it slow."""
+    code, stderr, marks = _measured(tmp_path, "", args, timeout)
+    return code, stderr, marks[-1]
+
+
+def run_measured_phase(tmp_path: Path, phase: str, *args, timeout: float = 300) -> tuple[int, str, int, int]:
+    """run_measured, and how far the resident memory rose above what it was as the run's
+    phase `phase` (pipeline.Report: "perturbing") started: (exit code, stderr, peak, rise),
+    in bytes. The rise leaves out what the run holds before the phase (the modules its
+    planning imported, which depend on the figures it computes)."""
+    code, stderr, marks = _measured(tmp_path, phase, args, timeout)
+    assert len(marks) == 3, f"the run never reached its {phase} phase: {stderr}"
+    before, at_start, after = marks
+    return code, stderr, max(before, after), after - at_start
+
+
+def _measured(tmp_path: Path, phase: str, args, timeout: float) -> tuple[int, str, list[int]]:
     import subprocess
     import sys
 
     report = tmp_path.parent / f"{tmp_path.name}.vmhwm"  # beside tmp_path: not among its files
-    done = subprocess.run([sys.executable, "-c", _MEASURED, report, *map(str, args)], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
-    return done.returncode, done.stderr.decode(errors="backslashreplace"), int(report.read_text()) * 1024
+    done = subprocess.run([sys.executable, "-c", _MEASURED, report, phase, *map(str, args)],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          timeout=timeout, env={**os.environ, **MEASURED_ENV})
+    return (done.returncode, done.stderr.decode(errors="backslashreplace"),
+            [int(kib) * 1024 for kib in report.read_text().split()])
 
 
 def mixture_loss_atoms(d: int, b: float, p: float) -> dict[float, float]:

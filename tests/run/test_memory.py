@@ -1,5 +1,6 @@
 """Peak memory does not grow with the input: measured (peak RSS), never timed."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import zarr
 
+from tests.builders import MEASURED_ENV
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 pytestmark = pytest.mark.slow
@@ -50,7 +52,7 @@ def make_input(tmp_path, fmt, records):
 def peak_rss_kib(tmp_path, fmt, records):
     src = make_input(tmp_path, fmt, records)
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(src), str(tmp_path / f"out-{src.name}")],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True, check=True, env={**os.environ, **MEASURED_ENV})
     return int(result.stdout.strip())
 
 
