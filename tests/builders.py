@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -13,9 +14,12 @@ import os
 import struct
 import sys
 from pathlib import Path
+from unittest import mock
 
 import h5py
 import numpy as np
+import typer.main
+import typer.testing
 import zarr
 from PIL import Image
 from safetensors import safe_open
@@ -47,6 +51,28 @@ SEED = "3f9c2a7d51e04b8a96d2c07e1fa85b43"
 MANIFEST_SCHEMA = REPO / "docs" / "manifest.schema.json"
 
 
+def validate_manifest(manifest: dict) -> None:
+    """jsonschema.validate(manifest, docs/manifest.schema.json): the same check and error
+    (jsonschema.ValidationError), with the schema checked and its validator built once a
+    session instead of at every call (0.1 to 0.2 s each, paid by every test that leaves a
+    manifest)."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(_manifest_validator().iter_errors(manifest))
+    if error is not None:
+        raise error
+
+
+@functools.cache
+def _manifest_validator():
+    import jsonschema
+
+    schema = json.loads(MANIFEST_SCHEMA.read_text())
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    return validator(schema)
+
+
 class Cli:
     """`tldp` as a test runs it: cli("perturb", path, "--eps", 1) -> a typer Result."""
 
@@ -54,7 +80,15 @@ class Cli:
         self.runner = CliRunner()
 
     def __call__(self, *args):
-        return self.runner.invoke(app, [str(a) for a in args])
+        # CliRunner.invoke builds the Click command from `app` at every call (20 to 60 ms, over
+        # a thousand calls); it is built once here, as a `tldp` process builds it once.
+        with mock.patch.object(typer.testing, "_get_command", _click_command):
+            return self.runner.invoke(app, [str(a) for a in args])
+
+
+@functools.cache
+def _click_command(typer_app):
+    return typer.main.get_command(typer_app)
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -69,30 +103,71 @@ def siblings(directory: Path) -> set[str]:
     return {p.name for p in Path(directory).iterdir()}
 
 
-# `tldp ARGS` that writes its peak resident memory (VmHWM, kB) to REPORT as it exits.
+# `tldp ARGS` that writes, as it exits, its peak resident memory (VmHWM, KiB) to REPORT;
+# with a PHASE, also its resident memory as the run's phase PHASE started (pipeline.Report)
+# and its peak from then on (the peak is reset there, through /proc/self/clear_refs).
 _MEASURED = """import atexit, sys
+def status(key):
+    with open("/proc/self/status") as lines:
+        return int(next(line for line in lines if line.startswith(key + ":")).split()[1])
+marks = []
 def report(path=sys.argv[1]):
-    with open("/proc/self/status") as status, open(path, "w") as out:
-        out.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+    with open(path, "w") as out:
+        out.write(" ".join(map(str, [*marks, status("VmHWM")])))
 atexit.register(report)
-sys.argv = ["tldp", *sys.argv[2:]]
+phase = sys.argv[2]
+if phase:
+    from tldp_cli.run import pipeline
+    tell = pipeline.Report.tell
+    def marked(self, label, what):
+        if label == phase and not marks:
+            marks.extend([status("VmHWM"), status("VmRSS")])
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        tell(self, label, what)
+    pipeline.Report.tell = marked
+sys.argv = ["tldp", *sys.argv[3:]]
 from tldp_cli.entry import main
 main()
 """
+# The allocators give freed memory back at once, so that a peak is what the process held,
+# not what its allocators kept: pyarrow's mimalloc purges freed pages after a delay (1 s), so
+# what it keeps depends on how many batches were read in the last second (on the machine's
+# speed); glibc raises its mmap threshold after the first large free, after which large
+# blocks are kept in the heap when freed.
+MEASURED_ENV = {"MIMALLOC_PURGE_DELAY": "0", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
 def run_measured(tmp_path: Path, *args, timeout: float = 300) -> tuple[int, str, int]:
     """`tldp *args` in a process of its own: (exit code, stderr, its peak resident memory in
     bytes). Linux only: the peak is the process's own VmHWM, read as it exits (wait4's
-    ru_maxrss would count the test process's memory, which the child had before exec).
-    Mark tests that use it slow."""
+    ru_maxrss would count the test process's memory, which the child had before exec), with
+    MEASURED_ENV. Mark tests that use it slow."""
+    code, stderr, marks = _measured(tmp_path, "", args, timeout)
+    return code, stderr, marks[-1]
+
+
+def run_measured_phase(tmp_path: Path, phase: str, *args, timeout: float = 300) -> tuple[int, str, int, int]:
+    """run_measured, and how far the resident memory rose above what it was as the run's
+    phase `phase` (pipeline.Report: "perturbing") started: (exit code, stderr, peak, rise),
+    in bytes. The rise leaves out what the run holds before the phase (the modules its
+    planning imported, which depend on the figures it computes)."""
+    code, stderr, marks = _measured(tmp_path, phase, args, timeout)
+    assert len(marks) == 3, f"the run never reached its {phase} phase: {stderr}"
+    before, at_start, after = marks
+    return code, stderr, max(before, after), after - at_start
+
+
+def _measured(tmp_path: Path, phase: str, args, timeout: float) -> tuple[int, str, list[int]]:
     import subprocess
     import sys
 
     report = tmp_path.parent / f"{tmp_path.name}.vmhwm"  # beside tmp_path: not among its files
-    done = subprocess.run([sys.executable, "-c", _MEASURED, report, *map(str, args)], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
-    return done.returncode, done.stderr.decode(errors="backslashreplace"), int(report.read_text()) * 1024
+    done = subprocess.run([sys.executable, "-c", _MEASURED, report, phase, *map(str, args)],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          timeout=timeout, env={**os.environ, **MEASURED_ENV})
+    return (done.returncode, done.stderr.decode(errors="backslashreplace"),
+            [int(kib) * 1024 for kib in report.read_text().split()])
 
 
 def mixture_loss_atoms(d: int, b: float, p: float) -> dict[float, float]:

@@ -4,7 +4,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.builders import MANIFEST_SCHEMA, REPO, Cli
+from tests.builders import REPO, Cli, validate_manifest
 
 # Ctrl-C is part of what the tests check. A shell starts a background job (`cmd &`) with
 # SIGINT ignored, which Python and the tldp processes the tests start then keep: the
@@ -53,16 +53,13 @@ def _manifests_follow_the_published_schema(request):
         return
     import json
 
-    import jsonschema
-
-    schema = json.loads(MANIFEST_SCHEMA.read_text())
     for path in tmp_path.rglob("*.json"):
         try:
             manifest = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError, OSError, RecursionError):  # deep JSON: a test input
             continue
         if isinstance(manifest, dict) and manifest.get("schema") == "tldp-manifest/1":
-            jsonschema.validate(manifest, schema)
+            validate_manifest(manifest)
 
 
 @pytest.fixture

@@ -14,19 +14,17 @@ import zipfile
 from pathlib import Path
 
 import h5py
-import jsonschema
 import numpy as np
 import pytest
 import zarr
 from PIL import Image
 
-from tests.builders import MANIFEST_SCHEMA, assert_one_line_error, siblings
+from tests.builders import assert_one_line_error, siblings, validate_manifest
 
 xr = pytest.importorskip("xarray")
 netCDF4 = pytest.importorskip("netCDF4")
 pytest.importorskip("h5netcdf")
 
-SCHEMA = json.loads(MANIFEST_SCHEMA.read_text())
 IMAGES = np.random.default_rng(4).integers(0, 256, (12, 6, 6), dtype=np.uint8)
 NAMES = ["alice smith", "bob jones", "carol white"]
 
@@ -35,7 +33,7 @@ def perturb(cli, src: Path, out: Path, *more) -> tuple[dict, str]:
     result = cli("perturb", src, "--eps", "1", "--out", out, "--allow-raw-release", *more)
     assert result.exit_code == 0, result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
-    jsonschema.validate(manifest, SCHEMA)
+    validate_manifest(manifest)
     return manifest, result.stderr
 
 

@@ -9,17 +9,15 @@ import tarfile
 from pathlib import Path
 
 import braceexpand
-import jsonschema
 import numpy as np
 import pytest
 import webdataset as wds
 from PIL import Image
 
-from tests.builders import (MANIFEST_SCHEMA, SEED, RoundTrip, assert_one_line_error, run_measured, siblings,
-                            tree_digest)
+from tests.builders import (SEED, RoundTrip, assert_one_line_error, run_measured, siblings, tree_digest,
+                            validate_manifest)
 from tldp_cli.formats import webdataset as wds_format
 
-SCHEMA = json.loads(MANIFEST_SCHEMA.read_text())
 MTIME = 1_700_000_000
 SECRET = "Alice Smith"
 
@@ -60,7 +58,7 @@ def run(cli, src, out: Path, *more) -> dict:
     result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, *more)
     assert result.exit_code == 0, result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
-    jsonschema.validate(manifest, SCHEMA)
+    validate_manifest(manifest)
     return manifest
 
 
