@@ -4,6 +4,7 @@ contract every input format runs."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -82,7 +83,10 @@ class Cli:
     def __call__(self, *args):
         # CliRunner.invoke builds the Click command from `app` at every call (20 to 60 ms, over
         # a thousand calls); it is built once here, as a `tldp` process builds it once.
-        with mock.patch.object(typer.testing, "_get_command", _click_command):
+        # _get_command is typer's private name: without it (a later typer), build it every call.
+        patch = (mock.patch.object(typer.testing, "_get_command", _click_command)
+                 if hasattr(typer.testing, "_get_command") else contextlib.nullcontext())
+        with patch:
             return self.runner.invoke(app, [str(a) for a in args])
 
 
