@@ -486,3 +486,19 @@ def refuse_direct_writes(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(os, "pwrite", refuse)
     return refused
+
+
+def perturb_on_threads_and_dask(tmp_path: Path, src: Path, suffix: str, **options) -> tuple[Path, Path]:
+    """The same seeded run (eps 3, small blocks) on 2 threads and on a local Dask cluster:
+    the two outputs' paths, for a test that they are equal."""
+    import distributed
+
+    from tldp_cli.run.pipeline import PerturbOptions, perturb
+
+    outs = tmp_path / f"threads{suffix}", tmp_path / f"dask{suffix}"
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address="127.0.0.1:0") as cluster:
+        for out, how in zip(outs, ({"workers": 2},
+                                   {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
+            perturb(PerturbOptions(input=src, eps=3.0, seed=SEED, out=out, block_elements=640, **options, **how))
+    return outs

@@ -16,7 +16,7 @@ import zarr
 from PIL import Image
 
 from tests.builders import (DATA, REPO, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr,
-                            tree_digest)
+                            perturb_on_threads_and_dask, tree_digest)
 from tldp_cli import perturb_array
 from tldp_cli.privacy import privunit as privunit_rules
 from tldp_cli.run import model_params
@@ -331,15 +331,10 @@ def test_evaluate_checks_a_privunit_manifest(cli, tmp_path):
 
 @pytest.mark.dask
 def test_dask_equals_threads(tmp_path):
-    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("distributed")
     src, read = make_zarr(tmp_path)
-    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
-                                  dashboard_address="127.0.0.1:0") as cluster:
-        for name, how in (("threads", {"workers": 2}),
-                          ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
-            perturb(PerturbOptions(input=src, eps=3.0, mechanism="privunit", out=tmp_path / f"{name}.zarr",
-                                   seed=SEED, block_elements=640, **how))
-    np.testing.assert_array_equal(read(tmp_path / "threads.zarr"), read(tmp_path / "dask.zarr"))
+    threads, dask = perturb_on_threads_and_dask(tmp_path, src, ".zarr", mechanism="privunit")
+    np.testing.assert_array_equal(read(threads), read(dask))
 
 
 def test_images_of_several_sizes_and_colour(cli, tmp_path):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.builders import DATA, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr
+from tests.builders import (DATA, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, make_zarr,
+                            perturb_on_threads_and_dask)
 from tldp_cli import perturb_array
 from tldp_cli.run.pipeline import RESUME_COMPARED, PerturbOptions, perturb
 
@@ -339,15 +340,10 @@ def test_a_multiscale_image_is_refused_with_nothing_left(cli, tmp_path):
 @pytest.mark.dask
 @pytest.mark.parametrize("make,suffix", [(make_npy, ".npy"), (make_zarr, ".zarr"), (make_hdf5, ".h5")])
 def test_dask_equals_threads(tmp_path, make, suffix):
-    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("distributed")
     src, read = make(tmp_path)
-    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
-                                  dashboard_address="127.0.0.1:0") as cluster:
-        for name, how in (("threads", {"workers": 2}),
-                          ("dask", {"scheduler": "dask", "dask_address": cluster.scheduler_address})):
-            perturb(PerturbOptions(input=src, eps=3.0, mechanism="privunit", store="coefficients", seed=SEED,
-                                   out=tmp_path / f"{name}{suffix}", block_elements=640, **how))
-    threads, dask = read(tmp_path / f"threads{suffix}"), read(tmp_path / f"dask{suffix}")
+    threads, dask = (read(p) for p in perturb_on_threads_and_dask(tmp_path, src, suffix, mechanism="privunit",
+                                                                   store="coefficients"))
     assert threads.ndim == 2 and threads.dtype == np.float32
     np.testing.assert_array_equal(threads, dask)
 
