@@ -87,7 +87,7 @@ rss_before = status_kib("VmRSS")
 start, cpu_start = time.perf_counter(), cpu()
 if args["kind"] in ("perturb", "gaussian"):
     noise = "gaussian" if args["kind"] == "gaussian" else "laplace"
-    pipeline.perturb(pipeline.PerturbOptions(input=src, epsilon=args["epsilon"], out=out, noise=noise,
+    pipeline.perturb(pipeline.PerturbOptions(input=src, eps=args["epsilon"], out=out, noise=noise,
                                              workers=args["workers"], rng=args["rng"]))
 elif args["kind"] == "pillow":  # the plain loop on one core: decode, noise, Pillow's default PNG save
     from PIL import Image
@@ -517,7 +517,7 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
     getattr(accounting, "_PLD_EPSILONS", {}).clear()  # (absent before issue 30: compare with main)
     jobs = [ArrayJob(name=f"photo{i}.png", shape=(1, *shape), dtype=np.dtype(np.uint8), read=None,
                      source={"path": f"photo{i}.png"}) for i, shape in enumerate(photo_shapes(count))]
-    options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), epsilon=EPSILON, noise=noise))
+    options = pipeline.checked_options(pipeline.PerturbOptions(input=Path("photos"), eps=EPSILON, noise=noise))
     start, cpu_start = time.perf_counter(), time.process_time()
     calibrated = _calibrate_run(options, jobs)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -529,7 +529,7 @@ def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
 
 
 def planning_times(counts=PLAN_SIZES) -> list[dict]:
-    _calibrate_run(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), epsilon=EPSILON)),
+    _calibrate_run(pipeline.checked_options(pipeline.PerturbOptions(input=Path("warm-up"), eps=EPSILON)),
                    [ArrayJob(name="w", shape=(1, 8, 8, 3), dtype=np.dtype(np.uint8), read=None, source={})])
     rows = []
     for count in counts:
