@@ -568,3 +568,21 @@ def test_anonymize_names_keeps_the_extensions_the_samples_share(cli, tmp_path):
     assert all(s["mask.seg.png"].shape == (8, 6, 3) for s in samples)
     assert {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"} == {"meta.json": 2}
     assert "smith" not in json.dumps(manifest)
+
+
+def test_plan_takes_anonymize_names_and_describes_what_perturb_writes(cli, tmp_path):
+    """plan --anonymize-names says what perturb --anonymize-names would write: the keys numbered,
+    no 'sample keys' written unchanged, no key in its lines or its JSON; it writes nothing."""
+    src = named_shards(tmp_path / "shards")
+    before = siblings(tmp_path)
+    plain = cli("plan", src, "--eps", "1", "--range", "0:256")
+    assert plain.exit_code == 0 and "sample keys" in plain.stderr
+    planned = cli("plan", src, "--eps", "1", "--range", "0:256", "--anonymize-names", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    assert "sample keys" not in planned.stderr and "renamed the keys of 5 samples" in planned.stderr
+    for person in ["alice_smith", "eve_black", "photo"]:
+        assert person not in planned.stdout + planned.stderr
+    assert json.loads(planned.stdout)["inputs"][0]["dataset"] == "000000.png"
+    assert siblings(tmp_path) == before
+    manifest = run(cli, src, tmp_path / "out", "--range", "0:256", "--anonymize-names")
+    assert json.loads(planned.stdout)["dropped"] == manifest["dropped"]

@@ -309,6 +309,13 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
                      "files and no image a Hugging Face dataset folder, one with .tar files and no image "
                      "WebDataset shards, any other folder a folder of images).",
     show_default=False)]
+AnonymizeNames = Annotated[bool, typer.Option(
+    help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
+         "in one flat folder, and keep every input file and folder name out of the manifest "
+         "(skipped files are counted, not named); evaluate needs the name map. Not with "
+         "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
+         "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
+         "(perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]

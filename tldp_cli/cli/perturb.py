@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import AnonymizeNames, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -81,13 +81,7 @@ def perturb_command(
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,
-    anonymize_names: Annotated[bool, typer.Option(
-        help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
-             "in one flat folder, and keep every input file and folder name out of the manifest "
-             "(skipped files are counted, not named); evaluate needs the name map. Not with "
-             "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-             "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
-             "(--name-map) pairs the names.")] = False,
+    anonymize_names: AnonymizeNames = False,
     name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
