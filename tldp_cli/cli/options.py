@@ -169,6 +169,13 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
     return text
 
 
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the command's parameter `name` was given (command line or environment), not
+    left at its default: --dtype is None in PerturbOptions unless asked for."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def perturb_options(input: Path, value_range: Optional[list[str]], **values: Any) -> "PerturbOptions":
     """The PerturbOptions of a command's values as Typer parsed them, keyed by field name:
     the one place the command line becomes the library's options (perturb and plan; a

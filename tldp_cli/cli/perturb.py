@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AnonymizeNames, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import AnonymizeNames, given, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -20,6 +20,7 @@ from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signa
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
+    ctx: typer.Context,
     eps: Eps,
     inputs: Annotated[Optional[list[Path]], typer.Argument(parser=data_path,
         metavar="INPUT...",
@@ -170,6 +171,7 @@ def perturb_command(
     # stay quick (tests/cli/test_startup.py).
     from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
+    asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
@@ -178,7 +180,7 @@ def perturb_command(
             paths[0], value_range, eps=eps, mechanism=mechanism, noise=noise, budget=budget,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
             seed_file=seed_file, allow_weak_seed=allow_weak_seed, rng=rng,
-            dtype=dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            dtype=asked_dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip, workers=workers or os.cpu_count() or 1,
             datasets=dataset, exclude=exclude, keep=keep, input_format=input_format, image_format=image_format,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,
