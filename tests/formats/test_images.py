@@ -971,3 +971,24 @@ def test_hard_links_inside_the_folder_are_refused(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
     assert_one_line_error(result, 2, f"{src / 'a.png'} and {src / 'sub' / 'b.png'} are the same file")
     assert tree_digest(src) == before and siblings(tmp_path) == {"photos"}
+
+
+def test_an_explicit_dtype_that_does_not_apply_to_png_output_is_said(cli, tmp_path):
+    """Regression: --dtype float32 (or float64) on a folder written as PNG was accepted and
+    ignored. The images are written at their own bit depth, so a --dtype given is said not to
+    apply, in one line, by perturb and by plan; not when left at its default, nor with TIFF."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(6, 5, 3))
+    save(src / "b.png", pixels(6, 5, dtype=np.uint16))
+    note = "--dtype float32 does not apply to PNG output"
+    for command in (("plan",), ("perturb", "--seed", SEED)):
+        given = cli(*command, src, "--eps", "1", "--dtype", "float32")
+        assert given.exit_code == 0, given.stderr
+        assert sum(note in line for line in given.stderr.splitlines()) == 1, given.stderr
+        default = cli(*command, src, "--eps", "1", "--overwrite") if command[0] == "perturb" else \
+            cli(*command, src, "--eps", "1")
+        assert default.exit_code == 0 and "--dtype" not in default.stderr, default.stderr
+    with Image.open(tmp_path / "photos.tldp" / "a.png") as a, Image.open(tmp_path / "photos.tldp" / "b.png") as b:
+        assert np.asarray(a).dtype == np.uint8 and b.mode.startswith("I;16")
+    tiff = cli("plan", src, "--eps", "1", "--dtype", "float64", "--image-format", "tiff")
+    assert tiff.exit_code == 0 and "does not apply" not in tiff.stderr, tiff.stderr

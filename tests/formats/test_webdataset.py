@@ -528,3 +528,59 @@ def test_anonymize_names_leaves_out_folder_entries_and_members_without_a_key(cli
     dropped = {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"}
     assert dropped == {"folder entries": 1, "(no extension)": 1}
     assert "alice" not in json.dumps(manifest)
+
+
+def test_anonymize_names_refuses_an_extension_no_other_sample_has(cli, tmp_path):
+    """webdataset keys a member by its base name up to the first dot: alice.smith.jpg is key
+    alice, extension smith.jpg. An extension that no other sample holds may be the rest of a
+    name, so --anonymize-names refuses it, naming the shard and the member, and writes nothing
+    (before, the output held 000000.smith.png and the manifest's dropped smith.cls)."""
+    src = tmp_path / "shards"
+    src.mkdir()
+    with wds.TarWriter(str(src / "a.tar"), mtime=MTIME) as sink:
+        sink.write({"__key__": "alice", "smith.jpg": image(8, 6, seed=0), "smith.cls": 0})
+        sink.write({"__key__": "bob", "jones.jpg": image(8, 6, seed=1)})
+    with tarfile.open(src / "a.tar") as tar:
+        assert sorted(tar.getnames()) == ["alice.smith.cls", "alice.smith.jpg", "bob.jones.jpg"]
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--range", "0:256",
+                 "--anonymize-names")
+    assert_one_line_error(result, 1, str(src / "a.tar"), "member 'alice.smith.", "rename")
+    assert siblings(tmp_path) == {"shards"}  # no output, manifest or name map
+    assert run(cli, src, out, "--range", "0:256")["outputs"]  # without the option: the names as they are
+
+
+def test_anonymize_names_keeps_the_extensions_the_samples_share(cli, tmp_path):
+    """Multi-part extensions that are field names (mask.seg.png, meta.json), held by more than one
+    sample, are kept: webdataset reads the same fields back under the new keys."""
+    src = tmp_path / "shards"
+    src.mkdir()
+    with wds.TarWriter(str(src / "a.tar"), mtime=MTIME) as sink:
+        for i, person in enumerate(["alice_smith", "bob_jones", "carol_white"]):
+            sample = {"__key__": person, "jpg": image(8, 6, seed=i), "mask.seg.png": image(8, 6, 1, seed=9 + i)}
+            sink.write({**sample, "meta.json": {"id": i}} if i else sample)
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names")
+    samples = read_samples(shard_urls(out))
+    assert [s["__key__"] for s in samples] == ["000000", "000001", "000002"]
+    assert all(s["mask.seg.png"].shape == (8, 6, 3) for s in samples)
+    assert {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"} == {"meta.json": 2}
+    assert "smith" not in json.dumps(manifest)
+
+
+def test_plan_takes_anonymize_names_and_describes_what_perturb_writes(cli, tmp_path):
+    """plan --anonymize-names says what perturb --anonymize-names would write: the keys numbered,
+    no 'sample keys' written unchanged, no key in its lines or its JSON; it writes nothing."""
+    src = named_shards(tmp_path / "shards")
+    before = siblings(tmp_path)
+    plain = cli("plan", src, "--eps", "1", "--range", "0:256")
+    assert plain.exit_code == 0 and "sample keys" in plain.stderr
+    planned = cli("plan", src, "--eps", "1", "--range", "0:256", "--anonymize-names", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    assert "sample keys" not in planned.stderr and "renamed the keys of 5 samples" in planned.stderr
+    for person in ["alice_smith", "eve_black", "photo"]:
+        assert person not in planned.stdout + planned.stderr
+    assert json.loads(planned.stdout)["inputs"][0]["dataset"] == "000000.png"
+    assert siblings(tmp_path) == before
+    manifest = run(cli, src, tmp_path / "out", "--range", "0:256", "--anonymize-names")
+    assert json.loads(planned.stdout)["dropped"] == manifest["dropped"]

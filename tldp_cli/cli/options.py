@@ -169,6 +169,13 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
     return text
 
 
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the command's parameter `name` was given (command line or environment), not
+    left at its default: --dtype is None in PerturbOptions unless asked for."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def perturb_options(input: Path, value_range: Optional[list[str]], **values: Any) -> "PerturbOptions":
     """The PerturbOptions of a command's values as Typer parsed them, keyed by field name:
     the one place the command line becomes the library's options (perturb and plan; a
@@ -309,6 +316,13 @@ InputFormatOption = Annotated[Optional[InputFormat], typer.Option(
                      "files and no image a Hugging Face dataset folder, one with .tar files and no image "
                      "WebDataset shards, any other folder a folder of images).",
     show_default=False)]
+AnonymizeNames = Annotated[bool, typer.Option(
+    help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
+         "in one flat folder, and keep every input file and folder name out of the manifest "
+         "(skipped files are counted, not named); evaluate needs the name map. Not with "
+         "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
+         "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
+         "(perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import AnonymizeNames, given, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -20,6 +20,7 @@ from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signa
 
 @app.command("perturb", no_args_is_help=True)
 def perturb_command(
+    ctx: typer.Context,
     eps: Eps,
     inputs: Annotated[Optional[list[Path]], typer.Argument(parser=data_path,
         metavar="INPUT...",
@@ -81,13 +82,7 @@ def perturb_command(
     skip_bad: Annotated[bool, typer.Option(
         help="Image folders: skip unreadable images (listed in the manifest) instead of "
              "stopping.")] = False,
-    anonymize_names: Annotated[bool, typer.Option(
-        help="Image folders: name the output images 000000.png, 000001.png, ... in a random order "
-             "in one flat folder, and keep every input file and folder name out of the manifest "
-             "(skipped files are counted, not named); evaluate needs the name map. Not with "
-             "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-             "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
-             "(--name-map) pairs the names.")] = False,
+    anonymize_names: AnonymizeNames = False,
     name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
@@ -176,6 +171,7 @@ def perturb_command(
     # stay quick (tests/cli/test_startup.py).
     from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
+    asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
@@ -184,7 +180,7 @@ def perturb_command(
             paths[0], value_range, eps=eps, mechanism=mechanism, noise=noise, budget=budget,
             weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
             seed_file=seed_file, allow_weak_seed=allow_weak_seed, rng=rng,
-            dtype=dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
+            dtype=asked_dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip, workers=workers or os.cpu_count() or 1,
             datasets=dataset, exclude=exclude, keep=keep, input_format=input_format, image_format=image_format,
             copy_other=copy_other, skip_bad=skip_bad, anonymize_names=anonymize_names, name_map=name_map,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Store, StoreOption, Verbose, data_path, input_paths, list_path, perturb_options
+from tldp_cli.cli.options import AnonymizeNames, given, InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Store, StoreOption, Verbose, data_path, input_paths, list_path, perturb_options
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings
 
 @app.command("plan", no_args_is_help=True)
 def plan_command(
+    ctx: typer.Context,
     inputs: Annotated[Optional[list[Path]], typer.Argument(parser=data_path,
         metavar="[INPUT]...", help="The input perturb would read (headers only; several: each "
                                    "planned in turn); or describe the records with --elements "
@@ -44,6 +45,7 @@ def plan_command(
     image_format: ImageFormatOption = ImageFormat.png,
     allow_raw_release: AllowRawRelease = False,
     public_missing: PublicMissing = False,
+    anonymize_names: AnonymizeNames = False,
     elements: Annotated[Optional[str], typer.Option(
         "--elements", "--shape", metavar="I", help="Without INPUT: elements per record, or the "
                                                    "record's shape (28x28).", show_default=False)] = None,
@@ -84,6 +86,7 @@ def plan_command(
     """
     from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
+    asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 
     display = Display(quiet, verbose)
@@ -100,10 +103,11 @@ def plan_command(
             raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
         options = perturb_options(
             paths[0] if paths else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
-            noise=noise, sampler=sampler, budget=budget, dtype=dtype, granularity=granularity,
+            noise=noise, sampler=sampler, budget=budget, dtype=asked_dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
-            input_format=input_format, basis=basis, reference=reference, store=store)
+            anonymize_names=anonymize_names, input_format=input_format, basis=basis, reference=reference,
+            store=store)
         if len(paths) > 1 or inputs_from is not None:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch

@@ -245,6 +245,10 @@ class ImageFolderReader(Reader):
         self.index_texts, self.dropped_rows = self._rewrite_indexes()
         if options.image_format == "tiff":
             self._warn_tiff_readers()
+        elif options.dtype is not None:  # asked for, but PNG holds the images' own integers
+            self.messages.append(f"--dtype {options.dtype} does not apply to PNG output: the images are written "
+                                 "at their own bit depth (uint8, uint16), rounded and clipped to the range "
+                                 "(--image-format tiff writes TIFF of the noisy values)")
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}

@@ -36,7 +36,8 @@ sample's key becomes its number in the samples' order across the shards (000000,
 000001, ...: the order the output holds them in anyway), the same for all its members,
 so webdataset groups them as before; the name map, kept with the raw data, pairs the
 keys. Folder entries and members without a key (no extension) are then not written,
-their names being the input's; the shards keep their names. A shard is written member by member as its records come back, so
+their names being the input's; the shards keep their names; an extension no other sample
+holds is refused (alice.smith.jpg: extension smith.jpg, maybe the rest of a name). A shard is written member by member as its records come back, so
 memory holds a few members whatever the shard's size.
 
 Refused, with one line: compressed shards (.tar.gz: decompress them first), members
@@ -480,6 +481,7 @@ class WebDatasetReader(Reader):
             for member in shard.members:
                 if member.key is not None and member.kind != FOLDER:
                     numbers.setdefault((shard.rel, member.key), len(numbers))
+        self._check_extensions(numbers)
         digits = max(ANONYMOUS_DIGITS, len(str(len(numbers) - 1)))
         for shard in self.shards:
             for member in shard.members:
@@ -491,6 +493,26 @@ class WebDatasetReader(Reader):
                 # its name is the key, then what follows it (".seg.png")
                 member.out_name = f"{numbers[shard.rel, member.key]:0{digits}d}{member.out_name[len(member.key):]}"
         return {f"{rel}/{key}": f"{number:0{digits}d}" for (rel, key), number in numbers.items()}
+
+    def _check_extensions(self, numbers: dict[tuple[str, str], int]) -> None:
+        """--anonymize-names writes each member's extension as it is: all of its base name after
+        the first dot (webdataset's rule). A field's extension (jpg, seg.png, cls) is shared by the
+        samples; one that no other sample holds may be the rest of a name (alice.smith.jpg:
+        extension smith.jpg), so it is refused, before anything is written or listed."""
+        holders: dict[str, set[tuple[str, str]]] = {}
+        for shard in self.shards:
+            for member in shard.members:
+                if member.key is not None and member.kind != FOLDER:
+                    holders.setdefault(str(member.extension), set()).add((shard.rel, member.key))
+        for shard in self.shards:
+            for member in shard.members:
+                if member.key is not None and member.kind != FOLDER and \
+                        len(holders[str(member.extension)]) < min(2, len(numbers)):
+                    raise InputError(
+                        f"{shard.path}: member {member.name!r}: no other sample has its extension (all of its "
+                        "base name after the first dot, which webdataset and --anonymize-names keep), so it "
+                        "may be part of a name; rename the files before making the shards (KEY.FIELD, with "
+                        "no dot in KEY), or give every sample that field")
 
     def _jobs(self) -> list[ArrayJob]:
         jobs = []

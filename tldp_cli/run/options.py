@@ -51,7 +51,7 @@ class PerturbOptions:
     seed: str | int | None = None  # a secret key: hex digits (see rng.py)
     allow_weak_seed: bool = False  # accept a seed of fewer than rng.MIN_SEED_BITS bits (tests, demos)
     rng: str = "secure"
-    dtype: str = "float32"
+    dtype: str | None = None  # --dtype: float32 or float64; None: not asked for, float32 (float_dtype)
     dp_delta: float = 1e-5
     granularity: float | None = None  # discrete noises on float data: the grid step (None: automatic)
     overwrite: bool = False
@@ -168,6 +168,12 @@ def parse_ranges(texts: list[str]) -> tuple[tuple[float, float] | None, dict[str
     return default, own
 
 
+def float_dtype(options: PerturbOptions) -> str:
+    """The float dtype the noise is drawn in and float output is written in: --dtype, or
+    float32 where none was given."""
+    return options.dtype or "float32"
+
+
 def checked_noise(options: PerturbOptions) -> str:
     """The noise of options checked_options returned (it resolves the mechanism's default)."""
     assert options.noise is not None
@@ -216,7 +222,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         from tldp_cli.sampling.rng import check_seed
 
         check_seed(options.seed, options.allow_weak_seed)
-    if options.dtype not in ("float32", "float64"):
+    if options.dtype not in (None, "float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     if options.clip is not None:
         if not (math.isfinite(options.clip) and options.clip > 0):

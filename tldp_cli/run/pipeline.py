@@ -50,7 +50,7 @@ from tldp_cli.sampling.rng import Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
     BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input,
-    checked_noise, checked_options, parse_range, parse_ranges)
+    checked_noise, checked_options, float_dtype, parse_range, parse_ranges)
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
 
@@ -310,7 +310,7 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
                          f"files and xarray's Zarr stores, not {module.name}")
     return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
-                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names)
+                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names, dtype=options.dtype)
 
 
 def _where(job: ArrayJob, source: Path) -> str:
@@ -494,7 +494,7 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
             except UsageError as exc:
                 raise UsageError(f"{_where(job, options.input)}: {exc}") from None
         calib_of[job.name] = made[key]
-    out_dtype = np.dtype(options.dtype)
+    out_dtype = np.dtype(float_dtype(options))
     largest = max(abs(lo), abs(hi))  # the written values are clipped into [lo, hi]
     if not largest < float(np.finfo(out_dtype).max):
         raise UsageError(f"{options.input}: --dtype {out_dtype} cannot hold values up to {largest:.3g} (the "
@@ -520,7 +520,7 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
         granularity=None if grid is None else grid.granularity, rows=rows,
         arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, _where(job, source)))
                 for job in jobs})
-    out_dtype = np.dtype(options.dtype)
+    out_dtype = np.dtype(float_dtype(options))
     scales = [c.scale for c in calib_of.values()]
     if grid is None:
         for scale in set(scales):  # before any output: float noise the dtype can hold
@@ -529,7 +529,7 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), options.dtype)
+        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
@@ -582,7 +582,7 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
         raise UsageError(f"{source}: --store coefficients: the arrays hold records of several shapes or "
                          f"budgets ({', '.join(shapes)}), each with its own basis; the manifest describes one: "
                          "store them one --dataset at a time")
-    out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(options.dtype))
+    out_dtype = _shared_dtype([group.out_dtype for group in groups], np.dtype(float_dtype(options)))
     if before_accounting is not None:
         before_accounting()
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
@@ -1350,6 +1350,8 @@ def _resume_record(run: RunContext) -> dict[str, Any]:
         value = getattr(options, name)
         if name == "value_range":
             value = [run.calibrated.lo, run.calibrated.hi]  # as resolved (integer data: its dtype's range)
+        elif name == "dtype":
+            value = float_dtype(options)  # as resolved: not given is float32
         elif name == "ranges":
             continue  # under a key of its own, last
         flag = OPTION_FLAGS.get(name, "--" + name.replace("_", "-"))
