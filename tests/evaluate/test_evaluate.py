@@ -517,6 +517,9 @@ def test_a_user_basis_is_found_beside_the_manifest_or_given_with_basis(cli, tmp_
     np.save(elsewhere / "other.npy", q.T[::-1])  # orthonormal too, another sha256
     assert_one_line_error(cli("evaluate", src, run_dir / "o.npy", "-q", "--basis", "other.npy"), 1,
                           "other.npy: not the run's basis", "differs from the manifest's privunit.basis.sha256")
+    np.save(elsewhere / "basis.npy", q.T[::-1])  # another file at the recorded path, here
+    assert_one_line_error(cli("evaluate", src, run_dir / "o.npy", "-q"), 1,
+                          "basis.npy: not the run's basis", "pass the run's basis with --basis FILE.npy")
 
 
 def test_basis_applies_to_a_user_basis_run_only(cli, tmp_path):

@@ -160,7 +160,8 @@ def user_basis_of(m: dict, manifest_path: Path, given: Path | None) -> UserBasis
     user = bases.load_basis(path)
     if user.sha256 != stated.get("sha256"):
         raise InputError(f"{path}: not the run's basis: its sha256 {user.sha256} differs from the manifest's "
-                         f"privunit.basis.sha256 {stated.get('sha256')}")
+                         f"privunit.basis.sha256 {stated.get('sha256')}"
+                         + ("" if given is not None else "; pass the run's basis with --basis FILE.npy"))
     return user
 
 
