@@ -6,7 +6,7 @@ quick):
     perturb_array(array, *, eps, value_range, ...) -> Perturbed   arrays in memory
     perturb(PerturbOptions(input, eps, ...)) -> PerturbResult     files, as `tldp perturb`
     calibrate(...), certify(calibration) -> Certificate, compose([(calibration, records)]) -> Guarantee
-    rebuild_records(manifest, rows) -> records                   from perturb's --store coefficients
+    rebuild_records(manifest or Perturbed, rows) -> records      from --store coefficients' rows
     TldpError, UsageError, InputError, DataError, OutputError     the errors raised
 
 The parameters are the command's options without their dashes (eps, dp_delta,

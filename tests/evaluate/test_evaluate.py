@@ -485,3 +485,49 @@ def test_psnr_and_ssim_of_images_at_their_own_ranges(cli, tmp_path):
     assert psnr16 == pytest.approx(10 * np.log10(65535**2 / mse16))
     # the same pixels released at the same eps and display scale: comparable figures
     assert abs(psnr8 - psnr16) < 10 and abs(per_record["ssim"][0] - per_record["ssim"][1]) < 0.3
+
+
+@pytest.mark.parametrize("store", ["records", "coefficients"])
+def test_a_user_basis_is_found_beside_the_manifest_or_given_with_basis(cli, tmp_path, monkeypatch, store):
+    """perturb --basis FILE.npy records the path as it was given (relative to where perturb
+    ran); evaluate run from elsewhere finds it beside the manifest, takes --basis FILE.npy
+    (checked against privunit.basis.sha256), and, when neither finds it, says to pass --basis."""
+    from tests.builders import assert_one_line_error, make_npy
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    src, _ = make_npy(run_dir)
+    q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(64, 10)))
+    np.save(run_dir / "basis.npy", q.T)
+    monkeypatch.chdir(run_dir)
+    perturb(cli, "d.npy", "o.npy", "--eps", "4", "--mechanism", "privunit", "--basis", "basis.npy",
+            "--store", store)
+    monkeypatch.chdir(elsewhere)
+    r = cli("evaluate", src, run_dir / "o.npy", "--json", "-q")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["integrity_ok"]
+
+    (run_dir / "basis.npy").rename(elsewhere / "moved.npy")
+    assert_one_line_error(cli("evaluate", src, run_dir / "o.npy", "-q"), 1,
+                          "basis.npy: the run's basis (privunit.basis.path) is not found", "pass it with --basis")
+    r = cli("evaluate", src, run_dir / "o.npy", "--json", "-q", "--basis", "moved.npy")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["integrity_ok"]
+    np.save(elsewhere / "other.npy", q.T[::-1])  # orthonormal too, another sha256
+    assert_one_line_error(cli("evaluate", src, run_dir / "o.npy", "-q", "--basis", "other.npy"), 1,
+                          "other.npy: not the run's basis", "differs from the manifest's privunit.basis.sha256")
+    np.save(elsewhere / "basis.npy", q.T[::-1])  # another file at the recorded path, here
+    assert_one_line_error(cli("evaluate", src, run_dir / "o.npy", "-q"), 1,
+                          "basis.npy: not the run's basis", "pass the run's basis with --basis FILE.npy")
+
+
+def test_basis_applies_to_a_user_basis_run_only(cli, tmp_path):
+    from tests.builders import assert_one_line_error, make_npy
+
+    src, _ = make_npy(tmp_path)
+    q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(64, 10)))
+    np.save(tmp_path / "basis.npy", q.T)
+    out = perturb(cli, src, tmp_path / "o.npy", "--eps", "4", "--mechanism", "privunit")
+    assert_one_line_error(cli("evaluate", src, out, "-q", "--basis", tmp_path / "basis.npy"), 2,
+                          "--basis applies to a run of --mechanism privunit --basis FILE.npy")

@@ -182,6 +182,25 @@ def test_perturb_array_returns_the_rows_perturb_writes(cli, tmp_path):
     assert np.array_equal(np.load(tmp_path / "lib.npy"), result.array)
 
 
+def test_perturb_array_s_rows_rebuild_its_records_run(tmp_path):
+    """perturb_array(..., store="coefficients") has no manifest: its Perturbed carries the
+    manifest's privunit object, so rebuild_records(result, result.array) gives the records
+    store="records" of the same seed returns (the DCT default and a user's basis)."""
+    import tldp_cli
+    from tldp_cli.errors import InputError
+
+    q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(64, 10)))
+    np.save(tmp_path / "basis.npy", q.T)
+    for basis, rows in ((None, None), ("dct:20", None), (str(tmp_path / "basis.npy"), q.T)):
+        coef, records = (perturb_array(DATA, eps=4, mechanism="privunit", basis=basis, store=store, seed=SEED)
+                         for store in ("coefficients", "records"))
+        assert coef.privunit["stored"]["kind"] == "coefficients" and "stored" not in records.privunit
+        assert np.abs(tldp_cli.rebuild_records(coef, coef.array, rows) - records.array).max() < 1e-3
+    assert perturb_array(DATA, eps=4, seed=SEED).privunit is None
+    with pytest.raises(InputError, match="not of perturb_array"):
+        tldp_cli.rebuild_records(records, coef.array)
+
+
 def test_plan_says_what_is_stored(cli, tmp_path):
     src, _ = make_npy(tmp_path)
     result = cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--store", "coefficients", "--json")

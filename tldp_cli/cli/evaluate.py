@@ -67,6 +67,12 @@ def evaluate_command(
                          "from its content.", show_default=False)] = None,
     test_labels: TestLabels = None,
     model: ModelOption = Model.logistic,
+    basis: Annotated[Optional[Path], typer.Option(
+        "--basis", parser=data_path, metavar="FILE.npy",
+        help="The user basis of a --mechanism privunit --basis FILE.npy run, which the manifest "
+             "names (privunit.basis.path, as perturb was given it) but does not hold; its sha256 "
+             "must be the manifest's. Default: that path, or, if it is relative and not found, "
+             "that path beside the manifest.", show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --report file.")] = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -104,7 +110,7 @@ def evaluate_command(
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
                                  test_labels=test_labels, model=model.value, progress=advance,
                                  per_record=per_record, name_map=name_map,
-                                 input_format=input_format and input_format.value)
+                                 input_format=input_format and input_format.value, basis=basis)
         finally:
             close()
         emit_json(report, json_out, report_path, overwrite)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from tldp_cli import formats
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import FormatOptions
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.run import manifest as manifest_mod
+
+if TYPE_CHECKING:
+    from tldp_cli.run.bases import UserBasis
 
 
 class Pair:
@@ -49,9 +52,10 @@ def open_original(original: Path, m: dict, input_format: str | None):
 
 def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calibration | None],
            issues: list[dict], renamed: dict[str, str] | None = None,
-           input_format: str | None = None) -> list[Pair]:
+           input_format: str | None = None, basis: UserBasis | None = None) -> list[Pair]:
     """`renamed`: an --anonymize-names run's name map, original name -> output name;
-    `input_format`: --format, which the perturbed data shares with the original."""
+    `input_format`: --format, which the perturbed data shares with the original; `basis`:
+    a privunit run's user basis (user_basis_of), which a --store coefficients output needs."""
     jobs = reader.arrays()
     if module.records_are_files:
         from tldp_cli.formats import images
@@ -102,24 +106,17 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calib
             continue
         pairs.append(Pair(job.name, job, out.shape, out.read, calibs[job.name]))
     if isinstance((m.get("privunit") or {}).get("stored"), dict):
-        return rebuilt_pairs(pairs, m, issues)
+        return rebuilt_pairs(pairs, m, issues, basis)
     return pairs
 
 
-def rebuilt_pairs(pairs: list[Pair], m: dict, issues: list[dict]) -> list[Pair]:
+def rebuilt_pairs(pairs: list[Pair], m: dict, issues: list[dict], user: UserBasis | None) -> list[Pair]:
     """A --store coefficients output: each pair reads the records its stored rows rebuild
     (manifest.rebuild_records, the records --store records writes), so the perturbed data is
     compared record by record as that of a records run; a pair whose rows are not
     (records, k) keeps its shape, which the shape check fails."""
     unit = m["privunit"]
-    basis = None
-    if unit["basis"]["kind"] == "file":
-        from tldp_cli.run import bases
-
-        user = bases.load_basis(Path(unit["basis"]["path"]))
-        if user.sha256 != unit["basis"].get("sha256"):
-            raise InputError(f"{user.path}: its sha256 differs from the manifest's privunit.basis.sha256")
-        basis = user.matrix
+    basis = None if user is None else user.matrix
     issues.append({"check": "coefficients", "passed": True,
                    "detail": "PERTURBED holds each record's k released coefficients (--store coefficients): "
                              "compared as the records they rebuild (privunit.stored.rebuild)"})
@@ -135,6 +132,37 @@ def rebuilt_pairs(pairs: list[Pair], m: dict, issues: list[dict]) -> list[Pair]:
         rebuilt.append(Pair(pair.name, pair.job, (pair.perturbed_shape[0], *pair.job.record_shape), read,
                             pair.calib))
     return rebuilt
+
+
+def user_basis_of(m: dict, manifest_path: Path, given: Path | None) -> UserBasis | None:
+    """The user's basis of a --mechanism privunit --basis FILE.npy run (None for any other run),
+    loaded and checked against the manifest's privunit.basis.sha256: `given` (evaluate's
+    --basis), else the path the manifest records (as perturb was given it), else, when that
+    is relative and not found, the same path beside the manifest."""
+    from tldp_cli.run import bases
+
+    unit = m.get("privunit") if m.get("mechanism") == "privunit" else None
+    stated = unit.get("basis") if isinstance(unit, dict) else None
+    if not isinstance(stated, dict) or stated.get("kind") != bases.FILE:
+        if given is not None:
+            raise UsageError(f"--basis applies to a run of --mechanism privunit --basis FILE.npy; "
+                             f"{manifest_path} is not one")
+        return None
+    path = given
+    if path is None:
+        recorded = Path(str(stated.get("path")))
+        beside = manifest_path.parent / recorded
+        path = beside if not recorded.is_absolute() and not recorded.exists() and beside.exists() else recorded
+        if not path.exists():
+            where = " (nor beside the manifest)" if not recorded.is_absolute() else ""
+            raise InputError(f"{recorded}: the run's basis (privunit.basis.path) is not found{where}; "
+                             "pass it with --basis FILE.npy")
+    user = bases.load_basis(path)
+    if user.sha256 != stated.get("sha256"):
+        raise InputError(f"{path}: not the run's basis: its sha256 {user.sha256} differs from the manifest's "
+                         f"privunit.basis.sha256 {stated.get('sha256')}"
+                         + ("" if given is not None else "; pass the run's basis with --basis FILE.npy"))
+    return user
 
 
 def _output_root(entries: list[str], perturbed: Path) -> Path | None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.evaluate.integrity import input_named, name_map_of, open_original, pair_up, read_manifest
+from tldp_cli.evaluate.integrity import (input_named, name_map_of, open_original, pair_up, read_manifest,
+                                         user_basis_of)
 
 PREVIEW_RECORDS = 8
 PREVIEW_MIN_SIDE = 64  # small records (a 28 x 28 digit) are enlarged to about this many pixels
@@ -33,7 +34,7 @@ def preview(original: Path, perturbed: Path, manifest_path: Path | None = None, 
     try:
         jobs = reader.arrays()
         pairs = pair_up(module, reader, Path(perturbed), m, {job.name: None for job in jobs}, [],
-                       renamed, input_format)
+                       renamed, input_format, user_basis_of(m, manifest_path, None))
         for pair in pairs:
             take = min(records - len(raw), pair.job.records, pair.perturbed_shape[0])
             if take <= 0:

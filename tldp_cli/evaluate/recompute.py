@@ -183,14 +183,17 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
 
 
 def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
-                          checks: list[dict]) -> tuple[Calibrated, dict[Calibration, int]]:
+                          checks: list[dict], basis: Path | None = None) -> tuple[Calibrated, dict[Calibration, int]]:
     """The calibration perturb made for the original's arrays, recomputed from the manifest's
     options (pipeline.calibrate_run: one calibration per record size and declared range), the
     records of each calibration, and, first among `checks`, whether the manifest's figures
-    hold for them."""
+    hold for them. `basis`: where a privunit run's user basis is (integrity.user_basis_of),
+    instead of the path the manifest records."""
     rows = _row_datasets(m, jobs)
     # an evaluation judges a release, whatever consent it took
     options = dataclasses.replace(options_of_manifest(m, original), allow_raw_release=True)
+    if basis is not None:
+        options = dataclasses.replace(options, basis=str(basis))
     try:
         calibrated = calibrate_run(options, jobs, rows=rows, per_tensor=per_tensor)
     except UsageError as exc:

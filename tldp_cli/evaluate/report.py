@@ -11,7 +11,7 @@ from tldp_cli import __version__
 from tldp_cli.errors import InputError, UsageError
 from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
 from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, name_map_of, open_original, pair_up,
-                                         read_manifest, shape_check)
+                                         read_manifest, shape_check, user_basis_of)
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
 from tldp_cli.evaluate.recompute import recompute_calibration
@@ -28,11 +28,13 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
              test_labels: Path | str | None = None,
              model: str = "logistic", progress: Progress | None = None,
              per_record: bool = False, name_map: Path | None = None,
-             input_format: str | None = None) -> dict[str, Any]:
+             input_format: str | None = None, basis: Path | None = None) -> dict[str, Any]:
     """`per_record`: add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to the
     report (at most PER_RECORD_LIMIT records); by default only their summaries. `name_map`:
     that of a perturb --anonymize-names run (default: beside ORIGINAL). `input_format`: the
-    format NAME of ORIGINAL and PERTURBED (--format), None: detected."""
+    format NAME of ORIGINAL and PERTURBED (--format), None: detected. `basis`: the user basis
+    of a privunit --basis FILE.npy run (default: the manifest's privunit.basis.path, or that
+    path beside the manifest); its sha256 must be the manifest's."""
     original, perturbed = Path(original), Path(perturbed)
     task = [labels, test, test_labels]
     if any(task) and not all(task):
@@ -44,6 +46,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     m, manifest_path = read_manifest(perturbed, manifest_path)
     renamed = name_map_of(m, original, name_map, manifest_path)
     m = input_named(m, renamed)
+    user_basis = user_basis_of(m, manifest_path, None if basis is None else Path(basis))
     lo, hi = (float(v) for v in m["value_range"])
 
     checks: list[dict] = list(check_hashes(m, perturbed))
@@ -51,7 +54,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     try:
         jobs = reader.arrays()
         calibrated, records_of = recompute_calibration(m, jobs, original, manifest_path,
-                                                       reader.records_are_tensors, checks)
+                                                       reader.records_are_tensors, checks,
+                                                       user_basis and user_basis.path)
         if calibrated.in_range_markers and "public_missing" not in m:
             reader.markers_are_data(calibrated.in_range_markers)  # values perturb read as data, as it did
         fills = missing_fills(calibrated, jobs)
@@ -59,7 +63,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
             reader.missing_fill(fills)
         pairing_issues: list[dict] = []
         pairs = pair_up(module, reader, perturbed, m, calibrated.calib_of, pairing_issues, renamed,
-                        input_format)
+                        input_format, user_basis)
         checks.extend(pairing_issues)
         checks.append(shape_check(m, jobs, pairs))
         measured = measure(pairs, m, calibrated, bool(labels), progress)

@@ -24,7 +24,8 @@ from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
 from tldp_cli.run.library import speaks_python
-from tldp_cli.run.pipeline import COEFFICIENTS, PerturbOptions, calibrate_run, checked_options, validate_block
+from tldp_cli.run.pipeline import (COEFFICIENTS, PerturbOptions, calibrate_run, checked_options, privunit_of_run,
+                                   validate_block)
 from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]
@@ -43,6 +44,10 @@ class Perturbed:
     sampler: str
     value_range: tuple[float, float]
     dtype: np.dtype  # of the perturbed values before any conversion back to torch
+    # --mechanism privunit: the manifest's `privunit` object (basis, k, reference, output scale;
+    # with store="coefficients" its `stored`, so rebuild_records(result, result.array) works);
+    # None for the other mechanisms
+    privunit: dict[str, Any] | None = None
 
 
 @speaks_python()
@@ -103,7 +108,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    len(values), calibrated.bases.get(ARRAY_NAME), options.store == COEFFICIENTS)
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
     return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
-                     (calibrated.lo, calibrated.hi), noisy.dtype)
+                     (calibrated.lo, calibrated.hi), noisy.dtype, privunit_of_run(options, calibrated))
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:

@@ -319,14 +319,21 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
     return entry
 
 
-def rebuild_records(m: Mapping[str, Any], coefficients: Any, basis: Any = None) -> Any:
+def rebuild_records(m: Any, coefficients: Any, basis: Any = None) -> Any:
     """The records a --store records run writes (before its cast to the output dtype), from
     the rows a --store coefficients run stored and its manifest `m`: reference + c B^T (w * V),
     clipped to the range (privunit.stored.rebuild; docs/choosing-eps.md#storing-the-coefficients).
-    `basis`: a user's basis (--basis FILE.npy), its k x I rows, which the manifest names but
-    does not hold. A function of the stored rows and public values only."""
+    `m` may also be the Perturbed of perturb_array(..., mechanism="privunit", store="coefficients"),
+    which carries the same privunit object and range. `basis`: a user's basis (--basis
+    FILE.npy), its k x I rows, which the manifest names but does not hold. A function of the
+    stored rows and public values only."""
     import numpy as np
 
+    if not isinstance(m, Mapping):  # a Perturbed (run/arrays.py): its privunit object and range
+        if not isinstance(getattr(m, "privunit", None), Mapping) or "stored" not in m.privunit:
+            raise InputError("the result holds no stored coefficients: it is not of perturb_array(..., "
+                             "mechanism=\"privunit\", store=\"coefficients\")")
+        m = {"privunit": m.privunit, "value_range": list(m.value_range)}
     unit: Mapping[str, Any] = m["privunit"] if isinstance(m.get("privunit"), Mapping) else {}
     stored = unit.get("stored")
     if not isinstance(stored, Mapping):

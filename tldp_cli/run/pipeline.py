@@ -1251,11 +1251,20 @@ def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[A
              if calibrated.grid is not None else {}),
         Part("the ranges", ranges),
         Part("the record sizes", {"elements_per_record_range": [min(sizes), max(sizes)]} if len(sizes) > 1 else {}),
-        Part("PrivUnit", {"privunit": manifest_mod.privunit_entry(
-            calibrated.largest, bases_mod.parse_basis(options.basis), calibrated.user_basis,
-            stored=str(calibrated.out_dtype) if options.store == COEFFICIENTS else None)}
+        Part("PrivUnit", {"privunit": privunit_of_run(options, calibrated)}
              if calibrated.largest.privunit is not None else {}),
     ]
+
+
+def privunit_of_run(options: PerturbOptions, calibrated: Calibrated) -> dict[str, Any] | None:
+    """A --mechanism privunit run's `privunit` object, as its manifest states it (the basis, k,
+    the reference, the output scale; with --store coefficients, what rebuilds the records);
+    None for the other mechanisms."""
+    if calibrated.largest.privunit is None:
+        return None
+    return manifest_mod.privunit_entry(
+        calibrated.largest, bases_mod.parse_basis(options.basis), calibrated.user_basis,
+        stored=str(calibrated.out_dtype) if options.store == COEFFICIENTS else None)
 
 
 def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
