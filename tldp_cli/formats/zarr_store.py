@@ -1349,8 +1349,8 @@ class ZarrCoefficientWriter(ZarrWriter):
     shards), with none of the input array's attributes (its units and fill values describe
     records). Where the array names its dimensions (xarray), axis 0 keeps its name and axis 1
     is `coefficient`, and its coordinates attribute names only the arrays written on the
-    record dimension alone (cf.coefficient_coordinates). Missing values cannot be marked in coefficients, and multiscale images
-    (OME-Zarr), whose lower levels are images, are refused."""
+    record dimension alone (cf.coefficient_coordinates). Missing values cannot be marked in
+    coefficients, and multiscale images (OME-Zarr), whose lower levels are images, are refused."""
 
     def __init__(self, reader: ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
         if any(job.name.strip("/") in p.levels for p in reader.pyramids for job in jobs):
@@ -1366,7 +1366,8 @@ class ZarrCoefficientWriter(ZarrWriter):
             if dimensions and posixpath.join(posixpath.dirname(path), COEFFICIENT_DIMENSION) in reader.handles:
                 raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
                                  f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
-            attributes = _coefficient_coordinates(reader, path, {j.name.strip("/") for j in jobs}) if dimensions else {}
+            perturbed = {j.name.strip("/") for j in jobs}
+            attributes = _coefficient_coordinates(reader, path, perturbed) if dimensions else {}
             if dimensions and reader.zarr_format == 2:
                 attributes["_ARRAY_DIMENSIONS"] = dimensions
             try:
