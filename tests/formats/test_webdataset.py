@@ -584,3 +584,25 @@ def test_plan_takes_anonymize_names_and_describes_what_perturb_writes(cli, tmp_p
     assert siblings(tmp_path) == before
     manifest = run(cli, src, tmp_path / "out", "--range", "0:256", "--anonymize-names")
     assert json.loads(planned.stdout)["dropped"] == manifest["dropped"]
+
+
+def test_an_explicit_dtype_that_does_not_apply_to_png_members_is_said(cli, tmp_path):
+    """Regression: --dtype float32 on shards holding only images was accepted and ignored (the
+    members are PNG of their own bit depth), while image folders said so. Said once, by perturb
+    and plan, in the image folders' words; not without --dtype, nor where .npy members take it."""
+    src = tmp_path / "images"
+    src.mkdir()
+    with wds.TarWriter(str(src / "train-000000.tar"), mtime=MTIME) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"s{i}", "png": image(8, 6, seed=i), "cls": i})
+    note = "--dtype float32 does not apply to PNG output: the image members are written at their own bit depth"
+    for command in (("plan",), ("perturb", "--seed", SEED, "--out", tmp_path / "out")):
+        given = cli(*command, src, "--eps", "1", "--dtype", "float32")
+        assert given.exit_code == 0, given.stderr
+        assert sum(note in line for line in given.stderr.splitlines()) == 1, given.stderr
+        default = cli(*command, src, "--eps", "1", *(("--overwrite",) if command[0] == "perturb" else ()))
+        assert default.exit_code == 0 and "--dtype" not in default.stderr, default.stderr
+    decoded = read_samples(shard_urls(tmp_path / "out"), decode="rgb8")
+    assert [s["png"].dtype for s in decoded] == [np.uint8] * 3
+    mixed = cli("plan", shards(tmp_path / "mixed"), "--eps", "1", "--dtype", "float32")  # .npy members: float32
+    assert mixed.exit_code == 0 and "does not apply" not in mixed.stderr, mixed.stderr

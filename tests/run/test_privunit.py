@@ -124,6 +124,33 @@ def test_plan_names_the_basis_the_manifest_states(cli, tmp_path):
         assert f"DCT-II coefficients ({words}; eps0" in result.stderr
 
 
+def test_plan_states_each_group_s_output_scale(cli, tmp_path):
+    """8- and 16-bit images in one folder are two calibrations (ranges 0:256 and 0:65536), and
+    records of two sizes two more: plan's line states each one's output scale, k and shape
+    (it showed one group's, 256, for all)."""
+    depths = tmp_path / "depths"
+    depths.mkdir()
+    Image.fromarray(np.full((8, 8), 100, np.uint8)).save(depths / "a.png")
+    Image.fromarray(np.full((8, 8), 30000, np.uint16)).save(depths / "b.png")
+    sizes = tmp_path / "sizes"
+    sizes.mkdir()
+    Image.fromarray(np.full((8, 8), 100, np.uint8)).save(sizes / "a.png")
+    Image.fromarray(np.full((16, 16), 100, np.uint8)).save(sizes / "b.png")
+    for src, scales in [(depths, [256, 65536]), (sizes, [256, 512])]:  # (hi - lo) sqrt(I) / 8
+        result = cli("plan", src, "--mechanism", "privunit", "--eps", "4")
+        assert result.exit_code == 0, result.stderr
+        report = json.loads(cli("plan", src, "--mechanism", "privunit", "--eps", "4", "--json", "-q").stdout)
+        groups = [c["privunit"] for c in report["calibrations"]]
+        assert [g["output_scale"] for g in groups] == scales
+        line = next(line for line in result.stderr.splitlines() if line.startswith("tldp: plan:"))
+        assert "each group of records its own calibration" in line, line
+        for g in groups:
+            shape = " x ".join(map(str, g["record_shape"]))
+            assert (f"1 record of {shape} on {g['k']} DCT-II coefficients (eps0 {g['epsilon0']:.4g}), "
+                    f"output scale {g['output_scale']:g} around 0") in line, line
+        assert f"at k {report['accounting']['privunit']['k']} (the guarantee's group" in line
+
+
 def test_basis_dct_k(cli, tmp_path):
     m, _ = privunit(cli, SAMPLES / "digits.npy", tmp_path / "o.npy", "--basis", "dct:20")
     check_manifest(m, k=20)

@@ -130,6 +130,50 @@ def test_netcdf_keeps_the_record_dimension_and_adds_a_coefficient_dimension(cli,
     assert np.abs(rebuilt(m, V) - written).max() < 1e-3
 
 
+def make_stations():
+    """xarray's dataset of stations: t(station, y, x) with a per-station elev(station) and a grid
+    lat(y, x), both named by t's coordinates attribute."""
+    import xarray as xr
+
+    values = DATA[:, :, :6].astype(np.float32)
+    elev = np.arange(len(values), dtype=np.float64) * 10
+    return xr.Dataset({"t": (("station", "y", "x"), values, {"units": "K"})},
+                      coords={"elev": ("station", elev, {"units": "m"}), "lat": (("y", "x"), np.ones((8, 6))),
+                              "y": np.arange(8.0), "x": np.arange(6.0)}), elev
+
+
+def test_netcdf_kept_record_coordinates_stay_coordinates_of_the_coefficients(cli, tmp_path):
+    import netCDF4
+    import xarray as xr
+
+    ds, elev = make_stations()
+    ds.to_netcdf(tmp_path / "s.nc", engine="netcdf4")
+    run(cli, tmp_path / "s.nc", tmp_path / "kept.nc", "--range", "0:256", "--keep", "elev")
+    with xr.open_dataset(tmp_path / "kept.nc", engine="netcdf4", decode_coords="all") as out:
+        assert "elev" in out.coords and "elev" not in out.data_vars
+        assert np.array_equal(out["t"].coords["elev"].values, elev) and out["t"].dims == ("station", "coefficient")
+    with netCDF4.Dataset(tmp_path / "kept.nc") as nc:  # lat(y, x) is on no dimension of t now
+        assert nc.variables["t"].getncattr("coordinates") == "elev" and "lat" in nc.variables
+    run(cli, tmp_path / "s.nc", tmp_path / "dropped.nc", "--range", "0:256")  # elev left out: named by nothing
+    with netCDF4.Dataset(tmp_path / "dropped.nc") as nc:
+        assert "elev" not in nc.variables and "coordinates" not in nc.variables["t"].ncattrs()
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_xarray_zarr_kept_record_coordinates_stay_coordinates_of_the_coefficients(cli, tmp_path, zarr_format):
+    import xarray as xr
+
+    ds, elev = make_stations()
+    ds.to_zarr(tmp_path / "s.zarr", zarr_format=zarr_format, consolidated=zarr_format == 2)
+    run(cli, tmp_path / "s.zarr", tmp_path / "kept.zarr", "--range", "0:256", "--keep", "elev")
+    with xr.open_zarr(tmp_path / "kept.zarr", consolidated=zarr_format == 2, decode_coords="all") as out:
+        assert "elev" in out.coords and "elev" not in out.data_vars
+        assert np.array_equal(out["t"].coords["elev"].values, elev) and out["t"].dims == ("station", "coefficient")
+    assert zarr.open_array(str(tmp_path / "kept.zarr" / "t"), mode="r").attrs["coordinates"] == "elev"
+    run(cli, tmp_path / "s.zarr", tmp_path / "dropped.zarr", "--range", "0:256")
+    assert "coordinates" not in zarr.open_array(str(tmp_path / "dropped.zarr" / "t"), mode="r").attrs
+
+
 def test_a_user_basis_is_rebuilt_from_its_file(cli, tmp_path):
     src, read = make_npy(tmp_path)
     q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(64, 10)))

@@ -353,10 +353,21 @@ def records_phrase(manifest: dict) -> str:
 
 def privunit_phrase(manifest: dict) -> str:
     """--mechanism privunit, as plan's summary line says it: the basis, k, the split and the
-    write-back's scale and reference point."""
+    write-back's scale and reference point; each group's where the records' sizes or ranges
+    give them several calibrations that differ in these."""
     unit = manifest["privunit"]
     figures = manifest["accounting"].get("privunit") or {}
     basis = "DCT-II" if unit["basis"]["kind"] == "dct" else "user"
+    shown = ("record_shape", "k", "epsilon0", "output_scale", "reference")
+    groups = [(c["records"], c["privunit"]) for c in manifest.get("calibrations") or [] if "privunit" in c]
+    if len({tuple(str(group[key]) for key in shown) for _, group in groups}) > 1:
+        each = "; ".join(f"{plural(n, 'record')} of {' x '.join(map(str, g['record_shape']))} on {g['k']} {basis} "
+                         f"coefficients (eps0 {g['epsilon0']:.4g}), output scale {g['output_scale']:.5g} around "
+                         f"{g['reference']:g}" for n, g in groups)
+        return (f"privunit, each group of records its own calibration (the manifest's calibrations): {each}; "
+                f"cap share {figures.get('q', float('nan')):.3g}, expected alignment "
+                f"{figures.get('expected_alignment', float('nan')):.3g} at k {figures.get('k')} (the guarantee's "
+                f"group, accounting.privunit) (--reference {unit.get('reference_option', 'zero')})")
     layout = f"{unit['basis']['layout']}; " if unit["basis"].get("layout") else ""  # 1-, 2- or 3-D, over which axes
     return (f"privunit on {unit['k']} {basis} coefficients ({layout}eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "

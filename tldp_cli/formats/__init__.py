@@ -216,7 +216,8 @@ class FormatOptions:
     copy_other: bool = False  # image folders: copy non-image files instead of skipping them
     skip_bad: bool = False  # image folders: skip unreadable images (listed in the manifest)
     anonymize_names: bool = False  # image folders, WebDataset: neutral output names, none of the input's
-    dtype: str | None = None  # --dtype as given (None: not given): image folders note where it does not apply
+    # --dtype as given (None: not given): image folders and WebDataset shards note where it does not apply
+    dtype: str | None = None
     # Set by the pipeline for the writer: each array's declared range and the noise's grid
     # step (None: no grid), for writers that move a noisy value off a missing-data marker.
     value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)

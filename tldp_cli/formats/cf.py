@@ -380,6 +380,18 @@ def unnamed(text: str | None, gone: Callable[[str], bool]) -> str | None:
     return " ".join(kept) if removed else None
 
 
+def coefficient_coordinates(text: str | None, dimensions: Callable[[str], tuple[str, ...] | None],
+                            row: str) -> str:
+    """The coordinates attribute of a variable written as coefficients, on (`row`, coefficient):
+    the variables its input's coordinates attribute (`text`) names that are written and on no
+    dimension but `row` (a station's elev(station), a scalar height), so that readers
+    (xarray's decode_coords) still take them for its coordinates; "" if none.
+    `dimensions(word)`: the dimensions of the variable a word names, None if the output has
+    no such variable."""
+    return " ".join(word for word in referenced(text)
+                    if (dims := dimensions(word)) is not None and set(dims) <= {row})
+
+
 def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
              dropped_attrs: dict[str, list[str]], missing: dict[str, list[tuple]],
              dtype: np.dtype) -> tuple[list[str], dict[str, Any]]:

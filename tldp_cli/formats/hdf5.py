@@ -1471,7 +1471,8 @@ class Hdf5CoefficientWriter(Hdf5Writer):
     netCDF file (axis 0 a dimension) axis 0 keeps its dimension and axis 1 is a new
     `coefficient` dimension (its coordinate variable: 0 .. k-1), so netCDF4 and xarray read
     the variable as (record dimension, coefficient); the record's own dimensions and their
-    coordinates stay in the file, unused by it. Missing values cannot be marked in
+    coordinates stay in the file, unused by it; its coordinates attribute names only the
+    variables written on the record dimension alone (cf.coefficient_coordinates). Missing values cannot be marked in
     coefficients: each record is one released vector."""
 
     def __init__(self, reader: Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
@@ -1502,6 +1503,13 @@ class Hdf5CoefficientWriter(Hdf5Writer):
         """netCDF: axis 0 on the record dimension's scale as written, axis 1 on the group's
         `coefficient` dimension (made once per group)."""
         made: dict[str, h5py.Dataset] = {}
+        found: dict[str, h5py.Dataset] = {}  # the input's datasets by absolute path
+
+        def visit(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset):
+                found["/" + name] = obj
+
+        self.src.visititems(visit)
         for src, out in self.coefficients:
             row = _row_dimension(src)
             written = self.copied.get(_object_key(self.src[row])) if row else None
@@ -1518,6 +1526,25 @@ class Hdf5CoefficientWriter(Hdf5Writer):
                 made[group.name] = scale
             out.dims[0].attach_scale(self._created[written])
             out.dims[1].attach_scale(made[group.name])
+            self._write_coordinates(src, out, row, found)
+
+    def _write_coordinates(self, src: h5py.Dataset, out: h5py.Dataset, row: str,
+                           found: dict[str, h5py.Dataset]) -> None:
+        """The coordinates attribute of the input dataset, naming only the datasets written on
+        the record dimension alone (cf.coefficient_coordinates): a station's kept elev(station)
+        stays its coordinate for xarray."""
+        def dimensions(word: str) -> tuple[str, ...] | None:
+            target = cf.variable(word, posixpath.dirname(src.name), found)
+            if target is None:
+                return None
+            key = _object_key(target)
+            if key not in self.copied or self.actions.get(key) == DIMENSION or key in self.to_perturb:
+                return None  # not written, a bare dimension (no variable), or coefficients itself
+            return _dimensions(target.name, target)
+
+        text = cf.coefficient_coordinates(_attr_text(src, "coordinates"), dimensions, row)
+        if text:
+            out.attrs.create("coordinates", np.array(text.encode()))
 
 
 def create_coefficient_writer(reader: Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,

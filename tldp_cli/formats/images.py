@@ -57,8 +57,8 @@ from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
                               dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing, name_maps,
                               plural)
-from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode, header,
-                                     png)
+from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
+                                     dtype_not_applied, header, png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       path_in_output, write_new_file, writing)
 
@@ -246,9 +246,8 @@ class ImageFolderReader(Reader):
         if options.image_format == "tiff":
             self._warn_tiff_readers()
         elif options.dtype is not None:  # asked for, but PNG holds the images' own integers
-            self.messages.append(f"--dtype {options.dtype} does not apply to PNG output: the images are written "
-                                 "at their own bit depth (uint8, uint16), rounded and clipped to the range "
-                                 "(--image-format tiff writes TIFF of the noisy values)")
+            self.messages.append(dtype_not_applied(options.dtype, "the images")
+                                 + " (--image-format tiff writes TIFF of the noisy values)")
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}

@@ -28,6 +28,13 @@ PNG_ENCODING = ("(noisy images: no row filter, Huffman-only deflate, since noise
 SMOOTH_STEP = 12  # mean |difference| of neighbouring 8-bit samples below which filters pay
 
 
+def dtype_not_applied(dtype: str, images: str) -> str:
+    """The note that an explicit --dtype is not what PNG output holds (image folders, WebDataset
+    shards of images): `images` (what is written as PNG) keep their own bit depth."""
+    return (f"--dtype {dtype} does not apply to PNG output: {images} are written at their own bit depth "
+            "(uint8, uint16), rounded and clipped to the range")
+
+
 class Unsupported(Exception):
     """An image Pillow can decode but tldp cannot perturb faithfully."""
 

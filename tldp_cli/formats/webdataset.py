@@ -470,6 +470,9 @@ class WebDatasetReader(Reader):
             "a sample: its perturbed members (images, .npy arrays) together, composed" if grouped
             else "one member of a sample (an image or a .npy array)")
         self._report()
+        if options.dtype is not None and all(m.kind == IMAGE for s in self.shards for m in s.members if m.job):
+            # asked for, but PNG members hold the images' own integers (.npy members would take it)
+            self.messages.append(pixels.dtype_not_applied(options.dtype, "the image members"))
 
     def _anonymize(self) -> dict[str, str]:
         """--anonymize-names: each sample's key becomes its number in the samples' order across

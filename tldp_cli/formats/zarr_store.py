@@ -1348,8 +1348,9 @@ class ZarrCoefficientWriter(ZarrWriter):
     coefficients, (records, k) in the engine's dtype, chunked along axis 0 as the input (no
     shards), with none of the input array's attributes (its units and fill values describe
     records). Where the array names its dimensions (xarray), axis 0 keeps its name and axis 1
-    is `coefficient`. Missing values cannot be marked in coefficients, and multiscale images
-    (OME-Zarr), whose lower levels are images, are refused."""
+    is `coefficient`, and its coordinates attribute names only the arrays written on the
+    record dimension alone (cf.coefficient_coordinates). Missing values cannot be marked in
+    coefficients, and multiscale images (OME-Zarr), whose lower levels are images, are refused."""
 
     def __init__(self, reader: ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
         if any(job.name.strip("/") in p.levels for p in reader.pyramids for job in jobs):
@@ -1365,13 +1366,16 @@ class ZarrCoefficientWriter(ZarrWriter):
             if dimensions and posixpath.join(posixpath.dirname(path), COEFFICIENT_DIMENSION) in reader.handles:
                 raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
                                  f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
+            perturbed = {j.name.strip("/") for j in jobs}
+            attributes = _coefficient_coordinates(reader, path, perturbed) if dimensions else {}
+            if dimensions and reader.zarr_format == 2:
+                attributes["_ARRAY_DIMENSIONS"] = dimensions
             try:
                 zarr.create_array(
                     store=store, name=path, shape=job.shape, dtype=self.dtype, fill_value=np.nan,  # (V is never NaN)
                     chunks=(min(job.records, job.chunk_records or job.records), job.shape[1]),
                     zarr_format=reader.zarr_format, overwrite=True,
-                    dimension_names=dimensions if reader.zarr_format == 3 else None,
-                    attributes={"_ARRAY_DIMENSIONS": dimensions} if dimensions and reader.zarr_format == 2 else {})
+                    dimension_names=dimensions if reader.zarr_format == 3 else None, attributes=attributes)
             except OSError as exc:
                 raise OutputError(f"{shown(tmp_path)}: cannot write array {_display(path)} ({reason_of(exc)})") from None
         self.blocks = _Blocks(tmp_path, reader.path, self.blocks.paths, reader.zarr_format, self.dtype)
@@ -1381,6 +1385,24 @@ class ZarrCoefficientWriter(ZarrWriter):
                        metadata: dict[str, dict]) -> dict[str, dict]:
         self.missing = {}  # no attribute of the input array is written, and no marker put back
         return {}
+
+
+def _coefficient_coordinates(reader: ZarrReader, path: str, perturbed: set[str]) -> dict[str, str]:
+    """The coordinates attribute of an array written as coefficients (xarray's): its input's,
+    naming only the arrays written on its record dimension alone (cf.coefficient_coordinates),
+    so that xarray still reads a station's kept elev(station) as its coordinate; {} if none."""
+    by_path = {"/" + name: name for name in reader.handles}
+    dimensions_of = _dimensions(reader.handles)
+
+    def dimensions(word: str) -> tuple[str, ...] | None:
+        target = cf.variable(word, posixpath.dirname("/" + path), by_path)
+        if target is None or target in reader.left_out or target in perturbed:
+            return None  # not written, or coefficients itself
+        return dimensions_of("/" + target)
+
+    text = _text(reader.handles)("/" + path, "coordinates")
+    found = cf.coefficient_coordinates(text, dimensions, dimensions_of("/" + path)[0])
+    return {"coordinates": found} if found else {}
 
 
 def create_coefficient_writer(reader: ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
