@@ -1513,7 +1513,7 @@ class Hdf5CoefficientWriter(Hdf5Writer):
         for src, out in self.coefficients:
             row = _row_dimension(src)
             written = self.copied.get(_object_key(self.src[row])) if row else None
-            if written is None:
+            if row is None or written is None:
                 continue  # plain HDF5: no dimensions
             group = out.parent
             if group.name not in made:

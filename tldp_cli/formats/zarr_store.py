@@ -1367,7 +1367,7 @@ class ZarrCoefficientWriter(ZarrWriter):
                 raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
                                  f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
             perturbed = {j.name.strip("/") for j in jobs}
-            attributes = _coefficient_coordinates(reader, path, perturbed) if dimensions else {}
+            attributes: dict[str, Any] = dict(_coefficient_coordinates(reader, path, perturbed)) if dimensions else {}
             if dimensions and reader.zarr_format == 2:
                 attributes["_ARRAY_DIMENSIONS"] = dimensions
             try:
