@@ -321,7 +321,7 @@ AnonymizeNames = Annotated[bool, typer.Option(
          "in one flat folder, and keep every input file and folder name out of the manifest "
          "(skipped files are counted, not named); evaluate needs the name map. Not with "
          "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-         "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
+         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...). The name map "
          "(perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
