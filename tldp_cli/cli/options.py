@@ -227,8 +227,8 @@ BasisOption = Annotated[Optional[str], typer.Option(
     "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
          "low-pass block of the DCT-II over the record's spatial axes (3-D for a volume, "
-         "2-D for an image, docs/choosing-eps.md), k from a public rule of --eps and the "
-         "record's size; dct:K: K coefficients; FILE.npy: your own k x I "
+         "2-D for an image, docs/choosing-eps.md), k = min(I, 128) (I the "
+         "record's size, whatever --eps); dct:K: K coefficients; FILE.npy: your own k x I "
          "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
          "manifest; a basis learned from the data released is not public).",
     show_default=False)]
