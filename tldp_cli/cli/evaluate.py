@@ -89,8 +89,10 @@ def evaluate_command(
     Integrity (exit 1 on a mismatch): the outputs' sha256, shapes and record counts,
     and the manifest's scale, p and certified figures recomputed from its mechanism.
     Noise: per-record MSE, MAE, relative L2 (PSNR and SSIM for images), the noise norm
-    against Table 5, the retained fraction against p and a KS test of the noise; these
-    fail only at p < 1e-6 and are skipped for rounded and clipped (8-bit) output.
+    against Table 5, the retained fraction against p and a test of the noise's
+    distribution (chi-square for the discrete noises, Kolmogorov-Smirnov for --sampler
+    float); these fail only at p < 1e-6 and are skipped for rounded and clipped (8-bit)
+    output.
 
     Reports are computed from the raw data: keep them with it, never with the release.
     Per-record figures go into --json only with --per-record. Sweeps over epsilons are

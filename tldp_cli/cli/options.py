@@ -227,8 +227,8 @@ BasisOption = Annotated[Optional[str], typer.Option(
     "--basis", parser=local_text, metavar="dct|dct:K|FILE.npy",
     help="--mechanism privunit: the public basis records are projected on. dct (default): a "
          "low-pass block of the DCT-II over the record's spatial axes (3-D for a volume, "
-         "2-D for an image, docs/choosing-eps.md), k from a public rule of --eps and the "
-         "record's size; dct:K: K coefficients; FILE.npy: your own k x I "
+         "2-D for an image, docs/choosing-eps.md), k = min(I, 128) (I the "
+         "record's size, whatever --eps); dct:K: K coefficients; FILE.npy: your own k x I "
          "matrix of orthonormal rows, which you declare public (its sha256 goes in the "
          "manifest; a basis learned from the data released is not public).",
     show_default=False)]
@@ -321,7 +321,7 @@ AnonymizeNames = Annotated[bool, typer.Option(
          "in one flat folder, and keep every input file and folder name out of the manifest "
          "(skipped files are counted, not named); evaluate needs the name map. Not with "
          "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-         "order across the shards (000000.png, 000000.cls, 000001.png, ...). The name map "
+         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...). The name map "
          "(perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "

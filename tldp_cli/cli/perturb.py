@@ -87,7 +87,7 @@ def perturb_command(
         metavar="PATH",
         help="With --anonymize-names: where to write the name map (original -> new names, skipped "
              "files). Keep it with the raw data; never inside the output. Default: "
-             "INPUT.name-map.json beside the input folder.", show_default=False)] = None,
+             "INPUT.name-map.json beside the input (folder or shard).", show_default=False)] = None,
     clip_input: Annotated[bool, typer.Option(
         help="Clip input values outside --range into it (recorded in the manifest) "
              "instead of refusing.")] = False,
