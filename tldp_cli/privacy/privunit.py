@@ -367,15 +367,20 @@ WRITE_BACK_RULE = ("w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to
                    "mean square 1 (f_j: coefficient j's frequency in cycles per record)")
 
 
+# An image's channel counts (grey, RGB, RGBA): an axis of this length, last or first in a record
+# of three axes, holds channels, not a spatial axis (spatial_axes; sampling/projection.py).
+IMAGE_CHANNELS = (1, 3, 4)
+
+
 def spatial_axes(record_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes' lengths the DCT basis runs over (sampling/projection's rule, is_volume and
-    layout): the first two of a (H, W, C) record with C in 1, 3, 4 (channels last), the last
+    """The axes' lengths the DCT basis runs over (sampling/projection.py's is_volume and layout
+    follow it): the first two of a (H, W, C) record with C in 1, 3, 4 (channels last), the last
     two of a (C, H, W) record with C in 1, 3, 4 and of a 2-D record (the last one of a 1-D
     record), else the last three (a volume: any other record of three axes or more)."""
     shape = tuple(record_shape)
-    if len(shape) == 3 and shape[2] in (1, 3, 4):
+    if len(shape) == 3 and shape[2] in IMAGE_CHANNELS:
         return shape[:2]
-    if len(shape) < 3 or (len(shape) == 3 and shape[0] in (1, 3, 4)):
+    if len(shape) < 3 or (len(shape) == 3 and shape[0] in IMAGE_CHANNELS):
         return shape[-2:]
     return shape[-3:]
 

@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-IMAGE_CHANNELS = (1, 3, 4)
+from tldp_cli.privacy.privunit import IMAGE_CHANNELS, spatial_axes
 # A user's basis: rows orthonormal to within this (the largest |B B^T - I| entry).
 ORTHONORMAL_TOLERANCE = 1e-4
 
@@ -72,10 +72,7 @@ def layout(record_shape: tuple[int, ...]) -> tuple[int, int, int, bool]:
 def is_volume(record_shape: tuple[int, ...]) -> bool:
     """A record the default basis takes as a volume (module docstring): three axes, neither
     (H, W, C) nor (C, H, W) with C in 1, 3, 4; or four axes or more. Its shape only."""
-    shape = tuple(record_shape)
-    if len(shape) == 3:
-        return shape[2] not in IMAGE_CHANNELS and shape[0] not in IMAGE_CHANNELS
-    return len(shape) >= 4
+    return len(spatial_axes(record_shape)) == 3
 
 
 def volume_layout(record_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
