@@ -59,7 +59,7 @@ import tarfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 from PIL import Image
@@ -480,10 +480,8 @@ class WebDatasetReader(Reader):
         its number: one subject, _samples); a member without a key is never written. Returns
         the name map's pairs, "SHARD/KEY" -> the new key."""
         numbers: dict[tuple[str, str], int] = {}
-        for shard in self.shards:
-            for member in shard.members:
-                if member.key is not None and member.kind != FOLDER:
-                    numbers.setdefault((shard.rel, member.key), len(numbers))
+        for shard, member in self._keyed_members():
+            numbers.setdefault((shard.rel, str(member.key)), len(numbers))
         self._check_extensions(numbers)
         digits = max(ANONYMOUS_DIGITS, len(str(len(numbers) - 1)))
         for shard in self.shards:
@@ -503,19 +501,22 @@ class WebDatasetReader(Reader):
         samples; one that no other sample holds may be the rest of a name (alice.smith.jpg:
         extension smith.jpg), so it is refused, before anything is written or listed."""
         holders: dict[str, set[tuple[str, str]]] = {}
+        for shard, member in self._keyed_members():
+            holders.setdefault(str(member.extension), set()).add((shard.rel, str(member.key)))
+        for shard, member in self._keyed_members():
+            if len(holders[str(member.extension)]) < min(2, len(numbers)):
+                raise InputError(
+                    f"{shard.path}: member {member.name!r}: no other sample has its extension (all of its "
+                    "base name after the first dot, which webdataset and --anonymize-names keep), so it "
+                    "may be part of a name; rename the files before making the shards (KEY.FIELD, with "
+                    "no dot in KEY), or give every sample that field")
+
+    def _keyed_members(self) -> Iterator[tuple[_Shard, _Member]]:
+        """Each (shard, member) of a sample: a member with a key (an extension), not a folder entry."""
         for shard in self.shards:
             for member in shard.members:
                 if member.key is not None and member.kind != FOLDER:
-                    holders.setdefault(str(member.extension), set()).add((shard.rel, member.key))
-        for shard in self.shards:
-            for member in shard.members:
-                if member.key is not None and member.kind != FOLDER and \
-                        len(holders[str(member.extension)]) < min(2, len(numbers)):
-                    raise InputError(
-                        f"{shard.path}: member {member.name!r}: no other sample has its extension (all of its "
-                        "base name after the first dot, which webdataset and --anonymize-names keep), so it "
-                        "may be part of a name; rename the files before making the shards (KEY.FIELD, with "
-                        "no dot in KEY), or give every sample that field")
+                    yield shard, member
 
     def _jobs(self) -> list[ArrayJob]:
         jobs = []
