@@ -1359,6 +1359,7 @@ class ZarrCoefficientWriter(ZarrWriter):
         super().__init__(reader, tmp_path, dtype)
         self.blocks.flush()  # the records-shaped arrays' writer: replaced below
         store = LocalStore(tmp_path)
+        perturbed = {j.name.strip("/") for j in jobs}
         for job in jobs:
             path = job.name.strip("/")
             names = _dimension_names(reader.handles[path])
@@ -1366,7 +1367,6 @@ class ZarrCoefficientWriter(ZarrWriter):
             if dimensions and posixpath.join(posixpath.dirname(path), COEFFICIENT_DIMENSION) in reader.handles:
                 raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
                                  f"{COEFFICIENT_DIMENSION}, which an array beside {_display(path)} has as its name")
-            perturbed = {j.name.strip("/") for j in jobs}
             attributes: dict[str, Any] = dict(_coefficient_coordinates(reader, path, perturbed)) if dimensions else {}
             if dimensions and reader.zarr_format == 2:
                 attributes["_ARRAY_DIMENSIONS"] = dimensions
