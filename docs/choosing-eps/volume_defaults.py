@@ -67,9 +67,10 @@ THE DECISIONS, fixed before the runs. A cell is one (file, eps); a win is a stri
     python docs/choosing-eps/volume_defaults.py decide docs/choosing-eps/volume_reference.json \
         docs/choosing-eps/volume_k.json
 
-`decide` applies the two decisions above to the JSON files and prints the counts.
+`decide` applies the two decisions above to the JSON files and prints the counts, then the
+tables of docs/choosing-eps.md.
 
-Each takes a few minutes on one core.
+The first takes about a minute on one core, the second two.
 """
 
 from __future__ import annotations
@@ -209,6 +210,38 @@ def decide_k(rows: list[dict], auto: str) -> dict:
     return clearly
 
 
+SHORT = {"example4d.nii.gz": "example4d (2 frames)", "example4d+orig.HEAD": "example4d+orig (3 frames)",
+         "phantom_EPI_asc_CLEAR_2_1.PAR": "phantom EPI (3 frames)", "example_nifti2.nii.gz": "example_nifti2 (2 frames)",
+         "scaled+tlrc.HEAD": "scaled+tlrc"}
+
+
+def reference_table(rows: list[dict]) -> list[str]:
+    """The markdown table of the reference part: zero / mid per (file, eps)."""
+    lines = ["| volume | set | ε | one release | mean of 40 | per-slice means of the mean of 40 | PSNR (dB) "
+             "| voxels clipped |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    cells = {(r["volume"], r["epsilon"], r["reference"]): r for r in rows}
+    for name in DEVELOPMENT + HELD_OUT:
+        for eps in REFERENCE_EPSILONS:
+            zero, mid = cells[name, eps, "zero"], cells[name, eps, "mid"]
+            pair = " | ".join(f"{zero[m]:.3f} / {mid[m]:.3f}".replace("-", "−") for m in DECIDING)
+            lines.append(f"| {SHORT.get(name, name)} | {zero['set']} | {eps:g} | {pair} | "
+                         f"{zero['psnr']:.1f} / {mid['psnr']:.1f} | {zero['clipped']:.0%} / {mid['clipped']:.1%} |")
+    return lines
+
+
+def k_table(rows: list[dict], reference: str) -> list[str]:
+    """The markdown table of the k part under one reference: each measure at each k, per (file, eps)."""
+    lines = [f"| volume | ε | " + " | ".join(f"{label}, k = {' / '.join(map(str, KS))}" for label in
+                                               ("one release", "mean of 40", "per-slice means of the mean"))
+             + " |", "|---|---:|---:|---:|---:|"]
+    cells = {(r["volume"], r["epsilon"], r["k"]): r for r in rows if r["reference"] == reference}
+    for name in DEVELOPMENT + HELD_OUT:
+        for eps in K_EPSILONS:
+            parts = [" / ".join(f"{cells[name, eps, k][m]:.2f}".replace("-", "−") for k in KS) for m in DECIDING]
+            lines.append(f"| {SHORT.get(name, name)} | {eps:g} | " + " | ".join(parts) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=("reference", "k", "decide"))
@@ -221,6 +254,9 @@ def main() -> None:
         print(f"decision 1 (--reference auto for volumes): {auto}")
         clearly = decide_k(k_rows, "mid" if auto == "mid" else "zero")
         print(f"decision 2 (k clearly better than 128, per eps): {clearly}")
+        print("\n".join(["", *reference_table(reference_rows), ""]))
+        for reference in REFERENCES:
+            print("\n".join([f"k under --reference {reference}:", "", *k_table(k_rows, reference), ""]))
         return
     if args.out is None:
         parser.error("--out is required")
