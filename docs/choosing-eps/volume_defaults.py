@@ -64,13 +64,19 @@ THE DECISIONS, fixed before the runs. A cell is one (file, eps); a win is a stri
 
     python docs/choosing-eps/volume_defaults.py reference --out docs/choosing-eps/volume_reference.json
     python docs/choosing-eps/volume_defaults.py k --out docs/choosing-eps/volume_k.json
+    python docs/choosing-eps/volume_defaults.py weights --out docs/choosing-eps/volume_weights.json
     python docs/choosing-eps/volume_defaults.py decide docs/choosing-eps/volume_reference.json \
         docs/choosing-eps/volume_k.json
 
 `decide` applies the two decisions above to the JSON files and prints the counts, then the
 tables of docs/choosing-eps.md.
 
-The first takes about a minute on one core, the second two.
+AFTER THE RUNS (not part of the protocol above; added once k = 256 had won at eps 4 only): part
+"weights" separates k from the write-back's Wiener weights at eps 4, where k = 256's alignment
+(0.095) is below the 0.1 that turns them on and k = 128's (0.134) above: k = 128 and 256, each
+with the weights off and on, under both references.
+
+The first and third take about a minute on one core, the second two.
 """
 
 from __future__ import annotations
@@ -111,14 +117,29 @@ def load(name: str) -> np.ndarray:
     return np.moveaxis(array, 3, 0) if array.ndim == 4 else array[None]
 
 
-def release(records: np.ndarray, epsilon: float, seed: int, value_range: tuple[float, float],
-            reference: str, k: int | None) -> np.ndarray:
+def calibration(records: np.ndarray, epsilon: float, value_range: tuple[float, float], reference: str,
+                k: int | None, weights: str = "rule"):
+    """The package's calibration; `weights` "on" or "off" overrides the write-back's Wiener weights
+    (part "weights" only; "rule": the package's rule, E<V, u> below 0.1)."""
+    from dataclasses import replace
+
+    from tldp_cli.privacy import privunit
     from tldp_cli.privacy.mechanisms import calibrate_privunit
-    from tldp_cli.sampling import engine
-    from tldp_cli.sampling.rng import Streams
 
     calib = calibrate_privunit(epsilon=epsilon, record_shape=records.shape[1:], value_range=value_range,
                                reference=reference, k=k)
+    if weights == "rule":
+        return calib
+    exponent = privunit.SPECTRAL_PRIOR_EXPONENT if weights == "on" else None
+    return replace(calib, privunit=replace(calib.privunit, prior_exponent=exponent))
+
+
+def release(records: np.ndarray, epsilon: float, seed: int, value_range: tuple[float, float],
+            reference: str, k: int | None, weights: str = "rule") -> np.ndarray:
+    from tldp_cli.sampling import engine
+    from tldp_cli.sampling.rng import Streams
+
+    calib = calibration(records, epsilon, value_range, reference, k, weights)
     return engine.perturb_records(records, 0, "volume", calib, Streams("secure", seed, allow_weak_seed=True),
                                   dtype=np.float64)
 
@@ -131,20 +152,18 @@ def extra_scores(out: np.ndarray, record: np.ndarray, value_range: tuple[float, 
             "level": float(out.mean() / record.mean()) if record.mean() else math.nan}
 
 
-def row(name: str, records: np.ndarray, epsilon: float, reference: str, k: int | None) -> dict:
-    from tldp_cli.privacy.mechanisms import calibrate_privunit
-
+def row(name: str, records: np.ndarray, epsilon: float, reference: str, k: int | None,
+        weights: str = "rule") -> dict:
     value_range = volumes.declared_range(records)
-    outs = np.stack([release(records, epsilon, seed, value_range, reference, k) for seed in SEEDS])
+    outs = np.stack([release(records, epsilon, seed, value_range, reference, k, weights) for seed in SEEDS])
     cells = [{**volumes.scores(out, record), **extra_scores(out, record, value_range)}
              for per_seed in outs for out, record in zip(per_seed, records)]
     means = [volumes.scores(mean, record) for mean, record in zip(outs.mean(axis=0), records)]
-    params = calibrate_privunit(epsilon=epsilon, record_shape=records.shape[1:], value_range=value_range,
-                                reference=reference, k=k).privunit
+    params = calibration(records, epsilon, value_range, reference, k, weights).privunit
     return {"volume": name, "set": "development" if name in DEVELOPMENT else "held out",
             "shape": list(records.shape[1:]), "records": len(records), "range": list(value_range),
             "epsilon": epsilon, "reference": reference, "reference_value": params.reference, "k": params.k,
-            "alignment": params.alignment,
+            "alignment": params.alignment, "weighted": params.prior_exponent is not None,
             **{key: float(np.mean([c[key] for c in cells])) for key in cells[0]},
             "corr_se": float(np.std([c["corr"] for c in cells]) / math.sqrt(len(cells))),
             "mean_corr": float(np.mean([c["corr"] for c in means])),
@@ -155,11 +174,13 @@ def measure(part: str) -> list[dict]:
     rows = []
     for name in DEVELOPMENT + HELD_OUT:
         records = load(name)
-        grid = ([(eps, ref, None) for ref in REFERENCES for eps in REFERENCE_EPSILONS] if part == "reference"
-                else [(eps, ref, k) for ref in REFERENCES for eps in K_EPSILONS for k in KS])
-        for epsilon, reference, k in grid:
-            rows.append(r := row(name, records, epsilon, reference, k))
-            print(f"{name:30} {reference:4} eps {epsilon:4g} k {r['k']:4} corr {r['corr']:.3f} ± {r['corr_se']:.3f} "
+        grid = {"reference": [(eps, ref, None, "rule") for ref in REFERENCES for eps in REFERENCE_EPSILONS],
+                "k": [(eps, ref, k, "rule") for ref in REFERENCES for eps in K_EPSILONS for k in KS],
+                "weights": [(4.0, ref, k, w) for ref in REFERENCES for k in (128, 256) for w in ("off", "on")]}[part]
+        for epsilon, reference, k, weights in grid:
+            rows.append(r := row(name, records, epsilon, reference, k, weights))
+            print(f"{name:30} {reference:4} eps {epsilon:4g} k {r['k']:4} {'w' if r['weighted'] else ' '} "
+                  f"corr {r['corr']:.3f} ± {r['corr_se']:.3f} "
                   f"slices {r['slices']:.3f} psnr {r['psnr']:.1f} clipped {r['clipped']:.3f} | mean of "
                   f"{len(SEEDS)}: corr {r['mean_corr']:.3f} slices {r['mean_slices']:.3f}", flush=True)
     return rows
@@ -244,7 +265,7 @@ def k_table(rows: list[dict], reference: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("reference", "k", "decide"))
+    parser.add_argument("part", choices=("reference", "k", "weights", "decide"))
     parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
