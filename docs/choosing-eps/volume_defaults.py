@@ -232,8 +232,8 @@ def decide_k(rows: list[dict], auto: str) -> dict:
 
 
 SHORT = {"example4d.nii.gz": "example4d (2 frames)", "example4d+orig.HEAD": "example4d+orig (3 frames)",
-         "phantom_EPI_asc_CLEAR_2_1.PAR": "phantom EPI (3 frames)", "example_nifti2.nii.gz": "example_nifti2 (2 frames)",
-         "scaled+tlrc.HEAD": "scaled+tlrc"}
+         "phantom_EPI_asc_CLEAR_2_1.PAR": "phantom EPI (3 frames)",
+         "example_nifti2.nii.gz": "example_nifti2 (2 frames)", "scaled+tlrc.HEAD": "scaled+tlrc"}
 
 
 def reference_table(rows: list[dict]) -> list[str]:
