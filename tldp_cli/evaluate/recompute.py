@@ -104,36 +104,40 @@ def _mismatch(field: str, stated: Any, expected: Any, exact: bool = False) -> li
 def _calibration_mismatches(stated: list, expected: list[dict]) -> list[dict]:
     """The manifest's `calibrations` against the recomputed entries, field by field."""
     found = [] if len(stated) == len(expected) else _mismatch("calibrations", len(stated), len(expected))
-    for i, (s, r) in enumerate(zip(stated, expected)):
-        for key, value in r.items():
+    for i, (stated_entry, entry) in enumerate(zip(stated, expected)):
+        stated_entry = stated_entry or {}
+        for key, value in entry.items():
             if isinstance(value, dict):  # privunit: its split, field by field
                 for sub, expected_value in value.items():
-                    found += _mismatch(f"calibrations[{i}].{key}.{sub}", ((s or {}).get(key) or {}).get(sub),
+                    found += _mismatch(f"calibrations[{i}].{key}.{sub}", (stated_entry.get(key) or {}).get(sub),
                                        expected_value, exact=isinstance(expected_value, list))
             else:
-                found += _mismatch(f"calibrations[{i}].{key}", (s or {}).get(key), value)
+                found += _mismatch(f"calibrations[{i}].{key}", stated_entry.get(key), value)
     return found
 
 
 def _scope_mismatches(stated: dict, cert: dict, calibrations: list[tuple[Calibration, int]]) -> list[dict]:
     """The manifest's accounting per element, per record and per file against the
     recomputed certificate `cert` and the file's figures certified afresh."""
+    figures = ("epsilon", "delta", "rho", "point_mass_delta")
     found: list[dict] = []
     for scope in ("per_element", "per_record"):
-        s, r = stated.get(scope) or {}, cert[scope]
-        for key in ("epsilon", "delta", "rho", "point_mass_delta"):
-            found += _mismatch(f"accounting.{scope}.{key}", s.get(key), r[key])
-        for key in ("epsilon", "delta"):
-            found += _mismatch(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+        found += _figure_mismatches(f"accounting.{scope}", stated.get(scope) or {}, cert[scope], figures)
     # Everything the run released, all its records composed (perturb always states it).
-    s = stated.get("per_file") or {}
     from tldp_cli.privacy import accounting  # here: usage and path errors never import it
-    r = manifest_mod.file_entry(
+    per_file = manifest_mod.file_entry(
         accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
-    for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
-        found += _mismatch(f"accounting.per_file.{key}", s.get(key), r[key])
+    return found + _figure_mismatches("accounting.per_file", stated.get("per_file") or {}, per_file,
+                                      (*figures, "records", "elements"))
+
+
+def _figure_mismatches(where: str, stated: dict, recomputed: dict, keys: tuple[str, ...]) -> list[dict]:
+    """One scope's `keys` and its approx epsilon and delta, stated against recomputed."""
+    found: list[dict] = []
+    for key in keys:
+        found += _mismatch(f"{where}.{key}", stated.get(key), recomputed[key])
     for key in ("epsilon", "delta"):
-        found += _mismatch(f"accounting.per_file.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+        found += _mismatch(f"{where}.approx.{key}", (stated.get("approx") or {}).get(key), recomputed["approx"][key])
     return found
 
 
