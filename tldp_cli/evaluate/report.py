@@ -15,8 +15,8 @@ from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, 
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
 from tldp_cli.evaluate.recompute import recompute_calibration
-from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, folder_labels, load_labels,
-                                       load_records, task_utility)
+from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, check_task, check_task_options, folder_labels,
+                                       load_labels, load_records, task_utility)
 from tldp_cli.run.pipeline import missing_fills
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -36,11 +36,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     of a privunit --basis FILE.npy run (default: the manifest's privunit.basis.path, or that
     path beside the manifest); its sha256 must be the manifest's."""
     original, perturbed = Path(original), Path(perturbed)
-    task = [labels, test, test_labels]
-    if any(task) and not all(task):
-        raise UsageError("task utility needs all of --labels, --test and --test-labels")
-    if model not in MODELS:
-        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    check_task_options(labels, test, test_labels, model)
     if not perturbed.exists():
         raise InputError(f"{perturbed}: no such file or directory")
     m, manifest_path = read_manifest(perturbed, manifest_path)
