@@ -266,3 +266,17 @@ def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
         assert c["expected_alignment"] == pytest.approx(own[c["records"]])
     weighted = sum(c["mean_cosine"] * c["records"] for c in check["calibrations"]) / 100
     assert check["mean_cosine"] == pytest.approx(weighted)
+
+
+@pytest.mark.parametrize("task, refusal", [
+    (dict(labels="y.npy"), "task utility needs all of --labels, --test and --test-labels"),
+    (dict(test=Path("t.npy"), test_labels="ty.npy"), "task utility needs all of"),
+    (dict(model="svm"), "--model must be one of logistic, mlp, not 'svm'"),
+])
+def test_evaluate_and_sweep_refuse_a_partial_task_or_an_unknown_model_before_reading(tmp_path, task, refusal):
+    """The library's evaluate and sweep (the CLI's choices stop an unknown --model earlier):
+    refused before any file is opened (the inputs here do not exist)."""
+    with pytest.raises(ev.UsageError, match=refusal):
+        ev.evaluate(tmp_path / "none.npy", tmp_path / "none.tldp.npy", **task)
+    with pytest.raises(ev.UsageError, match=refusal):
+        ev.sweep(tmp_path / "none.npy", [1.0], **task)
