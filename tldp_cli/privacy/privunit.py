@@ -60,17 +60,10 @@ MAX_K = 2**20
 # --------------------------------------------------------------------------- the law of <V, u>
 
 def _log_beta_half(k: int) -> float:
-    """ln B(1/2, (k-1)/2), the normaliser of the density of t = <V, u> (k >= 2)."""
+    """ln B(1/2, (k-1)/2), the normaliser of the density of t = <V, u> for V uniform on
+    S^{k-1} (k >= 2), which is proportional to (1 - t^2)^((k-3)/2) on (-1, 1)."""
     a = (k - 1) / 2
     return math.lgamma(0.5) + math.lgamma(a) - math.lgamma(a + 0.5)
-
-
-def marginal_density(t: float, k: int) -> float:
-    """The density of t = <V, u> for V uniform on S^{k-1} (k >= 2): proportional to
-    (1 - t^2)^((k-3)/2) on (-1, 1)."""
-    if not -1 < t < 1:
-        return 0.0
-    return math.exp((k - 3) / 2 * math.log1p(-t * t) - _log_beta_half(k))
 
 
 def cap_probability(gamma: float, k: int) -> float:
