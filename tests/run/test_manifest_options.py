@@ -9,8 +9,8 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.bases import parse_basis
-from tldp_cli.run.pipeline import (PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options,
-                                   options_of_manifest)
+from tldp_cli.run.calibration import calibrate_run
+from tldp_cli.run.pipeline import PerturbOptions, RunContext, build_manifest, checked_options, options_of_manifest
 
 
 def job(name, shape, dtype):
