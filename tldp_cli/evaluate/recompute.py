@@ -1,5 +1,5 @@
 """The manifest's parameters recomputed: the calibration perturb made for the original's arrays,
-rebuilt from the options the manifest states (pipeline.options_of_manifest), and every
+rebuilt from the options the manifest states (run_manifest.options_of_manifest), and every
 figure it states (scale, p, expected error, the certified figures) checked against a
 fresh calibration (mechanisms.calibrate) and certification (accounting.certify_all)."""
 
@@ -17,7 +17,7 @@ from tldp_cli.evaluate.common import finite
 from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run.calibration import Calibrated, calibrate_run
-from tldp_cli.run.pipeline import options_of_manifest
+from tldp_cli.run.run_manifest import options_of_manifest
 from tldp_cli.sampling import discrete
 
 

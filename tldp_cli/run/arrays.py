@@ -26,7 +26,8 @@ from tldp_cli.run import manifest
 from tldp_cli.run.calibration import calibrate_run
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options
-from tldp_cli.run.pipeline import privunit_of_run, validate_block
+from tldp_cli.run.pipeline import validate_block
+from tldp_cli.run.run_manifest import privunit_of_run
 from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]

@@ -21,9 +21,9 @@ from tldp_cli import formats
 from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
 from tldp_cli.run.calibration import arrays_named
+from tldp_cli.run.context import Phase, Progress
 from tldp_cli.run.options import PerturbOptions, checked_options
-from tldp_cli.run.pipeline import (Phase, PerturbResult, Progress, checked_format_options, once_each, output_of,
-                                   perturb, without_unheld)
+from tldp_cli.run.pipeline import PerturbResult, checked_format_options, once_each, output_of, perturb, without_unheld
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A plan is what `tldp plan` prints (schema tldp-plan/1): a manifest without outputs, and
 the calibration. The same option checks, calibration, accounting and refusals as `tldp
-perturb` (options.checked_options, calibration.calibrate_run, pipeline.build_manifest),
+perturb` (options.checked_options, calibration.calibrate_run, run_manifest.build_manifest),
 from the input's headers alone, or from a description of its records (elements per record,
 number of records, range). Nothing is read beyond the headers (image folders open
 each image's header) and nothing is written.
@@ -21,11 +21,8 @@ from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.calibration import calibrate_run, range_group_messages
+from tldp_cli.run.context import Phase, Report, RunContext
 from tldp_cli.run.pipeline import (
-    Phase,
-    Report,
-    RunContext,
-    build_manifest,
     checked_format_options,
     headers_phrase,
     planning_phrase,
@@ -34,6 +31,7 @@ from tldp_cli.run.pipeline import (
     without_unheld,
 )
 from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
+from tldp_cli.run.run_manifest import build_manifest
 
 SCHEMA = "tldp-plan/1"
 
