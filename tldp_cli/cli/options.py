@@ -321,8 +321,9 @@ AnonymizeNames = Annotated[bool, typer.Option(
          "in one flat folder, and keep every input file and folder name out of the manifest "
          "(skipped files are counted, not named); evaluate needs the name map. Not with "
          "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...). The name map "
-         "(perturb --name-map) pairs the names.")]
+         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...); an "
+         "extension other than a file type alone (seg.png) may be part of a name and is refused "
+         "unless --keep declares it (--keep seg.png). The name map (perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]
