@@ -656,3 +656,37 @@ def test_an_explicit_dtype_that_does_not_apply_to_png_members_is_said(cli, tmp_p
     assert [s["png"].dtype for s in decoded] == [np.uint8] * 3
     mixed = cli("plan", shards(tmp_path / "mixed"), "--eps", "1", "--dtype", "float32")  # .npy members: float32
     assert mixed.exit_code == 0 and "does not apply" not in mixed.stderr, mixed.stderr
+
+
+def test_anonymize_names_withholds_the_input_folder_and_the_names_of_what_it_leaves_out(cli, tmp_path):
+    """Regression: under --anonymize-names the manifest still named the input's folder in every
+    `inputs` path (shards/alice_smith_sessions/a.tar), each file beside the shards it dropped
+    (notes on alice smith.txt) and each symbolic link it skipped, and the messages listed them,
+    where an image folder's manifest names none of its input's names (counts instead, the names
+    in the name map). Now the same: `path` is the shard's name as the output holds it, the files
+    and links are counts, and the name map lists them."""
+    src = tmp_path / "alice_smith_sessions"
+    named_shards(src)
+    (src / "notes on alice smith.txt").write_text("private")
+    np.save(src / "alice smith raw.npy", np.zeros(3))  # data: never copied
+    (src / "link to alice smith.tar").symlink_to(src / "train-000000.tar")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--range", "0:256",
+                 "--anonymize-names")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+    validate_manifest(manifest)
+    assert "alice" not in json.dumps(manifest).lower()
+    assert {i["path"] for i in manifest["inputs"]} == {"train-000000.tar", "train-000001.tar"}
+    assert manifest["skipped_symbolic_links"] == 1
+    files = {e["name"]: e["reason"] for e in manifest["dropped"] if e["kind"] == "file"}
+    assert set(files) == {"files beside the shards"} and "2 files" in files["files beside the shards"]
+    for line in result.stderr.lower().splitlines():
+        if "wrote" not in line and "name map" not in line:
+            assert "alice" not in line, line
+    document = json.loads((tmp_path / "alice_smith_sessions.name-map.json").read_text())
+    assert document["files_left_out"] == ["alice smith raw.npy", "notes on alice smith.txt"]
+    assert document["skipped_symbolic_links"] == ["link to alice smith.tar"]
+    plain = run(cli, src, tmp_path / "plain", "--range", "0:256")  # without the option: named, as documented
+    assert {e["name"] for e in plain["dropped"] if e["kind"] == "file"} == {"notes on alice smith.txt",
+                                                                          "alice smith raw.npy"}

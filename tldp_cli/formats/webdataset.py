@@ -35,7 +35,9 @@ can name a person): listed in `unperturbed` as "sample keys". With --anonymize-n
 sample's key becomes its number in the samples' order across the shards (000000,
 000001, ...: the order the output holds them in anyway), the same for all its members,
 so webdataset groups them as before; the name map, kept with the raw data, pairs the
-keys. Folder entries and members without a key (no extension) are then not written,
+keys. The manifest then names each shard as the output does (not by the input's path), and
+counts the files beside the shards it leaves out and the links it skips (the name map names
+them), as an image folder's. Folder entries and members without a key (no extension) are then not written,
 their names being the input's; the shards keep their names. An extension is written only
 when it is a file type alone (TYPE_EXTENSIONS) or --keep declares it a field name (seg.png):
 any other may be the rest of a name (alice.smith.jpg: extension smith.jpg, shared by every
@@ -95,6 +97,7 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never copied", "folder"
 LABEL_REASON = "a label or metadata member, not perturbed"
 OTHER_FILE_REASON = "a file beside the shards, not perturbed"
+FILES_WITHHELD = "files beside the shards"  # how --anonymize-names lists them: a count, not their names
 PICKLE_REASON = "a Python pickle, data tldp does not load"
 ANONYMOUS_DIGITS = 6  # --anonymize-names: keys 000000, 000001, ...: at least this many digits
 NO_KEY = "(no extension)"  # how the manifest names members without a key, anonymized
@@ -493,8 +496,9 @@ class WebDatasetReader(Reader):
                 "name_map_id": self.name_map_id,
                 "rule": "each sample's key renamed to its number in the samples' order across the shards "
                         "(000000, 000001, ...), the same for all its members; folder entries and members "
-                        "without a key left out; the shards keep their names; the name map kept with the "
-                        "raw data pairs the keys"}
+                        "without a key left out; the shards keep their names, inputs name them so and not "
+                        "by the input's path; files left out and links skipped are counts; the name map "
+                        "kept with the raw data pairs the keys and names those files"}
         grouped = [row for rows in self.samples.values() for row in rows if len(row) > 1]
         self.record_description = (
             "a sample: its perturbed members (images, .npy arrays) together, composed" if grouped
@@ -626,17 +630,7 @@ class WebDatasetReader(Reader):
             else:
                 left.dropped.append({"name": label, "kind": "member", "members": count,
                                      "reason": LABEL_REASON})
-        self.kept_files = []
-        for rel in self.others:
-            never = data_file(self.base / rel)
-            if never:
-                left.kept(rel)
-                left.drop(rel, "file", f"{never}: never copied raw")
-            elif left.kept(rel):
-                self.kept_files.append(rel)
-                left.copied(rel, "file", leftovers.KEPT)
-            else:
-                left.drop(rel, "file", OTHER_FILE_REASON)
+        self._files_beside(left)
         alpha = sum(member.has_alpha for shard in self.shards for member in shard.members if member.job)
         if alpha:  # written raw, as in image folders: listed, so the summary line names it
             left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
@@ -654,6 +648,31 @@ class WebDatasetReader(Reader):
                                               for member in shard.members if member.job), "image member")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
+
+    def _files_beside(self, left: leftovers.Leftovers) -> None:
+        """The files beside the shards: copied raw under their names where --keep names them,
+        else dropped and listed, by name, or with --anonymize-names counted (their names can
+        name people; the name map lists them, as an image folder's skipped files)."""
+        self.kept_files: list[str] = []
+        self.files_left_out: list[str] = []
+        for rel in self.others:
+            never = data_file(self.base / rel)
+            if never:
+                left.kept(rel)  # a --keep naming it is used: it is refused, not unmatched
+                self.files_left_out.append(rel)
+                if not self.anonymized:
+                    left.drop(rel, "file", f"{never}: never copied raw")
+            elif left.kept(rel):
+                self.kept_files.append(rel)
+                left.copied(rel, "file", leftovers.KEPT)
+            else:
+                self.files_left_out.append(rel)
+                if not self.anonymized:
+                    left.drop(rel, "file", OTHER_FILE_REASON)
+        if self.anonymized and self.files_left_out:
+            left.drop(FILES_WITHHELD, "file", f"{plural(len(self.files_left_out), 'file')} beside the shards, not "
+                                              "perturbed (data files never copied raw, not even with --keep); "
+                                              "their names withheld (--anonymize-names): the name map lists them")
 
     def _samples(self) -> dict[str, list[list[str]]]:
         """By shard, the perturbed members of each sample: the members of one key. A key
@@ -680,11 +699,15 @@ class WebDatasetReader(Reader):
         for entry in never:
             self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
                                  f"{entry['reason']}, not even with --keep")
+        if self.anonymized and self.files_left_out:
+            self.messages.append(f"dropped {plural(len(self.files_left_out), 'file')} beside the shards (named in "
+                                 "the name map; --keep NAME copies one raw)")
         files = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] == OTHER_FILE_REASON]
         if files:
             self.messages.append(f"dropped {plural(len(files), 'file')} beside the shards: {listing(files)} "
                                  "(--keep NAME copies one raw)")
-        data = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON]
+        data = [e["name"] for e in self.left.dropped
+                if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON and e["name"] != FILES_WITHHELD]
         if data:
             self.messages.append(f"dropped {plural(len(data), 'file')} holding data beside the shards, never "
                                  f"copied raw, not even with --keep: {listing(data)} (the manifest's dropped "
@@ -697,9 +720,10 @@ class WebDatasetReader(Reader):
                                  "dropped lists them; --keep EXTENSION copies labels raw)")
         if kept:
             self.messages.append(f"copied the {', '.join(e['name'] for e in kept)} members raw (--keep)")
-        if self.links:
-            self.manifest_extra["skipped_symbolic_links"] = self.links
-            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
+        if self.links:  # with --anonymize-names a count: the name map names them
+            self.manifest_extra["skipped_symbolic_links"] = len(self.links) if self.anonymized else self.links
+            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: "
+                                 + ("named in the name map" if self.anonymized else listing(self.links)))
         if self.anonymized:
             self.messages.append(f"renamed the keys of {plural(len(self.new_keys), 'sample')} to their numbers "
                                  "in order, 000000, 000001, ... (the name map pairs them)")
@@ -711,12 +735,21 @@ class WebDatasetReader(Reader):
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
 
+    def manifest_inputs(self) -> list[dict[str, Any]]:
+        """The arrays' sources; with --anonymize-names each names its shard as the output does
+        (its name in the folder of shards), not by the input's path, whose folders can name people."""
+        if not self.anonymized:
+            return super().manifest_inputs()
+        shard_of = {m.job: s.rel for s in self.shards for m in s.members if m.job is not None}
+        return [{**job.source, "path": shard_of[job.name]} for job in self.jobs]
+
     def name_map(self, output_path: Path, manifest_path: Path) -> dict:
         """The name map: the sample keys the output withholds. It can name the people in the data."""
         return {"schema": name_maps.SCHEMA, "sensitive": name_maps.SENSITIVE,
                 "tool": {"name": "tldp", "version": __version__}, "name_map_id": self.name_map_id,
                 "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
-                "samples": self.new_keys,
+                "samples": self.new_keys, "files_left_out": self.files_left_out,
+                "skipped_symbolic_links": self.links,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
     def output_dtype(self, dtype: np.dtype) -> str:
