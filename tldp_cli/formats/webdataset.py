@@ -109,13 +109,12 @@ NO_KEY_REASON = ("a member without an extension, so of no sample: its name is th
 # a name (alice.smith.png: key alice) and is written only where --keep declares it.
 TYPE_EXTENSIONS = frozenset((
     *IMAGE_EXTENSIONS, *PICKLE_EXTENSIONS,
-    # webdataset's writer's handlers and autodecode's decoders
-    "cls", "cls2", "class", "count", "index", "inx", "id", "txt", "text", "transcript", "html", "htm",
-    "npy", "npz", "ten", "tenbin", "tb", "json", "jsn", "mp", "msgpack", "msg", "cbor", "img", "image",
-    "pbm", "pgm", "ppm", "gif",
+    # webdataset's writer's handlers and autodecode's decoders, in their words
+    *"cls cls2 class count index inx id txt text transcript html htm npy npz ten tenbin tb json jsn mp "
+     "msgpack msg cbor img image pbm pgm ppm gif".split(),
     # other common members' types
-    "csv", "tsv", "xml", "yaml", "yml", "md", "jsonl", "parquet", "safetensors", "pt", "dcm", "nii",
-    "wav", "flac", "mp3", "ogg", "opus", "m4a", "mp4", "avi", "mov", "mkv", "webm"))
+    *"csv tsv xml yaml yml md jsonl parquet safetensors pt dcm nii wav flac mp3 ogg opus m4a mp4 avi mov "
+     "mkv webm".split()))
 UNDECLARED = "(undeclared extension)"  # how the manifest names members whose extension is withheld
 UNDECLARED_REASON = ("a label or metadata member whose extension is no file type alone and not declared "
                      "with --keep, so may be the rest of a name (--anonymize-names writes none; "
