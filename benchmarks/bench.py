@@ -365,15 +365,15 @@ def privunit_cases(data: np.ndarray) -> list[tuple[dict, object]]:
     streams = Streams("secure")
     tldp = calibrate(mechanism="tldp", noise="discrete-laplace", budget="element", epsilon=EPSILON,
                      range_width=256, elements=ELEMENTS)
-    cases = [({"case": "TLDP-L exact", "epsilon": EPSILON, "k": None},
+    cases = [({"case": "TLDP-L exact", "epsilon": EPSILON, "k": None, "record_shape": list(RECORD_SHAPE)},
               lambda: engine.perturb_records(sample, 0, "bench", tldp, streams, None, np.int16))]
     for eps in PRIVUNIT_EPSILONS:
         calib = calibrate_privunit(epsilon=eps, record_shape=RECORD_SHAPE, value_range=(0.0, 256.0))
         basis = projection.dct_basis(RECORD_SHAPE, calib.privunit.k)
         k = calib.privunit.k
-        cases.append(({"case": "projection", "epsilon": eps, "k": k},
+        cases.append(({"case": "projection", "epsilon": eps, "k": k, "record_shape": list(RECORD_SHAPE)},
                       lambda basis=basis: basis.project(records)))
-        cases.append(({"case": "privunit", "epsilon": eps, "k": k},
+        cases.append(({"case": "privunit", "epsilon": eps, "k": k, "record_shape": list(RECORD_SHAPE)},
                       lambda calib=calib: engine.perturb_records(records, 0, "bench", calib, streams,
                                                                  None, np.float32)))
     volume_shape = (VOLUME_DEPTH, *RECORD_SHAPE)
@@ -381,20 +381,21 @@ def privunit_cases(data: np.ndarray) -> list[tuple[dict, object]]:
     calib = calibrate_privunit(epsilon=PRIVUNIT_EPSILONS[0], record_shape=volume_shape, value_range=(0.0, 256.0))
     basis = projection.dct_basis(volume_shape, calib.privunit.k)
     cases.append(({"case": "projection 3-D", "epsilon": PRIVUNIT_EPSILONS[0], "k": calib.privunit.k,
-                   "elements": volumes.size}, lambda: basis.project(volumes)))
+                   "record_shape": list(volume_shape), "elements": volumes.size}, lambda: basis.project(volumes)))
     cases.append(({"case": "privunit 3-D", "epsilon": PRIVUNIT_EPSILONS[0], "k": calib.privunit.k,
-                   "elements": volumes.size},
+                   "record_shape": list(volume_shape), "elements": volumes.size},
                   lambda: engine.perturb_records(volumes, 0, "bench", calib, streams, None, np.float32)))
     return cases
 
 
 def privunit_rates(data: np.ndarray, reps: int) -> list[dict]:
     """M input elements/s of each privunit case and its ratio to TLDP-L exact on the same
-    records, measured in the same rounds."""
+    values, measured in the same rounds; `records` counts the case's own records (of
+    `record_shape`: 16 digits make one record of the 3-D cases)."""
     cases = privunit_cases(data)
     seconds = interleaved_best([run for _, run in cases], reps)
     elements = min(len(data), PRIVUNIT_RECORDS) * ELEMENTS
-    rows = [{**row, "records": row.get("elements", elements) // ELEMENTS, "seconds": sec,
+    rows = [{**row, "records": row.get("elements", elements) // math.prod(row["record_shape"]), "seconds": sec,
              "melem_s": rate(row.get("elements", elements), sec)} for (row, _), sec in zip(cases, seconds)]
     for row in rows:
         row["ratio_to_tldp"] = row["melem_s"] / rows[0]["melem_s"]

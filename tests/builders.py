@@ -315,13 +315,20 @@ def read_safetensors(path: Path) -> tuple[bytes, dict, dict[str, np.ndarray]]:
     return raw[:8 + length], header.get("__metadata__", {}), tensors
 
 
-def assert_one_line_error(result, code, *fragments):
+def one_line_error(result, code) -> str:
+    """The one line a refused command wrote on stderr (exit `code`, no traceback, nothing on
+    stdout)."""
     assert result.exit_code == code, (result.exit_code, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+    return lines[0]
+
+
+def assert_one_line_error(result, code, *fragments):
+    line = one_line_error(result, code)
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+        assert fragment in line, line
 
 
 def analytic_gaussian_delta(eps, sigma, sensitivity):

@@ -47,7 +47,10 @@ def test_privunit_section_runs_and_reports_ratios_to_tldp():
         (case, eps) for eps in bench.PRIVUNIT_EPSILONS for case in ("projection", "privunit")] + [
         ("projection 3-D", bench.PRIVUNIT_EPSILONS[0]), ("privunit 3-D", bench.PRIVUNIT_EPSILONS[0])]
     assert rows[0]["ratio_to_tldp"] == 1.0 and all(r["melem_s"] > 0 for r in rows)
-    assert [r["records"] for r in rows] == [40] * 5 + [32] * 2  # the 3-D cases: 2 volumes of 16 digits
+    # the 3-D cases: 2 records (volumes) of 16 digits each, the 32 first digits' values
+    assert [r["records"] for r in rows] == [40] * 5 + [2] * 2
+    assert [r["record_shape"] for r in rows] == [[28, 28]] * 5 + [[16, 28, 28]] * 2
+    assert [r.get("elements", 40 * 784) for r in rows] == [40 * 784] * 5 + [32 * 784] * 2
     results = {"machine": bench.machine_info(), "engine": [], "references": {}, "end_to_end": [], "peers": [],
                "privunit": rows, "targets": [], "engine_elements": data.size, "reps": 1, "workers": 1}
     bench.MECHANISMS, saved = [], bench.MECHANISMS

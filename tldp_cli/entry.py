@@ -1,6 +1,6 @@
-"""The console script. Importing the CLI takes a noticeable moment (NumPy, Typer, the
-accountant); Ctrl-C or SIGTERM during it, or anywhere outside a run, ends with one line,
-not a traceback."""
+"""The console script. Importing takes a noticeable moment (Typer for the CLI, then NumPy
+and the accountant inside a command that needs them); Ctrl-C or SIGTERM during it, or
+anywhere outside a run, ends with one line, not a traceback."""
 
 import signal
 import sys

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.builders import REPO, siblings
+from tests.builders import REPO, one_line_error, siblings
 from tldp_cli import evaluate as ev
 from tldp_cli.privacy import privunit
 
@@ -34,13 +34,6 @@ def evaluate(cli, original, perturbed, tmp_path, *args):
 
 def checks(report):
     return {c["check"]: c for c in report["checks"]}
-
-
-def one_line(result, code: int) -> str:
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 # --------------------------------------------------------------------------- 1. grid width
@@ -161,10 +154,10 @@ def test_model_file_errors_name_the_tensor(cli, tmp_path, suffix):
     np.savez(src, **tensors) if suffix == ".npz" else save_file(tensors, str(src))
     # Tensors of 12 and 4 values keep raw values with probability above dp_delta: consent
     # (tests/privacy/test_raw_release.py), so the run reaches the data and its NaN.
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
     assert f"{src}: tensor w, NaN or Inf" in line and "dataset" not in line
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--mechanism", "mvg",
-                        "--sampler", "float"), 2)  # MVG needs the float sampler
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1", "--mechanism", "mvg",
+                              "--sampler", "float"), 2)  # MVG needs the float sampler
     assert f"{src}: tensor b: --mechanism mvg" in line
     assert siblings(tmp_path) == {src.name}
 
@@ -175,7 +168,7 @@ def test_hdf5_errors_still_name_the_dataset(cli, tmp_path):
         f["x"] = np.array([[0.0, np.inf]])
     # A record of 2 values in 0:1 needs consent to keep raw values (tests/privacy/test_raw_release.py),
     # so the run reaches the data and its Inf.
-    line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1", "--allow-raw-release"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--range", "0:1", "--allow-raw-release"), 1)
     assert f"{src}: dataset /x, NaN or Inf" in line
 
 
@@ -184,10 +177,10 @@ def test_hdf5_errors_still_name_the_dataset(cli, tmp_path):
 def test_dataset_on_npy_or_images_is_a_usage_error(cli, tmp_path):
     npy = tmp_path / "x.npy"
     np.save(npy, np.zeros((4, 3), np.uint8))
-    line = one_line(cli("perturb", npy, "--eps", "1", "--dataset", "images"), 2)
+    line = one_line_error(cli("perturb", npy, "--eps", "1", "--dataset", "images"), 2)
     assert str(npy) in line and "--dataset applies to" in line
     folder = _sized_pngs(tmp_path / "imgs")
-    line = one_line(cli("perturb", folder, "--eps", "1", "--dataset", "images"), 2)
+    line = one_line_error(cli("perturb", folder, "--eps", "1", "--dataset", "images"), 2)
     assert str(folder) in line and "--dataset applies to" in line
     assert siblings(tmp_path) == {"x.npy", "imgs"}
 
@@ -205,7 +198,7 @@ def test_missing_dataset_names_the_file_and_lists_what_it_holds(cli, tmp_path):
     for src, listing in ((h5, "(numeric datasets: /g/y, /x)"),
                          (strings, "(no numeric dataset; datasets: /names)"),
                          (ints, "(no floating-point tensor; tensors: step (int64))")):
-        line = one_line(cli("perturb", src, "--eps", "1", "--range", "0:1", "--dataset", "nope"), 1)
+        line = one_line_error(cli("perturb", src, "--eps", "1", "--range", "0:1", "--dataset", "nope"), 1)
         assert line.startswith(f"tldp: error: {src}: ") and "nope" in line and listing in line
 
 
@@ -245,7 +238,7 @@ def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged
     out = perturb(cli, src, tmp_path / "out", "--eps", "1", "--anonymize-names")
     file = tmp_path / ("out.manifest.json" if damaged == "manifest" else "photos.name-map.json")
     file.write_text(file.read_text().rstrip().removesuffix("}") + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
-    line = one_line(cli("evaluate", src, out), 1)
+    line = one_line_error(cli("evaluate", src, out), 1)
     assert line.startswith(f"tldp: error: {file}: not a readable ") and "it is not valid JSON (it nests lists " \
         "and objects more than 100 levels deep" in line, line
 
@@ -273,3 +266,17 @@ def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
         assert c["expected_alignment"] == pytest.approx(own[c["records"]])
     weighted = sum(c["mean_cosine"] * c["records"] for c in check["calibrations"]) / 100
     assert check["mean_cosine"] == pytest.approx(weighted)
+
+
+@pytest.mark.parametrize("task, refusal", [
+    (dict(labels="y.npy"), "task utility needs all of --labels, --test and --test-labels"),
+    (dict(test=Path("t.npy"), test_labels="ty.npy"), "task utility needs all of"),
+    (dict(model="svm"), "--model must be one of logistic, mlp, not 'svm'"),
+])
+def test_evaluate_and_sweep_refuse_a_partial_task_or_an_unknown_model_before_reading(tmp_path, task, refusal):
+    """The library's evaluate and sweep (the CLI's choices stop an unknown --model earlier):
+    refused before any file is opened (the inputs here do not exist)."""
+    with pytest.raises(ev.UsageError, match=refusal):
+        ev.evaluate(tmp_path / "none.npy", tmp_path / "none.tldp.npy", **task)
+    with pytest.raises(ev.UsageError, match=refusal):
+        ev.sweep(tmp_path / "none.npy", [1.0], **task)

@@ -10,7 +10,7 @@ import pytest
 import zarr
 from PIL import Image
 
-from tests.builders import siblings, tree_digest
+from tests.builders import one_line_error, siblings, tree_digest
 
 # zarr warns that consolidated metadata is not part of the format 3 spec.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -19,13 +19,6 @@ SECRET = b"TOP-SECRET-4f1c9e do not publish"
 VALUES = np.random.default_rng(0).integers(0, 256, (20, 4, 4), dtype=np.uint8)
 # What perturb writes for uint8 data: the default exact sampler keeps integers integer (widened).
 PERTURBED = np.int16
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 def secret_file(tmp_path: Path) -> Path:
@@ -92,7 +85,7 @@ def test_link_inside_a_store_is_refused_before_anything_is_written(cli, tmp_path
     link = plant(store, secret)
     before, files = siblings(tmp_path), tree_digest(secret)
     result = cli("perturb", store, "--eps", "1", "--out", tmp_path / "out.zarr")
-    line = one_line_error(result)
+    line = one_line_error(result, 1)
     assert str(store) in line and f"{link} is a symbolic link" in line
     assert not (tmp_path / "out.zarr").exists()
     assert siblings(tmp_path) == before, "something was written next to the output"
@@ -132,7 +125,7 @@ def test_hidden_directory_without_metadata_is_a_damaged_store(cli, tmp_path, zar
     (store / ".h").mkdir()
     (store / ".h" / "0.0.0").write_bytes(VALUES.tobytes())  # an array that lost its metadata
     before = siblings(tmp_path)
-    line = one_line_error(cli("perturb", store, "--eps", "1", "--out", tmp_path / "out.zarr"))
+    line = one_line_error(cli("perturb", store, "--eps", "1", "--out", tmp_path / "out.zarr"), 1)
     assert str(store) in line and "damaged Zarr store" in line and ".h/" in line
     assert siblings(tmp_path) == before
 
@@ -219,7 +212,7 @@ def test_folder_of_links_only_has_no_images(cli, tmp_path):
     src = tmp_path / "photos"
     src.mkdir()
     os.symlink(save_png(tmp_path / "private" / "face.png", seed=1), src / "face.png")
-    line = one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "out"))
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--out", tmp_path / "out"), 1)
     assert f"no images in {src} (found 1 symbolic link)" in line
     assert not (tmp_path / "out").exists()
 

@@ -19,7 +19,7 @@ from tldp_cli.errors import UsageError
 from tldp_cli.files import output
 from tldp_cli.formats import Format, FormatOptions, npy
 
-from tests.builders import REPO
+from tests.builders import REPO, make_images, make_npy
 
 PACKAGE = REPO / "tldp_cli"
 REGISTRY = PACKAGE / "formats" / "__init__.py"
@@ -146,3 +146,18 @@ def test_a_writer_s_messages_are_its_own(tmp_path):
         writer.close()
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("make", [make_npy, make_images])
+def test_a_reader_refusing_dataset_names_every_format_that_takes_it(tmp_path, make):
+    """--dataset given to a format that does not take it: the refusal names each format
+    whose declaration says it does (Format.selects_arrays), by its title."""
+    path, _ = make(tmp_path)
+    fmt = formats.detect(path)
+    assert not fmt.selects_arrays
+    with pytest.raises(UsageError, match="--dataset applies to") as refused:
+        fmt.open_reader(path, FormatOptions(datasets=["x"]))
+    takers = [taker for taker in formats.registered() if taker.selects_arrays]
+    assert len(takers) > 4
+    for taker in takers:
+        assert taker.title.removesuffix(" file").removesuffix(" store") in str(refused.value), taker.title

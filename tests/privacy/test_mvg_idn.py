@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 from scipy.special import gammaln
 
-from tests.builders import analytic_gaussian_delta, siblings, tree_digest
+from tests.builders import analytic_gaussian_delta, assert_one_line_error, siblings, tree_digest
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy import accounting, mvg_idn
 from tldp_cli.cli.summary import guarantee_line
@@ -247,14 +247,6 @@ def test_perturb_round_trip_and_evaluate(cli, matrices, tmp_path, mechanism):
     assert "every check passed" in r.stderr
 
 
-def assert_refused(r, code, *fragments):
-    assert r.exit_code == code, (r.exit_code, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def test_refusals_write_nothing(cli, matrices, tmp_path):
     vectors = tmp_path / "v.npy"
     np.save(vectors, np.zeros((10, 5)))
@@ -262,14 +254,14 @@ def test_refusals_write_nothing(cli, matrices, tmp_path):
     np.save(mask, np.zeros((2, 3, 4)))
     before, digest = siblings(tmp_path), tree_digest(matrices)
     for mechanism in ("mvg", "idn"):  # the default exact sampler has no real-valued Gaussian noise
-        assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", mechanism),
-                       2, f"--mechanism {mechanism}", "--sampler float")
-    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT,
-                       "--noise", "laplace"), 2, "--mechanism mvg adds Gaussian noise only")
-    assert_refused(cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT),
-                   2, str(vectors), "matrix-shaped records", "(5,)")
-    assert_refused(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", *FLOAT,
-                       "--weights", mask), 2, "--weights", "idn")
+        assert_one_line_error(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", mechanism),
+                              2, f"--mechanism {mechanism}", "--sampler float")
+    assert_one_line_error(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT,
+                              "--noise", "laplace"), 2, "--mechanism mvg adds Gaussian noise only")
+    assert_one_line_error(cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "mvg", *FLOAT),
+                          2, str(vectors), "matrix-shaped records", "(5,)")
+    assert_one_line_error(cli("perturb", matrices, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", *FLOAT,
+                              "--weights", mask), 2, "--weights", "idn")
     assert siblings(tmp_path) == before and tree_digest(matrices) == digest
     # IDN takes any record shape
     assert cli("perturb", vectors, "--eps", "1", "--range", "-1:1", "--mechanism", "idn", *FLOAT,

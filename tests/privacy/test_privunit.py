@@ -41,7 +41,6 @@ def test_cap_share_and_first_moment_against_quadrature(k):
         moment = mpmath.quad(lambda t: t * density(t), [gamma, 1])
         assert privunit.cap_probability(gamma, k) == pytest.approx(float(q), rel=1e-11)
         assert privunit.cap_first_moment(gamma, k) == pytest.approx(float(moment), rel=1e-11)
-        assert privunit.marginal_density(gamma, k) == pytest.approx(float(density(gamma)), rel=1e-12)
 
 
 def test_the_incomplete_beta_function_is_within_its_stated_error():

@@ -19,6 +19,7 @@ from scipy import stats
 from tests.builders import (
     RoundTrip,
     analytic_gaussian_delta,
+    one_line_error,
     read_safetensors,
     siblings,
     tree_digest,
@@ -52,13 +53,6 @@ def write_model_npz(path: Path, compressed: bool = False) -> Path:
     save(path, **{"encoder.weight": WEIGHT, "encoder.bias": BIAS, "decoder.weight": BF16.astype(">f4"),
                   "head": HEAD, "step": STEP, "mask": MASK})
     return path
-
-
-def one_line(result, code: int) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 FLOATS = ["encoder.weight", "encoder.bias", "decoder.weight", "head"]
@@ -214,7 +208,7 @@ def test_dataset_selects_tensors_and_copies_the_rest(cli, tmp_path, writer):
 def test_dataset_refuses_what_cannot_be_perturbed(cli, tmp_path, name, fragment):
     src = write_model_safetensors(tmp_path / "m.safetensors")
     before = siblings(tmp_path)
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--dataset", name), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1", "--dataset", name), 1)
     assert str(src) in line and fragment in line and f"tensor {name}" in line
     assert siblings(tmp_path) == before
 
@@ -222,7 +216,7 @@ def test_dataset_refuses_what_cannot_be_perturbed(cli, tmp_path, name, fragment)
 def test_file_without_float_tensors(cli, tmp_path):
     src = tmp_path / "ints.npz"
     np.savez(src, a=np.arange(4), b=np.zeros(3, bool))
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1"), 1)
     assert str(src) in line and "no floating-point tensor" in line
 
 
@@ -268,8 +262,8 @@ def test_corrupt_files_are_refused_with_nothing_written(cli, tmp_path, kind, fra
     before, digest = siblings(tmp_path), tree_digest(src)
     # --allow-raw-release: the bad-CRC file's 3-value tensor keeps raw values with probability
     # above dp_delta, and the consent check (tests/privacy/test_raw_release.py) runs before any read.
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--workers", "2",
-                        "--allow-raw-release"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1", "--workers", "2",
+                              "--allow-raw-release"), 1)
     assert str(src) in line and fragment in line
     assert siblings(tmp_path) == before and tree_digest(src) == digest
 
@@ -278,7 +272,7 @@ def test_a_file_shorter_than_its_header_length_is_refused(cli, tmp_path):
     """--format safetensors on a 3-byte file: was "unexpected error (unpack requires a buffer of 8 bytes)"."""
     src = tmp_path / "m.safetensors"
     src.write_bytes(b"abc")
-    line = one_line(cli("perturb", src, "--format", "safetensors", "--eps", "1", "--clip", "1"), 1)
+    line = one_line_error(cli("perturb", src, "--format", "safetensors", "--eps", "1", "--clip", "1"), 1)
     assert f"{src}: not a valid safetensors file (it is shorter than the 8 bytes" in line
     assert siblings(tmp_path) == {"m.safetensors"}
 
@@ -289,7 +283,7 @@ def test_nan_in_a_tensor_names_it(cli, tmp_path):
     src = write_safetensors(tmp_path / "m.safetensors", {"ok": np.zeros(3, np.float32), "w": w})
     # Tensors of 3 and 16 values need consent to keep raw values (tests/privacy/test_raw_release.py),
     # so the run reaches the data and its NaN.
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1", "--allow-raw-release"), 1)
     assert "tensor w" in line and "NaN or Inf" in line and "element 9" in line
 
 
@@ -302,7 +296,7 @@ def test_nan_in_a_tensor_names_it(cli, tmp_path):
 def test_clip_usage_errors(cli, tmp_path, args, fragment):
     src = write_model_safetensors(tmp_path / "m.safetensors")
     before = siblings(tmp_path)
-    assert fragment in one_line(cli("perturb", src, "--eps", "1", *args), 2)
+    assert fragment in one_line_error(cli("perturb", src, "--eps", "1", *args), 2)
     assert siblings(tmp_path) == before
 
 
@@ -513,7 +507,7 @@ def test_fp8_weights_are_never_copied_raw_unasked(cli, tmp_path):
     """FP8 tensors were copied unperturbed, as "float8_e4m3fn: only floating-point tensors
     are perturbed": raw weights in a release nobody asked for."""
     src = fp8_model(tmp_path / "m.safetensors")
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 1)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 1)
     assert "tensor f8 is float8_e4m3fn, which tldp cannot perturb" in line and "--exclude f8" in line
     assert siblings(tmp_path) == {"m.safetensors"}
     result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--exclude", "f8", "--allow-raw-release")
@@ -525,6 +519,6 @@ def test_fp8_weights_are_never_copied_raw_unasked(cli, tmp_path):
 def test_a_clip_too_small_for_the_tensor_dtype_is_refused(cli, tmp_path):
     """--clip 1e-300 made grid steps float32 cannot hold: every weight came out 0."""
     src = write_model_safetensors(tmp_path / "m.safetensors")
-    line = one_line(cli("perturb", src, "--eps", "1", "--clip", "1e-300"), 2)
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1e-300"), 2)
     assert "cannot hold grid steps of" in line
     assert siblings(tmp_path) == {"m.safetensors"}

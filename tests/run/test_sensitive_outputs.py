@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.builders import SEED, siblings, tree_digest
+from tests.builders import SEED, assert_one_line_error, siblings, tree_digest
 from tldp_cli.run.manifest import sha256_file
 
 RNG = np.random.default_rng(6)
@@ -24,14 +24,6 @@ SENSITIVE = "computed from the raw data: keep it with the raw data, never with t
 def ok(result):
     assert result.exit_code == 0, result.stderr
     return result
-
-
-def one_line_error(result, code, *fragments):
-    assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def manifest_of(out: Path) -> dict:
@@ -183,9 +175,9 @@ def test_per_record_lists_when_asked(cli, digits_file, perturbed, tmp_path, digi
 
 
 def test_per_record_needs_json_and_is_not_for_sweeps(cli, digits_file, perturbed, tmp_path):
-    one_line_error(cli("evaluate", digits_file, perturbed, "--per-record"), 2, "--per-record", "--json")
-    one_line_error(cli("sweep", digits_file, "--eps", "1", "--out", tmp_path / "s",
-                       "--per-record"), 2, "--per-record", "tldp sweep")
+    assert_one_line_error(cli("evaluate", digits_file, perturbed, "--per-record"), 2, "--per-record", "--json")
+    assert_one_line_error(cli("sweep", digits_file, "--eps", "1", "--out", tmp_path / "s",
+                              "--per-record"), 2, "--per-record", "tldp sweep")
     assert not (tmp_path / "s").exists()
 
 
@@ -279,7 +271,7 @@ def test_evaluate_pairs_through_the_name_map(cli, family, tmp_path):
     assert "every check passed" in result.stderr
     moved = tmp_path / "elsewhere.json"
     (tmp_path / "family_photos.name-map.json").rename(moved)
-    one_line_error(cli("evaluate", family, out), 1, "family_photos.name-map.json", "--name-map")
+    assert_one_line_error(cli("evaluate", family, out), 1, "family_photos.name-map.json", "--name-map")
     report = json.loads(ok(cli("evaluate", family, out, "--name-map", moved, "--json", "-q")).stdout)
     assert report["ok"] and report["records"] == len(NAMES)
 
@@ -292,16 +284,16 @@ def test_evaluate_refuses_the_name_map_of_another_run(cli, family, tmp_path):
     second.mkdir()
     ok(cli("perturb", family, "--eps", "1", "--anonymize-names", "--skip-bad", "--out", second / "images",
            "--name-map", second / "map.json", "-q"))
-    one_line_error(cli("evaluate", family, out, "--name-map", second / "map.json"), 1,
-                   "map.json", "another run")
-    one_line_error(cli("evaluate", family, second / "images", "--name-map", first), 1, "another run")
+    assert_one_line_error(cli("evaluate", family, out, "--name-map", second / "map.json"), 1,
+                          "map.json", "another run")
+    assert_one_line_error(cli("evaluate", family, second / "images", "--name-map", first), 1, "another run")
 
 
 def test_name_map_option_needs_an_anonymized_output(cli, family, tmp_path):
     out = tmp_path / "plain"
     ok(cli("perturb", family, "--eps", "1", "--skip-bad", "--out", out, "-q"))
     (tmp_path / "map.json").write_text("{}")
-    one_line_error(cli("evaluate", family, out, "--name-map", tmp_path / "map.json"), 2, "--anonymize-names")
+    assert_one_line_error(cli("evaluate", family, out, "--name-map", tmp_path / "map.json"), 2, "--anonymize-names")
 
 
 def test_name_map_inside_the_output_or_input_is_refused(cli, family, tmp_path):
@@ -310,17 +302,17 @@ def test_name_map_inside_the_output_or_input_is_refused(cli, family, tmp_path):
     assert cli(*run, "--name-map", tmp_path / "first.map.json").exit_code == 0  # an earlier output
     before = tree_digest(tmp_path)
     run.append("--overwrite")  # which --overwrite may replace
-    one_line_error(cli(*run, "--name-map", out / "map.json"), 2, "name map", "inside the output")
-    one_line_error(cli(*run, "--name-map", family / "map.json"), 2, "name map", "inside the input")
-    one_line_error(cli(*run, "--name-map", tmp_path / "release.manifest.json"), 2, "name the same file")
+    assert_one_line_error(cli(*run, "--name-map", out / "map.json"), 2, "name map", "inside the output")
+    assert_one_line_error(cli(*run, "--name-map", family / "map.json"), 2, "name map", "inside the input")
+    assert_one_line_error(cli(*run, "--name-map", tmp_path / "release.manifest.json"), 2, "name the same file")
     assert tree_digest(tmp_path) == before
     assert siblings(tmp_path) == {"family_photos", "release", "release.manifest.json", "first.map.json"}
 
 
 def test_existing_name_map_is_not_replaced_without_overwrite(cli, family, tmp_path):
     (tmp_path / "family_photos.name-map.json").write_text("mine")
-    one_line_error(cli("perturb", family, "--eps", "1", "--anonymize-names", "--skip-bad", "--out",
-                       tmp_path / "o"), 1, "name map exists", "--overwrite")
+    assert_one_line_error(cli("perturb", family, "--eps", "1", "--anonymize-names", "--skip-bad", "--out",
+                              tmp_path / "o"), 1, "name map exists", "--overwrite")
     assert (tmp_path / "family_photos.name-map.json").read_text() == "mine"
     assert not (tmp_path / "o").exists()
 
@@ -331,17 +323,17 @@ def test_existing_name_map_is_not_replaced_without_overwrite(cli, family, tmp_pa
 ])
 def test_usage_errors(cli, family, tmp_path, args, fragment):
     if fragment is None:  # --name-map alone
-        one_line_error(cli("perturb", family, "--eps", "1", "--skip-bad", *args), 2,
-                       "--name-map applies to --anonymize-names")
+        assert_one_line_error(cli("perturb", family, "--eps", "1", "--skip-bad", *args), 2,
+                              "--name-map applies to --anonymize-names")
     else:
-        one_line_error(cli("perturb", family, "--eps", "1", "--skip-bad", "--anonymize-names", *args), 2,
-                       fragment, "--anonymize-names")
+        assert_one_line_error(cli("perturb", family, "--eps", "1", "--skip-bad", "--anonymize-names", *args), 2,
+                              fragment, "--anonymize-names")
     assert siblings(tmp_path) == {"family_photos"}
 
 
 def test_anonymize_names_is_for_image_folders(cli, digits_file, tmp_path):
-    one_line_error(cli("perturb", digits_file, "--eps", "1", "--anonymize-names"), 2,
-                   "digits.npy", "folders of images")
+    assert_one_line_error(cli("perturb", digits_file, "--eps", "1", "--anonymize-names"), 2,
+                          "digits.npy", "folders of images")
     assert siblings(tmp_path) == {"digits.npy"}
 
 
@@ -357,7 +349,7 @@ def test_anonymized_tiff_output(cli, family, tmp_path):
 def test_wide_integers_without_range_are_refused(cli, tmp_path, dtype):
     counts = tmp_path / "counts.npy"
     np.save(counts, RNG.integers(0, 100, (40, 6)).astype(dtype))
-    one_line_error(cli("perturb", counts, "--eps", "1"), 2, "counts.npy", dtype, "--range LO:HI")
+    assert_one_line_error(cli("perturb", counts, "--eps", "1"), 2, "counts.npy", dtype, "--range LO:HI")
     assert siblings(tmp_path) == {"counts.npy"}
     ok(cli("perturb", counts, "--eps", "1", "--range", "0:100", "-q", "--allow-raw-release"))
     assert np.abs(np.load(tmp_path / "counts.tldp.npy")).max() < 1e6  # noise of the declared range
@@ -375,10 +367,10 @@ def test_narrow_integers_default_to_their_dtype_range(cli, tmp_path, dtype, lo_h
 def test_weight_mask_and_sweep_refuse_wide_integers_alike(cli, tmp_path):
     counts = tmp_path / "counts.npy"
     np.save(counts, RNG.integers(0, 100, (40, 8, 8)).astype(np.int64))
-    one_line_error(cli("weight-mask", counts, "--method", "intensity", "--out", tmp_path / "m.npy"), 2,
-                   "counts.npy", "int64", "--range LO:HI")
-    one_line_error(cli("sweep", counts, "--eps", "1", "--out", tmp_path / "s"), 2,
-                   "counts.npy", "int64", "--range LO:HI")
+    assert_one_line_error(cli("weight-mask", counts, "--method", "intensity", "--out", tmp_path / "m.npy"), 2,
+                          "counts.npy", "int64", "--range LO:HI")
+    assert_one_line_error(cli("sweep", counts, "--eps", "1", "--out", tmp_path / "s"), 2,
+                          "counts.npy", "int64", "--range LO:HI")
     assert siblings(tmp_path) == {"counts.npy"}
     # A mask that needs no range is made, and its preview is scaled without the dtype's.
     ok(cli("weight-mask", counts, "--method", "constant", "--weight", "0.5", "--out", tmp_path / "m.npy",
@@ -394,8 +386,8 @@ def test_wide_integer_hdf5_and_zarr_are_refused(cli, tmp_path):
     with h5py.File(tmp_path / "c.h5", "w") as f:
         f.create_dataset("counts", data=RNG.integers(0, 9, (20, 4)).astype(np.int32))
     zarr.create_array(tmp_path / "c.zarr", shape=(20, 4), dtype="uint32", chunks=(10, 4))[:] = 1
-    one_line_error(cli("perturb", tmp_path / "c.h5", "--eps", "1"), 2, "c.h5", "int32", "--range")
-    one_line_error(cli("perturb", tmp_path / "c.zarr", "--eps", "1"), 2, "c.zarr", "uint32", "--range")
+    assert_one_line_error(cli("perturb", tmp_path / "c.h5", "--eps", "1"), 2, "c.h5", "int32", "--range")
+    assert_one_line_error(cli("perturb", tmp_path / "c.zarr", "--eps", "1"), 2, "c.zarr", "uint32", "--range")
     assert siblings(tmp_path) == {"c.h5", "c.zarr"}
 
 

@@ -1,4 +1,4 @@
-"""The vectorised Gaussian ziggurat (tldp_cli/ziggurat.py): its tables, its distribution
+"""The vectorised Gaussian ziggurat (tldp_cli/sampling/ziggurat.py): its tables, its distribution
 against the normal (KS, chi-square per layer region, tail mass, symmetry), each test also
 rejecting a wrong sampler, and the contract the engine relies on (float32, never 0.0,
 bit-for-bit reproducible, the draws it consumes)."""

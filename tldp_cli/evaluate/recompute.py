@@ -94,6 +94,53 @@ def _row_datasets(m: dict, jobs: list) -> list[list[str]]:
     return rows
 
 
+def _mismatch(field: str, stated: Any, expected: Any, exact: bool = False) -> list[dict]:
+    """[the mismatch] where the manifest's `stated` value is not the recomputed `expected`
+    (equal if `exact`, else within _close's tolerance), else []."""
+    same = stated == expected if exact else _close(stated, expected)
+    return [] if same else [{"field": field, "manifest": stated, "recomputed": expected}]
+
+
+def _calibration_mismatches(stated: list, expected: list[dict]) -> list[dict]:
+    """The manifest's `calibrations` against the recomputed entries, field by field."""
+    found = [] if len(stated) == len(expected) else _mismatch("calibrations", len(stated), len(expected))
+    for i, (stated_entry, entry) in enumerate(zip(stated, expected)):
+        stated_entry = stated_entry or {}
+        for key, value in entry.items():
+            if isinstance(value, dict):  # privunit: its split, field by field
+                for sub, expected_value in value.items():
+                    found += _mismatch(f"calibrations[{i}].{key}.{sub}", (stated_entry.get(key) or {}).get(sub),
+                                       expected_value, exact=isinstance(expected_value, list))
+            else:
+                found += _mismatch(f"calibrations[{i}].{key}", stated_entry.get(key), value)
+    return found
+
+
+def _scope_mismatches(stated: dict, cert: dict, calibrations: list[tuple[Calibration, int]]) -> list[dict]:
+    """The manifest's accounting per element, per record and per file against the
+    recomputed certificate `cert` and the file's figures certified afresh."""
+    figures = ("epsilon", "delta", "rho", "point_mass_delta")
+    found: list[dict] = []
+    for scope in ("per_element", "per_record"):
+        found += _figure_mismatches(f"accounting.{scope}", stated.get(scope) or {}, cert[scope], figures)
+    # Everything the run released, all its records composed (perturb always states it).
+    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
+    per_file = manifest_mod.file_entry(
+        accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
+    return found + _figure_mismatches("accounting.per_file", stated.get("per_file") or {}, per_file,
+                                      (*figures, "records", "elements"))
+
+
+def _figure_mismatches(where: str, stated: dict, recomputed: dict, keys: tuple[str, ...]) -> list[dict]:
+    """One scope's `keys` and its approx epsilon and delta, stated against recomputed."""
+    found: list[dict] = []
+    for key in keys:
+        found += _mismatch(f"{where}.{key}", stated.get(key), recomputed[key])
+    for key in ("epsilon", "delta"):
+        found += _mismatch(f"{where}.approx.{key}", (stated.get("approx") or {}).get(key), recomputed["approx"][key])
+    return found
+
+
 def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None = None,
                      dtypes: list[np.dtype] | None = None,
                      records: list[list[Calibration]] | None = None) -> dict:
@@ -101,11 +148,10 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
     each record size's calibration (from the original's arrays) and its number of records;
     `dtypes`: the original's arrays' (None: the manifest's inputs'); `records`: the
     calibrations of the arrays each subject's record spans (accounting.certify_all)."""
-    mismatches = []
+    mismatches: list[dict] = []
 
     def compare(field: str, stated: Any, expected: Any):
-        if not _close(stated, expected):
-            mismatches.append({"field": field, "manifest": stated, "recomputed": expected})
+        mismatches.extend(_mismatch(field, stated, expected))
 
     try:
         grid = _grid(m, dtypes, "the manifest")
@@ -127,39 +173,10 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
     compare("expected_l2_error_per_record", m.get("expected_l2_error_per_record"),
             finite(calib.expected_l2_error()))
     if len(calibrations) > 1 or "calibrations" in m:
-        stated_list = m.get("calibrations") or []
-        expected_list = manifest_mod.calibration_entries(calibrations, weights)
-        if len(stated_list) != len(expected_list):
-            compare("calibrations", len(stated_list), len(expected_list))
-        for i, (s, r) in enumerate(zip(stated_list, expected_list)):
-            for key, value in r.items():
-                if isinstance(value, dict):  # privunit: its split, field by field
-                    for sub, expected in value.items():
-                        stated_value = ((s or {}).get(key) or {}).get(sub)
-                        if isinstance(expected, list):
-                            if stated_value != expected:
-                                mismatches.append({"field": f"calibrations[{i}].{key}.{sub}",
-                                                   "manifest": stated_value, "recomputed": expected})
-                        else:
-                            compare(f"calibrations[{i}].{key}.{sub}", stated_value, expected)
-                else:
-                    compare(f"calibrations[{i}].{key}", (s or {}).get(key), value)
+        mismatches += _calibration_mismatches(m.get("calibrations") or [],
+                                              manifest_mod.calibration_entries(calibrations, weights))
     stated = m.get("accounting") or {}
-    for scope in ("per_element", "per_record"):
-        s, r = stated.get(scope) or {}, cert[scope]
-        for key in ("epsilon", "delta", "rho", "point_mass_delta"):
-            compare(f"accounting.{scope}.{key}", s.get(key), r[key])
-        for key in ("epsilon", "delta"):
-            compare(f"accounting.{scope}.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
-    # Everything the run released, all its records composed (perturb always states it).
-    s = stated.get("per_file") or {}
-    from tldp_cli.privacy import accounting  # here: usage and path errors never import it
-    r = manifest_mod.file_entry(
-        accounting.certify_file([(str(i), c, n) for i, (c, n) in enumerate(calibrations)]).per_file)
-    for key in ("epsilon", "delta", "rho", "point_mass_delta", "records", "elements"):
-        compare(f"accounting.per_file.{key}", s.get(key), r[key])
-    for key in ("epsilon", "delta"):
-        compare(f"accounting.per_file.approx.{key}", (s.get("approx") or {}).get(key), r["approx"][key])
+    mismatches += _scope_mismatches(stated, cert, calibrations)
     if "privunit" in stated or "privunit" in cert:  # the split and its certified figures
         for key in ("k", "gamma", "p", "epsilon0", "q", "q_lower", "q_upper", "nominal_epsilon", "epsilon",
                     "margin", "expected_alignment"):
@@ -167,10 +184,8 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
                     (cert.get("privunit") or {}).get(key))
         for key in ("k", "gamma", "p", "reference"):
             compare(f"privunit.{key}", (m.get("privunit") or {}).get(key), getattr(calib.privunit, key, None))
-        stated_sha = ((m.get("privunit") or {}).get("basis") or {}).get("sha256")
-        actual_sha = calib.privunit.basis_sha256 if calib.privunit else None
-        if stated_sha != actual_sha:
-            mismatches.append({"field": "privunit.basis.sha256", "manifest": stated_sha, "recomputed": actual_sha})
+        mismatches += _mismatch("privunit.basis.sha256", ((m.get("privunit") or {}).get("basis") or {}).get("sha256"),
+                                calib.privunit.basis_sha256 if calib.privunit else None, exact=True)
     if "designed" in stated or "designed" in cert:  # MVG, IDN
         for key in ("epsilon", "delta"):
             compare(f"accounting.designed.{key}", (stated.get("designed") or {}).get(key),

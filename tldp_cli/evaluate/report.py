@@ -15,8 +15,8 @@ from tldp_cli.evaluate.integrity import (check_hashes, input_named, is_clipped, 
 from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check, gof_check, measure,
                                      noise_summary, privunit_checks, retained_check)
 from tldp_cli.evaluate.recompute import recompute_calibration
-from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, MODELS, check_task, folder_labels, load_labels,
-                                       load_records, task_utility)
+from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, check_task, check_task_options, folder_labels,
+                                       load_labels, load_records, task_utility)
 from tldp_cli.run.pipeline import missing_fills
 
 REPORT_SCHEMA = "tldp-evaluation/1"
@@ -36,11 +36,7 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
     of a privunit --basis FILE.npy run (default: the manifest's privunit.basis.path, or that
     path beside the manifest); its sha256 must be the manifest's."""
     original, perturbed = Path(original), Path(perturbed)
-    task = [labels, test, test_labels]
-    if any(task) and not all(task):
-        raise UsageError("task utility needs all of --labels, --test and --test-labels")
-    if model not in MODELS:
-        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    check_task_options(labels, test, test_labels, model)
     if not perturbed.exists():
         raise InputError(f"{perturbed}: no such file or directory")
     m, manifest_path = read_manifest(perturbed, manifest_path)
@@ -86,20 +82,13 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
                        ("parameters", "sha256", "unlisted_files", "pairing", "shapes"))
     statistics_ok = all(c["passed"] is not False for c in checks if c["check"] in
                         ("noise_norm", "retained_fraction", "noise_distribution"))
-    acc = m.get("accounting") or {}
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "sensitive": SENSITIVE,
         "tool": {"name": "tldp", "version": __version__},
         "original": str(original), "perturbed": str(perturbed), "manifest": str(manifest_path),
         "format": module.name,
-        "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
-        "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": [lo, hi],
-        "records": done, "elements_per_record": m.get("elements_per_record"),
-        "record_sizes": len({c.get("elements_per_record") for c in m.get("calibrations") or []}) or 1,
-        "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
-                               "delta": (acc.get(scope) or {}).get("delta")}
-                       for scope in ("per_element", "per_record")},
+        **_run_stated(m, (lo, hi), done),
         "ok": integrity_ok and statistics_ok,
         "integrity_ok": integrity_ok,
         "statistics_ok": statistics_ok,
@@ -114,6 +103,21 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         report["utility"] = _utility(module, original, pairs, measured, labels, test, test_labels,
                                      model, (lo, hi))
     return report
+
+
+def _run_stated(m: dict, value_range: tuple[float, float], records: int) -> dict[str, Any]:
+    """The report's account of the run, from its manifest: mechanism, budget and guarantee,
+    and the records measured."""
+    acc = m.get("accounting") or {}
+    return {
+        "mechanism": m.get("mechanism"), "noise": m.get("noise"), "budget": m.get("budget"),
+        "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": list(value_range),
+        "records": records, "elements_per_record": m.get("elements_per_record"),
+        "record_sizes": len({c.get("elements_per_record") for c in m.get("calibrations") or []}) or 1,
+        "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
+                               "delta": (acc.get(scope) or {}).get("delta")}
+                       for scope in ("per_element", "per_record")},
+    }
 
 
 def _utility(module, original: Path, pairs: list, measured: Measured, labels, test, test_labels,

@@ -18,7 +18,7 @@ import numpy as np
 from tldp_cli import __version__, formats
 from tldp_cli.errors import InputError, OutputError, UsageError
 from tldp_cli.evaluate.common import SENSITIVE, Progress, finite
-from tldp_cli.evaluate.utility import (MODELS, check_task, load_labels, load_records, majority_f1, need,
+from tldp_cli.evaluate.utility import (check_task, check_task_options, load_labels, load_records, majority_f1, need,
                                        weighted_f1)
 from tldp_cli.files import output
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit, parse_reference
@@ -90,11 +90,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     from tldp_cli.run.masks import load_mask
 
     original = Path(original)
-    task = [labels, test, test_labels]
-    if any(task) and not all(task):
-        raise UsageError("task utility needs all of --labels, --test and --test-labels")
-    if model not in MODELS:
-        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    check_task_options(labels, test, test_labels, model)
     if not epsilons:
         raise UsageError("a sweep needs --eps with at least one value")
     if repeats < 1:

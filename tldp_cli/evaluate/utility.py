@@ -152,6 +152,15 @@ def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, te
     return float(f1_score(test_y, predicted, average="weighted"))
 
 
+def check_task_options(labels, test, test_labels, model: str) -> None:
+    """What evaluate and sweep refuse before reading any data: a task given in part (labels,
+    test records and test labels go together), a model tldp does not know."""
+    if any((labels, test, test_labels)) and not all((labels, test, test_labels)):
+        raise UsageError("task utility needs all of --labels, --test and --test-labels")
+    if model not in MODELS:
+        raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+
+
 def check_task(train_records: int, labels: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
                 record_shape: tuple[int, ...], labels_path, test_path) -> None:
     if len(labels) != train_records:

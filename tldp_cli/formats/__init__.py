@@ -207,9 +207,15 @@ class Writer:
         raise NotImplementedError
 
 
+# The formats whose readers take --dataset (Format.selects_arrays), named where another's
+# reader refuses it; tests/formats/test_format_interface.py checks it names each of them.
+DATASET_FORMATS = ("HDF5 files, Zarr stores, model files (.npz, .safetensors, sharded model folders) and "
+                   "tables (Parquet, Arrow, Hugging Face dataset folders)")
+
+
 @dataclass
 class FormatOptions:
-    datasets: list[str] = field(default_factory=list)  # HDF5/Zarr/npz/safetensors: which arrays to perturb
+    datasets: list[str] = field(default_factory=list)  # DATASET_FORMATS: which arrays (tensors, columns) to perturb
     exclude: list[str] = field(default_factory=list)  # model files and HDF5: globs of arrays left out
     keep: list[str] = field(default_factory=list)  # names (globs) of what is copied raw, not dropped (leftovers.py)
     image_format: str = "png"  # image folders: png (clipped, rounded) or tiff (float32)

@@ -54,9 +54,9 @@ from PIL import Image
 from tldp_cli import __version__
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file, decode_reason,
-                              dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing, name_maps,
-                              plural)
+from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
+                              decode_reason, dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing,
+                              name_maps, plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
                                      dtype_not_applied, header, png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -209,8 +209,7 @@ class ImageFolderReader(Reader):
         self.messages: list[str] = []
         self.manifest_extra: dict = {}
         if options.datasets:
-            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
-                             "(.npz, .safetensors), not image folders")
+            raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not image folders")
         if options.image_format not in OUTPUT_SUFFIXES:
             raise UsageError(f"--image-format must be png or tiff, not {options.image_format}")
         self.anonymized = options.anonymize_names

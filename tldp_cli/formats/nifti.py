@@ -46,8 +46,8 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, check_numeric_dtype, leftovers,
-                              tldp_name)
+from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
+                              check_numeric_dtype, leftovers, tldp_name)
 
 NAME = "nifti"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -278,8 +278,8 @@ class NiftiReader(Reader):
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         if options.datasets:
-            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
-                             "(.npz, .safetensors), not NIfTI: a volume or series is perturbed whole")
+            raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not NIfTI: a volume or "
+                             "series is perturbed whole")
         self.image_class, self.header = _load(path)
         header = self.header
         try:

@@ -25,8 +25,8 @@ import numpy as np
 
 from tldp_cli.sampling.engine import PAGE
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, check_numeric_dtype,
-                              tldp_name)
+from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
+                              check_numeric_dtype, tldp_name)
 from tldp_cli.files.checked_io import Background, fsync_file, pwrite_all, write_direct, writing
 
 NAME = "npy"
@@ -96,8 +96,7 @@ class NpyReader(Reader):
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
         if options.datasets:
-            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files "
-                             "(.npz, .safetensors), not .npy")
+            raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not .npy")
         shape, fortran, dtype = _header(path)
         check_numeric_dtype(path, dtype)
         if len(shape) == 0:

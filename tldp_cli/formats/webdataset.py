@@ -72,7 +72,7 @@ from PIL import Image
 from tldp_cli import __version__
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular, writing
-from tldp_cli.formats import (DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
+from tldp_cli.formats import (DATASET_FORMATS, DICOM_REASON, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
                               check_numeric_dtype, data_file, decode_reason, folder_files, folder_output,
                               leftovers, listing, name_maps, pixels, plural)
 
@@ -455,7 +455,7 @@ class WebDatasetReader(Reader):
         self.path = path
         self.messages: list[str] = []
         if options.datasets:
-            raise UsageError(f"{path}: --dataset applies to HDF5, Zarr and model files, not WebDataset "
+            raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not WebDataset "
                              "shards: every image and .npy member is perturbed")
         if options.image_format != "png":
             raise UsageError(f"{path}: --image-format {options.image_format}: WebDataset image members "

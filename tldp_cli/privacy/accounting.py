@@ -1012,14 +1012,10 @@ def _privunit_composed(parts: list[tuple[Calibration, int]], delta: float) -> _S
     return _pure(pure, approx, delta)
 
 
-def certify_privunit(calib: Calibration) -> Certificate:
-    """certify() for --mechanism privunit: per_record is the certified pure epsilon;
+def _privunit_draft(calib: Calibration) -> _Draft:
+    """certify(calib) for --mechanism privunit: per_record is the certified pure epsilon;
     per_element is the same figure (changing one element can move the record's direction
     anywhere, so no smaller bound is claimed for it)."""
-    return _privunit_draft(calib).final(calib.dp_delta)
-
-
-def _privunit_draft(calib: Calibration) -> _Draft:
     record = _privunit_scope(calib, 1)
     notes = [
         "PrivUnit (Bhowmick et al. 2018): the record is projected on a public basis, normalised "

@@ -347,18 +347,9 @@ def _argmin_convex(f, lo: float, hi: float) -> float:
     return math.exp((a + b) / 2)
 
 
-def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: float,
-                        range_width: float, elements: int, dp_delta: float,
-                        granularity: float | None) -> Calibration:
-    """Discrete Laplace and discrete Gaussian on W grid values (sensitivity d = W - 1).
-
-    element budget: the continuous calibration with Delta = W (b = W/eps, sigma^2 =
-    W^2/(2 eps); baselines b = I W/eps, sigma^2 = I W^2/(2 eps)). record budget: the
-    scale whose certified per-record figure (accounting.py) equals --eps, solved by
-    bisection where there is no closed form.
-    """
-    if mechanism not in ("tldp", "baseline"):
-        raise UsageError(f"--noise {noise} applies to --mechanism tldp and baseline, not {mechanism}")
+def _grid_values(range_width: float, granularity: float | None) -> int:
+    """W, the number of values on the grid discrete noise is drawn on: the integers of an
+    integer range [lo, lo + width), or the multiples of --granularity from lo to hi."""
     if granularity is None:
         W = round(range_width)
         if W != range_width:
@@ -373,6 +364,22 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
         W = round(steps) + 1
     if not 2 <= W <= 2**52:
         raise UsageError(f"discrete noise needs between 2 and 2^52 grid values in the range, not {W}")
+    return W
+
+
+def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: float,
+                        range_width: float, elements: int, dp_delta: float,
+                        granularity: float | None) -> Calibration:
+    """Discrete Laplace and discrete Gaussian on W grid values (sensitivity d = W - 1).
+
+    element budget: the continuous calibration with Delta = W (b = W/eps, sigma^2 =
+    W^2/(2 eps); baselines b = I W/eps, sigma^2 = I W^2/(2 eps)). record budget: the
+    scale whose certified per-record figure (accounting.py) equals --eps, solved by
+    bisection where there is no closed form.
+    """
+    if mechanism not in ("tldp", "baseline"):
+        raise UsageError(f"--noise {noise} applies to --mechanism tldp and baseline, not {mechanism}")
+    W = _grid_values(range_width, granularity)
     if elements < 1:
         raise UsageError("a record must have at least one element")
     I, d = elements, W - 1

@@ -60,17 +60,10 @@ MAX_K = 2**20
 # --------------------------------------------------------------------------- the law of <V, u>
 
 def _log_beta_half(k: int) -> float:
-    """ln B(1/2, (k-1)/2), the normaliser of the density of t = <V, u> (k >= 2)."""
+    """ln B(1/2, (k-1)/2), the normaliser of the density of t = <V, u> for V uniform on
+    S^{k-1} (k >= 2), which is proportional to (1 - t^2)^((k-3)/2) on (-1, 1)."""
     a = (k - 1) / 2
     return math.lgamma(0.5) + math.lgamma(a) - math.lgamma(a + 0.5)
-
-
-def marginal_density(t: float, k: int) -> float:
-    """The density of t = <V, u> for V uniform on S^{k-1} (k >= 2): proportional to
-    (1 - t^2)^((k-3)/2) on (-1, 1)."""
-    if not -1 < t < 1:
-        return 0.0
-    return math.exp((k - 3) / 2 * math.log1p(-t * t) - _log_beta_half(k))
 
 
 def cap_probability(gamma: float, k: int) -> float:
@@ -234,6 +227,11 @@ def cap_probability_bounds(gamma: float, k: int) -> tuple[float, float]:
 # folds (320 training records), and at eps 16 k = 96 led by 0.005. Without noise (V = u) the
 # pipeline at k = 128 scores 0.984 on those folds, the clean records' F1: what caps utility is
 # the alignment E<V, u>, not k, the display scale or the clipping.
+# Volumes (the 3-D DCT) keep it: on eight scans of nibabel's test data, k = 64, 256 and 512 against
+# 128 at eps 2, 4, 8 (docs/choosing-eps.md, "Volumes: the default reference and k", and
+# docs/choosing-eps/volume_defaults.py, its protocol fixed before the runs), no k was clearly
+# better at every eps (k = 256 at eps 4 only; k = 64 won the voxels' correlation but not the
+# per-slice profiles).
 DEFAULT_K = 128
 DEFAULT_K_RULE = f"min(I, {DEFAULT_K})"
 
@@ -254,7 +252,11 @@ def default_k(epsilon: float, elements: int) -> int:
 # of the input's); a number: that value, inside the declared range. auto (the default): mid for
 # colour images, records of shape (H, W, 3) or (H, W, 4) (the channels-last layout the DCT basis
 # recognises), zero for every other record (grayscale images, volumes, vectors). Measured on
-# scikit-learn's sample photos (docs/choosing-eps.md, "Photos: the reference point").
+# scikit-learn's sample photos (docs/choosing-eps.md, "Photos: the reference point"). For volumes
+# mid was measured against zero on eight scans (docs/choosing-eps.md, "Volumes: the default
+# reference and k"): mid won the per-slice profiles, but the voxels' correlation went to zero on
+# scans mostly at the bottom of the range and to mid on the others, a property of the data, not
+# of the shape, so auto keeps zero for them.
 REFERENCE_CHOICES = ("auto", "zero", "low", "mid")
 REFERENCE_RULES = {
     "zero": "0, or the end of the declared range nearest to 0 when it does not hold 0",

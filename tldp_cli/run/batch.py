@@ -20,9 +20,9 @@ from pathlib import Path
 from tldp_cli import formats
 from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
-from tldp_cli.run.pipeline import (Phase, PerturbOptions, PerturbResult, Progress, arrays_named,
-                                   checked_format_options, checked_options, once_each, output_of, perturb,
-                                   without_unheld)
+from tldp_cli.run.options import PerturbOptions, checked_options
+from tldp_cli.run.pipeline import (Phase, PerturbResult, Progress, arrays_named, checked_format_options, once_each,
+                                   output_of, perturb, without_unheld)
 
 
 @dataclass

@@ -362,16 +362,12 @@ def _top(hi: float, grid: discrete.Grid | None) -> float:
     return hi if grid is None or grid.granularity else grid.high
 
 
-def ranges_by_array(options: PerturbOptions, jobs: list[ArrayJob]) -> dict[str, tuple[float, float]]:
-    """Each array's declared range: from --clip, its own --range NAME=LO:HI, or the default
-    --range LO:HI; without one, integer data of 8 and 16 bits gets its dtype's (an image
-    folder of 8- and 16-bit images: each bit depth its own)."""
-    return {name: bounds for name, (bounds, _) in _declared_ranges(options, jobs).items()}
-
-
 def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
                      ) -> dict[str, tuple[tuple[float, float], str]]:
-    """ranges_by_array, each with what declared it (for the manifest's range_groups)."""
+    """Each array's declared range, with what declared it (for the manifest's range_groups):
+    from --clip, its own --range NAME=LO:HI, or the default --range LO:HI; without one,
+    integer data of 8 and 16 bits gets its dtype's (an image folder of 8- and 16-bit images:
+    each bit depth its own)."""
     source = options.input
     if options.clip is not None:
         lo, hi = -options.clip, options.clip

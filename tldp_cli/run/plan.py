@@ -2,7 +2,7 @@
 
 A plan is what `tldp plan` prints (schema tldp-plan/1): a manifest without outputs, and
 the calibration. The same option checks, calibration, accounting and refusals as `tldp
-perturb` (pipeline.checked_options, pipeline.calibrate_run, pipeline.build_manifest),
+perturb` (options.checked_options, pipeline.calibrate_run, pipeline.build_manifest),
 from the input's headers alone, or from a description of its records (elements per record,
 number of records, range). Nothing is read beyond the headers (image folders open
 each image's header) and nothing is written.
@@ -22,13 +22,11 @@ from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.pipeline import (
     Phase,
-    PerturbOptions,
     Report,
     RunContext,
     build_manifest,
     calibrate_run,
     checked_format_options,
-    checked_options,
     headers_phrase,
     planning_phrase,
     range_group_messages,
@@ -36,7 +34,7 @@ from tldp_cli.run.pipeline import (
     row_groups,
     without_unheld,
 )
-from tldp_cli.run.options import DESCRIBED, checked_input
+from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
 SCHEMA = "tldp-plan/1"
 
