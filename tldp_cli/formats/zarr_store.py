@@ -1175,8 +1175,12 @@ def _copy_store(reader: ZarrReader, root: Path, metadata: dict[str, dict], attri
         return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
                 or posixpath.join(rel, e) in left_out]
 
-    # The reader refused links; one made since is copied as a link, not followed.
-    shutil.copytree(reader.path, root, ignore=skip, symlinks=True)
+    # The reader refused links; one made since is copied as a link, not followed. Contents and
+    # modes only: the input's times can date a recording, so the copies get the run's time
+    # (copytree gives folders the input's; they are reset below).
+    shutil.copytree(reader.path, root, ignore=skip, symlinks=True, copy_function=shutil.copy)
+    for directory, _, _ in os.walk(root):
+        os.utime(directory)
     nodes = {n.path: n for n in reader.nodes}
     for path, attrs in reader.attributes.items():
         if path in perturbed:
