@@ -571,6 +571,9 @@ def test_anonymize_names_keeps_the_field_names_keep_declares(cli, tmp_path):
     assert {"name": "mask.seg.png", "kind": "field name", "members": 3,
             "reason": "kept by --keep (declared a field name, not part of a sample's name)"} in manifest["unperturbed"]
     assert "smith" not in json.dumps(manifest) and "meta.json" not in json.dumps(manifest)
+    evaluated = cli("evaluate", src, out, "--json", "-q")  # reopens the original with the field declared
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["ok"]
 
 
 def test_anonymize_names_refuses_a_multi_part_extension_two_samples_share(cli, tmp_path):
