@@ -289,7 +289,7 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
          "an HDF5 file's user block as userblock, a palette image (label map) of an "
          "image folder by its path, a WebDataset shard's label members by their extension (cls, "
-         "meta.json), a table's column (e.g. label), an image column's file names as COLUMN.path. "
+         "meta.json; with --anonymize-names also a field name it declares public, seg.png), a table's column (e.g. label), an image column's file names as COLUMN.path. "
          "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
