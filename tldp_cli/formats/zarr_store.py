@@ -105,7 +105,8 @@ NGFF_NAME_REASON = ("a free-text name inside the OME-Zarr metadata (often the so
 def _ngff_named(attrs: dict[str, Any]) -> list[tuple[str, dict]]:
     """The (key, object) of the NGFF metadata (NGFF 0.5: under "ome") holding a `name`."""
     ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
-    entries = ngff.get("multiscales") if isinstance(ngff.get("multiscales"), list) else []
+    multiscales = ngff.get("multiscales")
+    entries = multiscales if isinstance(multiscales, list) else []
     found = [("multiscales", entry) for entry in entries if isinstance(entry, dict) and "name" in entry]
     omero = ngff.get("omero")
     return found + ([("omero", omero)] if isinstance(omero, dict) and "name" in omero else [])
