@@ -83,6 +83,10 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     if records < 1 or not shape or min(shape) < 1:
         raise UsageError("--records and --elements/--shape must be positive")
     options = checked_options(options)
+    if input_dtype is None and options.value_range is None and options.clip is None:
+        raise UsageError("--elements describes records without their values: give --range LO:HI "
+                         "(or --input-dtype uint8 or another 8- or 16-bit integer type, whose range "
+                         "is the default)")
     if input_dtype is None:
         lo_hi = options.value_range if isinstance(options.value_range, tuple) else (0.0, 0.0)  # (checked: a pair)
         whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
