@@ -136,6 +136,9 @@ def test_described_records_without_a_range_say_what_to_give(cli):
     assert "--range LO:HI" in result.stderr and "--input-dtype uint8" in result.stderr
     assert cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "uint8",
                "--mechanism", "privunit").exit_code == 0
+    floats = cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "float32")
+    assert floats.exit_code == 2 and floats.stderr.startswith("tldp: error: --elements describes records")
+    assert "float32 data needs --range LO:HI" in floats.stderr
 
 
 @pytest.mark.parametrize("image_format", ["png", "tiff"])

@@ -83,10 +83,6 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     if records < 1 or not shape or min(shape) < 1:
         raise UsageError("--records and --elements/--shape must be positive")
     options = checked_options(options)
-    if input_dtype is None and options.value_range is None and options.clip is None:
-        raise UsageError("--elements describes records without their values: give --range LO:HI "
-                         "(or --input-dtype uint8 or another 8- or 16-bit integer type, whose range "
-                         "is the default)")
     if input_dtype is None:
         lo_hi = options.value_range if isinstance(options.value_range, tuple) else (0.0, 0.0)  # (checked: a pair)
         whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
@@ -101,6 +97,11 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
         raise UsageError(f"--input-dtype must be a NumPy dtype (uint8, int16, float32, ...), "
                          f"not {input_dtype!r}") from None
     formats.check_numeric_dtype(Path(DESCRIBED), dtype, "the described data")
+    if options.value_range is None and options.clip is None and (dtype.kind == "f" or dtype.itemsize > 2):
+        # said here: the file-level message would name a file "records" the user never gave
+        raise UsageError(f"--elements describes records without their values: {dtype} data needs "
+                         "--range LO:HI (or --input-dtype uint8 or another 8- or 16-bit integer type, "
+                         "whose range is the default)")
     full = (records, *shape)
     job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
                    source={"format": "described", "shape": list(full), "dtype": str(dtype)})
