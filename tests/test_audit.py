@@ -279,6 +279,8 @@ def test_cli_discrete_noise_on_integers_and_on_a_grid(cli, args, neighbours, dty
     (["--elements", "0"], "--elements"),
     (["--range", "1:0"], "--range"),
     (["--mechanism", "mvg", "--elements", "4"], "matrix-shaped"),
+    # privunit needs 2 or more elements, and --elements defaults to 1: the line names it
+    (["--mechanism", "privunit"], "give --elements"),
 ])
 def test_cli_usage_errors_exit_2_on_one_line(cli, args, needle):
     result = cli("audit", "--eps", "1", *args)

@@ -575,6 +575,10 @@ def _run_privunit(*, epsilon: float, value_range: tuple[float, float], shape: tu
 
     check_parameters(mechanism=PRIVUNIT, noise=noise, budget="record", epsilon=epsilon, dp_delta=dp_delta)
     sampled_noise(noise, sampler, PRIVUNIT)
+    if math.prod(shape) < 2:  # --elements defaults to 1: say which option to give
+        raise UsageError(f"--mechanism privunit releases a direction, which needs records of 2 or more "
+                         f"elements: give --elements I or a shape such as --elements 8x8 (not "
+                         f"{'x'.join(map(str, shape))})")
     choice = bases.parse_basis(basis)
     user = bases.load_basis(choice.path) if choice.path is not None else None  # kind FILE: a path
     matrix = user.for_records(shape, "--elements") if user else None

@@ -545,7 +545,8 @@ def make_mask(o: MaskOptions) -> MaskResult:
             temps[sidecar].write_text(json.dumps(meta, indent=2) + "\n")
             if o.preview:
                 assert maker.preview is not None  # the maker makes one when asked
-                maker.preview.save(temps[o.preview], format="PNG")
+                with output.create_private(temps[o.preview]) as f:  # it shows the data: its owner's only
+                    maker.preview.save(f, format="PNG")
             staging.commit(o.overwrite)
         except BaseException:
             staging.discard()

@@ -65,3 +65,22 @@ def test_arrays_of_strings_are_left_out_and_listed_unless_kept(cli, tmp_path):
     with np.load(tmp_path / "k.npz") as out:
         assert out["subjects"].tolist() == ["alice_smith", "bob_jones"] and "ids" not in out.files
     assert {e["name"] for e in json.loads(result.stdout)["unperturbed"]} == {"step", "subjects"}
+
+
+def test_member_dates_are_not_copied(cli, tmp_path):
+    """Regression: each output member carried its input member's zip date (numpy 1.x's np.savez
+    and the zip tool write the time of saving), input metadata outside the figures that can date
+    when the model was trained or a recording made. Every member is now dated 1980-01-01 00:00,
+    zip's first date, as numpy 2 writes them."""
+    src = tmp_path / "m.npz"
+    with zipfile.ZipFile(src, "w") as archive:
+        for name, values in (("w", np.linspace(-0.1, 0.1, 8, dtype=np.float32)), ("step", np.array([7]))):
+            with archive.open(zipfile.ZipInfo(f"{name}.npy", date_time=(2021, 5, 17, 9, 30, 12)), "w") as member:
+                np.lib.format.write_array(member, values)
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--out", tmp_path / "o.npz")
+    assert result.exit_code == 0, result.stderr
+    with zipfile.ZipFile(tmp_path / "o.npz") as out:
+        assert [(i.filename, i.date_time) for i in out.infolist()] == [("w.npy", (1980, 1, 1, 0, 0, 0)),
+                                                                       ("step.npy", (1980, 1, 1, 0, 0, 0))]
+    with np.load(tmp_path / "o.npz") as out:
+        assert out["step"].tolist() == [7] and out["w"].shape == (8,)

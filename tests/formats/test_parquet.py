@@ -201,6 +201,18 @@ def test_a_table_without_images_or_tensors_names_its_numeric_columns(cli, tmp_pa
     assert_one_line_error(result, 1, "people.parquet", "no image or tensor column", "age", "--dataset")
 
 
+def test_privunit_on_numeric_columns_says_to_hold_a_row_in_one_list_column(cli, tmp_path):
+    """Each numeric column is an array of one number a row, which privunit cannot release
+    as a direction; the refusal said only 'not records of shape ()', not the way out."""
+    src = tmp_path / "features.parquet"
+    pq.write_table(pa.table({"f0": [0.1, 0.5], "f1": [0.2, -0.3]}), src)
+    result = cli("perturb", src, "--mechanism", "privunit", "--eps", "4", "--range", "-1:1",
+                 "--dataset", "f0", "--dataset", "f1")
+    assert_one_line_error(result, 2, "features.parquet", "column f0", "2 or more elements",
+                          "one array of shape (records, values)", "one list column")
+    assert siblings(tmp_path) == {"features.parquet"}
+
+
 def test_blocks_come_in_row_order_so_the_writer_holds_few(tmp_path, monkeypatch):
     """Flat memory: with 40 row groups and blocks of one row group, the writer never holds
     more than a few blocks of any column (job by job, it would hold all of the first)."""

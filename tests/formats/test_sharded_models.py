@@ -182,6 +182,28 @@ def test_a_composite_configuration_s_nested_names_are_dropped_too(cli, tmp_path)
     assert "config.json@text_config._name_or_path" in [u["name"] for u in manifest["unperturbed"]]
 
 
+def test_the_tokenizer_s_local_paths_are_dropped(cli, tmp_path):
+    """Regression: transformers 4.x saved tokenizer_config.json with the local paths it loaded
+    the tokenizer from, `tokenizer_file` and `special_tokens_map_file` (/home/alice/...), beside
+    `name_or_path`; only name_or_path was left out, so the home folder naming a person was
+    copied raw, unlisted. Both are left out and listed like it, --keep keeps one."""
+    tokenizer = {"model_max_length": 12, "name_or_path": "/home/alice/tok",
+                 "tokenizer_file": "/home/alice/.cache/tok/tokenizer.json",
+                 "special_tokens_map_file": "/home/alice/.cache/tok/special_tokens_map.json",
+                 "tokenizer_class": "GPT2Tokenizer"}
+    src = model(tmp_path, files={**FILES, "tokenizer_config.json": json.dumps(tokenizer, indent=2)})
+    manifest = json.loads(run(cli, src).stdout)
+    out = tmp_path / "gpt2_tiny.tldp"
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 12,
+                                                                       "tokenizer_class": "GPT2Tokenizer"}
+    dropped = {d["name"] for d in manifest["dropped"]}
+    assert {"tokenizer_config.json@tokenizer_file", "tokenizer_config.json@special_tokens_map_file"} <= dropped
+    kept = json.loads(run(cli, src, "--keep", "tokenizer_config.json@tokenizer_file", out=tmp_path / "k").stdout)
+    assert json.loads((tmp_path / "k" / "tokenizer_config.json").read_text())["tokenizer_file"] == \
+        tokenizer["tokenizer_file"]
+    assert "tokenizer_config.json@tokenizer_file" in [u["name"] for u in kept["unperturbed"]]
+
+
 def test_shard_metadata_as_in_one_file(cli, tmp_path):
     """Each shard's __metadata__: format kept, the rest dropped and listed as SHARD@KEY unless kept."""
     src = model(tmp_path)

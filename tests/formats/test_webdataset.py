@@ -550,9 +550,11 @@ def test_anonymize_names_refuses_an_extension_no_other_sample_has(cli, tmp_path)
     assert run(cli, src, out, "--range", "0:256")["outputs"]  # without the option: the names as they are
 
 
-def test_anonymize_names_keeps_the_extensions_the_samples_share(cli, tmp_path):
-    """Multi-part extensions that are field names (mask.seg.png, meta.json), held by more than one
-    sample, are kept: webdataset reads the same fields back under the new keys."""
+def test_anonymize_names_keeps_the_field_names_keep_declares(cli, tmp_path):
+    """Multi-part extensions that are field names (mask.seg.png) are kept where --keep declares
+    them: webdataset reads the same fields back under the new keys, and the manifest lists the
+    field name as kept. A label member's undeclared multi-part extension (meta.json) is dropped
+    and listed without its name; a known type alone (jpg) needs no declaration."""
     src = tmp_path / "shards"
     src.mkdir()
     with wds.TarWriter(str(src / "a.tar"), mtime=MTIME) as sink:
@@ -560,12 +562,63 @@ def test_anonymize_names_keeps_the_extensions_the_samples_share(cli, tmp_path):
             sample = {"__key__": person, "jpg": image(8, 6, seed=i), "mask.seg.png": image(8, 6, 1, seed=9 + i)}
             sink.write({**sample, "meta.json": {"id": i}} if i else sample)
     out = tmp_path / "out"
-    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names")
+    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names", "--keep", "mask.seg.png")
     samples = read_samples(shard_urls(out))
     assert [s["__key__"] for s in samples] == ["000000", "000001", "000002"]
     assert all(s["mask.seg.png"].shape == (8, 6, 3) for s in samples)
-    assert {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"} == {"meta.json": 2}
+    assert {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"} == \
+        {"(undeclared extension)": 2}
+    assert {"name": "mask.seg.png", "kind": "field name", "members": 3,
+            "reason": "kept by --keep (declared a field name, not part of a sample's name)"} in manifest["unperturbed"]
+    assert "smith" not in json.dumps(manifest) and "meta.json" not in json.dumps(manifest)
+    evaluated = cli("evaluate", src, out, "--json", "-q")  # reopens the original with the field declared
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["ok"]
+
+
+def test_anonymize_names_refuses_a_multi_part_extension_two_samples_share(cli, tmp_path):
+    """Regression: an extension that is really part of a name, shared by two samples (two Smiths:
+    a.smith.png and b.smith.png beside samples holding png), passed the check that another
+    sample holds it, and --anonymize-names wrote 000000.smith.png. webdataset's key ends at the
+    first dot of the base name, its decoders read the type from the last component: only a
+    known type alone is public by rule, any other extension must be declared with --keep. The
+    undeclared one is refused (nothing written); declared, it is kept and listed."""
+    src = tmp_path / "shards"
+    src.mkdir()
+    with tarfile.open(src / "a.tar", "w") as tar:
+        for name, seed in [("a.smith.png", 0), ("b.smith.png", 1), ("c.png", 2), ("d.png", 3)]:
+            data = png_bytes(image(6, 5, seed=seed))
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--range", "0:256",
+                 "--anonymize-names")
+    assert_one_line_error(result, 1, str(src / "a.tar"), "member 'a.smith.png'", "--keep smith.png", "rename")
+    assert siblings(tmp_path) == {"shards"}  # no output, manifest or name map
+    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names", "--keep", "smith.png")
+    with tarfile.open(out / "a.tar") as tar:
+        assert tar.getnames() == ["000000.smith.png", "000001.smith.png", "000002.png", "000003.png"]
+    assert {"name": "smith.png", "kind": "field name", "members": 2,
+            "reason": "kept by --keep (declared a field name, not part of a sample's name)"} in manifest["unperturbed"]
+
+
+def test_anonymize_names_lists_undeclared_label_extensions_without_their_names(cli, tmp_path):
+    """Regression: a label member's extension that is part of a name (a.smith.json, b.smith.json)
+    was listed by name in the manifest's dropped (smith.json) under --anonymize-names. It is now
+    dropped and listed as an undeclared extension; a known type (cls) is still listed by name."""
+    src = tmp_path / "shards"
+    src.mkdir()
+    with wds.TarWriter(str(src / "a.tar"), mtime=MTIME) as sink:
+        for key in ("a", "b"):
+            sink.write({"__key__": key, "png": image(6, 5), "smith.json": {"x": 1}, "cls": 1})
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--range", "0:256", "--anonymize-names")
+    dropped = {e["name"]: e["members"] for e in manifest["dropped"] if e["kind"] == "member"}
+    assert dropped == {"(undeclared extension)": 2, "cls": 2}
     assert "smith" not in json.dumps(manifest)
+    with tarfile.open(out / "a.tar") as tar:
+        assert tar.getnames() == ["000000.png", "000001.png"]
 
 
 def test_plan_takes_anonymize_names_and_describes_what_perturb_writes(cli, tmp_path):
@@ -606,3 +659,37 @@ def test_an_explicit_dtype_that_does_not_apply_to_png_members_is_said(cli, tmp_p
     assert [s["png"].dtype for s in decoded] == [np.uint8] * 3
     mixed = cli("plan", shards(tmp_path / "mixed"), "--eps", "1", "--dtype", "float32")  # .npy members: float32
     assert mixed.exit_code == 0 and "does not apply" not in mixed.stderr, mixed.stderr
+
+
+def test_anonymize_names_withholds_the_input_folder_and_the_names_of_what_it_leaves_out(cli, tmp_path):
+    """Regression: under --anonymize-names the manifest still named the input's folder in every
+    `inputs` path (shards/alice_smith_sessions/a.tar), each file beside the shards it dropped
+    (notes on alice smith.txt) and each symbolic link it skipped, and the messages listed them,
+    where an image folder's manifest names none of its input's names (counts instead, the names
+    in the name map). Now the same: `path` is the shard's name as the output holds it, the files
+    and links are counts, and the name map lists them."""
+    src = tmp_path / "alice_smith_sessions"
+    named_shards(src)
+    (src / "notes on alice smith.txt").write_text("private")
+    np.save(src / "alice smith raw.npy", np.zeros(3))  # data: never copied
+    (src / "link to alice smith.tar").symlink_to(src / "train-000000.tar")
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--seed", SEED, "--out", out, "--range", "0:256",
+                 "--anonymize-names")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+    validate_manifest(manifest)
+    assert "alice" not in json.dumps(manifest).lower()
+    assert {i["path"] for i in manifest["inputs"]} == {"train-000000.tar", "train-000001.tar"}
+    assert manifest["skipped_symbolic_links"] == 1
+    files = {e["name"]: e["reason"] for e in manifest["dropped"] if e["kind"] == "file"}
+    assert set(files) == {"files beside the shards"} and "2 files" in files["files beside the shards"]
+    for line in result.stderr.lower().splitlines():
+        if "wrote" not in line and "name map" not in line:
+            assert "alice" not in line, line
+    document = json.loads((tmp_path / "alice_smith_sessions.name-map.json").read_text())
+    assert document["files_left_out"] == ["alice smith raw.npy", "notes on alice smith.txt"]
+    assert document["skipped_symbolic_links"] == ["link to alice smith.tar"]
+    plain = run(cli, src, tmp_path / "plain", "--range", "0:256")  # without the option: named, as documented
+    assert {e["name"] for e in plain["dropped"] if e["kind"] == "file"} == {"notes on alice smith.txt",
+                                                                          "alice smith raw.npy"}

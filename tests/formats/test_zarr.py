@@ -406,3 +406,30 @@ def test_blosc_shuffles_the_output_elements_not_the_inputs(tmp_path, shards):
     if not shards:  # each chunk file is a Blosc frame whose header states its typesize
         assert (out / "c" / "0" / "0" / "0").read_bytes()[3] == 2
     assert zarr.open_array(out, mode="r")[:].dtype == PERTURBED  # and zarr-python reads it back
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_copied_files_do_not_keep_the_input_s_times(cli, tmp_path, zarr_format):
+    """Regression: the files the output copies from the input (a coordinate's chunks and
+    metadata, the groups') and its folders kept the input's modification times (copytree), which
+    travel with a tar or zip of the release and can date when a recording was made (the reason
+    WebDataset members get time 0). They are now the run's, as every file the run writes."""
+    import os
+    import time
+
+    import xarray as xr
+
+    src = tmp_path / "in.zarr"
+    data = np.random.default_rng(0).integers(0, 256, (4, 6, 5)).astype(np.float32)
+    xr.Dataset({"v": (("time", "y", "x"), data)}, coords={"time": np.arange(4), "y": np.arange(6)}).to_zarr(
+        src, mode="w", zarr_format=zarr_format, consolidated=False)
+    recorded = time.mktime((2019, 3, 4, 5, 6, 7, 0, 0, -1))
+    for path in [src, *src.rglob("*")]:
+        os.utime(path, (recorded, recorded))
+    out = tmp_path / "out.zarr"
+    started = time.time() - 1
+    result = cli("perturb", src, "--eps", "1", "--range", "0:256", "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert (out / "y").is_dir()  # a coordinate, copied
+    old = [p.relative_to(out).as_posix() for p in [out, *out.rglob("*")] if p.stat().st_mtime < started]
+    assert old == []

@@ -127,6 +127,20 @@ def test_a_unit_range_without_a_dtype_points_to_input_dtype(cli):
     assert cli("plan", "--elements", "784", "--range", "0:1", "--eps", "1", "--input-dtype", "float32").exit_code == 0
 
 
+def test_described_records_without_a_range_say_what_to_give(cli):
+    """--elements without --range said "records: float64 data needs --range", naming a file
+    'records' the user never gave; the line names --elements and both ways out."""
+    result = cli("plan", "--elements", "28x28", "--records", "10", "--eps", "4", "--mechanism", "privunit")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("tldp: error: --elements describes records") and "records:" not in result.stderr
+    assert "--range LO:HI" in result.stderr and "--input-dtype uint8" in result.stderr
+    assert cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "uint8",
+               "--mechanism", "privunit").exit_code == 0
+    floats = cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "float32")
+    assert floats.exit_code == 2 and floats.stderr.startswith("tldp: error: --elements describes records")
+    assert "float32 data needs --range LO:HI" in floats.stderr
+
+
 @pytest.mark.parametrize("image_format", ["png", "tiff"])
 def test_plan_names_the_dtype_perturb_writes_for_images(cli, tmp_path, image_format):
     """Images are written as PNG of their own bit depth (uint8), not as the engine's values

@@ -109,6 +109,21 @@ def test_the_record_is_named_for_images_rows_and_model_files(cli, tmp_path):
     assert "the certified eps per file is" in result.stderr
 
 
+@pytest.mark.parametrize("mechanism", [[], ["--mechanism", "privunit"]])
+def test_a_file_already_at_record_budget_is_told_to_lower_eps(cli, tmp_path, mechanism):
+    """--budget record (or privunit, which implies it) already sets eps per tensor: the
+    advice for a file whose composed figure passes 100 is a lower --eps, not that option."""
+    tensors = {f"t{i}": np.zeros((4, 4), np.float32) for i in range(30)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    budget = [] if mechanism else ["--budget", "record"]
+    _, manifest = run_json(cli, "perturb", tmp_path / "m.safetensors", "--eps", "4", *budget, *mechanism,
+                           "--clip", "0.1", "--out", tmp_path / "o.safetensors")
+    [entry] = large(manifest)
+    assert entry["scope"] == "per_file" and entry["epsilon"] == manifest["accounting"]["per_file"]["epsilon"]
+    assert entry["message"].endswith(f"{GUIDE} (lower --eps: each tensor gets it, the file composes them)")
+    assert "--budget record" not in entry["message"]
+
+
 def test_a_mask_that_cannot_change_the_output_says_so(cli, digits, tmp_path):
     mask = tmp_path / "w.npy"
     np.save(mask, np.full((28, 28), 0.9))

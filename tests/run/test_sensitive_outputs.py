@@ -389,3 +389,31 @@ def test_wide_integer_hdf5_and_zarr_are_refused(cli, tmp_path):
     assert_one_line_error(cli("perturb", tmp_path / "c.h5", "--eps", "1"), 2, "c.h5", "int32", "--range")
     assert_one_line_error(cli("perturb", tmp_path / "c.zarr", "--eps", "1"), 2, "c.zarr", "uint32", "--range")
     assert siblings(tmp_path) == {"c.h5", "c.zarr"}
+
+
+@pytest.fixture
+def shared_umask():
+    """A umask that lets other users read new files (the common 022), whatever the test runner's."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_files_that_show_or_can_test_the_raw_data_are_their_owners_only(cli, digits_file, tmp_path, shared_umask):
+    """Regression: the --preview strip of perturb and weight-mask (raw records) and the ledger (its
+    key tests whether a guessed record is in the data) were created readable by every user
+    (0644 under umask 022), where the name map, which names the people, is 0600. The docs say to
+    keep them as private as the raw data: they are now created 0600, like the name map."""
+    preview, mask_preview, ledger = tmp_path / "strip.png", tmp_path / "check.png", tmp_path / "ledger.db"
+    ok(cli("perturb", digits_file, "--eps", "10", "--budget", "record", "--mechanism", "privunit", "-q",
+           "--out", tmp_path / "out.npy", "--preview", preview, "--ledger", ledger))
+    ok(cli("weight-mask", digits_file, "--method", "constant", "--weight", "0.5", "--out", tmp_path / "m.npy",
+           "--preview", mask_preview))
+    for path in (preview, mask_preview, ledger, *tmp_path.glob("ledger.db-*")):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((tmp_path / "out.npy").stat().st_mode) == 0o644  # the release: as the umask says
+    with Image.open(preview) as im:
+        assert im.format == "PNG"
+    ok(cli("perturb", digits_file, "--eps", "10", "--budget", "record", "--mechanism", "privunit", "-q",
+           "--out", tmp_path / "out.npy", "--preview", preview, "--ledger", ledger, "--overwrite"))
+    assert stat.S_IMODE(preview.stat().st_mode) == 0o600  # replaced, still private

@@ -192,6 +192,9 @@ def test_a_user_basis_is_rebuilt_from_its_file(cli, tmp_path):
     for wrong in (q.T[:, :60], q.T[:9]):  # another record size, another k: named, not a NumPy error
         with pytest.raises(InputError, match=r"the basis has shape .*need \(10, 64\)"):
             tldp_cli.rebuild_records(m, V, wrong)
+    # Without the basis, the message names the keyword that takes it (it said "give its rows").
+    with pytest.raises(InputError, match=r"pass basis=np\.load\(privunit\.basis\.path\)"):
+        tldp_cli.rebuild_records(m, V)
 
 
 def test_dtype_float64_stores_v_unrounded(cli, tmp_path):

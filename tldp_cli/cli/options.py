@@ -289,7 +289,7 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
          "an HDF5 file's user block as userblock, a palette image (label map) of an "
          "image folder by its path, a WebDataset shard's label members by their extension (cls, "
-         "meta.json), a table's column (e.g. label), an image column's file names as COLUMN.path. "
+         "meta.json; with --anonymize-names also a field name it declares public, seg.png), a table's column (e.g. label), an image column's file names as COLUMN.path. "
          "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "
@@ -321,8 +321,9 @@ AnonymizeNames = Annotated[bool, typer.Option(
          "in one flat folder, and keep every input file and folder name out of the manifest "
          "(skipped files are counted, not named); evaluate needs the name map. Not with "
          "--copy-other. WebDataset shards: rename each sample's key to its number in the samples' "
-         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...). The name map "
-         "(perturb --name-map) pairs the names.")]
+         "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...); an "
+         "extension other than a file type alone (seg.png) may be part of a name and is refused "
+         "unless --keep declares it (--keep seg.png). The name map (perturb --name-map) pairs the names.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]

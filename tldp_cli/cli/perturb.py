@@ -312,7 +312,7 @@ def _write_preview(preview: Path, input: Path, result, name_map, input_format, o
                          "records, keep it with the raw data")
     png = evaluate.preview(input, result.output, result.manifest_path, name_map=name_map,
                            input_format=input_format and input_format.value)
-    write_files({preview: png}, overwrite)
+    write_files({preview: png}, overwrite, private=True)  # raw records: its owner's only
     if not quiet:
         typer.echo(f"tldp: wrote the preview {preview} (raw records: keep it with the raw data, "
                    "never publish it)", err=True)

@@ -43,10 +43,12 @@ def is_clipped(m: dict) -> bool:
 def open_original(original: Path, m: dict, input_format: str | None):
     module = formats.detect(original, input_format)
     datasets = [i["dataset"] for i in m.get("inputs", []) if isinstance(i, dict) and "dataset" in i]
+    # the field names a WebDataset run under --anonymize-names declared with --keep (seg.png)
+    fields = [u["name"] for u in m.get("unperturbed") or [] if isinstance(u, dict) and u.get("kind") == "field name"]
     options = FormatOptions(datasets=datasets if module.selects_arrays else [],
                             image_format=_image_format(m) if module.records_are_files else "png",
                             skip_bad=bool(m.get("skipped_bad_images")),
-                            anonymize_names=module.name_map and bool(m.get("anonymized_names")))
+                            anonymize_names=module.name_map and bool(m.get("anonymized_names")), keep=fields)
     return module, module.open_reader(original, options)
 
 

@@ -40,7 +40,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import BinaryIO, Callable, Protocol
 
 from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
@@ -49,6 +49,9 @@ PARTIAL_MARK = ".tldp-partial"  # .NAME.tldp-partial: a resumable run's output (
 _NEW_MARK = ".tldp-new-"  # a work folder before its lock is taken
 _NEW_GRACE_SECONDS = 60  # an unlocked new folder younger than this may be a run starting up
 LOCK_FILE = "lock"
+# Files that show or name the raw data (the --preview strip, the name map, the ledger) are
+# created readable and writable by their owner only, as the raw data should be.
+PRIVATE_MODE = 0o600
 
 
 # Names of one archive file: a folder output under such a name (`--out shard.tar` on one
@@ -661,9 +664,16 @@ def _flush_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
+def create_private(path: Path) -> BinaryIO:
+    """A new file (never an existing one), open for writing, readable by its owner only
+    (PRIVATE_MODE) from the moment it exists: for files that show or name the raw data."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE), "wb")
+
+
+def write_files(contents: dict[Path, bytes], overwrite: bool, private: bool = False) -> None:
     """Writes small files (reports, sweep tables) as a run writes its output: complete or
-    not at all, together, never replacing anything without `overwrite`."""
+    not at all, together, never replacing anything without `overwrite`; `private`: readable
+    by their owner only (create_private)."""
     for path in contents:
         if not path.parent.is_dir():
             raise OutputError(f"{path}: folder {path.parent} does not exist")
@@ -674,7 +684,7 @@ def write_files(contents: dict[Path, bytes], overwrite: bool) -> None:
         for path, data in contents.items():
             tmp = staging.temporary(path)
             try:
-                with open(tmp, "xb") as f:
+                with (create_private(tmp) if private else open(tmp, "xb")) as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())

@@ -38,8 +38,7 @@ def write(document: dict, tmp: Path, shown_as: Path) -> None:
     owner only: it names the people in the data."""
     data = (json.dumps(document, indent=2) + "\n").encode()
     with writing(shown_as):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with open(fd, "wb") as f:
+        with output.create_private(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -2,7 +2,8 @@
 model-parameter file: each member is one tensor, one record (see tensor_files).
 
 The output is the same archive: every array member in its order, under its name,
-with its compression, date and attributes; perturbed members keep their dtype,
+with its compression and attributes, dated MEMBER_DATE (the input's dates can date when
+the model was trained or a recording made, as numpy 1.x and zip wrote the time); perturbed members keep their dtype,
 shape and byte order, and the other arrays (integer arrays, ...) are copied
 unchanged. Members that are not .npy arrays, arrays of strings, bytes, objects or
 records (text, not parameters) and zip comments (free text) are left out unless --keep
@@ -32,6 +33,8 @@ from tldp_cli.formats.tensor_files import Tensor
 NAME = "npz"
 ZIP_MAGIC = b"PK\x03\x04"
 COMMENT = "a zip comment (free text), not perturbed"
+# Every output member's date: zip's first, as numpy 2's np.savez writes them.
+MEMBER_DATE = (1980, 1, 1, 0, 0, 0)
 
 
 def _first_member(path: Path) -> bytes | None:
@@ -242,7 +245,7 @@ class NpzWriter(Writer):
             perturbed = info.filename.endswith(".npy") and name in self.to_write
             if perturbed and name not in self.pending:
                 return
-            target = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            target = zipfile.ZipInfo(info.filename, date_time=MEMBER_DATE)
             target.compress_type, target.external_attr = info.compress_type, info.external_attr
             target.comment = info.comment if info.filename in self.comments else b""
             target.create_system = info.create_system

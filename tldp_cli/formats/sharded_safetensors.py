@@ -30,7 +30,7 @@ What is not perturbed follows the rule of formats/leftovers.py. The configuratio
 (CONFIG_FILES: architecture and settings, structure loaders need) and the tokenizer
 (TOKENIZER_FILES: loaders need it, but its vocabulary is learned from text) are copied and
 listed in the manifest's `unperturbed`, each with its reason; their free-text keys
-(FREE_TEXT_KEYS: `_name_or_path`, which can be a local path) are left out and listed, as
+(FREE_TEXT_KEYS: `_name_or_path`, `tokenizer_file`, ..., which can be local paths) are left out and listed, as
 FILE@KEY, unless --keep names them. Every other file (a model card, training arguments)
 is left out and listed unless --keep names it; a file holding data (a pickle, another
 model file) is never copied raw. Other index metadata is left out and listed as
@@ -71,7 +71,9 @@ CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.js
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
-FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash")
+# Keys that hold a name or a local path (transformers 4.x saved the paths it loaded a tokenizer
+# from, tokenizer_file and special_tokens_map_file, in tokenizer_config.json).
+FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file")
 STRUCTURAL_INDEX = ("total_size", "total_parameters")
 CONFIG_REASON = "model configuration: the architecture and settings loaders need, structure rather than data"
 TOKENIZER_REASON = "tokenizer: loaders need it; its vocabulary is learned from text, which it can echo"

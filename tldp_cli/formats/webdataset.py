@@ -35,9 +35,14 @@ can name a person): listed in `unperturbed` as "sample keys". With --anonymize-n
 sample's key becomes its number in the samples' order across the shards (000000,
 000001, ...: the order the output holds them in anyway), the same for all its members,
 so webdataset groups them as before; the name map, kept with the raw data, pairs the
-keys. Folder entries and members without a key (no extension) are then not written,
-their names being the input's; the shards keep their names; an extension no other sample
-holds is refused (alice.smith.jpg: extension smith.jpg, maybe the rest of a name). A shard is written member by member as its records come back, so
+keys. The manifest then names each shard as the output does (not by the input's path), and
+counts the files beside the shards it leaves out and the links it skips (the name map names
+them), as an image folder's. Folder entries and members without a key (no extension) are then not written,
+their names being the input's; the shards keep their names. An extension is written only
+when it is a file type alone (TYPE_EXTENSIONS) or --keep declares it a field name (seg.png):
+any other may be the rest of a name (alice.smith.jpg: extension smith.jpg, shared by every
+Smith), so it is refused on a perturbed member and withheld from the manifest on a dropped
+label member. A shard is written member by member as its records come back, so
 memory holds a few members whatever the shard's size.
 
 Refused, with one line: compressed shards (.tar.gz: decompress them first), members
@@ -92,11 +97,29 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never copied", "folder"
 LABEL_REASON = "a label or metadata member, not perturbed"
 OTHER_FILE_REASON = "a file beside the shards, not perturbed"
+FILES_WITHHELD = "files beside the shards"  # how --anonymize-names lists them: a count, not their names
 PICKLE_REASON = "a Python pickle, data tldp does not load"
 ANONYMOUS_DIGITS = 6  # --anonymize-names: keys 000000, 000001, ...: at least this many digits
 NO_KEY = "(no extension)"  # how the manifest names members without a key, anonymized
 NO_KEY_REASON = ("a member without an extension, so of no sample: its name is the input's "
                  "(--anonymize-names writes none)")
+# --anonymize-names writes a member's extension as it is. Public by rule: a file type alone
+# (what webdataset's encoders and decoders dispatch on: the last component), optionally
+# gzipped (json.gz). Any other extension (seg.png, meta.json, smith.png) may be the rest of
+# a name (alice.smith.png: key alice) and is written only where --keep declares it.
+TYPE_EXTENSIONS = frozenset((
+    *IMAGE_EXTENSIONS, *PICKLE_EXTENSIONS,
+    # webdataset's writer's handlers and autodecode's decoders, in their words
+    *"cls cls2 class count index inx id txt text transcript html htm npy npz ten tenbin tb json jsn mp "
+     "msgpack msg cbor img image pbm pgm ppm gif".split(),
+    # other common members' types
+    *"csv tsv xml yaml yml md jsonl parquet safetensors pt dcm nii wav flac mp3 ogg opus m4a mp4 avi mov "
+     "mkv webm".split()))
+UNDECLARED = "(undeclared extension)"  # how the manifest names members whose extension is withheld
+UNDECLARED_REASON = ("a label or metadata member whose extension is no file type alone and not declared "
+                     "with --keep, so may be the rest of a name (--anonymize-names writes none; "
+                     "--keep EXTENSION declares it and copies the members raw)")
+FIELD_REASON = "kept by --keep (declared a field name, not part of a sample's name)"
 FOLDER_ENTRIES = "folder entries"
 FOLDER_REASON = "tar folder entries, whose names are the input's: not written (--anonymize-names)"
 
@@ -222,14 +245,14 @@ class _Member:
     dtype: np.dtype | None = None
     has_alpha: bool = False
     has_icc: bool = False  # carries an ICC colour profile (written where --keep icc_profile names it)
-    withheld: bool = False  # --anonymize-names: a member without a key, named by no name of its own
+    withheld: str = ""  # --anonymize-names: what names it where its own name is withheld (NO_KEY, UNDECLARED)
 
     @property
     def label(self) -> str:
         """What --keep and the manifest name it by: its extension, or its name without one
-        (NO_KEY where --anonymize-names withholds it)."""
+        (NO_KEY or UNDECLARED where --anonymize-names withholds it)."""
         if self.withheld:
-            return NO_KEY
+            return self.withheld
         return self.extension if self.extension is not None else self.name
 
     @property
@@ -291,6 +314,14 @@ def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[st
     if "." + last == ARRAY_SUFFIX:
         return ARRAY, ""
     return LEFTOVER, ""
+
+
+def _public_extension(extension: str) -> bool:
+    """A file type alone (png, cls, json), or gzipped (json.gz): names no one (TYPE_EXTENSIONS)."""
+    parts = extension.split(".")
+    if len(parts) == 2 and parts[1] == "gz":
+        parts = parts[:1]
+    return len(parts) == 1 and parts[0] in TYPE_EXTENSIONS
 
 
 def _out_name(member_name: str, kind: str) -> str:
@@ -446,12 +477,13 @@ class WebDatasetReader(Reader):
                              "member by member; decompress it first (gunzip, zstd -d) and give the .tar")
         self.shards = [_scan(self.base / rel, rel) for rel in rels]
         self.anonymized = options.anonymize_names
+        self.left = leftovers.Leftovers(list(options.keep))
         self.new_keys = self._anonymize() if self.anonymized else {}
         self.jobs = self._jobs()
         if not self.jobs:
             raise InputError(f"{path}: no image or .npy members to perturb in "
                              f"{plural(len(self.shards), 'shard')}")
-        self.left = self._leftovers(options)
+        self._leftovers(self.left)
         self.samples = self._samples()
         self.manifest_extra: dict[str, Any] = {**self.left.manifest_extra(), NAME: {
             "shards": len(self.shards), "samples": self.sample_count,
@@ -463,8 +495,9 @@ class WebDatasetReader(Reader):
                 "name_map_id": self.name_map_id,
                 "rule": "each sample's key renamed to its number in the samples' order across the shards "
                         "(000000, 000001, ...), the same for all its members; folder entries and members "
-                        "without a key left out; the shards keep their names; the name map kept with the "
-                        "raw data pairs the keys"}
+                        "without a key left out; the shards keep their names, inputs name them so and not "
+                        "by the input's path; files left out and links skipped are counts; the name map "
+                        "kept with the raw data pairs the keys and names those files"}
         grouped = [row for rows in self.samples.values() for row in rows if len(row) > 1]
         self.record_description = (
             "a sample: its perturbed members (images, .npy arrays) together, composed" if grouped
@@ -482,34 +515,45 @@ class WebDatasetReader(Reader):
         numbers: dict[tuple[str, str], int] = {}
         for shard, member in self._keyed_members():
             numbers.setdefault((shard.rel, str(member.key)), len(numbers))
-        self._check_extensions(numbers)
+        self._check_extensions()
         digits = max(ANONYMOUS_DIGITS, len(str(len(numbers) - 1)))
         for shard in self.shards:
             for member in shard.members:
                 if member.kind == FOLDER:
                     continue  # not written (WebDatasetWriter)
                 if member.key is None:
-                    member.kind, member.reason, member.withheld = NEVER, NO_KEY_REASON, True
+                    member.kind, member.reason, member.withheld = NEVER, NO_KEY_REASON, NO_KEY
                     continue
                 # its name is the key, then what follows it (".seg.png")
                 member.out_name = f"{numbers[shard.rel, member.key]:0{digits}d}{member.out_name[len(member.key):]}"
         return {f"{rel}/{key}": f"{number:0{digits}d}" for (rel, key), number in numbers.items()}
 
-    def _check_extensions(self, numbers: dict[tuple[str, str], int]) -> None:
+    def _check_extensions(self) -> None:
         """--anonymize-names writes each member's extension as it is: all of its base name after
-        the first dot (webdataset's rule). A field's extension (jpg, seg.png, cls) is shared by the
-        samples; one that no other sample holds may be the rest of a name (alice.smith.jpg:
-        extension smith.jpg), so it is refused, before anything is written or listed."""
-        holders: dict[str, set[tuple[str, str]]] = {}
+        the first dot (webdataset's rule). Only a file type alone is public by rule
+        (_public_extension); any other (seg.png, or smith.png of alice.smith.png, however many
+        samples hold it) is written only where --keep declares it, listed as a field name. An
+        undeclared one is refused on a perturbed member, before anything is written; a label
+        member is dropped anyway, and listed without its extension (UNDECLARED)."""
+        fields: dict[str, int] = {}
         for shard, member in self._keyed_members():
-            holders.setdefault(str(member.extension), set()).add((shard.rel, str(member.key)))
-        for shard, member in self._keyed_members():
-            if len(holders[str(member.extension)]) < min(2, len(numbers)):
+            extension = str(member.extension)
+            if _public_extension(extension):
+                continue
+            if self.left.kept(extension):  # declared: a label member is then copied, under its name
+                if member.kind in (IMAGE, ARRAY):
+                    fields[extension] = fields.get(extension, 0) + 1
+                continue
+            if member.kind in (IMAGE, ARRAY):
                 raise InputError(
-                    f"{shard.path}: member {member.name!r}: no other sample has its extension (all of its "
-                    "base name after the first dot, which webdataset and --anonymize-names keep), so it "
-                    "may be part of a name; rename the files before making the shards (KEY.FIELD, with "
-                    "no dot in KEY), or give every sample that field")
+                    f"{shard.path}: member {member.name!r}: its extension {extension!r} (all of its base name "
+                    "after the first dot, which webdataset and --anonymize-names keep) is not a file type "
+                    f"alone, so it may be part of a name; if it is a field of the samples, declare it with "
+                    f"--keep {extension}; otherwise rename the files before making the shards (KEY.FIELD, "
+                    "with no dot in KEY)")
+            member.kind, member.reason, member.withheld = NEVER, UNDECLARED_REASON, UNDECLARED
+        for extension, count in fields.items():
+            self.left.copied(extension, "field name", FIELD_REASON, members=count)
 
     def _keyed_members(self) -> Iterator[tuple[_Shard, _Member]]:
         """Each (shard, member) of a sample: a member with a key (an extension), not a folder entry."""
@@ -563,10 +607,9 @@ class WebDatasetReader(Reader):
                                 "dataset": member.out_name if self.anonymized else member.name,
                                 "shape": list(member.shape), "dtype": str(member.dtype)})
 
-    def _leftovers(self, options: FormatOptions) -> leftovers.Leftovers:
+    def _leftovers(self, left: leftovers.Leftovers) -> None:
         """Labels and metadata by extension, and the files beside the shards: dropped and
         listed, or copied raw where --keep names them."""
-        left = leftovers.Leftovers(list(options.keep))
         counts: dict[tuple[str, str], int] = {}
         for shard in self.shards:
             for member in shard.members:
@@ -578,7 +621,7 @@ class WebDatasetReader(Reader):
             if what != LEFTOVER:
                 left.kept(label)  # a --keep naming it is used: it is refused below, not unmatched
                 left.dropped.append({"name": label, "kind": "member", "members": count,
-                                     "reason": f"{what}: never copied raw"})
+                                     "reason": what if label == UNDECLARED else f"{what}: never copied raw"})
             elif left.kept(label):
                 self.kept_extensions.add(label)
                 left.unperturbed.append({"name": label, "kind": "member", "members": count,
@@ -586,17 +629,7 @@ class WebDatasetReader(Reader):
             else:
                 left.dropped.append({"name": label, "kind": "member", "members": count,
                                      "reason": LABEL_REASON})
-        self.kept_files = []
-        for rel in self.others:
-            never = data_file(self.base / rel)
-            if never:
-                left.kept(rel)
-                left.drop(rel, "file", f"{never}: never copied raw")
-            elif left.kept(rel):
-                self.kept_files.append(rel)
-                left.copied(rel, "file", leftovers.KEPT)
-            else:
-                left.drop(rel, "file", OTHER_FILE_REASON)
+        self._files_beside(left)
         alpha = sum(member.has_alpha for shard in self.shards for member in shard.members if member.job)
         if alpha:  # written raw, as in image folders: listed, so the summary line names it
             left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
@@ -614,7 +647,31 @@ class WebDatasetReader(Reader):
                                               for member in shard.members if member.job), "image member")
         left.considered(job.name for job in self.jobs)
         left.check(self.path)
-        return left
+
+    def _files_beside(self, left: leftovers.Leftovers) -> None:
+        """The files beside the shards: copied raw under their names where --keep names them,
+        else dropped and listed, by name, or with --anonymize-names counted (their names can
+        name people; the name map lists them, as an image folder's skipped files)."""
+        self.kept_files: list[str] = []
+        self.files_left_out: list[str] = []
+        for rel in self.others:
+            never = data_file(self.base / rel)
+            if never:
+                left.kept(rel)  # a --keep naming it is used: it is refused, not unmatched
+                self.files_left_out.append(rel)
+                if not self.anonymized:
+                    left.drop(rel, "file", f"{never}: never copied raw")
+            elif left.kept(rel):
+                self.kept_files.append(rel)
+                left.copied(rel, "file", leftovers.KEPT)
+            else:
+                self.files_left_out.append(rel)
+                if not self.anonymized:
+                    left.drop(rel, "file", OTHER_FILE_REASON)
+        if self.anonymized and self.files_left_out:
+            left.drop(FILES_WITHHELD, "file", f"{plural(len(self.files_left_out), 'file')} beside the shards, not "
+                                              "perturbed (data files never copied raw, not even with --keep); "
+                                              "their names withheld (--anonymize-names): the name map lists them")
 
     def _samples(self) -> dict[str, list[list[str]]]:
         """By shard, the perturbed members of each sample: the members of one key. A key
@@ -636,21 +693,25 @@ class WebDatasetReader(Reader):
         return found
 
     def _report(self) -> None:
-        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] not in (LABEL_REASON,
-                                                                                             FOLDER_REASON)]
+        labels = (LABEL_REASON, UNDECLARED_REASON)
+        never = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] not in (*labels, FOLDER_REASON)]
         for entry in never:
             self.messages.append(f"dropped the {entry['name']} members ({plural(entry['members'], 'member')}): "
                                  f"{entry['reason']}, not even with --keep")
+        if self.anonymized and self.files_left_out:
+            self.messages.append(f"dropped {plural(len(self.files_left_out), 'file')} beside the shards (named in "
+                                 "the name map; --keep NAME copies one raw)")
         files = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] == OTHER_FILE_REASON]
         if files:
             self.messages.append(f"dropped {plural(len(files), 'file')} beside the shards: {listing(files)} "
                                  "(--keep NAME copies one raw)")
-        data = [e["name"] for e in self.left.dropped if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON]
+        data = [e["name"] for e in self.left.dropped
+                if e["kind"] == "file" and e["reason"] != OTHER_FILE_REASON and e["name"] != FILES_WITHHELD]
         if data:
             self.messages.append(f"dropped {plural(len(data), 'file')} holding data beside the shards, never "
                                  f"copied raw, not even with --keep: {listing(data)} (the manifest's dropped "
                                  "says why)")
-        dropped = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] == LABEL_REASON]
+        dropped = [e for e in self.left.dropped if e["kind"] == "member" and e["reason"] in labels]
         kept = [e for e in self.left.unperturbed if e["kind"] == "member"]
         if dropped:
             self.messages.append(f"dropped the {', '.join(e['name'] for e in dropped)} members "
@@ -658,9 +719,10 @@ class WebDatasetReader(Reader):
                                  "dropped lists them; --keep EXTENSION copies labels raw)")
         if kept:
             self.messages.append(f"copied the {', '.join(e['name'] for e in kept)} members raw (--keep)")
-        if self.links:
-            self.manifest_extra["skipped_symbolic_links"] = self.links
-            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: {listing(self.links)}")
+        if self.links:  # with --anonymize-names a count: the name map names them
+            self.manifest_extra["skipped_symbolic_links"] = len(self.links) if self.anonymized else self.links
+            self.messages.append(f"skipped {plural(len(self.links), 'symbolic link')}: "
+                                 + ("named in the name map" if self.anonymized else listing(self.links)))
         if self.anonymized:
             self.messages.append(f"renamed the keys of {plural(len(self.new_keys), 'sample')} to their numbers "
                                  "in order, 000000, 000001, ... (the name map pairs them)")
@@ -672,12 +734,21 @@ class WebDatasetReader(Reader):
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
 
+    def manifest_inputs(self) -> list[dict[str, Any]]:
+        """The arrays' sources; with --anonymize-names each names its shard as the output does
+        (its name in the folder of shards), not by the input's path, whose folders can name people."""
+        if not self.anonymized:
+            return super().manifest_inputs()
+        shard_of = {m.job: s.rel for s in self.shards for m in s.members if m.job is not None}
+        return [{**job.source, "path": shard_of[job.name]} for job in self.jobs]
+
     def name_map(self, output_path: Path, manifest_path: Path) -> dict:
         """The name map: the sample keys the output withholds. It can name the people in the data."""
         return {"schema": name_maps.SCHEMA, "sensitive": name_maps.SENSITIVE,
                 "tool": {"name": "tldp", "version": __version__}, "name_map_id": self.name_map_id,
                 "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
-                "samples": self.new_keys,
+                "samples": self.new_keys, "files_left_out": self.files_left_out,
+                "skipped_symbolic_links": self.links,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
     def output_dtype(self, dtype: np.dtype) -> str:

@@ -95,6 +95,40 @@ def _display(name: str) -> str:
     return name or "/"
 
 
+# The free-text names inside the NGFF metadata, multiscales[].name and omero.name: an image's
+# name (bioformats2raw writes the source image's, often its file name), not structure readers
+# need. Left out unless --keep names GROUP@multiscales.name or GROUP@omero.name.
+NGFF_NAME_REASON = ("a free-text name inside the OME-Zarr metadata (often the source image's file name, which "
+                    "can name the subject), not structure readers need (--keep copies it)")
+
+
+def _ngff_named(attrs: dict[str, Any]) -> list[tuple[str, dict]]:
+    """The (key, object) of the NGFF metadata (NGFF 0.5: under "ome") holding a `name`."""
+    ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
+    multiscales = ngff.get("multiscales")
+    entries = multiscales if isinstance(multiscales, list) else []
+    found = [("multiscales", entry) for entry in entries if isinstance(entry, dict) and "name" in entry]
+    omero = ngff.get("omero")
+    return found + ([("omero", omero)] if isinstance(omero, dict) and "name" in omero else [])
+
+
+def _without_ngff_names(owner: str, attrs: dict[str, Any], left: leftovers.Leftovers) -> dict[str, Any]:
+    """`attrs` less the NGFF names (NGFF_NAME_REASON), each listed as OWNER@multiscales.name or
+    OWNER@omero.name in `dropped`, or kept and listed where --keep names it."""
+    if not _ngff_named(attrs):
+        return attrs
+    attrs = copy.deepcopy(attrs)  # the nested objects are the input's
+    for key in dict.fromkeys(key for key, _ in _ngff_named(attrs)):
+        name = leftovers.attribute_name(owner, f"{key}.name")
+        if left.kept(name):
+            left.copied(name, "attribute", leftovers.KEPT)
+            continue
+        left.drop(name, "attribute", NGFF_NAME_REASON)
+        for _, entry in [(k, e) for k, e in _ngff_named(attrs) if k == key]:
+            del entry["name"]
+    return attrs
+
+
 def _read_json(store: Path, file: Path) -> dict[str, Any]:
     where = file.relative_to(store).as_posix()
     try:
@@ -626,6 +660,7 @@ class ZarrReader(Reader):
                 group = group if path in self.group_handles else posixpath.dirname(group)
                 kept = _unnamed(self.handles, group, self.left_out, {key: value for key, value in attrs.items()
                                                                    if left.attribute(_display(path), key)})
+                kept = _without_ngff_names(_display(path), kept, left)
                 if kept != attrs:
                     self.attributes[path] = kept
         left.check(self.path)
@@ -1141,8 +1176,12 @@ def _copy_store(reader: ZarrReader, root: Path, metadata: dict[str, dict], attri
         return [e for e in entries if (rel in metadata and e not in METADATA_FILES)
                 or posixpath.join(rel, e) in left_out]
 
-    # The reader refused links; one made since is copied as a link, not followed.
-    shutil.copytree(reader.path, root, ignore=skip, symlinks=True)
+    # The reader refused links; one made since is copied as a link, not followed. Contents and
+    # modes only: the input's times can date a recording, so the copies get the run's time
+    # (copytree gives folders the input's; they are reset below).
+    shutil.copytree(reader.path, root, ignore=skip, symlinks=True, copy_function=shutil.copy)
+    for directory, _, _ in os.walk(root):
+        os.utime(directory)
     nodes = {n.path: n for n in reader.nodes}
     for path, attrs in reader.attributes.items():
         if path in perturbed:

@@ -206,7 +206,10 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
                     dp_delta=options.dp_delta, k=user.k if user else choice.k, basis=choice.kind,
                     basis_sha256=user.sha256 if user else None, reference=options.reference)
             except UsageError as exc:
-                raise UsageError(f"{array_where(job, options.input)}: {exc}") from None
+                hint = ("; it releases each array's records on their own: hold a subject's values in "
+                        "one array of shape (records, values) (a table: one list column)"
+                        if math.prod(job.record_shape) < 2 else "")
+                raise UsageError(f"{array_where(job, options.input)}: {exc}{hint}") from None
         calib_of[job.name] = made[key]
     out_dtype = np.dtype(float_dtype(options))
     largest = max(abs(lo), abs(hi))  # the written values are clipped into [lo, hi]

@@ -31,6 +31,7 @@ The figures of several releases together come from accounting.compose_releases.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -44,6 +45,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
+from tldp_cli.files import output
 from tldp_cli.privacy.certificates import Guarantee
 from tldp_cli.run import manifest
 
@@ -95,7 +97,11 @@ class Spent:
 
 def open_ledger(path: Path) -> sqlite3.Connection:
     """Opens (creating) the ledger, upgrading one of schema 1; refuses one of a newer
-    schema or not a ledger."""
+    schema or not a ledger. A new ledger is created readable by its owner only: it can
+    test whether a record is in the raw data (SQLite gives its journals the same mode)."""
+    if not os.path.lexists(path):
+        with contextlib.suppress(OSError):  # another run made it; or sqlite3 says why it cannot
+            output.create_private(path).close()
     try:
         db = sqlite3.connect(path, timeout=_BUSY_MS / 1000, isolation_level=None)
         db.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")

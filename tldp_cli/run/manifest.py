@@ -350,7 +350,8 @@ def rebuild_records(m: Any, coefficients: Any, basis: Any = None) -> Any:
             raise InputError("the manifest's privunit.stored.coefficient_order is not this version's DCT order; "
                              "build B from it (docs/choosing-eps.md#storing-the-coefficients)")
     elif basis is None:
-        raise InputError("the coefficients are in a user's basis: give its rows (np.load(privunit.basis.path))")
+        raise InputError("the coefficients are in a user's basis, which the manifest names but does not "
+                         "hold: pass basis=np.load(privunit.basis.path)")
     else:
         matrix = np.asarray(basis, dtype=np.float64)
         if matrix.shape != (k, math.prod(shape)):

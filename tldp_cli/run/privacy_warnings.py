@@ -50,9 +50,11 @@ def large_epsilon(certified: Certificate, record: str, budget: str) -> dict[str,
         return None
     threshold, scope = accounting.RECORD_EPSILON_WARNING, accounting.subject_scope(certified)[0]
     unit, what = ("file", "the file is") if scope == "per_file" else ("record", "a record is")
-    advice = ("lower --eps" if budget == "record" and scope == "per_record" else
-              "--budget record sets eps per tensor, the file composes them" if scope == "per_file" else
-              "--budget record sets eps per record")
+    if budget == "record":  # --eps is already each record's (tensor's): only a lower one helps
+        advice = "lower --eps" if scope == "per_record" else "lower --eps: each tensor gets it, the file composes them"
+    else:
+        advice = ("--budget record sets eps per tensor, the file composes them" if scope == "per_file" else
+                  "--budget record sets eps per record")
     return {"kind": "large_record_epsilon", "record": record, "scope": scope, "epsilon": epsilon,
             "threshold": threshold, "guide": GUIDE,
             "message": f"warning: the certified eps per {unit} is {epsilon:.4g}, above {threshold:g} "
