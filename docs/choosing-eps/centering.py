@@ -25,6 +25,8 @@ fold) is drawn from the same stream in every variant: paired differences):
               scale: the mean is estimated as T * mean(V1[:K]) / mean(V1[K]), a ratio of means of
               LDP outputs, i.e. post-processing), then eps - eps1 on the package's pipeline
               centred on that estimate. Pure composition: eps1 + (eps - eps1) = eps.
+  twoF/Ks     the same with each mean coefficient shrunk by max(0, 1 - se^2 / mean^2), se its
+              standard error estimated from the releases (post-processing too)
 
     python docs/choosing-eps/centering.py grid --data digits8 --folds 1 --releases 5 \\
         --eps 2,4,8 --variants base,oracle,dc,dc0 --name oracle-digits8
@@ -54,7 +56,8 @@ import k_rule  # noqa: E402
 OUT = HERE / "centering"
 
 
-def estimate_mean(x: np.ndarray, eps1: float, k1: int, value_range, rng: np.random.Generator):
+def estimate_mean(x: np.ndarray, eps1: float, k1: int, value_range, rng: np.random.Generator,
+                  shrink: bool = False):
     """Round 1 of the two-round mechanism: (the mean image estimated from one PrivUnit release
     per record of (B_K x, T) / ||.|| at eps1, the alignment m1)."""
     from tldp_cli.sampling import privunit, projection
@@ -66,7 +69,11 @@ def estimate_mean(x: np.ndarray, eps1: float, k1: int, value_range, rng: np.rand
     t = (hi - lo) * math.sqrt(math.prod(shape)) / 4.0
     z = basis.project(np.asarray(x, np.float64) - lo)
     u = privunit.unit_directions(np.concatenate([z, np.full((len(z), 1), t)], axis=1))
-    v = k_eps.draw(u, params, rng).mean(axis=0)
+    released = k_eps.draw(u, params, rng)
+    v = released.mean(axis=0)
+    if shrink:  # each mean coefficient times max(0, 1 - se^2 / mean^2), se from the releases themselves
+        se2 = released.var(axis=0, ddof=1) / len(released)
+        v[:k1] *= np.clip(1.0 - se2[:k1] / np.maximum(v[:k1] ** 2, 1e-300), 0.0, 1.0)
     # the scale's estimate mean(T / rho) is floored at 0.05 (a public rule): a ratio of noisy means
     mean = lo + basis.synthesize((t * v[:k1] / max(v[k1], 0.05 * params.alignment))[None])[0]
     return mean, params.alignment
@@ -96,7 +103,7 @@ def fold_release(x: np.ndarray, eps: float, value_range, variant: str, streams) 
     elif variant.startswith("two"):
         share, k1 = variant[3:].split("/")
         eps1 = float(share) * eps
-        ref, m1 = estimate_mean(x, eps1, int(k1), value_range, streams(1))
+        ref, m1 = estimate_mean(x, eps1, int(k1.rstrip("s")), value_range, streams(1), k1.endswith("s"))
         out, inner = k_eps.release(x, eps - eps1, value_range, opts, streams(2), reference=ref)
         norms = np.linalg.norm((np.asarray(x, np.float64) - mean).reshape(len(x), -1), axis=1)
         info = {"eps1": eps1, "m1": m1,
