@@ -115,7 +115,8 @@ def fold_release(x: np.ndarray, eps: float, value_range, variant: str, streams) 
 
 
 def grid(data: str, n_folds: int, releases: int, epsilons: list[float], variants: list[str],
-         train_size: int | None = None) -> dict:
+         train_size: int | None = None, save=lambda result: None) -> dict:
+    """The rows of every (eps, variant); `save` is called with the result so far after each row."""
     from tldp_cli.evaluate import weighted_f1
 
     warnings.simplefilter("ignore")
@@ -126,6 +127,9 @@ def grid(data: str, n_folds: int, releases: int, epsilons: list[float], variants
                  for f, (a, b) in enumerate(folds)]
     clean = [weighted_f1(x[a], y[a], x[b], y[b], "logistic", (lo, hi)) for a, b in folds]
     rows = []
+    result = {"data": data, "folds": len(folds), "releases": releases, "train_size": train_size,
+              "training_records_per_fold": [len(a) for a, _ in folds], "f1_clean": float(np.mean(clean)),
+              "sampler": "k_rule.privunit (inverse CDF) with the package's (gamma, p)", "rows": rows}
     for eps in epsilons:
         for variant in variants:
             t0 = time.perf_counter()
@@ -151,9 +155,30 @@ def grid(data: str, n_folds: int, releases: int, epsilons: list[float], variants
             rows.append(row)
             gain = f", gain {row['paired_gain']:+.4f}" if "paired_gain" in row else ""
             print(f"{data} eps={eps:g} {variant}: F1 {row['f1']:.4f}{gain} ({row['seconds']} s)", flush=True)
-    return {"data": data, "folds": len(folds), "releases": releases, "train_size": train_size,
-            "training_records_per_fold": [len(a) for a, _ in folds], "f1_clean": float(np.mean(clean)),
-            "sampler": "k_rule.privunit (inverse CDF) with the package's (gamma, p)", "rows": rows}
+            save(result)
+    return result
+
+
+def table(names: list[str]) -> str:
+    """The markdown rows of docs/choosing-eps.md: F1 mean ± sd over folds x releases, and the
+    paired gain over base ± its standard error, per (JSON, variant) and eps."""
+    lines = []
+    for name in names:
+        result = json.loads((OUT / f"{name}.json").read_text())
+        epsilons = sorted({row["eps"] for row in result["rows"]})
+        for variant in dict.fromkeys(row["variant"] for row in result["rows"]):
+            cells = []
+            for eps in epsilons:
+                row = next((r for r in result["rows"] if r["eps"] == eps and r["variant"] == variant), None)
+                if row is None:
+                    cells.append("")
+                    continue
+                cell = f"{row['f1']:.3f} ± {row['f1_sd']:.3f}"
+                if "paired_gain" in row:
+                    cell += f" ({row['paired_gain']:+.3f} ± {row['paired_gain_se']:.3f})"
+                cells.append(cell)
+            lines.append(f"| {name} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,12 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--variants", required=True, help="comma-separated; put base first for paired gains")
     g.add_argument("--train-size", type=int, default=None, help="release only this many training records per fold")
     g.add_argument("--name", required=True)
+    t = sub.add_parser("table", help="print the markdown rows of the named JSON files")
+    t.add_argument("names", nargs="+")
     args = parser.parse_args(argv)
-    result = grid(args.data, args.folds, args.releases, [float(e) for e in args.eps.split(",")],
-                  args.variants.split(","), args.train_size)
-    result["command"] = "python docs/choosing-eps/centering.py " + " ".join(argv or sys.argv[1:])
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.command == "table":
+        print(table(args.names))
+        return 0
+    command = "python docs/choosing-eps/centering.py " + " ".join(argv or sys.argv[1:])
+
+    def save(result: dict) -> None:  # after every row: a stopped run keeps what it measured
+        OUT.mkdir(exist_ok=True)
+        (OUT / f"{args.name}.json").write_text(json.dumps({**result, "command": command}, indent=1) + "\n")
+
+    save(grid(args.data, args.folds, args.releases, [float(e) for e in args.eps.split(",")],
+              args.variants.split(","), args.train_size, save))
     return 0
 
 
