@@ -19,6 +19,8 @@ fold) is drawn from the same stream in every variant: paired differences):
               the record: no extra eps), V's DC coefficient zeroed, written back from the fold's
               mean value (a single number, here the NON-private one: the control's best case)
   dc0         the same written back from 0 (the package's reference)
+  level       the package's pipeline with the reference point (--reference VALUE) at dc's level:
+              u = B(x - level) / ||.||, written back from it
   twoF/K      a private two-round mechanism: each record spends eps1 = F * eps on a first
               PrivUnit release of u1 = (B_K x, T) / ||(B_K x, T)|| (its K lowest DCT
               coefficients and a public constant T = (hi - lo) sqrt(I) / 4, which carries the
@@ -96,6 +98,8 @@ def fold_release(x: np.ndarray, eps: float, value_range, variant: str, streams) 
             basis = projection.dct_basis(x.shape[1:], k1)
             ref = lo + basis.synthesize(basis.project(mean[None] - lo))[0]
         out, inner = k_eps.release(x, eps, value_range, opts, streams(2), reference=ref)
+    elif variant == "level":
+        out, inner = k_eps.release(x, eps, value_range, opts, streams(2), reference=float(mean.mean()))
     elif variant in ("dc", "dc0"):
         own = np.asarray(x, np.float64).mean(axis=tuple(range(1, x.ndim)), keepdims=True)
         out, inner = k_eps.release(x, eps, value_range, opts, streams(2), reference=own,
