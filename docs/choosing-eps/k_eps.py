@@ -121,10 +121,22 @@ def ordered_basis(record_shape: tuple[int, ...], k: int, order: str):
     return basis
 
 
-def release(x: np.ndarray, eps: float, value_range, opts: dict, rng: np.random.Generator,
-            unit_norm: float | None = None) -> tuple[np.ndarray, float]:
-    """(the records written, the mean <V, u>) through the package's pipeline (module docstring)."""
+def draw(u: np.ndarray, params, rng: np.random.Generator) -> np.ndarray:
+    """V for unit rows u: k_rule.privunit (inverse CDF) with the package's (gamma, p) of `params`."""
     from tldp_cli.privacy.privunit import cap_probability
+
+    cal = {"p": params.p, "q": cap_probability(params.gamma, params.k), "gamma": params.gamma}
+    return k_rule.privunit(u, cal, rng)
+
+
+def release(x: np.ndarray, eps: float, value_range, opts: dict, rng: np.random.Generator,
+            unit_norm: float | None = None, reference=None, written_from=None,
+            zeroed: tuple[int, ...] = ()) -> tuple[np.ndarray, float]:
+    """(the records written, the mean <V, u>) through the package's pipeline (module docstring).
+
+    For centering.py: `reference` (a value, an image of the record's shape, or one image per
+    record) replaces the package's reference point in u, `written_from` (default: `reference`)
+    in the write-back, and the coefficients `zeroed` of V are set to 0 before the write-back."""
     from tldp_cli.sampling import engine
 
     shape = x.shape[1:]
@@ -134,12 +146,16 @@ def release(x: np.ndarray, eps: float, value_range, opts: dict, rng: np.random.G
         calib = dataclasses.replace(calib, privunit=dataclasses.replace(params, output_scale=unit_norm))
         params = calib.privunit
     basis = engine.privunit_basis(calib, ordered_basis(shape, params.k, opts["order"]))
+    if reference is not None:
+        calib = dataclasses.replace(calib, privunit=dataclasses.replace(params, reference=reference))
     u = engine.record_directions(x, calib, basis)
-    if opts["exact"]:
-        v = u
-    else:
-        cal = {"p": params.p, "q": cap_probability(params.gamma, params.k), "gamma": params.gamma}
-        v = k_rule.privunit(u, cal, rng)
+    v = u if opts["exact"] else draw(u, params, rng)
+    if zeroed:
+        v = v.copy()
+        v[:, list(zeroed)] = 0.0
+    if written_from is not None:
+        calib = dataclasses.replace(calib, privunit=dataclasses.replace(calib.privunit, reference=written_from))
+    params = calib.privunit
     if opts["noclip"]:
         lo, hi = value_range
         calib = dataclasses.replace(calib, privunit=dataclasses.replace(params, low=-1e300, high=1e300))
