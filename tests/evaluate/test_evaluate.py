@@ -573,3 +573,14 @@ def test_missing_values_are_left_out_of_the_noise_statistics(cli, tmp_path, stor
     mse = report["error"]["mse"]
     assert mse["max"] < 3 * mse["median"]  # the record with a missing value is like the others
     assert checks(report)["privunit_alignment"]["mean_cosine"] > 0
+
+
+def test_sweep_refuses_missing_values_in_one_line(cli, tmp_path):
+    """sweep reads the records as they are stored: an xarray Zarr store's missing values are
+    NaN, which made every figure NaN and the report an unexpected error."""
+    from tests.builders import assert_one_line_error
+
+    src = _with_missing_values(tmp_path, "zarr")
+    assert_one_line_error(cli("sweep", src, "--eps", "1", "--range", "250:320", "--out", tmp_path / "s"), 1,
+                          "NaN or Inf at record 0, element 0")
+    assert not (tmp_path / "s").exists()
