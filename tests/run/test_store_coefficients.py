@@ -130,6 +130,25 @@ def test_netcdf_keeps_the_record_dimension_and_adds_a_coefficient_dimension(cli,
     assert np.abs(rebuilt(m, V) - written).max() < 1e-3
 
 
+def test_netcdf_dimension_scales_list_only_the_axes_attached(cli, tmp_path):
+    """Each dimension scale's REFERENCE_LIST names the (dataset, axis) pairs it is attached to,
+    each once: time's listed t2m's axis 0 twice (copied from the input, then attached again),
+    and lat and lon t2m's axes 1 and 2, which the coefficients do not have (axis 2 does not
+    exist)."""
+    from h5py import h5ds
+
+    src, _, _ = make_netcdf(tmp_path)
+    run(cli, src, tmp_path / "coef.nc", "--range", "0:256")
+    with h5py.File(tmp_path / "coef.nc") as f:
+        listed = {}
+        for name in ("time", "lat", "lon", "coefficient"):
+            refs = f[name].attrs.get("REFERENCE_LIST")
+            listed[name] = [] if refs is None else [(f[ref].name, int(axis)) for ref, axis in refs]
+            for dataset, axis in listed[name]:
+                assert axis < f[dataset].ndim and h5ds.is_attached(f[dataset].id, f[name].id, axis)
+        assert listed == {"time": [("/t2m", 0)], "lat": [], "lon": [], "coefficient": [("/t2m", 1)]}
+
+
 def make_stations():
     """xarray's dataset of stations: t(station, y, x) with a per-station elev(station) and a grid
     lat(y, x), both named by t's coordinates attribute."""
