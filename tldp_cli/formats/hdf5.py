@@ -1532,14 +1532,14 @@ class Hdf5CoefficientWriter(Hdf5Writer):
     def _detach_copied_scales(self) -> None:
         """The dimension scales were copied with REFERENCE_LIST entries naming the perturbed
         datasets' axes, which the coefficients do not have (or have anew: attach_scale lists
-        them): those entries go, and a list left empty with them."""
-        written = {out.id for _, out in self.coefficients}
-        scales: list[h5py.Dataset] = []
-        self.file.visititems(lambda _, obj: scales.append(obj) if isinstance(obj, h5py.Dataset)
-                             and "REFERENCE_LIST" in obj.attrs else None)
+        them): those entries go, and a list left empty with them. The scales are found among
+        the objects copied: File.visititems on the output being written crashed HDF5."""
+        written = {_object_key(out) for _, out in self.coefficients}
+        copied = (self.file[path] for path in sorted(set(self.copied.values())))  # (no visititems: see below)
+        scales = [obj for obj in copied if isinstance(obj, h5py.Dataset) and "REFERENCE_LIST" in obj.attrs]
         for scale in scales:
             value = scale.attrs["REFERENCE_LIST"]
-            keep = [bool(ref) and self.file[ref].id not in written for ref in value["dataset"]]
+            keep = [bool(ref) and _object_key(self.file[ref]) not in written for ref in value["dataset"]]
             if all(keep):
                 continue
             del scale.attrs["REFERENCE_LIST"]
