@@ -1534,12 +1534,14 @@ class Hdf5CoefficientWriter(Hdf5Writer):
         datasets' axes, which the coefficients do not have (or have anew: attach_scale lists
         them): those entries go, and a list left empty with them. The scales are found among
         the objects copied: File.visititems on the output being written crashed HDF5."""
+        file = self.file
+        assert file is not None
         written = {_object_key(out) for _, out in self.coefficients}
-        copied = (self.file[path] for path in sorted(set(self.copied.values())))  # (no visititems: see below)
+        copied = (file[path] for path in sorted(set(self.copied.values())))
         scales = [obj for obj in copied if isinstance(obj, h5py.Dataset) and "REFERENCE_LIST" in obj.attrs]
         for scale in scales:
             value = scale.attrs["REFERENCE_LIST"]
-            keep = [bool(ref) and _object_key(self.file[ref]) not in written for ref in value["dataset"]]
+            keep = [bool(ref) and _object_key(file[ref]) not in written for ref in value["dataset"]]
             if all(keep):
                 continue
             del scale.attrs["REFERENCE_LIST"]
