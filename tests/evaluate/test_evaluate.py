@@ -531,3 +531,56 @@ def test_basis_applies_to_a_user_basis_run_only(cli, tmp_path):
     out = perturb(cli, src, tmp_path / "o.npy", "--eps", "4", "--mechanism", "privunit")
     assert_one_line_error(cli("evaluate", src, out, "-q", "--basis", tmp_path / "basis.npy"), 2,
                           "--basis applies to a run of --mechanism privunit --basis FILE.npy")
+
+
+def _with_missing_values(tmp_path: Path, store: str) -> Path:
+    """40 records of 8 x 10 temperatures, two of them missing (NaN), as xarray writes them: a
+    netCDF variable packed in int16 (the marker -32767, unpacked to -47.67 and written as
+    -32767.0), or a float variable of a Zarr format 2 store (NaN)."""
+    import xarray as xr
+
+    data = 280 + 20 * np.random.default_rng(5).random((40, 8, 10))
+    data[0, 0, 0] = data[7, 3, 4] = np.nan
+    ds = xr.Dataset({"t": (("time", "y", "x"), data, {"units": "K"})})
+    if store == "zarr":
+        ds.to_zarr(tmp_path / "in.zarr", zarr_format=2)
+        return tmp_path / "in.zarr"
+    ds.to_netcdf(tmp_path / "in.nc", encoding={"t": {"dtype": "int16", "scale_factor": 0.01,
+                                                    "add_offset": 280.0, "_FillValue": -32767}})
+    return tmp_path / "in.nc"
+
+
+@pytest.mark.parametrize("store", ["netcdf", "zarr"])
+def test_missing_values_are_left_out_of_the_noise_statistics(cli, tmp_path, store):
+    """Missing values are copied, not perturbed: the output holds its marker there, which is
+    not noise. Counted as noise, the packed netCDF variable's -32767.0 against the -47.67
+    it unpacks to failed noise_norm (z = +600) on a correct run, and the Zarr store's NaN made
+    the report NaN (an unexpected error, exit 1)."""
+    src = _with_missing_values(tmp_path, store)
+    out = perturb(cli, src, tmp_path / f"out{src.suffix}", "--eps", "1", "--range", "250:320")
+    r = cli("evaluate", src, out, "--json", "-q")
+    assert r.exit_code == 0, r.stderr
+    c = checks(json.loads(r.stdout))
+    assert c["noise_norm"]["passed"] and 0.9 < c["noise_norm"]["ratio"] < 1.1
+    assert c["retained_fraction"]["passed"] and c["retained_fraction"]["elements"] == 40 * 80 - 2
+    assert c["noise_distribution"]["passed"] and c["noise_distribution"]["samples"] > 0
+
+    unit = perturb(cli, src, tmp_path / f"unit{src.suffix}", "--eps", "4", "--mechanism", "privunit",
+                   "--range", "250:320")
+    r = cli("evaluate", src, unit, "--json", "-q")
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    mse = report["error"]["mse"]
+    assert mse["max"] < 3 * mse["median"]  # the record with a missing value is like the others
+    assert checks(report)["privunit_alignment"]["mean_cosine"] > 0
+
+
+def test_sweep_refuses_missing_values_in_one_line(cli, tmp_path):
+    """sweep reads the records as they are stored: an xarray Zarr store's missing values are
+    NaN, which made every figure NaN and the report an unexpected error."""
+    from tests.builders import assert_one_line_error
+
+    src = _with_missing_values(tmp_path, "zarr")
+    assert_one_line_error(cli("sweep", src, "--eps", "1", "--range", "250:320", "--out", tmp_path / "s"), 1,
+                          "NaN or Inf at record 0, element 0")
+    assert not (tmp_path / "s").exists()

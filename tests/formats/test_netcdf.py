@@ -658,3 +658,19 @@ def test_a_trajectory_dimension_of_text_identifiers_stays_a_dimension(cli, tmp_p
             assert set(ds.variables) == {"temp"} and dict(ds.sizes) == {"trajectory": 3, "obs": 4}
     with netCDF4.Dataset(tmp_path / "out.nc") as ds:
         assert set(ds.variables) == {"temp"} and ds["temp"].dimensions == ("trajectory", "obs")
+
+
+@pytest.mark.parametrize("kind", ["NETCDF3_CLASSIC", "NETCDF3_64BIT"])
+def test_a_classic_netcdf_file_is_refused_with_the_way_to_convert_it(cli, tmp_path, kind):
+    """netCDF-3 (CDF-1, CDF-2) is not HDF5: it was refused as "not a dataset tldp can read",
+    though its name ends .nc and the table lists .nc files. It says what it is and how to
+    make the netCDF-4 file tldp reads."""
+    from tests.builders import assert_one_line_error, siblings
+
+    src = tmp_path / "classic.nc"
+    cf_dataset().to_netcdf(src, format=kind, engine="netcdf4")
+    before = siblings(tmp_path)
+    for command in ("perturb", "plan"):
+        assert_one_line_error(cli(command, src, "--eps", "1", "--range", "0:400"), 1, str(src),
+                              "a classic netCDF file (netCDF-3)", "nccopy -k nc4")
+    assert siblings(tmp_path) == before

@@ -198,6 +198,30 @@ def test_keep_copies_the_named_fields_and_extensions(cli, tmp_path):
     assert "unperturbed" not in run(cli, plain, tmp_path / "plain.tldp.nii.gz", "--keep", "@descrip")
 
 
+NIBABEL_DATA = Path(nib.__file__).parent / "tests" / "data"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_cifti_file_comes_out_as_nifti_2_that_nibabel_loads(cli, tmp_path, keep):
+    """nibabel's own CIFTI-2 test file (a dense connectome): its CIFTI extension is left out,
+    so its CIFTI intent is too (written as none, listed), or nibabel.load, which takes a
+    CIFTI intent for a CIFTI-2 image, fails on the output ("NIfTI2 header does not contain
+    a CIFTI-2 extension"). Kept with --keep, the extension keeps its intent: CIFTI-2 again."""
+    src = NIBABEL_DATA / "row_major.dconn.nii"
+    before = nib.load(src)
+    out = tmp_path / "out.nii"
+    manifest = run(cli, src, out, "--range", "-1:1", *(["--keep", "@extension.*"] if keep else []))
+    img = nib.load(out)
+    assert np.asanyarray(img.dataobj).squeeze().shape == before.shape == (10, 10)
+    dropped = {d["name"]: d["reason"] for d in manifest["dropped"]}
+    if keep:
+        assert isinstance(img, nib.Cifti2Image) and img.nifti_header.get_intent()[0] == "ConnDense"
+        assert "@intent_code" not in dropped
+    else:
+        assert type(img) is nib.Nifti2Image and img.header.get_intent()[0] == "none"
+        assert "CIFTI" in dropped["@intent_code"] and "@extension.1" in dropped
+
+
 def test_plan_reads_the_header_alone(cli, tmp_path):
     data = np.random.default_rng(6).integers(0, 256, (8, 8, 8, 4)).astype(np.int16)
     src = volume(tmp_path / "bold.nii.gz", data, text=True)

@@ -120,3 +120,29 @@ def test_named_dimensions_decide_which_arrays_share_rows(cli, tmp_path, writer):
     assert "20 records of up to 80 elements" in result.stderr
     # pure discrete Laplace at --eps 1: a record's epsilon is at most 80 x 1 (with orog's row, 84 x 1.05)
     assert 79 < m["accounting"]["per_record"]["epsilon"] <= 80
+
+
+@pytest.mark.parametrize("store", ["hdf5", "zarr"])
+def test_an_unnamed_first_axis_shares_the_rows_of_a_named_one_of_its_length(cli, tmp_path, store):
+    """A plain HDF5 file where h5py's dims API named one dataset's axis 0 (a time scale) and not
+    the other's, and a Zarr store where xarray named one array's dimensions and zarr-python
+    added another: nothing says row i of the unnamed one is not subject i of the named one,
+    so the row composes both (128 per record at --eps 1), not 64 each."""
+    if store == "hdf5":
+        src = tmp_path / "mixed.h5"
+        with h5py.File(src, "w") as f:
+            f["a"] = IMAGES
+            f["t"] = np.arange(20.0)
+            f["t"].make_scale("t")
+            f["a"].dims[0].attach_scale(f["t"])
+            f["b"] = MASKS
+        names = [["/a", "/b"]]
+    else:
+        xr = pytest.importorskip("xarray")
+        src = tmp_path / "mixed.zarr"
+        xr.Dataset({"a": (("time", "y", "x"), IMAGES)}).to_zarr(src, zarr_format=3, consolidated=False)
+        zarr.open_group(src, mode="a").create_array("b", data=MASKS)
+        names = [["a", "b"]]
+    m = run(cli, src, "--eps", "1")
+    assert m["row_datasets"] == names
+    assert m["accounting"]["per_record"]["epsilon"] == pytest.approx(128 * 255 / 256)

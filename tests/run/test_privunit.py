@@ -72,6 +72,21 @@ def test_the_sample_image_folder(cli, tmp_path):
     assert any("clip to [0, 255]" in step for step in m["postprocessing"])
 
 
+def test_records_of_several_ranges_are_clipped_each_to_its_own_and_the_manifest_says_so(cli, tmp_path):
+    """An 8-bit and a 16-bit image: each is written back within its own range, and the
+    manifest's write-back step named only the first range, [0, 256], which the 16-bit
+    image's values exceed."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    rng = np.random.default_rng(8)
+    Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(folder / "a.png")
+    Image.fromarray(rng.integers(0, 65536, (16, 16)).astype(np.uint16)).save(folder / "b.png")
+    m, _ = privunit(cli, folder, tmp_path / "out")
+    assert np.asarray(Image.open(tmp_path / "out" / "b.png")).max() > 256
+    step = next(step for step in m["postprocessing"] if "write back reference" in step)
+    assert "[0, 256]" in step and "[0, 65536]" in step and "value_ranges" in step
+
+
 @pytest.mark.parametrize("make", [make_npy, make_hdf5, make_zarr, make_images])
 def test_threads_and_blocking_do_not_change_seeded_output(tmp_path, make):
     src, read = make(tmp_path)

@@ -130,6 +130,40 @@ def test_netcdf_keeps_the_record_dimension_and_adds_a_coefficient_dimension(cli,
     assert np.abs(rebuilt(m, V) - written).max() < 1e-3
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_netcdf_dimension_scales_list_only_the_axes_attached(cli, tmp_path, grouped):
+    """Each dimension scale's REFERENCE_LIST names the (dataset, axis) pairs it is attached to,
+    each once: time's listed t2m's axis 0 twice (copied from the input, then attached again),
+    and lat and lon t2m's axes 1 and 2, which the coefficients do not have (axis 2 does not
+    exist). Grouped: netCDF4's variable in a group on the root's dimensions, beside another
+    group's variable not written."""
+    import netCDF4
+    from h5py import h5ds
+
+    if grouped:
+        src, var, group = tmp_path / "groups.nc", "/forecast/t2m", "forecast/"
+        with netCDF4.Dataset(src, "w") as nc:
+            for name, size in (("time", None), ("lat", 8), ("lon", 6)):
+                nc.createDimension(name, size)
+            nc.createVariable("time", "f8", ("time",))[:] = np.arange(len(DATA))
+            nc.createGroup("forecast").createVariable("t2m", "f4", ("time", "lat", "lon"))[:] = DATA[:, :, :6]
+            nc.createGroup("obs").createVariable("n", "u1", ("time", "lat", "lon"))[:] = DATA[:, :, :6]
+        run(cli, src, tmp_path / "coef.nc", "--range", "0:256", "--dataset", var)
+    else:
+        src, var, group = make_netcdf(tmp_path)[0], "/t2m", ""
+        run(cli, src, tmp_path / "coef.nc", "--range", "0:256")
+    with h5py.File(tmp_path / "coef.nc") as f:
+        listed = {}
+        for name in ("time", "lat", "lon", group + "coefficient"):
+            refs = f[name].attrs.get("REFERENCE_LIST")
+            listed[name] = [] if refs is None else [(f[ref].name, int(axis)) for ref, axis in refs]
+            for dataset, axis in listed[name]:
+                assert axis < f[dataset].ndim and h5ds.is_attached(f[dataset].id, f[name].id, axis)
+        assert listed == {"time": [(var, 0)], "lat": [], "lon": [], group + "coefficient": [(var, 1)]}
+    with netCDF4.Dataset(tmp_path / "coef.nc") as nc:
+        assert nc[var.strip("/")].dimensions == ("time", "coefficient")
+
+
 def make_stations():
     """xarray's dataset of stations: t(station, y, x) with a per-station elev(station) and a grid
     lat(y, x), both named by t's coordinates attribute."""

@@ -99,18 +99,23 @@ class NoiseStats:
         self.alignment: dict[tuple[int, float], list[np.ndarray]] = {}
 
     def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
-            basis=None):
+            basis=None, missing: np.ndarray | None = None):
+        """`missing`: where y holds a missing-data marker (copied, not perturbed; x holds the
+        public value perturb read there): those positions hold no noise and are left out."""
         n = x.shape[0]
         if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
             x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
+        if missing is not None:  # y as if it held x there: no noise, no distance
+            y = np.where(missing, x.astype(y.dtype), y)
+        present = None if missing is None else ~missing.reshape(n, -1)
         if calib.privunit is not None:
-            self._metrics(x, y, data_range)
+            self._metrics(x, y, data_range, present)
             self._add_alignment(x, y, calib, basis)
             return
-        sq, z, elements = self._metrics(x, y, data_range)
+        sq, z, elements = self._metrics(x, y, data_range, present)
         # retained: exact equality in the output dtype
         equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
-        self._add_noise(x, y, z, sq, elements, equal, calib)
+        self._add_noise(x, y, z, sq, elements, equal, calib, present)
 
     def _add_alignment(self, x: np.ndarray, y: np.ndarray, calib: Calibration, basis) -> None:
         """privunit: the cosine between each released record's coefficients (divided by the
@@ -125,16 +130,20 @@ class NoiseStats:
         params = calib.privunit_params()
         self.alignment.setdefault((params.k, params.alignment), []).append(np.einsum("ij,ij->i", released, raw))
 
-    def _metrics(self, x: np.ndarray, y: np.ndarray, data_range: float | None):
-        """Each record's error measures; returns (|z|^2 per record, z, elements)."""
+    def _metrics(self, x: np.ndarray, y: np.ndarray, data_range: float | None,
+                 present: np.ndarray | None = None):
+        """Each record's error measures, over its `present` elements (default: all); returns
+        (|z|^2 per record, z, elements)."""
         n = x.shape[0]
         xf = x.reshape(n, -1).astype(np.float64)
         yf = y.reshape(n, -1).astype(np.float64)
         z = yf - xf
         sq = (z * z).sum(axis=1)
         elements = xf.shape[1]
-        self.mse.append(sq / elements)
-        self.mae.append(np.abs(z).mean(axis=1))
+        counts = elements if present is None else present.sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a record wholly missing: NaN, left out
+            self.mse.append(sq / counts)
+            self.mae.append(np.abs(z).sum(axis=1) / counts)
         self.l2.append(np.sqrt(sq))
         with np.errstate(divide="ignore", invalid="ignore"):
             self.rel.append(np.sqrt(sq) / np.sqrt((xf * xf).sum(axis=1)))
@@ -144,25 +153,30 @@ class NoiseStats:
             self.ssim.append(ssim(x.astype(np.float64), y.astype(np.float64), data_range))
         return sq, z, elements
 
-    def _add_noise(self, x, y, z, sq, elements, equal, calib: Calibration) -> None:
-        """The noise's statistics: kept values, the squared norm against Table 5, a sample for
-        the goodness-of-fit test."""
+    def _add_noise(self, x, y, z, sq, elements, equal, calib: Calibration,
+                   present: np.ndarray | None = None) -> None:
+        """The noise's statistics over the `present` elements (default: all): kept values,
+        the squared norm against Table 5, a sample for the goodness-of-fit test."""
         n = x.shape[0]
+        if present is not None:
+            equal = equal & present
+        count = n * elements if present is None else int(present.sum())
         self.kept += int(equal.sum())
-        self.elements += equal.size
+        self.elements += count
         (m2, m4), f0 = moments(calib.noise, calib.scale), density_at_zero(calib.noise, calib.scale)
         if calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
-            self.rounding += equal.size * f0
+            self.rounding += count * f0
         elif y.dtype.kind == "f":
-            ulp = np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64)
-            self.rounding += float(np.minimum(ulp * f0, 1.0).sum())
+            ulp = np.minimum(np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64) * f0, 1.0)
+            self.rounding += float((ulp if present is None else ulp[present]).sum())
         q = 1 - calib.p
         if calib.granularity:  # noise in grid steps
             m2, m4 = m2 * calib.granularity**2, m4 * calib.granularity**4
         self.sum_sq += float(sq.sum())
-        self.expected_sq += n * elements * q * m2
-        self.var_sq += n * elements * (q * m4 - (q * m2) ** 2)
-        sample = z.reshape(-1)[~equal.reshape(-1)][:: self.step]
+        self.expected_sq += count * q * m2
+        self.var_sq += count * (q * m4 - (q * m2) ** 2)
+        noisy = ~equal if present is None else present & ~equal
+        sample = z.reshape(-1)[noisy.reshape(-1)][:: self.step]
         if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
             sample = np.rint(sample / calib.granularity)
         if self.noise_name is None or self.noise_scale is None:  # (set together)
@@ -172,7 +186,7 @@ class NoiseStats:
             # Records of another size (model tensors, --budget record): same family, rescaled.
             sample, scale = sample * (self.noise_scale / scale), self.noise_scale
         self.gof.setdefault(scale, []).append(sample)
-        self.expected_kept += equal.size * calib.p
+        self.expected_kept += count * calib.p
 
 
 def privunit_checks(stats: NoiseStats) -> list[dict]:
@@ -342,6 +356,7 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
     data_range = ((hi - lo - 1) if integer else (hi - lo)) if image_like else None
     clipped_input = any(step in ("clip", "clip_input") for step in m.get("preprocessing") or [])
     measured = Measured(stats, 0, data_range, [], [])
+    markers = _output_markers(m)
     for pair in pairs:
         if pair.perturbed_shape != pair.job.shape:
             continue
@@ -352,8 +367,11 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
             if clipped_input:  # the noise was added to the clipped values (in the array's range)
                 x = np.clip(x, *calibrated.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
+            missing = _at_markers(y, markers.get(pair.job.name))
             stats.add(x, y, pair.calib, _pair_range(calibrated, pair, data_range, integer),
-                      calibrated.bases.get(pair.job.name))
+                      calibrated.bases.get(pair.job.name), missing)
+            if missing is not None:  # the task sees the public value perturb read there
+                y = np.where(missing, x.astype(y.dtype), y)
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)
@@ -361,6 +379,23 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
             if progress:
                 progress(stop - start, total_records)
     return measured
+
+
+def _output_markers(m: dict) -> dict[str, list[float]]:
+    """By array, the markers its output holds where values are missing (copied, not
+    perturbed: the manifest's missing_values; noisy values were moved off them)."""
+    return {name: [float(v) for v in entry.get("output") or []]
+            for name, entry in (m.get("missing_values") or {}).items()}
+
+
+def _at_markers(y: np.ndarray, markers: list[float] | None) -> np.ndarray | None:
+    """Where `y` holds one of `markers` (NaN matching NaN); None when it holds none."""
+    if not markers:
+        return None
+    at = np.zeros(y.shape, bool)
+    for marker in markers:
+        at |= np.isnan(y) if math.isnan(marker) else y == marker
+    return at if at.any() else None
 
 
 def _pair_range(calibrated: Calibrated, pair, data_range: float | None, integer: bool) -> float | None:

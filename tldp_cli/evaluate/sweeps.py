@@ -23,6 +23,7 @@ from tldp_cli.evaluate.utility import (check_task, check_task_options, load_labe
 from tldp_cli.files import output
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit, parse_reference
 from tldp_cli.run.calibration import resolve_range
+from tldp_cli.run.pipeline import check_finite
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def sweep(original: Path, epsilons: list[float], *, labels: Path | str | None = 
     if x.dtype.kind not in "iuf":
         raise InputError(f"{original}: {x.dtype} data cannot be perturbed")
     job = formats.ArrayJob("array", tuple(x.shape), x.dtype, lambda a, b: x[a:b], {})
+    check_finite(x, job, 0, original)  # NaN (missing data): no noise or error can be measured on it
     lo, hi = resolve_range(value_range, [job], original)
     if x.size and (x.min() < lo or x.max() > hi):
         raise InputError(f"{original}: values lie outside the declared range [{lo:g}, {hi:g}]")

@@ -418,6 +418,10 @@ def detect(path: Path, format_name: str | None = None) -> Format:
         raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
+    if path.is_file() and _is_classic_netcdf(path):
+        raise InputError(f"{path}: a classic netCDF file (netCDF-3), which tldp does not read (it reads netCDF-4, "
+                         "an HDF5 file); convert it, e.g. nccopy -k nc4 IN.nc OUT.nc, or with xarray "
+                         "xr.open_dataset(IN).to_netcdf(OUT, format='NETCDF4'), and perturb that")
     raise InputError(f"{path}: not a dataset tldp can read (supported: {', '.join(names())})")
 
 
@@ -500,6 +504,16 @@ def _is_pickle(path: Path) -> bool:
     except OSError:
         return False
     return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def _is_classic_netcdf(path: Path) -> bool:
+    """netCDF-3: CDF then 1 (classic), 2 (64-bit offsets) or 5 (64-bit data)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head in (b"CDF\x01", b"CDF\x02", b"CDF\x05")
 
 
 LISTED = 5  # names shown in a message before "... and N more"

@@ -1510,6 +1510,7 @@ class Hdf5CoefficientWriter(Hdf5Writer):
                 found["/" + name] = obj
 
         self.src.visititems(visit)
+        self._detach_copied_scales()
         for src, out in self.coefficients:
             row = _row_dimension(src)
             written = self.copied.get(_object_key(self.src[row])) if row else None
@@ -1527,6 +1528,25 @@ class Hdf5CoefficientWriter(Hdf5Writer):
             out.dims[0].attach_scale(self._created[written])
             out.dims[1].attach_scale(made[group.name])
             self._write_coordinates(src, out, row, found)
+
+    def _detach_copied_scales(self) -> None:
+        """The dimension scales were copied with REFERENCE_LIST entries naming the perturbed
+        datasets' axes, which the coefficients do not have (or have anew: attach_scale lists
+        them): those entries go, and a list left empty with them. The scales are found among
+        the objects copied: File.visititems on the output being written crashed HDF5."""
+        file = self.file
+        assert file is not None
+        written = {_object_key(out) for _, out in self.coefficients}
+        copied = (file[path] for path in sorted(set(self.copied.values())))
+        scales = [obj for obj in copied if isinstance(obj, h5py.Dataset) and "REFERENCE_LIST" in obj.attrs]
+        for scale in scales:
+            value = scale.attrs["REFERENCE_LIST"]
+            keep = [bool(ref) and _object_key(file[ref]) not in written for ref in value["dataset"]]
+            if all(keep):
+                continue
+            del scale.attrs["REFERENCE_LIST"]
+            if any(keep):
+                scale.attrs.create("REFERENCE_LIST", value[keep], dtype=value.dtype)
 
     def _write_coordinates(self, src: h5py.Dataset, out: h5py.Dataset, row: str,
                            found: dict[str, h5py.Dataset]) -> None:

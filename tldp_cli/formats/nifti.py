@@ -69,6 +69,10 @@ TEXT_REASON = "free text in the header (it can name the subject, the site or the
 STATISTICS_REASON = "a statistic of the raw values (display window, extremes), not perturbed"
 LEGACY_REASON = "an ANALYZE 7.5 field that NIfTI readers ignore, not perturbed"
 EXTENSION_REASON = "a header extension: data tldp does not perturb (DICOM headers, notes, sidecars)"
+CIFTI_INTENTS = range(3000, 3100)  # nibabel opens a file with one of these as CIFTI-2, which needs its extension
+CIFTI_EXTENSION = 32
+CIFTI_REASON = ("a CIFTI-2 intent, whose CIFTI extension is left out: written as none (plain NIfTI-2), "
+                "since readers open a file with this intent as CIFTI-2 and fail without the extension")
 
 
 def _nibabel():
@@ -368,6 +372,10 @@ class NiftiReader(Reader):
             else:
                 left.drop(name, "extension", f"{EXTENSION_REASON}; code {code} ({label}), "
                                              f"{len(extension.content)} bytes")
+        self.plain_intent = (int(self.header["intent_code"]) in CIFTI_INTENTS
+                             and not any(e.get_code() == CIFTI_EXTENSION for e in self.kept_extensions))
+        if self.plain_intent:
+            left.drop("@intent_code", "header field", CIFTI_REASON)
         left.check(self.path)
         return left
 
@@ -402,6 +410,8 @@ def output_header(reader: NiftiReader, dtype: np.dtype):
     for key in (*STRUCTURAL_FIELDS, *reader.kept_fields):
         if key in source.keys():
             header[key] = source[key]
+    if reader.plain_intent:
+        header["intent_code"] = 0
     header.set_data_dtype(np.dtype(dtype))
     header.set_slope_inter(None, None)  # unscaled: nibabel writes NaN
     header["vox_offset"] = 0  # nibabel sets the least offset the extensions leave

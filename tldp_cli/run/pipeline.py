@@ -529,16 +529,20 @@ def row_groups(module: formats.Format, reader, jobs: list[ArrayJob]) -> list[lis
     (Format.shares_rows: HDF5 files, Zarr stores), the arrays perturbed together that share
     their first axis (row i of each is subject i): the same dimension where the format
     names them (ArrayJob.row_dimension), else the same length; every other array is a
-    record scope of its own. [] when no two arrays share rows. A reader that knows its
-    rows says so (Reader.rows: a NIfTI series' frames)."""
+    record scope of its own. An array whose axis 0 has no name may be any named one's
+    subjects: it joins every array of its length (all of them one scope). [] when no two
+    arrays share rows. A reader that knows its rows says so (Reader.rows: a NIfTI
+    series' frames)."""
     own = reader.rows(jobs)
     if own is not None:
         return own
     if not module.shares_rows or reader.records_are_tensors:
         return []
+    unnamed = {job.records for job in jobs if job.row_dimension is None}
     by_length: dict[tuple[int, str | None], list[str]] = {}
     for job in jobs:
-        by_length.setdefault((job.records, job.row_dimension), []).append(job.name)
+        dimension = None if job.records in unnamed else job.row_dimension
+        by_length.setdefault((job.records, dimension), []).append(job.name)
     if all(len(names) == 1 for names in by_length.values()):
         return []
     return list(by_length.values())

@@ -31,9 +31,12 @@ def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = No
         postprocessing = [f"store V, each record's released unit vector, as its k coefficients in "
                           f"{calibrated.out_dtype} ({rounding}; privunit.stored): no write-back"]
     elif calibrated.largest.privunit is not None:
+        ranges = sorted({(lo, hi) for lo, hi, _ in calibrated.bounds.values()}) or [(calibrated.lo, calibrated.hi)]
+        shown = ", ".join(f"[{lo:g}, {hi:g}]" for lo, hi in ranges)
+        clip = (f"clip to {shown}" if len(ranges) == 1
+                else f"clip each record to its own declared range ({shown}: value_ranges)")
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
-                          f"w: privunit.write_back), "
-                          f"clip to [{calibrated.lo:g}, {calibrated.hi:g}], cast to {calibrated.out_dtype}"]
+                          f"w: privunit.write_back), {clip}, cast to {calibrated.out_dtype}"]
     records_of: dict[Calibration, int] = {}
     for job in jobs:
         calib = calibrated.calib_of[job.name]
