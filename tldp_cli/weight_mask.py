@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -368,6 +368,9 @@ class _Maker:
         self.faces = [0, 0]  # faces found, images with at least one (shown, never stored)
         self.range = self._range()
         self.preview: Image.Image | None = None
+        # Weights computed from the private values (intensity is an exact function of each
+        # value; faces and detector boxes say where the people are): readable by their owner only.
+        self.data_derived = o.method in DATA_DERIVED_METHODS or o.data_derived
         if o.method == "box":
             self._match_box_files()
 
@@ -459,7 +462,7 @@ class _Maker:
                              f"({', '.join(map(str, sorted(shapes)))}); choose one with --dataset")
         shape = shapes.pop()
         mask = self._finish(self._static(shape, None, "the records"))
-        with open(tmp, "wb") as f:
+        with self._create(tmp) as f:
             np.save(f, mask)
         if self.o.preview:
             job = jobs[0]
@@ -476,6 +479,7 @@ class _Maker:
         lo, hi = self.data_range
         shape = job.shape if self.o.method == "intensity" else (job.records, *job.record_shape[:2])
         target = dataclasses.replace(job, shape=shape)
+        self._create(tmp).close()  # NpyWriter opens it again: it keeps its mode
         writer = NpyWriter(target, tmp, np.dtype(np.float32))
         try:
             for start, stop in block_bounds(job, BLOCK_ELEMENTS):
@@ -492,8 +496,12 @@ class _Maker:
             writer.close()
         return f"{job.records} masks of {'x'.join(map(str, shape[1:])) or 'scalar'}", list(shape)
 
+    def _create(self, path: Path) -> BinaryIO:
+        """A new mask file: its owner's only when the weights are data-derived."""
+        return output.create_private(path) if self.data_derived else open(path, "wb")
+
     def _write_folder(self, tmp: Path) -> str:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700 if self.data_derived else 0o777)
         lo, hi = self.range or (None, None)
         from_pixels = self.o.method in DATA_DERIVED_METHODS
         for job in self.jobs:
@@ -505,7 +513,8 @@ class _Maker:
             levels = to_png_levels(self._finish(mask))
             target = tmp / PurePosixPath(job.name).with_suffix(".png")
             target.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(levels, "L").save(target, format="PNG")
+            with self._create(target) as f:
+                Image.fromarray(levels, "L").save(f, format="PNG")
             if self.o.preview and self.preview is None and pixels is not None:  # (read for it above)
                 self.preview = preview_image(pixels, levels / 255.0, lo, hi)
         count = len(self.jobs)
@@ -535,7 +544,7 @@ def make_mask(o: MaskOptions) -> MaskResult:
         try:
             temps = {path: staging.temporary(path) for path, _ in targets}
             description, shape = maker.write(temps[o.out])
-            data_derived = o.method in DATA_DERIVED_METHODS or o.data_derived
+            data_derived = maker.data_derived
             meta = {"schema": SIDECAR_SCHEMA, "tool": {"name": "tldp", "version": __version__},
                     "method": o.method, "data_derived": data_derived, "shape": shape,
                     "per_record": o.method in PER_RECORD_METHODS and not maker.folder,

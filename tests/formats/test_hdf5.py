@@ -293,6 +293,45 @@ def test_hard_link_alias_gets_the_perturbed_data(cli, tmp_path):
         assert f["alias"].dtype == PERTURBED
 
 
+def test_external_links_are_dropped_unless_kept(cli, tmp_path):
+    """Regression: a link into another file was copied into the output as a link, so its target's
+    file name and path (raw metadata: whose record it is) left with the release, outside the
+    certificate. It is now left out and listed under `dropped`, and copied as a link (as before)
+    only when --keep names it."""
+    patients = tmp_path / "data" / "patients"
+    patients.mkdir(parents=True)
+    with h5py.File(patients / "john_smith.h5", "w") as f:
+        f["scans/2019-03-04"] = np.arange(10.0)
+    src = write_sample(tmp_path / "data.h5")
+    with h5py.File(src, "a") as f:
+        f["meta/previous"] = h5py.ExternalLink(str(patients / "john_smith.h5"), "/scans/2019-03-04")
+        assert f["meta/previous"].shape == (10,)  # the link resolves
+    result = run(cli, src, "--dataset", "/train/images", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    out = tmp_path / "data.tldp.h5"
+    with h5py.File(out, "r") as f:
+        assert "previous" not in f["meta"]
+        assert isinstance(f.get("latest", getlink=True), h5py.SoftLink)  # links inside the file stay
+    assert b"john_smith" not in out.read_bytes() and "john_smith" not in result.stdout
+    dropped = {d["name"]: d for d in manifest["dropped"]}
+    assert dropped["/meta/previous"]["kind"] == "external link"
+    assert "another file" in dropped["/meta/previous"]["reason"]
+    assert "external_links" not in manifest
+
+    result = run(cli, src, "--dataset", "/train/images", "--keep", "/meta/previous", "--json", "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    with h5py.File(out, "r") as f:
+        link = f["meta"].get("previous", getlink=True)
+        assert isinstance(link, h5py.ExternalLink)
+        assert (link.filename, link.path) == (str(patients / "john_smith.h5"), "/scans/2019-03-04")
+        np.testing.assert_array_equal(f["meta/previous"][()], np.arange(10.0))  # h5py follows it
+    assert {"name": "/meta/previous", "kind": "external link", "reason": "kept by --keep"} in manifest["unperturbed"]
+    assert manifest["external_links"] == [f"/meta/previous -> {patients / 'john_smith.h5'}:/scans/2019-03-04"]
+    assert "/meta/previous" not in {d["name"] for d in manifest["dropped"]}
+
+
 def test_integer_scaleoffset_is_dropped_with_a_note(cli, tmp_path):
     src = tmp_path / "so.h5"
     with h5py.File(src, "w") as f:

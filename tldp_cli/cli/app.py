@@ -195,10 +195,11 @@ def shown(value, spec: str = ".4g") -> str:
 
 
 def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -> None:
-    """--json prints the report to stdout; --report PATH writes it (complete or not at all)."""
+    """--json prints the report to stdout; --report PATH writes it (complete or not at all),
+    readable by its owner only: evaluate's and sweep's reports are computed from the raw data."""
     text = json.dumps(data, indent=2, allow_nan=False)
     if path is not None:
-        output.write_files({Path(path): (text + "\n").encode()}, overwrite)
+        output.write_files({Path(path): (text + "\n").encode()}, overwrite, private=True)
     if to_stdout:
         typer.echo(text)
 

@@ -50,7 +50,8 @@ def evaluate_command(
         "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", parser=output_path, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        "--report", parser=output_path, metavar="PATH",
+        help="Write the JSON report to PATH (as --json prints it), readable by its owner only.",
         show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "

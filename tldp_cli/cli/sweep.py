@@ -73,7 +73,8 @@ def sweep_command(
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
         "--report", parser=output_path, metavar="PATH", help="Write the JSON table to PATH too (as --json "
-                                                         "prints it).", show_default=False)] = None,
+                                                         "prints it). Both are readable by their owner only.",
+        show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing sweep files (and --report).")] = False,
     quiet: Quiet = False,
     debug: Debug = False,
