@@ -366,14 +366,15 @@ def test_dask_equals_threads(tmp_path):
 
 def test_images_of_several_sizes_and_colour(cli, tmp_path):
     """Each image is one record of its own shape: one calibration per size (channels last for
-    RGB, the alpha channel copied), and evaluate recomputes every size's split."""
+    RGB, the alpha channel copied where --keep alpha names it), and evaluate recomputes every
+    size's split."""
     folder = tmp_path / "imgs"
     folder.mkdir()
     rng = np.random.default_rng(2)
     Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(folder / "a.png")
     Image.fromarray(rng.integers(0, 256, (32, 32, 4), dtype=np.uint8), "RGBA").save(folder / "b.png")
     Image.fromarray(rng.integers(0, 256, (20, 30), dtype=np.uint8)).save(folder / "c.png")
-    m, result = privunit(cli, folder, tmp_path / "out")
+    m, result = privunit(cli, folder, tmp_path / "out", "--keep", "alpha")
     assert "the worst of 3 record sizes" in result.stderr
     shapes = sorted(tuple(c["privunit"]["record_shape"]) for c in m["calibrations"])
     assert shapes == [(20, 30), (32, 32, 3), (40, 60, 3)]

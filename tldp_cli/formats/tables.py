@@ -870,11 +870,12 @@ class TableWriter(Writer):
             steps.append(f"float columns ({', '.join(floats)}): store in the column's float type "
                          "(float16 saturating at its largest finite value)")
         if images:
+            alpha = ("copy the alpha channel unchanged (--keep COLUMN.alpha), " if any(self.reader.keep_alpha.values())
+                     else "leave out the alpha channel (RGBA written as RGB, LA as L), "
+                     if any(self.reader.alpha.values()) else "")
             steps.append(f"image columns ({', '.join(c.name for c in images)}): "
                          + ("" if dtype.kind in "iu" else "round to nearest integer (ties to even), ")
-                         + "clip to the image's bit depth, "
-                         + ("copy the alpha channel unchanged (--keep COLUMN.alpha), " if any(self.reader.keep_alpha.values())
-                            else "leave out the alpha channel (RGBA written as RGB, LA as L), ")
+                         + "clip to the image's bit depth, " + alpha
                          + ("keep" if any(self.reader.keep_icc.values()) else "drop") + " the ICC "
                          f"profile (EXIF and text dropped); PNG written as PNG, JPEG as JPEG (quality "
                          f"{JPEG_QUALITY}, lossy, after the noise), any other format as PNG")

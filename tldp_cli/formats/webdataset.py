@@ -826,7 +826,8 @@ class WebDatasetWriter(Writer):
                 "clip image members to " + ", ".join(f"[0, {2**d - 1}] ({d}-bit images)" for d in depths),
                 "write each image member as a PNG member under its key (KEY.jpg -> KEY.png) " + pixels.PNG_ENCODING,
                 ("copy an image's alpha channel unchanged (it is not perturbed; --keep alpha); " if reader.keep_alpha
-                 else "leave out an image's alpha channel (RGBA written as RGB, LA as L); ")
+                 else "leave out an image's alpha channel (RGBA written as RGB, LA as L); "
+                 if any(m.has_alpha for m in members) else "")
                 + ("keep" if reader.keep_icc else "drop") + " its ICC colour profile, drop EXIF and text metadata"]
         if has_arrays:
             steps.append(f"write each .npy member as a {self.dtype} .npy member of the same shape")
