@@ -238,7 +238,8 @@ ReferenceOption = Annotated[Optional[str], typer.Option(
          "(x - r projected, r + c B^T (w V) written; public, the guarantee does not depend on it). "
          "zero: 0, or the range end nearest 0; low: the range's lower end; mid: its middle; "
          "VALUE: a number in the range. auto (default): mid for colour images (records of shape "
-         "H x W x 3 or 4: a photo written from 0 comes out dark), zero for every other record "
+         "H x W x 3 or 4, or a stack of them D x H x W x 3 or 4: a photo written from 0 comes out dark), "
+         "zero for every other record "
          "(digits on black, volumes, vectors). The manifest states it.",
     show_default=False)]
 StoreOption = Annotated[Store, typer.Option(
