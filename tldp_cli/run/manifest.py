@@ -301,13 +301,14 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
         return entry
     entry["coefficient_order"] = [[int(n) for n in row] for row in zip(*basis.index)]
     if projection.is_volume(params.record_shape):
-        channels, depth, height, width = projection.volume_layout(params.record_shape)
+        channels, depth, height, width, channels_last = projection.volume_layout(params.record_shape)
         entry["layout"] = {"channels": channels, "depth": depth, "height": height, "width": width,
-                           "channels_last": False}
+                           "channels_last": channels_last}
         entry["basis_rows"] = ("row r of B is DCT-II row i (depth) times row j (height) times row l (width) "
                                "in channel c, [c, i, j, l] = coefficient_order[r], DCT-II row f of size n at "
                                "x = 0..n-1: sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the "
-                               "record's elements in layout order (channels, depth, height, width)")
+                               "record's elements in layout order (channels, depth, height, width), or "
+                               "(depth, height, width, channels) when layout.channels_last")
     else:
         channels, height, width, channels_last = projection.layout(params.record_shape)
         entry["layout"] = {"channels": channels, "height": height, "width": width, "channels_last": channels_last}
@@ -370,7 +371,8 @@ def reference_rule(params: Any) -> str:
     rule = f"{params.reference_rule}: {privunit.REFERENCE_RULES[params.reference_rule]}"
     if params.reference_option == "auto":
         colour = privunit.is_colour_image(params.record_shape)
-        rule += (" (--reference auto: mid for colour images (H, W, 3 or 4), zero for other records; "
+        rule += (" (--reference auto: mid for colour images (H, W, 3 or 4, or a stack of them: D, H, W, 3 or 4), "
+                 "zero for other records; "
                  f"these records are {'' if colour else 'not '}colour images)")
     return rule
 
