@@ -160,7 +160,9 @@ def read_output(path: Path) -> np.ndarray:
     the last channel, an extra sample), a PNG decoded as the reader decodes images."""
     if path.suffix.lower() in (".tif", ".tiff"):
         with tifffile.TiffFile(path) as tif:
-            pixels, has_alpha = tif.asarray(), bool(tif.pages[0].extrasamples)
+            first = tif.pages[0]  # the first page is always read in full, a TiffPage
+            pixels = tif.asarray()
+            has_alpha = isinstance(first, tifffile.TiffPage) and bool(first.extrasamples)
         if has_alpha:
             pixels = pixels[..., :-1]
             if pixels.shape[-1] == 1:
