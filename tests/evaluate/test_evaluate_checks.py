@@ -250,6 +250,57 @@ def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged
         "and objects more than 100 levels deep" in line, line
 
 
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("field, value, message", [
+    (("accounting", "per_record"), "x", "'accounting.per_record' is missing or not an object"),
+    (("accounting", "per_file", "approx"), 1, "'accounting.per_file.approx' is not an object"),
+    (("accounting", "dp_delta"), None, "'accounting.dp_delta' is missing or not a number"),
+    (("grid",), "x", "'grid' is not an object"),
+    (("weights",), 3, "'weights' is not an object"),
+    (("preprocessing",), 1, "'preprocessing' is not a list"),
+    (("inputs", 0, "shape"), None, "an 'inputs' entry's shape is not a list of integers"),
+    (("inputs", 0, "format"), [], "an 'inputs' entry's format is not a string"),
+])
+def test_a_manifest_damaged_inside_is_one_line_naming_it(cli, tmp_path, field, value, message):
+    """A field inside the manifest of the wrong JSON type failed as "unexpected error
+    (AttributeError ...); please report it": one line naming the file and the field, exit 1."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    path = tmp_path / "out.npy.manifest.json"
+    m = json.loads(path.read_text())
+    parent = m
+    for key in field[:-1]:
+        parent = parent[key]
+    parent[field[-1]] = value
+    path.write_text(json.dumps(m))
+    assert one_line(cli("evaluate", src, out), 1) == f"tldp: error: {path}: damaged manifest: {message}"
+
+
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("field", [("accounting", "per_record", "epsilon"), ("accounting", "per_file", "records"),
+                                   ("retain_probability",), ("expected_l2_error_per_record",)])
+def test_a_stated_figure_that_is_no_number_fails_the_parameters_check(cli, tmp_path, field):
+    """It failed as "unexpected error (ValueError: could not convert string to float)": the
+    figure disagrees with the one recomputed, as any other wrong figure does."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    path = tmp_path / "out.npy.manifest.json"
+    m = json.loads(path.read_text())
+    parent = m
+    for key in field[:-1]:
+        parent = parent[key]
+    parent[field[-1]] = "x"
+    path.write_text(json.dumps(m))
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 1 and "unexpected error" not in result.stderr
+    parameters = checks(report)["parameters"]
+    assert parameters["passed"] is False
+    assert {"field": ".".join(field), "manifest": "x"}.items() <= next(
+        mm for mm in parameters["mismatches"] if mm["field"] == ".".join(field)).items()
+
+
 def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
     """Two record sizes of two k: each record's cosine is set beside its own calibration's
     E<V, u>, and the expected mean is theirs weighted by the records, not the largest k's."""
