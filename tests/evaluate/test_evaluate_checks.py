@@ -257,6 +257,9 @@ def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged
     (("accounting", "dp_delta"), None, "'accounting.dp_delta' is missing or not a number"),
     (("grid",), "x", "'grid' is not an object"),
     (("weights",), 3, "'weights' is not an object"),
+    (("privunit",), "x", "'privunit' is not an object"),
+    (("privunit", "basis"), -1, "'privunit.basis' is not an object"),
+    (("accounting", "privunit"), "x", "'accounting.privunit' is not an object"),
     (("preprocessing",), 1, "'preprocessing' is not a list"),
     (("inputs", 0, "shape"), None, "an 'inputs' entry's shape is not a list of integers"),
     (("inputs", 0, "format"), [], "an 'inputs' entry's format is not a string"),
@@ -266,7 +269,8 @@ def test_a_manifest_damaged_inside_is_one_line_naming_it(cli, tmp_path, field, v
     (AttributeError ...); please report it": one line naming the file and the field, exit 1."""
     src = tmp_path / "d.npy"
     np.save(src, DIGITS[:20])
-    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    mechanism = ["--mechanism", "privunit"] if "privunit" in field else []
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1", *mechanism)
     path = tmp_path / "out.npy.manifest.json"
     m = json.loads(path.read_text())
     parent = m

@@ -493,9 +493,11 @@ def _nested_problem(m: dict[str, Any]) -> str | None:
             return f"'accounting.{scope}' is missing or not an object"
         if isinstance(value, dict) and not isinstance(value.get("approx", {}), dict):
             return f"'accounting.{scope}.approx' is not an object"
-    for key in ("grid", "weights"):
-        if m.get(key) is not None and not isinstance(m[key], dict):
-            return f"{key!r} is not an object"
+    for keys in (("grid",), ("weights",), ("privunit",), ("privunit", "basis"), ("accounting", "privunit")):
+        parent = m if len(keys) == 1 else m.get(keys[0])
+        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+        if value is not None and not isinstance(value, dict):
+            return f"'{'.'.join(keys)}' is not an object"
     if not isinstance(m.get("preprocessing", []), list):
         return "'preprocessing' is not a list"
     for entry in m["inputs"]:
