@@ -328,3 +328,50 @@ def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
         assert c["expected_alignment"] == pytest.approx(own[c["records"]])
     weighted = sum(c["mean_cosine"] * c["records"] for c in check["calibrations"]) / 100
     assert check["mean_cosine"] == pytest.approx(weighted)
+
+
+# --------------------------------------------------------------------------- reports over what is read
+
+@pytest.mark.parametrize("target", ["d.npy", "out.npy", "out.npy.manifest.json"])
+def test_evaluate_report_never_replaces_what_it_reads(cli, tmp_path, target):
+    """--report naming the original, the perturbed copy or the manifest replaced it with
+    the report, --overwrite given: the raw data, the release or its certificate lost."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    line = one_line(cli("evaluate", src, out, "--report", tmp_path / target, "--overwrite"), 2)
+    assert f"the report would replace {tmp_path / target}, which this command reads" in line
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("inside", ["photos", "photos.tldp"])
+def test_evaluate_report_is_never_written_inside_a_folder_it_reads(cli, tmp_path, inside):
+    """A report (computed from the raw data) landed inside the release folder, or inside the
+    raw image folder."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((6, 6), 100, np.uint8)).save(src / name)
+    out = perturb(cli, src, tmp_path / "photos.tldp", "--eps", "1")
+    line = one_line(cli("evaluate", src, out, "--report", tmp_path / inside / "report.json"), 2)
+    assert "the report would be written inside" in line and inside in line
+    assert siblings(src) == {"a.png", "b.png"} and siblings(out) == {"a.png", "b.png"}
+
+
+def test_sweep_never_writes_over_or_into_what_it_reads(cli, tmp_path):
+    """sweep --report ORIGINAL --overwrite replaced the raw data with the JSON table, and
+    --out inside an image folder wrote the tables among its images."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    raw = src.read_bytes()
+    line = one_line(cli("sweep", src, "--eps", "1", "--out", tmp_path / "sw", "--report", src, "--overwrite",
+                        "--methods", "TLDP-L"), 2)
+    assert f"the report would replace {src}, which this command reads" in line
+    assert src.read_bytes() == raw and siblings(tmp_path) == {"d.npy"}
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.full((6, 6), 100, np.uint8)).save(photos / "a.png")
+    line = one_line(cli("sweep", photos, "--eps", "1", "--out", photos, "--methods", "TLDP-L"), 2)
+    assert "the sweep table would be written inside" in line
+    assert siblings(photos) == {"a.png"}

@@ -99,6 +99,12 @@ def sweep_command(
     from tldp_cli.run.pipeline import parse_range
 
     def action():
+        from tldp_cli.files.output import check_outside_inputs
+
+        reads = [p for p in (original, weights, test, seed_file, *(Path(t) for t in (labels, test_labels) if t))
+                 if p is not None]
+        for path in [*(out / name for name in ev.SWEEP_FILES), *([report_path] if report_path else [])]:
+            check_outside_inputs(path, reads, "report" if path == report_path else "sweep table")
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:
