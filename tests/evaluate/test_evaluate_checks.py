@@ -375,3 +375,16 @@ def test_sweep_never_writes_over_or_into_what_it_reads(cli, tmp_path):
     line = one_line(cli("sweep", photos, "--eps", "1", "--out", photos, "--methods", "TLDP-L"), 2)
     assert "the sweep table would be written inside" in line
     assert siblings(photos) == {"a.png"}
+
+
+@pytest.mark.parametrize("report", ["exists.json", "missing/report.json"])
+def test_sweep_refuses_its_report_before_writing_its_tables(cli, tmp_path, report):
+    """An existing --report (no --overwrite) or one in a missing folder failed only after the
+    whole sweep, its tables already written: exit 1 with half the outputs."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    (tmp_path / "exists.json").write_text("{}")
+    line = one_line(cli("sweep", src, "--eps", "1", "--out", tmp_path / "sw", "--report", tmp_path / report,
+                        "--methods", "TLDP-L"), 1)
+    assert str(tmp_path / report) in line
+    assert siblings(tmp_path) == {"d.npy", "exists.json"} and (tmp_path / "exists.json").read_text() == "{}"

@@ -105,6 +105,11 @@ def sweep_command(
                  if p is not None]
         for path in [*(out / name for name in ev.SWEEP_FILES), *([report_path] if report_path else [])]:
             check_outside_inputs(path, reads, "report" if path == report_path else "sweep table")
+            # before the sweep, not once its tables are written: complete or absent
+            if os.path.lexists(path) and not overwrite:
+                raise ev.OutputError(f"{path}: exists; pass --overwrite to replace it")
+        if report_path is not None and not report_path.parent.is_dir():
+            raise ev.OutputError(f"{report_path}: folder {report_path.parent} does not exist")
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:
