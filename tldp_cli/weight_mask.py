@@ -538,7 +538,8 @@ def make_mask(o: MaskOptions) -> MaskResult:
         for path, what in targets:
             output.check_destination(path, o.input, o.overwrite, what,
                                      folder=path == o.out and module.records_are_files)
-        output.check_distinct({what: path for path, what in targets})
+        reads = {what: path for what, path in (("box file", o.boxes), ("mask image", o.mask_image)) if path}
+        output.check_distinct({**{what: path for path, what in targets}, **reads})
 
         staging = output.Staging()
         try:

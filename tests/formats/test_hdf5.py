@@ -360,6 +360,28 @@ def test_corrupt_file(cli, tmp_path, damage):
     assert tree_digest(src) == before
 
 
+@pytest.mark.slow
+def test_a_file_another_program_writes_says_so(cli, tmp_path):
+    """HDF5 refuses the read lock while another process has the file open for writing: that
+    was reported as "it may be truncated or corrupt"."""
+    import subprocess
+    import sys
+
+    src = write_sample(tmp_path / "busy.h5")
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, h5py; f = h5py.File(sys.argv[1], 'a'); "
+                               "print('open', flush=True); sys.stdin.read()", str(src)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        result = run(cli, src)
+    finally:
+        writer.communicate("")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert str(src) in line and "another program has the HDF5 file open for writing" in line
+    assert "corrupt" not in line
+
+
 def test_float_dataset_needs_a_range(cli, tmp_path):
     src = tmp_path / "f.h5"
     with h5py.File(src, "w") as f:

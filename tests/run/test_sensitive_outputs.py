@@ -309,6 +309,24 @@ def test_name_map_inside_the_output_or_input_is_refused(cli, family, tmp_path):
     assert siblings(tmp_path) == {"family_photos", "release", "release.manifest.json", "first.map.json"}
 
 
+@pytest.mark.parametrize("destination", ["--manifest", "--name-map"])
+def test_the_weights_sidecar_is_never_replaced(cli, tmp_path, destination):
+    """The sidecar of --weights (MASK.json, which says whether the mask is data-derived) is a
+    file the run reads; --manifest or --name-map naming it, --overwrite given, replaced it."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((6, 6), 100, np.uint8)).save(photos / name)
+    masks = tmp_path / "masks"
+    ok(cli("weight-mask", photos, "--method", "constant", "--weight", "0.5", "--out", masks, "-q"))
+    sidecar = tmp_path / "masks.json"
+    before = tree_digest(tmp_path)
+    one_line_error(cli("perturb", photos, "--eps", "1", "--anonymize-names", "--weights", masks,
+                       "--out", tmp_path / "release", destination, sidecar, "--overwrite"),
+                   2, "the weights sidecar and the", "name the same file")
+    assert tree_digest(tmp_path) == before
+
+
 def test_existing_name_map_is_not_replaced_without_overwrite(cli, family, tmp_path):
     (tmp_path / "family_photos.name-map.json").write_text("mine")
     assert_one_line_error(cli("perturb", family, "--eps", "1", "--anonymize-names", "--skip-bad", "--out",

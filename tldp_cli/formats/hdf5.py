@@ -404,6 +404,9 @@ class Hdf5Reader(Reader):
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")
         except Exception as exc:
+            if "unable to lock file" in str(exc):  # HDF5's file lock: a writer has it open
+                raise InputError(f"{path}: another program has the HDF5 file open for writing (HDF5 "
+                                 "refuses the read lock); close it there and run again") from None
             raise InputError(f"{path}: cannot read the HDF5 file ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
         try:

@@ -478,3 +478,35 @@ def check(m: Any, path: Path) -> None:
     for entry in m["inputs"]:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
             raise InputError(f"{path}: damaged manifest: an 'inputs' entry lacks its path")
+    problem = _nested_problem(m)
+    if problem:
+        raise InputError(f"{path}: damaged manifest: {problem}")
+
+
+def _nested_problem(m: dict[str, Any]) -> str | None:
+    """The first field inside a manifest that evaluate reads whose JSON type is wrong (a
+    figure of the wrong type is a mismatch of evaluate's parameters check instead)."""
+    accounting = m["accounting"]
+    dp_delta = accounting.get("dp_delta")
+    if not isinstance(dp_delta, _NUMBER) or isinstance(dp_delta, bool):
+        return "'accounting.dp_delta' is missing or not a number"
+    for scope in ("per_element", "per_record", "per_file"):
+        value = accounting.get(scope)
+        if not isinstance(value, dict) and (scope != "per_file" or value is not None):
+            return f"'accounting.{scope}' is missing or not an object"
+        if isinstance(value, dict) and not isinstance(value.get("approx", {}), dict):
+            return f"'accounting.{scope}.approx' is not an object"
+    for keys in (("grid",), ("weights",), ("privunit",), ("privunit", "basis"), ("accounting", "privunit")):
+        parent = m if len(keys) == 1 else m.get(keys[0])
+        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+        if value is not None and not isinstance(value, dict):
+            return f"'{'.'.join(keys)}' is not an object"
+    if not isinstance(m.get("preprocessing", []), list):
+        return "'preprocessing' is not a list"
+    for entry in m["inputs"]:
+        shape = entry.get("shape", [])
+        if not (isinstance(shape, list) and all(type(n) is int for n in shape)):
+            return "an 'inputs' entry's shape is not a list of integers"
+        if not isinstance(entry.get("format", ""), str):
+            return "an 'inputs' entry's format is not a string"
+    return None

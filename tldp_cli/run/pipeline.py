@@ -47,7 +47,7 @@ from tldp_cli.privacy.mechanisms import (
 from tldp_cli.run import bases as bases_mod
 from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.sampling.rng import Streams, records_per_unit
-from tldp_cli.run.masks import Mask, load_masks, weights_warning
+from tldp_cli.run.masks import Mask, load_masks, sidecar_path, weights_warning
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
     BLOCK_ELEMENTS, COEFFICIENTS, RECORDS, STORE_CHOICES, PerturbOptions, as_range, checked_budget, checked_input,
     checked_noise, checked_options, float_dtype, parse_range, parse_ranges)
@@ -591,6 +591,7 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
     # streaming buffers.
     certified = certified_figures(calibrations, [[calib_of[name] for name in row] for row in rows],
                                   [(job.name, calib_of[job.name], job.records) for job in jobs], per_tensor)
+    _refuse_infinite(certified, source, options.eps)
     raw_release = accounting.raw_release_scopes(certified)
     if raw_release and not options.allow_raw_release:
         scope, delta = next(((s, d) for s, d in raw_release if s == "per_record"), raw_release[0])
@@ -611,6 +612,17 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                       _in_range_markers(jobs, bounds),
                       {name: basis for group in groups for name, basis in group.bases.items()}, user,
                       _range_groups(groups, jobs, rows, declared) if len(groups) > 1 else [])
+
+
+def _refuse_infinite(certified: Certificate, source: object, eps: float) -> None:
+    """A figure past float64 (an --eps near its largest value, times a record's elements or
+    the file's records) cannot be stated, in the manifest or anywhere: refused as a usage error."""
+    for scope in ("per_element", "per_record", "per_file"):
+        figures = getattr(certified, scope)
+        values = [] if figures is None else [figures.epsilon, figures.approx_epsilon, figures.rho or 0.0]
+        if not all(math.isfinite(value) for value in values):
+            raise UsageError(f"{source}: --eps {eps:g} gives an infinite eps {scope.replace('_', ' ')} "
+                             "(beyond float64 arithmetic); lower --eps")
 
 
 def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[list[str]],
@@ -1033,11 +1045,14 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
                                                                             manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
-    # Neither may replace a file the run reads: the weights, the seed file, the ledger, a user's basis.
+    # Neither, nor a --name-map, may replace a file the run reads: the weights (and their
+    # sidecar, which says whether they are data-derived), the seed file, the ledger, a user's basis.
     protected = {"weights": options.weights, "seed file": options.seed_file, "ledger": options.ledger,
+                 "weights sidecar": sidecar_path(Path(options.weights)) if options.weights else None,
                  "basis": bases_mod.parse_basis(options.basis).path if options.mechanism == PRIVUNIT else None}
-    output.check_distinct({"output": destination, "manifest": manifest_path,
-                           **{what: Path(p) for what, p in protected.items() if p is not None}})
+    written = {"output": destination, "manifest": manifest_path,
+               **({"name map": Path(options.name_map)} if options.name_map else {})}
+    output.check_distinct({**written, **{what: Path(p) for what, p in protected.items() if p is not None}})
     return destination, manifest_path
 
 
