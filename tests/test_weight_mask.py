@@ -576,3 +576,22 @@ def test_faces_without_opencv(cli, digits_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cv2", None)  # import cv2 now raises ImportError
     check_nothing_written(cli, tmp_path, 1, digits_file, "--method", "faces", "--out",
                           tmp_path / "m.npy", fragments=("OpenCV", "tldp-tensors[faces]"))
+
+
+@pytest.mark.parametrize("case", ["box file as mask", "box file as sidecar", "mask image as preview"])
+def test_the_mask_never_replaces_a_file_it_reads(cli, tmp_path, case):
+    """--out or --preview naming the --boxes file or the --mask-image, --overwrite given,
+    replaced it with the mask (a .npy under the box file's name) or the preview."""
+    src = tmp_path / "d.npy"
+    np.save(src, np.zeros((4, 8, 8), np.uint8))
+    boxes = tmp_path / ("m.npy.json" if case == "box file as sidecar" else "boxes.csv")
+    boxes.write_text("x0,y0,x1,y1,weight\n1,1,4,4,1\n")
+    region = save_png(tmp_path / "region.png", np.full((8, 8), 200, np.uint8))
+    args = {"box file as mask": ["--method", "box", "--boxes", boxes, "--out", boxes],
+            "box file as sidecar": ["--method", "box", "--boxes", boxes, "--out", tmp_path / "m.npy"],
+            "mask image as preview": ["--method", "image", "--mask-image", region, "--out", tmp_path / "m.npy",
+                                      "--preview", region]}[case]
+    before = tree_digest(tmp_path)
+    result = cli("weight-mask", src, *args, "--overwrite")
+    assert_one_line_error(result, 2, "name the same file")
+    assert tree_digest(tmp_path) == before

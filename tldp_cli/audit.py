@@ -522,6 +522,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise UsageError(f"--elements must be a count I or a record shape like 28x28, not {text!r}") from None
     if not shape or min(shape) < 1:
         raise UsageError(f"--elements must be positive, not {text!r}")
+    if math.prod(shape) >= 2**63:  # NumPy counts elements in int64
+        raise UsageError(f"--elements {text}: more elements per record than an array can hold (2^63)")
     return shape
 
 

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -369,6 +369,9 @@ class _Maker:
         self.faces = [0, 0]  # faces found, images with at least one (shown, never stored)
         self.range = self._range()
         self.preview: Image.Image | None = None
+        # Weights computed from the private values (intensity is an exact function of each
+        # value; faces and detector boxes say where the people are): readable by their owner only.
+        self.data_derived = o.method in DATA_DERIVED_METHODS or o.data_derived
         if o.method == "box":
             self._match_box_files()
 
@@ -460,7 +463,7 @@ class _Maker:
                              f"({', '.join(map(str, sorted(shapes)))}); choose one with --dataset")
         shape = shapes.pop()
         mask = self._finish(self._static(shape, None, "the records"))
-        with open(tmp, "wb") as f:
+        with self._create(tmp) as f:
             np.save(f, mask)
         if self.o.preview:
             job = jobs[0]
@@ -477,6 +480,7 @@ class _Maker:
         lo, hi = self.data_range
         shape = job.shape if self.o.method == "intensity" else (job.records, *job.record_shape[:2])
         target = dataclasses.replace(job, shape=shape)
+        self._create(tmp).close()  # NpyWriter opens it again: it keeps its mode
         writer = NpyWriter(target, tmp, np.dtype(np.float32))
         try:
             for start, stop in block_bounds(job, BLOCK_ELEMENTS):
@@ -493,8 +497,12 @@ class _Maker:
             writer.close()
         return f"{job.records} masks of {'x'.join(map(str, shape[1:])) or 'scalar'}", list(shape)
 
+    def _create(self, path: Path) -> BinaryIO:
+        """A new mask file: its owner's only when the weights are data-derived."""
+        return output.create_private(path) if self.data_derived else open(path, "wb")
+
     def _write_folder(self, tmp: Path) -> str:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700 if self.data_derived else 0o777)
         lo, hi = self.range or (None, None)
         from_pixels = self.o.method in DATA_DERIVED_METHODS
         for job in self.jobs:
@@ -506,7 +514,8 @@ class _Maker:
             levels = to_png_levels(self._finish(mask))
             target = tmp / PurePosixPath(job.name).with_suffix(".png")
             target.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(levels, "L").save(target, format="PNG")
+            with self._create(target) as f:
+                Image.fromarray(levels, "L").save(f, format="PNG")
             if self.o.preview and self.preview is None and pixels is not None:  # (read for it above)
                 self.preview = preview_image(pixels, levels / 255.0, lo, hi)
         count = len(self.jobs)
@@ -530,13 +539,14 @@ def make_mask(o: MaskOptions) -> MaskResult:
         for path, what in targets:
             output.check_destination(path, o.input, o.overwrite, what,
                                      folder=path == o.out and module.records_are_files)
-        output.check_distinct({what: path for path, what in targets})
+        reads = {what: path for what, path in (("box file", o.boxes), ("mask image", o.mask_image)) if path}
+        output.check_distinct({**{what: path for path, what in targets}, **reads})
 
         staging = output.Staging()
         try:
             temps = {path: staging.temporary(path) for path, _ in targets}
             description, shape = maker.write(temps[o.out])
-            data_derived = o.method in DATA_DERIVED_METHODS or o.data_derived
+            data_derived = maker.data_derived
             meta = {"schema": SIDECAR_SCHEMA, "tool": {"name": "tldp", "version": __version__},
                     "method": o.method, "data_derived": data_derived, "shape": shape,
                     "per_record": o.method in PER_RECORD_METHODS and not maker.folder,

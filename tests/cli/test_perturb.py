@@ -237,6 +237,46 @@ def test_bad_eps_is_a_usage_error(cli, digits_file, tmp_path, eps):
     run_and_check_nothing_written(cli, tmp_path, digits_file, "--eps", eps, code=2, fragments=("--eps",))
 
 
+@pytest.mark.parametrize("args", [["--eps", "1e160"], ["--eps", "1e160", "--budget", "record"],
+                                  ["--eps", "1e160", "--mechanism", "baseline"]])
+def test_a_huge_eps_is_certified_not_an_unexpected_error(cli, digits_file, tmp_path, args):
+    """A per-element eps whose square leaves float64 (the zCDP bound of the discrete Laplace)
+    once failed with OverflowError; the pure bound holds."""
+    result = cli("perturb", digits_file, *args, "--json", "--quiet", "--out", tmp_path / "o.npy")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)["accounting"]["per_record"]
+    assert math.isfinite(record["epsilon"]) and record["epsilon"] >= 1e157
+
+
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+@pytest.mark.parametrize("args", [["--eps", "1.7e308"], ["--eps", "1e305"], ["--eps", "1e305", "--noise", "gaussian"],
+                                  ["--eps", "1.7e308", "--mechanism", "baseline"]])
+def test_an_eps_whose_figures_leave_float64_is_a_usage_error(cli, digits_file, tmp_path, command, args):
+    """Per record (784 elements) or per file (60 records), the figure is infinite: refused at once,
+    never a manifest that cannot be written."""
+    result = cli(command, digits_file, *args, "--json", *(["--out", tmp_path / "o.npy"] if command == "perturb" else []))
+    assert_one_line_error(result, 2, "digits.npy", "--eps", "infinite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.npy"]
+
+
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+@pytest.mark.parametrize("value_range, eps", [("0:1", "1e306"), ("0:1", "1.7e308"), ("-1e308:1e308", "1")])
+def test_float_data_without_a_grid_step_is_a_usage_error(cli, tmp_path, command, value_range, eps):
+    """The exact sampler's automatic grid step, (HI - LO) / (1024 eps), leaves float64 (0 or inf):
+    once an unexpected error (math domain error, OverflowError)."""
+    src = tmp_path / "f.npy"
+    np.save(src, np.full((10, 4), 0.5))
+    extra = ["--out", tmp_path / "o.npy"] if command == "perturb" else []
+    result = cli(command, src, "--eps", eps, f"--range={value_range}", *extra)
+    assert_one_line_error(result, 2, "f.npy", "beyond float64 arithmetic")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.npy"]
+
+
+def test_audit_without_a_grid_step_is_a_usage_error(cli):
+    result = cli("audit", "--eps", "1.7e308", "--elements", "4", "--range", "0:1", "--samples", "1000")
+    assert_one_line_error(result, 2, "beyond float64 arithmetic")
+
+
 def test_float_data_needs_a_range(cli, tmp_path):
     src = tmp_path / "f.npy"
     np.save(src, np.zeros((3, 3)))

@@ -103,6 +103,17 @@ def test_inputs_from_refuses_urls_and_dashes_naming_the_line(cli, raw, tmp_path,
     assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}
 
 
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+def test_inputs_from_a_nul_separated_list_is_a_usage_error(cli, raw, tmp_path, command):
+    """`find -print0 | tldp perturb --inputs-from -` failed as "unexpected error (ValueError:
+    embedded null byte); please report it"."""
+    listing = tmp_path / "inputs.txt"
+    listing.write_bytes(f"{raw / 'a.npy'}\0{raw / 'b.npy'}\0".encode())
+    assert_one_line_error(cli(command, "--inputs-from", listing, "--eps", "1"), 2,
+                          f"{listing}: holds a NUL byte", "one path per line")
+    assert siblings(raw) == {"a.npy", "b.npy", "c.npy"}
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--seed", SEED, "--allow-weak-seed"], "a seed is for one release"),
     (["--manifest", "m.json"], "--manifest names one file"),

@@ -243,6 +243,61 @@ def test_a_deeply_nested_manifest_or_name_map_is_one_line(cli, tmp_path, damaged
         "and objects more than 100 levels deep" in line, line
 
 
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("field, value, message", [
+    (("accounting", "per_record"), "x", "'accounting.per_record' is missing or not an object"),
+    (("accounting", "per_file", "approx"), 1, "'accounting.per_file.approx' is not an object"),
+    (("accounting", "dp_delta"), None, "'accounting.dp_delta' is missing or not a number"),
+    (("grid",), "x", "'grid' is not an object"),
+    (("weights",), 3, "'weights' is not an object"),
+    (("privunit",), "x", "'privunit' is not an object"),
+    (("privunit", "basis"), -1, "'privunit.basis' is not an object"),
+    (("accounting", "privunit"), "x", "'accounting.privunit' is not an object"),
+    (("preprocessing",), 1, "'preprocessing' is not a list"),
+    (("inputs", 0, "shape"), None, "an 'inputs' entry's shape is not a list of integers"),
+    (("inputs", 0, "format"), [], "an 'inputs' entry's format is not a string"),
+])
+def test_a_manifest_damaged_inside_is_one_line_naming_it(cli, tmp_path, field, value, message):
+    """A field inside the manifest of the wrong JSON type failed as "unexpected error
+    (AttributeError ...); please report it": one line naming the file and the field, exit 1."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    mechanism = ["--mechanism", "privunit"] if "privunit" in field else []
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1", *mechanism)
+    path = tmp_path / "out.npy.manifest.json"
+    m = json.loads(path.read_text())
+    parent = m
+    for key in field[:-1]:
+        parent = parent[key]
+    parent[field[-1]] = value
+    path.write_text(json.dumps(m))
+    assert one_line_error(cli("evaluate", src, out), 1) == f"tldp: error: {path}: damaged manifest: {message}"
+
+
+@pytest.mark.damaged_manifests
+@pytest.mark.parametrize("field", [("accounting", "per_record", "epsilon"), ("accounting", "per_file", "records"),
+                                   ("retain_probability",), ("expected_l2_error_per_record",)])
+def test_a_stated_figure_that_is_no_number_fails_the_parameters_check(cli, tmp_path, field):
+    """It failed as "unexpected error (ValueError: could not convert string to float)": the
+    figure disagrees with the one recomputed, as any other wrong figure does."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    path = tmp_path / "out.npy.manifest.json"
+    m = json.loads(path.read_text())
+    parent = m
+    for key in field[:-1]:
+        parent = parent[key]
+    parent[field[-1]] = "x"
+    path.write_text(json.dumps(m))
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 1 and "unexpected error" not in result.stderr
+    parameters = checks(report)["parameters"]
+    assert parameters["passed"] is False
+    assert {"field": ".".join(field), "manifest": "x"}.items() <= next(
+        mm for mm in parameters["mismatches"] if mm["field"] == ".".join(field)).items()
+
+
 def test_evaluate_weighs_the_alignment_of_records_of_several_k(cli, tmp_path):
     """Two record sizes of two k: each record's cosine is set beside its own calibration's
     E<V, u>, and the expected mean is theirs weighted by the records, not the largest k's."""
@@ -280,3 +335,63 @@ def test_evaluate_and_sweep_refuse_a_partial_task_or_an_unknown_model_before_rea
         ev.evaluate(tmp_path / "none.npy", tmp_path / "none.tldp.npy", **task)
     with pytest.raises(ev.UsageError, match=refusal):
         ev.sweep(tmp_path / "none.npy", [1.0], **task)
+
+
+# --------------------------------------------------------------------------- reports over what is read
+
+@pytest.mark.parametrize("target", ["d.npy", "out.npy", "out.npy.manifest.json"])
+def test_evaluate_report_never_replaces_what_it_reads(cli, tmp_path, target):
+    """--report naming the original, the perturbed copy or the manifest replaced it with
+    the report, --overwrite given: the raw data, the release or its certificate lost."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    out = perturb(cli, src, tmp_path / "out.npy", "--eps", "1")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    line = one_line_error(cli("evaluate", src, out, "--report", tmp_path / target, "--overwrite"), 2)
+    assert f"the report would replace {tmp_path / target}, which this command reads" in line
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("inside", ["photos", "photos.tldp"])
+def test_evaluate_report_is_never_written_inside_a_folder_it_reads(cli, tmp_path, inside):
+    """A report (computed from the raw data) landed inside the release folder, or inside the
+    raw image folder."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((6, 6), 100, np.uint8)).save(src / name)
+    out = perturb(cli, src, tmp_path / "photos.tldp", "--eps", "1")
+    line = one_line_error(cli("evaluate", src, out, "--report", tmp_path / inside / "report.json"), 2)
+    assert "the report would be written inside" in line and inside in line
+    assert siblings(src) == {"a.png", "b.png"} and siblings(out) == {"a.png", "b.png"}
+
+
+def test_sweep_never_writes_over_or_into_what_it_reads(cli, tmp_path):
+    """sweep --report ORIGINAL --overwrite replaced the raw data with the JSON table, and
+    --out inside an image folder wrote the tables among its images."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    raw = src.read_bytes()
+    line = one_line_error(cli("sweep", src, "--eps", "1", "--out", tmp_path / "sw", "--report", src, "--overwrite",
+                        "--methods", "TLDP-L"), 2)
+    assert f"the report would replace {src}, which this command reads" in line
+    assert src.read_bytes() == raw and siblings(tmp_path) == {"d.npy"}
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.full((6, 6), 100, np.uint8)).save(photos / "a.png")
+    line = one_line_error(cli("sweep", photos, "--eps", "1", "--out", photos, "--methods", "TLDP-L"), 2)
+    assert "the sweep table would be written inside" in line
+    assert siblings(photos) == {"a.png"}
+
+
+@pytest.mark.parametrize("report", ["exists.json", "missing/report.json"])
+def test_sweep_refuses_its_report_before_writing_its_tables(cli, tmp_path, report):
+    """An existing --report (no --overwrite) or one in a missing folder failed only after the
+    whole sweep, its tables already written: exit 1 with half the outputs."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS[:20])
+    (tmp_path / "exists.json").write_text("{}")
+    line = one_line_error(cli("sweep", src, "--eps", "1", "--out", tmp_path / "sw", "--report", tmp_path / report,
+                        "--methods", "TLDP-L"), 1)
+    assert str(tmp_path / report) in line
+    assert siblings(tmp_path) == {"d.npy", "exists.json"} and (tmp_path / "exists.json").read_text() == "{}"

@@ -293,6 +293,45 @@ def test_hard_link_alias_gets_the_perturbed_data(cli, tmp_path):
         assert f["alias"].dtype == PERTURBED
 
 
+def test_external_links_are_dropped_unless_kept(cli, tmp_path):
+    """Regression: a link into another file was copied into the output as a link, so its target's
+    file name and path (raw metadata: whose record it is) left with the release, outside the
+    certificate. It is now left out and listed under `dropped`, and copied as a link (as before)
+    only when --keep names it."""
+    patients = tmp_path / "data" / "patients"
+    patients.mkdir(parents=True)
+    with h5py.File(patients / "john_smith.h5", "w") as f:
+        f["scans/2019-03-04"] = np.arange(10.0)
+    src = write_sample(tmp_path / "data.h5")
+    with h5py.File(src, "a") as f:
+        f["meta/previous"] = h5py.ExternalLink(str(patients / "john_smith.h5"), "/scans/2019-03-04")
+        assert f["meta/previous"].shape == (10,)  # the link resolves
+    result = run(cli, src, "--dataset", "/train/images", "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    out = tmp_path / "data.tldp.h5"
+    with h5py.File(out, "r") as f:
+        assert "previous" not in f["meta"]
+        assert isinstance(f.get("latest", getlink=True), h5py.SoftLink)  # links inside the file stay
+    assert b"john_smith" not in out.read_bytes() and "john_smith" not in result.stdout
+    dropped = {d["name"]: d for d in manifest["dropped"]}
+    assert dropped["/meta/previous"]["kind"] == "external link"
+    assert "another file" in dropped["/meta/previous"]["reason"]
+    assert "external_links" not in manifest
+
+    result = run(cli, src, "--dataset", "/train/images", "--keep", "/meta/previous", "--json", "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    with h5py.File(out, "r") as f:
+        link = f["meta"].get("previous", getlink=True)
+        assert isinstance(link, h5py.ExternalLink)
+        assert (link.filename, link.path) == (str(patients / "john_smith.h5"), "/scans/2019-03-04")
+        np.testing.assert_array_equal(f["meta/previous"][()], np.arange(10.0))  # h5py follows it
+    assert {"name": "/meta/previous", "kind": "external link", "reason": "kept by --keep"} in manifest["unperturbed"]
+    assert manifest["external_links"] == [f"/meta/previous -> {patients / 'john_smith.h5'}:/scans/2019-03-04"]
+    assert "/meta/previous" not in {d["name"] for d in manifest["dropped"]}
+
+
 def test_integer_scaleoffset_is_dropped_with_a_note(cli, tmp_path):
     src = tmp_path / "so.h5"
     with h5py.File(src, "w") as f:
@@ -319,6 +358,28 @@ def test_corrupt_file(cli, tmp_path, damage):
     assert str(src) in one_line(result) and "Traceback" not in result.output
     assert siblings(tmp_path) == {"bad.h5"}
     assert tree_digest(src) == before
+
+
+@pytest.mark.slow
+def test_a_file_another_program_writes_says_so(cli, tmp_path):
+    """HDF5 refuses the read lock while another process has the file open for writing: that
+    was reported as "it may be truncated or corrupt"."""
+    import subprocess
+    import sys
+
+    src = write_sample(tmp_path / "busy.h5")
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, h5py; f = h5py.File(sys.argv[1], 'a'); "
+                               "print('open', flush=True); sys.stdin.read()", str(src)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        result = run(cli, src)
+    finally:
+        writer.communicate("")
+    assert result.exit_code == 1
+    line = one_line(result)
+    assert str(src) in line and "another program has the HDF5 file open for writing" in line
+    assert "corrupt" not in line
 
 
 def test_float_dataset_needs_a_range(cli, tmp_path):

@@ -247,6 +247,21 @@ def test_a_safetensors_header_length_that_lies_is_refused_unless_it_is_true(tmp_
     refused_or_perturbed(src, "--clip", "1", must_refuse=length != struct.unpack("<Q", raw[:8])[0])
 
 
+@pytest.mark.parametrize("length", [2**40, 2**63 - 1, 2**64 - 1])
+def test_a_huge_safetensors_header_length_is_damage_not_memory(tmp_path, length):
+    """A length prefix of terabytes (a damaged file, or another file read as safetensors) was
+    read as asked: "ran out of memory (MemoryError)" instead of naming the damage."""
+    folder = workdir(tmp_path)
+    src = folder / "m.safetensors"
+    src.write_bytes(struct.pack("<Q", length) + safetensors_bytes(folder)[8:])
+    result = CLI("perturb", src, "--eps", "1", "--clip", "1", "--format", "safetensors",
+                 "--out", folder / "out.safetensors")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"tldp: error: {src}: not a valid safetensors file (its header of {length} bytes ends after the file, "
+        f"{src.stat().st_size - 8} bytes in); it may be truncated or corrupt"]
+
+
 tensor_entries = st.fixed_dictionaries({
     "dtype": st.sampled_from(["F32", "F16", "BF16", "F64", "I64", "BOOL", "F8_E4M3", "X", 7]),
     "shape": st.lists(st.integers(-1, 2**33), max_size=3),

@@ -87,9 +87,9 @@ class ImagesRoundTrip(RoundTrip):
         for rel, source in sources.items():
             output = outputs[str(Path(rel).with_suffix(".png"))]
             with Image.open(source) as a, Image.open(output) as b:
-                assert b.format == "PNG" and (b.size, b.mode) == (a.size, a.mode), rel
-                if a.mode in ("RGBA", "LA"):
-                    assert np.asarray(b)[..., -1].tobytes() == np.asarray(a)[..., -1].tobytes(), rel
+                # the alpha channel is left out (--keep alpha copies it: test_alpha_channels_are_left_out...)
+                opaque = {"RGBA": "RGB", "LA": "L"}.get(a.mode, a.mode)
+                assert b.format == "PNG" and (b.size, b.mode) == (a.size, opaque), rel
 
 
 def test_manifest_uses_largest_image(cli, tmp_path):
@@ -305,7 +305,7 @@ def test_tiff_output_is_float_and_unclipped(cli, tmp_path):
     out = tmp_path / "out"
     # float output needs the float sampler (the default exact one keeps 8-bit images integer)
     result = cli("perturb", src, "--eps", "0.5", "--image-format", "tiff", "--sampler", "float",
-                 "--out", out, "--json")
+                 "--out", out, "--json", "--keep", "alpha")
     assert result.exit_code == 0, result.stderr
     assert sorted(image_files(out)) == ["a.tiff", "b.tiff"]
     perturbed = tifffile.imread(out / "b.tiff")
@@ -763,7 +763,8 @@ def test_png_output_of_smooth_images_stays_small_and_exact(cli, tmp_path):
                  "deep": (ramp * 300).astype(np.uint16)}
     for name, array in images_in.items():  # one folder each: 8- and 16-bit ranges differ
         save(tmp_path / name / f"{name}.png", array)
-        result = cli("perturb", tmp_path / name, "--eps", "1e8", "--out", tmp_path / f"{name}.out")
+        kept = ("--keep", "alpha") if name == "rgba" else ()  # written as it was, alpha too
+        result = cli("perturb", tmp_path / name, "--eps", "1e8", "--out", tmp_path / f"{name}.out", *kept)
         assert result.exit_code == 0, result.stderr
     for name, array in images_in.items():
         path = tmp_path / f"{name}.out" / f"{name}.png"
@@ -902,22 +903,53 @@ def test_names_that_are_not_utf8_key_their_noise_by_their_bytes(cli, tmp_path):
     assert not np.array_equal(runs[b"caf\xe9.png"], runs[b"caf\xc3\xa9.png"])
 
 
-def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
-    """Regression: the alpha channel is written raw (copied back, not perturbed), but only a
-    postprocessing step said so: `unperturbed` and the summary line, which list every raw
-    value, did not name it (a matting dataset's alpha is the subject's outline)."""
+def test_alpha_channels_are_left_out_unless_keep_alpha_names_them(cli, tmp_path):
+    """Regression: the alpha channel was copied raw into the output by default (only listed
+    under unperturbed), though a cut-out's alpha is its subject's silhouette. It is left
+    out now (RGBA written as RGB, LA as L, PNG or TIFF), listed under dropped and named by
+    the summary line; --keep alpha copies it raw, listed under unperturbed; evaluate pairs
+    either output with its input."""
     src = tmp_path / "cutouts"
-    save(src / "a.png", pixels(8, 8, 4))
-    save(src / "b.png", pixels(8, 8, 3))
-    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--json")
-    assert result.exit_code == 0, result.stderr
-    (entry,) = json.loads(result.stdout)["unperturbed"]
-    assert entry["name"] == "alpha channel" and "1 image" in entry["reason"]
-    assert "copied unchanged: alpha channel" in result.stderr
+    rgba, la = pixels(8, 8, 4), pixels(7, 5, 2)
+    save(src / "a.png", rgba)
+    save(src / "b.png", la)
+    save(src / "c.png", pixels(8, 8, 3))
+    for image_format, suffix in (("png", ".png"), ("tiff", ".tiff")):
+        out = tmp_path / f"out-{image_format}"
+        result = cli("perturb", src, "--eps", "1", "--image-format", image_format, "--out", out, "--json")
+        assert result.exit_code == 0, result.stderr
+        manifest = json.loads(result.stdout)
+        (entry,) = manifest["dropped"]
+        assert entry["name"] == "alpha" and entry["kind"] == "alpha channel" and "2 images" in entry["reason"]
+        assert "unperturbed" not in manifest and "dropped alpha channels" in result.stderr
+        if image_format == "png":
+            with Image.open(out / "a.png") as a, Image.open(out / "b.png") as b:
+                assert (a.mode, a.size, b.mode, b.size) == ("RGB", (8, 8), "L", (5, 7))
+        else:
+            assert tifffile.imread(out / "a.tiff").shape == (8, 8, 3)
+            assert tifffile.imread(out / "b.tiff").shape == (7, 5)
+            with tifffile.TiffFile(out / "a.tiff") as tif:
+                assert not tif.pages[0].extrasamples
+        evaluated = cli("evaluate", src, out, "--json", "-q")
+        assert evaluated.exit_code == 0 and json.loads(evaluated.stdout)["integrity_ok"], evaluated.stderr
+        kept = tmp_path / f"kept-{image_format}"
+        result = cli("perturb", src, "--eps", "1", "--image-format", image_format, "--out", kept, "--json",
+                     "--keep", "alpha")
+        assert result.exit_code == 0, result.stderr
+        (entry,) = json.loads(result.stdout)["unperturbed"]
+        assert entry["name"] == "alpha" and entry["kind"] == "alpha channel" and "2 images" in entry["reason"]
+        assert "copied unchanged: alpha" in result.stderr and "dropped" not in json.loads(result.stdout)
+        assert np.array_equal(alpha_channel(kept / f"a{suffix}"), rgba[..., 3])
+        assert np.array_equal(alpha_channel(kept / f"b{suffix}"), la[..., 1])
+        if image_format == "png":
+            assert Image.open(kept / "a.png").mode == "RGBA" and Image.open(kept / "b.png").mode == "LA"
+        evaluated = cli("evaluate", src, kept, "--json", "-q")
+        assert evaluated.exit_code == 0 and json.loads(evaluated.stdout)["integrity_ok"], evaluated.stderr
     alone = tmp_path / "opaque"
     save(alone / "b.png", pixels(8, 8, 3))
     result = cli("perturb", alone, "--eps", "1", "--out", tmp_path / "o2", "--json")
-    assert "unperturbed" not in json.loads(result.stdout)
+    assert "unperturbed" not in json.loads(result.stdout) and "dropped" not in json.loads(result.stdout)
+    assert_one_line_error(cli("perturb", alone, "--eps", "1", "--keep", "alpha"), 2, "--keep alpha")
 
 
 def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):

@@ -347,3 +347,21 @@ def test_a_folder_of_dicom_files_is_refused_with_the_reason(cli, tmp_path):
     result = cli("perturb", series, "--eps", "1")
     assert_one_line_error(result, 1, str(series), "3 DICOM files", "patient names", "NIfTI")
     assert siblings(tmp_path) == {"series"}
+
+
+
+@pytest.mark.slow
+def test_a_damaged_header_is_one_line_without_nibabel_s_log(tmp_path):
+    """nibabel logged its attempted fixes ("sizeof_hdr should be 348; set sizeof_hdr to 348",
+    "data code ... not recognized; not attempting fix") to stderr above tldp's line. A process
+    of its own: pytest's log capture would swallow the lines."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "scan.nii"
+    src.write_bytes(b"\x93NUMPY" + bytes(range(256)) * 2)
+    result = subprocess.run([sys.executable, "-m", "tldp_cli", "perturb", str(src), "--eps", "1", "--format",
+                             "nifti", "--out", str(tmp_path / "o.nii")], capture_output=True, text=True)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tldp: error: {src}: not a readable NIfTI header"), lines

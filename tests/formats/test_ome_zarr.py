@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import zarr
 from ome_zarr.format import FormatV04, FormatV05
+from ome_zarr_models.v04.hcs import HCS as HCS04
 from ome_zarr_models.v04.image import Image as Image04
 from ome_zarr.io import parse_url
-from ome_zarr.reader import Label, Multiscales, Reader
-from ome_zarr.writer import write_image, write_labels, write_multiscale
+from ome_zarr.reader import Label, Multiscales, Plate, Reader
+from ome_zarr.writer import (write_image, write_labels, write_multiscale, write_plate_metadata,
+                              write_well_metadata)
 from skimage.transform import downscale_local_mean
 
 from tests.builders import SEED, assert_one_line_error, tree_digest
@@ -344,3 +346,64 @@ def test_the_image_names_are_not_copied_unless_kept(tmp_path, cli, fmt):
     attrs = zarr.open_group(tmp_path / "kept.ome.zarr", mode="r").attrs.asdict()
     assert attrs.get("ome", attrs)["omero"]["name"] == "alice_smith_biopsy.svs [0]"
     assert "name" not in attrs.get("ome", attrs)["multiscales"][0]
+
+
+def make_plate(path: Path, fmt) -> Path:
+    """A one-row plate of two wells of one field each, as ome-zarr-py writes it, named after the
+    patient in its name, its acquisition's name and description, with the acquisition's time and
+    each image's OMERO id."""
+    root = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
+    write_plate_metadata(root, ["A"], ["1", "2"], ["A/1", "A/2"], fmt=fmt, name="alice_smith plate 7",
+                         acquisitions=[{"id": 1, "name": "alice_smith 2019-03-04", "description": "Alice Smith, biopsy",
+                                        "starttime": 1551657600000}], field_count=1)
+    for well in ("A/1", "A/2"):
+        group = root.require_group(well)
+        write_well_metadata(group, [{"path": "0", "acquisition": 1}], fmt=fmt)
+        write_image(IMAGE, group.require_group("0"), axes="cyx", fmt=fmt,
+                    omero={"id": 4711, "channels": [{"label": "DNA", "color": "0000FF",
+                                                     "window": {"min": 0, "max": 255, "start": 0, "end": 255}}]})
+    return path
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plate_names_acquisitions_and_omero_ids_are_not_copied_unless_kept(tmp_path, cli, fmt):
+    """Regression: a plate's name, its acquisitions' names, descriptions and start times and each
+    image's omero.id (its record in the OMERO server it came from) were copied raw with the plate
+    and image structure, where multiscales[].name and omero.name were already left out. They are
+    left out alike and listed under `dropped` (GROUP@plate.name, GROUP@plate.acquisitions.name,
+    ..., GROUP@omero.id), unless --keep names them; the rows, columns, wells and acquisition ids
+    readers need stay."""
+    src = make_plate(tmp_path / "p.ome.zarr", fmt)
+    before = json.dumps(zarr.open_group(src, mode="r").attrs.asdict())
+    assert "alice_smith" in before and "1551657600000" in before
+    result = perturb(cli, src, "--out", tmp_path / "out.ome.zarr")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out.ome.zarr"
+    text = "".join(p.read_text() for p in out.rglob("*.json")) + "".join(p.read_text() for p in out.rglob(".z*"))
+    manifest = json.loads((tmp_path / "out.ome.zarr.manifest.json").read_text())
+    for secret in ("alice", "Alice", "1551657600000", "4711"):
+        assert secret not in text and secret not in json.dumps(manifest), secret
+    dropped = {e["name"] for e in manifest["dropped"]}
+    assert {"/@plate.name", "/@plate.acquisitions.name", "/@plate.acquisitions.description",
+            "/@plate.acquisitions.starttime", "A/1/0@omero.id", "A/2/0@omero.id"} <= dropped
+    attrs = zarr.open_group(out, mode="r").attrs.asdict()
+    plate = attrs.get("ome", attrs)["plate"]
+    assert [w["path"] for w in plate["wells"]] == ["A/1", "A/2"] and plate["acquisitions"] == [{"id": 1}]
+    assert [r["name"] for r in plate["rows"]] == ["A"] and [c["name"] for c in plate["columns"]] == ["1", "2"]
+    # ome-zarr-py still reads the plate: its two wells' images side by side
+    [node] = list(Reader(parse_url(out))())
+    assert [type(spec) for spec in node.specs] == [Plate]
+    image = zarr.open_group(out / "A" / "1" / "0", mode="r").attrs.asdict()
+    level = image.get("ome", image)["multiscales"][0]["datasets"][0]["path"]
+    wells = [zarr.open_array(out / well / "0" / level, mode="r")[:] for well in ("A/1", "A/2")]
+    np.testing.assert_array_equal(np.asarray(node.data[0]), np.concatenate(wells, axis=-1))
+    if fmt.version == "0.4":
+        HCS04.from_zarr(zarr.open_group(out, mode="r"))
+    kept = perturb(cli, src, "--out", tmp_path / "kept.ome.zarr", "--keep", "@plate.name",
+                   "--keep", "A/1/0@omero.id")
+    assert kept.exit_code == 0, kept.stderr
+    attrs = zarr.open_group(tmp_path / "kept.ome.zarr", mode="r").attrs.asdict()
+    assert attrs.get("ome", attrs)["plate"]["name"] == "alice_smith plate 7"
+    assert "name" not in attrs.get("ome", attrs)["plate"]["acquisitions"][0]
+    image = zarr.open_group(tmp_path / "kept.ome.zarr" / "A" / "1" / "0", mode="r").attrs.asdict()
+    assert image.get("ome", image)["omero"]["id"] == 4711

@@ -405,7 +405,7 @@ def test_the_alpha_channel_is_copied_back_and_16_bit_images_stay_16_bit(cli, tmp
     ds = datasets.Dataset.from_dict({"rgba": rgba, "deep": deep}, features=features)
     src = to_parquet(ds, tmp_path / "t.parquet")
     result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--range", "rgba=0:256",
-                 "--range", "deep=0:65536")
+                 "--range", "deep=0:65536", "--keep", "rgba.alpha")
     assert result.exit_code == 0, result.stderr
     out = datasets.load_dataset("parquet", data_files=str(tmp_path / "o.parquet"), split="train")
     assert out.features == features
@@ -473,22 +473,40 @@ def test_footer_metadata_outside_the_arrow_schema_is_listed_as_dropped_or_kept(c
     assert "@origin" in [u["name"] for u in json.loads(result.stdout)["unperturbed"]]
 
 
-def test_a_tables_alpha_channels_are_listed_as_unperturbed(cli, tmp_path):
-    """Regression: the alpha channels of an image column were copied raw but named only in
-    `postprocessing`, not in `unperturbed` (as image folders and WebDataset list theirs), so
-    the summary line did not say raw transparency was written."""
+def test_a_tables_alpha_channels_are_left_out_unless_keep_names_them(cli, tmp_path):
+    """Regression: the alpha channels of an image column were copied raw by default (only
+    listed under unperturbed), though a cut-out's alpha is its subject's silhouette. They are
+    left out now (RGBA written as RGB, LA as L, PNG still), listed under dropped and named by
+    the summary line; --keep COLUMN.alpha copies them raw, listed under unperturbed."""
     rng = np.random.default_rng(11)
-    images = [Image.fromarray(rng.integers(0, 256, (5, 4, 4), dtype=np.uint8), "RGBA") for _ in range(3)]
+    rgba = [rng.integers(0, 256, (5, 4, 4), dtype=np.uint8) for _ in range(2)]
+    la = rng.integers(0, 256, (5, 4, 2), dtype=np.uint8)
+    images = [Image.fromarray(a, "RGBA") for a in rgba] + [Image.fromarray(la, "LA")]
     images.append(Image.fromarray(rng.integers(0, 256, (5, 4, 3), dtype=np.uint8), "RGB"))
     ds = datasets.Dataset.from_dict({"photo": images}, features=datasets.Features({"photo": datasets.Image()}))
     src = to_parquet(ds, tmp_path / "t.parquet")
+
+    def written(out: Path) -> list[Image.Image]:
+        column = pq.read_table(out)["photo"].combine_chunks().field("bytes").to_pylist()
+        return [Image.open(io.BytesIO(data)) for data in column]
+
     result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "o.parquet", "--range", "0:256", "--json")
     assert result.exit_code == 0, result.stderr
-    entry = {e["name"]: e for e in json.loads(result.stdout).get("unperturbed", [])}.get("photo alpha channel")
-    assert entry is not None and entry["kind"] == "channel" and "3 images" in entry["reason"]
-    assert "photo alpha channel" in result.stderr  # the summary line names it
-    out = pq.read_table(tmp_path / "o.parquet")["photo"].combine_chunks().field("bytes").to_pylist()
-    assert [Image.open(io.BytesIO(data)).mode for data in out] == ["RGBA"] * 3 + ["RGB"]
+    manifest = json.loads(result.stdout)
+    entry = {e["name"]: e for e in manifest["dropped"]}.get("photo.alpha")
+    assert entry is not None and entry["kind"] == "alpha channel" and "3 images of column photo" in entry["reason"]
+    assert "dropped alpha channels" in result.stderr and "unperturbed" not in manifest
+    assert [(im.format, im.mode, im.size) for im in written(tmp_path / "o.parquet")] == \
+        [("PNG", "RGB", (4, 5))] * 2 + [("PNG", "L", (4, 5)), ("PNG", "RGB", (4, 5))]
+    result = cli("perturb", src, "--eps", "2", "--out", tmp_path / "k.parquet", "--range", "0:256", "--json",
+                 "--keep", "photo.alpha")
+    assert result.exit_code == 0, result.stderr
+    entry = {e["name"]: e for e in json.loads(result.stdout).get("unperturbed", [])}.get("photo.alpha")
+    assert entry is not None and entry["kind"] == "alpha channel" and "3 images" in entry["reason"]
+    assert "photo.alpha" in result.stderr.split("copied unchanged: ")[1]  # the summary line names it
+    kept = written(tmp_path / "k.parquet")
+    assert [im.mode for im in kept] == ["RGBA", "RGBA", "LA", "RGB"]
+    assert all(np.array_equal(np.asarray(im)[..., -1], a[..., -1]) for im, a in zip(kept, [*rgba, la]))
 
 
 def test_a_kept_image_column_writes_its_file_names_only_when_named(cli, tmp_path):

@@ -95,7 +95,7 @@ class WebDatasetRoundTrip(RoundTrip):
                 assert [m.name for m in b.getmembers()] == kept
                 assert all((m.uid, m.gid, m.uname, m.gname, m.mtime) == (0, 0, "", "", 0) for m in b)
         with tarfile.open(perturbed / "b.tar") as tar, Image.open(tar.extractfile("y.png")) as rgba:
-            assert rgba.mode == "RGBA" and np.array_equal(np.asarray(rgba)[..., 3], image(4, 4, 4, seed=2)[..., 3])
+            assert (rgba.mode, rgba.size) == ("RGB", (4, 4))  # the alpha channel left out (unless --keep alpha)
 
 
 def test_webdataset_iterates_the_output_with_the_same_samples(cli, tmp_path):
@@ -356,19 +356,46 @@ def test_links_in_a_folder_are_skipped_and_a_pattern_follows_them(cli, tmp_path)
     assert sorted(siblings(out)) == ["train-000000.tar", "train-000001.tar"]
 
 
-def test_alpha_channels_copied_raw_are_listed_as_unperturbed(cli, tmp_path):
-    """Regression: an image member's alpha channel is written raw (not perturbed), but neither
-    `unperturbed` nor the summary line, which list every raw value, named it."""
+def test_alpha_channels_are_left_out_unless_keep_alpha_names_them(cli, tmp_path):
+    """Regression: an image member's alpha channel was copied raw by default (only listed
+    under unperturbed), though a cut-out's alpha is its subject's silhouette. It is left out
+    now (RGBA written as RGB, LA as L), listed under dropped and named by the summary line;
+    --keep alpha copies it raw, listed under unperturbed; evaluate pairs either output."""
     folder = tmp_path / "shards"
     folder.mkdir()
+    rgba, la = image(6, 6, 4), image(5, 4, 2, seed=1)
     with wds.TarWriter(str(folder / "a.tar")) as sink:
-        sink.write({"__key__": "k", "png": png_bytes(image(6, 6, 4))})
+        sink.write({"__key__": "k", "png": png_bytes(rgba)})
         sink.write({"__key__": "j", "png": png_bytes(image(6, 6, 3))})
+        sink.write({"__key__": "m", "png": png_bytes(la)})
+
+    def written(out: Path) -> dict[str, Image.Image]:
+        with tarfile.open(out / "a.tar") as tar:
+            found = {m.name: Image.open(io.BytesIO(tar.extractfile(m).read())) for m in tar.getmembers()}
+        return {name: image.copy() for name, image in found.items()}
+
     result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "out", "--json")
     assert result.exit_code == 0, result.stderr
-    (entry,) = [e for e in json.loads(result.stdout)["unperturbed"] if e["kind"] != "name"]
-    assert entry["name"] == "alpha channel" and "1 image member" in entry["reason"]
-    assert "alpha channel" in result.stderr.split("copied unchanged: ")[1]
+    manifest = json.loads(result.stdout)
+    (entry,) = manifest["dropped"]
+    assert entry["name"] == "alpha" and entry["kind"] == "alpha channel" and "2 image members" in entry["reason"]
+    assert [e["kind"] for e in manifest["unperturbed"]] == ["name"]  # the sample keys only
+    assert "dropped alpha channels" in result.stderr
+    out = written(tmp_path / "out")
+    assert {name: (im.mode, im.size) for name, im in out.items()} == {
+        "k.png": ("RGB", (6, 6)), "j.png": ("RGB", (6, 6)), "m.png": ("L", (4, 5))}
+    assert cli("evaluate", folder, tmp_path / "out", "--json", "-q").exit_code == 0
+    result = cli("perturb", folder, "--eps", "1", "--out", tmp_path / "kept", "--json", "--keep", "alpha")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    (entry,) = [e for e in manifest["unperturbed"] if e["kind"] != "name"]
+    assert entry["name"] == "alpha" and entry["kind"] == "alpha channel" and "2 image members" in entry["reason"]
+    assert "alpha" in result.stderr.split("copied unchanged: ")[1] and "dropped" not in manifest
+    kept = written(tmp_path / "kept")
+    assert (kept["k.png"].mode, kept["m.png"].mode) == ("RGBA", "LA")
+    assert np.array_equal(np.asarray(kept["k.png"])[..., 3], rgba[..., 3])
+    assert np.array_equal(np.asarray(kept["m.png"])[..., 1], la[..., 1])
+    assert cli("evaluate", folder, tmp_path / "kept", "--json", "-q").exit_code == 0
 
 
 def test_a_key_that_comes_back_later_in_its_shard_is_one_record(cli, tmp_path):

@@ -198,6 +198,29 @@ def test_a_ledger_tldp_may_not_open_says_so(cli, data, tmp_path, monkeypatch):
     assert not (tmp_path / "out.npy").exists()
 
 
+@pytest.mark.parametrize("command", ["perturb", "ledger"])
+def test_another_programs_database_is_not_made_a_ledger(cli, data, tmp_path, command):
+    """A --ledger naming another program's SQLite file (a typo, a shared data folder) had
+    tldp's tables added to it and its journal switched to WAL: it is refused, byte for byte
+    untouched, and nothing is written."""
+    other = data.parent / "app.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+        db.execute("INSERT INTO users VALUES ('ada')")
+    db.close()
+    before = other.read_bytes()
+    if command == "perturb":
+        result = cli("perturb", data, "--eps", "1", "--out", tmp_path / "out.npy", "--ledger", other, "-q")
+    else:
+        result = cli("ledger", other)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"tldp: error: {other}: not a tldp ledger (an SQLite database of other tables: users); "
+        "give a new file or one perturb --ledger wrote"]
+    assert other.read_bytes() == before
+    assert siblings(data.parent) == {"x.npy", "app.db"} and not (tmp_path / "out.npy").exists()
+
+
 def test_releases_that_meet_the_cap_exactly_pass(cli, data, tmp_path):
     """0.1 + 0.1 + 0.1 rounds a hair above 0.3: the third release of 0.1 was refused with
     "eps left under the cap: 0.1"."""

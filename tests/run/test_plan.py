@@ -14,7 +14,7 @@ import zarr
 from PIL import Image
 from safetensors.numpy import save_file
 
-from tests.builders import REPO, siblings
+from tests.builders import REPO, assert_one_line_error, siblings
 
 DIGITS = np.load(REPO / "sample_data" / "digits.npy")[:30]
 
@@ -174,3 +174,12 @@ def test_plan_names_the_dtype_perturb_writes_for_webdataset(cli, tmp_path):
         written = [np.asarray(im).dtype, np.load(io.BytesIO(sample["npy"])).dtype]
     assert ran["output_dtype"] == f"{written[0]} PNG, {written[1]} .npy"
     assert f", values {ran['output_dtype']}" in planned.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "audit"])
+@pytest.mark.parametrize("elements", ["99999999999999999999", "4294967296x4294967296", "3037000500x3037000500"])
+def test_more_elements_than_int64_counts_is_a_usage_error(cli, command, elements):
+    """A count past int64 failed as "unexpected error (OverflowError)", and a shape whose
+    product wraps around int64 as "a record must have at least one element"."""
+    result = cli(command, "--elements", elements, "--range", "0:256", "--eps", "1")
+    assert_one_line_error(result, 2, f"--elements {elements}: more elements per record than an array can hold")

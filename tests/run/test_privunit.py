@@ -381,14 +381,15 @@ def test_dask_equals_threads(tmp_path):
 
 def test_images_of_several_sizes_and_colour(cli, tmp_path):
     """Each image is one record of its own shape: one calibration per size (channels last for
-    RGB, the alpha channel copied), and evaluate recomputes every size's split."""
+    RGB, the alpha channel copied where --keep alpha names it), and evaluate recomputes every
+    size's split."""
     folder = tmp_path / "imgs"
     folder.mkdir()
     rng = np.random.default_rng(2)
     Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(folder / "a.png")
     Image.fromarray(rng.integers(0, 256, (32, 32, 4), dtype=np.uint8), "RGBA").save(folder / "b.png")
     Image.fromarray(rng.integers(0, 256, (20, 30), dtype=np.uint8)).save(folder / "c.png")
-    m, result = privunit(cli, folder, tmp_path / "out")
+    m, result = privunit(cli, folder, tmp_path / "out", "--keep", "alpha")
     assert "the worst of 3 record sizes" in result.stderr
     shapes = sorted(tuple(c["privunit"]["record_shape"]) for c in m["calibrations"])
     assert shapes == [(20, 30), (32, 32, 3), (40, 60, 3)]
@@ -401,6 +402,32 @@ def test_images_of_several_sizes_and_colour(cli, tmp_path):
     evaluated = cli("evaluate", folder, tmp_path / "out", "--json", "-q")
     assert evaluated.exit_code == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["integrity_ok"]
+
+
+def test_a_multi_page_rgb_tiff_is_released_as_a_colour_stack_not_dark(cli, tmp_path):
+    """Regression: a multi-page RGB TIFF (tifffile's (pages, H, W, 3), one record) was read as
+    `pages` channels of (H, W, 3) volumes, the DCT across the colour axis, and written from
+    reference 0: the release came out dark (mean about 19 for an input of about 105 at eps 8). It is
+    a volume over its pages, rows and columns per colour channel, written from mid-range as
+    a colour image is; evaluate recomputes its split."""
+    import tifffile
+
+    folder = tmp_path / "stacks"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:48, 0:64]
+    pages = [np.dstack([100 + 80 * np.sin(x / 9 + p), 120 + 60 * np.cos(y / 7), 90 + 50 * np.sin((x + y) / 11)])
+             + rng.normal(0, 5, (48, 64, 3)) for p in range(4)]
+    stack = np.clip(np.stack(pages), 0, 255).astype(np.uint8)
+    tifffile.imwrite(folder / "stack.tif", stack, photometric="rgb")
+    m, _ = privunit(cli, folder, tmp_path / "out")
+    assert m["privunit"]["record_shape"] == [4, 48, 64, 3] and m["privunit"]["reference"] == 128
+    assert "channels last" in m["privunit"]["basis"]["layout"]
+    out = tifffile.imread(tmp_path / "out" / "stack.tif")
+    assert out.shape == stack.shape
+    assert out.mean() > 0.75 * stack.mean(), (out.mean(), stack.mean())  # not dark
+    evaluated = cli("evaluate", folder, tmp_path / "out", "--json", "-q")
+    assert evaluated.exit_code == 0 and json.loads(evaluated.stdout)["integrity_ok"], evaluated.stderr
 
 
 def test_the_default_k_rule_gives_useful_digits_at_eps_10():

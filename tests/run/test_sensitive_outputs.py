@@ -309,6 +309,24 @@ def test_name_map_inside_the_output_or_input_is_refused(cli, family, tmp_path):
     assert siblings(tmp_path) == {"family_photos", "release", "release.manifest.json", "first.map.json"}
 
 
+@pytest.mark.parametrize("destination", ["--manifest", "--name-map"])
+def test_the_weights_sidecar_is_never_replaced(cli, tmp_path, destination):
+    """The sidecar of --weights (MASK.json, which says whether the mask is data-derived) is a
+    file the run reads; --manifest or --name-map naming it, --overwrite given, replaced it."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("a.png", "b.png"):
+        Image.fromarray(np.full((6, 6), 100, np.uint8)).save(photos / name)
+    masks = tmp_path / "masks"
+    ok(cli("weight-mask", photos, "--method", "constant", "--weight", "0.5", "--out", masks, "-q"))
+    sidecar = tmp_path / "masks.json"
+    before = tree_digest(tmp_path)
+    one_line_error(cli("perturb", photos, "--eps", "1", "--anonymize-names", "--weights", masks,
+                       "--out", tmp_path / "release", destination, sidecar, "--overwrite"),
+                   2, "the weights sidecar and the", "name the same file")
+    assert tree_digest(tmp_path) == before
+
+
 def test_existing_name_map_is_not_replaced_without_overwrite(cli, family, tmp_path):
     (tmp_path / "family_photos.name-map.json").write_text("mine")
     assert_one_line_error(cli("perturb", family, "--eps", "1", "--anonymize-names", "--skip-bad", "--out",
@@ -417,3 +435,43 @@ def test_files_that_show_or_can_test_the_raw_data_are_their_owners_only(cli, dig
     ok(cli("perturb", digits_file, "--eps", "10", "--budget", "record", "--mechanism", "privunit", "-q",
            "--out", tmp_path / "out.npy", "--preview", preview, "--ledger", ledger, "--overwrite"))
     assert stat.S_IMODE(preview.stat().st_mode) == 0o600  # replaced, still private
+
+
+def test_reports_sweeps_and_data_derived_masks_are_their_owners_only(cli, digits_file, perturbed, tmp_path,
+                                                                     shared_umask):
+    """Regression: `evaluate --report`, `sweep`'s tables, plots and `--report` (marked "sensitive":
+    computed from the raw data) and masks whose weights come from the private values (intensity is
+    an exact function of each value; boxes declared `--data-derived` say where the people are) were
+    created readable by every user (0644 under umask 022). They are now created 0600; the
+    release, a mask of declared weights and every mask's sidecar (no statistic of the data) follow
+    the umask."""
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    ok(cli("evaluate", digits_file, perturbed, "--report", tmp_path / "report.json", "-q"))
+    ok(cli("sweep", digits_file, "--eps", "1", "--seed", SEED, "--allow-weak-seed", "-q",
+           "--out", tmp_path / "sweep", "--report", tmp_path / "sweep-report.json"))
+    private = [tmp_path / "report.json", tmp_path / "sweep-report.json", *(tmp_path / "sweep").iterdir()]
+    assert len(private) == 6
+    ok(cli("weight-mask", digits_file, "--method", "intensity", "--out", tmp_path / "intensity.npy"))
+    ok(cli("weight-mask", digits_file, "--method", "constant", "--weight", "0.5", "--out", tmp_path / "c.npy"))
+    photos = tmp_path / "photos"
+    save(photos / "a.png", RNG.integers(0, 256, (20, 16), dtype=np.uint8))
+    save(photos / "sub" / "b.png", RNG.integers(0, 256, (20, 16, 3), dtype=np.uint8))
+    (tmp_path / "faces.csv").write_text("x0,y0,x1,y1\n2,3,10,12\n")
+    ok(cli("weight-mask", photos, "--method", "box", "--boxes", tmp_path / "faces.csv", "--data-derived",
+           "--out", tmp_path / "found"))
+    ok(cli("weight-mask", photos, "--method", "box", "--boxes", tmp_path / "faces.csv", "--out",
+           tmp_path / "drawn"))
+    private += [tmp_path / "intensity.npy", tmp_path / "found" / "a.png", tmp_path / "found" / "sub" / "b.png"]
+    for path in private:
+        assert mode(path) == 0o600, path
+    assert mode(tmp_path / "found") == 0o700
+    public = [tmp_path / "c.npy", tmp_path / "drawn" / "a.png", tmp_path / "drawn" / "sub" / "b.png",
+              tmp_path / "intensity.npy.json", tmp_path / "found.json"]
+    for path in public:
+        assert mode(path) == 0o644, path
+    # Why: the intensity mask gives back every raw value (its range's width is 256 for uint8).
+    np.testing.assert_array_equal(np.load(tmp_path / "intensity.npy") * 256, np.load(digits_file))
+    with Image.open(tmp_path / "found" / "sub" / "b.png") as im:
+        assert im.format == "PNG" and np.asarray(im)[5, 5] == 255 and np.asarray(im)[0, 0] == 0

@@ -18,14 +18,14 @@ from tldp_cli.sampling import engine, projection
 def dense_3d(shape, index):
     """The basis as an explicit k x I matrix: row j the outer product of DCT-II rows i, j, l
     of the three axes, on its channel (an independent construction, one row at a time)."""
-    channels, d, h, w = projection.volume_layout(shape)
+    channels, d, h, w, last = projection.volume_layout(shape)
     rows = []
     for c, i, j, l in zip(*index):
         cube = np.einsum("a,b,c->abc", projection.dct_matrix(d, i + 1)[i], projection.dct_matrix(h, j + 1)[j],
                          projection.dct_matrix(w, l + 1)[l])
         row = np.zeros((channels, d, h, w))
         row[c] = cube
-        rows.append(row.ravel())
+        rows.append((np.moveaxis(row, 0, 3) if last else row).ravel())
     return np.array(rows)
 
 
@@ -82,6 +82,31 @@ def test_the_order_is_the_normalised_frequency_then_the_documented_ties():
     # (1, 0, 0) last, the lower j puts (0, 0, 1) first
     _, i, j, l = projection.dct_basis((9, 9, 9), 4).index
     assert list(zip(i.tolist(), j.tolist(), l.tolist())) == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0)]
+
+
+def test_a_stack_of_colour_images_is_a_volume_with_its_channels_last():
+    """Regression: a multi-page RGB TIFF, one record of (pages, H, W, 3), was read as `pages`
+    channels of (H, W, 3) volumes: the 3-D DCT ran across the colour axis and the pages got
+    no shared frequencies. A (D, H, W, 3 or 4) record is now a volume over its first three
+    axes, per colour channel, written back in its own layout; auto writes it from mid-range,
+    as a colour image. A (D, H, W, C) record with C other than 3, 4, and any other shape,
+    keeps its basis."""
+    shape, k = (4, 5, 6, 3), 40
+    assert privunit.spatial_axes(shape) == (4, 5, 6) and privunit.is_colour_image(shape)
+    assert privunit.reference_choice("auto", shape) == "mid"
+    basis = projection.dct_basis(shape, k)
+    assert isinstance(basis, projection.VolumeDctBasis) and basis.channels == 3
+    assert "channels last" in projection.describe_layout(shape)
+    dense = dense_3d(shape, basis.index)
+    x = np.random.default_rng(4).random((2, *shape))
+    assert np.allclose(basis.project(x), x.reshape(2, -1) @ dense.T, rtol=0, atol=1e-12)
+    channel, i, j, l = basis.index
+    full = scipy.fft.dctn(x, axes=(1, 2, 3), norm="ortho")
+    assert np.allclose(basis.project(x), full[:, i, j, l, channel], rtol=0, atol=1e-12)
+    z = np.random.default_rng(5).standard_normal((3, k))
+    assert np.allclose(basis.synthesize(z), (z @ dense).reshape(3, *shape), rtol=0, atol=1e-12)
+    for other in ((4, 5, 6, 7), (3, 5, 6, 2), (1, 5, 6, 3), (3, 4, 5, 6, 3)):
+        assert privunit.spatial_axes(other) == other[-3:] and not privunit.is_colour_image(other), other
 
 
 def test_channels_of_a_volume_each_get_the_same_frequencies():

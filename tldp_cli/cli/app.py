@@ -195,10 +195,11 @@ def shown(value, spec: str = ".4g") -> str:
 
 
 def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -> None:
-    """--json prints the report to stdout; --report PATH writes it (complete or not at all)."""
+    """--json prints the report to stdout; --report PATH writes it (complete or not at all),
+    readable by its owner only: evaluate's and sweep's reports are computed from the raw data."""
     text = json.dumps(data, indent=2, allow_nan=False)
     if path is not None:
-        output.write_files({Path(path): (text + "\n").encode()}, overwrite)
+        output.write_files({Path(path): (text + "\n").encode()}, overwrite, private=True)
     if to_stdout:
         typer.echo(text)
 
@@ -390,8 +391,9 @@ def unperturbed_note(manifest: dict) -> str:
     for entry in manifest.get("dropped", []):
         kind = entry.get("kind") or "item"  # an entry may stand for several (WebDataset members)
         kinds[kind] = kinds.get(kind, 0) + entry.get("members", 1)
-    if kinds:  # one colour-profile entry stands for every image's profile: its number is in its reason
-        counts = [kind + "s" if kind == "colour profile" else plural(n, kind) for kind, n in kinds.items()]
+    if kinds:  # one colour-profile (alpha-channel) entry stands for every image's: its number is in its reason
+        counts = [kind + "s" if kind in ("colour profile", "alpha channel") else plural(n, kind)
+                  for kind, n in kinds.items()]
         counted = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]
         note += f"; dropped {counted} (not perturbed, not written: listed in the manifest)"
     return note

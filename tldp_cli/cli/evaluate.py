@@ -50,7 +50,8 @@ def evaluate_command(
         "--json", help="Print every number as JSON to stdout. Computed from the raw data: keep it "
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
-        "--report", parser=output_path, metavar="PATH", help="Write the JSON report to PATH (as --json prints it).",
+        "--report", parser=output_path, metavar="PATH",
+        help="Write the JSON report to PATH (as --json prints it), readable by its owner only.",
         show_default=False)] = None,
     per_record: Annotated[bool, typer.Option(
         "--per-record", help="Add each record's MSE, MAE, relative L2 and ||Z|| (PSNR, SSIM) to "
@@ -105,6 +106,14 @@ def evaluate_command(
         if per_record and not (json_out or report_path):
             raise UsageError("--per-record adds per-record lists to the JSON report; give --json or "
                              "--report PATH")
+        if report_path is not None:
+            from tldp_cli.files.output import check_outside_inputs
+            from tldp_cli.run.manifest import default_path
+
+            reads = [original, perturbed, manifest or default_path(perturbed),
+                     name_map or original.with_name(original.name + ".name-map.json"), basis, test,
+                     *(Path(text) for text in (labels, test_labels) if text)]
+            check_outside_inputs(report_path, [p for p in reads if p is not None], "report")
         if report_path is not None and os.path.lexists(report_path) and not overwrite:
             raise ev.OutputError(f"{report_path}: exists; pass --overwrite to replace it")
         advance, close = progress_bar(quiet, "rec")

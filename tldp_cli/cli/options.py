@@ -238,7 +238,8 @@ ReferenceOption = Annotated[Optional[str], typer.Option(
          "(x - r projected, r + c B^T (w V) written; public, the guarantee does not depend on it). "
          "zero: 0, or the range end nearest 0; low: the range's lower end; mid: its middle; "
          "VALUE: a number in the range. auto (default): mid for colour images (records of shape "
-         "H x W x 3 or 4: a photo written from 0 comes out dark), zero for every other record "
+         "H x W x 3 or 4, or a stack of them D x H x W x 3 or 4: a photo written from 0 comes out dark), "
+         "zero for every other record "
          "(digits on black, volumes, vectors). The manifest states it.",
     show_default=False)]
 StoreOption = Annotated[Store, typer.Option(
@@ -287,9 +288,12 @@ Keep = Annotated[Optional[list[str]], typer.Option(
          "PATH@ATTR (the file's own as @ATTR, e.g. a safetensors __metadata__ key or a NIfTI "
          "header field such as @descrip), a NIfTI header extension as @extension.N, a file in a "
          "Zarr store or a sharded model folder (README.md; a shard's __metadata__ key as SHARD@KEY), "
-         "an HDF5 file's user block as userblock, a palette image (label map) of an "
+         "an HDF5 file's user block as userblock (a link into another file by its path: copied as "
+         "a link), a palette image (label map) of an "
          "image folder by its path, a WebDataset shard's label members by their extension (cls, "
-         "meta.json; with --anonymize-names also a field name it declares public, seg.png), a table's column (e.g. label), an image column's file names as COLUMN.path. "
+         "meta.json; with --anonymize-names also a field name it declares public, seg.png), a table's column (e.g. label), an image column's file names as COLUMN.path, "
+         "images' alpha channels as alpha (a table's as COLUMN.alpha; left out by default: RGBA written as RGB, LA "
+         "as L) and ICC colour profiles as icc_profile (COLUMN.icc_profile). "
          "By default everything not perturbed is left out (listed in the manifest's "
          "dropped) but structural metadata (CF units and conventions, dimensions, numeric "
          "coordinates). Kept items are listed as unperturbed: e.g. --keep /labels --keep "

@@ -73,7 +73,8 @@ def sweep_command(
                        "with them, never with the release.")] = False,
     report_path: Annotated[Optional[Path], typer.Option(
         "--report", parser=output_path, metavar="PATH", help="Write the JSON table to PATH too (as --json "
-                                                         "prints it).", show_default=False)] = None,
+                                                         "prints it). Both are readable by their owner only.",
+        show_default=False)] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing sweep files (and --report).")] = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -99,10 +100,22 @@ def sweep_command(
     from tldp_cli.run.options import parse_range
 
     def action():
+        from tldp_cli.files.output import check_outside_inputs
+
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:
             raise UsageError(f"--dp-delta must lie in (0, 1), not {dp_delta}")
+        named = ev.parse_methods(methods) if methods else None
+        reads = [p for p in (original, weights, test, seed_file, *(Path(t) for t in (labels, test_labels) if t))
+                 if p is not None]
+        for path in [*(out / name for name in ev.SWEEP_FILES), *([report_path] if report_path else [])]:
+            check_outside_inputs(path, reads, "report" if path == report_path else "sweep table")
+            # before the sweep, not once its tables are written: complete or absent
+            if os.path.lexists(path) and not overwrite:
+                raise ev.OutputError(f"{path}: exists; pass --overwrite to replace it")
+        if report_path is not None and not report_path.parent.is_dir():
+            raise ev.OutputError(f"{report_path}: folder {report_path.parent} does not exist")
         advance, close = progress_bar(quiet, "run")
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
@@ -111,7 +124,7 @@ def sweep_command(
                               allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                               dataset=dataset, progress=advance,
                               input_format=input_format and input_format.value, repeats=repeat,
-                              named=ev.parse_methods(methods) if methods else None, reference=reference)
+                              named=named, reference=reference)
         finally:
             close()
         return result, ev.write_sweep(result, out, overwrite)

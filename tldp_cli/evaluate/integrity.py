@@ -80,14 +80,14 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calib
                                "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})
                 continue
             try:
-                shape = (1, *images.read_output(out_path, image.has_alpha).shape)
+                shape = (1, *images.read_output(out_path).shape)
             except Exception as exc:
                 issues.append({"check": "pairing", "passed": False,
                                "detail": f"{out_path}: cannot be read ({reason_of(exc)})"})
                 continue
 
-            def read(start, stop, p=out_path, a=image.has_alpha):
-                return images.read_output(p, a)[None]
+            def read(start, stop, p=out_path):
+                return images.read_output(p)[None]
 
             pairs.append(Pair(image.rel, job, shape, read, calibs[job.name]))
         return pairs

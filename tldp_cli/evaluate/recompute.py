@@ -24,6 +24,8 @@ from tldp_cli.sampling import discrete
 def _close(a: Any, b: Any, rel: float = 1e-6) -> bool:
     if a is None or b is None:
         return a is None and b is None
+    if isinstance(a, (bool, str, list, dict)):  # a stated figure that is no number (a damaged manifest)
+        return False
     a, b = float(a), float(b)
     if math.isinf(a) or math.isinf(b):
         return a == b

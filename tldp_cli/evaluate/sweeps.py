@@ -229,7 +229,8 @@ def _sweep_row(calib: Calibration, cert: Certificate, norms: np.ndarray, mses: l
 
 
 def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) -> list[Path]:
-    """sweep.csv, sweep.json and two PNGs (against the nominal and the certified per-record eps)."""
+    """sweep.csv, sweep.json and two PNGs (against the nominal and the certified per-record eps),
+    readable by their owner only, as every file computed from the raw data."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir}: exists and is not a folder")
@@ -248,7 +249,7 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
         targets[1]: (json.dumps({**result, "rows": rows}, indent=2, allow_nan=False) + "\n").encode(),
         targets[2]: _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"),
         targets[3]: _plot(result, "record_epsilon", "certified per-record ε (log scale)"),
-    }, overwrite)
+    }, overwrite, private=True)  # computed from the raw data ("sensitive"): its owner's only
     return targets
 
 

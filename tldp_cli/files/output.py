@@ -223,6 +223,23 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
                          "only its own outputs, so remove it yourself or choose another --out")
 
 
+def check_outside_inputs(path: Path, reads: list[Path], what: str) -> None:
+    """Refuses `path` (which need not exist yet) when it is one of the files a command reads
+    or lies inside one of their folders or Zarr stores: evaluate's and sweep's --report and
+    sweep's files are written beside the raw data and the release, never over or into them."""
+    final = _resolve(path, what)
+    for source in reads:
+        if not os.path.lexists(source):
+            continue
+        real = _resolve(source, "input")
+        store = store_root(source)
+        if final == real:
+            raise UsageError(f"{path}: the {what} would replace {source}, which this command reads")
+        if (real.is_dir() and real in final.parents) or (store is not None and store in final.parents):
+            raise UsageError(f"{path}: the {what} would be written inside {store or source}, which this "
+                             "command reads")
+
+
 def check_distinct(paths: dict[str, Path]) -> None:
     """Refuses two destinations that are the same file, or one inside another."""
     resolved = {what: _resolve(p, what) for what, p in paths.items()}

@@ -404,6 +404,9 @@ class Hdf5Reader(Reader):
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")
         except Exception as exc:
+            if "unable to lock file" in str(exc):  # HDF5's file lock: a writer has it open
+                raise InputError(f"{path}: another program has the HDF5 file open for writing (HDF5 "
+                                 "refuses the read lock); close it there and run again") from None
             raise InputError(f"{path}: cannot read the HDF5 file ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
         try:
@@ -455,19 +458,24 @@ class Hdf5Reader(Reader):
                              "it may be truncated or corrupt") from None
         self._unname_dropped_coordinates(found)
         self.keep_userblock = self._userblock(left)
-        self.dangling_links = self._dangling_links(left)
+        self.left_out_links = self._left_out_links(left)
         left.check(self.path)
         return left
 
-    def _dangling_links(self, left: leftovers.Leftovers) -> set[str]:
-        """Soft links to paths that hold nothing: their text is any content (a name, an
-        ID), not structure, so they are left out unless --keep names them; listed either
-        way. Links that resolve are structure, copied as links."""
-        dangling: list[str] = []
+    def _left_out_links(self, left: leftovers.Leftovers) -> set[str]:
+        """Soft links to paths that hold nothing, whose text is any content (a name, an ID),
+        and links into other files, whose target's file name and path (/data/patients/
+        john_smith.h5) are the input's metadata, not structure: left out unless --keep names
+        them; listed either way. Soft links that resolve are structure, copied as links."""
+        found: list[tuple[str, str, str]] = []  # (path, kind, reason)
 
         def visit(name, link):
             if isinstance(link, h5py.SoftLink) and self.file.get("/" + name) is None:
-                dangling.append("/" + name)
+                found.append(("/" + name, "soft link", "a link to a path that holds nothing in the "
+                              "file (its text can be any content)"))
+            elif isinstance(link, h5py.ExternalLink):
+                found.append(("/" + name, "external link", "a link into another file: its target's "
+                              "file name and path are the input's metadata (--keep copies it as a link)"))
 
         try:
             self.file.visititems_links(visit)
@@ -475,12 +483,11 @@ class Hdf5Reader(Reader):
             raise InputError(f"{self.path}: cannot read the HDF5 file's links ({_reason(exc)}); "
                              "it may be truncated or corrupt") from None
         left_out = set()
-        for path in dangling:
+        for path, kind, reason in found:
             if left.kept(path):
-                left.copied(path, "soft link", leftovers.KEPT)
+                left.copied(path, kind, leftovers.KEPT)
             else:
-                left.drop(path, "soft link", "a link to a path that holds nothing in the file (its "
-                          "text can be any content)")
+                left.drop(path, kind, reason)
                 left_out.add(path)
         return left_out
 
@@ -501,15 +508,16 @@ class Hdf5Reader(Reader):
     def _check_outside_references(self) -> None:
         """Nothing outside the file is read into the output: a dataset that is not perturbed
         and keeps its values in other files (virtual or external storage) would be copied
-        raw, so it is refused; links into other files are copied as links (their targets
-        are not read) and reported."""
+        raw, so it is refused; links into other files that --keep names are copied as links
+        (their targets are not read) and reported."""
         perturbed = {job.name for job in self.jobs}
         outside, links = [], []
 
         def visit(name, link):
             path = "/" + name
             if isinstance(link, h5py.ExternalLink):
-                links.append(f"{path} -> {link.filename}:{link.path}")
+                if path not in self.left_out_links:
+                    links.append(f"{path} -> {link.filename}:{link.path}")
             elif isinstance(link, h5py.HardLink) and path not in perturbed:
                 obj = self.file.get(path)
                 if isinstance(obj, h5py.Dataset) and _object_key(obj) not in self.actions:  # copied
@@ -1103,7 +1111,7 @@ class Hdf5Writer(Writer):
         self.dropped_attrs: dict[str, list[str]] = {}  # job name -> CF attributes left off
         self.actions = reader.actions  # object -> DROP or DIMENSION (datasets not perturbed)
         self.left_out_attrs = reader.left_out_attrs  # object -> attributes not written
-        self.dangling_links = reader.dangling_links  # soft links to nothing, left out
+        self.left_out_links = reader.left_out_links  # soft links to nothing, external links
         self.copied: dict[tuple[int, int], str] = {_object_key(src): "/"}  # source object -> output path
         self.pairs: list[tuple[str, str]] = [("/", "/")]  # (source path, output path) of each object
         fcpl = src.id.get_create_plist()  # user block size, ...
@@ -1182,12 +1190,11 @@ class Hdf5Writer(Writer):
 
     def _copy_member(self, src: h5py.Group, dst: h5py.Group, name: str) -> None:
         link = src.get(name, getlink=True)
-        if isinstance(link, h5py.SoftLink):
-            if posixpath.join(src.name, name) not in self.dangling_links:
-                dst[name] = h5py.SoftLink(link.path)
-            return
-        if isinstance(link, h5py.ExternalLink):
-            dst[name] = h5py.ExternalLink(link.filename, link.path)
+        if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
+            if posixpath.join(src.name, name) in self.left_out_links:
+                return
+            dst[name] = h5py.SoftLink(link.path) if isinstance(link, h5py.SoftLink) else \
+                h5py.ExternalLink(link.filename, link.path)
             return
         obj = src[name]
         key = _object_key(obj)

@@ -10,7 +10,8 @@ perturbed, and a damaged one stops the run then (the output is never committed).
 --skip-bad decodes every image up front instead, to skip the bad ones before the
 run. No image is held in memory longer than its own perturbation.
 
-Only colour channels are perturbed; an alpha channel is copied back unchanged.
+Only colour channels are perturbed; an alpha channel is left out (RGBA written as RGB,
+LA as L, listed under dropped), or copied back unchanged where --keep alpha names it.
 The output folder mirrors the input: lossless PNG rounded and clipped to the
 input's integer range (default; written by pixels.png, encoded for noise), or float
 TIFF with the values as perturbed. With --copy-other, index files
@@ -153,13 +154,15 @@ def output_name(rel: str, image_format: str, stack: bool = False) -> str:
     return rel if path.suffix.lower() in suffixes else path.with_suffix(suffixes[0]).as_posix()
 
 
-def read_output(path: Path, has_alpha: bool) -> np.ndarray:
+def read_output(path: Path) -> np.ndarray:
     """The perturbed colour channels of an image the writer wrote: a TIFF read with
-    tifffile (its floating-point samples, without the source's alpha, which the writer
-    copies as the last channel), a PNG decoded as the reader decodes images. `has_alpha`:
-    whether the source image had alpha."""
+    tifffile (its floating-point samples, without the alpha channel --keep alpha copies as
+    the last channel, an extra sample), a PNG decoded as the reader decodes images."""
     if path.suffix.lower() in (".tif", ".tiff"):
-        pixels = tifffile.imread(path)
+        with tifffile.TiffFile(path) as tif:
+            first = tif.pages[0]  # the first page is always read in full, a TiffPage
+            pixels = tif.asarray()
+            has_alpha = isinstance(first, tifffile.TiffPage) and bool(first.extrasamples)
         if has_alpha:
             pixels = pixels[..., :-1]
             if pixels.shape[-1] == 1:
@@ -253,17 +256,6 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
-        self._report_alpha()
-
-    def _report_alpha(self) -> None:
-        """The alpha channels are written raw (copied back, not perturbed): listed under
-        unperturbed, so the summary line names them, as every raw value is."""
-        alpha = sum(image.has_alpha for image in self.images)
-        if alpha:
-            self.manifest_extra["unperturbed"] = [*self.manifest_extra.get("unperturbed", []), {
-                "name": "alpha channel", "kind": "channel",
-                "reason": f"not perturbed, copied from {plural(alpha, 'image')} (transparency can outline "
-                          "the subject)"}]
 
     def _probe_all(self, candidates: list[str], options: FormatOptions) -> tuple[list[str], dict[str, list[str]]]:
         """Reads each candidate's header (decodes it with --skip-bad) into self.images, or
@@ -327,6 +319,7 @@ class ImageFolderReader(Reader):
         left.considered(image.rel for image in self.images)  # --keep never stops the noise
         kept = [rel for rel in self.label_maps if left.kept(rel)]
         self.keep_icc = left.icc_profiles(sum(image.has_icc for image in self.images))
+        self.keep_alpha = left.alpha_channels(sum(image.has_alpha for image in self.images))
         left.check(self.path)
         if kept and self.anonymized:
             raise UsageError(f"{self.path}: --keep copies label maps under their own names; it does not "
@@ -415,7 +408,7 @@ class ImageFolderReader(Reader):
     def _warn_tiff_readers(self) -> None:
         # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked
         # with Pillow 13); torchvision's and Hugging Face's image loaders go through it.
-        several = [i for i in self.images if i.colour or i.has_alpha]
+        several = [i for i in self.images if i.colour or (i.has_alpha and self.keep_alpha)]
         if several:
             self.messages.append(
                 f"warning: {plural(len(several), 'colour or alpha image')} will be TIFF with several "
@@ -656,6 +649,7 @@ class ImageFolderWriter(Writer):
         self.dtype = np.dtype(dtype)
         self.images = {image.rel: image for image in reader.images}
         self.keep_icc = reader.keep_icc  # --keep icc_profile (leftovers.py)
+        self.keep_alpha = reader.keep_alpha  # --keep alpha
         self._digests: dict[Path, str] = {}  # filled by write; on Dask workers it stays empty
         # Every file the output must hold once complete (finish checks they all are there).
         self._expected = [image.out_rel for image in reader.images] + (reader.copied if options.copy_other
@@ -670,7 +664,7 @@ class ImageFolderWriter(Writer):
                     self._write_index(reader.index_texts[rel], rel)
                 else:
                     self._copy(reader.path / rel, rel)
-        self.postprocessing = self._steps(any(image.has_alpha for image in reader.images),
+        self.postprocessing = self._steps(any(image.has_alpha for image in reader.images) and self.keep_alpha,
                                           any(image.pages > 1 for image in reader.images))
         # What evaluate needs to read the output back, as fields (postprocessing is for people).
         self.manifest_extra = {"image_output": {"format": self.image_format,
@@ -703,7 +697,9 @@ class ImageFolderWriter(Writer):
                 steps.append("write each multi-page TIFF as an uncompressed multi-page TIFF of its pages, "
                              "of its own bit depth (clipped as PNG is)")
         if any_alpha:
-            steps.append("copy the alpha channel unchanged from the input (it is not perturbed)")
+            steps.append("copy the alpha channel unchanged from the input (it is not perturbed; --keep alpha)")
+        elif any(image.has_alpha for image in self.images.values()):
+            steps.append("leave out the alpha channel (RGBA written as RGB, LA as L)")
         steps.append(("keep" if self.keep_icc else "drop") + " the ICC colour profile; drop EXIF and text metadata")
         return steps
 
@@ -735,7 +731,7 @@ class ImageFolderWriter(Writer):
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         image = self.images[job.name]
         values = block[0]
-        alpha = _decode(image.path).alpha if image.has_alpha else None
+        alpha = _decode(image.path).alpha if image.has_alpha and self.keep_alpha else None
         icc = _icc_profile(image.path) if image.has_icc and self.keep_icc else None
         target = self._target(image.out_rel)
         encoded: bytes | memoryview

@@ -69,8 +69,8 @@ GRID_MAPPING_ATTRIBUTES = (
 HDF5_ATTRIBUTES = ("CLASS", "NAME", "DIMENSION_LIST", "REFERENCE_LIST", "DIMENSION_LABELS",
                    "_Netcdf4Dimid", "_Netcdf4Coordinates", "_NCProperties", "_nc3_strict")
 # xarray's dimension names (Zarr 2) and the OME-Zarr (NGFF) image structure; the values
-# computed from the raw data inside it are replaced or dropped, and the image names inside it
-# left out (unless --keep), by zarr_store.
+# computed from the raw data inside it are replaced or dropped, and the names, ids and
+# dates inside it left out (unless --keep), by zarr_store.
 ZARR_ATTRIBUTES = ("_ARRAY_DIMENSIONS", "multiscales", "omero", "ome", "image-label", "labels",
                    "bioformats2raw.layout", "plate", "well")
 STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES + ZARR_ATTRIBUTES)
@@ -78,6 +78,10 @@ STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES
 # Images' ICC colour profiles (Pillow's info["icc_profile"]), by the name --keep and the
 # manifest give them: Pillow's key (a table's: COLUMN icc_profile).
 ICC_PROFILE = "icc_profile"
+# Images' alpha channels (transparency), by the name --keep and the manifest give them (a
+# table's: COLUMN.alpha). Not perturbed: a cut-out's alpha is its subject's silhouette.
+ALPHA = "alpha"
+ALPHA_KIND = "alpha channel"
 
 ATTRIBUTE_REASON = "metadata tldp does not perturb, not among the structural attributes readers need"
 
@@ -152,6 +156,22 @@ class Leftovers:
             return True
         self.drop(name, "colour profile", f"the ICC colour profiles of {images}: they can hold free text (the "
                                           f"profile's description and copyright tags); --keep {name} copies them")
+        return False
+
+    def alpha_channels(self, count: int, what: str = "image", name: str = ALPHA, where: str = "") -> bool:
+        """Whether the alpha channels `count` images have are written (copied raw: tldp perturbs
+        the colour channels only): only where --keep names them; either way listed. Left out,
+        each image is written without it (RGBA as RGB, LA as L)."""
+        if not count:
+            return False
+        images = f"{count} {what}" + ("s" if count != 1 else "") + where
+        if self.kept(name):
+            self.copied(name, ALPHA_KIND, f"{KEPT}; not perturbed, copied raw from {images} (transparency can "
+                                          "outline the subject)")
+            return True
+        self.drop(name, ALPHA_KIND, f"the alpha channels of {images}: not perturbed, and transparency can outline "
+                                    f"the subject (a cut-out's silhouette); written without it (RGBA as RGB, LA as "
+                                    f"L); --keep {name} copies them raw")
         return False
 
     def considered(self, names: Iterable[str]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -258,6 +259,17 @@ def _close_streams(path: Path) -> None:
                 stream.close()
 
 
+@contextlib.contextmanager
+def _silenced(logger: logging.Logger):
+    """`logger` prints nothing meanwhile (with no handler, logging's last resort would)."""
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load(path: Path):
     """The nibabel image of a single-file NIfTI (its header; the voxels stay on disk)."""
     nib = _nibabel()
@@ -269,7 +281,9 @@ def _load(path: Path):
                          "'scan.nii.gz') makes one")
     klass = nib.Nifti2Image if magic == b"n+2" else nib.Nifti1Image
     try:
-        with _opened(path) as f:
+        # nibabel logs each fix it tries on a damaged header to stderr ("sizeof_hdr should be
+        # 348; set sizeof_hdr to 348"): the one line below says what is wrong instead
+        with _opened(path) as f, _silenced(nib.imageglobals.logger):
             header = klass.header_class.from_fileobj(f)
     except Exception as exc:  # HeaderDataError, EOFError, ValueError on damaged headers
         raise InputError(f"{path}: not a readable NIfTI header ({reason_of(exc)})") from None

@@ -65,6 +65,9 @@ def parse(path: Path) -> tuple[bytes, dict, list[Entry]]:
     try:
         with open(path, "rb") as f:
             length = struct.unpack("<Q", f.read(8))[0]
+            size = os.fstat(f.fileno()).st_size
+            if length > size - 8:  # never read (and allocate) what a damaged length claims
+                raise invalid(path, f"its header of {length} bytes ends after the file, {size - 8} bytes in")
             raw = f.read(length)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({reason_of(exc)})") from None

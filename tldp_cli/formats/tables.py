@@ -23,7 +23,8 @@ images' `path` field (file names, which may name a person) and the schema's othe
 metadata are left out and listed in the manifest's `dropped`, unless --keep names them
 (formats.leftovers): a column by its name, an image column's paths as COLUMN.path (a
 kept column's too), a schema metadata key as @KEY. The alpha channels of the images
-perturbed are copied unchanged and listed in `unperturbed`.
+perturbed are left out too (RGBA written as RGB, LA as L; dropped), or copied unchanged
+where --keep COLUMN.alpha names them (listed in `unperturbed`).
 
 The output has the input's parts, batches (row group sizes), column order and types, and
 the Hugging Face features of the columns it holds, so `datasets` loads it with the same
@@ -423,14 +424,16 @@ def image_header(data: bytes | None, where: str):
         raise InputError(f"{where}: cannot be decoded as an image ({decode_reason(exc)})") from None
 
 
-def encode_image(values: np.ndarray, source: bytes, keep_icc: bool) -> bytes:
-    """A perturbed image (colour channels) in `source`'s format: its alpha channel put back,
-    and its ICC profile where `keep_icc` (--keep COLUMN.icc_profile), rounded and clipped to its bit depth; JPEG as JPEG, else PNG."""
+def encode_image(values: np.ndarray, source: bytes, keep_icc: bool, keep_alpha: bool = False) -> bytes:
+    """A perturbed image (colour channels) in `source`'s format: its alpha channel put back
+    where `keep_alpha` (--keep COLUMN.alpha; else written without it), and its ICC profile
+    where `keep_icc` (--keep COLUMN.icc_profile), rounded and clipped to its bit depth; JPEG
+    as JPEG, else PNG."""
     file = io.BytesIO(source)
     with Image.open(file) as im:  # the header only, unless the alpha channel is wanted
         found, kind = header(file, im), im.format
         icc = im.info.get("icc_profile") if keep_icc else None
-        alpha = decode(file, im).alpha if found.has_alpha else None
+        alpha = decode(file, im).alpha if found.has_alpha and keep_alpha else None
     dtype = found.dtype
     info = np.iinfo(dtype)
     rounded = values if values.dtype.kind in "iu" else np.rint(values)
@@ -692,11 +695,10 @@ class TableReader(Reader):
                 else:
                     self.left.drop(f"{name}.{PATH_FIELD}", "image path field",
                                    "the images' file names, which can name a person; written as null")
-        for name, count in self.alpha.items():  # written raw, as in image folders: listed
-            if count:
-                self.left.copied(f"{name} alpha channel", "channel",
-                                 f"not perturbed, copied from {plural(count, 'image')} of column {name} "
-                                 "(transparency can outline the subject)")
+        # By image column: whether --keep COLUMN.alpha copies its images' alpha channels.
+        self.keep_alpha = {name: self.left.alpha_channels(count, "image", f"{name}.{leftovers.ALPHA}",
+                                                          f" of column {name}")
+                           for name, count in self.alpha.items()}
         # By image column: whether --keep COLUMN.icc_profile keeps its images' ICC profiles.
         self.keep_icc = {name: self.left.icc_profiles(count, name=f"{name}.{leftovers.ICC_PROFILE}")
                          for name, count in self.icc.items()}
@@ -868,9 +870,12 @@ class TableWriter(Writer):
             steps.append(f"float columns ({', '.join(floats)}): store in the column's float type "
                          "(float16 saturating at its largest finite value)")
         if images:
+            alpha = ("copy the alpha channel unchanged (--keep COLUMN.alpha), " if any(self.reader.keep_alpha.values())
+                     else "leave out the alpha channel (RGBA written as RGB, LA as L), "
+                     if any(self.reader.alpha.values()) else "")
             steps.append(f"image columns ({', '.join(c.name for c in images)}): "
                          + ("" if dtype.kind in "iu" else "round to nearest integer (ties to even), ")
-                         + "clip to the image's bit depth, copy the alpha channel unchanged, "
+                         + "clip to the image's bit depth, " + alpha
                          + ("keep" if any(self.reader.keep_icc.values()) else "drop") + " the ICC "
                          f"profile (EXIF and text dropped); PNG written as PNG, JPEG as JPEG (quality "
                          f"{JPEG_QUALITY}, lossy, after the noise), any other format as PNG")
@@ -887,7 +892,8 @@ class TableWriter(Writer):
             sources = (_row_of_batch(self.table, name, start) if first else
                        self.table.read([name], start, stop).column(0))
             keep_icc = self.reader.keep_icc.get(name, False)
-            payload: Any = [encode_image(values, source, keep_icc)
+            keep_alpha = self.reader.keep_alpha.get(name, False)
+            payload: Any = [encode_image(values, source, keep_icc, keep_alpha)
                             for values, source in zip(block, _image_bytes(sources).to_pylist())]
         else:
             payload = stored(block, column.values_dtype)

@@ -25,8 +25,8 @@ the shards are dropped and listed (kind "file"), or copied raw when --keep names
 
 Output. A folder holding each shard under its own relative name, members in the input's
 order: image members as lossless PNG (`0001.jpg` becomes `0001.png`, in the same sample),
-clipped and rounded to the image's integer range, alpha copied, ICC profile dropped
-unless --keep icc_profile; .npy members as .npy of the run's output dtype and the same
+clipped and rounded to the image's integer range, alpha channel and ICC profile dropped
+unless --keep alpha, --keep icc_profile; .npy members as .npy of the run's output dtype and the same
 shape. Tar headers are written anew, deterministic: each member's name and mode from the
 input, a constant modification time (MTIME: the input's can date a recording), no
 owner (uid, gid 0, names blank) and none of the input's PAX records but those a long or
@@ -630,10 +630,8 @@ class WebDatasetReader(Reader):
                 left.dropped.append({"name": label, "kind": "member", "members": count,
                                      "reason": LABEL_REASON})
         self._files_beside(left)
-        alpha = sum(member.has_alpha for shard in self.shards for member in shard.members if member.job)
-        if alpha:  # written raw, as in image folders: listed, so the summary line names it
-            left.copied("alpha channel", "channel", f"not perturbed, copied from {plural(alpha, 'image member')} "
-                                                    "(transparency can outline the subject)")
+        self.keep_alpha = left.alpha_channels(sum(member.has_alpha for shard in self.shards
+                                                  for member in shard.members if member.job), "image member")
         keys = len({(shard.path, member.key) for shard in self.shards for member in shard.members if member.job})
         if keys and not self.anonymized:  # written as they are: listed, so the summary line names them
             left.copied("sample keys", "name", f"the keys of {plural(keys, 'sample')} (member names without their "
@@ -827,7 +825,9 @@ class WebDatasetWriter(Writer):
             steps += rounding + [
                 "clip image members to " + ", ".join(f"[0, {2**d - 1}] ({d}-bit images)" for d in depths),
                 "write each image member as a PNG member under its key (KEY.jpg -> KEY.png) " + pixels.PNG_ENCODING,
-                "copy an image's alpha channel unchanged (it is not perturbed); "
+                ("copy an image's alpha channel unchanged (it is not perturbed; --keep alpha); " if reader.keep_alpha
+                 else "leave out an image's alpha channel (RGBA written as RGB, LA as L); "
+                 if any(m.has_alpha for m in members) else "")
                 + ("keep" if reader.keep_icc else "drop") + " its ICC colour profile, drop EXIF and text metadata"]
         if has_arrays:
             steps.append(f"write each .npy member as a {self.dtype} .npy member of the same shape")
@@ -864,7 +864,7 @@ class WebDatasetWriter(Writer):
         data = io.BytesIO(_read_at(shard.path, member.offset, member.size))
         with Image.open(data) as im:
             icc = im.info.get("icc_profile") if self.reader.keep_icc else None
-            alpha = pixels.decode(data, im).alpha if member.has_alpha else None
+            alpha = pixels.decode(data, im).alpha if member.has_alpha and self.reader.keep_alpha else None
         if alpha is not None:
             image = np.dstack([image, alpha.astype(image.dtype)])
         return pixels.png(image, icc)

@@ -95,37 +95,60 @@ def _display(name: str) -> str:
     return name or "/"
 
 
-# The free-text names inside the NGFF metadata, multiscales[].name and omero.name: an image's
-# name (bioformats2raw writes the source image's, often its file name), not structure readers
-# need. Left out unless --keep names GROUP@multiscales.name or GROUP@omero.name.
+# The free-text names, identifiers and dates inside the NGFF metadata: an image's name
+# (multiscales[].name, omero.name: bioformats2raw writes the source image's, often its file
+# name), its id in the OMERO server it came from (omero.id), a plate's name and its
+# acquisitions' names, descriptions and times (plate.name, plate.acquisitions.name, ...). None
+# is structure readers need. Left out unless --keep names GROUP@FIELD (GROUP@omero.name).
 NGFF_NAME_REASON = ("a free-text name inside the OME-Zarr metadata (often the source image's file name, which "
                     "can name the subject), not structure readers need (--keep copies it)")
+NGFF_ID_REASON = ("the image's identifier in the OMERO server it came from, which ties the release to the "
+                  "source record, not structure readers need (--keep copies it)")
+NGFF_TIME_REASON = ("when the acquisition was made (the input's metadata, as a file's dates), not structure "
+                    "readers need (--keep copies it)")
+_NGFF_FIELDS = {"name": NGFF_NAME_REASON, "description": NGFF_NAME_REASON, "id": NGFF_ID_REASON,
+                "starttime": NGFF_TIME_REASON, "endtime": NGFF_TIME_REASON}
 
 
-def _ngff_named(attrs: dict[str, Any]) -> list[tuple[str, dict]]:
-    """The (key, object) of the NGFF metadata (NGFF 0.5: under "ome") holding a `name`."""
+def _ngff_named(attrs: dict[str, Any]) -> list[tuple[str, dict, str]]:
+    """(the name --keep and the manifest give it, the object holding it, its key) of each
+    name, identifier and date (_NGFF_FIELDS) in the NGFF metadata (NGFF 0.5: under "ome")."""
     ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
-    multiscales = ngff.get("multiscales")
-    entries = multiscales if isinstance(multiscales, list) else []
-    found = [("multiscales", entry) for entry in entries if isinstance(entry, dict) and "name" in entry]
-    omero = ngff.get("omero")
-    return found + ([("omero", omero)] if isinstance(omero, dict) and "name" in omero else [])
+    found: list[tuple[str, dict, str]] = []
+
+    def add(where: str, obj: Any, keys: tuple[str, ...]) -> None:
+        if isinstance(obj, dict):
+            found.extend((f"{where}.{key}", obj, key) for key in keys if key in obj)
+
+    def entries(value: Any) -> list:
+        return value if isinstance(value, list) else []
+
+    for entry in entries(ngff.get("multiscales")):
+        add("multiscales", entry, ("name",))
+    add("omero", ngff.get("omero"), ("name", "id"))
+    plate = ngff.get("plate")
+    add("plate", plate, ("name",))
+    for acquisition in entries(plate.get("acquisitions") if isinstance(plate, dict) else None):
+        add("plate.acquisitions", acquisition, ("name", "description", "starttime", "endtime"))
+    return found
 
 
 def _without_ngff_names(owner: str, attrs: dict[str, Any], left: leftovers.Leftovers) -> dict[str, Any]:
-    """`attrs` less the NGFF names (NGFF_NAME_REASON), each listed as OWNER@multiscales.name or
-    OWNER@omero.name in `dropped`, or kept and listed where --keep names it."""
+    """`attrs` less the NGFF names, identifiers and dates (_ngff_named), each listed as
+    OWNER@FIELD (OWNER@omero.name) in `dropped`, or kept and listed where --keep names it."""
     if not _ngff_named(attrs):
         return attrs
     attrs = copy.deepcopy(attrs)  # the nested objects are the input's
-    for key in dict.fromkeys(key for key, _ in _ngff_named(attrs)):
-        name = leftovers.attribute_name(owner, f"{key}.name")
+    found = _ngff_named(attrs)
+    for field in dict.fromkeys(field for field, _, _ in found):
+        name = leftovers.attribute_name(owner, field)
         if left.kept(name):
             left.copied(name, "attribute", leftovers.KEPT)
             continue
-        left.drop(name, "attribute", NGFF_NAME_REASON)
-        for _, entry in [(k, e) for k, e in _ngff_named(attrs) if k == key]:
-            del entry["name"]
+        key = field.rsplit(".", 1)[1]
+        left.drop(name, "attribute", _NGFF_FIELDS[key])
+        for _, obj, _ in [item for item in found if item[0] == field]:
+            del obj[key]
     return attrs
 
 

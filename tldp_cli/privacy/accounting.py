@@ -814,7 +814,7 @@ def discrete_laplace_composed_epsilon(items: list[tuple[int, float, float, int]]
         groups[(d, b, log_p)] = groups.get((d, b, log_p), 0) + int(count)
     elements = {key: discrete_laplace_element_epsilon(*key) for key in groups}
     pure = sum(n * elements[key] for key, n in groups.items())
-    rho = sum(n * elements[key] ** 2 / 2 for key, n in groups.items())
+    rho = sum(n * elements[key] * elements[key] / 2 for key, n in groups.items())  # inf, not OverflowError, past float64
     bounds = [pure, rho + 2 * math.sqrt(rho * math.log(1 / delta))]
     if len(groups) == 1:
         ((key, n),) = groups.items()

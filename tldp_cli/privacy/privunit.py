@@ -268,9 +268,10 @@ COLOUR_CHANNELS = (3, 4)
 
 
 def is_colour_image(record_shape: tuple[int, ...]) -> bool:
-    """A colour image record: (H, W, 3) or (H, W, 4), H and W at least 2 (its shape only)."""
+    """A colour image record: (H, W, 3) or (H, W, 4), H and W at least 2, or a stack of them
+    (pages, H, W, 3 or 4: a multi-page RGB TIFF) (its shape only)."""
     shape = tuple(record_shape)
-    return len(shape) == 3 and shape[2] in COLOUR_CHANNELS and min(shape[:2]) >= 2
+    return (len(shape) == 3 and shape[2] in COLOUR_CHANNELS and min(shape[:2]) >= 2) or is_colour_stack(shape)
 
 
 def reference_choice(option: str | float | None, record_shape: tuple[int, ...]) -> str:
@@ -374,14 +375,25 @@ WRITE_BACK_RULE = ("w_j = m^2 P_j / (m^2 P_j + (1 - m^2)/k), P_j proportional to
 IMAGE_CHANNELS = (1, 3, 4)
 
 
+def is_colour_stack(record_shape: tuple[int, ...]) -> bool:
+    """A stack of colour images stored channels last, (D, H, W, 3 or 4), each axis but the
+    channels' at least 2 (its shape only): a volume whose channels are the last axis."""
+    shape = tuple(record_shape)
+    return len(shape) == 4 and shape[3] in COLOUR_CHANNELS and min(shape[:3]) >= 2
+
+
 def spatial_axes(record_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The axes' lengths the DCT basis runs over (sampling/projection.py's is_volume and layout
-    follow it): the first two of a (H, W, C) record with C in 1, 3, 4 (channels last), the last
-    two of a (C, H, W) record with C in 1, 3, 4 and of a 2-D record (the last one of a 1-D
-    record), else the last three (a volume: any other record of three axes or more)."""
+    follow it): the first two of a (H, W, C) record with C in 1, 3, 4 (channels last), the first
+    three of a (D, H, W, C) record with C in 3, 4 (a stack of colour images, channels last: a
+    multi-page RGB TIFF), the last two of a (C, H, W) record with C in 1, 3, 4 and of a 2-D
+    record (the last one of a 1-D record), else the last three (a volume: any other record of
+    three axes or more)."""
     shape = tuple(record_shape)
     if len(shape) == 3 and shape[2] in IMAGE_CHANNELS:
         return shape[:2]
+    if is_colour_stack(shape):
+        return shape[:3]
     if len(shape) < 3 or (len(shape) == 3 and shape[0] in IMAGE_CHANNELS):
         return shape[-2:]
     return shape[-3:]

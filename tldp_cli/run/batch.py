@@ -37,7 +37,10 @@ class Outcome:
 
 def input_list(text: str, where: str) -> list[Path]:
     """The inputs listed in `text` (--inputs-from), one path per line; blank lines skipped.
-    A stream (`-`) or a URL is refused, naming the line."""
+    A stream (`-`) or a URL is refused, naming the line, and so is a list holding a NUL
+    byte (find -print0), which no path can hold."""
+    if "\0" in text:
+        raise UsageError(f"{where}: holds a NUL byte; list one path per line (find -print, not -print0)")
     paths = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.rstrip("\r")

@@ -309,6 +309,7 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
     # streaming buffers.
     certified = certified_figures(calibrations, [[calib_of[name] for name in row] for row in rows],
                                   [(job.name, calib_of[job.name], job.records) for job in jobs], per_tensor)
+    _refuse_infinite(certified, source, options.eps)
     raw_release = accounting.raw_release_scopes(certified)
     if raw_release and not options.allow_raw_release:
         scope, delta = next(((s, d) for s, d in raw_release if s == "per_record"), raw_release[0])
@@ -329,6 +330,17 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                       _in_range_markers(jobs, bounds),
                       {name: basis for group in groups for name, basis in group.bases.items()}, user,
                       _range_groups(groups, jobs, rows, declared) if len(groups) > 1 else [])
+
+
+def _refuse_infinite(certified: Certificate, source: object, eps: float) -> None:
+    """A figure past float64 (an --eps near its largest value, times a record's elements or
+    the file's records) cannot be stated, in the manifest or anywhere: refused as a usage error."""
+    for scope in ("per_element", "per_record", "per_file"):
+        figures = getattr(certified, scope)
+        values = [] if figures is None else [figures.epsilon, figures.approx_epsilon, figures.rho or 0.0]
+        if not all(math.isfinite(value) for value in values):
+            raise UsageError(f"{source}: --eps {eps:g} gives an infinite eps {scope.replace('_', ' ')} "
+                             "(beyond float64 arithmetic); lower --eps")
 
 
 def _range_groups(groups: list[_RangeGroup], jobs: list[ArrayJob], rows: list[list[str]],

@@ -97,14 +97,22 @@ class Spent:
 
 def open_ledger(path: Path) -> sqlite3.Connection:
     """Opens (creating) the ledger, upgrading one of schema 1; refuses one of a newer
-    schema or not a ledger. A new ledger is created readable by its owner only: it can
-    test whether a record is in the raw data (SQLite gives its journals the same mode)."""
+    schema or not a ledger: an SQLite database of other tables (another program's) is left
+    as it is, never made a ledger (its journal mode included). A new ledger is created
+    readable by its owner only: it can test whether a record is in the raw data (SQLite
+    gives its journals the same mode)."""
     if not os.path.lexists(path):
         with contextlib.suppress(OSError):  # another run made it; or sqlite3 says why it cannot
             output.create_private(path).close()
     try:
         db = sqlite3.connect(path, timeout=_BUSY_MS / 1000, isolation_level=None)
         db.execute(f"PRAGMA busy_timeout = {_BUSY_MS}")
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables and not {"meta", "releases"} <= tables:
+            db.close()
+            raise InputError(f"{path}: not a tldp ledger (an SQLite database of other tables: "
+                             f"{', '.join(sorted(tables)[:3])}{', ...' if len(tables) > 3 else ''}); "
+                             "give a new file or one perturb --ledger wrote")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
         db.execute(f"PRAGMA cache_size = {-_CACHE_KB}")

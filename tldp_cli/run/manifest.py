@@ -301,13 +301,14 @@ def stored_entry(calib: Calibration, user_basis: Any, dtype: str) -> dict[str, A
         return entry
     entry["coefficient_order"] = [[int(n) for n in row] for row in zip(*basis.index)]
     if projection.is_volume(params.record_shape):
-        channels, depth, height, width = projection.volume_layout(params.record_shape)
+        channels, depth, height, width, channels_last = projection.volume_layout(params.record_shape)
         entry["layout"] = {"channels": channels, "depth": depth, "height": height, "width": width,
-                           "channels_last": False}
+                           "channels_last": channels_last}
         entry["basis_rows"] = ("row r of B is DCT-II row i (depth) times row j (height) times row l (width) "
                                "in channel c, [c, i, j, l] = coefficient_order[r], DCT-II row f of size n at "
                                "x = 0..n-1: sqrt((1 if f == 0 else 2) / n) cos(pi (2x + 1) f / (2n)); the "
-                               "record's elements in layout order (channels, depth, height, width)")
+                               "record's elements in layout order (channels, depth, height, width), or "
+                               "(depth, height, width, channels) when layout.channels_last")
     else:
         channels, height, width, channels_last = projection.layout(params.record_shape)
         entry["layout"] = {"channels": channels, "height": height, "width": width, "channels_last": channels_last}
@@ -370,7 +371,8 @@ def reference_rule(params: Any) -> str:
     rule = f"{params.reference_rule}: {privunit.REFERENCE_RULES[params.reference_rule]}"
     if params.reference_option == "auto":
         colour = privunit.is_colour_image(params.record_shape)
-        rule += (" (--reference auto: mid for colour images (H, W, 3 or 4), zero for other records; "
+        rule += (" (--reference auto: mid for colour images (H, W, 3 or 4, or a stack of them: D, H, W, 3 or 4), "
+                 "zero for other records; "
                  f"these records are {'' if colour else 'not '}colour images)")
     return rule
 
@@ -476,3 +478,35 @@ def check(m: Any, path: Path) -> None:
     for entry in m["inputs"]:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
             raise InputError(f"{path}: damaged manifest: an 'inputs' entry lacks its path")
+    problem = _nested_problem(m)
+    if problem:
+        raise InputError(f"{path}: damaged manifest: {problem}")
+
+
+def _nested_problem(m: dict[str, Any]) -> str | None:
+    """The first field inside a manifest that evaluate reads whose JSON type is wrong (a
+    figure of the wrong type is a mismatch of evaluate's parameters check instead)."""
+    accounting = m["accounting"]
+    dp_delta = accounting.get("dp_delta")
+    if not isinstance(dp_delta, _NUMBER) or isinstance(dp_delta, bool):
+        return "'accounting.dp_delta' is missing or not a number"
+    for scope in ("per_element", "per_record", "per_file"):
+        value = accounting.get(scope)
+        if not isinstance(value, dict) and (scope != "per_file" or value is not None):
+            return f"'accounting.{scope}' is missing or not an object"
+        if isinstance(value, dict) and not isinstance(value.get("approx", {}), dict):
+            return f"'accounting.{scope}.approx' is not an object"
+    for keys in (("grid",), ("weights",), ("privunit",), ("privunit", "basis"), ("accounting", "privunit")):
+        parent = m if len(keys) == 1 else m.get(keys[0])
+        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+        if value is not None and not isinstance(value, dict):
+            return f"'{'.'.join(keys)}' is not an object"
+    if not isinstance(m.get("preprocessing", []), list):
+        return "'preprocessing' is not a list"
+    for entry in m["inputs"]:
+        shape = entry.get("shape", [])
+        if not (isinstance(shape, list) and all(type(n) is int for n in shape)):
+            return "an 'inputs' entry's shape is not a list of integers"
+        if not isinstance(entry.get("format", ""), str):
+            return "an 'inputs' entry's format is not a string"
+    return None

@@ -36,7 +36,7 @@ from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration
 from tldp_cli.run import bases as bases_mod
 from tldp_cli.sampling.rng import Streams, records_per_unit
-from tldp_cli.run.masks import Mask, load_masks, weights_warning
+from tldp_cli.run.masks import Mask, load_masks, sidecar_path, weights_warning
 from tldp_cli.run.calibration import Calibrated, array_where, calibrate_run, missing_fills, range_group_messages
 from tldp_cli.run.context import Phase, Progress, Report, RunContext
 from tldp_cli.run.options import (  # noqa: F401 (the library's names: pipeline.PerturbOptions, ...)
@@ -566,11 +566,14 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
                                                                             manifest_path))
     output.check_destination(manifest_path, source, options.overwrite, "manifest", folder=False)
-    # Neither may replace a file the run reads: the weights, the seed file, the ledger, a user's basis.
+    # Neither, nor a --name-map, may replace a file the run reads: the weights (and their
+    # sidecar, which says whether they are data-derived), the seed file, the ledger, a user's basis.
     protected = {"weights": options.weights, "seed file": options.seed_file, "ledger": options.ledger,
+                 "weights sidecar": sidecar_path(Path(options.weights)) if options.weights else None,
                  "basis": bases_mod.parse_basis(options.basis).path if options.mechanism == PRIVUNIT else None}
-    output.check_distinct({"output": destination, "manifest": manifest_path,
-                           **{what: Path(p) for what, p in protected.items() if p is not None}})
+    written = {"output": destination, "manifest": manifest_path,
+               **({"name map": Path(options.name_map)} if options.name_map else {})}
+    output.check_distinct({**written, **{what: Path(p) for what, p in protected.items() if p is not None}})
     return destination, manifest_path
 
 

@@ -636,8 +636,10 @@ class Grid:
 
 def auto_granularity(lo: float, hi: float, epsilon: float) -> float:
     """The largest power of two at most (hi - lo) / (1024 max(1, eps)): rounding moves a
-    value by at most 1/2048 of the range (and of the noise scale Delta/eps)."""
-    return 2.0 ** math.floor(math.log2((hi - lo) / (1024 * max(1.0, epsilon))))
+    value by at most 1/2048 of the range (and of the noise scale Delta/eps). A range or an
+    eps at float64's edge has none: 0 or inf, which resolve_grid refuses."""
+    step = (hi - lo) / (1024 * max(1.0, epsilon))
+    return 2.0 ** math.floor(math.log2(step)) if math.isfinite(step) and step > 0 else step
 
 
 def resolve_grid(lo: float, hi: float, dtypes: list[np.dtype], granularity: float | None,
@@ -654,6 +656,10 @@ def resolve_grid(lo: float, hi: float, dtypes: list[np.dtype], granularity: floa
     else:
         if granularity is None:
             granularity = auto_granularity(lo, hi, epsilon)
+            if not (math.isfinite(granularity) and granularity > 0):
+                raise UsageError(f"{where}: the range {lo:g}:{hi:g} with --eps {epsilon:g} is beyond float64 "
+                                 "arithmetic (no grid step for the discrete noise); express the values in other "
+                                 "units or lower --eps")
         elif not (math.isfinite(granularity) and granularity > 0):
             raise UsageError(f"--granularity must be a finite number > 0, not {granularity}")
         low, high = np.rint(np.array([lo, hi]) / granularity)

@@ -12,7 +12,9 @@ products per block of records, whatever the record's size:
   with C in 1, 3, 4 nor a channels-first image (C, H, W) with C in 1, 3, 4 (the torch
   layout of image datasets), so its spatial axes are all three; or a record of four or more
   axes, whose last three are the spatial axes and whose leading axes count as channels
-  (torch's (C, D, H, W)). Its coefficients are ordered by normalised frequency
+  (torch's (C, D, H, W)), but a stack of colour images stored channels last, (D, H, W, C)
+  with C in 3, 4 and D, H, W at least 2 (a multi-page RGB TIFF: `is_colour_stack`), whose
+  first three are. Its coefficients are ordered by normalised frequency
   (i/D)^2 + (j/H)^2 + (l/W)^2 (ties: the lower i + j + l, then the lower i, then the
   lower j; compared exactly, in integers, for records of up to 1.7e9 elements), each
   frequency for every channel in turn, and the first k are kept.
@@ -24,8 +26,9 @@ products per block of records, whatever the record's size:
   frequency (i/H)^2 + (j/W)^2 (ties: the lower i + j, then the lower i), each frequency
   for every channel in turn, and the first k are kept.
 
-A volume stored channels last, (D, H, W, C), has four axes and so is read as (D) channels
-of (H, W, C) volumes: move its channels first, or give a basis (--basis FILE.npy).
+A volume stored channels last, (D, H, W, C), with C other than 3 or 4 has four axes and so
+is read as (D) channels of (H, W, C) volumes: move its channels first, or give a basis
+(--basis FILE.npy).
 
 `MatrixBasis`: a user's k x I matrix with orthonormal rows (--basis FILE.npy), which the
 user declares public; one matrix product each way.
@@ -42,7 +45,7 @@ import math
 
 import numpy as np
 
-from tldp_cli.privacy.privunit import IMAGE_CHANNELS, spatial_axes
+from tldp_cli.privacy.privunit import IMAGE_CHANNELS, is_colour_stack, spatial_axes
 # A user's basis: rows orthonormal to within this (the largest |B B^T - I| entry).
 ORTHONORMAL_TOLERANCE = 1e-4
 
@@ -75,16 +78,21 @@ def is_volume(record_shape: tuple[int, ...]) -> bool:
     return len(spatial_axes(record_shape)) == 3
 
 
-def volume_layout(record_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(channels, D, H, W) of a volume (is_volume): its last three axes and its channels."""
+def volume_layout(record_shape: tuple[int, ...]) -> tuple[int, int, int, int, bool]:
+    """(channels, D, H, W, channels_last) of a volume (is_volume): its last three axes and its
+    leading channels, or a stack of colour images' first three and its last (channels last)."""
     shape = tuple(record_shape)
-    return math.prod(shape[:-3]), shape[-3], shape[-2], shape[-1]
+    if is_colour_stack(shape):
+        return shape[3], shape[0], shape[1], shape[2], True
+    return math.prod(shape[:-3]), shape[-3], shape[-2], shape[-1], False
 
 
 def describe_layout(record_shape: tuple[int, ...]) -> str:
     if is_volume(record_shape):
-        channels, d, h, w = volume_layout(record_shape)
+        channels, d, h, w, last = volume_layout(record_shape)
         per = f", per channel ({channels} channels)" if channels > 1 else ""
+        if last:
+            return f"3-D DCT-II over the first three axes (a stack of colour images, channels last), {d} x {h} x {w}{per}"
         return f"3-D DCT-II over the last three axes (a volume), {d} x {h} x {w}{per}"
     channels, h, w, last = layout(record_shape)
     if h == 1:
@@ -184,7 +192,7 @@ class VolumeDctBasis:
     def __init__(self, record_shape: tuple[int, ...], k: int):
         self.record_shape = tuple(int(n) for n in record_shape)
         self.k = int(k)
-        self.channels, self.depth, self.height, self.width = volume_layout(self.record_shape)
+        self.channels, self.depth, self.height, self.width, self.channels_last = volume_layout(self.record_shape)
         total = self.channels * self.depth * self.height * self.width
         if not 1 <= self.k <= total:
             raise ValueError(f"k = {k} coefficients for records of {total} elements")
@@ -200,7 +208,10 @@ class VolumeDctBasis:
     def project(self, records: np.ndarray) -> np.ndarray:
         """(n, *record_shape) -> the (n, k) coefficients, in float64."""
         n = records.shape[0]
-        x = np.asarray(records, dtype=np.float64).reshape(n, self.channels, self.depth, self.height, self.width)
+        x = np.asarray(records, dtype=np.float64)
+        if self.channels_last:  # (n, D, H, W, C) -> (n, C, D, H, W)
+            x = np.moveaxis(x.reshape(n, self.depth, self.height, self.width, self.channels), 4, 1)
+        x = x.reshape(n, self.channels, self.depth, self.height, self.width)
         a, b, c = self.rows_d.shape[0], self.rows_h.shape[0], self.rows_w.shape[0]
         y = self.rows_h @ (x @ self.rows_w.T)  # (n, channels, D, b, c)
         block = (self.rows_d @ y.reshape(n, self.channels, self.depth, b * c)).reshape(n, self.channels, a, b, c)
@@ -214,6 +225,8 @@ class VolumeDctBasis:
         block[(slice(None), *self.index)] = coefficients
         y = (self.rows_d.T @ block.reshape(n, self.channels, a, b * c)).reshape(n, self.channels, self.depth, b, c)
         x = (self.rows_h.T @ y) @ self.rows_w  # (n, channels, D, H, W)
+        if self.channels_last:
+            x = np.moveaxis(x, 1, 4)
         return np.ascontiguousarray(x).reshape(n, *self.record_shape)
 
     def describe(self) -> str:
