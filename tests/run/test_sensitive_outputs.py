@@ -321,9 +321,9 @@ def test_the_weights_sidecar_is_never_replaced(cli, tmp_path, destination):
     ok(cli("weight-mask", photos, "--method", "constant", "--weight", "0.5", "--out", masks, "-q"))
     sidecar = tmp_path / "masks.json"
     before = tree_digest(tmp_path)
-    one_line_error(cli("perturb", photos, "--eps", "1", "--anonymize-names", "--weights", masks,
-                       "--out", tmp_path / "release", destination, sidecar, "--overwrite"),
-                   2, "the weights sidecar and the", "name the same file")
+    assert_one_line_error(cli("perturb", photos, "--eps", "1", "--anonymize-names", "--weights", masks,
+                              "--out", tmp_path / "release", destination, sidecar, "--overwrite"),
+                          2, "the weights sidecar and the", "name the same file")
     assert tree_digest(tmp_path) == before
 
 
