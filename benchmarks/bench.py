@@ -501,13 +501,17 @@ def photo_shapes(count: int, seed: int = 0) -> list[tuple[int, int, int]]:
 
 
 def _calibrate_run(options, jobs):
-    """pipeline.calibrate_run (pipeline.plan before issue 31: the benchmark runs on older checkouts too)."""
-    calibrate = getattr(pipeline, "calibrate_run", None) or pipeline.plan
+    """calibration.calibrate_run (pipeline.calibrate_run before run/calibration.py, pipeline.plan before
+    issue 31: the benchmark runs on older checkouts too)."""
+    try:
+        from tldp_cli.run.calibration import calibrate_run as calibrate
+    except ImportError:
+        calibrate = getattr(pipeline, "calibrate_run", None) or pipeline.plan
     return calibrate(options, jobs)
 
 
 def plan_seconds(count: int, noise: str = "discrete-laplace") -> dict:
-    """pipeline.calibrate_run, what `tldp plan photos/ --eps 1` runs once the headers are read, on
+    """calibration.calibrate_run, what `tldp plan photos/ --eps 1` runs once the headers are read, on
     `count` photos of distinct sizes (one record each, uint8): calibration and the certified
     figures, every one from the accounting. In this process: the imports are done, the
     accountant's caches are emptied first."""
@@ -542,7 +546,7 @@ def planning_times(counts=PLAN_SIZES) -> list[dict]:
 
 def planning_markdown(rows: list[dict]) -> list[str]:
     lo, hi = PLAN_SIDES
-    lines = [f"Planning (issue 30: `pipeline.calibrate_run` as `tldp plan photos/ --eps 1` runs it after the "
+    lines = [f"Planning (issue 30: `calibration.calibrate_run` as `tldp plan photos/ --eps 1` runs it after the "
              f"headers, on RGB photos of distinct sizes, {lo}-{hi} pixels a side; imports done, caches empty):", "",
              "| distinct sizes | elements per record | seconds | CPU seconds | per-record eps (approx) |",
              "|---:|---|---:|---:|---:|"]

@@ -108,7 +108,7 @@ def siblings(directory: Path) -> set[str]:
 
 
 # `tldp ARGS` that writes, as it exits, its peak resident memory (VmHWM, KiB) to REPORT;
-# with a PHASE, also its resident memory as the run's phase PHASE started (pipeline.Report)
+# with a PHASE, also its resident memory as the run's phase PHASE started (context.Report)
 # and its peak from then on (the peak is reset there, through /proc/self/clear_refs).
 _MEASURED = """import atexit, sys
 def status(key):
@@ -121,15 +121,15 @@ def report(path=sys.argv[1]):
 atexit.register(report)
 phase = sys.argv[2]
 if phase:
-    from tldp_cli.run import pipeline
-    tell = pipeline.Report.tell
+    from tldp_cli.run import context
+    tell = context.Report.tell
     def marked(self, label, what):
         if label == phase and not marks:
             marks.extend([status("VmHWM"), status("VmRSS")])
             with open("/proc/self/clear_refs", "w") as clear:
                 clear.write("5")
         tell(self, label, what)
-    pipeline.Report.tell = marked
+    context.Report.tell = marked
 sys.argv = ["tldp", *sys.argv[3:]]
 from tldp_cli.entry import main
 main()
@@ -153,7 +153,7 @@ def run_measured(tmp_path: Path, *args, timeout: float = 300) -> tuple[int, str,
 
 def run_measured_phase(tmp_path: Path, phase: str, *args, timeout: float = 300) -> tuple[int, str, int, int]:
     """run_measured, and how far the resident memory rose above what it was as the run's
-    phase `phase` (pipeline.Report: "perturbing") started: (exit code, stderr, peak, rise),
+    phase `phase` (context.Report: "perturbing") started: (exit code, stderr, peak, rise),
     in bytes. The rise leaves out what the run holds before the phase (the modules its
     planning imported, which depend on the figures it computes)."""
     code, stderr, marks = _measured(tmp_path, phase, args, timeout)

@@ -88,7 +88,7 @@ def test_no_long_function_without_a_reason():
     assert not unexplained, f"functions over {LONG_FUNCTION} lines: {unexplained}"
 
 
-# A run's steps share a run.pipeline.RunContext rather than long lists of parameters:
+# A run's steps share a run.context.RunContext rather than long lists of parameters:
 # at most this many before the keyword-only ones (an API's options named at each call).
 MANY_PARAMETERS = 6
 
@@ -110,9 +110,9 @@ def test_no_long_parameter_list_in_run():
 
 
 # Where PerturbOptions are made, one function per source: the command's values
-# (cli/options.py's perturb_options), a manifest (run/pipeline.py's options_of_manifest) and
+# (cli/options.py's perturb_options), a manifest (run/run_manifest.py's options_of_manifest) and
 # perturb_array's keywords (run/arrays.py); a library caller makes its own.
-OPTIONS_MADE_IN = {"tldp_cli/cli/options.py:perturb_options", "tldp_cli/run/pipeline.py:options_of_manifest",
+OPTIONS_MADE_IN = {"tldp_cli/cli/options.py:perturb_options", "tldp_cli/run/run_manifest.py:options_of_manifest",
                    "tldp_cli/run/arrays.py:perturb_array"}
 
 

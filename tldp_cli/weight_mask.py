@@ -25,7 +25,8 @@ from tldp_cli.files.checked_io import json_value
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
-from tldp_cli.run.pipeline import DEFAULT_RANGE_BITS, block_bounds, check_finite, resolve_range
+from tldp_cli.run.calibration import DEFAULT_RANGE_BITS, resolve_range
+from tldp_cli.run.pipeline import block_bounds, check_finite
 from tldp_cli.formats.npy import NpyWriter
 
 DATA_DERIVED_METHODS = ("intensity", "faces")  # computed by tldp from the private values
@@ -328,7 +329,7 @@ def _spatial(record_shape: tuple[int, ...], where: Path, method: str) -> tuple[i
 
 def _display(record: np.ndarray, lo: float | None, hi: float | None) -> np.ndarray:
     """One record as 8-bit RGB for the preview, scaled by the range: the declared one, else
-    the dtype's for 8- and 16-bit integers (as pipeline.resolve_range), else the record's own
+    the dtype's for 8- and 16-bit integers (as calibration.resolve_range), else the record's own
     extremes (the preview stays private)."""
     values = record.astype(np.float64)
     if values.ndim == 3:

@@ -4,7 +4,7 @@ calibration, and the figures are those each input gets alone."""
 import numpy as np
 
 from tldp_cli.privacy import accounting
-from tldp_cli.run import batch, pipeline
+from tldp_cli.run import batch, calibration, pipeline
 from tldp_cli.run.pipeline import PerturbOptions
 
 
@@ -29,7 +29,7 @@ def test_inputs_of_one_calibration_are_certified_once(tmp_path, monkeypatch):
         np.save(inputs[-1], rng.random((5, 16), dtype=np.float32))
     np.save(tmp_path / "y.npy", rng.random((5, 17), dtype=np.float32))  # another record size
     inputs.append(tmp_path / "y.npy")
-    pipeline._certified.cache_clear()
+    calibration._certified.cache_clear()
     calls = _counting(monkeypatch, "certify_file")
     options = PerturbOptions(input=inputs[0], eps=1, sampler="float", noise="laplace", value_range=(0.0, 1.0),
                              allow_raw_release=True)
@@ -38,7 +38,7 @@ def test_inputs_of_one_calibration_are_certified_once(tmp_path, monkeypatch):
     assert len(calls) == 2  # one per calibration: x0..x2 share theirs
     figures = [o.result.manifest["accounting"] for o in outcomes]
     assert figures[0] == figures[1] == figures[2] != figures[3]
-    pipeline._certified.cache_clear()  # alone, without the cache: the same figures
+    calibration._certified.cache_clear()  # alone, without the cache: the same figures
     alone = pipeline.perturb(PerturbOptions(input=inputs[2], eps=1, sampler="float", noise="laplace",
                                             value_range=(0.0, 1.0), allow_raw_release=True,
                                             out=tmp_path / "alone.npy"))

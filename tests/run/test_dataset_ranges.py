@@ -141,7 +141,7 @@ def test_evaluate_passes_a_run_of_integer_and_float_arrays(cli, tmp_path):
     (["float32", "float64"], "float32", "float64"),
 ])
 def test_arrays_perturbed_together_share_one_output_dtype(dtypes, float_dtype, expected):
-    from tldp_cli.run.pipeline import _shared_dtype
+    from tldp_cli.run.calibration import _shared_dtype
 
     assert _shared_dtype([np.dtype(d) for d in dtypes], np.dtype(float_dtype)) == np.dtype(expected)
 

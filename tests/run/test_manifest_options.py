@@ -1,4 +1,4 @@
-"""A manifest read back into options (pipeline.options_of_manifest, the inverse of
+"""A manifest read back into options (run_manifest.options_of_manifest, the inverse of
 build_manifest beside it): the calibration they make is the one the run made, which is what
 tldp evaluate recomputes and checks."""
 
@@ -9,8 +9,10 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.bases import parse_basis
-from tldp_cli.run.pipeline import (PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options,
-                                   options_of_manifest)
+from tldp_cli.run.calibration import calibrate_run
+from tldp_cli.run.context import RunContext
+from tldp_cli.run.options import PerturbOptions, checked_options
+from tldp_cli.run.run_manifest import build_manifest, options_of_manifest
 
 
 def job(name, shape, dtype):

@@ -11,7 +11,10 @@ import pytest
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run import manifest
-from tldp_cli.run.pipeline import PerturbOptions, RunContext, build_manifest, calibrate_run, checked_options
+from tldp_cli.run.calibration import calibrate_run
+from tldp_cli.run.context import RunContext
+from tldp_cli.run.options import PerturbOptions, checked_options
+from tldp_cli.run.run_manifest import build_manifest
 
 JOBS = [ArrayJob("x", (20, 4, 4), np.dtype("uint8"), lambda a, b: np.zeros((b - a, 4, 4), np.uint8),
                  {"path": "x.npy", "format": "npy", "shape": [20, 4, 4], "dtype": "uint8"})]

@@ -502,7 +502,8 @@ def test_grayscale_records_keep_the_zero_rule_by_default(cli, tmp_path):
 def test_the_reference_goes_through_plan_evaluate_and_resume_options(cli, tmp_path):
     """plan states it; evaluate recomputes it from the manifest (options_of_manifest) and
     finds a manifest whose reference was changed; --reference VALUE is kept as given."""
-    from tldp_cli.run.pipeline import RESUME_COMPARED, options_of_manifest
+    from tldp_cli.run.pipeline import RESUME_COMPARED
+    from tldp_cli.run.run_manifest import options_of_manifest
 
     assert "reference" in RESUME_COMPARED
     src = tmp_path / "x.npy"

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from tldp_cli.formats import ArrayJob
 from tldp_cli.run.arrays import ARRAY_NAME, perturb_array
-from tldp_cli.run.pipeline import PerturbOptions, calibrate_run, checked_options, perturb
+from tldp_cli.run.calibration import calibrate_run
+from tldp_cli.run.pipeline import PerturbOptions, checked_options, perturb
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS, Streams
 

@@ -82,7 +82,7 @@ def audit_command(
     """
     from tldp_cli import audit as audit_mod
     from tldp_cli.privacy.mechanisms import default_noise
-    from tldp_cli.run.pipeline import parse_range
+    from tldp_cli.run.options import parse_range
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))
 

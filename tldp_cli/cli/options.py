@@ -179,7 +179,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 def perturb_options(input: Path, value_range: Optional[list[str]], **values: Any) -> "PerturbOptions":
     """The PerturbOptions of a command's values as Typer parsed them, keyed by field name:
     the one place the command line becomes the library's options (perturb and plan; a
-    manifest becomes them in pipeline.options_of_manifest, the library's own keywords are
+    manifest becomes them in run_manifest.options_of_manifest, the library's own keywords are
     PerturbOptions' fields). A choice (an Enum) gives its value, a repeatable option given
     none an empty list, and --range's texts (`value_range`) the default range and each
     array's own (pipeline.parse_ranges). The noise and the budget left None are the

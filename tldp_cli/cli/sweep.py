@@ -97,7 +97,7 @@ def sweep_command(
     """
     debug = debug or bool(os.environ.get(DEBUG_ENV))
     from tldp_cli import evaluate as ev
-    from tldp_cli.run.pipeline import parse_range
+    from tldp_cli.run.options import parse_range
 
     def action():
         from tldp_cli.files.output import check_outside_inputs

@@ -96,7 +96,7 @@ def weight_mask_command(
       tldp weight-mask photos/ --method image --mask-image region.png --resize --out masks
       tldp weight-mask photos/ --method faces --margin 0.3 --feather 8 --out masks --preview check.png
     """
-    from tldp_cli.run.pipeline import parse_range
+    from tldp_cli.run.options import parse_range
     from tldp_cli.weight_mask import MaskOptions, make_mask
 
     debug = debug or bool(os.environ.get(DEBUG_ENV))

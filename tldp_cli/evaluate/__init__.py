@@ -8,7 +8,7 @@ job:
 - `integrity`: ORIGINAL paired with PERTURBED the way `perturb` wrote them, the sha256 of
   every output, shapes and record counts.
 - `recompute`: the manifest's parameters recomputed from the options it states
-  (pipeline.options_of_manifest, mechanisms.calibrate, accounting.certify_all).
+  (run_manifest.options_of_manifest, mechanisms.calibrate, accounting.certify_all).
 - `noise`: per-record MSE, MAE, relative L2, PSNR and SSIM for image-shaped records, the
   empirical norm of the noise against Table 5, the retained fraction against p, a
   Kolmogorov-Smirnov test against the manifest's noise distribution.

@@ -17,7 +17,7 @@ import numpy as np
 from tldp_cli.evaluate.common import Progress, finite
 from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
 from tldp_cli.privacy.mechanisms import Calibration
-from tldp_cli.run.pipeline import Calibrated
+from tldp_cli.run.calibration import Calibrated
 from tldp_cli.sampling import engine
 
 ALPHA = 1e-6  # significance level of every statistical check

@@ -1,5 +1,5 @@
 """The manifest's parameters recomputed: the calibration perturb made for the original's arrays,
-rebuilt from the options the manifest states (pipeline.options_of_manifest), and every
+rebuilt from the options the manifest states (run_manifest.options_of_manifest), and every
 figure it states (scale, p, expected error, the certified figures) checked against a
 fresh calibration (mechanisms.calibrate) and certification (accounting.certify_all)."""
 
@@ -16,7 +16,8 @@ from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.evaluate.common import finite
 from tldp_cli.privacy.mechanisms import Calibration, calibrate
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.run.pipeline import Calibrated, calibrate_run, options_of_manifest
+from tldp_cli.run.calibration import Calibrated, calibrate_run
+from tldp_cli.run.run_manifest import options_of_manifest
 from tldp_cli.sampling import discrete
 
 
@@ -202,7 +203,7 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
 def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
                           checks: list[dict], basis: Path | None = None) -> tuple[Calibrated, dict[Calibration, int]]:
     """The calibration perturb made for the original's arrays, recomputed from the manifest's
-    options (pipeline.calibrate_run: one calibration per record size and declared range), the
+    options (calibration.calibrate_run: one calibration per record size and declared range), the
     records of each calibration, and, first among `checks`, whether the manifest's figures
     hold for them. `basis`: where a privunit run's user basis is (integrity.user_basis_of),
     instead of the path the manifest records."""

@@ -17,7 +17,7 @@ from tldp_cli.evaluate.noise import (ALPHA, Measured, concatenated, error_check,
 from tldp_cli.evaluate.recompute import recompute_calibration
 from tldp_cli.evaluate.utility import (LABELS_FROM_FOLDERS, check_task, check_task_options, folder_labels,
                                        load_labels, load_records, task_utility)
-from tldp_cli.run.pipeline import missing_fills
+from tldp_cli.run.calibration import missing_fills
 
 REPORT_SCHEMA = "tldp-evaluation/1"
 PER_RECORD_LIMIT = 100_000  # records above this: per-record lists are left out of the report

@@ -22,7 +22,8 @@ from tldp_cli.evaluate.utility import (check_task, check_task_options, load_labe
                                        weighted_f1)
 from tldp_cli.files import output
 from tldp_cli.privacy.mechanisms import Calibration, calibrate, calibrate_privunit, parse_reference
-from tldp_cli.run.pipeline import check_finite, resolve_range
+from tldp_cli.run.calibration import resolve_range
+from tldp_cli.run.pipeline import check_finite
 from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 if TYPE_CHECKING:

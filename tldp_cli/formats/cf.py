@@ -16,7 +16,7 @@ post-processing of the output that costs no privacy.
 
 A marker inside the declared range is an ordinary value, though: copying the values
 equal to it would release them raw, outside the certified figures. The pipeline
-decides (pipeline.calibrate_run, from the range alone): such a marker is data unless the user
+decides (calibration.calibrate_run, from the range alone): such a marker is data unless the user
 declares the missingness pattern public (--public-missing), and the reader is told
 (Encoding.as_data): its values are perturbed like the others and the writer leaves the
 marker off the output (output_values), so that no reader takes a noisy value for a
@@ -465,7 +465,7 @@ def count_moves(manifest_extra: dict[str, Any], moved: list[tuple[str, int]]) ->
 
 
 def _named(in_range: Mapping[str, tuple[tuple[str, float], ...]]) -> list[tuple[str, float]]:
-    """("array/attribute", value) of each marker inside its declared range (pipeline.Calibrated)."""
+    """("array/attribute", value) of each marker inside its declared range (calibration.Calibrated)."""
     return [(f"{name}/{key}", value) for name, markers in in_range.items() for key, value in markers]
 
 

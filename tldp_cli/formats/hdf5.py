@@ -1483,7 +1483,7 @@ class Hdf5CoefficientWriter(Hdf5Writer):
     coefficients: each record is one released vector."""
 
     def __init__(self, reader: Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype):
-        assert not reader.records_are_tensors  # Keras weights: refused by pipeline.calibrate_run
+        assert not reader.records_are_tensors  # Keras weights: refused by calibration.calibrate_run
         self.shapes = {job.name: job.shape for job in jobs}
         self.coefficients: list[tuple[h5py.Dataset, h5py.Dataset]] = []  # (input dataset, output dataset)
         super().__init__(reader, tmp_path, dtype)

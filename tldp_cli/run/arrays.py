@@ -23,9 +23,11 @@ from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
+from tldp_cli.run.calibration import calibrate_run
 from tldp_cli.run.library import speaks_python
 from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options
-from tldp_cli.run.pipeline import calibrate_run, privunit_of_run, validate_block
+from tldp_cli.run.pipeline import validate_block
+from tldp_cli.run.run_manifest import privunit_of_run
 from tldp_cli.sampling.rng import Streams
 
 __all__ = ["Perturbed", "perturb_array"]

@@ -3,7 +3,7 @@
 Each input is its own run, exactly as if it were given alone: its own output under its
 default name (inside --out, which then names a folder) and its own manifest, complete or
 absent, and with --ledger its own release. They share the process: the start-up, and the
-accountant's work for every calibration they have in common (pipeline.certified_figures).
+accountant's work for every calibration they have in common (calibration.certified_figures).
 A failed input does not stop the others; what each gave is yielded in input order.
 """
 
@@ -20,9 +20,10 @@ from pathlib import Path
 from tldp_cli import formats
 from tldp_cli.errors import NotHeld, OutputError, TldpError, UsageError
 from tldp_cli.files import local
+from tldp_cli.run.calibration import arrays_named
+from tldp_cli.run.context import Phase, Progress
 from tldp_cli.run.options import PerturbOptions, checked_options
-from tldp_cli.run.pipeline import (Phase, PerturbResult, Progress, arrays_named, checked_format_options, once_each,
-                                   output_of, perturb, without_unheld)
+from tldp_cli.run.pipeline import PerturbResult, checked_format_options, once_each, output_of, perturb, without_unheld
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A plan is what `tldp plan` prints (schema tldp-plan/1): a manifest without outputs, and
 the calibration. The same option checks, calibration, accounting and refusals as `tldp
-perturb` (options.checked_options, pipeline.calibrate_run, pipeline.build_manifest),
+perturb` (options.checked_options, calibration.calibrate_run, run_manifest.build_manifest),
 from the input's headers alone, or from a description of its records (elements per record,
 number of records, range). Nothing is read beyond the headers (image folders open
 each image's header) and nothing is written.
@@ -20,21 +20,18 @@ import numpy as np
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
+from tldp_cli.run.calibration import calibrate_run, range_group_messages
+from tldp_cli.run.context import Phase, Report, RunContext
 from tldp_cli.run.pipeline import (
-    Phase,
-    Report,
-    RunContext,
-    build_manifest,
-    calibrate_run,
     checked_format_options,
     headers_phrase,
     planning_phrase,
-    range_group_messages,
     once_each,
     row_groups,
     without_unheld,
 )
 from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
+from tldp_cli.run.run_manifest import build_manifest
 
 SCHEMA = "tldp-plan/1"
 
@@ -63,7 +60,7 @@ def plan_each(options: PerturbOptions, inputs: list[Path], phase: Phase | None =
               ) -> Iterator[tuple[Path, dict[str, Any] | Exception]]:
     """`plan_input` for each of `inputs` in turn, as `tldp plan a.npy b.npy` does: (input,
     its plan, or the exception that stopped it); the next one is planned either way. Inputs
-    of the same calibration share the accountant's work (pipeline.certified_figures). Each
+    of the same calibration share the accountant's work (calibration.certified_figures). Each
     takes what it holds of what --keep and --range NAME=LO:HI name (batch.check_names
     refuses a name no input holds)."""
     for path in inputs:
