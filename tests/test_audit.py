@@ -356,3 +356,12 @@ def test_cli_privunit_header_names_the_mechanism_once_and_counts_releases(cli):
     header = result.stderr.splitlines()[0]
     assert header.startswith("tldp: audit of privunit (budget record, eps=2, ") and "privunit privunit" not in header
     assert "2000 releases (32000 // I) per neighbour and scope" in header
+
+
+@pytest.mark.parametrize("mechanism", ["tldp", "privunit"])
+def test_a_record_too_large_for_the_audits_arrays_is_a_usage_error(mechanism):
+    """--elements just under 2^63 passed the count check, then failed as "unexpected error
+    (ValueError: array is too big)" (privunit: "cannot reshape array of size 0")."""
+    with pytest.raises(UsageError, match=r"more than the audit's arrays can hold \(2\^56\)"):
+        audit_mod.run(mechanism=mechanism, noise="laplace", budget=None, epsilon=1.0, value_range=(0.0, 1.0),
+                      shape=audit_mod.parse_shape(str(2**63 - 1)))

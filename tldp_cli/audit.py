@@ -546,6 +546,11 @@ def run(*, mechanism: str, noise: str, budget: str, epsilon: float,
     check_options(samples=samples, confidence=confidence, scopes=scopes)
     if dtype not in ("float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {dtype}")
+    # The audit holds float64 arrays of a record's values (privunit: pairs of them), and NumPy
+    # counts an array's bytes in int64: past 2^56 values that count overflows.
+    if math.prod(shape) >= 2**56:
+        raise UsageError(f"--elements: {math.prod(shape)} elements per record are more than the "
+                         "audit's arrays can hold (2^56)")
     budget = resolve_budget(mechanism, budget)
     if mechanism == PRIVUNIT:
         return _run_privunit(epsilon=epsilon, value_range=value_range, shape=shape, dp_delta=dp_delta,
