@@ -129,11 +129,12 @@ def test_a_unit_range_without_a_dtype_points_to_input_dtype(cli):
 
 def test_described_records_without_a_range_say_what_to_give(cli):
     """--elements without --range said "records: float64 data needs --range", naming a file
-    'records' the user never gave; the line names --elements and both ways out."""
+    'records' the user never gave; the line names --elements and the ways out (--range,
+    --clip, an 8- or 16-bit --input-dtype)."""
     result = cli("plan", "--elements", "28x28", "--records", "10", "--eps", "4", "--mechanism", "privunit")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith("tldp: error: --elements describes records") and "records:" not in result.stderr
-    assert "--range LO:HI" in result.stderr and "--input-dtype uint8" in result.stderr
+    assert "--range LO:HI" in result.stderr and "--input-dtype uint8" in result.stderr and "--clip C" in result.stderr
     assert cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "uint8",
                "--mechanism", "privunit").exit_code == 0
     floats = cli("plan", "--elements", "28x28", "--eps", "4", "--input-dtype", "float32")

@@ -668,7 +668,7 @@ class WebDatasetReader(Reader):
                     left.drop(rel, "file", OTHER_FILE_REASON)
         if self.anonymized and self.files_left_out:
             left.drop(FILES_WITHHELD, "file", f"{plural(len(self.files_left_out), 'file')} beside the shards, not "
-                                              "perturbed (data files never copied raw, not even with --keep); "
+                                              "perturbed and not named by --keep (which never copies a data file); "
                                               "their names withheld (--anonymize-names): the name map lists them")
 
     def _samples(self) -> dict[str, list[list[str]]]:

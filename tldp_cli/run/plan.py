@@ -95,8 +95,8 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     if options.value_range is None and options.clip is None and (dtype.kind == "f" or dtype.itemsize > 2):
         # said here: the file-level message would name a file "records" the user never gave
         raise UsageError(f"--elements describes records without their values: {dtype} data needs "
-                         "--range LO:HI (or --input-dtype uint8 or another 8- or 16-bit integer type, "
-                         "whose range is the default)")
+                         "--range LO:HI, --clip C (the range -C:C), or --input-dtype uint8 or another 8- or "
+                         "16-bit integer type, whose range is the default")
     full = (records, *shape)
     job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
                    source={"format": "described", "shape": list(full), "dtype": str(dtype)})
