@@ -481,3 +481,13 @@ def test_a_folder_given_as_the_ledger_is_named_as_a_folder(cli, tmp_path):
     result = cli("ledger", tmp_path)
     assert result.exit_code == 1
     assert f"{tmp_path}: a folder, not a ledger" in result.stderr
+
+
+def test_listing_an_empty_file_refuses_it_and_leaves_it_empty(cli, tmp_path):
+    """`tldp ledger EMPTY` (a read command) made the empty file a ledger: SQLite takes an
+    empty file as a new database, and opening it wrote tldp's tables into it."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = cli("ledger", empty)
+    assert result.exit_code == 1 and f"{empty}: an empty file, not a ledger" in result.stderr
+    assert empty.stat().st_size == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]

@@ -432,6 +432,8 @@ def listing(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InputError(f"{path}: {'a folder, not a' if path.is_dir() else 'no such'} ledger (give the file "
                          "perturb --ledger wrote)")
+    if path.stat().st_size == 0:  # SQLite would take it as a new database, and tldp make it a ledger
+        raise InputError(f"{path}: an empty file, not a ledger (give the file perturb --ledger wrote)")
     db = open_ledger(path)
     try:
         rows = db.execute("SELECT id, status, created, input, output, options, figures, subjects, everyone "
