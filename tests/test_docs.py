@@ -228,3 +228,52 @@ def test_the_coefficients_rebuild_runs_and_gives_the_records_run(cli, tmp_path, 
     written = np.load("records.npy")
     assert names["records"].shape == written.shape == (400, 28, 28)
     assert np.abs(names["records"] - written).max() < 1e-3
+
+
+def _documented_json_keys(page: str, marker: str) -> set[str]:
+    """The top-level keys the bullet list after `marker` on docs/`page` documents: in each
+    bullet, every run of backticked names (`a`, `b` and `c`) that ends in a colon, once the
+    parenthesised remarks are dropped."""
+    text = (REPO / "docs" / page).read_text(encoding="utf-8").split(marker, 1)[1]
+    lines = text.split("\n- ", 1)[1].split("\n\n", 1)[0]
+    keys = set()
+    for bullet in ("- " + lines).split("\n- "):
+        flat = " ".join(bullet.split())
+        while re.search(r"\([^()]*\)", flat):
+            flat = re.sub(r"\s*\([^()]*\)", "", flat)
+        for run in re.findall(r"((?:`\w+`(?:, | and ))*`\w+`):", flat):
+            keys.update(re.findall(r"`(\w+)`", run))
+    return keys
+
+
+def test_documented_keys_are_the_json_outputs_keys(cli, tmp_path, digits):
+    """docs/evaluate.md and docs/audit.md list exactly the top-level keys that
+    `evaluate --json`, `sweep --json` and `audit --json` (tldp and privunit) print."""
+    import json
+
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", digits[:20])
+    np.save(tmp_path / "y.npy", np.arange(20) % 2)
+    ran = cli("perturb", tmp_path / "x.npy", "--eps", "5", "--out", tmp_path / "p.npy", "-q")
+    assert ran.exit_code == 0, ran.stderr
+    outputs = {
+        "evaluate": [cli("evaluate", tmp_path / "x.npy", tmp_path / "p.npy", "--json", "-q")],
+        "sweep": [cli("sweep", tmp_path / "x.npy", "--eps", "1", "--methods", "TLDP-L", "--out",
+                      tmp_path / "sweep", "--json", "-q")],
+        "audit": [cli("audit", "--eps", "1", "--elements", "4", "--range", "0:1", "--samples", "4000",
+                      "--json", "-q"),
+                  cli("audit", "--eps", "4", "--mechanism", "privunit", "--elements", "2x2",
+                      "--range", "-1:1", "--samples", "4000", "--json", "-q")],
+    }
+    emitted = {}
+    for name, results in outputs.items():
+        assert all(r.exit_code == 0 for r in results), [r.stderr for r in results]
+        emitted[name] = set().union(*(json.loads(r.stdout) for r in results))
+    documented = {"evaluate": _documented_json_keys("evaluate.md", "## The JSON report\n"),
+                  "sweep": _documented_json_keys("evaluate.md", "`sweep.json`, `--json` and `--report PATH`"),
+                  "audit": _documented_json_keys("audit.md", "## The JSON report\n")}
+    wrong = [f"{name} --json: undocumented {sorted(emitted[name] - documented[name])}, "
+             f"documented but not printed {sorted(documented[name] - emitted[name])}"
+             for name in outputs if documented[name] != emitted[name]]
+    assert not wrong, "; ".join(wrong)

@@ -150,15 +150,16 @@ def perturb_command(
       tldp perturb sample_data/digits.npy --eps 1
       tldp perturb sample_data/digits.npy --eps 1 --noise gaussian --out noisy.npy
       tldp perturb features.npy --eps 1 --range -1:1 --json > manifest.json
-      tldp perturb sample_data/digits.npy --eps 8 --budget record
-      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4
-      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4 --store coefficients
+      tldp perturb sample_data/digits.npy --eps 8 --budget record --out record.npy
+      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4 --out privunit.npy
+      tldp perturb sample_data/digits.npy --mechanism privunit --eps 4 --store coefficients \\
+          --out coefficients.npy
       tldp perturb sample_data/digits.npy --eps 1 --mechanism mvg --sampler float --out mvg.npy
-      tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace
-      tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed
+      tldp perturb sample_data/digits.npy --eps 1 --noise discrete-laplace --out discrete.npy
+      tldp perturb sample_data/digits.npy --eps 1 --seed-file release-1.seed --out release-1.npy
       tldp perturb docs/type3/model.safetensors --eps 1 --clip 0.1
-      tldp perturb day1.npy day2.npy photos/ --eps 1 --out released/
-      find raw -name '*.npy' | tldp perturb --inputs-from - --eps 1 --out released/
+      mkdir released && tldp perturb day1.npy day2.npy photos/ --eps 1 --out released/
+      find raw -name '*.npy' | tldp perturb --inputs-from - --eps 1
 
     The summary line states the certified guarantee per element and per record:
     TLDP's eps is a per-element budget, so a record of I elements gets I*eps.

@@ -91,7 +91,7 @@ def sweep_command(
       tldp sweep sample_data/digits.npy --eps 0.1,0.5,1,2,5,10 --out sweep/
       tldp sweep sample_data/digits.npy --eps 0.1,0.5,1,2,5,10 --seed 0 --allow-weak-seed \\
           --labels sample_data/digits_labels.npy --test sample_data/digits_test.npy \\
-          --test-labels sample_data/digits_test_labels.npy --out sweep/
+          --test-labels sample_data/digits_test_labels.npy --out sweep-f1/
 
     The tables are computed from the raw data: keep them with it, never with the release.
     """
