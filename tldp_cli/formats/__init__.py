@@ -414,11 +414,12 @@ def detect(path: Path, format_name: str | None = None) -> Format:
             return fmt
     if path.is_file() and is_dicom(path):
         raise dicom_refused(path)
-    if path.is_file() and _is_pickle(path):
+    head = _head(path, 4) if path.is_file() else b""
+    if _is_pickle(head):
         raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
-    if path.is_file() and _is_classic_netcdf(path):
+    if _is_classic_netcdf(head):
         raise InputError(f"{path}: a classic netCDF file (netCDF-3), which tldp does not read (it reads netCDF-4, "
                          "an HDF5 file); convert it, e.g. nccopy -k nc4 IN.nc OUT.nc, or with xarray "
                          "xr.open_dataset(IN).to_netcdf(OUT, format='NETCDF4'), and perturb that")
@@ -464,7 +465,7 @@ def data_file(path: Path) -> str | None:
         if not path.is_file():
             return None
         with open_regular(path) as f:
-            head = f.read(352)
+            head = raw = f.read(352)
         if head[:2] == b"\x1f\x8b":  # gzip, whatever the name (brain.gz): judge what it holds
             head = _gunzipped_head(path, 352)
         if name.endswith(".dcm") or head[128:132] == b"DICM":  # is_dicom, on the head read here
@@ -472,7 +473,7 @@ def data_file(path: Path) -> str | None:
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
                 or head[4:8] in (b"n+2\0", b"ni2\0"):
             return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
-        if _is_pickle(path):
+        if _is_pickle(raw):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
         for fmt in registered():
             if (not fmt.folder or fmt.file_input) and fmt.can_open(path):
@@ -496,24 +497,23 @@ def _gunzipped_head(path: Path, size: int) -> bytes:
         return b""
 
 
-def _is_pickle(path: Path) -> bool:
+def _head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of a file (fewer if it is shorter), or b"" if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError:
+        return b""
+
+
+def _is_pickle(head: bytes) -> bool:
     """Pickle protocol 2 or later: the PROTO opcode, then the protocol number."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2)
-    except OSError:
-        return False
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
-def _is_classic_netcdf(path: Path) -> bool:
+def _is_classic_netcdf(head: bytes) -> bool:
     """netCDF-3: CDF then 1 (classic), 2 (64-bit offsets) or 5 (64-bit data)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
-        return False
-    return head in (b"CDF\x01", b"CDF\x02", b"CDF\x05")
+    return head[:4] in (b"CDF\x01", b"CDF\x02", b"CDF\x05")
 
 
 LISTED = 5  # names shown in a message before "... and N more"
