@@ -100,13 +100,14 @@ class NoiseStats:
 
     def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
             basis=None, missing: np.ndarray | None = None):
-        """`missing`: where y holds a missing-data marker (copied, not perturbed; x holds the
-        public value perturb read there): those positions hold no noise and are left out."""
+        """`missing`: where the output held a missing-data marker (copied, not perturbed), y
+        holding there the public value perturb read, as x (measure): those positions hold no
+        noise and are left out."""
         n = x.shape[0]
         if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
             x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
-        if missing is not None:  # y as if it held x there: no noise, no distance
-            y = np.where(missing, x.astype(y.dtype), y)
+            if missing is not None:  # y as the snapped x there too: no noise, no distance
+                y = np.where(missing, x.astype(y.dtype), y)
         present = None if missing is None else ~missing.reshape(n, -1)
         if calib.privunit is not None:
             self._metrics(x, y, data_range, present)
@@ -368,10 +369,10 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
                 x = np.clip(x, *calibrated.bounds.get(pair.job.name, (lo, hi, None))[:2])
             y = np.asarray(pair.read_perturbed(start, stop))
             missing = _at_markers(y, markers.get(pair.job.name))
+            if missing is not None:  # the statistics and the task see the public value perturb read there
+                y = np.where(missing, x.astype(y.dtype), y)
             stats.add(x, y, pair.calib, _pair_range(calibrated, pair, data_range, integer),
                       calibrated.bases.get(pair.job.name), missing)
-            if missing is not None:  # the task sees the public value perturb read there
-                y = np.where(missing, x.astype(y.dtype), y)
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)
