@@ -100,7 +100,7 @@ def sweep_command(
     from tldp_cli.run.options import parse_range
 
     def action():
-        from tldp_cli.files.output import check_outside_inputs
+        from tldp_cli.files.output import check_file_target, check_outside_inputs
 
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
@@ -109,13 +109,13 @@ def sweep_command(
         named = ev.parse_methods(methods) if methods else None
         reads = [p for p in (original, weights, test, seed_file, *(Path(t) for t in (labels, test_labels) if t))
                  if p is not None]
-        for path in [*(out / name for name in ev.SWEEP_FILES), *([report_path] if report_path else [])]:
-            check_outside_inputs(path, reads, "report" if path == report_path else "sweep table")
-            # before the sweep, not once its tables are written: complete or absent
-            if os.path.lexists(path) and not overwrite:
-                raise ev.OutputError(f"{path}: exists; pass --overwrite to replace it")
-        if report_path is not None and not report_path.parent.is_dir():
-            raise ev.OutputError(f"{report_path}: folder {report_path.parent} does not exist")
+        # before the sweep, not once its tables are written: complete or absent
+        for path in (out / name for name in ev.SWEEP_FILES):
+            check_outside_inputs(path, reads, "sweep table")
+            check_file_target(path, overwrite, folder_made=True)  # write_sweep makes --out
+        if report_path is not None:
+            check_outside_inputs(report_path, reads, "report")
+            check_file_target(report_path, overwrite)
         advance, close = progress_bar(quiet, "run")
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,

@@ -687,15 +687,22 @@ def create_private(path: Path) -> BinaryIO:
     return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE), "wb")
 
 
+def check_file_target(path: Path, overwrite: bool, folder_made: bool = False) -> None:
+    """What write_files refuses for `path`, so that a command can refuse it before its work:
+    a missing folder (unless the caller makes it, `folder_made`), a folder at the path, an
+    existing file without `overwrite`."""
+    if not folder_made and not path.parent.is_dir():
+        raise OutputError(f"{path}: folder {path.parent} does not exist")
+    if path.is_dir() or (os.path.lexists(path) and not overwrite):
+        raise OutputError(f"{path}: exists; pass --overwrite to replace it")
+
+
 def write_files(contents: dict[Path, bytes], overwrite: bool, private: bool = False) -> None:
     """Writes small files (reports, sweep tables) as a run writes its output: complete or
     not at all, together, never replacing anything without `overwrite`; `private`: readable
     by their owner only (create_private)."""
     for path in contents:
-        if not path.parent.is_dir():
-            raise OutputError(f"{path}: folder {path.parent} does not exist")
-        if path.is_dir() or (os.path.lexists(path) and not overwrite):
-            raise OutputError(f"{path}: exists; pass --overwrite to replace it")
+        check_file_target(path, overwrite)
     staging = Staging()
     try:
         for path, data in contents.items():
