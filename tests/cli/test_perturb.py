@@ -272,6 +272,22 @@ def test_float_data_without_a_grid_step_is_a_usage_error(cli, tmp_path, command,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.npy"]
 
 
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+def test_a_record_budget_out_of_reach_names_the_input(cli, digits_file, tmp_path, command):
+    """TLDP-L certifies at least 7.6 per record of 784 elements: --budget record --eps 1 is
+    refused because of the input's record size, so the one line names the input (it once
+    began with "--budget record:", as an error about the options alone would)."""
+    extra = ["--out", tmp_path / "o.npy"] if command == "perturb" else []
+    result = cli(command, digits_file, "--eps", "1", "--budget", "record", *extra)
+    assert_one_line_error(result, 2, "--budget record", "784 elements")
+    assert result.stderr.startswith(f"tldp: error: {digits_file}: --budget record: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.npy"]
+    if command == "plan":  # described records have no file to name
+        described = cli("plan", "--elements", "28x28", "--range", "0:256", "--eps", "1", "--budget", "record")
+        assert_one_line_error(described, 2, "784 elements")
+        assert described.stderr.startswith("tldp: error: --budget record: ")
+
+
 def test_audit_without_a_grid_step_is_a_usage_error(cli):
     result = cli("audit", "--eps", "1.7e308", "--elements", "4", "--range", "0:1", "--samples", "1000")
     assert_one_line_error(result, 2, "beyond float64 arithmetic")

@@ -34,7 +34,7 @@ from tldp_cli.privacy.mechanisms import (
 )
 from tldp_cli.run import bases as bases_mod
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, as_range, checked_budget, checked_noise, float_dtype
+from tldp_cli.run.options import COEFFICIENTS, DESCRIBED, PerturbOptions, as_range, checked_budget, checked_noise, float_dtype
 from tldp_cli.sampling import discrete, engine
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
@@ -230,13 +230,18 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
                                      options.eps, source)
     elif options.granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
-    calib_of = calibrate_arrays(
-        mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
-        epsilon=options.eps,
-        range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
-        granularity=None if grid is None else grid.granularity, rows=rows,
-        arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, array_where(job, source)))
-                for job in jobs})
+    arrays = {job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, array_where(job, source)))
+              for job in jobs}
+    try:
+        calib_of = calibrate_arrays(
+            mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
+            epsilon=options.eps,
+            range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
+            granularity=None if grid is None else grid.granularity, rows=rows, arrays=arrays)
+    except UsageError as exc:  # a refusal that follows from the input's records: name the input
+        if str(source) in str(exc) or str(source) == DESCRIBED:  # plan --elements: no file to name
+            raise
+        raise UsageError(f"{source}: {exc}") from None
     out_dtype = np.dtype(float_dtype(options))
     scales = [c.scale for c in calib_of.values()]
     if grid is None:
