@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
+from tests.builders import assert_one_line_error
 from tldp_cli.formats import FormatOptions, hdf5, leftovers
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
@@ -434,6 +435,17 @@ def packed_file(path: Path) -> tuple[Path, np.ndarray]:
     with netCDF4.Dataset(path, "a") as ds:
         ds["t"].valid_range = np.array([-3000, 3000], np.int16)
     return path, physical
+
+
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+def test_packed_data_without_a_range_says_it_is_unpacked(cli, tmp_path, command):
+    """Regression: int16 codes asked for a range as "in.nc: float32 data needs --range", naming
+    neither the variable nor why int16 data (whose dtype range is the default) needs one: its
+    codes are unpacked, and the range is in the unpacked units."""
+    src, _ = packed_file(tmp_path / "in.nc")
+    assert_one_line_error(cli(command, src, "--eps", "1"), 2, "in.nc: /t: float32 data needs --range LO:HI",
+                          "stored int16 values are scaled to float32", "in whose units the range is")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.nc"]
 
 
 def test_packed_data_is_perturbed_in_physical_units(cli, tmp_path):

@@ -56,11 +56,15 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     return defaults.pop()
 
 
-def dtype_range(dtype: np.dtype, input_path: Path, name: str | None = None) -> tuple[float, float]:
+def dtype_range(dtype: np.dtype, input_path: Path, name: str | None = None,
+                stored: str | None = None) -> tuple[float, float]:
     """The default range of 8- and 16-bit integer data: its dtype's (uint8 -> 0:256); any
-    other dtype needs --range. `name`: the array's, said where an input holds several."""
+    other dtype needs --range. `name`: the array's, said where an input holds several or
+    where its values are `stored` as another dtype (packed netCDF, scaled NIfTI)."""
     where = f"{input_path}: {name}:" if name else f"{input_path}:"
     own = f" (or --range {name}=LO:HI for it alone)" if name else ""
+    if stored is not None:  # the dtype the user sees on disk is not the values'
+        own += f": its stored {stored} values are scaled to {dtype} before the noise, in whose units the range is"
     if dtype.kind == "f":
         raise UsageError(f"{where} {dtype} data needs --range LO:HI{own} "
                          "(the range is never inferred from the values)")
@@ -154,9 +158,21 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
         if options.value_range is not None:
             own[job.name] = (as_range(options.value_range), "--range LO:HI")
         else:
-            own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
+            stored = _scaled_from(job)
+            own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 or stored else None, stored),
                              f"the {job.dtype} dtype's range (default)")
     return {job.name: own[job.name] for job in jobs}
+
+
+def _scaled_from(job: ArrayJob) -> str | None:
+    """The integer dtype a float array's values are stored as, scaled (packed netCDF and
+    Zarr variables, scaled NIfTI); None where the values are stored as they are perturbed."""
+    given = job.source.get("dtype")
+    try:
+        stored = np.dtype(given) if given is not None else job.dtype
+    except TypeError:  # a dtype NumPy does not name (bfloat16): not scaled integers
+        return None
+    return str(stored) if stored.kind in "iu" and job.dtype.kind == "f" else None
 
 
 def arrays_named(given: str, jobs: list[ArrayJob]) -> list[str]:
