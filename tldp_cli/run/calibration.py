@@ -14,9 +14,10 @@ import dataclasses
 import fnmatch
 import functools
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -235,6 +236,19 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
     return _RangeGroup(lo, hi, None, calib_of, out_dtype, user_bases)
 
 
+@contextmanager
+def _naming(source: Path) -> Iterator[None]:
+    """Names the input in the usage errors raised inside, as a run of several inputs does:
+    they follow from what the input holds, not from the options alone (plan --elements
+    describes records: no file to name)."""
+    try:
+        yield
+    except UsageError as exc:
+        if str(source) in str(exc) or str(source) == DESCRIBED:
+            raise
+        raise UsageError(f"{source}: {exc}") from None
+
+
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
                      rows: list[list[str]], user: bases_mod.UserBasis | None = None) -> _RangeGroup:
     if options.mechanism == PRIVUNIT:
@@ -248,16 +262,12 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
     arrays = {job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, array_where(job, source)))
               for job in jobs}
-    try:
+    with _naming(source):  # a refusal that follows from the input's records and dtypes
         calib_of = calibrate_arrays(
             mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
             epsilon=options.eps,
             range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
             granularity=None if grid is None else grid.granularity, rows=rows, arrays=arrays)
-    except UsageError as exc:  # a refusal that follows from the input's records: name the input
-        if str(source) in str(exc) or str(source) == DESCRIBED:  # plan --elements: no file to name
-            raise
-        raise UsageError(f"{source}: {exc}") from None
     out_dtype = np.dtype(float_dtype(options))
     scales = [c.scale for c in calib_of.values()]
     if grid is None:
@@ -267,7 +277,8 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+        with _naming(source):
+            out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
