@@ -398,17 +398,14 @@ class Hdf5Writer(Writer):
         the missing-data markers in the output dtype; no value bounds; no packing."""
         encoding = self.encodings.get(job_name)
         replaced: dict[bytes, np.ndarray | None] = {}
-        dropped = [key for key in cf.VALUE_BOUNDS if key in src.attrs]
-        if encoding is not None and (encoding.packed or encoding.unsigned):
-            dropped += [key for key in cf.PACKING if key in src.attrs]
+        dropped = cf.dropped_attributes(src.attrs, encoding)
         for key in dropped:
             replaced[key.encode()] = None
         if dropped:
             self.dropped_attrs[job_name] = dropped
         if encoding is None:
             return replaced
-        self.missing[job_name] = [(marker, cf.output_marker(marker, self.dtype))
-                                  for marker in encoding.markers]
+        self.missing[job_name] = cf.output_markers(encoding, self.dtype)
         for key in cf.MISSING:
             values = hdf5_reader.attr_numbers(self.source, job_name, src, key)
             if values is None:  # no such attribute
@@ -513,9 +510,6 @@ class Hdf5Writer(Writer):
         return [self.path]
 
 
-COEFFICIENT_DIMENSION = "coefficient"
-
-
 class Hdf5CoefficientWriter(Hdf5Writer):
     """--store coefficients: the output the records writer makes (the same groups, links,
     kept attributes, datasets and coordinates), but each perturbed dataset holds its records'
@@ -571,12 +565,12 @@ class Hdf5CoefficientWriter(Hdf5Writer):
                 continue  # plain HDF5: no dimensions
             group = out.parent
             if group.name not in made:
-                if COEFFICIENT_DIMENSION in group:
+                if cf.COEFFICIENT_DIMENSION in group:
                     raise UsageError(f"{self.source}: --store coefficients names the new dimension "
-                                     f"{COEFFICIENT_DIMENSION}, which {group.name} holds already")
-                scale = group.create_dataset(COEFFICIENT_DIMENSION, data=np.arange(out.shape[1], dtype=np.int32))
+                                     f"{cf.COEFFICIENT_DIMENSION}, which {group.name} holds already")
+                scale = group.create_dataset(cf.COEFFICIENT_DIMENSION, data=np.arange(out.shape[1], dtype=np.int32))
                 scale.attrs["long_name"] = "index of the released coefficient (privunit.stored in the manifest)"
-                scale.make_scale(COEFFICIENT_DIMENSION)
+                scale.make_scale(cf.COEFFICIENT_DIMENSION)
                 made[group.name] = scale
             out.dims[0].attach_scale(self._created[written])
             out.dims[1].attach_scale(made[group.name])

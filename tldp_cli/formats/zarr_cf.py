@@ -159,9 +159,7 @@ def cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encod
     """A perturbed array's attributes for the output (of `attrs`, those written): no value
     bounds, no packing, the missing-data markers in the output dtype (a float _FillValue of
     Zarr 3 as xarray writes it); the attributes dropped; (stored marker, output marker) pairs."""
-    dropped = [key for key in cf.VALUE_BOUNDS if key in attrs]
-    if encoding is not None and (encoding.packed or encoding.unsigned):
-        dropped += [key for key in cf.PACKING if key in attrs]
+    dropped = cf.dropped_attributes(attrs, encoding)
     out = {key: value for key, value in attrs.items() if key not in dropped}
     if encoding is None:
         return out, dropped, []
@@ -181,4 +179,4 @@ def cf_output_attrs(where: str, array, attrs: dict[str, Any], encoding: cf.Encod
         else:
             numbers = [v.item() for v in values]
             out[key] = numbers if isinstance(out[key], list) else numbers[0]
-    return out, dropped, [(marker, cf.output_marker(marker, dtype)) for marker in encoding.markers]
+    return out, dropped, cf.output_markers(encoding, dtype)

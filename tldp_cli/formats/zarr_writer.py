@@ -257,7 +257,7 @@ class ZarrWriter(Writer):
             array = reader.handles[path]
             attrs, dropped, pairs = zarr_cf.cf_output_attrs(f"{reader.path}: array {job_name}", array,
                                                             reader.attributes.get(path, array.attrs.asdict()),
-                                                     reader.encodings.get(job_name), self.dtype)
+                                                            reader.encodings.get(job_name), self.dtype)
             if dropped:
                 dropped_attrs[job_name] = dropped
             if pairs:
@@ -335,9 +335,6 @@ class ZarrWriter(Writer):
         return flushed_files(self.root, self.blocks.digests)
 
 
-COEFFICIENT_DIMENSION = "coefficient"
-
-
 class ZarrCoefficientWriter(ZarrWriter):
     """--store coefficients: the store the records writer makes (the same groups, kept
     arrays, attributes and files), but each perturbed array holds its records' released
@@ -359,10 +356,10 @@ class ZarrCoefficientWriter(ZarrWriter):
         for job in jobs:
             path = job.name.strip("/")
             names = zarr_cf.dimension_names(reader.handles[path])
-            dimensions = None if names is None else [names[0], COEFFICIENT_DIMENSION]
-            if dimensions and posixpath.join(posixpath.dirname(path), COEFFICIENT_DIMENSION) in reader.handles:
+            dimensions = None if names is None else [names[0], cf.COEFFICIENT_DIMENSION]
+            if dimensions and posixpath.join(posixpath.dirname(path), cf.COEFFICIENT_DIMENSION) in reader.handles:
                 raise UsageError(f"{reader.path}: --store coefficients names the new dimension "
-                                 f"{COEFFICIENT_DIMENSION}, which an array beside {zarr_tree.display(path)} has "
+                                 f"{cf.COEFFICIENT_DIMENSION}, which an array beside {zarr_tree.display(path)} has "
                                  "as its name")
             attributes: dict[str, Any] = dict(_coefficient_coordinates(reader, path, perturbed)) if dimensions else {}
             if dimensions and reader.zarr_format == 2:
