@@ -241,18 +241,22 @@ def object_times(path: Path) -> dict[str, int]:
     return times
 
 
-@pytest.mark.xfail(strict=True, reason="fix in the HDF5 writer follows once its split lands")
 def test_seeded_runs_write_the_same_bytes_with_no_object_times(cli, tmp_path):
     """A seeded run is bit-identical (docs/perturb.md), so the output stores no object times:
     HDF5 stamps each group's and dataset's header with the time it is created unless told
     not to, and the output's groups and root once carried the run's clock (a second later,
-    other bytes and another sha256 in the manifest), whatever the input held."""
+    other bytes and another sha256 in the manifest), whatever the input held. Its object copy
+    kept an input dataset's own times too (as HDF5's C library, MATLAB and others write them:
+    when the data was recorded), which a copied dataset no longer carries, its values,
+    chunks and filters as they were."""
     import time
 
     src = write_sample(tmp_path / "data.h5")
-    with h5py.File(src, "a") as f:  # one dataset the input stamps itself: its time is not copied either
-        f.create_dataset("stamped", data=IMAGES, track_times=True)
-    assert object_times(src)["stamped"] > 0 and object_times(src)["train"] == 0
+    stamped = {"chunked": {"chunks": (10,), "compression": "gzip", "shuffle": True}, "contiguous": {}}
+    with h5py.File(src, "a") as f:  # datasets the input stamps itself, copied raw (--keep)
+        for name, layout in stamped.items():
+            f.create_dataset(f"stamped/{name}", data=np.arange(40.0) * 1.5, track_times=True, **layout)
+    assert object_times(src)["stamped/chunked"] > 0 and object_times(src)["train"] == 0
     digests = []
     for name in ("a.h5", "b.h5"):
         assert run(cli, src, "--out", tmp_path / name, "--keep", "*").exit_code == 0
@@ -261,6 +265,13 @@ def test_seeded_runs_write_the_same_bytes_with_no_object_times(cli, tmp_path):
         time.sleep(1.1)  # HDF5 stores times in whole seconds
     assert digests[0] == digests[1]
     assert (tmp_path / "a.h5").read_bytes() == (tmp_path / "b.h5").read_bytes()
+    with h5py.File(src, "r") as a, h5py.File(tmp_path / "a.h5", "r") as b:
+        for name, layout in stamped.items():
+            x, y = a[f"stamped/{name}"], b[f"stamped/{name}"]
+            assert y[()].tobytes() == x[()].tobytes() and (y.chunks, y.compression, y.shuffle) == (
+                x.chunks, x.compression, x.shuffle)
+            if x.chunks:
+                assert y.id.read_direct_chunk((10,)) == x.id.read_direct_chunk((10,))  # copied compressed
 
 
 @pytest.mark.parametrize("layout", [
