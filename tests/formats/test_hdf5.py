@@ -376,7 +376,6 @@ def test_external_links_are_dropped_unless_kept(cli, tmp_path):
     assert "/meta/previous" not in {d["name"] for d in manifest["dropped"]}
 
 
-@pytest.mark.xfail(strict=True, reason="fix in the HDF5 writer follows once its split lands")
 def test_a_soft_link_to_a_dataset_left_out_is_left_out_too(cli, tmp_path):
     """Regression: a soft link to a dataset the run leaves out (/train/labels) was copied, so the
     output held a link to nothing, unlisted (h5py's get gives None, h5dump an error). It is left

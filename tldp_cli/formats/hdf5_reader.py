@@ -170,13 +170,18 @@ class Hdf5Reader(Reader):
         """Soft links to paths that hold nothing, whose text is any content (a name, an ID),
         and links into other files, whose target's file name and path (/data/patients/
         john_smith.h5) are the input's metadata, not structure: left out unless --keep names
-        them; listed either way. Soft links that resolve are structure, copied as links."""
+        them; listed either way. Soft links that resolve are structure, copied as links,
+        but those to a dataset the run leaves out, which would hold nothing in the output."""
         found: list[tuple[str, str, str]] = []  # (path, kind, reason)
 
         def visit(name, link):
-            if isinstance(link, h5py.SoftLink) and self.file.get("/" + name) is None:
+            target = self.file.get("/" + name) if isinstance(link, h5py.SoftLink) else None
+            if isinstance(link, h5py.SoftLink) and target is None:
                 found.append(("/" + name, "soft link", "a link to a path that holds nothing in the "
                               "file (its text can be any content)"))
+            elif isinstance(link, h5py.SoftLink) and self.actions.get(object_key(target)) == DROP:
+                found.append(("/" + name, "soft link", f"a link to {link.path}, which is left out: it "
+                              "would hold nothing in the output"))
             elif isinstance(link, h5py.ExternalLink):
                 found.append(("/" + name, "external link", "a link into another file: its target's "
                               "file name and path are the input's metadata (--keep copies it as a link)"))
