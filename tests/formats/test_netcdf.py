@@ -204,7 +204,10 @@ def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path, time_axis):
     result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "250:310", "--seed", "7",
                  "--allow-weak-seed", "--allow-raw-release", *keep)
     assert result.exit_code == 0, result.stderr
-    assert "left out the coordinate datasets /XLAT, /XLONG" in result.stderr
+    # Not perturbed: copied as a grid, or left out along the record axis unless --keep (the
+    # line once said "left out" of coordinates it copied)
+    assert "not perturbing the coordinate datasets /XLAT, /XLONG" in result.stderr
+    assert "left out the coordinate" not in result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
     reason = "kept by --keep" if time_axis else "coordinate"

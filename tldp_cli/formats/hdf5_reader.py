@@ -315,7 +315,7 @@ class Hdf5Reader(Reader):
         names, message = default_selection(self.path, numeric, "dataset")
         self.messages.append(message)
         if left_out:
-            self.messages.append(f"left out the coordinate datasets {listing(left_out)} "
+            self.messages.append(f"not perturbing the coordinate datasets {listing(left_out)} "
                                  "(name them with --dataset to perturb them)")
         return [(name, found[name]) for name in names]
 
