@@ -440,6 +440,28 @@ def packed_file(path: Path) -> tuple[Path, np.ndarray]:
     return path, physical
 
 
+def test_a_classic_model_file_of_int64_output_comes_out_netcdf4(cli, tmp_path):
+    """Regression: int32 counts of a NETCDF4_CLASSIC file, perturbed over a 2^31-wide range, come
+    out int64, which netCDF's classic model does not hold; the output still declared the classic
+    model (_nc3_strict). It is now plain netCDF-4, and the manifest says so; a classic file whose
+    output fits the model (float32) stays classic."""
+    src = tmp_path / "counts.nc"
+    with netCDF4.Dataset(src, "w", format="NETCDF4_CLASSIC") as ds:
+        ds.createDimension("n", None)
+        ds.createDimension("x", 4)
+        ds.createVariable("counts", "i4", ("n", "x"))[:] = RNG.integers(0, 2**30, (10, 4))
+        ds.createVariable("t", "f4", ("n", "x"))[:] = TEMPERATURES[:10, 0, :4]
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--range", f"0:{2**31}", "--dataset", "counts")
+    assert any("classic model" in step for step in manifest["postprocessing"])
+    with netCDF4.Dataset(out) as ds:
+        assert ds.data_model == "NETCDF4" and ds["counts"].dtype == np.int64
+    floats = run(cli, src, tmp_path / "floats.nc", "--range", "250:310", "--dataset", "t")
+    assert not any("classic model" in step for step in floats["postprocessing"])
+    with netCDF4.Dataset(tmp_path / "floats.nc") as ds:
+        assert ds.data_model == "NETCDF4_CLASSIC" and ds["t"].dtype == np.float32
+
+
 @pytest.mark.parametrize("command", ["perturb", "plan"])
 def test_packed_data_without_a_range_says_it_is_unpacked(cli, tmp_path, command):
     """Regression: int16 codes asked for a range as "in.nc: float32 data needs --range", naming

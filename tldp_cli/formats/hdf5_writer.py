@@ -222,11 +222,13 @@ class Hdf5Writer(Writer):
                 except Exception as exc:
                     raise OutputError(f"{shown(tmp_path)}: cannot create the HDF5 file "
                                       f"({hdf5_storage.reason(exc)})") from None
+                classic = self._leave_classic_model(src)
                 self._copy_group(src, self.file)
                 self._fix_references()
             if self.placements:  # the workers go on computing while the disk writes
                 self._disk = Background(self._write_placed, f"tldp write {tmp_path.name}")
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
+            self.postprocessing += classic
             if self.tensors:
                 chosen = list(self.tensors.values())
                 self.postprocessing += tensor_files.postprocessing(chosen, self.dtype, self.variances)
@@ -265,6 +267,19 @@ class Hdf5Writer(Writer):
             raise
         except Exception as exc:
             raise InputError(f"{self.source}: cannot copy {what} ({hdf5_storage.reason(exc)})") from None
+
+    def _leave_classic_model(self, src: h5py.File) -> list[str]:
+        """netCDF-4's classic model (format NETCDF4_CLASSIC: the root's _nc3_strict) holds no
+        64-bit integers: an output of int64 values is plain netCDF-4, _nc3_strict left off.
+        Returns the postprocessing step to record (none when the model holds the output)."""
+        if self.dtype != np.int64 or self.tensors or b"_nc3_strict" not in hdf5_reader.attr_names(src["/"]):
+            return []
+        root = hdf5_reader.object_key(src)
+        self.left_out_attrs = {**self.left_out_attrs, root: {**self.left_out_attrs.get(root, {}), b"_nc3_strict": None}}
+        self.messages.append("the output is netCDF-4, not its classic model (NETCDF4_CLASSIC), which holds no "
+                             "int64 values")
+        return ["write netCDF-4 rather than its classic model: the perturbed values are int64, which the classic "
+                "model does not hold (_nc3_strict left off)"]
 
     def _copy_group(self, src: h5py.Group, dst: h5py.Group) -> None:
         with self._copying(f"the attributes of {src.name}"):
