@@ -147,6 +147,20 @@ def netcdf4_file(path: Path) -> Path:
     return path
 
 
+def test_a_dimension_without_a_variable_is_not_a_dataset_kept(cli, tmp_path):
+    """Regression: netCDF-C stores a dimension without a coordinate variable (station, obs/n) as
+    an HDF5 dataset holding no value; --keep '*' listed them under `unperturbed` as datasets
+    kept raw (float32 of the dimension's length), and --keep /station matched one. They are
+    structure: written as they are, never listed, and a --keep naming one alone matches nothing."""
+    src = netcdf4_file(tmp_path / "in.nc")
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "0:1", "--dataset", "zeta", "--keep", "*")
+    assert {u["name"] for u in manifest["unperturbed"] if u["kind"] == "dataset"} == {"/alpha", "/obs/w", "/obs/b"}
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert ds.dimensions["station"].size == 6 and ds["obs"].dimensions["n"].size == 3
+    refused = cli("perturb", src, "--out", tmp_path / "o.nc", "--eps", "1", "--range", "0:1", "--keep", "/station")
+    assert_one_line_error(refused, 2, "--keep /station matches no dataset")
+
+
 def test_netcdf4_opens_the_output_for_writing_and_keeps_the_order(cli, tmp_path):
     src = netcdf4_file(tmp_path / "in.nc")
     out = tmp_path / "out.nc"

@@ -502,6 +502,8 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
     """What is written of a dataset that is not perturbed (None: a raw copy, listed in `left`
     unless it is a bare netCDF dimension); `role`: leftovers.COORDINATE or GRID_MAPPING, or
     None. See leftovers.py."""
+    if _bare_dimension(ds):  # structure, holding no value: neither --keep nor --exclude names it
+        return None
     fields = {"shape": list(ds.shape or ()), "dtype": str(ds.dtype)}
     pattern = tensor_files.matching(name, exclude)
     if pattern is not None:
@@ -519,8 +521,7 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         left.drop(name, "dataset", leftovers.RECORD_COORDINATE_REASON)
         return DROP
     if role and problem is None:
-        if not _bare_dimension(ds):
-            left.copied(name, "dataset", role, **fields)
+        left.copied(name, "dataset", role, **fields)
         return None
     if problem is None:
         left.drop(name, "dataset", "numbers not chosen for perturbation (--dataset perturbs them)")
