@@ -493,6 +493,27 @@ def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
     assert tree_digest(src) == before
 
 
+def test_plan_skips_an_unreadable_image_as_its_error_says(cli, tmp_path):
+    """`tldp plan` of a folder with a damaged image names it and says to pass --skip-bad:
+    plan takes that option too, and plans what perturb --skip-bad would write."""
+    src = tmp_path / "photos"
+    save(src / "good.png", pixels(8, 8, 3))
+    data = save(src / "bad.jpg", pixels(32, 32, 3)).read_bytes()
+    (src / "bad.jpg").write_bytes(data[:40])
+    before = tree_digest(src)
+
+    result = cli("plan", src, "--eps", "1")
+    assert result.exit_code == 1
+    assert str(src / "bad.jpg") in one_line(result) and "--skip-bad" in one_line(result)
+
+    planned = cli("plan", src, "--eps", "1", "--skip-bad", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    assert "skipped 1 unreadable image: bad.jpg" in planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["records"] == 1 and plan["skipped_bad_images"] == ["bad.jpg"]
+    assert tree_digest(src) == before and siblings(tmp_path) == {"photos"}
+
+
 def test_folder_without_images(cli, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
