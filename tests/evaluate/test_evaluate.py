@@ -431,6 +431,23 @@ def test_image_folder_labels_from_subfolders(cli, tmp_path):
         ["digit_0", "digit_1", "digit_6", "digit_9"])
 
 
+def test_labels_of_a_folder_of_photos_of_several_sizes(cli, tmp_path):
+    """Regression: `evaluate photos/ out/ --labels subfolders --test ...` on a folder of
+    photos of several sizes stopped on an unexpected error (NumPy's concatenate) instead
+    of saying that task utility needs records of one shape."""
+    src, test_dir = tmp_path / "photos", tmp_path / "test"
+    for folder, sizes in ((src, ((8, 8), (8, 8), (6, 10), (6, 10))), (test_dir, ((8, 8),) * 4)):
+        for i, size in enumerate(sizes):
+            (folder / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((*size, 3), 40 * i, np.uint8)).save(folder / f"c{i % 2}" / f"{i}.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "1")
+    r = cli("evaluate", src, out, "--labels", "subfolders", "--test", test_dir, "--test-labels", "subfolders")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, r.output
+    assert lines[-1] == f"tldp: error: {src}: task utility needs records of one shape"
+    assert "unexpected" not in r.stderr
+
+
 def test_label_source_errors(cli, small, tmp_path):
     base = ("evaluate", small / "x.npy", small / "y.npy", "--test", TEST_X, "--test-labels", TEST_Y)
     r = cli(*base, "--labels", "subfolders")
