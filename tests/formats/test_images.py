@@ -467,6 +467,33 @@ def test_non_images_are_skipped_or_copied(cli, tmp_path):
     assert {str(out / "notes.txt"), str(out / "sub" / "data.csv")} <= {o["path"] for o in manifest["outputs"]}
 
 
+def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read(cli, tmp_path):
+    """Regression: --copy-other copied a GIF, PPM or HEIC photo raw beside the perturbed ones,
+    listed as "not an image": the folder's data, released unperturbed."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    photo = Image.fromarray(pixels(8, 8, 3))
+    photo.save(src / "b.gif")
+    (src / "sub").mkdir()
+    photo.save(src / "sub" / "c.PPM")
+    (src / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
+    (src / "notes.txt").write_text("P1 is the first photo")  # a PPM-like start, but text
+    (src / "metadata.csv").write_text("file_name,caption\na.png,hi\n")
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == ["a.png", "metadata.csv", "notes.txt"]
+    reasons = {d["name"]: d["reason"] for d in manifest_of(out)["dropped"]}
+    assert set(reasons) == {"b.gif", "sub/c.PPM", "phone.heic"}
+    assert all(r.startswith("an image in a format tldp does not read") for r in reasons.values())
+    assert "GIF" in reasons["b.gif"] and "HEIF" in reasons["phone.heic"]
+    line = next(line for line in result.stderr.splitlines() if "did not copy" in line)
+    assert "3 files holding data (an image in a format tldp does not read)" in line
+    assert tree_digest(src) == before
+
+
 @pytest.mark.parametrize("broken", ["truncated", "garbage"])
 def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
     src = tmp_path / "photos"

@@ -77,7 +77,8 @@ def perturb_command(
     image_format: ImageFormatOption = ImageFormat.png,
     copy_other: Annotated[bool, typer.Option(
         help="Image folders: copy files that are not images (default: report and skip), listed "
-             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads), which are left "
+             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads, images in formats it "
+             "does not read such as GIF or HEIC), which are left "
              "out and listed as dropped.")] = False,
     skip_bad: SkipBad = False,
     anonymize_names: AnonymizeNames = False,

@@ -171,6 +171,32 @@ def read_output(path: Path) -> np.ndarray:
     return _decode(path).colour
 
 
+# Images in formats tldp does not read, by their ISO-BMFF brand (HEIC, AVIF: phone photos)
+# or JPEG XL signature, which Pillow alone may not recognise.
+_BMFF_IMAGE_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1", b"avif", b"avis")
+_JPEG_XL = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
+
+
+def _unread_image(path: Path) -> str | None:
+    """Why a file whose suffix is not an image's (IMAGE_SUFFIXES) is an image all the same,
+    which --copy-other must not copy raw: the data of an image folder, in a format tldp does
+    not perturb (GIF, PPM, TGA, ICO, a camera's raw TIFF, HEIC, AVIF, JPEG XL). None for
+    any other file, and for one that cannot be read (copying it fails with the reason)."""
+    try:
+        with _opened(path) as file:
+            head = file.read(16)
+            if (head[4:8] == b"ftyp" and head[8:12] in _BMFF_IMAGE_BRANDS) or head.startswith(_JPEG_XL):
+                kind = "HEIF/AVIF" if head[4:8] == b"ftyp" else "JPEG XL"
+            else:
+                file.seek(0)
+                with Image.open(file) as im:  # the header only: Pillow names the format
+                    kind = im.format or "image"
+    except Exception:  # not an image Pillow knows (or not readable): not this rule's
+        return None
+    return (f"an image in a format tldp does not read, {kind}, a record of the folder's data: convert it "
+            "to PNG to perturb it")
+
+
 def _non_images(n: int) -> str:
     return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
 
@@ -348,10 +374,10 @@ class ImageFolderReader(Reader):
                 parents.append(posixpath.dirname(parents[-1]))
             store = next((p for p in parents if p and any((self.path / p / m).is_file() for m in ZARR_MARKERS)),
                          None)
-            # imagefolder's metadata.parquet is an index of the images (as metadata.jsonl), not data
-            index = posixpath.basename(rel) == PARQUET_INDEX
+            # imagefolder's indexes name the images (metadata.parquet as metadata.jsonl): not data
+            index = posixpath.basename(rel) in (PARQUET_INDEX, *INDEX_FILES)
             reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
-                      else None if index else data_file(self.path / rel))
+                      else None if index else data_file(self.path / rel) or _unread_image(self.path / rel))
             if reason:
                 found[rel] = reason
         return found
