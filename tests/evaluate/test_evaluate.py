@@ -448,6 +448,26 @@ def test_labels_of_a_folder_of_photos_of_several_sizes(cli, tmp_path):
     assert "unexpected" not in r.stderr
 
 
+def test_an_unreadable_test_photo_is_named_without_an_option_evaluate_lacks(cli, tmp_path):
+    """Regression: evaluate and sweep on a folder with a damaged image said "pass --skip-bad
+    to skip it", an option neither takes (No such option)."""
+    src, test_dir = tmp_path / "photos", tmp_path / "test"
+    for folder in (src, test_dir):
+        for i in range(4):
+            (folder / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8), 40 * i, np.uint8)).save(folder / f"c{i % 2}" / f"{i}.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "1")
+    bad = test_dir / "c0" / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n damaged before its header ends")
+    for args in (("evaluate", src, out, "--labels", "subfolders", "--test", test_dir, "--test-labels", "subfolders"),
+                 ("sweep", test_dir, "--eps", "1", "--out", tmp_path / "sweep")):
+        r = cli(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 1 and lines[-1].startswith(f"tldp: error: {bad}: cannot be decoded"), r.output
+        assert "--skip-bad" not in r.stderr and "move it out of the folder" in lines[-1]
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_label_source_errors(cli, small, tmp_path):
     base = ("evaluate", small / "x.npy", small / "y.npy", "--test", TEST_X, "--test-labels", TEST_Y)
     r = cli(*base, "--labels", "subfolders")

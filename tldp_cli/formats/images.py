@@ -55,7 +55,7 @@ from PIL import Image
 from tldp_cli import __version__
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
+from tldp_cli.formats import (DATASET_FORMATS, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
                               decode_reason, dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing,
                               name_maps, plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
@@ -223,8 +223,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except MemoryError:  # not damage: the run says memory ran out
         raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)}); "
-                         "pass --skip-bad to skip it") from None
+        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)})"
+                         + SKIP_BAD_HINT) from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
     return colour[None]
@@ -316,7 +316,7 @@ class ImageFolderReader(Reader):
                     conversions[rel] = header.notes
                 continue
             if not options.skip_bad:
-                raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
+                raise InputError(f"{file}: {reason}{SKIP_BAD_HINT}")
             bad.append(rel)
         return bad, conversions
 
