@@ -478,7 +478,7 @@ def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read(cli, tmp_p
     photo.save(src / "sub" / "c.PPM")
     (src / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
     (src / "notes.txt").write_text("P1 is the first photo")  # a PPM-like start, but text
-    (src / "metadata.csv").write_text("file_name,caption\na.png,hi\n")
+    (src / "metadata.csv").write_text("file_name,caption\na.png,hi\nb.gif,there\n")
     before = tree_digest(src)
     out = tmp_path / "out"
     result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
@@ -486,9 +486,12 @@ def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read(cli, tmp_p
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert written == ["a.png", "metadata.csv", "notes.txt"]
     reasons = {d["name"]: d["reason"] for d in manifest_of(out)["dropped"]}
-    assert set(reasons) == {"b.gif", "sub/c.PPM", "phone.heic"}
+    assert set(reasons) == {"b.gif", "sub/c.PPM", "phone.heic", "metadata.csv row 2"}
+    assert reasons.pop("metadata.csv row 2").startswith("names b.gif, an image in a format tldp does not read")
     assert all(r.startswith("an image in a format tldp does not read") for r in reasons.values())
     assert "GIF" in reasons["b.gif"] and "HEIF" in reasons["phone.heic"]
+    # imagefolder finds a row for every image and an image for every row
+    assert (out / "metadata.csv").read_text().splitlines() == ["file_name,caption", "a.png,hi"]
     line = next(line for line in result.stderr.splitlines() if "did not copy" in line)
     assert "3 files holding data (an image in a format tldp does not read)" in line
     assert tree_digest(src) == before

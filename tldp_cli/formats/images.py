@@ -174,6 +174,7 @@ def read_output(path: Path) -> np.ndarray:
 # Images in formats tldp does not read, by their ISO-BMFF brand (HEIC, AVIF: phone photos)
 # or JPEG XL signature, which Pillow alone may not recognise.
 _BMFF_IMAGE_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1", b"avif", b"avis")
+UNREAD_IMAGE = "an image in a format tldp does not read"
 _JPEG_XL = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
 
 
@@ -193,8 +194,7 @@ def _unread_image(path: Path) -> str | None:
                     kind = im.format or "image"
     except Exception:  # not an image Pillow knows (or not readable): not this rule's
         return None
-    return (f"an image in a format tldp does not read, {kind}, a record of the folder's data: convert it "
-            "to PNG to perturb it")
+    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: convert it to PNG to perturb it"
 
 
 def _non_images(n: int) -> str:
@@ -257,17 +257,19 @@ class ImageFolderReader(Reader):
             self._no_images(bad)
         self.kept_label_maps = self._leave_out_label_maps(options)
         renamed = any(image.out_rel != image.rel for image in self.images)
+        # --copy-other never copies data: what tldp reads, pickles, medical images, other images
+        self.data_files = self._data_files() if options.copy_other else {}
         # Files that name images not written: an index row naming one is dropped.
         self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
                           **{rel: "a symbolic link, skipped" for rel in self.links},
                           **{rel: "a palette image (a label map), left out" for rel in self.label_maps
-                             if rel not in self.kept_label_maps}}
+                             if rel not in self.kept_label_maps},
+                          **{rel: "an image in a format tldp does not read, left out" for rel, reason
+                             in self.data_files.items() if reason.startswith(UNREAD_IMAGE)}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and (renamed or self.unwritten) and options.copy_other]
         self.stale_indexes = [rel for rel in self.others if posixpath.basename(rel) == PARQUET_INDEX
                               and (renamed or self.unwritten) and options.copy_other]
-        # --copy-other never copies data: what tldp reads, pickles, medical images
-        self.data_files = self._data_files() if options.copy_other else {}
         # Rewritten now, before anything is written: what the manifest says was dropped is
         # what the output's index files leave out.
         self.index_texts, self.dropped_rows = self._rewrite_indexes()
