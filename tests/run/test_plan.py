@@ -76,6 +76,25 @@ def test_the_least_reachable_target_is_stated(cli):
     assert result.exit_code == 2 and "at least 7.646" in result.stderr
 
 
+def test_plan_states_what_copy_other_copies_and_leaves_out(cli, tmp_path):
+    """Regression: plan took no --copy-other, so the plan of a perturb --copy-other run said
+    the files beside the photos were skipped, where perturb copies them (unperturbed) or,
+    for data such as a GIF photo, leaves them out (dropped)."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    Image.fromarray(DIGITS[0]).save(src / "a.png")
+    Image.fromarray(DIGITS[1]).save(src / "b.gif")
+    (src / "notes.txt").write_text("captions")
+    planned = json_of(cli("plan", src, "--eps", "1", "--copy-other", "--json", "-q"))
+    ran = cli("perturb", src, "--eps", "1", "--copy-other", "--out", tmp_path / "out", "-q")
+    assert ran.exit_code == 0, ran.output
+    manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+    for field in ("unperturbed", "dropped", "not_images", "not_images_action"):
+        assert planned[field] == manifest[field], field
+    assert planned["unperturbed"] == [{"name": "notes.txt", "kind": "file", "reason": "--copy-other: not an image"}]
+    assert [d["name"] for d in planned["dropped"]] == ["b.gif"]
+
+
 def least_reachable(result) -> float:
     assert result.exit_code == 2, result.output
     return float(result.stderr.split("certifies at least ")[1].split()[0])
