@@ -178,6 +178,18 @@ UNREAD_IMAGE = "an image in a format tldp does not read"
 _JPEG_XL = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
 
 
+# Windows Explorer's hidden caches of a folder's thumbnails: small raw copies of its images.
+THUMBNAIL_CACHES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db")
+
+
+def _thumbnail_cache(rel: str) -> str | None:
+    """Why --copy-other must not copy a thumbnail cache (Thumbs.db): it holds the folder's
+    images themselves, raw and small; None for any other file."""
+    if posixpath.basename(rel).lower() in THUMBNAIL_CACHES:
+        return "a thumbnail cache (Windows' Thumbs.db), small raw copies of the folder's images"
+    return None
+
+
 def _unread_image(path: Path) -> str | None:
     """Why a file whose suffix is not an image's (IMAGE_SUFFIXES) is an image all the same,
     which --copy-other must not copy raw: the data of an image folder, in a format tldp does
@@ -379,7 +391,8 @@ class ImageFolderReader(Reader):
             # imagefolder's indexes name the images (metadata.parquet as metadata.jsonl): not data
             index = posixpath.basename(rel) in (PARQUET_INDEX, *INDEX_FILES)
             reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
-                      else None if index else data_file(self.path / rel) or _unread_image(self.path / rel))
+                      else None if index else data_file(self.path / rel) or _thumbnail_cache(rel)
+                      or _unread_image(self.path / rel))
             if reason:
                 found[rel] = reason
         return found
