@@ -108,8 +108,8 @@ def plan_command(
             noise=noise, sampler=sampler, budget=budget, dtype=asked_dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
-            anonymize_names=anonymize_names, copy_other=copy_other, skip_bad=skip_bad, input_format=input_format, basis=basis, reference=reference,
-            store=store)
+            anonymize_names=anonymize_names, copy_other=copy_other, skip_bad=skip_bad, input_format=input_format,
+            basis=basis, reference=reference, store=store)
         if len(paths) > 1 or inputs_from is not None:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch
