@@ -30,6 +30,7 @@ from tldp_cli.privacy.mechanisms import (
     Calibration,
     calibrate_arrays,
     calibrate_privunit,
+    calibrated_each,
     matrix_rows,
     raw_release_advice,
 )
@@ -318,9 +319,9 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                          "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
-    groups = [_calibrate_group(options, lo, hi, group,
-                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)], user)
-              for (lo, hi), group in members.items()]
+    groups = list(calibrated_each(list(members), lambda bounds: _calibrate_group(
+        options, *bounds, members[bounds], [row for row in rows if all(range_of[name] == bounds for name in row)],
+        user)).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     if options.store == COEFFICIENTS and per_tensor:
