@@ -319,9 +319,11 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                          "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
-    groups = list(calibrated_each(list(members), lambda bounds: _calibrate_group(
-        options, *bounds, members[bounds], [row for row in rows if all(range_of[name] == bounds for name in row)],
-        user)).values())
+    def calibrate_group(bounds: tuple[float, float]) -> _RangeGroup:
+        within = [row for row in rows if all(range_of[name] == bounds for name in row)]
+        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user)
+
+    groups = list(calibrated_each(list(members), calibrate_group).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     if options.store == COEFFICIENTS and per_tensor:
