@@ -501,6 +501,93 @@ def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read_nor_thumbn
     assert tree_digest(src) == before
 
 
+def hidden_clutter(src: Path) -> None:
+    """What tools leave in a photo folder, none of it the user's data: Jupyter's checkpoints (a
+    copy of an image), a macOS archive's AppleDouble resource fork, Finder's .DS_Store (file
+    names), Picasa's .picasa.ini (face tags: people's names), a clone's .git."""
+    save(src / ".ipynb_checkpoints" / "a-checkpoint.png", pixels(8, 8, 3))
+    (src / "__MACOSX" / "sub").mkdir(parents=True)
+    (src / "__MACOSX" / "._a.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(40))
+    (src / "__MACOSX" / "sub" / "._c.png").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+    (src / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(40))
+    (src / "sub").mkdir(exist_ok=True)
+    (src / "sub" / ".picasa.ini").write_text("[c.png]\nfaces=rect64(3f845bcb59418507),Alice Smith\n")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+
+
+HIDDEN = [".DS_Store", ".git/", ".ipynb_checkpoints/", "__MACOSX/", "sub/.picasa.ini"]
+
+
+@pytest.mark.parametrize("copy_other", [False, True], ids=["skipped", "--copy-other"])
+def test_hidden_files_and_folders_are_never_read_nor_copied(cli, tmp_path, copy_other):
+    """Regression: .ipynb_checkpoints/ became a class of the release (its images perturbed as
+    the user's), a macOS __MACOSX/._a.png stopped the run as an unreadable image, and
+    --copy-other copied .DS_Store and .picasa.ini (people's names) raw into the release."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    save(src / "sub" / "c.png", pixels(8, 8))
+    (src / "notes.txt").write_text("shot in May")
+    hidden_clutter(src)
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    options = ("--copy-other",) if copy_other else ()
+    result = cli("perturb", src, "--eps", "1", "--out", out, *options)
+    assert result.exit_code == 0, result.stderr
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == ["a.png", *(["notes.txt"] if copy_other else []), "sub/c.png"]
+    manifest = manifest_of(out)
+    assert {i["path"] for i in manifest["inputs"]} == {str(src / "a.png"), str(src / "sub" / "c.png")}
+    dropped = {d["name"]: d for d in manifest["dropped"]}
+    assert sorted(dropped) == HIDDEN
+    assert dropped[".git/"]["kind"] == "folder" and dropped[".DS_Store"]["kind"] == "file"
+    assert all("hidden" in d["reason"] for d in dropped.values())
+    assert manifest["not_images"] == ["notes.txt"]
+    assert f"left out 2 hidden files and 3 hidden folders, never read nor copied (the manifest's dropped): " \
+           f"{', '.join(HIDDEN)}" in result.stderr
+    assert tree_digest(src) == before
+
+    planned = cli("plan", src, "--eps", "1", "--json", *options)
+    assert planned.exit_code == 0, planned.stderr
+    assert json.loads(planned.stdout)["records"] == 2 and "left out 2 hidden files" in planned.stderr
+
+
+def test_keep_naming_a_hidden_file_says_it_is_never_copied(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    hidden_clutter(src)
+    for pattern, named in ((".picasa.ini", None), ("sub/.picasa.ini", "sub/.picasa.ini"),
+                           (".ipynb_checkpoints/*.png", ".ipynb_checkpoints/")):
+        result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--keep", pattern)
+        if named is None:
+            assert_one_line_error(result, 2, f"--keep {pattern} matches no")
+        else:
+            assert_one_line_error(result, 2, f"--keep {pattern} names {named}, which is hidden", "never read")
+    assert siblings(tmp_path) == {"photos"}
+
+
+def test_hidden_files_are_withheld_with_anonymized_names(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    hidden_clutter(src)
+    out, name_map = tmp_path / "out", tmp_path / "names.json"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--anonymize-names", "--name-map", name_map)
+    assert result.exit_code == 0, result.stderr
+    assert "left out 2 hidden files and 3 hidden folders, never read nor copied (the manifest's dropped): " \
+           "named in the name map" in result.stderr
+    manifest_text = Path(str(out) + ".manifest.json").read_text()
+    assert "sub/.picasa.ini" not in manifest_text and ".ipynb_checkpoints/" not in manifest_text
+    assert {d["name"] for d in manifest_of(out)["dropped"]} == {images.WITHHELD}
+    assert json.loads(name_map.read_text())["hidden_left_out"] == HIDDEN
+
+
+def test_a_folder_of_hidden_images_only_has_no_images(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / ".ipynb_checkpoints" / "a-checkpoint.png", pixels(8, 8, 3))
+    assert_one_line_error(cli("perturb", src, "--eps", "1"), 1, f"no images in {src} (found 1 hidden folder, "
+                                                                "not read)")
+
+
 @pytest.mark.parametrize("broken", ["truncated", "garbage"])
 def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
     src = tmp_path / "photos"

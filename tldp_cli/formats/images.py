@@ -54,10 +54,11 @@ from PIL import Image
 
 from tldp_cli import __version__
 from tldp_cli.files.output import removed_during_run
-from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (DATASET_FORMATS, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
-                              decode_reason, dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing,
-                              name_maps, plural)
+from tldp_cli.errors import InputError, NotHeld, UsageError, reason_of
+from tldp_cli.formats import (DATASET_FORMATS, HIDDEN_REASON, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions,
+                              Reader, Writer, data_file, decode_reason, dicom_refused, folder_files, folder_output,
+                              is_dicom, leftovers, listing, name_maps, plural)
+from tldp_cli.formats.tensor_files import matching
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
                                      dtype_not_applied, header, png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
@@ -136,10 +137,11 @@ class _Image:
         return len(self.shape) == (5 if self.pages > 1 else 4)
 
 
-def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
+def _walk(root: Path, hidden: list[str]) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
-    links, sorted (formats.folder_files: links not followed, FIFOs and devices refused)."""
-    files, links = folder_files(root)
+    links, sorted (formats.folder_files: links not followed, FIFOs and devices refused);
+    the hidden files and folders, never read, appended to `hidden` (formats.is_hidden)."""
+    files, links = folder_files(root, hidden)
     images = [rel for rel in files if Path(rel).suffix.lower() in IMAGE_SUFFIXES]
     others = [rel for rel in files if Path(rel).suffix.lower() not in IMAGE_SUFFIXES]
     return images, others, links
@@ -213,6 +215,13 @@ def _non_images(n: int) -> str:
     return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
 
 
+def _hidden_count(hidden: list[str]) -> str:
+    """"2 hidden files and 1 hidden folder": a folder's name ends in "/" (formats.folder_files)."""
+    folders = sum(rel.endswith("/") for rel in hidden)
+    counts = [plural(len(hidden) - folders, "hidden file")] if len(hidden) > folders else []
+    return " and ".join(counts + ([plural(folders, "hidden folder")] if folders else []))
+
+
 def _check_collisions(root: Path, out_names: dict[str, str]) -> None:
     claimed: dict[str, str] = {}
     for rel, out in out_names.items():
@@ -258,7 +267,8 @@ class ImageFolderReader(Reader):
         if self.anonymized and options.copy_other:
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
-        candidates, self.others, self.links = _walk(path)
+        self.hidden: list[str] = []  # hidden files and folders (.DS_Store, __MACOSX/): never read
+        candidates, self.others, self.links = _walk(path, self.hidden)
         self.images: list[_Image] = []
         self.label_maps: list[str] = []  # palette images: class indices, not perturbed
         bad, conversions = self._probe_all(candidates, options)
@@ -290,6 +300,7 @@ class ImageFolderReader(Reader):
         elif options.dtype is not None:  # asked for, but PNG holds the images' own integers
             self.messages.append(dtype_not_applied(options.dtype, "the images")
                                  + " (--image-format tiff writes TIFF of the noisy values)")
+        self._report_hidden()
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
@@ -342,6 +353,7 @@ class ImageFolderReader(Reader):
                   "perturb)"] if self.label_maps else []
         found += [plural(len(bad), "unreadable image")] if bad else []
         found += [plural(len(self.links), "symbolic link")] if self.links else []
+        found += [_hidden_count(self.hidden) + ", not read"] if self.hidden else []
         detail = f" (found {' and '.join(found)})" if found else ""
         dicom = sum(is_dicom(path / rel) for rel in self.others)
         if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
@@ -360,7 +372,15 @@ class ImageFolderReader(Reader):
         kept = [rel for rel in self.label_maps if left.kept(rel)]
         self.keep_icc = left.icc_profiles(sum(image.has_icc for image in self.images))
         self.keep_alpha = left.alpha_channels(sum(image.has_alpha for image in self.images))
-        left.check(self.path)
+        try:
+            left.check(self.path)
+        except NotHeld as exc:  # --keep never copies a hidden file: say so, naming it
+            hidden = next((rel for rel in self.hidden if matching(rel.rstrip("/"), exc.names[:1])
+                           or (rel.endswith("/") and exc.names[0].startswith(rel))), None)
+            if hidden is None:
+                raise
+            raise NotHeld(f"{self.path}: --keep {exc.names[0]} names {hidden}, which is {HIDDEN_REASON} (not even "
+                          "with --keep)", exc.option, exc.names) from None
         if kept and self.anonymized:
             raise UsageError(f"{self.path}: --keep copies label maps under their own names; it does not "
                              "go with --anonymize-names")
@@ -472,6 +492,19 @@ class ImageFolderReader(Reader):
             image.out_rel = f"{number:0{digits}d}{suffix}"
         self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
 
+    def _report_hidden(self) -> None:
+        """The hidden files and folders (formats.is_hidden: .DS_Store, .ipynb_checkpoints/,
+        __MACOSX/), never read nor copied: listed under dropped, by the name map only with
+        --anonymize-names."""
+        if not self.hidden:
+            return
+        self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+            {"name": WITHHELD if self.anonymized else rel, "kind": "folder" if rel.endswith("/") else "file",
+             "reason": HIDDEN_REASON} for rel in self.hidden)]
+        names = "named in the name map" if self.anonymized else listing(self.hidden)
+        self.messages.append(f"left out {_hidden_count(self.hidden)}, never read nor copied (the manifest's "
+                             f"dropped): {names}")
+
     def _report_anonymized(self, bad: list[str], conversions: dict[str, list[str]]) -> None:
         """Counts instead of names: the name map lists the files."""
         skipped = (("skipped_symbolic_links", self.links, "symbolic link"),
@@ -553,6 +586,7 @@ class ImageFolderReader(Reader):
                 "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
                 "images": self.out_names, "skipped_bad_images": self.bad, "not_images": self.others,
                 "skipped_symbolic_links": self.links, "label_maps_left_out": self.label_maps,
+                "hidden_left_out": self.hidden,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
     def close(self) -> None:
