@@ -501,6 +501,32 @@ def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read_nor_thumbn
     assert tree_digest(src) == before
 
 
+def test_photos_in_formats_tldp_does_not_read_are_not_called_files_that_are_not_images(cli, tmp_path):
+    """Regression: without --copy-other, a GIF or HEIC photo was skipped as "a file that is not
+    an image"; it is named as an image tldp does not read, with the advice to convert it, in
+    perturb's and plan's line, in the manifest's dropped and when the folder holds no other image."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    Image.fromarray(pixels(8, 8, 3)).save(src / "b.gif")
+    (src / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
+    (src / "notes.txt").write_text("shot in May")
+    out = tmp_path / "out"
+    for command in (("perturb", src, "--eps", "1", "--out", out), ("plan", src, "--eps", "1")):
+        result = cli(*command)
+        assert result.exit_code == 0, result.stderr
+        assert "skipped 2 images in formats tldp does not read (GIF, HEIF/AVIF; convert them to PNG to perturb " \
+               "them): b.gif, phone.heic" in result.stderr
+        assert "skipped 1 file that is not an image: notes.txt" in result.stderr
+    reasons = {d["name"]: d["reason"] for d in manifest_of(out)["dropped"]}
+    assert set(reasons) == {"b.gif", "phone.heic"} and "convert it to PNG" in reasons["b.gif"]
+
+    gifs = tmp_path / "gifs"
+    gifs.mkdir()
+    Image.fromarray(pixels(8, 8, 3)).save(gifs / "b.gif")
+    assert_one_line_error(cli("perturb", gifs, "--eps", "1"), 1, "found 1 image in a format tldp does not read "
+                                                                 "(GIF; convert it to PNG to perturb it)")
+
+
 def hidden_clutter(src: Path) -> None:
     """What tools leave in a photo folder, none of it the user's data: Jupyter's checkpoints (a
     copy of an image), a macOS archive's AppleDouble resource fork, Finder's .DS_Store (file

@@ -197,6 +197,30 @@ def _unread_image(path: Path) -> str | None:
     which --copy-other must not copy raw: the data of an image folder, in a format tldp does
     not perturb (GIF, PPM, TGA, ICO, a camera's raw TIFF, HEIC, AVIF, JPEG XL). None for
     any other file, and for one that cannot be read (copying it fails with the reason)."""
+    kind = _unread_kind(path)
+    return None if kind is None else _unread_reason(kind)
+
+
+def _unread_reason(kind: str) -> str:
+    """Why an image in a format tldp does not read (`kind`: GIF, HEIF/AVIF...) is not written."""
+    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: {_convert_hint(1)}"
+
+
+def _convert_hint(n: int) -> str:
+    it = "it" if n == 1 else "them"
+    return f"convert {it} to PNG to perturb {it}"
+
+
+def _unread_images(kinds: dict[str, str]) -> str:
+    """"2 images in formats tldp does not read (GIF, HEIF/AVIF; convert them to PNG to perturb
+    them)", of the files _unread_kind found (relative path -> format)."""
+    n = len(kinds)
+    what = UNREAD_IMAGE.replace("an image", "1 image") if n == 1 else f"{n} images in formats tldp does not read"
+    return f"{what} ({', '.join(sorted(set(kinds.values())))}; {_convert_hint(n)})"
+
+
+def _unread_kind(path: Path) -> str | None:
+    """The format of an image in a format tldp does not read (_unread_image), or None."""
     try:
         with _opened(path) as file:
             head = file.read(16)
@@ -208,7 +232,7 @@ def _unread_image(path: Path) -> str | None:
                     kind = im.format or "image"
     except Exception:  # not an image Pillow knows (or not readable): not this rule's
         return None
-    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: convert it to PNG to perturb it"
+    return kind
 
 
 def _non_images(n: int) -> str:
@@ -281,6 +305,10 @@ class ImageFolderReader(Reader):
         renamed = any(image.out_rel != image.rel for image in self.images)
         # --copy-other never copies data: what tldp reads, pickles, medical images, other images
         self.data_files = self._data_files() if options.copy_other else {}
+        # Without --copy-other, the other files that are images in formats tldp does not read
+        # (GIF, HEIC...), named as such: relative path -> format
+        self.unread_images = {} if options.copy_other else {
+            rel: kind for rel in self.others if (kind := _unread_kind(path / rel))}
         # Files that name images not written: an index row naming one is dropped.
         self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
                           **{rel: "a symbolic link, skipped" for rel in self.links},
@@ -348,7 +376,9 @@ class ImageFolderReader(Reader):
     def _no_images(self, bad: list[str]) -> None:
         """The error for a folder without an image to perturb, saying what it holds."""
         path = self.path
-        found = [_non_images(len(self.others))] if self.others else []
+        unread = {rel: kind for rel in self.others if (kind := _unread_kind(path / rel))}
+        found = [_unread_images(unread)] if unread else []
+        found += [_non_images(len(self.others) - len(unread))] if len(self.others) > len(unread) else []
         found += [plural(len(self.label_maps), "palette image") + " (label maps, which tldp does not "
                   "perturb)"] if self.label_maps else []
         found += [plural(len(bad), "unreadable image")] if bad else []
@@ -492,6 +522,18 @@ class ImageFolderReader(Reader):
             image.out_rel = f"{number:0{digits}d}{suffix}"
         self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
 
+    def _report_skipped_others(self) -> None:
+        """Without --copy-other: the files skipped, the images in formats tldp does not read
+        (GIF, HEIC...; listed under dropped too, with the advice) apart from the others."""
+        plain = [rel for rel in self.others if rel not in self.unread_images]
+        if self.unread_images:
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+                {"name": rel, "kind": "file", "reason": _unread_reason(kind)}
+                for rel, kind in self.unread_images.items())]
+            self.messages.append(f"skipped {_unread_images(self.unread_images)}: {listing(list(self.unread_images))}")
+        if plain:
+            self.messages.append(f"skipped {_non_images(len(plain))}: {listing(plain)}")
+
     def _report_hidden(self) -> None:
         """The hidden files and folders (formats.is_hidden: .DS_Store, .ipynb_checkpoints/,
         __MACOSX/), never read nor copied: listed under dropped, by the name map only with
@@ -513,7 +555,10 @@ class ImageFolderReader(Reader):
         for key, names, word in skipped:
             if names:
                 self.manifest_extra[key] = len(names)
-                self.messages.append(f"skipped {plural(len(names), word)} (named in the name map)")
+                unread = len(self.unread_images) if key == "not_images" else 0
+                what = [_unread_images(self.unread_images)] if unread else []
+                what += [plural(len(names) - unread, word)] if len(names) > unread else []
+                self.messages.append(f"skipped {' and '.join(what)} (named in the name map)")
         if self.others:
             self.manifest_extra["not_images_action"] = "skipped"
         if conversions:
@@ -534,7 +579,7 @@ class ImageFolderReader(Reader):
             if options.copy_other:  # the summary line names the copies (unperturbed)
                 self._report_copies()
             else:
-                self.messages.append(f"skipped {_non_images(len(self.others))}: {listing(self.others)}")
+                self._report_skipped_others()
         if self.index_files:
             self.manifest_extra["not_images_action"] = (
                 "copied unchanged, but for index files (index_files_rewritten): image file names "
