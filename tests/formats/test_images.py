@@ -366,13 +366,27 @@ def test_a_folder_of_label_maps_only_says_so(cli, tmp_path):
     assert_one_line_error(result, 1, "1 palette image (label maps, which tldp does not perturb)")
 
 
-def test_other_modes_are_refused(cli, tmp_path):
+@pytest.mark.parametrize("name, mode, hint", [
+    ("print.jpg", "CMYK", "convert it to RGB first (Pillow: Image.open('print.jpg').convert('RGB').save('print.png'); "
+                          "ImageMagick: magick print.jpg -colorspace sRGB print.png)"),
+    ("depth map.tif", "F", "its samples are floating-point; perturb its values as an array (numpy.save('depth map.npy', "
+                           "tifffile.imread('depth map.tif')), then tldp perturb 'depth map.npy' --range LO:HI) or "
+                           "convert it to 16-bit grayscale first (ImageMagick: magick 'depth map.tif' -depth 16 "
+                           "'depth map.png')")])
+def test_other_modes_are_refused_with_a_conversion_hint(cli, tmp_path, name, mode, hint):
+    """Regression: a CMYK JPEG or a float TIFF was refused without saying how to convert it."""
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
-    Image.new("CMYK", (5, 5)).save(src / "print.jpg")
+    (src / "sub").mkdir()
+    if mode == "F":
+        tifffile.imwrite(src / "sub" / name, RNG.random((5, 5), dtype=np.float32))
+    else:
+        Image.fromarray(pixels(5, 5, 3)).convert(mode).save(src / "sub" / name)
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out2")
     assert result.exit_code == 1
-    assert "print.jpg" in one_line(result) and "CMYK" in result.stderr
+    line = one_line(result)
+    assert line.startswith(f"tldp: error: {src / 'sub' / name}: colour mode {mode} is not supported")
+    assert hint in line
 
 
 @pytest.mark.parametrize("image_format", ["png", "tiff"])

@@ -59,7 +59,7 @@ from tldp_cli.formats import (DATASET_FORMATS, HIDDEN_REASON, SKIP_BAD_HINT, Arr
                               Reader, Writer, data_file, decode_reason, dicom_refused, folder_files, folder_output,
                               is_dicom, leftovers, listing, name_maps, plural)
 from tldp_cli.formats.tensor_files import matching
-from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
+from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, UnsupportedMode, decode,
                                      dtype_not_applied, header, png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       path_in_output, write_new_file, writing)
@@ -353,6 +353,8 @@ class ImageFolderReader(Reader):
             except LabelMap:
                 self.label_maps.append(rel)
                 continue
+            except UnsupportedMode as exc:  # CMYK, float: the hint names the file
+                reason = exc.for_file(file.name)
             except Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:

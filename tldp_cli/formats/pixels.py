@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
+import shlex
 import struct
 import zlib
 from dataclasses import dataclass
@@ -37,6 +39,33 @@ def dtype_not_applied(dtype: str, images: str) -> str:
 
 class Unsupported(Exception):
     """An image Pillow can decode but tldp cannot perturb faithfully."""
+
+
+class UnsupportedMode(Unsupported):
+    """An image of a mode tldp does not perturb (CMYK, YCbCr, LAB; 32-bit integer or float
+    samples: I, F): the message says how to convert it."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        super().__init__(self.for_file("image.jpg" if not mode.startswith(("F", "I")) else "image.tif"))
+
+    def for_file(self, name: str) -> str:
+        """The message, its conversion hint naming the file `name` (its base name)."""
+        return (f"colour mode {self.mode} is not supported (supported: L, LA, RGB, RGBA, 16-bit grayscale; "
+                f"palette images are label maps, not perturbed): {conversion_hint(self.mode, name)}")
+
+
+def conversion_hint(mode: str, name: str) -> str:
+    """How to turn the image `name` (a file name), of a mode tldp does not perturb, into one it
+    perturbs: a Pillow or ImageMagick command."""
+    stem, shell = posixpath.splitext(name)[0], shlex.quote
+    if mode.startswith(("F", "I")):  # a float or 32-bit TIFF: measurements, not 8/16-bit pixels
+        kind = "floating-point" if mode.startswith("F") else "32-bit integer"
+        return (f"its samples are {kind}; perturb its values as an array (numpy.save({stem + '.npy'!r}, "
+                f"tifffile.imread({name!r})), then tldp perturb {shell(stem + '.npy')} --range LO:HI) or convert "
+                f"it to 16-bit grayscale first (ImageMagick: magick {shell(name)} -depth 16 {shell(stem + '.png')})")
+    return (f"convert it to RGB first (Pillow: Image.open({name!r}).convert('RGB').save({stem + '.png'!r}); "
+            f"ImageMagick: magick {shell(name)} -colorspace sRGB {shell(stem + '.png')})")
 
 
 class LabelMap(Unsupported):
@@ -144,9 +173,7 @@ def page_header(file, im: Image.Image) -> Header:
         raise LabelMap(im.mode)
     mode = convert_to or im.mode
     if mode not in SUPPORTED_MODES:
-        raise Unsupported(f"colour mode {mode} is not supported "
-                          "(supported: L, LA, RGB, RGBA, 16-bit grayscale; palette images are label maps, "
-                          "not perturbed)")
+        raise UnsupportedMode(mode)
     depth = source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
         raise Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
