@@ -16,6 +16,7 @@ from tests.builders import SEED, RoundTrip, assert_one_line_error, siblings, tre
 from tldp_cli import formats
 from tldp_cli.errors import InputError
 from tldp_cli.formats import images
+from tldp_cli.formats.pixels import png
 
 RNG = np.random.default_rng(0)
 
@@ -443,6 +444,21 @@ def test_16bit_colour_is_refused_not_truncated(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
     assert result.exit_code == 1
     assert "deep.tif" in one_line(result) and "16-bit" in result.stderr
+
+
+def test_16bit_grayscale_with_alpha_is_named_so_not_rgba(cli, tmp_path):
+    """Regression: a 16-bit grayscale+alpha PNG (colour type 4, as libpng writes it for GIMP or
+    ImageMagick; made here with tldp's PNG encoder, which libpng reads) was refused as having
+    "16-bit RGBA samples", how Pillow opens it."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    (src / "cutout.png").write_bytes(png(pixels(4, 5, 2, dtype=np.uint16), None))
+    assert (src / "cutout.png").read_bytes()[24:26] == bytes([16, 4])
+    with Image.open(src / "cutout.png") as im:
+        assert im.mode == "RGBA"  # what Pillow says
+    line = one_line(cli("perturb", src, "--eps", "1", "--out", tmp_path / "out"))
+    assert f"{src / 'cutout.png'}: has 16-bit grayscale with alpha samples, which Pillow reads as 8-bit RGBA" in line
+    assert "RGBA samples" not in line and "-alpha off" in line
 
 
 def test_name_collision_names_both(cli, tmp_path):
