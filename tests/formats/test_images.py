@@ -557,6 +557,27 @@ def test_photos_in_formats_tldp_does_not_read_are_not_called_files_that_are_not_
                                                                  "(GIF; convert it to PNG to perturb it)")
 
 
+def test_a_stray_file_in_an_earlier_output_is_named(cli, tmp_path):
+    """Regression: --overwrite refused an earlier output holding a file no run writes (a
+    .DS_Store Finder left there, notes added) as "not an earlier output", naming neither."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "1", "--out", out).exit_code == 0
+    (out / "sub").mkdir()
+    (out / "sub" / "notes.txt").write_text("release notes")
+    (out / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    before = tree_digest(out)
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--overwrite")
+    assert_one_line_error(result, 2, f"{out}: exists and is not an earlier output of this kind (it holds "
+                                     ".DS_Store, sub/notes.txt, which a run on this input does not write)",
+                          "remove it yourself")
+    assert tree_digest(out) == before
+    (out / "sub" / "notes.txt").unlink()
+    (out / ".DS_Store").unlink()
+    assert cli("perturb", src, "--eps", "1", "--out", out, "--overwrite").exit_code == 0
+
+
 def hidden_clutter(src: Path) -> None:
     """What tools leave in a photo folder, none of it the user's data: Jupyter's checkpoints (a
     copy of an image), a macOS archive's AppleDouble resource fork, Finder's .DS_Store (file

@@ -53,7 +53,7 @@ import tifffile
 from PIL import Image
 
 from tldp_cli import __version__
-from tldp_cli.files.output import removed_during_run
+from tldp_cli.files.output import not_earlier_output, removed_during_run
 from tldp_cli.errors import InputError, NotHeld, UsageError, reason_of
 from tldp_cli.formats import (DATASET_FORMATS, HIDDEN_REASON, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions,
                               Reader, Writer, data_file, decode_reason, dicom_refused, folder_files, folder_output,
@@ -931,13 +931,14 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 
 def is_earlier_output(path: Path, reader: ImageFolderReader) -> bool:
     """A folder whose manifest names it is an earlier output if it holds images and the
-    files --copy-other copies from this input, nothing else."""
+    files --copy-other copies from this input, nothing else; one holding other files is
+    refused naming them (a .DS_Store Finder left there, notes added to the release)."""
     copied = set(reader.others)
-    for directory, _, files in os.walk(path):
-        for name in files:
-            rel = (Path(directory) / name).relative_to(path).as_posix()
-            if Path(name).suffix.lower() not in IMAGE_SUFFIXES and rel not in copied:
-                return False
+    strays = sorted(rel for directory, _, files in os.walk(path) for name in files
+                    if Path(name).suffix.lower() not in IMAGE_SUFFIXES
+                    and (rel := (Path(directory) / name).relative_to(path).as_posix()) not in copied)
+    if strays:
+        raise not_earlier_output(path, listing(strays))
     return True
 
 
