@@ -377,6 +377,23 @@ def privunit_phrase(manifest: dict) -> str:
             f"{unit.get('reference_option', 'zero')})")
 
 
+def reference_note(manifest: dict) -> str | None:
+    """A hint for grayscale photos: under --mechanism privunit --reference auto, single-channel
+    images of an image folder are written around 0 (auto's rule goes by the record's shape
+    alone, and is right for digits on black), which darkens photos. None for any other run
+    (arrays such as the .npy digits, colour images, another --reference)."""
+    unit = manifest.get("privunit")
+    if not unit or unit.get("reference_option") != "auto" or not manifest.get("inputs"):
+        return None
+    shapes = [c["privunit"]["record_shape"] for c in manifest.get("calibrations") or [] if "privunit" in c]
+    if not all(entry.get("format") == "images" for entry in manifest["inputs"]) or not all(
+            len(shape) == 2 for shape in shapes or [unit["record_shape"]]):
+        return None
+    return (f"note: these grayscale images are written around {unit['reference']:g} (--reference auto goes by the "
+            "record's shape: right for digits on black); grayscale photos come out dark that way, pass "
+            "--reference mid for them (docs/choosing-eps.md#photos-the-reference-point)")
+
+
 def unperturbed_note(manifest: dict) -> str:
     """What a run writes raw beside the perturbed values (the manifest's `unperturbed`: tensors,
     coordinates, what --keep names), by reason, and how much it leaves out (`dropped`), by kind."""
