@@ -543,7 +543,7 @@ def test_grayscale_images_under_reference_auto_point_to_reference_mid(cli, tmp_p
         assert planned.exit_code == 0, planned.stderr
         assert (note in planned.stderr) == said, (src, extra, planned.stderr)
     _, result = privunit(cli, gray, tmp_path / "out")
-    assert "note: these grayscale images are written around 0" in result.stderr and note in result.stderr
+    assert "note: the grayscale images are written around 0" in result.stderr and note in result.stderr
     quiet = cli("perturb", gray, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / "q", "-q")
     assert quiet.exit_code == 0 and quiet.stderr == ""
 

@@ -378,18 +378,18 @@ def privunit_phrase(manifest: dict) -> str:
 
 
 def reference_note(manifest: dict) -> str | None:
-    """A hint for grayscale photos: under --mechanism privunit --reference auto, single-channel
-    images of an image folder are written around 0 (auto's rule goes by the record's shape
-    alone, and is right for digits on black), which darkens photos. None for any other run
-    (arrays such as the .npy digits, colour images, another --reference)."""
+    """A hint for grayscale photos: under --mechanism privunit --reference auto, the single-channel
+    images of an image folder (alone or beside colour ones) are written around 0 (auto's rule
+    goes by the record's shape alone, and is right for digits on black), which darkens photos.
+    None for any other run (arrays such as the .npy digits, colour images, another --reference)."""
     unit = manifest.get("privunit")
     if not unit or unit.get("reference_option") != "auto" or not manifest.get("inputs"):
         return None
-    shapes = [c["privunit"]["record_shape"] for c in manifest.get("calibrations") or [] if "privunit" in c]
-    if not all(entry.get("format") == "images" for entry in manifest["inputs"]) or not all(
-            len(shape) == 2 for shape in shapes or [unit["record_shape"]]):
+    groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+    gray = [group["reference"] for group in groups if len(group["record_shape"]) == 2]  # (H, W): one channel
+    if not gray or not all(entry.get("format") == "images" for entry in manifest["inputs"]):
         return None
-    return (f"note: these grayscale images are written around {unit['reference']:g} (--reference auto goes by the "
+    return (f"note: the grayscale images are written around {gray[0]:g} (--reference auto goes by the "
             "record's shape: right for digits on black); grayscale photos come out dark that way, pass "
             "--reference mid for them (docs/choosing-eps.md#photos-the-reference-point)")
 
