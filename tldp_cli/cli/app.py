@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 from tldp_cli import __version__
 from tldp_cli.cli import coercion
 from tldp_cli.errors import TldpError, UsageError, reason_of
-from tldp_cli.formats import listing, plural
+from tldp_cli.formats import listing, of_source, plural
 from tldp_cli.files import output
 
 DEBUG_ENV = "TLDP_DEBUG"
@@ -387,7 +387,8 @@ def reference_note(manifest: dict) -> str | None:
         return None
     groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
     gray = [group["reference"] for group in groups if len(group["record_shape"]) == 2]  # (H, W): one channel
-    if not gray or not all(entry.get("format") == "images" for entry in manifest["inputs"]):
+    if not gray or not all((fmt := of_source(entry)) is not None and fmt.records_are_files  # an image folder's
+                           for entry in manifest["inputs"]):
         return None
     return (f"note: the grayscale images are written around {gray[0]:g} (--reference auto goes by the "
             "record's shape: right for digits on black); grayscale photos come out dark that way, pass "
