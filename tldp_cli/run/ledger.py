@@ -10,7 +10,10 @@ records linked through any other release: a subject is a connected set of record
 the fingerprints it holds in any file reach it. A release is charged once to every
 subject it touches; what a subject spends composes every release charged to it. Linking
 only ever merges subjects: a merge over-charges (equal records of different people, a
-label shared by thousands of rows), it never under-charges.
+label shared by thousands of rows). The one charge per release under-charges a release
+that holds several records of one subject (duplicate rows; a row group's rows released
+as records of their own): each record spends the release's per-record figure, and the
+ledger counts it once (docs/plan-and-ledger.md).
 
 Storage: `records` maps each fingerprint (64 bits: a collision merges two subjects,
 which over-charges) to its subject, `subjects` each subject to its history, and
