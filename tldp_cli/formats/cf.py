@@ -405,10 +405,10 @@ def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
         steps.append("write packed datasets unpacked: their stored codes were unpacked (_Unsigned, "
                      f"scale_factor, add_offset) before the noise, and are written as {dtype} "
                      "without those attributes (unpacked)")
-        extra["unpacked"] = {
-            name: {"stored_dtype": stored_dtypes[name], "unsigned": enc.unsigned,
-                   "scale_factor": json_number(enc.scale), "add_offset": json_number(enc.offset)}
-            for name, enc in decoded.items()}
+        # Not the scale_factor and add_offset themselves: packing tools (ncpdq, ERA5's files)
+        # derive them from each variable's own minimum and maximum, which they then give away.
+        extra["unpacked"] = {name: {"stored_dtype": stored_dtypes[name], "unsigned": enc.unsigned}
+                             for name, enc in decoded.items()}
     if any(key in VALUE_BOUNDS for keys in dropped_attrs.values() for key in keys):
         steps.append("drop the attributes bounding the perturbed datasets' values (valid_range, valid_min, "
                      "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
