@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 from tests.builders import REPO, SEED, tree_digest
 from tldp_cli.errors import InputError
 from tldp_cli.files import checked_io
-from tldp_cli.formats import FormatOptions, hdf5, safetensors_file
+from tldp_cli.formats import FormatOptions, hdf5, hdf5_output, hdf5_storage, hdf5_writer, safetensors_file
 
 pytestmark = pytest.mark.slow
 
@@ -291,10 +291,10 @@ def test_write_errors_stay_oserrors_with_their_errno(tmp_path):
 @pytest.mark.parametrize("placed", [True, False], ids=["read-beside-hdf5", "read-through-h5py"])
 def test_hdf5_input_truncated_during_a_read(cli, tmp_path, monkeypatch, placed):
     """HDF5 reads the part of a file cut off after it was opened as zeros; plain reads of
-    the records (formats/hdf5.py's _Placement) come back short."""
+    the records (formats/hdf5_storage.py's Placement) come back short."""
     src = write_h5(tmp_path / "in.h5")
     size = src.stat().st_size
-    real_getitem, real_read = h5py.Dataset.__getitem__, hdf5._Placement.read
+    real_getitem, real_read = h5py.Dataset.__getitem__, hdf5_storage.Placement.read
 
     def truncating_getitem(self, key):
         os.truncate(src, size // 2)
@@ -305,11 +305,11 @@ def test_hdf5_input_truncated_during_a_read(cli, tmp_path, monkeypatch, placed):
         return real_read(self, path, start, stop)
 
     if not placed:
-        monkeypatch.setattr(hdf5, "MAX_PLACED_CHUNKS", 0)  # chunked: read through h5py
+        monkeypatch.setattr(hdf5_storage, "MAX_PLACED_CHUNKS", 0)  # chunked: read through h5py
         src = write_h5(tmp_path / "in.h5", chunks=(16, 1024))
         size = src.stat().st_size
     monkeypatch.setattr(h5py.Dataset, "__getitem__", truncating_getitem)
-    monkeypatch.setattr(hdf5._Placement, "read", truncating_read)
+    monkeypatch.setattr(hdf5_storage.Placement, "read", truncating_read)
     result = cli("perturb", src, "--dataset", "x", "--eps", "1", "--range", "0:1",
                  "--out", tmp_path / "out.h5")
     assert result.exit_code == 1, result.stderr
@@ -322,13 +322,13 @@ def test_hdf5_input_truncated_while_it_is_copied(cli, tmp_path, monkeypatch):
     """The datasets copied unchanged come from the handle opened at the start."""
     src = write_h5(tmp_path / "in.h5")
     size = src.stat().st_size
-    copy_group = hdf5.Hdf5Writer._copy_group
+    copy_group = hdf5_writer.Hdf5Writer._copy_group
 
     def truncating_copy_group(self, source, target):
         os.truncate(src, size - 1024)
         copy_group(self, source, target)
 
-    monkeypatch.setattr(hdf5.Hdf5Writer, "_copy_group", truncating_copy_group)
+    monkeypatch.setattr(hdf5_writer.Hdf5Writer, "_copy_group", truncating_copy_group)
     result = cli("perturb", src, "--dataset", "x", "--eps", "1", "--range", "0:1",
                  "--out", tmp_path / "out.h5")
     assert result.exit_code == 1, result.stderr
@@ -358,9 +358,9 @@ def test_hdf5_dataset_beyond_the_end_of_the_file(cli, tmp_path):
 def test_hdf5_contiguous_extent_is_checked_against_the_size_at_open(tmp_path):
     src = write_h5(tmp_path / "in.h5")
     with h5py.File(src, "r") as f:
-        hdf5._check_storage(src, src.stat().st_size, "/x", f["x"], perturbed=True)
+        hdf5_storage.check_storage(src, src.stat().st_size, "/x", f["x"], perturbed=True)
         with pytest.raises(InputError, match="beyond the end of the file"):
-            hdf5._check_storage(src, 4096, "/x", f["x"], perturbed=False)
+            hdf5_storage.check_storage(src, 4096, "/x", f["x"], perturbed=False)
 
 
 def test_hdf5_declaring_far_more_than_it_holds_is_refused_at_open(cli, tmp_path):
@@ -393,7 +393,7 @@ def test_signals_wait_while_hdf5_works_on_the_output():
     """A KeyboardInterrupt inside an HDF5 driver callback would be taken for a failed write."""
     reached = False
     with pytest.raises(KeyboardInterrupt):
-        with hdf5._signals_held():
+        with hdf5_output.signals_held():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
             reached = True

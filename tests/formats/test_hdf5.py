@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.builders import RoundTrip, siblings, tree_digest
-from tldp_cli.formats import FormatOptions, hdf5
+from tldp_cli.formats import FormatOptions, hdf5, hdf5_storage
 
 IMAGES = np.random.default_rng(1).integers(0, 256, (40, 8, 8), dtype=np.uint8)
 # What perturb writes for uint8 data: the default exact sampler keeps integers integer (widened).
@@ -258,7 +258,7 @@ def test_other_storage_is_read_through_hdf5(tmp_path, layout):
     with h5py.File(tmp_path / "x.h5", "w") as f:
         data = layout.pop("data", IMAGES)
         f.create_dataset("x", shape=IMAGES.shape, dtype=IMAGES.dtype, data=data, **layout)
-        assert hdf5._placement(f["x"]) is None
+        assert hdf5_storage.placement_of(f["x"]) is None
 
 
 def test_plain_output_is_written_beside_hdf5_as_hdf5_writes_it(cli, tmp_path, monkeypatch):
@@ -268,7 +268,7 @@ def test_plain_output_is_written_beside_hdf5_as_hdf5_writes_it(cli, tmp_path, mo
     write_sample(tmp_path / "d.h5", chunks=None)
     for name in ("c", "d"):
         assert run(cli, tmp_path / f"{name}.h5").exit_code == 0
-    monkeypatch.setattr(hdf5, "MAX_PLACED_CHUNKS", 0)  # every dataset through HDF5
+    monkeypatch.setattr(hdf5_storage, "MAX_PLACED_CHUNKS", 0)  # every dataset through HDF5
     for name in ("c", "d"):
         assert run(cli, tmp_path / f"{name}.h5", "--out", tmp_path / f"{name}-hdf5.h5").exit_code == 0
     monkeypatch.undo()
@@ -276,7 +276,7 @@ def test_plain_output_is_written_beside_hdf5_as_hdf5_writes_it(cli, tmp_path, mo
         with h5py.File(tmp_path / f"{name}.tldp.h5", "r") as a, h5py.File(tmp_path / f"{name}-hdf5.h5", "r") as b:
             placed, through = a["/train/images"], b["/train/images"]
             assert placed.chunks == through.chunks and placed.dtype == through.dtype == PERTURBED
-            assert hdf5._placement(placed) is not None
+            assert hdf5_storage.placement_of(placed) is not None
             assert placed[()].tobytes() == through[()].tobytes()
             assert np.abs(placed[()].astype(int) - IMAGES).max() > 0
 

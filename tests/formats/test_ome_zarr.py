@@ -20,7 +20,7 @@ from skimage.transform import downscale_local_mean
 
 from tests.builders import SEED, assert_one_line_error, tree_digest
 from tldp_cli.errors import Interrupted
-from tldp_cli.formats import zarr_store
+from tldp_cli.formats import zarr_ome
 from tldp_cli.run.pipeline import PerturbOptions
 from tldp_cli.run.pipeline import perturb as run_perturb
 from tldp_cli.run.resume import partial_path
@@ -146,7 +146,7 @@ def test_odd_sizes_keep_the_input_shapes(tmp_path, cli):
 
 def test_an_edge_block_averages_the_elements_it_has():
     level = np.arange(25, dtype=np.float32).reshape(5, 5)
-    down = zarr_store._downsample(level, (2, 2), (3, 3), zarr_store.MEAN, np.dtype(np.float32))
+    down = zarr_ome._downsample(level, (2, 2), (3, 3), zarr_ome.MEAN, np.dtype(np.float32))
     assert down[0, 0] == level[:2, :2].mean() and down[2, 2] == 24 and down[0, 2] == (4 + 9) / 2
     assert down[2, 0] == (20 + 21) / 2
 
@@ -230,9 +230,9 @@ def test_downsampling_memory_is_one_tile(tmp_path):
         if k == 0:
             for row in range(0, size, 256):
                 level[row:row + 256] = np.random.default_rng(row).random((256, size), dtype=np.float32)
-    pyramid = zarr_store._Pyramid("", 0, True, ("s0", "s1", "s2"), ((2, 2), (2, 2)), zarr_store.MEAN, None)
+    pyramid = zarr_ome.Pyramid("", 0, True, ("s0", "s1", "s2"), ((2, 2), (2, 2)), zarr_ome.MEAN, None)
     tracemalloc.start()
-    zarr_store._regenerate(tmp_path / "big.zarr", tmp_path / "big.zarr", pyramid, 3, np.dtype(np.float32))
+    zarr_ome.regenerate(tmp_path / "big.zarr", tmp_path / "big.zarr", pyramid, 3, np.dtype(np.float32))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 8 << 20, peak

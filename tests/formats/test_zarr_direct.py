@@ -18,7 +18,7 @@ import zarr
 from tests.builders import disk_full_after, refuse_direct_open, refuse_direct_writes
 from tldp_cli.errors import OutputError
 from tldp_cli.files import checked_io
-from tldp_cli.formats import zarr_chunks, zarr_store
+from tldp_cli.formats import zarr_chunks, zarr_writer
 from tldp_cli.run import resume
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 from tldp_cli.sampling.engine import PAGE
@@ -174,7 +174,7 @@ def test_a_put_after_close_is_refused_not_blocked():
 
 def after_the_second_block(monkeypatch, action) -> None:
     """action(blocks, job) runs once the writer has taken its second block."""
-    real_call = zarr_store._Blocks.__call__
+    real_call = zarr_writer._Blocks.__call__
     calls = []
 
     def write_then_act(self, job, start, block):
@@ -184,7 +184,7 @@ def after_the_second_block(monkeypatch, action) -> None:
             action(self, job)
         return moved
 
-    monkeypatch.setattr(zarr_store._Blocks, "__call__", write_then_act)
+    monkeypatch.setattr(zarr_writer._Blocks, "__call__", write_then_act)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

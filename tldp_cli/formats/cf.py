@@ -30,7 +30,7 @@ import math
 import posixpath
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Collection, Container, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 
@@ -300,6 +300,22 @@ def output_marker(marker, dtype: np.dtype):
     return dtype.type(np.nan) if dtype.kind == "f" else dtype.type(np.iinfo(dtype).min)
 
 
+def output_markers(encoding: Encoding, dtype: np.dtype) -> list[tuple]:
+    """(stored marker, output marker) of each of the encoding's missing-data markers: the
+    pairs a writer puts the missing values back with (keep_missing)."""
+    return [(marker, output_marker(marker, dtype)) for marker in encoding.markers]
+
+
+def dropped_attributes(present: Container[str], encoding: Encoding | None) -> list[str]:
+    """The CF attributes of a perturbed variable (of those `present`) its output leaves off:
+    the value bounds, which noisy values pass (readers would mask them), and the packing of
+    packed values, which the output holds unpacked."""
+    dropped = [key for key in VALUE_BOUNDS if key in present]
+    if encoding is not None and (encoding.packed or encoding.unsigned):
+        dropped += [key for key in PACKING if key in present]
+    return dropped
+
+
 def json_number(value):
     """A NumPy number for JSON: NaN and infinities as strings ("nan", "inf"); None stays None."""
     if value is None:
@@ -378,6 +394,9 @@ def unnamed(text: str | None, gone: Callable[[str], bool]) -> str | None:
         if kept and kept[-1].endswith(":"):
             kept.pop()
     return " ".join(kept) if removed else None
+
+
+COEFFICIENT_DIMENSION = "coefficient"  # axis 1 of a variable written as coefficients (--store coefficients)
 
 
 def coefficient_coordinates(text: str | None, dimensions: Callable[[str], tuple[str, ...] | None],

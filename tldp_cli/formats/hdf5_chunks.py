@@ -5,12 +5,13 @@ around every call into it: a file compressed with deflate (netCDF-C's `zlib=True
 h5py's `compression="gzip"`), with or without the shuffle filter before it, was
 read and written one chunk at a time, the output's deflate on a single core (a
 tenth of the `.npy` rate, docs/performance.md). For a dataset whose chunks hold
-whole records and whose filters are exactly [shuffle,] deflate, `hdf5.py` instead
-moves each chunk's stored bytes with HDF5's direct chunk I/O (no filter runs in the
-lock) and the worker threads shuffle and deflate them: zlib to read, zlib-ng to
-write (the same zlib stream format, about twice as fast at the same level), the
-output's noise with Huffman codes only (Deflated.huffman_only). The dataset keeps
-its filter and level, which later writers use.
+whole records and whose filters are exactly [shuffle,] deflate, the HDF5 format
+(`hdf5_reader.py`, `hdf5_storage.py`, `hdf5_writer.py`) instead moves each chunk's
+stored bytes with HDF5's direct chunk I/O (no filter runs in the lock) and the worker
+threads shuffle and deflate them: zlib to read, zlib-ng to write (the same zlib stream
+format, about twice as fast at the same level), the output's noise with Huffman codes
+only (Deflated.huffman_only). The dataset keeps its filter and level, which later
+writers use.
 """
 
 from __future__ import annotations

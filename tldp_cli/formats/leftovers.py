@@ -70,7 +70,7 @@ HDF5_ATTRIBUTES = ("CLASS", "NAME", "DIMENSION_LIST", "REFERENCE_LIST", "DIMENSI
                    "_Netcdf4Dimid", "_Netcdf4Coordinates", "_NCProperties", "_nc3_strict")
 # xarray's dimension names (Zarr 2) and the OME-Zarr (NGFF) image structure; the values
 # computed from the raw data inside it are replaced or dropped, and the names, ids and
-# dates inside it left out (unless --keep), by zarr_store.
+# dates inside it left out (unless --keep), by the Zarr format (zarr_ome.py).
 ZARR_ATTRIBUTES = ("_ARRAY_DIMENSIONS", "multiscales", "omero", "ome", "image-label", "labels",
                    "bioformats2raw.layout", "plate", "well")
 STRUCTURAL = frozenset(CF_ATTRIBUTES + GRID_MAPPING_ATTRIBUTES + HDF5_ATTRIBUTES + ZARR_ATTRIBUTES)

@@ -303,7 +303,7 @@ def layout(metadata: dict[str, Any], fill_value: Any) -> Layout | None:
 # Chunks zarr-python decodes itself (sharded arrays, F order, codecs beside the compressor):
 # its Zstandard, Blosc and gzip codecs decode a chunk to the size its header states, or to
 # the end of its stream, before anything compares it with the chunk. These subclasses,
-# which zarr_store selects in zarr's codec configuration, refuse a chunk that states more
+# which zarr_tree selects in zarr's codec configuration, refuse a chunk that states more
 # than the chunk's bytes (with room for checksums beside it) before decoding it. A
 # Zstandard frame that states no size is decoded as before.
 CODEC_SLACK = 1 << 16
