@@ -93,23 +93,57 @@ def _vlen_fill(ds: h5py.Dataset) -> bool:
             and ds.id.get_create_plist().fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
 
 
-def _copy_vlen_filled(src: h5py.Dataset, dst: h5py.Group, name: str,
-                      left_out: dict[bytes, np.ndarray | None] | None) -> None:
-    """Copies a dataset with a variable-length fill value (_vlen_fill) without HDF5's object
-    copy: created anew with its chunks and filters but no fill value, its values written
-    through h5py."""
+def _dated(ds: h5py.Dataset) -> bool:
+    """Whether the dataset's object header holds its dates (HDF5's own default, which
+    PyTables, MATLAB and C programs keep): HDF5's object copy would carry the input's
+    dates, when its data was made, into the output."""
+    return bool(ds.id.get_create_plist().get_obj_track_times())
+
+
+# The values of a dataset copied anew that are not chunked are copied this many bytes at a time.
+_COPY_BYTES = 64 << 20
+
+
+def _copy_anew(src: h5py.Dataset, dst: h5py.Group, name: str,
+               left_out: dict[bytes, np.ndarray | None] | None) -> None:
+    """Copies a dataset without HDF5's object copy (a variable-length fill value, _vlen_fill,
+    or dates, _dated): created anew with its type, shape, chunks, filters and fill value
+    (none of a variable-length type), dated by the run where the input was dated; its stored
+    chunks copied byte for byte (values of a variable-length or reference type, and
+    unchunked values, through h5py), then its attributes. References are pointed into the
+    output later (_fix_references)."""
     plist = src.id.get_create_plist()
+    stored = src.id.get_type()
+    if stored.committed():
+        stored = stored.copy()  # a named type lives in the input; the output gets its own
+    vlen, refs = _has_vlen(stored), hdf5_reader.has_refs(stored)
     fresh = h5p.create(h5p.DATASET_CREATE)
-    if plist.get_layout() == h5d.CHUNKED:
+    chunked = plist.get_layout() == h5d.CHUNKED
+    if chunked:
         fresh.set_chunk(src.chunks)
         for index in range(plist.get_nfilters()):
             code, flags, values, _ = plist.get_filter(index)
             fresh.set_filter(code, flags, values)
+    if not (vlen or refs) and plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
+        fill = np.zeros((), dtype=src.dtype)
+        plist.get_fill_value(fill)
+        fresh.set_fill_value(fill)
     fresh.set_attr_creation_order(plist.get_attr_creation_order())
     fresh.set_obj_track_times(plist.get_obj_track_times())
-    out = h5py.Dataset(h5d.create(dst.id, name.encode(), src.id.get_type(), src.id.get_space(), dcpl=fresh))
-    if src.shape:
+    out = h5py.Dataset(h5d.create(dst.id, name.encode(), stored, src.id.get_space(), dcpl=fresh))
+    if src.shape == ():
         out[()] = src[()]
+    elif src.shape and src.size and not refs:
+        if chunked and not vlen:
+            for index in range(src.id.get_num_chunks()):
+                offset = src.id.get_chunk_info(index).chunk_offset
+                mask, chunk = src.id.read_direct_chunk(offset)
+                out.id.write_direct_chunk(offset, chunk, mask)
+        else:
+            row_bytes = max(1, src.dtype.itemsize * int(np.prod(src.shape[1:], dtype=np.int64)))
+            step = max(1, _COPY_BYTES // row_bytes)
+            for start in range(0, src.shape[0], step):
+                out[start:start + step] = src[start:start + step]
     _copy_attrs(src, out, left_out)
 
 
@@ -264,8 +298,10 @@ class Hdf5Writer(Writer):
             self._copy_group(obj, group)
         elif self.actions.get(key) == hdf5_reader.DIMENSION:
             _create_bare_dimension(obj, dst, name)
-        elif isinstance(obj, h5py.Dataset) and _vlen_fill(obj):
-            _copy_vlen_filled(obj, dst, name, self.left_out_attrs.get(key))
+        elif isinstance(obj, h5py.Dataset) and (_vlen_fill(obj) or _dated(obj)):
+            # Not HDF5's object copy: it writes a variable-length fill value corrupt, and
+            # carries the input's dates into the output.
+            _copy_anew(obj, dst, name, self.left_out_attrs.get(key))
         elif key in self.left_out_attrs:
             # Copied without its attributes, then those written: deleting one from a copy
             # leaves its bytes in the file.
