@@ -272,6 +272,32 @@ def test_float_data_without_a_grid_step_is_a_usage_error(cli, tmp_path, command,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.npy"]
 
 
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+@pytest.mark.parametrize("floats, args, refusal", [
+    (False, ["--eps", "1", "--budget", "record"], "--budget record: TLDP with discrete-laplace noise certifies"),
+    (True, ["--eps", "0.0001", "--range", "0:1"], "--dtype float32 cannot hold the grid values exactly"),
+], ids=["record-budget-out-of-reach", "grid-beyond-float32"])
+def test_a_calibration_refusal_names_the_input(cli, digits_file, tmp_path, command, floats, args, refusal):
+    """TLDP-L certifies at least 7.6 per record of 784 elements, and float32 holds 2^24 grid
+    steps: refused because of what the input holds (its record size, float data), so the one
+    line names the input, as with several inputs (it once began with the option, as an error
+    about the options alone would)."""
+    src = digits_file
+    if floats:
+        src = tmp_path / "f.npy"
+        np.save(src, np.load(digits_file).astype(np.float32) / 255)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    extra = ["--out", tmp_path / "o.npy"] if command == "perturb" else []
+    result = cli(command, src, *args, *extra)
+    assert_one_line_error(result, 2, refusal)
+    assert result.stderr.startswith(f"tldp: error: {src}: {refusal}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if command == "plan" and not floats:  # described records have no file to name
+        described = cli("plan", "--elements", "28x28", "--range", "0:256", *args)
+        assert_one_line_error(described, 2, "784 elements")
+        assert described.stderr.startswith(f"tldp: error: {refusal}")
+
+
 def test_audit_without_a_grid_step_is_a_usage_error(cli):
     result = cli("audit", "--eps", "1.7e308", "--elements", "4", "--range", "0:1", "--samples", "1000")
     assert_one_line_error(result, 2, "beyond float64 arithmetic")

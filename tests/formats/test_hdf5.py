@@ -230,6 +230,50 @@ def test_layout_does_not_change_the_noise(cli, tmp_path, chunks):
         assert a["/train/images"][()].tobytes() == b["/train/images"][()].tobytes()
 
 
+def object_times(path: Path) -> dict[str, int]:
+    """The modification time HDF5 stores in each object's header (0: none stored)."""
+    with h5py.File(path, "r") as f:
+        times = {"/": h5py.h5g.get_objinfo(f.id, b"/").mtime}
+
+        def visit(name):
+            times[name] = h5py.h5g.get_objinfo(f.id, name.encode()).mtime
+        f.visit(visit)
+    return times
+
+
+def test_seeded_runs_write_the_same_bytes_with_no_object_times(cli, tmp_path):
+    """A seeded run is bit-identical (docs/perturb.md), so the output stores no object times:
+    HDF5 stamps each group's and dataset's header with the time it is created unless told
+    not to, and the output's groups and root once carried the run's clock (a second later,
+    other bytes and another sha256 in the manifest), whatever the input held. Its object copy
+    kept an input dataset's own times too (as HDF5's C library, MATLAB and others write them:
+    when the data was recorded), which a copied dataset no longer carries, its values,
+    chunks and filters as they were."""
+    import time
+
+    src = write_sample(tmp_path / "data.h5")
+    stamped = {"chunked": {"chunks": (10,), "compression": "gzip", "shuffle": True}, "contiguous": {}}
+    with h5py.File(src, "a") as f:  # datasets the input stamps itself, copied raw (--keep)
+        for name, layout in stamped.items():
+            f.create_dataset(f"stamped/{name}", data=np.arange(40.0) * 1.5, track_times=True, **layout)
+    assert object_times(src)["stamped/chunked"] > 0 and object_times(src)["train"] == 0
+    digests = []
+    for name in ("a.h5", "b.h5"):
+        assert run(cli, src, "--out", tmp_path / name, "--keep", "*").exit_code == 0
+        digests.append(json.loads((tmp_path / f"{name}.manifest.json").read_text())["outputs"][0]["sha256"])
+        assert set(object_times(tmp_path / name).values()) == {0}, object_times(tmp_path / name)
+        time.sleep(1.1)  # HDF5 stores times in whole seconds
+    assert digests[0] == digests[1]
+    assert (tmp_path / "a.h5").read_bytes() == (tmp_path / "b.h5").read_bytes()
+    with h5py.File(src, "r") as a, h5py.File(tmp_path / "a.h5", "r") as b:
+        for name, layout in stamped.items():
+            x, y = a[f"stamped/{name}"], b[f"stamped/{name}"]
+            assert y[()].tobytes() == x[()].tobytes() and (y.chunks, y.compression, y.shuffle) == (
+                x.chunks, x.compression, x.shuffle)
+            if x.chunks:
+                assert y.id.read_direct_chunk((10,)) == x.id.read_direct_chunk((10,))  # copied compressed
+
+
 @pytest.mark.parametrize("layout", [
     {"chunks": (7, 8, 8)}, {"chunks": None}, {"chunks": (7, 8, 8), "dtype": ">f4"}, {"shape": (40 * 64,)},
     {"chunks": (7, 8, 8), "userblock_size": 1024},
@@ -330,6 +374,28 @@ def test_external_links_are_dropped_unless_kept(cli, tmp_path):
     assert {"name": "/meta/previous", "kind": "external link", "reason": "kept by --keep"} in manifest["unperturbed"]
     assert manifest["external_links"] == [f"/meta/previous -> {patients / 'john_smith.h5'}:/scans/2019-03-04"]
     assert "/meta/previous" not in {d["name"] for d in manifest["dropped"]}
+
+
+def test_a_soft_link_to_a_dataset_left_out_is_left_out_too(cli, tmp_path):
+    """Regression: a soft link to a dataset the run leaves out (/train/labels) was copied, so the
+    output held a link to nothing, unlisted (h5py's get gives None, h5dump an error). It is left
+    out with its target and listed; --keep naming the target keeps both."""
+    src = write_sample(tmp_path / "data.h5")
+    with h5py.File(src, "a") as f:
+        f["meta/labels"] = h5py.SoftLink("/train/labels")
+    for kept in (False, True):
+        out = tmp_path / f"out-{kept}.h5"
+        result = run(cli, src, "--out", out, "--json", *(["--keep", "/train/labels"] if kept else []))
+        assert result.exit_code == 0, result.stderr
+        dropped = {(d["name"], d["kind"]) for d in json.loads(result.stdout)["dropped"]}
+        with h5py.File(out, "r") as f:
+            assert f.get("latest", getlink=True).path == "/train/images" and f["latest"] == f["/train/images"]
+            if kept:
+                assert f["meta/labels"] == f["/train/labels"]
+                assert ("/meta/labels", "soft link") not in dropped
+            else:
+                assert "labels" not in f["meta"] and "labels" not in f["train"]
+                assert {("/train/labels", "dataset"), ("/meta/labels", "soft link")} <= dropped
 
 
 def test_integer_scaleoffset_is_dropped_with_a_note(cli, tmp_path):

@@ -2,7 +2,7 @@
 MATLAB's -v7.3 files and C programs keep), each dataset's object header holds when it was
 created and modified. The output never carries the input's dates (docs/guarantee.md, "What
 the figures do not cover"): the datasets copied raw (--keep, coordinates, a model file's
-unperturbed tensors) are written anew, dated by the run, as the perturbed ones are.
+unperturbed tensors) are written anew, without the input's dates (the output stores none).
 
 Every test works on real HDF5 files written with h5py (track_times=True, as those writers do).
 """

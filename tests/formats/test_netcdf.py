@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
+from tests.builders import assert_one_line_error
 from tldp_cli.formats import FormatOptions, hdf5, leftovers
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
@@ -146,6 +147,20 @@ def netcdf4_file(path: Path) -> Path:
     return path
 
 
+def test_a_dimension_without_a_variable_is_not_a_dataset_kept(cli, tmp_path):
+    """Regression: netCDF-C stores a dimension without a coordinate variable (station, obs/n) as
+    an HDF5 dataset holding no value; --keep '*' listed them under `unperturbed` as datasets
+    kept raw (float32 of the dimension's length), and --keep /station matched one. They are
+    structure: written as they are, never listed, and a --keep naming one alone matches nothing."""
+    src = netcdf4_file(tmp_path / "in.nc")
+    manifest = run(cli, src, tmp_path / "out.nc", "--range", "0:1", "--dataset", "zeta", "--keep", "*")
+    assert {u["name"] for u in manifest["unperturbed"] if u["kind"] == "dataset"} == {"/alpha", "/obs/w", "/obs/b"}
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert ds.dimensions["station"].size == 6 and ds["obs"].dimensions["n"].size == 3
+    refused = cli("perturb", src, "--out", tmp_path / "o.nc", "--eps", "1", "--range", "0:1", "--keep", "/station")
+    assert_one_line_error(refused, 2, "--keep /station matches no dataset")
+
+
 def test_netcdf4_opens_the_output_for_writing_and_keeps_the_order(cli, tmp_path):
     src = netcdf4_file(tmp_path / "in.nc")
     out = tmp_path / "out.nc"
@@ -203,7 +218,10 @@ def test_wrf_coordinates_are_not_perturbed_by_default(cli, tmp_path, time_axis):
     result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "250:310", "--seed", "7",
                  "--allow-weak-seed", "--allow-raw-release", *keep)
     assert result.exit_code == 0, result.stderr
-    assert "left out the coordinate datasets /XLAT, /XLONG" in result.stderr
+    # Not perturbed: copied as a grid, or left out along the record axis unless --keep (the
+    # line once said "left out" of coordinates it copied)
+    assert "not perturbing the coordinate datasets /XLAT, /XLONG" in result.stderr
+    assert "left out the coordinate" not in result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
     reason = "kept by --keep" if time_axis else "coordinate"
@@ -434,6 +452,39 @@ def packed_file(path: Path) -> tuple[Path, np.ndarray]:
     with netCDF4.Dataset(path, "a") as ds:
         ds["t"].valid_range = np.array([-3000, 3000], np.int16)
     return path, physical
+
+
+def test_a_classic_model_file_of_int64_output_comes_out_netcdf4(cli, tmp_path):
+    """Regression: int32 counts of a NETCDF4_CLASSIC file, perturbed over a 2^31-wide range, come
+    out int64, which netCDF's classic model does not hold; the output still declared the classic
+    model (_nc3_strict). It is now plain netCDF-4, and the manifest says so; a classic file whose
+    output fits the model (float32) stays classic."""
+    src = tmp_path / "counts.nc"
+    with netCDF4.Dataset(src, "w", format="NETCDF4_CLASSIC") as ds:
+        ds.createDimension("n", None)
+        ds.createDimension("x", 4)
+        ds.createVariable("counts", "i4", ("n", "x"))[:] = RNG.integers(0, 2**30, (10, 4))
+        ds.createVariable("t", "f4", ("n", "x"))[:] = TEMPERATURES[:10, 0, :4]
+    out = tmp_path / "out.nc"
+    manifest = run(cli, src, out, "--range", f"0:{2**31}", "--dataset", "counts")
+    assert any("classic model" in step for step in manifest["postprocessing"])
+    with netCDF4.Dataset(out) as ds:
+        assert ds.data_model == "NETCDF4" and ds["counts"].dtype == np.int64
+    floats = run(cli, src, tmp_path / "floats.nc", "--range", "250:310", "--dataset", "t")
+    assert not any("classic model" in step for step in floats["postprocessing"])
+    with netCDF4.Dataset(tmp_path / "floats.nc") as ds:
+        assert ds.data_model == "NETCDF4_CLASSIC" and ds["t"].dtype == np.float32
+
+
+@pytest.mark.parametrize("command", ["perturb", "plan"])
+def test_packed_data_without_a_range_says_it_is_unpacked(cli, tmp_path, command):
+    """Regression: int16 codes asked for a range as "in.nc: float32 data needs --range", naming
+    neither the variable nor why int16 data (whose dtype range is the default) needs one: its
+    codes are unpacked, and the range is in the unpacked units."""
+    src, _ = packed_file(tmp_path / "in.nc")
+    assert_one_line_error(cli(command, src, "--eps", "1"), 2, "in.nc: /t: float32 data needs --range LO:HI",
+                          "stored int16 values are scaled to float32", "in whose units the range is")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.nc"]
 
 
 def test_packed_data_is_perturbed_in_physical_units(cli, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.builders import SEED, RoundTrip, assert_one_line_error, run_measured_phase, siblings, tree_digest
-from tldp_cli.formats import tables
+from tldp_cli.formats import tables_writer
 
 FEATURES = datasets.Features({
     "image": datasets.Image(), "label": datasets.ClassLabel(names=["cat", "dog"]),
@@ -225,13 +225,13 @@ def test_blocks_come_in_row_order_so_the_writer_holds_few(tmp_path, monkeypatch)
     src = tmp_path / "wide.parquet"
     pq.write_table(table, src, row_group_size=5)
     held = []
-    flush = tables.TableWriter._flush
+    flush = tables_writer.TableWriter._flush
 
     def watched(self):
         held.append(max(len(pieces) for pieces in self.pending.values()))
         flush(self)
 
-    monkeypatch.setattr(tables.TableWriter, "_flush", watched)
+    monkeypatch.setattr(tables_writer.TableWriter, "_flush", watched)
     perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "o.parquet", block_elements=40, workers=1))
     assert max(held) <= 2
     out = pq.read_table(tmp_path / "o.parquet")

@@ -55,7 +55,9 @@ def test_xarray_stores_are_perturbed_as_cf_variables(cli, tmp_path, zarr_format)
     out = tmp_path / "out.zarr"
     manifest, stderr = perturb(cli, src, out, "--range", "t2m=200:330", "--range", "tp=0:0.5")
     assert [entry["dataset"] for entry in manifest["inputs"]] == ["t2m", "tp"]  # not lat, lon, time_bnds
-    assert "left out the coordinate arrays" in stderr
+    # Not perturbed, and copied (the line once said "left out", which means not written)
+    assert "not perturbing the coordinate arrays lat, lon, time_bnds" in stderr and "left out the coordinate" not in stderr
+    assert {"lat", "lon", "time_bnds"} <= {u["name"] for u in manifest["unperturbed"] if u["reason"] == "coordinate"}
     assert manifest["unpacked"]["t2m"]["stored_dtype"] == "int16"
     assert manifest["dropped_attributes"]["t2m"] == ["valid_range", "scale_factor", "add_offset"]
     assert manifest["missing_values"]["tp"]["moved_off_markers"] > 0  # the seed lands noisy values on -1

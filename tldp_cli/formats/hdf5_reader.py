@@ -170,13 +170,18 @@ class Hdf5Reader(Reader):
         """Soft links to paths that hold nothing, whose text is any content (a name, an ID),
         and links into other files, whose target's file name and path (/data/patients/
         john_smith.h5) are the input's metadata, not structure: left out unless --keep names
-        them; listed either way. Soft links that resolve are structure, copied as links."""
+        them; listed either way. Soft links that resolve are structure, copied as links,
+        but those to a dataset the run leaves out, which would hold nothing in the output."""
         found: list[tuple[str, str, str]] = []  # (path, kind, reason)
 
         def visit(name, link):
-            if isinstance(link, h5py.SoftLink) and self.file.get("/" + name) is None:
+            target = self.file.get("/" + name) if isinstance(link, h5py.SoftLink) else None
+            if isinstance(link, h5py.SoftLink) and target is None:
                 found.append(("/" + name, "soft link", "a link to a path that holds nothing in the "
                               "file (its text can be any content)"))
+            elif isinstance(link, h5py.SoftLink) and self.actions.get(object_key(target)) == DROP:
+                found.append(("/" + name, "soft link", f"a link to {link.path}, which is left out: it "
+                              "would hold nothing in the output"))
             elif isinstance(link, h5py.ExternalLink):
                 found.append(("/" + name, "external link", "a link into another file: its target's "
                               "file name and path are the input's metadata (--keep copies it as a link)"))
@@ -310,7 +315,7 @@ class Hdf5Reader(Reader):
         names, message = default_selection(self.path, numeric, "dataset")
         self.messages.append(message)
         if left_out:
-            self.messages.append(f"left out the coordinate datasets {listing(left_out)} "
+            self.messages.append(f"not perturbing the coordinate datasets {listing(left_out)} "
                                  "(name them with --dataset to perturb them)")
         return [(name, found[name]) for name in names]
 
@@ -497,6 +502,8 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
     """What is written of a dataset that is not perturbed (None: a raw copy, listed in `left`
     unless it is a bare netCDF dimension); `role`: leftovers.COORDINATE or GRID_MAPPING, or
     None. See leftovers.py."""
+    if _bare_dimension(ds):  # structure, holding no value: neither --keep nor --exclude names it
+        return None
     fields = {"shape": list(ds.shape or ()), "dtype": str(ds.dtype)}
     pattern = tensor_files.matching(name, exclude)
     if pattern is not None:
@@ -514,8 +521,7 @@ def _dataset_action(left: leftovers.Leftovers, name: str, ds: h5py.Dataset, role
         left.drop(name, "dataset", leftovers.RECORD_COORDINATE_REASON)
         return DROP
     if role and problem is None:
-        if not _bare_dimension(ds):
-            left.copied(name, "dataset", role, **fields)
+        left.copied(name, "dataset", role, **fields)
         return None
     if problem is None:
         left.drop(name, "dataset", "numbers not chosen for perturbation (--dataset perturbs them)")

@@ -7,6 +7,9 @@ hold addresses in the file, so a second pass points them at the output's objects
 Attributes are copied byte for byte in their stored type and shape; a perturbed
 dataset's CF attributes are rewritten as its values now are (cf.Encoding), and its
 lossy filters (LOSSY_FILTERS) left off. The output file goes through hdf5_output.py.
+No object of the output stores a time (HDF5 stamps each object header with the time it
+is created unless told not to, and its object copy keeps the input's): a seeded run
+writes the same bytes, and a copied dataset does not date the input's recording.
 """
 
 from __future__ import annotations
@@ -93,57 +96,52 @@ def _vlen_fill(ds: h5py.Dataset) -> bool:
             and ds.id.get_create_plist().fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
 
 
-def _dated(ds: h5py.Dataset) -> bool:
-    """Whether the dataset's object header holds its dates (HDF5's own default, which
-    PyTables, MATLAB and C programs keep): HDF5's object copy would carry the input's
-    dates, when its data was made, into the output."""
-    return bool(ds.id.get_create_plist().get_obj_track_times())
+def timeless(plist):
+    """`plist` (an object's creation properties: file, group, dataset) set to store no times
+    in the object's header (see the module docstring)."""
+    plist.set_obj_track_times(False)
+    return plist
 
 
-# The values of a dataset copied anew that are not chunked are copied this many bytes at a time.
-_COPY_BYTES = 64 << 20
+def _stamped(obj) -> bool:
+    """Whether the object's header holds a time, which HDF5's object copy would carry over."""
+    info = h5py.h5o.get_info(obj.id)
+    return any((info.atime, info.mtime, info.ctime, info.btime))
+
+
+COPY_BLOCK_BYTES = 1 << 26  # a dataset copied anew without chunks goes through memory this much at a time
 
 
 def _copy_anew(src: h5py.Dataset, dst: h5py.Group, name: str,
                left_out: dict[bytes, np.ndarray | None] | None) -> None:
-    """Copies a dataset without HDF5's object copy (a variable-length fill value, _vlen_fill,
-    or dates, _dated): created anew with its type, shape, chunks, filters and fill value
-    (none of a variable-length type), dated by the run where the input was dated; its stored
-    chunks copied byte for byte (values of a variable-length or reference type, and
-    unchunked values, through h5py), then its attributes. References are pointed into the
-    output later (_fix_references)."""
+    """Copies a dataset without HDF5's object copy, which writes a variable-length fill value
+    (_vlen_fill) corrupt into another file and keeps the header's times (_stamped): created
+    anew with its layout, chunks, filters and fill value (a variable-length one left off)
+    but no times; stored chunks are copied as they are, compressed, other values through h5py."""
     plist = src.id.get_create_plist()
-    stored = src.id.get_type()
-    if stored.committed():
-        stored = stored.copy()  # a named type lives in the input; the output gets its own
-    vlen, refs = _has_vlen(stored), hdf5_reader.has_refs(stored)
-    fresh = h5p.create(h5p.DATASET_CREATE)
-    chunked = plist.get_layout() == h5d.CHUNKED
-    if chunked:
-        fresh.set_chunk(src.chunks)
-        for index in range(plist.get_nfilters()):
-            code, flags, values, _ = plist.get_filter(index)
-            fresh.set_filter(code, flags, values)
-    if not (vlen or refs) and plist.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED:
-        fill = np.zeros((), dtype=src.dtype)
-        plist.get_fill_value(fill)
-        fresh.set_fill_value(fill)
-    fresh.set_attr_creation_order(plist.get_attr_creation_order())
-    fresh.set_obj_track_times(plist.get_obj_track_times())
-    out = h5py.Dataset(h5d.create(dst.id, name.encode(), stored, src.id.get_space(), dcpl=fresh))
-    if src.shape == ():
+    if _vlen_fill(src):
+        fresh = h5p.create(h5p.DATASET_CREATE)
+        if plist.get_layout() == h5d.CHUNKED:
+            fresh.set_chunk(src.chunks)
+            for index in range(plist.get_nfilters()):
+                code, flags, values, _ = plist.get_filter(index)
+                fresh.set_filter(code, flags, values)
+        fresh.set_attr_creation_order(plist.get_attr_creation_order())
+        plist = fresh
+    out = h5py.Dataset(h5d.create(dst.id, name.encode(), src.id.get_type(), src.id.get_space(),
+                                  dcpl=timeless(plist)))
+    pointers = _has_vlen(src.id.get_type()) or hdf5_reader.has_refs(src.id.get_type())
+    if not src.shape:
         out[()] = src[()]
-    elif src.shape and src.size and not refs:
-        if chunked and not vlen:
-            for index in range(src.id.get_num_chunks()):
-                offset = src.id.get_chunk_info(index).chunk_offset
-                mask, chunk = src.id.read_direct_chunk(offset)
-                out.id.write_direct_chunk(offset, chunk, mask)
-        else:
-            row_bytes = max(1, src.dtype.itemsize * int(np.prod(src.shape[1:], dtype=np.int64)))
-            step = max(1, _COPY_BYTES // row_bytes)
-            for start in range(0, src.shape[0], step):
-                out[start:start + step] = src[start:start + step]
+    elif src.chunks is not None and not pointers:  # (pointers: heap ids and addresses of the input)
+        for index in range(src.id.get_num_chunks()):
+            offset = src.id.get_chunk_info(index).chunk_offset
+            mask, data = src.id.read_direct_chunk(offset)
+            out.id.write_direct_chunk(offset, data, mask)
+    else:
+        step = max(1, COPY_BLOCK_BYTES // max(1, src.dtype.itemsize * math.prod(src.shape[1:])))
+        for start in range(0, src.shape[0], step):
+            out[start:start + step] = src[start:start + step]
     _copy_attrs(src, out, left_out)
 
 
@@ -155,7 +153,8 @@ def _create_bare_dimension(src: h5py.Dataset, dst: h5py.Group, name: str) -> Non
     phrase and the length and keeps its dimension id; elsewhere it keeps its NAME."""
     out = dst.create_dataset(name, shape=src.shape, maxshape=src.maxshape, chunks=src.chunks, dtype=">f4",
                              fillvalue=np.float32(np.nan),  # read as missing
-                             track_order=True)  # netCDF-C lists attributes in creation order
+                             track_order=True,  # netCDF-C lists attributes in creation order
+                             track_times=False)
     netcdf = "_Netcdf4Dimid" in src.attrs
     names = [(b"CLASS", b"DIMENSION_SCALE")]
     if netcdf:
@@ -205,6 +204,7 @@ class Hdf5Writer(Writer):
         root = src["/"].id.get_create_plist()
         fcpl.set_link_creation_order(root.get_link_creation_order())
         fcpl.set_attr_creation_order(root.get_attr_creation_order())
+        timeless(fcpl)  # (the root group's)
         try:
             with open(reader.path, "rb") as f:
                 self.userblock = f.read(fcpl.get_userblock())  # HDF5 leaves it to its owner to write
@@ -222,11 +222,13 @@ class Hdf5Writer(Writer):
                 except Exception as exc:
                     raise OutputError(f"{shown(tmp_path)}: cannot create the HDF5 file "
                                       f"({hdf5_storage.reason(exc)})") from None
+                classic = self._leave_classic_model(src)
                 self._copy_group(src, self.file)
                 self._fix_references()
             if self.placements:  # the workers go on computing while the disk writes
                 self._disk = Background(self._write_placed, f"tldp write {tmp_path.name}")
             self.postprocessing, self.manifest_extra = dropped_filters(self.dropped)
+            self.postprocessing += classic
             if self.tensors:
                 chosen = list(self.tensors.values())
                 self.postprocessing += tensor_files.postprocessing(chosen, self.dtype, self.variances)
@@ -266,6 +268,19 @@ class Hdf5Writer(Writer):
         except Exception as exc:
             raise InputError(f"{self.source}: cannot copy {what} ({hdf5_storage.reason(exc)})") from None
 
+    def _leave_classic_model(self, src: h5py.File) -> list[str]:
+        """netCDF-4's classic model (format NETCDF4_CLASSIC: the root's _nc3_strict) holds no
+        64-bit integers: an output of int64 values is plain netCDF-4, _nc3_strict left off.
+        Returns the postprocessing step to record (none when the model holds the output)."""
+        if self.dtype != np.int64 or self.tensors or b"_nc3_strict" not in hdf5_reader.attr_names(src["/"]):
+            return []
+        root = hdf5_reader.object_key(src)
+        self.left_out_attrs = {**self.left_out_attrs, root: {**self.left_out_attrs.get(root, {}), b"_nc3_strict": None}}
+        self.messages.append("the output is netCDF-4, not its classic model (NETCDF4_CLASSIC), which holds no "
+                             "int64 values")
+        return ["write netCDF-4 rather than its classic model: the perturbed values are int64, which the classic "
+                "model does not hold (_nc3_strict left off)"]
+
     def _copy_group(self, src: h5py.Group, dst: h5py.Group) -> None:
         with self._copying(f"the attributes of {src.name}"):
             _copy_attrs(src, dst, self.left_out_attrs.get(hdf5_reader.object_key(src)))
@@ -294,13 +309,11 @@ class Hdf5Writer(Writer):
         if key in self.to_perturb:
             self._create_perturbed(obj, dst, name, self.to_perturb[key])
         elif isinstance(obj, h5py.Group):
-            group = h5py.Group(h5g.create(dst.id, name.encode(), gcpl=obj.id.get_create_plist()))
+            group = h5py.Group(h5g.create(dst.id, name.encode(), gcpl=timeless(obj.id.get_create_plist())))
             self._copy_group(obj, group)
         elif self.actions.get(key) == hdf5_reader.DIMENSION:
             _create_bare_dimension(obj, dst, name)
-        elif isinstance(obj, h5py.Dataset) and (_vlen_fill(obj) or _dated(obj)):
-            # Not HDF5's object copy: it writes a variable-length fill value corrupt, and
-            # carries the input's dates into the output.
+        elif isinstance(obj, h5py.Dataset) and (_vlen_fill(obj) or _stamped(obj)):
             _copy_anew(obj, dst, name, self.left_out_attrs.get(key))
         elif key in self.left_out_attrs:
             # Copied without its attributes, then those written: deleting one from a copy
@@ -395,7 +408,6 @@ class Hdf5Writer(Writer):
                 fill = np.zeros((), dtype=dtype)
                 plist.get_fill_value(fill)
                 fresh.set_fill_value(fill)
-            fresh.set_obj_track_times(plist.get_obj_track_times())
             fresh.set_attr_creation_order(plist.get_attr_creation_order())
             plist = fresh
             space = h5s.create_simple(src.shape) if src.shape else h5s.create(h5s.SCALAR)
@@ -409,7 +421,7 @@ class Hdf5Writer(Writer):
             plist.set_fill_value(np.array(cf.output_marker(np.nan, self.dtype), dtype=self.dtype))
         # Model tensors go through tensor_files.to_stored (their dtype, variances kept > 0).
         placed = job_name not in self.tensors and self._place(plist, src)
-        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=plist))
+        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(dtype), space, dcpl=timeless(plist)))
         _copy_attrs(src, out, replaced)
         self.datasets[job_name] = out
         if placed and (placement := hdf5_storage.placement_of(out)) is not None:
@@ -575,7 +587,7 @@ class Hdf5CoefficientWriter(Hdf5Writer):
         plist = h5p.create(h5p.DATASET_CREATE)
         plist.set_attr_creation_order(src.id.get_create_plist().get_attr_creation_order())
         space = h5s.create_simple(self.shapes[job_name])
-        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=plist))
+        out = h5py.Dataset(h5d.create(dst.id, name.encode(), h5t.py_create(self.dtype), space, dcpl=timeless(plist)))
         self.datasets[job_name] = out
         self.coefficients.append((src, out))
 

@@ -132,7 +132,7 @@ class ZarrReader(Reader):
             self._check(name)
         self.messages.append(message)
         if left_out:
-            self.messages.append(f"left out the coordinate arrays {', '.join(left_out)} "
+            self.messages.append(f"not perturbing the coordinate arrays {', '.join(left_out)} "
                                  "(name them with --dataset to perturb them)")
         return names
 

@@ -14,9 +14,10 @@ import dataclasses
 import fnmatch
 import functools
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -29,12 +30,13 @@ from tldp_cli.privacy.mechanisms import (
     Calibration,
     calibrate_arrays,
     calibrate_privunit,
+    calibrated_each,
     matrix_rows,
     raw_release_advice,
 )
 from tldp_cli.run import bases as bases_mod
 from tldp_cli.run import manifest as manifest_mod
-from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, as_range, checked_budget, checked_noise, float_dtype
+from tldp_cli.run.options import COEFFICIENTS, DESCRIBED, PerturbOptions, as_range, checked_budget, checked_noise, float_dtype
 from tldp_cli.sampling import discrete, engine
 
 DEFAULT_RANGE_BITS = 16  # integer dtypes up to this wide default to their own range
@@ -56,11 +58,15 @@ def resolve_range(value_range: tuple[float, float] | None, jobs: list[ArrayJob],
     return defaults.pop()
 
 
-def dtype_range(dtype: np.dtype, input_path: Path, name: str | None = None) -> tuple[float, float]:
+def dtype_range(dtype: np.dtype, input_path: Path, name: str | None = None,
+                stored: str | None = None) -> tuple[float, float]:
     """The default range of 8- and 16-bit integer data: its dtype's (uint8 -> 0:256); any
-    other dtype needs --range. `name`: the array's, said where an input holds several."""
+    other dtype needs --range. `name`: the array's, said where an input holds several or
+    where its values are `stored` as another dtype (packed netCDF, scaled NIfTI)."""
     where = f"{input_path}: {name}:" if name else f"{input_path}:"
     own = f" (or --range {name}=LO:HI for it alone)" if name else ""
+    if stored is not None:  # the dtype the user sees on disk is not the values'
+        own += f": its stored {stored} values are scaled to {dtype} before the noise, in whose units the range is"
     if dtype.kind == "f":
         raise UsageError(f"{where} {dtype} data needs --range LO:HI{own} "
                          "(the range is never inferred from the values)")
@@ -154,9 +160,21 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
         if options.value_range is not None:
             own[job.name] = (as_range(options.value_range), "--range LO:HI")
         else:
-            own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 else None),
+            stored = _scaled_from(job)
+            own[job.name] = (dtype_range(job.dtype, source, job.name if len(jobs) > 1 or stored else None, stored),
                              f"the {job.dtype} dtype's range (default)")
     return {job.name: own[job.name] for job in jobs}
+
+
+def _scaled_from(job: ArrayJob) -> str | None:
+    """The integer dtype a float array's values are stored as, scaled (packed netCDF and
+    Zarr variables, scaled NIfTI); None where the values are stored as they are perturbed."""
+    given = job.source.get("dtype")
+    try:
+        stored = np.dtype(given) if given is not None else job.dtype
+    except TypeError:  # a dtype NumPy does not name (bfloat16): not scaled integers
+        return None
+    return str(stored) if stored.kind in "iu" and job.dtype.kind == "f" else None
 
 
 def arrays_named(given: str, jobs: list[ArrayJob]) -> list[str]:
@@ -219,6 +237,19 @@ def _privunit_group(options: PerturbOptions, lo: float, hi: float, jobs: list[Ar
     return _RangeGroup(lo, hi, None, calib_of, out_dtype, user_bases)
 
 
+@contextmanager
+def _naming(source: Path) -> Iterator[None]:
+    """Names the input in the usage errors raised inside, as a run of several inputs does:
+    they follow from what the input holds, not from the options alone (plan --elements
+    describes records: no file to name)."""
+    try:
+        yield
+    except UsageError as exc:
+        if str(source) in str(exc) or str(source) == DESCRIBED:
+            raise
+        raise UsageError(f"{source}: {exc}") from None
+
+
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
                      rows: list[list[str]], user: bases_mod.UserBasis | None = None) -> _RangeGroup:
     if options.mechanism == PRIVUNIT:
@@ -230,13 +261,14 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
                                      options.eps, source)
     elif options.granularity is not None:
         raise UsageError("--granularity applies to the discrete noises (discrete-laplace, discrete-gaussian)")
-    calib_of = calibrate_arrays(
-        mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
-        epsilon=options.eps,
-        range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
-        granularity=None if grid is None else grid.granularity, rows=rows,
-        arrays={job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, array_where(job, source)))
-                for job in jobs})
+    arrays = {job.name: (job.elements, matrix_rows(options.mechanism, job.record_shape, array_where(job, source)))
+              for job in jobs}
+    with _naming(source):  # a refusal that follows from the input's records and dtypes
+        calib_of = calibrate_arrays(
+            mechanism=options.mechanism, noise=checked_noise(options), budget=checked_budget(options),
+            epsilon=options.eps,
+            range_width=hi - lo if grid is None else grid.range_width, dp_delta=options.dp_delta,
+            granularity=None if grid is None else grid.granularity, rows=rows, arrays=arrays)
     out_dtype = np.dtype(float_dtype(options))
     scales = [c.scale for c in calib_of.values()]
     if grid is None:
@@ -246,7 +278,8 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+        with _naming(source):
+            out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
@@ -286,9 +319,9 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                          "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
-    groups = [_calibrate_group(options, lo, hi, group,
-                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)], user)
-              for (lo, hi), group in members.items()]
+    groups = list(calibrated_each(list(members), lambda bounds: _calibrate_group(
+        options, *bounds, members[bounds], [row for row in rows if all(range_of[name] == bounds for name in row)],
+        user)).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     if options.store == COEFFICIENTS and per_tensor:
