@@ -520,5 +520,20 @@ def test_a_clip_too_small_for_the_tensor_dtype_is_refused(cli, tmp_path):
     """--clip 1e-300 made grid steps float32 cannot hold: every weight came out 0."""
     src = write_model_safetensors(tmp_path / "m.safetensors")
     line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1e-300"), 2)
-    assert "cannot hold grid steps of" in line
+    assert "cannot hold grid steps of" in line and line.startswith(f"tldp: error: {src}: ")
     assert siblings(tmp_path) == {"m.safetensors"}
+
+
+def test_a_grid_float32_cannot_hold_is_refused_naming_the_file(cli, tmp_path):
+    """The warning's advice, --budget record, on a model of 1024-value tensors was refused with
+    "--dtype float32 cannot hold the grid values exactly ..." naming no file (with several
+    inputs, no way to tell which one); --dtype float64, which the line advises, then works."""
+    src = write_safetensors(tmp_path / "m.safetensors",
+                            {"w": RNG.normal(0, 0.02, (32, 32)).astype(np.float32)})
+    args = ("perturb", src, "--eps", "8", "--budget", "record", "--clip", "0.1")
+    line = one_line_error(cli(*args), 2)
+    assert line.startswith(f"tldp: error: {src}: --dtype float32 cannot hold the grid values exactly")
+    assert siblings(tmp_path) == {"m.safetensors"}
+    result = cli(*args, "--dtype", "float64")
+    assert result.exit_code == 0, result.stderr
+    assert read_safetensors(tmp_path / "m.tldp.safetensors")[2]["w"].dtype == np.float32

@@ -246,7 +246,10 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
             except UsageError as exc:
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
-        out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+        try:
+            out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+        except UsageError as exc:  # the grid and the noise come from this input's range and size
+            raise UsageError(f"{source}: {exc}") from None
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
 
 
