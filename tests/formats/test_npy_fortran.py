@@ -7,8 +7,11 @@ import pytest
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 
-# records of 4096 elements: blocks of 64 records (a stream unit), 3 to 5 blocks, the last one short
-@pytest.mark.parametrize("shape, dtype", [((200, 16, 256), ">f4"), ((150, 4096), "<i2"), ((300, 4, 32, 32), "u1")])
+# Records of 4096 elements: blocks of 64 records (a stream unit), 3 to 5 blocks, the last one
+# short, each read a run per element; of 4500 (more than FORTRAN_READS, in runs under a page):
+# through a memory map.
+@pytest.mark.parametrize("shape, dtype", [((200, 16, 256), ">f4"), ((150, 4096), "<i2"), ((300, 4, 32, 32), "u1"),
+                                          ((150, 5, 30, 30), "u1")])
 def test_a_fortran_order_array_gives_what_its_c_order_copy_gives(tmp_path, shape, dtype):
     data = np.random.default_rng(3).integers(0, 100, shape).astype(dtype)
     outputs = []
