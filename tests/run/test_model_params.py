@@ -300,6 +300,16 @@ def test_clip_usage_errors(cli, tmp_path, args, fragment):
     assert siblings(tmp_path) == before
 
 
+def test_a_clip_below_1_on_integer_data_is_refused_naming_the_clip(cli, tmp_path):
+    """--clip 0.1 on int8 data (a model's clip given to several inputs) was refused as "the
+    range 0:1 holds a single grid value", a range nobody typed."""
+    src = tmp_path / "codes.npy"
+    np.save(src, np.arange(-64, 64, dtype=np.int8).reshape(8, 16))
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 2)
+    assert line.startswith(f"tldp: error: {src}: --clip 0.1 on integer data (int8) keeps one integer")
+    assert siblings(tmp_path) == {"codes.npy"}
+
+
 def test_clip_works_for_every_format_npy(cli, tmp_path):
     src = tmp_path / "x.npy"
     x = np.array([[-100.0, -0.25, 0.25, 100.0]] * 50)
