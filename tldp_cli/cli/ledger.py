@@ -47,11 +47,12 @@ def ledger_command(
         return
     typer.echo("releases:")
     for r in report["releases"]:
-        record = r["per_record"]
+        record = r[r["charged"]]  # a model file's whole file, else each record
+        scope = "whole file" if r["charged"] == "per_file" else "each record"
         whom = ("charged to every subject (recorded by a ledger of schema 1)" if r["charged_to_every_subject"]
                 else f"{r['subjects']} subject{'s' if r['subjects'] != 1 else ''}")
         typer.echo(f"  #{r['id']} {r['created']} {r['status']:8} {r['input']} -> {r['output']}: "
-                   f"each record (eps={record['epsilon']:.4g}, delta={record['delta']:.3g}); {whom}")
+                   f"{scope} (eps={record['epsilon']:.4g}, delta={record['delta']:.3g}); {whom}")
     typer.echo("subjects, by the releases charged to them (most-spent first):")
     for group in report["subjects"]:
         total = group["per_record"]
