@@ -311,6 +311,25 @@ def test_folder_of_photos_two_commands(cli, photos, tmp_path):
     assert sorted(p.name for p in out.rglob("*.png")) == ["a.png", "b.png", "c.png"]
 
 
+def test_a_folder_with_an_unreadable_photo_skips_it_as_its_error_says(cli, photos, tmp_path):
+    """Regression: weight-mask on a folder with a damaged image said "pass --skip-bad to
+    skip it", and then refused --skip-bad (No such option)."""
+    (photos / "sub" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n damaged before its header ends")
+    masks, before = tmp_path / "masks", tree_digest(photos)
+    args = ("weight-mask", photos, "--method", "constant", "--weight", "0.5", "--out", masks)
+    assert_one_line_error(cli(*args), 1, f"{photos / 'sub' / 'bad.png'}: cannot be decoded")
+    assert "--skip-bad" in cli(*args).stderr and not masks.exists()
+
+    result = ok(cli(*args, "--skip-bad"))
+    assert "skipped 1 unreadable image (no mask made): sub/bad.png" in result.stderr
+    assert sorted(p.relative_to(masks).as_posix() for p in masks.rglob("*.png")) == [
+        "a.png", "sub/b.png", "sub/deeper/c.png"]
+    out = tmp_path / "private"
+    ok(cli("perturb", photos, "--eps", "1", "--weights", masks, "--skip-bad", "--out", out, "-q"))
+    assert manifest_of(out)["weights"]["files"] == 3
+    assert tree_digest(photos) == before
+
+
 def test_intensity_constant_and_image_on_photos(cli, photos, tmp_path):
     ok(cli("weight-mask", photos, "--method", "intensity", "--out", tmp_path / "i"))
     rgb = np.asarray(Image.open(photos / "a.png"))

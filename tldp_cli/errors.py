@@ -21,6 +21,16 @@ class NotHeld(UsageError):
         self.option, self.names = option, names
 
 
+class OutOfReach(UsageError):
+    """A per-record --eps below the least figure a mechanism certifies for some record size:
+    `least` is that figure, so that a run of several sizes can name the largest (the --eps
+    every size needs)."""
+
+    def __init__(self, message: str, least: float):
+        super().__init__(message)
+        self.least = least
+
+
 class InputError(TldpError):
     """The input cannot be read or is not what it must be."""
 

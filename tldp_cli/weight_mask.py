@@ -23,7 +23,7 @@ from tldp_cli import __version__, formats
 from tldp_cli.files import output
 from tldp_cli.files.checked_io import json_value
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import ArrayJob, FormatOptions
+from tldp_cli.formats import ArrayJob, FormatOptions, listing, plural
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
 from tldp_cli.run.calibration import DEFAULT_RANGE_BITS, resolve_range
 from tldp_cli.run.pipeline import block_bounds, check_finite
@@ -58,6 +58,7 @@ class MaskOptions:
     data_derived: bool = False  # box/image: the regions were found in the private data
     overwrite: bool = False
     input_format: str | None = None  # --format: the input's format NAME, None: detected
+    skip_bad: bool = False  # image folders: skip unreadable images (no mask for them), as perturb --skip-bad
 
 
 @dataclass
@@ -529,7 +530,9 @@ def make_mask(o: MaskOptions) -> MaskResult:
     if module.records_are_files and o.out.suffix.lower() == ".npy":
         raise UsageError(f"{o.out}: for a folder of images the mask is a folder of PNGs; "
                          "give --out a folder name")
-    reader = module.open_reader(o.input, FormatOptions(datasets=[o.dataset] if o.dataset else []))
+    reader = module.open_reader(o.input, FormatOptions(datasets=[o.dataset] if o.dataset else [],
+                                                       skip_bad=o.skip_bad))
+    skipped = list(getattr(reader, "bad", []))  # unreadable images --skip-bad left out
     try:
         jobs = reader.arrays()
         maker = _Maker(o, module, reader, jobs)
@@ -564,7 +567,8 @@ def make_mask(o: MaskOptions) -> MaskResult:
         staging.close()
     finally:
         reader.close()
-    messages = []
+    messages = [f"skipped {plural(len(skipped), 'unreadable image')} (no mask made): {listing(skipped)}"
+                ] if skipped else []
     if o.method == "faces":
         messages.append(f"found {maker.faces[0]} face(s) in {maker.faces[1]} of "
                         f"{sum(job.records for job in jobs)} image(s)"

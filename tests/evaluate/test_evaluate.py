@@ -431,6 +431,43 @@ def test_image_folder_labels_from_subfolders(cli, tmp_path):
         ["digit_0", "digit_1", "digit_6", "digit_9"])
 
 
+def test_labels_of_a_folder_of_photos_of_several_sizes(cli, tmp_path):
+    """Regression: `evaluate photos/ out/ --labels subfolders --test ...` on a folder of
+    photos of several sizes stopped on an unexpected error (NumPy's concatenate) instead
+    of saying that task utility needs records of one shape."""
+    src, test_dir = tmp_path / "photos", tmp_path / "test"
+    for folder, sizes in ((src, ((8, 8), (8, 8), (6, 10), (6, 10))), (test_dir, ((8, 8),) * 4)):
+        for i, size in enumerate(sizes):
+            (folder / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((*size, 3), 40 * i, np.uint8)).save(folder / f"c{i % 2}" / f"{i}.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "1")
+    r = cli("evaluate", src, out, "--labels", "subfolders", "--test", test_dir, "--test-labels", "subfolders")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, r.output
+    assert lines[-1] == f"tldp: error: {src}: task utility needs records of one shape"
+    assert "unexpected" not in r.stderr
+
+
+def test_an_unreadable_test_photo_is_named_without_an_option_evaluate_lacks(cli, tmp_path):
+    """Regression: evaluate and sweep on a folder with a damaged image said "pass --skip-bad
+    to skip it", an option neither takes (No such option)."""
+    src, test_dir = tmp_path / "photos", tmp_path / "test"
+    for folder in (src, test_dir):
+        for i in range(4):
+            (folder / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8), 40 * i, np.uint8)).save(folder / f"c{i % 2}" / f"{i}.png")
+    out = perturb(cli, src, tmp_path / "out", "--eps", "1")
+    bad = test_dir / "c0" / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n damaged before its header ends")
+    for args in (("evaluate", src, out, "--labels", "subfolders", "--test", test_dir, "--test-labels", "subfolders"),
+                 ("sweep", test_dir, "--eps", "1", "--out", tmp_path / "sweep")):
+        r = cli(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 1 and lines[-1].startswith(f"tldp: error: {bad}: cannot be decoded"), r.output
+        assert "--skip-bad" not in r.stderr and "move it out of the folder" in lines[-1]
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_label_source_errors(cli, small, tmp_path):
     base = ("evaluate", small / "x.npy", small / "y.npy", "--test", TEST_X, "--test-labels", TEST_Y)
     r = cli(*base, "--labels", "subfolders")

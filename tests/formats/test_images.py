@@ -467,6 +467,40 @@ def test_non_images_are_skipped_or_copied(cli, tmp_path):
     assert {str(out / "notes.txt"), str(out / "sub" / "data.csv")} <= {o["path"] for o in manifest["outputs"]}
 
 
+def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read_nor_thumbnails(cli, tmp_path):
+    """Regression: --copy-other copied a GIF, PPM or HEIC photo, or Windows' thumbnail cache
+    of the folder (Thumbs.db), raw beside the perturbed ones, listed as "not an image": the
+    folder's data, released unperturbed."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    photo = Image.fromarray(pixels(8, 8, 3))
+    photo.save(src / "b.gif")
+    (src / "sub").mkdir()
+    photo.save(src / "sub" / "c.PPM")
+    (src / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
+    (src / "notes.txt").write_text("P1 is the first photo")  # a PPM-like start, but text
+    (src / "sub" / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + bytes(56))  # Explorer's cache
+    (src / "metadata.csv").write_text("file_name,caption\na.png,hi\nb.gif,there\n")
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--copy-other")
+    assert result.exit_code == 0, result.stderr
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == ["a.png", "metadata.csv", "notes.txt"]
+    reasons = {d["name"]: d["reason"] for d in manifest_of(out)["dropped"]}
+    assert set(reasons) == {"b.gif", "sub/c.PPM", "phone.heic", "sub/Thumbs.db", "metadata.csv row 2"}
+    assert reasons.pop("metadata.csv row 2").startswith("names b.gif, an image in a format tldp does not read")
+    assert reasons.pop("sub/Thumbs.db").startswith("a thumbnail cache")
+    assert all(r.startswith("an image in a format tldp does not read") for r in reasons.values())
+    assert "GIF" in reasons["b.gif"] and "HEIF" in reasons["phone.heic"]
+    # imagefolder finds a row for every image and an image for every row
+    assert (out / "metadata.csv").read_text().splitlines() == ["file_name,caption", "a.png,hi"]
+    line = next(line for line in result.stderr.splitlines() if "did not copy" in line)
+    assert "4 files holding data (a thumbnail cache (Windows' Thumbs.db); an image in a format tldp does not read)" \
+        in line
+    assert tree_digest(src) == before
+
+
 @pytest.mark.parametrize("broken", ["truncated", "garbage"])
 def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
     src = tmp_path / "photos"
@@ -493,6 +527,27 @@ def test_unreadable_image_stops_the_run_or_is_skipped(cli, tmp_path, broken):
     assert tree_digest(src) == before
 
 
+def test_plan_skips_an_unreadable_image_as_its_error_says(cli, tmp_path):
+    """`tldp plan` of a folder with a damaged image names it and says to pass --skip-bad:
+    plan takes that option too, and plans what perturb --skip-bad would write."""
+    src = tmp_path / "photos"
+    save(src / "good.png", pixels(8, 8, 3))
+    data = save(src / "bad.jpg", pixels(32, 32, 3)).read_bytes()
+    (src / "bad.jpg").write_bytes(data[:40])
+    before = tree_digest(src)
+
+    result = cli("plan", src, "--eps", "1")
+    assert result.exit_code == 1
+    assert str(src / "bad.jpg") in one_line(result) and "--skip-bad" in one_line(result)
+
+    planned = cli("plan", src, "--eps", "1", "--skip-bad", "--json")
+    assert planned.exit_code == 0, planned.stderr
+    assert "skipped 1 unreadable image: bad.jpg" in planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["records"] == 1 and plan["skipped_bad_images"] == ["bad.jpg"]
+    assert tree_digest(src) == before and siblings(tmp_path) == {"photos"}
+
+
 def test_folder_without_images(cli, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -507,6 +562,28 @@ def test_folder_without_images(cli, tmp_path):
     assert result.exit_code == 1
     assert f"no images in {texts} (found 1 file that is not an image)" in one_line(result)
     assert siblings(tmp_path) == {"empty", "texts"}
+
+
+def test_a_folder_of_files_tldp_reads_on_their_own_says_to_give_them_as_inputs(cli, tmp_path):
+    """A PEFT adapter folder (adapter_model.safetensors, adapter_config.json) and a folder of
+    .npy files were refused as "no images in ... (found N files that are not images)", which
+    did not say that tldp perturbs those files given as inputs."""
+    from safetensors.numpy import save_file
+
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    save_file({"lora_A.weight": np.zeros((4, 8), np.float32)}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    assert_one_line_error(cli("perturb", adapter, "--eps", "1", "--clip", "0.1"), 1, f"no images in {adapter}",
+                          f"; {adapter / 'adapter_model.safetensors'} holds data tldp perturbs on its own: "
+                          "give the files as inputs")
+    arrays = tmp_path / "features"
+    arrays.mkdir()
+    for name in ("a.npy", "b.npy"):
+        np.save(arrays / name, np.zeros((3, 4), np.uint8))
+    assert_one_line_error(cli("perturb", arrays, "--eps", "1"), 1,
+                          f"; {arrays / 'a.npy'} and 1 other hold data tldp perturbs on its own")
+    assert siblings(tmp_path) == {"lora", "features"}
 
 
 def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):

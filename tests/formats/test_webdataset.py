@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.builders import (SEED, RoundTrip, assert_one_line_error, run_measured, siblings, tree_digest,
                             validate_manifest)
-from tldp_cli.formats import webdataset as wds_format
+from tldp_cli.formats import webdataset_shards
 
 MTIME = 1_700_000_000
 SECRET = "Alice Smith"
@@ -171,7 +171,7 @@ def test_a_brace_pattern_reads_the_shards_it_names(cli, tmp_path):
 @pytest.mark.parametrize("pattern", ["s-{0..3}.tar", "s-{00..10}.tar", "{a,b}/s-{1..2}.tar", "s-{3..1}.tar",
                                      "x{y}.tar", "s-{000000..000002}.tar"])
 def test_brace_patterns_expand_as_webdataset_expands_them(pattern):
-    assert wds_format.expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
+    assert webdataset_shards.expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
 
 
 @pytest.mark.parametrize("pattern", ["s-{a,{b,c}}.tar", "s-{0..2.tar", "s-0..2}.tar", "s-}{.tar"])

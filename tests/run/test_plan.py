@@ -76,6 +76,50 @@ def test_the_least_reachable_target_is_stated(cli):
     assert result.exit_code == 2 and "at least 7.646" in result.stderr
 
 
+def test_plan_states_what_copy_other_copies_and_leaves_out(cli, tmp_path):
+    """Regression: plan took no --copy-other, so the plan of a perturb --copy-other run said
+    the files beside the photos were skipped, where perturb copies them (unperturbed) or,
+    for data such as a GIF photo, leaves them out (dropped)."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    Image.fromarray(DIGITS[0]).save(src / "a.png")
+    Image.fromarray(DIGITS[1]).save(src / "b.gif")
+    (src / "notes.txt").write_text("captions")
+    planned = json_of(cli("plan", src, "--eps", "1", "--copy-other", "--json", "-q"))
+    ran = cli("perturb", src, "--eps", "1", "--copy-other", "--out", tmp_path / "out", "-q")
+    assert ran.exit_code == 0, ran.output
+    manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+    for field in ("unperturbed", "dropped", "not_images", "not_images_action"):
+        assert planned[field] == manifest[field], field
+    assert planned["unperturbed"] == [{"name": "notes.txt", "kind": "file", "reason": "--copy-other: not an image"}]
+    assert [d["name"] for d in planned["dropped"]] == ["b.gif"]
+
+
+def least_reachable(result) -> float:
+    assert result.exit_code == 2, result.output
+    return float(result.stderr.split("certifies at least ")[1].split()[0])
+
+
+def test_photos_of_several_sizes_are_refused_with_the_eps_every_size_needs(cli, tmp_path):
+    """Regression: under --budget record, a folder of photos of several sizes (8- and 16-bit)
+    was refused with the least figure of the first size found; the --eps it named was then
+    refused again, at the next size."""
+    images = {"a.png": np.full((8, 8, 3), 90, np.uint8), "b.png": np.full((48, 40, 3), 90, np.uint8),
+              "c.png": np.full((12, 12), 9000, np.uint16), "d.png": np.full((30, 20), 90, np.uint8)}
+    alone = {}
+    (tmp_path / "all").mkdir()
+    for name, pixels in images.items():
+        (tmp_path / name).mkdir()
+        for folder in (tmp_path / name, tmp_path / "all"):
+            Image.fromarray(pixels).save(folder / name)
+        alone[name] = least_reachable(cli("plan", tmp_path / name, "--eps", "1", "--budget", "record"))
+    assert len(set(alone.values())) == len(alone)  # each size needs its own least figure
+    least = least_reachable(cli("plan", tmp_path / "all", "--eps", "1", "--budget", "record"))
+    assert least == max(alone.values())
+    planned = cli("plan", tmp_path / "all", "--eps", str(least * 1.001), "--budget", "record", "--json", "-q")
+    assert planned.exit_code == 0, planned.output
+
+
 def test_a_sparse_50_gb_input_is_planned_in_seconds(cli, tmp_path):
     records = 50 * 10**9 // 784
     path = tmp_path / "big.npy"

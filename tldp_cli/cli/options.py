@@ -328,6 +328,14 @@ AnonymizeNames = Annotated[bool, typer.Option(
          "order across the shards (000000.png, 000000.cls with --keep cls, 000001.png, ...); an "
          "extension other than a file type alone (seg.png) may be part of a name and is refused "
          "unless --keep declares it (--keep seg.png). The name map (perturb --name-map) pairs the names.")]
+CopyOther = Annotated[bool, typer.Option(
+    help="Image folders: copy files that are not images (default: report and skip), listed "
+         "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads, images in formats it "
+         "does not read such as GIF or HEIC, thumbnail caches: Thumbs.db), which are left out and "
+         "listed as dropped.")]
+SkipBad = Annotated[bool, typer.Option(
+    help="Image folders: skip unreadable images (listed in the manifest) instead of "
+         "stopping; every image is then decoded up front to find them.")]
 AllowRawRelease = Annotated[bool, typer.Option(
     help="Accept a TLDP run whose kept raw values cost more than --dp-delta (refused "
          "otherwise; the manifest records the consent under raw_release_allowed).")]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AnonymizeNames, given, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
+from tldp_cli.cli.options import AnonymizeNames, CopyOther, SkipBad, given, InputFormatOption, Eps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, RngOption, Quiet, Debug, AllowWeakSeed, ImageFormat, Mechanism, OutDtype, RngKind, Sampler, Scheduler, SeedFile, resolve_seed, BasisOption, ReferenceOption, Store, StoreOption, Verbose, input_paths, perturb_options, data_path, file_path, list_path, output_path, output_text
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 from tldp_cli.files.output import uninterruptible
@@ -75,13 +75,8 @@ def perturb_command(
     keep: Keep = None,
     input_format: InputFormatOption = None,
     image_format: ImageFormatOption = ImageFormat.png,
-    copy_other: Annotated[bool, typer.Option(
-        help="Image folders: copy files that are not images (default: report and skip), listed "
-             "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads), which are left "
-             "out and listed as dropped.")] = False,
-    skip_bad: Annotated[bool, typer.Option(
-        help="Image folders: skip unreadable images (listed in the manifest) instead of "
-             "stopping.")] = False,
+    copy_other: CopyOther = False,
+    skip_bad: SkipBad = False,
     anonymize_names: AnonymizeNames = False,
     name_map: Annotated[Optional[Path], typer.Option(parser=output_path,
         metavar="PATH",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from tldp_cli.cli.options import AnonymizeNames, given, InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Store, StoreOption, Verbose, data_path, input_paths, list_path, perturb_options
+from tldp_cli.cli.options import AnonymizeNames, CopyOther, SkipBad, given, InputFormatOption, OptionalEps, NoiseOption, SamplerOption, MechanismOption, BudgetOption, Ranges, DpDelta, Granularity, Datasets, Exclude, Keep, Clip, DtypeOption, ImageFormatOption, AllowRawRelease, PublicMissing, Quiet, Debug, ImageFormat, Mechanism, OutDtype, Sampler, BasisOption, ReferenceOption, Store, StoreOption, Verbose, data_path, input_paths, list_path, perturb_options
 from tldp_cli.errors import UsageError
 from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ def plan_command(
     allow_raw_release: AllowRawRelease = False,
     public_missing: PublicMissing = False,
     anonymize_names: AnonymizeNames = False,
+    copy_other: CopyOther = False,
+    skip_bad: SkipBad = False,
     elements: Annotated[Optional[str], typer.Option(
         "--elements", "--shape", metavar="I", help="Without INPUT: elements per record, or the "
                                                    "record's shape (28x28).", show_default=False)] = None,
@@ -106,8 +108,8 @@ def plan_command(
             noise=noise, sampler=sampler, budget=budget, dtype=asked_dtype, granularity=granularity,
             dp_delta=dp_delta, clip=clip, datasets=dataset, exclude=exclude, keep=keep,
             image_format=image_format, allow_raw_release=allow_raw_release, public_missing=public_missing,
-            anonymize_names=anonymize_names, input_format=input_format, basis=basis, reference=reference,
-            store=store)
+            anonymize_names=anonymize_names, copy_other=copy_other, skip_bad=skip_bad, input_format=input_format,
+            basis=basis, reference=reference, store=store)
         if len(paths) > 1 or inputs_from is not None:
             checked_options(options)  # what is wrong with the options is said once, exit 2
             from tldp_cli.run import batch

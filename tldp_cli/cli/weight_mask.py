@@ -71,6 +71,10 @@ def weight_mask_command(
     dataset: Annotated[Optional[str], typer.Option(
         metavar="PATH", help="HDF5/Zarr: the array the mask is for.", show_default=False)] = None,
     input_format: InputFormatOption = None,
+    skip_bad: Annotated[bool, typer.Option(
+        help="Image folders: skip unreadable images (named in a message; no mask is made for "
+             "them, as perturb --skip-bad perturbs none) instead of stopping; every image is then "
+             "decoded up front to find them.")] = False,
     data_derived: Annotated[bool, typer.Option(
         help="box/image: record that the regions were found in the private data themselves "
              "(e.g. by a detector run on each image).")] = False,
@@ -107,7 +111,7 @@ def weight_mask_command(
             mask_image=mask_image, resize=resize,
             value_range=parse_range(value_range) if value_range else None, gamma=gamma,
             margin=margin, feather=feather, preview=preview, dataset=dataset, data_derived=data_derived,
-            overwrite=overwrite, input_format=input_format and input_format.value))
+            overwrite=overwrite, input_format=input_format and input_format.value, skip_bad=skip_bad))
 
     result = run(debug, action)
     if not quiet:

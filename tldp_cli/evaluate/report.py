@@ -127,8 +127,10 @@ def _utility(module, original: Path, pairs: list, measured: Measured, labels, te
     else:
         y = load_labels(labels, original)
     test_x, test_y = load_records(test), load_labels(test_labels, test, "--test-labels")
-    clean, noisy = concatenated(measured.clean), concatenated(measured.noisy)
-    if len(noisy) == 0 or len({p.job.record_shape for p in pairs}) > 1:
+    one_shape = len({p.job.record_shape for p in pairs}) == 1  # said before stacking them fails
+    clean = concatenated(measured.clean if one_shape else [])
+    noisy = concatenated(measured.noisy if one_shape else [])
+    if len(noisy) == 0:
         raise UsageError(f"{original}: task utility needs records of one shape")
     check_task(len(noisy), y, test_x, test_y, pairs[0].job.record_shape, labels, test)
     return task_utility(clean, noisy, y, test_x, test_y, model, value_range)

@@ -4,8 +4,10 @@ reads."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +27,16 @@ def load_records(path: Path, dataset: str | None = None, input_format: str | Non
     """
     path = Path(path)
     module = formats.detect(path, input_format)
-    reader = module.open_reader(path, FormatOptions(datasets=[dataset] if dataset else []))
+    with _no_skip_bad():
+        reader = module.open_reader(path, FormatOptions(datasets=[dataset] if dataset else []))
     try:
         jobs = reader.arrays()
         if module.records_are_files:
             shapes = {j.shape for j in jobs}
             if len(shapes) > 1:
                 raise InputError(f"{path}: the images have different shapes; cannot stack them")
-            return np.concatenate([j.read(0, 1) for j in jobs])
+            with _no_skip_bad():
+                return np.concatenate([j.read(0, 1) for j in jobs])
         if len(jobs) > 1:
             names = ", ".join(j.name for j in jobs)
             if not module.selects_arrays:  # --dataset would be refused: say what works instead
@@ -43,6 +47,20 @@ def load_records(path: Path, dataset: str | None = None, input_format: str | Non
         return jobs[0].read(0, jobs[0].records)
     finally:
         reader.close()
+
+
+@contextlib.contextmanager
+def _no_skip_bad() -> Iterator[None]:
+    """An image folder's error on an image it cannot decode advises --skip-bad, which
+    evaluate and sweep do not take: theirs says what to do instead."""
+    try:
+        yield
+    except InputError as exc:
+        text = str(exc)
+        if not text.endswith(formats.SKIP_BAD_HINT):
+            raise
+        raise InputError(text[: -len(formats.SKIP_BAD_HINT)] + "; this command reads every image: "
+                         "replace it or move it out of the folder") from None
 
 
 LABELS_FROM_FOLDERS = "subfolders"
@@ -86,7 +104,8 @@ def load_labels(spec: Path | str, data: Path | None = None, option: str = "--lab
 def _folder_labels(data: Path | None, option: str) -> np.ndarray:
     if data is None or not formats.detect(Path(data)).records_are_files:
         raise UsageError(f"{option} subfolders: {data} is not a folder of images")
-    reader = formats.detect(Path(data)).open_reader(Path(data), FormatOptions())
+    with _no_skip_bad():
+        reader = formats.detect(Path(data)).open_reader(Path(data), FormatOptions())
     try:
         return folder_labels([job.name for job in reader.arrays()], Path(data))
     finally:

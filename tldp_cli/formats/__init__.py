@@ -213,6 +213,11 @@ DATASET_FORMATS = ("HDF5 files, Zarr stores, model files (.npz, .safetensors, sh
                    "tables (Parquet, Arrow, Hugging Face dataset folders)")
 
 
+# The end of an image folder's error on an image it cannot decode, for the commands that take
+# --skip-bad (perturb, plan, weight-mask); evaluate and sweep, which do not, say another.
+SKIP_BAD_HINT = "; pass --skip-bad to skip it"
+
+
 @dataclass
 class FormatOptions:
     datasets: list[str] = field(default_factory=list)  # DATASET_FORMATS: which arrays (tensors, columns) to perturb

@@ -48,17 +48,17 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 
 
 def open_reader(path: Path, options: FormatOptions) -> Reader:
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables, tables_reader
 
     part, schema, _ = tables.open_part(path)
-    return tables.TableReader(path, tables.Table((part,)), schema, options, NAME)
+    return tables_reader.TableReader(path, tables.Table((part,)), schema, options, NAME)
 
 
 def create_writer(reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Writer:
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables_writer
 
-    return tables.TableWriter(reader, [tmp_path], dtype)
+    return tables_writer.TableWriter(reader, [tmp_path], dtype)
 
 
 FORMAT = Format(

@@ -39,7 +39,7 @@ from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Writer, fo
 if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
     import pyarrow as pa
 
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables_reader
 
 NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
@@ -126,29 +126,36 @@ def _shards(path: Path, state: dict) -> list[str]:
     return names
 
 
-def _table(path: Path, names: list[str], options: FormatOptions, layout: str) -> tables.FolderTableReader:
+def _a(layout: str) -> str:
+    return "an" if layout.startswith("Arrow") else "a"
+
+
+def _table(path: Path, names: list[str], options: FormatOptions, layout: str) -> tables_reader.FolderTableReader:
     """The shards as one table's reader; they must share their columns."""
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables, tables_reader
 
     parts: list[tables.Part] = []
     schema: pa.Schema | None = None
     settings: dict[str, Any] = {}
     for name in names:
-        if tables.layout_of(path / name) != layout:
-            raise InputError(f"{path / name}: not a {layout} (the folder's other shards are)")
+        found = tables.layout_of(path / name)
+        if found != layout:  # a shard of one file only, too: the folder's kind says what it should be
+            raise InputError(f"{path / name}: " + (
+                f"not a readable {layout}, as the folder's data files are; it may be truncated or corrupt"
+                if found is None else f"{_a(found)} {found}, where the folder's data files are {layout}s"))
         part, found, found_settings = tables.open_part(path / name, layout)
         if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
             raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "
                              "configuration's folder on its own")
         schema, settings = schema or found, settings or found_settings
         parts.append(part)
-    reader = tables.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
-                                      considered=True)
+    reader = tables_reader.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
+                                             considered=True)
     reader.shards = names
     return reader
 
 
-def open_reader(path: Path, options: FormatOptions) -> tables.FolderTableReader:
+def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTableReader:
     from tldp_cli.formats import tables
 
     _refuse_dataset_dict(path)
@@ -197,11 +204,11 @@ def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]
 
 
 class DatasetFolderWriter(Writer):
-    """The shards (tables.TableWriter), then state.json, dataset_info.json and the files
+    """The shards (tables_writer.TableWriter), then state.json, dataset_info.json and the files
     --keep names."""
 
-    def __init__(self, reader: tables.FolderTableReader, tmp_path: Path, dtype: np.dtype):
-        from tldp_cli.formats import tables
+    def __init__(self, reader: tables_reader.FolderTableReader, tmp_path: Path, dtype: np.dtype):
+        from tldp_cli.formats import tables_writer
 
         self.reader, self.root = reader, tmp_path
         with writing(tmp_path):
@@ -209,7 +216,7 @@ class DatasetFolderWriter(Writer):
         for name in reader.shards:
             with writing(tmp_path / name):
                 (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        self.table = tables.TableWriter(reader, [tmp_path / name for name in reader.shards], dtype)
+        self.table = tables_writer.TableWriter(reader, [tmp_path / name for name in reader.shards], dtype)
         self.postprocessing = list(self.table.postprocessing)
         if reader.state is not None:
             self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the raw data) "
@@ -252,7 +259,7 @@ class DatasetFolderWriter(Writer):
         return flushed_files(self.root, set(written)) if self.root.is_dir() else written
 
 
-def create_writer(reader: tables.FolderTableReader, tmp_path: Path, dtype: np.dtype,
+def create_writer(reader: tables_reader.FolderTableReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Writer:
     return DatasetFolderWriter(reader, tmp_path, dtype)
 
@@ -263,7 +270,7 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
     return tables.output_bytes(jobs, dtype, options)
 
 
-def is_earlier_output(path: Path, reader: tables.FolderTableReader) -> bool:
+def is_earlier_output(path: Path, reader: tables_reader.FolderTableReader) -> bool:
     """A dataset folder that holds the shards, state.json and dataset_info.json and the
     files --keep copies, nothing else."""
     saved = {STATE, INFO} if reader.state is not None else set()

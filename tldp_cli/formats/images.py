@@ -55,7 +55,7 @@ from PIL import Image
 from tldp_cli import __version__
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
+from tldp_cli.formats import (DATASET_FORMATS, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
                               decode_reason, dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing,
                               name_maps, plural)
 from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
@@ -65,6 +65,7 @@ from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, js
 
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+HINTED = 100  # files of a folder without images looked at for inputs of their own (_inputs_hint)
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 # Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
 # files and no image is most likely a store that lost its metadata.
@@ -171,6 +172,44 @@ def read_output(path: Path) -> np.ndarray:
     return _decode(path).colour
 
 
+# Images in formats tldp does not read, by their ISO-BMFF brand (HEIC, AVIF: phone photos)
+# or JPEG XL signature, which Pillow alone may not recognise.
+_BMFF_IMAGE_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1", b"avif", b"avis")
+UNREAD_IMAGE = "an image in a format tldp does not read"
+_JPEG_XL = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
+
+
+# Windows Explorer's hidden caches of a folder's thumbnails: small raw copies of its images.
+THUMBNAIL_CACHES = ("thumbs.db", "ehthumbs.db", "ehthumbs_vista.db")
+
+
+def _thumbnail_cache(rel: str) -> str | None:
+    """Why --copy-other must not copy a thumbnail cache (Thumbs.db): it holds the folder's
+    images themselves, raw and small; None for any other file."""
+    if posixpath.basename(rel).lower() in THUMBNAIL_CACHES:
+        return "a thumbnail cache (Windows' Thumbs.db), small raw copies of the folder's images"
+    return None
+
+
+def _unread_image(path: Path) -> str | None:
+    """Why a file whose suffix is not an image's (IMAGE_SUFFIXES) is an image all the same,
+    which --copy-other must not copy raw: the data of an image folder, in a format tldp does
+    not perturb (GIF, PPM, TGA, ICO, a camera's raw TIFF, HEIC, AVIF, JPEG XL). None for
+    any other file, and for one that cannot be read (copying it fails with the reason)."""
+    try:
+        with _opened(path) as file:
+            head = file.read(16)
+            if (head[4:8] == b"ftyp" and head[8:12] in _BMFF_IMAGE_BRANDS) or head.startswith(_JPEG_XL):
+                kind = "HEIF/AVIF" if head[4:8] == b"ftyp" else "JPEG XL"
+            else:
+                file.seek(0)
+                with Image.open(file) as im:  # the header only: Pillow names the format
+                    kind = im.format or "image"
+    except Exception:  # not an image Pillow knows (or not readable): not this rule's
+        return None
+    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: convert it to PNG to perturb it"
+
+
 def _non_images(n: int) -> str:
     return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
 
@@ -197,8 +236,8 @@ def _read(image: _Image, start: int, stop: int) -> np.ndarray:
     except MemoryError:  # not damage: the run says memory ran out
         raise
     except Exception as exc:  # a header that reads well over pixel data that does not
-        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)}); "
-                         "pass --skip-bad to skip it") from None
+        raise InputError(f"{image.path}: cannot be decoded as an image ({decode_reason(exc)})"
+                         + SKIP_BAD_HINT) from None
     if (1, *colour.shape) != image.shape or colour.dtype != image.dtype:
         raise InputError(f"{image.path}: the image changed while tldp was reading the folder")
     return colour[None]
@@ -231,17 +270,19 @@ class ImageFolderReader(Reader):
             self._no_images(bad)
         self.kept_label_maps = self._leave_out_label_maps(options)
         renamed = any(image.out_rel != image.rel for image in self.images)
+        # --copy-other never copies data: what tldp reads, pickles, medical images, other images
+        self.data_files = self._data_files() if options.copy_other else {}
         # Files that name images not written: an index row naming one is dropped.
         self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
                           **{rel: "a symbolic link, skipped" for rel in self.links},
                           **{rel: "a palette image (a label map), left out" for rel in self.label_maps
-                             if rel not in self.kept_label_maps}}
+                             if rel not in self.kept_label_maps},
+                          **{rel: "an image in a format tldp does not read, left out" for rel, reason
+                             in self.data_files.items() if reason.startswith(UNREAD_IMAGE)}}
         self.index_files = [rel for rel in self.others if posixpath.basename(rel) in INDEX_FILES
                             and (renamed or self.unwritten) and options.copy_other]
         self.stale_indexes = [rel for rel in self.others if posixpath.basename(rel) == PARQUET_INDEX
                               and (renamed or self.unwritten) and options.copy_other]
-        # --copy-other never copies data: what tldp reads, pickles, medical images
-        self.data_files = self._data_files() if options.copy_other else {}
         # Rewritten now, before anything is written: what the manifest says was dropped is
         # what the output's index files leave out.
         self.index_texts, self.dropped_rows = self._rewrite_indexes()
@@ -290,7 +331,7 @@ class ImageFolderReader(Reader):
                     conversions[rel] = header.notes
                 continue
             if not options.skip_bad:
-                raise InputError(f"{file}: {reason}; pass --skip-bad to skip it")
+                raise InputError(f"{file}: {reason}{SKIP_BAD_HINT}")
             bad.append(rel)
         return bad, conversions
 
@@ -310,7 +351,19 @@ class ImageFolderReader(Reader):
             raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
                              "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
                              "(its metadata is missing)")
-        raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+        raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}"
+                         + self._inputs_hint())
+
+    def _inputs_hint(self) -> str:
+        """Files of the folder (the first HINTED looked at) that tldp perturbs as inputs of their
+        own (a PEFT adapter's adapter_model.safetensors, a folder of .npy files): say so."""
+        own = [rel for rel in self.others[:HINTED]
+               if "which tldp perturbs on its own" in (data_file(self.path / rel) or "")]
+        if not own:
+            return ""
+        more = f" and {plural(len(own) - 1, 'other')}" if len(own) > 1 else ""
+        return (f"; {self.path / own[0]}{more} {'hold' if more else 'holds'} data tldp perturbs on its own: "
+                "give the files as inputs (tldp perturb FILE ... --out FOLDER/, or --inputs-from)")
 
     def _leave_out_label_maps(self, options: FormatOptions) -> list[str]:
         """The palette images (label maps) --keep names, copied raw and listed under
@@ -348,10 +401,11 @@ class ImageFolderReader(Reader):
                 parents.append(posixpath.dirname(parents[-1]))
             store = next((p for p in parents if p and any((self.path / p / m).is_file() for m in ZARR_MARKERS)),
                          None)
-            # imagefolder's metadata.parquet is an index of the images (as metadata.jsonl), not data
-            index = posixpath.basename(rel) == PARQUET_INDEX
+            # imagefolder's indexes name the images (metadata.parquet as metadata.jsonl): not data
+            index = posixpath.basename(rel) in (PARQUET_INDEX, *INDEX_FILES)
             reason = (f"part of the Zarr store {store}, data which tldp perturbs on its own" if store
-                      else None if index else data_file(self.path / rel))
+                      else None if index else data_file(self.path / rel) or _thumbnail_cache(rel)
+                      or _unread_image(self.path / rel))
             if reason:
                 found[rel] = reason
         return found

@@ -46,17 +46,17 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 
 
 def open_reader(path: Path, options: FormatOptions) -> Reader:
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables, tables_reader
 
     part, schema, settings = tables.open_part(path, tables.PARQUET)
-    return tables.TableReader(path, tables.Table((part,)), schema, options, NAME, settings)
+    return tables_reader.TableReader(path, tables.Table((part,)), schema, options, NAME, settings)
 
 
 def create_writer(reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> Writer:
-    from tldp_cli.formats import tables
+    from tldp_cli.formats import tables_writer
 
-    return tables.TableWriter(reader, [tmp_path], dtype)
+    return tables_writer.TableWriter(reader, [tmp_path], dtype)
 
 
 FORMAT = Format(

@@ -1,6 +1,6 @@
 """Decoding and encoding images, shared by the formats that hold them: image folders
 (formats/images.py), the image members of WebDataset shards (formats/webdataset.py) and the
-image columns of Parquet and Arrow tables (formats/tables.py).
+image columns of Parquet and Arrow tables (formats/tables_images.py).
 
 `header` learns what an opened image (Pillow) decodes to from its header alone, `decode`
 gives its colour channels and alpha apart (EXIF orientation applied, bilevel images

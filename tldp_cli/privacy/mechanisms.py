@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any, Callable
 
 import functools
 
 from tldp_cli.privacy import privunit
-from tldp_cli.errors import UsageError, reason_of
+from tldp_cli.errors import OutOfReach, UsageError, reason_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, PRIVUNIT, Calibration, PrivUnitParams
 
 MECHANISMS = ("tldp", "baseline", "mvg", "idn", PRIVUNIT)
@@ -224,6 +225,22 @@ def _calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,
                                       rows if mechanism == "mvg" else None))
 
 
+def calibrated_each(keys: list[Any], calibrate_one: Callable[[Any], Any]) -> dict[Any, Any]:
+    """{key: calibrate_one(key)} for each key (a record size, a range group). Where the
+    --eps of several keys is out of reach (OutOfReach), the refusal of the one whose least
+    figure is largest: a folder of photos of several sizes is told once the --eps that
+    serves every size, not the first size's, which would be refused again at the next."""
+    done, refused = {}, []
+    for key in keys:
+        try:
+            done[key] = calibrate_one(key)
+        except OutOfReach as exc:
+            refused.append(exc)
+    if refused:
+        raise max(refused, key=lambda exc: exc.least)
+    return done
+
+
 def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float, range_width: float,
                      dp_delta: float, granularity: float | None,
                      arrays: dict[str, tuple[int, int | None]],
@@ -241,12 +258,8 @@ def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float,
                          range_width=range_width, elements=elements, dp_delta=dp_delta,
                          rows=unfolding, granularity=granularity)
 
-    by_shape: dict[tuple[int, int | None], Calibration] = {}
-    result = {}
-    for name, shape in arrays.items():
-        if shape not in by_shape:
-            by_shape[shape] = one(*shape)
-        result[name] = by_shape[shape]
+    by_shape = calibrated_each(list(dict.fromkeys(arrays.values())), lambda shape: one(*shape))
+    result = {name: by_shape[shape] for name, shape in arrays.items()}
     if budget != "record":
         return result
     solved: dict[tuple, list[Calibration]] = {}  # rows of the same record sizes: solved once
@@ -422,11 +435,11 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
                 top *= 2
             best = _argmin_convex(record_eps, hi * 1e-12, 2 * top)
             if record_eps(best) > epsilon:
-                raise UsageError(
+                raise OutOfReach(
                     f"--budget record: TLDP with discrete-laplace noise certifies at least "
                     f"{record_eps(best):.4g} per record of {I} elements (the paper's retain probability "
                     f"alone costs that much), above --eps {epsilon:g}; use a larger --eps, "
-                    "--budget element or --mechanism baseline")
+                    "--budget element or --mechanism baseline", record_eps(best))
             eps_e = _boundary(lambda e: record_eps(e) <= epsilon, best, hi)
         else:
             eps_e = W**2 / (2 * sigma_for_record() ** 2)

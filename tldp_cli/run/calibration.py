@@ -30,6 +30,7 @@ from tldp_cli.privacy.mechanisms import (
     Calibration,
     calibrate_arrays,
     calibrate_privunit,
+    calibrated_each,
     matrix_rows,
     raw_release_advice,
 )
@@ -139,6 +140,9 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
+            if hi - lo < 2:  # the range said "0:1", which nobody typed
+                raise UsageError(f"{source}: --clip {options.clip:g} on integer data ({jobs[0].dtype}) keeps "
+                                 "one integer, 0: there is nothing to protect; give --clip 1 or more, or --range")
         return {job.name: ((lo, hi), "--clip") for job in jobs}
     named = {given: arrays_named(given, jobs) for given in options.ranges}
     unheld = [given for given, names in named.items() if not names]
@@ -318,9 +322,11 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
                          "them one range" + ("" if options.mechanism == PRIVUNIT else ", or use --budget element"))
     choice = bases_mod.parse_basis(options.basis) if options.mechanism == PRIVUNIT else None
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
-    groups = [_calibrate_group(options, lo, hi, group,
-                               [row for row in rows if all(range_of[name] == (lo, hi) for name in row)], user)
-              for (lo, hi), group in members.items()]
+    def calibrate_group(bounds: tuple[float, float]) -> _RangeGroup:
+        within = [row for row in rows if all(range_of[name] == bounds for name in row)]
+        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user)
+
+    groups = list(calibrated_each(list(members), calibrate_group).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
     calibrations = list(dict.fromkeys(calib_of.values()))
     if options.store == COEFFICIENTS and per_tensor:

@@ -201,7 +201,7 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
         raise UsageError("--resume continues an interrupted records run: a --store coefficients run is "
                          "written whole, and keeps nothing to resume from; run it again without --resume")
     if options.resume and not module.resumable:
-        raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
+        raise UsageError(f"{source}: --resume applies to Zarr output, not {module.name}: an interrupted "
                          f"{module.name} run keeps nothing to resume from")
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
