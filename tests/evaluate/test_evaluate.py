@@ -232,7 +232,7 @@ def test_hdf5_pairs_datasets(cli, tmp_path, digits):
 
 def test_arrays_sharing_rows_say_what_a_certified_record_is(cli, tmp_path, digits):
     """Regression: two datasets of 20 rows were measured as "40 records x 784 elements", then
-    "certified per record eps=1561": the figure of a row of both (1568 elements), read as one
+    "certified per record eps=1562": the figure of a row of both (1568 elements), read as one
     of the 784-element records just named. The header says what the figure's record is."""
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["a"] = digits[:20]
