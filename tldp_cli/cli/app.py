@@ -142,6 +142,13 @@ def _root(
     """
 
 
+def debugging(flag: bool) -> bool:
+    """--debug, or TLDP_DEBUG set to anything but empty, 0, false, no or off (a pipeline's
+    `TLDP_DEBUG=0` turns it off, as it does Click's boolean variables)."""
+    value = os.environ.get(DEBUG_ENV, "").strip().lower()
+    return flag or value not in ("", "0", "false", "no", "off", "n", "f")
+
+
 def run(debug: bool, action):
     """Run a library call; a TldpError becomes one line and exit 1 (2 for usage), and so
     does any other exception (a bug: the traceback with --debug), as `failure` says it."""
