@@ -251,6 +251,17 @@ def kept_signals():
     yield restore
 
 
+def bar_size() -> dict:
+    """tqdm's size options for stderr's terminal. A terminal that reports 0 rows (or 0
+    columns: `script`, `docker exec -t`, a CI job's pseudo-terminal) makes tqdm show nothing
+    at all; there the bar gets a fixed size, 80 columns and 20 rows where it says 0."""
+    try:
+        columns, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's stand-in)
+        return {"dynamic_ncols": True}
+    return {"dynamic_ncols": True} if columns and rows else {"ncols": columns or 80, "nrows": rows or 20}
+
+
 def progress_bar(quiet: bool, unit: str):
     """A tqdm callback on a terminal, None otherwise (pipes and CI logs stay clean)."""
     if quiet or not sys.stderr.isatty():
@@ -262,7 +273,7 @@ def progress_bar(quiet: bool, unit: str):
     def advance(done: int, total: int):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+            bar = tqdm(total=total, unit=unit, file=sys.stderr, leave=False, **bar_size())
         bar.update(done)
 
     return advance, lambda: bar is not None and bar.close()
@@ -308,7 +319,7 @@ class Display:
                 self._close_shown()
                 self._label = None
                 self._shown = tqdm(total=total, desc=f"tldp: {self.prefix}{self.name}perturbing", unit=" records",
-                                   file=sys.stderr, dynamic_ncols=True, leave=False)
+                                   file=sys.stderr, leave=False, **bar_size())
             if self._shown is not None:
                 self._shown.update(done)
 
@@ -339,7 +350,8 @@ class Display:
                     continue
                 text = f"tldp: {self.prefix}{self.name}{self._label} ({tqdm.format_interval(lasted)})"
                 if self._shown is None:
-                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False)
+                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False,
+                                       **bar_size())
                 else:
                     self._shown.set_description_str(text)  # and shows it
 
