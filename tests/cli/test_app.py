@@ -1,6 +1,12 @@
 """The application's shared behaviour (tldp_cli/cli/app.py): TLDP_DEBUG, a closed stdout."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+
+from tests.builders import REPO
 
 
 @pytest.mark.parametrize("value", ["0", "false", "no", "off", "FALSE"])
@@ -23,3 +29,24 @@ def test_tldp_debug_set_to_a_true_value_shows_the_traceback(cli, tmp_path, monke
     result = cli("plan", bad, "--eps", 1)
     assert result.exit_code == 1
     assert "Traceback" in result.stderr and "bad.npy: not a dataset" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ["seed", "--json"],
+    ["--version"],
+    ["plan", "--elements", "28x28", "--records", "100", "--range", "0:256", "--eps", "8", "--json", "-q"],
+])
+def test_a_closed_stdout_is_one_line_and_exit_1(args):
+    """`tldp ... --json | head -c 10` once head has gone: Click made it a silent exit 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run([sys.executable, "-m", "tldp_cli", *args], stdout=write_end,
+                                 stderr=subprocess.PIPE, timeout=120, cwd=REPO)
+    finally:
+        os.close(write_end)
+    stderr = process.stderr.decode()
+    assert process.returncode == 1
+    assert stderr.startswith("tldp: error: standard output: closed") and "broken pipe" in stderr, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr

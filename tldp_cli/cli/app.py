@@ -5,6 +5,7 @@ Human-readable text goes to stderr; stdout carries only machine output (--json).
 """
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -49,7 +50,20 @@ class _OneLineErrors(TyperGroup):
             fail(f"{exc.format_message()}{hint}", exc.exit_code)
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
+        except _StdoutClosed:
+            _quiet_stdout()
+            fail(STDOUT_CLOSED, 1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    # Click turns a closed stdout (EPIPE) into a silent exit 1; these make it one line, as
+    # every other failure: the root's --help and --version run in make_context, the rest in invoke.
+    def make_context(self, *args, **kwargs):
+        with _stdout_closed_raises():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _stdout_closed_raises():
+            return super().invoke(ctx)
 
     def _aliased(self, words: list[str]) -> list[str]:
         """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
@@ -94,6 +108,30 @@ class _OneLineErrors(TyperGroup):
             else:
                 typer.echo(self.get_help(ctx), err=True)
         sys.exit(2)
+
+
+STDOUT_CLOSED = ("standard output: closed before all of it was printed (broken pipe: the program "
+                 "reading it, `head` say, stopped)")
+
+
+class _StdoutClosed(Exception):
+    """Writing to stdout failed with EPIPE (not an OSError, which Click would swallow)."""
+
+
+@contextlib.contextmanager
+def _stdout_closed_raises():
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+        raise _StdoutClosed from exc
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so the interpreter's last flush of what is left does not fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
@@ -186,6 +224,9 @@ def failure(exc: Exception, debug: bool) -> tuple[str, int]:
         return str(exc), 2
     if isinstance(exc, TldpError):
         return str(exc), 1
+    if isinstance(exc, OSError) and exc.errno == errno.EPIPE and exc.filename is None:
+        _quiet_stdout()  # --json printed inside a run: stdout is the only pipe tldp writes
+        return STDOUT_CLOSED, 1
     if isinstance(exc, OSError):
         return f"{exc.filename or 'I/O'}: {reason_of(exc)}", 1
     if isinstance(exc, MemoryError):
