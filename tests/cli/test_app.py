@@ -50,3 +50,21 @@ def test_a_closed_stdout_is_one_line_and_exit_1(args):
     assert process.returncode == 1
     assert stderr.startswith("tldp: error: standard output: closed") and "broken pipe" in stderr, stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("raised", ["interrupt", "wrapped"])
+def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(cli, monkeypatch, raised):
+    """Ctrl-C or SIGTERM while a command imports what it needs (before its run starts):
+    Typer made it a silent exit 130, and Python 3.11's wrapping of one that lands in a
+    class's __set_name__ (a RuntimeError) a traceback and exit 1."""
+    from tldp_cli.sampling import rng
+
+    def interrupted():
+        if raised == "interrupt":
+            raise KeyboardInterrupt
+        raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+
+    monkeypatch.setattr(rng, "new_seed", interrupted)
+    result = cli("seed")
+    assert result.exit_code == 130
+    assert result.stderr == "tldp: error: interrupted; nothing was written\n"

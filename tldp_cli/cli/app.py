@@ -55,14 +55,16 @@ class _OneLineErrors(TyperGroup):
             fail(STDOUT_CLOSED, 1)
         sys.exit(code if isinstance(code, int) else 0)
 
-    # Click turns a closed stdout (EPIPE) into a silent exit 1; these make it one line, as
-    # every other failure: the root's --help and --version run in make_context, the rest in invoke.
+    # Typer turns a closed stdout (EPIPE) into a silent exit 1, and Ctrl-C or SIGTERM outside
+    # a run (a command importing what it needs) into a silent exit 130; these make each one
+    # line, as every other failure: the root's --help and --version run in make_context, the
+    # rest in invoke.
     def make_context(self, *args, **kwargs):
-        with _stdout_closed_raises():
+        with _one_line_failures():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx):
-        with _stdout_closed_raises():
+        with _one_line_failures():
             return super().invoke(ctx)
 
     def _aliased(self, words: list[str]) -> list[str]:
@@ -119,9 +121,15 @@ class _StdoutClosed(Exception):
 
 
 @contextlib.contextmanager
-def _stdout_closed_raises():
+def _one_line_failures():
     try:
         yield
+    except KeyboardInterrupt as exc:  # not one a run reported (those exit inside it)
+        raise typer.Abort from exc
+    except RuntimeError as exc:  # Python 3.11 wraps one that lands in a class's __set_name__
+        if isinstance(exc.__cause__, KeyboardInterrupt):
+            raise typer.Abort from exc
+        raise
     except OSError as exc:
         if exc.errno != errno.EPIPE:
             raise
