@@ -68,3 +68,38 @@ def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(cli, monkeypatch, raised)
     result = cli("seed")
     assert result.exit_code == 130
     assert result.stderr == "tldp: error: interrupted; nothing was written\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [
+    ["seed", "--json"],
+    ["--help"],
+    ["plan", "--elements", "28x28", "--records", "100", "--range", "0:256", "--eps", "8", "--json", "-q"],
+])
+def test_a_full_stdout_is_one_line_and_exit_1(args):
+    """`tldp ... --json > m.json` on a full disk: Typer showed a traceback."""
+    with open("/dev/full", "wb") as full:
+        process = subprocess.run([sys.executable, "-m", "tldp_cli", *args], stdout=full,
+                                 stderr=subprocess.PIPE, timeout=120, cwd=REPO)
+    stderr = process.stderr.decode()
+    assert process.returncode == 1
+    assert stderr == "tldp: error: standard output: cannot write (No space left on device)\n", stderr
+
+
+def test_json_printed_inside_a_run_to_a_full_stdout_is_one_line(monkeypatch, capsys):
+    """evaluate's and sweep's --json print inside their run: it said `I/O: No space left...`."""
+    import errno
+    import io
+
+    from tldp_cli.cli.app import emit_json, run
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(SystemExit) as exited:
+        run(False, lambda: emit_json({"figure": 1}, True, None, False))
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "tldp: error: standard output: cannot write (No space left on device)\n"

@@ -50,15 +50,15 @@ class _OneLineErrors(TyperGroup):
             fail(f"{exc.format_message()}{hint}", exc.exit_code)
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
-        except _StdoutClosed:
+        except _StdoutFailed as exc:
             _quiet_stdout()
-            fail(STDOUT_CLOSED, 1)
+            fail(str(exc), 1)
         sys.exit(code if isinstance(code, int) else 0)
 
-    # Typer turns a closed stdout (EPIPE) into a silent exit 1, and Ctrl-C or SIGTERM outside
-    # a run (a command importing what it needs) into a silent exit 130; these make each one
-    # line, as every other failure: the root's --help and --version run in make_context, the
-    # rest in invoke.
+    # Typer turns a closed stdout (EPIPE) into a silent exit 1, a full one (ENOSPC: `--json >
+    # m.json` on a full disk) into a traceback, and Ctrl-C or SIGTERM outside a run (a command
+    # importing what it needs) into a silent exit 130; these make each one line, as every
+    # other failure: the root's --help and --version run in make_context, the rest in invoke.
     def make_context(self, *args, **kwargs):
         with _one_line_failures():
             return super().make_context(*args, **kwargs)
@@ -116,8 +116,9 @@ STDOUT_CLOSED = ("standard output: closed before all of it was printed (broken p
                  "reading it, `head` say, stopped)")
 
 
-class _StdoutClosed(Exception):
-    """Writing to stdout failed with EPIPE (not an OSError, which Click would swallow)."""
+class _StdoutFailed(Exception):
+    """Writing to stdout failed (not an OSError, which Typer would swallow or show as a
+    traceback); its text is the one line."""
 
 
 @contextlib.contextmanager
@@ -131,9 +132,17 @@ def _one_line_failures():
             raise typer.Abort from exc
         raise
     except OSError as exc:
-        if exc.errno != errno.EPIPE:
+        # every file a command reads or writes is handled inside its run (`run`, `failure`):
+        # an OSError out here, with no file name, is the printing of --json, --help or a listing
+        if exc.filename is not None:
             raise
-        raise _StdoutClosed from exc
+        raise _StdoutFailed(_stdout_failure(exc)) from exc
+
+
+def _stdout_failure(exc: OSError) -> str:
+    if exc.errno == errno.EPIPE:
+        return STDOUT_CLOSED
+    return f"standard output: cannot write ({reason_of(exc)})"
 
 
 def _quiet_stdout() -> None:
@@ -232,9 +241,9 @@ def failure(exc: Exception, debug: bool) -> tuple[str, int]:
         return str(exc), 2
     if isinstance(exc, TldpError):
         return str(exc), 1
-    if isinstance(exc, OSError) and exc.errno == errno.EPIPE and exc.filename is None:
-        _quiet_stdout()  # --json printed inside a run: stdout is the only pipe tldp writes
-        return STDOUT_CLOSED, 1
+    if isinstance(exc, _StdoutFailed):  # --json printed inside a run (emit_json)
+        _quiet_stdout()
+        return str(exc), 1
     if isinstance(exc, OSError):
         return f"{exc.filename or 'I/O'}: {reason_of(exc)}", 1
     if isinstance(exc, MemoryError):
@@ -257,7 +266,10 @@ def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -
     if path is not None:
         output.write_files({Path(path): (text + "\n").encode()}, overwrite, private=True)
     if to_stdout:
-        typer.echo(text)
+        try:
+            typer.echo(text)
+        except OSError as exc:
+            raise _StdoutFailed(_stdout_failure(exc)) from exc
 
 
 @contextlib.contextmanager
