@@ -103,3 +103,17 @@ def test_json_printed_inside_a_run_to_a_full_stdout_is_one_line(monkeypatch, cap
         run(False, lambda: emit_json({"figure": 1}, True, None, False))
     assert exited.value.code == 1
     assert capsys.readouterr().err == "tldp: error: standard output: cannot write (No space left on device)\n"
+
+
+def test_ctrl_c_during_an_import_inside_a_run_is_exit_130(capsys):
+    """perturb imports its pipeline inside its run: a Ctrl-C landing in a class's __set_name__
+    there (Python 3.11 wraps it in a RuntimeError) was 'unexpected error ...; please report it', exit 1."""
+    from tldp_cli.cli.app import run
+
+    def importing():
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance") from KeyboardInterrupt()
+
+    with pytest.raises(SystemExit) as exited:
+        run(False, importing)
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "tldp: error: interrupted; nothing was written\n"

@@ -127,8 +127,8 @@ def _one_line_failures():
         yield
     except KeyboardInterrupt as exc:  # not one a run reported (those exit inside it)
         raise typer.Abort from exc
-    except RuntimeError as exc:  # Python 3.11 wraps one that lands in a class's __set_name__
-        if isinstance(exc.__cause__, KeyboardInterrupt):
+    except RuntimeError as exc:
+        if wrapped_interrupt(exc):
             raise typer.Abort from exc
         raise
     except OSError as exc:
@@ -137,6 +137,12 @@ def _one_line_failures():
         if exc.filename is not None:
             raise
         raise _StdoutFailed(_stdout_failure(exc)) from exc
+
+
+def wrapped_interrupt(exc: BaseException) -> bool:
+    """A Ctrl-C or SIGTERM that landed in a class's __set_name__ while a module was imported:
+    Python 3.11 raises it as a RuntimeError whose cause is the KeyboardInterrupt."""
+    return isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt)
 
 
 def _stdout_failure(exc: OSError) -> str:
@@ -213,6 +219,8 @@ def run(debug: bool, action):
     except KeyboardInterrupt as exc:  # an errors.Interrupted says what it kept
         fail(str(exc) or "interrupted; nothing was written", 130)
     except Exception as exc:
+        if wrapped_interrupt(exc):  # during an import the run makes (the pipeline's)
+            fail("interrupted; nothing was written", 130)
         fail(*failure(exc, debug))
 
 
