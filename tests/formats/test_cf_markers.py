@@ -155,7 +155,7 @@ def test_public_missing_keeps_them_missing_and_says_what_the_figures_cover(cli, 
     assert np.all(noisy[X == 0] == 0)  # copied, as declared
     assert np.count_nonzero(noisy[X == 200] == 200) < 0.01 * noisy.size
     public = manifest["public_missing"]
-    assert public["markers"] == [{"name": marker, "value": 0}]
+    assert public["markers"] == [{"name": marker}]
     assert "conditional on which elements are missing" in public["figures_cover"]
     assert "dropped" not in manifest
     assert manifest["accounting"]["per_element"] == plain["accounting"]["per_element"]
@@ -260,3 +260,39 @@ def test_the_ledger_counts_both_readings_as_the_same_data(cli, tmp_path):
     perturb(cli, src, tmp_path / "a.h5", "--ledger", ledger)
     _, stderr = perturb(cli, src, tmp_path / "b.h5", "--ledger", ledger, "--public-missing")
     assert "2 releases: each record" in stderr
+
+
+@pytest.mark.parametrize("option", [[], ["--public-missing"]], ids=["as data", "public"])
+def test_a_packed_marker_is_named_not_decoded(cli, tmp_path, option):
+    """ERA5-style packing maps a variable's own range onto int16 codes -32766..32767 (the
+    scale_factor and add_offset come from its minimum and maximum) with _FillValue -32767,
+    which decodes to just below the raw minimum: the marker lies inside a wide declared range,
+    and the manifest and messages name it, never its decoded value."""
+    import netCDF4
+
+    physical = np.random.default_rng(11).normal(280, 10, (8, 4, 5))
+    physical[0, 0, 0] = np.nan
+    low, high = np.nanmin(physical), np.nanmax(physical)
+    src = tmp_path / "era.nc"
+    with netCDF4.Dataset(src, "w") as ds:
+        for name, size in zip(("time", "y", "x"), physical.shape):
+            ds.createDimension(name, size)
+        t = ds.createVariable("t", "i2", ("time", "y", "x"), fill_value=np.int16(-32767))
+        t.scale_factor = (high - low) / 65533
+        t.add_offset = high - 32767 * t.scale_factor
+        t.units = "K"
+        t[:] = np.ma.masked_invalid(physical)
+        scale, decoded = float(t.scale_factor), float(t.add_offset - 32767 * t.scale_factor)
+    assert low - decoded == pytest.approx(scale)  # one code below the raw minimum
+    out = tmp_path / "out.nc"
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "200:350", *option)
+    assert result.exit_code == 0, result.stderr
+    text = Path(f"{out}.manifest.json").read_text()
+    manifest = json.loads(text)
+    if option:
+        assert manifest["public_missing"]["markers"] == [{"name": "/t/_FillValue"}]
+        assert manifest["missing_values"]["/t"]["input"] == [-32767]  # as stored
+    else:
+        assert [d["name"] for d in manifest["dropped"]] == ["/t/_FillValue"]
+    for value in (decoded, low):
+        assert f"{value:g}" not in result.stderr and f"{value:g}" not in text and repr(value)[:8] not in text

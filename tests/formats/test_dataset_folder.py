@@ -65,6 +65,25 @@ def test_a_state_naming_a_missing_shard_is_refused_in_one_line(cli, tmp_path):
     assert not (tmp_path / "train.tldp").exists()
 
 
+def test_a_damaged_or_foreign_shard_is_refused_saying_what_it_is(cli, tmp_path):
+    """A save_to_disk folder of one shard cut short before its schema was refused as "not a
+    Arrow IPC stream (the folder's other shards are)": there were no other shards, and the
+    file was damaged, which the line did not say."""
+    _, src = saved(tmp_path, shards=1)
+    shard = src / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(shard.read_bytes()).read_all()
+    shard.write_bytes(shard.read_bytes()[:200])
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{shard}: not a readable Arrow IPC stream, as the folder's data "
+                          "files are; it may be truncated or corrupt")
+    with pa.ipc.new_file(str(shard), table.schema) as writer:  # the IPC file format, not a stream
+        writer.write_table(table)
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{shard}: an Arrow IPC file, where the folder's data files are "
+                          "Arrow IPC streams")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]
+
+
 class DatasetFolderRoundTrip(RoundTrip):
     format = "hf-dataset"
     extra_args = RANGES

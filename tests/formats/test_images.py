@@ -728,6 +728,28 @@ def test_folder_without_images(cli, tmp_path):
     assert siblings(tmp_path) == {"empty", "texts"}
 
 
+def test_a_folder_of_files_tldp_reads_on_their_own_says_to_give_them_as_inputs(cli, tmp_path):
+    """A PEFT adapter folder (adapter_model.safetensors, adapter_config.json) and a folder of
+    .npy files were refused as "no images in ... (found N files that are not images)", which
+    did not say that tldp perturbs those files given as inputs."""
+    from safetensors.numpy import save_file
+
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    save_file({"lora_A.weight": np.zeros((4, 8), np.float32)}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    assert_one_line_error(cli("perturb", adapter, "--eps", "1", "--clip", "0.1"), 1, f"no images in {adapter}",
+                          f"; {adapter / 'adapter_model.safetensors'} holds data tldp perturbs on its own: "
+                          "give the files as inputs")
+    arrays = tmp_path / "features"
+    arrays.mkdir()
+    for name in ("a.npy", "b.npy"):
+        np.save(arrays / name, np.zeros((3, 4), np.uint8))
+    assert_one_line_error(cli("perturb", arrays, "--eps", "1"), 1,
+                          f"; {arrays / 'a.npy'} and 1 other hold data tldp perturbs on its own")
+    assert siblings(tmp_path) == {"lora", "features"}
+
+
 def test_png_output_decodes_alike_in_pillow_and_libpng(cli, tmp_path):
     """The PNG writer is tldp's own (noise-suited encoding): OpenCV's libpng must read what
     Pillow reads, for every mode written, with the ICC profile kept (--keep icc_profile)."""

@@ -496,8 +496,7 @@ def test_packed_data_is_perturbed_in_physical_units(cli, tmp_path):
     assert "/t: unpacking its int16 codes" in result.stderr
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert manifest["value_range"] == [250, 310]
-    assert manifest["unpacked"]["/t"]["stored_dtype"] == "int16"
-    assert manifest["unpacked"]["/t"]["scale_factor"] == pytest.approx(0.01)
+    assert manifest["unpacked"] == {"/t": {"stored_dtype": "int16", "unsigned": False}}
     assert manifest["dropped_attributes"] == {"/t": ["valid_range", "scale_factor", "add_offset"]}
     with netCDF4.Dataset(out) as ds:
         t = ds["t"]
@@ -725,3 +724,29 @@ def test_a_classic_netcdf_file_is_refused_with_the_way_to_convert_it(cli, tmp_pa
         assert_one_line_error(cli(command, src, "--eps", "1", "--range", "0:400"), 1, str(src),
                               "a classic netCDF file (netCDF-3)", "nccopy -k nc4")
     assert siblings(tmp_path) == before
+
+
+def test_packing_derived_from_the_data_is_not_stated(cli, tmp_path):
+    """ncpdq (and ERA5's files) pack each variable with a scale_factor and add_offset
+    computed from its own minimum and maximum, which they give back exactly: the manifest
+    names the packed dtype, never the two numbers (docs/guarantee.md)."""
+    physical = np.random.default_rng(11).normal(280, 10, (8, 4, 5))
+    low, high = physical.min(), physical.max()
+    src = tmp_path / "packed.nc"
+    with netCDF4.Dataset(src, "w") as ds:
+        for name, size in zip(("time", "y", "x"), physical.shape):
+            ds.createDimension(name, size)
+        t = ds.createVariable("t", "i2", ("time", "y", "x"))
+        t.scale_factor = (high - low) / 65534  # ncpdq's default packing policy
+        t.add_offset = (high + low) / 2
+        t.units = "K"
+        t[:] = physical
+        scale, offset = float(t.scale_factor), float(t.add_offset)
+    assert offset - 32767 * scale == pytest.approx(low) and offset + 32767 * scale == pytest.approx(high)
+    out = tmp_path / "out.nc"
+    result = cli("perturb", src, "--out", out, "--eps", "1", "--range", "200:350")
+    assert result.exit_code == 0, result.stderr
+    text = Path(f"{out}.manifest.json").read_text()
+    assert json.loads(text)["unpacked"] == {"/t": {"stored_dtype": "int16", "unsigned": False}}
+    for value in (scale, offset, low, high):
+        assert repr(value)[:8] not in text and f"{value:g}" not in result.stderr

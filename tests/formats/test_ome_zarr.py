@@ -407,3 +407,30 @@ def test_plate_names_acquisitions_and_omero_ids_are_not_copied_unless_kept(tmp_p
     assert "name" not in attrs.get("ome", attrs)["plate"]["acquisitions"][0]
     image = zarr.open_group(tmp_path / "kept.ome.zarr" / "A" / "1" / "0", mode="r").attrs.asdict()
     assert image.get("ome", image)["omero"]["id"] == 4711
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_label_colors_listing_the_raw_label_values_are_not_copied(tmp_path, cli, fmt):
+    """A label image's `colors` give an entry per label value, which tools write for the
+    values the raw labels hold (how many cells, lesions, ...): like its `properties`, a
+    statistic of the raw data, and meaningless once noise has scrambled the ids. The output
+    leaves them out and the manifest says so."""
+    src = tmp_path / "c.ome.zarr"
+    group = zarr.open_group(src, mode="w", zarr_format=fmt.zarr_format)
+    write_image(IMAGE, group, axes="cyx", fmt=fmt)
+    present = [int(v) for v in np.unique(CELLS) if v]
+    write_labels(CELLS, group, name="cells", axes="yx", fmt=fmt,
+                 label_metadata={"colors": [{"label-value": v, "rgba": [255, 0, 0, 255]} for v in present]})
+
+    def image_label(path: Path) -> dict:
+        attrs = zarr.open_group(path / "labels/cells", mode="r").attrs.asdict()
+        return attrs.get("ome", attrs)["image-label"]
+
+    assert [c["label-value"] for c in image_label(src)["colors"]] == present
+    result = perturb(cli, src)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "c.tldp.ome.zarr"
+    assert "colors" not in image_label(out)
+    steps = json.loads(Path(str(out) + ".manifest.json").read_text())["postprocessing"]
+    assert any("image-label colors" in s for s in steps)
+    assert set(ome_levels(out)) == {Multiscales, Label}  # ome-zarr-py still reads both

@@ -201,6 +201,22 @@ def test_a_table_without_images_or_tensors_names_its_numeric_columns(cli, tmp_pa
     assert_one_line_error(result, 1, "people.parquet", "no image or tensor column", "age", "--dataset")
 
 
+def test_a_table_without_images_or_tensors_says_what_its_columns_hold(cli, tmp_path):
+    """A datasets column of lists of images (Sequence(Image())) was refused as "no image or
+    tensor column to perturb", which said nothing of the column of images the user sees."""
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    ds = datasets.Dataset.from_dict(
+        {"views": [[{"bytes": png.getvalue(), "path": None}] * 2] * 3, "label": [0, 1, 0]},
+        features=datasets.Features({"views": datasets.Sequence(datasets.Image()),
+                                    "label": datasets.ClassLabel(names=["a", "b"])}))
+    src = to_parquet(ds, tmp_path / "views.parquet")
+    result = cli("perturb", src, "--eps", "1")
+    assert_one_line_error(result, 1, f"{src}: no image or tensor column to perturb; not perturbed: views (lists of "
+                          "struct<bytes: binary, path: string>), label (a label column (ClassLabel))")
+    assert siblings(tmp_path) == {"views.parquet"}
+
+
 def test_privunit_on_numeric_columns_says_to_hold_a_row_in_one_list_column(cli, tmp_path):
     """Each numeric column is an array of one number a row, which privunit cannot release
     as a direction; the refusal said only 'not records of shape ()', not the way out."""

@@ -335,10 +335,42 @@ def test_array_store_without_metadata(cli, tmp_path, zarr_format, meta):
     assert siblings(tmp_path) == before and tree_digest(src) == files
 
 
-def test_dtype_bound_filter_is_refused(cli, tmp_path):
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_delta_filter_is_kept_for_the_output_dtype(cli, tmp_path, zarr_format):
+    """Regression: a Delta filter (lossless, a usual one for integer series) refused the run,
+    "uses the delta filter for |u1 data, which cannot apply to the int16 output", as any
+    uint8 array's output is int16. It is kept, set to the output dtype: the noisy values are
+    stored exactly, the same as written without the filter."""
+    import warnings
+
+    from numcodecs import zarr3
+
+    values = np.random.default_rng(4).integers(0, 256, (20, 4), dtype=np.uint8)
+    arrays = {}
+    for name, delta in (("delta", True), ("plain", False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "numcodecs codecs are not in the Zarr version 3 spec"
+            filters = ([numcodecs.Delta(dtype="u1")] if zarr_format == 2 else [zarr3.Delta(dtype="u1")]) if delta else None
+            zarr.create_array(tmp_path / f"{name}.zarr", shape=values.shape, dtype="uint8", chunks=(5, 4),
+                              zarr_format=zarr_format, filters=filters)[:] = values
+        out = tmp_path / f"{name}.out.zarr"
+        result = cli("perturb", tmp_path / f"{name}.zarr", "--out", out, "--eps", "1", "--seed", "7",
+                     "--allow-weak-seed", "--allow-raw-release")
+        assert result.exit_code == 0, result.stderr
+        arrays[name] = zarr.open_array(out, mode="r")
+    assert arrays["delta"].dtype == np.int16
+    np.testing.assert_array_equal(arrays["delta"][:], arrays["plain"][:])
+    meta = arrays["delta"].metadata.to_dict()
+    configs = meta["filters"] if zarr_format == 2 else [c.get("configuration", {}) for c in meta["codecs"]]
+    assert any(np.dtype(c.get("dtype", "u1")) == np.int16 for c in configs if c and "dtype" in c)
+    assert cli("evaluate", tmp_path / "delta.zarr", tmp_path / "delta.out.zarr").exit_code == 0
+
+
+def test_a_narrowing_delta_filter_is_refused(cli, tmp_path):
+    """A delta storing its differences in a narrower type (astype) can wrap: not carried over."""
     src = tmp_path / "delta.zarr"
     zarr.create_array(src, shape=(20, 4), dtype="uint8", chunks=(5, 4), zarr_format=2,
-                      filters=[numcodecs.Delta(dtype="u1")])[:] = 3
+                      filters=[numcodecs.Delta(dtype="u1", astype="i1")])[:] = 3
     before = siblings(tmp_path)
     result = cli("perturb", src, "--eps", "1", "--allow-raw-release")
     assert_one_line_failure(result, 1, str(src), "delta")

@@ -491,3 +491,46 @@ def test_listing_an_empty_file_refuses_it_and_leaves_it_empty(cli, tmp_path):
     result = cli("ledger", empty)
     assert result.exit_code == 1 and f"{empty}: an empty file, not a ledger" in result.stderr
     assert empty.stat().st_size == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+
+
+@pytest.mark.parametrize("kind", ["npz", "safetensors"])
+def test_a_model_file_is_one_subject_charged_its_whole_file(cli, tmp_path, kind):
+    """A model file's tensors are one party's: the ledger charges the whole file (as the
+    manifest's per_file, the scope perturb's warnings take for a model file), to one
+    subject, not each tensor's per-record figure to a subject of its own."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    tensors = {f"layer{i}.weight": rng.normal(0, 0.05, (16, 16)).astype(np.float32) for i in range(5)}
+    model = tmp_path / "raw" / f"model.{kind}"
+    model.parent.mkdir()
+    if kind == "npz":
+        np.savez(model, **tensors)
+    else:
+        save_file(tensors, str(model))
+    ledger = tmp_path / "raw" / "ledger.db"
+
+    def release(out, *cap):
+        return cli("perturb", model, "--eps", "0.02", "--clip", "0.1", "--ledger", ledger,
+                   "--out", tmp_path / f"{out}.{kind}", *cap)
+
+    first = release("r1")
+    assert first.exit_code == 0, first.stderr
+    figures = json.loads((tmp_path / f"r1.{kind}.manifest.json").read_text())["accounting"]
+    per_file, per_record = figures["per_file"]["epsilon"], figures["per_record"]["epsilon"]
+    assert per_file > 4 * per_record  # five tensors of about the same figure
+    assert f"the most-spent of the 1 subject this release touches: 1 release: whole file (eps={per_file:.4g}" \
+        in first.stderr
+    report = listing(cli, ledger)
+    [entry] = report["releases"]
+    assert entry["subjects"] == 1 and entry["charged"] == "per_file"
+    assert report["worst_subject"]["epsilon"] == pytest.approx(per_file)
+
+    # Two releases of the model spend twice its whole file: a cap between refuses the second.
+    refused = release("r2", "--max-record-eps", str(1.5 * per_file))
+    assert refused.exit_code == 1
+    assert "per model file" in refused.stderr and "nothing was written" in refused.stderr
+    assert not (tmp_path / f"r2.{kind}").exists()
+    assert len(listing(cli, ledger)["releases"]) == 1
+    text = cli("ledger", ledger)
+    assert f"whole file (eps={per_file:.4g}" in text.stdout

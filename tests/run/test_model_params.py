@@ -300,6 +300,16 @@ def test_clip_usage_errors(cli, tmp_path, args, fragment):
     assert siblings(tmp_path) == before
 
 
+def test_a_clip_below_1_on_integer_data_is_refused_naming_the_clip(cli, tmp_path):
+    """--clip 0.1 on int8 data (a model's clip given to several inputs) was refused as "the
+    range 0:1 holds a single grid value", a range nobody typed."""
+    src = tmp_path / "codes.npy"
+    np.save(src, np.arange(-64, 64, dtype=np.int8).reshape(8, 16))
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 2)
+    assert line.startswith(f"tldp: error: {src}: --clip 0.1 on integer data (int8) keeps one integer")
+    assert siblings(tmp_path) == {"codes.npy"}
+
+
 def test_clip_works_for_every_format_npy(cli, tmp_path):
     src = tmp_path / "x.npy"
     x = np.array([[-100.0, -0.25, 0.25, 100.0]] * 50)
@@ -516,9 +526,49 @@ def test_fp8_weights_are_never_copied_raw_unasked(cli, tmp_path):
     assert out.endswith(bytes([0x38, 0xB8, 0x30, 0x00]))  # the last tensor of the file, as it was
 
 
+@pytest.mark.parametrize("code, dtype, size", [("F4", "float4_e2m1fn", 4), ("F6_E2M3", "float6_e2m3fn", 6),
+                                               ("F6_E3M2", "float6_e3m2fn", 6), ("F8_E8M0", "float8_e8m0fnu", 4)])
+def test_fp4_fp6_weights_and_e8m0_scales_are_never_copied_raw_unasked(cli, tmp_path, code, dtype, size):
+    """The microscaling formats safetensors stores (MXFP4, NVFP4: FP4 or FP6 weights, E8M0
+    block scales) were copied raw unasked, as "f4: only float16, bfloat16, float32, float64
+    tensors are perturbed", where FP8 is refused."""
+    weight = np.linspace(-0.05, 0.05, 16, dtype=np.float32).tobytes()
+    codes = bytes(range(17, 17 + size))  # 8 values packed: 4 bytes of F4, 6 of F6; 4 of E8M0 (2 x 2)
+    shape = [2, 2] if code == "F8_E8M0" else [8]
+    header = {"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]},
+              "q": {"dtype": code, "shape": shape, "data_offsets": [64, 64 + size]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    src = tmp_path / "m.safetensors"
+    src.write_bytes(struct.pack("<Q", len(raw)) + raw + weight + codes)
+    with safe_open(str(src), framework="np") as f:  # the library takes the file as it is
+        assert sorted(f.keys()) == ["q", "w"]
+    line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "0.1"), 1)
+    assert f"{src}: tensor q is {dtype}, which tldp cannot perturb" in line and "--exclude q" in line
+    assert siblings(tmp_path) == {"m.safetensors"}
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.1", "--exclude", "q", "--allow-raw-release")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "m.tldp.safetensors").read_bytes().endswith(codes)
+
+
 def test_a_clip_too_small_for_the_tensor_dtype_is_refused(cli, tmp_path):
     """--clip 1e-300 made grid steps float32 cannot hold: every weight came out 0."""
     src = write_model_safetensors(tmp_path / "m.safetensors")
     line = one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1e-300"), 2)
-    assert "cannot hold grid steps of" in line
+    assert "cannot hold grid steps of" in line and line.startswith(f"tldp: error: {src}: ")
     assert siblings(tmp_path) == {"m.safetensors"}
+
+
+def test_a_grid_float32_cannot_hold_is_refused_naming_the_file(cli, tmp_path):
+    """The warning's advice, --budget record, on a model of 1024-value tensors was refused with
+    "--dtype float32 cannot hold the grid values exactly ..." naming no file (with several
+    inputs, no way to tell which one); --dtype float64, which the line advises, then works."""
+    src = write_safetensors(tmp_path / "m.safetensors",
+                            {"w": RNG.normal(0, 0.02, (32, 32)).astype(np.float32)})
+    args = ("perturb", src, "--eps", "8", "--budget", "record", "--clip", "0.1")
+    line = one_line_error(cli(*args), 2)
+    assert line.startswith(f"tldp: error: {src}: --dtype float32 cannot hold the grid values exactly")
+    assert siblings(tmp_path) == {"m.safetensors"}
+    result = cli(*args, "--dtype", "float64")
+    assert result.exit_code == 0, result.stderr
+    assert read_safetensors(tmp_path / "m.tldp.safetensors")[2]["w"].dtype == np.float32

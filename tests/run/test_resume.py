@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zarr
 
-from tests.builders import DATA, SEED, make_hdf5, make_images, make_npy, siblings
+from tests.builders import DATA, SEED, assert_one_line_error, make_hdf5, make_images, make_npy, siblings
 from tldp_cli import __version__
 from tldp_cli.errors import Interrupted, OutputError, UsageError
 from tldp_cli.run.pipeline import (OPTION_FLAGS, RESUME_COMPARED, RESUME_COMPARED_AS, RESUME_NOT_COMPARED,
@@ -359,9 +359,10 @@ def test_interrupted_run_leaves_nothing(tmp_path, make):
 
 @pytest.mark.parametrize("make", [make_npy, make_hdf5, make_images], ids=["npy", "hdf5", "images"])
 def test_resume_is_for_zarr_output_only(cli, tmp_path, make):
+    """The line names the input whose format keeps nothing to resume from (it named none)."""
     src, _ = make(tmp_path)
     result = cli("perturb", src, "--eps", "1", "--resume")
-    assert result.exit_code == 2 and "--resume applies to Zarr output" in result.stderr
+    assert_one_line_error(result, 2, f"{src}: --resume applies to Zarr output, not ")
     assert siblings(tmp_path) == {src.name}
 
 

@@ -1,14 +1,13 @@
 """`tldp ledger`."""
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from tldp_cli.cli.options import Quiet, Debug, file_path
-from tldp_cli.cli.app import DEBUG_ENV, app, run
+from tldp_cli.cli.app import app, debugging, run
 
 
 @app.command("ledger", no_args_is_help=True)
@@ -35,7 +34,7 @@ def ledger_command(
     """
     from tldp_cli.run import ledger as ledger_mod
 
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     report = run(debug, lambda: ledger_mod.listing(path))
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
@@ -47,11 +46,12 @@ def ledger_command(
         return
     typer.echo("releases:")
     for r in report["releases"]:
-        record = r["per_record"]
+        record = r[r["charged"]]  # a model file's whole file, else each record
+        scope = "whole file" if r["charged"] == "per_file" else "each record"
         whom = ("charged to every subject (recorded by a ledger of schema 1)" if r["charged_to_every_subject"]
                 else f"{r['subjects']} subject{'s' if r['subjects'] != 1 else ''}")
         typer.echo(f"  #{r['id']} {r['created']} {r['status']:8} {r['input']} -> {r['output']}: "
-                   f"each record (eps={record['epsilon']:.4g}, delta={record['delta']:.3g}); {whom}")
+                   f"{scope} (eps={record['epsilon']:.4g}, delta={record['delta']:.3g}); {whom}")
     typer.echo("subjects, by the releases charged to them (most-spent first):")
     for group in report["subjects"]:
         total = group["per_record"]

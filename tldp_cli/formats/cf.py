@@ -424,10 +424,10 @@ def describe(encodings: dict[str, Encoding], stored_dtypes: dict[str, str],
         steps.append("write packed datasets unpacked: their stored codes were unpacked (_Unsigned, "
                      f"scale_factor, add_offset) before the noise, and are written as {dtype} "
                      "without those attributes (unpacked)")
-        extra["unpacked"] = {
-            name: {"stored_dtype": stored_dtypes[name], "unsigned": enc.unsigned,
-                   "scale_factor": json_number(enc.scale), "add_offset": json_number(enc.offset)}
-            for name, enc in decoded.items()}
+        # Not the scale_factor and add_offset themselves: packing tools (ncpdq, ERA5's files)
+        # derive them from each variable's own minimum and maximum, which they then give away.
+        extra["unpacked"] = {name: {"stored_dtype": stored_dtypes[name], "unsigned": enc.unsigned}
+                             for name, enc in decoded.items()}
     if any(key in VALUE_BOUNDS for keys in dropped_attrs.values() for key in keys):
         steps.append("drop the attributes bounding the perturbed datasets' values (valid_range, valid_min, "
                      "valid_max, actual_range): noisy values lie outside them (dropped_attributes)")
@@ -483,13 +483,14 @@ def count_moves(manifest_extra: dict[str, Any], moved: list[tuple[str, int]]) ->
         entry["moved_off_markers"] = sum(count for moved_name, count in moved if moved_name == name)
 
 
-def _named(in_range: Mapping[str, tuple[tuple[str, float], ...]]) -> list[tuple[str, float]]:
-    """("array/attribute", value) of each marker inside its declared range (calibration.Calibrated)."""
-    return [(f"{name}/{key}", value) for name, markers in in_range.items() for key, value in markers]
-
-
-def _shown(value: float) -> str:
-    return f"{value:g}"
+def _named(in_range: Mapping[str, tuple[tuple[str, float], ...]]) -> list[str]:
+    """"array/attribute" of each marker inside its declared range (calibration.Calibrated).
+    Named, never shown by value: the value compared is the marker decoded (unpacked), and a
+    packed variable's decoded marker is add_offset + code * scale_factor, which packing tools
+    derive from the variable's own minimum and maximum (an ERA5-style -32767 decodes to just
+    below the raw minimum). The stored marker is the input's attribute, and missing_values
+    states it where the output keeps it."""
+    return [f"{name}/{key}" for name, markers in in_range.items() for key, _ in markers]
 
 
 def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public: bool) -> dict[str, Any]:
@@ -499,22 +500,22 @@ def marker_fields(in_range: Mapping[str, tuple[tuple[str, float], ...]], public:
     named = _named(in_range)
     if public:
         return {"public_missing": {
-            "markers": [{"name": name, "value": json_number(value)} for name, value in named],
+            "markers": [{"name": name} for name in named],
             "figures_cover": "the elements that are not missing: values equal to these markers (inside the "
                              "declared range) are kept as missing data, copied, not perturbed, and the "
                              "certified figures hold for the other elements, conditional on which elements "
                              "are missing, a pattern declared public and released as is" if named else
                              "every element: no missing-data marker lies inside the declared range"}}
     return {"dropped": [
-        {"name": name, "kind": "attribute", "reason": f"missing-data marker {_shown(value)} inside the declared range: values equal "
+        {"name": name, "kind": "attribute", "reason": "missing-data marker inside the declared range: values equal "
                                  "to it are data, perturbed like every other, so the output does not declare "
                                  "it (--public-missing keeps them missing instead)"}
-        for name, value in named]} if named else {}
+        for name in named]} if named else {}
 
 
 def marker_messages(in_range: Mapping[str, tuple[tuple[str, float], ...]], public: bool) -> list[str]:
     """The line a run (or its plan) prints about the markers inside the declared range."""
-    named = listing([f"{name} {_shown(value)}" for name, value in _named(in_range)])
+    named = listing(_named(in_range))
     if not named:
         return []
     if public:

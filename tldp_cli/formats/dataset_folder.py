@@ -130,6 +130,10 @@ def _shards(path: Path, state: dict) -> list[str]:
     return names
 
 
+def _a(layout: str) -> str:
+    return "an" if layout.startswith("Arrow") else "a"
+
+
 def _table(path: Path, names: list[str], options: FormatOptions, layout: str) -> tables_reader.FolderTableReader:
     """The shards as one table's reader; they must share their columns."""
     from tldp_cli.formats import tables, tables_reader
@@ -138,8 +142,11 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str) ->
     schema: pa.Schema | None = None
     settings: dict[str, Any] = {}
     for name in names:
-        if tables.layout_of(path / name) != layout:
-            raise InputError(f"{path / name}: not a {layout} (the folder's other shards are)")
+        found = tables.layout_of(path / name)
+        if found != layout:  # a shard of one file only, too: the folder's kind says what it should be
+            raise InputError(f"{path / name}: " + (
+                f"not a readable {layout}, as the folder's data files are; it may be truncated or corrupt"
+                if found is None else f"{_a(found)} {found}, where the folder's data files are {layout}s"))
         part, found, found_settings = tables.open_part(path / name, layout)
         if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
             raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "

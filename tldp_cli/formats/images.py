@@ -66,6 +66,7 @@ from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, js
 
 NAME = "images"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+HINTED = 100  # files of a folder without images looked at for inputs of their own (_inputs_hint)
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
 # Where a Zarr array keeps its chunks ("0.0", "0/0", "c/0/0"): a folder holding only such
 # files and no image is most likely a store that lost its metadata.
@@ -394,7 +395,19 @@ class ImageFolderReader(Reader):
             raise InputError(f"{self.path}: no images{detail}, only what looks like the chunks of "
                              "a damaged Zarr store: no zarr.json, .zarray or .zgroup at its root "
                              "(its metadata is missing)")
-        raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}")
+        raise InputError(f"no images in {self.path}{detail}; looking for {', '.join(IMAGE_SUFFIXES)}"
+                         + self._inputs_hint())
+
+    def _inputs_hint(self) -> str:
+        """Files of the folder (the first HINTED looked at) that tldp perturbs as inputs of their
+        own (a PEFT adapter's adapter_model.safetensors, a folder of .npy files): say so."""
+        own = [rel for rel in self.others[:HINTED]
+               if "which tldp perturbs on its own" in (data_file(self.path / rel) or "")]
+        if not own:
+            return ""
+        more = f" and {plural(len(own) - 1, 'other')}" if len(own) > 1 else ""
+        return (f"; {self.path / own[0]}{more} {'hold' if more else 'holds'} data tldp perturbs on its own: "
+                "give the files as inputs (tldp perturb FILE ... --out FOLDER/, or --inputs-from)")
 
     def _leave_out_label_maps(self, options: FormatOptions) -> list[str]:
         """The palette images (label maps) --keep names, copied raw and listed under

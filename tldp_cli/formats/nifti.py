@@ -316,9 +316,9 @@ class NiftiReader(Reader):
         self._check_size()
         self.messages: list[str] = []
         if self.scaling:
-            self.messages.append(f"{path.name}: scaling its {self.stored.name} voxels (scl_slope "
-                                 f"{self.scaling[0]:g}, scl_inter {self.scaling[1]:g}) to float64 "
-                                 "values before the noise, as nibabel reads them; --range is in these units")
+            self.messages.append(f"{path.name}: scaling its {self.stored.name} voxels (scl_slope, "
+                                 "scl_inter) to float64 values before the noise, as nibabel reads them; "
+                                 "--range is in these units")
         self.jobs = self._jobs()
         self.left = self._leftovers(options)
         self.manifest_extra = self.left.manifest_extra()
@@ -448,14 +448,14 @@ class NiftiWriter(Writer):
         self.failed = False
         compress = tmp_path.name.lower().endswith(".gz")  # the output's name ends .nii or .nii.gz
         if reader.scaling:
-            slope, inter = reader.scaling
             self.postprocessing = [
                 f"write the scaled volume unscaled: its stored {reader.stored.name} values were scaled "
                 f"(scl_slope, scl_inter) before the noise, and are written as {np.dtype(dtype).name} with "
                 "no scaling (unpacked)"]
+            # Not scl_slope and scl_inter themselves: writers derive them from the volume's own
+            # minimum and maximum (nibabel, SPM), which they then give away.
             self.manifest_extra = {"unpacked": {reader.path.name: {
-                "stored_dtype": reader.stored.name, "unsigned": False, "scale_factor": slope,
-                "add_offset": inter}}}
+                "stored_dtype": reader.stored.name, "unsigned": False}}}
         with writing(tmp_path):
             self.file: BinaryIO = open(tmp_path, "xb")
             try:

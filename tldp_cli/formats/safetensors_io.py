@@ -34,7 +34,10 @@ METADATA_REASON = "a __metadata__ entry (free text), not perturbed; only format,
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
           "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+          # the microscaling formats (MXFP4, NVFP4, ...): FP6 and FP4 weights, E8M0 their block scales
+          "F8_E8M0": "float8_e8m0fnu", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn",
+          "F4": "float4_e2m1fn"}
 
 
 def invalid(path: Path, reason: str) -> InputError:

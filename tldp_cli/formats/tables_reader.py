@@ -141,6 +141,8 @@ class TableReader(Reader):
             numeric = [c.name for c in self.columns if c.kind == NUMBER]
             hint = (f"; its numeric columns ({listing(numeric)}) are perturbed when --dataset names them"
                     if numeric else "")
+            others = [f"{c.name} ({c.why})" for c in self.columns if c.kind == OTHER]
+            hint += f"; not perturbed: {listing(others)}" if others else ""
             raise InputError(f"{self.path}: no image or tensor column to perturb{hint}")
         return chosen
 

@@ -25,6 +25,8 @@ from tldp_cli.errors import InputError, NotHeld, UsageError
 from tldp_cli.formats import ArrayJob
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# FP8, FP6 and FP4 weights (and E8M0 block scales): refused unless --exclude names them
+NARROW_FLOATS = ("float8", "float6_", "float4_")  # prefixes: not float64
 NARROW_MAX = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.3895313892515355e38}
 
 
@@ -91,10 +93,10 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
             reasons[t.name] = NORM_REASON
         elif pattern is not None:
             reasons[t.name] = f"--exclude {pattern}"
-        elif t.dtype.startswith("float8"):  # weights all the same: never copied raw unasked
+        elif t.dtype.startswith(NARROW_FLOATS):  # weights all the same: never copied raw unasked
             raise InputError(f"{path}: tensor {t.name} is {t.dtype}, which tldp cannot perturb (noise "
-                             "does not fit 8-bit floats); convert the file to bfloat16 or float16, or "
-                             f"pass --exclude {t.name} to copy it unperturbed")
+                             "does not fit floats of 8 bits or fewer); convert the file to bfloat16 or "
+                             f"float16, or pass --exclude {t.name} to copy it unperturbed")
         elif not t.perturbable:
             reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
                                f"{t.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")

@@ -62,6 +62,24 @@ def _check_codec(codec: dict[str, Any], config: dict[str, Any], dtype: np.dtype,
                              f"cannot apply to the {dtype} output; re-encode the array without it")
 
 
+def _retype(codec: dict[str, Any], config: dict[str, Any], dtype: np.dtype, where: str) -> None:
+    """Sets a delta filter (in `config`, in place) to the output dtype: the differences of
+    the output's values, integers (which wrap and sum back) or values on the noise's grid
+    (differences of multiples of a power of two), are stored exactly, as the input's were.
+    A delta that narrows its differences (astype) and other codecs bound to a dtype are
+    checked as they are (_check_codec)."""
+    if _codec_id(codec) == "delta" and "dtype" in config:
+        try:
+            plain = np.dtype(config.get("astype", config["dtype"])) == np.dtype(config["dtype"])
+        except TypeError:
+            plain = False
+        if plain and dtype.kind in "iuf":
+            config["dtype"] = dtype.str
+            if "astype" in config:
+                config["astype"] = dtype.str
+    _check_codec(codec, config, dtype, where)
+
+
 # Compressors whose level only trades CPU for size, by numcodecs id, and the key of the
 # level in their configuration. Noise compresses no better at a high level than at 1
 # (int16 noise of scale 256: 0.774 of its size with zstd at levels 1 and 3 alike; float
@@ -99,7 +117,7 @@ def _output_codecs(codecs: list, dtype: np.dtype, where: str, dropped: list[str]
             if _codec_id(codec) in _LOSSY_SERIALIZERS:
                 result.append({"name": "bytes", "configuration": {"endian": "little"}})
             continue
-        _check_codec(codec, config, dtype, where)
+        _retype(codec, config, dtype, where)
         if codec.get("name") == "bytes" and "endian" not in config:
             codec["configuration"] = {**config, "endian": "little"}  # required for multi-byte types
         if codec.get("name") == "blosc" and "typesize" in config:
@@ -134,7 +152,7 @@ def output_metadata(node: zarr_tree.Node, fill_value: Any, zarr_format: zarr_tre
             if _codec_id(codec) in LOSSY_CODECS:
                 dropped.append(codec.get("id"))
             else:
-                _check_codec(codec, codec, dtype, where)
+                _retype(codec, codec, dtype, where)
                 filters.append(codec)
         meta["filters"] = filters or None
         compressor = meta.get("compressor")

@@ -6,7 +6,7 @@ element for labels and where the metadata declares it), never released raw. The
 metadata's free-text names, OMERO identifiers and acquisition times are left out unless
 --keep names them (without_ngff_names), and the statistics other tools computed from the
 raw values are dropped (drop_raw_statistics: omero channel windows, replaced by the
-declared range, and label properties).
+declared range, and label properties and colors).
 """
 
 from __future__ import annotations
@@ -285,8 +285,10 @@ def describe_multiscale(root: Path, pyramid: Pyramid, zarr_format: zarr_tree.Zar
 
 def raw_statistics(attrs: dict[str, Any]) -> list[str]:
     """The fields of an image group's NGFF metadata that other tools compute from the raw
-    values: the display windows of its omero channels (min, max, start, end) and the
-    per-label properties of a label image (areas, intensities, ...)."""
+    values: the display windows of its omero channels (min, max, start, end), and the
+    per-label properties (areas, intensities, ...) and colors of a label image: an entry
+    per label value, which tools write for the values the raw labels hold (how many cells
+    or lesions), and which no longer name the noisy ids."""
     ngff = attrs["ome"] if isinstance(attrs.get("ome"), dict) else attrs
     found = []
     omero = ngff.get("omero")
@@ -296,6 +298,8 @@ def raw_statistics(attrs: dict[str, Any]) -> list[str]:
     label = ngff.get("image-label")
     if isinstance(label, dict) and "properties" in label:
         found.append("image-label properties")
+    if isinstance(label, dict) and "colors" in label:
+        found.append("image-label colors")
     return found
 
 
@@ -315,7 +319,7 @@ def declared_window(bounds: tuple[float, float, float | None] | None,
 def drop_raw_statistics(root: Path, pyramid: Pyramid, zarr_format: zarr_tree.ZarrFormat,
                         window: dict[str, float] | None) -> None:
     """Replaces the omero channel windows with `window` (or drops them, when None) and drops
-    the label properties."""
+    the label properties and colors."""
     group = zarr.open_group(LocalStore(root), path=pyramid.group, mode="r+", zarr_format=zarr_format,
                             use_consolidated=False)
     attrs: dict[str, Any] = copy.deepcopy(group.attrs.asdict())  # any JSON
@@ -328,6 +332,7 @@ def drop_raw_statistics(root: Path, pyramid: Pyramid, zarr_format: zarr_tree.Zar
                 channel["window"] = dict(window)
     if isinstance(ngff.get("image-label"), dict):
         ngff["image-label"].pop("properties", None)
+        ngff["image-label"].pop("colors", None)
     group.attrs.put(attrs)
 
 

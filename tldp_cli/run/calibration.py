@@ -140,6 +140,9 @@ def _declared_ranges(options: PerturbOptions, jobs: list[ArrayJob]
             # Integer data under discrete noise: [lo, hi) holds lo..hi-1, so clipping to
             # [-C, C] declares [-floor C, floor C + 1).
             lo, hi = -math.floor(options.clip), math.floor(options.clip) + 1
+            if hi - lo < 2:  # the range said "0:1", which nobody typed
+                raise UsageError(f"{source}: --clip {options.clip:g} on integer data ({jobs[0].dtype}) keeps "
+                                 "one integer, 0: there is nothing to protect; give --clip 1 or more, or --range")
         return {job.name: ((lo, hi), "--clip") for job in jobs}
     named = {given: arrays_named(given, jobs) for given in options.ranges}
     unheld = [given for given, names in named.items() if not names]

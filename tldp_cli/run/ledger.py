@@ -10,7 +10,10 @@ records linked through any other release: a subject is a connected set of record
 the fingerprints it holds in any file reach it. A release is charged once to every
 subject it touches; what a subject spends composes every release charged to it. Linking
 only ever merges subjects: a merge over-charges (equal records of different people, a
-label shared by thousands of rows), it never under-charges.
+label shared by thousands of rows). The one charge per release under-charges a release
+that holds several records of one subject (duplicate rows; a row group's rows released
+as records of their own): each record spends the release's per-record figure, and the
+ledger counts it once (docs/plan-and-ledger.md).
 
 Storage: `records` maps each fingerprint (64 bits: a collision merges two subjects,
 which over-charges) to its subject, `subjects` each subject to its history, and
@@ -32,6 +35,7 @@ The figures of several releases together come from accounting.compose_releases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -87,12 +91,13 @@ class Spent:
     pending: int
     epsilon: float
     delta: float
+    scope: str = "each record"  # "whole file": a model file's subject (charged_scope)
 
     def describe(self) -> str:
         pending = (f", {self.pending} of them pending (a run in progress, or one that was killed)"
                    if self.pending else "")
         return (f"{self.releases} release{'s' if self.releases != 1 else ''}{pending}: "
-                f"each record (eps={self.epsilon:.4g}, delta={self.delta:.3g})")
+                f"{self.scope} (eps={self.epsilon:.4g}, delta={self.delta:.3g})")
 
 
 def open_ledger(path: Path) -> sqlite3.Connection:
@@ -190,9 +195,16 @@ class _Release:
     everyone: bool
 
 
+def charged_scope(figures: dict[str, Any]) -> dict[str, Any]:
+    """The scope of a release's figures charged to each subject it touches: its `charged`
+    one (manifest.ledger_figures: per_file for a model file, whose tensors are one party's),
+    per_record where a release recorded before it was stated."""
+    return figures[figures.get("charged", "per_record")]
+
+
 def _releases(db: sqlite3.Connection) -> dict[int, _Release]:
     rows = db.execute("SELECT id, status, options, figures, everyone FROM releases").fetchall()
-    return {rid: _Release(manifest.guarantee_of(json.loads(figures)["per_record"]),
+    return {rid: _Release(manifest.guarantee_of(charged_scope(json.loads(figures))),
                           json.loads(options).get("--dp-delta", _DEFAULT_DP_DELTA), status == "pending",
                           bool(everyone)) for rid, status, options, figures, everyone in rows}
 
@@ -330,10 +342,13 @@ def begin(db: sqlite3.Connection, groups: list[np.ndarray], figures: dict[str, A
         touched = _touched(db, groups)
         charged = _charged(db, touched)
         releases = _releases(db)
-        new = _Release(manifest.guarantee_of(figures["per_record"]), dp_delta, False, False)  # stated once complete
+        new = _Release(manifest.guarantee_of(charged_scope(figures)), dp_delta, False, False)  # stated once complete
         by_set = {ids: (_spent(ids, releases), _spent(ids, releases, new)) for ids in charged.sets()}
-        before = max((b for b, _ in by_set.values()), key=lambda s: (s.epsilon, s.delta))
-        after = max((a for _, a in by_set.values()), key=lambda s: (s.epsilon, s.delta))
+        scope = "whole file" if figures.get("charged") == "per_file" else "each record"
+        before = dataclasses.replace(max((b for b, _ in by_set.values()), key=lambda s: (s.epsilon, s.delta)),
+                                     scope=scope)
+        after = dataclasses.replace(max((a for _, a in by_set.values()), key=lambda s: (s.epsilon, s.delta)),
+                                    scope=scope)
         worst_delta = max(a.delta for _, a in by_set.values())
         _check_caps(after, worst_delta, before, max_epsilon, max_delta)
         created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -367,7 +382,9 @@ def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: fl
         left = ("" if max_epsilon is None else
                 f"; eps left under the cap: {accounting.epsilon_left(max_epsilon, before.epsilon):.4g}")
         raise LedgerError(f"the ledger refuses this release: with it, the most-spent subject it touches "
-                          f"would spend {', '.join(over)} per record (that subject so far: {before.describe()}"
+                          f"would spend {', '.join(over)} "
+                          f"{'per model file' if before.scope == 'whole file' else 'per record'} "
+                          f"(that subject so far: {before.describe()}"
                           f"{left}); nothing was written")
 
 
@@ -443,7 +460,8 @@ def listing(path: Path) -> dict[str, Any]:
             figures = json.loads(figures)
             entries.append({"id": rid, "status": status, "created": created, "input": input, "output": output,
                             "options": json.loads(options), "subjects": subjects,
-                            "charged_to_every_subject": bool(everyone), "per_element": figures["per_element"],
+                            "charged_to_every_subject": bool(everyone),
+                            "charged": figures.get("charged", "per_record"), "per_element": figures["per_element"],
                             "per_record": figures["per_record"], "per_file": figures.get("per_file")})
         return {"schema": "tldp-ledger/2", "ledger": str(path), "releases": entries, **_subjects(db)}
     finally:

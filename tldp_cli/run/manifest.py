@@ -173,9 +173,14 @@ def guarantee_of(entry: Mapping[str, Any]) -> Guarantee:
 
 def ledger_figures(certified: Certificate) -> dict[str, Any]:
     """What the release ledger records of a run's figures: its accounting's per_element,
-    per_record and per_file entries."""
+    per_record and per_file entries, and `charged`, the scope of one subject's data
+    (accounting.subject_scope: a record, or a model file's whole file) that the ledger
+    charges to each subject the release touches."""
+    from tldp_cli.privacy import accounting  # the ledger's runs import it anyway
+
     entry = accounting_entry(certified)
-    return {scope: entry[scope] for scope in ("per_element", "per_record", "per_file")}
+    return {**{scope: entry[scope] for scope in ("per_element", "per_record", "per_file")},
+            "charged": accounting.subject_scope(certified)[0]}
 
 
 def file_entry(per_file: FileGuarantee) -> dict[str, Any]:

@@ -201,7 +201,7 @@ def _perturb_input(options: PerturbOptions, report: Report) -> PerturbResult:
         raise UsageError("--resume continues an interrupted records run: a --store coefficients run is "
                          "written whole, and keeps nothing to resume from; run it again without --resume")
     if options.resume and not module.resumable:
-        raise UsageError(f"--resume applies to Zarr output, not {module.name}: an interrupted "
+        raise UsageError(f"{source}: --resume applies to Zarr output, not {module.name}: an interrupted "
                          f"{module.name} run keeps nothing to resume from")
     if options.name_map is not None and not options.anonymize_names:
         raise UsageError("--name-map applies to --anonymize-names")
@@ -664,10 +664,13 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     """The fingerprints of the records a release touches, one array (arrays, rows) per row
     group it perturbs any of. A row group is read whole, its arrays this run leaves out too:
     row i of each array that tldp perturbs by default (and groups) is subject i's, whichever
-    of them a run selects."""
+    of them a run selects. A model file's tensors are one subject (one party's), linked as
+    one row."""
     def of(job: ArrayJob) -> np.ndarray:
         return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
 
+    if reader.records_are_tensors:  # a model file: one party's tensors, one subject (ledger_figures)
+        return [np.concatenate([of(job) for job in jobs])[:, None]]
     default, jobs = _default_reader(options, module, reader, jobs)
     perturbed = {job.name for job in jobs}
     try:
