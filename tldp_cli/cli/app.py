@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 from tldp_cli import __version__
 from tldp_cli.cli import coercion
 from tldp_cli.errors import TldpError, UsageError, reason_of
-from tldp_cli.formats import listing, plural
+from tldp_cli.formats import listing, of_source, plural
 from tldp_cli.files import output
 
 DEBUG_ENV = "TLDP_DEBUG"
@@ -463,6 +463,24 @@ def privunit_phrase(manifest: dict) -> str:
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
             f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "
             f"{unit.get('reference_option', 'zero')})")
+
+
+def reference_note(manifest: dict) -> str | None:
+    """A hint for grayscale photos: under --mechanism privunit --reference auto, the single-channel
+    images of an image folder (alone or beside colour ones) are written around 0 (auto's rule
+    goes by the record's shape alone, and is right for digits on black), which darkens photos.
+    None for any other run (arrays such as the .npy digits, colour images, another --reference)."""
+    unit = manifest.get("privunit")
+    if not unit or unit.get("reference_option") != "auto" or not manifest.get("inputs"):
+        return None
+    groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+    gray = [group["reference"] for group in groups if len(group["record_shape"]) == 2]  # (H, W): one channel
+    if not gray or not all((fmt := of_source(entry)) is not None and fmt.records_are_files  # an image folder's
+                           for entry in manifest["inputs"]):
+        return None
+    return (f"note: the grayscale images are written around {gray[0]:g} (--reference auto goes by the "
+            "record's shape: right for digits on black); grayscale photos come out dark that way, pass "
+            "--reference mid for them (docs/choosing-eps.md#photos-the-reference-point)")
 
 
 def unperturbed_note(manifest: dict) -> str:

@@ -332,7 +332,8 @@ CopyOther = Annotated[bool, typer.Option(
     help="Image folders: copy files that are not images (default: report and skip), listed "
          "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads, images in formats it "
          "does not read such as GIF or HEIC, thumbnail caches: Thumbs.db), which are left out and "
-         "listed as dropped.")]
+         "listed as dropped; nor hidden files and folders (.DS_Store, .ipynb_checkpoints, __MACOSX), "
+         "never read.")]
 SkipBad = Annotated[bool, typer.Option(
     help="Image folders: skip unreadable images (listed in the manifest) instead of "
          "stopping; every image is then decoded up front to find them.")]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (Display, app, debugging, failure, library_warnings, privunit_phrase, records_phrase,
-                              run, unperturbed_note)
+                              reference_note, run, unperturbed_note)
 
 
 @app.command("plan", no_args_is_help=True)
@@ -173,6 +173,8 @@ def _print(report: dict, quiet: bool) -> None:
                       if "stored" in report["privunit"] else f"values {written}")
             typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, {stored}"
                        f"{unperturbed_note(report)}", err=True)
+            if (note := reference_note(report)) is not None:
+                typer.echo(f"tldp: {note}", err=True)
         else:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
                        f"{c['noise_scale']:.4g}, element eps "
