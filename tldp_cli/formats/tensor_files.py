@@ -163,6 +163,15 @@ def smallest_positive(dtype: str) -> float:
     return float(np.finfo(np.float32 if dtype == "bfloat16" else np.dtype(dtype)).tiny)
 
 
+def saturated(values: np.ndarray, dtype: str) -> np.ndarray:
+    """`values` clipped to a narrow float dtype's finite range (float16: +-65504, bfloat16),
+    so rounding to it saturates instead of overflowing to inf; other dtypes: as they are."""
+    if dtype in NARROW_MAX:
+        limit = NARROW_MAX[dtype]
+        return np.clip(values, -limit, limit)
+    return values
+
+
 def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None = None,
               positive: bool = False) -> np.ndarray:
     """Perturbed values in the tensor's own dtype: bfloat16 as its uint16 bit patterns.
@@ -174,9 +183,7 @@ def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None =
     """
     if positive:
         values = np.maximum(values, smallest_positive(dtype))
-    if dtype in NARROW_MAX:
-        limit = NARROW_MAX[dtype]
-        values = np.clip(values, -limit, limit)
+    values = saturated(values, dtype)
     if dtype == "bfloat16":
         return float32_to_bfloat16(values)
     return np.asarray(values).astype(byteorder_dtype or np.dtype(dtype))
