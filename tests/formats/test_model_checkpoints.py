@@ -273,3 +273,37 @@ def test_a_pickled_checkpoint_is_refused_with_the_way_to_convert_it(cli, tmp_pat
     assert_one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1"), 1, str(src), "a Python pickle",
                           "safetensors")
     assert siblings(tmp_path) == before
+
+
+def write_record_model(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    save_numpy({"w": rng.uniform(-1, 1, (40, 50)).astype(np.float16),
+                "b": rng.uniform(-1, 1, 10).astype(np.float32)}, str(path))
+    return path
+
+
+def test_record_budget_on_a_model_computes_in_float64_unasked(cli, tmp_path):
+    """Was: a tensor of 2000 elements under --budget record was refused unless --dtype float64
+    (float32 cannot hold the grid values); each tensor is written back in its own dtype anyway."""
+    src = write_record_model(tmp_path / "m.safetensors")
+    args = ("--eps", "10", "--budget", "record", "--range", "-1:1")
+    m = manifest_of(cli("perturb", src, *args, "--json"))
+    assert m["grid"]["output_dtype_rule"].startswith("float64: ")
+    assert "float16 tensors rounded to float16 (nearest even) after the noise" in m["postprocessing"][0]
+    assert m["output_dtype"] == "float16 and float32 (each tensor keeps its dtype)"
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    for name in before:
+        assert after[name].dtype == before[name].dtype and np.isfinite(after[name]).all()
+        assert not np.array_equal(after[name], before[name])
+    plan = cli("plan", src, *args)
+    assert plan.exit_code == 0 and "values float64" in plan.stderr, plan.stderr
+    checked = cli("evaluate", src, tmp_path / "m.tldp.safetensors")
+    assert checked.exit_code == 0, checked.stderr
+
+
+def test_record_budget_on_a_model_in_float32_asked_is_still_refused(cli, tmp_path):
+    src = write_record_model(tmp_path / "m.safetensors")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "10", "--budget", "record", "--range", "-1:1",
+                              "--dtype", "float32"), 2, str(src), "--dtype float32 cannot hold the grid values")
+    assert siblings(tmp_path) == before

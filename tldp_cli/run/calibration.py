@@ -254,7 +254,8 @@ def _naming(source: Path) -> Iterator[None]:
 
 
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
-                     rows: list[list[str]], user: bases_mod.UserBasis | None = None) -> _RangeGroup:
+                     rows: list[list[str]], user: bases_mod.UserBasis | None = None,
+                     per_tensor: bool = False) -> _RangeGroup:
     if options.mechanism == PRIVUNIT:
         return _privunit_group(options, lo, hi, jobs, rows, user)
     source = options.input
@@ -282,8 +283,21 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
         with _naming(source):
-            out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+            out_dtype = _grid_dtype(options, grid, max(scales), per_tensor)
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
+
+
+def _grid_dtype(options: PerturbOptions, grid: discrete.Grid, scale: float, per_tensor: bool) -> np.dtype:
+    """discrete.output_dtype in --dtype; model files (each tensor one record, written back in
+    its own dtype whatever the noise's) without --dtype: float64 where float32 cannot hold
+    the grid values (a tensor of ~1000 elements or more under --budget record), the
+    rounding to the tensor's dtype being post-processing of the exact float64 values."""
+    try:
+        return discrete.output_dtype(grid, checked_noise(options), scale, float_dtype(options))
+    except UsageError:
+        if not per_tensor or options.dtype is not None:
+            raise
+        return discrete.output_dtype(grid, checked_noise(options), scale, "float64")
 
 
 def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
@@ -324,7 +338,7 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
     def calibrate_group(bounds: tuple[float, float]) -> _RangeGroup:
         within = [row for row in rows if all(range_of[name] == bounds for name in row)]
-        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user)
+        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user, per_tensor)
 
     groups = list(calibrated_each(list(members), calibrate_group).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}
