@@ -307,3 +307,33 @@ def test_record_budget_on_a_model_in_float32_asked_is_still_refused(cli, tmp_pat
     assert_one_line_error(cli("perturb", src, "--eps", "10", "--budget", "record", "--range", "-1:1",
                               "--dtype", "float32"), 2, str(src), "--dtype float32 cannot hold the grid values")
     assert siblings(tmp_path) == before
+
+
+def test_dataset_takes_globs_as_exclude_does(cli, tmp_path):
+    """Was: --dataset 'fc.*' was read as a tensor's name and refused (no such tensor)."""
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    m = manifest_of(cli("perturb", src, *ARGS, "--dataset", "fc.*", "--dataset", "bn.weight", "--json"))
+    assert sorted(t["name"] for t in m["accounting"]["per_tensor"]) == ["bn.weight", "fc.bias", "fc.weight"]
+    reasons = {u["name"]: u["reason"] for u in m["unperturbed"]}
+    assert reasons == {name: "not named by --dataset" for name in
+                       ("bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked")}
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    assert not np.array_equal(after["fc.weight"], before["fc.weight"])
+    np.testing.assert_array_equal(after["bn.bias"], before["bn.bias"])
+    # --exclude leaves out of a glob's tensors; the other dtypes it matches are copied, as by default
+    m = manifest_of(cli("perturb", src, *ARGS, "--dataset", "bn.*", "--exclude", "*.running_*",
+                        "--out", tmp_path / "bn.safetensors", "--json"))
+    assert sorted(t["name"] for t in m["accounting"]["per_tensor"]) == ["bn.bias", "bn.weight"]
+    reasons = {u["name"]: u["reason"] for u in m["unperturbed"]}
+    assert reasons["bn.running_var"] == "--exclude *.running_*" and reasons["bn.num_batches_tracked"].startswith("int64")
+
+
+@pytest.mark.parametrize("pattern,fragment", [
+    ("conv.*", "tensor conv.*: no such tensor in the file"),
+    ("*.num_batches_*", "--dataset *.num_batches_* matches no floating-point tensor")])
+def test_a_dataset_glob_that_matches_nothing_is_refused(cli, tmp_path, pattern, fragment):
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    before = siblings(tmp_path)
+    for command in ("perturb", "plan"):
+        assert_one_line_error(cli(command, src, *ARGS, "--dataset", pattern), 1, str(src), fragment)
+    assert siblings(tmp_path) == before

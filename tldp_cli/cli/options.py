@@ -270,7 +270,8 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
     help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
-         "sharded model folders, Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+         "sharded model folders, Keras .weights.h5): a tensor by name, or a glob as --exclude's "
+         "(e.g. 'encoder.*': the floating-point tensors it matches); default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
          "are left out (see --keep). Parquet, Arrow and Hugging Face dataset folders: a column; "
