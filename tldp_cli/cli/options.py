@@ -268,7 +268,8 @@ Granularity = Annotated[Optional[float], typer.Option(
          "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)]
 Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
-    help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
+    help="HDF5/Zarr: a dataset or array to perturb (repeatable; HDF5: or a glob as --exclude's, "
+         "its numeric non-coordinate datasets). Default: every numeric "
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
          "sharded model folders, Keras .weights.h5): a tensor by name, or a glob as --exclude's "
          "(e.g. 'encoder.*': the floating-point tensors it matches); default: every floating-point tensor but the "
