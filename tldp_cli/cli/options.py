@@ -310,8 +310,8 @@ Clip = Annotated[Optional[float], typer.Option(
 DtypeOption = Annotated[OutDtype, typer.Option(
     help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
          "comes out as the smallest signed integer type that cannot wrap; float data on "
-         "the grid in this dtype (model files, not given: float64 where float32 cannot hold "
-         "the grid; each tensor keeps its dtype).")]
+         "the grid in this dtype (model files and tables, not given: float64 where float32 cannot "
+         "hold the grid; each tensor or column keeps its dtype).")]
 ImageFormatOption = Annotated[ImageFormat, typer.Option(
     help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
          "(float32, unclipped; Pillow, and the loaders built on it, cannot open such TIFF "

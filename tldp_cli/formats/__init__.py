@@ -112,6 +112,10 @@ class Reader:
     format: str
     path: Path
     records_are_tensors = False  # model files: each tensor is one record of its own
+    # Its writer writes each array back in its own dtype, whatever the engine's (model files:
+    # each tensor's; tables: each column's), so a run may compute in float64 unasked
+    # (calibration._grid_dtype)
+    keeps_dtypes = False
     messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
     # What one subject's record is, in words, for the warnings (a NIfTI file: the whole scan);

@@ -267,6 +267,7 @@ class Hdf5Reader(Reader):
     def _select_tensors(self, found: dict[str, h5py.Dataset], options: FormatOptions) -> list[ArrayJob]:
         """A Keras weights file: each weight one record, chosen as in any model file."""
         self.records_are_tensors = True
+        self.keeps_dtypes = True  # Keras weights: each written back in its dtype
         tensors = [tensor_files.Tensor(name, tuple(ds.shape or ()), ds.dtype.name if ds.dtype.kind in "iufb"
                                        else str(ds.dtype)) for name, ds in found.items()]
         requested = [posixpath.normpath("/" + name.strip("/")) for name in options.datasets]
