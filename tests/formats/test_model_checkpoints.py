@@ -337,3 +337,15 @@ def test_a_dataset_glob_that_matches_nothing_is_refused(cli, tmp_path, pattern, 
     for command in ("perturb", "plan"):
         assert_one_line_error(cli(command, src, *ARGS, "--dataset", pattern), 1, str(src), fragment)
     assert siblings(tmp_path) == before
+
+
+def test_evaluate_recalibrates_a_model_run_in_the_dtype_it_asked_for(cli, tmp_path):
+    """Was: evaluate recalibrated a model file's --dtype float64 run in float32 (its output_dtype
+    names the tensors' dtypes) and failed: 'its parameters cannot be calibrated'."""
+    src = write_record_model(tmp_path / "m.safetensors")
+    out = tmp_path / "out.safetensors"
+    result = cli("perturb", src, "--eps", "10", "--budget", "record", "--range", "-1:1", "--dtype", "float64",
+                 "--out", out)
+    assert result.exit_code == 0, result.stderr
+    checked = cli("evaluate", src, out)
+    assert checked.exit_code == 0, checked.stderr
