@@ -25,7 +25,8 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors`, `record_description` (what one subject's
+the files skipped), `records_are_tensors`, `keeps_dtypes` (its writer stores each array
+back in its own dtype: model files, tables), `record_description` (what one subject's
 record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
 arrays whose row i is one subject's record, where the format knows) and
 `markers_are_data()` (CF missing-data markers inside the declared range) and `missing_fill()`
