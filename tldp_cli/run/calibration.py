@@ -296,7 +296,14 @@ def _grid_dtype(options: PerturbOptions, grid: discrete.Grid, scale: float, keep
     try:
         return discrete.output_dtype(grid, checked_noise(options), scale, float_dtype(options))
     except UsageError:
-        if not keeps_dtypes or options.dtype is not None:
+        if not keeps_dtypes or options.dtype is not None or grid.granularity is None:
+            raise
+        # Only float32's exactness limit: grid steps or values float32 cannot hold at all
+        # would come out as 0 or saturated in a float32 tensor, so those stay refused.
+        tail = discrete.tail_bound(checked_noise(options), scale)
+        steps = max(abs(grid.low - tail), abs(grid.high + tail))
+        f32 = np.finfo(np.float32)
+        if not (steps > 2**24 and grid.granularity >= f32.tiny and grid.granularity * steps < f32.max):
             raise
         return discrete.output_dtype(grid, checked_noise(options), scale, "float64")
 
