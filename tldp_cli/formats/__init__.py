@@ -25,7 +25,8 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors`, `record_description` (what one subject's
+the files skipped), `records_are_tensors`, `keeps_dtypes` (its writer stores each array
+back in its own dtype: model files, tables), `record_description` (what one subject's
 record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
 arrays whose row i is one subject's record, where the format knows) and
 `markers_are_data()` (CF missing-data markers inside the declared range) and `missing_fill()`
@@ -112,6 +113,10 @@ class Reader:
     format: str
     path: Path
     records_are_tensors = False  # model files: each tensor is one record of its own
+    # Its writer writes each array back in its own dtype, whatever the engine's (model files:
+    # each tensor's; tables: each column's), so a run may compute in float64 unasked
+    # (calibration._grid_dtype)
+    keeps_dtypes = False
     messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
     # What one subject's record is, in words, for the warnings (a NIfTI file: the whole scan);
