@@ -84,7 +84,7 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
         if both:
             raise UsageError(f"{path}: tensor {both[0][0]} is named by --dataset and matched by "
                              f"--exclude {both[0][1]}; give one")
-        reasons = {}
+        reasons: dict[str, str] = {}
         for pattern in (name for name in requested if name not in names):
             wanted |= _globbed(path, tensors, pattern, list(exclude), reasons)
         chosen = [t for t in tensors if t.name in wanted]
@@ -94,11 +94,11 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
         return chosen, [], _unperturbed(tensors, reasons)
     reasons = {}
     for t in tensors:
-        pattern = matching(t.name, list(exclude))
+        excluded_by = matching(t.name, list(exclude))
         if t.name in norm_stats:
             reasons[t.name] = NORM_REASON
-        elif pattern is not None:
-            reasons[t.name] = f"--exclude {pattern}"
+        elif excluded_by is not None:
+            reasons[t.name] = f"--exclude {excluded_by}"
         elif t.dtype.startswith(NARROW_FLOATS):  # weights all the same: never copied raw unasked
             raise InputError(f"{path}: tensor {t.name} is {t.dtype}, which tldp cannot perturb (noise "
                              "does not fit floats of 8 bits or fewer); convert the file to bfloat16 or "
