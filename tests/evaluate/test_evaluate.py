@@ -230,6 +230,25 @@ def test_hdf5_pairs_datasets(cli, tmp_path, digits):
     assert rep["format"] == "hdf5" and checks(rep)["noise_distribution"]["passed"]
 
 
+def test_arrays_sharing_rows_say_what_a_certified_record_is(cli, tmp_path, digits):
+    """Regression: two datasets of 20 rows were measured as "40 records x 784 elements", then
+    "certified per record eps=1562": the figure of a row of both (1568 elements), read as one
+    of the 784-element records just named. The header says what the figure's record is."""
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["a"] = digits[:20]
+        f["b"] = digits[20:40]
+    out = perturb(cli, tmp_path / "d.h5", tmp_path / "o.h5", "--eps", "1")
+    r = cli("evaluate", tmp_path / "d.h5", out)
+    assert r.exit_code == 0, r.output
+    header = r.stderr.splitlines()[0]
+    assert "40 records x 784 elements" in header
+    assert header.endswith("a record being one row of each array that shares it: 20 of up to 1568 elements)")
+    rep = json.loads(cli("evaluate", tmp_path / "d.h5", out, "--json").stdout)
+    assert rep["row_records"]["records"] == 20 and rep["row_records"]["elements_per_record"] == 1568
+    alone = perturb(cli, tmp_path / "d.h5", tmp_path / "a.h5", "--eps", "1", "--dataset", "a")
+    assert json.loads(cli("evaluate", tmp_path / "d.h5", alone, "--json").stdout)["row_records"] is None
+
+
 def test_ssim_identity_and_noise():
     x = np.random.default_rng(0).integers(0, 256, (3, 20, 20)).astype(float)
     assert np.allclose(ev.ssim(x, x, 255), 1.0)

@@ -12,6 +12,16 @@ from tldp_cli.errors import UsageError
 from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run, shown
 
 
+def _row_records(report: dict) -> str:
+    """Where arrays share their rows, the certified figure is a row's (of several arrays),
+    not one of the records measured: say so."""
+    rows = report.get("row_records")
+    if not rows:
+        return ""
+    return (f", a record being one row of each array that shares it: {rows['records']} of up to "
+            f"{rows['elements_per_record']} elements")
+
+
 def _print_report(report: dict) -> None:
     echo = lambda text="": typer.echo(text, err=True)  # noqa: E731
     acc = report["accounting"]
@@ -19,7 +29,7 @@ def _print_report(report: dict) -> None:
          f"{report['records']} records {'of up to' if report.get('record_sizes', 1) > 1 else 'x'} "
          f"{report['elements_per_record']} elements; "
          f"{' '.join(dict.fromkeys((report['mechanism'], report['noise'])))}, {report['epsilon_scope']}; "
-         f"certified per record eps={shown(acc['per_record']['epsilon'])})")
+         f"certified per record eps={shown(acc['per_record']['epsilon'])}{_row_records(report)})")
     echo(f"tldp: this report is {report['sensitive']}")
     echo(f"  {'check':<20}{'result':<9}detail")
     for check in report["checks"]:

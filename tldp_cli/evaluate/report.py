@@ -114,6 +114,7 @@ def _run_stated(m: dict, value_range: tuple[float, float], records: int) -> dict
         "epsilon": m.get("epsilon"), "epsilon_scope": epsilon_scope(m), "value_range": list(value_range),
         "records": records, "elements_per_record": m.get("elements_per_record"),
         "record_sizes": len({c.get("elements_per_record") for c in m.get("calibrations") or []}) or 1,
+        "row_records": m.get("row_records"),
         "accounting": {scope: {"epsilon": (acc.get(scope) or {}).get("epsilon"),
                                "delta": (acc.get(scope) or {}).get("delta")}
                        for scope in ("per_element", "per_record")},
