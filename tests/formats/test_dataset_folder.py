@@ -130,6 +130,22 @@ def test_a_hub_folder_of_parquet_shards_is_one_table_and_loads_with_its_splits(c
         sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
 
 
+def test_a_macos_archives_resource_forks_are_not_read_as_parquet(cli, tmp_path):
+    """Regression: a Hub folder unzipped from a macOS archive has __MACOSX/ (AppleDouble files,
+    ._train-...parquet) and ._ files beside the shards: they were read as Parquet shards and
+    stopped the run. They are left out unread and listed, as hidden folders are (formats.is_hidden)."""
+    root, _, _ = hub_folder(tmp_path)
+    fork = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(40)
+    (root / "__MACOSX" / "data").mkdir(parents=True)
+    (root / "__MACOSX" / "data" / "._train-00000-of-00002.parquet").write_bytes(fork)
+    (root / "data" / "._test-00000-of-00001.parquet").write_bytes(fork)
+    manifest, _ = run(cli, root, tmp_path / "out")
+    assert manifest["row_records"]["records"] == 14
+    dropped = {e["name"]: e for e in manifest["dropped"]}
+    assert "hidden" in dropped["__MACOSX/"]["reason"] and "data/._test-00000-of-00001.parquet" in dropped
+    assert not (tmp_path / "out" / "__MACOSX").exists()
+
+
 def test_an_imagefolder_with_a_parquet_index_stays_an_image_folder(cli, tmp_path):
     root, _, _ = hub_folder(tmp_path)
     from PIL import Image

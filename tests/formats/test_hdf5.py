@@ -481,3 +481,40 @@ def test_references_point_into_the_output(cli, tmp_path):
         assert f[f.attrs["corner"]] == images
         np.testing.assert_array_equal(images[f.attrs["corner"]], images[:2, :3, :1])
         assert [f[r].name for r in f["pointers"][()]] == ["/train/labels", "/names"]
+
+
+def write_globbed(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["grp/a"] = rng.uniform(0, 1, (10, 4)).astype(np.float32)
+        f["grp/b"] = rng.uniform(0, 1, (10, 3)).astype(np.float32)
+        f["grp/name"] = np.array([b"x"] * 10)
+        f["labels"] = np.arange(10)
+    return path
+
+
+def test_dataset_takes_globs_as_exclude_does(cli, tmp_path):
+    """Was: --dataset 'grp/*' was read as a dataset's path and refused (no such dataset)."""
+    src = write_globbed(tmp_path / "d.h5")
+    result = cli("perturb", src, "--eps", "1", "--range", "0:1", "--dataset", "grp/*", "--exclude", "*/b",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert [i["dataset"] for i in m["inputs"]] == ["/grp/a"]  # /grp/name is not numeric, /grp/b excluded
+    with h5py.File(src) as before, h5py.File(tmp_path / "d.tldp.h5") as after:
+        assert not np.array_equal(after["grp/a"][()], before["grp/a"][()])
+        np.testing.assert_array_equal(after["grp/b"][()], before["grp/b"][()])
+        assert "labels" not in after
+
+
+@pytest.mark.parametrize("pattern,fragment", [
+    ("x*", "dataset /x*: no such dataset in the file"),
+    ("grp/n*", "--dataset /grp/n* matches no numeric dataset to perturb")])
+def test_a_dataset_glob_that_matches_nothing_is_refused(cli, tmp_path, pattern, fragment):
+    from tests.builders import assert_one_line_error
+
+    src = write_globbed(tmp_path / "d.h5")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "1", "--range", "0:1", "--dataset", pattern), 1,
+                          str(src), fragment)
+    assert siblings(tmp_path) == before

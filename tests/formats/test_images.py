@@ -16,6 +16,7 @@ from tests.builders import SEED, RoundTrip, assert_one_line_error, siblings, tre
 from tldp_cli import formats
 from tldp_cli.errors import InputError
 from tldp_cli.formats import images
+from tldp_cli.formats.pixels import png
 
 RNG = np.random.default_rng(0)
 
@@ -366,13 +367,27 @@ def test_a_folder_of_label_maps_only_says_so(cli, tmp_path):
     assert_one_line_error(result, 1, "1 palette image (label maps, which tldp does not perturb)")
 
 
-def test_other_modes_are_refused(cli, tmp_path):
+@pytest.mark.parametrize("name, mode, hint", [
+    ("print.jpg", "CMYK", "convert it to RGB first (Pillow: Image.open('print.jpg').convert('RGB').save('print.png'); "
+                          "ImageMagick: magick print.jpg -colorspace sRGB print.png)"),
+    ("depth map.tif", "F", "its samples are floating-point; perturb its values as an array (numpy.save('depth map.npy', "
+                           "tifffile.imread('depth map.tif')), then tldp perturb 'depth map.npy' --range LO:HI) or "
+                           "convert it to 16-bit grayscale first (ImageMagick: magick 'depth map.tif' -depth 16 "
+                           "'depth map.png')")])
+def test_other_modes_are_refused_with_a_conversion_hint(cli, tmp_path, name, mode, hint):
+    """Regression: a CMYK JPEG or a float TIFF was refused without saying how to convert it."""
     src = tmp_path / "photos"
     save(src / "a.png", pixels(6, 6, 3))
-    Image.new("CMYK", (5, 5)).save(src / "print.jpg")
+    (src / "sub").mkdir()
+    if mode == "F":
+        tifffile.imwrite(src / "sub" / name, RNG.random((5, 5), dtype=np.float32))
+    else:
+        Image.fromarray(pixels(5, 5, 3)).convert(mode).save(src / "sub" / name)
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out2")
     assert result.exit_code == 1
-    assert "print.jpg" in one_line(result) and "CMYK" in result.stderr
+    line = one_line(result)
+    assert line.startswith(f"tldp: error: {src / 'sub' / name}: colour mode {mode} is not supported")
+    assert hint in line
 
 
 @pytest.mark.parametrize("image_format", ["png", "tiff"])
@@ -429,6 +444,21 @@ def test_16bit_colour_is_refused_not_truncated(cli, tmp_path):
     result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
     assert result.exit_code == 1
     assert "deep.tif" in one_line(result) and "16-bit" in result.stderr
+
+
+def test_16bit_grayscale_with_alpha_is_named_so_not_rgba(cli, tmp_path):
+    """Regression: a 16-bit grayscale+alpha PNG (colour type 4, as libpng writes it for GIMP or
+    ImageMagick; made here with tldp's PNG encoder, which libpng reads) was refused as having
+    "16-bit RGBA samples", how Pillow opens it."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    (src / "cutout.png").write_bytes(png(pixels(4, 5, 2, dtype=np.uint16), None))
+    assert (src / "cutout.png").read_bytes()[24:26] == bytes([16, 4])
+    with Image.open(src / "cutout.png") as im:
+        assert im.mode == "RGBA"  # what Pillow says
+    line = one_line(cli("perturb", src, "--eps", "1", "--out", tmp_path / "out"))
+    assert f"{src / 'cutout.png'}: has 16-bit grayscale with alpha samples, which Pillow reads as 8-bit RGBA" in line
+    assert "RGBA samples" not in line and "-alpha off" in line
 
 
 def test_name_collision_names_both(cli, tmp_path):
@@ -499,6 +529,140 @@ def test_copy_other_never_copies_photos_in_formats_tldp_does_not_read_nor_thumbn
     assert "4 files holding data (a thumbnail cache (Windows' Thumbs.db); an image in a format tldp does not read)" \
         in line
     assert tree_digest(src) == before
+
+
+def test_photos_in_formats_tldp_does_not_read_are_not_called_files_that_are_not_images(cli, tmp_path):
+    """Regression: without --copy-other, a GIF or HEIC photo was skipped as "a file that is not
+    an image"; it is named as an image tldp does not read, with the advice to convert it, in
+    perturb's and plan's line, in the manifest's dropped and when the folder holds no other image."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    Image.fromarray(pixels(8, 8, 3)).save(src / "b.gif")
+    (src / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
+    (src / "notes.txt").write_text("shot in May")
+    out = tmp_path / "out"
+    for command in (("perturb", src, "--eps", "1", "--out", out), ("plan", src, "--eps", "1")):
+        result = cli(*command)
+        assert result.exit_code == 0, result.stderr
+        assert "skipped 2 images in formats tldp does not read (GIF, HEIF/AVIF; convert them to PNG to perturb " \
+               "them): b.gif, phone.heic" in result.stderr
+        assert "skipped 1 file that is not an image: notes.txt" in result.stderr
+    reasons = {d["name"]: d["reason"] for d in manifest_of(out)["dropped"]}
+    assert set(reasons) == {"b.gif", "phone.heic"} and "convert it to PNG" in reasons["b.gif"]
+
+    gifs = tmp_path / "gifs"
+    gifs.mkdir()
+    Image.fromarray(pixels(8, 8, 3)).save(gifs / "b.gif")
+    assert_one_line_error(cli("perturb", gifs, "--eps", "1"), 1, "found 1 image in a format tldp does not read "
+                                                                 "(GIF; convert it to PNG to perturb it)")
+
+
+def test_a_stray_file_in_an_earlier_output_is_named(cli, tmp_path):
+    """Regression: --overwrite refused an earlier output holding a file no run writes (a
+    .DS_Store Finder left there, notes added) as "not an earlier output", naming neither."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    out = tmp_path / "out"
+    assert cli("perturb", src, "--eps", "1", "--out", out).exit_code == 0
+    (out / "sub").mkdir()
+    (out / "sub" / "notes.txt").write_text("release notes")
+    (out / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    before = tree_digest(out)
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--overwrite")
+    assert_one_line_error(result, 2, f"{out}: exists and is not an earlier output of this kind (it holds "
+                                     ".DS_Store, sub/notes.txt, which a run on this input does not write)",
+                          "remove it yourself")
+    assert tree_digest(out) == before
+    (out / "sub" / "notes.txt").unlink()
+    (out / ".DS_Store").unlink()
+    assert cli("perturb", src, "--eps", "1", "--out", out, "--overwrite").exit_code == 0
+
+
+def hidden_clutter(src: Path) -> None:
+    """What tools leave in a photo folder, none of it the user's data: Jupyter's checkpoints (a
+    copy of an image), a macOS archive's AppleDouble resource fork, Finder's .DS_Store (file
+    names), Picasa's .picasa.ini (face tags: people's names), a clone's .git."""
+    save(src / ".ipynb_checkpoints" / "a-checkpoint.png", pixels(8, 8, 3))
+    (src / "__MACOSX" / "sub").mkdir(parents=True)
+    (src / "__MACOSX" / "._a.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(40))
+    (src / "__MACOSX" / "sub" / "._c.png").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+    (src / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(40))
+    (src / "sub").mkdir(exist_ok=True)
+    (src / "sub" / ".picasa.ini").write_text("[c.png]\nfaces=rect64(3f845bcb59418507),Alice Smith\n")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+
+
+HIDDEN = [".DS_Store", ".git/", ".ipynb_checkpoints/", "__MACOSX/", "sub/.picasa.ini"]
+
+
+@pytest.mark.parametrize("copy_other", [False, True], ids=["skipped", "--copy-other"])
+def test_hidden_files_and_folders_are_never_read_nor_copied(cli, tmp_path, copy_other):
+    """Regression: .ipynb_checkpoints/ became a class of the release (its images perturbed as
+    the user's), a macOS __MACOSX/._a.png stopped the run as an unreadable image, and
+    --copy-other copied .DS_Store and .picasa.ini (people's names) raw into the release."""
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    save(src / "sub" / "c.png", pixels(8, 8))
+    (src / "notes.txt").write_text("shot in May")
+    hidden_clutter(src)
+    before = tree_digest(src)
+    out = tmp_path / "out"
+    options = ("--copy-other",) if copy_other else ()
+    result = cli("perturb", src, "--eps", "1", "--out", out, *options)
+    assert result.exit_code == 0, result.stderr
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == ["a.png", *(["notes.txt"] if copy_other else []), "sub/c.png"]
+    manifest = manifest_of(out)
+    assert {i["path"] for i in manifest["inputs"]} == {str(src / "a.png"), str(src / "sub" / "c.png")}
+    dropped = {d["name"]: d for d in manifest["dropped"]}
+    assert sorted(dropped) == HIDDEN
+    assert dropped[".git/"]["kind"] == "folder" and dropped[".DS_Store"]["kind"] == "file"
+    assert all("hidden" in d["reason"] for d in dropped.values())
+    assert manifest["not_images"] == ["notes.txt"]
+    assert f"left out 2 hidden files and 3 hidden folders, never read nor copied (the manifest's dropped): " \
+           f"{', '.join(HIDDEN)}" in result.stderr
+    assert tree_digest(src) == before
+
+    planned = cli("plan", src, "--eps", "1", "--json", *options)
+    assert planned.exit_code == 0, planned.stderr
+    assert json.loads(planned.stdout)["records"] == 2 and "left out 2 hidden files" in planned.stderr
+
+
+def test_keep_naming_a_hidden_file_says_it_is_never_copied(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    hidden_clutter(src)
+    for pattern, named in ((".picasa.ini", None), ("sub/.picasa.ini", "sub/.picasa.ini"),
+                           (".ipynb_checkpoints/*.png", ".ipynb_checkpoints/")):
+        result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--keep", pattern)
+        if named is None:
+            assert_one_line_error(result, 2, f"--keep {pattern} matches no")
+        else:
+            assert_one_line_error(result, 2, f"--keep {pattern} names {named}, which is hidden", "never read")
+    assert siblings(tmp_path) == {"photos"}
+
+
+def test_hidden_files_are_withheld_with_anonymized_names(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / "a.png", pixels(8, 8, 3))
+    hidden_clutter(src)
+    out, name_map = tmp_path / "out", tmp_path / "names.json"
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--anonymize-names", "--name-map", name_map)
+    assert result.exit_code == 0, result.stderr
+    assert "left out 2 hidden files and 3 hidden folders, never read nor copied (the manifest's dropped): " \
+           "named in the name map" in result.stderr
+    manifest_text = Path(str(out) + ".manifest.json").read_text()
+    assert "sub/.picasa.ini" not in manifest_text and ".ipynb_checkpoints/" not in manifest_text
+    assert {d["name"] for d in manifest_of(out)["dropped"]} == {images.WITHHELD}
+    assert json.loads(name_map.read_text())["hidden_left_out"] == HIDDEN
+
+
+def test_a_folder_of_hidden_images_only_has_no_images(cli, tmp_path):
+    src = tmp_path / "photos"
+    save(src / ".ipynb_checkpoints" / "a-checkpoint.png", pixels(8, 8, 3))
+    assert_one_line_error(cli("perturb", src, "--eps", "1"), 1, f"no images in {src} (found 1 hidden folder, "
+                                                                "not read)")
 
 
 @pytest.mark.parametrize("broken", ["truncated", "garbage"])

@@ -273,3 +273,79 @@ def test_a_pickled_checkpoint_is_refused_with_the_way_to_convert_it(cli, tmp_pat
     assert_one_line_error(cli("perturb", src, "--eps", "1", "--clip", "1"), 1, str(src), "a Python pickle",
                           "safetensors")
     assert siblings(tmp_path) == before
+
+
+def write_record_model(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    save_numpy({"w": rng.uniform(-1, 1, (40, 50)).astype(np.float16),
+                "b": rng.uniform(-1, 1, 10).astype(np.float32)}, str(path))
+    return path
+
+
+def test_record_budget_on_a_model_computes_in_float64_unasked(cli, tmp_path):
+    """Was: a tensor of 2000 elements under --budget record was refused unless --dtype float64
+    (float32 cannot hold the grid values); each tensor is written back in its own dtype anyway."""
+    src = write_record_model(tmp_path / "m.safetensors")
+    args = ("--eps", "10", "--budget", "record", "--range", "-1:1")
+    m = manifest_of(cli("perturb", src, *args, "--json"))
+    assert m["grid"]["output_dtype_rule"].startswith("float64: ")
+    assert "float16 tensors rounded to float16 (nearest even) after the noise" in m["postprocessing"][0]
+    assert m["output_dtype"] == "float16 and float32 (each tensor keeps its dtype)"
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    for name in before:
+        assert after[name].dtype == before[name].dtype and np.isfinite(after[name]).all()
+        assert not np.array_equal(after[name], before[name])
+    plan = cli("plan", src, *args)
+    assert plan.exit_code == 0 and "values float64" in plan.stderr, plan.stderr
+    checked = cli("evaluate", src, tmp_path / "m.tldp.safetensors")
+    assert checked.exit_code == 0, checked.stderr
+
+
+def test_record_budget_on_a_model_in_float32_asked_is_still_refused(cli, tmp_path):
+    src = write_record_model(tmp_path / "m.safetensors")
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, "--eps", "10", "--budget", "record", "--range", "-1:1",
+                              "--dtype", "float32"), 2, str(src), "--dtype float32 cannot hold the grid values")
+    assert siblings(tmp_path) == before
+
+
+def test_dataset_takes_globs_as_exclude_does(cli, tmp_path):
+    """Was: --dataset 'fc.*' was read as a tensor's name and refused (no such tensor)."""
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    m = manifest_of(cli("perturb", src, *ARGS, "--dataset", "fc.*", "--dataset", "bn.weight", "--json"))
+    assert sorted(t["name"] for t in m["accounting"]["per_tensor"]) == ["bn.weight", "fc.bias", "fc.weight"]
+    reasons = {u["name"]: u["reason"] for u in m["unperturbed"]}
+    assert reasons == {name: "not named by --dataset" for name in
+                       ("bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked")}
+    before, after = load_numpy(str(src)), load_numpy(str(tmp_path / "m.tldp.safetensors"))
+    assert not np.array_equal(after["fc.weight"], before["fc.weight"])
+    np.testing.assert_array_equal(after["bn.bias"], before["bn.bias"])
+    # --exclude leaves out of a glob's tensors; the other dtypes it matches are copied, as by default
+    m = manifest_of(cli("perturb", src, *ARGS, "--dataset", "bn.*", "--exclude", "*.running_*",
+                        "--out", tmp_path / "bn.safetensors", "--json"))
+    assert sorted(t["name"] for t in m["accounting"]["per_tensor"]) == ["bn.bias", "bn.weight"]
+    reasons = {u["name"]: u["reason"] for u in m["unperturbed"]}
+    assert reasons["bn.running_var"] == "--exclude *.running_*" and reasons["bn.num_batches_tracked"].startswith("int64")
+
+
+@pytest.mark.parametrize("pattern,fragment", [
+    ("conv.*", "tensor conv.*: no such tensor in the file"),
+    ("*.num_batches_*", "--dataset *.num_batches_* matches no floating-point tensor")])
+def test_a_dataset_glob_that_matches_nothing_is_refused(cli, tmp_path, pattern, fragment):
+    src = write_numpy_model(tmp_path / "m.safetensors")
+    before = siblings(tmp_path)
+    for command in ("perturb", "plan"):
+        assert_one_line_error(cli(command, src, *ARGS, "--dataset", pattern), 1, str(src), fragment)
+    assert siblings(tmp_path) == before
+
+
+def test_evaluate_recalibrates_a_model_run_in_the_dtype_it_asked_for(cli, tmp_path):
+    """Was: evaluate recalibrated a model file's --dtype float64 run in float32 (its output_dtype
+    names the tensors' dtypes) and failed: 'its parameters cannot be calibrated'."""
+    src = write_record_model(tmp_path / "m.safetensors")
+    out = tmp_path / "out.safetensors"
+    result = cli("perturb", src, "--eps", "10", "--budget", "record", "--range", "-1:1", "--dtype", "float64",
+                 "--out", out)
+    assert result.exit_code == 0, result.stderr
+    checked = cli("evaluate", src, out)
+    assert checked.exit_code == 0, checked.stderr

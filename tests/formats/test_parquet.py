@@ -583,3 +583,23 @@ def test_icc_profiles_are_dropped_unless_kept(cli, tmp_path):
         for row in pq.read_table(out)["photo"].combine_chunks().field("bytes").to_pylist():
             with Image.open(io.BytesIO(row)) as im:
                 assert im.info.get("icc_profile") == (icc if keep else None)
+
+
+def test_record_budget_on_long_list_columns_computes_in_float64_unasked(cli, tmp_path):
+    """Was: refused unless --dtype float64 (float32 cannot hold the grid values of records of
+    1500 elements under --budget record); each column is written back in its own type anyway."""
+    emb = np.random.default_rng(0).uniform(-1, 1, (5, 1500)).astype(np.float32)
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"emb": pa.array(list(emb), type=pa.list_(pa.float32()))}), src)
+    args = ("--eps", "10", "--budget", "record", "--range", "-1:1")
+    result = cli("perturb", src, *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["grid"]["output_dtype_rule"].startswith("float64: ")
+    out = pq.read_table(tmp_path / "t.tldp.parquet")
+    assert out.schema.field("emb").type == pa.list_(pa.float32())
+    values = np.stack(out.column("emb").to_numpy(zero_copy_only=False))
+    assert values.shape == emb.shape and np.isfinite(values).all() and not np.array_equal(values, emb)
+    checked = cli("evaluate", src, tmp_path / "t.tldp.parquet")
+    assert checked.exit_code == 0, checked.stderr
+    refused = cli("perturb", src, *args, "--dtype", "float32", "--out", tmp_path / "f32.parquet")
+    assert refused.exit_code == 2 and "--dtype float32 cannot hold the grid values" in refused.stderr

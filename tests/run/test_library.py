@@ -94,6 +94,69 @@ def test_torch_tensors_come_back_as_torch():
     assert out.array.shape == tensor.shape
 
 
+class _StandInDtype:
+    """torch.float16 / torch.bfloat16 as perturb_array sees them (bfloat16 stood in by float32)."""
+
+    is_floating_point = True
+
+    def __init__(self, name, numpy_dtype):
+        self.name, self.numpy_dtype = name, np.dtype(numpy_dtype)
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+class _StandInTensor:
+    """The few tensor methods perturb_array calls; .to(dtype) rounds as torch does, inf on overflow."""
+
+    __module__ = "torch"
+
+    def __init__(self, values, dtype=None):
+        self.values, self.device = values, "cpu"
+        self.dtype = dtype or _StandInDtype("float32", np.float32)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def float(self):
+        return _StandInTensor(self.values.astype(np.float32))
+
+    def numpy(self):
+        return self.values
+
+    def to(self, target):
+        if isinstance(target, _StandInDtype):
+            with np.errstate(over="ignore"):
+                return _StandInTensor(self.values.astype(target.numpy_dtype), target)
+        return self
+
+
+def test_a_float16_tensor_saturates_at_65504_as_the_file_writers_do(monkeypatch):
+    """Was: the float32 result .to(float16) overflowed to inf near the top of the range."""
+    import types
+
+    float16 = _StandInDtype("float16", np.float16)
+    stand_in = types.SimpleNamespace(float16=float16, bfloat16=_StandInDtype("bfloat16", np.float32),
+                                     from_numpy=_StandInTensor, Tensor=_StandInTensor)
+    monkeypatch.setitem(__import__("sys").modules, "torch", stand_in)
+    tensor = _StandInTensor(np.full((200, 8), 65000, np.float16), float16)
+    out = tldp_cli.perturb_array(tensor, eps=0.5, value_range=(0, 65504), seed=SEED)
+    values = out.array.values
+    assert values.dtype == np.float16 and np.isfinite(values).all()
+    assert values.max() == 65504 and values.min() >= -65504
+
+
+def test_a_real_float16_tensor_stays_finite():
+    torch = pytest.importorskip("torch")
+    tensor = torch.full((200, 8), 65000, dtype=torch.float16)
+    out = tldp_cli.perturb_array(tensor, eps=0.5, value_range=(0, 65504), seed=SEED)
+    assert out.array.dtype == torch.float16 and bool(torch.isfinite(out.array).all())
+    assert float(out.array.max()) == 65504
+
+
 def test_perturb_options_take_str_paths(tmp_path):
     from tldp_cli import PerturbOptions, perturb
 

@@ -524,6 +524,30 @@ def test_the_reference_goes_through_plan_evaluate_and_resume_options(cli, tmp_pa
     assert not parameters["passed"] and "privunit.reference" in parameters["detail"]
 
 
+def test_grayscale_images_under_reference_auto_point_to_reference_mid(cli, tmp_path):
+    """Grayscale photos under --reference auto are written around 0 (auto goes by the record's
+    shape: digits want 0) and come out dark: plan and perturb say to pass --reference mid for
+    photos, for single-channel images of an image folder only (not the .npy digits, not colour
+    images, not under another --reference)."""
+    note = "pass --reference mid for them (docs/choosing-eps.md#photos-the-reference-point)"
+    gray, _ = make_images(tmp_path)
+    colour = tmp_path / "colour"
+    colour.mkdir()
+    for i in range(3):
+        Image.fromarray(np.stack([DATA[i]] * 3, axis=-1)).save(colour / f"{i}.png")
+    digits = tmp_path / "digits.npy"
+    np.save(digits, DATA)
+    for src, extra, said in ((gray, (), True), (gray, ("--reference", "mid"), False), (colour, (), False),
+                             (digits, (), False)):
+        planned = cli("plan", src, "--mechanism", "privunit", "--eps", "4", *extra)
+        assert planned.exit_code == 0, planned.stderr
+        assert (note in planned.stderr) == said, (src, extra, planned.stderr)
+    _, result = privunit(cli, gray, tmp_path / "out")
+    assert "note: the grayscale images are written around 0" in result.stderr and note in result.stderr
+    quiet = cli("perturb", gray, "--mechanism", "privunit", "--eps", "4", "--out", tmp_path / "q", "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
 def test_the_sweep_takes_the_reference(cli, tmp_path):
     src = tmp_path / "x.npy"
     np.save(src, DATA)

@@ -268,9 +268,11 @@ Granularity = Annotated[Optional[float], typer.Option(
          "of two at most (HI - LO) / (1024 max(1, eps)).", show_default=False)]
 Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
-    help="HDF5/Zarr: a dataset or array to perturb (repeatable). Default: every numeric "
+    help="HDF5/Zarr: a dataset or array to perturb (repeatable; HDF5: or a glob as --exclude's, "
+         "its numeric non-coordinate datasets). Default: every numeric "
          "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
-         "sharded model folders, Keras .weights.h5): a tensor by name; default: every floating-point tensor but the "
+         "sharded model folders, Keras .weights.h5): a tensor by name, or a glob as --exclude's "
+         "(e.g. 'encoder.*': the floating-point tensors it matches); default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "
          "Unselected tensors are copied unchanged and listed; unselected datasets and arrays "
          "are left out (see --keep). Parquet, Arrow and Hugging Face dataset folders: a column; "
@@ -308,7 +310,8 @@ Clip = Annotated[Optional[float], typer.Option(
 DtypeOption = Annotated[OutDtype, typer.Option(
     help="Output dtype; continuous noise is drawn in it. Discrete noise: integer data "
          "comes out as the smallest signed integer type that cannot wrap; float data on "
-         "the grid in this dtype.")]
+         "the grid in this dtype (model files and tables, not given: float64 where float32 cannot "
+         "hold the grid; each tensor or column keeps its dtype).")]
 ImageFormatOption = Annotated[ImageFormat, typer.Option(
     help="Image folders: png (8/16-bit, rounded and clipped to the range) or tiff "
          "(float32, unclipped; Pillow, and the loaders built on it, cannot open such TIFF "
@@ -332,7 +335,8 @@ CopyOther = Annotated[bool, typer.Option(
     help="Image folders: copy files that are not images (default: report and skip), listed "
          "as unperturbed; never data (DICOM, NIfTI, pickles, files tldp reads, images in formats it "
          "does not read such as GIF or HEIC, thumbnail caches: Thumbs.db), which are left out and "
-         "listed as dropped.")]
+         "listed as dropped; nor hidden files and folders (.DS_Store, .ipynb_checkpoints, __MACOSX), "
+         "never read.")]
 SkipBad = Annotated[bool, typer.Option(
     help="Image folders: skip unreadable images (listed in the manifest) instead of "
          "stopping; every image is then decoded up front to find them.")]
@@ -376,9 +380,10 @@ def input_paths(inputs: list[Path] | None, inputs_from: Path | None) -> list[Pat
         from tldp_cli.run import batch
 
         where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
-        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
-        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
-            "utf-8", "surrogateescape")
+        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape),
+        # from standard input too, whose text layer is strict in a UTF-8 locale (en_US.UTF-8)
+        data = sys.stdin.buffer.read() if str(inputs_from) == "-" else inputs_from.read_bytes()
+        text = data.decode("utf-8", "surrogateescape")
         paths += batch.input_list(text, where)
     if not paths:
         raise UsageError("give INPUT, or --inputs-from FILE")

@@ -14,8 +14,8 @@ from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
-from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
-                              records_phrase, run, sigterm_interrupts, unperturbed_note)
+from tldp_cli.cli.app import (Display, app, debugging, fail, failure, kept_signals, library_warnings,
+                              records_phrase, reference_note, run, sigterm_interrupts, unperturbed_note)
 
 
 @app.command("perturb", no_args_is_help=True)
@@ -168,7 +168,7 @@ def perturb_command(
     from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
     asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
     def options() -> "PerturbOptions":
@@ -323,6 +323,8 @@ def _report(result, quiet: bool, json_out: bool) -> None:
         what = f"; stored as {m['privunit']['k']} {stored['dtype']} coefficients each" if stored else ""
         typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}) and "
                    f"{result.manifest_path}", err=True)
+        if (note := reference_note(m)) is not None:
+            typer.echo(f"tldp: {note}", err=True)
         ranges = len(m.get("range_groups", []))
         typer.echo("tldp: " + guarantee_line(m["accounting"], m["noise"], ranges), err=True)
     if json_out:

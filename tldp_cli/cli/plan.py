@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -14,8 +13,8 @@ from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
-from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
-                              run, unperturbed_note)
+from tldp_cli.cli.app import (Display, app, debugging, failure, library_warnings, privunit_phrase, records_phrase,
+                              reference_note, run, unperturbed_note)
 
 
 @app.command("plan", no_args_is_help=True)
@@ -89,7 +88,7 @@ def plan_command(
     from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
     asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
 
     display = Display(quiet, verbose)
     paths: list[Path] = []
@@ -174,6 +173,8 @@ def _print(report: dict, quiet: bool) -> None:
                       if "stored" in report["privunit"] else f"values {written}")
             typer.echo(f"tldp: plan: {records_phrase(report)}; {privunit_phrase(report)}, {stored}"
                        f"{unperturbed_note(report)}", err=True)
+            if (note := reference_note(report)) is not None:
+                typer.echo(f"tldp: {note}", err=True)
         else:
             typer.echo(f"tldp: plan: {records_phrase(report)}; {report['noise']} noise of scale "
                        f"{c['noise_scale']:.4g}, element eps "

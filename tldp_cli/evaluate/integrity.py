@@ -168,14 +168,21 @@ def user_basis_of(m: dict, manifest_path: Path, given: Path | None) -> UserBasis
 
 
 def _output_root(entries: list[str], perturbed: Path) -> Path | None:
-    """The output path the manifest recorded for a folder output (Zarr, images)."""
+    """The output path the manifest recorded for a folder output (Zarr, images): each
+    entry is that path / the file's path inside the folder. The ancestor of the entries
+    named as `perturbed`; for a folder renamed since the run, the ancestor under which
+    `perturbed` holds the most of them (the deepest of equals); None if it holds none.
+    Either way every file is then checked against its sha256."""
     name = perturbed.resolve().name
     common = Path(os.path.commonpath(entries)) if entries else None
     if len(entries) == 1:
         common = Path(entries[0]).parent
-    while common is not None and common.name and common.name != name:
-        common = common.parent if common != common.parent else None
-    return common if common is not None and common.name == name else None
+    ancestors = [] if common is None else [common, *common.parents]
+    named = next((a for a in ancestors if a.name and a.name == name), None)
+    if named is not None or not ancestors:
+        return named
+    held = [sum((perturbed / Path(e).relative_to(a)).is_file() for e in entries) for a in ancestors]
+    return ancestors[held.index(max(held))] if max(held) else None
 
 
 def check_hashes(m: dict, perturbed: Path) -> list[dict]:
@@ -192,7 +199,8 @@ def check_hashes(m: dict, perturbed: Path) -> list[dict]:
         root = _output_root(entries, perturbed)
         if root is None:
             return [{"check": "sha256", "passed": False,
-                     "detail": f"the manifest's outputs do not lie under a folder named {perturbed.name}"}]
+                     "detail": f"{perturbed} holds none of the manifest's outputs (nor do they lie "
+                               f"under a folder named {perturbed.name})"}]
         located = {Path(e): perturbed / Path(e).relative_to(root) for e in entries}
     bad, missing = [], []
     for entry in m["outputs"]:

@@ -201,7 +201,8 @@ def check_parameters(m: dict, calibrations: list[tuple[Calibration, int]] | None
 
 
 def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Path, per_tensor: bool,
-                          checks: list[dict], basis: Path | None = None) -> tuple[Calibrated, dict[Calibration, int]]:
+                          checks: list[dict], basis: Path | None = None,
+                          keeps_dtypes: bool = False) -> tuple[Calibrated, dict[Calibration, int]]:
     """The calibration perturb made for the original's arrays, recomputed from the manifest's
     options (calibration.calibrate_run: one calibration per record size and declared range), the
     records of each calibration, and, first among `checks`, whether the manifest's figures
@@ -213,7 +214,7 @@ def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Pa
     if basis is not None:
         options = dataclasses.replace(options, basis=str(basis))
     try:
-        calibrated = calibrate_run(options, jobs, rows=rows, per_tensor=per_tensor)
+        calibrated = calibrate_run(options, jobs, rows=rows, per_tensor=per_tensor, keeps_dtypes=keeps_dtypes)
     except UsageError as exc:
         raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
     records_of: dict[Calibration, int] = {}

@@ -51,7 +51,8 @@ def evaluate(original: Path, perturbed: Path, manifest_path: Path | None = None,
         jobs = reader.arrays()
         calibrated, records_of = recompute_calibration(m, jobs, original, manifest_path,
                                                        reader.records_are_tensors, checks,
-                                                       None if user_basis is None else user_basis.path)
+                                                       None if user_basis is None else user_basis.path,
+                                                       reader.keeps_dtypes)
         if calibrated.in_range_markers and "public_missing" not in m:
             reader.markers_are_data(calibrated.in_range_markers)  # values perturb read as data, as it did
         fills = missing_fills(calibrated, jobs)

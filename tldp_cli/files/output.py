@@ -219,8 +219,16 @@ def check_destination(path: Path, source: Path, overwrite: bool, what: str, fold
     if not overwrite:
         raise OutputError(f"{path}: {what} exists; pass --overwrite to replace it")
     if is_folder and earlier_output is not None and not earlier_output(path):
-        raise UsageError(f"{path}: exists and is not an earlier output of this kind; tldp replaces "
-                         "only its own outputs, so remove it yourself or choose another --out")
+        raise not_earlier_output(path)
+
+
+def not_earlier_output(path: Path, strays: str | None = None) -> UsageError:
+    """The refusal to replace the folder `path`; `strays`: the files in it that no run on
+    this input writes (their relative paths, listed), which a format's earlier_output names
+    by raising this itself."""
+    held = f" (it holds {strays}, which a run on this input does not write)" if strays else ""
+    return UsageError(f"{path}: exists and is not an earlier output of this kind{held}; tldp replaces "
+                      "only its own outputs, so remove it yourself or choose another --out")
 
 
 def check_outside_inputs(path: Path, reads: list[Path], what: str) -> None:

@@ -25,7 +25,8 @@ renames it to the destination once everything succeeded.
 
 Every reader subclasses `Reader`, which declares `messages` (lines the CLI shows,
 e.g. which datasets it chose), `manifest_extra` (fields added to the manifest, e.g.
-the files skipped), `records_are_tensors`, `record_description` (what one subject's
+the files skipped), `records_are_tensors`, `keeps_dtypes` (its writer stores each array
+back in its own dtype: model files, tables), `record_description` (what one subject's
 record is, in words, where the format knows), `manifest_inputs()`, `rows()` (the
 arrays whose row i is one subject's record, where the format knows) and
 `markers_are_data()` (CF missing-data markers inside the declared range) and `missing_fill()`
@@ -112,6 +113,10 @@ class Reader:
     format: str
     path: Path
     records_are_tensors = False  # model files: each tensor is one record of its own
+    # Its writer writes each array back in its own dtype, whatever the engine's (model files:
+    # each tensor's; tables: each column's), so a run may compute in float64 unasked
+    # (calibration._grid_dtype)
+    keeps_dtypes = False
     messages: Sequence[str] = ()  # lines the CLI shows (e.g. which datasets it chose)
     manifest_extra: Mapping[str, Any] = MappingProxyType({})  # fields it adds to the manifest
     # What one subject's record is, in words, for the warnings (a NIfTI file: the whole scan);
@@ -522,9 +527,21 @@ def _is_classic_netcdf(head: bytes) -> bool:
 
 
 LISTED = 5  # names shown in a message before "... and N more"
+# macOS's Archive Utility zips a folder with a __MACOSX folder of AppleDouble files (._a.png:
+# the resource fork and Finder's metadata of a.png), which unzipping elsewhere leaves in place.
+MACOS_ARCHIVE_FOLDER = "__MACOSX"
+HIDDEN_REASON = ("hidden (.git, .DS_Store, .ipynb_checkpoints, .picasa.ini, a macOS archive's __MACOSX): "
+                 "not the folder's data, never read nor copied")
 
 
-def folder_files(root: Path) -> tuple[list[str], list[str]]:
+def is_hidden(name: str) -> bool:
+    """Whether a folder format leaves the file or folder `name` (one path component) out
+    unread: a hidden one (".git", ".DS_Store", ".ipynb_checkpoints", ".picasa.ini", which
+    holds Picasa's face tags: people's names) or a macOS archive's __MACOSX folder."""
+    return name.startswith(".") or name == MACOS_ARCHIVE_FOLDER
+
+
+def folder_files(root: Path, hidden: list[str] | None = None) -> tuple[list[str], list[str]]:
     """The regular files and the symbolic links below `root`, as sorted relative POSIX
     paths, for the formats that are folders. Links are listed, never followed (os.walk
     lists a linked folder among the folders without entering it). A folder that cannot be
@@ -532,15 +549,21 @@ def folder_files(root: Path) -> tuple[list[str], list[str]]:
     regular file nor a folder (a FIFO, which would never end a read, a socket, a device)
     is an InputError naming it. Two files that are one (hard links: the same st_dev and
     st_ino) are a UsageError naming both: each would be a record released on its own, one
-    subject's data twice, with noise of its own each time."""
+    subject's data twice, with noise of its own each time. With `hidden` (a list), hidden
+    files and folders (is_hidden) are neither listed nor entered but appended to it,
+    sorted, a folder with a trailing "/"."""
     import stat
 
     def unreadable(exc: OSError):
         raise InputError(f"{root}: cannot list {exc.filename} ({reason_of(exc)})")
 
-    files, links = [], []
+    files, links, found_hidden = [], [], []
     linked: dict[tuple[int, int], Path] = {}  # the files with more than one name, by (st_dev, st_ino)
     for directory, dirs, names in os.walk(root, onerror=unreadable):
+        if hidden is not None:
+            found_hidden += [(Path(directory) / name).relative_to(root).as_posix() + ("/" if name in dirs else "")
+                             for name in names + dirs if is_hidden(name)]
+            names, dirs[:] = [n for n in names if not is_hidden(n)], [d for d in dirs if not is_hidden(d)]
         for name in names + dirs:
             path = Path(directory) / name
             rel = path.relative_to(root).as_posix()
@@ -560,6 +583,8 @@ def folder_files(root: Path) -> tuple[list[str], list[str]]:
             elif not stat.S_ISDIR(mode):
                 raise InputError(f"{root}: {rel} is neither a regular file nor a directory (a pipe, socket or "
                                  "device); tldp reads only regular files: remove it or move it out of the folder")
+    if hidden is not None:
+        hidden += sorted(found_hidden)
     return sorted(files), sorted(links)
 
 

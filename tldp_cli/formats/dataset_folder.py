@@ -18,7 +18,8 @@ A folder of Parquet files as the Hugging Face Hub lays a dataset out (`data/trai
 same way: its Parquet files, in the order of their paths, are one table (every row of every
 split is one record); they must share their columns. The output holds them under the same
 paths, each with its row groups; the dataset card and any other file are left out and
-listed unless --keep names them, hidden folders (a clone's .git) are not read. `datasets.load_dataset("parquet", data_files=...)` and
+listed unless --keep names them, hidden folders (a clone's .git) and a macOS archive's __MACOSX are not read
+(formats.is_hidden), nor is a hidden file read as a Parquet file. `datasets.load_dataset("parquet", data_files=...)` and
 `load_dataset(folder)` load it with the same features.
 """
 
@@ -34,7 +35,8 @@ import numpy as np
 
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
-from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, Writer, folder_output, leftovers
+from tldp_cli.formats import (HIDDEN_REASON, ArrayJob, DocRow, Format, FormatOptions, Writer, folder_output, is_hidden,
+                              leftovers)
 
 if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
     import pyarrow as pa
@@ -66,9 +68,11 @@ def _parquet_files(path: Path) -> list[str] | None:
     folder holds an image (an image folder) or no Parquet file."""
     found = []
     for directory, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not is_hidden(d))
         for name in files:
             lower = name.lower()
+            if is_hidden(name):  # ._train.parquet: a macOS resource fork, not Parquet
+                continue
             if lower.endswith(IMAGE_SUFFIXES) or lower == INDEX:
                 return None
             if lower.endswith(PARQUET_SUFFIX):
@@ -186,10 +190,10 @@ def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]
     """The folder's other files: copied when --keep names them, else listed as dropped."""
     copied = []
     for directory, dirs, files in os.walk(path):
-        for hidden in sorted(d for d in dirs if d.startswith(".")):  # .git, .cache: never read
+        for hidden in sorted(d for d in dirs if is_hidden(d)):  # .git, .cache, __MACOSX: never read
             rel = (Path(directory) / hidden).relative_to(path).as_posix()
-            left.drop(rel + "/", "folder", "a hidden folder (.git, .cache, ...), not read")
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            left.drop(rel + "/", "folder", HIDDEN_REASON)
+        dirs[:] = sorted(d for d in dirs if not is_hidden(d))
         for name in sorted(files):
             rel = (Path(directory) / name).relative_to(path).as_posix()
             if rel in known:

@@ -267,6 +267,7 @@ class Hdf5Reader(Reader):
     def _select_tensors(self, found: dict[str, h5py.Dataset], options: FormatOptions) -> list[ArrayJob]:
         """A Keras weights file: each weight one record, chosen as in any model file."""
         self.records_are_tensors = True
+        self.keeps_dtypes = True  # Keras weights: each written back in its dtype
         tensors = [tensor_files.Tensor(name, tuple(ds.shape or ()), ds.dtype.name if ds.dtype.kind in "iufb"
                                        else str(ds.dtype)) for name, ds in found.items()]
         requested = [posixpath.normpath("/" + name.strip("/")) for name in options.datasets]
@@ -297,8 +298,7 @@ class Hdf5Reader(Reader):
         if requested:
             # object -> (name, dataset): two names of one dataset perturb it once
             chosen: dict[tuple[int, int], tuple[str, h5py.Dataset]] = {}
-            for name in requested:
-                name = posixpath.normpath("/" + name.strip("/"))
+            for name in self._globbed(requested, found, excluded):
                 ds = self._requested(name, found)
                 chosen.setdefault(object_key(ds), (name, ds))
             return list(chosen.values())
@@ -318,6 +318,27 @@ class Hdf5Reader(Reader):
             self.messages.append(f"not perturbing the coordinate datasets {listing(left_out)} "
                                  "(name them with --dataset to perturb them)")
         return [(name, found[name]) for name in names]
+
+    def _globbed(self, requested: list[str], found: dict[str, h5py.Dataset], excluded: set[str]) -> list[str]:
+        """--dataset's paths, each glob (as --exclude's; never a dataset's own path) replaced
+        by the numeric datasets it matches but the coordinates and those --exclude leaves out.
+        A glob that matches no dataset is refused as a missing path is."""
+        names = []
+        for name in (posixpath.normpath("/" + n.strip("/")) for n in requested):
+            if name in found or not any(c in name for c in "*?["):
+                names.append(name)
+                continue
+            matched = sorted(n for n in found if tensor_files.matching(n, [name]))
+            if not matched:
+                self._requested(name, found)  # raises: no such dataset, with the listing
+            coordinates = self._coordinates(found)
+            numeric = [n for n in matched if n not in excluded and _is_numeric(found[n].dtype)
+                       and found[n].shape is not None and object_key(found[n]) not in coordinates]
+            if not numeric:
+                raise InputError(f"{self.path}: --dataset {name} matches no numeric dataset to perturb "
+                                 f"(it matches {listing(matched)}: not numeric, coordinates or excluded)")
+            names += numeric
+        return names
 
     def _coordinates(self, found: dict[str, h5py.Dataset]) -> set[tuple[int, int]]:
         """The datasets that locate or delimit the data rather than hold it: dimension

@@ -53,12 +53,13 @@ import tifffile
 from PIL import Image
 
 from tldp_cli import __version__
-from tldp_cli.files.output import removed_during_run
-from tldp_cli.errors import InputError, UsageError, reason_of
-from tldp_cli.formats import (DATASET_FORMATS, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, data_file,
-                              decode_reason, dicom_refused, folder_files, folder_output, is_dicom, leftovers, listing,
-                              name_maps, plural)
-from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, decode,
+from tldp_cli.files.output import not_earlier_output, removed_during_run
+from tldp_cli.errors import InputError, NotHeld, UsageError, reason_of
+from tldp_cli.formats import (DATASET_FORMATS, HIDDEN_REASON, SKIP_BAD_HINT, ArrayJob, DocRow, Format, FormatOptions,
+                              Reader, Writer, data_file, decode_reason, dicom_refused, folder_files, folder_output,
+                              is_dicom, leftovers, listing, name_maps, plural)
+from tldp_cli.formats.tensor_files import matching
+from tldp_cli.formats.pixels import (PNG_ENCODING, Decoded, Header, LabelMap, Unsupported, UnsupportedMode, decode,
                                      dtype_not_applied, header, png)
 from tldp_cli.files.checked_io import (Background, copy_bytes, flushed_files, json_value, open_regular,
                                       path_in_output, write_new_file, writing)
@@ -137,10 +138,11 @@ class _Image:
         return len(self.shape) == (5 if self.pages > 1 else 4)
 
 
-def _walk(root: Path) -> tuple[list[str], list[str], list[str]]:
+def _walk(root: Path, hidden: list[str]) -> tuple[list[str], list[str], list[str]]:
     """Relative POSIX paths of the image files, of the other files and of the symbolic
-    links, sorted (formats.folder_files: links not followed, FIFOs and devices refused)."""
-    files, links = folder_files(root)
+    links, sorted (formats.folder_files: links not followed, FIFOs and devices refused);
+    the hidden files and folders, never read, appended to `hidden` (formats.is_hidden)."""
+    files, links = folder_files(root, hidden)
     images = [rel for rel in files if Path(rel).suffix.lower() in IMAGE_SUFFIXES]
     others = [rel for rel in files if Path(rel).suffix.lower() not in IMAGE_SUFFIXES]
     return images, others, links
@@ -196,6 +198,30 @@ def _unread_image(path: Path) -> str | None:
     which --copy-other must not copy raw: the data of an image folder, in a format tldp does
     not perturb (GIF, PPM, TGA, ICO, a camera's raw TIFF, HEIC, AVIF, JPEG XL). None for
     any other file, and for one that cannot be read (copying it fails with the reason)."""
+    kind = _unread_kind(path)
+    return None if kind is None else _unread_reason(kind)
+
+
+def _unread_reason(kind: str) -> str:
+    """Why an image in a format tldp does not read (`kind`: GIF, HEIF/AVIF...) is not written."""
+    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: {_convert_hint(1)}"
+
+
+def _convert_hint(n: int) -> str:
+    it = "it" if n == 1 else "them"
+    return f"convert {it} to PNG to perturb {it}"
+
+
+def _unread_images(kinds: dict[str, str]) -> str:
+    """"2 images in formats tldp does not read (GIF, HEIF/AVIF; convert them to PNG to perturb
+    them)", of the files _unread_kind found (relative path -> format)."""
+    n = len(kinds)
+    what = UNREAD_IMAGE.replace("an image", "1 image") if n == 1 else f"{n} images in formats tldp does not read"
+    return f"{what} ({', '.join(sorted(set(kinds.values())))}; {_convert_hint(n)})"
+
+
+def _unread_kind(path: Path) -> str | None:
+    """The format of an image in a format tldp does not read (_unread_image), or None."""
     try:
         with _opened(path) as file:
             head = file.read(16)
@@ -207,11 +233,18 @@ def _unread_image(path: Path) -> str | None:
                     kind = im.format or "image"
     except Exception:  # not an image Pillow knows (or not readable): not this rule's
         return None
-    return f"{UNREAD_IMAGE}, {kind}, a record of the folder's data: convert it to PNG to perturb it"
+    return kind
 
 
 def _non_images(n: int) -> str:
     return "1 file that is not an image" if n == 1 else f"{n} files that are not images"
+
+
+def _hidden_count(hidden: list[str]) -> str:
+    """"2 hidden files and 1 hidden folder": a folder's name ends in "/" (formats.folder_files)."""
+    folders = sum(rel.endswith("/") for rel in hidden)
+    counts = [plural(len(hidden) - folders, "hidden file")] if len(hidden) > folders else []
+    return " and ".join(counts + ([plural(folders, "hidden folder")] if folders else []))
 
 
 def _check_collisions(root: Path, out_names: dict[str, str]) -> None:
@@ -259,7 +292,8 @@ class ImageFolderReader(Reader):
         if self.anonymized and options.copy_other:
             raise UsageError(f"{path}: --copy-other copies files under their own names; it does not "
                              "go with --anonymize-names")
-        candidates, self.others, self.links = _walk(path)
+        self.hidden: list[str] = []  # hidden files and folders (.DS_Store, __MACOSX/): never read
+        candidates, self.others, self.links = _walk(path, self.hidden)
         self.images: list[_Image] = []
         self.label_maps: list[str] = []  # palette images: class indices, not perturbed
         bad, conversions = self._probe_all(candidates, options)
@@ -272,6 +306,10 @@ class ImageFolderReader(Reader):
         renamed = any(image.out_rel != image.rel for image in self.images)
         # --copy-other never copies data: what tldp reads, pickles, medical images, other images
         self.data_files = self._data_files() if options.copy_other else {}
+        # Without --copy-other, the other files that are images in formats tldp does not read
+        # (GIF, HEIC...), named as such: relative path -> format
+        self.unread_images = {} if options.copy_other else {
+            rel: kind for rel in self.others if (kind := _unread_kind(path / rel))}
         # Files that name images not written: an index row naming one is dropped.
         self.unwritten = {**{rel: "an unreadable image, skipped (--skip-bad)" for rel in bad},
                           **{rel: "a symbolic link, skipped" for rel in self.links},
@@ -291,6 +329,7 @@ class ImageFolderReader(Reader):
         elif options.dtype is not None:  # asked for, but PNG holds the images' own integers
             self.messages.append(dtype_not_applied(options.dtype, "the images")
                                  + " (--image-format tiff writes TIFF of the noisy values)")
+        self._report_hidden()
         if self.anonymized:
             self._anonymize(options.image_format)
             conversions = {self.out_names[rel]: notes for rel, notes in conversions.items()}
@@ -316,6 +355,8 @@ class ImageFolderReader(Reader):
             except LabelMap:
                 self.label_maps.append(rel)
                 continue
+            except UnsupportedMode as exc:  # CMYK, float: the hint names the file
+                reason = exc.for_file(file.name)
             except Unsupported as exc:
                 reason = str(exc)
             except PermissionError as exc:
@@ -339,11 +380,14 @@ class ImageFolderReader(Reader):
     def _no_images(self, bad: list[str]) -> None:
         """The error for a folder without an image to perturb, saying what it holds."""
         path = self.path
-        found = [_non_images(len(self.others))] if self.others else []
+        unread = {rel: kind for rel in self.others if (kind := _unread_kind(path / rel))}
+        found = [_unread_images(unread)] if unread else []
+        found += [_non_images(len(self.others) - len(unread))] if len(self.others) > len(unread) else []
         found += [plural(len(self.label_maps), "palette image") + " (label maps, which tldp does not "
                   "perturb)"] if self.label_maps else []
         found += [plural(len(bad), "unreadable image")] if bad else []
         found += [plural(len(self.links), "symbolic link")] if self.links else []
+        found += [_hidden_count(self.hidden) + ", not read"] if self.hidden else []
         detail = f" (found {' and '.join(found)})" if found else ""
         dicom = sum(is_dicom(path / rel) for rel in self.others)
         if dicom:  # a scan's slices: refused for what their headers hold, not as "no images"
@@ -374,7 +418,15 @@ class ImageFolderReader(Reader):
         kept = [rel for rel in self.label_maps if left.kept(rel)]
         self.keep_icc = left.icc_profiles(sum(image.has_icc for image in self.images))
         self.keep_alpha = left.alpha_channels(sum(image.has_alpha for image in self.images))
-        left.check(self.path)
+        try:
+            left.check(self.path)
+        except NotHeld as exc:  # --keep never copies a hidden file: say so, naming it
+            hidden = next((rel for rel in self.hidden if matching(rel.rstrip("/"), exc.names[:1])
+                           or (rel.endswith("/") and exc.names[0].startswith(rel))), None)
+            if hidden is None:
+                raise
+            raise NotHeld(f"{self.path}: --keep {exc.names[0]} names {hidden}, which is {HIDDEN_REASON} (not even "
+                          "with --keep)", exc.option, exc.names) from None
         if kept and self.anonymized:
             raise UsageError(f"{self.path}: --keep copies label maps under their own names; it does not "
                              "go with --anonymize-names")
@@ -494,6 +546,31 @@ class ImageFolderReader(Reader):
             image.out_rel = f"{number:0{digits}d}{suffix}"
         self.name_map_id = secrets.token_hex(16)  # ties the manifest to its name map
 
+    def _report_skipped_others(self) -> None:
+        """Without --copy-other: the files skipped, the images in formats tldp does not read
+        (GIF, HEIC...; listed under dropped too, with the advice) apart from the others."""
+        plain = [rel for rel in self.others if rel not in self.unread_images]
+        if self.unread_images:
+            self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+                {"name": rel, "kind": "file", "reason": _unread_reason(kind)}
+                for rel, kind in self.unread_images.items())]
+            self.messages.append(f"skipped {_unread_images(self.unread_images)}: {listing(list(self.unread_images))}")
+        if plain:
+            self.messages.append(f"skipped {_non_images(len(plain))}: {listing(plain)}")
+
+    def _report_hidden(self) -> None:
+        """The hidden files and folders (formats.is_hidden: .DS_Store, .ipynb_checkpoints/,
+        __MACOSX/), never read nor copied: listed under dropped, by the name map only with
+        --anonymize-names."""
+        if not self.hidden:
+            return
+        self.manifest_extra["dropped"] = [*self.manifest_extra.get("dropped", []), *(
+            {"name": WITHHELD if self.anonymized else rel, "kind": "folder" if rel.endswith("/") else "file",
+             "reason": HIDDEN_REASON} for rel in self.hidden)]
+        names = "named in the name map" if self.anonymized else listing(self.hidden)
+        self.messages.append(f"left out {_hidden_count(self.hidden)}, never read nor copied (the manifest's "
+                             f"dropped): {names}")
+
     def _report_anonymized(self, bad: list[str], conversions: dict[str, list[str]]) -> None:
         """Counts instead of names: the name map lists the files."""
         skipped = (("skipped_symbolic_links", self.links, "symbolic link"),
@@ -502,7 +579,10 @@ class ImageFolderReader(Reader):
         for key, names, word in skipped:
             if names:
                 self.manifest_extra[key] = len(names)
-                self.messages.append(f"skipped {plural(len(names), word)} (named in the name map)")
+                unread = len(self.unread_images) if key == "not_images" else 0
+                what = [_unread_images(self.unread_images)] if unread else []
+                what += [plural(len(names) - unread, word)] if len(names) > unread else []
+                self.messages.append(f"skipped {' and '.join(what)} (named in the name map)")
         if self.others:
             self.manifest_extra["not_images_action"] = "skipped"
         if conversions:
@@ -523,7 +603,7 @@ class ImageFolderReader(Reader):
             if options.copy_other:  # the summary line names the copies (unperturbed)
                 self._report_copies()
             else:
-                self.messages.append(f"skipped {_non_images(len(self.others))}: {listing(self.others)}")
+                self._report_skipped_others()
         if self.index_files:
             self.manifest_extra["not_images_action"] = (
                 "copied unchanged, but for index files (index_files_rewritten): image file names "
@@ -575,6 +655,7 @@ class ImageFolderReader(Reader):
                 "input": str(self.path), "output": str(output_path), "manifest": str(manifest_path),
                 "images": self.out_names, "skipped_bad_images": self.bad, "not_images": self.others,
                 "skipped_symbolic_links": self.links, "label_maps_left_out": self.label_maps,
+                "hidden_left_out": self.hidden,
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
     def close(self) -> None:
@@ -872,13 +953,14 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 
 def is_earlier_output(path: Path, reader: ImageFolderReader) -> bool:
     """A folder whose manifest names it is an earlier output if it holds images and the
-    files --copy-other copies from this input, nothing else."""
+    files --copy-other copies from this input, nothing else; one holding other files is
+    refused naming them (a .DS_Store Finder left there, notes added to the release)."""
     copied = set(reader.others)
-    for directory, _, files in os.walk(path):
-        for name in files:
-            rel = (Path(directory) / name).relative_to(path).as_posix()
-            if Path(name).suffix.lower() not in IMAGE_SUFFIXES and rel not in copied:
-                return False
+    strays = sorted(rel for directory, _, files in os.walk(path) for name in files
+                    if Path(name).suffix.lower() not in IMAGE_SUFFIXES
+                    and (rel := (Path(directory) / name).relative_to(path).as_posix()) not in copied)
+    if strays:
+        raise not_earlier_output(path, listing(strays))
     return True
 
 

@@ -103,6 +103,7 @@ class _Member:
 class NpzReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures
+    keeps_dtypes = True  # each tensor written back in its dtype
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
+import shlex
 import struct
 import zlib
 from dataclasses import dataclass
@@ -37,6 +39,33 @@ def dtype_not_applied(dtype: str, images: str) -> str:
 
 class Unsupported(Exception):
     """An image Pillow can decode but tldp cannot perturb faithfully."""
+
+
+class UnsupportedMode(Unsupported):
+    """An image of a mode tldp does not perturb (CMYK, YCbCr, LAB; 32-bit integer or float
+    samples: I, F): the message says how to convert it."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        super().__init__(self.for_file("image.jpg" if not mode.startswith(("F", "I")) else "image.tif"))
+
+    def for_file(self, name: str) -> str:
+        """The message, its conversion hint naming the file `name` (its base name)."""
+        return (f"colour mode {self.mode} is not supported (supported: L, LA, RGB, RGBA, 16-bit grayscale; "
+                f"palette images are label maps, not perturbed): {conversion_hint(self.mode, name)}")
+
+
+def conversion_hint(mode: str, name: str) -> str:
+    """How to turn the image `name` (a file name), of a mode tldp does not perturb, into one it
+    perturbs: a Pillow or ImageMagick command."""
+    stem, shell = posixpath.splitext(name)[0], shlex.quote
+    if mode.startswith(("F", "I")):  # a float or 32-bit TIFF: measurements, not 8/16-bit pixels
+        kind = "floating-point" if mode.startswith("F") else "32-bit integer"
+        return (f"its samples are {kind}; perturb its values as an array (numpy.save({stem + '.npy'!r}, "
+                f"tifffile.imread({name!r})), then tldp perturb {shell(stem + '.npy')} --range LO:HI) or convert "
+                f"it to 16-bit grayscale first (ImageMagick: magick {shell(name)} -depth 16 {shell(stem + '.png')})")
+    return (f"convert it to RGB first (Pillow: Image.open({name!r}).convert('RGB').save({stem + '.png'!r}); "
+            f"ImageMagick: magick {shell(name)} -colorspace sRGB {shell(stem + '.png')})")
 
 
 class LabelMap(Unsupported):
@@ -77,13 +106,31 @@ TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
               8: Image.Transpose.ROTATE_90}
 
 
+def _png_ihdr(file) -> bytes:
+    """A PNG's bit depth and colour type: signature, IHDR length and type, width, height, then
+    these two bytes (read without moving Pillow's position in the file)."""
+    if isinstance(file, io.BytesIO):
+        return bytes(file.getbuffer()[24:26])
+    return os.pread(file.fileno(), 26, 0)[24:26]
+
+
+# PNG colour types as people name them: Pillow reads 16-bit grayscale with alpha as RGBA
+PNG_COLOURS = {0: "grayscale", 2: "RGB", 3: "palette", 4: "grayscale with alpha", 6: "RGBA"}
+MODE_COLOURS = {"LA": "grayscale with alpha", "L": "grayscale"}
+
+
+def stored_colour(file, im: Image.Image, mode: str) -> str:
+    """The image's colours as stored ("grayscale with alpha", "RGB"), which Pillow's mode
+    does not always say (a 16-bit grayscale-with-alpha PNG opens as RGBA)."""
+    if im.format == "PNG":
+        return PNG_COLOURS.get(_png_ihdr(file)[1], mode)
+    return MODE_COLOURS.get(mode, mode)
+
+
 def source_bit_depth(file, im: Image.Image) -> int:
     """Bits per sample as stored; Pillow reads 16-bit colour PNG and TIFF as 8-bit."""
     if im.format == "PNG":
-        # signature, IHDR length and type, width, height, bit depth (Pillow's position kept)
-        if isinstance(file, io.BytesIO):
-            return file.getbuffer()[24]
-        return os.pread(file.fileno(), 26, 0)[24]
+        return _png_ihdr(file)[0]
     if im.format == "TIFF" and isinstance(im, TiffImagePlugin.TiffImageFile):
         bits = im.tag_v2.get(258, (8,))
         return max(bits) if isinstance(bits, tuple) else int(bits)
@@ -144,12 +191,15 @@ def page_header(file, im: Image.Image) -> Header:
         raise LabelMap(im.mode)
     mode = convert_to or im.mode
     if mode not in SUPPORTED_MODES:
-        raise Unsupported(f"colour mode {mode} is not supported "
-                          "(supported: L, LA, RGB, RGBA, 16-bit grayscale; palette images are label maps, "
-                          "not perturbed)")
+        raise UnsupportedMode(mode)
     depth = source_bit_depth(file, im)
     if depth > 8 and mode not in SIXTEEN_BIT_MODES:
-        raise Unsupported(f"has {depth}-bit {mode} samples, which Pillow reads as 8-bit; "
+        colours = stored_colour(file, im, mode)
+        if colours == "grayscale with alpha":
+            raise Unsupported(f"has {depth}-bit grayscale with alpha samples, which Pillow reads as 8-bit RGBA; "
+                              "only grayscale without alpha may be 16-bit: take the alpha channel off first "
+                              "(ImageMagick: magick IN.png -alpha off OUT.png) or convert it to 8-bit")
+        raise Unsupported(f"has {depth}-bit {colours} samples, which Pillow reads as 8-bit; "
                           "only grayscale may be 16-bit")
     width, height = im.size
     if orientation in (5, 6, 7, 8):

@@ -52,6 +52,7 @@ def default_output(path: Path) -> Path:
 class SafetensorsReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures
+    keeps_dtypes = True  # each tensor written back in its dtype
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path

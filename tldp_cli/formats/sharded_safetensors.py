@@ -230,6 +230,7 @@ def _read(path: Path) -> bytes:
 class ShardedReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures, and the whole model's
+    keeps_dtypes = True  # each tensor written back in its dtype
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path

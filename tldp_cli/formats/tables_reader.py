@@ -84,6 +84,8 @@ class TableReader(Reader):
     """The columns of a table to perturb, one ArrayJob each (named by the column), and what
     is left out (formats.leftovers)."""
 
+    keeps_dtypes = True  # each column written back in its own type (tables.stored)
+
     def __init__(self, path: Path, table: Table, schema: pa.Schema, options: FormatOptions, name: str,
                  settings: dict[str, Any] | None = None, considered: bool = False):
         """`considered`: the format decides more leftovers (a folder's files), then calls

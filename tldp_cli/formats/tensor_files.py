@@ -78,13 +78,19 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
     if unmatched:
         raise NotHeld(f"{path}: --exclude {unmatched[0]} matches no tensor in the file", "exclude", unmatched)
     if requested:
-        wanted = {_requested(path, tensors, name).name for name in requested}
+        names = [name for name in requested if not _is_glob(tensors, name)]
+        wanted = {_requested(path, tensors, name).name for name in names}
         both = [(n, matching(n, list(exclude))) for n in wanted if matching(n, list(exclude))]
         if both:
             raise UsageError(f"{path}: tensor {both[0][0]} is named by --dataset and matched by "
                              f"--exclude {both[0][1]}; give one")
+        reasons = {}
+        for pattern in (name for name in requested if name not in names):
+            wanted |= _globbed(path, tensors, pattern, list(exclude), reasons)
         chosen = [t for t in tensors if t.name in wanted]
-        reasons = {t.name: "not named by --dataset" for t in tensors if t.name not in wanted}
+        for t in tensors:
+            if t.name not in wanted and t.name not in reasons:
+                reasons[t.name] = "not named by --dataset"
         return chosen, [], _unperturbed(tensors, reasons)
     reasons = {}
     for t in tensors:
@@ -109,6 +115,37 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
     message = (f"perturbing {len(chosen)} floating-point tensor{'s' if len(chosen) > 1 else ''} "
                f"of {path.name} (choose with --dataset NAME, leave out with --exclude PATTERN)")
     return chosen, [message], _unperturbed(tensors, reasons)
+
+
+def _is_glob(tensors: list[Tensor], name: str) -> bool:
+    """A --dataset that is a glob (as --exclude's): not a tensor's own name, and with * ? or [."""
+    return any(c in name for c in "*?[") and not any(t.name == name for t in tensors)
+
+
+def _globbed(path: Path, tensors: list[Tensor], pattern: str, exclude: list[str],
+             reasons: dict[str, str]) -> set[str]:
+    """The tensors a --dataset glob chooses: the non-empty floating-point ones it matches
+    (normalisation statistics included, as when named) but those --exclude leaves out
+    (their reasons added to `reasons`, with those of the matched tensors of other dtypes).
+    A glob that matches nothing is refused as a missing name is; FP8/FP6/FP4 as when named."""
+    matched = [t for t in tensors if matching(t.name, [pattern])]
+    if not matched:
+        _requested(path, tensors, pattern)  # raises: no such tensor, with the listing
+    chosen = set()
+    for t in matched:
+        if t.dtype.startswith(NARROW_FLOATS):
+            _requested(path, tensors, t.name)  # raises: tldp perturbs the floating-point tensors
+        elif (left_out := matching(t.name, exclude)) is not None:
+            reasons.setdefault(t.name, f"--exclude {left_out}")
+        elif not t.perturbable:
+            reasons.setdefault(t.name, "empty" if t.dtype in FLOAT_DTYPES else
+                               f"{t.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")
+        else:
+            chosen.add(t.name)
+    if not chosen:
+        raise InputError(f"{path}: --dataset {pattern} matches no floating-point tensor to perturb "
+                         f"({', '.join(f'{t.name} ({reasons[t.name]})' for t in matched[:8])})")
+    return chosen
 
 
 def _requested(path: Path, tensors: list[Tensor], name: str) -> Tensor:
@@ -163,6 +200,15 @@ def smallest_positive(dtype: str) -> float:
     return float(np.finfo(np.float32 if dtype == "bfloat16" else np.dtype(dtype)).tiny)
 
 
+def saturated(values: np.ndarray, dtype: str) -> np.ndarray:
+    """`values` clipped to a narrow float dtype's finite range (float16: +-65504, bfloat16),
+    so rounding to it saturates instead of overflowing to inf; other dtypes: as they are."""
+    if dtype in NARROW_MAX:
+        limit = NARROW_MAX[dtype]
+        return np.clip(values, -limit, limit)
+    return values
+
+
 def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None = None,
               positive: bool = False) -> np.ndarray:
     """Perturbed values in the tensor's own dtype: bfloat16 as its uint16 bit patterns.
@@ -174,9 +220,7 @@ def to_stored(values: np.ndarray, dtype: str, byteorder_dtype: np.dtype | None =
     """
     if positive:
         values = np.maximum(values, smallest_positive(dtype))
-    if dtype in NARROW_MAX:
-        limit = NARROW_MAX[dtype]
-        values = np.clip(values, -limit, limit)
+    values = saturated(values, dtype)
     if dtype == "bfloat16":
         return float32_to_bfloat16(values)
     return np.asarray(values).astype(byteorder_dtype or np.dtype(dtype))

@@ -6,8 +6,9 @@ noise (rng.Streams), so two calls on the same batch, or on two batches at the sa
 position, never share noise. With a seed the same call repeats exactly.
 
 NumPy arrays in, NumPy out. A torch tensor (CPU, any float dtype, bfloat16 included)
-comes back as a torch tensor of its dtype and device; torch is never imported unless
-the caller passes one.
+comes back as a torch tensor of its dtype and device (float16 and bfloat16 saturating
+at their largest finite value, as the model-file writers do); torch is never imported
+unless the caller passes one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
+from tldp_cli.formats.tensor_files import saturated
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
 from tldp_cli.run.calibration import calibrate_run
@@ -144,6 +146,8 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 def _numpy_to_torch(values: np.ndarray, dtype: Any, device: Any) -> Any:
     import torch
 
+    if dtype.is_floating_point:  # float16/bfloat16 saturate as the file writers' to_stored does
+        values = saturated(values, str(dtype).removeprefix("torch."))
     tensor = torch.from_numpy(np.ascontiguousarray(values))
     if dtype.is_floating_point:
         tensor = tensor.to(dtype)

@@ -254,7 +254,8 @@ def _naming(source: Path) -> Iterator[None]:
 
 
 def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[ArrayJob],
-                     rows: list[list[str]], user: bases_mod.UserBasis | None = None) -> _RangeGroup:
+                     rows: list[list[str]], user: bases_mod.UserBasis | None = None, *,
+                     keeps_dtypes: bool = False) -> _RangeGroup:
     if options.mechanism == PRIVUNIT:
         return _privunit_group(options, lo, hi, jobs, rows, user)
     source = options.input
@@ -282,8 +283,29 @@ def _calibrate_group(options: PerturbOptions, lo: float, hi: float, jobs: list[A
                 raise UsageError(f"{source}: {exc}") from None
     else:  # integers stay integers, widened so they never wrap
         with _naming(source):
-            out_dtype = discrete.output_dtype(grid, checked_noise(options), max(scales), float_dtype(options))
+            out_dtype = _grid_dtype(options, grid, max(scales), keeps_dtypes)
     return _RangeGroup(lo, hi, grid, calib_of, out_dtype)
+
+
+def _grid_dtype(options: PerturbOptions, grid: discrete.Grid, scale: float, keeps_dtypes: bool) -> np.dtype:
+    """discrete.output_dtype in --dtype; where the format writes each array back in its own
+    dtype whatever the noise's (Reader.keeps_dtypes: model files, tables), without --dtype:
+    float64 where float32 cannot hold the grid values (a record of ~1000 elements or more
+    under --budget record), the rounding to the array's dtype being post-processing of
+    the exact float64 values."""
+    try:
+        return discrete.output_dtype(grid, checked_noise(options), scale, float_dtype(options))
+    except UsageError:
+        if not keeps_dtypes or options.dtype is not None or grid.granularity is None:
+            raise
+        # Only float32's exactness limit: grid steps or values float32 cannot hold at all
+        # would come out as 0 or saturated in a float32 tensor, so those stay refused.
+        tail = discrete.tail_bound(checked_noise(options), scale)
+        steps = max(abs(grid.low - tail), abs(grid.high + tail))
+        f32 = np.finfo(np.float32)
+        if not (steps > 2**24 and grid.granularity >= f32.tiny and grid.granularity * steps < f32.max):
+            raise
+        return discrete.output_dtype(grid, checked_noise(options), scale, "float64")
 
 
 def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
@@ -299,14 +321,16 @@ def _shared_dtype(dtypes: list[np.dtype], float_dtype: np.dtype) -> np.dtype:
 
 
 def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list[str]] | None = None,
-                  per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None) -> Calibrated:
+                  per_tensor: bool = False, before_accounting: Callable[[], Any] | None = None,
+                  keeps_dtypes: bool = False) -> Calibrated:
     """Calibrate and certify a run of `options` over `jobs` (options.noise as drawn, see
     sampled_noise); refuses, as perturb does, what cannot work or needs consent. What
     `tldp plan` states, perturb writes by and evaluate checks against.
     `before_accounting` runs once the options are calibrated, before the certified figures
     are computed (perturb checks its destinations there: a path error comes after the usage
     errors of the options and of their calibration, but before the accounting, without
-    importing it, and so before the refusal of a raw release, which needs its figures)."""
+    importing it, and so before the refusal of a raw release, which needs its figures).
+    `keeps_dtypes`: the reader's (Reader.keeps_dtypes), see _grid_dtype."""
     source = options.input
     rows = rows or []
     declared = _declared_ranges(options, jobs)
@@ -324,7 +348,7 @@ def calibrate_run(options: PerturbOptions, jobs: list[ArrayJob], rows: list[list
     user = bases_mod.load_basis(choice.path) if choice and choice.kind == bases_mod.FILE and choice.path else None
     def calibrate_group(bounds: tuple[float, float]) -> _RangeGroup:
         within = [row for row in rows if all(range_of[name] == bounds for name in row)]
-        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user)
+        return _calibrate_group(options, bounds[0], bounds[1], members[bounds], within, user, keeps_dtypes=keeps_dtypes)
 
     groups = list(calibrated_each(list(members), calibrate_group).values())
     calib_of = {name: calib for group in groups for name, calib in group.calib_of.items()}

@@ -296,7 +296,7 @@ def _perturb(options: PerturbOptions, module, reader, format_options: FormatOpti
     report.tell("planning", planning_phrase(options, jobs))
     where: list[tuple[Path, Path]] = []  # the destinations, checked before the accounting
     calibrated = calibrate_run(options, jobs, rows=row_groups(module, reader, jobs),
-                               per_tensor=reader.records_are_tensors,
+                               per_tensor=reader.records_are_tensors, keeps_dtypes=reader.keeps_dtypes,
                                before_accounting=lambda: where.append(_destinations(options, module, reader)))
     destination, manifest_path = where[0]
     masks, weights_info = load_masks(options.weights, jobs) if options.weights is not None else ({}, None)

@@ -48,7 +48,7 @@ def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str,
         jobs = reader.arrays()
         report.tell("planning", planning_phrase(options, jobs))
         calibrated = calibrate_run(options, jobs, rows=row_groups(module, reader, jobs),
-                                   per_tensor=reader.records_are_tensors)
+                                   per_tensor=reader.records_are_tensors, keeps_dtypes=reader.keeps_dtypes)
         messages = [*reader.messages, *cf.marker_messages(calibrated.in_range_markers, options.public_missing),
                     *range_group_messages(calibrated)]
         return _report(RunContext(options, jobs, calibrated, module, reader, format_options), messages)
