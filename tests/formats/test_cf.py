@@ -59,7 +59,9 @@ def test_unnamed_leaves_out_the_variables_gone_and_their_measures():
 
 def test_record_coordinates_follow_the_record_dimension():
     """A trajectory's track and identifier, and a station's elevation, run along the record
-    dimension; a dimension coordinate, its bounds and a grid off that dimension do not."""
+    dimension, as does the record dimension's own coordinate (time(time) when the records run
+    along time) with its bounds; another dimension's coordinate, its bounds and a grid off the
+    record dimension do not."""
     dims = {"/trajectory": ("/trajectory",), "/obs": ("/obs",), "/time": ("/time",),
             "/lat": ("/trajectory", "/obs"), "/lat_bnds": ("/trajectory", "/obs", "/nv"),
             "/temp": ("/trajectory", "/obs"), "/time_bnds": ("/time", "/nv"), "/x_edge": ("/obs",),
@@ -70,7 +72,9 @@ def test_record_coordinates_follow_the_record_dimension():
                                   {"/trajectory"})
     assert found == {"/lat", "/lat_bnds", "/elev", "/trajectory"}
     assert cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
-                                 {"/time"}) == set()  # time(time) and its bounds: the grid
+                                 {"/time"}) == {"/time", "/time_bnds"}  # a time per record
+    assert cf.record_coordinates(list(dims), lambda path, key: attrs.get((path, key)), dims.__getitem__,
+                                 {"/obs"}) == {"/obs", "/lat", "/lat_bnds", "/x_edge"}  # not /time, /time_bnds
 
 
 def test_missing_positions_hold_the_public_fill_never_a_value_of_the_data():

@@ -1265,3 +1265,27 @@ def test_an_explicit_dtype_that_does_not_apply_to_png_output_is_said(cli, tmp_pa
         assert np.asarray(a).dtype == np.uint8 and b.mode.startswith("I;16")
     tiff = cli("plan", src, "--eps", "1", "--dtype", "float64", "--image-format", "tiff")
     assert tiff.exit_code == 0 and "does not apply" not in tiff.stderr, tiff.stderr
+
+
+def test_subfolder_names_released_as_labels_are_warned_about(cli, tmp_path):
+    """malignant/x.png: the subfolder's name is the image's label, released raw unless
+    --anonymize-names; the run says so in one line (not under -q), the output unchanged."""
+    src = tmp_path / "lesions"
+    for rel in ("benign/a.png", "benign/b.png", "malignant/c.png"):
+        save(src / rel, pixels(8, 8))
+    warning = ("warning: the images lie in 2 subfolders, whose names are released as each image's label, "
+               "raw, outside the certificate (--anonymize-names withholds them)")
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count(warning) == 1
+    assert sorted(image_files(tmp_path / "out")) == ["benign/a.png", "benign/b.png", "malignant/c.png"]
+    quiet = cli("perturb", src, "--eps", "1", "--out", tmp_path / "quiet", "-q")
+    assert quiet.exit_code == 0 and "released as each image's label" not in quiet.stderr
+    anonymized = cli("perturb", src, "--eps", "1", "--out", tmp_path / "anon", "--anonymize-names",
+                     "--name-map", tmp_path / "names.json")
+    assert anonymized.exit_code == 0, anonymized.stderr
+    assert "released as each image's label" not in anonymized.stderr
+    flat = tmp_path / "flat"
+    save(flat / "a.png", pixels(8, 8))
+    result = cli("perturb", flat, "--eps", "1", "--out", tmp_path / "flat-out")
+    assert result.exit_code == 0 and "released as each image's label" not in result.stderr

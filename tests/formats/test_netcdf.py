@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.builders import assert_one_line_error
-from tldp_cli.formats import FormatOptions, hdf5, leftovers
+from tldp_cli.formats import FormatOptions, hdf5, hdf5_reader, leftovers
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 netCDF4 = pytest.importorskip("netCDF4")
@@ -99,8 +99,9 @@ def xarray_file(request, tmp_path):
 
 def test_text_attributes_come_through_byte_for_byte(cli, tmp_path, xarray_file):
     out = tmp_path / "out.nc"
-    # Attributes kept (--keep '*@*'; by default the free-text ones are left out, test_leftovers.py)
-    manifest = run(cli, xarray_file, out, "--range", "250:310", "--keep", "*@*")
+    # Attributes kept (--keep '*@*'; by default the free-text ones are left out, test_leftovers.py),
+    # and the record axis's time(time) with its bounds (left out by default: a value per record)
+    manifest = run(cli, xarray_file, out, "--range", "250:310", "--keep", "*@*", "--keep", "time", "--keep", "time_bnds")
     assert [i["dataset"] for i in manifest["inputs"]] == ["/T2"]
     assert nc_attributes(out) == nc_attributes(xarray_file)
     with netCDF4.Dataset(out) as ds:
@@ -680,6 +681,47 @@ def test_a_trajectorys_track_is_left_out(cli, tmp_path):
     with xr.open_dataset(tmp_path / "kept.nc") as ds, netCDF4.Dataset(src) as before:
         assert set(ds["temp"].coords) == {"lat", "lon"}
         np.testing.assert_array_equal(ds["lat"].values, before["lat"][:])
+
+
+def subject_file(path: Path) -> Path:
+    """A scan per subject as netCDF4 writes it: subject(subject) holds each record's hospital
+    number, lat(lat) a grid; a second variable (visit) names subject in its coordinates."""
+    with netCDF4.Dataset(path, "w") as ds:
+        ds.Conventions = "CF-1.8"
+        ds.createDimension("subject", 3)
+        ds.createDimension("lat", 4)
+        ds.createVariable("subject", "i8", ("subject",))[:] = [830112, 830577, 831904]
+        lat = ds.createVariable("lat", "f8", ("lat",))
+        lat.units, lat[:] = "degrees_north", [40.0, 41.0, 42.0, 43.0]
+        scan = ds.createVariable("scan", "f4", ("subject", "lat"))
+        scan.units, scan[:] = "K", RNG.uniform(270, 290, (3, 4))
+        visit = ds.createVariable("visit", "f8", ("subject",))
+        visit.units, visit.coordinates, visit[:] = "days since 2020-01-01", "subject", [3.0, 9.0, 27.0]
+    return path
+
+
+def test_the_record_dimensions_own_coordinate_is_left_out(cli, tmp_path):
+    """subject(subject) holds a value per record (hospital numbers): left out and listed as
+    dropped, its dimension staying, so netCDF4 and xarray open the output (xarray with a
+    default index); lat(lat), another dimension's coordinate, stays; --keep copies it raw."""
+    src = subject_file(tmp_path / "scans.nc")
+    manifest = run(cli, src, tmp_path / "out.nc", "--dataset", "scan", "--range", "270:290", "--keep", "visit")
+    assert {d["name"]: d["reason"] for d in manifest["dropped"] if d["kind"] == "dataset"} == {
+        "/subject": leftovers.RECORD_COORDINATE_REASON + "; " + hdf5_reader.SCALE_STAYS}
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {"/lat": "coordinate",
+                                                                         "/visit": "kept by --keep"}
+    assert ("coordinates", plain("subject")) not in nc_attributes(tmp_path / "out.nc")["/visit"]
+    with netCDF4.Dataset(tmp_path / "out.nc") as ds:
+        assert "subject" not in ds.variables and len(ds.dimensions["subject"]) == 3
+        assert ds["scan"].shape == (3, 4) and list(ds["lat"][:]) == [40.0, 41.0, 42.0, 43.0]
+    for engine in ENGINES:
+        with xr.open_dataset(tmp_path / "out.nc", engine=engine) as ds:
+            assert "subject" not in ds.variables and ds["scan"].dims == ("subject", "lat")
+            assert list(ds.get_index("subject")) == [0, 1, 2] and list(ds["lat"].values) == [40, 41, 42, 43]
+    manifest = run(cli, src, tmp_path / "kept.nc", "--dataset", "scan", "--range", "270:290", "--keep", "subject")
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]}["/subject"] == "kept by --keep"
+    with xr.open_dataset(tmp_path / "kept.nc") as ds:
+        assert list(ds["subject"].values) == [830112, 830577, 831904]
 
 
 def test_wrf_coordinates_along_the_time_axis_are_left_out(cli, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tldp_cli.formats import leftovers
 from tldp_cli.run.pipeline import PerturbOptions, perturb as perturb_file
 
 xr = pytest.importorskip("xarray")
@@ -56,15 +57,20 @@ def test_xarray_stores_are_perturbed_as_cf_variables(cli, tmp_path, zarr_format)
     manifest, stderr = perturb(cli, src, out, "--range", "t2m=200:330", "--range", "tp=0:0.5")
     assert [entry["dataset"] for entry in manifest["inputs"]] == ["t2m", "tp"]  # not lat, lon, time_bnds
     # Not perturbed, and copied (the line once said "left out", which means not written)
-    assert "not perturbing the coordinate arrays lat, lon, time_bnds" in stderr and "left out the coordinate" not in stderr
-    assert {"lat", "lon", "time_bnds"} <= {u["name"] for u in manifest["unperturbed"] if u["reason"] == "coordinate"}
+    assert "not perturbing the coordinate arrays lat, lon" in stderr and "left out the coordinate" not in stderr
+    assert {"lat", "lon"} == {u["name"] for u in manifest["unperturbed"] if u["reason"] == "coordinate"}
+    # The records run along time: time(time) and its bounds hold a value per record, left out
+    dropped = {d["name"]: d["reason"] for d in manifest["dropped"]}
+    assert dropped["time"] == dropped["time_bnds"] == leftovers.RECORD_COORDINATE_REASON
     assert manifest["unpacked"]["t2m"]["stored_dtype"] == "int16"
     assert manifest["dropped_attributes"]["t2m"] == ["valid_range", "scale_factor", "add_offset"]
     assert manifest["missing_values"]["tp"]["moved_off_markers"] > 0  # the seed lands noisy values on -1
     before = xr.open_zarr(src)
     after = xr.open_zarr(out)
-    for name in ("time", "lat", "lon", "time_bnds"):
+    for name in ("lat", "lon"):
         np.testing.assert_array_equal(after[name].values, before[name].values)
+    assert "time_bnds" not in after and "time" not in after.variables  # a default index
+    np.testing.assert_array_equal(after.get_index("time"), np.arange(10))
     for name in ("t2m", "tp"):
         np.testing.assert_array_equal(after[name].isnull().values, np.isnan(ds[name].values))
         assert after[name].dtype.kind == "f"

@@ -67,3 +67,20 @@ def test_assemble_alone():
     assert manifest.assemble(parts) == {"a": 1, "dropped": [1, 2], "b": 2}
     with pytest.raises(manifest.KeyCollision, match="'a' written by both one and three"):
         manifest.assemble([*parts, manifest.Part("three", {"a": 3})])
+
+
+@pytest.mark.parametrize("rng", ["secure", "fast"])
+def test_the_fast_generator_is_stated_among_what_the_figures_assume(cli, tmp_path, rng):
+    """--rng fast (PCG64, predictable from its output): the figures assume ideal randomness,
+    and the manifest's accounting.notes says so; the secure generator's manifest does not."""
+    import json
+
+    from tldp_cli.privacy import accounting
+
+    src = tmp_path / "x.npy"
+    np.save(src, np.arange(48, dtype=np.uint8).reshape(3, 16))
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out.npy", "--rng", rng, "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    notes = json.loads(result.stdout)["accounting"]["notes"]
+    assert (accounting.FAST_RNG_NOTE in notes) == (rng == "fast")
+    assert json.loads((tmp_path / "out.npy.manifest.json").read_text())["accounting"]["notes"] == notes

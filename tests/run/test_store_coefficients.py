@@ -111,7 +111,7 @@ def test_netcdf_keeps_the_record_dimension_and_adds_a_coefficient_dimension(cli,
     import xarray as xr
 
     src, values, time = make_netcdf(tmp_path)
-    m, _ = run(cli, src, tmp_path / "coef.nc", "--range", "0:256")
+    m, _ = run(cli, src, tmp_path / "coef.nc", "--range", "0:256", "--keep", "time")  # time(time): a value per record
     k = m["privunit"]["k"]
     with xr.open_dataset(tmp_path / "coef.nc", engine="netcdf4") as ds:
         assert ds["t2m"].dims == ("time", "coefficient")

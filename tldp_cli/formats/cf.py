@@ -368,14 +368,18 @@ def record_coordinates(paths: Collection[str], text: Callable[[str, str], str | 
     coordinates, such as a trajectory's lat(trajectory, obs), a station's elev(station)) and
     those with a cf_role (the identifier of a feature: a trajectory, a station), that have
     the record dimension of a perturbed variable (`records`) among their `dimensions`
-    (absolute names, "/grp/dim"); not a dimension's own coordinate (time(time)) unless it
-    has a cf_role, nor the bounds of one (time_bnds(time, nv)), which delimit its grid.
+    (absolute names, "/grp/dim"); and the record dimension's own coordinate (subject(subject)
+    holding hospital numbers, time(time) of each record) with its bounds (time_bnds(time, nv)):
+    one value per record too. Not the own coordinate of another dimension (lat(lat)) unless
+    it has a cf_role, nor the bounds of one, which delimit its grid.
     `groups`: groups whose own attributes name variables too (xarray's, for coordinates no
     data variable takes)."""
     own = {path for path in paths if dimensions(path) == (path,)}
     found = {path for path in paths if text(path, "cf_role") is not None and records.intersection(dimensions(path))}
+    found.update(own.intersection(records))
+    grid = own - records
     for path, key, target in named(paths, text, COORDINATE_REFERENCES, groups=groups):
-        if target not in own and not (key in BOUNDS and path in own) and records.intersection(dimensions(target)):
+        if target not in grid and not (key in BOUNDS and path in grid) and records.intersection(dimensions(target)):
             found.add(target)
     return found
 

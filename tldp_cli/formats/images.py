@@ -336,6 +336,7 @@ class ImageFolderReader(Reader):
             self._report_anonymized(bad, conversions)
         else:
             self._report(options, bad, conversions)
+            self._warn_folder_labels()
 
     def _probe_all(self, candidates: list[str], options: FormatOptions) -> tuple[list[str], dict[str, list[str]]]:
         """Reads each candidate's header (decodes it with --skip-bad) into self.images, or
@@ -510,6 +511,14 @@ class ImageFolderReader(Reader):
                          "reason": f"names {value}, {self.unwritten[names.path(value)]}: not in the output"}
                         for row, value in rows]
         return texts, dropped
+
+    def _warn_folder_labels(self) -> None:
+        # malignant/x.png: the subfolder's name is the image's label, released under its own name
+        folders = {posixpath.dirname(image.rel) for image in self.images} - {""}
+        if folders:
+            self.messages.append(
+                f"warning: the images lie in {plural(len(folders), 'subfolder')}, whose names are released as "
+                "each image's label, raw, outside the certificate (--anonymize-names withholds them)")
 
     def _warn_tiff_readers(self) -> None:
         # Pillow opens TIFF with 16/32-bit or float samples in one channel only (checked

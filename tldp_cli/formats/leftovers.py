@@ -10,10 +10,11 @@ is, in each format,
   and CF grid mappings, when they hold numbers: public grids such as lat, lon and
   time, copied raw and listed in the manifest's `unperturbed` with the reason
   "coordinate" (or "grid mapping"); but a variable that runs along the record axis of a
-  perturbed array (the record dimension among its dimensions) and is not a dimension's
-  own coordinate (CF's auxiliary coordinates, named by a `coordinates` attribute, such as
-  a trajectory's lat(trajectory, obs), their bounds and cell measures), or is a feature's
-  identifier (a cf_role), holds a value per record, not a grid: it is left out and listed
+  perturbed array (the record dimension among its dimensions) and is not another
+  dimension's own coordinate (the record dimension's own coordinate, such as subject(subject)
+  or time(time) of each record; CF's auxiliary coordinates, named by a `coordinates`
+  attribute, such as a trajectory's lat(trajectory, obs); their bounds and cell measures),
+  or is a feature's identifier (a cf_role), holds a value per record, not a grid: it is left out and listed
   in `dropped` (RECORD_COORDINATE), and the attributes naming it name the rest;
 - anything the user names with --keep (a dataset or array, an attribute as
   PATH@NAME, a file): copied raw and listed in `unperturbed` ("kept by --keep");
@@ -43,9 +44,9 @@ GRID_MAPPING = "grid mapping"  # a CF grid mapping variable: the projection the 
 # feature's identifier (cf_role): a value per record, not a grid, so it is left out unless
 # --keep names it (cf.record_coordinates).
 RECORD_COORDINATE = "record coordinate"
-RECORD_COORDINATE_REASON = ("a coordinate along the record axis (an auxiliary coordinate, bounds or cell "
-                            "measure, or a feature's cf_role identifier): values per record, not a grid "
-                            "(--keep copies it)")
+RECORD_COORDINATE_REASON = ("a coordinate along the record axis (the record dimension's own coordinate, an "
+                            "auxiliary coordinate, bounds or cell measure, or a feature's cf_role identifier): "
+                            "a value per record, not a grid (--keep copies it)")
 # Attributes readers need to interpret the values, by name, in every format.
 CF_ATTRIBUTES = (
     "Conventions", "units", "standard_name", "long_name", "axis", "calendar", "positive", "coordinates",

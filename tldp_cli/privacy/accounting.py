@@ -44,6 +44,11 @@ LN10 = math.log(10)
 FLOAT_SAMPLER_NOTE = ("float sampler: the noise is computed in floating point, whose low-order bits "
                       "depend on the input (Mironov 2012), so these figures hold for the real-valued "
                       "mechanism only, not for the bytes written")
+# --rng fast (the manifest's accounting.notes, run/manifest.py): the figures assume ideal randomness.
+FAST_RNG_NOTE = ("--rng fast: the noise comes from PCG64, which is not cryptographic: its output predicts "
+                 "the rest of its stream, so whoever recovers its state from the release can predict the "
+                 "noise. The figures assume ideal randomness (--rng secure, AES-CTR) and hold only against "
+                 "an observer who cannot.")
 
 
 class _Scope(NamedTuple):

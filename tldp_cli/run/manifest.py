@@ -130,6 +130,10 @@ def build(*, calib: Calibration, certified: Certificate, value_range: tuple[floa
     }
     if calibrations and len(dict.fromkeys(every)) > 1:
         manifest["calibrations"] = calibration_entries(calibrations, weights)
+    if rng == "fast":  # the figures assume ideal randomness
+        from tldp_cli.privacy import accounting  # certified already imported it
+
+        manifest["accounting"]["notes"].append(accounting.FAST_RNG_NOTE)
     return assemble([Part("the calibration and accounting", manifest), *parts])
 
 
