@@ -9,6 +9,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, UsageError
@@ -203,6 +204,11 @@ class ZarrReader(Reader):
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def output_dtype(self, dtype: np.dtype) -> str | None:
+        """Integer label images keep their dtype where the engine's is a float (zarr_ome.label_dtypes)."""
+        labels = zarr_ome.label_dtypes(self.pyramids, {job.name.strip("/") for job in self.jobs}, self.handles, dtype)
+        return zarr_ome.label_output_dtype(dtype, labels, self.pyramids)
 
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         cf.take_as_data(self.jobs, self.encodings, data)

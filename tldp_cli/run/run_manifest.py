@@ -129,7 +129,9 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
     not state (the seed, the weights' file, the output's paths) keeps its default."""
     acc = m.get("accounting") or {}
     automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
-    float_dtype = m["output_dtype"] if m.get("output_dtype") in ("float32", "float64") else "float32"
+    # (its first word: a Zarr store's label images keep their integer dtype, named after it)
+    written = str(m.get("output_dtype") or "").split(" ")[0]
+    float_dtype = written if written in ("float32", "float64") else "float32"
     return PerturbOptions(
         input=input, eps=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
         budget=m["budget"], value_range=(float(m["value_range"][0]), float(m["value_range"][1])),
