@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
-                              records_phrase, run, sigterm_interrupts, unperturbed_note)
+                              records_phrase, reference_hint, run, sigterm_interrupts, unperturbed_note)
 
 
 @app.command("perturb", no_args_is_help=True)
@@ -321,8 +321,8 @@ def _report(result, quiet: bool, json_out: bool) -> None:
             typer.echo(f"tldp: {message}", err=True)
         stored = m.get("privunit", {}).get("stored")
         what = f"; stored as {m['privunit']['k']} {stored['dtype']} coefficients each" if stored else ""
-        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}) and "
-                   f"{result.manifest_path}", err=True)
+        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}"
+                   f"{reference_hint(m)}) and {result.manifest_path}", err=True)
         ranges = len(m.get("range_groups", []))
         typer.echo("tldp: " + guarantee_line(m["accounting"], m["noise"], ranges), err=True)
     if json_out:
