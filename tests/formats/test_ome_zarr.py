@@ -460,3 +460,8 @@ def test_label_images_stay_integers_under_privunit(tmp_path, cli, fmt):
     plan = cli("plan", src, "--eps", "8", "--mechanism", "privunit", "--json")
     assert plan.exit_code == 0, plan.stderr
     assert json.loads(plan.stdout)["output_dtype"] == manifest["output_dtype"]
+    # other mechanisms' float values stay unrounded (tldp evaluate checks their noise)
+    plan = cli("plan", src, "--eps", "8", "--sampler", "float", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["calibration"]["values_dtype"] == "float32" and "output_dtype" not in report

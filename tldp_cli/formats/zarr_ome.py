@@ -205,8 +205,10 @@ def pyramids(path: Path, nodes: list[zarr_tree.Node], opened: dict[str, Any]) ->
 def label_dtypes(pyramids: list[Pyramid], perturbed: set[str], arrays: dict[str, Any],
                  dtype: np.dtype) -> dict[str, np.dtype]:
     """The arrays of the integer label images perturbed that keep their integer dtype where
-    the engine's values are floats (--mechanism privunit): NGFF requires integer label
-    images. By the array's path in the store: every level of each label image."""
+    the engine's values are floats, under --mechanism privunit (FormatOptions.integer_labels;
+    the noise mechanisms' checks in tldp evaluate read their outputs unrounded): NGFF
+    requires integer label images. By the array's path in the store: every level of each
+    label image."""
     if np.dtype(dtype).kind != "f":
         return {}
     return {level: np.dtype(arrays[level].dtype) for p in pyramids if p.label and p.levels[0] in perturbed

@@ -188,7 +188,7 @@ class ZarrWriter(Writer):
                               f"{reader.path}")
         nodes = {n.path: n for n in reader.nodes}
         names = {job.name: job.name.strip("/") for job in reader.jobs}
-        self.labels = zarr_ome.label_dtypes(reader.pyramids, set(names.values()), reader.handles, self.dtype)
+        self.labels = reader.label_dtypes(self.dtype)  # privunit: integer label images keep their dtype
         self.output_dtype = zarr_ome.label_output_dtype(self.dtype, self.labels, reader.pyramids)
         # Rewritten before anything is copied, so an impossible filter fails fast.
         metadata, dropped, lowered = {}, {}, {}
