@@ -12,6 +12,17 @@ from tests.builders import REPO, Cli, validate_manifest
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run on several workers (pytest-xdist's -n, as .ci/run does), the tests marked slow or
+    dask go first, in their order, and the quick ones after them: the workers share out the
+    long tests while the queue is long and end on short ones together, instead of one worker
+    running the last slow ones (the reproduction runs, top-level tests/ comes last) while
+    the other waits. One run, every worker sorts the same collection the same way."""
+    if hasattr(config, "workerinput"):  # an xdist worker
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None
+                   and item.get_closest_marker("dask") is None)
+
+
 @pytest.fixture
 def cli():
     return Cli()

@@ -14,7 +14,8 @@ def test_ci_runs_the_quick_start_commands():
     install, perturb, contributors = [line.strip() for line in quick_start.strip().splitlines()]
     assert install.endswith("python -m pip install .")
     install_dev, test = contributors.split(" && ")
-    assert install_dev == 'python -m pip install ".[dev]"' and test == "python -m pytest -q"
+    # every test, on every core (pytest-xdist): the suite stays well under ten minutes on 2
+    assert install_dev == 'python -m pip install ".[dev]"' and test == "python -m pytest -q -n auto"
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     lines = [install.rsplit("&& ", 1)[1], perturb.split(" --out")[0], install_dev, test]
     found = [next((i for i, line in enumerate(ci) if line.startswith(command)), None) for command in lines]
@@ -23,14 +24,16 @@ def test_ci_runs_the_quick_start_commands():
 
 def test_the_dev_extra_holds_only_what_the_tests_use():
     """Every package of the dev extra is imported by the tests, runs them (pytest,
-    import-linter) or is run by CI (.ci/run: mypy); none repeats a runtime dependency."""
+    pytest-xdist, import-linter) or is run by CI (.ci/run: mypy); none repeats a runtime
+    dependency."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     runtime = {re.split(r"[<>=\[;]", r)[0].lower() for r in project["dependencies"]}
     dev = [re.split(r"[<>=\[;]", r)[0].lower() for r in project["optional-dependencies"]["dev"]]
     assert not runtime & set(dev), runtime & set(dev)
     imported_as = {"scikit-learn": "sklearn", "opencv-python-headless": "cv2", "dask": "distributed",
                    "netcdf4": "netCDF4", "ome-zarr": "ome_zarr", "scikit-image": "skimage",
-                   "ome-zarr-models": "ome_zarr_models", "import-linter": "lint-imports"}
+                   "ome-zarr-models": "ome_zarr_models", "import-linter": "lint-imports",
+                   "pytest-xdist": "xdist"}
     tests = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
     ci = (REPO / ".ci" / "run").read_text()
 
@@ -39,6 +42,8 @@ def test_the_dev_extra_holds_only_what_the_tests_use():
             return True
         if module == "lint-imports":  # import-linter's command, run by tests/test_architecture.py
             return '"lint-imports"' in tests
+        if module == "xdist":  # pytest's plugin, which CI's test run starts with -n
+            return re.search(r"^python -m pytest .*-n \w", ci, re.M) is not None
         return re.search(rf"^\s*(import|from) {module}\b|importorskip\(\"{module}[\".]", tests, re.M) is not None
 
     unused = [name for name in dev if not used(imported_as.get(name, name))]

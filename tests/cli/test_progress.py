@@ -70,15 +70,17 @@ def test_verbose_is_one_line_per_phase_even_off_a_terminal(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_tldp_command_on_a_terminal_shows_the_records_bar(tmp_path):
-    """A real process whose stderr is a terminal (a pty)."""
+@pytest.mark.parametrize("rows, columns", [(24, 100), (0, 0), (0, 100)])
+def test_the_tldp_command_on_a_terminal_shows_the_records_bar(tmp_path, rows, columns):
+    """A real process whose stderr is a terminal (a pty); also one that reports no size, as
+    `script`'s, `docker exec -t`'s and CI jobs' pseudo-terminals do (tqdm showed nothing there)."""
     import fcntl
     import pty
     import struct
     import termios
 
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, columns
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     env = dict(os.environ)
     process = subprocess.Popen(
         [sys.executable, "-m", "tldp_cli", "perturb", "sample_data/digits.npy", "--eps", "1",

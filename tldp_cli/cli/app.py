@@ -5,6 +5,7 @@ Human-readable text goes to stderr; stdout carries only machine output (--json).
 """
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -49,7 +50,22 @@ class _OneLineErrors(TyperGroup):
             fail(f"{exc.format_message()}{hint}", exc.exit_code)
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
+        except _StdoutFailed as exc:
+            _quiet_stdout()
+            fail(str(exc), 1)
         sys.exit(code if isinstance(code, int) else 0)
+
+    # Typer turns a closed stdout (EPIPE) into a silent exit 1, a full one (ENOSPC: `--json >
+    # m.json` on a full disk) into a traceback, and Ctrl-C or SIGTERM outside a run (a command
+    # importing what it needs) into a silent exit 130; these make each one line, as every
+    # other failure: the root's --help and --version run in make_context, the rest in invoke.
+    def make_context(self, *args, **kwargs):
+        with _one_line_failures():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_failures():
+            return super().invoke(ctx)
 
     def _aliased(self, words: list[str]) -> list[str]:
         """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
@@ -94,6 +110,51 @@ class _OneLineErrors(TyperGroup):
             else:
                 typer.echo(self.get_help(ctx), err=True)
         sys.exit(2)
+
+
+STDOUT_CLOSED = ("standard output: closed before all of it was printed (broken pipe: the program "
+                 "reading it, `head` say, stopped)")
+
+
+class _StdoutFailed(Exception):
+    """Writing to stdout failed (not an OSError, which Typer would swallow or show as a
+    traceback); its text is the one line."""
+
+
+@contextlib.contextmanager
+def _one_line_failures():
+    try:
+        yield
+    except KeyboardInterrupt as exc:  # not one a run reported (those exit inside it)
+        raise typer.Abort from exc
+    except RuntimeError as exc:
+        if wrapped_interrupt(exc):
+            raise typer.Abort from exc
+        raise
+    except OSError as exc:
+        # every file a command reads or writes is handled inside its run (`run`, `failure`):
+        # an OSError out here, with no file name, is the printing of --json, --help or a listing
+        if exc.filename is not None:
+            raise
+        raise _StdoutFailed(_stdout_failure(exc)) from exc
+
+
+def wrapped_interrupt(exc: BaseException) -> bool:
+    """A Ctrl-C or SIGTERM that landed in a class's __set_name__ while a module was imported:
+    Python 3.11 raises it as a RuntimeError whose cause is the KeyboardInterrupt."""
+    return isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt)
+
+
+def _stdout_failure(exc: OSError) -> str:
+    if exc.errno == errno.EPIPE:
+        return STDOUT_CLOSED
+    return f"standard output: cannot write ({reason_of(exc)})"
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so the interpreter's last flush of what is left does not fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
@@ -142,6 +203,13 @@ def _root(
     """
 
 
+def debugging(flag: bool) -> bool:
+    """--debug, or TLDP_DEBUG set to anything but empty, 0, false, no or off (a pipeline's
+    `TLDP_DEBUG=0` turns it off, as it does Click's boolean variables)."""
+    value = os.environ.get(DEBUG_ENV, "").strip().lower()
+    return flag or value not in ("", "0", "false", "no", "off", "n", "f")
+
+
 def run(debug: bool, action):
     """Run a library call; a TldpError becomes one line and exit 1 (2 for usage), and so
     does any other exception (a bug: the traceback with --debug), as `failure` says it."""
@@ -151,6 +219,8 @@ def run(debug: bool, action):
     except KeyboardInterrupt as exc:  # an errors.Interrupted says what it kept
         fail(str(exc) or "interrupted; nothing was written", 130)
     except Exception as exc:
+        if wrapped_interrupt(exc):  # during an import the run makes (the pipeline's)
+            fail("interrupted; nothing was written", 130)
         fail(*failure(exc, debug))
 
 
@@ -179,6 +249,9 @@ def failure(exc: Exception, debug: bool) -> tuple[str, int]:
         return str(exc), 2
     if isinstance(exc, TldpError):
         return str(exc), 1
+    if isinstance(exc, _StdoutFailed):  # --json printed inside a run (emit_json)
+        _quiet_stdout()
+        return str(exc), 1
     if isinstance(exc, OSError):
         return f"{exc.filename or 'I/O'}: {reason_of(exc)}", 1
     if isinstance(exc, MemoryError):
@@ -201,7 +274,10 @@ def emit_json(data: dict, to_stdout: bool, path: Path | None, overwrite: bool) -
     if path is not None:
         output.write_files({Path(path): (text + "\n").encode()}, overwrite, private=True)
     if to_stdout:
-        typer.echo(text)
+        try:
+            typer.echo(text)
+        except OSError as exc:
+            raise _StdoutFailed(_stdout_failure(exc)) from exc
 
 
 @contextlib.contextmanager
@@ -244,6 +320,17 @@ def kept_signals():
     yield restore
 
 
+def bar_size() -> dict:
+    """tqdm's size options for stderr's terminal. A terminal that reports 0 rows (or 0
+    columns: `script`, `docker exec -t`, a CI job's pseudo-terminal) makes tqdm show nothing
+    at all; there the bar gets a fixed size, 80 columns and 20 rows where it says 0."""
+    try:
+        columns, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's stand-in)
+        return {"dynamic_ncols": True}
+    return {"dynamic_ncols": True} if columns and rows else {"ncols": columns or 80, "nrows": rows or 20}
+
+
 def progress_bar(quiet: bool, unit: str):
     """A tqdm callback on a terminal, None otherwise (pipes and CI logs stay clean)."""
     if quiet or not sys.stderr.isatty():
@@ -255,7 +342,7 @@ def progress_bar(quiet: bool, unit: str):
     def advance(done: int, total: int):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+            bar = tqdm(total=total, unit=unit, file=sys.stderr, leave=False, **bar_size())
         bar.update(done)
 
     return advance, lambda: bar is not None and bar.close()
@@ -301,7 +388,7 @@ class Display:
                 self._close_shown()
                 self._label = None
                 self._shown = tqdm(total=total, desc=f"tldp: {self.prefix}{self.name}perturbing", unit=" records",
-                                   file=sys.stderr, dynamic_ncols=True, leave=False)
+                                   file=sys.stderr, leave=False, **bar_size())
             if self._shown is not None:
                 self._shown.update(done)
 
@@ -332,7 +419,8 @@ class Display:
                     continue
                 text = f"tldp: {self.prefix}{self.name}{self._label} ({tqdm.format_interval(lasted)})"
                 if self._shown is None:
-                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False)
+                    self._shown = tqdm(total=None, desc=text, bar_format="{desc}", file=sys.stderr, leave=False,
+                                       **bar_size())
                 else:
                     self._shown.set_description_str(text)  # and shows it
 

@@ -1,14 +1,13 @@
 """`tldp audit`."""
 
 import json
-import os
 from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
 from tldp_cli.cli.options import Eps, MechanismOption, BudgetOption, BasisOption, DtypeOption, RngOption, Quiet, Debug, AllowWeakSeed, Mechanism, Noise, OutDtype, RngKind, Sampler, SeedFile, resolve_seed
-from tldp_cli.cli.app import DEBUG_ENV, app, fail, run
+from tldp_cli.cli.app import app, debugging, fail, run
 
 
 class AuditScope(str, Enum):
@@ -84,7 +83,7 @@ def audit_command(
     from tldp_cli.privacy.mechanisms import default_noise
     from tldp_cli.run.options import parse_range
 
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
 
     def action():
         return audit_mod.run(

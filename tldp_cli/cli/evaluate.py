@@ -9,7 +9,7 @@ import typer
 from tldp_cli.cli.options import (Debug, InputFormat, Labels, Model, ModelOption, Quiet, TestLabels, TestRecords,
                                   data_path, file_path, output_path)
 from tldp_cli.errors import UsageError
-from tldp_cli.cli.app import DEBUG_ENV, app, emit_json, fail, progress_bar, run, shown
+from tldp_cli.cli.app import app, debugging, emit_json, fail, progress_bar, run, shown
 
 
 def _row_records(report: dict) -> str:
@@ -109,7 +109,7 @@ def evaluate_command(
     Per-record figures go into --json only with --per-record. Sweeps over epsilons are
     `tldp sweep` (`tldp evaluate --sweep` is its deprecated alias).
     """
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     from tldp_cli import evaluate as ev
 
     def action():

@@ -1,14 +1,13 @@
 """`tldp ledger`."""
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from tldp_cli.cli.options import Quiet, Debug, file_path
-from tldp_cli.cli.app import DEBUG_ENV, app, run
+from tldp_cli.cli.app import app, debugging, run
 
 
 @app.command("ledger", no_args_is_help=True)
@@ -35,7 +34,7 @@ def ledger_command(
     """
     from tldp_cli.run import ledger as ledger_mod
 
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     report = run(debug, lambda: ledger_mod.listing(path))
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))

@@ -376,9 +376,10 @@ def input_paths(inputs: list[Path] | None, inputs_from: Path | None) -> list[Pat
         from tldp_cli.run import batch
 
         where = "--inputs-from -" if str(inputs_from) == "-" else str(inputs_from)
-        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape)
-        text = sys.stdin.read() if str(inputs_from) == "-" else inputs_from.read_bytes().decode(
-            "utf-8", "surrogateescape")
+        # paths are bytes on POSIX: any that are not UTF-8 come through as they are (surrogateescape),
+        # from standard input too, whose text layer is strict in a UTF-8 locale (en_US.UTF-8)
+        data = sys.stdin.buffer.read() if str(inputs_from) == "-" else inputs_from.read_bytes()
+        text = data.decode("utf-8", "surrogateescape")
         paths += batch.input_list(text, where)
     if not paths:
         raise UsageError("give INPUT, or --inputs-from FILE")

@@ -14,7 +14,7 @@ from tldp_cli.files.output import uninterruptible
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
-from tldp_cli.cli.app import (DEBUG_ENV, Display, app, fail, failure, kept_signals, library_warnings,
+from tldp_cli.cli.app import (Display, app, debugging, fail, failure, kept_signals, library_warnings,
                               records_phrase, reference_hint, run, sigterm_interrupts, unperturbed_note)
 
 
@@ -168,7 +168,7 @@ def perturb_command(
     from tldp_cli.run.options import BLOCK_ELEMENTS, checked_input
 
     asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     paths = run(debug, lambda: _inputs(inputs, inputs_from, quiet, verbose))
 
     def options() -> "PerturbOptions":

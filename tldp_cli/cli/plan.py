@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -14,7 +13,7 @@ from tldp_cli.cli.summary import guarantee_line
 if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
-from tldp_cli.cli.app import (DEBUG_ENV, Display, app, failure, library_warnings, privunit_phrase, records_phrase,
+from tldp_cli.cli.app import (Display, app, debugging, failure, library_warnings, privunit_phrase, records_phrase,
                               run, unperturbed_note)
 
 
@@ -89,7 +88,7 @@ def plan_command(
     from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, checked_options
 
     asked_dtype = dtype.value if given(ctx, "dtype") else None  # None: the default, not asked for
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
 
     display = Display(quiet, verbose)
     paths: list[Path] = []

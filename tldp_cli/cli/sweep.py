@@ -1,6 +1,5 @@
 """`tldp sweep` (and `tldp evaluate --sweep`, its deprecated alias)."""
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,7 +8,7 @@ import typer
 from tldp_cli.cli.options import (AllowWeakSeed, ReferenceOption, Budget, Debug, InputFormat, Labels, Model, ModelOption, Quiet,
                                   RngKind, SeedFile, TestLabels, TestRecords, data_path, output_path, resolve_seed)
 from tldp_cli.errors import UsageError
-from tldp_cli.cli.app import DEBUG_ENV, app, deprecated_flag, emit_json, progress_bar, run, shown
+from tldp_cli.cli.app import app, debugging, deprecated_flag, emit_json, progress_bar, run, shown
 
 
 def _print_sweep(result: dict, written: list) -> None:
@@ -95,7 +94,7 @@ def sweep_command(
 
     The tables are computed from the raw data: keep them with it, never with the release.
     """
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
     from tldp_cli import evaluate as ev
     from tldp_cli.run.options import parse_range
 

@@ -1,7 +1,6 @@
 """`tldp weight-mask`."""
 
 import json
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from tldp_cli.cli.options import InputFormatOption, Quiet, Debug, data_path, file_path, output_path
-from tldp_cli.cli.app import DEBUG_ENV, app, run
+from tldp_cli.cli.app import app, debugging, run
 
 
 class MaskMethod(str, Enum):
@@ -103,7 +102,7 @@ def weight_mask_command(
     from tldp_cli.run.options import parse_range
     from tldp_cli.weight_mask import MaskOptions, make_mask
 
-    debug = debug or bool(os.environ.get(DEBUG_ENV))
+    debug = debugging(debug)
 
     def action():
         return make_mask(MaskOptions(

@@ -5,6 +5,7 @@ error and F1; `write_sweep(...)` writes a CSV, a JSON table and PNG plots."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -235,7 +236,19 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{out_dir}: exists and is not a folder")
     targets = [out_dir / name for name in SWEEP_FILES]
+    made = [p for p in (out_dir, *out_dir.parents) if not p.exists()]  # deepest first
     out_dir.mkdir(parents=True, exist_ok=True)  # output.write_files refuses existing files
+    try:
+        _write_tables(result, targets, overwrite)
+    except BaseException:  # a failure or Ctrl-C leaves no folder either: "nothing was written"
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return targets
+
+
+def _write_tables(result: dict[str, Any], targets: list[Path], overwrite: bool) -> None:
     # Numbers to TABLE_DIGITS significant digits, so that a rerun with the same seed writes
     # the same tables; the timings are in the JSON only.
     rows = [{k: (v if k == "seconds" else _rounded(v)) for k, v in row.items()} for row in result["rows"]]
@@ -250,7 +263,6 @@ def write_sweep(result: dict[str, Any], out_dir: Path, overwrite: bool = False) 
         targets[2]: _plot(result, "epsilon", "nominal ε (--eps, " + result["budget"] + " budget)"),
         targets[3]: _plot(result, "record_epsilon", "certified per-record ε (log scale)"),
     }, overwrite, private=True)  # computed from the raw data ("sensitive"): its owner's only
-    return targets
 
 
 def _rounded(value: Any) -> Any:

@@ -1,0 +1,119 @@
+"""The application's shared behaviour (tldp_cli/cli/app.py): TLDP_DEBUG, a closed stdout."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.builders import REPO
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", "FALSE"])
+def test_tldp_debug_set_to_a_false_value_shows_no_traceback(cli, tmp_path, monkeypatch, value):
+    """A pipeline's `TLDP_DEBUG=0` (or false) is debugging off: one line, as without it."""
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"garbage")
+    monkeypatch.setenv("TLDP_DEBUG", value)
+    result = cli("perturb", bad, "--eps", 1)
+    assert result.exit_code == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "bad.npy: not a dataset" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_tldp_debug_set_to_a_true_value_shows_the_traceback(cli, tmp_path, monkeypatch, value):
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"garbage")
+    monkeypatch.setenv("TLDP_DEBUG", value)
+    result = cli("plan", bad, "--eps", 1)
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "bad.npy: not a dataset" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ["seed", "--json"],
+    ["--version"],
+    ["plan", "--elements", "28x28", "--records", "100", "--range", "0:256", "--eps", "8", "--json", "-q"],
+])
+def test_a_closed_stdout_is_one_line_and_exit_1(args):
+    """`tldp ... --json | head -c 10` once head has gone: Click made it a silent exit 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run([sys.executable, "-m", "tldp_cli", *args], stdout=write_end,
+                                 stderr=subprocess.PIPE, timeout=120, cwd=REPO)
+    finally:
+        os.close(write_end)
+    stderr = process.stderr.decode()
+    assert process.returncode == 1
+    assert stderr.startswith("tldp: error: standard output: closed") and "broken pipe" in stderr, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("raised", ["interrupt", "wrapped"])
+def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(cli, monkeypatch, raised):
+    """Ctrl-C or SIGTERM while a command imports what it needs (before its run starts):
+    Typer made it a silent exit 130, and Python 3.11's wrapping of one that lands in a
+    class's __set_name__ (a RuntimeError) a traceback and exit 1."""
+    from tldp_cli.sampling import rng
+
+    def interrupted():
+        if raised == "interrupt":
+            raise KeyboardInterrupt
+        raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+
+    monkeypatch.setattr(rng, "new_seed", interrupted)
+    result = cli("seed")
+    assert result.exit_code == 130
+    assert result.stderr == "tldp: error: interrupted; nothing was written\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [
+    ["seed", "--json"],
+    ["--help"],
+    ["plan", "--elements", "28x28", "--records", "100", "--range", "0:256", "--eps", "8", "--json", "-q"],
+])
+def test_a_full_stdout_is_one_line_and_exit_1(args):
+    """`tldp ... --json > m.json` on a full disk: Typer showed a traceback."""
+    with open("/dev/full", "wb") as full:
+        process = subprocess.run([sys.executable, "-m", "tldp_cli", *args], stdout=full,
+                                 stderr=subprocess.PIPE, timeout=120, cwd=REPO)
+    stderr = process.stderr.decode()
+    assert process.returncode == 1
+    assert stderr == "tldp: error: standard output: cannot write (No space left on device)\n", stderr
+
+
+def test_json_printed_inside_a_run_to_a_full_stdout_is_one_line(monkeypatch, capsys):
+    """evaluate's and sweep's --json print inside their run: it said `I/O: No space left...`."""
+    import errno
+    import io
+
+    from tldp_cli.cli.app import emit_json, run
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(SystemExit) as exited:
+        run(False, lambda: emit_json({"figure": 1}, True, None, False))
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "tldp: error: standard output: cannot write (No space left on device)\n"
+
+
+def test_ctrl_c_during_an_import_inside_a_run_is_exit_130(capsys):
+    """perturb imports its pipeline inside its run: a Ctrl-C landing in a class's __set_name__
+    there (Python 3.11 wraps it in a RuntimeError) was 'unexpected error ...; please report it', exit 1."""
+    from tldp_cli.cli.app import run
+
+    def importing():
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance") from KeyboardInterrupt()
+
+    with pytest.raises(SystemExit) as exited:
+        run(False, importing)
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "tldp: error: interrupted; nothing was written\n"
