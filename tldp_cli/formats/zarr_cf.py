@@ -134,8 +134,9 @@ def unnamed(arrays: dict[str, Any], group: str, left_out: set[str], attrs: dict[
     """A node's attributes, its CF coordinates, bounds, climatology, cell_measures,
     ancillary_variables and formula_terms attributes (cf.NAMING) naming only the arrays
     written (each left out when it names none of them; formula_terms when it names one
-    left out, cf.unnamed_attribute): CF readers look for every variable they name. `group`: the group its names are looked up in (an
-    array's, or a group itself), by absolute path."""
+    left out, cf.unnamed_attribute): CF readers look for every variable they name.
+    `group`: the group its names are looked up in (an array's, or a group itself), by
+    absolute path."""
     by_path = {"/" + name: name for name in arrays}
     out = dict(attrs)
     for key in cf.NAMING:
