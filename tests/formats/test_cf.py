@@ -57,6 +57,13 @@ def test_unnamed_leaves_out_the_variables_gone_and_their_measures():
     assert cf.unnamed(None, gone) is None
 
 
+def test_a_formula_missing_a_term_is_left_out_whole():
+    gone = {"ps"}.__contains__
+    assert cf.unnamed_attribute("formula_terms", "sigma: lev ps: ps ptop: ptop", gone) == ""
+    assert cf.unnamed_attribute("formula_terms", "sigma: lev ptop: ptop", gone) is None
+    assert cf.unnamed_attribute("ancillary_variables", "ps temp_qc", gone) == "temp_qc"
+
+
 def test_record_coordinates_follow_the_record_dimension():
     """A trajectory's track and identifier, and a station's elevation, run along the record
     dimension, as does the record dimension's own coordinate (time(time) when the records run

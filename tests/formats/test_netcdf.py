@@ -792,3 +792,35 @@ def test_packing_derived_from_the_data_is_not_stated(cli, tmp_path):
     assert json.loads(text)["unpacked"] == {"/t": {"stored_dtype": "int16", "unsigned": False}}
     for value in (scale, offset, low, high):
         assert repr(value)[:8] not in text and f"{value:g}" not in result.stderr
+
+
+def sigma_dataset() -> xr.Dataset:
+    """temp on a parametric vertical coordinate (CF's atmosphere_sigma_coordinate, whose
+    formula_terms names ps and ptop) with a quality flag as its ancillary variable."""
+    lev = xr.DataArray(np.linspace(0.1, 0.9, 4), dims="lev", attrs={
+        "standard_name": "atmosphere_sigma_coordinate", "formula_terms": "sigma: lev ps: ps ptop: ptop"})
+    return xr.Dataset({"temp": (("time", "lev"), RNG.uniform(200, 330, (6, 4)),
+                                {"ancillary_variables": "temp_qc", "units": "K"}),
+                       "temp_qc": (("time", "lev"), np.zeros((6, 4), np.int8)),
+                       "ps": ("time", RNG.uniform(9e4, 1e5, 6)), "ptop": ((), 1000.0)},
+                      coords={"lev": lev})
+
+
+def test_ancillary_variables_and_formula_terms_name_no_variable_left_out(cli, tmp_path):
+    """temp's ancillary_variables named temp_qc, and lev's formula_terms ps and ptop, after the
+    run left them out: the first names only what is written, the second (a formula missing a
+    term) is left out whole; xarray decodes the output without a warning."""
+    import warnings
+
+    src = tmp_path / "sigma.nc"
+    sigma_dataset().to_netcdf(src)
+    run(cli, src, tmp_path / "out.nc", "--dataset", "temp", "--range", "200:330")
+    run(cli, src, tmp_path / "kept.nc", "--dataset", "temp", "--range", "200:330", "--keep", "temp_qc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with xr.open_dataset(tmp_path / "out.nc", decode_coords="all") as ds:
+            assert set(ds.variables) == {"temp", "lev"}
+            assert "ancillary_variables" not in ds["temp"].attrs and "formula_terms" not in ds["lev"].attrs
+            assert ds["lev"].attrs["standard_name"] == "atmosphere_sigma_coordinate"
+        with xr.open_dataset(tmp_path / "kept.nc", decode_coords="all") as ds:
+            assert ds["temp"].attrs["ancillary_variables"] == "temp_qc" and "temp_qc" in ds.variables

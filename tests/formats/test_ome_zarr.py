@@ -434,3 +434,34 @@ def test_label_colors_listing_the_raw_label_values_are_not_copied(tmp_path, cli,
     steps = json.loads(Path(str(out) + ".manifest.json").read_text())["postprocessing"]
     assert any("image-label colors" in s for s in steps)
     assert set(ome_levels(out)) == {Multiscales, Label}  # ome-zarr-py still reads both
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_label_images_stay_integers_under_privunit(tmp_path, cli, fmt):
+    """privunit's values are floats; NGFF requires integer label images: the label image is
+    written in its own dtype (rounded, clipped: post-processing), which ome-zarr-py's reader
+    reads as a label image, and the manifest says so."""
+    src = make_ome(tmp_path / "a.ome.zarr", fmt)
+    before = tree_digest(src)
+    result = cli("perturb", src, "--eps", "8", "--mechanism", "privunit", "--seed", SEED)
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(src) == before
+    out = tmp_path / "a.tldp.ome.zarr"
+    noisy = ome_levels(out)
+    assert len(noisy[Label]) == 5 and all(level.dtype == np.uint8 for level in noisy[Label])
+    assert all(level.dtype == np.float32 for level in noisy[Multiscales])
+    for k, level in enumerate(noisy[Label]):  # still the nearest element of the full resolution
+        np.testing.assert_array_equal(level, noisy[Label][0][::2 ** k, ::2 ** k])
+    assert not np.array_equal(noisy[Label][0], CELLS)
+    manifest = json.loads((tmp_path / "a.tldp.ome.zarr.manifest.json").read_text())
+    assert manifest["output_dtype"] == "float32 (label images keep their integer dtype: labels/cells uint8)"
+    assert any(step.startswith("round the released values of label image labels/cells") and "[0, 255]" in step
+               for step in manifest["postprocessing"])
+    plan = cli("plan", src, "--eps", "8", "--mechanism", "privunit", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    assert json.loads(plan.stdout)["output_dtype"] == manifest["output_dtype"]
+    # other mechanisms' float values stay unrounded (tldp evaluate checks their noise)
+    plan = cli("plan", src, "--eps", "8", "--sampler", "float", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["calibration"]["values_dtype"] == "float32" and "output_dtype" not in report

@@ -259,3 +259,29 @@ def test_privunit_releases_a_record_with_missing_values_from_its_own_values(tmp_
         for after in runs:
             np.testing.assert_array_equal(np.isnan(after), np.isnan(values))  # the markers come back
             np.testing.assert_array_equal(after[1:], runs[0][1:])  # every record but record 0
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_ancillary_variables_and_formula_terms_name_no_array_left_out(cli, tmp_path, zarr_format):
+    """As in netCDF (test_netcdf.py): temp's ancillary_variables names only what is written,
+    lev's formula_terms naming arrays left out is left out whole, and xarray decodes the
+    store without a warning."""
+    import warnings
+
+    import zarr
+
+    from tests.formats.test_netcdf import sigma_dataset
+
+    src = tmp_path / "sigma.zarr"
+    sigma_dataset().to_zarr(src, zarr_format=zarr_format)
+    perturb(cli, src, tmp_path / "out.zarr", "--dataset", "temp", "--range", "200:330")
+    perturb(cli, src, tmp_path / "kept.zarr", "--dataset", "temp", "--range", "200:330", "--keep", "temp_qc")
+    assert "ancillary_variables" not in zarr.open_array(tmp_path / "out.zarr/temp", mode="r").attrs
+    assert "formula_terms" not in zarr.open_array(tmp_path / "out.zarr/lev", mode="r").attrs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with xr.open_zarr(tmp_path / "out.zarr", decode_coords="all", consolidated=False) as ds:
+            assert set(ds.variables) == {"temp", "lev"}
+            assert ds["lev"].attrs["standard_name"] == "atmosphere_sigma_coordinate"
+        with xr.open_zarr(tmp_path / "kept.zarr", decode_coords="all", consolidated=False) as ds:
+            assert ds["temp"].attrs["ancillary_variables"] == "temp_qc" and "temp_qc" in ds.variables

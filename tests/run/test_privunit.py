@@ -166,6 +166,37 @@ def test_plan_states_each_group_s_output_scale(cli, tmp_path):
         assert f"at k {report['accounting']['privunit']['k']} (the guarantee's group" in line
 
 
+HINT = "the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
+
+
+def test_a_range_without_0_hints_at_reference_mid(cli, tmp_path):
+    """Temperatures in 200:330 K: --reference auto measures them from 200 (the rule is kept);
+    plan's and perturb's lines say so and point to --reference mid, and say nothing where the
+    range holds 0 (the digits), the records are colour images (photos, an RGB array in
+    10:250) or --reference is given."""
+    rng = np.random.default_rng(4)
+    temps = tmp_path / "temps.npy"
+    np.save(temps, rng.uniform(250, 300, (20, 16)))
+    plan = cli("plan", temps, "--mechanism", "privunit", "--eps", "4", "--range", "200:330")
+    assert plan.exit_code == 0, plan.stderr
+    line = next(line for line in plan.stderr.splitlines() if line.startswith("tldp: plan:"))
+    assert f"around 200 (--reference auto; {HINT})" in line, line
+    ran = cli("perturb", temps, "--mechanism", "privunit", "--eps", "4", "--range", "200:330", "--seed", SEED)
+    assert ran.exit_code == 0, ran.stderr
+    assert f"; {HINT}) and " in ran.stderr
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for n in range(2):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(photos / f"{n}.png")
+    rgb = tmp_path / "rgb.npy"
+    np.save(rgb, rng.uniform(10, 250, (4, 8, 8, 3)))
+    for args in [(temps, "--range", "200:330", "--reference", "low"), (SAMPLES / "digits.npy",), (photos,),
+                 (rgb, "--range", "10:250")]:
+        plan = cli("plan", *args, "--mechanism", "privunit", "--eps", "4")
+        assert plan.exit_code == 0, plan.stderr
+        assert "tldp: plan:" in plan.stderr and "does not hold 0" not in plan.stderr, (args, plan.stderr)
+
+
 def test_basis_dct_k(cli, tmp_path):
     m, _ = privunit(cli, SAMPLES / "digits.npy", tmp_path / "o.npy", "--basis", "dct:20")
     check_manifest(m, k=20)

@@ -440,6 +440,21 @@ def records_phrase(manifest: dict) -> str:
     return f"{plural(manifest['records'], 'record')} x {manifest['elements_per_record']} elements"
 
 
+def reference_hint(manifest: dict) -> str:
+    """A clause for privunit's summary line where --reference auto measures records that are
+    not colour images from an end of a declared range that does not hold 0 (200 K for
+    200:330): their releases lean to that end; "" otherwise (the rule itself is unchanged)."""
+    from tldp_cli.privacy.privunit import is_colour_image
+
+    unit = manifest.get("privunit")
+    if not unit or unit.get("reference_option") != "auto":
+        return ""
+    groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+    if not any(float(g["reference"]) != 0 and not is_colour_image(tuple(g["record_shape"])) for g in groups):
+        return ""
+    return "; the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
+
+
 def privunit_phrase(manifest: dict) -> str:
     """--mechanism privunit, as plan's summary line says it: the basis, k, the split and the
     write-back's scale and reference point; each group's where the records' sizes or ranges
@@ -456,13 +471,14 @@ def privunit_phrase(manifest: dict) -> str:
         return (f"privunit, each group of records its own calibration (the manifest's calibrations): {each}; "
                 f"cap share {figures.get('q', float('nan')):.3g}, expected alignment "
                 f"{figures.get('expected_alignment', float('nan')):.3g} at k {figures.get('k')} (the guarantee's "
-                f"group, accounting.privunit) (--reference {unit.get('reference_option', 'zero')})")
+                f"group, accounting.privunit) (--reference {unit.get('reference_option', 'zero')}"
+                f"{reference_hint(manifest)})")
     layout = f"{unit['basis']['layout']}; " if unit["basis"].get("layout") else ""  # 1-, 2- or 3-D, over which axes
     return (f"privunit on {unit['k']} {basis} coefficients ({layout}eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
             f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "
-            f"{unit.get('reference_option', 'zero')})")
+            f"{unit.get('reference_option', 'zero')}{reference_hint(manifest)})")
 
 
 def reference_note(manifest: dict) -> str | None:

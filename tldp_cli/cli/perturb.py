@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from tldp_cli.run.options import PerturbOptions
 
 from tldp_cli.cli.app import (Display, app, debugging, fail, failure, kept_signals, library_warnings,
-                              records_phrase, reference_note, run, sigterm_interrupts, unperturbed_note)
+                              records_phrase, reference_hint, reference_note, run, sigterm_interrupts,
+                              unperturbed_note)
 
 
 @app.command("perturb", no_args_is_help=True)
@@ -321,8 +322,8 @@ def _report(result, quiet: bool, json_out: bool) -> None:
             typer.echo(f"tldp: {message}", err=True)
         stored = m.get("privunit", {}).get("stored")
         what = f"; stored as {m['privunit']['k']} {stored['dtype']} coefficients each" if stored else ""
-        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}) and "
-                   f"{result.manifest_path}", err=True)
+        typer.echo(f"tldp: wrote {result.output} ({records_phrase(m)}{what}{unperturbed_note(m)}"
+                   f"{reference_hint(m)}) and {result.manifest_path}", err=True)
         if (note := reference_note(m)) is not None:
             typer.echo(f"tldp: {note}", err=True)
         ranges = len(m.get("range_groups", []))

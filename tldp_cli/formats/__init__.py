@@ -234,6 +234,8 @@ class FormatOptions:
     anonymize_names: bool = False  # image folders, WebDataset: neutral output names, none of the input's
     # --dtype as given (None: not given): image folders and WebDataset shards note where it does not apply
     dtype: str | None = None
+    # --mechanism privunit: OME-Zarr integer label images keep their dtype (zarr_ome.label_dtypes)
+    integer_labels: bool = False
     # Set by the pipeline for the writer: each array's declared range and the noise's grid
     # step (None: no grid), for writers that move a noisy value off a missing-data marker.
     value_bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)

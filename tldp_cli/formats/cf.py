@@ -108,6 +108,10 @@ PACKING = ("scale_factor", "add_offset", "_Unsigned")
 # cell bounds, cell areas): never perturbed unless named with --dataset.
 COORDINATE_REFERENCES = ("coordinates", "bounds", "climatology", "cell_measures")
 BOUNDS = ("bounds", "climatology")  # of these, the variables delimiting the cells of the one naming them
+# CF attributes naming other variables, which the output prunes of the variables it does not
+# hold (unnamed_attribute): the coordinate references, a variable's ancillary_variables
+# (quality flags, standard errors) and a parametric vertical coordinate's formula_terms.
+NAMING = (*COORDINATE_REFERENCES, "ancillary_variables", "formula_terms")
 
 
 @dataclass(frozen=True)
@@ -398,6 +402,13 @@ def unnamed(text: str | None, gone: Callable[[str], bool]) -> str | None:
         if kept and kept[-1].endswith(":"):
             kept.pop()
     return " ".join(kept) if removed else None
+
+
+def unnamed_attribute(key: str, text: str | None, gone: Callable[[str], bool]) -> str | None:
+    """Attribute `key` of NAMING as unnamed rewrites it, but a formula_terms attribute that
+    names a variable gone is left out whole (""): a formula missing a term computes nothing."""
+    rewritten = unnamed(text, gone)
+    return "" if key == "formula_terms" and rewritten is not None else rewritten
 
 
 COEFFICIENT_DIMENSION = "coefficient"  # axis 1 of a variable written as coefficients (--store coefficients)

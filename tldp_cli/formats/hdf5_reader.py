@@ -354,10 +354,11 @@ class Hdf5Reader(Reader):
         return keys | {object_key(found[target]) for _, _, target in named}
 
     def _unname_dropped_coordinates(self, found: dict[str, h5py.Dataset]) -> None:
-        """A coordinates, bounds, climatology or cell_measures attribute naming datasets the run
-        leaves out (a record coordinate; one written as a bare dimension is no variable either)
-        is written naming only the others (left out if none is left): CF readers look for every
-        variable it names."""
+        """A coordinates, bounds, climatology, cell_measures, ancillary_variables or formula_terms
+        attribute (cf.NAMING) naming datasets the run leaves out (a record coordinate; one
+        written as a bare dimension is no variable either) is written naming only the others
+        (left out if none is left; formula_terms whole, cf.unnamed_attribute): CF readers
+        look for every variable it names."""
         dropped = set(self.actions)  # DROP or DIMENSION
         groups = _groups(self.file)  # a group's own attributes name variables too (xarray's)
         for name, ds in [*found.items(), *groups.items()]:
@@ -369,10 +370,10 @@ class Hdf5Reader(Reader):
                 target = cf.variable(word, group, found)
                 return target is not None and object_key(target) in dropped
 
-            for attr in cf.COORDINATE_REFERENCES:
+            for attr in cf.NAMING:
                 if attr.encode() in self.left_out_attrs.get(key, {}):
                     continue
-                text = cf.unnamed(attr_text(ds, attr), gone)
+                text = cf.unnamed_attribute(attr, attr_text(ds, attr), gone)
                 if text is not None:
                     self.left_out_attrs.setdefault(key, {})[attr.encode()] = np.array(text.encode()) if text else None
 

@@ -131,16 +131,18 @@ def record_coordinates(arrays: dict[str, Any], groups: dict[str, Any], records: 
 
 
 def unnamed(arrays: dict[str, Any], group: str, left_out: set[str], attrs: dict[str, Any]) -> dict[str, Any]:
-    """A node's attributes, its CF coordinates, bounds, climatology and cell_measures attributes
-    naming only the arrays written (each left out when it names none of them): CF readers
-    look for every variable they name. `group`: the group its names are looked up in (an
-    array's, or a group itself), by absolute path."""
+    """A node's attributes, its CF coordinates, bounds, climatology, cell_measures,
+    ancillary_variables and formula_terms attributes (cf.NAMING) naming only the arrays
+    written (each left out when it names none of them; formula_terms when it names one
+    left out, cf.unnamed_attribute): CF readers look for every variable they name.
+    `group`: the group its names are looked up in (an array's, or a group itself), by
+    absolute path."""
     by_path = {"/" + name: name for name in arrays}
     out = dict(attrs)
-    for key in cf.COORDINATE_REFERENCES:
+    for key in cf.NAMING:
         text = attrs.get(key)
-        rewritten = cf.unnamed(text if isinstance(text, str) else None,
-                               lambda word: cf.variable(word, group, by_path) in left_out)
+        rewritten = cf.unnamed_attribute(key, text if isinstance(text, str) else None,
+                                         lambda word: cf.variable(word, group, by_path) in left_out)
         if rewritten == "":
             del out[key]
         elif rewritten is not None:

@@ -100,6 +100,7 @@ class Pyramid:
     factors: tuple[tuple[int, ...], ...]
     method: str  # MEAN or NEAREST
     declared: str | None  # the downsampling the metadata declares (type, metadata.method)
+    label: bool = False  # a label image (image-label): NGFF requires integer values
 
     @property
     def name(self) -> str:
@@ -197,8 +198,49 @@ def pyramids(path: Path, nodes: list[zarr_tree.Node], opened: dict[str, Any]) ->
             factors = tuple(_level_factors(where, sizes[k - 1], sizes[k], levels[k])
                             for k in range(1, len(levels)))
             method, declared = _declared_method(entry, label)
-            found.append(Pyramid(node.path, index, in_ome, levels, factors, method, declared))
+            found.append(Pyramid(node.path, index, in_ome, levels, factors, method, declared, label))
     return found
+
+
+def label_dtypes(pyramids: list[Pyramid], perturbed: set[str], arrays: dict[str, Any],
+                 dtype: np.dtype) -> dict[str, np.dtype]:
+    """The arrays of the integer label images perturbed that keep their integer dtype where
+    the engine's values are floats, under --mechanism privunit (FormatOptions.integer_labels;
+    the noise mechanisms' checks in tldp evaluate read their outputs unrounded): NGFF
+    requires integer label images. By the array's path in the store: every level of each
+    label image."""
+    if np.dtype(dtype).kind != "f":
+        return {}
+    return {level: np.dtype(arrays[level].dtype) for p in pyramids if p.label and p.levels[0] in perturbed
+            for level in p.levels if np.dtype(arrays[p.levels[0]].dtype).kind in "iu"}
+
+
+def to_label_dtype(block: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Released values of a label image in its integer dtype: rounded to the nearest
+    integer and clipped to the dtype's range (post-processing of the released values)."""
+    info = np.iinfo(dtype)
+    return np.clip(np.rint(np.asarray(block, dtype=np.float64)), info.min, info.max).astype(dtype)
+
+
+def label_output_dtype(dtype: np.dtype, labels: dict[str, np.dtype], pyramids: list[Pyramid]) -> str | None:
+    """The manifest's output_dtype where label images keep their integer dtype (label_dtypes),
+    the engine's dtype first; None where none does."""
+    kept = [f"{p.name} {labels[p.levels[0]]}" for p in pyramids if p.levels[0] in labels]
+    if not kept:
+        return None
+    return f"{np.dtype(dtype)} (label images keep their integer dtype: {', '.join(kept)})"
+
+
+def label_steps(pyramids: list[Pyramid], labels: dict[str, np.dtype]) -> list[str]:
+    """The manifest's postprocessing entries for the label images kept in their integer dtype."""
+    steps = []
+    for pyramid in (p for p in pyramids if p.levels[0] in labels):
+        dtype = labels[pyramid.levels[0]]
+        info = np.iinfo(dtype)
+        steps.append(f"round the released values of label image {pyramid.name} to the nearest integer and clip "
+                     f"them to [{info.min}, {info.max}], cast to {dtype} (NGFF label images are integers; "
+                     "post-processing, no privacy cost)")
+    return steps
 
 
 def regeneration_message(pyramid: Pyramid) -> str:

@@ -9,6 +9,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, UsageError
@@ -32,6 +33,7 @@ class ZarrReader(Reader):
         self.group_handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "group"}
         self.encodings: dict[str, cf.Encoding] = {}  # job name -> its CF encoding, where it has one
         self.pyramids = zarr_ome.pyramids(path, self.nodes, opened)
+        self.integer_labels = options.integer_labels  # the writer's (zarr_ome.label_dtypes)
         selected = self._select(options.datasets)
         self.jobs = [self._job(name) for name in selected]
         # The multiscale images whose lower levels the writer regenerates (all of them).
@@ -203,6 +205,16 @@ class ZarrReader(Reader):
 
     def arrays(self) -> list[ArrayJob]:
         return self.jobs
+
+    def output_dtype(self, dtype: np.dtype) -> str | None:
+        """Integer label images keep their dtype under privunit (zarr_ome.label_dtypes)."""
+        return zarr_ome.label_output_dtype(dtype, self.label_dtypes(dtype), self.pyramids)
+
+    def label_dtypes(self, dtype: np.dtype) -> dict[str, np.dtype]:
+        """Under privunit (integer_labels), zarr_ome.label_dtypes of the images perturbed."""
+        if not self.integer_labels:
+            return {}
+        return zarr_ome.label_dtypes(self.pyramids, {job.name.strip("/") for job in self.jobs}, self.handles, dtype)
 
     def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
         cf.take_as_data(self.jobs, self.encodings, data)

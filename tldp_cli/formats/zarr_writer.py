@@ -45,6 +45,7 @@ class _Blocks:
     dtype: np.dtype
     missing: dict[str, list[tuple]] = field(default_factory=dict)  # job name -> CF (stored, output) markers
     bounds: dict[str, tuple[float, float, float | None]] = field(default_factory=dict)  # FormatOptions.value_bounds
+    labels: dict[str, np.dtype] = field(default_factory=dict)  # job name -> its label image's integer dtype
 
     def __post_init__(self) -> None:
         self._arrays: dict[str, Any] = {}
@@ -86,7 +87,10 @@ class _Blocks:
         """Writes the block; returns how many noisy values it moved off missing-data markers,
         and whether the input held missing values there."""
         array, chunk_files = self.array(job.name)
-        block = np.asarray(block, dtype=self.dtype)
+        if job.name in self.labels:
+            block = zarr_ome.to_label_dtype(block, self.labels[job.name])
+        else:
+            block = np.asarray(block, dtype=self.dtype)
         kept = 0, False
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
@@ -184,19 +188,22 @@ class ZarrWriter(Writer):
                               f"{reader.path}")
         nodes = {n.path: n for n in reader.nodes}
         names = {job.name: job.name.strip("/") for job in reader.jobs}
+        self.labels = reader.label_dtypes(self.dtype)  # privunit: integer label images keep their dtype
+        self.output_dtype = zarr_ome.label_output_dtype(self.dtype, self.labels, reader.pyramids)
         # Rewritten before anything is copied, so an impossible filter fails fast.
         metadata, dropped, lowered = {}, {}, {}
         for job_name, path in names.items():
             metadata[path], lossy, levels = zarr_metadata.output_metadata(
                 nodes[path], zarr_cf.output_fill(reader.handles[path], reader.encodings.get(job_name)),
-                reader.zarr_format, self.dtype, f"{reader.path}: array {zarr_tree.display(path)}")
+                reader.zarr_format, self.labels.get(path, self.dtype),
+                f"{reader.path}: array {zarr_tree.display(path)}")
             if lossy:
                 dropped[job_name] = lossy
             if levels:
                 lowered[job_name] = levels
         for path in (level for p in reader.regenerated for level in p.levels[1:]):
             metadata[path], lossy, levels = zarr_metadata.output_metadata(nodes[path], reader.handles[path].fill_value,
-                                                             reader.zarr_format, self.dtype,
+                                                             reader.zarr_format, self.labels.get(path, self.dtype),
                                                              f"{reader.path}: array {zarr_tree.display(path)}")
             if lossy:
                 dropped[path] = lossy
@@ -212,10 +219,12 @@ class ZarrWriter(Writer):
             self.manifest_extra = {**self.manifest_extra,
                                    "multiscale_images": [p.describe() for p in self.pyramids]}
         job_of = {path: job_name for job_name, path in names.items()}
-        windows = {p: zarr_ome.declared_window((bounds or {}).get(job_of.get(p.levels[0], "")), self.dtype)
+        windows = {p: zarr_ome.declared_window((bounds or {}).get(job_of.get(p.levels[0], "")),
+                                               self.labels.get(p.levels[0], self.dtype))
                    for p in reader.raw_statistics}
         self.postprocessing += [zarr_ome.statistics_step(p, fields, windows[p])
                                 for p, fields in reader.raw_statistics.items() if fields]
+        self.postprocessing += zarr_ome.label_steps(reader.pyramids, self.labels)
         self.messages += [f"array {name}: written without the input's lossy "
                           f"filter{'s' if len(lossy) > 1 else ''} {', '.join(lossy)}, so the noisy "
                           "values are stored exactly" for name, lossy in dropped.items()]
@@ -239,7 +248,8 @@ class ZarrWriter(Writer):
                 if fields:
                     zarr_ome.drop_raw_statistics(tmp_path, pyramid, reader.zarr_format, windows[pyramid])
         self.blocks = _Blocks(tmp_path, reader.path, names, reader.zarr_format, self.dtype, self.missing,
-                              bounds or {})
+                              bounds or {}, {name: self.labels[path] for name, path in names.items()
+                                             if path in self.labels})
         # (job name, first record) -> noisy values moved off its markers, per block written
         self.moved: dict[tuple[str, int], int] = {}
         self.held: dict[tuple[str, int], bool] = {}  # ... whether its input held missing values (stderr only)
@@ -257,7 +267,8 @@ class ZarrWriter(Writer):
             array = reader.handles[path]
             attrs, dropped, pairs = zarr_cf.cf_output_attrs(f"{reader.path}: array {job_name}", array,
                                                             reader.attributes.get(path, array.attrs.asdict()),
-                                                            reader.encodings.get(job_name), self.dtype)
+                                                            reader.encodings.get(job_name),
+                                                            self.labels.get(path, self.dtype))
             if dropped:
                 dropped_attrs[job_name] = dropped
             if pairs:
@@ -314,7 +325,8 @@ class ZarrWriter(Writer):
             if not chunk.is_file():
                 raise removed_during_run(chunk)
         for pyramid in self.pyramids:
-            zarr_ome.regenerate(self.root, self.blocks.source, pyramid, self.zarr_format, self.dtype)
+            zarr_ome.regenerate(self.root, self.blocks.source, pyramid, self.zarr_format,
+                                self.labels.get(pyramid.levels[0], self.dtype))
         if self.consolidate:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"

@@ -246,7 +246,8 @@ def checked_format_options(options: PerturbOptions, module) -> FormatOptions:
                          f"files and xarray's Zarr stores, not {module.name}")
     return FormatOptions(datasets=list(options.datasets), exclude=list(options.exclude), keep=list(options.keep),
                          image_format=options.image_format, copy_other=options.copy_other,
-                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names, dtype=options.dtype)
+                         skip_bad=options.skip_bad, anonymize_names=options.anonymize_names, dtype=options.dtype,
+                         integer_labels=options.mechanism == PRIVUNIT)
 
 
 def without_unheld(call: Callable[[PerturbOptions], Any], options: PerturbOptions) -> Any:

@@ -129,10 +129,12 @@ def options_of_manifest(m: dict[str, Any], input: Path) -> PerturbOptions:
     not state (the seed, the weights' file, the output's paths) keeps its default."""
     acc = m.get("accounting") or {}
     automatic = str((m.get("grid") or {}).get("rule", "")).startswith("automatic")
-    # The engine's float dtype: the output's, or where each tensor keeps its own (model
-    # files), the grid's rule ("float64: granularity times ..."); else not given
+    # The engine's float dtype: the output's (its first word: a Zarr store's label images keep
+    # their integer dtype, named after it), or where each tensor keeps its own (model files),
+    # the grid's rule ("float64: granularity times ..."); else not given
+    written = str(m.get("output_dtype") or "").split(" ")[0]
     grid_dtype = str((m.get("grid") or {}).get("output_dtype_rule", "")).split(":")[0]
-    float_dtype = next((d for d in (m.get("output_dtype"), grid_dtype) if d in ("float32", "float64")), None)
+    float_dtype = next((d for d in (written, grid_dtype) if d in ("float32", "float64")), None)
     return PerturbOptions(
         input=input, eps=float(m["epsilon"]), mechanism=m["mechanism"], noise=m["noise"],
         budget=m["budget"], value_range=(float(m["value_range"][0]), float(m["value_range"][1])),
