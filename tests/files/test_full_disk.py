@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 from tests.builders import REPO, SEED, tree_digest
 from tldp_cli.errors import InputError
 from tldp_cli.files import checked_io
-from tldp_cli.formats import FormatOptions, hdf5, hdf5_output, hdf5_storage, hdf5_writer, safetensors_file
+from tldp_cli.formats import FormatOptions, hdf5_output, hdf5_storage, hdf5_writer, safetensors_file
 
 pytestmark = pytest.mark.slow
 

@@ -264,11 +264,15 @@ def test_a_killed_process_really_releases_its_lock(tmp_path):
     run = subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", tmp_path / "x.npy", "--eps", "1",
                             "--range", "0:1", "--out", tmp_path / "o.npy", "--workers", "1"],
                            stderr=subprocess.DEVNULL)
-    for _ in range(1000):  # until the run is writing its output
-        if any((p / "o.npy").exists() for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name):
-            break
+    # Until the run is writing its output: a deadline, not a count of polls, since a loaded
+    # machine (CI's workers side by side) can take many seconds to start the interpreter.
+    deadline = time.monotonic() + 300
+    while not any((p / "o.npy").exists() for p in tmp_path.iterdir() if ".tldp-tmp-" in p.name):
         if run.poll() is not None:
             pytest.skip("the run finished before it could be killed")
+        if time.monotonic() > deadline:
+            run.kill()
+            pytest.fail("the run wrote nothing in 300 s")
         time.sleep(0.01)
     run.kill()
     run.wait()

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import pytest
 import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

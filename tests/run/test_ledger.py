@@ -103,13 +103,19 @@ def test_a_killed_run_stays_counted_and_the_ledger_consistent(data, tmp_path, cl
     run = subprocess.Popen([sys.executable, "-m", "tldp_cli", "perturb", big, "--eps", "1", "--out",
                             tmp_path / "o.npy", "--ledger", ledger, "--workers", "1"],
                            stderr=subprocess.DEVNULL)
-    for _ in range(2000):  # until the release is recorded (pending) and the output is being written
+    # Until the release is recorded (pending) and the output is being written: a deadline, not
+    # a count of polls, since a loaded machine can take many seconds to start the interpreter.
+    deadline = time.monotonic() + 300
+    while True:
         if any(".tldp-tmp-" in p.name for p in tmp_path.iterdir()) and ledger.exists():
             with sqlite3.connect(ledger) as db:
                 if db.execute("SELECT count(*) FROM releases").fetchone()[0]:
                     break
         if run.poll() is not None:
             pytest.skip("the run finished before it could be killed")
+        if time.monotonic() > deadline:
+            run.kill()
+            pytest.fail("the release was not recorded in 300 s")
         time.sleep(0.01)
     os.kill(run.pid, signal.SIGKILL)
     run.wait()
