@@ -272,6 +272,23 @@ def _holds(dtype: np.dtype, value: float) -> bool:
         return float(dtype.type(value)) == value
 
 
+class EncodedRecords:
+    """A reader of one array's records stored under a CF encoding (the HDF5 and Zarr
+    readers' Records): called, records start:stop as perturbed (decoded_records); `stored`,
+    as stored, which each format reads its own way."""
+
+    encoding: Encoding | None
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        raw = self.stored(start, stop)
+        if self.encoding is None:
+            return raw
+        return decoded_records(raw, self.encoding)
+
+    def stored(self, start: int, stop: int) -> np.ndarray:
+        raise NotImplementedError
+
+
 def decoded_records(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
     """Stored records as the values perturbed. Missing positions hold the encoding's public
     `fill` (in float64 where the values' dtype cannot hold it exactly: privunit measures

@@ -170,7 +170,7 @@ def placement_within(ds: h5py.Dataset, size: int) -> Placement | None:
 
 
 @dataclass(frozen=True)
-class Records:
+class Records(cf.EncodedRecords):
     """Reads records of one dataset, decoded by `encoding`. Opens the file on each call:
     h5py handles do not pickle, so this callable can go to worker processes."""
 
@@ -180,12 +180,6 @@ class Records:
     encoding: cf.Encoding | None = None
     placement: Placement | None = None  # read outside HDF5 when known
     deflated: hdf5_chunks.Deflated | None = None  # or its chunks decompressed outside HDF5
-
-    def __call__(self, start: int, stop: int) -> np.ndarray:
-        raw = self.stored(start, stop)
-        if self.encoding is None:
-            return raw
-        return cf.decoded_records(raw, self.encoding)
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""

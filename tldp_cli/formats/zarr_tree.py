@@ -177,7 +177,7 @@ def open_node(store: LocalStore, where: Path, node: str, kind: str, zarr_format:
 
 
 @dataclass(frozen=True)
-class Records:
+class Records(cf.EncodedRecords):
     """Reads records of one array. Picklable: opens the store inside each call, so it can
     run in Dask worker processes."""
 
@@ -186,12 +186,6 @@ class Records:
     zarr_format: ZarrFormat
     encoding: cf.Encoding | None = None  # CF: missing values and packing (xarray's stores)
     chunk_files: zarr_chunks.Layout | None = None  # plain chunk files are read without zarr-python
-
-    def __call__(self, start: int, stop: int) -> np.ndarray:
-        raw = self.stored(start, stop)
-        if self.encoding is None:
-            return raw
-        return cf.decoded_records(raw, self.encoding)
 
     def stored(self, start: int, stop: int) -> np.ndarray:
         """Records start:stop as stored."""
