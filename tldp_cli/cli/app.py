@@ -440,16 +440,22 @@ def records_phrase(manifest: dict) -> str:
     return f"{plural(manifest['records'], 'record')} x {manifest['elements_per_record']} elements"
 
 
+def _auto_reference_groups(manifest: dict) -> list[dict]:
+    """The privunit calibration of each group of records (the run's one where it has a single
+    group) of a run under --reference auto; [] for any other run."""
+    unit = manifest.get("privunit")
+    if not unit or unit.get("reference_option") != "auto":
+        return []
+    return [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+
+
 def reference_hint(manifest: dict) -> str:
     """A clause for privunit's summary line where --reference auto measures records that are
     not colour images from an end of a declared range that does not hold 0 (200 K for
     200:330): their releases lean to that end; "" otherwise (the rule itself is unchanged)."""
     from tldp_cli.privacy.privunit import is_colour_image
 
-    unit = manifest.get("privunit")
-    if not unit or unit.get("reference_option") != "auto":
-        return ""
-    groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+    groups = _auto_reference_groups(manifest)
     if not any(float(g["reference"]) != 0 and not is_colour_image(tuple(g["record_shape"])) for g in groups):
         return ""
     return "; the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
@@ -486,10 +492,7 @@ def reference_note(manifest: dict) -> str | None:
     images of an image folder (alone or beside colour ones) are written around 0 (auto's rule
     goes by the record's shape alone, and is right for digits on black), which darkens photos.
     None for any other run (arrays such as the .npy digits, colour images, another --reference)."""
-    unit = manifest.get("privunit")
-    if not unit or unit.get("reference_option") != "auto" or not manifest.get("inputs"):
-        return None
-    groups = [c["privunit"] for c in manifest.get("calibrations") or [] if "privunit" in c] or [unit]
+    groups = _auto_reference_groups(manifest) if manifest.get("inputs") else []
     gray = [group["reference"] for group in groups if len(group["record_shape"]) == 2]  # (H, W): one channel
     if not gray or not all((fmt := of_source(entry)) is not None and fmt.records_are_files  # an image folder's
                            for entry in manifest["inputs"]):

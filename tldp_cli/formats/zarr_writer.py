@@ -192,23 +192,20 @@ class ZarrWriter(Writer):
         self.output_dtype = zarr_ome.label_output_dtype(self.dtype, self.labels, reader.pyramids)
         # Rewritten before anything is copied, so an impossible filter fails fast.
         metadata, dropped, lowered = {}, {}, {}
-        for job_name, path in names.items():
+        # (the manifest's key, the array's path, its output fill): each array perturbed, then
+        # each level a pyramid regenerates from its perturbed full resolution
+        written = [(job_name, path, zarr_cf.output_fill(reader.handles[path], reader.encodings.get(job_name)))
+                   for job_name, path in names.items()]
+        written += [(path, path, reader.handles[path].fill_value)
+                    for path in (level for p in reader.regenerated for level in p.levels[1:])]
+        for key, path, fill in written:
             metadata[path], lossy, levels = zarr_metadata.output_metadata(
-                nodes[path], zarr_cf.output_fill(reader.handles[path], reader.encodings.get(job_name)),
-                reader.zarr_format, self.labels.get(path, self.dtype),
+                nodes[path], fill, reader.zarr_format, self.labels.get(path, self.dtype),
                 f"{reader.path}: array {zarr_tree.display(path)}")
             if lossy:
-                dropped[job_name] = lossy
+                dropped[key] = lossy
             if levels:
-                lowered[job_name] = levels
-        for path in (level for p in reader.regenerated for level in p.levels[1:]):
-            metadata[path], lossy, levels = zarr_metadata.output_metadata(nodes[path], reader.handles[path].fill_value,
-                                                             reader.zarr_format, self.labels.get(path, self.dtype),
-                                                             f"{reader.path}: array {zarr_tree.display(path)}")
-            if lossy:
-                dropped[path] = lossy
-            if levels:
-                lowered[path] = levels
+                lowered[key] = levels
         self.postprocessing, self.manifest_extra = dropped_filters(dropped)
         if lowered:  # the values are the same at any level: only the CPU spent differs
             self.manifest_extra["codec_levels"] = lowered
