@@ -104,8 +104,7 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
                              "does not fit floats of 8 bits or fewer); convert the file to bfloat16 or "
                              f"float16, or pass --exclude {t.name} to copy it unperturbed")
         elif not t.perturbable:
-            reasons[t.name] = ("empty" if t.dtype in FLOAT_DTYPES else
-                               f"{t.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")
+            reasons[t.name] = _unperturbable(t)
     chosen = [t for t in tensors if t.name not in reasons]
     if not chosen:
         listing = ", ".join(f"{t.name} ({t.dtype})" for t in tensors[:8]) or "none"
@@ -115,6 +114,12 @@ def select(path: Path, tensors: list[Tensor], requested: list[str], exclude: Seq
     message = (f"perturbing {len(chosen)} floating-point tensor{'s' if len(chosen) > 1 else ''} "
                f"of {path.name} (choose with --dataset NAME, leave out with --exclude PATTERN)")
     return chosen, [message], _unperturbed(tensors, reasons)
+
+
+def _unperturbable(tensor: Tensor) -> str:
+    """Why a tensor that is not perturbable is left as it is: empty, or not floating-point."""
+    return ("empty" if tensor.dtype in FLOAT_DTYPES else
+            f"{tensor.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")
 
 
 def _is_glob(tensors: list[Tensor], name: str) -> bool:
@@ -138,8 +143,7 @@ def _globbed(path: Path, tensors: list[Tensor], pattern: str, exclude: list[str]
         elif (left_out := matching(t.name, exclude)) is not None:
             reasons.setdefault(t.name, f"--exclude {left_out}")
         elif not t.perturbable:
-            reasons.setdefault(t.name, "empty" if t.dtype in FLOAT_DTYPES else
-                               f"{t.dtype}: only {', '.join(FLOAT_DTYPES)} tensors are perturbed")
+            reasons.setdefault(t.name, _unperturbable(t))
         else:
             chosen.add(t.name)
     if not chosen:
