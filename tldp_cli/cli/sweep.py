@@ -117,7 +117,7 @@ def sweep_command(
         if report_path is not None:
             check_outside_inputs(report_path, reads, "report")
             check_file_target(report_path, overwrite)
-        advance, close = progress_bar(quiet, "run")
+        advance, close = progress_bar(quiet, "sweeping", "runs")
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
                               model=model.value, value_range=rng_range, weights=weights,
