@@ -27,6 +27,7 @@ BUDGETS = ("element", "record")
 # keep --eps but make it each element's: a per-record figure hundreds of times larger).
 RECORD_LEVEL_MECHANISMS = ("--mechanism privunit (useful from a few units per record: docs/choosing-eps.md) "
                            "or --mechanism baseline (noise on every element, no value kept raw)")
+
 # What to do when TLDP's retain probability, which depends on the data's units, is too large.
 def raw_release_advice(noise: str) -> str:
     """What to do when TLDP's retain probability, which depends on the data's units, makes
