@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tldp_cli.cli.app import Display
+from tldp_cli.cli.app import Display, progress_bar
 
 
 class _Terminal(io.StringIO):
@@ -67,6 +67,21 @@ def test_verbose_is_one_line_per_phase_even_off_a_terminal(monkeypatch):
     _run(Display(quiet=False, verbose=True), planning=0)
     assert terminal.getvalue().splitlines() == [
         "tldp: reading: the headers", "tldp: planning: calibrating", "tldp: perturbing: 10 records"]
+
+
+def test_evaluate_s_and_sweep_s_bars_are_labelled_as_perturb_s(monkeypatch):
+    """evaluate's bar read " 53%|... | 10698/20000 [00:02<00:01, 5141.03rec/s]": no "tldp:",
+    no word of what it counts, beside perturb's "tldp: perturbing: ... records/s"."""
+    stderr = _terminal(monkeypatch)
+    advance, close = progress_bar(False, "evaluating", "records")
+    advance(0, 10)
+    advance(4, 10)
+    close()
+    shown = stderr.getvalue()
+    assert "tldp: evaluating:" in shown and "/10 [" in shown and " records/s" in shown, shown
+    quiet = _terminal(monkeypatch)
+    advance, close = progress_bar(True, "sweeping", "runs")
+    assert advance is None and quiet.getvalue() == ""
 
 
 @pytest.mark.slow

@@ -395,3 +395,25 @@ def test_sweep_refuses_its_report_before_writing_its_tables(cli, tmp_path, repor
                         "--methods", "TLDP-L"), 1)
     assert str(tmp_path / report) in line
     assert siblings(tmp_path) == {"d.npy", "exists.json"} and (tmp_path / "exists.json").read_text() == "{}"
+
+
+# --------------------------------------------------------------------------- retained values
+
+
+def test_retained_fraction_states_the_unchanged_values_it_expects(cli, tmp_path):
+    """Discrete noise leaves a value unchanged whenever it draws 0: at --eps 1 on the digits
+    about 690 of 313,600 values, with a retain probability of 0. The detail read "660 of 313600
+    values kept unchanged; p = 0" and passed, as if raw values had been kept against p; it
+    now states what it expects and why."""
+    src = tmp_path / "d.npy"
+    np.save(src, DIGITS)
+    out = perturb(cli, src, tmp_path / "o.npy", "--eps", "1", "--noise", "gaussian")
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    check = checks(report)["retained_fraction"]
+    assert check["passed"] and check["retain_probability"] == 0 and check["retained"] > 100
+    expected = check["elements"] * check["expected_fraction"]
+    assert 500 < expected < 900  # P(noise = 0) of a discrete Gaussian of scale 181: 0.0022
+    detail = check["detail"]
+    assert f"{check['retained']} of {check['elements']} values unchanged, {expected:.4g} expected" in detail
+    assert "kept with p = 0" in detail and "noise of 0" in detail

@@ -540,3 +540,18 @@ def test_a_model_file_is_one_subject_charged_its_whole_file(cli, tmp_path, kind)
     assert len(listing(cli, ledger)["releases"]) == 1
     text = cli("ledger", ledger)
     assert f"whole file (eps={per_file:.4g}" in text.stdout
+
+
+def test_a_subject_at_the_cap_has_nothing_left(cli, data, tmp_path):
+    """Five releases at --budget record --eps 10 certify 10 - 6e-13 each: the sixth was refused
+    with "eps left under the cap: 2.835e-12" (docs/plan-and-ledger.md showed it), a
+    remainder that is rounding, under the cap's own tolerance."""
+    for i in range(2):
+        result = cli("perturb", data, "--eps", "10", "--budget", "record", "--out", tmp_path / f"r{i}.npy",
+                     "--ledger", data.parent / "ledger.db", "--max-record-eps", "20", "-q")
+        assert result.exit_code == 0, result.stderr
+    spent = listing(cli, data.parent / "ledger.db")["worst_subject"]["epsilon"]
+    assert spent != 20 and spent == pytest.approx(20, rel=1e-12)  # the case: a hair off the cap
+    refused = perturb(cli, data, tmp_path / "r2.npy", "--max-record-eps", "20")
+    assert refused.exit_code == 1
+    assert "eps left under the cap: 0)" in refused.stderr, refused.stderr

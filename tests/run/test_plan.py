@@ -171,6 +171,25 @@ def test_a_unit_range_without_a_dtype_points_to_input_dtype(cli):
     assert cli("plan", "--elements", "784", "--range", "0:1", "--eps", "1", "--input-dtype", "float32").exit_code == 0
 
 
+def test_a_narrow_integer_range_says_the_records_are_planned_as_integers(cli, tmp_path):
+    """--range -1:1 (tanh features) described integer data {-1, 0} without a word: the plan
+    certified half what perturb certifies for the float file (8 per record against 16)."""
+    described = cli("plan", "--elements", "16", "--records", "10", "--range", "-1:1", "--eps", "1", "--json")
+    assert described.exit_code == 0, described.stderr
+    note = ("note: --range -1:1 has integer ends, so the records are planned as integers -1 to 0; "
+            "for float data in that range give --input-dtype float32 (or float64)")
+    assert f"tldp: {note}" in described.stderr.splitlines() and note in json.loads(described.stdout)["messages"]
+    np.save(tmp_path / "f.npy", np.tanh(np.random.default_rng(0).normal(size=(10, 16))).astype(np.float32))
+    as_floats = [json.loads(cli(*args, "--range", "-1:1", "--eps", "1", "--json").stdout)["accounting"]["per_record"]
+                 for args in (("plan", tmp_path / "f.npy"),
+                              ("plan", "--elements", "16", "--records", "10", "--input-dtype", "float32"))]
+    assert as_floats[0] == as_floats[1]  # what the note points to is the file's plan
+    assert json.loads(described.stdout)["accounting"]["per_record"]["epsilon"] < as_floats[0]["epsilon"] / 1.9
+    for quiet in (("--range", "0:256"), ("--range", "-1:1", "--input-dtype", "int8"), ("--range", "-1.5:1")):
+        result = cli("plan", "--elements", "16", *quiet, "--eps", "1")  # a byte's range, or the dtype given
+        assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+
+
 def test_described_records_without_a_range_say_what_to_give(cli):
     """--elements without --range said "records: float64 data needs --range", naming a file
     'records' the user never gave; the line names --elements and the ways out (--range,

@@ -82,6 +82,14 @@ def test_plan_warns_as_perturb_does(cli, digits):
     assert not large(run_json(cli, "plan", digits, "--eps", "8", "--budget", "record")[1])
 
 
+def test_a_single_record_is_the_only_entry(cli):
+    """docs/choosing-eps.md's photo plan (--records 1) warned "a record is one of the 1
+    entries along the first axis"."""
+    described, _ = run_json(cli, "plan", "--elements", "480x640x3", "--records", "1", "--range", "0:256",
+                            "--eps", "1")
+    assert "a record is the only entry along the first axis, of 921600 elements" in described.stderr
+
+
 def test_the_record_is_named_for_images_rows_and_model_files(cli, tmp_path):
     photos = tmp_path / "photos"
     photos.mkdir()

@@ -331,8 +331,9 @@ def bar_size() -> dict:
     return {"dynamic_ncols": True} if columns and rows else {"ncols": columns or 80, "nrows": rows or 20}
 
 
-def progress_bar(quiet: bool, unit: str):
-    """A tqdm callback on a terminal, None otherwise (pipes and CI logs stay clean)."""
+def progress_bar(quiet: bool, label: str, unit: str):
+    """A tqdm callback on a terminal, None otherwise (pipes and CI logs stay clean); its bar
+    labelled as perturb's is ("tldp: evaluating: 45%|... | 180/400 [..., 150.00 records/s]")."""
     if quiet or not sys.stderr.isatty():
         return None, lambda: None
     from tqdm import tqdm
@@ -342,7 +343,8 @@ def progress_bar(quiet: bool, unit: str):
     def advance(done: int, total: int):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit=unit, file=sys.stderr, leave=False, **bar_size())
+            bar = tqdm(total=total, desc=f"tldp: {label}", unit=f" {unit}", file=sys.stderr, leave=False,
+                       **bar_size())
         bar.update(done)
 
     return advance, lambda: bar is not None and bar.close()

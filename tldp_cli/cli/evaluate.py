@@ -126,7 +126,7 @@ def evaluate_command(
             check_outside_inputs(report_path, [p for p in reads if p is not None], "report")
         if report_path is not None and os.path.lexists(report_path) and not overwrite:
             raise ev.OutputError(f"{report_path}: exists; pass --overwrite to replace it")
-        advance, close = progress_bar(quiet, "rec")
+        advance, close = progress_bar(quiet, "evaluating", "records")
         try:
             report = ev.evaluate(original, perturbed, manifest, labels=labels, test=test,
                                  test_labels=test_labels, model=model.value, progress=advance,

@@ -270,7 +270,8 @@ Datasets = Annotated[Optional[list[str]], typer.Option(
     "--dataset", metavar="PATH",
     help="HDF5/Zarr: a dataset or array to perturb (repeatable; HDF5: or a glob as --exclude's, "
          "its numeric non-coordinate datasets). Default: every numeric "
-         "dataset whose first axis matches the others'. Model files (.npz, .safetensors, "
+         "dataset of two or more dimensions whose first axis matches the others' (a 1-D one, "
+         "such as labels, only when named). Model files (.npz, .safetensors, "
          "sharded model folders, Keras .weights.h5): a tensor by name, or a glob as --exclude's "
          "(e.g. 'encoder.*': the floating-point tensors it matches); default: every floating-point tensor but the "
          "normalisation statistics (running_mean, running_var, moving_mean, moving_variance). "

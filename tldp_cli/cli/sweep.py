@@ -99,8 +99,10 @@ def sweep_command(
     from tldp_cli.run.options import parse_range
 
     def action():
+        from tldp_cli.evaluate.utility import need
         from tldp_cli.files.output import check_file_target, check_outside_inputs
 
+        need("matplotlib")  # the plots write_sweep draws: refused before the sweep, not after it
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:
@@ -115,7 +117,7 @@ def sweep_command(
         if report_path is not None:
             check_outside_inputs(report_path, reads, "report")
             check_file_target(report_path, overwrite)
-        advance, close = progress_bar(quiet, "run")
+        advance, close = progress_bar(quiet, "sweeping", "runs")
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
                               model=model.value, value_range=rng_range, weights=weights,

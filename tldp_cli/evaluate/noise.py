@@ -241,9 +241,13 @@ def retained_check(stats: NoiseStats, p: float, weighted: bool, clipped: bool) -
     alternative = "greater" if weighted else "two-sided"  # weights only lower p
     pvalue = float(st.binomtest(k, n, p_eff, alternative=alternative).pvalue)
     passed = pvalue >= ALPHA
+    # Values equal to the input are not all kept ones: noise of 0 (discrete noise draws it
+    # often) and float rounding leave some equal too, and the test counts them in.
+    equal_anyway = (f", plus {allowance:.3g} of the values left equal by noise of 0 or float rounding"
+                    if allowance > 0 else "")
     out.update(pvalue=pvalue, passed=passed, status="passed" if passed else "failed",
-               detail=f"{k} of {n} values kept unchanged; p = {p:.3g}"
-                      + (" (w = 0; weights lower it)" if weighted else ""))
+               detail=f"{k} of {n} values unchanged, {n * p_eff:.4g} expected (kept with p = {p:.3g}"
+                      + (", w = 0: weights lower it" if weighted else "") + f"{equal_anyway})")
     return out
 
 

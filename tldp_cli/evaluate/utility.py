@@ -154,6 +154,7 @@ def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, te
     Features are the flattened records scaled by the declared range, (x - lo) / width,
     the same map for training and test: nothing is fitted on the test data.
     """
+    need("sklearn")  # before the first import from it: the install hint, not a traceback
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.metrics import f1_score
 
@@ -173,11 +174,14 @@ def weighted_f1(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, te
 
 def check_task_options(labels, test, test_labels, model: str) -> None:
     """What evaluate and sweep refuse before reading any data: a task given in part (labels,
-    test records and test labels go together), a model tldp does not know."""
+    test records and test labels go together), a model tldp does not know, a task without
+    scikit-learn (the eval extra), which would otherwise fail once every check had run."""
     if any((labels, test, test_labels)) and not all((labels, test, test_labels)):
         raise UsageError("task utility needs all of --labels, --test and --test-labels")
     if model not in MODELS:
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, not {model!r}")
+    if labels:
+        need("sklearn")
 
 
 def check_task(train_records: int, labels: np.ndarray, test_x: np.ndarray, test_y: np.ndarray,
@@ -207,6 +211,7 @@ def task_utility(clean: np.ndarray, perturbed: np.ndarray, labels: np.ndarray, t
 
 def majority_f1(test_y: np.ndarray) -> float:
     """Weighted F1 of always predicting the most frequent class: a chance reference."""
+    need("sklearn")
     from sklearn.metrics import f1_score
 
     classes, counts = np.unique(test_y, return_counts=True)

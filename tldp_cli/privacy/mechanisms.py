@@ -23,6 +23,11 @@ MECHANISMS = ("tldp", "baseline", "mvg", "idn", PRIVUNIT)
 GAUSSIAN_ONLY = ("mvg", "idn")  # (eps, delta) designs for Gaussian noise only
 NOISES = ("laplace", "gaussian", *DISCRETE_NOISES, PRIVUNIT)
 BUDGETS = ("element", "record")
+# What a per-record --eps that TLDP cannot meet can use instead (--budget element would
+# keep --eps but make it each element's: a per-record figure hundreds of times larger).
+RECORD_LEVEL_MECHANISMS = ("--mechanism privunit (useful from a few units per record: docs/choosing-eps.md) "
+                           "or --mechanism baseline (noise on every element, no value kept raw)")
+
 # What to do when TLDP's retain probability, which depends on the data's units, is too large.
 def raw_release_advice(noise: str) -> str:
     """What to do when TLDP's retain probability, which depends on the data's units, makes
@@ -287,8 +292,7 @@ def calibrate_arrays(*, mechanism: str, noise: str, budget: str, epsilon: float,
             least = min(_row_epsilon(list(row_at(whole.scale * f).values())) for f in steps[::10])
             raise UsageError(f"--budget record: a record spans {', '.join(row)} (one row of each); "
                              f"TLDP certifies no less than about {least:.4g} for it, above --eps "
-                             f"{epsilon:g}; use a larger --eps, --budget element or --mechanism "
-                             "baseline")
+                             f"{epsilon:g}; use a larger --eps, {RECORD_LEVEL_MECHANISMS}")
         result.update(calibs)
         solved[sizes] = [calibs[name] for name in row]
     return result
@@ -439,7 +443,7 @@ def _calibrate_discrete(*, mechanism: str, noise: str, budget: str, epsilon: flo
                     f"--budget record: TLDP with discrete-laplace noise certifies at least "
                     f"{record_eps(best):.4g} per record of {I} elements (the paper's retain probability "
                     f"alone costs that much), above --eps {epsilon:g}; use a larger --eps, "
-                    "--budget element or --mechanism baseline", record_eps(best))
+                    f"{RECORD_LEVEL_MECHANISMS}", record_eps(best))
             eps_e = _boundary(lambda e: record_eps(e) <= epsilon, best, hi)
         else:
             eps_e = W**2 / (2 * sigma_for_record() ** 2)

@@ -379,8 +379,12 @@ def _check_caps(after: Spent, worst_delta: float, before: Spent, max_epsilon: fl
     if over:
         from tldp_cli.privacy import accounting  # imported already: _spent computed `after`
 
-        left = ("" if max_epsilon is None else
-                f"; eps left under the cap: {accounting.epsilon_left(max_epsilon, before.epsilon):.4g}")
+        left = ""
+        if max_epsilon is not None:
+            eps_left = accounting.epsilon_left(max_epsilon, before.epsilon)
+            if eps_left <= max_epsilon * CAP_ROUNDING:
+                eps_left = 0.0  # at the cap, as above: not the 2.8e-12 five figures of 10 - 6e-13 leave
+            left = f"; eps left under the cap: {eps_left:.4g}"
         raise LedgerError(f"the ledger refuses this release: with it, the most-spent subject it touches "
                           f"would spend {', '.join(over)} "
                           f"{'per model file' if before.scope == 'whole file' else 'per record'} "

@@ -78,6 +78,7 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     if records < 1 or not shape or min(shape) < 1:
         raise UsageError("--records and --elements/--shape must be positive")
     options = checked_options(options)
+    messages = []
     if input_dtype is None:
         lo_hi = options.value_range if isinstance(options.value_range, tuple) else (0.0, 0.0)  # (checked: a pair)
         whole = options.clip is None and all(float(v).is_integer() for v in lo_hi)
@@ -86,6 +87,12 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
             raise UsageError(f"--range {lo_hi[0]:g}:{lo_hi[1]:g} with integer ends describes integer data, "
                              "and holds a single value of it; for float data give --input-dtype float32 "
                              "(or float64)")
+        if input_dtype == "int64" and lo_hi[1] - lo_hi[0] < 256:
+            # Fewer values than a byte's (0:256): as often float data in those units (--range -1:1
+            # for tanh features), whose plan differs (-1:1 as integers is {-1, 0}: half the figures).
+            messages.append(f"note: --range {lo_hi[0]:g}:{lo_hi[1]:g} has integer ends, so the records are "
+                            f"planned as integers {lo_hi[0]:g} to {lo_hi[1] - 1:g}; for float data in that "
+                            "range give --input-dtype float32 (or float64)")
     try:
         dtype = np.dtype(input_dtype)
     except TypeError:
@@ -100,7 +107,7 @@ def plan_records(options: PerturbOptions, shape: tuple[int, ...], records: int,
     full = (records, *shape)
     job = ArrayJob(name=DESCRIBED, shape=full, dtype=dtype, read=_never_read,
                    source={"format": "described", "shape": list(full), "dtype": str(dtype)})
-    return _report(RunContext(options, [job], calibrate_run(options, [job])), [])
+    return _report(RunContext(options, [job], calibrate_run(options, [job])), messages)
 
 
 def _never_read(start: int, stop: int) -> np.ndarray:

@@ -37,7 +37,8 @@ def record_name(fmt: Format | None, jobs: list[ArrayJob], rows: list[list[str]],
     if len(jobs) == 1:
         # a file that is one array (Format.single_array), or an array in memory: not named
         of = "" if fmt is None or fmt.single_array else f" of {jobs[0].name}"
-        return f"one of the {jobs[0].records} entries along the first axis{of}, of {jobs[0].elements} elements"
+        which = "the only entry" if jobs[0].records == 1 else f"one of the {jobs[0].records} entries"
+        return f"{which} along the first axis{of}, of {jobs[0].elements} elements"
     return f"a row of {listing([job.name for job in jobs])}"
 
 
