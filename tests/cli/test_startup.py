@@ -160,6 +160,18 @@ def npz(tmp_path):
     return path
 
 
+@pytest.fixture
+def image_folder(tmp_path):
+    """A folder of two PNG images, as Pillow writes them."""
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((6, 5), 40 * i, np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args, libraries", [
     (["plan", str(SAMPLE / "digits.npy"), "--eps", "1"], ()),
@@ -171,10 +183,11 @@ def npz(tmp_path):
     (["perturb", "m.npz", "--eps", "1", "--clip", "0.1", "--out", "o.npz"], ()),
     (["plan", str(SAMPLE / "digits.zarr"), "--eps", "1"], ("zarr", "numcodecs")),
     (["plan", str(SAMPLE / "digits.h5"), "--eps", "1", "--dataset", "images"], ("h5py",)),
+    (["plan", "imgs", "--eps", "1"], ("PIL", "tifffile")),  # a folder: not a Zarr store
 ], ids=lambda v: " ".join(Path(a).name for a in v) if isinstance(v, list) else "+".join(v) or "-")
-def test_a_run_imports_the_library_of_its_format_only(tmp_path, npz, args, libraries):
-    """Detection tries HDF5 and Zarr before .npz and the folder formats: neither imports
-    h5py or zarr to say no. The accountant is imported where a figure needs it: Laplace's
+def test_a_run_imports_the_library_of_its_format_only(tmp_path, npz, image_folder, args, libraries):
+    """Detection tries HDF5 and Zarr before .npz, the other files and folders: neither
+    imports h5py or zarr to say no. The accountant is imported where a figure needs it: Laplace's
     and Gaussian noise's (eps, delta) are dp-accounting's privacy-loss distributions and
     analytic Gaussian; PrivUnit's figures are closed forms."""
     code, modules = imported(tmp_path, *args)
