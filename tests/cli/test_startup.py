@@ -144,7 +144,7 @@ def test_the_tools_usage_and_path_errors_import_no_accountant(tmp_path, npy, arg
     assert got == code and heavy_among(modules, HEAVY + ("pydantic",)) == []
 
 
-# A format's library, and what a run without --ledger or a sampler that needs them does not use.
+# The formats' libraries, and SQLite, which a run uses with --ledger only.
 FORMAT_LIBRARIES = ("h5py", "zarr", "numcodecs", "PIL", "tifffile", "nibabel", "safetensors", "pyarrow",
                     "netCDF4", "xarray", "torch", "sqlite3")
 SAMPLE = REPO / "sample_data"
@@ -187,9 +187,9 @@ def image_folder(tmp_path):
 ], ids=lambda v: " ".join(Path(a).name for a in v) if isinstance(v, list) else "+".join(v) or "-")
 def test_a_run_imports_the_library_of_its_format_only(tmp_path, npz, image_folder, args, libraries):
     """Detection tries HDF5 and Zarr before .npz, the other files and folders: neither
-    imports h5py or zarr to say no. The accountant is imported where a figure needs it: Laplace's
-    and Gaussian noise's (eps, delta) are dp-accounting's privacy-loss distributions and
-    analytic Gaussian; PrivUnit's figures are closed forms."""
+    imports h5py or zarr to say no. The accountant is imported where a figure needs it:
+    Laplace noise's epsilon at dp_delta (approx) is dp-accounting's privacy-loss
+    distribution, Gaussian noise's the analytic Gaussian; PrivUnit's are closed forms."""
     code, modules = imported(tmp_path, *args)
     assert code == 0
     assert heavy_among(modules, tuple(n for n in FORMAT_LIBRARIES if n not in libraries)) == []
