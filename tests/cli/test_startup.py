@@ -4,7 +4,9 @@ registry and the option checks only (no NumPy, no pydantic, no accountant, no fo
 library); an existing output, found once the input's header is read and its calibration
 made, without pydantic, the accountant (dp-accounting, SciPy,
 tldp_cli.privacy.accounting) or another format's library; the usage and path errors
-of evaluate, sweep and audit without the accountant. Not timed:
+of evaluate, sweep and audit without the accountant; a run imports the library of the
+format it reads and no other's (detection tries each format without importing its
+library). Not timed:
 benchmarks/bench.py --startup-only measures the times (docs/performance.md)."""
 
 import json
@@ -140,3 +142,58 @@ def test_the_tools_usage_and_path_errors_import_no_accountant(tmp_path, npy, arg
     """evaluate, sweep and audit import the accountant where they certify a figure."""
     got, modules = imported(tmp_path, *args)
     assert got == code and heavy_among(modules, HEAVY + ("pydantic",)) == []
+
+
+# The formats' libraries, and SQLite, which a run uses with --ledger only.
+FORMAT_LIBRARIES = ("h5py", "zarr", "numcodecs", "PIL", "tifffile", "nibabel", "safetensors", "pyarrow",
+                    "netCDF4", "xarray", "torch", "sqlite3")
+SAMPLE = REPO / "sample_data"
+
+
+@pytest.fixture
+def npz(tmp_path):
+    """A model file of float tensors, as np.savez writes it."""
+    path = tmp_path / "m.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, **{"dense.weight": rng.normal(0, 0.05, (8, 4)).astype(np.float32),
+                      "dense.bias": np.zeros(4, np.float32)})
+    return path
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """A folder of two PNG images, as Pillow writes them."""
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((6, 5), 40 * i, np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, libraries", [
+    (["plan", str(SAMPLE / "digits.npy"), "--eps", "1"], ()),
+    (["plan", str(SAMPLE / "digits.npy"), "--eps", "1", "--noise", "gaussian"], ()),
+    (["plan", str(SAMPLE / "digits.npy"), "--eps", "4", "--mechanism", "privunit"], ()),
+    (["perturb", str(SAMPLE / "digits.npy"), "--eps", "1", "--out", "o.npy"], ()),
+    (["perturb", str(SAMPLE / "digits.npy"), "--eps", "1", "--noise", "gaussian", "--out", "o.npy"], ()),
+    (["plan", "m.npz", "--eps", "1", "--clip", "0.1"], ()),
+    (["perturb", "m.npz", "--eps", "1", "--clip", "0.1", "--out", "o.npz"], ()),
+    (["plan", str(SAMPLE / "digits.zarr"), "--eps", "1"], ("zarr", "numcodecs")),
+    (["plan", str(SAMPLE / "digits.h5"), "--eps", "1", "--dataset", "images"], ("h5py",)),
+    (["plan", "imgs", "--eps", "1"], ("PIL", "tifffile")),  # a folder: not a Zarr store
+], ids=lambda v: " ".join(Path(a).name for a in v) if isinstance(v, list) else "+".join(v) or "-")
+def test_a_run_imports_the_library_of_its_format_only(tmp_path, npz, image_folder, args, libraries):
+    """Detection tries HDF5 and Zarr before .npz, the other files and folders: neither
+    imports h5py or zarr to say no. The accountant is imported where a figure needs it:
+    Laplace noise's epsilon at dp_delta (approx) is dp-accounting's privacy-loss
+    distribution, Gaussian noise's the analytic Gaussian; PrivUnit's are closed forms."""
+    code, modules = imported(tmp_path, *args)
+    assert code == 0
+    assert heavy_among(modules, tuple(n for n in FORMAT_LIBRARIES if n not in libraries)) == []
+    assert all(name in modules for name in libraries)  # the probe sees what a run imports
+    assert ("dp_accounting" in modules) == ("privunit" not in args)
+    if args[0] == "perturb":
+        assert (tmp_path / args[-1]).is_file()

@@ -42,11 +42,14 @@ without a variable, so the file stays valid netCDF.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, tldp_name
-from tldp_cli.formats import hdf5_reader, hdf5_writer
+
+if TYPE_CHECKING:  # imported where used: detecting another format imports no h5py
+    from tldp_cli.formats import hdf5_reader, hdf5_writer
 
 NAME = "hdf5"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -75,16 +78,22 @@ def default_output(path: Path) -> Path:
 
 
 def open_reader(path: Path, options: FormatOptions) -> hdf5_reader.Hdf5Reader:
+    from tldp_cli.formats import hdf5_reader
+
     return hdf5_reader.Hdf5Reader(path, options, NAME)
 
 
 def create_writer(reader: hdf5_reader.Hdf5Reader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> hdf5_writer.Hdf5Writer:
+    from tldp_cli.formats import hdf5_writer
+
     return hdf5_writer.Hdf5Writer(reader, tmp_path, dtype, options.value_bounds)
 
 
 def create_coefficient_writer(reader: hdf5_reader.Hdf5Reader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
                               options: FormatOptions) -> hdf5_writer.Hdf5CoefficientWriter:
+    from tldp_cli.formats import hdf5_writer
+
     return hdf5_writer.Hdf5CoefficientWriter(reader, jobs, tmp_path, dtype)
 
 

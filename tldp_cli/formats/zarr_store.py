@@ -29,17 +29,22 @@ format's own modules beside it, each over the next:
   levels, the metadata's free-text names; zarr_cf.py: the CF conventions as xarray
   writes them into Zarr (dimension names, missing values, packing, coordinates);
 - zarr_tree.py: the store's nodes and files, opening its arrays and reading records;
-- zarr_chunks.py: plain chunk files, read and written with numcodecs.
+- zarr_chunks.py: plain chunk files, read and written with numcodecs; zarr_names.py: the
+  names of the metadata files, which detection checks without importing zarr-python.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tldp_cli.formats import ArrayJob, DocRow, Format, FormatOptions, tldp_name
-from tldp_cli.formats import zarr_reader, zarr_tree, zarr_writer
+from tldp_cli.formats.zarr_names import METADATA_FILES
+
+if TYPE_CHECKING:  # imported where used: detecting another format imports no zarr
+    from tldp_cli.formats import zarr_reader, zarr_writer
 
 NAME = "zarr"
 
@@ -49,7 +54,7 @@ def can_open(path: Path) -> bool:
     decide nothing: folders named 0..9 are the usual layout of a folder of images by class,
     and a store that lost its root metadata cannot be read as Zarr anyway (perturb
     --format zarr says what is missing)."""
-    return path.is_dir() and any((path / name).is_file() for name in zarr_tree.METADATA_FILES)
+    return path.is_dir() and any((path / name).is_file() for name in METADATA_FILES)
 
 
 def default_output(path: Path) -> Path:
@@ -59,28 +64,36 @@ def default_output(path: Path) -> Path:
 
 
 def open_reader(path: Path, options: FormatOptions) -> zarr_reader.ZarrReader:
+    from tldp_cli.formats import zarr_reader
+
     return zarr_reader.ZarrReader(path, options, NAME)
 
 
 def create_writer(reader: zarr_reader.ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> zarr_writer.ZarrWriter:
+    from tldp_cli.formats import zarr_writer
+
     return zarr_writer.ZarrWriter(reader, tmp_path, dtype, bounds=options.value_bounds)
 
 
 def reopen_writer(reader: zarr_reader.ZarrReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> zarr_writer.ZarrWriter:
     """The writer of an output an interrupted run began: its blocks are kept (--resume)."""
+    from tldp_cli.formats import zarr_writer
+
     return zarr_writer.ZarrWriter(reader, tmp_path, dtype, reopen=True, bounds=options.value_bounds)
 
 
 def create_coefficient_writer(reader: zarr_reader.ZarrReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
                               options: FormatOptions) -> zarr_writer.ZarrCoefficientWriter:
+    from tldp_cli.formats import zarr_writer
+
     return zarr_writer.ZarrCoefficientWriter(reader, jobs, tmp_path, dtype)
 
 
 def is_earlier_output(path: Path, reader: zarr_reader.ZarrReader) -> bool:
     """A folder whose manifest names it is an earlier output if it is a Zarr store."""
-    return any((path / name).is_file() for name in zarr_tree.METADATA_FILES)
+    return any((path / name).is_file() for name in METADATA_FILES)
 
 
 FORMAT = Format(

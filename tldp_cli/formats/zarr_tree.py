@@ -19,10 +19,10 @@ from zarr.storage import LocalStore
 from tldp_cli.errors import InputError, reason_of
 from tldp_cli.files.checked_io import json_value, open_regular
 from tldp_cli.formats import cf, zarr_chunks
+from tldp_cli.formats.zarr_names import METADATA_FILES
 
 zarr_chunks.use_checked_codecs()  # chunks zarr-python decodes: sizes checked before decoding
 
-METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 # A chunk (or shard) key within its array's directory: "0.0", "0/0", "c/0/0", "c.0.0", "c".
 _CHUNK_KEY = re.compile(r"^(c|\d+)([./]\d+)*$")
 

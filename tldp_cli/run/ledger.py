@@ -41,10 +41,9 @@ import hashlib
 import json
 import os
 import secrets
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
@@ -52,6 +51,9 @@ from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
 from tldp_cli.files import output
 from tldp_cli.privacy.certificates import Guarantee
 from tldp_cli.run import manifest
+
+if TYPE_CHECKING:  # imported where used: a run without --ledger imports no SQLite
+    import sqlite3
 
 SCHEMA_VERSION = 2
 _BUSY_MS = 60_000  # a concurrent run holds the write lock for milliseconds
@@ -106,6 +108,8 @@ def open_ledger(path: Path) -> sqlite3.Connection:
     as it is, never made a ledger (its journal mode included). A new ledger is created
     readable by its owner only: it can test whether a record is in the raw data (SQLite
     gives its journals the same mode)."""
+    import sqlite3
+
     if not os.path.lexists(path):
         with contextlib.suppress(OSError):  # another run made it; or sqlite3 says why it cannot
             output.create_private(path).close()
