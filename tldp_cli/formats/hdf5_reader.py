@@ -95,7 +95,7 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
                        attr_text(ds, "_Unsigned"))
 
 
-class Hdf5Reader(Reader):
+class Hdf5Reader(cf.EncodedReader):
     def __init__(self, path: Path, options: FormatOptions, name: str):
         self.path = path
         self.format = name  # the format's name (formats/hdf5.py's NAME), in each array's source
@@ -435,30 +435,14 @@ class Hdf5Reader(Reader):
 
     def _job(self, name: str, ds: h5py.Dataset) -> ArrayJob:
         hdf5_storage.check_storage(self.path, self.size, name, ds, perturbed=True)
-        shape = tuple(ds.shape)
         encoding = _encoding(self.path, name, ds)
-        if encoding is not None:
-            self.encodings[name] = encoding
-            self.messages += cf.messages(name, ds.dtype, encoding)
-        return ArrayJob(
-            name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
-            read=hdf5_storage.Records(self.path, name, self.size, encoding,
-                                      hdf5_storage.placement_within(ds, self.size), hdf5_chunks.deflated(ds)),
-            source={"path": str(self.path), "format": self.format, "dataset": name,
-                    "shape": list(shape), "dtype": str(ds.dtype)},
+        return self.encoded_job(
+            name, tuple(ds.shape), ds.dtype, encoding,
+            hdf5_storage.Records(self.path, name, self.size, encoding,
+                                 hdf5_storage.placement_within(ds, self.size), hdf5_chunks.deflated(ds)),
             chunk_records=ds.chunks[0] if ds.chunks else None,
             row_dimension=row_dimension(ds),
-            markers=encoding.labelled() if encoding else (),
         )
-
-    def arrays(self) -> list[ArrayJob]:
-        return self.jobs
-
-    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
-        cf.take_as_data(self.jobs, self.encodings, data)
-
-    def missing_fill(self, fills: dict[str, float]) -> None:
-        cf.fill_missing(self.jobs, self.encodings, fills)
 
     def close(self) -> None:
         self.file.close()
