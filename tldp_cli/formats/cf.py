@@ -29,6 +29,7 @@ import dataclasses
 import math
 import posixpath
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Collection, Container, Iterable, Iterator, Mapping, TypeVar
 
@@ -295,8 +296,12 @@ class EncodedReader(Reader):
     (markers_are_data) or what missing positions hold (missing_fill), it changes both."""
 
     jobs: list[ArrayJob]
-    encodings: dict[str, Encoding]
-    messages: list[str]
+
+    def __init__(self, path: Path, name: str):
+        self.path = path
+        self.format = name  # the format's name (its NAME), in each array's source
+        self.messages: list[str] = []
+        self.encodings: dict[str, Encoding] = {}  # job name -> its encoding, where it has one
 
     def encoded_job(self, name: str, shape: tuple[int, ...], stored: np.dtype, encoding: Encoding | None,
                     read: EncodedRecords, **fields: Any) -> ArrayJob:

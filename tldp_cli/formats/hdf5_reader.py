@@ -97,12 +97,9 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
 
 class Hdf5Reader(cf.EncodedReader):
     def __init__(self, path: Path, options: FormatOptions, name: str):
-        self.path = path
-        self.format = name  # the format's name (formats/hdf5.py's NAME), in each array's source
-        self.messages: list[str] = []
+        super().__init__(path, name)  # name: formats/hdf5.py's NAME
         self.tensors: list[tensor_files.Tensor] = []  # Keras weights: the chosen ones
         self.variances: set[str] = set()  # Keras weights: the chosen moving variances
-        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its encoding, where it has one
         try:
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")

@@ -19,9 +19,7 @@ from tldp_cli.formats import zarr_cf, zarr_ome, zarr_tree
 
 class ZarrReader(cf.EncodedReader):
     def __init__(self, path: Path, options: FormatOptions, name: str):
-        self.path = path
-        self.format = name  # the format's name (formats/zarr_store.py's NAME), in each array's source
-        self.messages: list[str] = []
+        super().__init__(path, name)  # name: formats/zarr_store.py's NAME
         self.manifest_extra: dict = {}
         files = zarr_tree.store_files(path)  # first: it refuses links before any file is read
         self.zarr_format = zarr_tree.store_format(path)
@@ -31,7 +29,6 @@ class ZarrReader(cf.EncodedReader):
         opened = {n.path: zarr_tree.open_node(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
         self.group_handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "group"}
-        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its CF encoding, where it has one
         self.pyramids = zarr_ome.pyramids(path, self.nodes, opened)
         self.integer_labels = options.integer_labels  # the writer's (zarr_ome.label_dtypes)
         selected = self._select(options.datasets)
