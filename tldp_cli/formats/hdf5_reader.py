@@ -19,7 +19,7 @@ import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5o, h5p, h5t
 
 from tldp_cli.errors import InputError, NotHeld, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, check_numeric_dtype, default_selection, listing
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection, listing
 from tldp_cli.formats import cf, hdf5_chunks, leftovers, tensor_files
 from tldp_cli.formats import hdf5_storage
 

@@ -13,7 +13,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, check_numeric_dtype, default_selection
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
 from tldp_cli.formats import cf, leftovers, zarr_chunks
 from tldp_cli.formats import zarr_cf, zarr_ome, zarr_tree
 
