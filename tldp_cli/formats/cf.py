@@ -57,6 +57,17 @@ def keep_missing(block: np.ndarray, stored: np.ndarray, pairs: list[tuple],
     return move_off_markers(block, missing, [out for _, out in pairs], bounds), bool(missing.any())
 
 
+def restore_missing(job: ArrayJob, start: int, block: np.ndarray, pairs: list[tuple],
+                    bounds: tuple[float, float, float | None] | None) -> tuple[int, bool]:
+    """keep_missing on `block`, the noisy records of `job` from `start` (in place), where the
+    input's records as stored (its reader's EncodedRecords) hold a marker; `bounds` None:
+    no range declared for it."""
+    records = job.read
+    assert isinstance(records, EncodedRecords)  # the input's: markers come from its encodings
+    stored = records.stored(start, start + len(block))
+    return keep_missing(block, stored, pairs, bounds or (-math.inf, math.inf, None))
+
+
 def move_off_markers(block: np.ndarray, missing: np.ndarray | None, markers: list,
                      bounds: tuple[float, float, float | None]) -> int:
     """Moves, in place, every value of `block` outside `missing` that equals one of
