@@ -416,10 +416,7 @@ class Hdf5Reader(cf.EncodedReader):
         if not isinstance(obj, h5py.Dataset):
             raise InputError(f"{where}: is a {'group' if isinstance(obj, h5py.Group) else 'datatype'}, "
                              "not a dataset")
-        kind = ("strings" if h5py.check_string_dtype(obj.dtype) else
-                "an enumerated (categorical) type" if h5py.check_enum_dtype(obj.dtype) else
-                "object references" if h5py.check_ref_dtype(obj.dtype) else
-                "variable-length sequences" if h5py.check_vlen_dtype(obj.dtype) else None)
+        kind = _h5py_kind(obj.dtype)
         if kind:
             raise InputError(f"{where}: holds {kind}; tldp perturbs integer and floating-point data only")
         check_numeric_dtype(self.path, obj.dtype, what=f"dataset {name}")
@@ -482,14 +479,19 @@ SCALE_STAYS = ("a dimension scale, so its dimension stays (a scale holding no da
 BARE_DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
 
 
-def _not_numbers(dtype: np.dtype) -> str | None:
-    """What a dataset holds when it is not plain numbers (as a phrase); None for numbers."""
+def _h5py_kind(dtype: np.dtype) -> str | None:
+    """What a dataset of one of h5py's special types holds (strings, an enumerated type, object
+    references, variable-length sequences), as a phrase; None for any other type."""
     return ("strings" if h5py.check_string_dtype(dtype) else
             "an enumerated (categorical) type" if h5py.check_enum_dtype(dtype) else
             "object references" if h5py.check_ref_dtype(dtype) else
-            "variable-length sequences" if h5py.check_vlen_dtype(dtype) else
-            "a compound (table) type" if dtype.names else
-            None if dtype.kind in "iuf" else f"{dtype} values")
+            "variable-length sequences" if h5py.check_vlen_dtype(dtype) else None)
+
+
+def _not_numbers(dtype: np.dtype) -> str | None:
+    """What a dataset holds when it is not plain numbers (as a phrase); None for numbers."""
+    return _h5py_kind(dtype) or ("a compound (table) type" if dtype.names else
+                                 None if dtype.kind in "iuf" else f"{dtype} values")
 
 
 def _bare_dimension(ds: h5py.Dataset) -> bool:
