@@ -4,6 +4,7 @@ and read back with `datasets.load_from_disk`."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import numpy as np
@@ -167,13 +168,111 @@ def test_a_format_naming_a_dropped_column_still_loads(cli, tmp_path):
     assert out[0]["grid"].shape == (2, 3)
 
 
-def test_a_dataset_dict_folder_is_refused_naming_its_splits(cli, tmp_path):
+def dataset_dict(tmp_path, train_shards: int = 2):
+    """A DatasetDict as DatasetDict.save_to_disk writes it: dataset_dict.json and a save_to_disk
+    folder per split (train in `train_shards` shards)."""
+    dd = datasets.DatasetDict({"train": hf_dataset(n=10), "test": hf_dataset(n=4, seed=1)})
+    dd.save_to_disk(str(tmp_path / "dd"), num_shards={"train": train_shards, "test": 1})
+    return dd, tmp_path / "dd"
+
+
+def test_a_dataset_dict_folder_releases_every_split_and_loads_as_a_dataset_dict(cli, tmp_path):
     """Regression: DatasetDict.save_to_disk's folder (dataset_dict.json and a folder per split)
-    was "no images in dd (found 7 files that are not images)"."""
-    datasets.DatasetDict({"train": hf_dataset(n=4), "test": hf_dataset(n=2, seed=1)}).save_to_disk(str(tmp_path / "dd"))
-    before = tree_digest(tmp_path / "dd")
-    for command in ("perturb", "plan"):
-        result = cli(command, tmp_path / "dd", "--eps", "1", *RANGES)
-        assert_one_line_error(result, 1, "DatasetDict", str(tmp_path / "dd" / "train"), str(tmp_path / "dd" / "test"))
-    assert tree_digest(tmp_path / "dd") == before
+    was refused ("a DatasetDict folder ...; perturb the splits' folders instead"); before that,
+    "no images in dd". Every split is perturbed, in one release whose records are the rows of
+    every split; load_from_disk gives a DatasetDict of the same splits, features and rows."""
+    dd, src = dataset_dict(tmp_path)
+    before = tree_digest(src)
+    manifest, result = run(cli, src, tmp_path / "out", "--keep", "label")
+    assert tree_digest(src) == before
+    out = datasets.load_from_disk(str(tmp_path / "out"))
+    assert isinstance(out, datasets.DatasetDict) and list(out) == ["train", "test"]
+    kept = datasets.Features({k: v for k, v in FEATURES.items() if k in ("image", "label", "embedding", "grid", "counts")})
+    for split in ("train", "test"):
+        assert out[split].features == kept and len(out[split]) == len(dd[split])
+        assert out[split]["label"] == dd[split]["label"]
+        assert pixels(out[split]).shape == pixels(dd[split]).shape
+        assert not np.array_equal(pixels(out[split]), pixels(dd[split]))
+        assert not np.array_equal(np.asarray(out[split]["grid"]), np.asarray(dd[split]["grid"]))
+        state = json.loads((tmp_path / "out" / split / "state.json").read_text())
+        original = json.loads((src / split / "state.json").read_text())
+        assert state["_data_files"] == original["_data_files"] and state["_fingerprint"] != original["_fingerprint"]
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")) == \
+        sorted(p.relative_to(src).as_posix() for p in src.rglob("*"))
+    assert json.loads((tmp_path / "out" / "dataset_dict.json").read_text()) == {"splits": ["train", "test"]}
+    assert manifest["splits"] == [{"name": "train", "rows": 10}, {"name": "test", "rows": 4}]
+    assert manifest["row_records"]["records"] == 14
+    assert {e["name"] for e in manifest["dropped"]} >= {"age", "caption"}
+    assert "a DatasetDict of 2 splits (train: 10 rows, test: 4 rows)" in result.stderr
+
+
+def test_a_dataset_dicts_files_follow_the_keep_rule_split_by_split(cli, tmp_path):
+    _, src = dataset_dict(tmp_path, train_shards=1)
+    info = json.loads((src / "test" / "dataset_info.json").read_text())
+    info["description"] = "photos of Alice's family"
+    (src / "test" / "dataset_info.json").write_text(json.dumps(info))
+    (src / "train" / "cache-0123.arrow").write_bytes((src / "train" / "data-00000-of-00001.arrow").read_bytes())
+    manifest, _ = run(cli, src, tmp_path / "out")
+    dropped = {e["name"] for e in manifest["dropped"]}
+    assert {"train/cache-0123.arrow", "test/dataset_info.json@description"} <= dropped
+    assert not (tmp_path / "out" / "train" / "cache-0123.arrow").exists()
+    assert "Alice" not in (tmp_path / "out" / "test" / "dataset_info.json").read_text()
+    run(cli, src, tmp_path / "kept", "--keep", "test/dataset_info.json@description")
+    kept = datasets.load_from_disk(str(tmp_path / "kept"))
+    assert kept["test"].info.description == info["description"] and not kept["train"].info.description
+
+
+def test_a_split_is_released_alone_by_its_folder_and_dataset_names_columns(cli, tmp_path):
+    _, src = dataset_dict(tmp_path)
+    manifest, _ = run(cli, src / "test", tmp_path / "test_out")
+    assert len(datasets.load_from_disk(str(tmp_path / "test_out"))) == 4 and "splits" not in manifest
+    result = cli("perturb", src, "--eps", "1", "--dataset", "train", *RANGES)
+    assert_one_line_error(result, 1, "no column train", "train is a split: perturb its folder", str(src / "train"))
+    result = cli("perturb", src, "--eps", "1", "--dataset", "grid", "--range", "0:1", "--out", tmp_path / "grid_only",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    out = datasets.load_from_disk(str(tmp_path / "grid_only"))
+    assert list(out["test"].features) == ["grid"] and len(out["train"]) == 10
+    assert manifest["records"] == 14
     assert not (tmp_path / "dd.tldp").exists()
+
+
+def test_a_dataset_dict_whose_splits_differ_or_whose_index_is_damaged_is_refused_in_one_line(cli, tmp_path):
+    _, src = dataset_dict(tmp_path)
+    (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{src / 'dataset_dict.json'}: names split validation", "not a dataset folder")
+    (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "../train"]}))
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "names split '../train', which is not a split name")
+    (src / "dataset_dict.json").write_text("{not json")
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, str(src / "dataset_dict.json"))
+    shutil.rmtree(src)
+    datasets.DatasetDict({"train": hf_dataset(n=4), "test": hf_dataset(n=2).remove_columns("grid")}).save_to_disk(str(src))
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "has other columns or types than train/data-00000-of-00001.arrow",
+                          "perturb each split's folder on its own")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dd"]
+
+
+class DatasetDictRoundTrip(RoundTrip):
+    format = "hf-dataset"
+    extra_args = RANGES
+
+    def make_input(self, tmp_path):
+        return dataset_dict(tmp_path)[1]
+
+    def read_arrays(self, path):
+        dd = datasets.load_from_disk(str(path))
+        return {f"{split}/{name}": values for split in dd for name, values in (
+            ("image", pixels(dd[split])), ("embedding", np.asarray(dd[split]["embedding"])),
+            ("grid", np.asarray(dd[split]["grid"])), ("counts", np.asarray(dd[split]["counts"])))}
+
+    def assert_same_structure(self, original, perturbed):
+        assert sorted(p.relative_to(perturbed).as_posix() for p in perturbed.rglob("*")) == \
+            sorted(p.relative_to(original).as_posix() for p in original.rglob("*"))
+        dd = datasets.load_from_disk(str(perturbed))
+        assert {split: len(ds) for split, ds in dd.items()} == {"train": 10, "test": 4}
+        assert all(list(ds.features) == ["image", "embedding", "grid", "counts"] for ds in dd.values())

@@ -729,17 +729,18 @@ def test_folder_without_images(cli, tmp_path):
 
 
 def test_a_folder_of_files_tldp_reads_on_their_own_says_to_give_them_as_inputs(cli, tmp_path):
-    """A PEFT adapter folder (adapter_model.safetensors, adapter_config.json) and a folder of
-    .npy files were refused as "no images in ... (found N files that are not images)", which
-    did not say that tldp perturbs those files given as inputs."""
+    """A folder of checkpoints (a .safetensors file beside its notes; a PEFT adapter folder was
+    the case, and is now a model folder, formats/sharded_safetensors.py) and a folder of .npy
+    files were refused as "no images in ... (found N files that are not images)", which did
+    not say that tldp perturbs those files given as inputs."""
     from safetensors.numpy import save_file
 
     adapter = tmp_path / "lora"
     adapter.mkdir()
-    save_file({"lora_A.weight": np.zeros((4, 8), np.float32)}, str(adapter / "adapter_model.safetensors"))
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    save_file({"lora_A.weight": np.zeros((4, 8), np.float32)}, str(adapter / "step-100.safetensors"))
+    (adapter / "notes.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     assert_one_line_error(cli("perturb", adapter, "--eps", "1", "--clip", "0.1"), 1, f"no images in {adapter}",
-                          f"; {adapter / 'adapter_model.safetensors'} holds data tldp perturbs on its own: "
+                          f"; {adapter / 'step-100.safetensors'} holds data tldp perturbs on its own: "
                           "give the files as inputs")
     arrays = tmp_path / "features"
     arrays.mkdir()

@@ -8,7 +8,7 @@ and so does a case of a format the registry does not know.
 import pytest
 
 from tldp_cli import formats
-from tests.formats.test_dataset_folder import DatasetFolderRoundTrip
+from tests.formats.test_dataset_folder import DatasetDictRoundTrip, DatasetFolderRoundTrip
 from tests.formats.test_hdf5 import Hdf5RoundTrip
 from tests.formats.test_images import ImagesRoundTrip
 from tests.formats.test_nifti import NiftiRoundTrip
@@ -21,7 +21,7 @@ from tests.run.test_model_params import CompressedNpzRoundTrip, NpzRoundTrip, Sa
 
 CASES = (NpyRoundTrip, Hdf5RoundTrip, ZarrV3RoundTrip, ZarrV2RoundTrip, NpzRoundTrip, CompressedNpzRoundTrip,
          SafetensorsRoundTrip, ShardedRoundTrip, NiftiRoundTrip, ParquetRoundTrip, ArrowRoundTrip,
-         DatasetFolderRoundTrip, WebDatasetRoundTrip, ImagesRoundTrip)
+         DatasetFolderRoundTrip, DatasetDictRoundTrip, WebDatasetRoundTrip, ImagesRoundTrip)
 
 
 def _registered_cases():

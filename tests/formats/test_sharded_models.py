@@ -370,6 +370,109 @@ def test_an_unsharded_folder_with_another_safetensors_file_is_refused(cli, tmp_p
     assert siblings(tmp_path) == before
 
 
+# A LoRA adapter's configuration as peft writes it: LoraConfig.to_dict() (every field; its
+# base model's name_or_path filled in by PeftModel.save_pretrained), json.dumps(indent=2, sort_keys=True)
+ADAPTER_CONFIG = {
+    "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": "/home/alice/models/clinic-llama",
+    "bias": "none", "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
+    "init_lora_weights": True, "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
+    "loftq_config": {}, "lora_alpha": 16, "lora_bias": False, "lora_dropout": 0.05, "megatron_config": None,
+    "megatron_core": "megatron.core", "modules_to_save": None, "peft_type": "LORA", "r": 4, "rank_pattern": {},
+    "revision": None, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "use_dora": False,
+    "use_rslora": False}
+MODEL_CARD = ("---\nbase_model: /home/alice/models/clinic-llama\nlibrary_name: peft\n---\n\n# Model Card for "
+              "Model ID\n\n### Framework versions\n\n- PEFT 0.17.1")
+
+
+def lora_weights(seed: int = 3) -> dict[str, np.ndarray]:
+    """A LoRA adapter's state dict as get_peft_model_state_dict returns it: lora_A (r, in) and
+    lora_B (out, r) of each targeted module, the adapter's name taken out of the keys."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(2):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.02, (4, 32)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.002, (32, 4)).astype(np.float32)
+    return tensors
+
+
+def peft_adapter(folder: Path, seed: int = 3) -> Path:
+    """A folder as PeftModel.save_pretrained writes a LoRA adapter (peft's src/peft/peft_model.py,
+    save_pretrained; config.py, PeftConfigMixin.save_pretrained; utils/constants.py names the
+    files): the model card README.md, adapter_model.safetensors (safe_save_file with metadata
+    {"format": "pt"}) and adapter_config.json. peft needs torch, so the files are written here
+    with safetensors and json as peft writes them."""
+    folder.mkdir(parents=True)
+    (folder / "README.md").write_text(MODEL_CARD)
+    save_file(lora_weights(seed), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(ADAPTER_CONFIG, indent=2, sort_keys=True))
+    return folder
+
+
+def test_a_peft_adapter_folder_is_perturbed_as_a_model_file(cli, tmp_path):
+    """Regression: a PEFT adapter folder (adapter_model.safetensors and adapter_config.json) was
+    "no images in adapter (found 3 files that are not images)". Its weights are perturbed as a
+    model file (one subject, the whole-file figure), the same noise as the file alone; the
+    configuration is copied without the base model's local path; safe_open reads the output."""
+    src = peft_adapter(tmp_path / "adapter")
+    before = tree_digest(src)
+    args = ("--eps", "10", "--budget", "record", "--clip", "0.1", "--seed", SEED, "--json")
+    result = cli("perturb", src, *args)
+    assert result.exit_code == 0, result.stderr
+    assert tree_digest(src) == before
+    out = tmp_path / "adapter.tldp"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    with safe_open(str(src / "adapter_model.safetensors"), framework="np") as f, \
+            safe_open(str(out / "adapter_model.safetensors"), framework="np") as g:
+        assert g.metadata() == {"format": "pt"} and list(g.keys()) == list(f.keys())
+        for name in f.keys():
+            assert g.get_tensor(name).shape == f.get_tensor(name).shape and g.get_tensor(name).dtype == np.float32
+            assert not np.array_equal(g.get_tensor(name), f.get_tensor(name)), name
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config == {k: v for k, v in ADAPTER_CONFIG.items() if k != "base_model_name_or_path"}
+    assert "alice" not in "".join(p.read_text(errors="replace") for p in out.iterdir())
+    manifest = json.loads(result.stdout)
+    assert {d["name"] for d in manifest["dropped"]} == {"README.md", "adapter_config.json@base_model_name_or_path"}
+    assert {u["name"]: u["reason"] for u in manifest["unperturbed"]} == {
+        "adapter_config.json": sharded_safetensors.CONFIG_REASON}
+    assert manifest["accounting"]["per_file"]["records"] == 8
+    alone = cli("perturb", src / "adapter_model.safetensors", *args[:-1], "--out", tmp_path / "alone.safetensors")
+    assert alone.exit_code == 0, alone.stderr
+    a, b = load_file(str(out / "adapter_model.safetensors")), load_file(str(tmp_path / "alone.safetensors"))
+    assert all(np.array_equal(a[name], b[name]) for name in b)
+    kept = cli("perturb", src, *args, "--out", tmp_path / "kept", "--keep", "adapter_config.json@base_model_name_or_path")
+    assert kept.exit_code == 0, kept.stderr
+    assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == ADAPTER_CONFIG
+
+
+def test_a_folder_of_several_peft_adapters_is_refused_naming_the_other(cli, tmp_path):
+    """save_pretrained writes every adapter but the default in a folder of its own, under the
+    same tensor names: refused, naming it, rather than taken as one model."""
+    src = peft_adapter(tmp_path / "adapters")
+    peft_adapter(src / "second", seed=4)
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, str(src / "second" / "adapter_model.safetensors"),
+                          "a safetensors file beside adapter_model.safetensors", "perturb it on its own")
+    assert siblings(tmp_path) == before
+    result = run(cli, src / "second", out=tmp_path / "second.tldp")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_an_adapter_saved_as_a_pickle_is_refused_saying_so(cli, tmp_path):
+    """save_pretrained(safe_serialization=False) writes adapter_model.bin (torch.save, a
+    pickle) beside adapter_config.json: refused in one line, where it was "no images"."""
+    import pickle
+
+    src = peft_adapter(tmp_path / "adapter")
+    (src / "adapter_model.safetensors").unlink()
+    (src / "adapter_model.bin").write_bytes(pickle.dumps({"lora_A": [0.1]}, protocol=2))
+    before = siblings(tmp_path)
+    assert_one_line_error(cli("perturb", src, *ARGS), 1, f"{src}: a PEFT adapter folder (adapter_config.json) "
+                          "without adapter_model.safetensors", "never a pickle")
+    assert siblings(tmp_path) == before
+
+
 def test_data_never_copied_by_keep(cli, tmp_path):
     src = model(tmp_path)
     np.save(src / "training_stats.npy", np.zeros(3))

@@ -13,6 +13,17 @@ citation, sizes, checksums of the downloaded files, ...) and the folder's other 
 (dataset_info.json@FIELD, a file's name). `datasets.load_from_disk` loads it with the
 same features.
 
+A DatasetDict folder, as `DatasetDict.save_to_disk` writes it (`dataset_dict.json`, whose
+`splits` name the splits in order, and a save_to_disk folder per split), is one table too:
+the splits' shards in that order, every row of every split one record of one release (as
+the splits of a Hub folder of Parquet files are); they must share their columns. A
+person with rows in several splits has a record in each, which tldp cannot tell (the
+ledger knows records by their content). The output has the same splits, each written as
+a save_to_disk folder is, and dataset_dict.json's `splits`; `datasets.load_from_disk`
+loads it as a DatasetDict with the same splits, features and rows. --dataset names
+columns, in every split; a split is released alone by giving its folder (dd/train). The
+manifest lists the splits and their rows (`splits`).
+
 A folder of Parquet files as the Hugging Face Hub lays a dataset out (`data/train-00000-of-
 00002.parquet`, `data/test-00000-of-00001.parquet`, a README.md dataset card) is read the
 same way: its Parquet files, in the order of their paths, are one table (every row of every
@@ -28,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +48,7 @@ import numpy as np
 from tldp_cli.errors import InputError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
 from tldp_cli.formats import (HIDDEN_REASON, ArrayJob, DocRow, Format, FormatOptions, Writer, folder_output, is_hidden,
-                              leftovers)
+                              leftovers, plural)
 
 if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
     import pyarrow as pa
@@ -46,6 +58,7 @@ if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the fo
 NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
 DICT = "dataset_dict.json"  # DatasetDict.save_to_disk: one save_to_disk folder per split
+SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' split names (naming._split_re)
 STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
 
 
@@ -86,21 +99,27 @@ def can_open(path: Path) -> bool:
     return path.is_dir() and (_saved(path) or (path / DICT).is_file() or _parquet_files(path) is not None)
 
 
-def _refuse_dataset_dict(path: Path) -> None:
-    """A DatasetDict's folder holds a folder per split, each a dataset folder of its own:
-    say so, naming them, rather than take it for an image folder."""
-    if _saved(path) or not (path / DICT).is_file():
-        return
-    try:
-        with open_regular(path / DICT) as f:
-            splits = json.loads(f.read()).get("splits")
-    except (OSError, InputError, ValueError, AttributeError):
-        splits = None
-    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
-        splits = sorted(d.name for d in path.iterdir() if _saved(d))
-    folders = ", ".join(str(path / s) for s in splits) or f"{path}/SPLIT"
-    raise InputError(f"{path}: a DatasetDict folder ({DICT}), one dataset folder per split; perturb "
-                     f"the splits' folders instead ({folders}), each a release of its own")
+def _splits(path: Path) -> tuple[list[str], dict[str, Any]]:
+    """The splits dataset_dict.json names, in its order, each a save_to_disk folder of the
+    folder; and the document."""
+    document = _json(path / DICT)
+    splits = document.get("splits")
+    if not isinstance(splits, list) or not splits or not all(isinstance(s, str) for s in splits):
+        raise InputError(f"{path / DICT}: names no splits (a list of split names); the DatasetDict folder is damaged")
+    for split in splits:
+        if not SPLIT_NAME.fullmatch(split):  # datasets' own rule, which keeps it a folder of the folder
+            raise InputError(f"{path / DICT}: names split {split!r}, which is not a split name (word characters "
+                             "joined by dots)")
+        if splits.count(split) > 1:
+            raise InputError(f"{path / DICT}: names split {split} twice")
+        if not _saved(path / split):
+            raise InputError(f"{path / DICT}: names split {split}, but {path / split} is not a dataset folder "
+                             f"({STATE} and {INFO})")
+    return splits, document
+
+
+def _rel(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
 
 
 def _json(path: Path) -> dict:
@@ -134,8 +153,10 @@ def _a(layout: str) -> str:
     return "an" if layout.startswith("Arrow") else "a"
 
 
-def _table(path: Path, names: list[str], options: FormatOptions, layout: str) -> tables_reader.FolderTableReader:
-    """The shards as one table's reader; they must share their columns."""
+def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
+           apart: str = "configuration") -> tables_reader.FolderTableReader:
+    """The shards as one table's reader; they must share their columns (else each `apart`,
+    a configuration or a split, is perturbed on its own)."""
     from tldp_cli.formats import tables, tables_reader
 
     parts: list[tables.Part] = []
@@ -150,20 +171,19 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str) ->
         part, found, found_settings = tables.open_part(path / name, layout)
         if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
             raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "
-                             "configuration's folder on its own")
+                             f"{apart}'s folder on its own")
         schema, settings = schema or found, settings or found_settings
         parts.append(part)
     reader = tables_reader.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
                                              considered=True)
-    reader.shards = names
+    reader.shards, reader.saved = names, {}
     return reader
 
 
 def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTableReader:
     from tldp_cli.formats import tables
 
-    _refuse_dataset_dict(path)
-    if not _saved(path):
+    if not _saved(path) and not (path / DICT).is_file():
         names = _parquet_files(path)
         if names is None:
             raise InputError(f"{path}: no Parquet files, nor a state.json and dataset_info.json (a dataset "
@@ -172,18 +192,55 @@ def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTable
         reader.others = _others(path, reader.left, set(names))
         reader.finish_leftovers()
         return reader
-    state, info = _json(path / STATE), _json(path / INFO)
-    names = _shards(path, state)
-    reader = _table(path, names, options, tables.IPC_STREAM)
-    reader.state = state
-    written_info = {key: value for key, value in info.items()
-                    if key in STRUCTURAL_INFO or reader.left.attribute(INFO, key, (), "dataset_info field")}
-    written_info["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
-        if isinstance(info.get("features"), dict) else info.get("features")
-    reader.info = written_info
-    reader.others = _others(path, reader.left, {STATE, INFO, *names})
+    splits, document = _splits(path) if not _saved(path) else ([""], None)
+    saved = {folder: (_json(path / folder / STATE), _json(path / folder / INFO)) for folder in splits}
+    by_folder = {folder: [_rel(folder, name) for name in _shards(path / folder, saved[folder][0])]
+                 for folder in splits}
+    names = [name for folder in splits for name in by_folder[folder]]
+    try:
+        reader = _table(path, names, options, tables.IPC_STREAM, "configuration" if document is None else "split")
+    except InputError as exc:
+        split = next((name for name in options.datasets if document is not None and name in splits), None)
+        if split is None or "no column" not in str(exc):
+            raise
+        raise InputError(f"{exc}; {split} is a split: perturb its folder, {path / split}, to release it alone "
+                         "(--dataset names columns)") from None
+    reader.saved = {folder: (state, _written_info(reader, _rel(folder, INFO), info))
+                    for folder, (state, info) in saved.items()}
+    known = {_rel(folder, name) for folder in splits for name in (STATE, INFO)} | set(names)
+    reader.others = _others(path, reader.left, known if document is None else known | {DICT})
+    if document is not None:
+        reader.dataset_dict = {key: value for key, value in document.items()
+                               if key == "splits" or reader.left.attribute(DICT, key, (), "dataset_dict.json key")}
     reader.finish_leftovers()
+    if document is not None:
+        _split_rows(reader, path, splits, by_folder)
     return reader
+
+
+def _written_info(reader: tables_reader.FolderTableReader, owner: str, info: dict[str, Any]) -> dict[str, Any]:
+    """dataset_info.json as written: its structural fields, the features of the columns
+    written, the fields --keep names (OWNER@FIELD); the others listed as dropped."""
+    written = {key: value for key, value in info.items()
+               if key in STRUCTURAL_INFO or reader.left.attribute(owner, key, (), "dataset_info field")}
+    written["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
+        if isinstance(info.get("features"), dict) else info.get("features")
+    return written
+
+
+def _split_rows(reader: tables_reader.FolderTableReader, path: Path, splits: list[str],
+                by_folder: dict[str, list[str]]) -> None:
+    """A DatasetDict's splits in the manifest (`splits`) and in a message: one table, every
+    row of every split one record."""
+    rows, parts = [], iter(reader.table.parts)
+    for split in splits:
+        rows.append(sum(next(parts).rows for _ in by_folder[split]))
+    reader.manifest_extra = {**reader.manifest_extra,
+                             "splits": [{"name": split, "rows": n} for split, n in zip(splits, rows)]}
+    shown = ", ".join(f"{split}: {plural(n, 'row')}" for split, n in zip(splits, rows))
+    reader.messages = [*reader.messages, f"{path.name}: a DatasetDict of {plural(len(splits), 'split')} "
+                       f"({shown}), one release: every row of every split is one record (perturb a split's "
+                       f"folder, {path / splits[0]}, to release it alone)"]
 
 
 def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]:
@@ -208,8 +265,8 @@ def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]
 
 
 class DatasetFolderWriter(Writer):
-    """The shards (tables_writer.TableWriter), then state.json, dataset_info.json and the files
-    --keep names."""
+    """The shards (tables_writer.TableWriter), then state.json and dataset_info.json (each
+    split's, and dataset_dict.json, for a DatasetDict) and the files --keep names."""
 
     def __init__(self, reader: tables_reader.FolderTableReader, tmp_path: Path, dtype: np.dtype):
         from tldp_cli.formats import tables_writer
@@ -222,9 +279,10 @@ class DatasetFolderWriter(Writer):
                 (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         self.table = tables_writer.TableWriter(reader, [tmp_path / name for name in reader.shards], dtype)
         self.postprocessing = list(self.table.postprocessing)
-        if reader.state is not None:
+        if reader.saved:
             self.postprocessing.append("state.json: _fingerprint (a hash datasets computes from the raw data) "
-                                       "replaced by a hash of the shards written")
+                                       "replaced by a hash of the shards written"
+                                       + (" (each split's, of its shards)" if reader.dataset_dict is not None else ""))
         self.output_dtype = self.table.output_dtype
         self.manifest_extra = self.table.manifest_extra
 
@@ -233,11 +291,15 @@ class DatasetFolderWriter(Writer):
 
     def finish(self) -> None:
         self.table.finish()
-        saved = self.reader.state
-        state = None if saved is None else dict(saved, _fingerprint=self._fingerprint())
-        if state is not None and isinstance(state.get("_format_columns"), list):  # set_format's columns written
-            state["_format_columns"] = [c for c in state["_format_columns"] if c in self.reader.written]
-        for name, value in ((STATE, state), (INFO, self.reader.info)) if state is not None else ():
+        written: list[tuple[str, Any]] = []
+        for folder, (saved, info) in self.reader.saved.items():
+            state = dict(saved, _fingerprint=self._fingerprint(folder))
+            if isinstance(state.get("_format_columns"), list):  # set_format's columns written
+                state["_format_columns"] = [c for c in state["_format_columns"] if c in self.reader.written]
+            written += [(_rel(folder, STATE), state), (_rel(folder, INFO), info)]
+        if self.reader.dataset_dict is not None:
+            written.append((DICT, self.reader.dataset_dict))
+        for name, value in written:
             target = self.root / name
             with writing(target), open(target, "x") as f:
                 json.dump(value, f, indent=2)
@@ -248,11 +310,13 @@ class DatasetFolderWriter(Writer):
             with open_regular(self.reader.path / rel, follow_links=False) as src, writing(target), open(target, "xb") as dst:
                 copy_bytes(src, self.reader.path / rel, dst, target)
 
-    def _fingerprint(self) -> str:
-        """The output's own fingerprint: a hash of the shards written (of the release, never
-        of the raw data), as datasets' are 16 hex digits."""
+    def _fingerprint(self, folder: str) -> str:
+        """The output's own fingerprint: a hash of the shards written in `folder` (of the
+        release, never of the raw data), as datasets' are 16 hex digits."""
         digest = hashlib.sha256()
         for name in self.reader.shards:
+            if os.path.dirname(name) != folder:
+                continue
             with open(self.root / name, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     digest.update(chunk)
@@ -275,9 +339,10 @@ def output_bytes(jobs: list[ArrayJob], dtype: np.dtype, options: FormatOptions) 
 
 
 def is_earlier_output(path: Path, reader: tables_reader.FolderTableReader) -> bool:
-    """A dataset folder that holds the shards, state.json and dataset_info.json and the
-    files --keep copies, nothing else."""
-    saved = {STATE, INFO} if reader.state is not None else set()
+    """A dataset folder that holds the shards, state.json and dataset_info.json (each split's,
+    and dataset_dict.json, for a DatasetDict) and the files --keep copies, nothing else."""
+    saved = {_rel(folder, name) for folder in reader.saved for name in (STATE, INFO)}
+    saved |= {DICT} if reader.dataset_dict is not None else set()
     expected = {*saved, *reader.shards, *reader.others}
     found = {(Path(d) / name).relative_to(path).as_posix() for d, _, files in os.walk(path) for name in files}
     return found <= expected and saved <= found and bool(found)
@@ -293,6 +358,11 @@ FORMAT = Format(
                  "`tldp perturb mnist_train --eps 1`",
                  "`mnist_train.tldp/`: same Arrow shards and record batches, features; `datasets.load_from_disk` "
                  "loads it; columns as in Parquet"),
+          DocRow("Hugging Face `DatasetDict` folder (`DatasetDict.save_to_disk`)",
+                 "a directory with `dataset_dict.json` (and a dataset folder per split)",
+                 "`tldp perturb mnist_dd --eps 1`",
+                 "`mnist_dd.tldp/`: every split perturbed, one release (a record a row of any split); "
+                 "`datasets.load_from_disk` loads the same splits, features and rows"),
           DocRow("folder of Parquet files (a Hugging Face Hub dataset: `data/train-00000-of-00002.parquet`, ...)",
                  "a directory of `.parquet` files and no image (nor an imagefolder's `metadata.parquet`)",
                  "`tldp perturb mnist --eps 1`",

@@ -330,7 +330,7 @@ class ImageFolderReader(Reader):
 
     def _inputs_hint(self) -> str:
         """Files of the folder (the first HINTED looked at) that tldp perturbs as inputs of their
-        own (a PEFT adapter's adapter_model.safetensors, a folder of .npy files): say so."""
+        own (a folder of .safetensors checkpoints, of .npy files): say so."""
         own = [rel for rel in self.others[:HINTED]
                if "which tldp perturbs on its own" in (data_file(self.path / rel) or "")]
         if not own:

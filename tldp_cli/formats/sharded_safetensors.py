@@ -5,7 +5,8 @@ shard files (`model-00001-of-00007.safetensors`, ...) and an index,
 and whose `metadata.total_size` is their bytes; beside them the configuration and the
 tokenizer. A model that fits in one file is saved as `model.safetensors` beside
 `config.json`, without an index: such a folder is read too, as a model of one shard (its
-output has no index either).
+output has no index either), and so is a PEFT adapter's folder (peft's save_pretrained:
+`adapter_model.safetensors` beside `adapter_config.json`).
 
 One folder is one input: one run, one output folder, one manifest. The model is read as
 the single-file safetensors format reads a checkpoint: each tensor, whichever shard holds
@@ -66,14 +67,20 @@ NAME = "sharded-safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 SHARD_SUFFIX = ".safetensors"
 SINGLE = "model.safetensors"  # save_pretrained's one shard, without an index, beside config.json
+# A PEFT adapter's save_pretrained (peft_model.py; utils/constants.py: SAFETENSORS_WEIGHTS_NAME, CONFIG_NAME): its
+# weights in one file, without an index, beside its configuration
+ADAPTER, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 MAX_INDEX = 64 << 20  # an index is names: far below this even for the largest models
-CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json")
+CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
+                ADAPTER_CONFIG)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
 # Keys that hold a name or a local path (transformers 4.x saved the paths it loaded a tokenizer
 # from, tokenizer_file and special_tokens_map_file, in tokenizer_config.json).
-FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file")
+# A PEFT adapter's configuration names its base model by name or local path.
+FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file",
+                  "base_model_name_or_path")
 STRUCTURAL_INDEX = ("total_size", "total_parameters")
 CONFIG_REASON = "model configuration: the architecture and settings loaders need, structure rather than data"
 TOKENIZER_REASON = "tokenizer: loaders need it; its vocabulary is learned from text, which it can echo"
@@ -90,13 +97,15 @@ def default_output(path: Path) -> Path:
 
 
 def can_open(path: Path) -> bool:
-    """A folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, at
-    its top (links too: the reader refuses them)."""
+    """A folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, or a
+    PEFT adapter's `adapter_config.json` (beside its `adapter_model.safetensors`, or the
+    reader says what is missing), at its top (links too: the reader refuses them)."""
     try:
         names = {entry.name for entry in os.scandir(path)} if path.is_dir() else set()
     except OSError:
         return False
-    return any(name.endswith(INDEX_SUFFIX) for name in names) or {SINGLE, CONFIG_FILES[0]} <= names
+    return any(name.endswith(INDEX_SUFFIX) for name in names) or {SINGLE, CONFIG_FILES[0]} <= names or \
+        ADAPTER_CONFIG in names
 
 
 def _files(root: Path) -> list[str]:
@@ -200,15 +209,22 @@ def _shards(root: Path, index_rel: str, weight_map: dict[str, str], files: list[
 
 
 def _single(root: Path, files: list[str]) -> list[_Shard]:
-    """A folder without an index: its one shard, model.safetensors."""
-    if SINGLE not in files:
+    """A folder without an index: its one shard, model.safetensors (or a PEFT adapter's
+    adapter_model.safetensors)."""
+    found = [name for name in (SINGLE, ADAPTER) if name in files]
+    if not found and ADAPTER_CONFIG in files:
+        raise InputError(f"{root}: a PEFT adapter folder ({ADAPTER_CONFIG}) without {ADAPTER}; tldp reads an "
+                         "adapter saved as safetensors (save_pretrained's default), never a pickle such as "
+                         "adapter_model.bin")
+    if not found:
         raise InputError(f"{root}: no checkpoint index (*{INDEX_SUFFIX}) and no {SINGLE}; a model folder "
-                         f"holds the index of its shards, or its one {SINGLE}")
+                         f"holds the index of its shards, or its one {SINGLE} (a PEFT adapter: {ADAPTER})")
+    single = found[0]
     for rel in files:
-        if rel.lower().endswith(SHARD_SUFFIX) and rel != SINGLE:
-            raise InputError(f"{root / rel}: a safetensors file beside {SINGLE}, and no index names the shards "
+        if rel.lower().endswith(SHARD_SUFFIX) and rel != single:
+            raise InputError(f"{root / rel}: a safetensors file beside {single}, and no index names the shards "
                              f"of the model; remove it, or perturb it on its own")
-    return [_Shard(SINGLE, *parse(root / SINGLE))]
+    return [_Shard(single, *parse(root / single))]
 
 
 def _json_object(path: Path, text: bytes) -> dict | None:
@@ -428,8 +444,10 @@ FORMAT = Format(
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     output_bytes=output_bytes, earlier_output=is_earlier_output,
     docs=(DocRow("sharded model folder (`save_pretrained`: safetensors shards and "
-                 "`model.safetensors.index.json`, or one `model.safetensors`)",
-                 "a folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, at its top",
+                 "`model.safetensors.index.json`, or one `model.safetensors`; a PEFT adapter's "
+                 "`adapter_model.safetensors`)",
+                 "a folder with a `*.safetensors.index.json`, or `model.safetensors` and `config.json`, or "
+                 "a PEFT adapter's `adapter_config.json`, at its top",
                  "`tldp perturb gpt2_tiny --eps 1 --clip 0.1`",
                  "`gpt2_tiny.tldp/`: the same shards (each as a `.safetensors` file is written) and index "
                  "`weight_map`, the configuration and tokenizer copied ([below](#sharded-model-folders))"),),

@@ -351,12 +351,14 @@ class TableReader(Reader):
 class FolderTableReader(TableReader):
     """The shards of a dataset folder read as one table (dataset_folder.py), with what its
     writer needs besides: the shards (relative paths, in row order), save_to_disk's
-    state.json and dataset_info.json (None for a folder of Parquet files), and the folder's
-    other files that are copied."""
+    state.json and dataset_info.json as they are written, by the folder holding them
+    ("" for the input itself, a DatasetDict's split folders; none for a folder of Parquet
+    files), a DatasetDict's dataset_dict.json as written (None for any other folder), and
+    the folder's other files that are copied."""
 
     shards: list[str]
-    state: dict[str, Any] | None = None
-    info: dict[str, Any] | None = None
+    saved: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+    dataset_dict: dict[str, Any] | None = None
     others: list[str]
 
 
