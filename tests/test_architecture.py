@@ -206,8 +206,8 @@ def _is_module(name: str) -> bool:
 
 def test_no_private_name_crosses_modules():
     """A name with a leading underscore is its module's own: another module that needs it
-    needs a public function (formats/images.py's output_name and read_output, which
-    evaluate pairs images with)."""
+    needs a public function (formats/images_reader.py's output_name and images_writer.py's
+    read_output, which evaluate pairs images with)."""
     found = _private_names_crossing(ROOT / "tldp_cli")
     assert not found, "\n".join(found)
 

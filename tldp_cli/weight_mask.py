@@ -545,8 +545,7 @@ def make_mask(o: MaskOptions) -> MaskResult:
         reads = {what: path for what, path in (("box file", o.boxes), ("mask image", o.mask_image)) if path}
         output.check_distinct({**{what: path for path, what in targets}, **reads})
 
-        staging = output.Staging()
-        try:
+        with output.staged(o.overwrite) as staging:
             temps = {path: staging.temporary(path) for path, _ in targets}
             description, shape = maker.write(temps[o.out])
             data_derived = maker.data_derived
@@ -560,11 +559,6 @@ def make_mask(o: MaskOptions) -> MaskResult:
                 assert maker.preview is not None  # the maker makes one when asked
                 with output.create_private(temps[o.preview]) as f:  # it shows the data: its owner's only
                     maker.preview.save(f, format="PNG")
-            staging.commit(o.overwrite)
-        except BaseException:
-            staging.discard()
-            raise
-        staging.close()
     finally:
         reader.close()
     messages = [f"skipped {plural(len(skipped), 'unreadable image')} (no mask made): {listing(skipped)}"

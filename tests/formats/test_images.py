@@ -15,8 +15,8 @@ from PIL import Image, UnidentifiedImageError
 from tests.builders import SEED, RoundTrip, assert_one_line_error, siblings, tree_digest
 from tldp_cli import formats
 from tldp_cli.errors import InputError
-from tldp_cli.formats import images
-from tldp_cli.formats.pixels import png
+from tldp_cli.formats import images, images_index, images_reader
+from tldp_cli.formats.pixels import PNG_ENCODING, png
 
 RNG = np.random.default_rng(0)
 
@@ -34,7 +34,7 @@ def save(path: Path, array: np.ndarray, **kwargs) -> Path:
 
 def image_files(root: Path) -> dict[str, Path]:
     return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*"))
-            if p.suffix.lower() in images.IMAGE_SUFFIXES}
+            if p.suffix.lower() in images_reader.IMAGE_SUFFIXES}
 
 
 def colour_channels(path: Path) -> np.ndarray:
@@ -114,7 +114,7 @@ def test_manifest_uses_largest_image(cli, tmp_path):
     assert manifest["noise"] == "discrete-laplace"
     assert manifest["postprocessing"][0].startswith("saturate at the int16 limits")
     assert manifest["postprocessing"][1:3] == [  # integers: no rounding
-        "clip to [0, 255]", f"write 8-bit PNG {images.PNG_ENCODING}"]
+        "clip to [0, 255]", f"write 8-bit PNG {PNG_ENCODING}"]
     assert any("alpha" in step for step in manifest["postprocessing"])
     assert sorted(Path(o["path"]).relative_to(out).as_posix() for o in manifest["outputs"]) == \
         ["big/colour.png", "mid.png", "small.png"]
@@ -201,7 +201,7 @@ def test_16bit_grayscale_comes_out_16bit(cli, tmp_path):
     assert manifest["value_range"] == [0, 65536]
     # integer noise in int32 (the default exact sampler), saturating, then the PNG steps
     assert manifest["postprocessing"][0].startswith("saturate at the int32 limits")
-    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {images.PNG_ENCODING}"]
+    assert manifest["postprocessing"][1:3] == ["clip to [0, 65535]", f"write 16-bit PNG {PNG_ENCODING}"]
 
 
 def test_each_bit_depth_is_perturbed_at_its_own_range(cli, tmp_path):
@@ -271,7 +271,7 @@ def test_one_range_for_mixed_bit_depths_still_clips_each_to_its_own(cli, tmp_pat
     assert "range_groups" not in manifest and manifest["value_range"] == [0, 65536]
     # [0] saturate at the int32 limits, [1] round (the default exact sampler's integer noise)
     assert manifest["postprocessing"][1:3] == [
-        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {images.PNG_ENCODING}"]
+        "clip to [0, 255] (8-bit images), [0, 65535] (16-bit images)", f"write 8-bit and 16-bit PNG {PNG_ENCODING}"]
     assert Image.open(tmp_path / "b" / "shallow.png").mode == "L"
     assert Image.open(tmp_path / "b" / "deep.png").mode == "I;16"
 
@@ -340,7 +340,7 @@ def test_palette_images_are_label_maps_left_out_or_kept_raw(cli, tmp_path):
     assert sorted(image_files(out)) == ["JPEGImages/a.png"]
     manifest = json.loads(result.stdout)
     assert manifest["dropped"] == [{"name": "SegmentationClass/a.png", "kind": "label map",
-                                    "reason": images.LABEL_MAP_REASON}]
+                                    "reason": images_reader.LABEL_MAP_REASON}]
     assert [i["path"] for i in manifest["inputs"]] == [str(src / "JPEGImages" / "a.jpg")]
     assert "left out 1 palette image (label maps" in result.stderr and "dropped 1 label map" in result.stderr
 
@@ -654,7 +654,7 @@ def test_hidden_files_are_withheld_with_anonymized_names(cli, tmp_path):
            "named in the name map" in result.stderr
     manifest_text = Path(str(out) + ".manifest.json").read_text()
     assert "sub/.picasa.ini" not in manifest_text and ".ipynb_checkpoints/" not in manifest_text
-    assert {d["name"] for d in manifest_of(out)["dropped"]} == {images.WITHHELD}
+    assert {d["name"] for d in manifest_of(out)["dropped"]} == {images_reader.WITHHELD}
     assert json.loads(name_map.read_text())["hidden_left_out"] == HIDDEN
 
 
@@ -808,7 +808,7 @@ def imagefolder(data_dir: Path, cache: Path) -> list[tuple[str, tuple[int, int]]
     return sorted((example["caption"], example["image"].size) for example in loaded)
 
 
-@pytest.mark.parametrize("index", images.INDEX_FILES)
+@pytest.mark.parametrize("index", images_index.INDEX_FILES)
 def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkeypatch, index):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing to download
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # nor anything left in the home folder
@@ -834,7 +834,7 @@ def test_index_files_follow_renamed_images_for_imagefolder(cli, tmp_path, monkey
     assert tree_digest(src) == before
 
 
-@pytest.mark.parametrize("index", images.INDEX_FILES)
+@pytest.mark.parametrize("index", images_index.INDEX_FILES)
 def test_index_rows_of_images_not_written_are_dropped(cli, tmp_path, monkeypatch, index):
     """`perturb ds/train --copy-other --skip-bad` on a Hugging Face image folder: the rows of
     skipped images leave the index (else imagefolder finds 9 rows for 7 images and fails)."""

@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.builders import assert_one_line_error, disk_full_after, siblings
 from tldp_cli.errors import InputError, OutputError
-from tldp_cli.formats import images
+from tldp_cli.formats import images, images_writer
 from tldp_cli.run.pipeline import PerturbOptions, perturb
 
 
@@ -53,7 +53,7 @@ def test_output_removed_during_the_run_fails(tmp_path, monkeypatch):
     """The work folder renamed away after the second image (a cleanup script, say): the
     images after it used to make the folder again and be committed without the first two."""
     src = photo_folder(tmp_path / "in")
-    real_write = images.ImageFolderWriter.write
+    real_write = images_writer.ImageFolderWriter.write
     calls = []
 
     def write_then_remove(self, job, start, block):
@@ -64,7 +64,7 @@ def test_output_removed_during_the_run_fails(tmp_path, monkeypatch):
                 self._disk.close()  # the first two images are on disk
             os.rename(self.root, tmp_path / "gone")
 
-    monkeypatch.setattr(images.ImageFolderWriter, "write", write_then_remove)
+    monkeypatch.setattr(images_writer.ImageFolderWriter, "write", write_then_remove)
     with pytest.raises(OutputError, match="removed while tldp wrote the output"):
         perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, workers=1))
@@ -103,7 +103,7 @@ def test_a_writer_that_fails_to_start_leaves_no_thread(tmp_path, monkeypatch):
     def unreadable(self, source, rel):
         raise InputError(f"{source}: cannot read (Permission denied)")
 
-    monkeypatch.setattr(images.ImageFolderWriter, "_copy", unreadable)
+    monkeypatch.setattr(images_writer.ImageFolderWriter, "_copy", unreadable)
     with pytest.raises(InputError, match="README.txt"):
         perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, copy_other=True))
@@ -115,14 +115,14 @@ def test_an_image_removed_during_the_run_fails_it(tmp_path, monkeypatch):
     """One image deleted from the work folder after it was written (the folder itself
     stays): the run used to end with exit 0, the manifest listing one image fewer."""
     src = photo_folder(tmp_path / "in")
-    real_finish = images.ImageFolderWriter.finish
+    real_finish = images_writer.ImageFolderWriter.finish
 
     def remove_one_then_finish(self):
         self._disk.close()  # every image is on disk
         (self.root / "cats" / "2.png").unlink()
         real_finish(self)
 
-    monkeypatch.setattr(images.ImageFolderWriter, "finish", remove_one_then_finish)
+    monkeypatch.setattr(images_writer.ImageFolderWriter, "finish", remove_one_then_finish)
     with pytest.raises(OutputError, match=r"out/cats/2\.png: removed while tldp wrote the output"):
         perturb(PerturbOptions(input=src, eps=1.0, out=tmp_path / "out", seed=5,
                                allow_weak_seed=True, workers=2))
@@ -152,7 +152,7 @@ def test_the_writer_queue_holds_a_bounded_number_of_bytes(tmp_path, monkeypatch,
     """Encoded images wait for the writer thread: at most QUEUED_BYTES of them (40x40 RGB
     images of 4800 bytes here), and always room for one, so memory stays flat for large
     images."""
-    monkeypatch.setattr(images, "QUEUED_BYTES", budget)
+    monkeypatch.setattr(images_writer, "QUEUED_BYTES", budget)
     src = photo_folder(tmp_path / "in", count=1)
     reader = images.open_reader(src, images.FormatOptions())
     writer = images.create_writer(reader, tmp_path / "out", np.dtype(np.int16), images.FormatOptions())

@@ -60,7 +60,7 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calib
     a privunit run's user basis (user_basis_of), which a --store coefficients output needs."""
     jobs = reader.arrays()
     if module.records_are_files:
-        from tldp_cli.formats import images
+        from tldp_cli.formats import images_reader, images_writer
 
         fmt = _image_format(m)
         if not perturbed.is_dir():
@@ -74,20 +74,20 @@ def pair_up(module, reader, perturbed: Path, m: dict, calibs: Mapping[str, Calib
                                "detail": f"{image.rel}: not in the name map"})
                 continue
             out_path = perturbed / (renamed[image.rel] if renamed is not None
-                                    else images.output_name(image.rel, fmt, image.pages > 1))
+                                    else images_reader.output_name(image.rel, fmt, image.pages > 1))
             if not out_path.is_file():
                 issues.append({"check": "pairing", "passed": False,
                                "detail": f"{out_path}: missing (perturbed copy of {image.rel})"})
                 continue
             try:
-                shape = (1, *images.read_output(out_path).shape)
+                shape = (1, *images_writer.read_output(out_path).shape)
             except Exception as exc:
                 issues.append({"check": "pairing", "passed": False,
                                "detail": f"{out_path}: cannot be read ({reason_of(exc)})"})
                 continue
 
             def read(start, stop, p=out_path):
-                return images.read_output(p)[None]
+                return images_writer.read_output(p)[None]
 
             pairs.append(Pair(image.rel, job, shape, read, calibs[job.name]))
         return pairs
@@ -266,7 +266,7 @@ def input_named(m: dict, renamed: dict[str, str] | None) -> dict:
 
 def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: Path) -> dict[str, str] | None:
     """An --anonymize-names run's name map (original name -> output name); None otherwise."""
-    from tldp_cli.formats import images
+    from tldp_cli.formats import images, images_reader
 
     anonymized = m.get("anonymized_names")
     sources = [formats.of_source(i) for i in m.get("inputs") or [] if isinstance(i, dict)]
@@ -280,5 +280,5 @@ def name_map_of(m: dict, original: Path, name_map: Path | None, manifest_path: P
         return None
     if not isinstance(anonymized, dict) or not isinstance(anonymized.get("name_map_id"), str):
         raise InputError(f"{manifest_path}: damaged manifest: 'anonymized_names' lacks its name_map_id")
-    return images.read_name_map(name_map or images.default_name_map(original), anonymized["name_map_id"])
+    return images_reader.read_name_map(name_map or images.default_name_map(original), anonymized["name_map_id"])
 

@@ -217,10 +217,7 @@ def recompute_calibration(m: dict, jobs: list, original: Path, manifest_path: Pa
         calibrated = calibrate_run(options, jobs, rows=rows, per_tensor=per_tensor, keeps_dtypes=keeps_dtypes)
     except UsageError as exc:
         raise InputError(f"{manifest_path}: its parameters cannot be calibrated ({reason_of(exc)})") from None
-    records_of: dict[Calibration, int] = {}
-    for job in jobs:
-        calib = calibrated.calib_of[job.name]
-        records_of[calib] = records_of.get(calib, 0) + job.records
+    records_of = calibrated.records_of(jobs)
     checks.insert(0, check_parameters(m, list(records_of.items()), [job.dtype for job in jobs],
                                       [[calibrated.calib_of[name] for name in row] for row in rows]))
     return calibrated, records_of

@@ -40,7 +40,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, Iterator, Protocol
 
 from tldp_cli.errors import InputError, OutOfMemory, OutputError, UsageError, reason_of
 
@@ -666,6 +666,20 @@ class Staging:
         self.discard()
 
 
+@contextlib.contextmanager
+def staged(overwrite: bool) -> Iterator[Staging]:
+    """A Staging for the files written inside the block, moved into place together once it
+    ends (Staging.commit), or removed, nothing replaced, if it fails."""
+    staging = Staging()
+    try:
+        yield staging
+        staging.commit(overwrite)
+    except BaseException:
+        staging.discard()
+        raise
+    staging.close()
+
+
 def _inode(path: Path) -> int | None:
     try:
         return path.lstat().st_ino
@@ -711,8 +725,7 @@ def write_files(contents: dict[Path, bytes], overwrite: bool, private: bool = Fa
     by their owner only (create_private)."""
     for path in contents:
         check_file_target(path, overwrite)
-    staging = Staging()
-    try:
+    with staged(overwrite) as staging:
         for path, data in contents.items():
             tmp = staging.temporary(path)
             try:
@@ -722,11 +735,6 @@ def write_files(contents: dict[Path, bytes], overwrite: bool, private: bool = Fa
                     os.fsync(f.fileno())
             except OSError as exc:
                 raise OutputError(f"{path}: cannot write ({reason_of(exc)})") from None
-        staging.commit(overwrite)
-    except BaseException:
-        staging.discard()
-        raise
-    staging.close()
 
 
 def remove(path: Path) -> None:

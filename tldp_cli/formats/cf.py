@@ -29,13 +29,14 @@ import dataclasses
 import math
 import posixpath
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Collection, Container, Iterable, Iterator, Mapping, TypeVar
 
 import numpy as np
 
 from tldp_cli.errors import InputError
-from tldp_cli.formats import listing
+from tldp_cli.formats import ArrayJob, Reader, listing
 
 T = TypeVar("T")
 
@@ -54,6 +55,17 @@ def keep_missing(block: np.ndarray, stored: np.ndarray, pairs: list[tuple],
         block[where] = out
         missing |= where
     return move_off_markers(block, missing, [out for _, out in pairs], bounds), bool(missing.any())
+
+
+def restore_missing(job: ArrayJob, start: int, block: np.ndarray, pairs: list[tuple],
+                    bounds: tuple[float, float, float | None] | None) -> tuple[int, bool]:
+    """keep_missing on `block`, the noisy records of `job` from `start` (in place), where the
+    input's records as stored (its reader's EncodedRecords) hold a marker; `bounds` None:
+    no range declared for it."""
+    records = job.read
+    assert isinstance(records, EncodedRecords)  # the input's: markers come from its encodings
+    stored = records.stored(start, start + len(block))
+    return keep_missing(block, stored, pairs, bounds or (-math.inf, math.inf, None))
 
 
 def move_off_markers(block: np.ndarray, missing: np.ndarray | None, markers: list,
@@ -243,26 +255,6 @@ def encoding(where: str, stored: np.dtype, numbers: Callable[[str], np.ndarray |
     return Encoding(tuple(markers), unsigned, scale, offset, dtype, tuple(sources))
 
 
-def take_as_data(jobs: list, encodings: dict[str, Encoding], data: dict[str, tuple]) -> None:
-    """Reader.markers_are_data for a format whose jobs read through a frozen dataclass with an
-    `encoding` field: each array's encoding (in `encodings`, which its writer reads) and
-    reader take the markers `data` names as data."""
-    for job in jobs:
-        if data.get(job.name):
-            encodings[job.name] = encodings[job.name].as_data(data[job.name])
-            job.read = dataclasses.replace(job.read, encoding=encodings[job.name])
-            job.markers = encodings[job.name].labelled()
-
-
-def fill_missing(jobs: list, encodings: dict[str, Encoding], fills: dict[str, float]) -> None:
-    """Reader.missing_fill for a format whose jobs read through a frozen dataclass with an
-    `encoding` field: each array's missing positions hold its value in `fills`."""
-    for job in jobs:
-        if job.name in fills:
-            encodings[job.name] = dataclasses.replace(encodings[job.name], fill=fills[job.name])
-            job.read = dataclasses.replace(job.read, encoding=encodings[job.name])
-
-
 def _holds(dtype: np.dtype, value: float) -> bool:
     """Whether `dtype` holds `value` exactly."""
     if dtype.kind in "iu":
@@ -305,6 +297,59 @@ def decoded_records(raw: np.ndarray, encoding: Encoding) -> np.ndarray:
             values = values.astype(np.float64)
         values[missing] = encoding.fill
     return values
+
+
+class EncodedReader(Reader):
+    """What the readers of the formats that store arrays under CF encodings (HDF5, Zarr)
+    share: each perturbed array's ArrayJob (encoded_job), read through an EncodedRecords (a
+    frozen dataclass with an `encoding` field), and `encodings` (job name -> its Encoding,
+    where it has one), which the format's writer reads. Told which markers are data
+    (markers_are_data) or what missing positions hold (missing_fill), it changes both."""
+
+    jobs: list[ArrayJob]
+
+    def __init__(self, path: Path, name: str):
+        self.path = path
+        self.format = name  # the format's name (its NAME), in each array's source
+        self.messages: list[str] = []
+        self.encodings: dict[str, Encoding] = {}  # job name -> its encoding, where it has one
+
+    def encoded_job(self, name: str, shape: tuple[int, ...], stored: np.dtype, encoding: Encoding | None,
+                    read: EncodedRecords, **fields: Any) -> ArrayJob:
+        """The ArrayJob of array `name`, stored as `stored` under `encoding` (None: its stored
+        values are the values perturbed), which it records (and what the command says of it);
+        `fields`: ArrayJob's others (chunk_records, row_dimension, aliases)."""
+        if encoding is not None:
+            self.encodings[name] = encoding
+            self.messages += messages(name, stored, encoding)
+        return ArrayJob(
+            name=name, shape=shape, dtype=encoding.dtype if encoding else stored, read=read,
+            source={"path": str(self.path), "format": self.format, "dataset": name,
+                    "shape": list(shape), "dtype": str(stored)},
+            markers=encoding.labelled() if encoding else (), **fields)
+
+    def arrays(self) -> list[ArrayJob]:
+        return self.jobs
+
+    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
+        """Each array's encoding (in `encodings`, which its writer reads) and reader take the
+        markers `data` names as data."""
+        for job in self.jobs:
+            if data.get(job.name):
+                self._recode(job, self.encodings[job.name].as_data(data[job.name]))
+                job.markers = self.encodings[job.name].labelled()
+
+    def missing_fill(self, fills: dict[str, float]) -> None:
+        """Each array's missing positions hold its value in `fills`."""
+        for job in self.jobs:
+            if job.name in fills:
+                self._recode(job, dataclasses.replace(self.encodings[job.name], fill=fills[job.name]))
+
+    def _recode(self, job: ArrayJob, encoding: Encoding) -> None:
+        """The job's array read, and written, under `encoding` from now on."""
+        self.encodings[job.name] = encoding
+        read: Any = job.read  # an EncodedRecords, a frozen dataclass
+        job.read = dataclasses.replace(read, encoding=encoding)
 
 
 def output_marker(marker, dtype: np.dtype):

@@ -19,7 +19,7 @@ import numpy as np
 from h5py import h5, h5a, h5d, h5ds, h5o, h5p, h5t
 
 from tldp_cli.errors import InputError, NotHeld, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, check_numeric_dtype, default_selection, listing
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection, listing
 from tldp_cli.formats import cf, hdf5_chunks, leftovers, tensor_files
 from tldp_cli.formats import hdf5_storage
 
@@ -95,14 +95,11 @@ def _encoding(path: Path, name: str, ds: h5py.Dataset) -> cf.Encoding | None:
                        attr_text(ds, "_Unsigned"))
 
 
-class Hdf5Reader(Reader):
+class Hdf5Reader(cf.EncodedReader):
     def __init__(self, path: Path, options: FormatOptions, name: str):
-        self.path = path
-        self.format = name  # the format's name (formats/hdf5.py's NAME), in each array's source
-        self.messages: list[str] = []
+        super().__init__(path, name)  # name: formats/hdf5.py's NAME
         self.tensors: list[tensor_files.Tensor] = []  # Keras weights: the chosen ones
         self.variances: set[str] = set()  # Keras weights: the chosen moving variances
-        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its encoding, where it has one
         try:
             self.size = os.stat(path).st_size
             self.file = h5py.File(path, "r")
@@ -419,10 +416,7 @@ class Hdf5Reader(Reader):
         if not isinstance(obj, h5py.Dataset):
             raise InputError(f"{where}: is a {'group' if isinstance(obj, h5py.Group) else 'datatype'}, "
                              "not a dataset")
-        kind = ("strings" if h5py.check_string_dtype(obj.dtype) else
-                "an enumerated (categorical) type" if h5py.check_enum_dtype(obj.dtype) else
-                "object references" if h5py.check_ref_dtype(obj.dtype) else
-                "variable-length sequences" if h5py.check_vlen_dtype(obj.dtype) else None)
+        kind = _h5py_kind(obj.dtype)
         if kind:
             raise InputError(f"{where}: holds {kind}; tldp perturbs integer and floating-point data only")
         check_numeric_dtype(self.path, obj.dtype, what=f"dataset {name}")
@@ -435,30 +429,14 @@ class Hdf5Reader(Reader):
 
     def _job(self, name: str, ds: h5py.Dataset) -> ArrayJob:
         hdf5_storage.check_storage(self.path, self.size, name, ds, perturbed=True)
-        shape = tuple(ds.shape)
         encoding = _encoding(self.path, name, ds)
-        if encoding is not None:
-            self.encodings[name] = encoding
-            self.messages += cf.messages(name, ds.dtype, encoding)
-        return ArrayJob(
-            name=name, shape=shape, dtype=encoding.dtype if encoding else ds.dtype,
-            read=hdf5_storage.Records(self.path, name, self.size, encoding,
-                                      hdf5_storage.placement_within(ds, self.size), hdf5_chunks.deflated(ds)),
-            source={"path": str(self.path), "format": self.format, "dataset": name,
-                    "shape": list(shape), "dtype": str(ds.dtype)},
+        return self.encoded_job(
+            name, tuple(ds.shape), ds.dtype, encoding,
+            hdf5_storage.Records(self.path, name, self.size, encoding,
+                                 hdf5_storage.placement_within(ds, self.size), hdf5_chunks.deflated(ds)),
             chunk_records=ds.chunks[0] if ds.chunks else None,
             row_dimension=row_dimension(ds),
-            markers=encoding.labelled() if encoding else (),
         )
-
-    def arrays(self) -> list[ArrayJob]:
-        return self.jobs
-
-    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
-        cf.take_as_data(self.jobs, self.encodings, data)
-
-    def missing_fill(self, fills: dict[str, float]) -> None:
-        cf.fill_missing(self.jobs, self.encodings, fills)
 
     def close(self) -> None:
         self.file.close()
@@ -501,14 +479,19 @@ SCALE_STAYS = ("a dimension scale, so its dimension stays (a scale holding no da
 BARE_DIMENSION = b"This is a netCDF dimension but not a netCDF variable."
 
 
-def _not_numbers(dtype: np.dtype) -> str | None:
-    """What a dataset holds when it is not plain numbers (as a phrase); None for numbers."""
+def _h5py_kind(dtype: np.dtype) -> str | None:
+    """What a dataset of one of h5py's special types holds (strings, an enumerated type, object
+    references, variable-length sequences), as a phrase; None for any other type."""
     return ("strings" if h5py.check_string_dtype(dtype) else
             "an enumerated (categorical) type" if h5py.check_enum_dtype(dtype) else
             "object references" if h5py.check_ref_dtype(dtype) else
-            "variable-length sequences" if h5py.check_vlen_dtype(dtype) else
-            "a compound (table) type" if dtype.names else
-            None if dtype.kind in "iuf" else f"{dtype} values")
+            "variable-length sequences" if h5py.check_vlen_dtype(dtype) else None)
+
+
+def _not_numbers(dtype: np.dtype) -> str | None:
+    """What a dataset holds when it is not plain numbers (as a phrase); None for numbers."""
+    return _h5py_kind(dtype) or ("a compound (table) type" if dtype.names else
+                                 None if dtype.kind in "iuf" else f"{dtype} values")
 
 
 def _bare_dimension(ds: h5py.Dataset) -> bool:

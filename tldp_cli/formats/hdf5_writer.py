@@ -492,12 +492,8 @@ class Hdf5Writer(Writer):
             raise self.output.error()
         markers = self.missing.get(job.name)
         if markers:
-            # The block holds noise where the input is missing: read which positions those are.
-            records = job.read
-            assert isinstance(records, hdf5_storage.Records)  # the input's: markers come from its encodings
-            stored = records.stored(start, start + len(block))
             block = block.copy()  # the caller's block is not ours to change
-            moved, held = cf.keep_missing(block, stored, markers, self._bounds(job.name))
+            moved, held = cf.restore_missing(job, start, block, markers, self.bounds.get(job.name))
             self.moved.append((job.name, moved))  # blocks may come from several threads: append is atomic
             if held:
                 self.held_missing.add(job.name)
@@ -520,9 +516,6 @@ class Hdf5Writer(Writer):
                     block[0], tensor.dtype, self.datasets[job.name].dtype, positive=job.name in self.variances)
             else:
                 self.datasets[job.name][start:start + len(block)] = block
-
-    def _bounds(self, job_name: str) -> tuple[float, float, float | None]:
-        return self.bounds.get(job_name) or (-math.inf, math.inf, None)
 
     def finish(self) -> None:
         cf.count_moves(self.manifest_extra, self.moved)

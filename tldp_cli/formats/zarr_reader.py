@@ -13,15 +13,13 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, Reader, check_numeric_dtype, default_selection
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
 from tldp_cli.formats import cf, leftovers, zarr_chunks
 from tldp_cli.formats import zarr_cf, zarr_ome, zarr_tree
 
-class ZarrReader(Reader):
+class ZarrReader(cf.EncodedReader):
     def __init__(self, path: Path, options: FormatOptions, name: str):
-        self.path = path
-        self.format = name  # the format's name (formats/zarr_store.py's NAME), in each array's source
-        self.messages: list[str] = []
+        super().__init__(path, name)  # name: formats/zarr_store.py's NAME
         self.manifest_extra: dict = {}
         files = zarr_tree.store_files(path)  # first: it refuses links before any file is read
         self.zarr_format = zarr_tree.store_format(path)
@@ -31,7 +29,6 @@ class ZarrReader(Reader):
         opened = {n.path: zarr_tree.open_node(self.store, path, n.path, n.kind, self.zarr_format) for n in self.nodes}
         self.handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "array"}
         self.group_handles = {n.path: opened[n.path] for n in self.nodes if n.kind == "group"}
-        self.encodings: dict[str, cf.Encoding] = {}  # job name -> its CF encoding, where it has one
         self.pyramids = zarr_ome.pyramids(path, self.nodes, opened)
         self.integer_labels = options.integer_labels  # the writer's (zarr_ome.label_dtypes)
         selected = self._select(options.datasets)
@@ -171,25 +168,17 @@ class ZarrReader(Reader):
 
     def _job(self, name: str) -> ArrayJob:
         array = self.handles[name]
-        shape = tuple(array.shape)
         encoding, row_dimension = None, None  # multiscale images are images, not CF variables
         if not any(name in p.levels for p in self.pyramids):
             encoding = zarr_cf.cf_encoding(f"{self.path}: array {zarr_tree.display(name)}", array)
             dimensions = zarr_cf.dimension_names(array)
             if dimensions:  # xarray's dimensions are named within their group
                 row_dimension = posixpath.join("/" + posixpath.dirname(name), dimensions[0])
-        if encoding is not None:
-            self.encodings[zarr_tree.display(name)] = encoding
-            self.messages += cf.messages(zarr_tree.display(name), array.dtype, encoding)
-        return ArrayJob(
-            name=zarr_tree.display(name), shape=shape, dtype=encoding.dtype if encoding else array.dtype,
-            read=zarr_tree.Records(self.path, name, self.zarr_format, encoding,
-                                   zarr_chunks.of_array(array)),
-            source={"path": str(self.path), "format": self.format, "dataset": zarr_tree.display(name),
-                    "shape": list(shape), "dtype": str(array.dtype)},
+        return self.encoded_job(
+            zarr_tree.display(name), tuple(array.shape), array.dtype, encoding,
+            zarr_tree.Records(self.path, name, self.zarr_format, encoding, zarr_chunks.of_array(array)),
             chunk_records=(array.shards or array.chunks)[0],
             row_dimension=row_dimension,
-            markers=encoding.labelled() if encoding else (),
             aliases=self._aliases(name),
         )
 
@@ -203,9 +192,6 @@ class ZarrReader(Reader):
                 return ((pyramid.group,) if pyramid.group and first else ()) + pyramid.levels[1:]
         return ()
 
-    def arrays(self) -> list[ArrayJob]:
-        return self.jobs
-
     def output_dtype(self, dtype: np.dtype) -> str | None:
         """Integer label images keep their dtype under privunit (zarr_ome.label_dtypes)."""
         return zarr_ome.label_output_dtype(dtype, self.label_dtypes(dtype), self.pyramids)
@@ -215,12 +201,6 @@ class ZarrReader(Reader):
         if not self.integer_labels:
             return {}
         return zarr_ome.label_dtypes(self.pyramids, {job.name.strip("/") for job in self.jobs}, self.handles, dtype)
-
-    def markers_are_data(self, data: dict[str, tuple[tuple[str, float], ...]]) -> None:
-        cf.take_as_data(self.jobs, self.encodings, data)
-
-    def missing_fill(self, fills: dict[str, float]) -> None:
-        cf.fill_missing(self.jobs, self.encodings, fills)
 
     def close(self) -> None:
         self.store.close()

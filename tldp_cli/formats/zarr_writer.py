@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import posixpath
 import re
@@ -94,7 +93,7 @@ class _Blocks:
         kept = 0, False
         if job.name in self.missing:
             block = block.copy()  # the caller's block is not ours to change
-            kept = self._keep_missing(job, start, block)
+            kept = cf.restore_missing(job, start, block, self.missing[job.name], self.bounds.get(job.name))
         try:
             if chunk_files is None or not chunk_files.aligned(start, len(block)):
                 array[start:start + len(block)] = block
@@ -123,15 +122,6 @@ class _Blocks:
         """Waits for every chunk file queued; raises the failure to write them, if any."""
         if self._disk is not None:
             self._disk.close()
-
-    def _keep_missing(self, job: ArrayJob, start: int, block: np.ndarray) -> tuple[int, bool]:
-        """Puts the markers back where the input is missing (the block holds noise there) and
-        moves the noisy values that equal a marker off it (cf.move_off_markers)."""
-        records = job.read
-        assert isinstance(records, zarr_tree.Records)  # the input's: markers come from its encodings
-        stored = records.stored(start, start + len(block))
-        return cf.keep_missing(block, stored, self.missing[job.name],
-                               self.bounds.get(job.name) or (-math.inf, math.inf, None))
 
 
 def _copy_store(reader: zarr_reader.ZarrReader, root: Path, metadata: dict[str, dict], attributes: dict[str, dict],

@@ -122,6 +122,15 @@ class Calibrated:
         """Each array's (lo, top, grid) where arrays have different ranges (see pipeline.BlockTask)."""
         return {name: (lo, _top(hi, grid), grid) for name, (lo, hi, grid) in self.bounds.items()}
 
+    def records_of(self, jobs: list[ArrayJob]) -> dict[Calibration, int]:
+        """How many records of `jobs` each calibration perturbs (the manifest's calibrations),
+        in the order the jobs first use it."""
+        records: dict[Calibration, int] = {}
+        for job in jobs:
+            calib = self.calib_of[job.name]
+            records[calib] = records.get(calib, 0) + job.records
+        return records
+
 
 def _top(hi: float, grid: discrete.Grid | None) -> float:
     return hi if grid is None or grid.granularity else grid.high

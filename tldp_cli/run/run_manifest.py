@@ -10,7 +10,7 @@ from typing import Any
 
 from tldp_cli import formats
 from tldp_cli.formats import ArrayJob, cf
-from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration
+from tldp_cli.privacy.mechanisms import PRIVUNIT
 from tldp_cli.run import bases as bases_mod
 from tldp_cli.run import manifest as manifest_mod
 from tldp_cli.run import privacy_warnings
@@ -37,10 +37,7 @@ def build_manifest(run: RunContext, writer=None, outputs: list[dict] | None = No
                 else f"clip each record to its own declared range ({shown}: value_ranges)")
         postprocessing = [f"write back reference + c B^T (w * V) in the record's shape (c: privunit.output_scale, "
                           f"w: privunit.write_back), {clip}, cast to {calibrated.out_dtype}"]
-    records_of: dict[Calibration, int] = {}
-    for job in jobs:
-        calib = calibrated.calib_of[job.name]
-        records_of[calib] = records_of.get(calib, 0) + job.records
+    records_of = calibrated.records_of(jobs)
     return manifest_mod.build(
         calib=calibrated.largest, certified=calibrated.certified,
         value_range=(calibrated.lo, calibrated.hi),
