@@ -446,6 +446,56 @@ def test_a_peft_adapter_folder_is_perturbed_as_a_model_file(cli, tmp_path):
     assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == ADAPTER_CONFIG
 
 
+# A prompt-tuning adapter's configuration as peft writes it (PromptTuningConfig.to_dict(),
+# prompt_tuning_init TEXT: the text the prompt starts from, the tokenizer that encodes it and
+# its keyword arguments), and a CPT adapter's (CPTConfig: the context's token ids and masks,
+# which CPT takes from training examples); sort_keys as save_pretrained writes them.
+PROMPT_TUNING_CONFIG = {
+    "auto_mapping": None, "base_model_name_or_path": "gpt2", "inference_mode": True, "num_attention_heads": 2,
+    "num_layers": 2, "num_transformer_submodules": 1, "num_virtual_tokens": 4, "peft_type": "PROMPT_TUNING",
+    "prompt_tuning_init": "TEXT", "prompt_tuning_init_text": "Does Jane Roe, MRN 4471, report chest pain?",
+    "revision": None, "task_type": "CAUSAL_LM", "token_dim": 32,
+    "tokenizer_kwargs": {"cache_dir": "/home/alice/.cache/tok"}, "tokenizer_name_or_path": "/home/alice/tok"}
+CPT_CONFIG = {
+    "auto_mapping": None, "base_model_name_or_path": "gpt2", "cpt_mask": [1, 1, 1, 1],
+    "cpt_prompt_init": "TEXT", "cpt_token_ids": [44471, 8120, 318, 2589], "cpt_tokens_type_mask": [1, 2, 2, 3],
+    "inference_mode": True, "num_virtual_tokens": 4, "opt_loss_decay_factor": 1.0, "opt_projection_epsilon": 0.1,
+    "opt_projection_format_epsilon": 0.1, "opt_weighted_loss_type": "none", "peft_type": "CPT", "revision": None,
+    "task_type": "CAUSAL_LM", "tokenizer_name_or_path": "/home/alice/tok"}
+PROMPT_TEXT_KEYS = {"PROMPT_TUNING": ("prompt_tuning_init_text", "tokenizer_kwargs", "tokenizer_name_or_path"),
+                    "CPT": ("cpt_mask", "cpt_token_ids", "cpt_tokens_type_mask", "tokenizer_name_or_path")}
+
+
+@pytest.mark.parametrize("config", [PROMPT_TUNING_CONFIG, CPT_CONFIG], ids=["prompt-tuning", "cpt"])
+def test_a_prompt_tuning_adapters_text_and_token_ids_are_left_out(cli, tmp_path, config):
+    """Regression: a prompt-tuning adapter initialised from text keeps that text (and CPT the
+    token ids of its context, taken from training examples), the tokenizer's local path and
+    its keyword arguments in adapter_config.json, which was copied with them raw. They are
+    left out and listed, as the base model's path is; --keep copies them."""
+    src = tmp_path / "prompt"
+    src.mkdir()
+    save_file({"prompt_embeddings": np.random.default_rng(5).normal(0, 0.02, (4, 32)).astype(np.float32)},
+              str(src / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (src / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    args = ("--eps", "10", "--budget", "record", "--clip", "0.1", "--json")
+    result = cli("perturb", src, *args)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "prompt.tldp"
+    private = PROMPT_TEXT_KEYS[config["peft_type"]]
+    assert json.loads((out / "adapter_config.json").read_text()) == {
+        k: v for k, v in config.items() if k not in (*private, "base_model_name_or_path")}
+    written = b"".join(p.read_bytes() for p in out.iterdir())
+    assert not any(marker in written for marker in (b"Jane Roe", b"alice", b"44471"))
+    dropped = {d["name"]: d["reason"] for d in json.loads(result.stdout)["dropped"]}
+    assert {name for name in dropped} == {f"adapter_config.json@{key}" for key in
+                                          (*private, "base_model_name_or_path")}
+    assert set(dropped.values()) == {sharded_safetensors.FREE_TEXT_REASON}
+    kept = cli("perturb", src, *args, "--out", tmp_path / "kept", *(f"--keep=adapter_config.json@{k}" for k in private))
+    assert kept.exit_code == 0, kept.stderr
+    assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == {
+        k: v for k, v in config.items() if k != "base_model_name_or_path"}
+
+
 def test_a_folder_of_several_peft_adapters_is_refused_naming_the_other(cli, tmp_path):
     """save_pretrained writes every adapter but the default in a folder of its own, under the
     same tensor names: refused, naming it, rather than taken as one model."""
@@ -479,6 +529,43 @@ def test_data_never_copied_by_keep(cli, tmp_path):
     result = cli("perturb", src, *ARGS, "--keep", "training_stats.npy")
     assert_one_line_error(result, 2, "training_stats.npy: holds npy data", "never copies it raw")
     assert not (tmp_path / "gpt2_tiny.tldp").exists()
+
+
+def torch_saved(path: Path, obj) -> Path:
+    """What torch.save writes (its zip format, the default since PyTorch 1.6): torch's own where it
+    is installed, else the same layout by hand: ARCHIVE/data.pkl first, then byteorder and version,
+    members stored uncompressed."""
+    try:
+        import torch
+    except ImportError:
+        import pickle
+        import zipfile
+
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+            archive.writestr("archive/data.pkl", pickle.dumps(obj, protocol=2))
+            archive.writestr("archive/byteorder", "little")
+            archive.writestr("archive/version", "3\n")
+    else:
+        torch.save(obj, path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["training_args.bin", "optimizer.pt"])
+def test_a_torch_checkpoint_beside_an_adapter_is_never_copied_and_named_for_what_it_is(cli, tmp_path, name):
+    """Trainer saves training_args.bin (the TrainingArguments, output_dir and hub_token among
+    them) and optimizer.pt (Adam's moments of the gradients, computed from the training data)
+    with torch.save, a pickle in a zip: dropped, and refused when --keep names it. Regression:
+    the refusal said "holds npz data, which tldp perturbs on its own" (npz detects the zip only
+    to refuse it)."""
+    src = peft_adapter(tmp_path / "adapter")
+    torch_saved(src / name, {"output_dir": "/home/alice/clinic-run", "exp_avg": [0.1, 0.2]})
+    result = cli("perturb", src, *ARGS, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert name in {d["name"] for d in json.loads(result.stdout)["dropped"]}
+    assert not (tmp_path / "adapter.tldp" / name).exists()
+    kept = cli("perturb", src, *ARGS, "--out", tmp_path / "kept", "--keep", name)
+    assert_one_line_error(kept, 2, f"{name}: holds a PyTorch checkpoint", "never copies it raw")
+    assert not (tmp_path / "kept").exists()
 
 
 def test_a_tokenizer_file_that_holds_a_pickle_is_refused(cli, tmp_path):
