@@ -257,6 +257,55 @@ def test_a_dataset_dict_whose_splits_differ_or_whose_index_is_damaged_is_refused
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dd"]
 
 
+def test_a_split_or_shard_given_twice_by_a_link_is_refused_in_one_line(cli, tmp_path):
+    """Regression: a split folder linking to another split (or a state.json naming a shard
+    twice, or two shard names linked to one file) released the same rows twice, each copy a
+    record at the manifest's per-record figure, so a person in them spent twice that; a shard
+    named twice failed after the work, "cannot write (File exists)"."""
+    _, src = dataset_dict(tmp_path)
+    shutil.rmtree(src / "test")
+    (src / "test").symlink_to(src / "train", target_is_directory=True)
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{src / 'test'}: the same split folder as {src / 'train'}", "released twice")
+    _, one = saved(tmp_path / "single", shards=2)
+    state = json.loads((one / "state.json").read_text())
+    (one / "state.json").write_text(json.dumps(dict(state, _data_files=state["_data_files"][:1] * 2)))
+    result = cli("perturb", one, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{one / 'state.json'}: names data-00000-of-00002.arrow twice")
+    (one / "state.json").write_text(json.dumps(state))
+    (one / "data-00001-of-00002.arrow").unlink()
+    (one / "data-00001-of-00002.arrow").symlink_to(one / "data-00000-of-00002.arrow")
+    result = cli("perturb", one, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{one / 'data-00001-of-00002.arrow'}: the same file as "
+                          f"{one / 'data-00000-of-00002.arrow'}", "released twice")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dd", "single"]
+    assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["train"]
+
+
+def test_state_json_keeps_datasets_own_keys_only(cli, tmp_path):
+    """Regression: state.json was copied whole but its _fingerprint, so a key datasets never
+    writes (another tool's note) and the data files' other fields reached the output raw. Now
+    the keys save_to_disk writes are kept, the data files by their names; any other key is
+    left out and listed as SPLIT/state.json@KEY unless --keep names it."""
+    _, src = dataset_dict(tmp_path, train_shards=1)
+    written = {}  # split -> state.json as datasets wrote it
+    for split in ("train", "test"):
+        state = written[split] = json.loads((src / split / "state.json").read_text())
+        planted = dict(state, notes="exported for Alice Smith",
+                       _data_files=[dict(state["_data_files"][0], source="/home/alice/clinic/scans.csv")])
+        (src / split / "state.json").write_text(json.dumps(planted))
+    manifest, _ = run(cli, src, tmp_path / "out")
+    for split in ("train", "test"):
+        text = (tmp_path / "out" / split / "state.json").read_text()
+        assert "Alice" not in text and "alice" not in text
+        assert json.loads(text) == dict(written[split], _fingerprint=json.loads(text)["_fingerprint"])
+    assert {"train/state.json@notes", "test/state.json@notes"} <= {e["name"] for e in manifest["dropped"]}
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))["test"]) == 4
+    run(cli, src, tmp_path / "kept", "--keep", "test/state.json@notes")
+    assert json.loads((tmp_path / "kept" / "test" / "state.json").read_text())["notes"] == "exported for Alice Smith"
+    assert "notes" not in json.loads((tmp_path / "kept" / "train" / "state.json").read_text())
+
+
 class DatasetDictRoundTrip(RoundTrip):
     format = "hf-dataset"
     extra_args = RANGES

@@ -60,6 +60,10 @@ STATE, INFO = "state.json", "dataset_info.json"
 DICT = "dataset_dict.json"  # DatasetDict.save_to_disk: one save_to_disk folder per split
 SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' split names (naming._split_re)
 STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
+# What Dataset.save_to_disk writes in state.json (and load_from_disk reads): any other key is
+# not datasets', and follows the rule of dataset_info.json's other fields (STATE@KEY).
+STATE_KEYS = ("_data_files", "_fingerprint", "_format_columns", "_format_kwargs", "_format_type",
+              "_output_all_columns", "_split")
 
 
 PARQUET_SUFFIX = ".parquet"
@@ -115,7 +119,24 @@ def _splits(path: Path) -> tuple[list[str], dict[str, Any]]:
         if not _saved(path / split):
             raise InputError(f"{path / DICT}: names split {split}, but {path / split} is not a dataset folder "
                              f"({STATE} and {INFO})")
+    _once_each(path, splits, "split folder")
     return splits, document
+
+
+def _once_each(path: Path, names: list[str], what: str) -> None:
+    """Refuses two of `names` (files or folders of `path`) that are one (a link to the other,
+    a hard link): its rows would be released twice, each copy a record of its own, and a
+    person in them charged twice the per-record figure the manifest states."""
+    seen: dict[tuple[int, int], str] = {}
+    for name in names:
+        try:
+            found = os.stat(path / name)
+        except OSError as exc:
+            raise InputError(f"{path / name}: cannot read ({exc.strerror or exc})") from None
+        other = seen.setdefault((found.st_dev, found.st_ino), name)
+        if other != name:
+            raise InputError(f"{path / name}: the same {what} as {path / other} (a link); its rows would be "
+                             f"released twice, each a record: give each {what} once")
 
 
 def _rel(folder: str, name: str) -> str:
@@ -141,6 +162,8 @@ def _shards(path: Path, state: dict) -> list[str]:
         raise InputError(f"{path / STATE}: names no data files (_data_files); the dataset folder is damaged")
     names = [f["filename"] for f in files]
     for name in names:
+        if names.count(name) > 1:
+            raise InputError(f"{path / STATE}: names {name} twice; the dataset folder is damaged")
         if "/" in name or "\\" in name or name in (".", "..") or not (path / name).is_file():
             raise InputError(f"{path / STATE}: names {name}, which is not a file of the folder")
     if state.get("_indices_data_files"):
@@ -162,6 +185,7 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
     parts: list[tables.Part] = []
     schema: pa.Schema | None = None
     settings: dict[str, Any] = {}
+    _once_each(path, names, "file")
     for name in names:
         found = tables.layout_of(path / name)
         if found != layout:  # a shard of one file only, too: the folder's kind says what it should be
@@ -205,7 +229,8 @@ def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTable
             raise
         raise InputError(f"{exc}; {split} is a split: perturb its folder, {path / split}, to release it alone "
                          "(--dataset names columns)") from None
-    reader.saved = {folder: (state, _written_info(reader, _rel(folder, INFO), info))
+    reader.saved = {folder: (_written_state(reader, _rel(folder, STATE), state),
+                             _written_info(reader, _rel(folder, INFO), info))
                     for folder, (state, info) in saved.items()}
     known = {_rel(folder, name) for folder in splits for name in (STATE, INFO)} | set(names)
     reader.others = _others(path, reader.left, known if document is None else known | {DICT})
@@ -216,6 +241,16 @@ def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTable
     if document is not None:
         _split_rows(reader, path, splits, by_folder)
     return reader
+
+
+def _written_state(reader: tables_reader.FolderTableReader, owner: str, state: dict[str, Any]) -> dict[str, Any]:
+    """state.json as written (its _fingerprint replaced by the writer): the keys datasets
+    writes, each data file by its name only; the keys --keep names (OWNER@KEY); the others
+    listed as dropped."""
+    written = {key: value for key, value in state.items()
+               if key in STATE_KEYS or reader.left.attribute(owner, key, (), "state.json key")}
+    written["_data_files"] = [{"filename": entry["filename"]} for entry in state["_data_files"]]
+    return written
 
 
 def _written_info(reader: tables_reader.FolderTableReader, owner: str, info: dict[str, Any]) -> dict[str, Any]:
