@@ -246,6 +246,11 @@ def test_a_dataset_dict_whose_splits_differ_or_whose_index_is_damaged_is_refused
     (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "../train"]}))
     result = cli("perturb", src, "--eps", "1", *RANGES)
     assert_one_line_error(result, 1, "names split '../train', which is not a split name")
+    shutil.copytree(src / "train", src / "__MACOSX")  # a split name to datasets; a macOS archive's folder to tldp
+    (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "__MACOSX"]}))
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "names split __MACOSX, a folder tldp never reads")
+    shutil.rmtree(src / "__MACOSX")
     (src / "dataset_dict.json").write_text("{not json")
     result = cli("perturb", src, "--eps", "1", *RANGES)
     assert_one_line_error(result, 1, str(src / "dataset_dict.json"))

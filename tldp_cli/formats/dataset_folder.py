@@ -116,6 +116,8 @@ def _splits(path: Path) -> tuple[list[str], dict[str, Any]]:
                              "joined by dots)")
         if splits.count(split) > 1:
             raise InputError(f"{path / DICT}: names split {split} twice")
+        if is_hidden(split):  # its files would be listed as never read, and written
+            raise InputError(f"{path / DICT}: names split {split}, a folder tldp never reads ({HIDDEN_REASON})")
         if not _saved(path / split):
             raise InputError(f"{path / DICT}: names split {split}, but {path / split} is not a dataset folder "
                              f"({STATE} and {INFO})")
