@@ -462,28 +462,46 @@ CPT_CONFIG = {
     "inference_mode": True, "num_virtual_tokens": 4, "opt_loss_decay_factor": 1.0, "opt_projection_epsilon": 0.1,
     "opt_projection_format_epsilon": 0.1, "opt_weighted_loss_type": "none", "peft_type": "CPT", "revision": None,
     "task_type": "CAUSAL_LM", "tokenizer_name_or_path": "/home/alice/tok"}
-PROMPT_TEXT_KEYS = {"PROMPT_TUNING": ("prompt_tuning_init_text", "tokenizer_kwargs", "tokenizer_name_or_path"),
-                    "CPT": ("cpt_mask", "cpt_token_ids", "cpt_tokens_type_mask", "tokenizer_name_or_path")}
+# A LoRA adapter initialised by CorDA (LoraConfig(init_lora_weights="corda", corda_config=...)):
+# its caches' local paths
+CORDA_CONFIG = dict(ADAPTER_CONFIG, init_lora_weights="corda", corda_config={
+    "cache_file": "/home/alice/clinic/corda_cache.pt", "corda_method": "ipm",
+    "covariance_file": "/home/alice/clinic/covariance.pt", "prune_temporary_fields": True,
+    "use_float16_for_covariance": False, "verbose": False})
 
 
-@pytest.mark.parametrize("config", [PROMPT_TUNING_CONFIG, CPT_CONFIG], ids=["prompt-tuning", "cpt"])
-def test_a_prompt_tuning_adapters_text_and_token_ids_are_left_out(cli, tmp_path, config):
+def _without(config: dict, dotted: tuple[str, ...]) -> dict:
+    """`config` without the keys `dotted` names (corda_config.cache_file: a nested one)."""
+    out = {}
+    for key, value in config.items():
+        if key in dotted:
+            continue
+        inner = tuple(d[len(key) + 1:] for d in dotted if d.startswith(key + "."))
+        out[key] = _without(value, inner) if inner and isinstance(value, dict) else value
+    return out
+
+
+@pytest.mark.parametrize("config,private", [
+    (PROMPT_TUNING_CONFIG, ("prompt_tuning_init_text", "tokenizer_kwargs", "tokenizer_name_or_path")),
+    (CPT_CONFIG, ("cpt_mask", "cpt_token_ids", "cpt_tokens_type_mask", "tokenizer_name_or_path")),
+    (CORDA_CONFIG, ("corda_config.cache_file", "corda_config.covariance_file"))], ids=["prompt-tuning", "cpt", "corda"])
+def test_a_peft_adapters_text_token_ids_and_paths_are_left_out(cli, tmp_path, config, private):
     """Regression: a prompt-tuning adapter initialised from text keeps that text (and CPT the
     token ids of its context, taken from training examples), the tokenizer's local path and
-    its keyword arguments in adapter_config.json, which was copied with them raw. They are
-    left out and listed, as the base model's path is; --keep copies them."""
+    its keyword arguments in adapter_config.json, and a CorDA-initialised LoRA adapter its
+    caches' local paths; adapter_config.json was copied with them raw. They are left out and
+    listed, as the base model's path is; --keep copies them."""
     src = tmp_path / "prompt"
     src.mkdir()
-    save_file({"prompt_embeddings": np.random.default_rng(5).normal(0, 0.02, (4, 32)).astype(np.float32)},
-              str(src / "adapter_model.safetensors"), metadata={"format": "pt"})
+    weights = lora_weights() if config["peft_type"] == "LORA" else {  # a prompt's: PromptEmbedding's
+        "prompt_embeddings": np.random.default_rng(5).normal(0, 0.02, (4, 32)).astype(np.float32)}
+    save_file(weights, str(src / "adapter_model.safetensors"), metadata={"format": "pt"})
     (src / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     args = ("--eps", "10", "--budget", "record", "--clip", "0.1", "--json")
     result = cli("perturb", src, *args)
     assert result.exit_code == 0, result.stderr
     out = tmp_path / "prompt.tldp"
-    private = PROMPT_TEXT_KEYS[config["peft_type"]]
-    assert json.loads((out / "adapter_config.json").read_text()) == {
-        k: v for k, v in config.items() if k not in (*private, "base_model_name_or_path")}
+    assert json.loads((out / "adapter_config.json").read_text()) == _without(config, (*private, "base_model_name_or_path"))
     written = b"".join(p.read_bytes() for p in out.iterdir())
     assert not any(marker in written for marker in (b"Jane Roe", b"alice", b"44471"))
     dropped = {d["name"]: d["reason"] for d in json.loads(result.stdout)["dropped"]}
@@ -492,8 +510,8 @@ def test_a_prompt_tuning_adapters_text_and_token_ids_are_left_out(cli, tmp_path,
     assert set(dropped.values()) == {sharded_safetensors.FREE_TEXT_REASON}
     kept = cli("perturb", src, *args, "--out", tmp_path / "kept", *(f"--keep=adapter_config.json@{k}" for k in private))
     assert kept.exit_code == 0, kept.stderr
-    assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == {
-        k: v for k, v in config.items() if k != "base_model_name_or_path"}
+    assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == _without(
+        config, ("base_model_name_or_path",))
 
 
 def test_a_folder_of_several_peft_adapters_is_refused_naming_the_other(cli, tmp_path):

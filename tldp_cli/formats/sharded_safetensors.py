@@ -81,9 +81,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # from, tokenizer_file and special_tokens_map_file, in tokenizer_config.json).
 # A PEFT adapter's configuration names its base model by name or local path; a prompt-tuning
 # adapter initialised from text (peft's PromptTuningConfig, CPTConfig) holds that text, or its
-# token ids, and the tokenizer's name or path and keyword arguments (a cache folder, a token).
+# token ids, and the tokenizer's name or path and keyword arguments (a cache folder, a token);
+# a LoRA adapter initialised by CorDA the local paths of its caches (corda_config).
 PEFT_TEXT_KEYS = ("prompt_tuning_init_text", "tokenizer_name_or_path", "tokenizer_kwargs", "cpt_token_ids",
-                  "cpt_mask", "cpt_tokens_type_mask")
+                  "cpt_mask", "cpt_tokens_type_mask", "cache_file", "covariance_file")
 FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file",
                   "base_model_name_or_path", *PEFT_TEXT_KEYS)
 STRUCTURAL_INDEX = ("total_size", "total_parameters")
