@@ -209,7 +209,7 @@ class NpzReader(Reader):
                              f"{_dtype_name(dtype)} array ({declared:,} bytes with its header) but holds "
                              f"{info.file_size:,} bytes; the file is damaged")
         self.dtypes[_key(info.filename)] = dtype
-        order = _bfloat16_order(dtype, _header(zf, info, header))
+        order = _bfloat16_order(dtype, _header(zf, info, header)) if dtype.kind == "V" else None
         if order is not None:
             self.bfloat16[_key(info.filename)] = order
             return Tensor(_key(info.filename), tuple(shape), "bfloat16")

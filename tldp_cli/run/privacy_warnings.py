@@ -104,8 +104,8 @@ def integer_clip(clip: float | None, jobs: list[ArrayJob], lo: float, top: float
     if clip is None or not integers:
         return None
     hi = top + 1 if exclusive else top
-    what = ("integer data" if len(integers) == len(jobs)
-            else f"the integer arrays {listing([job.name for job in integers])}")
+    # not named: a run's names can be withheld (--anonymize-names)
+    what = "integer data" if len(integers) == len(jobs) else f"{plural(len(integers), 'integer array')} of {len(jobs)}"
     parts = []
     for dtype in dict.fromkeys(job.dtype for job in integers):
         info = np.iinfo(dtype)
