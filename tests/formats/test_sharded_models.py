@@ -238,6 +238,41 @@ def test_index_total_size_is_the_shards(cli, tmp_path):
             "reason": sharded_safetensors.INDEX_REASON} in json.loads(result.stdout)["dropped"]
 
 
+def with_total_parameters(src: Path, total) -> None:
+    """The index as transformers' save_pretrained writes it: {"total_parameters":
+    model.num_parameters(), **split.metadata}."""
+    index = index_of(src)
+    index["metadata"].pop("total_parameters", None)
+    index["metadata"] = {"total_parameters": total, **index["metadata"]}
+    (src / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def test_index_total_parameters_kept_where_it_can_count_the_shards(cli, tmp_path):
+    """transformers' total_parameters counts the model's parameters, not its buffers (here
+    masked_bias and step) nor a tied weight twice: kept, under --exclude and --dtype too (the
+    output holds every tensor in its dtype). One above the values the shards hold cannot be
+    theirs (regression: it was copied as it was): the output's index states that number."""
+    src = model(tmp_path)
+    tensors = read_sharded_model(src)
+    held = sum(t.size for t in tensors.values())
+    parameters = held - tensors["transformer.h.0.attn.masked_bias"].size - tensors["step"].size
+    with_total_parameters(src, parameters)
+    result = run(cli, src, "--exclude", "transformer.h.*", "--dtype", "float64", out=tmp_path / "kept")
+    assert result.exit_code == 0, result.stderr
+    out = index_of(tmp_path / "kept")
+    assert out["metadata"]["total_parameters"] == parameters and "its total_parameters" not in result.stderr
+    written = read_sharded_model(tmp_path / "kept")
+    assert out["metadata"]["total_size"] == sum(t.nbytes for t in written.values())
+    assert sum(t.size for t in written.values()) == held
+    for wrong in (10**9, "6802", -1):
+        with_total_parameters(src, wrong)
+        result = run(cli, src, "--overwrite", out=tmp_path / "o")
+        assert result.exit_code == 0, result.stderr
+        assert index_of(tmp_path / "o")["metadata"]["total_parameters"] == held
+        assert (f"{src / INDEX}: its total_parameters {wrong} is not a count of the shards' {held} values "
+                f"(at most that many); the output's index says {held}") in result.stderr
+
+
 def test_dataset_and_exclude_name_tensors_across_shards(cli, tmp_path):
     src = model(tmp_path)
     result = run(cli, src, "--dataset", "transformer.wte.weight", "--dataset", "transformer.ln_f.weight")

@@ -149,6 +149,28 @@ def test_sharded_output_keeps_shards_and_matches_any_chunking(tmp_path):
     np.testing.assert_array_equal(outputs["sharded"], outputs["rechunked"])
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_lone_array_saved_by_zarr_save_is_perturbed_planned_and_evaluated(cli, tmp_path, zarr_format):
+    """zarr.save(path, array): a store that is one array at its root, named "/" (no group).
+    perturb writes a store zarr.open reads as that array, plan and evaluate read it; a 1-D
+    lone array is perturbed too (the store's only array: a batch of scalar records)."""
+    src, flat = tmp_path / "x.zarr", tmp_path / "flat.zarr"
+    zarr.save(src, IMAGES, zarr_format=zarr_format)
+    zarr.save(flat, IMAGES[:, 0, 0].copy(), zarr_format=zarr_format)
+    plan = cli("plan", src, "--eps", "1", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    assert [(i["dataset"], i["shape"]) for i in json.loads(plan.stdout)["inputs"]] == [("/", [40, 8, 8])]
+    for store in (src, flat):
+        result = cli("perturb", store, "--eps", "1", "--range", "/=0:256", "--out", tmp_path / f"o.{store.name}")
+        assert result.exit_code == 0, result.stderr
+        out = zarr.open(tmp_path / f"o.{store.name}", mode="r")
+        assert isinstance(out, zarr.Array) and out.metadata.zarr_format == zarr_format
+        raw = zarr.open(store, mode="r")[...]
+        assert out.shape == raw.shape and out.dtype == PERTURBED and not np.array_equal(out[...], raw)
+        checked = cli("evaluate", store, tmp_path / f"o.{store.name}")
+        assert checked.exit_code == 0 and "every check passed" in checked.stderr, checked.stderr
+
+
 def test_writer_handles_blocks_that_straddle_chunks_and_shards(tmp_path):
     src = tmp_path / "sharded.zarr"
     zarr.create_array(src, shape=(40, 4), dtype="int32", chunks=(5, 4), shards=(10, 4),

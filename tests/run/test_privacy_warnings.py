@@ -185,3 +185,48 @@ def test_a_mask_idle_on_some_records_counts_them(cli, tmp_path):
     assert (entry["records"], entry["of"]) == (1, 2)
     assert "cannot change the output for 1 of the 2 records it covers" in entry["message"]
     assert "records of 4096 elements" in entry["message"]
+
+
+def clip_warnings(manifest):
+    return [w for w in manifest.get("warnings", []) if w["kind"] == "clip_on_integers"]
+
+
+def test_clip_on_unsigned_integers_says_what_it_clips_and_that_the_range_doubles(cli, digits, tmp_path):
+    """--clip C on uint8 digits sets their values above C to C, silently until this warning,
+    and declares (-C, C): half of it values uint8 cannot hold, which the noise is scaled to."""
+    result, manifest = run_json(cli, "perturb", digits, "--eps", "1", "--clip", "100", "--out", tmp_path / "o.npy")
+    [entry] = clip_warnings(manifest)
+    assert entry["message"] == (
+        "warning: --clip 100 on integer data: uint8 (values 0..255): its values above 100 become 100 before "
+        "the noise, and the range it declares, -100:101, is 1.99 times as wide as the values that reach the "
+        "noise (0..100), which the noise is scaled to; --range 0:101 --clip-input scales it to them")
+    assert f"tldp: {entry['message']}" in warning_lines(result)
+    assert manifest["value_range"] == [-100, 101] and manifest["preprocessing"] == ["clip"]
+    # What it suggests clips the same values at half the noise, and is not warned about.
+    _, suggested = run_json(cli, "perturb", digits, "--eps", "1", "--range", "0:101", "--clip-input",
+                            "--out", tmp_path / "s.npy")
+    assert suggested["value_range"] == [0, 101] and not clip_warnings(suggested)
+    assert suggested["noise_scale"] == pytest.approx(manifest["noise_scale"] * 101 / 201)
+    written = np.load(tmp_path / "o.npy")
+    assert written.dtype == np.int16 and written.shape == DIGITS.shape
+
+
+def test_clip_beyond_the_dtype_clips_nothing_and_says_so(cli, digits, tmp_path):
+    result, plan = run_json(cli, "plan", digits, "--eps", "1", "--clip", "1000")
+    [entry] = clip_warnings(plan)
+    assert entry["message"] == (
+        "warning: --clip 1000 on integer data: uint8 (values 0..255): it clips none of its values, and the "
+        "range it declares, -1000:1001, is 7.82 times as wide as the values that reach the noise (0..255), "
+        "which the noise is scaled to; --range 0:256 scales it to them")
+    assert f"tldp: {entry['message']}" in warning_lines(result) and entry["message"] in plan["messages"]
+
+
+def test_clip_on_signed_integers_names_both_ends_and_float_data_is_not_warned(cli, tmp_path):
+    np.save(tmp_path / "s.npy", np.arange(-512, 512, dtype=np.int16).reshape(64, 16))
+    _, plan = run_json(cli, "plan", tmp_path / "s.npy", "--eps", "1", "--clip", "100", "--sampler", "float")
+    [entry] = clip_warnings(plan)
+    assert entry["message"] == ("warning: --clip 100 on integer data: int16 (values -32768..32767): its values "
+                                "below -100 become -100 and those above 100 become 100 before the noise")
+    np.save(tmp_path / "f.npy", np.linspace(-2, 2, 64, dtype=np.float32).reshape(4, 16))
+    result, plan = run_json(cli, "plan", tmp_path / "f.npy", "--eps", "1", "--clip", "1")
+    assert not clip_warnings(plan) and "--clip" not in result.stderr

@@ -5,8 +5,11 @@ The output is the same archive: every array member in its order, under its name,
 with its compression and attributes, dated MEMBER_DATE (the input's dates can date when
 the model was trained or a recording made, as numpy 1.x and zip wrote the time); perturbed members keep their dtype,
 shape and byte order, and the other arrays (integer arrays, ...) are copied
-unchanged. Members that are not .npy arrays, arrays of strings, bytes, objects or
-records (text, not parameters) and zip comments (free text) are left out unless --keep
+unchanged. A bfloat16 array (ml_dtypes's, which JAX and flax hand to np.savez) is stored
+as a 2-byte void dtype with a byte order, '<V2', which np.load reads back as '|V2': it is
+read and perturbed as bfloat16 (tensor_files) and written back under the same header. Members
+that are not .npy arrays, arrays of strings, bytes, objects, records or other void dtypes
+(text or raw bytes, not parameters) and zip comments (free text) are left out unless --keep
 names them (formats.leftovers). A zip member is written in one piece, so perturbed tensors wait in
 memory until the members before them are written (at most a few blocks in flight).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import struct
 import threading
 import zipfile
@@ -77,6 +81,25 @@ def _dtype_name(dtype: np.dtype) -> str:
     return dtype.name if dtype.kind in "iufbc" else str(dtype)
 
 
+def _bfloat16_order(dtype: np.dtype, header: bytes) -> str | None:
+    """The byte order ("<" or ">") of a member that holds bfloat16 values, from its .npy
+    header; None for any other member. ml_dtypes's bfloat16 is written as a 2-byte void
+    with a byte order ('<V2'), which no NumPy void dtype has ('|V2')."""
+    if dtype.kind != "V" or dtype.itemsize != 2 or dtype.names is not None or dtype.subdtype is not None:
+        return None
+    found = re.search(rb"""['"]descr['"]\s*:\s*['"]([<>])V2['"]""", header)
+    return found.group(1).decode() if found else None
+
+
+def _not_numbers(dtype: np.dtype) -> str:
+    """What a member that is not numbers holds; a plain void dtype is named with what
+    tldp reads as numbers of those that look like it (bfloat16, _bfloat16_order)."""
+    if dtype.kind == "V" and dtype.names is None:
+        return (f"raw {dtype.itemsize}-byte values ({dtype.str}: a void dtype, not numbers; ml_dtypes's "
+                "bfloat16, stored as <V2, is perturbed, its 1-byte types are not)")
+    return leftovers.not_numbers(dtype)
+
+
 def _corrupt(path: Path, exc: Exception) -> InputError:
     return InputError(f"{path}: not a valid .npz file ({reason_of(exc)}); it may be truncated or corrupt")
 
@@ -87,6 +110,7 @@ class _Member:
 
     path: Path
     member: str
+    bfloat16: str | None = None  # a bfloat16 member's byte order: read as float32 (exactly)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         try:
@@ -97,6 +121,8 @@ class _Member:
         except Exception as exc:  # bad CRC, truncated deflate stream, ...
             raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({reason_of(exc)}); "
                              "the file may be corrupt") from None
+        if self.bfloat16:
+            array = tensor_files.bfloat16_to_float32(array.view(f"{self.bfloat16}u2"))
         return array[None][start:stop]
 
 
@@ -113,6 +139,7 @@ class NpzReader(Reader):
                              "safetensors.torch.save_file(model.state_dict(), 'model.safetensors') "
                              "and perturb that")
         self.dtypes: dict[str, np.dtype] = {}  # each tensor's stored dtype, byte order included
+        self.bfloat16: dict[str, str] = {}  # the bfloat16 tensors' byte orders, by name
         try:
             with zipfile.ZipFile(path) as zf:
                 self.members = zf.infolist()
@@ -130,7 +157,8 @@ class NpzReader(Reader):
         chosen, self.messages, unperturbed = tensor_files.select(path, self.tensors, options.datasets,
                                                                  options.exclude)
         self.manifest_extra = self._leftovers(options, unperturbed).manifest_extra()
-        self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy")) for t in chosen]
+        self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy", self.bfloat16.get(t.name)))
+                     for t in chosen]
 
     def _leftovers(self, options: FormatOptions, unperturbed: list[dict]) -> leftovers.Leftovers:
         """What is written besides the tensors (formats.leftovers): members that are not .npy
@@ -138,7 +166,8 @@ class NpzReader(Reader):
         names them."""
         # Arrays of strings, bytes, objects or records are not parameters but text (class
         # names, file names, IDs): left out unless named, as an HDF5 file's are.
-        text = {name: dtype for name, dtype in self.dtypes.items() if dtype.kind in "USOV"}
+        text = {name: dtype for name, dtype in self.dtypes.items()
+                if dtype.kind in "USOV" and name not in self.bfloat16}
         left = leftovers.Leftovers(list(options.keep), unperturbed=[u for u in unperturbed if u["name"] not in text])
         left.considered(t.name for t in self.tensors if t.name not in text)
         self.left_out: set[str] = set()  # members not written
@@ -148,7 +177,7 @@ class NpzReader(Reader):
             if left.kept(tensor.name):
                 left.copied(tensor.name, "array", leftovers.KEPT, shape=list(tensor.shape), dtype=tensor.dtype)
             else:
-                left.drop(tensor.name, "array", f"holds {leftovers.not_numbers(text[tensor.name])}, not perturbed")
+                left.drop(tensor.name, "array", f"holds {_not_numbers(text[tensor.name])}, not perturbed")
                 self.left_out.add(tensor.name + ".npy")
         for info in self.members:
             if not info.filename.endswith(".npy"):
@@ -180,6 +209,10 @@ class NpzReader(Reader):
                              f"{_dtype_name(dtype)} array ({declared:,} bytes with its header) but holds "
                              f"{info.file_size:,} bytes; the file is damaged")
         self.dtypes[_key(info.filename)] = dtype
+        order = _bfloat16_order(dtype, _header(zf, info, header)) if dtype.kind == "V" else None
+        if order is not None:
+            self.bfloat16[_key(info.filename)] = order
+            return Tensor(_key(info.filename), tuple(shape), "bfloat16")
         return Tensor(_key(info.filename), tuple(shape), _dtype_name(dtype))
 
     def arrays(self) -> list[ArrayJob]:
@@ -187,6 +220,13 @@ class NpzReader(Reader):
 
     def close(self) -> None:
         pass
+
+
+def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, size: int) -> bytes:
+    """A member's .npy header as stored (`size` bytes, checked already), for what NumPy's
+    reading of it drops (the byte order of a void dtype)."""
+    with zf.open(info) as f:
+        return f.read(size)
 
 
 def open_reader(path: Path, options: FormatOptions) -> NpzReader:
@@ -202,6 +242,7 @@ class NpzWriter(Writer):
         self.members = [info for info in reader.members if info.filename not in reader.left_out]
         self.comments = reader.comments  # the members whose comment is written
         self.dtypes = reader.dtypes
+        self.bfloat16 = reader.bfloat16
         self.to_write = {job.name for job in reader.jobs}
         chosen = [t for t in reader.tensors if t.name in self.to_write]
         self.variances = tensor_files.variances(chosen)
@@ -251,7 +292,9 @@ class NpzWriter(Writer):
             target.comment = info.comment if info.filename in self.comments else b""
             target.create_system = info.create_system
             with self.out.open(target, "w", force_zip64=True) as f:
-                if perturbed:
+                if perturbed and name in self.bfloat16:  # its bit patterns, under the input's '<V2' header
+                    _write_bfloat16(f, self.pending.pop(name), self.bfloat16[name])
+                elif perturbed:
                     np.lib.format.write_array(f, self.pending.pop(name), allow_pickle=False)
                 else:
                     try:
@@ -284,6 +327,15 @@ class NpzWriter(Writer):
                 self.src.close()
                 self.out = None
         return [self.path]
+
+
+def _write_bfloat16(f, bits: np.ndarray, order: str) -> None:
+    """A bfloat16 member as ml_dtypes writes it: the bit patterns (uint16, `order` byte
+    order) under a '<V2' (or '>V2') header, which np.load reads as '|V2'."""
+    header = np.lib.format.header_data_from_array_1_0(bits)
+    header["descr"] = f"{order}V2"
+    np.lib.format.write_array_header_1_0(f, header)  # a header of at most 64 dimensions: short
+    f.write(np.ascontiguousarray(bits, dtype=f"{order}u2").tobytes())
 
 
 def create_writer(reader: NpzReader, tmp_path: Path, dtype: np.dtype,

@@ -16,7 +16,9 @@ release, the manifest's per_file figure composing every tensor of every shard. E
 is written as safetensors_file writes a file (formats/safetensors_io.py): its header byte
 for byte but `__metadata__`, of which only `format` is kept (and the keys --keep names,
 as SHARD@KEY); the shards keep their names and place, and the index its `weight_map`,
-with `total_size` the shards' tensors' bytes.
+with `total_size` the shards' tensors' bytes and transformers' `total_parameters` (the
+model's parameters, not its buffers) kept where it can count them: one above the values the
+shards hold is replaced by that number.
 
 Tied weights. safetensors cannot store two names over the same bytes (the library refuses
 overlapping offsets), so a tied weight is saved once: save_pretrained leaves the tied name
@@ -302,6 +304,7 @@ class ShardedReader(Reader):
             notes.append(f"{self.path / index_rel}: its total_size {metadata['total_size']} is not the "
                          f"shards' {total} bytes of tensors; the output's index says {total}")
         metadata["total_size"] = total
+        notes += self._total_parameters(index_rel, metadata)
         out: dict[str, Any] = {}
         for key, value in self.index.items():
             if key in ("metadata", "weight_map"):
@@ -310,6 +313,19 @@ class ShardedReader(Reader):
                 out[key] = value
         out.setdefault("metadata", metadata)
         return (json.dumps(out, indent=2) + "\n").encode(), notes
+
+    def _total_parameters(self, index_rel: str, metadata: dict[str, Any]) -> list[str]:
+        """transformers' total_parameters (the model's num_parameters(): its buffers and a tied
+        weight's second name are not counted) is at most the values the shards hold; one that
+        is not a count, or more than that, is not these files': the output's index states the
+        values the shards hold, and the message says so."""
+        held = sum(e.tensor.size for shard in self.shards for e in shard.entries)
+        given = metadata.get("total_parameters")
+        if given is None or (isinstance(given, int) and not isinstance(given, bool) and 0 <= given <= held):
+            return []
+        metadata["total_parameters"] = held
+        return [f"{self.path / index_rel}: its total_parameters {given} is not a count of the shards' "
+                f"{held} values (at most that many); the output's index says {held}"]
 
     def _other_files(self, files: list[str], left: leftovers.Leftovers) -> dict[str, bytes]:
         """The files beside the shards and the index that the output holds, by relative path,

@@ -5,6 +5,9 @@
 - A weight mask (--weights) on records whose retain probability is already 0 in the
   engine (engine.retain_probability): the mask only lowers it, so it cannot change
   the output.
+- --clip C on integer data: it clips the dtype's values outside [-C, C] before the noise,
+  and declares (-C, C), wider than the values that reach the noise where the dtype holds
+  fewer (unsigned, or C beyond the dtype): the noise is scaled to the wider range.
 
 Each is an entry of the manifest's `warnings` ({kind, message, ...}: `tldp plan` and
 `perturb --json` show it too) and a line of the run's messages, which the CLI prints
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tldp_cli.formats import ArrayJob, Format, listing, plural
 from tldp_cli.privacy.certificates import Certificate
@@ -87,3 +92,34 @@ def idle_weights(weights: Path | None, jobs: list[ArrayJob], calib_of: dict[str,
     return {"kind": "weights_without_effect", "records": records, "of": total,
             "message": f"warning: the weight mask {weights} cannot change the output{part}: {why}; "
                        "see docs/weight-masks.md"}
+
+
+def integer_clip(clip: float | None, jobs: list[ArrayJob], lo: float, top: float,
+                 exclusive: bool) -> dict[str, Any] | None:
+    """The warning on --clip over integer arrays, if any: what it clips of each integer
+    dtype, and the range it declares where that is wider than the values that reach the
+    noise. `lo`, `top`: the declared range's least and largest valid values (the run's
+    calibrated lo and top); `exclusive`: the range is written [lo, top + 1) (integers under
+    discrete noise), as --range takes it."""
+    integers = [job for job in jobs if job.dtype.kind in "iu"]
+    if clip is None or not integers:
+        return None
+    hi = top + 1 if exclusive else top
+    # not named: a run's names can be withheld (--anonymize-names)
+    what = "integer data" if len(integers) == len(jobs) else f"{plural(len(integers), 'integer array')} of {len(jobs)}"
+    parts = []
+    for dtype in dict.fromkeys(job.dtype for job in integers):
+        info = np.iinfo(dtype)
+        low, high = max(int(info.min), lo), min(int(info.max), top)  # the values that reach the noise
+        cut = [f"below {lo:g} become {lo:g}"] if info.min < lo else []
+        cut += [f"{'those ' if cut else ''}above {top:g} become {top:g}"] if info.max > top else []
+        said = (f"its values {' and '.join(cut)} before the noise" if cut
+                else "it clips none of its values")
+        if lo < info.min or top > info.max:
+            end = high + 1 if exclusive else high  # the range of the values that reach the noise
+            said += (f", and the range it declares, {lo:g}:{hi:g}, is {(hi - lo) / (end - low):.3g} times as "
+                     f"wide as the values that reach the noise ({low:g}..{high:g}), which the noise is scaled "
+                     f"to; --range {low:g}:{end:g}{' --clip-input' if cut else ''} scales it to them")
+        parts.append(f"{dtype} (values {info.min}..{info.max}): {said}")
+    return {"kind": "clip_on_integers",
+            "message": f"warning: --clip {clip:g} on {what}: {'; '.join(parts)}"}

@@ -67,7 +67,9 @@ def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[A
         bool(reader and reader.records_are_tensors))
     warnings = [privacy_warnings.large_epsilon(calibrated.certified, record, checked_budget(options)),
                 privacy_warnings.idle_weights(options.weights, jobs, calibrated.calib_of, masked,
-                                              options.eps, checked_budget(options))]
+                                              options.eps, checked_budget(options)),
+                privacy_warnings.integer_clip(options.clip, jobs, calibrated.lo, calibrated.top,
+                                              calibrated.top != calibrated.hi)]
     chosen: dict[str, Any] = {"sampler": options.sampler}
     if options.clip is not None:
         chosen["clip"] = {"norm": "linf", "bound": options.clip}
