@@ -311,6 +311,27 @@ def test_state_json_keeps_datasets_own_keys_only(cli, tmp_path):
     assert "notes" not in json.loads((tmp_path / "kept" / "train" / "state.json").read_text())
 
 
+def test_a_later_shards_own_schema_metadata_is_listed_as_dropped(cli, tmp_path):
+    """The output's shards are all written with the first shard's schema metadata. Regression:
+    a later shard's own keys (a split's shard that another tool wrote: a note, a column's
+    description) were left out without a word in the manifest."""
+    _, src = dataset_dict(tmp_path, train_shards=1)
+    shard = src / "test" / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(shard.read_bytes()).read_all()  # in memory: the file is written over
+    grid = table.schema.field("grid").with_metadata({b"description": b"Alice's scans"})
+    schema = table.schema.set(table.schema.get_field_index("grid"), grid)
+    schema = schema.with_metadata({**schema.metadata, b"exported_by": b"alice@clinic"})
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table.cast(schema))
+    manifest, _ = run(cli, src, tmp_path / "out")
+    dropped = {e["name"]: e["kind"] for e in manifest["dropped"]}
+    assert dropped["test/data-00000-of-00001.arrow@exported_by"] == "schema metadata key"
+    assert dropped["test/data-00000-of-00001.arrow@grid.description"] == "schema metadata key"
+    assert not any(name.startswith("train/") and "@" in name and "dataset_info" not in name for name in dropped)
+    assert b"alice" not in (tmp_path / "out" / "test" / "data-00000-of-00001.arrow").read_bytes().lower()
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))["test"]) == 4
+
+
 class DatasetDictRoundTrip(RoundTrip):
     format = "hf-dataset"
     extra_args = RANGES

@@ -187,6 +187,7 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
     parts: list[tables.Part] = []
     schema: pa.Schema | None = None
     settings: dict[str, Any] = {}
+    other: list[tuple[str, str | None, str]] = []  # (shard, column, key): its metadata apart from the first's
     _once_each(path, names, "file")
     for name in names:
         found = tables.layout_of(path / name)
@@ -198,12 +199,33 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
         if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
             raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "
                              f"{apart}'s folder on its own")
+        other += [] if schema is None else [(name, *entry) for entry in _metadata_apart(schema, found)]
         schema, settings = schema or found, settings or found_settings
         parts.append(part)
     reader = tables_reader.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
                                              considered=True)
+    for name, column, key in other:  # a column left out is listed already
+        if column is None or column in reader.written:
+            reader.left.drop(f"{name}@{key if column is None else f'{column}.{key}'}", "schema metadata key",
+                             f"this file's own, where the output's files all carry {names[0]}'s schema metadata "
+                             "(its features, the keys --keep names)")
     reader.shards, reader.saved = names, {}
     return reader
+
+
+def _metadata_apart(first: pa.Schema, found: pa.Schema) -> list[tuple[str | None, str]]:
+    """The schema metadata keys (column None) and column metadata keys of a shard's schema
+    `found` that the first shard's lacks or holds otherwise: the output's shards are written
+    with the first's, so they are left out of this shard's and listed."""
+    def decoded(metadata: dict | None) -> dict[str, bytes]:
+        return {key.decode("utf-8", "replace"): value for key, value in (metadata or {}).items()}
+
+    apart: list[tuple[str | None, str]] = []
+    for column, ours, theirs in [(None, first.metadata, found.metadata),
+                                 *((f.name, first.field(f.name).metadata, f.metadata) for f in found)]:
+        ours = decoded(ours)
+        apart += [(column, key) for key, value in decoded(theirs).items() if ours.get(key) != value]
+    return apart
 
 
 def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTableReader:
