@@ -540,9 +540,9 @@ def test_a_peft_adapters_text_token_ids_and_paths_are_left_out(cli, tmp_path, co
     written = b"".join(p.read_bytes() for p in out.iterdir())
     assert not any(marker in written for marker in (b"Jane Roe", b"alice", b"44471"))
     dropped = {d["name"]: d["reason"] for d in json.loads(result.stdout)["dropped"]}
-    assert {name for name in dropped} == {f"adapter_config.json@{key}" for key in
-                                          (*private, "base_model_name_or_path")}
-    assert set(dropped.values()) == {sharded_safetensors.FREE_TEXT_REASON}
+    assert dropped == {f"adapter_config.json@{key}": sharded_safetensors.PROMPT_REASON
+                       if key in sharded_safetensors.PROMPT_KEYS else sharded_safetensors.FREE_TEXT_REASON
+                       for key in (*private, "base_model_name_or_path")}
     kept = cli("perturb", src, *args, "--out", tmp_path / "kept", *(f"--keep=adapter_config.json@{k}" for k in private))
     assert kept.exit_code == 0, kept.stderr
     assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == _without(
