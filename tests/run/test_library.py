@@ -1,6 +1,10 @@
 """The library: perturb_array in a loop never repeats noise; a seed repeats it exactly."""
 
+import ast
+import importlib
 import json
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +23,27 @@ def test_the_public_api_is_declared():
                                      "TldpError", "UsageError"}
     for name in tldp_cli.__all__:
         assert getattr(tldp_cli, name) is not None
+
+
+def test_type_checkers_see_every_public_name_with_its_type():
+    """Was: the public names existed only through the module's __getattr__, so mypy and
+    pyright typed tldp_cli.perturb_array (and a misspelt tldp_cli.perturb_arary) as Any, py.typed
+    notwithstanding. The stub tldp_cli/__init__.pyi imports each name from where __getattr__
+    finds it, and the wheel ships it."""
+    stub = Path(tldp_cli.__file__).with_suffix(".pyi")
+    assert stub.is_file(), "tldp_cli/__init__.pyi, the public names for type checkers, is missing"
+    tree = ast.parse(stub.read_text(encoding="utf-8"))
+    seen = {alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert seen == {name: tldp_cli._WHERE[name] for name in tldp_cli.__all__}
+    stub_all = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and [ast.unparse(t) for t in node.targets] == ["__all__"])
+    assert ast.literal_eval(stub_all) == tldp_cli.__all__
+    assert any(isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "__version__" for node in tree.body)
+    assert all(getattr(importlib.import_module(module), name) is getattr(tldp_cli, name)
+               for name, module in seen.items())
+    package_data = tomllib.loads((Path(tldp_cli.__file__).parents[1] / "pyproject.toml").read_text())
+    assert "__init__.pyi" in package_data["tool"]["setuptools"]["package-data"]["tldp_cli"]
 
 
 def test_two_unseeded_calls_draw_independent_noise():

@@ -732,7 +732,7 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 # Each option's flag where it is not its field's name with "-" for "_" (eps: --eps). Both
 # ways: a resume record's keys, and the library's messages (run/library.py: --range LO:HI
 # reads value_range=(lo, hi) there).
-OPTION_FLAGS = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
+OPTION_FLAGS: dict[str, str] = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
 
 
 def _resume_record(run: RunContext) -> dict[str, Any]:
