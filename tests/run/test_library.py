@@ -188,3 +188,24 @@ def test_perturb_options_take_str_paths(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(12, dtype=np.uint8).reshape(3, 4))
     result = perturb(PerturbOptions(input=str(tmp_path / "x.npy"), eps=1.0, out=str(tmp_path / "y.npy")))
     assert result.output == tmp_path / "y.npy" and result.output.exists()
+
+
+def test_perturb_options_take_one_name_as_a_str(tmp_path):
+    """Was: datasets="images" was iterated letter by letter ("dataset /i: no such dataset"), and
+    keep="labels" refused as the pattern "l"; a str is one name, as on the command line."""
+    import h5py
+
+    from tldp_cli import PerturbOptions, perturb
+
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f["images"] = BATCH
+        f["labels"] = np.arange(len(BATCH), dtype=np.int64)
+        f["other"] = BATCH
+    result = perturb(PerturbOptions(input=tmp_path / "x.h5", eps=1.0, datasets="images", keep="labels",
+                                    out=tmp_path / "y.h5"))
+    assert [entry["dataset"] for entry in result.manifest["inputs"]] == ["/images"]
+    assert [entry["name"] for entry in result.manifest["unperturbed"]] == ["/labels"]
+    result = perturb(PerturbOptions(input=tmp_path / "x.h5", eps=1.0, exclude="other", value_range=(0, 256),
+                                    out=tmp_path / "z.h5"))
+    assert [entry["dataset"] for entry in result.manifest["inputs"]] == ["/images"]  # /labels: 1-D labels
+    assert [entry["name"] for entry in result.manifest["unperturbed"]] == ["/other"]  # --exclude copies it raw

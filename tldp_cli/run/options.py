@@ -89,6 +89,9 @@ class PerturbOptions:
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, Path(getattr(self, name)))
+        for name in ("datasets", "exclude", "keep"):  # one name: datasets="images" is ["images"], not 6 letters
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
 
     @property
     def epsilon(self) -> float:
