@@ -38,6 +38,11 @@ BAD_ARRAY_CALLS = {
     "bad basis": (dict(value_range=(0, 1), mechanism="privunit", basis="dct:1"), ["basis='dct:1'"]),
     "basis without privunit": (dict(value_range=(0, 1), basis="dct"), ["basis applies to mechanism='privunit'"]),
     "dp_delta": (dict(value_range=(0, 1), dp_delta=2), ["dp_delta must lie"]),
+    # were TypeErrors naming no parameter: "must be real number, not str", "'<' not supported ..."
+    "eps a str": (dict(eps="1", value_range=(0, 1)), ["eps must be a finite number > 0, not '1'"]),
+    "eps None": (dict(eps=None, value_range=(0, 1)), ["eps must be a finite number > 0, not None"]),
+    "dp_delta a str": (dict(value_range=(0, 1), dp_delta="1e-5"), ["dp_delta must lie in (0, 1), not '1e-5'"]),
+    "clip a str": (dict(clip="1"), ["clip must be a finite number > 0, not '1'"]),
     "dtype": (dict(value_range=(0, 1), dtype="int8"), ["dtype must be"]),
     "clip and range": (dict(value_range=(0, 1), clip=1.0), ["clip=C", "clip or value_range"]),
     "clip negative": (dict(clip=-1.0), ["clip must be"]),
@@ -113,6 +118,9 @@ def test_perturb_options_messages_name_fields_and_the_command_keeps_its_flags(ca
 def test_calibrate_names_its_own_epsilon():
     with pytest.raises(tldp_cli.UsageError, match=r"^epsilon must be a finite number > 0"):
         tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=-1,
+                           range_width=1, elements=3)
+    with pytest.raises(tldp_cli.UsageError, match=r"^epsilon must be a finite number > 0, not '4'"):
+        tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon="4",
                            range_width=1, elements=3)
     with pytest.raises(tldp_cli.UsageError, match=r"granularity applies"):
         tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=1,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.mechanisms import (GAUSSIAN_ONLY, PRIVUNIT, check_parameters, default_noise, parse_reference,
-                                         resolve_budget, sampled_noise)
+                                         is_number, resolve_budget, sampled_noise, shown)
 
 if TYPE_CHECKING:
     from tldp_cli.formats import Format
@@ -228,8 +228,8 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
     if options.dtype not in (None, "float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     if options.clip is not None:
-        if not (math.isfinite(options.clip) and options.clip > 0):
-            raise UsageError(f"--clip must be a finite number > 0, not {options.clip}")
+        if not (is_number(options.clip) and math.isfinite(options.clip) and options.clip > 0):
+            raise UsageError(f"--clip must be a finite number > 0, not {shown(options.clip)}")
         if options.value_range is not None or options.ranges:
             raise UsageError("--clip C sets the range to (-C, C); give --clip or --range, not both")
     if options.weights is not None and options.mechanism in GAUSSIAN_ONLY:
