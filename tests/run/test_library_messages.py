@@ -192,3 +192,17 @@ def test_every_flag_a_library_message_can_hold_has_a_parameter():
                                     if FLAG.search(library.python_words(flag))
                                     or flag not in library._PARAMETERS and flag not in library._COMMAND_ONLY}
     assert not unknown, sorted(unknown)
+
+
+def test_dtype_takes_numpy_s_names_of_it(tmp_path):
+    """Was: dtype=np.float64 refused as "dtype must be float32 or float64, not <class
+    'numpy.float64'>"; NumPy's dtype objects name the same dtypes as the strings."""
+    for dtype in (np.float64, np.dtype("float64"), float):
+        assert tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=dtype).array.dtype == np.float64
+    assert tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=np.float32).array.dtype == np.float32
+    np.save(tmp_path / "x.npy", FLOATS)
+    tldp_cli.perturb(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1, value_range=(0, 1),
+                                             dtype=np.float64, out=tmp_path / "y.npy"))
+    assert np.load(tmp_path / "y.npy").dtype == np.float64
+    with pytest.raises(tldp_cli.UsageError, match=r"^dtype must be float32 or float64, not float16$"):
+        tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=np.float16)

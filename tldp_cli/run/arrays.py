@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
@@ -27,7 +28,7 @@ from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
 from tldp_cli.run import manifest
 from tldp_cli.run.calibration import calibrate_run
 from tldp_cli.run.library import speaks_python
-from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options
+from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options, dtype_name
 from tldp_cli.run.pipeline import validate_block
 from tldp_cli.run.run_manifest import privunit_of_run
 from tldp_cli.sampling.rng import Streams
@@ -60,7 +61,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                   sampler: str = "exact", weights: Any = None, seed: str | int | None = None,
                   allow_weak_seed: bool = False, allow_raw_release: bool = False,
                   dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
-                  dtype: str = "float32", clip: float | None = None,
+                  dtype: DTypeLike = "float32", clip: float | None = None,
                   clip_input: bool = False, basis: str | None = None,
                   reference: str | float | None = None, store: str = "records") -> Perturbed:
     """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
@@ -88,7 +89,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         input=Path(ARRAY_NAME), eps=eps, noise=noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=value_range,
-        seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
+        seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype_name(dtype), dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
         basis=basis, reference=None if reference is None else str(reference), store=store))
     assert options.noise is not None  # checked_options resolved it

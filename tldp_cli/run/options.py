@@ -189,6 +189,20 @@ def checked_budget(options: PerturbOptions) -> str:
     return options.budget
 
 
+def dtype_name(dtype: object) -> str | None:
+    """--dtype by its name: the library's np.float64, np.dtype("float64") or float are "float64"
+    (the refusal read "not <class 'numpy.float64'>"); a str or None as given, and what NumPy
+    cannot read as a dtype (torch.float64) as it prints, for the refusal."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    import numpy as np  # only for a caller's dtype object: the command gives a str
+
+    try:
+        return np.dtype(dtype).name  # type: ignore[call-overload]
+    except TypeError:
+        return str(dtype)
+
+
 def checked_options(options: PerturbOptions) -> PerturbOptions:
     """Refuses option values that cannot work (usage errors), before any file is read;
     returns the options with the noise as drawn (sampled_noise) and the budget resolved
@@ -225,6 +239,7 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         from tldp_cli.sampling.rng import check_seed
 
         check_seed(options.seed, options.allow_weak_seed)
+    options = dataclasses.replace(options, dtype=dtype_name(options.dtype))
     if options.dtype not in (None, "float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     if options.clip is not None:
