@@ -209,3 +209,15 @@ def test_perturb_options_take_one_name_as_a_str(tmp_path):
                                     out=tmp_path / "z.h5"))
     assert [entry["dataset"] for entry in result.manifest["inputs"]] == ["/images"]  # /labels: 1-D labels
     assert [entry["name"] for entry in result.manifest["unperturbed"]] == ["/other"]  # --exclude copies it raw
+
+
+def test_one_seed_gives_every_batch_of_one_shape_the_same_noise():
+    """What docs/library.md's "A seed in a loop" warns of, and why it derives a seed per batch:
+    one seed on two batches of one shape draws the same noise, so their difference shows."""
+    other = np.random.default_rng(4).integers(0, 256, BATCH.shape, dtype=np.uint8)
+    first = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED).array.astype(np.int64)
+    second = tldp_cli.perturb_array(other, eps=1, seed=SEED).array.astype(np.int64)
+    assert np.array_equal(first - BATCH, second - other)
+    derived = "5f0e3f6b0d1c4a2e9b7d8c6a5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
+    third = tldp_cli.perturb_array(other, eps=1, seed=derived).array.astype(np.int64)
+    assert np.mean(third - other == first - BATCH) < 0.5
