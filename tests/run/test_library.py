@@ -221,3 +221,17 @@ def test_one_seed_gives_every_batch_of_one_shape_the_same_noise():
     derived = "5f0e3f6b0d1c4a2e9b7d8c6a5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
     third = tldp_cli.perturb_array(other, eps=1, seed=derived).array.astype(np.int64)
     assert np.mean(third - other == first - BATCH) < 0.5
+
+
+@pytest.mark.parametrize("given", [dict(eps=np.float32(4), mechanism="privunit", value_range=(0, 1)),
+                                   dict(eps=np.float32(1.5), clip=np.float32(1))], ids=["privunit", "clip"])
+def test_numpy_scalars_as_options_give_a_manifest(tmp_path, given):
+    """Was: eps=np.float32(4) with privunit, or clip=np.float32(1), reached the manifest as
+    NumPy scalars and json.dump failed (TypeError: Object of type float32 is not JSON
+    serializable) after the noise was drawn; the options are Python floats once checked."""
+    floats = np.random.default_rng(5).random((10, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", floats)
+    result = tldp_cli.perturb(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", out=tmp_path / "y.npy", **given))
+    assert json.loads(result.manifest_path.read_text())["epsilon"] == float(given["eps"])
+    perturbed = tldp_cli.perturb_array(floats, **given)
+    json.dumps([perturbed.accounting, perturbed.privunit, perturbed.value_range])

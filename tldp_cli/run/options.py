@@ -266,7 +266,9 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
             raise UsageError(f"{flag} must be a number in [0, {top:g}], not {cap:g}")
     if options.ledger is None and (options.max_record_eps is not None or options.max_record_delta is not None):
         raise UsageError("--max-record-eps and --max-record-delta cap what a ledger counts: give --ledger PATH")
-    return options
+    # Python floats from here on: a NumPy scalar (eps=np.float32(4)) reached the manifest, which json refused
+    return dataclasses.replace(options, eps=float(options.eps), dp_delta=float(options.dp_delta),
+                               clip=None if options.clip is None else float(options.clip))
 
 
 def checked_input(options: PerturbOptions) -> tuple[PerturbOptions, Format]:
