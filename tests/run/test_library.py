@@ -46,6 +46,14 @@ def test_type_checkers_see_every_public_name_with_its_type():
     assert "__init__.pyi" in package_data["tool"]["setuptools"]["package-data"]["tldp_cli"]
 
 
+def test_every_public_name_says_what_it_is():
+    """Was: help(tldp_cli.PerturbOptions) and help(tldp_cli.PerturbResult) showed only the
+    signature dataclass writes in place of a docstring."""
+    for name in tldp_cli.__all__:
+        doc = getattr(tldp_cli, name).__doc__ or ""
+        assert doc.strip() and not doc.startswith(f"{name}("), name
+
+
 def test_two_unseeded_calls_draw_independent_noise():
     """Was: identical noise, so out1 - out2 gave the raw difference of two batches."""
     first = tldp_cli.perturb_array(BATCH, eps=1).array.astype(np.int64)

@@ -38,6 +38,11 @@ STORE_CHOICES = (RECORDS, COEFFICIENTS)
 
 @dataclass
 class PerturbOptions:
+    """The options of `tldp perturb`, for tldp_cli.perturb: each the command's option without its
+    dashes (eps, dp_delta, allow_weak_seed=True), except --range (value_range, and ranges for
+    single arrays), --dataset (datasets) and --format (input_format); paths as Path or str
+    (docs/library.md)."""
+
     input: Path
     eps: float  # --eps (epsilon=, its old name, is deprecated: see _renamed_keywords)
     noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)

@@ -68,6 +68,9 @@ RESUME_NOT_COMPARED = (
 
 @dataclass
 class PerturbResult:
+    """What tldp_cli.perturb wrote: the output, its manifest's path and the manifest itself,
+    and the messages the command prints to stderr (warnings and notes, one line each)."""
+
     output: Path
     manifest_path: Path
     manifest: dict[str, Any]
