@@ -71,7 +71,12 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     --basis; `reference`: its --reference, auto (None), zero, low, mid or a number; `store`: its
     --store, "coefficients" returns each record's k released coefficients, (n, k)). `value_range`, (lo, hi) or "lo:hi", is required for
     float data; `weights` (values in [0, 1]; not with privunit, mvg or idn, as for perturb)
-    has the record's shape or one mask per record.
+    has the record's shape or one mask per record. `dtype` (float32 or float64, by name or
+    NumPy's dtype) is what float output comes back in; integer data comes back widened. A torch
+    tensor comes back as a torch tensor of its own dtype, on its device. The input is only
+    read. Without a seed every call draws fresh noise; one seed gives every call on an
+    array of the same shape the same noise, so give each batch of a loop its own
+    (docs/library.md#a-seed-in-a-loop).
     Raises UsageError for options that cannot work (a TldpError), DataError for values
     that are not finite or lie outside the range (unless clip_input); their messages name
     these parameters (run/library.py).
