@@ -3,7 +3,9 @@
 import ast
 import importlib
 import json
+import re
 import tomllib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 
 SEED = "98ab6f93e8be360eae780f2ba450c708"
+FLAG = re.compile(r"(?<![\w-])--[a-z]")
 BATCH = np.random.default_rng(3).integers(0, 256, (40, 8, 8), dtype=np.uint8)
 
 
@@ -243,3 +246,16 @@ def test_numpy_scalars_as_options_give_a_manifest(tmp_path, given):
     assert json.loads(result.manifest_path.read_text())["epsilon"] == float(given["eps"])
     perturbed = tldp_cli.perturb_array(floats, **given)
     json.dumps([perturbed.accounting, perturbed.privunit, perturbed.value_range])
+
+
+def test_a_record_epsilon_that_protects_nothing_is_warned_of_as_perturb_does():
+    """Was: perturb_array returned a per-record eps of 256 in silence, where `tldp perturb`
+    warns; now the same warning, a UserWarning in the library's words, at the caller's line."""
+    with pytest.warns(UserWarning, match=r"^the certified eps per record is 256, above 100 .*lower eps|budget='record'") as caught:
+        tldp_cli.perturb_array(BATCH, eps=4)
+    [warning] = [w for w in caught if "certified eps" in str(w.message)]
+    assert warning.filename == __file__ and not FLAG.search(str(warning.message))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record")
+        tldp_cli.perturb_array(BATCH, eps=1)  # 64 per record

@@ -13,6 +13,7 @@ unless the caller passes one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,9 @@ from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.formats.tensor_files import saturated
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
-from tldp_cli.run import manifest
-from tldp_cli.run.calibration import calibrate_run
-from tldp_cli.run.library import speaks_python
+from tldp_cli.run import manifest, privacy_warnings
+from tldp_cli.run.calibration import Calibrated, calibrate_run
+from tldp_cli.run.library import python_words, speaks_python
 from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options, dtype_name
 from tldp_cli.run.pipeline import validate_block
 from tldp_cli.run.run_manifest import privunit_of_run
@@ -117,8 +118,20 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    _weights(weights, values.shape), calibrated.out_dtype, calibrated.grid,
                                    len(values), calibrated.bases.get(ARRAY_NAME), options.store == COEFFICIENTS)
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
+    _warn_of_a_large_epsilon(options, job, calibrated)
     return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
                      (calibrated.lo, calibrated.hi), noisy.dtype, privunit_of_run(options, calibrated))
+
+
+def _warn_of_a_large_epsilon(options: PerturbOptions, job: ArrayJob, calibrated: Calibrated) -> None:
+    """The warning `tldp perturb` prints and its manifest lists when a record's certified
+    epsilon protects nothing (privacy_warnings.large_epsilon), as a UserWarning in the
+    library's words; Python's warning filters show it once per calling line by default."""
+    record = privacy_warnings.record_name(None, [job], [], False)
+    warning = privacy_warnings.large_epsilon(calibrated.certified, record, options.budget or "element")
+    if warning:
+        message = python_words(warning["message"].removeprefix("warning: "))
+        warnings.warn(message, UserWarning, stacklevel=4)  # past this, perturb_array and speaks_python
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:
