@@ -186,6 +186,7 @@ def test_the_library_page_s_examples_run(tmp_path, monkeypatch):
     page shows the typed results of tldp_cli.certify and tldp_cli.compose."""
     import numpy as np
 
+    import tldp_cli
     from tldp_cli.privacy.certificates import Certificate, Guarantee
 
     page = (REPO / "docs" / "library.md").read_text(encoding="utf-8")
@@ -204,6 +205,12 @@ def test_the_library_page_s_examples_run(tmp_path, monkeypatch):
     names = {}
     exec(compile(top_level[0], "docs/library.md", "exec"), names)
     assert isinstance(names["cert"], Certificate) and isinstance(names["total"], Guarantee)
+    # Was: noise="laplace" at a per-record eps of 4, the float sampler's figures, which a run of
+    # the default sampler (discrete-laplace) refuses: the example gives what a run is certified
+    calib = names["calib"]
+    run = tldp_cli.perturb_array(np.load(REPO / "sample_data" / "digits.npy")[:4], eps=calib.epsilon,
+                                 noise=calib.noise, budget=calib.budget)
+    assert run.noise == calib.noise and run.accounting["per_record"]["epsilon"] == names["cert"].per_record.epsilon
 
 
 def test_the_coefficients_rebuild_runs_and_gives_the_records_run(cli, tmp_path, monkeypatch):
