@@ -259,3 +259,34 @@ def test_a_record_epsilon_that_protects_nothing_is_warned_of_as_perturb_does():
         warnings.simplefilter("error")
         tldp_cli.perturb_array(BATCH, eps=8, budget="record")
         tldp_cli.perturb_array(BATCH, eps=1)  # 64 per record
+
+
+@pytest.mark.parametrize("given", [
+    dict(dtype="float16"), dict(dtype="float32"), dict(dtype="float64", clip_input=True),
+    dict(dtype="float32", sampler="float", noise="gaussian", allow_raw_release=True),
+    dict(dtype="float32", weights=True), dict(dtype="float32", mechanism="privunit"),
+    dict(dtype="float32", mechanism="idn", sampler="float"), dict(dtype="uint8"), dict(dtype="int32")])
+def test_the_input_is_only_read(tmp_path, given):
+    """What docs/library.md states: read-only arrays, non-contiguous views and memory maps go in
+    and come out unchanged, and the output shares no memory with them."""
+    given = dict(given)
+    dtype = np.dtype(given.pop("dtype"))
+    rng = np.random.default_rng(6)
+    values = (rng.random((12, 6, 10)) * (1.3 if dtype.kind == "f" else 255)).astype(dtype)
+    if given.pop("weights", False):
+        given["weights"] = rng.random((6, 10))
+    if dtype.kind == "f":
+        given.setdefault("clip_input", False)
+        values = np.clip(values, 0, 1) if not given["clip_input"] else values
+        given["value_range"] = (0, 1)
+    elif dtype == np.int32:
+        given["value_range"] = (0, 256)
+    np.save(tmp_path / "x.npy", values)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    read_only = values.copy()
+    read_only.flags.writeable = False
+    for array in (values, values[::-1, :, ::-1], np.asfortranarray(values), read_only, mapped):
+        before = np.array(array)
+        out = tldp_cli.perturb_array(array, eps=50, **given).array
+        assert np.array_equal(array, before) and not np.shares_memory(out, array)
+    assert np.array_equal(np.load(tmp_path / "x.npy"), values)
