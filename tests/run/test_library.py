@@ -290,3 +290,11 @@ def test_the_input_is_only_read(tmp_path, given):
         out = tldp_cli.perturb_array(array, eps=50, **given).array
         assert np.array_equal(array, before) and not np.shares_memory(out, array)
     assert np.array_equal(np.load(tmp_path / "x.npy"), values)
+
+
+def test_a_seeded_call_warns_as_a_seeded_run_does():
+    """Was: silent, where every seeded `tldp perturb` run warns that one seed on another input
+    of the same shape repeats the noise (what a seeded loop over batches does)."""
+    with pytest.warns(UserWarning, match="the same seed on another input of the same shape gives the same noise") as caught:
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED)
+    assert [w.filename for w in caught] == [__file__]

@@ -30,7 +30,7 @@ from tldp_cli.run import manifest, privacy_warnings
 from tldp_cli.run.calibration import Calibrated, calibrate_run
 from tldp_cli.run.library import python_words, speaks_python
 from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options, dtype_name
-from tldp_cli.run.pipeline import validate_block
+from tldp_cli.run.pipeline import SEED_WARNING, validate_block
 from tldp_cli.run.run_manifest import privunit_of_run
 from tldp_cli.sampling.rng import Streams
 
@@ -119,6 +119,8 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    len(values), calibrated.bases.get(ARRAY_NAME), options.store == COEFFICIENTS)
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
     _warn_of_a_large_epsilon(options, job, calibrated)
+    if seed is not None:  # as the command warns of every seeded run (docs/library.md#a-seed-in-a-loop)
+        warnings.warn(SEED_WARNING.removeprefix("warning: "), UserWarning, stacklevel=3)
     return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
                      (calibrated.lo, calibrated.hi), noisy.dtype, privunit_of_run(options, calibrated))
 

@@ -513,6 +513,11 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], calibrated: 
         "clip them into range")
 
 
+# said by every seeded run: the command's line, and perturb_array's UserWarning
+SEED_WARNING = ("warning: a seed makes the noise reproducible; the same seed on another input "
+                "of the same shape gives the same noise, so use it for one release only")
+
+
 def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
               manifest: dict[str, Any]) -> list[str]:
     messages = [*run.reader.messages, *writer.messages, *notes]
@@ -523,8 +528,7 @@ def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
     if warning:
         messages.append(warning)
     if run.options.seed is not None:
-        messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
-                        "of the same shape gives the same noise, so use it for one release only")
+        messages.append(SEED_WARNING)
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
