@@ -181,27 +181,36 @@ def test_architecture_drawing_draws_an_import_that_runs_up(tmp_path):
 
 
 def test_the_library_page_s_examples_run(tmp_path, monkeypatch):
-    """docs/library.md's Python blocks run as written, from the repository's sample data (the
+    """docs/library.md's Python blocks (and README's) run as written, from the repository's sample data (the
     model-parameters block is a loop's body: it gets a model, a round and a client), and the
     page shows the typed results of tldp_cli.certify and tldp_cli.compose."""
     import numpy as np
 
+    import tldp_cli
     from tldp_cli.privacy.certificates import Certificate, Guarantee
 
     page = (REPO / "docs" / "library.md").read_text(encoding="utf-8")
     blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    readme = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(encoding="utf-8"), flags=re.S | re.M)
+    assert readme, "README.md shows no Python block"
     (tmp_path / "sample_data").symlink_to(REPO / "sample_data")
     monkeypatch.chdir(tmp_path)
     loop = {"params": {"w": np.zeros((3, 4), np.float32), "b": np.zeros(3, np.float32)}, "r": 0, "c": 1, "rounds": 5}
     names: dict = {}
-    for block in blocks:
+    for where, block in [*(("docs/library.md", b) for b in blocks), *(("README.md", b) for b in readme)]:
         names = dict(loop)
-        exec(compile(block, "docs/library.md", "exec"), names)
+        exec(compile(block, where, "exec"), names)
     top_level = [b for b in blocks if "tldp_cli.certify(" in b and "tldp_cli.compose(" in b]
     assert len(top_level) == 1, "docs/library.md shows no tldp_cli.certify / compose example"
     names = {}
     exec(compile(top_level[0], "docs/library.md", "exec"), names)
     assert isinstance(names["cert"], Certificate) and isinstance(names["total"], Guarantee)
+    # Was: noise="laplace" at a per-record eps of 4, the float sampler's figures, which a run of
+    # the default sampler (discrete-laplace) refuses: the example gives what a run is certified
+    calib = names["calib"]
+    run = tldp_cli.perturb_array(np.load(REPO / "sample_data" / "digits.npy")[:4], eps=calib.epsilon,
+                                 noise=calib.noise, budget=calib.budget)
+    assert run.noise == calib.noise and run.accounting["per_record"]["epsilon"] == names["cert"].per_record.epsilon
 
 
 def test_the_coefficients_rebuild_runs_and_gives_the_records_run(cli, tmp_path, monkeypatch):

@@ -1,6 +1,12 @@
 """The library: perturb_array in a loop never repeats noise; a seed repeats it exactly."""
 
+import ast
+import importlib
 import json
+import re
+import tomllib
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +17,7 @@ from tldp_cli.sampling import engine
 from tldp_cli.sampling.rng import Streams
 
 SEED = "98ab6f93e8be360eae780f2ba450c708"
+FLAG = re.compile(r"(?<![\w-])--[a-z]")
 BATCH = np.random.default_rng(3).integers(0, 256, (40, 8, 8), dtype=np.uint8)
 
 
@@ -19,6 +26,35 @@ def test_the_public_api_is_declared():
                                      "TldpError", "UsageError"}
     for name in tldp_cli.__all__:
         assert getattr(tldp_cli, name) is not None
+
+
+def test_type_checkers_see_every_public_name_with_its_type():
+    """Was: the public names existed only through the module's __getattr__, so mypy and
+    pyright typed tldp_cli.perturb_array (and a misspelt tldp_cli.perturb_arary) as Any, py.typed
+    notwithstanding. The stub tldp_cli/__init__.pyi imports each name from where __getattr__
+    finds it, and the wheel ships it."""
+    stub = Path(tldp_cli.__file__).with_suffix(".pyi")
+    assert stub.is_file(), "tldp_cli/__init__.pyi, the public names for type checkers, is missing"
+    tree = ast.parse(stub.read_text(encoding="utf-8"))
+    seen = {alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert seen == {name: tldp_cli._WHERE[name] for name in tldp_cli.__all__}
+    stub_all = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and [ast.unparse(t) for t in node.targets] == ["__all__"])
+    assert ast.literal_eval(stub_all) == tldp_cli.__all__
+    assert any(isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "__version__" for node in tree.body)
+    assert all(getattr(importlib.import_module(module), name) is getattr(tldp_cli, name)
+               for name, module in seen.items())
+    package_data = tomllib.loads((Path(tldp_cli.__file__).parents[1] / "pyproject.toml").read_text())
+    assert "__init__.pyi" in package_data["tool"]["setuptools"]["package-data"]["tldp_cli"]
+
+
+def test_every_public_name_says_what_it_is():
+    """Was: help(tldp_cli.PerturbOptions) and help(tldp_cli.PerturbResult) showed only the
+    signature dataclass writes in place of a docstring."""
+    for name in tldp_cli.__all__:
+        doc = getattr(tldp_cli, name).__doc__ or ""
+        assert doc.strip() and not doc.startswith(f"{name}("), name
 
 
 def test_two_unseeded_calls_draw_independent_noise():
@@ -163,3 +199,102 @@ def test_perturb_options_take_str_paths(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(12, dtype=np.uint8).reshape(3, 4))
     result = perturb(PerturbOptions(input=str(tmp_path / "x.npy"), eps=1.0, out=str(tmp_path / "y.npy")))
     assert result.output == tmp_path / "y.npy" and result.output.exists()
+
+
+def test_perturb_options_take_one_name_as_a_str(tmp_path):
+    """Was: datasets="images" was iterated letter by letter ("dataset /i: no such dataset"), and
+    keep="labels" refused as the pattern "l"; a str is one name, as on the command line."""
+    import h5py
+
+    from tldp_cli import PerturbOptions, perturb
+
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f["images"] = BATCH
+        f["labels"] = np.arange(len(BATCH), dtype=np.int64)
+        f["other"] = BATCH
+    result = perturb(PerturbOptions(input=tmp_path / "x.h5", eps=1.0, datasets="images", keep="labels",
+                                    out=tmp_path / "y.h5"))
+    assert [entry["dataset"] for entry in result.manifest["inputs"]] == ["/images"]
+    assert [entry["name"] for entry in result.manifest["unperturbed"]] == ["/labels"]
+    result = perturb(PerturbOptions(input=tmp_path / "x.h5", eps=1.0, exclude="other", value_range=(0, 256),
+                                    out=tmp_path / "z.h5"))
+    assert [entry["dataset"] for entry in result.manifest["inputs"]] == ["/images"]  # /labels: 1-D labels
+    assert [entry["name"] for entry in result.manifest["unperturbed"]] == ["/other"]  # --exclude copies it raw
+
+
+def test_one_seed_gives_every_batch_of_one_shape_the_same_noise():
+    """What docs/library.md's "A seed in a loop" warns of, and why it derives a seed per batch:
+    one seed on two batches of one shape draws the same noise, so their difference shows."""
+    other = np.random.default_rng(4).integers(0, 256, BATCH.shape, dtype=np.uint8)
+    first = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED).array.astype(np.int64)
+    second = tldp_cli.perturb_array(other, eps=1, seed=SEED).array.astype(np.int64)
+    assert np.array_equal(first - BATCH, second - other)
+    derived = "5f0e3f6b0d1c4a2e9b7d8c6a5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
+    third = tldp_cli.perturb_array(other, eps=1, seed=derived).array.astype(np.int64)
+    assert np.mean(third - other == first - BATCH) < 0.5
+
+
+@pytest.mark.parametrize("given", [dict(eps=np.float32(4), mechanism="privunit", value_range=(0, 1)),
+                                   dict(eps=np.float32(1.5), clip=np.float32(1))], ids=["privunit", "clip"])
+def test_numpy_scalars_as_options_give_a_manifest(tmp_path, given):
+    """Was: eps=np.float32(4) with privunit, or clip=np.float32(1), reached the manifest as
+    NumPy scalars and json.dump failed (TypeError: Object of type float32 is not JSON
+    serializable) after the noise was drawn; the options are Python floats once checked."""
+    floats = np.random.default_rng(5).random((10, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", floats)
+    result = tldp_cli.perturb(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", out=tmp_path / "y.npy", **given))
+    assert json.loads(result.manifest_path.read_text())["epsilon"] == float(given["eps"])
+    perturbed = tldp_cli.perturb_array(floats, **given)
+    json.dumps([perturbed.accounting, perturbed.privunit, perturbed.value_range])
+
+
+def test_a_record_epsilon_that_protects_nothing_is_warned_of_as_perturb_does():
+    """Was: perturb_array returned a per-record eps of 256 in silence, where `tldp perturb`
+    warns; now the same warning, a UserWarning in the library's words, at the caller's line."""
+    with pytest.warns(UserWarning, match=r"^the certified eps per record is 256, above 100 .*lower eps|budget='record'") as caught:
+        tldp_cli.perturb_array(BATCH, eps=4)
+    [warning] = [w for w in caught if "certified eps" in str(w.message)]
+    assert warning.filename == __file__ and not FLAG.search(str(warning.message))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record")
+        tldp_cli.perturb_array(BATCH, eps=1)  # 64 per record
+
+
+@pytest.mark.parametrize("given", [
+    dict(dtype="float16"), dict(dtype="float32"), dict(dtype="float64", clip_input=True),
+    dict(dtype="float32", sampler="float", noise="gaussian", allow_raw_release=True),
+    dict(dtype="float32", weights=True), dict(dtype="float32", mechanism="privunit"),
+    dict(dtype="float32", mechanism="idn", sampler="float"), dict(dtype="uint8"), dict(dtype="int32")])
+def test_the_input_is_only_read(tmp_path, given):
+    """What docs/library.md states: read-only arrays, non-contiguous views and memory maps go in
+    and come out unchanged, and the output shares no memory with them."""
+    given = dict(given)
+    dtype = np.dtype(given.pop("dtype"))
+    rng = np.random.default_rng(6)
+    values = (rng.random((12, 6, 10)) * (1.3 if dtype.kind == "f" else 255)).astype(dtype)
+    if given.pop("weights", False):
+        given["weights"] = rng.random((6, 10))
+    if dtype.kind == "f":
+        given.setdefault("clip_input", False)
+        values = np.clip(values, 0, 1) if not given["clip_input"] else values
+        given["value_range"] = (0, 1)
+    elif dtype == np.int32:
+        given["value_range"] = (0, 256)
+    np.save(tmp_path / "x.npy", values)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    read_only = values.copy()
+    read_only.flags.writeable = False
+    for array in (values, values[::-1, :, ::-1], np.asfortranarray(values), read_only, mapped):
+        before = np.array(array)
+        out = tldp_cli.perturb_array(array, eps=50, **given).array
+        assert np.array_equal(array, before) and not np.shares_memory(out, array)
+    assert np.array_equal(np.load(tmp_path / "x.npy"), values)
+
+
+def test_a_seeded_call_warns_as_a_seeded_run_does():
+    """Was: silent, where every seeded `tldp perturb` run warns that one seed on another input
+    of the same shape repeats the noise (what a seeded loop over batches does)."""
+    with pytest.warns(UserWarning, match="the same seed on another input of the same shape gives the same noise") as caught:
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED)
+    assert [w.filename for w in caught] == [__file__]

@@ -38,6 +38,11 @@ BAD_ARRAY_CALLS = {
     "bad basis": (dict(value_range=(0, 1), mechanism="privunit", basis="dct:1"), ["basis='dct:1'"]),
     "basis without privunit": (dict(value_range=(0, 1), basis="dct"), ["basis applies to mechanism='privunit'"]),
     "dp_delta": (dict(value_range=(0, 1), dp_delta=2), ["dp_delta must lie"]),
+    # were TypeErrors naming no parameter: "must be real number, not str", "'<' not supported ..."
+    "eps a str": (dict(eps="1", value_range=(0, 1)), ["eps must be a finite number > 0, not '1'"]),
+    "eps None": (dict(eps=None, value_range=(0, 1)), ["eps must be a finite number > 0, not None"]),
+    "dp_delta a str": (dict(value_range=(0, 1), dp_delta="1e-5"), ["dp_delta must lie in (0, 1), not '1e-5'"]),
+    "clip a str": (dict(clip="1"), ["clip must be a finite number > 0, not '1'"]),
     "dtype": (dict(value_range=(0, 1), dtype="int8"), ["dtype must be"]),
     "clip and range": (dict(value_range=(0, 1), clip=1.0), ["clip=C", "clip or value_range"]),
     "clip negative": (dict(clip=-1.0), ["clip must be"]),
@@ -114,6 +119,9 @@ def test_calibrate_names_its_own_epsilon():
     with pytest.raises(tldp_cli.UsageError, match=r"^epsilon must be a finite number > 0"):
         tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=-1,
                            range_width=1, elements=3)
+    with pytest.raises(tldp_cli.UsageError, match=r"^epsilon must be a finite number > 0, not '4'"):
+        tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon="4",
+                           range_width=1, elements=3)
     with pytest.raises(tldp_cli.UsageError, match=r"granularity applies"):
         tldp_cli.calibrate(mechanism="tldp", noise="laplace", budget="element", epsilon=1,
                            range_width=1, elements=3, granularity=0.5)
@@ -184,3 +192,17 @@ def test_every_flag_a_library_message_can_hold_has_a_parameter():
                                     if FLAG.search(library.python_words(flag))
                                     or flag not in library._PARAMETERS and flag not in library._COMMAND_ONLY}
     assert not unknown, sorted(unknown)
+
+
+def test_dtype_takes_numpy_s_names_of_it(tmp_path):
+    """Was: dtype=np.float64 refused as "dtype must be float32 or float64, not <class
+    'numpy.float64'>"; NumPy's dtype objects name the same dtypes as the strings."""
+    for dtype in (np.float64, np.dtype("float64"), float):
+        assert tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=dtype).array.dtype == np.float64
+    assert tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=np.float32).array.dtype == np.float32
+    np.save(tmp_path / "x.npy", FLOATS)
+    tldp_cli.perturb(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1, value_range=(0, 1),
+                                             dtype=np.float64, out=tmp_path / "y.npy"))
+    assert np.load(tmp_path / "y.npy").dtype == np.float64
+    with pytest.raises(tldp_cli.UsageError, match=r"^dtype must be float32 or float64, not float16$"):
+        tldp_cli.perturb_array(FLOATS, eps=1, value_range=(0, 1), dtype=np.float16)

@@ -38,6 +38,24 @@ def raw_release_advice(noise: str) -> str:
             "none), or a wider --range in smaller units (0:255 rather than 0:1)")
 
 
+def is_number(value: object) -> bool:
+    """A real number (int, float, a NumPy or torch scalar), not a str, a bool or None: what the
+    library's eps=, dp_delta= and clip= must be before math.isfinite, whose TypeError ("must be
+    real number, not str") names no parameter."""
+    if isinstance(value, (str, bytes, bool)):
+        return False
+    try:
+        float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def shown(value: object) -> str:
+    """A value in a message: a number as it prints, anything else as its repr ('1', None)."""
+    return str(value) if is_number(value) else repr(value)
+
+
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise UsageError(f"--{name} must be one of {', '.join(allowed)}, not {value!r}")
@@ -127,10 +145,10 @@ def check_parameters(*, mechanism: str, noise: str, budget: str, epsilon: float,
     if mechanism in GAUSSIAN_ONLY and noise != "gaussian":
         raise UsageError(f"--mechanism {mechanism} adds Gaussian noise only; leave out --noise "
                          f"or give --noise gaussian, not {noise}")
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise UsageError(f"--eps must be a finite number > 0, not {epsilon}")
-    if not 0 < dp_delta < 1:
-        raise UsageError(f"--dp-delta must lie in (0, 1), not {dp_delta}")
+    if not (is_number(epsilon) and math.isfinite(epsilon) and epsilon > 0):
+        raise UsageError(f"--eps must be a finite number > 0, not {shown(epsilon)}")
+    if not (is_number(dp_delta) and 0 < dp_delta < 1):
+        raise UsageError(f"--dp-delta must lie in (0, 1), not {shown(dp_delta)}")
 
 
 def calibrate(*, mechanism: str, noise: str, budget: str, epsilon: float,

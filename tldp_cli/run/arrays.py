@@ -13,22 +13,24 @@ unless the caller passes one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from tldp_cli.sampling import engine
 from tldp_cli.errors import DataError, UsageError
 from tldp_cli.formats import ArrayJob, plural
 from tldp_cli.formats.tensor_files import saturated
 from tldp_cli.privacy.mechanisms import GAUSSIAN_ONLY, PRIVUNIT, Calibration
-from tldp_cli.run import manifest
-from tldp_cli.run.calibration import calibrate_run
-from tldp_cli.run.library import speaks_python
-from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options
-from tldp_cli.run.pipeline import validate_block
+from tldp_cli.run import manifest, privacy_warnings
+from tldp_cli.run.calibration import Calibrated, calibrate_run
+from tldp_cli.run.library import python_words, speaks_python
+from tldp_cli.run.options import COEFFICIENTS, PerturbOptions, checked_options, dtype_name
+from tldp_cli.run.pipeline import SEED_WARNING, validate_block
 from tldp_cli.run.run_manifest import privunit_of_run
 from tldp_cli.sampling.rng import Streams
 
@@ -60,7 +62,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                   sampler: str = "exact", weights: Any = None, seed: str | int | None = None,
                   allow_weak_seed: bool = False, allow_raw_release: bool = False,
                   dp_delta: float = 1e-5, granularity: float | None = None, rng: str = "secure",
-                  dtype: str = "float32", clip: float | None = None,
+                  dtype: DTypeLike = "float32", clip: float | None = None,
                   clip_input: bool = False, basis: str | None = None,
                   reference: str | float | None = None, store: str = "records") -> Perturbed:
     """Perturb every record (axis 0) of `array` with TLDP and return it with its figures.
@@ -70,7 +72,12 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     --basis; `reference`: its --reference, auto (None), zero, low, mid or a number; `store`: its
     --store, "coefficients" returns each record's k released coefficients, (n, k)). `value_range`, (lo, hi) or "lo:hi", is required for
     float data; `weights` (values in [0, 1]; not with privunit, mvg or idn, as for perturb)
-    has the record's shape or one mask per record.
+    has the record's shape or one mask per record. `dtype` (float32 or float64, by name or
+    NumPy's dtype) is what float output comes back in; integer data comes back widened. A torch
+    tensor comes back as a torch tensor of its own dtype, on its device. The input is only
+    read. Without a seed every call draws fresh noise; one seed gives every call on an
+    array of the same shape the same noise, so give each batch of a loop its own
+    (docs/library.md#a-seed-in-a-loop).
     Raises UsageError for options that cannot work (a TldpError), DataError for values
     that are not finite or lie outside the range (unless clip_input); their messages name
     these parameters (run/library.py).
@@ -88,7 +95,7 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
         input=Path(ARRAY_NAME), eps=eps, noise=noise,
         mechanism=mechanism, budget=budget, sampler=sampler,
         value_range=value_range,
-        seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype, dp_delta=dp_delta,
+        seed=seed, allow_weak_seed=allow_weak_seed, rng=rng, dtype=dtype_name(dtype), dp_delta=dp_delta,
         granularity=granularity, clip=clip, clip_input=clip_input, allow_raw_release=allow_raw_release,
         basis=basis, reference=None if reference is None else str(reference), store=store))
     assert options.noise is not None  # checked_options resolved it
@@ -111,8 +118,22 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
                                    _weights(weights, values.shape), calibrated.out_dtype, calibrated.grid,
                                    len(values), calibrated.bases.get(ARRAY_NAME), options.store == COEFFICIENTS)
     result = noisy if torch_dtype is None else _numpy_to_torch(noisy, torch_dtype, torch_device)
+    _warn_of_a_large_epsilon(options, job, calibrated)
+    if seed is not None:  # as the command warns of every seeded run (docs/library.md#a-seed-in-a-loop)
+        warnings.warn(SEED_WARNING.removeprefix("warning: "), UserWarning, stacklevel=3)
     return Perturbed(result, manifest.accounting_entry(calibrated.certified), calib, options.noise, sampler,
                      (calibrated.lo, calibrated.hi), noisy.dtype, privunit_of_run(options, calibrated))
+
+
+def _warn_of_a_large_epsilon(options: PerturbOptions, job: ArrayJob, calibrated: Calibrated) -> None:
+    """The warning `tldp perturb` prints and its manifest lists when a record's certified
+    epsilon protects nothing (privacy_warnings.large_epsilon), as a UserWarning in the
+    library's words; Python's warning filters show it once per calling line by default."""
+    record = privacy_warnings.record_name(None, [job], [], False)
+    warning = privacy_warnings.large_epsilon(calibrated.certified, record, options.budget or "element")
+    if warning:
+        message = python_words(warning["message"].removeprefix("warning: "))
+        warnings.warn(message, UserWarning, stacklevel=4)  # past this, perturb_array and speaks_python
 
 
 def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tldp_cli import formats
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.mechanisms import (GAUSSIAN_ONLY, PRIVUNIT, check_parameters, default_noise, parse_reference,
-                                         resolve_budget, sampled_noise)
+                                         is_number, resolve_budget, sampled_noise, shown)
 
 if TYPE_CHECKING:
     from tldp_cli.formats import Format
@@ -38,6 +38,11 @@ STORE_CHOICES = (RECORDS, COEFFICIENTS)
 
 @dataclass
 class PerturbOptions:
+    """The options of `tldp perturb`, for tldp_cli.perturb: each the command's option without its
+    dashes (eps, dp_delta, allow_weak_seed=True), except --range (value_range, and ranges for
+    single arrays), --dataset (datasets) and --format (input_format); paths as Path or str
+    (docs/library.md)."""
+
     input: Path
     eps: float  # --eps (epsilon=, its old name, is deprecated: see _renamed_keywords)
     noise: str | None = None  # None: the mechanism's (default_noise: laplace; gaussian for mvg, idn)
@@ -89,6 +94,9 @@ class PerturbOptions:
         for name in ("input", "weights", "ledger", "seed_file", "name_map"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, Path(getattr(self, name)))
+        for name in ("datasets", "exclude", "keep"):  # one name: datasets="images" is ["images"], not 6 letters
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
 
     @property
     def epsilon(self) -> float:
@@ -186,6 +194,20 @@ def checked_budget(options: PerturbOptions) -> str:
     return options.budget
 
 
+def dtype_name(dtype: object) -> str | None:
+    """--dtype by its name: the library's np.float64, np.dtype("float64") or float are "float64"
+    (the refusal read "not <class 'numpy.float64'>"); a str or None as given, and what NumPy
+    cannot read as a dtype (torch.float64) as it prints, for the refusal."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    import numpy as np  # only for a caller's dtype object: the command gives a str
+
+    try:
+        return np.dtype(dtype).name  # type: ignore[call-overload]
+    except TypeError:
+        return str(dtype)
+
+
 def checked_options(options: PerturbOptions) -> PerturbOptions:
     """Refuses option values that cannot work (usage errors), before any file is read;
     returns the options with the noise as drawn (sampled_noise) and the budget resolved
@@ -222,11 +244,12 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
         from tldp_cli.sampling.rng import check_seed
 
         check_seed(options.seed, options.allow_weak_seed)
+    options = dataclasses.replace(options, dtype=dtype_name(options.dtype))
     if options.dtype not in (None, "float32", "float64"):
         raise UsageError(f"--dtype must be float32 or float64, not {options.dtype}")
     if options.clip is not None:
-        if not (math.isfinite(options.clip) and options.clip > 0):
-            raise UsageError(f"--clip must be a finite number > 0, not {options.clip}")
+        if not (is_number(options.clip) and math.isfinite(options.clip) and options.clip > 0):
+            raise UsageError(f"--clip must be a finite number > 0, not {shown(options.clip)}")
         if options.value_range is not None or options.ranges:
             raise UsageError("--clip C sets the range to (-C, C); give --clip or --range, not both")
     if options.weights is not None and options.mechanism in GAUSSIAN_ONLY:
@@ -248,7 +271,9 @@ def checked_options(options: PerturbOptions) -> PerturbOptions:
             raise UsageError(f"{flag} must be a number in [0, {top:g}], not {cap:g}")
     if options.ledger is None and (options.max_record_eps is not None or options.max_record_delta is not None):
         raise UsageError("--max-record-eps and --max-record-delta cap what a ledger counts: give --ledger PATH")
-    return options
+    # Python floats from here on: a NumPy scalar (eps=np.float32(4)) reached the manifest, which json refused
+    return dataclasses.replace(options, eps=float(options.eps), dp_delta=float(options.dp_delta),
+                               clip=None if options.clip is None else float(options.clip))
 
 
 def checked_input(options: PerturbOptions) -> tuple[PerturbOptions, Format]:

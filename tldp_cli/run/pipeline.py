@@ -68,6 +68,9 @@ RESUME_NOT_COMPARED = (
 
 @dataclass
 class PerturbResult:
+    """What tldp_cli.perturb wrote: the output, its manifest's path and the manifest itself,
+    and the messages the command prints to stderr (warnings and notes, one line each)."""
+
     output: Path
     manifest_path: Path
     manifest: dict[str, Any]
@@ -510,6 +513,11 @@ def _outside_error(outside_counts: list[tuple[int, int, ArrayJob]], calibrated: 
         "clip them into range")
 
 
+# said by every seeded run: the command's line, and perturb_array's UserWarning
+SEED_WARNING = ("warning: a seed makes the noise reproducible; the same seed on another input "
+                "of the same shape gives the same noise, so use it for one release only")
+
+
 def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
               manifest: dict[str, Any]) -> list[str]:
     messages = [*run.reader.messages, *writer.messages, *notes]
@@ -520,8 +528,7 @@ def _messages(run: RunContext, writer, notes: list[str], name_map: Path | None,
     if warning:
         messages.append(warning)
     if run.options.seed is not None:
-        messages.append("warning: a seed makes the noise reproducible; the same seed on another input "
-                        "of the same shape gives the same noise, so use it for one release only")
+        messages.append(SEED_WARNING)
     return messages + [warning["message"] for warning in manifest.get("warnings", [])]
 
 
@@ -732,7 +739,7 @@ def _keep_or_remove(partial: resume.Partial, exc: BaseException) -> None:
 # Each option's flag where it is not its field's name with "-" for "_" (eps: --eps). Both
 # ways: a resume record's keys, and the library's messages (run/library.py: --range LO:HI
 # reads value_range=(lo, hi) there).
-OPTION_FLAGS = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
+OPTION_FLAGS: dict[str, str] = {"value_range": "--range", "ranges": "--range", "datasets": "--dataset", "input_format": "--format"}
 
 
 def _resume_record(run: RunContext) -> dict[str, Any]:
