@@ -246,6 +246,11 @@ def test_a_dataset_dict_whose_splits_differ_or_whose_index_is_damaged_is_refused
     (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "../train"]}))
     result = cli("perturb", src, "--eps", "1", *RANGES)
     assert_one_line_error(result, 1, "names split '../train', which is not a split name")
+    shutil.copytree(src / "train", src / "__MACOSX")  # a split name to datasets; a macOS archive's folder to tldp
+    (src / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "__MACOSX"]}))
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, "names split __MACOSX, a folder tldp never reads")
+    shutil.rmtree(src / "__MACOSX")
     (src / "dataset_dict.json").write_text("{not json")
     result = cli("perturb", src, "--eps", "1", *RANGES)
     assert_one_line_error(result, 1, str(src / "dataset_dict.json"))
@@ -255,6 +260,76 @@ def test_a_dataset_dict_whose_splits_differ_or_whose_index_is_damaged_is_refused
     assert_one_line_error(result, 1, "has other columns or types than train/data-00000-of-00001.arrow",
                           "perturb each split's folder on its own")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dd"]
+
+
+def test_a_split_or_shard_given_twice_by_a_link_is_refused_in_one_line(cli, tmp_path):
+    """Regression: a split folder linking to another split (or a state.json naming a shard
+    twice, or two shard names linked to one file) released the same rows twice, each copy a
+    record at the manifest's per-record figure, so a person in them spent twice that; a shard
+    named twice failed after the work, "cannot write (File exists)"."""
+    _, src = dataset_dict(tmp_path)
+    shutil.rmtree(src / "test")
+    (src / "test").symlink_to(src / "train", target_is_directory=True)
+    result = cli("perturb", src, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{src / 'test'}: the same split folder as {src / 'train'}", "released twice")
+    _, one = saved(tmp_path / "single", shards=2)
+    state = json.loads((one / "state.json").read_text())
+    (one / "state.json").write_text(json.dumps(dict(state, _data_files=state["_data_files"][:1] * 2)))
+    result = cli("perturb", one, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{one / 'state.json'}: names data-00000-of-00002.arrow twice")
+    (one / "state.json").write_text(json.dumps(state))
+    (one / "data-00001-of-00002.arrow").unlink()
+    (one / "data-00001-of-00002.arrow").symlink_to(one / "data-00000-of-00002.arrow")
+    result = cli("perturb", one, "--eps", "1", *RANGES)
+    assert_one_line_error(result, 1, f"{one / 'data-00001-of-00002.arrow'}: the same file as "
+                          f"{one / 'data-00000-of-00002.arrow'}", "released twice")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dd", "single"]
+    assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["train"]
+
+
+def test_state_json_keeps_datasets_own_keys_only(cli, tmp_path):
+    """Regression: state.json was copied whole but its _fingerprint, so a key datasets never
+    writes (another tool's note) and the data files' other fields reached the output raw. Now
+    the keys save_to_disk writes are kept, the data files by their names; any other key is
+    left out and listed as SPLIT/state.json@KEY unless --keep names it."""
+    _, src = dataset_dict(tmp_path, train_shards=1)
+    written = {}  # split -> state.json as datasets wrote it
+    for split in ("train", "test"):
+        state = written[split] = json.loads((src / split / "state.json").read_text())
+        planted = dict(state, notes="exported for Alice Smith",
+                       _data_files=[dict(state["_data_files"][0], source="/home/alice/clinic/scans.csv")])
+        (src / split / "state.json").write_text(json.dumps(planted))
+    manifest, _ = run(cli, src, tmp_path / "out")
+    for split in ("train", "test"):
+        text = (tmp_path / "out" / split / "state.json").read_text()
+        assert "Alice" not in text and "alice" not in text
+        assert json.loads(text) == dict(written[split], _fingerprint=json.loads(text)["_fingerprint"])
+    assert {"train/state.json@notes", "test/state.json@notes"} <= {e["name"] for e in manifest["dropped"]}
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))["test"]) == 4
+    run(cli, src, tmp_path / "kept", "--keep", "test/state.json@notes")
+    assert json.loads((tmp_path / "kept" / "test" / "state.json").read_text())["notes"] == "exported for Alice Smith"
+    assert "notes" not in json.loads((tmp_path / "kept" / "train" / "state.json").read_text())
+
+
+def test_a_later_shards_own_schema_metadata_is_listed_as_dropped(cli, tmp_path):
+    """The output's shards are all written with the first shard's schema metadata. Regression:
+    a later shard's own keys (a split's shard that another tool wrote: a note, a column's
+    description) were left out without a word in the manifest."""
+    _, src = dataset_dict(tmp_path, train_shards=1)
+    shard = src / "test" / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(shard.read_bytes()).read_all()  # in memory: the file is written over
+    grid = table.schema.field("grid").with_metadata({b"description": b"Alice's scans"})
+    schema = table.schema.set(table.schema.get_field_index("grid"), grid)
+    schema = schema.with_metadata({**schema.metadata, b"exported_by": b"alice@clinic"})
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table.cast(schema))
+    manifest, _ = run(cli, src, tmp_path / "out")
+    dropped = {e["name"]: e["kind"] for e in manifest["dropped"]}
+    assert dropped["test/data-00000-of-00001.arrow@exported_by"] == "schema metadata key"
+    assert dropped["test/data-00000-of-00001.arrow@grid.description"] == "schema metadata key"
+    assert not any(name.startswith("train/") and "@" in name and "dataset_info" not in name for name in dropped)
+    assert b"alice" not in (tmp_path / "out" / "test" / "data-00000-of-00001.arrow").read_bytes().lower()
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))["test"]) == 4
 
 
 class DatasetDictRoundTrip(RoundTrip):

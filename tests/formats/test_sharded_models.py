@@ -481,6 +481,74 @@ def test_a_peft_adapter_folder_is_perturbed_as_a_model_file(cli, tmp_path):
     assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == ADAPTER_CONFIG
 
 
+# A prompt-tuning adapter's configuration as peft writes it (PromptTuningConfig.to_dict(),
+# prompt_tuning_init TEXT: the text the prompt starts from, the tokenizer that encodes it and
+# its keyword arguments), and a CPT adapter's (CPTConfig: the context's token ids and masks,
+# which CPT takes from training examples); sort_keys as save_pretrained writes them.
+PROMPT_TUNING_CONFIG = {
+    "auto_mapping": None, "base_model_name_or_path": "gpt2", "inference_mode": True, "num_attention_heads": 2,
+    "num_layers": 2, "num_transformer_submodules": 1, "num_virtual_tokens": 4, "peft_type": "PROMPT_TUNING",
+    "prompt_tuning_init": "TEXT", "prompt_tuning_init_text": "Does Jane Roe, MRN 4471, report chest pain?",
+    "revision": None, "task_type": "CAUSAL_LM", "token_dim": 32,
+    "tokenizer_kwargs": {"cache_dir": "/home/alice/.cache/tok"}, "tokenizer_name_or_path": "/home/alice/tok"}
+CPT_CONFIG = {
+    "auto_mapping": None, "base_model_name_or_path": "gpt2", "cpt_mask": [1, 1, 1, 1],
+    "cpt_prompt_init": "TEXT", "cpt_token_ids": [44471, 8120, 318, 2589], "cpt_tokens_type_mask": [1, 2, 2, 3],
+    "inference_mode": True, "num_virtual_tokens": 4, "opt_loss_decay_factor": 1.0, "opt_projection_epsilon": 0.1,
+    "opt_projection_format_epsilon": 0.1, "opt_weighted_loss_type": "none", "peft_type": "CPT", "revision": None,
+    "task_type": "CAUSAL_LM", "tokenizer_name_or_path": "/home/alice/tok"}
+# A LoRA adapter initialised by CorDA (LoraConfig(init_lora_weights="corda", corda_config=...)):
+# its caches' local paths
+CORDA_CONFIG = dict(ADAPTER_CONFIG, init_lora_weights="corda", corda_config={
+    "cache_file": "/home/alice/clinic/corda_cache.pt", "corda_method": "ipm",
+    "covariance_file": "/home/alice/clinic/covariance.pt", "prune_temporary_fields": True,
+    "use_float16_for_covariance": False, "verbose": False})
+
+
+def _without(config: dict, dotted: tuple[str, ...]) -> dict:
+    """`config` without the keys `dotted` names (corda_config.cache_file: a nested one)."""
+    out = {}
+    for key, value in config.items():
+        if key in dotted:
+            continue
+        inner = tuple(d[len(key) + 1:] for d in dotted if d.startswith(key + "."))
+        out[key] = _without(value, inner) if inner and isinstance(value, dict) else value
+    return out
+
+
+@pytest.mark.parametrize("config,private", [
+    (PROMPT_TUNING_CONFIG, ("prompt_tuning_init_text", "tokenizer_kwargs", "tokenizer_name_or_path")),
+    (CPT_CONFIG, ("cpt_mask", "cpt_token_ids", "cpt_tokens_type_mask", "tokenizer_name_or_path")),
+    (CORDA_CONFIG, ("corda_config.cache_file", "corda_config.covariance_file"))], ids=["prompt-tuning", "cpt", "corda"])
+def test_a_peft_adapters_text_token_ids_and_paths_are_left_out(cli, tmp_path, config, private):
+    """Regression: a prompt-tuning adapter initialised from text keeps that text (and CPT the
+    token ids of its context, taken from training examples), the tokenizer's local path and
+    its keyword arguments in adapter_config.json, and a CorDA-initialised LoRA adapter its
+    caches' local paths; adapter_config.json was copied with them raw. They are left out and
+    listed, as the base model's path is; --keep copies them."""
+    src = tmp_path / "prompt"
+    src.mkdir()
+    weights = lora_weights() if config["peft_type"] == "LORA" else {  # a prompt's: PromptEmbedding's
+        "prompt_embeddings": np.random.default_rng(5).normal(0, 0.02, (4, 32)).astype(np.float32)}
+    save_file(weights, str(src / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (src / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    args = ("--eps", "10", "--budget", "record", "--clip", "0.1", "--json")
+    result = cli("perturb", src, *args)
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "prompt.tldp"
+    assert json.loads((out / "adapter_config.json").read_text()) == _without(config, (*private, "base_model_name_or_path"))
+    written = b"".join(p.read_bytes() for p in out.iterdir())
+    assert not any(marker in written for marker in (b"Jane Roe", b"alice", b"44471"))
+    dropped = {d["name"]: d["reason"] for d in json.loads(result.stdout)["dropped"]}
+    assert dropped == {f"adapter_config.json@{key}": sharded_safetensors.PROMPT_REASON
+                       if key in sharded_safetensors.PROMPT_KEYS else sharded_safetensors.FREE_TEXT_REASON
+                       for key in (*private, "base_model_name_or_path")}
+    kept = cli("perturb", src, *args, "--out", tmp_path / "kept", *(f"--keep=adapter_config.json@{k}" for k in private))
+    assert kept.exit_code == 0, kept.stderr
+    assert json.loads((tmp_path / "kept" / "adapter_config.json").read_text()) == _without(
+        config, ("base_model_name_or_path",))
+
+
 def test_a_folder_of_several_peft_adapters_is_refused_naming_the_other(cli, tmp_path):
     """save_pretrained writes every adapter but the default in a folder of its own, under the
     same tensor names: refused, naming it, rather than taken as one model."""
@@ -514,6 +582,43 @@ def test_data_never_copied_by_keep(cli, tmp_path):
     result = cli("perturb", src, *ARGS, "--keep", "training_stats.npy")
     assert_one_line_error(result, 2, "training_stats.npy: holds npy data", "never copies it raw")
     assert not (tmp_path / "gpt2_tiny.tldp").exists()
+
+
+def torch_saved(path: Path, obj) -> Path:
+    """What torch.save writes (its zip format, the default since PyTorch 1.6): torch's own where it
+    is installed, else the same layout by hand: ARCHIVE/data.pkl first, then byteorder and version,
+    members stored uncompressed."""
+    try:
+        import torch
+    except ImportError:
+        import pickle
+        import zipfile
+
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+            archive.writestr("archive/data.pkl", pickle.dumps(obj, protocol=2))
+            archive.writestr("archive/byteorder", "little")
+            archive.writestr("archive/version", "3\n")
+    else:
+        torch.save(obj, path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["training_args.bin", "optimizer.pt"])
+def test_a_torch_checkpoint_beside_an_adapter_is_never_copied_and_named_for_what_it_is(cli, tmp_path, name):
+    """Trainer saves training_args.bin (the TrainingArguments, output_dir and hub_token among
+    them) and optimizer.pt (Adam's moments of the gradients, computed from the training data)
+    with torch.save, a pickle in a zip: dropped, and refused when --keep names it. Regression:
+    the refusal said "holds npz data, which tldp perturbs on its own" (npz detects the zip only
+    to refuse it)."""
+    src = peft_adapter(tmp_path / "adapter")
+    torch_saved(src / name, {"output_dir": "/home/alice/clinic-run", "exp_avg": [0.1, 0.2]})
+    result = cli("perturb", src, *ARGS, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert name in {d["name"] for d in json.loads(result.stdout)["dropped"]}
+    assert not (tmp_path / "adapter.tldp" / name).exists()
+    kept = cli("perturb", src, *ARGS, "--out", tmp_path / "kept", "--keep", name)
+    assert_one_line_error(kept, 2, f"{name}: holds a PyTorch checkpoint", "never copies it raw")
+    assert not (tmp_path / "kept").exists()
 
 
 def test_a_tokenizer_file_that_holds_a_pickle_is_refused(cli, tmp_path):

@@ -60,6 +60,10 @@ STATE, INFO = "state.json", "dataset_info.json"
 DICT = "dataset_dict.json"  # DatasetDict.save_to_disk: one save_to_disk folder per split
 SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' split names (naming._split_re)
 STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
+# What Dataset.save_to_disk writes in state.json (and load_from_disk reads): any other key is
+# not datasets', and follows the rule of dataset_info.json's other fields (STATE@KEY).
+STATE_KEYS = ("_data_files", "_fingerprint", "_format_columns", "_format_kwargs", "_format_type",
+              "_output_all_columns", "_split")
 
 
 PARQUET_SUFFIX = ".parquet"
@@ -112,10 +116,29 @@ def _splits(path: Path) -> tuple[list[str], dict[str, Any]]:
                              "joined by dots)")
         if splits.count(split) > 1:
             raise InputError(f"{path / DICT}: names split {split} twice")
+        if is_hidden(split):  # its files would be listed as never read, and written
+            raise InputError(f"{path / DICT}: names split {split}, a folder tldp never reads ({HIDDEN_REASON})")
         if not _saved(path / split):
             raise InputError(f"{path / DICT}: names split {split}, but {path / split} is not a dataset folder "
                              f"({STATE} and {INFO})")
+    _once_each(path, splits, "split folder")
     return splits, document
+
+
+def _once_each(path: Path, names: list[str], what: str) -> None:
+    """Refuses two of `names` (files or folders of `path`) that are one (a link to the other,
+    a hard link): its rows would be released twice, each copy a record of its own, and a
+    person in them charged twice the per-record figure the manifest states."""
+    seen: dict[tuple[int, int], str] = {}
+    for name in names:
+        try:
+            found = os.stat(path / name)
+        except OSError as exc:
+            raise InputError(f"{path / name}: cannot read ({exc.strerror or exc})") from None
+        other = seen.setdefault((found.st_dev, found.st_ino), name)
+        if other != name:
+            raise InputError(f"{path / name}: the same {what} as {path / other} (a link); its rows would be "
+                             f"released twice, each a record: give each {what} once")
 
 
 def _rel(folder: str, name: str) -> str:
@@ -141,6 +164,8 @@ def _shards(path: Path, state: dict) -> list[str]:
         raise InputError(f"{path / STATE}: names no data files (_data_files); the dataset folder is damaged")
     names = [f["filename"] for f in files]
     for name in names:
+        if names.count(name) > 1:
+            raise InputError(f"{path / STATE}: names {name} twice; the dataset folder is damaged")
         if "/" in name or "\\" in name or name in (".", "..") or not (path / name).is_file():
             raise InputError(f"{path / STATE}: names {name}, which is not a file of the folder")
     if state.get("_indices_data_files"):
@@ -162,6 +187,8 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
     parts: list[tables.Part] = []
     schema: pa.Schema | None = None
     settings: dict[str, Any] = {}
+    other: list[tuple[str, str | None, str]] = []  # (shard, column, key): its metadata apart from the first's
+    _once_each(path, names, "file")
     for name in names:
         found = tables.layout_of(path / name)
         if found != layout:  # a shard of one file only, too: the folder's kind says what it should be
@@ -172,12 +199,33 @@ def _table(path: Path, names: list[str], options: FormatOptions, layout: str,
         if schema is not None and not found.remove_metadata().equals(schema.remove_metadata()):
             raise InputError(f"{path / name}: has other columns or types than {names[0]}; perturb each "
                              f"{apart}'s folder on its own")
+        other += [] if schema is None else [(name, *entry) for entry in _metadata_apart(schema, found)]
         schema, settings = schema or found, settings or found_settings
         parts.append(part)
     reader = tables_reader.FolderTableReader(path, tables.Table(tuple(parts)), schema, options, NAME, settings,
                                              considered=True)
+    for name, column, key in other:  # a column left out is listed already
+        if column is None or column in reader.written:
+            reader.left.drop(f"{name}@{key if column is None else f'{column}.{key}'}", "schema metadata key",
+                             f"this file's own, where the output's files all carry {names[0]}'s schema metadata "
+                             "(its features, the keys --keep names)")
     reader.shards, reader.saved = names, {}
     return reader
+
+
+def _metadata_apart(first: pa.Schema, found: pa.Schema) -> list[tuple[str | None, str]]:
+    """The schema metadata keys (column None) and column metadata keys of a shard's schema
+    `found` that the first shard's lacks or holds otherwise: the output's shards are written
+    with the first's, so they are left out of this shard's and listed."""
+    def decoded(metadata: dict | None) -> dict[str, bytes]:
+        return {key.decode("utf-8", "replace"): value for key, value in (metadata or {}).items()}
+
+    apart: list[tuple[str | None, str]] = []
+    for column, ours, theirs in [(None, first.metadata, found.metadata),
+                                 *((f.name, first.field(f.name).metadata, f.metadata) for f in found)]:
+        ours = decoded(ours)
+        apart += [(column, key) for key, value in decoded(theirs).items() if ours.get(key) != value]
+    return apart
 
 
 def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTableReader:
@@ -205,7 +253,8 @@ def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTable
             raise
         raise InputError(f"{exc}; {split} is a split: perturb its folder, {path / split}, to release it alone "
                          "(--dataset names columns)") from None
-    reader.saved = {folder: (state, _written_info(reader, _rel(folder, INFO), info))
+    reader.saved = {folder: (_written_state(reader, _rel(folder, STATE), state),
+                             _written_info(reader, _rel(folder, INFO), info))
                     for folder, (state, info) in saved.items()}
     known = {_rel(folder, name) for folder in splits for name in (STATE, INFO)} | set(names)
     reader.others = _others(path, reader.left, known if document is None else known | {DICT})
@@ -216,6 +265,16 @@ def open_reader(path: Path, options: FormatOptions) -> tables_reader.FolderTable
     if document is not None:
         _split_rows(reader, path, splits, by_folder)
     return reader
+
+
+def _written_state(reader: tables_reader.FolderTableReader, owner: str, state: dict[str, Any]) -> dict[str, Any]:
+    """state.json as written (its _fingerprint replaced by the writer): the keys datasets
+    writes, each data file by its name only; the keys --keep names (OWNER@KEY); the others
+    listed as dropped."""
+    written = {key: value for key, value in state.items()
+               if key in STATE_KEYS or reader.left.attribute(owner, key, (), "state.json key")}
+    written["_data_files"] = [{"filename": entry["filename"]} for entry in state["_data_files"]]
+    return written
 
 
 def _written_info(reader: tables_reader.FolderTableReader, owner: str, info: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,8 @@ What is not perturbed follows the rule of formats/leftovers.py. The configuratio
 (CONFIG_FILES: architecture and settings, structure loaders need) and the tokenizer
 (TOKENIZER_FILES: loaders need it, but its vocabulary is learned from text) are copied and
 listed in the manifest's `unperturbed`, each with its reason; their free-text keys
-(FREE_TEXT_KEYS: `_name_or_path`, `tokenizer_file`, ..., which can be local paths) are left out and listed, as
+(FREE_TEXT_KEYS: `_name_or_path`, `tokenizer_file`, ..., which can be local paths; a PEFT
+prompt-tuning adapter's initial text and its token ids) are left out and listed, as
 FILE@KEY, unless --keep names them. Every other file (a model card, training arguments)
 is left out and listed unless --keep names it; a file holding data (a pickle, another
 model file) is never copied raw. Other index metadata is left out and listed as
@@ -80,14 +81,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
 # Keys that hold a name or a local path (transformers 4.x saved the paths it loaded a tokenizer
 # from, tokenizer_file and special_tokens_map_file, in tokenizer_config.json).
-# A PEFT adapter's configuration names its base model by name or local path.
+# A PEFT adapter's configuration names its base model by name or local path; a prompt-tuning
+# adapter initialised from text (peft's PromptTuningConfig, CPTConfig) holds that text, or its
+# token ids, and the tokenizer's name or path and keyword arguments (a cache folder, a token);
+# a LoRA adapter initialised by CorDA the local paths of its caches (corda_config).
+PROMPT_KEYS = ("prompt_tuning_init_text", "cpt_token_ids", "cpt_mask", "cpt_tokens_type_mask")
 FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file",
-                  "base_model_name_or_path")
+                  "base_model_name_or_path", "tokenizer_name_or_path", "tokenizer_kwargs", "cache_file",
+                  "covariance_file", *PROMPT_KEYS)
 STRUCTURAL_INDEX = ("total_size", "total_parameters")
 CONFIG_REASON = "model configuration: the architecture and settings loaders need, structure rather than data"
 TOKENIZER_REASON = "tokenizer: loaders need it; its vocabulary is learned from text, which it can echo"
 FILE_REASON = "a file tldp does not perturb, not a configuration or tokenizer file loaders need"
 FREE_TEXT_REASON = "free text (a name or local path), not perturbed"
+PROMPT_REASON = "a prompt's text, or its token ids (CPT takes them from training examples), not perturbed"
 INDEX_REASON = ("an index metadata entry, not perturbed; only total_size, total_parameters and tied "
                 "weights' entries, which loaders need, are kept")
 LINK_HINT = ("tldp reads only the regular files inside a model folder (a Hugging Face cache snapshot links to "
@@ -366,7 +373,8 @@ def _without_keys(rel: str, document: dict, prefix: str, left: leftovers.Leftove
     structural = [prefix + key for key in document if key not in FREE_TEXT_KEYS]
     kept = {}
     for key, value in document.items():
-        if not left.attribute(rel, prefix + key, structural, "configuration key", FREE_TEXT_REASON):
+        if not left.attribute(rel, prefix + key, structural, "configuration key",
+                              PROMPT_REASON if key in PROMPT_KEYS else FREE_TEXT_REASON):
             continue
         kept[key] = _without_keys(rel, value, f"{prefix}{key}.", left) if isinstance(value, dict) else value
     return kept
