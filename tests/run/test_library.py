@@ -344,3 +344,26 @@ def test_a_seeded_call_says_to_pass_each_batch_its_own_key():
     assert [w.filename for w in caught] == [__file__]
     with pytest.warns(UserWarning, match="the same seed and key on another array .* use each key for one batch only"):
         tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED, key="batch 0")
+
+
+def test_a_masked_array_is_refused_not_unmasked():
+    """Was: np.asarray dropped the mask, and the values under it (a fill value, often far out
+    of range: clipped in silence with clip_input) were perturbed and released as data. A
+    masked array without a masked value (netCDF4's variables read as one) is its data."""
+    values = np.ma.masked_array(BATCH, mask=BATCH > 250)
+    with pytest.raises(tldp_cli.UsageError, match=r"^array is a masked array with \d+ masked values, .* "
+                       r"fill them \(array.filled\(value\)\) or compress them out"):
+        tldp_cli.perturb_array(values, eps=1)
+    unmasked = np.ma.masked_array(BATCH, mask=False)
+    assert tldp_cli.perturb_array(unmasked, eps=1).array.shape == BATCH.shape
+    assert type(tldp_cli.perturb_array(np.ma.masked_array(BATCH), eps=1).array) is np.ndarray
+
+
+def test_a_torch_meta_tensor_is_refused_in_the_library_s_words():
+    """Was: torch's NotImplementedError ("Cannot copy out of meta tensor; no data!"), not a
+    TldpError, from a tensor that has a shape and no values."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(tldp_cli.UsageError, match=r"^array is a torch meta tensor: .* load its values first$"):
+        tldp_cli.perturb_array(torch.empty(6, 5, device="meta"), eps=1, value_range=(0, 1))
+    with pytest.raises(tldp_cli.UsageError, match="meta tensor"):
+        tldp_cli.perturb_array(torch.nn.Parameter(torch.empty(6, 5, device="meta")), eps=1, value_range=(0, 1))

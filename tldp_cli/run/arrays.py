@@ -89,15 +89,12 @@ def perturb_array(array: Any, *, eps: float, value_range: tuple[float, float] | 
     array of the same shape the same noise unless `key` (a str, bytes or int naming the
     batch: key=i in a loop) differs: the noise is a function of the seed, the key and each
     value's position (docs/library.md#a-seed-in-a-loop). Neither is kept in the result.
-    Raises UsageError for options that cannot work (a TldpError), DataError for values
+    Raises UsageError for options that cannot work (a TldpError; also for a masked array
+    with masked values, and a torch meta tensor), DataError for values
     that are not finite or lie outside the range (unless clip_input); their messages name
     these parameters (run/library.py).
     """
-    torch_dtype, torch_device = None, None
-    if type(array).__module__.split(".")[0] == "torch":
-        torch_dtype, torch_device = array.dtype, array.device
-        array = _torch_to_numpy(array)
-    values = np.asarray(array)
+    values, torch_dtype, torch_device = _numpy_values(array)
     if values.ndim == 0 or values.shape[0] == 0:
         raise UsageError(f"perturb_array needs records along axis 0, not an array of shape {values.shape}")
     if values.dtype.kind not in "iuf":
@@ -165,6 +162,23 @@ def _weights(weights: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     if not np.all((w >= 0) & (w <= 1)):
         raise UsageError("weights must lie in [0, 1]")
     return w
+
+
+def _numpy_values(array: Any) -> tuple[np.ndarray, Any, Any]:
+    """The values to perturb as a NumPy array, and a torch tensor's dtype and device to
+    give the result back in (None, None: NumPy). Refuses what np.asarray would misread: a
+    masked array's masked values (it drops the mask and passes them on as data) and a torch
+    meta tensor (a shape without values; torch's own error is a NotImplementedError)."""
+    if type(array).__module__.split(".")[0] == "torch":
+        if getattr(array, "is_meta", False):
+            raise UsageError("array is a torch meta tensor: it has a shape but no values (a model built "
+                             "on device='meta', or not loaded yet); load its values first")
+        return _torch_to_numpy(array), array.dtype, array.device
+    if isinstance(array, np.ma.MaskedArray) and np.ma.is_masked(array):
+        raise UsageError(f"array is a masked array with {plural(int(np.ma.count_masked(array)), 'masked value')}, "
+                         "which perturb_array would take as data without their mask: fill them "
+                         "(array.filled(value)) or compress them out (drop the records that hold them) first")
+    return np.asarray(array), None, None
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
