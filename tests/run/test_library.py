@@ -367,3 +367,32 @@ def test_a_torch_meta_tensor_is_refused_in_the_library_s_words():
         tldp_cli.perturb_array(torch.empty(6, 5, device="meta"), eps=1, value_range=(0, 1))
     with pytest.raises(tldp_cli.UsageError, match="meta tensor"):
         tldp_cli.perturb_array(torch.nn.Parameter(torch.empty(6, 5, device="meta")), eps=1, value_range=(0, 1))
+
+
+def test_plan_is_tldp_plan_json(cli, tmp_path):
+    """Was: no library counterpart of `tldp plan` (a caller imported tldp_cli.run.plan, whose
+    errors name the flags). tldp_cli.plan(options) returns what `tldp plan INPUT --json` prints,
+    writes nothing, and its errors name the parameters, as tldp_cli.perturb's do."""
+    floats = np.random.default_rng(7).random((20, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", floats)
+    for flags, given in [(["--noise", "gaussian"], dict(noise="gaussian", value_range="0:1")),
+                         (["--mechanism", "privunit", "--clip", "1"], dict(mechanism="privunit", clip=1.0)),
+                         (["--budget", "record", "--dp-delta", "1e-6"], dict(budget="record", dp_delta=1e-6,
+                                                                             value_range=(0, 1)))]:
+        range_flags = ["--range", "0:1"] if "value_range" in given else []
+        result = cli("plan", tmp_path / "x.npy", "--eps", "4", *flags, *range_flags, "--json", "-q")
+        assert result.exit_code == 0, result.stderr
+        options = tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=4.0, **given)
+        assert tldp_cli.plan(options) == json.loads(result.stdout), flags
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+    phases = []
+    tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1.0, value_range=(0, 1)),
+                  phase=lambda label, what: phases.append(label))
+    assert phases == ["reading", "planning"]
+    with pytest.raises(tldp_cli.UsageError, match=r"value_range=\(lo, hi\)") as caught:
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1.0))
+    assert not FLAG.search(str(caught.value))
+    with pytest.raises(tldp_cli.UsageError, match=r"^eps must be a finite number > 0, not 0"):
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=0, value_range=(0, 1)))
+    with pytest.raises(tldp_cli.InputError):
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "missing.npy", eps=1.0, value_range=(0, 1)))
