@@ -329,3 +329,5 @@ def test_a_key_names_a_release_s_streams_as_perturb_tensors_always_did():
     for bad in (1.5, True, ["a"]):
         with pytest.raises(UsageError, match="key names a batch: a str, bytes or int"):
             keyed_name("w", bad)
+    with pytest.raises(UsageError, match="lone surrogate"):
+        keyed_name("w", "\ud800")  # generator() could not encode it: refused before any work

@@ -180,6 +180,10 @@ def keyed_name(name: str, key: str | bytes | int | None) -> str:
         raise UsageError(f"key names a batch: a str, bytes or int, not {type(key).__name__}")
     else:
         text = str(operator.index(key))
+    try:
+        text.encode("utf-8", "surrogateescape")  # as generator() encodes it
+    except UnicodeEncodeError:
+        raise UsageError("key is a str with a lone surrogate, which has no bytes: pass it as bytes") from None
     return f"{text}\0{name}"
 
 
