@@ -9,13 +9,15 @@ from tldp_cli.privacy.accounting import certify, compose
 from tldp_cli.run.arrays import Perturbed, perturb_array
 from tldp_cli.run.library import calibrate, perturb
 from tldp_cli.run.manifest import rebuild_records
+from tldp_cli.run.plan import plan
 from tldp_cli.run.pipeline import PerturbOptions, PerturbResult
 
 __version__: str
 
 __all__ = [
     "DataError", "InputError", "OutputError", "PerturbOptions", "PerturbResult", "Perturbed",
-    "TldpError", "UsageError", "calibrate", "certify", "compose", "perturb", "perturb_array", "rebuild_records",
+    "TldpError", "UsageError", "calibrate", "certify", "compose", "perturb", "perturb_array", "plan",
+    "rebuild_records",
 ]
 
 def __dir__() -> list[str]: ...

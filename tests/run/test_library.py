@@ -223,8 +223,8 @@ def test_perturb_options_take_one_name_as_a_str(tmp_path):
 
 
 def test_one_seed_gives_every_batch_of_one_shape_the_same_noise():
-    """What docs/library.md's "A seed in a loop" warns of, and why it derives a seed per batch:
-    one seed on two batches of one shape draws the same noise, so their difference shows."""
+    """What docs/library.md's "A seed in a loop" warns of, and why each batch passes its own
+    key: one seed on two batches of one shape draws the same noise, so their difference shows."""
     other = np.random.default_rng(4).integers(0, 256, BATCH.shape, dtype=np.uint8)
     first = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED).array.astype(np.int64)
     second = tldp_cli.perturb_array(other, eps=1, seed=SEED).array.astype(np.int64)
@@ -232,6 +232,40 @@ def test_one_seed_gives_every_batch_of_one_shape_the_same_noise():
     derived = "5f0e3f6b0d1c4a2e9b7d8c6a5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f"
     third = tldp_cli.perturb_array(other, eps=1, seed=derived).array.astype(np.int64)
     assert np.mean(third - other == first - BATCH) < 0.5
+
+
+def _noise(batch, **given):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the seed's warning
+        return tldp_cli.perturb_array(batch, eps=1, **given).array.astype(np.int64) - batch
+
+
+def test_one_seed_under_a_key_per_batch_draws_each_batch_its_own_noise():
+    """Was: perturb_array had no key, so a seeded loop over batches repeated its noise (out1 -
+    out2 gave batch1 - batch2) unless the caller derived a seed per batch (an HMAC recipe).
+    Now key= names the batch: the streams of (seed, key) exactly as perturb_tensors derives
+    them (rng.keyed_name), each key repeating itself, no key the noise it always had."""
+    other = np.random.default_rng(4).integers(0, 256, BATCH.shape, dtype=np.uint8)
+    keyed = {key: _noise(BATCH if i % 2 else other, seed=SEED, key=key)
+             for i, key in enumerate(["batch 0", "batch 1", 2, b"batch 3"])}
+    for a, b in [("batch 0", "batch 1"), ("batch 1", 2), (2, b"batch 3")]:
+        assert np.mean(keyed[a] == keyed[b]) < 0.5, (a, b)  # the noise is independent, not repeated
+    assert np.array_equal(_noise(other, seed=SEED, key="batch 0"), keyed["batch 0"])
+    assert np.array_equal(_noise(BATCH, seed=SEED, key="2"), keyed[2])  # 2 is "2", as seeds
+    assert np.array_equal(_noise(BATCH, seed=SEED, key="batch 3"), keyed[b"batch 3"])
+    assert np.array_equal(_noise(BATCH, seed=SEED, key=None), _noise(BATCH, seed=SEED))  # today's noise
+    with pytest.raises(tldp_cli.UsageError, match=r"^key names a batch: a str, bytes or int, not float$"):
+        tldp_cli.perturb_array(BATCH, eps=1, seed=SEED, key=1.5)
+
+
+def test_the_key_is_written_nowhere():
+    """Like the seed, the key is a secret's part: the result holds neither."""
+    key = "a key 7e1f0c"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tldp_cli.perturb_array(BATCH, eps=1, seed=SEED, key=key)
+    assert key not in repr(result) and SEED not in repr(result)
+    assert key not in json.dumps([result.accounting, result.privunit, result.value_range])
 
 
 @pytest.mark.parametrize("given", [dict(eps=np.float32(4), mechanism="privunit", value_range=(0, 1)),
@@ -298,3 +332,67 @@ def test_a_seeded_call_warns_as_a_seeded_run_does():
     with pytest.warns(UserWarning, match="the same seed on another input of the same shape gives the same noise") as caught:
         tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED)
     assert [w.filename for w in caught] == [__file__]
+
+
+def test_a_seeded_call_says_to_pass_each_batch_its_own_key():
+    """Was: the command's words alone, "use it for one release only", and no way to keep one
+    seed's batches apart in the call; now it names key=, and a keyed call says to use each
+    key once."""
+    with pytest.warns(UserWarning, match=r"^a seed makes .* the same seed on another input of the same shape gives the same noise, "
+                      r"so pass each batch its own key \(key=i in a loop\)") as caught:
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(UserWarning, match="the same seed and key on another array .* use each key for one batch only"):
+        tldp_cli.perturb_array(BATCH, eps=8, budget="record", seed=SEED, key="batch 0")
+
+
+def test_a_masked_array_is_refused_not_unmasked():
+    """Was: np.asarray dropped the mask, and the values under it (a fill value, often far out
+    of range: clipped in silence with clip_input) were perturbed and released as data. A
+    masked array without a masked value (netCDF4's variables read as one) is its data."""
+    values = np.ma.masked_array(BATCH, mask=BATCH > 250)
+    with pytest.raises(tldp_cli.UsageError, match=r"^array is a masked array with \d+ masked values, .* "
+                       r"fill them \(array.filled\(value\)\) or compress them out"):
+        tldp_cli.perturb_array(values, eps=1)
+    unmasked = np.ma.masked_array(BATCH, mask=False)
+    assert tldp_cli.perturb_array(unmasked, eps=1).array.shape == BATCH.shape
+    assert type(tldp_cli.perturb_array(np.ma.masked_array(BATCH), eps=1).array) is np.ndarray
+
+
+def test_a_torch_meta_tensor_is_refused_in_the_library_s_words():
+    """Was: torch's NotImplementedError ("Cannot copy out of meta tensor; no data!"), not a
+    TldpError, from a tensor that has a shape and no values."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(tldp_cli.UsageError, match=r"^array is a torch meta tensor: .* load its values first$"):
+        tldp_cli.perturb_array(torch.empty(6, 5, device="meta"), eps=1, value_range=(0, 1))
+    with pytest.raises(tldp_cli.UsageError, match="meta tensor"):
+        tldp_cli.perturb_array(torch.nn.Parameter(torch.empty(6, 5, device="meta")), eps=1, value_range=(0, 1))
+
+
+def test_plan_is_tldp_plan_json(cli, tmp_path):
+    """Was: no library counterpart of `tldp plan` (a caller imported tldp_cli.run.plan, whose
+    errors name the flags). tldp_cli.plan(options) returns what `tldp plan INPUT --json` prints,
+    writes nothing, and its errors name the parameters, as tldp_cli.perturb's do."""
+    floats = np.random.default_rng(7).random((20, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", floats)
+    for flags, given in [(["--noise", "gaussian"], dict(noise="gaussian", value_range="0:1")),
+                         (["--mechanism", "privunit", "--clip", "1"], dict(mechanism="privunit", clip=1.0)),
+                         (["--budget", "record", "--dp-delta", "1e-6"], dict(budget="record", dp_delta=1e-6,
+                                                                             value_range=(0, 1)))]:
+        range_flags = ["--range", "0:1"] if "value_range" in given else []
+        result = cli("plan", tmp_path / "x.npy", "--eps", "4", *flags, *range_flags, "--json", "-q")
+        assert result.exit_code == 0, result.stderr
+        options = tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=4.0, **given)
+        assert tldp_cli.plan(options) == json.loads(result.stdout), flags
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+    phases = []
+    tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1.0, value_range=(0, 1)),
+                  phase=lambda label, what: phases.append(label))
+    assert phases == ["reading", "planning"]
+    with pytest.raises(tldp_cli.UsageError, match=r"value_range=\(lo, hi\)") as caught:
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=1.0))
+    assert not FLAG.search(str(caught.value))
+    with pytest.raises(tldp_cli.UsageError, match=r"^eps must be a finite number > 0, not 0"):
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "x.npy", eps=0, value_range=(0, 1)))
+    with pytest.raises(tldp_cli.InputError):
+        tldp_cli.plan(tldp_cli.PerturbOptions(input=tmp_path / "missing.npy", eps=1.0, value_range=(0, 1)))

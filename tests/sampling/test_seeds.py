@@ -312,3 +312,22 @@ def test_audit_and_sweep_take_seeds_the_same_way(cli, src, tmp_path, monkeypatch
     monkeypatch.delenv("TLDP_SEED")
     assert_one_line_usage_error(cli("evaluate", src, tmp_path / "p.npy", "--seed-file", tmp_path / "key.seed"),
                                 "No such option: --seed-file")
+
+
+def test_a_key_names_a_release_s_streams_as_perturb_tensors_always_did():
+    """rng.keyed_name, perturb_tensors' `key` and perturb_array's: `key`, NUL, the array's name
+    (perturb_tensors' f"{key}\\0{name}", its noise unchanged); no key is the name itself;
+    bytes are their own bytes, an int its decimal digits (as integer seeds are)."""
+    from tldp_cli.sampling.rng import keyed_name
+
+    assert keyed_name("w", "round 0/client 1") == "round 0/client 1\0w"
+    assert keyed_name("w", None) == keyed_name("w", "") == keyed_name("w", b"") == "w"
+    assert keyed_name("array", 12) == keyed_name("array", "12") == keyed_name("array", b"12")
+    streams = Streams("secure", SEED)
+    undecodable = keyed_name("w", b"\xff\x00")
+    assert streams.generator(undecodable, 0).random() != streams.generator(keyed_name("w", b"\xfe\x00"), 0).random()
+    for bad in (1.5, True, ["a"]):
+        with pytest.raises(UsageError, match="key names a batch: a str, bytes or int"):
+            keyed_name("w", bad)
+    with pytest.raises(UsageError, match="lone surrogate"):
+        keyed_name("w", "\ud800")  # generator() could not encode it: refused before any work

@@ -1,7 +1,7 @@
 """The library speaks Python: its entry points raise messages that name their parameters.
 
 Messages have one source, written for the command ("--eps must be a finite number > 0",
-"pass --allow-weak-seed"). The library's entry points (perturb_array, perturb, calibrate)
+"pass --allow-weak-seed"). The library's entry points (perturb_array, perturb, plan, calibrate)
 translate the flags in the messages they raise into their parameters' names, through the
 table of PerturbOptions' flags (pipeline.OPTION_FLAGS, which a resume record's keys use
 too): `--eps 0` reads `eps=0`, `--mechanism privunit` `mechanism='privunit'`,

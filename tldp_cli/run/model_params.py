@@ -24,7 +24,7 @@ from tldp_cli.run import manifest
 from tldp_cli.sampling import engine
 from tldp_cli.errors import UsageError
 from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration, calibrate_arrays, calibrate_privunit, matrix_rows
-from tldp_cli.sampling.rng import Streams
+from tldp_cli.sampling.rng import Streams, keyed_name
 
 
 def calibrate_tensors(shapes: Mapping[str, tuple[int, ...]], *, epsilon: float, clip: float,
@@ -46,13 +46,13 @@ def calibrate_tensors(shapes: Mapping[str, tuple[int, ...]], *, epsilon: float, 
 
 
 def perturb_tensors(tensors: Mapping[str, np.ndarray], calibrations: Mapping[str, Calibration], *,
-                    streams: Streams, key: str = "", dtype: np.dtype | type = np.float32
+                    streams: Streams, key: str | bytes | int = "", dtype: np.dtype | type = np.float32
                     ) -> dict[str, np.ndarray]:
     """Each tensor clipped to [-C, C] (C from its calibration) and perturbed as one record.
 
     The result keeps every tensor's shape; floating-point tensors keep their dtype,
     others come back in `dtype`. `key` keeps the noise of different releases apart
-    under one seeded `streams`.
+    under one seeded `streams` (rng.keyed_name: a str, bytes or int; perturb_array's `key`).
     """
     out = {}
     for name, tensor in tensors.items():
@@ -64,7 +64,7 @@ def perturb_tensors(tensors: Mapping[str, np.ndarray], calibrations: Mapping[str
             raise UsageError(f"tensor {name} holds NaN or Inf")
         bound = calib.range_width / 2
         clipped = np.clip(tensor.astype(dtype, copy=False), -bound, bound)
-        noisy = engine.perturb_records(clipped.reshape(1, -1), 0, f"{key}\0{name}" if key else name,
+        noisy = engine.perturb_records(clipped.reshape(1, -1), 0, keyed_name(name, key),
                                        calib, streams, dtype=dtype)
         out[name] = noisy.reshape(tensor.shape).astype(tensor.dtype if tensor.dtype.kind == "f" else dtype)
     return out

@@ -22,6 +22,7 @@ from tldp_cli.errors import UsageError
 from tldp_cli.formats import ArrayJob, cf
 from tldp_cli.run.calibration import calibrate_run, range_group_messages
 from tldp_cli.run.context import Phase, Report, RunContext
+from tldp_cli.run.library import speaks_python
 from tldp_cli.run.pipeline import (
     checked_format_options,
     headers_phrase,
@@ -34,6 +35,19 @@ from tldp_cli.run.options import DESCRIBED, PerturbOptions, checked_input, check
 from tldp_cli.run.run_manifest import build_manifest
 
 SCHEMA = "tldp-plan/1"
+
+
+@speaks_python()
+def plan(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:
+    """The plan of tldp_cli.perturb(options), what `tldp plan INPUT --json` prints (schema
+    tldp-plan/1: the manifest the run would write, without its outputs, and the
+    calibration), from options.input's headers alone; nothing is written and no data is read.
+
+    Refuses what perturb refuses before reading the data, with its errors (a UsageError,
+    InputError, ...), their messages naming the parameters (run/library.py); the plan's
+    "messages" are the lines the command prints, in its words, as PerturbResult.messages.
+    `phase(label, what)` is told as each phase starts, as perturb tells it."""
+    return plan_input(options, phase=phase)
 
 
 def plan_input(options: PerturbOptions, phase: Phase | None = None) -> dict[str, Any]:

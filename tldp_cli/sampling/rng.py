@@ -164,6 +164,29 @@ def check_seed(seed: str | int, allow_weak_seed: bool = False) -> bool:
     return described < PATTERN_BITS
 
 
+def keyed_name(name: str, key: str | bytes | int | None) -> str:
+    """The stream name of array `name` in the release `key` names (a caller's batch, round
+    or client): `key`, a NUL, then `name`, so one seed under distinct keys draws distinct
+    noise. No key (None or empty) is `name` itself, the streams of an unkeyed call. A str
+    key is its UTF-8, bytes their own bytes (b"x" is "x"), an int its decimal digits (7 is
+    "7", as integer seeds are). The key, like the seed, is never written anywhere."""
+    if key is None or isinstance(key, (str, bytes)) and not key:
+        return name
+    if isinstance(key, bytes):
+        text = key.decode("utf-8", "surrogateescape")  # generator() encodes it back to these bytes
+    elif isinstance(key, str):
+        text = key
+    elif isinstance(key, bool) or not hasattr(key, "__index__"):
+        raise UsageError(f"key names a batch: a str, bytes or int, not {type(key).__name__}")
+    else:
+        text = str(operator.index(key))
+    try:
+        text.encode("utf-8", "surrogateescape")  # as generator() encodes it
+    except UnicodeEncodeError:
+        raise UsageError("key is a str with a lone surrogate, which has no bytes: pass it as bytes") from None
+    return f"{text}\0{name}"
+
+
 def records_per_unit(elements_per_record: int, array_records: int | None = None) -> int:
     """A power of two, so units line up with the power-of-two chunks of stored arrays
     and a block of whole chunks draws no noise it does not use. An array of
