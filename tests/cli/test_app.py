@@ -117,3 +117,17 @@ def test_ctrl_c_during_an_import_inside_a_run_is_exit_130(capsys):
         run(False, importing)
     assert exited.value.code == 130
     assert capsys.readouterr().err == "tldp: error: interrupted; nothing was written\n"
+
+
+@pytest.mark.parametrize("args, help_command", [
+    (["frobnicate"], "tldp --help"),  # an unknown command: it had no hint at all
+    (["--bogus"], "tldp --help"),
+    (["perturb", "x.npy", "--copy-other=maybe"], "tldp perturb --help"),  # Click gives this one no context
+    (["perturb", "x.npy", "--bogus"], "tldp perturb --help"),
+])
+def test_a_usage_error_points_to_the_help_that_answers_it(cli, args, help_command):
+    from tests.builders import one_line_error
+
+    line = one_line_error(cli(*args), 2)
+    assert line.startswith("tldp: error: ") and line.endswith(f" (see '{help_command}')"), line
+    assert ". (see" not in line, line

@@ -45,9 +45,9 @@ class _OneLineErrors(TyperGroup):
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
         except typer.TyperException as exc:  # Typer's usage errors carry exit code 2
-            ctx = getattr(exc, "ctx", None)
-            hint = f" (see 'tldp {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
-            fail(f"{exc.format_message()}{hint}", exc.exit_code)
+            message = exc.format_message()
+            message = message[:-1] if message.endswith(".") and not message.endswith("..") else message
+            fail(f"{message} (see '{self._help_command(exc, words)}')", exc.exit_code)
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
         except _StdoutFailed as exc:
@@ -66,6 +66,17 @@ class _OneLineErrors(TyperGroup):
     def invoke(self, ctx):
         with _one_line_failures():
             return super().invoke(ctx)
+
+    def _help_command(self, exc: Exception, words: list[str]) -> str:
+        """Where a usage error's help is: the command's (`tldp perturb --help`), or the root's
+        for an unknown command or a root option; Click's parser gives some errors no context
+        (an option's value where it takes none): the command the words name, then."""
+        ctx = getattr(exc, "ctx", None)
+        if ctx is not None:
+            command = ctx.info_name if ctx.parent is not None else None
+        else:
+            command = words[0] if words and words[0] in self.commands else None
+        return f"tldp {command} --help" if command else "tldp --help"
 
     def _aliased(self, words: list[str]) -> list[str]:
         """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
