@@ -474,6 +474,11 @@ def reference_hint(manifest: dict) -> str:
     return "; the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
 
 
+# privunit's output scale c, one run's or each group's: 5 significant digits, so that a 16-bit
+# range's (65536) is written out, not 6.554e+04.
+SCALE = ".5g"
+
+
 def privunit_phrase(manifest: dict) -> str:
     """--mechanism privunit, as plan's summary line says it: the basis, k, the split and the
     write-back's scale and reference point; each group's where the records' sizes or ranges
@@ -485,7 +490,7 @@ def privunit_phrase(manifest: dict) -> str:
     groups = [(c["records"], c["privunit"]) for c in manifest.get("calibrations") or [] if "privunit" in c]
     if len({tuple(str(group[key]) for key in shown) for _, group in groups}) > 1:
         each = "; ".join(f"{plural(n, 'record')} of {' x '.join(map(str, g['record_shape']))} on {g['k']} {basis} "
-                         f"coefficients (eps0 {g['epsilon0']:.4g}), output scale {g['output_scale']:.5g} around "
+                         f"coefficients (eps0 {g['epsilon0']:.4g}), output scale {g['output_scale']:{SCALE}} around "
                          f"{g['reference']:g}" for n, g in groups)
         return (f"privunit, each group of records its own calibration (the manifest's calibrations): {each}; "
                 f"cap share {figures.get('q', float('nan')):.3g}, expected alignment "
@@ -496,7 +501,7 @@ def privunit_phrase(manifest: dict) -> str:
     return (f"privunit on {unit['k']} {basis} coefficients ({layout}eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
-            f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "
+            f"{unit['output_scale']['c']:{SCALE}} around {unit['reference']:g} (--reference "
             f"{unit.get('reference_option', 'zero')}{reference_hint(manifest)})")
 
 
