@@ -131,3 +131,27 @@ def test_a_usage_error_points_to_the_help_that_answers_it(cli, args, help_comman
     line = one_line_error(cli(*args), 2)
     assert line.startswith("tldp: error: ") and line.endswith(f" (see '{help_command}')"), line
     assert ". (see" not in line, line
+
+
+@pytest.mark.parametrize("hidden, args, extra", [
+    (("distributed",), ["perturb", "{npy}", "--eps", "1", "--range", "0:1", "--scheduler", "dask"], "dask"),  # was exit 2
+    (("matplotlib",), ["sweep", "{npy}", "--eps", "1", "--range", "0:1", "--out", "{tmp}/sweep"], "eval"),
+    (("cv2",), ["weight-mask", "{npy}", "--method", "faces", "--range", "0:1", "--out", "{tmp}/m.npy"], "faces"),
+])
+def test_a_missing_extra_is_one_line_naming_the_pip_command_exit_1(cli, tmp_path, monkeypatch, hidden, args, extra):
+    """The command line is right, the installation lacks a library: exit 1 for each extra
+    (--scheduler dask without Dask exited 2, the others 1), in the same words, nothing written."""
+    import re
+
+    import numpy as np
+
+    from tests.builders import one_line_error
+
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros((4, 8, 8), np.float32))
+    for name in [n for n in sys.modules if n.split(".")[0] in hidden] + list(hidden):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    line = one_line_error(cli(*[a.format(npy=npy, tmp=tmp_path) for a in args]), 1)
+    assert re.fullmatch(rf"tldp: error: \S.* needs \S.*, an optional extra: pip install 'tldp-tensors\[{extra}\]'",
+                        line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
