@@ -155,3 +155,25 @@ def test_a_missing_extra_is_one_line_naming_the_pip_command_exit_1(cli, tmp_path
     assert re.fullmatch(rf"tldp: error: \S.* needs \S.*, an optional extra: pip install 'tldp-tensors\[{extra}\]'",
                         line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+def test_quiet_silences_stderr_but_errors_never_the_result_on_stdout(cli, tmp_path):
+    """-q: `tldp ledger -q` printed nothing at all, its listing included, where `tldp seed -q`
+    printed the seed; a deprecated alias's warning was printed with -q."""
+    import json
+
+    import numpy as np
+
+    src, ledger = tmp_path / "x.npy", tmp_path / "ledger.db"
+    np.save(src, np.zeros((4, 8), np.float32))
+    released = cli("perturb", src, "--eps", "1", "--range", "0:1", "--ledger", ledger, "-q", "--json")
+    assert released.exit_code == 0 and released.stderr == "", released.stderr
+    assert json.loads(released.stdout)["epsilon"] == 1  # the result, on stdout
+    loud, quiet = cli("ledger", ledger), cli("ledger", ledger, "-q")
+    assert loud.exit_code == quiet.exit_code == 0
+    assert "releases:" in loud.stdout and quiet.stdout == loud.stdout and quiet.stderr == ""
+    seed = cli("seed", "-q")
+    assert seed.exit_code == 0 and len(seed.stdout.strip()) == 32 and seed.stderr == ""
+    aliased = cli("evaluate", "--sweep", src, "-q")  # refused (no --eps): the error alone
+    assert aliased.exit_code == 2 and aliased.stderr.startswith("tldp: error: "), aliased.stderr
+    assert len(aliased.stderr.splitlines()) == 1 and "deprecated" in cli("evaluate", "--sweep", src).stderr

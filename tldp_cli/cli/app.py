@@ -1,7 +1,9 @@
 """The `tldp` application: one line per failure, exit codes, and what every command
 runs with (the library call in `run`, JSON output, signals, the progress bar).
 
-Human-readable text goes to stderr; stdout carries only machine output (--json).
+stdout carries a command's result only (--json, the seed, the ledger's listing), which -q
+never silences; everything else goes to stderr: errors, always, and the rest (progress,
+notes, warnings, summaries) unless -q (docs/output.md#what-a-command-prints).
 """
 
 import contextlib
@@ -85,8 +87,9 @@ class _OneLineErrors(TyperGroup):
         for flag in options if words else ():
             target = DEPRECATED_FLAGS.get((words[0], flag))
             if target is not None:
-                typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
-                           f"use 'tldp {target}', which takes the same options", err=True)
+                if not set(QUIET_FLAGS) & set(options):  # a warning: -q silences it as any other
+                    typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
+                               f"use 'tldp {target}', which takes the same options", err=True)
                 rest = list(words[1:])
                 rest.remove(flag)
                 return [target, *rest]
@@ -167,6 +170,8 @@ def _quiet_stdout() -> None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
+
+QUIET_FLAGS = ("--quiet", "-q")  # options.Quiet's
 
 # (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
 DEPRECATED_FLAGS: dict[tuple[str, str], str] = {}

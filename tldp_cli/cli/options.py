@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from tldp_cli import formats
-from tldp_cli.cli.app import SEED_ENV
+from tldp_cli.cli.app import QUIET_FLAGS, SEED_ENV
 from tldp_cli.errors import UsageError
 from tldp_cli.files import local
 
@@ -353,7 +353,9 @@ PublicMissing = Annotated[bool, typer.Option(
 RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Quiet = Annotated[bool, typer.Option(*QUIET_FLAGS, help=(
+    "Print nothing on stderr but errors: no progress, notes, warnings or summaries. What goes to "
+    "stdout (--json, the seed, the ledger's listing) is printed still."))]
 Verbose = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say what each phase does as it starts (reading the headers, planning, "
                             "checking, perturbing, committing), one line each on stderr.")]

@@ -216,7 +216,7 @@ def perturb_command(
 def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
     """INPUT... then the paths --inputs-from lists."""
     if quiet and verbose:
-        raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
+        raise UsageError("give -q (nothing on stderr but errors) or -v (say what each phase does), not both")
     return input_paths(inputs, inputs_from)
 
 
