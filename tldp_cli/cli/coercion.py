@@ -117,10 +117,10 @@ def _number(value: Any, annotation: type, info: Any) -> Any:
         _not_a_number(value)
     else:
         raise _Unknown
-    if annotation is int and type(info.min) is int and info.max is None and not info.clamp and number < info.min:
+    if info.clamp:
+        raise _Unknown  # Typer's clamping
+    if (info.min is not None and number < info.min) or (info.max is not None and number > info.max):
         raise _Refused
-    if info.clamp or (info.min is not None and number < info.min) or (info.max is not None and number > info.max):
-        raise _Unknown  # out of bounds: Typer's message, or its clamping
     return number
 
 
