@@ -29,8 +29,8 @@ def outcome(runtime, value, param, ctx):
     try:
         got = runtime.coerce(value, param=param, ctx=ctx)
     except Exception as exc:  # noqa: BLE001 (the error itself is what is compared)
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         kind = "BadParameter" if isinstance(exc, typer.BadParameter) else type(exc).__name__
+        message = exc.message if kind == "BadParameter" else str(exc)  # a BadParameter's without "Invalid value for"
         if hasattr(exc.__cause__, "errors"):  # pydantic's ValidationError: its words, not the CLI's
             return ("error", kind, "pydantic")
         return ("error", kind, message)
@@ -63,9 +63,12 @@ def test_quick_coercion_agrees_with_typers_own(command, param):
         if param.type_descriptor.annotation is bool and isinstance(value, bool):
             continue  # Typer does not coerce a flag's bool
         got, typers = outcome(quick, value, param, ctx), outcome(own, value, param, ctx)
+        name = param.opts[0] if param.param_type_name == "option" else param.metavar.removesuffix("...")
         if typers[2] == "pydantic":  # refused by pydantic: refused here too, in plain words
-            assert got[:2] == typers[:2] and got[2].startswith(f"{param.opts[0]} must be "), (param.name, value, got)
+            assert got[:2] == typers[:2] and got[2].startswith(f"{name} must be "), (param.name, value, got)
             assert ", not " in got[2] and not any(words in got[2] for words in PYDANTIC_WORDS), got
+        elif typers[:2] == ("error", "BadParameter"):  # the parser's own words, after the option's name
+            assert got == (*typers[:2], f"{name}: {typers[2]}"), (param.name, value, got)
         else:
             assert got == typers, (param.name, value)
 
@@ -116,3 +119,15 @@ def test_an_option_from_the_environment_is_named_with_its_variable(cli, monkeypa
     line = one_line_error(cli("perturb", "x.npy", "--eps", "1"), 2)
     assert line == ("tldp: error: --workers (from $TLDP_WORKERS) must be a whole number >= 1, not 'many' "
                     "(see 'tldp perturb --help')"), line
+
+
+@pytest.mark.parametrize("args, line", [
+    (["perturb", "-", "--eps", "1"], "INPUT: reading from stdin is not supported"),
+    (["perturb", "x.npy", "--eps", "1", "--ledger", "s3://b/k"], "--ledger: s3://b/k: remote paths are not supported"),
+    (["evaluate", "x.npy", "y.npy", "--manifest", ""], "--manifest: the path is empty"),
+])
+def test_a_path_option_s_refusal_names_the_option_without_click_s_preamble(cli, args, line):
+    """"Invalid value for '--ledger' (env var: 'TLDP_LEDGER'): s3://b/k: ...": Click's words
+    before the parser's; now the option, then the parser's words."""
+    got = one_line_error(cli(*args), 2)
+    assert got.startswith(f"tldp: error: {line}") and "Invalid value" not in got, got

@@ -81,7 +81,7 @@ def option_name(param: Any, ctx: Any) -> str:
     """The option as a refusal names it: its flag (an argument's metavar), and the variable
     where the value came from the environment ("--workers (from $TLDP_WORKERS)")."""
     name = param.opts[0] if getattr(param, "param_type_name", "") == "option" and param.opts else (
-        param.human_readable_name)
+        (getattr(param, "metavar", None) or str(param.name).upper()).removesuffix("..."))
     source = ctx.get_parameter_source(param.name) if ctx is not None and param.name else None
     if source is not None and source.name == "ENVIRONMENT" and param.envvar:
         variable = param.envvar if isinstance(param.envvar, str) else param.envvar[0]
@@ -95,6 +95,14 @@ def refusal(param: Any, ctx: Any, value: Any, takes: str) -> BadParameter:
     shown = repr(value) if isinstance(value, str) else str(value)
     return _PlainBadParameter(_escape_control_characters(f"{option_name(param, ctx)} must be {takes}, not {shown}"),
                               ctx=ctx, param=param)
+
+
+def _plainly(exc: BadParameter, param: Any, ctx: Any) -> BadParameter:
+    """A parser's refusal after the option's name ("--ledger: s3://b/k: remote paths are not
+    supported; ..."), not after Click's "Invalid value for '--ledger' (env var: ...):"."""
+    if isinstance(exc, _PlainBadParameter):
+        return exc
+    return _PlainBadParameter(f"{option_name(param, ctx)}: {exc.message}", ctx=ctx, param=param)
 
 
 def _number(value: Any, annotation: type, info: Any) -> Any:
@@ -162,6 +170,8 @@ class _Quick(_RuntimeParam or object):  # type: ignore[misc]
                     coerced.append(_leaf(refused, item, self.parameter_info, ctx))
                 return coerced
             return _leaf(value, self.annotation, self.parameter_info, ctx)
+        except BadParameter as exc:  # a parser's own refusal (a URL as a path): its words, after the option's
+            raise _plainly(exc, param, ctx) from None
         except _Refused:  # where Typer raises pydantic's ValidationError (AdapterRuntimeParam)
             assert takes is not None  # only enums and numbers are refused here
             raise refusal(param, ctx, refused, takes) from None
@@ -173,7 +183,7 @@ class _Quick(_RuntimeParam or object):  # type: ignore[misc]
         except BadParameter as exc:
             errors = exc.__cause__.errors() if hasattr(exc.__cause__, "errors") else []  # pydantic's
             if not errors:
-                raise  # a parser's own refusal (a URL as a path): its words
+                raise _plainly(exc, param, ctx) from None  # a parser's own refusal, as above
             first = errors[0]
             if takes is None:  # a parser's ValueError, which pydantic words "Value error, ..."
                 reason = str((first.get("ctx") or {}).get("error") or first["msg"])
