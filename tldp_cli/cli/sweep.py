@@ -102,7 +102,7 @@ def sweep_command(
         from tldp_cli.evaluate.utility import need
         from tldp_cli.files.output import check_file_target, check_outside_inputs
 
-        need("matplotlib")  # the plots write_sweep draws: refused before the sweep, not after it
+        need("matplotlib", load=False)  # the plots write_sweep draws: refused before the sweep, not after it
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:

@@ -128,13 +128,20 @@ def folder_labels(names: list[str], folder: Path) -> np.ndarray:
 _EVAL_LIBRARIES = {"sklearn": ("task utility (--labels)", "scikit-learn"), "matplotlib": ("the sweep's plots", "matplotlib")}
 
 
-def need(module: str):
+def need(module: str, load: bool = True):
+    """`module`, imported; or, with load=False, only found (a command's check before its work,
+    which imports nothing heavy: tests/cli/test_startup.py). MissingExtra where it is not installed."""
     import importlib
+    import importlib.util
 
+    top = module.split(".")[0]
     try:
+        if not load:
+            if importlib.util.find_spec(top) is None:
+                raise ImportError(top)
+            return None
         return importlib.import_module(module)
     except ImportError:
-        top = module.split(".")[0]
         what, library = _EVAL_LIBRARIES.get(top, ("this", top))
         raise MissingExtra(what, library, "eval") from None
 
