@@ -90,7 +90,7 @@ def refused_options():
     for name, command in root.commands.items():
         for param in command.params:
             annotation = param.type_descriptor.annotation
-            leaf = (typing.get_args(annotation) or (annotation,))[0] if typing.get_origin(annotation) is list else annotation
+            leaf = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
             if param.param_type_name == "option" and (leaf in (int, float) or isinstance(leaf, type)
                                                        and issubclass(leaf, enum.Enum)):
                 found.append((name, param.opts[0], leaf))

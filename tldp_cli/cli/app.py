@@ -2,8 +2,9 @@
 runs with (the library call in `run`, JSON output, signals, the progress bar).
 
 stdout carries a command's result only (--json, the seed, the ledger's listing), which -q
-never silences; everything else goes to stderr: errors, always, and the rest (progress,
-notes, warnings, summaries) unless -q (docs/output.md#what-a-command-prints).
+never silences; everything else goes to stderr: errors and the warnings that ask for a
+change nothing records, always; the rest (progress, notes, summaries, a run's warnings,
+which its manifest keeps) unless -q (docs/output.md#what-a-command-prints).
 """
 
 import contextlib
@@ -87,9 +88,9 @@ class _OneLineErrors(TyperGroup):
         for flag in options if words else ():
             target = DEPRECATED_FLAGS.get((words[0], flag))
             if target is not None:
-                if not set(QUIET_FLAGS) & set(options):  # a warning: -q silences it as any other
-                    typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
-                               f"use 'tldp {target}', which takes the same options", err=True)
+                # a warning that asks for a change no manifest records: printed with -q too
+                typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
+                           f"use 'tldp {target}', which takes the same options", err=True)
                 rest = list(words[1:])
                 rest.remove(flag)
                 return [target, *rest]
@@ -170,8 +171,6 @@ def _quiet_stdout() -> None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
-
-QUIET_FLAGS = ("--quiet", "-q")  # options.Quiet's
 
 # (command, flag) -> the command it stands for: `tldp evaluate --sweep ...` runs `tldp sweep ...`.
 DEPRECATED_FLAGS: dict[tuple[str, str], str] = {}

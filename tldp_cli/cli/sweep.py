@@ -121,7 +121,7 @@ def sweep_command(
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
                               model=model.value, value_range=rng_range, weights=weights,
-                              budget=budget.value, seed=resolve_seed(seed, seed_file, quiet),
+                              budget=budget.value, seed=resolve_seed(seed, seed_file),
                               allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                               dataset=dataset, progress=advance,
                               input_format=input_format and input_format.value, repeats=repeat,

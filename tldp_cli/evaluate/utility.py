@@ -125,7 +125,8 @@ def folder_labels(names: list[str], folder: Path) -> np.ndarray:
 
 
 # What each library of the eval extra is needed for, and its name on the package index.
-_EVAL_LIBRARIES = {"sklearn": ("task utility (--labels)", "scikit-learn"), "matplotlib": ("the sweep's plots", "matplotlib")}
+_EVAL_LIBRARIES = {"sklearn": ("task utility (--labels)", "scikit-learn"),
+                   "matplotlib": ("the sweep's plots", "matplotlib")}
 
 
 def need(module: str, load: bool = True):
