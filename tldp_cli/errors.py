@@ -1,5 +1,5 @@
-"""Typed errors. The CLI turns a TldpError into one line on stderr and exit 1,
-a UsageError into one line and exit 2. Nothing below cli.py prints or exits."""
+"""Typed errors. The CLI turns a TldpError (a MissingExtra among them) into one line on
+stderr and exit 1, a UsageError into one line and exit 2. Nothing below cli.py prints or exits."""
 
 
 class TldpError(Exception):
@@ -29,6 +29,16 @@ class OutOfReach(UsageError):
     def __init__(self, message: str, least: float):
         super().__init__(message)
         self.least = least
+
+
+class MissingExtra(TldpError):
+    """What was asked for needs a library of an optional extra that is not installed: exit 1,
+    as for any failure that is not a usage error (the command line is right, the installation
+    lacks something), one line naming the pip command that installs it."""
+
+    def __init__(self, what: str, library: str, extra: str):
+        super().__init__(f"{what} needs {library}, an optional extra: pip install 'tldp-tensors[{extra}]'")
+        self.extra = extra
 
 
 class InputError(TldpError):

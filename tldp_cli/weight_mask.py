@@ -22,7 +22,7 @@ from PIL import Image
 from tldp_cli import __version__, formats
 from tldp_cli.files import output
 from tldp_cli.files.checked_io import json_value
-from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.errors import InputError, MissingExtra, UsageError, reason_of
 from tldp_cli.formats import ArrayJob, FormatOptions, listing, plural
 from tldp_cli.run.masks import SIDECAR_SCHEMA, sidecar_path
 from tldp_cli.run.calibration import DEFAULT_RANGE_BITS, resolve_range
@@ -288,8 +288,7 @@ class FaceDetector:
         try:
             import cv2
         except ImportError:
-            raise InputError("--method faces needs OpenCV: pip install 'tldp-tensors[faces]' "
-                             "(opencv-python-headless 4)") from None
+            raise MissingExtra("--method faces", "OpenCV (opencv-python-headless 4)", "faces") from None
         path = Path(getattr(getattr(cv2, "data", None), "haarcascades", "")) / FACE_CASCADE
         self.cv2 = cv2
         self.cascade = cv2.CascadeClassifier(str(path)) if path.is_file() else None

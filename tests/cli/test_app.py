@@ -117,3 +117,78 @@ def test_ctrl_c_during_an_import_inside_a_run_is_exit_130(capsys):
         run(False, importing)
     assert exited.value.code == 130
     assert capsys.readouterr().err == "tldp: error: interrupted; nothing was written\n"
+
+
+@pytest.mark.parametrize("args, help_command", [
+    (["frobnicate"], "tldp --help"),  # an unknown command: it had no hint at all
+    (["--bogus"], "tldp --help"),
+    (["perturb", "x.npy", "--copy-other=maybe"], "tldp perturb --help"),  # Click gives this one no context
+    (["perturb", "x.npy", "--bogus"], "tldp perturb --help"),
+])
+def test_a_usage_error_points_to_the_help_that_answers_it(cli, args, help_command):
+    from tests.builders import one_line_error
+
+    line = one_line_error(cli(*args), 2)
+    assert line.startswith("tldp: error: ") and line.endswith(f" (see '{help_command}')"), line
+    assert ". (see" not in line, line
+
+
+@pytest.mark.parametrize("hidden, args, extra", [
+    # was exit 2
+    (("distributed",), ["perturb", "{npy}", "--eps", "1", "--range", "0:1", "--scheduler", "dask"], "dask"),
+    (("matplotlib",), ["sweep", "{npy}", "--eps", "1", "--range", "0:1", "--out", "{tmp}/sweep"], "eval"),
+    (("cv2",), ["weight-mask", "{npy}", "--method", "faces", "--range", "0:1", "--out", "{tmp}/m.npy"], "faces"),
+])
+def test_a_missing_extra_is_one_line_naming_the_pip_command_exit_1(cli, tmp_path, monkeypatch, hidden, args, extra):
+    """The command line is right, the installation lacks a library: exit 1 for each extra
+    (--scheduler dask without Dask exited 2, the others 1), in the same words, nothing written."""
+    import re
+
+    import numpy as np
+
+    from tests.builders import one_line_error
+
+    npy = tmp_path / "x.npy"
+    np.save(npy, np.zeros((4, 8, 8), np.float32))
+    for name in [n for n in sys.modules if n.split(".")[0] in hidden] + list(hidden):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    line = one_line_error(cli(*[a.format(npy=npy, tmp=tmp_path) for a in args]), 1)
+    assert re.fullmatch(rf"tldp: error: \S.* needs \S.*, an optional extra: pip install 'tldp-tensors\[{extra}\]'",
+                        line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+def test_quiet_silences_stderr_s_chatter_never_the_result_on_stdout(cli, tmp_path):
+    """-q: `tldp ledger -q` printed nothing at all, its listing included, where `tldp seed -q`
+    printed the seed."""
+    import json
+
+    import numpy as np
+
+    src, ledger = tmp_path / "x.npy", tmp_path / "ledger.db"
+    np.save(src, np.zeros((4, 8), np.float32))
+    released = cli("perturb", src, "--eps", "1", "--range", "0:1", "--ledger", ledger, "-q", "--json")
+    assert released.exit_code == 0 and released.stderr == "", released.stderr
+    assert json.loads(released.stdout)["epsilon"] == 1  # the result, on stdout
+    loud, quiet = cli("ledger", ledger), cli("ledger", ledger, "-q")
+    assert loud.exit_code == quiet.exit_code == 0
+    assert "releases:" in loud.stdout and quiet.stdout == loud.stdout and quiet.stderr == ""
+    seed = cli("seed", "-q")
+    assert seed.exit_code == 0 and len(seed.stdout.strip()) == 32 and seed.stderr == ""
+
+
+def test_quiet_still_warns_about_a_seed_file_others_can_read(cli, tmp_path):
+    """A warning that asks for a change no manifest records is printed under -q (the seed file
+    was used without a word), as a deprecated alias's warning is."""
+    import numpy as np
+
+    src = tmp_path / "x.npy"
+    np.save(src, np.zeros((4, 8), np.float32))
+    loose = tmp_path / "loose.seed"
+    loose.write_text("5f1c2a9e8b7d6c4f3a2b1e0d9c8b7a6f\n")
+    loose.chmod(0o644)
+    seeded = cli("perturb", src, "--eps", "1", "--range", "0:1", "--seed-file", loose, "--out", tmp_path / "s.npy",
+                 "-q")
+    assert seeded.exit_code == 0 and seeded.stderr.splitlines() == [
+        f"tldp: warning: other users may read or write the seed file {loose} (mode 0644); it holds a secret "
+        f"key: chmod 600 {loose}"], seeded.stderr

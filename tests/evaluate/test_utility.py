@@ -37,16 +37,16 @@ def test_evaluate_with_labels_without_scikit_learn_says_what_to_install(cli, rel
     report it", once every check had run: weighted_f1 imported sklearn before need()."""
     src, out, task = released
     _without(monkeypatch, "sklearn")
-    assert_one_line_error(cli("evaluate", src, out, *task), 1, "needs sklearn", HINT)
+    assert_one_line_error(cli("evaluate", src, out, *task), 1, "needs scikit-learn", HINT)
 
 
 def test_a_task_without_scikit_learn_is_refused_before_any_data_is_read(released, monkeypatch):
     src, out, task = released
     _without(monkeypatch, "sklearn")
     monkeypatch.setattr(ev.report, "read_manifest", lambda *a, **k: pytest.fail("read the manifest"))
-    with pytest.raises(ev.TldpError, match=r"needs sklearn.*tldp-tensors\[eval\]"):
+    with pytest.raises(ev.TldpError, match=r"needs scikit-learn.*tldp-tensors\[eval\]"):
         ev.evaluate(src, out, labels=task[1], test=task[3], test_labels=task[5])
-    with pytest.raises(ev.TldpError, match="needs sklearn"):  # the library's own entry too
+    with pytest.raises(ev.TldpError, match="needs scikit-learn"):  # the library's own entry too
         ev.weighted_f1(np.zeros((2, 3)), np.arange(2), np.zeros((2, 3)), np.arange(2), "logistic", (0, 1))
 
 

@@ -121,11 +121,12 @@ def test_local_process_cluster_through_the_cli(cli, tmp_path):
     np.testing.assert_array_equal(read(tmp_path / "threads.zarr"), read(tmp_path / "dask.zarr"))
 
 
-def test_without_dask_installed_is_a_usage_error(cli, tmp_path, monkeypatch):
+def test_without_dask_installed_is_exit_1_naming_the_extra(cli, tmp_path, monkeypatch):
+    """The command line is right, the installation lacks Dask: exit 1, as every missing extra."""
     src, _ = make_npy(tmp_path)
     monkeypatch.setitem(sys.modules, "distributed", None)  # makes `import distributed` fail
     result = cli("perturb", src, "--eps", "1", "--scheduler", "dask")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert result.stderr.strip() == ("tldp: error: --scheduler dask needs Dask, an optional extra: "
                                      "pip install 'tldp-tensors[dask]'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npy"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.builders import assert_one_line_error, make_npy
-from tldp_cli.errors import UsageError
+from tldp_cli.errors import MissingExtra
 from tldp_cli.run import dask_runner
 
 distributed = pytest.importorskip("distributed")
@@ -132,19 +132,19 @@ def test_without_cryptography_there_is_no_unauthenticated_fallback(monkeypatch):
     monkeypatch.setitem(sys.modules, "cryptography", None)  # makes `import cryptography` fail
     started = []
     monkeypatch.setattr(distributed, "LocalCluster", lambda *a, **k: started.append(k))
-    with pytest.raises(UsageError) as failure, dask_runner.connect(None, 1):
+    with pytest.raises(MissingExtra) as failure, dask_runner.connect(None, 1):
         pass
     assert started == []
-    assert str(failure.value) == ("--scheduler dask without --dask-address needs the cryptography "
-                                  "package for its local cluster's TLS credentials: pip install "
-                                  "'tldp-tensors[dask]'")
+    assert str(failure.value) == ("--scheduler dask without --dask-address (its local cluster's TLS "
+                                  "credentials) needs the cryptography package, an optional extra: "
+                                  "pip install 'tldp-tensors[dask]'")
 
 
 def test_without_cryptography_the_cli_says_what_to_install(cli, tmp_path, monkeypatch):
     src, _ = make_npy(tmp_path)
     monkeypatch.setitem(sys.modules, "cryptography", None)
     result = cli("perturb", src, "--eps", "1", "--scheduler", "dask", "--workers", "1")
-    assert_one_line_error(result, 2, "cryptography", "pip install 'tldp-tensors[dask]'")  # the wording: above
+    assert_one_line_error(result, 1, "cryptography", "pip install 'tldp-tensors[dask]'")  # the wording: above
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
 
 

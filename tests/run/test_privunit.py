@@ -166,6 +166,27 @@ def test_plan_states_each_group_s_output_scale(cli, tmp_path):
         assert f"at k {report['accounting']['privunit']['k']} (the guarantee's group" in line
 
 
+def test_plan_writes_a_group_s_output_scale_as_it_writes_a_single_one(cli, tmp_path):
+    """A 16-bit image alone, and beside an 8-bit one: the same calibration (output scale 65536),
+    so the same words. The single one was printed with 4 significant digits (6.554e+04), a
+    group's with 5 (65536)."""
+    alone, mixed = tmp_path / "alone", tmp_path / "mixed"
+    for folder in (alone, mixed):
+        folder.mkdir()
+        Image.fromarray(np.full((8, 8), 30000, np.uint16)).save(folder / "b.png")
+    Image.fromarray(np.full((8, 8), 100, np.uint8)).save(mixed / "a.png")
+    lines = {}
+    for folder in (alone, mixed):
+        result = cli("plan", folder, "--mechanism", "privunit", "--eps", "4")
+        assert result.exit_code == 0, result.stderr
+        lines[folder.name] = next(line for line in result.stderr.splitlines() if line.startswith("tldp: plan:"))
+    single = lines["alone"].split("output scale ", 1)[1].split(" ")[0]
+    grouped = lines["mixed"].split("output scale ")
+    assert "each group of records its own calibration" in lines["mixed"]
+    assert len(grouped) == 3 and single in [part.split(" ")[0] for part in grouped[1:]], lines
+    assert single == "65536", lines["alone"]
+
+
 HINT = "the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
 
 

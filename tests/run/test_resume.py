@@ -294,6 +294,21 @@ def test_resume_with_nothing_to_resume_runs_from_the_start(tmp_path):
     np.testing.assert_array_equal(read_store(out), read_store(reference))
 
 
+def test_resume_of_a_complete_output_says_nothing_is_left_to_resume(cli, tmp_path):
+    """--resume where the output is complete and no interrupted run is kept: it said only
+    "output exists; pass --overwrite", as if --resume had not been given (exit 1 as before;
+    nothing touched)."""
+    src = make_store(tmp_path)
+    out = tmp_path / "out.zarr"
+    assert cli("perturb", src, "--eps", "1", "--out", out, "-q").exit_code == 0
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    result = cli("perturb", src, "--eps", "1", "--out", out, "--resume")
+    assert_one_line_error(result, 1, str(out), "complete", "nothing left to resume", "--overwrite")
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    again = cli("perturb", src, "--eps", "1", "--out", out, "--resume", "--overwrite")  # as before: runs anew
+    assert again.exit_code == 0, again.stderr
+
+
 def test_a_partial_in_use_is_refused(tmp_path):
     src, out = interrupted(tmp_path)
     fd = os.open(partial_path(out), os.O_RDONLY)

@@ -1,7 +1,10 @@
 """The `tldp` application: one line per failure, exit codes, and what every command
 runs with (the library call in `run`, JSON output, signals, the progress bar).
 
-Human-readable text goes to stderr; stdout carries only machine output (--json).
+stdout carries a command's result only (--json, the seed, the ledger's listing), which -q
+never silences; everything else goes to stderr: errors and the warnings that ask for a
+change nothing records, always; the rest (progress, notes, summaries, a run's warnings,
+which its manifest keeps) unless -q (docs/output.md#what-a-command-prints).
 """
 
 import contextlib
@@ -45,9 +48,9 @@ class _OneLineErrors(TyperGroup):
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
         except typer.TyperException as exc:  # Typer's usage errors carry exit code 2
-            ctx = getattr(exc, "ctx", None)
-            hint = f" (see 'tldp {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
-            fail(f"{exc.format_message()}{hint}", exc.exit_code)
+            message = exc.format_message()
+            message = message[:-1] if message.endswith(".") and not message.endswith("..") else message
+            fail(f"{message} (see '{self._help_command(exc, words)}')", exc.exit_code)
         except typer.Abort:
             fail("interrupted; nothing was written", 130)
         except _StdoutFailed as exc:
@@ -67,6 +70,17 @@ class _OneLineErrors(TyperGroup):
         with _one_line_failures():
             return super().invoke(ctx)
 
+    def _help_command(self, exc: Exception, words: list[str]) -> str:
+        """Where a usage error's help is: the command's (`tldp perturb --help`), or the root's
+        for an unknown command or a root option; Click's parser gives some errors no context
+        (an option's value where it takes none): the command the words name, then."""
+        ctx = getattr(exc, "ctx", None)
+        if ctx is not None:
+            command = ctx.info_name if ctx.parent is not None else None
+        else:
+            command = words[0] if words and words[0] in self.commands else None
+        return f"tldp {command} --help" if command else "tldp --help"
+
     def _aliased(self, words: list[str]) -> list[str]:
         """A deprecated flag that stood for a command of its own (`evaluate --sweep`) runs
         that command, the flag taken out, after one line on stderr naming it."""
@@ -74,6 +88,7 @@ class _OneLineErrors(TyperGroup):
         for flag in options if words else ():
             target = DEPRECATED_FLAGS.get((words[0], flag))
             if target is not None:
+                # a warning that asks for a change no manifest records: printed with -q too
                 typer.echo(f"tldp: warning: 'tldp {words[0]} {flag}' is deprecated and will be removed; "
                            f"use 'tldp {target}', which takes the same options", err=True)
                 rest = list(words[1:])
@@ -463,6 +478,11 @@ def reference_hint(manifest: dict) -> str:
     return "; the range does not hold 0, so auto measures records from its end: --reference mid centres the releases"
 
 
+# privunit's output scale c, one run's or each group's: 5 significant digits, so that a 16-bit
+# range's (65536) is written out, not 6.554e+04.
+SCALE = ".5g"
+
+
 def privunit_phrase(manifest: dict) -> str:
     """--mechanism privunit, as plan's summary line says it: the basis, k, the split and the
     write-back's scale and reference point; each group's where the records' sizes or ranges
@@ -474,7 +494,7 @@ def privunit_phrase(manifest: dict) -> str:
     groups = [(c["records"], c["privunit"]) for c in manifest.get("calibrations") or [] if "privunit" in c]
     if len({tuple(str(group[key]) for key in shown) for _, group in groups}) > 1:
         each = "; ".join(f"{plural(n, 'record')} of {' x '.join(map(str, g['record_shape']))} on {g['k']} {basis} "
-                         f"coefficients (eps0 {g['epsilon0']:.4g}), output scale {g['output_scale']:.5g} around "
+                         f"coefficients (eps0 {g['epsilon0']:.4g}), output scale {g['output_scale']:{SCALE}} around "
                          f"{g['reference']:g}" for n, g in groups)
         return (f"privunit, each group of records its own calibration (the manifest's calibrations): {each}; "
                 f"cap share {figures.get('q', float('nan')):.3g}, expected alignment "
@@ -485,7 +505,7 @@ def privunit_phrase(manifest: dict) -> str:
     return (f"privunit on {unit['k']} {basis} coefficients ({layout}eps0 {unit['epsilon0']:.4g}, cap share "
             f"{figures.get('q', float('nan')):.3g}, expected alignment "
             f"{figures.get('expected_alignment', float('nan')):.3g}), output scale "
-            f"{unit['output_scale']['c']:.4g} around {unit['reference']:g} (--reference "
+            f"{unit['output_scale']['c']:{SCALE}} around {unit['reference']:g} (--reference "
             f"{unit.get('reference_option', 'zero')}{reference_hint(manifest)})")
 
 

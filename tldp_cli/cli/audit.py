@@ -92,7 +92,7 @@ def audit_command(
             value_range=parse_range(value_range), shape=audit_mod.parse_shape(elements),
             dp_delta=dp_delta, granularity=granularity, samples=samples, confidence=confidence,
             scopes=audit_mod.SCOPES if scope is AuditScope.both else (scope.value,),
-            seed=resolve_seed(seed, seed_file, quiet), allow_weak_seed=allow_weak_seed,
+            seed=resolve_seed(seed, seed_file), allow_weak_seed=allow_weak_seed,
             rng=rng.value, dtype=dtype.value, sampler=sampler.value, basis=basis)
 
     report = run(debug, action)

@@ -39,11 +39,11 @@ def ledger_command(
     if json_out:
         typer.echo(json.dumps(report, indent=2, allow_nan=False))
         return
-    if quiet:
-        return
     if not report["releases"]:
-        typer.echo("no releases recorded", err=True)
+        if not quiet:
+            typer.echo("no releases recorded", err=True)
         return
+    # the listing is the command's result, on stdout: -q leaves it (docs/output.md#what-a-command-prints)
     typer.echo("releases:")
     for r in report["releases"]:
         record = r[r["charged"]]  # a model file's whole file, else each record

@@ -138,7 +138,7 @@ AllowWeakSeed = Annotated[bool, typer.Option(
 _SEED_FILE_LIMIT = 4096  # bytes; a seed is a few dozen, more is the wrong file
 
 
-def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) -> Optional[str]:
+def resolve_seed(seed: Optional[str], seed_file: Optional[Path]) -> Optional[str]:
     """The seed from whichever of --seed, --seed-file and $TLDP_SEED is given (None: none;
     an empty TLDP_SEED counts as unset). Two at once is a usage error, not a precedence
     rule: a forgotten exported TLDP_SEED must not silently win or lose."""
@@ -161,8 +161,9 @@ def resolve_seed(seed: Optional[str], seed_file: Optional[Path], quiet: bool) ->
         raise UsageError(f"{seed_file}: not a seed file (a seed is one line of hex digits, e.g. "
                          f"from `tldp seed`)")
     # Only warned about: the mode alone does not prove exposure (a private folder, a
-    # container's secret mount), and a refusal would push the seed back into argv.
-    if stat.S_ISREG(mode) and mode & 0o077 and not quiet:
+    # container's secret mount), and a refusal would push the seed back into argv. Warned
+    # about with -q too: it asks for a change (chmod) that no manifest records.
+    if stat.S_ISREG(mode) and mode & 0o077:
         typer.echo(f"tldp: warning: other users may read or write the seed file {seed_file} "
                    f"(mode {stat.S_IMODE(mode):04o}); it holds a secret key: chmod 600 {seed_file}",
                    err=True)
@@ -353,7 +354,10 @@ PublicMissing = Annotated[bool, typer.Option(
 RngOption = Annotated[RngKind, typer.Option(
     help="secure: AES-CTR keyed from OS entropy (or the seed). fast: PCG64, predictable "
          "from its output.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=(
+    "Silence stderr's progress, notes, summaries and a run's warnings (its manifest keeps them). "
+    "Errors, warnings that ask for a change nothing records (a seed file others can read, a "
+    "deprecated command), and what goes to stdout (--json, the seed, the ledger's listing) still print."))]
 Verbose = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Say what each phase does as it starts (reading the headers, planning, "
                             "checking, perturbing, committing), one line each on stderr.")]

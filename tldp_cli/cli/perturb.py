@@ -175,7 +175,7 @@ def perturb_command(
     def options() -> "PerturbOptions":
         return perturb_options(
             paths[0], value_range, eps=eps, mechanism=mechanism, noise=noise, budget=budget,
-            weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file, quiet),
+            weights=weights, out=out, manifest=manifest, seed=resolve_seed(seed, seed_file),
             seed_file=seed_file, allow_weak_seed=allow_weak_seed, rng=rng,
             dtype=asked_dtype, granularity=granularity, dp_delta=dp_delta, overwrite=overwrite,
             clip_input=clip_input, clip=clip, workers=workers or os.cpu_count() or 1,
@@ -216,7 +216,7 @@ def perturb_command(
 def _inputs(inputs: list[Path] | None, inputs_from: Path | None, quiet: bool, verbose: bool) -> list[Path]:
     """INPUT... then the paths --inputs-from lists."""
     if quiet and verbose:
-        raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
+        raise UsageError("give -q (no progress or summaries) or -v (say what each phase does), not both")
     return input_paths(inputs, inputs_from)
 
 

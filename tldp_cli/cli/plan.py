@@ -101,7 +101,7 @@ def plan_command(
         if (not paths) == (elements is None):
             raise UsageError("give INPUT, or --elements to describe the records instead (one of the two)")
         if quiet and verbose:
-            raise UsageError("give -q (print nothing but errors) or -v (say what each phase does), not both")
+            raise UsageError("give -q (no progress or summaries) or -v (say what each phase does), not both")
         options = perturb_options(
             paths[0] if paths else Path(DESCRIBED), value_range, eps=eps, mechanism=mechanism,
             noise=noise, sampler=sampler, budget=budget, dtype=asked_dtype, granularity=granularity,

@@ -102,7 +102,7 @@ def sweep_command(
         from tldp_cli.evaluate.utility import need
         from tldp_cli.files.output import check_file_target, check_outside_inputs
 
-        need("matplotlib")  # the plots write_sweep draws: refused before the sweep, not after it
+        need("matplotlib", load=False)  # the plots write_sweep draws: refused before the sweep, not after it
         epsilons = ev.parse_eps_list(eps)
         rng_range = parse_range(value_range) if value_range else None
         if not 0 < dp_delta < 1:
@@ -121,7 +121,7 @@ def sweep_command(
         try:
             result = ev.sweep(original, epsilons, labels=labels, test=test, test_labels=test_labels,
                               model=model.value, value_range=rng_range, weights=weights,
-                              budget=budget.value, seed=resolve_seed(seed, seed_file, quiet),
+                              budget=budget.value, seed=resolve_seed(seed, seed_file),
                               allow_weak_seed=allow_weak_seed, rng=rng.value, dp_delta=dp_delta,
                               dataset=dataset, progress=advance,
                               input_format=input_format and input_format.value, repeats=repeat,

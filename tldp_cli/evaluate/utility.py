@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tldp_cli import formats
-from tldp_cli.errors import InputError, TldpError, UsageError, reason_of
+from tldp_cli.errors import InputError, MissingExtra, UsageError, reason_of
 from tldp_cli.formats import FormatOptions
 
 MODELS = ("logistic", "mlp")
@@ -124,14 +124,27 @@ def folder_labels(names: list[str], folder: Path) -> np.ndarray:
     return np.array(labels)
 
 
-def need(module: str):
-    import importlib
+# What each library of the eval extra is needed for, and its name on the package index.
+_EVAL_LIBRARIES = {"sklearn": ("task utility (--labels)", "scikit-learn"),
+                   "matplotlib": ("the sweep's plots", "matplotlib")}
 
+
+def need(module: str, load: bool = True):
+    """`module`, imported; or, with load=False, only found (a command's check before its work,
+    which imports nothing heavy: tests/cli/test_startup.py). MissingExtra where it is not installed."""
+    import importlib
+    import importlib.util
+
+    top = module.split(".")[0]
     try:
+        if not load:
+            if importlib.util.find_spec(top) is None:
+                raise ImportError(top)
+            return None
         return importlib.import_module(module)
     except ImportError:
-        raise TldpError(f"this needs {module.split('.')[0]}; install the evaluation extra: "
-                        "pip install 'tldp-tensors[eval]'") from None
+        what, library = _EVAL_LIBRARIES.get(top, ("this", top))
+        raise MissingExtra(what, library, "eval") from None
 
 
 def _classifier(model: str):

@@ -29,9 +29,8 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from tldp_cli.errors import TldpError, UsageError, reason_of
+from tldp_cli.errors import MissingExtra, TldpError, UsageError, reason_of
 
-INSTALL_HINT = "pip install 'tldp-tensors[dask]'"
 # How long a failed run waits for the blocks a cluster is still running, so none writes
 # into an output that is being removed.
 DRAIN_SECONDS = 60
@@ -52,7 +51,7 @@ def require() -> None:
     try:
         import distributed  # noqa: F401
     except ImportError:
-        raise UsageError(f"--scheduler dask needs Dask, an optional extra: {INSTALL_HINT}") from None
+        raise MissingExtra("--scheduler dask", "Dask", "dask") from None
 
 
 def parse_address(text: str) -> str:
@@ -151,8 +150,8 @@ def _run_credentials():
     try:
         return Security.temporary()
     except ImportError:
-        raise UsageError("--scheduler dask without --dask-address needs the cryptography package "
-                         "for its local cluster's TLS credentials: pip install 'tldp-tensors[dask]'") from None
+        raise MissingExtra("--scheduler dask without --dask-address (its local cluster's TLS credentials)",
+                           "the cryptography package", "dask") from None
 
 
 @contextlib.contextmanager

@@ -569,6 +569,10 @@ def _destinations(options: PerturbOptions, module, reader) -> tuple[Path, Path]:
     if options.manifest is not None and str(options.manifest).endswith(("/", os.sep)):
         raise UsageError(f"--manifest {options.manifest}: the manifest is a file; give its path")
     manifest_path = Path(options.manifest) if options.manifest else manifest_mod.default_path(destination)
+    if (options.resume and not options.overwrite and os.path.lexists(destination)
+            and not os.path.lexists(resume.partial_path(destination))):
+        raise OutputError(f"{destination}: the output is complete, so there is nothing left to resume "
+                          "(no interrupted run of it); pass --overwrite, without --resume, to write it again")
     output.check_destination(destination, source, options.overwrite, "output",
                              folder=module.folder,
                              earlier_output=lambda path: _is_earlier_output(module, path, reader,
