@@ -181,7 +181,8 @@ class _Quick(_RuntimeParam or object):  # type: ignore[misc]
         try:
             return typer_own._coerce_value(value, param=param, ctx=ctx)
         except BadParameter as exc:
-            errors = exc.__cause__.errors() if hasattr(exc.__cause__, "errors") else []  # pydantic's
+            errors_of = getattr(exc.__cause__, "errors", None)  # pydantic's ValidationError.errors
+            errors = errors_of() if callable(errors_of) else []
             if not errors:
                 raise _plainly(exc, param, ctx) from None  # a parser's own refusal, as above
             first = errors[0]
