@@ -74,7 +74,8 @@ class PerturbResult:
     messages: list[str] = field(default_factory=list)
 
 
-def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path, first_element: int = 0) -> None:
+def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path, *,
+                 first_element: int = 0) -> None:
     """Raises, naming the first record and element, if the block holds NaN or Inf
     (`first_element`: a part of record `start` from that element on)."""
     if block.dtype.kind == "f":
@@ -88,9 +89,9 @@ def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path,
 
 
 def validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
-                    input_path: Path, first_element: int = 0) -> int:
+                    input_path: Path, *, first_element: int = 0) -> int:
     """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
-    check_finite(block, job, start, input_path, first_element)
+    check_finite(block, job, start, input_path, first_element=first_element)
     if block.dtype.kind in "iu" and lo <= np.iinfo(block.dtype).min and np.iinfo(block.dtype).max <= hi:
         return 0  # no value of the dtype lies outside (uint8 in 0:256): skip a pass over the data
     if block.size == 0 or (block.min() >= lo and block.max() <= hi):
@@ -161,7 +162,7 @@ class BlockTask:
             first = 0
             for part in job.read_parts(record, self.part_elements):
                 values = part.reshape(1, -1)
-                outside += validate_block(values, job, record, lo, hi, self.source, first)
+                outside += validate_block(values, job, record, lo, hi, self.source, first_element=first)
                 if not (count_only or (outside and not self.clip_input)):
                     if self.clip_input:
                         values = np.clip(values, lo, hi)
