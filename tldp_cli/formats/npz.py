@@ -11,7 +11,7 @@ names them (formats.leftovers). Members are written one after another: a perturb
 waits in memory until the members before it are written (at most a few blocks in flight).
 A tensor larger than a block, stored in C order, is read (decompressed) and written
 (compressed) part by part, in flat memory; with several --workers, the parts of a tensor
-whose turn has not come wait in memory too.
+whose turn has not come wait on disk, in an unnamed work file beside the output.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import struct
+import tempfile
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -138,6 +139,11 @@ def _read_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
     major, _ = np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
     return read_header(f)
+
+
+def _raw(values: np.ndarray) -> np.ndarray:
+    """The bytes of `values` in C order (a uint8 view when it is contiguous)."""
+    return np.ascontiguousarray(values).reshape(-1).view(np.uint8)
 
 
 def _write_header(f, shape: tuple[int, ...], dtype: np.dtype) -> None:
@@ -262,6 +268,7 @@ class NpzWriter(Writer):
         self.output_dtype = tensor_files.output_dtype(chosen)
         self.pending: dict[str, np.ndarray] = {}  # perturbed, waiting for the members before them
         self.parts: dict[str, list[np.ndarray]] = {}  # tensors written in parts: those not written yet
+        self.spools: dict[str, Any] = {}  # parts that came before their member's turn: unnamed work files
         self.part_member: Any = None  # the member being written in parts, open
         self.received: set[str] = set()
         self.next = 0  # index of the next member to write
@@ -298,6 +305,15 @@ class NpzWriter(Writer):
             if first + values.size == job.elements:
                 self.received.add(job.name)
             self._flush()
+            if self.parts.get(job.name):  # not its turn: kept on disk until it comes, not in memory
+                try:
+                    with writing(self.path):
+                        if job.name not in self.spools:
+                            self.spools[job.name] = tempfile.TemporaryFile(dir=self.path.parent)
+                        self.spools[job.name].write(_raw(self.parts[job.name].pop()))
+                except BaseException:
+                    self.failed = True
+                    raise
 
     def _flush(self) -> None:
         try:
@@ -346,9 +362,14 @@ class NpzWriter(Writer):
         assert self.out is not None  # written until close()
         if self.part_member is None:
             self.part_member = self.out.open(self._target(info), "w", force_zip64=True)
-            _write_header(self.part_member, tuple(self.shapes[name]), self.parts[name][0].dtype)
+            _write_header(self.part_member, tuple(self.shapes[name]), self.dtypes[name])
+            spool = self.spools.pop(name, None)
+            if spool is not None:  # the parts that came before its turn
+                with spool:
+                    spool.seek(0)
+                    copy_bytes(spool, f"{self.path.parent} (a work file)", self.part_member, self.path)
         while self.parts[name]:
-            self.part_member.write(np.ascontiguousarray(self.parts[name].pop(0)).reshape(-1).view(np.uint8))
+            self.part_member.write(_raw(self.parts[name].pop(0)))
         if name not in self.received:
             return False
         self.part_member.close()
@@ -374,6 +395,8 @@ class NpzWriter(Writer):
                 if self.part_member is not None:
                     with contextlib.suppress(OSError, ValueError):
                         self.part_member.close()
+                for spool in self.spools.values():
+                    spool.close()
                 with contextlib.suppress(OSError, ValueError):
                     self.out.close()
                 with contextlib.suppress(OSError):
