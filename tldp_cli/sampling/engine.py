@@ -4,7 +4,10 @@ A pure function of the block, its global position, the calibration and the rando
 streams. Each stream unit (rng.records_per_unit records; an array smaller than that
 is one unit of its own size) draws its noise and its retain decisions from its own
 generator in a fixed order, always for the whole unit, so a block that covers part
-of a unit gets the same values as a block that covers all of it. Changing what a unit draws, or in which order, changes the output
+of a unit gets the same values as a block that covers all of it. A record larger than
+a unit (rng.segments: a model's tensor) draws in segments of rng.STREAM_UNIT_ELEMENTS
+elements, each from its own generator, so a block may hold part of such a record
+(`first_element`) and get the values the whole record gets. Changing what a unit draws, or in which order, changes the output
 for a seed: bump rng.STREAM_LAYOUT (so --resume refuses to mix the two).
 
 Retain decisions are exact without a uniform per element when p is small: the
