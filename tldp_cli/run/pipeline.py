@@ -720,6 +720,10 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     of them a run selects. A model file's tensors are one subject (one party's), linked as
     one row."""
     def of(job: ArrayJob) -> np.ndarray:
+        part = part_elements(options.block_elements)
+        if job.read_parts is not None and job.elements > part:  # a tensor larger than a block, in parts
+            return np.array([fingerprints.of_parts(job.read_parts(record, part)) for record in range(job.records)],
+                            dtype=np.int64)
         return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
 
     if reader.records_are_tensors:  # a model file: one party's tensors, one subject (ledger_figures)
