@@ -397,6 +397,9 @@ def test_a_record_is_known_by_its_dtype_and_values_not_its_shape_or_byte_order(t
         assert (fingerprints.of_rows(values.reshape(6, 12)) == same).all()
         assert (fingerprints.of_rows(values.astype(">f4")) == same).all()
         assert (fingerprints.of_array([values[:2], values[2:]]) == same).all()
+        # a model's tensor read in parts (flat, in order, any byte order) is the record read whole
+        assert fingerprints.of_parts(np.array_split(values[4].reshape(-1), [5, 7])) == same[4]
+        assert fingerprints.of_parts([values[4].reshape(-1)[:5].astype(">f4"), values[4].reshape(-1)[5:]]) == same[4]
         changed = values.copy()
         changed[3, 2, 1] = np.nextafter(changed[3, 2, 1], np.float32(9))
         assert (fingerprints.of_rows(changed) != same).tolist() == [False, False, False, True, False, False]
@@ -555,3 +558,25 @@ def test_a_subject_at_the_cap_has_nothing_left(cli, data, tmp_path):
     refused = perturb(cli, data, tmp_path / "r2.npy", "--max-record-eps", "20")
     assert refused.exit_code == 1
     assert "eps left under the cap: 0)" in refused.stderr, refused.stderr
+
+
+def test_a_tensor_fingerprinted_in_parts_is_the_subject_fingerprinted_whole(cli, tmp_path):
+    """A tensor larger than a block is fingerprinted part by part (flat memory), a smaller one
+    whole: two releases of one model, one in parts (--block-elements 2^18) and one whole, touch
+    one subject, charged twice."""
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "raw" / "model.safetensors"
+    model.parent.mkdir()
+    rng = np.random.default_rng(5)
+    save_file({"embed.weight": rng.normal(0, 0.05, (700, 1000)).astype(np.float32),
+               "norm.weight": np.ones(64, np.float32)}, str(model))
+    ledger = tmp_path / "raw" / "ledger.db"
+    for out, block in (("parts", 1 << 18), ("whole", 1 << 24)):
+        done = cli("perturb", model, "--eps", "1", "--clip", "0.1", "--ledger", ledger, "--block-elements", block,
+                   "--out", tmp_path / f"{out}.safetensors")
+        assert done.exit_code == 0, done.stderr
+    report = listing(cli, ledger)
+    assert [entry["subjects"] for entry in report["releases"]] == [1, 1]
+    per_file = json.loads((tmp_path / "whole.safetensors.manifest.json").read_text())["accounting"]["per_file"]
+    assert report["worst_subject"]["epsilon"] == pytest.approx(2 * per_file["epsilon"])

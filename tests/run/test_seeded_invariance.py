@@ -6,7 +6,8 @@ Hypothesis draws the data's shape, the seed, the cuts, the block size and the nu
 workers, for TLDP-L and TLDP-G (exact discrete samplers and the float ones) and privunit:
 - in memory: the engine run block by block, at any cuts (inside a stream unit too),
   equals perturb_array on the whole array, raw values kept under per-record weights
-  included;
+  included; a record larger than a stream unit (a model's tensor), cut into parts
+  anywhere, equals the record perturbed whole;
 - through files: a Zarr store chunked anywhere and a .npy of one-unit records, cut into
   blocks of any size and run on 1 to 3 threads, equal the one-block serial run, and the
   .npy output equals perturb_array on the same records;
@@ -113,6 +114,39 @@ def test_kept_values_under_per_record_weights_do_not_depend_on_cuts(x, noise, se
     whole = perturb_array(x, seed=seed, allow_weak_seed=True, weights=weights, **options)
     blocks = _blockwise(x, options, seed, "secure", weights, data.draw(cuts(len(x)), label="cuts"))
     np.testing.assert_array_equal(blocks, whole.array)
+
+
+def part_cuts(n: int) -> st.SearchStrategy[list[tuple[int, int]]]:
+    """Element ranges [a, b) that cover 0..n in order, cut anywhere (segment boundaries too)."""
+    edges = st.integers(1, n - 1) | st.sampled_from([k * STREAM_UNIT_ELEMENTS for k in range(1, n // STREAM_UNIT_ELEMENTS + 1)
+                                                     if k * STREAM_UNIT_ELEMENTS < n])
+    return st.sets(edges, max_size=5).map(lambda inner: list(zip([0, *sorted(inner)], [*sorted(inner), n])))
+
+
+@settings(PROPERTY, max_examples=12)
+@given(extra=st.integers(1, 2 * STREAM_UNIT_ELEMENTS), mechanism=st.sampled_from(list(MECHANISMS)[:4]),
+       weighted=st.booleans(), seed=seeds, data=st.data())
+def test_a_record_larger_than_a_unit_cut_into_parts_equals_it_whole(extra, mechanism, weighted, seed, data):
+    """A tensor-sized record (more than rng.STREAM_UNIT_ELEMENTS elements) draws in segments,
+    so a model file's tensor can be perturbed part by part in flat memory: the parts, at any
+    cuts, give the record perturbed whole (raw values kept under weights included: eps 0.05
+    on (-1, 1) keeps a few percent)."""
+    elements = STREAM_UNIT_ELEMENTS + extra
+    x = np.random.default_rng(extra).uniform(-1, 1, (1, elements)).astype(np.float32)
+    options = {**array_options(x, mechanism, 0.05 if weighted else 2.0)}
+    weights = np.random.default_rng(extra + 1).random(x.shape) if weighted else None
+    whole = _blockwise(x, options, seed, "secure", weights, [(0, 1)])
+    assert not np.array_equal(whole, x)
+    run_options = checked_options(PerturbOptions(
+        input=Path(ARRAY_NAME), eps=options["eps"], value_range=(-1.0, 1.0), allow_raw_release=True,
+        noise=options["noise"], sampler=options.get("sampler", "exact"), seed=seed, allow_weak_seed=True))
+    calibrated = calibrate_run(run_options, [ArrayJob(ARRAY_NAME, x.shape, x.dtype, lambda a, b: x[a:b], {})])
+    streams = Streams("secure", seed, allow_weak_seed=True)
+    parts = [engine.perturb_records(x[:, a:b], 0, ARRAY_NAME, calibrated.calib_of[ARRAY_NAME], streams,
+                                    None if weights is None else weights[0, a:b], calibrated.out_dtype,
+                                    calibrated.grid, 1, first_element=a)
+             for a, b in data.draw(part_cuts(elements), label="parts")]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
 
 
 @pytest.fixture(scope="module")

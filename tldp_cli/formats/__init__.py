@@ -36,15 +36,16 @@ Every writer subclasses `Writer`, which declares what the pipeline may use and t
 defaults of a writer that needs none of it: `messages` (its own lines, shown after the
 reader's), `postprocessing` and `manifest_extra` for the manifest, `output_dtype`,
 `block_writer()` (a picklable function that writes a block from any process; None:
-blocks computed on Dask come back and `write` stores them), `block_written()` and
-`digests()` (hashing while writing), `finish()`.
+blocks computed on Dask come back and `write` stores them), `part_writer()` (a function
+that writes part of a record, for a record its reader reads in parts: ArrayJob.read_parts),
+`block_written()` and `digests()` (hashing while writing), `finish()`.
 A reader's and a writer's `manifest_extra` are parts of the manifest that
 run/manifest.py's `build` joins with the others: a key another part writes raises
 KeyCollision (but for `unperturbed` and `dropped`, whose entries are joined), and every
 key is declared in docs/manifest.schema.json and named in docs/manifest.md (how:
 docs/architecture.md).
-Blocks may run in other processes (--scheduler dask), so ArrayJob.read must be
-picklable and open its file inside each call (never hold an open handle).
+Blocks may run in other processes (--scheduler dask), so ArrayJob.read (and read_parts)
+must be picklable and open its file inside each call (never hold an open handle).
 `write` may keep the block and write it later (the .npy writer does, on a thread of
 its own): a block must not be changed once handed over.
 
@@ -61,7 +62,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, NamedTuple, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, Mapping, NamedTuple, Sequence, TypeVar
 
 from tldp_cli.files import output
 from tldp_cli.errors import InputError, UsageError, reason_of
@@ -89,6 +90,11 @@ class ArrayJob:
     # Other names that stand for the array in --range NAME=LO:HI, as in --dataset (an OME-Zarr
     # image's group and lower levels stand for its full resolution).
     aliases: tuple[str, ...] = ()
+    # read_parts(record, part): the record's values, flat, in parts of `part` elements (the last
+    # shorter), in order, each a 1-D array in the array's dtype; the pipeline perturbs a record
+    # larger than a block part by part (a model's tensor, in flat memory) where the format's
+    # writer writes parts (Writer.part_writer). None: records are read whole.
+    read_parts: Callable[[int, int], Iterator[Any]] | None = None
 
     @property
     def records(self) -> int:
@@ -185,6 +191,13 @@ class Writer:
     def block_writer(self) -> Callable[[ArrayJob, int, np.ndarray], object] | None:
         """A picklable function that writes a block from any process (Dask workers; what
         it returns is not used), or None: blocks come back and `write` stores them."""
+        return None
+
+    def part_writer(self) -> Callable[[ArrayJob, int, int, np.ndarray], object] | None:
+        """A function that writes part of a record, (job, record, first element, its noisy values
+        flat), for the records the reader reads in parts (ArrayJob.read_parts): called from any
+        thread, in order within a record; picklable where block_writer is given (Dask
+        workers call it then). None: records are written whole."""
         return None
 
     def block_written(self, job: ArrayJob, start: int, stop: int) -> None:

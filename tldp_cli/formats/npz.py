@@ -7,11 +7,14 @@ the model was trained or a recording made, as numpy 1.x and zip wrote the time);
 shape and byte order, and the other arrays (integer arrays, ...) are copied
 unchanged. A bfloat16 array (ml_dtypes's, which JAX and flax hand to np.savez) is stored
 as a 2-byte void dtype with a byte order, '<V2', which np.load reads back as '|V2': it is
-read and perturbed as bfloat16 (tensor_files) and written back under the same header. Members
-that are not .npy arrays, arrays of strings, bytes, objects, records or other void dtypes
-(text or raw bytes, not parameters) and zip comments (free text) are left out unless --keep
-names them (formats.leftovers). A zip member is written in one piece, so perturbed tensors wait in
-memory until the members before them are written (at most a few blocks in flight).
+read and perturbed as bfloat16 (tensor_files) and written back under the same header, in one
+piece. Members that are not .npy arrays, arrays of strings, bytes, objects, records or other
+void dtypes (text or raw bytes, not parameters) and zip comments (free text) are left out
+unless --keep names them (formats.leftovers). Members are written one after another: a
+perturbed tensor waits in memory until the members before it are written (at most a few
+blocks in flight). A tensor larger than a block, stored in C order, is read (decompressed)
+and written (compressed) part by part, in flat memory; with several --workers, the parts of a
+tensor whose turn has not come wait on disk, in an unnamed work file beside the output.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import math
 import os
 import re
 import struct
+import tempfile
 import threading
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -126,6 +132,56 @@ class _Member:
         return array[None][start:stop]
 
 
+@dataclass(frozen=True)
+class _MemberParts:
+    """Reads one member in parts (ArrayJob.read_parts), decompressing it in order: one part in
+    memory at a time. Picklable: opens the archive inside each call."""
+
+    path: Path
+    member: str
+
+    def __call__(self, record: int, part: int) -> Iterator[np.ndarray]:
+        try:
+            with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
+                shape, _, dtype = _read_header(f)
+                size = math.prod(shape)
+                for first in range(0, size, part):
+                    count = min(part, size - first)
+                    raw = f.read(count * dtype.itemsize)  # the last read checks the member's CRC
+                    if len(raw) < count * dtype.itemsize:
+                        raise EOFError(f"the member ends {first + len(raw) // dtype.itemsize} elements in")
+                    yield np.frombuffer(raw, dtype)
+        except MemoryError:  # not damage: the run says memory ran out
+            raise
+        except InputError:
+            raise
+        except Exception as exc:  # bad CRC, truncated deflate stream, ...
+            raise InputError(f"{self.path}: cannot read tensor {_key(self.member)} ({reason_of(exc)}); "
+                             "the file may be corrupt") from None
+
+
+def _read_header(f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """A .npy member's shape, Fortran order and dtype; `f` is left at its data."""
+    major, _ = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    return read_header(f)
+
+
+def _raw(values: np.ndarray) -> np.ndarray:
+    """The bytes of `values` in C order (a uint8 view when it is contiguous)."""
+    return np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+
+
+def _write_header(f, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The .npy header np.lib.format.write_array writes for a C-order array (format 1.0,
+    2.0 when the header does not fit)."""
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    try:
+        np.lib.format.write_array_header_1_0(f, header)
+    except ValueError:
+        np.lib.format.write_array_header_2_0(f, header)
+
+
 class NpzReader(Reader):
     format = NAME
     records_are_tensors = True  # the manifest gets per-tensor figures
@@ -140,6 +196,7 @@ class NpzReader(Reader):
                              "and perturb that")
         self.dtypes: dict[str, np.dtype] = {}  # each tensor's stored dtype, byte order included
         self.bfloat16: dict[str, str] = {}  # the bfloat16 tensors' byte orders, by name
+        self.fortran: set[str] = set()  # the tensors stored in Fortran order: read whole
         try:
             with zipfile.ZipFile(path) as zf:
                 self.members = zf.infolist()
@@ -157,7 +214,9 @@ class NpzReader(Reader):
         chosen, self.messages, unperturbed = tensor_files.select(path, self.tensors, options.datasets,
                                                                  options.exclude)
         self.manifest_extra = self._leftovers(options, unperturbed).manifest_extra()
-        self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy", self.bfloat16.get(t.name)))
+        self.jobs = [tensor_files.job(path, NAME, t, _Member(path, t.name + ".npy", self.bfloat16.get(t.name)),
+                                      None if t.name in self.fortran or t.name in self.bfloat16
+                                      else _MemberParts(path, t.name + ".npy"))
                      for t in chosen]
 
     def _leftovers(self, options: FormatOptions, unperturbed: list[dict]) -> leftovers.Leftovers:
@@ -195,10 +254,7 @@ class NpzReader(Reader):
     def _tensor(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> Tensor:
         try:
             with zf.open(info) as f:
-                major, _ = np.lib.format.read_magic(f)
-                read_header = (np.lib.format.read_array_header_1_0 if major == 1
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(f)
+                shape, fortran_order, dtype = _read_header(f)
                 header = f.tell()
         except Exception as exc:
             raise InputError(f"{self.path}: member {info.filename} is not a valid .npy array "
@@ -213,6 +269,8 @@ class NpzReader(Reader):
         if order is not None:
             self.bfloat16[_key(info.filename)] = order
             return Tensor(_key(info.filename), tuple(shape), "bfloat16")
+        if fortran_order:
+            self.fortran.add(_key(info.filename))
         return Tensor(_key(info.filename), tuple(shape), _dtype_name(dtype))
 
     def arrays(self) -> list[ArrayJob]:
@@ -243,12 +301,16 @@ class NpzWriter(Writer):
         self.comments = reader.comments  # the members whose comment is written
         self.dtypes = reader.dtypes
         self.bfloat16 = reader.bfloat16
+        self.shapes = {t.name: t.shape for t in reader.tensors}
         self.to_write = {job.name for job in reader.jobs}
         chosen = [t for t in reader.tensors if t.name in self.to_write]
         self.variances = tensor_files.variances(chosen)
         self.postprocessing = tensor_files.postprocessing(chosen, dtype, self.variances)
         self.output_dtype = tensor_files.output_dtype(chosen)
         self.pending: dict[str, np.ndarray] = {}  # perturbed, waiting for the members before them
+        self.parts: dict[str, list[np.ndarray]] = {}  # tensors written in parts: those not written yet
+        self.spools: dict[str, Any] = {}  # parts that came before their member's turn: unnamed work files
+        self.part_member: Any = None  # the member being written in parts, open
         self.received: set[str] = set()
         self.next = 0  # index of the next member to write
         self.lock = threading.Lock()
@@ -271,6 +333,29 @@ class NpzWriter(Writer):
             self.received.add(job.name)
             self._flush()
 
+    def part_writer(self):
+        return self.write_part
+
+    def write_part(self, job: ArrayJob, record: int, first: int, values: np.ndarray) -> None:
+        """Part of a tensor (Writer.part_writer): written at once when its member's turn has
+        come, else kept until it does."""
+        stored = tensor_files.to_stored(values, job.source["dtype"], self.dtypes[job.name],
+                                        positive=job.name in self.variances)
+        with self.lock:
+            self.parts.setdefault(job.name, []).append(stored)
+            if first + values.size == job.elements:
+                self.received.add(job.name)
+            self._flush()
+            if self.parts.get(job.name):  # not its turn: kept on disk until it comes, not in memory
+                try:
+                    with writing(self.path):
+                        if job.name not in self.spools:
+                            self.spools[job.name] = tempfile.TemporaryFile(dir=self.path.parent)
+                        self.spools[job.name].write(_raw(self.parts[job.name].pop()))
+                except BaseException:
+                    self.failed = True
+                    raise
+
     def _flush(self) -> None:
         try:
             with writing(self.path):
@@ -285,13 +370,13 @@ class NpzWriter(Writer):
             info = self.members[self.next]
             name = _key(info.filename)
             perturbed = info.filename.endswith(".npy") and name in self.to_write
+            if perturbed and name in self.parts:
+                if not self._write_parts(info, name):
+                    return
+                continue
             if perturbed and name not in self.pending:
                 return
-            target = zipfile.ZipInfo(info.filename, date_time=MEMBER_DATE)
-            target.compress_type, target.external_attr = info.compress_type, info.external_attr
-            target.comment = info.comment if info.filename in self.comments else b""
-            target.create_system = info.create_system
-            with self.out.open(target, "w", force_zip64=True) as f:
+            with self.out.open(self._target(info), "w", force_zip64=True) as f:
                 if perturbed and name in self.bfloat16:  # its bit patterns, under the input's '<V2' header
                     _write_bfloat16(f, self.pending.pop(name), self.bfloat16[name])
                 elif perturbed:
@@ -305,6 +390,36 @@ class NpzWriter(Writer):
                     with member:
                         copy_bytes(member, f"{self.source} (member {info.filename})", f, self.path)
             self.next += 1
+
+    def _target(self, info: zipfile.ZipInfo) -> zipfile.ZipInfo:
+        """The output's member for the input's `info`: its name, compression and attributes."""
+        target = zipfile.ZipInfo(info.filename, date_time=MEMBER_DATE)
+        target.compress_type, target.external_attr = info.compress_type, info.external_attr
+        target.comment = info.comment if info.filename in self.comments else b""
+        target.create_system = info.create_system
+        return target
+
+    def _write_parts(self, info: zipfile.ZipInfo, name: str) -> bool:
+        """Writes the parts of `name` received so far into its member (opened, with the .npy
+        header, at its first); True once the member is whole and closed."""
+        assert self.out is not None  # written until close()
+        if self.part_member is None:
+            self.part_member = self.out.open(self._target(info), "w", force_zip64=True)
+            _write_header(self.part_member, tuple(self.shapes[name]), self.dtypes[name])
+            spool = self.spools.pop(name, None)
+            if spool is not None:  # the parts that came before its turn
+                with spool:
+                    spool.seek(0)
+                    copy_bytes(spool, f"{self.path.parent} (a work file)", self.part_member, self.path)
+        while self.parts[name]:
+            self.part_member.write(_raw(self.parts[name].pop(0)))
+        if name not in self.received:
+            return False
+        self.part_member.close()
+        self.part_member = None
+        del self.parts[name]
+        self.next += 1
+        return True
 
     def close(self) -> list[Path]:
         if self.out is None:
@@ -320,6 +435,11 @@ class NpzWriter(Writer):
                         self.file.close()
             finally:
                 # After a failure: release the files whatever happens writing to them.
+                if self.part_member is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.part_member.close()
+                for spool in self.spools.values():
+                    spool.close()
                 with contextlib.suppress(OSError, ValueError):
                     self.out.close()
                 with contextlib.suppress(OSError):

@@ -6,7 +6,8 @@ dtypes, shapes, order and data offsets all come through, byte for byte. Of
 `__metadata__` (free text: author, training data, ...) only `format` is kept, which
 transformers needs, and the keys --keep names (formats.leftovers); the others are left
 out and listed in the manifest (`dropped`). Perturbed tensors are written at their
-offsets; the others are copied unchanged.
+offsets (part by part for a tensor larger than a block, in flat memory); the others
+are copied unchanged.
 
 Reading and writing are safetensors_io's (shared with the shards of a sharded model
 folder): the `safetensors.numpy` API, which also validates the header; bfloat16 tensors
@@ -23,8 +24,8 @@ import numpy as np
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
                               tldp_name)
 from tldp_cli.files.checked_io import fsync_file
-from tldp_cli.formats.safetensors_io import (MAX_HEADER, METADATA_REASON, STRUCTURAL_METADATA, ReadTensor,
-                                             TensorBlocks, header_with, parse, start_output)
+from tldp_cli.formats.safetensors_io import (MAX_HEADER, METADATA_REASON, STRUCTURAL_METADATA, ReadParts,
+                                             ReadTensor, TensorBlocks, header_with, parse, start_output)
 
 NAME = "safetensors"
 
@@ -69,7 +70,8 @@ class SafetensorsReader(Reader):
         self.manifest_extra = left.manifest_extra()
         self.out_header = self.header if kept == self.metadata else header_with(self.header, kept)
         names = {t.name for t in chosen}
-        self.jobs = [tensor_files.job(path, NAME, e.tensor, ReadTensor(path, e, self.data_start))
+        self.jobs = [tensor_files.job(path, NAME, e.tensor, ReadTensor(path, e, self.data_start),
+                                      ReadParts(path, e, self.data_start))
                      for e in self.entries if e.tensor.name in names]
 
     def arrays(self) -> list[ArrayJob]:
@@ -99,6 +101,9 @@ class SafetensorsWriter(Writer):
 
     def block_writer(self) -> TensorBlocks:
         return self._blocks
+
+    def part_writer(self):
+        return self._blocks.part
 
     def close(self) -> list[Path]:
         fsync_file(self.path)

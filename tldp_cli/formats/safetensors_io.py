@@ -10,7 +10,9 @@ perturbed are copied at their offsets and the perturbed ones written at theirs.
 
 Tensors are read with the `safetensors.numpy` API (safe_open, framework "np"). NumPy has
 no bfloat16, so bfloat16 tensors are read from their offsets as float32 (exactly) and
-written back rounded to bfloat16.
+written back rounded to bfloat16. A tensor larger than a block is read from its offsets
+and written at them part by part (ReadParts, TensorBlocks.part): memory stays flat
+whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +133,33 @@ class ReadTensor:
 
 
 @dataclass(frozen=True)
+class ReadParts:
+    """Reads one tensor in parts from its offsets (ArrayJob.read_parts): one part in memory
+    at a time, bfloat16 as float32 (exactly). Picklable: opens the file inside each call."""
+
+    path: Path
+    entry: Entry
+    data_start: int
+
+    def __call__(self, record: int, part: int) -> Iterator[np.ndarray]:
+        tensor = self.entry.tensor
+        bfloat16 = tensor.dtype == "bfloat16"
+        stored = np.dtype("<u2" if bfloat16 else np.dtype(tensor.dtype).newbyteorder("<"))
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + self.entry.begin)
+                for first in range(0, tensor.size, part):
+                    count = min(part, tensor.size - first)
+                    raw = f.read(count * stored.itemsize)
+                    if len(raw) < count * stored.itemsize:
+                        raise OSError(f"the file ends inside it, {first + len(raw) // stored.itemsize} elements in")
+                    values = np.frombuffer(raw, stored)
+                    yield tensor_files.bfloat16_to_float32(values) if bfloat16 else values
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot read tensor {tensor.name} ({reason_of(exc)})") from None
+
+
+@dataclass(frozen=True)
 class TensorBlocks:
     """Writes a perturbed tensor at its offset. Picklable: opens the file inside each call."""
 
@@ -140,15 +170,32 @@ class TensorBlocks:
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         begin, end = self.offsets[job.name]
-        data = tensor_files.to_stored(block[0], job.source["dtype"], positive=job.name in self.variances)
-        data = data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
+        data = self._stored(job, block[0])
         if data.nbytes != end - begin:
             raise OutputError(f"{self.path}: tensor {job.name} would take {data.nbytes} bytes, "
                               f"not {end - begin}")
+        self._pwrite(data, begin)
+
+    def part(self, job: ArrayJob, record: int, first: int, values: np.ndarray) -> None:
+        """Writes part of a perturbed tensor, its values from element `first` on (Writer.part_writer)."""
+        begin, end = self.offsets[job.name]
+        data = self._stored(job, values)
+        offset = begin + first * data.itemsize
+        if offset + data.nbytes > end:
+            raise OutputError(f"{self.path}: tensor {job.name} would end {offset + data.nbytes - end} bytes "
+                              "after its offsets")
+        self._pwrite(data, offset)
+
+    def _stored(self, job: ArrayJob, values: np.ndarray) -> np.ndarray:
+        data = tensor_files.to_stored(values, job.source["dtype"], positive=job.name in self.variances)
+        return data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors is little-endian
+
+    def _pwrite(self, data: np.ndarray, offset: int) -> None:
+        """`data` at `offset` of the tensors' data."""
         with writing(self.path):
             fd = os.open(self.path, os.O_WRONLY)
             try:
-                pwrite_all(fd, np.ascontiguousarray(data).reshape(-1).view(np.uint8), self.data_start + begin)
+                pwrite_all(fd, np.ascontiguousarray(data).reshape(-1).view(np.uint8), self.data_start + offset)
             finally:
                 os.close(fd)
 

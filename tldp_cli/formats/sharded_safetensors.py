@@ -63,7 +63,7 @@ from tldp_cli.files.checked_io import flushed_files, json_value, open_regular, p
 from tldp_cli.files.output import removed_during_run
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, folder_files,
                               folder_output, leftovers, tensor_files)
-from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADATA, Entry, ReadTensor,
+from tldp_cli.formats.safetensors_io import (METADATA_REASON, STRUCTURAL_METADATA, Entry, ReadParts, ReadTensor,
                                              TensorBlocks, header_with, parse, start_output)
 
 NAME = "sharded-safetensors"
@@ -286,8 +286,9 @@ class ShardedReader(Reader):
         in_shards = f"of {path.name} ({formats.plural(len(self.shards), 'shard')}) "
         self.messages = [message.replace(f"of {path.name} ", in_shards) for message in messages] + note
         names = {t.name for t in chosen}
-        self.jobs = [tensor_files.job(path / shard.rel, NAME, e.tensor, ReadTensor(path / shard.rel, e,
-                                                                                   shard.data_start))
+        self.jobs = [tensor_files.job(path / shard.rel, NAME, e.tensor,
+                                      ReadTensor(path / shard.rel, e, shard.data_start),
+                                      ReadParts(path / shard.rel, e, shard.data_start))
                      for shard in self.shards for e in shard.entries if e.tensor.name in names]
 
     def _index_out(self, index_rel: str, left: leftovers.Leftovers) -> tuple[bytes, list[str]]:
@@ -393,6 +394,9 @@ class _Blocks:
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         self.shard_of[job.name](job, start, block)
 
+    def part(self, job: ArrayJob, record: int, first: int, values: np.ndarray) -> None:
+        self.shard_of[job.name].part(job, record, first, values)
+
 
 class ShardedWriter(Writer):
     def __init__(self, reader: ShardedReader, tmp_path: Path, dtype: np.dtype):
@@ -425,6 +429,9 @@ class ShardedWriter(Writer):
 
     def block_writer(self) -> _Blocks:
         return self._blocks
+
+    def part_writer(self):
+        return self._blocks.part
 
     def finish(self) -> None:
         """Every file of the output is there (one removed during the run fails it)."""

@@ -1,8 +1,10 @@
 """What the model-parameter formats (.npz, .safetensors) share.
 
-Each named tensor is one record of its own (records = 1, I = the tensor's size), so a
-tensor is read, perturbed and written whole: memory is bounded by the largest tensor
-(a few float copies of it per block in flight), not by the file.
+Each named tensor is one record of its own (records = 1, I = the tensor's size). A
+tensor larger than a block is read, perturbed and written part by part where the
+format can (ArrayJob.read_parts, Writer.part_writer: safetensors files and shards,
+.npz members in C order), so memory stays flat whatever the tensor's size; otherwise it
+is read, perturbed and written whole (a few float copies of it in flight).
 
 Model files keep every tensor's dtype. Floating-point tensors (float16, bfloat16,
 float32, float64) can be perturbed: the noise is drawn and added in --dtype and the
@@ -181,12 +183,13 @@ def manifest_extra(unperturbed: list[dict]) -> dict:
     return {"unperturbed": unperturbed} if unperturbed else {}
 
 
-def job(path: Path, format_name: str, tensor: Tensor, read) -> ArrayJob:
-    """The tensor as one record; bfloat16 is read as float32 (exactly)."""
+def job(path: Path, format_name: str, tensor: Tensor, read, read_parts=None) -> ArrayJob:
+    """The tensor as one record; bfloat16 is read as float32 (exactly). `read_parts`: the
+    tensor read in parts (ArrayJob.read_parts), where the format can."""
     dtype = np.dtype(np.float32) if tensor.dtype == "bfloat16" else np.dtype(tensor.dtype)
     return ArrayJob(name=tensor.name, shape=(1, *tensor.shape), dtype=dtype, read=read,
                     source={"path": str(path), "format": format_name, "dataset": tensor.name,
-                            "shape": list(tensor.shape), "dtype": tensor.dtype})
+                            "shape": list(tensor.shape), "dtype": tensor.dtype}, read_parts=read_parts)
 
 
 def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:

@@ -171,14 +171,31 @@ class Fingerprints:
     def __init__(self, db: sqlite3.Connection):
         self.key = bytes.fromhex(db.execute("SELECT value FROM meta WHERE key = 'fingerprint_key'").fetchone()[0])
 
+    def _base(self, dtype: np.dtype):
+        return hashlib.blake2b(dtype.name.encode() + b"\0", key=self.key, digest_size=8, person=b"tldp-record/2")
+
+    @staticmethod
+    def _little(values: np.ndarray) -> np.ndarray:
+        """Big-endian, stored or native: the same values, the same record."""
+        little = values.dtype.newbyteorder("<")
+        return values if values.dtype == little else values.astype(little)
+
+    def of_parts(self, parts: Iterable[np.ndarray]) -> int:
+        """The fingerprint of one record read in parts (ArrayJob.read_parts: its values flat, in
+        order), as of_rows gives it: a tensor fingerprinted in flat memory."""
+        mac = None
+        for part in parts:
+            values = self._little(np.ascontiguousarray(part).reshape(-1))
+            mac = mac or self._base(values.dtype)
+            mac.update(values.data)
+        if mac is None:
+            raise ValueError("a record read in parts has at least one part")
+        return int(np.frombuffer(mac.digest(), dtype="<i8")[0])
+
     def of_rows(self, block: np.ndarray) -> np.ndarray:
         """The fingerprints (int64) of a block's records, one per index of axis 0."""
-        rows = np.ascontiguousarray(block).reshape(len(block), -1)
-        little = rows.dtype.newbyteorder("<")
-        if rows.dtype != little:  # big-endian, stored or native: the same values, the same record
-            rows = rows.astype(little)
-        base = hashlib.blake2b(rows.dtype.name.encode() + b"\0", key=self.key, digest_size=8,
-                               person=b"tldp-record/2")
+        rows = self._little(np.ascontiguousarray(block).reshape(len(block), -1))
+        base = self._base(rows.dtype)
         digests = bytearray()
         for row in rows:
             mac = base.copy()

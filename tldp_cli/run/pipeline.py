@@ -35,7 +35,7 @@ from tldp_cli.errors import (DataError, InputError, Interrupted, NotHeld, OutOfM
 from tldp_cli.formats import ArrayJob, FormatOptions, cf, plural
 from tldp_cli.privacy.mechanisms import PRIVUNIT, Calibration
 from tldp_cli.run import bases as bases_mod
-from tldp_cli.sampling.rng import Streams, records_per_unit
+from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS, Streams, records_per_unit
 from tldp_cli.run.masks import Mask, load_masks, sidecar_path, weights_warning
 from tldp_cli.run.calibration import Calibrated, array_where, calibrate_run, missing_fills, range_group_messages
 from tldp_cli.run.context import Phase, Progress, Report, RunContext
@@ -77,8 +77,10 @@ class PerturbResult:
     messages: list[str] = field(default_factory=list)
 
 
-def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path) -> None:
-    """Raises, naming the first record and element, if the block holds NaN or Inf."""
+def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path, *,
+                 first_element: int = 0) -> None:
+    """Raises, naming the first record and element, if the block holds NaN or Inf
+    (`first_element`: a part of record `start` from that element on)."""
     if block.dtype.kind == "f":
         bad = ~np.isfinite(block.reshape(block.shape[0], -1))
         if bad.any():
@@ -86,13 +88,13 @@ def check_finite(block: np.ndarray, job: ArrayJob, start: int, input_path: Path)
             member = formats.member_name(job.source)
             where = f" {member}," if member else ""
             raise DataError(f"{input_path}:{where} NaN or Inf at record {start + record}, "
-                            f"element {element}; tldp needs finite values")
+                            f"element {first_element + element}; tldp needs finite values")
 
 
 def validate_block(block: np.ndarray, job: ArrayJob, start: int, lo: float, hi: float,
-                    input_path: Path) -> int:
+                    input_path: Path, *, first_element: int = 0) -> int:
     """Raises on NaN/Inf; returns how many values lie outside [lo, hi]."""
-    check_finite(block, job, start, input_path)
+    check_finite(block, job, start, input_path, first_element=first_element)
     if block.dtype.kind in "iu" and lo <= np.iinfo(block.dtype).min and np.iinfo(block.dtype).max <= hi:
         return 0  # no value of the dtype lies outside (uint8 in 0:256): skip a pass over the data
     if block.size == 0 or (block.min() >= lo and block.max() <= hi):
@@ -119,11 +121,17 @@ class BlockTask:
     bounds: dict[str, tuple[float, float, discrete.Grid | None]] = field(default_factory=dict)  # (lo, top, grid)
     bases: dict[str, Any] = field(default_factory=dict)  # privunit with a user's basis: by job name
     coefficients: bool = False  # --store coefficients: each record's released (k) coefficients, not the record
+    # A record of more elements than part_elements, of an array read in parts (ArrayJob.read_parts),
+    # is read, perturbed and written part by part (write_part: Writer.part_writer); None: whole.
+    write_part: Callable[[ArrayJob, int, int, np.ndarray], object] | None = None
+    part_elements: int = 0
 
     def __call__(self, job: ArrayJob, start: int, stop: int,
                  count_only: bool = False) -> tuple[int, np.ndarray | None]:
         """(values outside the range, the noisy block if `write` is None). With values
         outside the range, or `count_only` (the run is failing), nothing is perturbed."""
+        if self.in_parts(job):
+            return self._parts(job, start, stop, count_only)
         lo, hi, grid = self.bounds.get(job.name, (self.lo, self.hi, self.grid))
         block = job.read(start, stop)
         outside = validate_block(block, job, start, lo, hi, self.source)
@@ -140,6 +148,39 @@ class BlockTask:
             return 0, noisy
         self.write(job, start, noisy)
         return 0, None
+
+    def in_parts(self, job: ArrayJob) -> bool:
+        """Whether the job's records are perturbed part by part: larger than a part, read and
+        written in parts, noised element by element (not privunit, no weight mask)."""
+        return (self.write_part is not None and job.read_parts is not None and 0 < self.part_elements < job.elements
+                and self.calibrations[job.name].privunit is None and job.name not in self.masks)
+
+    def _parts(self, job: ArrayJob, start: int, stop: int, count_only: bool) -> tuple[int, None]:
+        """__call__ on records read, perturbed and written part by part (in_parts): one
+        part in memory at a time. Values outside the range stop the perturbing, not the count."""
+        assert job.read_parts is not None and self.write_part is not None  # in_parts
+        lo, hi, grid = self.bounds.get(job.name, (self.lo, self.hi, self.grid))
+        outside = 0
+        for record in range(start, stop):
+            first = 0
+            for part in job.read_parts(record, self.part_elements):
+                values = part.reshape(1, -1)
+                outside += validate_block(values, job, record, lo, hi, self.source, first_element=first)
+                if not (count_only or (outside and not self.clip_input)):
+                    if self.clip_input:
+                        values = np.clip(values, lo, hi)
+                    noisy = engine.perturb_records(values, record, job.name, self.calibrations[job.name],
+                                                   self.streams, None, self.dtype, grid, job.records,
+                                                   first_element=first)
+                    self.write_part(job, record, first, noisy.reshape(-1))
+                first += values.size
+        return (0 if self.clip_input else outside), None
+
+
+def part_elements(block_elements: int) -> int:
+    """The elements of a part of a record perturbed in parts (BlockTask.in_parts): about
+    block_elements, whole segments of the random streams (rng.segments), so no draw is wasted."""
+    return max(1, block_elements // STREAM_UNIT_ELEMENTS) * STREAM_UNIT_ELEMENTS
 
 
 def block_bounds(job: ArrayJob, block_elements: int) -> list[tuple[int, int]]:
@@ -439,9 +480,12 @@ def _write_blocks(run: RunContext, staged: _Staged, notes: list[str]):
             clip_input=options.clip_input or options.clip is not None,
             dtype=calibrated.out_dtype,
             source=options.input, write=writer.write, grid=calibrated.grid, bounds=calibrated.checked_bounds(),
-            bases=calibrated.bases, coefficients=options.store == COEFFICIENTS)
+            bases=calibrated.bases, coefficients=options.store == COEFFICIENTS,
+            write_part=writer.part_writer(), part_elements=part_elements(options.block_elements))
         if options.scheduler == "dask":
-            results = _run_dask(run, dataclasses.replace(block_task, write=writer.block_writer()), tasks,
+            remote = writer.block_writer()
+            results = _run_dask(run, dataclasses.replace(block_task, write=remote,
+                                                         write_part=block_task.write_part if remote else None), tasks,
                                 staged.output, lambda: bool(outside_counts), notes)
         else:
             results = _run_tasks(
@@ -625,15 +669,23 @@ def _is_earlier_output(module, path: Path, reader, manifest_path: Path) -> bool:
 def _check_memory(run: RunContext) -> None:
     """Refuses, before any data is read, a record that cannot fit in this process's memory
     (a model file's tensor is one record): a block holds at least one, read, its noise and
-    its output side by side. Blocks computed on a cluster's workers are theirs to hold."""
+    its output side by side; a record read in parts (ArrayJob.read_parts), a part of it.
+    Blocks computed on a cluster's workers are theirs to hold."""
     options, jobs, calibrated = run.options, run.jobs, run.calibrated
     if options.scheduler == "dask" and options.dask_address:
         return
     noise_bytes = 8 if calibrated.grid is not None else calibrated.out_dtype.itemsize  # exact noise: int64
-    job = max(jobs, key=lambda j: j.elements * j.dtype.itemsize)
-    needed = job.elements * (job.dtype.itemsize + noise_bytes + calibrated.out_dtype.itemsize)
-    output.check_free_memory(needed, f"{array_where(job, options.input)}: a record of "
-                                     f"{job.elements:,} elements (read, noised and written whole)")
+    part = part_elements(options.block_elements)
+
+    def held(job: ArrayJob) -> int:  # the elements of a record held at once
+        whole = job.read_parts is None or job.name in run.masks or calibrated.calib_of[job.name].privunit is not None
+        return job.elements if whole else min(job.elements, part)
+
+    job = max(jobs, key=lambda j: held(j) * j.dtype.itemsize)
+    needed = held(job) * (job.dtype.itemsize + noise_bytes + calibrated.out_dtype.itemsize)
+    what = (f"a record of {job.elements:,} elements (read, noised and written whole)" if held(job) == job.elements
+            else f"a part of {held(job):,} elements of a record (read, noised and written in parts)")
+    output.check_free_memory(needed, f"{array_where(job, options.input)}: {what}")
 
 
 @dataclass
@@ -679,6 +731,10 @@ def _touched_records(options: PerturbOptions, module, reader, jobs: list[ArrayJo
     of them a run selects. A model file's tensors are one subject (one party's), linked as
     one row."""
     def of(job: ArrayJob) -> np.ndarray:
+        part = part_elements(options.block_elements)
+        if job.read_parts is not None and job.elements > part:  # a tensor larger than a block, in parts
+            return np.array([fingerprints.of_parts(job.read_parts(record, part)) for record in range(job.records)],
+                            dtype=np.int64)
         return fingerprints.of_array(job.read(start, stop) for start, stop in block_bounds(job, options.block_elements))
 
     if reader.records_are_tensors:  # a model file: one party's tensors, one subject (ledger_figures)

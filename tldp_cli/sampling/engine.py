@@ -4,7 +4,10 @@ A pure function of the block, its global position, the calibration and the rando
 streams. Each stream unit (rng.records_per_unit records; an array smaller than that
 is one unit of its own size) draws its noise and its retain decisions from its own
 generator in a fixed order, always for the whole unit, so a block that covers part
-of a unit gets the same values as a block that covers all of it. Changing what a unit draws, or in which order, changes the output
+of a unit gets the same values as a block that covers all of it. A record larger than
+a unit (rng.segments: a model's tensor) draws in segments of rng.STREAM_UNIT_ELEMENTS
+elements, each from its own generator, so a block may hold part of such a record
+(`first_element`) and get the values the whole record gets. Changing what a unit draws, or in which order, changes the output
 for a seed: bump rng.STREAM_LAYOUT (so --resume refuses to mix the two).
 
 Retain decisions are exact without a uniform per element when p is small: the
@@ -26,7 +29,7 @@ from tldp_cli.privacy.privunit import cap_probability
 from tldp_cli.privacy.privunit import emphasis as emphasis_of
 from tldp_cli.privacy.privunit import write_back_weights as write_back_weights_of
 from tldp_cli.privacy.types import DISCRETE_NOISES, Calibration
-from tldp_cli.sampling.rng import Streams, records_per_unit
+from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS, Streams, records_per_unit, segments
 
 # Output blocks start at a page boundary, so a writer can hand whole pages of them to
 # the disk with direct I/O (formats/npy.py) without copying them first.
@@ -149,19 +152,71 @@ def zero_kept(noise: np.ndarray, positions: np.ndarray, thinning: np.ndarray,
     noise[rows[kept], cols[kept]] = 0
 
 
-def _records_and_output(block: np.ndarray, elements: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _records_and_output(block: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The block as (records, elements), and a page-aligned output of that shape in `dtype`."""
-    return block.reshape(block.shape[0], elements), page_aligned_empty((block.shape[0], elements), dtype)
+    records = block.reshape(block.shape[0], -1) if block.shape[0] else block.reshape(0, math.prod(block.shape[1:]))
+    return records, page_aligned_empty(records.shape, dtype)
+
+
+def _block_weights(weights: np.ndarray | None, row: int, cols: slice) -> np.ndarray | None:
+    """The weights of row `row` of the block, columns `cols` (one row of a 2-D mask)."""
+    if weights is None:
+        return None
+    return weights[cols] if weights.ndim == 1 else weights[row:row + 1, cols]
+
+
+def noise_pieces(first_record: int, n: int, first_element: int, width: int, elements: int,
+                 array_records: int | None, array_name: str, streams: Streams, draw,
+                 weights: np.ndarray | None):
+    """The noise of a block of n records (or of the `width` elements from `first_element` of one
+    record), piece by piece: for each stream unit, or segment of a record larger than a unit
+    (rng.segments), that the block covers, its noise there with the retained values' noise
+    zeroed, and the rows and columns of the block it covers. `draw(rng, size)` draws a
+    unit's (or segment's) noise, then its retain candidates: (noise, positions, thinning).
+    Each unit and segment draws whole, whatever part of it the block covers."""
+    if not segments(elements):
+        if width != elements:
+            raise ValueError("a block holds whole records unless they are larger than a stream unit")
+        per_unit = records_per_unit(elements, array_records)
+        for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
+            unit_start = unit * per_unit
+            noise, positions, thinning = draw(streams.generator(array_name, unit), per_unit * elements)
+            noise = noise.reshape(per_unit, elements)
+            lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
+            if positions.size:  # usually none: p is astronomically small for real tensors
+                zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
+                          unit_start - first_record)
+            yield noise[lo - unit_start:hi - unit_start], slice(lo - first_record, hi - first_record), slice(None)
+        return
+    if first_element < 0 or first_element + width > elements or (width != elements and n != 1):
+        raise ValueError("a part of a record lies inside one record")
+    size = STREAM_UNIT_ELEMENTS
+    for row in range(n):
+        for segment in range(first_element // size, (first_element + width - 1) // size + 1):
+            begin, end = segment * size, min(segment * size + size, elements)
+            noise, positions, thinning = draw(streams.generator(array_name, first_record + row, segment), end - begin)
+            lo, hi = max(begin, first_element), min(end, first_element + width)  # what the block covers
+            view = noise[lo - begin:hi - begin].reshape(1, hi - lo)
+            inside = (positions >= lo - begin) & (positions < hi - begin)
+            cols = slice(lo - first_element, hi - first_element)
+            if inside.any():
+                zero_kept(view, positions[inside] - (lo - begin), thinning[inside],
+                          _block_weights(weights, row, cols), 0, 1, 0)
+            yield view, slice(row, row + 1), cols
 
 
 def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                     streams: Streams, weights: np.ndarray | None = None,
                     dtype: np.dtype | type = np.float32, grid: discrete.Grid | None = None,
-                    array_records: int | None = None, basis=None, coefficients: bool = False) -> np.ndarray:
+                    array_records: int | None = None, basis=None, coefficients: bool = False,
+                    first_element: int = 0) -> np.ndarray:
     """Perturbed copy of `block` (records along axis 0, starting at global index `first_record`).
 
     `array_records`: how many records the whole array has (rng.records_per_unit), the
-    same for every block of it; None, as many as a stream unit holds.
+    same for every block of it; None, as many as a stream unit holds. `first_element`: a
+    block of one row that is part of a record larger than a stream unit (rng.segments)
+    holds its elements from `first_element` on; the values do not depend on how a record
+    is cut (weights, then, cover the part's elements).
 
     `weights`: None, one mask of I values for every record, or an (n, I) array with one
     mask per record of the block; values in [0, 1] (validated by the caller).
@@ -177,29 +232,21 @@ def perturb_records(block: np.ndarray, first_record: int, array_name: str, calib
         raise ValueError("coefficients are released by --mechanism privunit only")
     if calib.noise in DISCRETE_NOISES:
         return perturb_discrete(block, first_record, array_name, calib, streams, weights, dtype, grid,
-                                array_records)
+                                array_records, first_element)
     dtype = np.dtype(dtype)
     check_noise_scale(calib.scale, dtype)
-    n, elements = block.shape[0], calib.elements
-    records, out = _records_and_output(block, elements, dtype)
-    if n == 0:
+    records, out = _records_and_output(block, dtype)
+    if records.shape[0] == 0:
         return out.reshape(block.shape)
-    per_unit = records_per_unit(elements, array_records)
     p_max = retain_probability(calib)
-    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
-        rng = streams.generator(array_name, unit)
-        unit_start = unit * per_unit
-        noise = draw_noise(rng, calib.noise, calib.scale, per_unit * elements, dtype)
-        noise = noise.reshape(per_unit, elements)
-        positions, thinning = retain_candidates(rng, p_max, per_unit * elements)
 
-        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
-        if positions.size:  # usually none: p is astronomically small for real tensors
-            zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
-                      unit_start - first_record)
+    def draw(rng: np.random.Generator, size: int):
+        return (draw_noise(rng, calib.noise, calib.scale, size, dtype), *retain_candidates(rng, p_max, size))
+
+    for noise, rows, cols in noise_pieces(first_record, records.shape[0], first_element, records.shape[1],
+                                          calib.elements, array_records, array_name, streams, draw, weights):
         # One pass: cast the raw values to dtype and add the noise (no astype copy first).
-        np.add(records[lo - first_record:hi - first_record], noise[lo - unit_start:hi - unit_start],
-               out=out[lo - first_record:hi - first_record], dtype=dtype)
+        np.add(records[rows, cols], noise, out=out[rows, cols], dtype=dtype)
     return out.reshape(block.shape)
 
 
@@ -218,36 +265,30 @@ def _to_output(values: np.ndarray, granularity: float | None, dtype: np.dtype,
 def perturb_discrete(block: np.ndarray, first_record: int, array_name: str, calib: Calibration,
                      streams: Streams, weights: np.ndarray | None = None,
                      dtype: np.dtype | type | None = None, grid: discrete.Grid | None = None,
-                     array_records: int | None = None) -> np.ndarray:
-    """perturb_records for the discrete noises (exact integer samplers): the same stream units, and in each the
-    noise of the whole unit first, then the retain decisions. The output is in `dtype`
+                     array_records: int | None = None, first_element: int = 0) -> np.ndarray:
+    """perturb_records for the discrete noises (exact integer samplers): the same stream units (and
+    segments), and in each the noise of the whole unit first, then the retain decisions. The output is in `dtype`
     (integer: saturating; float: G * grid value); None gives int64 (grid units). `grid`:
     the run's grid, into which snapped float values are clipped (see discrete.snap)."""
     dtype = np.dtype(np.int64 if dtype is None else dtype)
     granularity = getattr(calib, "granularity", None)
-    n, elements = block.shape[0], calib.elements
-    records, out = _records_and_output(block, elements, dtype)
-    if n == 0:
+    records, out = _records_and_output(block, dtype)
+    if records.shape[0] == 0:
         return out.reshape(block.shape)
     # Integer data adds to the noise as it is (no int64 copy of the block first).
     direct = granularity is None and records.dtype.kind in "iu" and np.can_cast(records.dtype, np.int64)
-    per_unit = records_per_unit(elements, array_records)
     noise_sampler = discrete.sampler(calib.noise, calib.scale)
     p_keep = retain_probability(calib)
-    for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
-        rng = streams.generator(array_name, unit)
-        unit_start = unit * per_unit
-        noise = noise_sampler.sample(rng, per_unit * elements).reshape(per_unit, elements)
-        positions = discrete.retain_mask(rng, p_keep, per_unit * elements)
-        thinning = rng.random(positions.size)
 
-        lo, hi = max(first_record, unit_start), min(first_record + n, unit_start + per_unit)
-        zero_kept(noise, positions, thinning, weights, lo - unit_start, hi - unit_start,
-                  unit_start - first_record)
-        rows = slice(lo - first_record, hi - first_record)
-        values = noise[lo - unit_start:hi - unit_start]
-        values += records[rows] if direct else discrete.snap(records[rows], granularity, grid)
-        _to_output(values, granularity, dtype, out[rows])
+    def draw(rng: np.random.Generator, size: int):
+        noise = noise_sampler.sample(rng, size)
+        positions = discrete.retain_mask(rng, p_keep, size)
+        return noise, positions, rng.random(positions.size)
+
+    for values, rows, cols in noise_pieces(first_record, records.shape[0], first_element, records.shape[1],
+                                           calib.elements, array_records, array_name, streams, draw, weights):
+        values += records[rows, cols] if direct else discrete.snap(records[rows, cols], granularity, grid)
+        _to_output(values, granularity, dtype, out[rows, cols])
     return out.reshape(block.shape)
 
 

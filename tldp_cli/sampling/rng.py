@@ -4,7 +4,9 @@ A run has one 256-bit root key: SHA-256 of the seed when one is given, fresh OS
 entropy otherwise. Each stream unit (a fixed group of consecutive records of one
 array) gets a generator keyed by SHA-256(root, array name, unit index), so the
 output does not depend on how the reader blocks the data, nor on the order or
-the thread in which units run. The seed and the root key never leave this module.
+the thread in which units run. A record larger than a unit (a model's tensor) is
+cut into segments of STREAM_UNIT_ELEMENTS elements, each with a generator keyed by
+the record and the segment, so it can be perturbed part by part in flat memory. The seed and the root key never leave this module.
 
 A seed is a secret key: whoever has it regenerates the noise and subtracts it. It
 is a string of hex digits (`tldp seed`, secrets.token_hex(16)), or, from Python, a
@@ -37,9 +39,10 @@ STREAM_UNIT_ELEMENTS = 1 << 18
 # how a unit's key is derived, and the order in which the engine draws from a unit.
 # Bump it with any change to those: a resumed run (--resume) refuses to mix blocks
 # drawn under another layout.
-STREAM_LAYOUT = 5  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates;
+STREAM_LAYOUT = 6  # 2: float32 Gaussian noise from ziggurat.py; 3: exact samplers on 32-bit candidates;
                   # 4: their rounds of discrete.CHUNK = 2^18 candidates (2^16 before);
-                  # 5: an array smaller than a unit is a unit of its own size
+                  # 5: an array smaller than a unit is a unit of its own size;
+                  # 6: a record larger than a unit draws in segments of a unit's elements
 
 
 # The bits a seed holds cannot be measured, only bounded. Its length bounds them: 4 bits
@@ -196,6 +199,12 @@ def records_per_unit(elements_per_record: int, array_records: int | None = None)
     return unit if array_records is None else max(1, min(unit, array_records))
 
 
+def segments(elements_per_record: int) -> bool:
+    """Whether a record of this many elements draws in segments of STREAM_UNIT_ELEMENTS
+    (each from generator(name, record, segment)) rather than as (part of) a unit."""
+    return elements_per_record > STREAM_UNIT_ELEMENTS
+
+
 class Streams:
     """Factory of per-unit generators. `kind`: "secure" (AES-128 in counter mode,
     randomgen's AESCounter) or "fast" (PCG64, predictable from its output).
@@ -221,14 +230,17 @@ class Streams:
     def __repr__(self) -> str:  # never show the key
         return f"Streams(kind={self.kind!r}, seeded={self.seeded})"
 
-    def generator(self, array_name: str, unit: int) -> np.random.Generator:
+    def generator(self, array_name: str, unit: int, segment: int | None = None) -> np.random.Generator:
+        """The generator of a stream unit; `segment`: of that segment of a record larger
+        than a unit (segments, the unit is the record's index)."""
         fresh = b"" if self.seeded else secrets.token_bytes(16)
         # A file name that is not UTF-8 comes from os.fsdecode with lone surrogates for the
         # bytes it could not decode: surrogateescape gives the name's own bytes back (and
         # every other name the UTF-8 it always had).
         name = array_name.encode("utf-8", "surrogateescape")
+        part = b"" if segment is None else b"\0segment" + segment.to_bytes(8, "little")
         key = hashlib.sha256(
-            self._root + b"\0" + name + b"\0" + unit.to_bytes(8, "little") + fresh
+            self._root + b"\0" + name + b"\0" + unit.to_bytes(8, "little") + part + fresh
         ).digest()
         if self.kind == "secure":
             from randomgen import AESCounter
