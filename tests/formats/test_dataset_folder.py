@@ -389,8 +389,8 @@ def test_feature_ids_dataset_name_and_version_description_are_left_out_unless_ke
         "embedding": datasets.Sequence(datasets.Value("float32"), length=4),
         "label": datasets.ClassLabel(names=["cat", "dog"])})
     assert loaded.info.version == datasets.Version("1.2.3") and loaded["label"] == ds["label"]
-    _embedding_run(cli, src, tmp_path / "kept", "--keep", "label", "--keep", "*.id", "--keep", "dataset_info.json@dataset_name",
-        "--keep", "dataset_info.json@version.description")
+    _embedding_run(cli, src, tmp_path / "kept", "--keep", "label", "--keep", "*.id",
+                   "--keep", "dataset_info.json@dataset_name", "--keep", "dataset_info.json@version.description")
     kept = datasets.load_from_disk(str(tmp_path / "kept"))
     assert kept.features == features and kept.info.dataset_name == "alice_smith_scans"
     assert kept.info.version.description == "MARK_VERSION"
