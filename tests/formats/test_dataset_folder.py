@@ -351,3 +351,60 @@ class DatasetDictRoundTrip(RoundTrip):
         dd = datasets.load_from_disk(str(perturbed))
         assert {split: len(ds) for split, ds in dd.items()} == {"train": 10, "test": 4}
         assert all(list(ds.features) == ["image", "embedding", "grid", "counts"] for ds in dd.values())
+
+
+def _embedding_run(cli, src, out, *more):
+    result = cli("perturb", src, "--eps", "2", "--out", out, "--range", "embedding=0:1", "--json", *more)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_feature_ids_dataset_name_and_version_description_are_left_out_unless_kept(cli, tmp_path):
+    """Regression: every feature's optional `id` (free text, `Value("float32", id=...)`), the
+    dataset_name (a local folder's name) and the version's description were copied raw into
+    dataset_info.json and the shards' `huggingface` schema metadata."""
+    features = datasets.Features({
+        "embedding": datasets.Sequence(datasets.Value("float32", id="MARK_VALUE"), length=4),
+        "label": datasets.ClassLabel(names=["cat", "dog"], id="MARK_LABEL")})
+    info = datasets.DatasetInfo(dataset_name="alice_smith_scans",
+                                version=datasets.Version("1.2.3", description="MARK_VERSION"), features=features)
+    rng = np.random.default_rng(0)
+    ds = datasets.Dataset.from_dict({"embedding": rng.uniform(0, 1, (8, 4)).astype(np.float32).tolist(),
+                                     "label": [i % 2 for i in range(8)]}, features=features, info=info)
+    ds.save_to_disk(str(tmp_path / "train"))
+    src = tmp_path / "train"
+    assert "MARK_VALUE" in (src / "dataset_info.json").read_text()  # the library writes them
+    manifest = _embedding_run(cli, src, tmp_path / "out", "--keep", "label")
+    dropped = {e["name"]: e for e in manifest["dropped"]}
+    assert {"dataset_info.json@features.embedding.feature.id", "dataset_info.json@features.label.id",
+            "huggingface@features.embedding.feature.id", "huggingface@features.label.id",
+            "dataset_info.json@dataset_name", "dataset_info.json@version.description"} <= set(dropped)
+    assert dropped["huggingface@features.label.id"]["kind"] == "feature id"
+    out = tmp_path / "out"
+    texts = [p.read_bytes() for p in out.iterdir()]
+    for marker in (b"MARK_", b"alice_smith"):
+        assert not any(marker in text for text in texts), marker
+    loaded = datasets.load_from_disk(str(out))
+    assert loaded.features == datasets.Features({
+        "embedding": datasets.Sequence(datasets.Value("float32"), length=4),
+        "label": datasets.ClassLabel(names=["cat", "dog"])})
+    assert loaded.info.version == datasets.Version("1.2.3") and loaded["label"] == ds["label"]
+    _embedding_run(cli, src, tmp_path / "kept", "--keep", "label", "--keep", "*.id",
+                   "--keep", "dataset_info.json@dataset_name", "--keep", "dataset_info.json@version.description")
+    kept = datasets.load_from_disk(str(tmp_path / "kept"))
+    assert kept.features == features and kept.info.dataset_name == "alice_smith_scans"
+    assert kept.info.version.description == "MARK_VERSION"
+    with pa.memory_map(str(tmp_path / "kept" / "data-00000-of-00001.arrow")) as f:
+        assert b"MARK_LABEL" in pa.ipc.open_stream(f).schema.metadata[b"huggingface"]
+
+
+def test_a_struct_field_named_id_is_a_column_not_a_feature_id(cli, tmp_path):
+    """A struct's fields are names (a dict without _type): its field `id` stays."""
+    features = datasets.Features({"embedding": datasets.Sequence(datasets.Value("float32"), length=4),
+                                  "meta": {"id": datasets.Value("int64")}})
+    ds = datasets.Dataset.from_dict({"embedding": np.ones((4, 4), np.float32).tolist(),
+                                     "meta": [{"id": i} for i in range(4)]}, features=features)
+    ds.save_to_disk(str(tmp_path / "train"))
+    manifest = _embedding_run(cli, tmp_path / "train", tmp_path / "out", "--keep", "meta")
+    assert not [e for e in manifest["dropped"] if e["kind"] == "feature id"]
+    assert datasets.load_from_disk(str(tmp_path / "out")).features == features

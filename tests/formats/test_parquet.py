@@ -603,3 +603,25 @@ def test_record_budget_on_long_list_columns_computes_in_float64_unasked(cli, tmp
     assert checked.exit_code == 0, checked.stderr
     refused = cli("perturb", src, *args, "--dtype", "float32", "--out", tmp_path / "f32.parquet")
     assert refused.exit_code == 2 and "--dtype float32 cannot hold the grid values" in refused.stderr
+
+
+def test_a_features_id_is_left_out_of_the_footer_unless_kept(cli, tmp_path):
+    """Regression: a feature's optional id (free text, `Value("float32", id=...)`) was copied
+    into the output's `huggingface` schema metadata; it is listed as huggingface@features...id."""
+    features = datasets.Features({"embedding": datasets.Sequence(datasets.Value("float32", id="MARK_ID"),
+                                                                 length=4)})
+    ds = datasets.Dataset.from_dict({"embedding": np.full((6, 4), 0.5, np.float32).tolist()}, features=features)
+    src = to_parquet(ds, tmp_path / "train.parquet")
+    assert b"MARK_ID" in pq.read_schema(src).metadata[b"huggingface"]
+    args = ("perturb", src, "--eps", "2", "--range", "embedding=0:1", "--json")
+    result = cli(*args, "--out", tmp_path / "out.parquet")
+    assert result.exit_code == 0, result.stderr
+    dropped = {e["name"]: e["kind"] for e in json.loads(result.stdout)["dropped"]}
+    assert dropped == {"huggingface@features.embedding.feature.id": "feature id"}
+    assert b"MARK_ID" not in (tmp_path / "out.parquet").read_bytes()
+    out = datasets.load_dataset("parquet", data_files=str(tmp_path / "out.parquet"), split="train")
+    assert out.features == datasets.Features({"embedding": datasets.Sequence(datasets.Value("float32"), length=4)})
+    result = cli(*args, "--out", tmp_path / "kept.parquet", "--keep", "huggingface@features.*")
+    assert result.exit_code == 0, result.stderr
+    kept = datasets.load_dataset("parquet", data_files=str(tmp_path / "kept.parquet"), split="train")
+    assert kept.features == features

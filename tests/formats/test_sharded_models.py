@@ -204,6 +204,77 @@ def test_the_tokenizer_s_local_paths_are_dropped(cli, tmp_path):
     assert "tokenizer_config.json@tokenizer_file" in [u["name"] for u in kept["unperturbed"]]
 
 
+# A tokenizer as transformers' save_pretrained writes one (tokenization_utils_base.py:
+# save_chat_templates, save_pretrained, _save_pretrained): tokenizer_config.json as
+# json.dumps(indent=2, sort_keys=True, ensure_ascii=False) + "\n", with its added_tokens_decoder
+# (id -> AddedToken state) and, without save_jinja_files, the `chat_template` string;
+# with it, chat_template.jinja and additional_chat_templates/NAME.jinja; added_tokens.json the
+# added tokens past the vocabulary, {token: id}, written alike. A processor (ProcessorMixin)
+# writes chat_template.json, {"chat_template": ...}. transformers is not needed to write them.
+SYSTEM_PROMPT = "You are Dr. Alice Smith's assistant at the Northside clinic."
+CHAT_TEMPLATE = ("{{ '<|system|>" + SYSTEM_PROMPT + "' }}{% for message in messages %}"
+                 "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endfor %}")
+
+
+def _added(content: str, special: bool) -> dict:
+    return {"content": content, "lstrip": False, "normalized": not special, "rstrip": False,
+            "single_word": False, "special": special}
+
+
+def _tokenizer_files(chat_template_key: bool) -> dict[str, str]:
+    def dumped(value: dict) -> str:
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+    config = {"add_prefix_space": False, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+              "clean_up_tokenization_spaces": False, "model_max_length": 12, "tokenizer_class": "GPT2Tokenizer",
+              "unk_token": "<|endoftext|>", "extra_special_tokens": {},
+              "added_tokens_decoder": {"63": _added("<|endoftext|>", True), "64": _added("Zorblax", False),
+                                       "65": _added("<|system|>", True)}}
+    if chat_template_key:
+        config["chat_template"] = CHAT_TEMPLATE
+    return {**FILES, "tokenizer_config.json": dumped(config),
+            "added_tokens.json": dumped({"<|system|>": 65, "Zorblax": 64}),
+            **({} if chat_template_key else {"chat_template.jinja": CHAT_TEMPLATE,
+                                             "chat_template.json": dumped({"chat_template": CHAT_TEMPLATE})})}
+
+
+def test_a_chat_template_is_dropped_and_added_tokens_are_named(cli, tmp_path):
+    """Regression: a chat template (a written system prompt, which can come from the data) in
+    tokenizer_config.json's chat_template, chat_template.jinja, chat_template.json or
+    additional_chat_templates/ was copied raw as a tokenizer file; it is left out and listed
+    with a reason of its own unless --keep names it. The added tokens (words, from the data
+    perhaps) are copied, as the model's ids need them, and the run names them."""
+    src = model(tmp_path, files=_tokenizer_files(chat_template_key=True))
+    result = run(cli, src)
+    assert result.exit_code == 0, result.stderr
+    manifest, out = json.loads(result.stdout), tmp_path / "gpt2_tiny.tldp"
+    dropped = {d["name"]: d["reason"] for d in manifest["dropped"]}
+    assert dropped["tokenizer_config.json@chat_template"] == sharded_safetensors.CHAT_TEMPLATE_REASON
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "chat_template" not in config and config["added_tokens_decoder"]["64"]["content"] == "Zorblax"
+    assert "Alice" not in "".join(p.read_text() for p in out.rglob("*") if p.is_file() and p.suffix != ".safetensors")
+    reasons = {u["name"]: u["reason"] for u in manifest["unperturbed"]}
+    assert reasons["added_tokens.json"] == sharded_safetensors.ADDED_TOKENS_REASON
+    assert (out / "added_tokens.json").read_text() == (src / "added_tokens.json").read_text()
+    line = next(line for line in result.stderr.splitlines() if "added token" in line)
+    assert "1 added token ('Zorblax')" in line and "<|system|>" not in line
+    kept = run(cli, src, "--keep", "tokenizer_config.json@chat_template", out=tmp_path / "k")
+    assert json.loads((tmp_path / "k" / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+
+    src = model(tmp_path, "jinja", files=_tokenizer_files(chat_template_key=False))
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "rag.jinja").write_text(CHAT_TEMPLATE)
+    manifest = json.loads(run(cli, src).stdout)
+    dropped = {d["name"]: d["reason"] for d in manifest["dropped"]}
+    for name in ("chat_template.jinja", "chat_template.json", "additional_chat_templates/rag.jinja"):
+        assert dropped[name] == sharded_safetensors.CHAT_TEMPLATE_REASON
+        assert not (tmp_path / "jinja.tldp" / name).exists()
+    kept = json.loads(run(cli, src, "--keep", "chat_template.*", out=tmp_path / "kj").stdout)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        assert (tmp_path / "kj" / name).read_bytes() == (src / name).read_bytes()
+    assert {"chat_template.jinja", "chat_template.json"} <= {u["name"] for u in kept["unperturbed"]}
+
+
 def test_shard_metadata_as_in_one_file(cli, tmp_path):
     """Each shard's __metadata__: format kept, the rest dropped and listed as SHARD@KEY unless kept."""
     src = model(tmp_path)

@@ -6,9 +6,11 @@ file (formats/tables.py has the rules for columns).
 
 The output folder has the same shards, each with its record batches, and a state.json
 naming them, whose `_fingerprint` (a hash `datasets` computes from the data) is replaced
-by a hash of the shards written; `dataset_info.json` keeps the features of the columns written and the
-dataset's names and version (STRUCTURAL_INFO); its other fields (description,
-citation, sizes, checksums of the downloaded files, ...) and the folder's other files
+by a hash of the shards written; `dataset_info.json` keeps the features of the columns written
+(without each feature's id, free text: tables_reader.without_ids), the builder's and
+configuration's names and the version (STRUCTURAL_INFO; the version's description left out);
+its other fields (description, citation, dataset_name, sizes, checksums of the downloaded
+files, ...) and the folder's other files
 (cache files of `map`, ...) are left out and listed unless --keep names them
 (dataset_info.json@FIELD, a file's name). `datasets.load_from_disk` loads it with the
 same features.
@@ -59,7 +61,8 @@ NAME = "hf-dataset"
 STATE, INFO = "state.json", "dataset_info.json"
 DICT = "dataset_dict.json"  # DatasetDict.save_to_disk: one save_to_disk folder per split
 SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' split names (naming._split_re)
-STRUCTURAL_INFO = ("features", "builder_name", "config_name", "dataset_name", "version")
+# dataset_name is not among them: load_dataset names a local folder's dataset by the folder's name.
+STRUCTURAL_INFO = ("features", "builder_name", "config_name", "version")
 # What Dataset.save_to_disk writes in state.json (and load_from_disk reads): any other key is
 # not datasets', and follows the rule of dataset_info.json's other fields (STATE@KEY).
 STATE_KEYS = ("_data_files", "_fingerprint", "_format_columns", "_format_kwargs", "_format_type",
@@ -282,8 +285,15 @@ def _written_info(reader: tables_reader.FolderTableReader, owner: str, info: dic
     written, the fields --keep names (OWNER@FIELD); the others listed as dropped."""
     written = {key: value for key, value in info.items()
                if key in STRUCTURAL_INFO or reader.left.attribute(owner, key, (), "dataset_info field")}
-    written["features"] = {k: v for k, v in info.get("features", {}).items() if k in reader.written} \
+    from tldp_cli.formats.tables_reader import without_ids
+
+    written["features"] = without_ids({k: v for k, v in info["features"].items() if k in reader.written}, owner,
+                                      "features", reader.left) \
         if isinstance(info.get("features"), dict) else info.get("features")
+    version = written.get("version")
+    if isinstance(version, dict) and version.get("description") is not None and \
+            not reader.left.attribute(owner, "version.description", (), "dataset_info field"):
+        written["version"] = {key: value for key, value in version.items() if key != "description"}
     return written
 
 

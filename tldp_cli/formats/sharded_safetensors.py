@@ -34,8 +34,10 @@ What is not perturbed follows the rule of formats/leftovers.py. The configuratio
 (TOKENIZER_FILES: loaders need it, but its vocabulary is learned from text) are copied and
 listed in the manifest's `unperturbed`, each with its reason; their free-text keys
 (FREE_TEXT_KEYS: `_name_or_path`, `tokenizer_file`, ..., which can be local paths; a PEFT
-prompt-tuning adapter's initial text and its token ids) are left out and listed, as
-FILE@KEY, unless --keep names them. Every other file (a model card, training arguments)
+prompt-tuning adapter's initial text and its token ids; a chat template, CHAT_TEMPLATE_KEYS)
+are left out and listed, as FILE@KEY, unless --keep names them; so are a chat template's
+files (CHAT_TEMPLATE_FILES, CHAT_TEMPLATE_FOLDER). The tokens added to the vocabulary are
+copied (the model's ids need them) and named in a message. Every other file (a model card, training arguments)
 is left out and listed unless --keep names it; a file holding data (a pickle, another
 model file) is never copied raw. Other index metadata is left out and listed as
 INDEX@KEY.
@@ -78,7 +80,14 @@ CONFIG_FILES = ("config.json", "generation_config.json", "preprocessor_config.js
                 ADAPTER_CONFIG)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+                   "sentencepiece.bpe.model")
+# A chat template (transformers' save_pretrained: the `chat_template` key of tokenizer_config.json, or
+# chat_template.jinja and additional_chat_templates/NAME.jinja; a processor's chat_template.json) is
+# written text, a system prompt perhaps taken from the data: left out unless --keep names it.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATE_FOLDER = "additional_chat_templates/"
+CHAT_TEMPLATE_KEYS = ("chat_template",)
+ADDED_TOKENS = "added_tokens.json"  # {token: id}, the tokens added to the vocabulary (save_pretrained)
 # Keys that hold a name or a local path (transformers 4.x saved the paths it loaded a tokenizer
 # from, tokenizer_file and special_tokens_map_file, in tokenizer_config.json).
 # A PEFT adapter's configuration names its base model by name or local path; a prompt-tuning
@@ -88,13 +97,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 PROMPT_KEYS = ("prompt_tuning_init_text", "cpt_token_ids", "cpt_mask", "cpt_tokens_type_mask")
 FREE_TEXT_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "tokenizer_file", "special_tokens_map_file",
                   "base_model_name_or_path", "tokenizer_name_or_path", "tokenizer_kwargs", "cache_file",
-                  "covariance_file", *PROMPT_KEYS)
+                  "covariance_file", *PROMPT_KEYS, *CHAT_TEMPLATE_KEYS)
 STRUCTURAL_INDEX = ("total_size", "total_parameters")
 CONFIG_REASON = "model configuration: the architecture and settings loaders need, structure rather than data"
 TOKENIZER_REASON = "tokenizer: loaders need it; its vocabulary is learned from text, which it can echo"
 FILE_REASON = "a file tldp does not perturb, not a configuration or tokenizer file loaders need"
 FREE_TEXT_REASON = "free text (a name or local path), not perturbed"
 PROMPT_REASON = "a prompt's text, or its token ids (CPT takes them from training examples), not perturbed"
+CHAT_TEMPLATE_REASON = ("a chat template: written text (a system prompt, examples) that can come from the data, "
+                        "not perturbed; a chat model's output loads without it, apply_chat_template needs it")
+ADDED_TOKENS_REASON = ("tokenizer: the tokens added to its vocabulary (words, which can come from the training "
+                       "data), copied because the model's token ids need them; the run names them")
 INDEX_REASON = ("an index metadata entry, not perturbed; only total_size, total_parameters and tied "
                 "weights' entries, which loaders need, are kept")
 LINK_HINT = ("tldp reads only the regular files inside a model folder (a Hugging Face cache snapshot links to "
@@ -281,6 +294,7 @@ class ShardedReader(Reader):
             shard.out_header = shard.header if kept == shard.metadata else header_with(shard.header, kept)
         self.index_text, note = self._index_out(self.index_rel, left) if self.index_rel else (b"", [])
         self.copies = self._other_files(files, left)  # rel -> the bytes to write
+        note += _added_tokens_note(path, self.copies)
         left.check(path)
         self.manifest_extra = left.manifest_extra()
         in_shards = f"of {path.name} ({formats.plural(len(self.shards), 'shard')}) "
@@ -338,10 +352,11 @@ class ShardedReader(Reader):
             if rel in shards or rel == self.index_rel:
                 continue
             kept = left.kept(rel)
-            reason = (CONFIG_REASON if rel in CONFIG_FILES else TOKENIZER_REASON if rel in TOKENIZER_FILES
-                      else leftovers.KEPT if kept else None)
+            reason = (CONFIG_REASON if rel in CONFIG_FILES else ADDED_TOKENS_REASON if rel == ADDED_TOKENS
+                      else TOKENIZER_REASON if rel in TOKENIZER_FILES else leftovers.KEPT if kept else None)
             if reason is None:
-                left.drop(rel, "file", FILE_REASON)
+                chat = rel in CHAT_TEMPLATE_FILES or rel.startswith(CHAT_TEMPLATE_FOLDER)
+                left.drop(rel, "file", CHAT_TEMPLATE_REASON if chat else FILE_REASON)
                 continue
             data = formats.data_file(self.path / rel)
             if data is not None:  # --keep names it (a usage error), or a configuration's name does
@@ -354,7 +369,7 @@ class ShardedReader(Reader):
     def _without_free_text(self, rel: str, left: leftovers.Leftovers) -> bytes:
         text = _read(self.path / rel)
         document = _json_object(self.path / rel, text)
-        if document is None:
+        if document is None or rel in CHAT_TEMPLATE_FILES:  # kept by --keep as a whole
             return text
         kept = _without_keys(rel, document, "", left)
         if kept == document:
@@ -374,11 +389,36 @@ def _without_keys(rel: str, document: dict, prefix: str, left: leftovers.Leftove
     structural = [prefix + key for key in document if key not in FREE_TEXT_KEYS]
     kept = {}
     for key, value in document.items():
-        if not left.attribute(rel, prefix + key, structural, "configuration key",
-                              PROMPT_REASON if key in PROMPT_KEYS else FREE_TEXT_REASON):
+        reason = (PROMPT_REASON if key in PROMPT_KEYS else CHAT_TEMPLATE_REASON if key in CHAT_TEMPLATE_KEYS
+                  else FREE_TEXT_REASON)
+        if not left.attribute(rel, prefix + key, structural, "configuration key", reason):
             continue
         kept[key] = _without_keys(rel, value, f"{prefix}{key}.", left) if isinstance(value, dict) else value
     return kept
+
+
+def _added_tokens_note(root: Path, copies: dict[str, bytes]) -> list[str]:
+    """The line naming the tokens added to the tokenizer's vocabulary that the output holds
+    (copied: the model's token ids need them, but they are words that can come from the data):
+    added_tokens.json's, and those tokenizer_config.json (added_tokens_decoder) and
+    tokenizer.json (added_tokens) hold, but for the ones they mark special (<pad>, <|im_start|>)."""
+    def field(rel: str, key: str | None, kind: type) -> Any:
+        value = json.loads(copies[rel]) if rel in copies else {}
+        value = value.get(key) if key and isinstance(value, dict) else value
+        return value if isinstance(value, kind) else kind()
+
+    entries = [*field("tokenizer_config.json", "added_tokens_decoder", dict).values(),
+               *field("tokenizer.json", "added_tokens", list)]
+    entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("content"), str)]
+    special = {e["content"] for e in entries if e.get("special")}
+    added = [*field(ADDED_TOKENS, None, dict), *(e["content"] for e in entries)]
+    words = [token for i, token in enumerate(added) if token not in special and token not in added[:i]]
+    if not words:
+        return []
+    shown = ", ".join(repr(w) for w in words[:10]) + (f" and {len(words) - 10} more" if len(words) > 10 else "")
+    return [f"{root}: the tokenizer's {formats.plural(len(words), 'added token')} ({shown}) copied raw: words added "
+            "to its vocabulary, which can come from the training data, kept because the model's token ids need "
+            "them; check them before the release"]
 
 
 def open_reader(path: Path, options: FormatOptions) -> ShardedReader:

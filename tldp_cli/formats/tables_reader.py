@@ -22,6 +22,7 @@ from tldp_cli.formats.tables import (EXTENSION_KEYS, HF_KEY, IMAGE, NUMBER, OTHE
 from tldp_cli.formats.tables_images import image_bytes, image_header, image_values
 
 LABEL_MAP_REASON = "label maps (palette images: a segmentation's class indices, not pixel values)"
+FEATURE_ID_REASON = "free text (a feature's optional id, which datasets writes as given), not perturbed"
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,10 @@ class TableReader(Reader):
                          for name, count in self.icc.items()}
         self.hf_info = {key: value for key, value in hf_info(self.schema).items() if key == "features"
                         or self.left.attribute(HF_KEY.decode(), key, (), "huggingface info field")}
+        # The features of the columns written, each feature's id (free text) left out unless kept.
+        self.out_features = without_ids({name: value for name, value in self.features.items() if name in written},
+                                        HF_KEY.decode(), "features", self.left) \
+            if HF_KEY in (self.schema.metadata or {}) else {}
         self.metadata = {key: value for key, value in (self.schema.metadata or {}).items()
                          if key == HF_KEY or self.left.attribute("", key.decode("utf-8", "replace"), (),
                                                                   "schema metadata key")}
@@ -343,8 +348,7 @@ class TableReader(Reader):
                   for name in self.written]
         metadata = dict(self.metadata)
         if HF_KEY in metadata:
-            features = {name: value for name, value in self.features.items() if name in self.written}
-            metadata[HF_KEY] = json.dumps({"info": {**self.hf_info, "features": features}}).encode()
+            metadata[HF_KEY] = json.dumps({"info": {**self.hf_info, "features": self.out_features}}).encode()
         return pa.schema(fields, metadata=metadata or None)
 
 
@@ -360,6 +364,26 @@ class FolderTableReader(TableReader):
     saved: dict[str, tuple[dict[str, Any], dict[str, Any]]]
     dataset_dict: dict[str, Any] | None = None
     others: list[str]
+
+
+def without_ids(value: Any, owner: str, path: str, left: leftovers.Leftovers) -> Any:
+    """Hugging Face features (JSON, as `Features.to_dict` writes them) without the `id` of
+    each feature (a dict with `_type`; every feature type has an optional id, free text that
+    datasets copies as given), at any depth; each left out is listed as OWNER@PATH.id
+    (`dataset_info.json@features.label.id`) unless --keep names it. A struct's fields (a dict
+    without `_type`) are column names: a field named id is kept."""
+    if isinstance(value, list):
+        return [without_ids(item, owner, f"{path}.{i}", left) for i, item in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    feature = "_type" in value
+    out = {}
+    for key, item in value.items():
+        if feature and key == "id" and item is not None and \
+                not left.attribute(owner, f"{path}.id", (), "feature id", FEATURE_ID_REASON):
+            continue
+        out[key] = without_ids(item, owner, f"{path}.{key}", left)
+    return out
 
 
 def _names_files(table: Table, name: str) -> bool:
