@@ -336,5 +336,6 @@ FORMAT = Format(
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     create_coefficient_writer=create_coefficient_writer,
     docs=(DocRow("`.npy` array", "the NumPy magic bytes", "`tldp perturb sample_data/digits.npy --eps 1`",
-                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input"),),
+                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input, "
+                 "rounded back to bfloat16 for ml_dtypes's bfloat16 (`<V2`)"),),
 )
