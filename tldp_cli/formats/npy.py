@@ -131,12 +131,14 @@ class NpyReader(Reader):
         self.path = path
         if options.datasets:
             raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not .npy")
-        shape, fortran, dtype, self.bfloat16 = _header(path)
-        if self.bfloat16 is None and dtype.kind == "V" and dtype.names is None:
+        shape, fortran, dtype, self.bfloat16 = _header(path)  # bfloat16: its values' byte order
+        if self.bfloat16:
+            stored = np.dtype(f"{self.bfloat16}u2")  # its bit patterns
+        elif dtype.kind == "V" and dtype.names is None:  # not a record of fields: raw bytes
             raise InputError(f"{path}: the array holds {tensor_files.void_values(dtype)}")
-        stored = np.dtype(f"{self.bfloat16}u2") if self.bfloat16 else dtype
-        if not self.bfloat16:
+        else:
             check_numeric_dtype(path, dtype)
+            stored = dtype
         if len(shape) == 0:
             raise InputError(f"{path}: a 0-d array has no records (axis 0 indexes records)")
         if shape[0] == 0:
