@@ -3,6 +3,7 @@ wording, and the model-file and --dataset error messages."""
 
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import h5py
@@ -417,3 +418,35 @@ def test_retained_fraction_states_the_unchanged_values_it_expects(cli, tmp_path)
     detail = check["detail"]
     assert f"{check['retained']} of {check['elements']} values unchanged, {expected:.4g} expected" in detail
     assert "kept with p = 0" in detail and "noise of 0" in detail
+
+
+def bfloat16_file(path, bits):
+    """`bits` (uint16 bfloat16 bit patterns) as ml_dtypes and np.save write a bfloat16 array:
+    a '<V2' header (np.lib.format's, which np.save calls) over the bits; in an .npz as np.savez
+    writes it (tests/formats/test_npy.py and test_npz.py read the files ml_dtypes wrote)."""
+    target = path.with_suffix(".npy") if path.suffix == ".npz" else path
+    with open(target, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<V2", "fortran_order": False, "shape": bits.shape})
+        f.write(bits.astype("<u2").tobytes())
+    if path.suffix == ".npz":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.write(target, "w.npy")
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz"])
+def test_retained_fraction_counts_the_noise_bfloat16_rounds_away(cli, tmp_path, suffix):
+    """Regression: values written back as bfloat16 (ml_dtypes's, in an .npz or .npy) keep 8
+    significant bits, coarser than the grid near 1 at --eps 4 (16 grid steps): noise of up to
+    8 steps rounds back to the value. evaluate expected only the noise's zeros unchanged (10 of
+    20,000, where about 70 are), so a correct output failed retained_fraction; it now expects
+    those too."""
+    magnitudes = np.random.default_rng(7).uniform(0.5, 1, 20_000).astype(np.float32)
+    values = magnitudes * np.where(np.arange(magnitudes.size) % 2, 1, -1).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16).reshape(100, 200)  # truncated to bfloat16
+    src = bfloat16_file(tmp_path / f"w{suffix}", bits)
+    out = perturb(cli, src, tmp_path / f"o{suffix}", "--eps", "4", "--clip", "1")
+    result, report = evaluate(cli, src, out, tmp_path)
+    check = checks(report)["retained_fraction"]
+    assert check["passed"], check
+    assert check["retained"] > 40 and check["elements"] * check["expected_fraction"] > 40  # P(noise = 0): 10

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tldp_cli.evaluate.common import Progress, finite
-from tldp_cli.privacy.distributions import chi_square, density_at_zero, moments
+from tldp_cli.privacy.distributions import abs_cdf, chi_square, density_at_zero, moments
 from tldp_cli.privacy.mechanisms import Calibration
 from tldp_cli.run.calibration import Calibrated
 from tldp_cli.sampling import engine
@@ -99,10 +99,11 @@ class NoiseStats:
         self.alignment: dict[tuple[int, float], list[np.ndarray]] = {}
 
     def add(self, x: np.ndarray, y: np.ndarray, calib: Calibration, data_range: float | None,
-            basis=None, missing: np.ndarray | None = None):
+            basis=None, missing: np.ndarray | None = None, stored: str | None = None):
         """`missing`: where the output held a missing-data marker (copied, not perturbed), y
         holding there the public value perturb read, as x (measure): those positions hold no
-        noise and are left out."""
+        noise and are left out. `stored`: the dtype the output stores y in where it is not
+        y's ("bfloat16", which NumPy reads as float32): its rounding leaves values equal."""
         n = x.shape[0]
         if calib.granularity:  # discrete noise on float data: the noise is added to the snapped values
             x = np.rint(x.astype(np.float64) / calib.granularity) * calib.granularity
@@ -116,7 +117,7 @@ class NoiseStats:
         sq, z, elements = self._metrics(x, y, data_range, present)
         # retained: exact equality in the output dtype
         equal = y.reshape(n, -1) == x.reshape(n, -1).astype(y.dtype)
-        self._add_noise(x, y, z, sq, elements, equal, calib, present)
+        self._add_noise(x, y, z, sq, elements, equal, calib, present, stored)
 
     def _add_alignment(self, x: np.ndarray, y: np.ndarray, calib: Calibration, basis) -> None:
         """privunit: the cosine between each released record's coefficients (divided by the
@@ -155,7 +156,7 @@ class NoiseStats:
         return sq, z, elements
 
     def _add_noise(self, x, y, z, sq, elements, equal, calib: Calibration,
-                   present: np.ndarray | None = None) -> None:
+                   present: np.ndarray | None = None, stored: str | None = None) -> None:
         """The noise's statistics over the `present` elements (default: all): kept values,
         the squared norm against Table 5, a sample for the goodness-of-fit test."""
         n = x.shape[0]
@@ -165,11 +166,15 @@ class NoiseStats:
         self.kept += int(equal.sum())
         self.elements += count
         (m2, m4), f0 = moments(calib.noise, calib.scale), density_at_zero(calib.noise, calib.scale)
-        if calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
+        if y.dtype.kind == "f":  # noise that rounds away in the stored dtype leaves a value equal
+            below, above = _gaps(x.reshape(n, -1), y.dtype, stored)
+            if calib.noise.startswith("discrete-"):
+                equal_anyway = _rounded_away(x.reshape(n, -1), below, above, calib)
+            else:
+                equal_anyway = np.minimum((below + above) / 2 * f0, 1.0)
+            self.rounding += float((equal_anyway if present is None else equal_anyway[present]).sum())
+        elif calib.noise.startswith("discrete-"):  # discrete noise is 0 with probability f0
             self.rounding += count * f0
-        elif y.dtype.kind == "f":
-            ulp = np.minimum(np.spacing(np.abs(x.reshape(n, -1).astype(y.dtype))).astype(np.float64) * f0, 1.0)
-            self.rounding += float((ulp if present is None else ulp[present]).sum())
         q = 1 - calib.p
         if calib.granularity:  # noise in grid steps
             m2, m4 = m2 * calib.granularity**2, m4 * calib.granularity**4
@@ -188,6 +193,34 @@ class NoiseStats:
             sample, scale = sample * (self.noise_scale / scale), self.noise_scale
         self.gof.setdefault(scale, []).append(sample)
         self.expected_kept += count * calib.p
+
+
+def _gaps(x: np.ndarray, dtype: np.dtype, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """The distances (float64) from |x| to its neighbours below and above in the dtype the
+    output stores: `dtype`, or bfloat16 (read as float32, whose gaps at bfloat16 values are
+    2^16 times smaller)."""
+    a = np.abs(x).astype(dtype)
+    above = np.spacing(a).astype(np.float64)
+    below = np.where(a > 0, (a - np.nextafter(a, np.zeros((), dtype))).astype(np.float64), above)
+    widen = 2.0**16 if stored == "bfloat16" else 1.0
+    return below * widen, above * widen
+
+
+def _rounded_away(x: np.ndarray, below: np.ndarray, above: np.ndarray, calib: Calibration) -> np.ndarray:
+    """Each value's probability that discrete noise K (in grid steps) leaves it equal once
+    x + K g is rounded to the stored dtype (nearest even): K between the halfway points to
+    its neighbours (`below`, `above`), which round to x where x is even. P(-a <= K <= b) =
+    (P(|K| <= a) + P(|K| <= b)) / 2. Where the dtype holds x +- g exactly, P(K = 0)."""
+    g = calib.granularity or 1.0
+    if above.size and float(above.max()) <= g:  # below <= above: only noise of 0 rounds away
+        return np.full(x.shape, density_at_zero(calib.noise, calib.scale))
+    even = np.fmod(np.abs(x.astype(np.float64)) / above, 2) == 0
+
+    def steps(gap: np.ndarray) -> np.ndarray:
+        half = gap / (2 * g)
+        return np.ceil(half) - 1 + ((half == np.ceil(half)) & even)
+
+    return (abs_cdf(calib.noise, calib.scale, steps(below)) + abs_cdf(calib.noise, calib.scale, steps(above))) / 2
 
 
 def privunit_checks(stats: NoiseStats) -> list[dict]:
@@ -376,7 +409,7 @@ def measure(pairs: list, m: dict, calibrated: Calibrated, keep_for_task: bool, p
             if missing is not None:  # the statistics and the task see the public value perturb read there
                 y = np.where(missing, x.astype(y.dtype), y)
             stats.add(x, y, pair.calib, _pair_range(calibrated, pair, data_range, integer),
-                      calibrated.bases.get(pair.job.name), missing)
+                      calibrated.bases.get(pair.job.name), missing, pair.job.source.get("dtype"))
             if keep_for_task:
                 measured.clean.append(x)
                 measured.noisy.append(y)

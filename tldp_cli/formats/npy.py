@@ -10,6 +10,11 @@ the page cache. Writing gigabytes through the page cache costs a CPU second or
 more per GB (more on virtual machines that hand freed memory back to their
 host) and evicts the cache other jobs use; direct writes cost a few percent of
 that. Filesystems without direct I/O get ordinary writes.
+
+A bfloat16 array (ml_dtypes's, which JAX and flax hand to np.save) is stored as a 2-byte
+void dtype with a byte order, '<V2', which np.load reads back as '|V2': it is read as
+float32 (exactly), perturbed, and written back rounded to bfloat16 under the same
+header (tensor_files). NumPy's own void dtypes ('|V2') are raw bytes and refused.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 from tldp_cli.sampling.engine import PAGE
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (DATASET_FORMATS, ArrayJob, DocRow, Format, FormatOptions, Reader, Writer,
-                              check_numeric_dtype, tldp_name)
+                              check_numeric_dtype, tensor_files, tldp_name)
 from tldp_cli.files.checked_io import Background, fsync_file, pwrite_all, write_direct, writing
 
 NAME = "npy"
@@ -47,16 +52,21 @@ def default_output(path: Path) -> Path:
     return named if named.name.endswith(".npy") else path.with_name(path.name + ".tldp.npy")
 
 
-def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
+def _header(path: Path) -> tuple[tuple[int, ...], bool, np.dtype, str | None]:
+    """The array's shape, order and dtype, and the byte order of a bfloat16 array's values
+    (tensor_files.bfloat16_order: from the header as stored), else None."""
     try:
         with open(path, "rb") as f:
             major, _ = np.lib.format.read_magic(f)
             read_header = (np.lib.format.read_array_header_1_0 if major == 1
                            else np.lib.format.read_array_header_2_0)
             shape, fortran, dtype = read_header(f)
+            size = f.tell()
+            f.seek(0)
+            order = tensor_files.bfloat16_order(dtype, f.read(size)) if dtype.kind == "V" else None
     except Exception as exc:  # numpy raises ValueError, OSError or worse on garbage
         raise InputError(f"{path}: not a valid .npy file ({reason_of(exc)})") from None
-    return tuple(shape), fortran, dtype
+    return tuple(shape), fortran, dtype, order
 
 
 FORTRAN_READS = 4096  # a Fortran-order block in at most this many reads, or in runs of a page at least
@@ -68,11 +78,16 @@ class _Records:
 
     path: Path
     offset: int  # where the array's data starts
-    dtype: np.dtype
+    dtype: np.dtype  # as stored; a bfloat16 array's: its bit patterns (uint16 of its byte order)
     shape: tuple[int, ...]
     fortran: bool = False
+    bfloat16: bool = False  # read as float32 (exactly)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
+        block = self._stored(start, stop)
+        return tensor_files.bfloat16_to_float32(block.view(self.dtype)) if self.bfloat16 else block
+
+    def _stored(self, start: int, stop: int) -> np.ndarray:
         # Positional reads into the block: no memory map, whose pages (the whole file's, for a
         # Fortran-order array, whose every page a block of records touches) would count as resident.
         record_shape = self.shape[1:]
@@ -116,8 +131,14 @@ class NpyReader(Reader):
         self.path = path
         if options.datasets:
             raise UsageError(f"{path}: --dataset applies to {DATASET_FORMATS}, not .npy")
-        shape, fortran, dtype = _header(path)
-        check_numeric_dtype(path, dtype)
+        shape, fortran, dtype, self.bfloat16 = _header(path)  # bfloat16: its values' byte order
+        if self.bfloat16:
+            stored = np.dtype(f"{self.bfloat16}u2")  # its bit patterns
+        elif dtype.kind == "V" and dtype.names is None:  # not a record of fields: raw bytes
+            raise InputError(f"{path}: the array holds {tensor_files.void_values(dtype)}")
+        else:
+            check_numeric_dtype(path, dtype)
+            stored = dtype
         if len(shape) == 0:
             raise InputError(f"{path}: a 0-d array has no records (axis 0 indexes records)")
         if shape[0] == 0:
@@ -130,13 +151,17 @@ class NpyReader(Reader):
             raise InputError(f"{path}: cannot read the array data ({reason_of(exc)}); the file may be "
                              "truncated") from None
         self.job = ArrayJob(
-            name="array", shape=shape, dtype=dtype,
-            read=_Records(path, offset, dtype, tuple(shape), fortran and len(shape) > 1),
-            source={"path": str(path), "format": NAME, "shape": list(shape), "dtype": str(dtype)},
+            name="array", shape=shape, dtype=np.dtype(np.float32) if self.bfloat16 else dtype,
+            read=_Records(path, offset, stored, tuple(shape), fortran and len(shape) > 1, bool(self.bfloat16)),
+            source={"path": str(path), "format": NAME, "shape": list(shape),
+                    "dtype": "bfloat16" if self.bfloat16 else str(dtype)},
         )
 
     def arrays(self) -> list[ArrayJob]:
         return [self.job]
+
+    def output_dtype(self, dtype: np.dtype) -> str | None:
+        return "bfloat16" if self.bfloat16 else None
 
     def close(self) -> None:
         pass
@@ -154,12 +179,22 @@ class _Blocks:
     path: Path
     offset: int  # where the data starts, after the header: a multiple of PAGE
     row_bytes: int
-    dtype: np.dtype
+    dtype: np.dtype  # as stored; bfloat16's: its bit patterns (uint16 of its byte order)
+    bfloat16: bool = False  # values rounded to bfloat16 (tensor_files.to_stored)
+
+    def stored(self, block: np.ndarray) -> np.ndarray:
+        """The block as written: contiguous, in the output's dtype."""
+        if self.bfloat16:
+            block = tensor_files.to_stored(block, "bfloat16")
+        return np.ascontiguousarray(block, dtype=self.dtype)
 
     def __call__(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
+        self.write_stored(start, self.stored(block))
+
+    def write_stored(self, start: int, data: np.ndarray) -> None:
+        """Writes a block already in the output's dtype (stored) from record `start`."""
         with writing(self.path):
-            self._write(np.ascontiguousarray(block, dtype=self.dtype).reshape(-1).view(np.uint8),
-                        self.offset + start * self.row_bytes)
+            self._write(data.reshape(-1).view(np.uint8), self.offset + start * self.row_bytes)
 
     def _write(self, data: np.ndarray, position: int) -> None:
         # The whole pages inside the block go direct; the partial pages at its ends (shared
@@ -192,15 +227,21 @@ def _page_header(fields: dict) -> bytes:
 
 
 class NpyWriter(Writer):
-    def __init__(self, job: ArrayJob, tmp_path: Path, dtype: np.dtype):
+    def __init__(self, job: ArrayJob, tmp_path: Path, dtype: np.dtype, bfloat16: str | None = None):
+        """`bfloat16`: the byte order of the input's bfloat16 values, which the output keeps
+        (the engine's values rounded to bfloat16, under a '<V2' or '>V2' header)."""
         self.path = tmp_path
-        dtype = np.dtype(dtype)
-        header = _page_header({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                               "shape": tuple(job.shape)})
+        noise_dtype, dtype = np.dtype(dtype), np.dtype(f"{bfloat16}u2" if bfloat16 else dtype)
+        descr = f"{bfloat16}V2" if bfloat16 else np.lib.format.dtype_to_descr(dtype)
+        header = _page_header({"descr": descr, "fortran_order": False, "shape": tuple(job.shape)})
         with writing(tmp_path), open(tmp_path, "wb") as f:
             f.write(header)
             f.truncate(len(header) + job.records * job.elements * dtype.itemsize)
-        self._blocks = _Blocks(tmp_path, len(header), job.elements * dtype.itemsize, dtype)
+        self._blocks = _Blocks(tmp_path, len(header), job.elements * dtype.itemsize, dtype, bool(bfloat16))
+        if bfloat16:
+            self.output_dtype = "bfloat16"
+            self.postprocessing = tensor_files.postprocessing(
+                [tensor_files.Tensor(job.name, job.record_shape, "bfloat16")], noise_dtype)
         # The manifest's sha256, computed as the blocks are written rather than by reading
         # the whole output again at the end: the prefix written so far, in file order.
         self._sha256 = hashlib.sha256(header)
@@ -214,17 +255,17 @@ class NpyWriter(Writer):
         # disk) and one hashing it from memory, so the workers go on computing meanwhile.
         self._submitted: set[int] = set()  # first records of the blocks write() took
         self._submitted_lock = threading.Lock()  # not _lock: the hasher holds that while it hashes
-        self._disk = Background(lambda item: self._blocks(*item), f"tldp write {tmp_path.name}")
+        self._disk = Background(lambda item: self._blocks.write_stored(*item), f"tldp write {tmp_path.name}")
         self._hasher = Background(lambda item: self._hash(*item), f"tldp hash {tmp_path.name}")
 
     def write(self, job: ArrayJob, start: int, block: np.ndarray) -> None:
         """Queues a block (from any thread, in any order) to be written and hashed from memory.
         A failure to write surfaces here, on a later call, or at close()."""
-        data = np.ascontiguousarray(block, dtype=self._blocks.dtype)
+        data = self._blocks.stored(block)
         with self._submitted_lock:
             self._submitted.add(start)
         self._hasher.put((start, start + len(data), data))
-        self._disk.put((job, start, data))
+        self._disk.put((start, data))
 
     def block_writer(self) -> _Blocks:
         return self._blocks  # blocks it writes elsewhere are hashed by block_written
@@ -283,7 +324,7 @@ class NpyWriter(Writer):
 
 def create_writer(reader: NpyReader, tmp_path: Path, dtype: np.dtype,
                   options: FormatOptions) -> NpyWriter:
-    return NpyWriter(reader.job, tmp_path, dtype)
+    return NpyWriter(reader.job, tmp_path, dtype, reader.bfloat16)
 
 
 def create_coefficient_writer(reader: NpyReader, jobs: list[ArrayJob], tmp_path: Path, dtype: np.dtype,
@@ -297,5 +338,6 @@ FORMAT = Format(
     can_open=can_open, default_output=default_output, open_reader=open_reader, create_writer=create_writer,
     create_coefficient_writer=create_coefficient_writer,
     docs=(DocRow("`.npy` array", "the NumPy magic bytes", "`tldp perturb sample_data/digits.npy --eps 1`",
-                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input"),),
+                 "`digits.tldp.npy`: integers (int16) for integer input; the grid in float32 for float input, "
+                 "rounded back to bfloat16 for ml_dtypes's bfloat16 (`<V2`)"),),
 )

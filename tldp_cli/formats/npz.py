@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import struct
 import tempfile
 import threading
@@ -87,22 +86,11 @@ def _dtype_name(dtype: np.dtype) -> str:
     return dtype.name if dtype.kind in "iufbc" else str(dtype)
 
 
-def _bfloat16_order(dtype: np.dtype, header: bytes) -> str | None:
-    """The byte order ("<" or ">") of a member that holds bfloat16 values, from its .npy
-    header; None for any other member. ml_dtypes's bfloat16 is written as a 2-byte void
-    with a byte order ('<V2'), which no NumPy void dtype has ('|V2')."""
-    if dtype.kind != "V" or dtype.itemsize != 2 or dtype.names is not None or dtype.subdtype is not None:
-        return None
-    found = re.search(rb"""['"]descr['"]\s*:\s*['"]([<>])V2['"]""", header)
-    return found.group(1).decode() if found else None
-
-
 def _not_numbers(dtype: np.dtype) -> str:
     """What a member that is not numbers holds; a plain void dtype is named with what
-    tldp reads as numbers of those that look like it (bfloat16, _bfloat16_order)."""
+    tldp reads as numbers of those that look like it (bfloat16, tensor_files.bfloat16_order)."""
     if dtype.kind == "V" and dtype.names is None:
-        return (f"raw {dtype.itemsize}-byte values ({dtype.str}: a void dtype, not numbers; ml_dtypes's "
-                "bfloat16, stored as <V2, is perturbed, its 1-byte types are not)")
+        return tensor_files.void_values(dtype)
     return leftovers.not_numbers(dtype)
 
 
@@ -265,7 +253,7 @@ class NpzReader(Reader):
                              f"{_dtype_name(dtype)} array ({declared:,} bytes with its header) but holds "
                              f"{info.file_size:,} bytes; the file is damaged")
         self.dtypes[_key(info.filename)] = dtype
-        order = _bfloat16_order(dtype, _header(zf, info, header)) if dtype.kind == "V" else None
+        order = tensor_files.bfloat16_order(dtype, _header(zf, info, header)) if dtype.kind == "V" else None
         if order is not None:
             self.bfloat16[_key(info.filename)] = order
             return Tensor(_key(info.filename), tuple(shape), "bfloat16")

@@ -202,6 +202,24 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
 
 
+def bfloat16_order(dtype: np.dtype, header: bytes) -> str | None:
+    """The byte order ("<" or ">") of a .npy array that holds bfloat16 values, from its
+    header as stored (`dtype`: NumPy's reading of it); None for any other array.
+    ml_dtypes's bfloat16 is written as a 2-byte void with a byte order ('<V2'), which no
+    NumPy void dtype has ('|V2'), and which NumPy reads back as '|V2'."""
+    if dtype.kind != "V" or dtype.itemsize != 2 or dtype.names is not None or dtype.subdtype is not None:
+        return None
+    found = re.search(rb"""['"]descr['"]\s*:\s*['"]([<>])V2['"]""", header)
+    return found.group(1).decode() if found else None
+
+
+def void_values(dtype: np.dtype) -> str:
+    """What a .npy array of a plain void dtype (not bfloat16_order's) holds, in words, with
+    what tldp reads as numbers of those that look like it."""
+    return (f"raw {dtype.itemsize}-byte values ({dtype.str}: a void dtype, not numbers; ml_dtypes's "
+            "bfloat16, stored as <V2, is perturbed, its 1-byte types are not)")
+
+
 def smallest_positive(dtype: str) -> float:
     """The smallest positive normal value of a float dtype (bfloat16 shares float32's)."""
     return float(np.finfo(np.float32 if dtype == "bfloat16" else np.dtype(dtype)).tiny)
