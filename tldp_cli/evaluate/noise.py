@@ -1,7 +1,8 @@
 """Noise statistics: per-record MSE, MAE, relative L2 (PSNR and SSIM for image-shaped
 records), the empirical norm of the noise against Table 5, the retained fraction against
 p, and a Kolmogorov-Smirnov (continuous) or chi-square (discrete) test against the
-manifest's noise distribution; privunit's alignment instead.
+manifest's noise distribution (values stored as bfloat16 or float16: a KS test of the
+randomized PIT under the law rounded to their steps); privunit's alignment instead.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially never fails
 one while a wrong scale or distribution fails at once."""
