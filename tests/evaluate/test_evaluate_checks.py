@@ -517,3 +517,24 @@ def test_noise_distribution_of_bfloat16_output_fails_a_wrong_scale(cli, tmp_path
         assert check["passed"] and check["pvalue"] > 1e-3, check
     else:
         assert not check["passed"] and check["pvalue"] < 1e-12, check
+
+
+def test_noise_distribution_of_float16_tensors_beside_float32_ones(cli, tmp_path):
+    """Regression: a safetensors file (safetensors's own writer) of a float16 tensor of values up
+    to +-32 (11 significant bits: steps of 1/64 where the grid at --eps 32 is 1/512) beside a
+    float32 one failed noise_distribution on a correct output (chi-square p ~ 1e-20): the
+    float16 tensor's noise is the law rounded to its steps. Its values are now tested under the
+    rounded law, pooled with the float32 tensor's noise (their PIT from their samples)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    src = tmp_path / "w.safetensors"
+    save_file({"a": rng.uniform(-32, 32, (1000, 100)).astype(np.float16),
+               "b": rng.uniform(-1, 1, (200, 100)).astype(np.float32)}, str(src))
+    out = perturb(cli, src, tmp_path / "o.safetensors", "--range", "-32:32", "--eps", "32",
+                  "--noise", "discrete-laplace")
+    result, report = evaluate(cli, src, out, tmp_path)
+    check = checks(report)["noise_distribution"]
+    assert check["passed"] and check["pvalue"] > 1e-3, check
+    assert check["test"] == "Kolmogorov-Smirnov (randomized PIT)" and result.exit_code == 0, result.output
+    assert f"of {check['samples']} values in 16-bit floats" in check["detail"] and check["samples"] > 110_000
