@@ -129,8 +129,9 @@ def part_cuts(n: int) -> st.SearchStrategy[list[tuple[int, int]]]:
 def test_a_record_larger_than_a_unit_cut_into_parts_equals_it_whole(extra, mechanism, weighted, seed, data):
     """A tensor-sized record (more than rng.STREAM_UNIT_ELEMENTS elements) draws in segments,
     so a model file's tensor can be perturbed part by part in flat memory: the parts, at any
-    cuts, give the record perturbed whole (raw values kept under weights included: eps 0.05
-    on (-1, 1) keeps a few percent)."""
+    cuts, give the record perturbed whole. A record this large keeps no raw value (log p is
+    about -I), so the retain decisions of parts are checked with a forced p in
+    tests/sampling/test_engine.py (test_a_record_cut_anywhere_keeps_the_values_it_keeps_whole)."""
     elements = STREAM_UNIT_ELEMENTS + extra
     x = np.random.default_rng(extra).uniform(-1, 1, (1, elements)).astype(np.float32)
     options = {**array_options(x, mechanism, 0.05 if weighted else 2.0)}
