@@ -538,3 +538,23 @@ def test_noise_distribution_of_float16_tensors_beside_float32_ones(cli, tmp_path
     assert check["passed"] and check["pvalue"] > 1e-3, check
     assert check["test"] == "Kolmogorov-Smirnov (randomized PIT)" and result.exit_code == 0, result.output
     assert f"of {check['samples']} values in 16-bit floats" in check["detail"] and check["samples"] > 110_000
+
+
+def test_a_model_whose_tensors_were_perturbed_in_parts_passes_every_check(cli, tmp_path):
+    """Tensors larger than a block are read, perturbed and written part by part, each stream
+    segment drawn apart (rng.segments): evaluate recomputes the manifest's figures and finds
+    the noise's law and the retained fraction in the bytes written."""
+    from tests.builders import write_safetensors
+    from tldp_cli.sampling.rng import STREAM_UNIT_ELEMENTS
+
+    rng = np.random.default_rng(8)
+    tensors = {"embed.weight": rng.uniform(-0.1, 0.1, (2 * STREAM_UNIT_ELEMENTS + 999, 1)).astype(np.float32),
+               "norm.weight": np.ones(64, np.float32)}
+    src = write_safetensors(tmp_path / "model.safetensors", tensors)
+    out = perturb(cli, src, tmp_path / "model.tldp.safetensors", "--eps", "1", "--clip", "0.1",
+                  "--block-elements", str(STREAM_UNIT_ELEMENTS), "--workers", "2")
+    result, report = evaluate(cli, src, out, tmp_path)
+    assert result.exit_code == 0, result.output
+    found = checks(report)
+    for name in ("parameters", "sha256", "shapes", "noise_norm", "retained_fraction", "noise_distribution"):
+        assert found[name]["passed"] is True, (name, found[name])

@@ -107,3 +107,19 @@ def test_values_outside_the_range_are_counted_in_every_part(tmp_path):
         perturb(PerturbOptions(input=src, out=tmp_path / "out.safetensors", eps=1.0, value_range=(-1.0, 1.0),
                                seed=SEED, block_elements=PART))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_unseeded_runs_in_parts_draw_fresh_noise_in_every_segment(tmp_path):
+    """Without a seed, every segment of a tensor perturbed in parts draws from fresh key
+    material: two runs share no noise (a fixed or reused key would repeat it exactly)."""
+    src = _model(tmp_path / "in", "safetensors")
+    noises = []
+    for i in range(2):
+        out = tmp_path / f"out{i}.safetensors"
+        perturb(PerturbOptions(input=src, out=out, eps=1.0, clip=0.1, block_elements=PART, workers=2))
+        noisy = read_safetensors(out)[2]["embed.weight"].astype(np.float64).reshape(-1)
+        noises.append(noisy - np.clip(_tensors()["embed.weight"].astype(np.float64).reshape(-1), -0.1, 0.1))
+    for start in range(0, noises[0].size, PART):  # each segment (and part)
+        first, second = (n[start:start + PART] for n in noises)
+        assert np.mean(first == second) < 0.01, start
+        assert abs(np.corrcoef(first, second)[0, 1]) < 0.02, start

@@ -129,8 +129,9 @@ def part_cuts(n: int) -> st.SearchStrategy[list[tuple[int, int]]]:
 def test_a_record_larger_than_a_unit_cut_into_parts_equals_it_whole(extra, mechanism, weighted, seed, data):
     """A tensor-sized record (more than rng.STREAM_UNIT_ELEMENTS elements) draws in segments,
     so a model file's tensor can be perturbed part by part in flat memory: the parts, at any
-    cuts, give the record perturbed whole (raw values kept under weights included: eps 0.05
-    on (-1, 1) keeps a few percent)."""
+    cuts, give the record perturbed whole. A record this large keeps no raw value (log p is
+    about -I), so the retain decisions of parts are checked with a forced p in
+    tests/sampling/test_engine.py (test_a_record_cut_anywhere_keeps_the_values_it_keeps_whole)."""
     elements = STREAM_UNIT_ELEMENTS + extra
     x = np.random.default_rng(extra).uniform(-1, 1, (1, elements)).astype(np.float32)
     options = {**array_options(x, mechanism, 0.05 if weighted else 2.0)}
@@ -235,3 +236,58 @@ def test_dask_writes_what_threads_write(workdir, cluster, store, mechanism, seed
     dask = _zarr_run(folder, src, "dask", {**options, "scheduler": "dask",
                                             "dask_address": cluster.scheduler_address})
     np.testing.assert_array_equal(dask, threads)
+
+
+TENSOR_SEED = "7c1822e9253f14f03f5423c622a036fa"
+LARGE_RECORD = 2 * STREAM_UNIT_ELEMENTS + 12345  # two segments and a short third (a model's tensor)
+LARGE_RUNS = [{"block_elements": 1 << 24}, {"block_elements": 100, "workers": 2},
+              {"block_elements": STREAM_UNIT_ELEMENTS, "workers": 2}, {"block_elements": 3 * STREAM_UNIT_ELEMENTS}]
+
+
+def _large_record_input(folder: Path, fmt: str) -> Path:
+    """A .npy of two records larger than a stream unit, or a model file whose largest tensor is
+    one (written by numpy or safetensors), beside a small tensor that draws as a unit."""
+    x = np.random.default_rng(6).uniform(-0.1, 0.1, (2, LARGE_RECORD)).astype(np.float32)
+    if fmt == "npy":
+        np.save(folder / "in.npy", x)
+        return folder / "in.npy"
+    tensors = {"embed.weight": x[0], "head.weight": x[1], "norm.weight": x[0, :64].copy()}
+    if fmt == "safetensors":
+        from tests.builders import write_safetensors
+
+        return write_safetensors(folder / "in.safetensors", tensors)
+    np.savez(folder / "in.npz", **tensors)
+    return folder / "in.npz"
+
+
+def _large_record_runs(folder: Path, src: Path, runs: list[dict]) -> list[bytes]:
+    outputs = []
+    for i, run in enumerate(runs):
+        out = folder / f"out{i}{src.suffix}"
+        perturb(PerturbOptions(input=src, out=out, eps=1.0, clip=0.1, seed=TENSOR_SEED, **run))
+        outputs.append(out.read_bytes())
+    return outputs
+
+
+def test_a_npy_of_records_larger_than_a_unit_is_the_same_bytes_at_any_blocks_and_workers(workdir):
+    """Records larger than a stream unit in a .npy (read whole, drawn in segments): the same
+    bytes at any block size and on 1 or 2 threads, and perturb_array's values."""
+    folder = Path(tempfile.mkdtemp(dir=workdir))
+    src = _large_record_input(folder, "npy")
+    outputs = _large_record_runs(folder, src, LARGE_RUNS)
+    assert outputs[1:] == outputs[:-1]
+    expected = perturb_array(np.load(src), seed=TENSOR_SEED, eps=1.0, clip=0.1)
+    np.testing.assert_array_equal(np.load(folder / "out0.npy"), expected.array)
+
+
+@pytest.mark.dask
+@pytest.mark.parametrize("fmt", ["npy", "safetensors", "npz"])
+def test_records_larger_than_a_unit_are_the_same_bytes_on_dask(workdir, cluster, fmt):
+    """A model file's tensors larger than a block (read, perturbed and written in parts on
+    threads) and a .npy's large records: Dask's workers write the bytes threads write."""
+    folder = Path(tempfile.mkdtemp(dir=workdir))
+    src = _large_record_input(folder, fmt)
+    dask = {"scheduler": "dask", "dask_address": cluster.scheduler_address}
+    outputs = _large_record_runs(folder, src, [LARGE_RUNS[0], LARGE_RUNS[2], {**dask, "block_elements": 1 << 24},
+                                               {**dask, "block_elements": STREAM_UNIT_ELEMENTS}])
+    assert outputs[1:] == outputs[:-1]

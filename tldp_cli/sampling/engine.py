@@ -175,7 +175,7 @@ def noise_pieces(first_record: int, n: int, first_element: int, width: int, elem
     unit's (or segment's) noise, then its retain candidates: (noise, positions, thinning).
     Each unit and segment draws whole, whatever part of it the block covers."""
     if not segments(elements):
-        if width != elements:
+        if width != elements or first_element:
             raise ValueError("a block holds whole records unless they are larger than a stream unit")
         per_unit = records_per_unit(elements, array_records)
         for unit in range(first_record // per_unit, (first_record + n - 1) // per_unit + 1):
