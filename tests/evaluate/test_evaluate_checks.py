@@ -452,6 +452,94 @@ def test_retained_fraction_counts_the_noise_bfloat16_rounds_away(cli, tmp_path, 
     assert check["retained"] > 40 and check["elements"] * check["expected_fraction"] > 40  # P(noise = 0): 10
 
 
+def to_bfloat16_bits(values):
+    """float64 values rounded to bfloat16 (nearest even, through float32 as perturb writes them)."""
+    u = np.asarray(values, np.float32).view(np.uint32)
+    return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+
+def bfloat16_values(path):
+    """A bfloat16 .npy (bfloat16_file's) as float32, exactly."""
+    with open(path, "rb") as f:
+        np.lib.format.read_magic(f)
+        shape, _, _ = np.lib.format.read_array_header_1_0(f)
+        bits = np.frombuffer(f.read(), "<u2").reshape(shape)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def coarse_bfloat16(tmp_path):
+    """100,000 values uniform in -32:32 as bfloat16: steps up to 1/8, coarser than the grid
+    (1/128 at --eps 8 on -32:32) and the noise's tails cross into steps of 1/4 to 1."""
+    values = np.random.default_rng(7).uniform(-32, 32, 100_000).astype(np.float32)
+    return bfloat16_file(tmp_path / "w.npy", to_bfloat16_bits(values).reshape(1000, 100))
+
+
+@pytest.mark.parametrize("noise", ["discrete-gaussian", "discrete-laplace"])
+def test_noise_distribution_of_bfloat16_output_is_the_law_rounded(cli, tmp_path, noise):
+    """Regression: a correct bfloat16 output of values up to +-32 (8 significant bits: steps up
+    to 1/8 where the grid is 1/128) failed noise_distribution (p = 2e-10 for the discrete
+    Gaussian, 1e-88 for the discrete Laplace): the stored noise is the law rounded to
+    bfloat16's steps, and the test compared it with the unrounded law. It now tests each noisy
+    value's randomized PIT under the rounded law (continuous noise: the wrong-scale test's
+    control below)."""
+    src = coarse_bfloat16(tmp_path)
+    out = perturb(cli, src, tmp_path / "o.npy", "--range", "-32:32", "--eps", "8", "--noise", noise)
+    result, report = evaluate(cli, src, out, tmp_path)
+    check = checks(report)["noise_distribution"]
+    assert check["passed"] and check["pvalue"] > 1e-3, check
+    assert check["test"] == "Kolmogorov-Smirnov (randomized PIT)" and check["samples"] > 99_000
+    assert "rounded as stored" in check["detail"] and result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("factor", [0.9, 1.0, 1.1])
+@pytest.mark.parametrize("noise", ["discrete-gaussian", "gaussian"])
+def test_noise_distribution_of_bfloat16_output_fails_a_wrong_scale(cli, tmp_path, noise, factor):
+    """The rounded law's test still fails noise of the wrong scale: the output is rewritten
+    with Gaussian noise of `factor` times the manifest's scale (discrete: a normal rounded to
+    the grid, as close to the discrete Gaussian of scale ~1000 steps as the test can see),
+    rounded to bfloat16 as perturb rounds it. The right scale passes; 10 % off fails."""
+    src = coarse_bfloat16(tmp_path)
+    sampler = ("--sampler", "float") if noise == "gaussian" else ()
+    out = perturb(cli, src, tmp_path / "o.npy", "--range", "-32:32", "--eps", "8", "--noise", noise, *sampler)
+    manifest = json.loads((tmp_path / "o.npy.manifest.json").read_text())
+    x = bfloat16_values(src).astype(np.float64)
+    draws = np.random.default_rng(3).normal(0.0, factor * manifest["noise_scale"], x.shape)
+    if noise == "discrete-gaussian":
+        g = manifest["granularity"]
+        y = (np.rint(x / g) + np.rint(draws)) * g
+    else:
+        y = x + draws
+    bfloat16_file(out, to_bfloat16_bits(y))
+    _, report = evaluate(cli, src, out, tmp_path)
+    check = checks(report)["noise_distribution"]
+    assert check["test"] == "Kolmogorov-Smirnov (randomized PIT)", check
+    if factor == 1.0:
+        assert check["passed"] and check["pvalue"] > 1e-3, check
+    else:
+        assert not check["passed"] and check["pvalue"] < 1e-12, check
+
+
+def test_noise_distribution_of_float16_tensors_beside_float32_ones(cli, tmp_path):
+    """Regression: a safetensors file (safetensors's own writer) of a float16 tensor of values up
+    to +-32 (11 significant bits: steps of 1/64 where the grid at --eps 32 is 1/512) beside a
+    float32 one failed noise_distribution on a correct output (chi-square p ~ 1e-20): the
+    float16 tensor's noise is the law rounded to its steps. Its values are now tested under the
+    rounded law, pooled with the float32 tensor's noise (their PIT from their samples)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    src = tmp_path / "w.safetensors"
+    save_file({"a": rng.uniform(-32, 32, (1000, 100)).astype(np.float16),
+               "b": rng.uniform(-1, 1, (200, 100)).astype(np.float32)}, str(src))
+    out = perturb(cli, src, tmp_path / "o.safetensors", "--range", "-32:32", "--eps", "32",
+                  "--noise", "discrete-laplace")
+    result, report = evaluate(cli, src, out, tmp_path)
+    check = checks(report)["noise_distribution"]
+    assert check["passed"] and check["pvalue"] > 1e-3, check
+    assert check["test"] == "Kolmogorov-Smirnov (randomized PIT)" and result.exit_code == 0, result.output
+    assert f"of {check['samples']} values in 16-bit floats" in check["detail"] and check["samples"] > 110_000
+
+
 def test_a_model_whose_tensors_were_perturbed_in_parts_passes_every_check(cli, tmp_path):
     """Tensors larger than a block are read, perturbed and written part by part, each stream
     segment drawn apart (rng.segments): evaluate recomputes the manifest's figures and finds

@@ -1,7 +1,8 @@
 """Noise statistics: per-record MSE, MAE, relative L2 (PSNR and SSIM for image-shaped
 records), the empirical norm of the noise against Table 5, the retained fraction against
 p, and a Kolmogorov-Smirnov (continuous) or chi-square (discrete) test against the
-manifest's noise distribution; privunit's alignment instead.
+manifest's noise distribution (values stored as bfloat16 or float16: a KS test of the
+randomized PIT under the law rounded to their steps); privunit's alignment instead.
 
 Statistical checks fail only at ALPHA = 1e-6, so a correct run essentially never fails
 one while a wrong scale or distribution fails at once."""
@@ -92,6 +93,10 @@ class NoiseStats:
         # noise samples by scale: continuous noises pooled at the first scale (rescaled),
         # discrete noises one group per scale (integer noise cannot be rescaled)
         self.gof: dict[float, list[np.ndarray]] = {}
+        # values stored as 16-bit floats: each noisy value's randomized probability integral
+        # transform under the noise law rounded to the stored dtype (uniform when it is right)
+        self.pit: list[np.ndarray] = []
+        self.jitter = np.random.default_rng(0)  # the PIT's uniform draws: a test's, not privacy's
         self.noise_name: str | None = None
         self.noise_scale: float | None = None
         # privunit: cosines of released and true coefficients, by the records' (k, E<V, u>):
@@ -181,18 +186,23 @@ class NoiseStats:
         self.sum_sq += float(sq.sum())
         self.expected_sq += count * q * m2
         self.var_sq += count * (q * m4 - (q * m2) ** 2)
-        noisy = ~equal if present is None else present & ~equal
-        sample = z.reshape(-1)[noisy.reshape(-1)][:: self.step]
-        if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
-            sample = np.rint(sample / calib.granularity)
+        noisy = (~equal if present is None else present & ~equal).reshape(-1)
         if self.noise_name is None or self.noise_scale is None:  # (set together)
             self.noise_name, self.noise_scale = calib.noise, calib.scale
+        self.expected_kept += count * calib.p
+        if y.dtype.kind == "f" and (stored == "bfloat16" or y.dtype.itemsize == 2):
+            # the stored noise is the law rounded to the dtype's steps, which can be coarser than it
+            xs, ys = x.reshape(-1)[noisy][:: self.step], y.reshape(-1)[noisy][:: self.step]
+            self.pit.append(rounded_pit(xs, ys, calib, stored, self.jitter))
+            return
+        sample = z.reshape(-1)[noisy][:: self.step]
+        if calib.granularity:  # discrete noise: in grid steps, whatever the array's grid
+            sample = np.rint(sample / calib.granularity)
         scale = calib.scale
         if scale != self.noise_scale and not calib.noise.startswith("discrete-"):
             # Records of another size (model tensors, --budget record): same family, rescaled.
             sample, scale = sample * (self.noise_scale / scale), self.noise_scale
         self.gof.setdefault(scale, []).append(sample)
-        self.expected_kept += count * calib.p
 
 
 def _gaps(x: np.ndarray, dtype: np.dtype, stored: str | None) -> tuple[np.ndarray, np.ndarray]:
@@ -221,6 +231,78 @@ def _rounded_away(x: np.ndarray, below: np.ndarray, above: np.ndarray, calib: Ca
         return np.ceil(half) - 1 + ((half == np.ceil(half)) & even)
 
     return (abs_cdf(calib.noise, calib.scale, steps(below)) + abs_cdf(calib.noise, calib.scale, steps(above))) / 2
+
+
+def _cell(v: np.ndarray, stored: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The values that round to each `v` (float64) in the dtype the output stores (`v`'s own
+    dtype, or bfloat16 read as float32), nearest even: from v - down to v + up, the ends
+    included where v is even (a tie rounds to it). Also whether v is a value of that dtype."""
+    below, above = _gaps(v, v.dtype, stored)
+    d = v.astype(np.float64)
+    negative = d < 0
+    down, up = np.where(negative, above, below) / 2, np.where(negative, below, above) / 2
+    return down, up, np.fmod(np.abs(d) / above, 2) == 0, np.fmod(np.abs(d), above) == 0
+
+
+def _noise_cdf(noise: str, scale: float, k: np.ndarray) -> np.ndarray:
+    """P(noise <= k): continuous noises at any k, discrete ones at integers k (grid steps)."""
+    if noise.startswith("discrete-"):  # symmetric: P(K <= k) = (1 + P(|K| <= k)) / 2 for k >= 0
+        return np.where(k >= 0, (1 + abs_cdf(noise, scale, np.maximum(k, 0))) / 2,
+                        (1 - abs_cdf(noise, scale, np.maximum(-k - 1, 0))) / 2)
+    from scipy import stats as st
+
+    return (st.laplace if noise == "laplace" else st.norm).cdf(k, scale=scale)
+
+
+def _interval_cdf(calib: Calibration, lo: np.ndarray, hi: np.ndarray, closed: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(P(noise below the interval), P(noise in it)) for noise intervals lo..hi (data units),
+    their ends included where `closed` (they only matter for discrete noise)."""
+    if calib.noise.startswith("discrete-"):
+        g = calib.granularity or 1.0
+        first = np.where(closed, np.ceil(lo / g), np.floor(lo / g) + 1)
+        last = np.where(closed, np.floor(hi / g), np.ceil(hi / g) - 1)
+        below = _noise_cdf(calib.noise, calib.scale, first - 1)
+        return below, np.maximum(_noise_cdf(calib.noise, calib.scale, last) - below, 0.0)
+    below = _noise_cdf(calib.noise, calib.scale, lo)
+    return below, _noise_cdf(calib.noise, calib.scale, hi) - below
+
+
+def rounded_pit(x: np.ndarray, y: np.ndarray, calib: Calibration, stored: str | None,
+                rng: np.random.Generator) -> np.ndarray:
+    """The randomized probability integral transform of each noisy value y (y != x) stored in
+    a 16-bit float dtype: the noise that produced y is any value rounding to it, so u is
+    uniform over that interval's share of the noise law given that the noise did not round
+    back to x (then y would equal x). u is uniform on (0, 1) when the law is right."""
+    x = x.astype(np.float64)
+    down, up, even, _ = _cell(y, stored)
+    yd = y.astype(np.float64)
+    below, mass = _interval_cdf(calib, yd - down - x, yd + up - x, even)
+    x_down, x_up, x_even, held = _cell(x.astype(y.dtype), stored)
+    _, at_x = _interval_cdf(calib, -x_down, x_up, x_even)
+    # noise that rounds back to x leaves y equal (left out); x not a stored value: y never equals it
+    at_x = np.where(held & (x.astype(y.dtype).astype(np.float64) == x), at_x, 0.0)
+    below = below - np.where(yd > x, at_x, 0.0)  # x's own cell lies below y's where y > x
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = (below + rng.random(x.size) * mass) / (1 - at_x)
+    return np.clip(u[np.isfinite(u)], 0.0, 1.0)
+
+
+def _raw_pit(groups: dict[float, np.ndarray], noise: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """The PIT of the noise samples of values stored exactly enough (float32 and wider): the
+    samples as they are (continuous, rescaled to the first scale) or in grid steps without
+    0 (discrete), each group at its scale."""
+    out = []
+    for scale, sample in groups.items():
+        if not noise.startswith("discrete-"):
+            out.append(_noise_cdf(noise, scale, sample))
+            continue
+        zero = density_at_zero(noise, scale)
+        before = _noise_cdf(noise, scale, sample - 1)
+        mass = _noise_cdf(noise, scale, sample) - before
+        below = before - np.where(sample > 0, zero, 0.0)
+        out.append((below + rng.random(sample.size) * mass) / (1 - zero))
+    return out
 
 
 def privunit_checks(stats: NoiseStats) -> list[dict]:
@@ -316,18 +398,22 @@ def gof_check(stats: NoiseStats, clipped: bool) -> dict:
 
     groups = {scale: np.concatenate(parts) for scale, parts in stats.gof.items()}
     sample = np.concatenate(list(groups.values())) if groups else np.empty(0)
+    rounded = concatenated(stats.pit)  # values stored as 16-bit floats
+    size = sample.size + rounded.size
     out = {"check": "noise_distribution", "test": "Kolmogorov-Smirnov",
-           "distribution": stats.noise_name, "scale": stats.noise_scale, "samples": int(sample.size)}
+           "distribution": stats.noise_name, "scale": stats.noise_scale, "samples": int(size)}
     if clipped:
         out.update(passed=None, status="skipped",
                    detail="output rounded and clipped to integers: the noise is not observed "
                           "exactly, so no goodness-of-fit test")
         return out
-    if sample.size < GOF_MIN_SAMPLES:
+    if size < GOF_MIN_SAMPLES:
         out.update(passed=None, status="skipped",
-                   detail=f"only {sample.size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
+                   detail=f"only {size} perturbed values (fewer than {GOF_MIN_SAMPLES})")
         return out
     assert stats.noise_name is not None and stats.noise_scale is not None  # set with the first sample
+    if rounded.size:
+        return _rounded_check(stats, groups, rounded, out)
     if stats.noise_name.startswith("discrete-"):
         return _chi_square_check(stats, groups, out)
     name = "laplace" if stats.noise_name == "laplace" else "norm"
@@ -337,6 +423,27 @@ def gof_check(stats: NoiseStats, clipped: bool) -> dict:
                status="passed" if passed else "failed",
                detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} "
                       f"against {stats.noise_name}(scale {stats.noise_scale:.4g})")
+    return out
+
+
+def _rounded_check(stats: NoiseStats, groups: dict[float, np.ndarray], rounded: np.ndarray, out: dict) -> dict:
+    """Outputs with values stored as 16-bit floats (bfloat16, float16): their steps can be
+    coarser than the noise, so the stored noise follows the law rounded to them. One KS test
+    that the randomized PIT of every noisy value (rounded_pit; the others' from their
+    samples) is uniform, whatever the scales."""
+    from scipy import stats as st
+
+    assert stats.noise_name is not None and stats.noise_scale is not None
+    u = np.concatenate([rounded, *_raw_pit(groups, stats.noise_name, stats.jitter)])
+    result = st.kstest(u, "uniform")
+    passed = bool(result.pvalue >= ALPHA)
+    steps = " grid steps" if stats.noise_name.startswith("discrete-") else ""
+    out.update(test="Kolmogorov-Smirnov (randomized PIT)", statistic=float(result.statistic),
+               pvalue=float(result.pvalue), passed=passed, status="passed" if passed else "failed",
+               detail=f"KS D = {result.statistic:.4f}, p-value = {result.pvalue:.3g} of the noise's randomized "
+                      f"PIT against {stats.noise_name}(scale {stats.noise_scale:.4g}{steps}) rounded as stored "
+                      f"({rounded.size} of {u.size} values in 16-bit floats, whose steps can be coarser "
+                      "than the noise)")
     return out
 
 
