@@ -10,7 +10,8 @@ as a 2-byte void dtype with a byte order, '<V2', which np.load reads back as '|V
 read and perturbed as bfloat16 (tensor_files) and written back under the same header, in one
 piece. Members that are not .npy arrays, arrays of strings, bytes, objects, records or other
 void dtypes (text or raw bytes, not parameters) and zip comments (free text) are left out
-unless --keep names them (formats.leftovers). Members are written one after another: a
+unless --keep names them (formats.leftovers); an array of Python objects (a pickle) is never
+copied: a --keep naming it is refused. Members are written one after another: a
 perturbed tensor waits in memory until the members before it are written (at most a few
 blocks in flight). A tensor larger than a block, stored in C order, is read (decompressed)
 and written (compressed) part by part, in flat memory; with several --workers, the parts of a
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli.errors import InputError, reason_of
+from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
                               tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, writing
@@ -222,6 +223,9 @@ class NpzReader(Reader):
             if tensor.name not in text:
                 continue
             if left.kept(tensor.name):
+                if text[tensor.name].hasobject:  # np.save pickles object arrays: never copied raw, as pickles
+                    raise UsageError(f"{self.path}: member {tensor.name}.npy holds Python objects (a pickle "
+                                     "inside the .npy), data tldp does not load; tldp never copies it raw")
                 left.copied(tensor.name, "array", leftovers.KEPT, shape=list(tensor.shape), dtype=tensor.dtype)
             else:
                 left.drop(tensor.name, "array", f"holds {_not_numbers(text[tensor.name])}, not perturbed")
