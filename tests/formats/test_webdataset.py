@@ -293,6 +293,22 @@ def test_a_dicom_member_is_dropped_with_the_reason_even_when_kept(cli, tmp_path,
     assert [e["name"] for e in manifest["unperturbed"]] == ["sample keys"]
 
 
+def test_a_torch_checkpoint_member_is_dropped_with_the_reason_even_when_kept(cli, tmp_path):
+    """Regression: a .pt member written by torch.save (a pickle in a zip, not a raw pickle)
+    was a label member, copied raw by --keep pt; pickles are never copied."""
+    from tests.formats.test_sharded_models import torch_saved
+
+    saved = torch_saved(tmp_path / "state.pt", {"owner": SECRET, "exp_avg": [0.1, 0.2]}).read_bytes()
+    src = shards(tmp_path / "in", samples=3, pt=saved)
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--keep", "pt")
+    for sample in read_samples(shard_urls(out)):
+        assert "pt" not in sample
+    assert all(saved not in p.read_bytes() for p in out.rglob("*.tar"))
+    entry = {e["name"]: e for e in manifest["dropped"]}["pt"]
+    assert entry["members"] == 3 and "PyTorch checkpoint" in entry["reason"] and "never copied" in entry["reason"]
+
+
 def test_copy_other_never_copies_a_shard_out_of_an_image_folder(cli, tmp_path):
     """A .tar beside images holds data tldp reads: --copy-other leaves it out (before, it was copied)."""
     folder = tmp_path / "photos"

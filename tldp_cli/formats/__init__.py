@@ -500,7 +500,7 @@ def data_file(path: Path) -> str | None:
             return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
         if _is_pickle(raw):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
-        if _is_torch_zip(raw):  # before the formats: npz detects it too, only to refuse it
+        if is_torch_zip(raw):  # before the formats: npz detects it too, only to refuse it
             return "a PyTorch checkpoint (torch.save: a pickle in a zip), data tldp does not load"
         for fmt in registered():
             if (not fmt.folder or fmt.file_input) and fmt.can_open(path):
@@ -538,7 +538,7 @@ def _is_pickle(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
-def _is_torch_zip(head: bytes) -> bool:
+def is_torch_zip(head: bytes) -> bool:
     """torch.save's zip format (the default since PyTorch 1.6: optimizer.pt, training_args.bin):
     its first member, in the first local header, is ARCHIVE/data.pkl."""
     if len(head) < 30 or head[:4] != b"PK\x03\x04":

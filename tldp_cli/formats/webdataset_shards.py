@@ -20,7 +20,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular
-from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, pixels
+from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, is_torch_zip, pixels
 
 SHARD_SUFFIX = ".tar"
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4")
@@ -38,6 +38,7 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never copied", "folder"
 PICKLE_REASON = "a Python pickle, data tldp does not load"
+TORCH_REASON = "a PyTorch checkpoint (torch.save: a pickle in a zip), data tldp does not load"
 
 
 def _key(name: str) -> tuple[str | None, str | None]:
@@ -198,6 +199,8 @@ def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[st
         return NEVER, "NIfTI: a medical image volume, whose header can name the patient"
     if last in PICKLE_EXTENSIONS or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
         return NEVER, PICKLE_REASON
+    if is_torch_zip(head):  # a .pt, .bin: a pickle in a zip
+        return NEVER, TORCH_REASON
     if last in IMAGE_EXTENSIONS:
         return IMAGE, ""
     if "." + last == ARRAY_SUFFIX:
