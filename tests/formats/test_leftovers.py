@@ -319,17 +319,24 @@ def test_zarr_keep_never_copies_a_data_file_in_the_store(cli, tmp_path):
     assert xr.open_zarr(out, consolidated=False)["t2m"].shape == (6, 4)
 
 
-def test_npz_keep_never_copies_an_array_of_python_objects(cli, tmp_path):
-    """Regression: --keep copied a member np.savez pickled (an array of Python objects) raw,
-    where pickles are never copied anywhere else."""
+def test_npz_keep_never_copies_an_array_of_python_objects_or_a_pickle(cli, tmp_path):
+    """Regression: --keep copied a member np.savez pickled (an array of Python objects), or a
+    pickle member, raw, where pickles are never copied anywhere else."""
+    import pickle
+
     src = tmp_path / "m.npz"
     np.savez(src, w=np.random.default_rng(9).normal(0, 0.1, (8, 8)).astype(np.float32),
              people=np.array([{"name": name} for name in NAMES], dtype=object))
     result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--out", tmp_path / "out.npz", "--keep", "people")
     assert_one_line_error(result, 2, f"{src}: member people.npy holds Python objects", "never copies it raw")
     assert siblings(tmp_path) == {"m.npz"}
+    with zipfile.ZipFile(src, "a") as z:  # a pickle beside the arrays
+        z.writestr("people.pkl", pickle.dumps({"names": NAMES}))
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--out", tmp_path / "out.npz", "--keep", "*.pkl")
+    assert_one_line_error(result, 2, f"{src}: member people.pkl holds a Python pickle", "never copies it raw")
+    assert siblings(tmp_path) == {"m.npz"}
     manifest, _ = perturb(cli, src, tmp_path / "out.npz", "--clip", "0.5")
-    assert "people" in by_name(manifest["dropped"])
+    assert {"people", "people.pkl"} <= set(by_name(manifest["dropped"]))
     assert list(np.load(tmp_path / "out.npz")) == ["w"]
 
 
