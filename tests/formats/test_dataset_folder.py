@@ -57,6 +57,27 @@ def test_other_files_and_dataset_info_fields_follow_the_keep_rule(cli, tmp_path)
     assert json.loads((tmp_path / "kept" / "dataset_info.json").read_text())["description"] == info["description"]
     assert datasets.load_from_disk(str(tmp_path / "kept")).info.description == info["description"]
 
+def test_keep_never_copies_the_cache_and_indices_files_that_hold_the_rows(cli, tmp_path):
+    """Regression: --keep cache-XXXX.arrow copied the raw rows `map` caches (and the row order
+    `shuffle` caches) into the output; model and image folders never copy a data file."""
+    _, src = saved(tmp_path, shards=1)
+    loaded = datasets.load_from_disk(str(src))
+    loaded.map(lambda row: {"twice": row["label"] * 2})  # cache-*.arrow: every row, raw
+    loaded.shuffle(seed=0)  # cache-*.arrow: the indices
+    caches = sorted(p.name for p in src.glob("cache-*.arrow"))
+    assert len(caches) == 2, caches
+    before = tree_digest(src)
+    for pattern in [*caches, "cache-*"]:
+        result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", *RANGES, "--keep", "label",
+                     "--keep", pattern)
+        assert_one_line_error(result, 2, f"{src}/cache-", ": holds arrow data", "never copies it raw")
+        assert not (tmp_path / "out").exists() and tree_digest(src) == before
+    manifest, _ = run(cli, src, tmp_path / "out", "--keep", "label")
+    assert set(caches) <= {e["name"] for e in manifest["dropped"]}
+    assert not list((tmp_path / "out").glob("cache-*"))
+    assert datasets.load_from_disk(str(tmp_path / "out"))["label"] == loaded["label"]
+
+
 
 def test_a_state_naming_a_missing_shard_is_refused_in_one_line(cli, tmp_path):
     _, src = saved(tmp_path)

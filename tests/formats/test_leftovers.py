@@ -298,6 +298,48 @@ def test_zarr_free_text_arrays_and_files_are_left_out(cli, tmp_path, zarr_format
     assert {u["name"] for u in manifest["unperturbed"]} == {"lat", "crs", "names", "t2m@comment"}
 
 
+def test_zarr_keep_never_copies_a_data_file_in_the_store(cli, tmp_path):
+    """Regression: --keep copied an .npy or a pickle left in a Zarr store raw (the records
+    themselves, or code); model and image folders never copy a data file."""
+    import pickle
+
+    src = tmp_path / "in.zarr"
+    climate_dataset().to_zarr(src, zarr_format=3, consolidated=False)
+    np.save(src / "raw_t2m.npy", climate_dataset()["t2m"].values)
+    with open(src / "people.pkl", "wb") as f:
+        pickle.dump({"names": NAMES}, f)
+    out = tmp_path / "out.zarr"
+    for name, what in [("raw_t2m.npy", "holds npy data"), ("people.pkl", "holds a Python pickle")]:
+        result = cli("perturb", src, "--eps", "1", "--out", out, "--range", "250:300", "--dataset", "t2m",
+                     "--keep", name)
+        assert_one_line_error(result, 2, f"{src / name}: {what}", "never copies it raw")
+        assert siblings(tmp_path) == {"in.zarr"}
+    manifest, _ = perturb(cli, src, out, "--range", "250:300", "--dataset", "t2m")
+    assert {"raw_t2m.npy", "people.pkl"} <= set(by_name(manifest["dropped"]))
+    assert xr.open_zarr(out, consolidated=False)["t2m"].shape == (6, 4)
+
+
+def test_npz_keep_never_copies_an_array_of_python_objects_or_a_pickle(cli, tmp_path):
+    """Regression: --keep copied a member np.savez pickled (an array of Python objects), or a
+    pickle member, raw, where pickles are never copied anywhere else."""
+    import pickle
+
+    src = tmp_path / "m.npz"
+    np.savez(src, w=np.random.default_rng(9).normal(0, 0.1, (8, 8)).astype(np.float32),
+             people=np.array([{"name": name} for name in NAMES], dtype=object))
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--out", tmp_path / "out.npz", "--keep", "people")
+    assert_one_line_error(result, 2, f"{src}: member people.npy holds Python objects", "never copies it raw")
+    assert siblings(tmp_path) == {"m.npz"}
+    with zipfile.ZipFile(src, "a") as z:  # a pickle beside the arrays
+        z.writestr("people.pkl", pickle.dumps({"names": NAMES}))
+    result = cli("perturb", src, "--eps", "1", "--clip", "0.5", "--out", tmp_path / "out.npz", "--keep", "*.pkl")
+    assert_one_line_error(result, 2, f"{src}: member people.pkl holds a Python pickle", "never copies it raw")
+    assert siblings(tmp_path) == {"m.npz"}
+    manifest, _ = perturb(cli, src, tmp_path / "out.npz", "--clip", "0.5")
+    assert {"people", "people.pkl"} <= set(by_name(manifest["dropped"]))
+    assert list(np.load(tmp_path / "out.npz")) == ["w"]
+
+
 # --- model files ----------------------------------------------------------------------
 
 def test_safetensors_metadata_keeps_only_its_format(cli, tmp_path):

@@ -293,6 +293,48 @@ def test_a_dicom_member_is_dropped_with_the_reason_even_when_kept(cli, tmp_path,
     assert [e["name"] for e in manifest["unperturbed"]] == ["sample keys"]
 
 
+def test_a_torch_checkpoint_member_is_dropped_with_the_reason_even_when_kept(cli, tmp_path):
+    """Regression: a .pt member written by torch.save (a pickle in a zip, not a raw pickle)
+    was a label member, copied raw by --keep pt; pickles are never copied."""
+    from tests.formats.test_sharded_models import torch_saved
+
+    saved = torch_saved(tmp_path / "state.pt", {"owner": SECRET, "exp_avg": [0.1, 0.2]}).read_bytes()
+    src = shards(tmp_path / "in", samples=3, pt=saved)
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--keep", "pt")
+    for sample in read_samples(shard_urls(out)):
+        assert "pt" not in sample
+    assert all(saved not in p.read_bytes() for p in out.rglob("*.tar"))
+    entry = {e["name"]: e for e in manifest["dropped"]}["pt"]
+    assert entry["members"] == 3 and "PyTorch checkpoint" in entry["reason"] and "never copied" in entry["reason"]
+
+
+def test_images_in_formats_tldp_does_not_read_are_never_copied_even_when_kept(cli, tmp_path):
+    """Regression: --keep gif copied a sample's GIF image (the record itself, beside its
+    perturbed PNG) raw; an image folder's --copy-other never copies such images."""
+    def encoded(values: np.ndarray, fmt: str) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(values).save(out, format=fmt)
+        return out.getvalue()
+
+    src = tmp_path / "in"
+    src.mkdir()
+    with wds.TarWriter(str(src / "s.tar")) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"k{i}", "png": png_bytes(image(6, 6, seed=i)),
+                        "gif": encoded(image(6, 6, seed=i), "GIF"), "face.ppm": encoded(image(6, 6, seed=i), "PPM"),
+                        "cls": i})
+    result = cli("perturb", src, "--eps", "1", "--out", tmp_path / "out", "--keep", "gif", "--keep", "face.ppm",
+                 "--keep", "cls")
+    assert result.exit_code == 0, result.stderr
+    with tarfile.open(tmp_path / "out" / "s.tar") as tar:
+        assert sorted(tar.getnames()) == ["k0.cls", "k0.png", "k1.cls", "k1.png", "k2.cls", "k2.png"]
+    dropped = {e["name"]: e for e in json.loads((tmp_path / "out.manifest.json").read_text())["dropped"]}
+    for name, kind in [("gif", "GIF"), ("face.ppm", "PPM")]:
+        assert dropped[name]["members"] == 3 and f"does not read ({kind};" in dropped[name]["reason"]
+        assert f"dropped the {name} members (3 members)" in result.stderr
+
+
 def test_copy_other_never_copies_a_shard_out_of_an_image_folder(cli, tmp_path):
     """A .tar beside images holds data tldp reads: --copy-other leaves it out (before, it was copied)."""
     folder = tmp_path / "photos"

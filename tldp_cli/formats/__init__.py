@@ -440,7 +440,7 @@ def detect(path: Path, format_name: str | None = None) -> Format:
     if path.is_file() and is_dicom(path):
         raise dicom_refused(path)
     head = _head(path, 4) if path.is_file() else b""
-    if _is_pickle(head):
+    if is_pickle(head):
         raise InputError(f"{path}: a Python pickle (e.g. a PyTorch checkpoint from torch.save), which "
                          "can run code when loaded and which tldp does not load; save the tensors with "
                          "safetensors (safetensors.torch.save_file(model.state_dict(), ...)) and perturb that")
@@ -498,9 +498,9 @@ def data_file(path: Path) -> str | None:
         if name.endswith((".nii", ".nii.gz")) or head[344:348] in (b"n+1\0", b"ni1\0") \
                 or head[4:8] in (b"n+2\0", b"ni2\0"):
             return f"NIfTI: a medical image volume, which tldp perturbs on its own (tldp perturb {path.name})"
-        if _is_pickle(raw):
+        if is_pickle(raw):
             return "a Python pickle (e.g. a PyTorch checkpoint), data tldp does not load"
-        if _is_torch_zip(raw):  # before the formats: npz detects it too, only to refuse it
+        if is_torch_zip(raw):  # before the formats: npz detects it too, only to refuse it
             return "a PyTorch checkpoint (torch.save: a pickle in a zip), data tldp does not load"
         for fmt in registered():
             if (not fmt.folder or fmt.file_input) and fmt.can_open(path):
@@ -533,12 +533,12 @@ def _head(path: Path, size: int) -> bytes:
         return b""
 
 
-def _is_pickle(head: bytes) -> bool:
+def is_pickle(head: bytes) -> bool:
     """Pickle protocol 2 or later: the PROTO opcode, then the protocol number."""
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
-def _is_torch_zip(head: bytes) -> bool:
+def is_torch_zip(head: bytes) -> bool:
     """torch.save's zip format (the default since PyTorch 1.6: optimizer.pt, training_args.bin):
     its first member, in the first local header, is ARCHIVE/data.pkl."""
     if len(head) < 30 or head[:4] != b"PK\x03\x04":

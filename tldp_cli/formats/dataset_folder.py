@@ -12,8 +12,9 @@ configuration's names and the version (STRUCTURAL_INFO; the version's descriptio
 its other fields (description, citation, dataset_name, sizes, checksums of the downloaded
 files, ...) and the folder's other files
 (cache files of `map`, ...) are left out and listed unless --keep names them
-(dataset_info.json@FIELD, a file's name). `datasets.load_from_disk` loads it with the
-same features.
+(dataset_info.json@FIELD, a file's name); a --keep naming a file that holds data (a cache
+or indices file of map, select or shuffle: the rows raw; formats.data_file) is refused.
+`datasets.load_from_disk` loads it with the same features.
 
 A DatasetDict folder, as `DatasetDict.save_to_disk` writes it (`dataset_dict.json`, whose
 `splits` name the splits in order, and a save_to_disk folder per split), is one table too:
@@ -47,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tldp_cli.errors import InputError
+from tldp_cli.errors import InputError, UsageError
 from tldp_cli.files.checked_io import copy_bytes, flushed_files, json_value, open_regular, writing
-from tldp_cli.formats import (HIDDEN_REASON, ArrayJob, DocRow, Format, FormatOptions, Writer, folder_output, is_hidden,
-                              leftovers, plural)
+from tldp_cli.formats import (HIDDEN_REASON, ArrayJob, DocRow, Format, FormatOptions, Writer, data_file, folder_output,
+                              is_hidden, leftovers, plural)
 
 if TYPE_CHECKING:  # imported where used: pyarrow is not loaded to detect the format
     import pyarrow as pa
@@ -313,7 +314,10 @@ def _split_rows(reader: tables_reader.FolderTableReader, path: Path, splits: lis
 
 
 def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]:
-    """The folder's other files: copied when --keep names them, else listed as dropped."""
+    """The folder's other files: copied when --keep names them, else listed as dropped. A file
+    holding data (formats.data_file: an Arrow cache or indices file of map, select or
+    shuffle, a Parquet file, a pickle, ...) holds raw rows: a --keep naming it is refused, as
+    in model folders."""
     copied = []
     for directory, dirs, files in os.walk(path):
         for hidden in sorted(d for d in dirs if is_hidden(d)):  # .git, .cache, __MACOSX: never read
@@ -325,6 +329,9 @@ def _others(path: Path, left: leftovers.Leftovers, known: set[str]) -> list[str]
             if rel in known:
                 continue
             if left.kept(rel):
+                data = data_file(path / rel)
+                if data is not None:
+                    raise UsageError(f"{path / rel}: holds {data}; tldp never copies it raw")
                 left.copied(rel, "file", leftovers.KEPT)
                 copied.append(rel)
             else:

@@ -150,14 +150,23 @@ def _unread_images(kinds: dict[str, str]) -> str:
     return f"{what} ({', '.join(sorted(set(kinds.values())))}; {_convert_hint(n)})"
 
 
+def unread_image_magic(head: bytes) -> str | None:
+    """The format of an image tldp does not read that its first bytes name by a signature
+    (HEIF/AVIF, JPEG XL, GIF), or None (Pillow may still know it: _unread_kind)."""
+    if head[4:8] == b"ftyp" and head[8:12] in _BMFF_IMAGE_BRANDS:
+        return "HEIF/AVIF"
+    if head.startswith(_JPEG_XL):
+        return "JPEG XL"
+    return "GIF" if head[:6] in (b"GIF87a", b"GIF89a") else None
+
+
 def _unread_kind(path: Path) -> str | None:
     """The format of an image in a format tldp does not read (_unread_image), or None."""
     try:
         with opened(path) as file:
             head = file.read(16)
-            if (head[4:8] == b"ftyp" and head[8:12] in _BMFF_IMAGE_BRANDS) or head.startswith(_JPEG_XL):
-                kind = "HEIF/AVIF" if head[4:8] == b"ftyp" else "JPEG XL"
-            else:
+            kind = unread_image_magic(head)
+            if kind is None:
                 file.seek(0)
                 with Image.open(file) as im:  # the header only: Pillow names the format
                     kind = im.format or "image"

@@ -10,7 +10,8 @@ as a 2-byte void dtype with a byte order, '<V2', which np.load reads back as '|V
 read and perturbed as bfloat16 (tensor_files) and written back under the same header, in one
 piece. Members that are not .npy arrays, arrays of strings, bytes, objects, records or other
 void dtypes (text or raw bytes, not parameters) and zip comments (free text) are left out
-unless --keep names them (formats.leftovers). Members are written one after another: a
+unless --keep names them (formats.leftovers); an array of Python objects or a member that is a
+pickle is never copied: a --keep naming it is refused. Members are written one after another: a
 perturbed tensor waits in memory until the members before it are written (at most a few
 blocks in flight). A tensor larger than a block, stored in C order, is read (decompressed)
 and written (compressed) part by part, in flat memory; with several --workers, the parts of a
@@ -33,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli.errors import InputError, reason_of
-from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, leftovers, tensor_files,
-                              tldp_name)
+from tldp_cli.errors import InputError, UsageError, reason_of
+from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, is_pickle, is_torch_zip,
+                              leftovers, tensor_files, tldp_name)
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
@@ -59,6 +60,15 @@ def _first_member(path: Path) -> bytes | None:
             return f.read(name_length)
     except OSError:
         return None
+
+
+def _member_head(path: Path, info: zipfile.ZipInfo, size: int = 352) -> bytes:
+    """The first `size` bytes of a member (decompressed), or b"" if it cannot be read."""
+    try:
+        with zipfile.ZipFile(path) as zf, zf.open(info) as f:
+            return f.read(size)
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, NotImplementedError):
+        return b""
 
 
 def _is_torch_checkpoint(first: bytes) -> bool:
@@ -222,6 +232,9 @@ class NpzReader(Reader):
             if tensor.name not in text:
                 continue
             if left.kept(tensor.name):
+                if text[tensor.name].hasobject:  # np.save pickles object arrays: never copied raw, as pickles
+                    raise UsageError(f"{self.path}: member {tensor.name}.npy holds Python objects (a pickle "
+                                     "inside the .npy), data tldp does not load; tldp never copies it raw")
                 left.copied(tensor.name, "array", leftovers.KEPT, shape=list(tensor.shape), dtype=tensor.dtype)
             else:
                 left.drop(tensor.name, "array", f"holds {_not_numbers(text[tensor.name])}, not perturbed")
@@ -229,6 +242,10 @@ class NpzReader(Reader):
         for info in self.members:
             if not info.filename.endswith(".npy"):
                 if left.kept(info.filename):
+                    head = _member_head(self.path, info)
+                    if is_pickle(head) or is_torch_zip(head):
+                        raise UsageError(f"{self.path}: member {info.filename} holds a Python pickle, data tldp "
+                                         "does not load; tldp never copies it raw")
                     left.copied(info.filename, "file", leftovers.KEPT)
                 else:
                     left.drop(info.filename, "file", "not an array (.npy member), not perturbed")

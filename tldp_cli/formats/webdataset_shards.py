@@ -20,7 +20,8 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular
-from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, pixels
+from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, is_torch_zip, pixels
+from tldp_cli.formats.images_reader import UNREAD_IMAGE, unread_image_magic
 
 SHARD_SUFFIX = ".tar"
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar.lz4")
@@ -38,6 +39,11 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 IMAGE, ARRAY, LEFTOVER, NEVER, FOLDER = "image", "array", "leftover", "never copied", "folder"
 PICKLE_REASON = "a Python pickle, data tldp does not load"
+TORCH_REASON = "a PyTorch checkpoint (torch.save: a pickle in a zip), data tldp does not load"
+# Images webdataset decodes (and others) in formats tldp does not read, by extension; and
+# by signature (images_reader.unread_image_magic), whatever the extension.
+UNREAD_IMAGE_EXTENSIONS = {"gif": "GIF", "pbm": "PPM", "pgm": "PPM", "ppm": "PPM", "pnm": "PPM", "heic": "HEIF/AVIF",
+                           "heif": "HEIF/AVIF", "avif": "HEIF/AVIF", "jxl": "JPEG XL", "ico": "ICO", "tga": "TGA"}
 
 
 def _key(name: str) -> tuple[str | None, str | None]:
@@ -198,6 +204,11 @@ def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[st
         return NEVER, "NIfTI: a medical image volume, whose header can name the patient"
     if last in PICKLE_EXTENSIONS or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
         return NEVER, PICKLE_REASON
+    if is_torch_zip(head):  # a .pt, .bin: a pickle in a zip
+        return NEVER, TORCH_REASON
+    unread = unread_image_magic(head) or UNREAD_IMAGE_EXTENSIONS.get(last)
+    if unread:  # a record, as an image folder's: never copied raw (images_reader._unread_image)
+        return NEVER, f"{UNREAD_IMAGE} ({unread}; convert it to PNG to perturb it), a record of the shard's data"
     if last in IMAGE_EXTENSIONS:
         return IMAGE, ""
     if "." + last == ARRAY_SUFFIX:

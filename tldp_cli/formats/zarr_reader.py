@@ -13,7 +13,7 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from tldp_cli.errors import InputError, UsageError
-from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, default_selection
+from tldp_cli.formats import ArrayJob, FormatOptions, check_numeric_dtype, data_file, default_selection
 from tldp_cli.formats import cf, leftovers, zarr_chunks
 from tldp_cli.formats import zarr_cf, zarr_ome, zarr_tree
 
@@ -76,6 +76,9 @@ class ZarrReader(cf.EncodedReader):
             if owner in self.left_out:
                 continue  # left out with its array
             if owner not in written and left.kept(rel):
+                data = data_file(self.path / rel)
+                if data is not None:  # an .npy, a pickle, a Parquet file: records, never copied raw
+                    raise UsageError(f"{self.path / rel}: holds {data}; tldp never copies it raw")
                 left.copied(rel, "file", leftovers.KEPT)
                 continue
             self.left_out_files.add(rel)
