@@ -277,3 +277,17 @@ def test_keeping_a_table_column_warns_and_names_it(cli, tmp_path):
     _, plain = run_json(cli, "perturb", tmp_path / "t.parquet", "--eps", "1", "--dataset", "x", "--range", "0:1",
                         "--out", tmp_path / "p.parquet")
     assert not kept_warnings(plain)
+
+
+def test_keeping_a_zarr_array_of_a_value_per_record_warns_but_not_a_small_one(cli, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(2)
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    group.create_array("images", data=rng.random((20, 4, 4)))
+    group.create_array("scores", data=rng.random((20, 3)))
+    group.create_array("meta", data=np.arange(5.0))
+    result, manifest = run_json(cli, "perturb", tmp_path / "s.zarr", "--eps", "1", "--dataset", "images",
+                                "--range", "0:1", "--keep", "scores", "--keep", "meta", "--out", tmp_path / "o.zarr")
+    [entry] = kept_warnings(manifest)
+    assert entry["names"] == ["scores"] and f"tldp: {entry['message']}" in warning_lines(result)
+    assert {u["name"] for u in manifest["unperturbed"]} >= {"scores", "meta"}
