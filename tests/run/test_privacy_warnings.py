@@ -230,3 +230,64 @@ def test_clip_on_signed_integers_names_both_ends_and_float_data_is_not_warned(cl
     np.save(tmp_path / "f.npy", np.linspace(-2, 2, 64, dtype=np.float32).reshape(4, 16))
     result, plan = run_json(cli, "plan", tmp_path / "f.npy", "--eps", "1", "--clip", "1")
     assert not clip_warnings(plan) and "--clip" not in result.stderr
+
+
+def kept_warnings(manifest):
+    return [w for w in manifest.get("warnings", []) if w["kind"] == "kept_per_record"]
+
+
+def test_keeping_a_dataset_of_a_value_per_record_warns_and_names_it(cli, tmp_path):
+    """--keep /raw copied 20 records' values raw, outside the certified figure, and only the
+    summary line's "copied unchanged" said so; a coordinate (4 values, no record axis) is no
+    such array, a kept 1-D labels dataset is (usual for labels, but raw)."""
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "scans.h5", "w") as f:
+        f["images"] = rng.random((20, 4, 4))
+        f["raw"] = rng.random((20, 8))
+        f["labels"] = np.arange(20)
+        f["lat"] = np.arange(4.0)
+    result, manifest = run_json(cli, "perturb", tmp_path / "scans.h5", "--eps", "1", "--dataset", "images",
+                                "--range", "0:1", "--keep", "/raw", "--keep", "/lat", "--keep", "/labels",
+                                "--out", tmp_path / "o.h5")
+    [entry] = kept_warnings(manifest)
+    assert sorted(entry["names"]) == ["/labels", "/raw"]
+    assert entry["message"].startswith(f"warning: --keep copies {', '.join(entry['names'])} raw: they hold a "
+                                       "value per record")
+    assert "outside the certified eps" in entry["message"] and "usual for labels" in entry["message"]
+    assert f"tldp: {entry['message']}" in warning_lines(result)
+    with h5py.File(tmp_path / "o.h5") as out:  # what it warns about is what was written raw
+        np.testing.assert_array_equal(out["raw"][()], h5py.File(tmp_path / "scans.h5")["raw"][()])
+    _, coordinate = run_json(cli, "plan", tmp_path / "scans.h5", "--eps", "1", "--dataset", "images",
+                             "--range", "0:1", "--keep", "/lat")
+    assert not kept_warnings(coordinate)
+
+
+def test_keeping_a_table_column_warns_and_names_it(cli, tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(1)
+    pq.write_table(pa.table({"x": rng.random(10), "income": rng.random(10)}), tmp_path / "t.parquet")
+    result, manifest = run_json(cli, "perturb", tmp_path / "t.parquet", "--eps", "1", "--dataset", "x",
+                                "--range", "0:1", "--keep", "income", "--out", tmp_path / "o.parquet")
+    [entry] = kept_warnings(manifest)
+    assert entry["names"] == ["income"]
+    assert entry["message"].startswith("warning: --keep copies income raw: it holds a value per record")
+    assert f"tldp: {entry['message']}" in warning_lines(result)
+    assert pq.read_table(tmp_path / "o.parquet").column("income").to_pylist() == \
+        pq.read_table(tmp_path / "t.parquet").column("income").to_pylist()
+    _, plain = run_json(cli, "perturb", tmp_path / "t.parquet", "--eps", "1", "--dataset", "x", "--range", "0:1",
+                        "--out", tmp_path / "p.parquet")
+    assert not kept_warnings(plain)
+
+
+def test_keeping_a_zarr_array_of_a_value_per_record_warns_but_not_a_small_one(cli, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(2)
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    group.create_array("images", data=rng.random((20, 4, 4)))
+    group.create_array("scores", data=rng.random((20, 3)))
+    group.create_array("meta", data=np.arange(5.0))
+    result, manifest = run_json(cli, "perturb", tmp_path / "s.zarr", "--eps", "1", "--dataset", "images",
+                                "--range", "0:1", "--keep", "scores", "--keep", "meta", "--out", tmp_path / "o.zarr")
+    [entry] = kept_warnings(manifest)
+    assert entry["names"] == ["scores"] and f"tldp: {entry['message']}" in warning_lines(result)
+    assert {u["name"] for u in manifest["unperturbed"]} >= {"scores", "meta"}

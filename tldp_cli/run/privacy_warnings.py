@@ -8,6 +8,9 @@
 - --clip C on integer data: it clips the dtype's values outside [-C, C] before the noise,
   and declares (-C, C), wider than the values that reach the noise where the dtype holds
   fewer (unsigned, or C beyond the dtype): the noise is scaled to the wider range.
+- --keep on a dataset, array or column holding a value per record (its first axis has the
+  records' length; a table's every column): its values leave raw, outside the certified
+  figure (usual for labels, which it then releases as they are).
 
 Each is an entry of the manifest's `warnings` ({kind, message, ...}: `tldp plan` and
 `perturb --json` show it too) and a line of the run's messages, which the CLI prints
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tldp_cli.formats import ArrayJob, Format, listing, plural
+from tldp_cli.formats import ArrayJob, Format, leftovers, listing, plural
 from tldp_cli.privacy.certificates import Certificate
 from tldp_cli.privacy.types import Calibration
 from tldp_cli.sampling.engine import retain_probability
@@ -123,3 +126,26 @@ def integer_clip(clip: float | None, jobs: list[ArrayJob], lo: float, top: float
         parts.append(f"{dtype} (values {info.min}..{info.max}): {said}")
     return {"kind": "clip_on_integers",
             "message": f"warning: --clip {clip:g} on {what}: {'; '.join(parts)}"}
+
+
+def kept_per_record(unperturbed: list[dict[str, Any]], jobs: list[ArrayJob], withheld: bool = False,
+                    per_tensor: bool = False) -> dict[str, Any] | None:
+    """The warning on what --keep copies raw that holds a value per record, if any: a
+    dataset or array (HDF5, netCDF, Zarr, .npz) whose first axis has the length of a
+    perturbed array's records, or a table's column (one value per row). `unperturbed`: the
+    reader's manifest entries (leftovers.Leftovers), whose reason says --keep copied them;
+    `withheld`: the run withholds names (--anonymize-names), so the message counts them;
+    `per_tensor`: records are tensors (model files), so no array holds one per record."""
+    lengths = {job.records for job in jobs}
+    kept = [u for u in unperturbed if u.get("reason") == leftovers.KEPT and not per_tensor and (
+        u.get("kind") == "column" or (u.get("kind") in ("dataset", "array") and u.get("shape")
+                                      and u["shape"][0] in lengths))]
+    if not kept:
+        return None
+    names = [u["name"] for u in kept]
+    what = plural(len(kept), "array or column") if withheld else listing(names)
+    they, are = ("it holds", "it is") if len(kept) == 1 else ("they hold", "they are")
+    return {"kind": "kept_per_record", **({} if withheld else {"names": names}),
+            "message": f"warning: --keep copies {what} raw: {they} a value per record (a first axis of the "
+                       f"records' length, or a table's column), released as {are}, outside the certified eps "
+                       "(usual for labels, which are then published raw); see docs/formats.md#what-is-not-perturbed"}

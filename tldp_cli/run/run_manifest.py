@@ -69,7 +69,10 @@ def manifest_parts(options: PerturbOptions, calibrated: Calibrated, jobs: list[A
                 privacy_warnings.idle_weights(options.weights, jobs, calibrated.calib_of, masked,
                                               options.eps, checked_budget(options)),
                 privacy_warnings.integer_clip(options.clip, jobs, calibrated.lo, calibrated.top,
-                                              calibrated.top != calibrated.hi)]
+                                              calibrated.top != calibrated.hi),
+                privacy_warnings.kept_per_record(
+                    list((reader.manifest_extra if reader else {}).get("unperturbed") or []), jobs,
+                    bool(getattr(reader, "anonymized", False)), bool(reader and reader.records_are_tensors))]
     chosen: dict[str, Any] = {"sampler": options.sampler}
     if options.clip is not None:
         chosen["clip"] = {"norm": "linf", "bound": options.clip}
