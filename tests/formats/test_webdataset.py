@@ -762,3 +762,42 @@ def test_anonymize_names_withholds_the_input_folder_and_the_names_of_what_it_lea
     plain = run(cli, src, tmp_path / "plain", "--range", "0:256")  # without the option: named, as documented
     assert {e["name"] for e in plain["dropped"] if e["kind"] == "file"} == {"notes on alice smith.txt",
                                                                           "alice smith raw.npy"}
+
+
+def test_members_holding_data_tldp_reads_are_never_copied_even_when_kept(cli, tmp_path):
+    """Regression: --keep npz (safetensors, parquet, h5) copied members holding data tldp
+    perturbs on its own raw, beside the perturbed samples; the same files beside the shards
+    (formats.data_file) are refused. Now dropped with the reason, as torch zips are."""
+    import h5py
+    from safetensors.numpy import save as save_safetensors
+
+    def npz(values: np.ndarray) -> bytes:
+        out = io.BytesIO()
+        np.savez(out, emb=values)
+        return out.getvalue()
+
+    def h5(values: np.ndarray) -> bytes:
+        out = io.BytesIO()
+        with h5py.File(out, "w") as f:
+            f["emb"] = values
+        return out.getvalue()
+
+    secret = np.full((2, 3), 1234.5678)
+    members = {"npz": npz(secret), "st.safetensors": save_safetensors({"emb": secret}), "feat.h5": h5(secret)}
+    src = tmp_path / "in"
+    src.mkdir()
+    with wds.TarWriter(str(src / "s.tar"), mtime=MTIME) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"k{i}", "png": png_bytes(image(6, 6, seed=i)), "cls": i, **members})
+    out = tmp_path / "out"
+    manifest = run(cli, src, out, "--keep", "npz", "--keep", "st.safetensors", "--keep", "feat.h5",
+                   "--keep", "cls")
+    with tarfile.open(out / "s.tar") as tar:
+        assert sorted(tar.getnames()) == ["k0.cls", "k0.png", "k1.cls", "k1.png", "k2.cls", "k2.png"]
+    assert secret.tobytes() not in (out / "s.tar").read_bytes()
+    dropped = {e["name"]: e for e in manifest["dropped"]}
+    for name, fmt in [("npz", "npz"), ("st.safetensors", "safetensors"), ("feat.h5", "hdf5")]:
+        assert dropped[name]["members"] == 3, dropped
+        assert dropped[name]["reason"].startswith(f"{fmt} data, which tldp perturbs on its own")
+        assert "never copied" in dropped[name]["reason"]
+    assert [e["name"] for e in manifest["unperturbed"] if e["kind"] == "member"] == ["cls"]

@@ -291,3 +291,42 @@ def test_keeping_a_zarr_array_of_a_value_per_record_warns_but_not_a_small_one(cl
     [entry] = kept_warnings(manifest)
     assert entry["names"] == ["scores"] and f"tldp: {entry['message']}" in warning_lines(result)
     assert {u["name"] for u in manifest["unperturbed"]} >= {"scores", "meta"}
+
+
+def _webdataset_shard(path, samples: int = 4):
+    """One shard laid out as webdataset's TarWriter writes it: each sample's members
+    KEY.EXTENSION, consecutive (an image, a class label, a JSON record)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(samples):
+            png = io.BytesIO()
+            Image.fromarray(np.random.default_rng(i).integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(png, "PNG")
+            for ext, data in (("png", png.getvalue()), ("cls", str(i % 2).encode()),
+                              ("json", json.dumps({"age": 40 + i}).encode())):
+                info = tarfile.TarInfo(f"sample{i:04d}.{ext}")
+                info.size, info.mtime = len(data), 1_700_000_000
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_keeping_webdataset_label_members_warns_and_names_them(cli, tmp_path):
+    """Regression: --keep cls copied each sample's label raw (one value per sample, a
+    per-record value, as a table's column) without the kept_per_record warning."""
+    src = tmp_path / "shards"
+    src.mkdir()
+    _webdataset_shard(src / "a.tar")
+    result, manifest = run_json(cli, "perturb", src, "--eps", "1", "--keep", "cls", "--out", tmp_path / "out")
+    [entry] = kept_warnings(manifest)
+    assert entry["names"] == ["cls"]
+    assert entry["message"].startswith("warning: --keep copies cls raw: it holds a value per record")
+    assert "a member of each sample" in entry["message"] and "usual for labels" in entry["message"]
+    assert f"tldp: {entry['message']}" in warning_lines(result)
+    _, anonymized = run_json(cli, "perturb", src, "--eps", "1", "--keep", "cls", "--keep", "json",
+                             "--anonymize-names", "--out", tmp_path / "anon")
+    [counted] = kept_warnings(anonymized)
+    assert "names" not in counted and counted["message"].startswith(
+        "warning: --keep copies 2 arrays, columns or members raw: they hold a value per record")
+    _, plain = run_json(cli, "perturb", src, "--eps", "1", "--out", tmp_path / "plain")
+    assert not kept_warnings(plain)

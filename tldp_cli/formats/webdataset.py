@@ -20,8 +20,9 @@ formats/leftovers.py it is left out of the output and listed in the manifest's `
 one entry per extension with the number of members, unless --keep names its extension
 (`--keep cls`, `--keep meta.json`; globs too), which copies those members raw (listed in
 `unperturbed`). Members that hold what tldp never copies raw (DICOM, NIfTI, Python pickles:
-.pyd, .pickle, .pth, torch.save's zip; images in formats tldp does not read: .gif, .ppm, ...)
-are dropped even when --keep names them. Files in the folder beside
+.pyd, .pickle, .pth, torch.save's zip; images in formats tldp does not read: .gif, .ppm, ...;
+data tldp perturbs on its own, by the last extension, a format's suffix: .npz, .safetensors,
+.parquet, .h5, ...) are dropped even when --keep names them. Files in the folder beside
 the shards are dropped and listed (kind "file"), or copied raw when --keep names them.
 
 Output. A folder holding each shard under its own relative name, members in the input's

@@ -20,7 +20,7 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.files.checked_io import open_regular
-from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, is_torch_zip, pixels
+from tldp_cli.formats import DICOM_REASON, decode_reason, folder_files, is_torch_zip, named_by, pixels
 from tldp_cli.formats.images_reader import UNREAD_IMAGE, unread_image_magic
 
 SHARD_SUFFIX = ".tar"
@@ -213,6 +213,9 @@ def _kind(info: tarfile.TarInfo, extension: str | None, head: bytes) -> tuple[st
         return IMAGE, ""
     if "." + last == ARRAY_SUFFIX:
         return ARRAY, ""
+    data = named_by("." + last)  # data tldp reads (.npz, .safetensors, .parquet, .h5, ...), as data_file
+    if data is not None:
+        return NEVER, f"{data.name} data, which tldp perturbs on its own (extract the member and perturb it)"
     return LEFTOVER, ""
 
 

@@ -132,20 +132,23 @@ def kept_per_record(unperturbed: list[dict[str, Any]], jobs: list[ArrayJob], wit
                     per_tensor: bool = False) -> dict[str, Any] | None:
     """The warning on what --keep copies raw that holds a value per record, if any: a
     dataset or array (HDF5, netCDF, Zarr, .npz) whose first axis has the length of a
-    perturbed array's records, or a table's column (one value per row). `unperturbed`: the
+    perturbed array's records, a table's column (one value per row), or a WebDataset's
+    members of one extension (kind "member": one per sample). `unperturbed`: the
     reader's manifest entries (leftovers.Leftovers), whose reason says --keep copied them;
     `withheld`: the run withholds names (--anonymize-names), so the message counts them;
     `per_tensor`: records are tensors (model files), so no array holds one per record."""
     lengths = {job.records for job in jobs}
     kept = [u for u in unperturbed if u.get("reason") == leftovers.KEPT and not per_tensor and (
-        u.get("kind") == "column" or (u.get("kind") in ("dataset", "array") and u.get("shape")
-                                      and u["shape"][0] in lengths))]
+        u.get("kind") in ("column", "member") or (u.get("kind") in ("dataset", "array") and u.get("shape")
+                                                  and u["shape"][0] in lengths))]
     if not kept:
         return None
     names = [u["name"] for u in kept]
-    what = plural(len(kept), "array or column") if withheld else listing(names)
+    what = (f"{len(kept)} " + ("array, column or member" if len(kept) == 1 else "arrays, columns or members")
+            if withheld else listing(names))
     they, are = ("it holds", "it is") if len(kept) == 1 else ("they hold", "they are")
     return {"kind": "kept_per_record", **({} if withheld else {"names": names}),
             "message": f"warning: --keep copies {what} raw: {they} a value per record (a first axis of the "
-                       f"records' length, or a table's column), released as {are}, outside the certified eps "
+                       f"records' length, a table's column, or a member of each sample), released as {are}, "
+                       "outside the certified eps "
                        "(usual for labels, which are then published raw); see docs/formats.md#what-is-not-perturbed"}
