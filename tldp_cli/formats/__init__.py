@@ -538,13 +538,19 @@ def is_pickle(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
+def zip_first_member(head: bytes) -> bytes | None:
+    """The name of a zip archive's first member, from `head`, the file's first bytes (the first
+    local header, 30 bytes, then the name, cut where `head` ends); None if it is no zip's."""
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return None
+    return head[30:30 + int.from_bytes(head[26:28], "little")]
+
+
 def is_torch_zip(head: bytes) -> bool:
     """torch.save's zip format (the default since PyTorch 1.6: optimizer.pt, training_args.bin):
     its first member, in the first local header, is ARCHIVE/data.pkl."""
-    if len(head) < 30 or head[:4] != b"PK\x03\x04":
-        return False
-    length = int.from_bytes(head[26:28], "little")
-    return head[30:30 + length].endswith(b"/data.pkl")
+    first = zip_first_member(head)
+    return first is not None and first.endswith(b"/data.pkl")
 
 
 def _is_classic_netcdf(head: bytes) -> bool:

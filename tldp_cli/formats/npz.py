@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import struct
 import tempfile
 import threading
 import zipfile
@@ -36,30 +35,27 @@ import numpy as np
 
 from tldp_cli.errors import InputError, UsageError, reason_of
 from tldp_cli.formats import (ArrayJob, DocRow, Format, FormatOptions, Reader, Writer, is_pickle, is_torch_zip,
-                              leftovers, tensor_files, tldp_name)
+                              leftovers, tensor_files, tldp_name, zip_first_member)
 from tldp_cli.files.checked_io import copy_bytes, writing
 from tldp_cli.formats.tensor_files import Tensor
 
 NAME = "npz"
-ZIP_MAGIC = b"PK\x03\x04"
 COMMENT = "a zip comment (free text), not perturbed"
 # Every output member's date: zip's first, as numpy 2's np.savez writes them.
 MEMBER_DATE = (1980, 1, 1, 0, 0, 0)
 
 
-def _first_member(path: Path) -> bytes | None:
-    """The name of a zip archive's first member (from its local header); None if not a zip."""
+def _zip_head(path: Path) -> bytes:
+    """A file's first local header and the name after it (as formats.zip_first_member reads
+    them: the name's length is in the header); b"" if it cannot be read."""
     if not path.is_file():
-        return None
+        return b""
     try:
         with open(path, "rb") as f:
             head = f.read(30)
-            if len(head) < 30 or head[:4] != ZIP_MAGIC:
-                return None
-            name_length = struct.unpack("<H", head[26:28])[0]
-            return f.read(name_length)
+            return head + f.read(int.from_bytes(head[26:28], "little")) if len(head) == 30 else head
     except OSError:
-        return None
+        return b""
 
 
 def _member_head(path: Path, info: zipfile.ZipInfo, size: int = 352) -> bytes:
@@ -71,16 +67,12 @@ def _member_head(path: Path, info: zipfile.ZipInfo, size: int = 352) -> bytes:
         return b""
 
 
-def _is_torch_checkpoint(first: bytes) -> bool:
-    """torch.save's zip format: ARCHIVE/data.pkl first (a pickle, never read here)."""
-    return first.endswith(b"/data.pkl")
-
-
 def can_open(path: Path) -> bool:
     """A zip archive whose first member is a .npy file; or a PyTorch checkpoint, which the
     reader refuses with the way to convert it."""
-    first = _first_member(path)
-    return first is not None and (first.endswith(b".npy") or _is_torch_checkpoint(first))
+    head = _zip_head(path)
+    first = zip_first_member(head)
+    return first is not None and (first.endswith(b".npy") or is_torch_zip(head))
 
 
 def default_output(path: Path) -> Path:
@@ -187,7 +179,7 @@ class NpzReader(Reader):
 
     def __init__(self, path: Path, options: FormatOptions):
         self.path = path
-        if _is_torch_checkpoint(_first_member(path) or b""):
+        if is_torch_zip(_zip_head(path)):
             raise InputError(f"{path}: a PyTorch checkpoint (torch.save), which holds pickled code "
                              "tldp does not load; save the state dict with "
                              "safetensors.torch.save_file(model.state_dict(), 'model.safetensors') "
